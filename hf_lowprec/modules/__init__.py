@@ -1,0 +1,36 @@
+"""Trainable low-precision layers, one file per family, and the dispatcher that picks one.
+
+``LOW_PRECISION_TYPES`` lists every class :func:`hf_lowprec.convert.apply_plan` may put in a model.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hf_lowprec.formats import FormatSpec
+from hf_lowprec.modules.fp8 import FP8Embedding, FP8Linear
+from hf_lowprec.modules.int4 import Int4Embedding, Int4Linear
+from hf_lowprec.modules.int4_packed import PackedInt4Linear
+
+LOW_PRECISION_TYPES = (FP8Linear, FP8Embedding, Int4Linear, Int4Embedding, PackedInt4Linear)
+ELIGIBLE_TYPES = (nn.Linear, nn.Embedding)
+
+
+def low_precision_layer(module: nn.Module, spec: FormatSpec, options: dict, quantizer=None) -> nn.Module:
+    """The low-precision replacement of an ``nn.Linear``/``nn.Embedding`` for ``spec``, sharing its parameters.
+
+    ``options``: ``fp8_backend``, ``grad_dtype``, ``policies`` (FP8), ``learn_scales`` (integer formats).
+    ``quantizer``: an integer-format weight quantizer to share (tied weights).
+    """
+    if spec.family == "fp8":
+        if isinstance(module, nn.Embedding):
+            return FP8Embedding.from_embedding(module, spec)
+        fp8_opts = {k: options[k] for k in ("grad_dtype", "policies") if options.get(k) is not None}
+        return FP8Linear.from_linear(module, spec, backend=options.get("fp8_backend", "auto"), **fp8_opts)
+    learn = options.get("learn_scales", True)
+    if isinstance(module, nn.Embedding):
+        return Int4Embedding.from_embedding(module, spec, learn, quantizer)
+    return Int4Linear.from_linear(module, spec, learn, quantizer)
+
+
+__all__ = ["FP8Linear", "FP8Embedding", "Int4Linear", "Int4Embedding", "PackedInt4Linear", "low_precision_layer"]

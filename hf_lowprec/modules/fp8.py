@@ -1,0 +1,252 @@
+"""FP8 training layers: ``FP8Linear`` (the three GEMMs of a linear in FP8) and ``FP8Embedding``.
+
+Numerics (``backend="emulated"``, every device): the input and weight are cast to E4M3 and the
+output gradient to E5M2 (configurable) with fp32 scales of the spec's granularity, then each GEMM
+multiplies the FP8 *values* with fp32 accumulation and applies the scales afterwards, exactly as
+``torch._scaled_mm`` does. FP8 values are exactly representable in bf16, so the GEMM itself runs
+as a bf16 matmul (fp32 accumulation) when the output is bf16 and in fp32 otherwise: on a CPU with
+bf16 units that is the fastest exact way to compute an FP8 GEMM (``torch._scaled_mm`` on CPU runs
+at ~0.7x fp32 speed here).
+
+``backend="torchao"`` runs torchao's ``Float8Linear`` autograd function (real ``_scaled_mm``
+kernels on CUDA SM89+); ``backend="auto"`` picks it there for tensorwise/rowwise scaling and the
+emulation everywhere else. A parity test holds the two together.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_lowprec.formats import (
+    E4M3,
+    E5M2,
+    FormatSpec,
+    block_shape,
+    dequantize_fp8,
+    fp8_amax,
+    fp8_quantize_dequantize,
+    quantize_fp8,
+)
+from hf_lowprec.scaling import DynamicScaling, ScalePolicy
+
+BACKENDS = ("auto", "emulated", "torchao")
+
+
+def fp8_hardware_available(device: torch.device) -> bool:
+    """True on CUDA devices with FP8 tensor cores (compute capability 8.9 or newer)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _compute_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """bf16 GEMMs hold FP8 values exactly and accumulate in fp32; use them when the output is bf16."""
+    return torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+
+
+def scaled_mm_emulated(a_q, a_scale, b_q, b_scale, out_dtype):
+    """``(a_q @ b_q) / (a_scale * b_scale)`` with FP8 operands ``a_q [M, K]``, ``b_q [K, N]``.
+
+    Scales are 0-dim (tensorwise) or ``[M, 1]`` / ``[1, N]`` (rowwise); fp32 accumulation.
+    """
+    compute = _compute_dtype(out_dtype)
+    out = torch.mm(a_q.to(compute), b_q.to(compute))
+    return out.mul_(a_scale.reciprocal().to(compute)).mul_(b_scale.reciprocal().to(compute)).to(out_dtype)
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    """``y = x @ W^T`` with all three GEMMs in FP8; ``x`` is 2-D ``[T, K]``, ``W`` is ``[N, K]``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, layer: "FP8Linear"):
+        out_dtype = x.dtype
+        gran = layer.spec.granularity
+        pol = layer.scaling
+        ctx.layer, ctx.out_dtype = layer, out_dtype
+        if gran == "block":
+            bx, bw = block_shape(x, "input"), block_shape(weight, "weight")
+            sx = pol["input"].scale(fp8_amax(x, "block", block=bx), E4M3)
+            sw = pol["weight"].scale(fp8_amax(weight, "block", block=bw), E4M3)
+            xq, wq = quantize_fp8(x, sx, E4M3, bx), quantize_fp8(weight, sw, E4M3, bw)
+            ctx.save_for_backward(xq, sx, wq, sw)
+            compute = _compute_dtype(out_dtype)
+            xd, wd = dequantize_fp8(xq, sx, compute, bx), dequantize_fp8(wq, sw, compute, bw)
+            return torch.mm(xd, wd.t()).to(out_dtype)
+        if gran == "tensor":
+            sx = pol["input"].scale(fp8_amax(x, "tensor"), E4M3)
+            sw = pol["weight"].scale(fp8_amax(weight, "tensor"), E4M3)
+            xq, wq = quantize_fp8(x, sx, E4M3), quantize_fp8(weight, sw, E4M3)
+            # tensorwise: the same FP8 copies serve the backward GEMMs, so only 1 byte/elem is saved
+            ctx.save_for_backward(xq, sx, wq, sw)
+            return scaled_mm_emulated(xq, sx, wq.t(), sw, out_dtype)
+        # rowwise: per-token input scales, per-output-channel weight scales (torchao's "rowwise")
+        sx = pol["input"].scale(fp8_amax(x, "row", dim=-1), E4M3)
+        sw = pol["weight"].scale(fp8_amax(weight, "row", dim=-1), E4M3)
+        xq, wq = quantize_fp8(x, sx, E4M3), quantize_fp8(weight, sw, E4M3)
+        ctx.save_for_backward(x, weight)  # re-scaled along the other axis for the backward GEMMs
+        return scaled_mm_emulated(xq, sx, wq.t(), sw.t(), out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        layer, out_dtype = ctx.layer, ctx.out_dtype
+        gran, gdt, pol = layer.spec.granularity, layer.grad_dtype, layer.scaling
+        g = grad_out.to(out_dtype)
+        if gran == "block":
+            xq, sx, wq, sw = ctx.saved_tensors
+            compute = _compute_dtype(out_dtype)
+            bg = block_shape(g, "grad")
+            sg = pol["grad"].scale(fp8_amax(g, "block", block=bg), gdt)
+            gd = dequantize_fp8(quantize_fp8(g, sg, gdt, bg), sg, compute, bg)
+            xd = dequantize_fp8(xq, sx, compute, block_shape(xq, "input"))
+            wd = dequantize_fp8(wq, sw, compute, block_shape(wq, "weight"))
+            return torch.mm(gd, wd).to(out_dtype), torch.mm(gd.t(), xd).to(out_dtype), None
+        if gran == "tensor":
+            xq, sx, wq, sw = ctx.saved_tensors
+            sg = pol["grad"].scale(fp8_amax(g, "tensor"), gdt)
+            gq = quantize_fp8(g, sg, gdt)
+            grad_x = scaled_mm_emulated(gq, sg, wq, sw, out_dtype)
+            grad_w = scaled_mm_emulated(gq.t(), sg, xq, sx, out_dtype)
+            return grad_x, grad_w, None
+        x, weight = ctx.saved_tensors
+        # grad_x [T, K] = g [T, N] @ W [N, K]: g per token, W per input channel
+        sg = pol["grad"].scale(fp8_amax(g, "row", dim=-1), gdt)
+        sw = pol["weight"].scale(fp8_amax(weight, "row", dim=0), E4M3)
+        grad_x = scaled_mm_emulated(quantize_fp8(g, sg, gdt), sg, quantize_fp8(weight, sw, E4M3), sw, out_dtype)
+        # grad_W [N, K] = g^T [N, T] @ x [T, K]: both scaled per column (over tokens)
+        sg_c = pol["grad"].scale(fp8_amax(g, "row", dim=0), gdt)
+        sx_c = pol["input"].scale(fp8_amax(x, "row", dim=0), E4M3)
+        gq_c, xq_c = quantize_fp8(g, sg_c, gdt), quantize_fp8(x, sx_c, E4M3)
+        grad_w = scaled_mm_emulated(gq_c.t(), sg_c.t(), xq_c, sx_c, out_dtype)
+        return grad_x, grad_w, None
+
+
+class FP8Linear(nn.Linear):
+    """``nn.Linear`` whose forward, grad-input and grad-weight GEMMs run in FP8.
+
+    Args:
+        spec: an ``fp8*`` :class:`FormatSpec` (granularity ``tensor``, ``row`` or ``block``).
+        backend: ``auto``, ``emulated`` or ``torchao`` (see the module docstring).
+        grad_dtype: FP8 dtype of the output gradient (E5M2 by default; torchao's rowwise recipe uses E4M3).
+        policies: scale policy per role (``input``, ``weight``, ``grad``); dynamic amax by default,
+            power-of-two for rowwise and blockwise scales.
+    """
+
+    def __init__(
+        self, in_features, out_features, bias=True, *, spec: FormatSpec | str = "fp8", backend: str = "auto",
+        grad_dtype: torch.dtype = E5M2, policies: dict[str, ScalePolicy] | None = None, device=None, dtype=None,
+    ):  # fmt: skip
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.spec = FormatSpec.parse(spec)
+        if self.spec.family != "fp8":
+            raise ValueError(f"FP8Linear needs an fp8 format, got {self.spec.name!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown FP8 backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if grad_dtype not in (E4M3, E5M2):
+            raise ValueError(f"grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {grad_dtype}")
+        self.requested_backend = backend
+        self.grad_dtype = grad_dtype
+        pow2 = self.spec.granularity != "tensor"
+        policies = dict(policies or {})
+        self.scaling = nn.ModuleDict({r: policies.pop(r, None) or DynamicScaling(power_of_two=pow2) for r in ("input", "weight", "grad")})
+        if policies:
+            raise ValueError(f"unknown scale policy roles {sorted(policies)}; choose from input, weight, grad")
+        self._torchao_config = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, spec: FormatSpec | str = "fp8", **kwargs) -> "FP8Linear":
+        """Wrap an existing ``nn.Linear``, keeping its ``weight``/``bias`` Parameter objects."""
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, spec=spec, device="meta", **kwargs)
+        new.weight, new.bias = linear.weight, linear.bias
+        return new
+
+    @property
+    def backend(self) -> str:
+        """The backend in use for the weight's current device (``emulated`` or ``torchao``)."""
+        if self.requested_backend != "auto":
+            return self.requested_backend
+        if self.spec.granularity in ("tensor", "row") and fp8_hardware_available(self.weight.device):
+            if all(type(p) is DynamicScaling for p in self.scaling.values()):
+                return "torchao"
+        return "emulated"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        weight = self.weight.to(x.dtype)
+        shape = x.shape
+        x2d = x.reshape(-1, shape[-1])
+        if self.backend == "torchao":
+            out = self._torchao_matmul(x2d, weight)
+        else:
+            out = _FP8LinearFunction.apply(x2d, weight, self)
+        out = out.reshape(*shape[:-1], out.shape[-1])
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def _torchao_matmul(self, x2d, weight):
+        # torchao's Float8Linear.forward is these lines; calling its autograd function keeps our
+        # module (and the parameter names in state_dict) while running its kernels.
+        from torchao.float8.config import CastConfig, Float8LinearConfig, ScalingGranularity
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+        from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+
+        if self._torchao_config is None:
+            if self.spec.granularity == "tensor":
+                config = Float8LinearConfig(cast_config_grad_output=CastConfig(target_dtype=self.grad_dtype))
+            elif self.spec.granularity == "row":
+                axis = ScalingGranularity.AXISWISE
+                config = Float8LinearConfig(
+                    cast_config_input=CastConfig(scaling_granularity=axis, target_dtype=E4M3),
+                    cast_config_weight=CastConfig(scaling_granularity=axis, target_dtype=E4M3),
+                    cast_config_grad_output=CastConfig(scaling_granularity=axis, target_dtype=self.grad_dtype),
+                    round_scales_to_power_of_2=True,
+                )
+            else:
+                raise ValueError(f"backend='torchao' supports fp8 and fp8-rowwise, not {self.spec.name}")
+            emulate = not fp8_hardware_available(self.weight.device) and self.weight.device.type == "cuda"
+            mm = ScaledMMConfig(emulate, False, False, False)
+            self._torchao_config = (LinearMMConfig(mm, mm, mm), config)
+        mm_config, config = self._torchao_config
+        return matmul_with_hp_or_float8_args.apply(x2d, weight.t(), mm_config, config)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, format={self.spec.name}, backend={self.backend}"
+
+
+class FP8Embedding(nn.Embedding):
+    """``nn.Embedding`` whose table is read through E4M3 with one scale per row (token).
+
+    The lookup has no GEMM, so only the weight is quantized; its gradient passes straight through
+    to the high-precision table.
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, *, spec: FormatSpec | str = "fp8-rowwise", device=None, dtype=None, **kwargs):
+        super().__init__(num_embeddings, embedding_dim, device=device, dtype=dtype, **kwargs)
+        self.spec = FormatSpec.parse(spec)
+        if self.spec.family != "fp8":
+            raise ValueError(f"FP8Embedding needs an fp8 format, got {self.spec.name!r}")
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, spec: FormatSpec | str = "fp8-rowwise") -> "FP8Embedding":
+        """Wrap an existing ``nn.Embedding``, keeping its ``weight`` Parameter."""
+        new = cls(
+            emb.num_embeddings, emb.embedding_dim, spec=spec, padding_idx=emb.padding_idx, max_norm=emb.max_norm,
+            norm_type=emb.norm_type, scale_grad_by_freq=emb.scale_grad_by_freq, sparse=emb.sparse, device="meta",
+        )  # fmt: skip
+        new.weight = emb.weight
+        return new
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(
+            ids, self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse
+        )
+        if self.spec.granularity == "block":  # 128x128 blocks span many rows: quantize the table
+            table = fp8_quantize_dequantize(self.weight.detach(), E4M3, "block", role="weight")
+            q = F.embedding(ids, table)
+        else:  # row scales depend on the row only, a tensor scale on the table's amax: quantize the rows read
+            flat = rows.detach().reshape(-1, self.embedding_dim)
+            amax = self.weight.detach().abs().amax().float() if self.spec.granularity == "tensor" else None
+            q = fp8_quantize_dequantize(flat, E4M3, self.spec.granularity, amax=amax).reshape(rows.shape)
+        return rows + (q - rows.detach())  # straight-through to the high-precision table
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, format={self.spec.name}"

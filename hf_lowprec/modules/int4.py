@@ -1,0 +1,115 @@
+"""Quantization-aware training layers for the weight-only integer formats: INT4 (and INT8, NF4).
+
+``Int4Linear`` / ``Int4Embedding`` fake-quantize their weight on every forward through a
+:class:`~hf_lowprec.scaling.LearnedStepQuantizer` (group-wise steps, learned with LSQ by default,
+straight-through gradient to the weight). ``Int4Linear`` can also fake-quantize its input to int8
+per token (``-a8`` formats). ``Int4Linear.freeze()`` returns a :class:`PackedInt4Linear` holding
+the weight as real packed 4-bit codes.
+
+Modules that share one weight ``Parameter`` (tied input/output embeddings) must share one
+quantizer, so both read the same quantized table: pass ``quantizer=`` (``convert.apply_plan`` does).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_lowprec.formats import FormatSpec, fake_quantize_per_token_int8, quantize_int
+from hf_lowprec.modules.int4_packed import PackedInt4Linear
+from hf_lowprec.scaling import LearnedStepQuantizer
+
+INT_FAMILIES = ("int4", "int8", "nf4")
+
+
+def _check_spec(spec: FormatSpec | str, owner: str) -> FormatSpec:
+    spec = FormatSpec.parse(spec)
+    if spec.family not in INT_FAMILIES:
+        raise ValueError(f"{owner} needs one of the formats {', '.join(INT_FAMILIES)}, got {spec.name!r}")
+    return spec
+
+
+class Int4Linear(nn.Linear):
+    """``nn.Linear`` trained with a fake-quantized weight (``int4-gN``, ``int8``, ``nf4-gN`` ...).
+
+    Args:
+        spec: the weight format; ``-a8`` variants also quantize the input to int8 per token.
+        learn_scales: train the group steps with LSQ (otherwise recompute them from the weight).
+        quantizer: an existing quantizer to share (tied weights).
+    """
+
+    def __init__(
+        self, in_features, out_features, bias=True, *, spec: FormatSpec | str = "int4-g64", learn_scales: bool = True,
+        quantizer: LearnedStepQuantizer | None = None, device=None, dtype=None,
+    ):  # fmt: skip
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.spec = _check_spec(spec, "Int4Linear")
+        if self.weight.device.type != "meta":
+            self.weight_quantizer = quantizer or LearnedStepQuantizer(self.weight, self.spec, learn_scales)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, spec: FormatSpec | str = "int4-g64", learn_scales: bool = True,
+                    quantizer: LearnedStepQuantizer | None = None) -> "Int4Linear":  # fmt: skip
+        """Wrap an existing ``nn.Linear``, keeping its ``weight``/``bias`` Parameter objects."""
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, spec=spec, device="meta")
+        new.weight, new.bias = linear.weight, linear.bias
+        new.weight_quantizer = quantizer or LearnedStepQuantizer(linear.weight, new.spec, learn_scales)
+        return new
+
+    def quantized_weight(self) -> torch.Tensor:
+        """The weight as the format represents it (differentiable)."""
+        return self.weight_quantizer(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.spec.act_int8:
+            x = fake_quantize_per_token_int8(x)
+        w = self.quantized_weight().to(x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+    @torch.no_grad()
+    def freeze(self) -> PackedInt4Linear:
+        """A frozen :class:`PackedInt4Linear` holding this layer's codes (int4 formats only)."""
+        if self.spec.family != "int4":
+            raise ValueError(f"freeze() packs int4 formats only; this layer is {self.spec.name}")
+        step, zero = self.weight_quantizer.steps(self.weight)
+        codes = quantize_int(self.weight.detach(), self.spec, step, zero)
+        return PackedInt4Linear.from_codes(codes, step, zero, self.spec, self.bias, self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, format={self.spec.name}"
+
+
+class Int4Embedding(nn.Embedding):
+    """``nn.Embedding`` whose table is fake-quantized per row in groups along the embedding dim."""
+
+    def __init__(self, num_embeddings, embedding_dim, *, spec: FormatSpec | str = "int4-g64", device=None, dtype=None, **kwargs):
+        super().__init__(num_embeddings, embedding_dim, device=device, dtype=dtype, **kwargs)
+        self.spec = _check_spec(spec, "Int4Embedding")
+        if self.spec.act_int8:
+            raise ValueError(f"an embedding has no activation input to quantize; drop '-a8' from {self.spec.name!r}")
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, spec: FormatSpec | str = "int4-g64", learn_scales: bool = True,
+                       quantizer: LearnedStepQuantizer | None = None) -> "Int4Embedding":  # fmt: skip
+        """Wrap an existing ``nn.Embedding``, keeping its ``weight`` Parameter."""
+        new = cls(
+            emb.num_embeddings, emb.embedding_dim, spec=spec, padding_idx=emb.padding_idx, max_norm=emb.max_norm,
+            norm_type=emb.norm_type, scale_grad_by_freq=emb.scale_grad_by_freq, sparse=emb.sparse, device="meta",
+        )  # fmt: skip
+        new.weight = emb.weight
+        new.weight_quantizer = quantizer or LearnedStepQuantizer(emb.weight, new.spec, learn_scales)
+        return new
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.max_norm is not None or self.sparse:
+            raise ValueError("Int4Embedding does not support max_norm or sparse gradients")
+        # every row is quantized on its own, so only the rows looked up need quantizing
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        rows = self.weight_quantizer(self.weight, unique)
+        if self.padding_idx is not None:  # nn.Embedding never updates the padding row
+            rows = torch.where((unique == self.padding_idx).unsqueeze(-1), rows.detach(), rows)
+        return F.embedding(inverse, rows, None, scale_grad_by_freq=self.scale_grad_by_freq)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, format={self.spec.name}"

@@ -1,0 +1,234 @@
+"""PrecisionPlan: which format each layer of a model trains in.
+
+A plan is data: an ordered set of rules ``pattern → format`` and a default for the ``nn.Linear``
+layers no rule names. A pattern is an exact module name (``model.layers.3.mlp.up_proj``), a glob
+(``*.mlp.*``) or a regular expression (``re:.*\\.(q|k)_proj``). An exact name wins over patterns;
+among patterns the first that matches wins. Embeddings change format only when a rule names them.
+
+Module names are those of the unwrapped model: PEFT's ``base_model.model.`` prefix and
+``.base_layer`` suffix are ignored, so one plan serves a model with or without LoRA adapters.
+
+Plans load from and save to JSON or YAML::
+
+    {"default": "fp8", "layers": {"lm_head": "bf16", "*.mlp.down_proj": "int4-g64"}}
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import json
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from torch import nn
+
+from hf_lowprec.formats import FormatSpec
+
+PLAN_KEYS = ("default", "layers", "model")
+
+
+def _is_pattern(key: str) -> bool:
+    return key.startswith("re:") or any(c in key for c in "*?[")
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """Layer name (or pattern) → :class:`FormatSpec`.
+
+    Attributes:
+        layers: ordered rules, ``{pattern: format}``; values may be names such as ``"int4-g64"``.
+        default: format of every ``nn.Linear`` no rule names (``bf16``: left as it is).
+        model: optional name of the model the plan was made for (informational; checked by ``validate``).
+    """
+
+    layers: Mapping[str, FormatSpec] = field(default_factory=dict)
+    default: FormatSpec = FormatSpec.parse("bf16")
+    model: str | None = None
+
+    def __post_init__(self):
+        parsed = {}
+        for key, fmt in dict(self.layers).items():
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"plan entry {key!r}: layer names must be non-empty strings")
+            try:
+                parsed[key] = FormatSpec.parse(fmt)
+            except ValueError as e:
+                raise ValueError(f"plan entry {key!r}: {e}") from None
+            if key.startswith("re:"):
+                try:
+                    re.compile(key[3:])
+                except re.error as e:
+                    raise ValueError(f"plan entry {key!r}: invalid regular expression ({e})") from None
+        object.__setattr__(self, "layers", parsed)
+        try:
+            object.__setattr__(self, "default", FormatSpec.parse(self.default))
+        except ValueError as e:
+            raise ValueError(f"plan default: {e}") from None
+
+    # ----------------------------------------------------------------------------- construction
+    @classmethod
+    def uniform(cls, fmt: str | FormatSpec, keep: tuple[str, ...] = ()) -> "PrecisionPlan":
+        """Every ``nn.Linear`` in ``fmt`` except the names/patterns in ``keep`` (left in high precision)."""
+        return cls({k: "bf16" for k in keep}, default=fmt)
+
+    @classmethod
+    def from_dict(cls, data: Mapping, source: str = "") -> "PrecisionPlan":
+        """Build from ``{"default": ..., "layers": {...}, "model": ...}``; ``source`` names the origin in errors."""
+        where = f"{source}: " if source else ""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{where}a plan must be a mapping with keys {', '.join(PLAN_KEYS)}, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(PLAN_KEYS))
+        if unknown:
+            raise ValueError(f"{where}unknown plan key(s) {', '.join(map(repr, unknown))}; allowed keys are {', '.join(PLAN_KEYS)}")
+        layers = data.get("layers") or {}
+        if not isinstance(layers, Mapping):
+            raise ValueError(f"{where}'layers' must map layer names to formats, got {type(layers).__name__}")
+        try:
+            return cls(dict(layers), default=data.get("default", "bf16"), model=data.get("model"))
+        except ValueError as e:
+            raise ValueError(f"{where}{e}") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "PrecisionPlan":
+        """Read a plan from a ``.json``, ``.yaml`` or ``.yml`` file."""
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"plan file {str(path)!r} does not exist")
+        text = path.read_text()
+        try:
+            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as e:
+            first = str(e).splitlines()[0]
+            raise ValueError(f"plan file {str(path)!r} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {first}") from None
+        return cls.from_dict(data, source=f"plan file {str(path)!r}")
+
+    def to_dict(self) -> dict:
+        out = {"default": self.default.name, "layers": {k: v.name for k, v in self.layers.items()}}
+        if self.model:
+            out["model"] = self.model
+        return out
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write JSON (``.json``) or YAML (anything else) atomically; returns the path."""
+        path = Path(path)
+        data = self.to_dict()
+        text = json.dumps(data, indent=2) + "\n" if path.suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
+        atomic_write_text(path, text)
+        return path
+
+    # ------------------------------------------------------------------------------- resolution
+    def resolve(self, name: str, module: nn.Module | None = None) -> FormatSpec:
+        """The format of the layer ``name`` (an ``nn.Embedding`` no rule names stays high precision)."""
+        if name in self.layers:
+            return self.layers[name]
+        for key, spec in self.layers.items():
+            if _is_pattern(key) and _matches(key, name):
+                return spec
+        if isinstance(module, nn.Embedding):
+            return FormatSpec.parse("bf16")
+        return self.default
+
+    def assign(self, layers: "Mapping[str, nn.Module] | nn.Module") -> dict[str, FormatSpec]:
+        """``{name: format}`` for every eligible layer, after checking every rule names something.
+
+        Raises ``ValueError`` for an exact name that is no eligible layer (listing close matches and
+        why, e.g. a module that is not a Linear/Embedding) and for a pattern that matches nothing.
+        """
+        source = layers
+        layers = _layers_of(layers)
+        names = list(layers)
+        for key in self.layers:
+            if _is_pattern(key):
+                if not any(_matches(key, n) for n in names):
+                    raise ValueError(f"plan entry {key!r} matches no eligible layer (Linear/Embedding) of this model")
+            elif key not in layers:
+                found = _find_module(source, key)
+                if found is not None:
+                    raise ValueError(f"plan entry {key!r} is a {type(found).__name__}; only nn.Linear and nn.Embedding layers can change format")
+                close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+                hint = f"; close matches: {', '.join(close)}" if close else ""
+                raise ValueError(f"plan entry {key!r} is not a layer of this model{hint}")
+        return {n: self.resolve(n, m) for n, m in layers.items()}
+
+    def validate(self, model: nn.Module) -> None:
+        """Raise ``ValueError`` if the plan does not fit ``model`` (see :meth:`assign`)."""
+        if not _layers_of(model):
+            raise ValueError(f"{type(model).__name__} has no eligible layers (nn.Linear / nn.Embedding) to quantize")
+        self.assign(model)
+
+    # ---------------------------------------------------------------------------------- reports
+    def summary(self, model: "nn.Module | Mapping[str, nn.Module]") -> list[dict]:
+        """Per format: layers, parameters, bytes of weight storage, fraction of eligible parameters."""
+        layers = _layers_of(model)
+        rows: dict[str, dict] = {}
+        total = 0
+        for name, spec in self.assign(layers).items():
+            w = layers[name].weight
+            n = w.numel()
+            total += n
+            per = w.element_size() if spec.is_high_precision else spec.bytes_per_param(w.shape[-1])
+            row = rows.setdefault(spec.name, {"format": spec.name, "layers": 0, "params": 0, "bytes": 0.0})
+            row["layers"] += 1
+            row["params"] += n
+            row["bytes"] += n * per
+        for row in rows.values():
+            row["fraction"] = row["params"] / max(total, 1)
+            row["bytes"] = int(row["bytes"])
+        return sorted(rows.values(), key=lambda r: -r["params"])
+
+    def memory_estimate(self, model: "nn.Module | Mapping[str, nn.Module]") -> dict:
+        """Weight bytes of the eligible layers: ``{"planned": ..., "unquantized": ..., "ratio": ...}``."""
+        layers = _layers_of(model)
+        before = sum(m.weight.numel() * m.weight.element_size() for m in layers.values())
+        after = sum(r["bytes"] for r in self.summary(layers))
+        return {"planned": after, "unquantized": before, "ratio": after / max(before, 1)}
+
+    def format_summary(self, model: "nn.Module | Mapping[str, nn.Module]") -> str:
+        """A plain-text table of :meth:`summary` (the CLI renders the same rows with rich)."""
+        lines = [f"{'format':<16}{'layers':>8}{'params':>14}{'fraction':>10}{'MB':>10}"]
+        for r in self.summary(model):
+            lines.append(f"{r['format']:<16}{r['layers']:>8}{r['params']:>14,}{r['fraction']:>10.1%}{r['bytes'] / 1e6:>10.2f}")
+        return "\n".join(lines)
+
+
+def _matches(pattern: str, name: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], name) is not None
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def _find_module(model, name: str) -> nn.Module | None:
+    """The module called ``name`` (canonical name) in ``model``, if ``model`` is a module."""
+    if not isinstance(model, nn.Module):
+        return None
+    from hf_lowprec.convert import canonical_name
+
+    return next((m for fqn, m in model.named_modules() if canonical_name(fqn) == name), None)
+
+
+def _layers_of(model_or_layers) -> dict[str, nn.Module]:
+    if isinstance(model_or_layers, nn.Module):
+        from hf_lowprec.convert import eligible_layers  # convert imports this module
+
+        return eligible_layers(model_or_layers)
+    return dict(model_or_layers)
