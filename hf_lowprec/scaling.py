@@ -31,8 +31,11 @@ class ScalePolicy(nn.Module):
     """Base class: ``scale(amax, dtype) -> fp32 scale`` of ``amax``'s shape.
 
     Subclasses may keep statistics in buffers; ``power_of_two`` rounds scales down to a power of two
-    (exact rescaling, as torchao's rowwise recipe and DeepSeek-V3 do).
+    (exact rescaling, as torchao's rowwise recipe and DeepSeek-V3 do). A subclass that sets
+    ``observes = True`` also sees every cast through :meth:`observe` (telemetry, running statistics).
     """
+
+    observes = False
 
     def __init__(self, power_of_two: bool = False):
         super().__init__()
@@ -40,6 +43,9 @@ class ScalePolicy(nn.Module):
 
     def scale(self, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
+
+    def observe(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> None:
+        """Called after ``x`` was cast to ``q`` with ``scale`` (block scales: ``block`` is their shape)."""
 
     def extra_repr(self) -> str:
         return f"power_of_two={self.power_of_two}"

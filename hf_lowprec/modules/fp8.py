@@ -54,35 +54,40 @@ def scaled_mm_emulated(a_q, a_scale, b_q, b_scale, out_dtype):
     return out.mul_(a_scale.reciprocal().to(compute)).mul_(b_scale.reciprocal().to(compute)).to(out_dtype)
 
 
+def cast_fp8(x, policy: ScalePolicy, dtype, granularity: str, dim: int = -1, block=None):
+    """Quantize a 2-D ``x`` with ``policy``'s scale: ``(q, scale)``; the policy may observe the cast."""
+    scale = policy.scale(fp8_amax(x, granularity, dim, block or (1, 1)), dtype)
+    q = quantize_fp8(x, scale, dtype, block)
+    if policy.observes:
+        policy.observe(x, q, scale, block)
+    return q, scale
+
+
 class _FP8LinearFunction(torch.autograd.Function):
     """``y = x @ W^T`` with all three GEMMs in FP8; ``x`` is 2-D ``[T, K]``, ``W`` is ``[N, K]``."""
 
     @staticmethod
     def forward(ctx, x, weight, layer: "FP8Linear"):
         out_dtype = x.dtype
-        gran = layer.spec.granularity
-        pol = layer.scaling
+        gran, pol = layer.spec.granularity, layer.scaling
         ctx.layer, ctx.out_dtype = layer, out_dtype
         if gran == "block":
             bx, bw = block_shape(x, "input"), block_shape(weight, "weight")
-            sx = pol["input"].scale(fp8_amax(x, "block", block=bx), E4M3)
-            sw = pol["weight"].scale(fp8_amax(weight, "block", block=bw), E4M3)
-            xq, wq = quantize_fp8(x, sx, E4M3, bx), quantize_fp8(weight, sw, E4M3, bw)
+            xq, sx = cast_fp8(x, pol["input"], E4M3, "block", block=bx)
+            wq, sw = cast_fp8(weight, pol["weight"], E4M3, "block", block=bw)
             ctx.save_for_backward(xq, sx, wq, sw)
             compute = _compute_dtype(out_dtype)
             xd, wd = dequantize_fp8(xq, sx, compute, bx), dequantize_fp8(wq, sw, compute, bw)
             return torch.mm(xd, wd.t()).to(out_dtype)
         if gran == "tensor":
-            sx = pol["input"].scale(fp8_amax(x, "tensor"), E4M3)
-            sw = pol["weight"].scale(fp8_amax(weight, "tensor"), E4M3)
-            xq, wq = quantize_fp8(x, sx, E4M3), quantize_fp8(weight, sw, E4M3)
+            xq, sx = cast_fp8(x, pol["input"], E4M3, "tensor")
+            wq, sw = cast_fp8(weight, pol["weight"], E4M3, "tensor")
             # tensorwise: the same FP8 copies serve the backward GEMMs, so only 1 byte/elem is saved
             ctx.save_for_backward(xq, sx, wq, sw)
             return scaled_mm_emulated(xq, sx, wq.t(), sw, out_dtype)
         # rowwise: per-token input scales, per-output-channel weight scales (torchao's "rowwise")
-        sx = pol["input"].scale(fp8_amax(x, "row", dim=-1), E4M3)
-        sw = pol["weight"].scale(fp8_amax(weight, "row", dim=-1), E4M3)
-        xq, wq = quantize_fp8(x, sx, E4M3), quantize_fp8(weight, sw, E4M3)
+        xq, sx = cast_fp8(x, pol["input"], E4M3, "row", dim=-1)
+        wq, sw = cast_fp8(weight, pol["weight"], E4M3, "row", dim=-1)
         ctx.save_for_backward(x, weight)  # re-scaled along the other axis for the backward GEMMs
         return scaled_mm_emulated(xq, sx, wq.t(), sw.t(), out_dtype)
 
@@ -95,27 +100,25 @@ class _FP8LinearFunction(torch.autograd.Function):
             xq, sx, wq, sw = ctx.saved_tensors
             compute = _compute_dtype(out_dtype)
             bg = block_shape(g, "grad")
-            sg = pol["grad"].scale(fp8_amax(g, "block", block=bg), gdt)
-            gd = dequantize_fp8(quantize_fp8(g, sg, gdt, bg), sg, compute, bg)
+            gq, sg = cast_fp8(g, pol["grad"], gdt, "block", block=bg)
+            gd = dequantize_fp8(gq, sg, compute, bg)
             xd = dequantize_fp8(xq, sx, compute, block_shape(xq, "input"))
             wd = dequantize_fp8(wq, sw, compute, block_shape(wq, "weight"))
             return torch.mm(gd, wd).to(out_dtype), torch.mm(gd.t(), xd).to(out_dtype), None
         if gran == "tensor":
             xq, sx, wq, sw = ctx.saved_tensors
-            sg = pol["grad"].scale(fp8_amax(g, "tensor"), gdt)
-            gq = quantize_fp8(g, sg, gdt)
+            gq, sg = cast_fp8(g, pol["grad"], gdt, "tensor")
             grad_x = scaled_mm_emulated(gq, sg, wq, sw, out_dtype)
             grad_w = scaled_mm_emulated(gq.t(), sg, xq, sx, out_dtype)
             return grad_x, grad_w, None
         x, weight = ctx.saved_tensors
         # grad_x [T, K] = g [T, N] @ W [N, K]: g per token, W per input channel
-        sg = pol["grad"].scale(fp8_amax(g, "row", dim=-1), gdt)
-        sw = pol["weight"].scale(fp8_amax(weight, "row", dim=0), E4M3)
-        grad_x = scaled_mm_emulated(quantize_fp8(g, sg, gdt), sg, quantize_fp8(weight, sw, E4M3), sw, out_dtype)
+        gq, sg = cast_fp8(g, pol["grad"], gdt, "row", dim=-1)
+        wq, sw = cast_fp8(weight, pol["weight"], E4M3, "row", dim=0)
+        grad_x = scaled_mm_emulated(gq, sg, wq, sw, out_dtype)
         # grad_W [N, K] = g^T [N, T] @ x [T, K]: both scaled per column (over tokens)
-        sg_c = pol["grad"].scale(fp8_amax(g, "row", dim=0), gdt)
-        sx_c = pol["input"].scale(fp8_amax(x, "row", dim=0), E4M3)
-        gq_c, xq_c = quantize_fp8(g, sg_c, gdt), quantize_fp8(x, sx_c, E4M3)
+        gq_c, sg_c = cast_fp8(g, pol["grad"], gdt, "row", dim=0)
+        xq_c, sx_c = cast_fp8(x, pol["input"], E4M3, "row", dim=0)
         grad_w = scaled_mm_emulated(gq_c.t(), sg_c.t(), xq_c, sx_c, out_dtype)
         return grad_x, grad_w, None
 
