@@ -1,0 +1,312 @@
+"""Recipes: named, schema-checked training configurations (``recipes/*.yaml``).
+
+A recipe says how a run trains: the method (full fine-tuning through a precision plan, or an INT4
+base with LoRA adapters), the precision plan or how to find one, the optimisation settings, the
+LoRA settings, how data is read and how the result is exported. Built-in recipes ship in the
+package ``hf_lowprec.recipes``; any YAML file with the same schema works too::
+
+    name: fp8-train
+    method: full
+    precision: {plan: fp8, keep: [lm_head]}
+    training: {max_steps: 200, learning_rate: 2.0e-5}
+
+Every section is a frozen dataclass checked on construction: an unknown key, a wrong type or a
+value outside its allowed set raises one ``ValueError`` naming the key, the file and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from hf_lowprec.formats import FormatSpec
+from hf_lowprec.plan import PrecisionPlan
+
+RECIPE_PACKAGE = "hf_lowprec.recipes"
+METHODS = ("full", "int4-lora")
+PLAN_SOURCES = ("auto",)  # besides a format name or a plan file path
+DTYPES = ("fp32", "bf16")
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+LORA_INITS = ("default", "loftq")
+EXPORT_WEIGHTS = ("master", "int4-packed")
+
+
+def _choices(*values: str) -> dict:
+    return {"choices": values}
+
+
+@dataclass(frozen=True)
+class PrecisionSection:
+    """Which format each layer trains in.
+
+    Attributes:
+        plan: a format name for every eligible Linear (``fp8``, ``int4-g64``, ...), ``auto`` (sensitivity
+            scan + budgeted allocation), or the path of a plan file (JSON/YAML).
+        keep: layer names/patterns left in high precision (plain format plans only).
+        formats: candidate formats of the ``auto`` scan.
+        budget: ``auto`` budget, passed to ``sensitivity.allocate`` (e.g. ``{target_bits_per_param: 6}``).
+        calibration_batches: batches the ``auto`` scan measures on.
+        scan_method: ``auto`` scan method.
+    """
+
+    plan: str = "fp8"
+    keep: tuple[str, ...] = ("lm_head",)
+    formats: tuple[str, ...] = ("fp8", "int4-g64")
+    budget: Mapping[str, float] = field(default_factory=dict)
+    calibration_batches: int = 4
+    scan_method: str = field(default="auto", metadata=_choices("auto", "fisher", "measured"))
+
+    def __post_init__(self):
+        for fmt in self.formats:
+            FormatSpec.parse(fmt)
+        if self.plan not in PLAN_SOURCES and Path(self.plan).suffix not in (".json", ".yaml", ".yml"):
+            try:
+                FormatSpec.parse(self.plan)
+            except ValueError as e:
+                raise ValueError(f"'plan' must be 'auto', a plan file (.json/.yaml) or a format: {e}") from None
+        if self.calibration_batches < 1:
+            raise ValueError(f"'calibration_batches' must be >= 1, got {self.calibration_batches}")
+
+    @property
+    def is_auto(self) -> bool:
+        return self.plan == "auto"
+
+    @property
+    def is_file(self) -> bool:
+        return Path(self.plan).suffix in (".json", ".yaml", ".yml")
+
+    def fixed_plan(self) -> PrecisionPlan:
+        """The plan of a format-name or file ``plan`` (``auto`` needs a scan; see the CLI)."""
+        if self.is_auto:
+            raise ValueError("precision.plan 'auto' has no fixed plan; it is found by a sensitivity scan")
+        if self.is_file:
+            return PrecisionPlan.load(self.plan)
+        return PrecisionPlan.uniform(self.plan, keep=self.keep)
+
+
+@dataclass(frozen=True)
+class TrainingSection:
+    """Optimisation settings (passed to ``transformers.TrainingArguments``); ``dtype`` is the compute dtype."""
+
+    max_steps: int = 60
+    learning_rate: float = 1e-4
+    batch_size: int = 4
+    gradient_accumulation_steps: int = 1
+    block_size: int = 256
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    lr_scheduler: str = field(default="cosine", metadata=_choices(*SCHEDULERS))
+    dtype: str = field(default="bf16", metadata=_choices(*DTYPES))
+    gradient_checkpointing: bool = False
+    save_steps: int = 20
+    logging_steps: int = 5
+    eval_blocks: int = 8
+    seed: int = 0
+
+    def __post_init__(self):
+        for key in ("max_steps", "batch_size", "gradient_accumulation_steps", "block_size", "save_steps",
+                    "logging_steps", "eval_blocks"):  # fmt: skip
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key!r} must be >= 1, got {getattr(self, key)}")
+        if self.learning_rate <= 0:
+            raise ValueError(f"'learning_rate' must be > 0, got {self.learning_rate}")
+
+
+@dataclass(frozen=True)
+class LoraSection:
+    """LoRA adapters of the ``int4-lora`` method (``peft.LoraConfig`` names)."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("all-linear",)
+    init: str = field(default="default", metadata=_choices(*LORA_INITS))
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """How training data is read: ``text_column``/``messages_column`` force a column (else detected)."""
+
+    text_column: str | None = None
+    messages_column: str | None = None
+    split: str = "train"
+    eval_fraction: float = 0.05
+
+    def __post_init__(self):
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"'eval_fraction' must be in [0, 1), got {self.eval_fraction}")
+
+
+@dataclass(frozen=True)
+class ExportSection:
+    """What ``export`` writes: ``master`` (high-precision weights + plan) or ``int4-packed`` (real INT4 codes)."""
+
+    weights: str = field(default="master", metadata=_choices(*EXPORT_WEIGHTS))
+    merge_lora: bool = False
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named training configuration; see the module docstring."""
+
+    name: str
+    description: str = ""
+    method: str = field(default="full", metadata=_choices(*METHODS))
+    precision: PrecisionSection = field(default_factory=PrecisionSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+    data: DataSection = field(default_factory=DataSection)
+    export: ExportSection = field(default_factory=ExportSection)
+    source: str = field(default="", compare=False, metadata={"internal": True})
+
+    def __post_init__(self):
+        fixed_format = not (self.precision.is_auto or self.precision.is_file)
+        if self.method == "int4-lora" and fixed_format and FormatSpec.parse(self.precision.plan).family == "fp8":
+            raise ValueError(f"method 'int4-lora' keeps its frozen base in an integer format, not {self.precision.plan!r}")
+
+    # ------------------------------------------------------------------------------- conversion
+    @classmethod
+    def from_dict(cls, data: Mapping, source: str = "<dict>") -> "Recipe":
+        """Build and check a recipe; ``source`` (a file name) appears in every error."""
+        recipe = _build(cls, data, "", source)
+        return dataclasses.replace(recipe, source=source)
+
+    def to_dict(self) -> dict:
+        """Plain data (YAML-able), without the ``source`` field."""
+        out = {}
+        for f in dataclasses.fields(self):
+            if f.metadata.get("internal"):
+                continue
+            out[f.name] = _plain(getattr(self, f.name))
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def with_overrides(self, overrides: Mapping[str, object], source: str = "command line") -> "Recipe":
+        """A copy with dotted keys replaced (``{"training.max_steps": 10}``); ``None`` values are ignored."""
+        data = self.to_dict()
+        for key, value in overrides.items():
+            if value is None:
+                continue
+            node = data
+            *parents, leaf = key.split(".")
+            for p in parents:
+                if not isinstance(node.get(p), dict):
+                    raise ValueError(f"{source}: unknown recipe key {key!r}")
+                node = node[p]
+            if leaf not in node:
+                raise ValueError(f"{source}: unknown recipe key {key!r}; allowed keys are {', '.join(node)}")
+            node[leaf] = list(value) if isinstance(value, tuple) else value
+        return dataclasses.replace(_build(Recipe, data, "", f"{self.source or self.name} + {source}"), source=self.source)
+
+
+def _plain(value):
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if not f.metadata.get("internal")}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true/false", str: "a string"}
+
+
+def _build(cls, data, prefix: str, source: str):
+    """Construct dataclass ``cls`` from ``data``, checking keys, types and choices; errors name ``source``."""
+    where = f"recipe {source!r}"
+    section = prefix.rstrip(".") or "the recipe"  # for messages
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where}: {section} must be a mapping of keys, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        raise ValueError(f"{where}: unknown key {prefix + str(unknown[0])!r}; allowed keys in {section} are {', '.join(fields)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in data.items():
+        key = prefix + name
+        kwargs[name] = _check_value(value, hints[name], key, source)
+        choices = fields[name].metadata.get("choices")
+        if choices and kwargs[name] not in choices:
+            raise ValueError(f"{where}: {key!r} is {value!r}; allowed values are {', '.join(choices)}")
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ValueError(f"{where}: {prefix.rstrip('.') + ': ' if prefix else ''}{e}") from None
+
+
+def _check_value(value, hint, key: str, source: str):
+    """``value`` converted to ``hint`` (dataclass, tuple[str, ...], Mapping[str, float], optional scalar)."""
+    where = f"recipe {source!r}"
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key + ".", source)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _check_value(value, inner, key, source)
+    if origin is tuple:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+            raise ValueError(f"{where}: {key!r} must be a list of strings, got {value!r}")
+        return tuple(items)
+    if origin is Mapping:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where}: {key!r} must be a mapping, got {type(value).__name__}")
+        return {str(k): _check_value(v, args[1], f"{key}.{k}", source) for k, v in value.items()}
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ValueError(f"{where}: {key!r} must be {_TYPE_NAMES.get(hint, hint.__name__)}, got {value!r}")
+    return value
+
+
+# ------------------------------------------------------------------------------------- catalogue
+def _packaged() -> dict[str, importlib.resources.abc.Traversable]:
+    root = importlib.resources.files(RECIPE_PACKAGE)
+    return {p.name.removesuffix(".yaml"): p for p in root.iterdir() if p.name.endswith(".yaml")}
+
+
+def list_recipes() -> list[Recipe]:
+    """The built-in recipes, sorted by name."""
+    return [load_recipe(name) for name in sorted(_packaged())]
+
+
+def load_recipe(name_or_path: str | Path) -> Recipe:
+    """A built-in recipe by name (``fp8-train``) or a recipe YAML file by path."""
+    text_source = str(name_or_path)
+    packaged = _packaged()
+    path = Path(name_or_path)
+    if text_source in packaged:
+        text, source = packaged[text_source].read_text(), f"{text_source}.yaml"
+    elif path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ValueError(f"recipe file {text_source!r} does not exist")
+        text, source = path.read_text(), text_source
+    else:
+        raise ValueError(f"unknown recipe {text_source!r}; built-in recipes are {', '.join(sorted(packaged))} (or pass a .yaml file)")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"recipe {source!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, Mapping):
+        raise ValueError(f"recipe {source!r} must be a YAML mapping with keys {', '.join(f.name for f in dataclasses.fields(Recipe) if f.name != 'source')}")
+    if "name" not in data:
+        data = {"name": Path(source).stem, **data}
+    return Recipe.from_dict(data, source=source)
