@@ -117,6 +117,8 @@ class FormatSpec:
                 raise ValueError(f"unknown format {name!r}: {family} takes no options")
             return cls(family)
         if family == "nf4":
+            if m["asym"] or m["a8"]:
+                raise ValueError(f"unknown format {name!r}: nf4 takes only a group size (nf4-g64)")
             return cls("nf4", "group", int(group or 64))
         gran = "group" if group else "channel"
         return cls(family, gran, int(group) if group else None, m["asym"] is None, m["a8"] is not None)
@@ -237,7 +239,7 @@ def fp8_quantize_dequantize(
     block = block_shape(x, role) if granularity == "block" else None
     if amax is None:
         amax = fp8_amax(x, granularity, -1, block or (1, BLOCK))
-    scale = fp8_scale(amax, dtype, power_of_two=block is not None)
+    scale = fp8_scale(amax, dtype, power_of_two=granularity != "tensor")  # as FP8Linear does
     return dequantize_fp8(quantize_fp8(x, scale, dtype, block), scale, x.dtype, block)
 
 
@@ -338,7 +340,7 @@ def round_ste(x: torch.Tensor) -> torch.Tensor:
 def fake_quantize_int(w: torch.Tensor, spec: FormatSpec, step: torch.Tensor, zero: torch.Tensor | None = None):
     """Differentiable quantize-dequantize of ``w [R, C]`` with steps ``[R, G]``.
 
-    Gradient to ``w``: straight-through inside the representable range, zero outside (LSQ).
+    Gradient to ``w``: straight-through where the rounded code is in range, zero where it clips (LSQ).
     Gradient to ``step``: the LSQ gradient (Esser et al., 2020) — the caller scales it (see
     :mod:`hf_lowprec.scaling`). ``zero`` is treated as a constant.
     """
@@ -349,7 +351,7 @@ def fake_quantize_int(w: torch.Tensor, spec: FormatSpec, step: torch.Tensor, zer
     v = grouped / s
     if zero is not None:
         v = v + zero.unsqueeze(-1)
-    q = round_ste(v.clamp(qmin, qmax))
+    q = round_ste(v).clamp(qmin, qmax)  # clamping the rounded value keeps w = ±amax (w/s = qmax ± 1 ulp) in range
     if zero is not None:
         q = q - zero.unsqueeze(-1)
     return (q * s).reshape(rows, -1)[:, :cols].to(w.dtype)

@@ -97,8 +97,8 @@ class LearnedStepQuantizer(nn.Module):
         step, zero = self.step, self.zero
         if rows is not None:
             step, zero = step[rows], None if zero is None else zero[rows]
-        scaled = step * self.grad_scale  # same value, gradient scaled by grad_scale (LSQ)
-        step = (step - scaled).detach() + scaled
+        scaled = step * self.grad_scale
+        step = step.detach() + (scaled - scaled.detach())  # exactly the step's value; gradient x grad_scale (LSQ)
         return fake_quantize_int(w, self.spec, step.abs().clamp(min=1e-8), zero)
 
     def steps(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

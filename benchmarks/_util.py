@@ -1,0 +1,59 @@
+"""Helpers shared by the benchmark scripts: timing, memory, result files."""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def median_time(fn, warmup: int = 2, repeat: int = 7) -> float:
+    """Median wall seconds of ``fn()`` over ``repeat`` runs after ``warmup``."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far, MB (Linux reports ru_maxrss in KB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def saved_tensor_bytes(fn) -> int:
+    """Bytes of the distinct tensor storages autograd saves for backward while ``fn()`` runs forward."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.device.type != "meta":
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def machine() -> dict:
+    return {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def write_json(name: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+    return path

