@@ -185,8 +185,16 @@ class LMData:
     collator: object
 
 
+def read_source(source: str | Path | None, split: str = "train") -> tuple[datasets.Dataset, str]:
+    """``(rows, name)`` of a data source; ``None`` is :func:`default_corpus`."""
+    if source is None:
+        return default_corpus()
+    return load_records(source, split=split), str(source)
+
+
 def prepare_lm_data(
-    source: str | Path | None,
+    records: datasets.Dataset,
+    name: str,
     tokenizer: PreTrainedTokenizerBase,
     block_size: int,
     *,
@@ -195,23 +203,23 @@ def prepare_lm_data(
     eval_fraction: float = 0.05,
     text_column: str | None = None,
     messages_column: str | None = None,
-    split: str = "train",
+    eval_only: bool = False,
 ) -> LMData:
-    """Tokenized, held-out-split causal-LM data from ``source`` (``None``: :func:`default_corpus`).
+    """Tokenized causal-LM data from ``records`` (see :func:`read_source`), split into train and held-out rows.
 
     ``train_sequences``/``eval_sequences`` cap how many blocks (text) or rows (chat) are tokenized,
-    so a large corpus costs only what a run uses.
+    so a large corpus costs only what a run uses. ``eval_only``: every row goes to ``eval``.
     """
-    if source is None:
-        ds, name = default_corpus()
-    else:
-        ds, name = load_records(source, split=split), str(source)
+    ds = records
     if len(ds) == 0:
         raise ValueError(f"data {name!r} has no rows")
     cols = detect_columns(ds, name, text_column, messages_column)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    n_eval_rows = max(1, round(len(ds) * eval_fraction)) if len(ds) > 1 else 0
+    if eval_only:
+        n_eval_rows = len(ds)
+    else:
+        n_eval_rows = max(1, round(len(ds) * eval_fraction)) if len(ds) > 1 else 0
     train_rows, eval_rows = ds.select(range(len(ds) - n_eval_rows)), ds.select(range(len(ds) - n_eval_rows, len(ds)))
     if cols.kind == "text":
         train = pack_blocks(train_rows, tokenizer, cols, block_size, train_sequences)
@@ -224,7 +232,7 @@ def prepare_lm_data(
         train = chat_sequences(train_rows, tokenizer, cols, block_size, train_sequences)
         held = chat_sequences(eval_rows, tokenizer, cols, block_size, eval_sequences)
         collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, padding=True)
-    if not train:
+    if not train and not eval_only:
         raise ValueError(f"data {name!r} gives no complete block of {block_size} tokens to train on; lower --block-size or add data")
     if not held:
         raise ValueError(f"data {name!r} leaves nothing to evaluate on; add rows or raise eval_fraction")

@@ -1,0 +1,361 @@
+"""Publishing: export a trained model as a loadable folder with its plan and model card; push it to the Hub.
+
+An exported folder holds
+- the weights (``save_pretrained``): ``master`` exports write the high-precision master weights that the
+  low-precision layers trained (plain ``transformers`` checkpoint); ``int4-packed`` exports write the
+  INT4 layers as real packed codes (two per byte) with their steps, reloaded by :func:`load_exported`;
+- ``hf_lowprec_plan.json``: the precision plan; ``hf_lowprec_run.json``: the run record (see below);
+- ``README.md``: the model card (``model_cards/model_card.md.jinja`` through ``huggingface_hub.ModelCard``).
+
+The run record is a JSON dict: ``base_model`` (hub id or None), ``base_model_path``, ``recipe`` (dict),
+``dataset``, ``data_kind``, ``plan`` (dict), ``layers`` ([{name, format, params}]), ``plan_rows``
+(``PrecisionPlan.summary`` rows), ``training`` (figures), ``eval`` ([{dataset, metric, value}]),
+``hardware``, ``export`` ({weights, loader, dtype, description}), ``adapter`` (optional).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.resources
+import json
+import logging
+import os
+import platform
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+import yaml
+from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData, get_token, snapshot_download
+from torch import nn
+
+from hf_lowprec.convert import apply_plan, eligible_layers, freeze, revert
+from hf_lowprec.modules import LOW_PRECISION_TYPES, PackedInt4Linear
+from hf_lowprec.plan import PrecisionPlan, atomic_write_text
+
+logger = logging.getLogger(__name__)
+
+PLAN_FILE = "hf_lowprec_plan.json"
+RUN_FILE = "hf_lowprec_run.json"
+CARD_FILE = "README.md"
+TEMPLATE = "model_card.md.jinja"
+EXPORT_WEIGHTS = ("master", "int4-packed")
+TASK_TYPES = {"perplexity": "text-generation", "loss": "text-generation", "accuracy": "text-classification"}
+# files a run folder holds that an export does not publish
+RUN_ONLY = ("checkpoints", "log_history.json")
+
+
+# ------------------------------------------------------------------------------------ folders
+@contextlib.contextmanager
+def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield an empty temporary sibling of ``out``; on success it replaces ``out`` in one rename.
+
+    Raises ``ValueError`` if ``out`` exists (and is not empty) without ``overwrite``. On any error the
+    temporary folder is removed and ``out`` is left exactly as it was.
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {str(out)!r} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"output folder {str(out)!r} already exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial"))
+    try:
+        yield tmp
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Move folder ``src`` to ``dst``, replacing ``dst``; ``dst`` is never half-written (rename, then delete the old)."""
+    old = None
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        os.replace(dst, old)
+    try:
+        os.replace(src, dst)
+    except BaseException:
+        if old is not None:
+            os.replace(old, dst)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------- hardware
+def hardware_info() -> dict:
+    """What the run ran on: device, its name, CPU cores, torch version, whether FP8 tensor cores exist."""
+    info = {"device": "cpu", "name": platform.processor() or platform.machine(), "cpu_cores": os.cpu_count(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability()
+        info.update(device="cuda", name=torch.cuda.get_device_name(), compute_capability=f"{cap[0]}.{cap[1]}", gpus=torch.cuda.device_count())
+        info["fp8_tensor_cores"] = cap >= (8, 9)
+    else:
+        info["fp8_tensor_cores"] = False
+    return info
+
+
+# ------------------------------------------------------------------------------ plan records
+def plan_record(model: nn.Module, plan: PrecisionPlan) -> tuple[list[dict], list[dict]]:
+    """``(per-layer [{name, format, params}], summary rows)`` of ``plan`` on ``model``."""
+    assigned = plan.assign(model)
+    layers = eligible_layers(model)
+    per_layer = [{"name": n, "format": spec.name, "params": _weight_numel(layers[n])} for n, spec in assigned.items()]
+    return per_layer, plan.summary(model)
+
+
+def _weight_numel(module: nn.Module) -> int:
+    if isinstance(module, PackedInt4Linear):
+        return module.in_features * module.out_features
+    return module.weight.numel()
+
+
+# ------------------------------------------------------------------------------- model cards
+def _tags(run: Mapping) -> list[str]:
+    formats = {row["format"] for row in run.get("plan_rows", [])}
+    tags = ["hf-lowprec"]
+    if any(f.startswith("fp8") for f in formats):
+        tags.append("fp8")
+    if any(f.startswith("int4") for f in formats):
+        tags.append("int4")
+    recipe = run.get("recipe", {})
+    if recipe.get("method") == "full" and any(f.startswith(("int4", "int8", "nf4")) for f in formats):
+        tags.append("qat")
+    if recipe.get("method") == "int4-lora":
+        tags += ["lora", "peft"]
+    if run.get("export", {}).get("weights") == "int4-packed":
+        tags.append("4-bit")
+    return tags
+
+
+def _eval_results(run: Mapping, model_name: str) -> list[EvalResult]:
+    out = []
+    for row in run.get("eval", []):
+        out.append(EvalResult(
+            task_type=TASK_TYPES.get(row["metric"], "text-generation"), dataset_type=row["dataset"],
+            dataset_name=row["dataset"], dataset_split=row.get("split"), metric_type=row["metric"],
+            metric_value=row["value"],
+        ))  # fmt: skip
+    return out
+
+
+def render_model_card(run: Mapping, repo_id: str | None = None) -> ModelCard:
+    """The model card of an exported run: YAML metadata (``ModelCardData``) + the packaged Jinja template.
+
+    ``repo_id`` appears in the loading snippets (default: a placeholder path).
+    """
+    recipe = run.get("recipe", {})
+    model_name = (repo_id or run.get("name") or "hf-lowprec-model").split("/")[-1]
+    base_model = run.get("base_model")
+    eval_rows = list(run.get("eval", []))
+    datasets = [run["dataset"]] if run.get("dataset") else None
+    card_data = ModelCardData(
+        base_model=base_model, library_name=run.get("export", {}).get("library_name", "transformers"),
+        tags=_tags(run), datasets=datasets, metrics=sorted({r["metric"] for r in eval_rows}) or None,
+        pipeline_tag="text-generation", model_name=model_name, eval_results=_eval_results(run, model_name) or None,
+    )  # fmt: skip
+    from hf_lowprec import __version__
+
+    template = importlib.resources.files("hf_lowprec.model_cards").joinpath(TEMPLATE).read_text()
+    fractions = ", ".join(f"{100 * r['fraction']:.1f}% {r['format']}" for r in run.get("plan_rows", []))
+    return ModelCard.from_template(
+        card_data,
+        template_str=template,
+        model_name=model_name,
+        summary=run.get("summary", f"A model fine-tuned with low-precision layers ({fractions})."),
+        version=__version__,
+        recipe=recipe,
+        recipe_yaml=yaml.safe_dump(recipe, sort_keys=False),
+        base_model=base_model,
+        base_model_path=run.get("base_model_path"),
+        repo_id=repo_id or f"path/to/{model_name}",
+        export=run.get("export", {"loader": "transformers", "dtype": "fp32"}),
+        adapter=run.get("adapter"),
+        plan_file=PLAN_FILE,
+        plan_sentence=f"Share of the eligible parameters (Linear/Embedding weights) per training format: {fractions}.",
+        plan_rows=run.get("plan_rows", []),
+        layers=run.get("layers", []),
+        dataset=run.get("dataset", "unknown"),
+        data_kind=run.get("data_kind", "text"),
+        training_rows=_rows(run.get("training", {})),
+        eval_rows=eval_rows,
+        hardware_rows=_rows(run.get("hardware", {})),
+        limitations=run.get("limitations", _limitations(run)),
+    )
+
+
+def _limitations(run: Mapping) -> str:
+    text = ("Low-precision training changes the numerics of the layers in the plan; check the evaluation above on "
+            "your own data before relying on the model.")  # fmt: skip
+    if any(r["format"].startswith("fp8") for r in run.get("plan_rows", [])) and not run.get("hardware", {}).get("fp8_tensor_cores"):
+        text += " The FP8 layers ran emulated FP8 numerics (this hardware has no FP8 tensor cores): same numbers, slower steps."
+    return text
+
+
+def _rows(figures: Mapping) -> list[tuple[str, str]]:
+    out = []
+    for key, value in figures.items():
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        out.append((key.replace("_", " "), str(value)))
+    return out
+
+
+# ------------------------------------------------------------------------------------ export
+def export_model(
+    model: nn.Module, tokenizer, out: str | os.PathLike, run: Mapping, *, weights: str = "master",
+    overwrite: bool = False, repo_id: str | None = None, extra_files: Mapping[str, str] | None = None,
+) -> Path:  # fmt: skip
+    """Write ``model`` (its plan applied) as a publishable folder at ``out``, atomically; returns ``out``.
+
+    ``weights``: ``master`` (plain high-precision weights; FP8/INT4 layers reverted on a copy) or
+    ``int4-packed`` (INT4 layers frozen to packed codes on a copy; other layers as master weights).
+    ``run``: the run record (see the module docstring); its ``plan``/``layers``/``export`` are filled in here.
+    ``extra_files``: ``{name: text}`` written next to the weights (e.g. ``recipe.yaml``).
+    """
+    if weights not in EXPORT_WEIGHTS:
+        raise ValueError(f"export weights {weights!r}: choose one of {', '.join(EXPORT_WEIGHTS)}")
+    plan = getattr(model, "hf_lowprec_plan", None) or PrecisionPlan()
+    run = dict(run)
+    run["plan"] = plan.to_dict()
+    run["layers"], run["plan_rows"] = plan_record(model, plan)
+    with atomic_output_dir(out, overwrite) as tmp:
+        copy_ = copy.deepcopy(model)
+        if weights == "int4-packed":
+            packed = freeze(copy_)
+            if packed == 0:
+                raise ValueError("export weights 'int4-packed' needs INT4 layers in the plan; this model has none (export 'master')")
+            revert(copy_)  # FP8 / non-INT4 layers back to plain layers with their master weights
+            copy_.config.hf_lowprec = {"packed_int4": plan.to_dict()}
+            run["export"] = {"weights": weights, "loader": "hf_lowprec", "library_name": "hf-lowprec", "dtype": _dtype_name(copy_),
+                             "description": f"{packed} layers as uint8 pairs of 4-bit codes with per-group steps"}  # fmt: skip
+        else:
+            revert(copy_)
+            run["export"] = {"weights": weights, "loader": "transformers", "library_name": "transformers", "dtype": _dtype_name(copy_),
+                             "description": "high-precision master weights"}  # fmt: skip
+        _save_pretrained(copy_, tmp)
+        del copy_
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        atomic_write_text(tmp / PLAN_FILE, json.dumps(plan.to_dict(), indent=2) + "\n")
+        atomic_write_text(tmp / RUN_FILE, json.dumps(run, indent=2, default=str) + "\n")
+        for name, text in (extra_files or {}).items():
+            atomic_write_text(tmp / name, text)
+        render_model_card(run, repo_id).save(tmp / CARD_FILE)
+    return Path(out)
+
+
+def _save_pretrained(model: nn.Module, folder: Path) -> None:
+    if getattr(model, "peft_config", None):
+        raise ValueError("export of a PEFT model goes through hf_lowprec.finetune (adapters or --merge)")
+    model.save_pretrained(folder)
+
+
+def _dtype_name(model: nn.Module) -> str:
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False, repo_id: str | None = None) -> Path:
+    """Copy a finetune run folder's publishable files (weights, tokenizer, plan, record) to ``out`` and re-render its card."""
+    run_dir = Path(run_dir)
+    run = read_run(run_dir)
+    with atomic_output_dir(out, overwrite) as tmp:
+        for item in run_dir.iterdir():
+            if item.name in RUN_ONLY or item.name == CARD_FILE:
+                continue
+            (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
+        render_model_card(run, repo_id).save(tmp / CARD_FILE)
+    return Path(out)
+
+
+def read_run(folder: str | os.PathLike) -> dict:
+    """The run record of an exported/run folder; ``ValueError`` if it is not one."""
+    path = Path(folder) / RUN_FILE
+    if not Path(folder).is_dir():
+        raise ValueError(f"{str(folder)!r} is not a folder")
+    if not path.is_file():
+        raise ValueError(f"{str(folder)!r} is not an hf-lowprec run or export folder (no {RUN_FILE})")
+    return json.loads(path.read_text())
+
+
+# -------------------------------------------------------------------------------------- load
+def load_exported(path_or_repo: str | os.PathLike, *, apply_plan_numerics: bool = False, dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer)`` of an exported folder or Hub repo.
+
+    ``master`` exports load as plain ``transformers`` models; with ``apply_plan_numerics`` the plan is
+    re-applied so the model computes with its training-time FP8/INT4 numerics. ``int4-packed`` exports
+    come back with :class:`PackedInt4Linear` layers holding the saved codes.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from hf_lowprec.checkpoints import load_pretrained
+
+    folder = Path(path_or_repo)
+    if not folder.is_dir():
+        folder = Path(snapshot_download(str(path_or_repo)))
+    run = read_run(folder)
+    plan = PrecisionPlan.load(folder / PLAN_FILE)
+    if run.get("export", {}).get("weights") != "int4-packed":
+        model, tokenizer = load_pretrained(folder, dtype=dtype)
+        if apply_plan_numerics:
+            apply_plan(model, plan)
+        return model, tokenizer
+    config = AutoConfig.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _install_packed(model, plan, dtype)
+    from safetensors.torch import load_file
+
+    state = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(shard))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight") and getattr(config, "tie_word_embeddings", False)}
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{str(path_or_repo)!r}: weights do not match the packed plan (missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]})")
+    if tied:
+        model.tie_weights()
+    tokenizer = AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None
+    model.hf_lowprec_plan = plan
+    return model.eval(), tokenizer
+
+
+def _install_packed(model: nn.Module, plan: PrecisionPlan, dtype: torch.dtype) -> None:
+    """Swap the linears the plan puts in INT4 for empty :class:`PackedInt4Linear` shells."""
+    from hf_lowprec.convert import _set_module  # the module-swapping helper lives in convert.py
+
+    for name, spec in plan.assign(model).items():
+        module = model.get_submodule(name)
+        if spec.family == "int4" and isinstance(module, nn.Linear):
+            shell = PackedInt4Linear(module.in_features, module.out_features, spec, module.bias is not None, dtype)
+            _set_module(model, name, shell)
+
+
+# -------------------------------------------------------------------------------------- push
+def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, create_pr: bool = False, token: str | None = None) -> str:
+    """Create ``repo_id`` (if needed) and upload ``folder``; returns the commit or pull-request URL.
+
+    The token comes from ``token``, else the usual places (``HF_TOKEN``, ``hf auth login``); it is sent
+    only in request headers, never logged or written. The card's loading snippet is re-rendered for ``repo_id``.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"{str(folder)!r} is not a folder to push")
+    token = token or get_token()
+    if not token:
+        raise ValueError("no Hugging Face token found: set HF_TOKEN or run `hf auth login`")
+    if (folder / RUN_FILE).is_file():
+        render_model_card(read_run(folder), repo_id).save(folder / CARD_FILE)
+    api = HfApi(token=token)
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        info = api.upload_folder(folder_path=folder, repo_id=repo_id, create_pr=create_pr,
+                                 commit_message="Upload model trained with hf-lowprec")  # fmt: skip
+    except Exception as e:  # huggingface_hub raises HTTP, validation and connection errors
+        message = str(e).replace(token, "***").strip().splitlines()
+        raise ValueError(f"push to {repo_id!r} failed: {message[0] if message else type(e).__name__}") from None
+    return info.pr_url or info.commit_url

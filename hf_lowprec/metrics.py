@@ -1,0 +1,88 @@
+"""Evaluation figures: causal-LM loss/perplexity and classification accuracy.
+
+Perplexity is computed here (exp of the token-weighted mean negative log-likelihood) because
+``evaluate``'s ``perplexity`` metric reloads a model by hub id and cannot score an in-memory or
+packed-INT4 model. Accuracy goes through ``evaluate.load("accuracy")``; where that metric cannot be
+fetched (offline machines), the same count is made directly and the result says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def _batches(dataset, collator, batch_size: int):
+    for start in range(0, len(dataset), batch_size):
+        yield collator([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
+
+
+def _autocast(dtype: torch.dtype | None, device: torch.device):
+    if dtype is None or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+@torch.no_grad()
+def causal_lm_loss(
+    model: nn.Module, dataset, collator, *, batch_size: int = 4, autocast_dtype: torch.dtype | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> dict:  # fmt: skip
+    """Token-weighted mean next-token loss over ``dataset`` (rows with ``input_ids``/``labels``).
+
+    Returns ``{"loss", "perplexity", "tokens"}``; ``on_batch(rows)`` is called after every batch.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    try:
+        for batch in _batches(dataset, collator, batch_size):
+            batch = {k: v.to(device) for k, v in batch.items()}
+            labels = batch.pop("labels")
+            with _autocast(autocast_dtype, device):
+                logits = model(**batch).logits
+            shift_logits, shift_labels = logits[:, :-1].float(), labels[:, 1:]
+            mask = shift_labels != -100
+            nll = nn.functional.cross_entropy(shift_logits[mask], shift_labels[mask], reduction="sum")
+            total += nll.item()
+            count += int(mask.sum())
+            if on_batch is not None:
+                on_batch(len(labels))
+    finally:
+        model.train(was_training)
+    if count == 0:
+        raise ValueError("the evaluation data has no tokens to score")
+    loss = total / count
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": count}
+
+
+@torch.no_grad()
+def classification_accuracy(model: nn.Module, dataset, collator, *, batch_size: int = 16, on_batch=None) -> dict:
+    """Accuracy of ``model`` (a sequence classifier) on rows with ``labels``: ``{"accuracy", "rows", "metric_source"}``."""
+    model.eval()
+    device = next(model.parameters()).device
+    predictions, references = [], []
+    for batch in _batches(dataset, collator, batch_size):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        labels = batch.pop("labels")
+        predictions += model(**batch).logits.argmax(-1).tolist()
+        references += labels.tolist()
+        if on_batch is not None:
+            on_batch(len(labels))
+    try:
+        import evaluate
+
+        metric = evaluate.load("accuracy")
+        accuracy, source = metric.compute(predictions=predictions, references=references)["accuracy"], "evaluate"
+    except Exception as e:  # evaluate fetches the metric from the Hub; offline it raises FileNotFoundError/ConnectionError
+        logger.warning("evaluate.load('accuracy') is unavailable (%s); counting correct predictions directly", str(e).splitlines()[0])
+        accuracy, source = sum(p == r for p, r in zip(predictions, references)) / max(len(references), 1), "direct count"
+    return {"accuracy": float(accuracy), "rows": len(references), "metric_source": source}
