@@ -1,0 +1,120 @@
+"""apply_plan / revert / freeze on HF models, PEFT-wrapped ones and tied embeddings."""
+
+import pytest
+import torch
+from conftest import lm_batches, tiny_llama
+from peft import LoraConfig, get_peft_model
+from torch import nn
+
+from hf_lowprec import FP8Linear, Int4Embedding, Int4Linear, PackedInt4Linear, PrecisionPlan, apply_plan, freeze, revert
+from hf_lowprec.convert import eligible_layers
+
+
+def test_swap_keeps_parameter_objects_so_an_earlier_optimizer_still_trains_them(llama):
+    params_before = {n: p for n, p in llama.named_parameters()}
+    opt = torch.optim.SGD(llama.parameters(), lr=0.1)
+    report = apply_plan(llama, PrecisionPlan({"*.mlp.*": "int4-g64"}, default="fp8"))
+    assert isinstance(llama.model.layers[0].self_attn.q_proj, FP8Linear)
+    assert isinstance(llama.model.layers[0].mlp.up_proj, Int4Linear)
+    for n, p in llama.named_parameters():
+        if n in params_before:
+            assert p is params_before[n], n
+        else:
+            assert n in report.new_parameters and n.endswith("weight_quantizer.step")
+    snapshot = {n: p.detach().clone() for n, p in params_before.items()}
+    batch = lm_batches(1)[0]
+    llama(**batch).loss.backward()
+    opt.step()
+    unchanged = [n for n, p in params_before.items() if torch.equal(p, snapshot[n])]
+    assert unchanged == []
+
+
+def test_apply_plan_is_idempotent_and_revertible(llama):
+    plan = PrecisionPlan({"*.mlp.*": "int4-g64"}, default="fp8")
+    apply_plan(llama, plan)
+    modules = {n: m for n, m in llama.named_modules()}
+    again = apply_plan(llama, plan)
+    assert all(r.reason == "unchanged" for r in again.swapped)
+    assert again.new_parameters == {}
+    assert all(modules[n] is m for n, m in llama.named_modules() if n in modules)
+    weight = llama.lm_head.weight
+    assert revert(llama) == 15
+    assert type(llama.lm_head) is nn.Linear and llama.lm_head.weight is weight
+    assert not hasattr(llama, "hf_lowprec_plan")
+
+
+def test_replanning_a_converted_layer_changes_its_format(llama):
+    apply_plan(llama, "fp8")
+    apply_plan(llama, PrecisionPlan({"lm_head": "int4-g32"}))
+    assert isinstance(llama.lm_head, Int4Linear)
+    assert type(llama.model.layers[0].self_attn.q_proj) is nn.Linear
+
+
+def test_report_fractions_and_emulation_notes(llama):
+    report = apply_plan(llama, PrecisionPlan({"*.mlp.*": "int4-g64"}, default="fp8"))
+    fr = report.fractions()
+    assert set(fr) == {"fp8", "int4-g64", "bf16"} and abs(sum(fr.values()) - 1) < 1e-9
+    fp8_rows = [r for r in report.layers if r.applied == "fp8"]
+    assert fp8_rows and all(r.backend == "emulated" and "no FP8 tensor cores" in r.reason for r in fp8_rows)
+    assert "layers in low precision" in str(report)
+
+
+def test_tied_embeddings_share_one_weight_and_one_quantizer():
+    model = tiny_llama(tie=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    apply_plan(model, PrecisionPlan({"model.embed_tokens": "int4-g32", "lm_head": "int4-g32"}))
+    assert isinstance(model.model.embed_tokens, Int4Embedding)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight_quantizer is model.model.embed_tokens.weight_quantizer
+    ids = torch.arange(10)
+    table = model.lm_head.quantized_weight()
+    assert torch.equal(model.model.embed_tokens(ids), table[ids])
+
+
+def test_tied_embeddings_with_two_integer_formats_are_refused():
+    model = tiny_llama(tie=True)
+    with pytest.raises(ValueError, match="tied embeddings.*lm_head.*int4-g64"):
+        apply_plan(model, PrecisionPlan({"model.embed_tokens": "int4-g32", "lm_head": "int4-g64"}))
+
+
+def test_peft_lora_model_converts_base_layers_and_keeps_adapters(llama):
+    peft_model = get_peft_model(llama, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    names = set(eligible_layers(peft_model))
+    assert "model.layers.0.self_attn.q_proj" in names and not any("lora" in n for n in names)
+    apply_plan(peft_model, PrecisionPlan({"model.layers.0.self_attn.q_proj": "fp8", "*.mlp.*": "int4-g64"}))
+    wrapper = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    assert isinstance(wrapper.base_layer, FP8Linear)
+    assert type(wrapper.lora_A["default"]) is nn.Linear
+    batch = lm_batches(1)[0]
+    peft_model(**batch).loss.backward()
+    assert wrapper.lora_B["default"].weight.grad.abs().sum() > 0
+
+
+def test_freeze_packs_int4_layers_and_keeps_outputs(llama):
+    apply_plan(llama, PrecisionPlan({"*.mlp.*": "int4-g64"}))
+    batch = lm_batches(1)[0]
+    with torch.no_grad():
+        before = llama(**batch).logits
+    assert freeze(llama) == 6
+    assert isinstance(llama.model.layers[1].mlp.down_proj, PackedInt4Linear)
+    with torch.no_grad():
+        assert torch.allclose(llama(**batch).logits, before, atol=1e-4)
+    with pytest.raises(ValueError, match="frozen packed INT4"):
+        apply_plan(llama, PrecisionPlan({"*.mlp.*": "fp8"}))
+
+
+def test_model_without_eligible_layers_is_refused():
+    model = nn.Sequential(nn.LayerNorm(8), nn.ReLU())
+    with pytest.raises(ValueError, match="Sequential has no eligible layers"):
+        apply_plan(model, "fp8")
+
+
+def test_plan_given_as_path_dict_or_format_name(tmp_path, llama):
+    path = PrecisionPlan({"lm_head": "int4-g64"}).save(tmp_path / "p.yaml")
+    assert isinstance(apply_plan(llama, str(path)) and llama.lm_head, Int4Linear)
+    apply_plan(llama, {"default": "fp8"})
+    assert isinstance(llama.lm_head, FP8Linear)
+    apply_plan(llama, "bf16")
+    assert type(llama.lm_head) is nn.Linear
+    with pytest.raises(ValueError, match="unknown format 'fp7'"):
+        apply_plan(llama, "fp7")
