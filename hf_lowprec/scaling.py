@@ -1,61 +1,458 @@
 """Scale policies: how a low-precision layer chooses the scale of each tensor it quantizes.
 
-A policy is an ``nn.Module`` (its state travels in ``state_dict``) with one job: turn the amax of a
-tensor into an FP8 scale (``q = saturate(x * scale)``). Layers hold one policy per tensor role:
-``input``, ``weight`` and ``grad`` (the gradient of the layer's output).
+A policy is an ``nn.Module`` (its state lives in buffers, so it travels in ``state_dict``) with one
+job: turn the amax of a tensor into an FP8 scale (``q = saturate(x * scale)``). FP8 layers hold one
+policy per tensor role: ``input``, ``weight`` and ``grad`` (the gradient of the layer's output).
 
-For the integer formats the step size itself can be a trained parameter: see
-:class:`LearnedStepQuantizer` (LSQ).
+- :class:`DynamicScaling` — the current tensor's amax (torchao's ``dynamic``).
+- :class:`DelayedScaling` — a reduction over the amaxes of the previous casts (TransformerEngine's
+  ``DelayedScaling``; torchao removed it). Tensorwise only.
+- :class:`GradientScaling` — for quantized gradients: the scale follows a robust running statistic of
+  the gradient's amax, spikes beyond ``k`` times it are clipped (or the step skipped) and counted, and
+  a power-of-two adjustment reacts to saturation/underflow rates (GradScale, Sun et al. 2020; MS-AMP).
+- :class:`LearnedStepQuantizer` / :class:`LearnedActivationQuantizer` — the integer formats' step as a
+  trained parameter (LSQ, Esser et al. 2020).
+- :class:`DynamicLossScaler` — FP16 loss scaling (torch's ``GradScaler`` plus a skipped-step count).
+
+Every policy can record telemetry (saturated and underflowed elements, last scale);
+:func:`collect_telemetry` aggregates it over a model, :func:`make_policy_factory` builds the
+``policy_factory`` that :func:`hf_lowprec.convert.apply_plan` takes.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from hf_lowprec.formats import (
+    FP8_MAX,
     FormatSpec,
     dequantize_nf4,
+    expand_scale,
     fake_quantize_int,
     fp8_scale,
     int_steps,
     quantize_nf4,
+    round_ste,
 )
 
+logger = logging.getLogger(__name__)
+
 ROLES = ("input", "weight", "grad")
+REDUCTIONS = ("max", "most_recent")
+STATISTICS = ("ema", "percentile")
+SPIKE_ACTIONS = ("clip", "skip")
+TELEMETRY_PREFIX = "lowprec/"
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 class ScalePolicy(nn.Module):
     """Base class: ``scale(amax, dtype) -> fp32 scale`` of ``amax``'s shape.
 
-    Subclasses may keep statistics in buffers; ``power_of_two`` rounds scales down to a power of two
-    (exact rescaling, as torchao's rowwise recipe and DeepSeek-V3 do). A subclass that sets
-    ``observes = True`` also sees every cast through :meth:`observe` (telemetry, running statistics).
+    Args:
+        power_of_two: round scales down to a power of two (exact rescaling, as torchao's rowwise
+            recipe and DeepSeek-V3 do).
+        telemetry: count saturated elements (``|x * scale| > max``) and underflows (``x != 0`` cast
+            to 0) of every cast, and keep the last scale, in buffers (see :func:`collect_telemetry`).
+        sync: when ``torch.distributed`` is initialized, reduce tensorwise amaxes with ``MAX`` over
+            ranks before use, so every rank computes the same scale (row/block amaxes are per token
+            and stay local).
+
+    A subclass that sets ``observes = True`` sees every cast through :meth:`observe`.
     """
 
     observes = False
 
-    def __init__(self, power_of_two: bool = False):
+    def __init__(self, power_of_two: bool = False, *, telemetry: bool = False, sync: bool = False):
         super().__init__()
         self.power_of_two = power_of_two
+        self.telemetry = telemetry
+        self.sync = sync
+        if telemetry:
+            self.observes = True
+            for name in ("tele_elements", "tele_saturated", "tele_underflow", "tele_casts"):
+                self.register_buffer(name, torch.zeros((), dtype=torch.int64))
+            self.register_buffer("tele_scale_log2", torch.zeros(()))
 
     def scale(self, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
     def observe(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> None:
         """Called after ``x`` was cast to ``q`` with ``scale`` (block scales: ``block`` is their shape)."""
+        if self.telemetry:
+            self._count(x, q, scale, block)
+
+    @torch.no_grad()
+    def _count(self, x, q, scale, block) -> tuple[torch.Tensor, torch.Tensor]:
+        """Update the telemetry buffers; returns this cast's (saturated, underflow) fractions as fp32 scalars."""
+        full = expand_scale(scale, x.shape, block) if block is not None else scale
+        limit = FP8_MAX[q.dtype] / full
+        saturated = (x.abs().float() > limit).sum()
+        underflow = ((q.view(torch.uint8) & 0x7F) == 0).logical_and_(x != 0).sum()
+        self.tele_elements += x.numel()
+        self.tele_saturated += saturated
+        self.tele_underflow += underflow
+        self.tele_casts += 1
+        self.tele_scale_log2.copy_(torch.log2(scale.float()).mean())
+        return saturated.float() / x.numel(), underflow.float() / x.numel()
+
+    def _reduce_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """``amax`` reduced with MAX over ranks when ``sync`` and distributed (tensorwise only)."""
+        if self.sync and amax.dim() == 0 and _distributed():
+            amax = amax.clone()
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
+        return amax
 
     def extra_repr(self) -> str:
-        return f"power_of_two={self.power_of_two}"
+        return f"power_of_two={self.power_of_two}, telemetry={self.telemetry}, sync={self.sync}"
 
 
 class DynamicScaling(ScalePolicy):
     """Scale from the current tensor's amax (torchao's ``dynamic`` scaling)."""
 
     def scale(self, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return fp8_scale(amax, dtype, self.power_of_two)
+        return fp8_scale(self._reduce_amax(amax), dtype, self.power_of_two)
+
+
+class DelayedScaling(ScalePolicy):
+    """Scale from the amaxes of the previous ``history_len`` casts (TransformerEngine's DelayedScaling).
+
+    The cast at step ``t`` uses ``reduction`` (``max`` or ``most_recent``) over the amaxes recorded
+    at steps ``t-L .. t-1`` — values above that saturate — and then records its own amax. The first
+    cast, with an empty history, uses its own amax. ``margin``: scales are divided by ``2**margin``
+    (headroom, as in TransformerEngine). Tensorwise scales only: per-token amaxes have no history.
+    """
+
+    def __init__(self, history_len: int = 16, reduction: str = "max", margin: int = 0, power_of_two: bool = False, **kwargs):
+        super().__init__(power_of_two, **kwargs)
+        if history_len < 1:
+            raise ValueError(f"history_len must be >= 1, got {history_len}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"unknown amax reduction {reduction!r}; choose one of {', '.join(REDUCTIONS)}")
+        self.history_len, self.reduction, self.margin = history_len, reduction, margin
+        self.register_buffer("amax_history", torch.zeros(history_len))
+        self.register_buffer("recorded", torch.zeros((), dtype=torch.int64))
+
+    @torch.no_grad()
+    def scale(self, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if amax.dim() != 0:
+            raise ValueError(
+                f"DelayedScaling needs tensorwise scales (format 'fp8'), got an amax of shape {tuple(amax.shape)}; "
+                "use dynamic or gradient scaling for fp8-rowwise and fp8-block"
+            )
+        amax = self._reduce_amax(amax.float())
+        if self.reduction == "max":
+            past = self.amax_history.max()
+        else:
+            past = self.amax_history[(self.recorded - 1) % self.history_len]
+        reference = torch.where(self.recorded == 0, amax, past)
+        self.amax_history[self.recorded % self.history_len] = amax
+        self.recorded += 1
+        return fp8_scale(reference, dtype, self.power_of_two) / 2.0**self.margin
+
+    def extra_repr(self) -> str:
+        return f"history_len={self.history_len}, reduction={self.reduction}, margin={self.margin}, {super().extra_repr()}"
+
+
+class GradientScaling(ScalePolicy):
+    """Scale for quantized gradients that follows a robust running statistic instead of the raw max.
+
+    Per cast, with ``a`` the tensor's amax and ``r`` the running statistic of past non-spike amaxes
+    (``ema``: exponential moving average with ``ema_decay``; ``percentile``: that percentile of the
+    last ``history_len``):
+
+    - the scale maps ``limit = r * 2**-adjust`` onto the format's max (row/block scales: each group's
+      amax, capped at ``limit``), so values beyond ``limit`` saturate — FP8 casts clip, they never
+      overflow — and one outlier does not stretch the grid for every other value;
+    - ``a > spike_threshold * r`` is a spike: counted, left out of the statistic, and either clipped
+      (``spike_action="clip"``) or zeroed with a step-skip request (``"skip"``, see
+      :func:`skip_step_if_requested`);
+    - ``adjust`` (a power of two, within ``±max_adjust``) drops by one when more than
+      ``saturation_tol`` of a non-spike cast saturates, and rises by one after ``growth_interval``
+      consecutive casts that lose more than ``underflow_tol`` to zero without saturating
+      (GradScale, Sun et al. 2020; MS-AMP's automatic scaling factor).
+
+    The first ``warmup`` casts only feed the statistic (dynamic scale, no spike test). With
+    ``sync=True`` the amax and the saturation/underflow fractions are reduced with MAX over ranks,
+    so every rank takes the same decisions. Telemetry is always on. Row/block casts count per cast:
+    a rowwise backward casts each gradient twice.
+    """
+
+    observes = True
+
+    def __init__(
+        self, statistic: str = "ema", ema_decay: float = 0.9, history_len: int = 16, percentile: float = 50.0,
+        spike_threshold: float = 8.0, spike_action: str = "clip", warmup: int = 1, saturation_tol: float = 1e-3,
+        underflow_tol: float = 1e-2, growth_interval: int = 4, max_adjust: int = 4, power_of_two: bool = True,
+        telemetry: bool = True, sync: bool = False,
+    ):  # fmt: skip
+        if not telemetry:
+            raise ValueError("GradientScaling needs telemetry=True: its scale adjustments read the saturation counts")
+        super().__init__(power_of_two, telemetry=True, sync=sync)
+        if statistic not in STATISTICS:
+            raise ValueError(f"unknown gradient statistic {statistic!r}; choose one of {', '.join(STATISTICS)}")
+        if spike_action not in SPIKE_ACTIONS:
+            raise ValueError(f"unknown spike_action {spike_action!r}; choose one of {', '.join(SPIKE_ACTIONS)}")
+        if not 0.0 <= ema_decay < 1.0:
+            raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay}")
+        if not 0.0 < percentile <= 100.0:
+            raise ValueError(f"percentile must be in (0, 100], got {percentile}")
+        if spike_threshold <= 1.0:
+            raise ValueError(f"spike_threshold must be > 1, got {spike_threshold}")
+        if history_len < 1 or warmup < 1 or growth_interval < 1 or max_adjust < 0:
+            raise ValueError("history_len, warmup and growth_interval must be >= 1 and max_adjust >= 0")
+        self.statistic, self.ema_decay, self.percentile = statistic, ema_decay, percentile
+        self.spike_threshold, self.spike_action, self.warmup = spike_threshold, spike_action, warmup
+        self.saturation_tol, self.underflow_tol = saturation_tol, underflow_tol
+        self.growth_interval, self.max_adjust = growth_interval, max_adjust
+        int_zero = torch.zeros((), dtype=torch.int64)
+        self.register_buffer("running_amax", torch.zeros(()))
+        self.register_buffer("amax_history", torch.full((history_len,), float("nan")))
+        for name in ("casts", "adjust", "clean_streak", "spikes", "skips_requested"):
+            self.register_buffer(name, int_zero.clone())
+        self.register_buffer("last_spike", torch.zeros((), dtype=torch.bool))
+        self.register_buffer("skip_pending", torch.zeros((), dtype=torch.bool))
+
+    def _statistic(self) -> torch.Tensor:
+        if self.statistic == "ema":
+            return self.running_amax
+        return torch.nanquantile(self.amax_history, self.percentile / 100.0)
+
+    @torch.no_grad()
+    def scale(self, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        a = self._reduce_amax(amax.float().amax())
+        stat = self._statistic()
+        warm = (self.casts >= self.warmup) & (stat > 0)  # a statistic of all-zero gradients cannot judge
+        ref = torch.where(warm, stat, a)
+        spike = warm & (a > self.spike_threshold * ref)
+        limit = ref * torch.exp2(-self.adjust.float())
+        scale = fp8_scale(torch.minimum(amax.float(), limit), dtype, self.power_of_two)
+        # the statistic learns from non-spike casts only
+        keep = ~spike
+        if self.statistic == "ema":
+            ema = torch.where(self.casts == 0, a, self.ema_decay * self.running_amax + (1 - self.ema_decay) * a)
+            self.running_amax.copy_(torch.where(keep, ema, self.running_amax))
+        else:
+            slot = (self.casts - self.spikes) % self.amax_history.numel()
+            self.amax_history[slot] = torch.where(keep, a, self.amax_history[slot])
+        self.spikes += spike
+        self.last_spike.copy_(spike)
+        self.casts += 1
+        return scale
+
+    @torch.no_grad()
+    def observe(self, x, q, scale, block) -> None:
+        saturated, underflow = self._count(x, q, scale, block)
+        if self.sync and _distributed():
+            rates = torch.stack((saturated, underflow))
+            torch.distributed.all_reduce(rates, op=torch.distributed.ReduceOp.MAX)
+            saturated, underflow = rates[0], rates[1]
+        spike = self.last_spike
+        if self.spike_action == "skip":
+            q.view(torch.uint8).masked_fill_(spike, 0)  # the cast's output feeds the backward GEMMs: drop this gradient
+            self.skips_requested += spike
+            self.skip_pending |= spike
+        calm = ~spike
+        down = calm & (saturated > self.saturation_tol)
+        starving = calm & ~down & (saturated == 0) & (underflow > self.underflow_tol)
+        streak = torch.where(starving, self.clean_streak + 1, torch.zeros_like(self.clean_streak))
+        up = streak >= self.growth_interval
+        self.clean_streak.copy_(torch.where(up, torch.zeros_like(streak), streak))
+        self.adjust.copy_((self.adjust - down.long() + up.long()).clamp(-self.max_adjust, self.max_adjust))
+
+    def extra_repr(self) -> str:
+        return (
+            f"statistic={self.statistic}, spike_threshold={self.spike_threshold}, spike_action={self.spike_action}, "
+            f"{super().extra_repr()}"
+        )
+
+
+# ------------------------------------------------------------------------------- skips, telemetry
+
+
+def _policies(model: nn.Module):
+    """``(layer name, role, policy, layer)`` for every scale policy held by a layer's ``scaling`` dict."""
+    from hf_lowprec.convert import canonical_name  # convert imports the modules, which import this file
+
+    for fqn, module in model.named_modules():
+        scaling = getattr(module, "scaling", None)
+        if isinstance(scaling, nn.ModuleDict):
+            for role, policy in scaling.items():
+                if isinstance(policy, ScalePolicy):
+                    yield canonical_name(fqn), role, policy, module
+
+
+@torch.no_grad()
+def skip_step_if_requested(model: nn.Module) -> bool:
+    """If any :class:`GradientScaling` (``spike_action="skip"``) saw a spike since the last call, drop every
+    parameter gradient of ``model`` (set to ``None``: optimizers then leave the parameter and its state
+    alone) and return True. Call it between ``backward`` and ``optimizer.step``.
+    """
+    pending = [p for _, _, p, _ in _policies(model) if isinstance(p, GradientScaling) and bool(p.skip_pending)]
+    if not pending:
+        return False
+    for policy in pending:
+        policy.skip_pending.fill_(False)
+    for param in model.parameters():
+        param.grad = None
+    logger.info("gradient spike in %d casts: optimizer step skipped", len(pending))
+    return True
+
+
+def layer_telemetry(model: nn.Module) -> dict[str, dict[str, dict[str, float]]]:
+    """``{layer: {role: {saturation, underflow, scale_log2, casts[, spikes, skips, adjust]}}}`` since the last reset."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name, role, policy, _ in _policies(model):
+        if not policy.telemetry:
+            continue
+        n = max(int(policy.tele_elements), 1)
+        entry = {
+            "saturation": int(policy.tele_saturated) / n,
+            "underflow": int(policy.tele_underflow) / n,
+            "scale_log2": float(policy.tele_scale_log2),
+            "casts": float(policy.tele_casts),
+        }
+        if isinstance(policy, GradientScaling):
+            entry.update(spikes=float(policy.spikes), skips=float(policy.skips_requested), adjust=float(policy.adjust))
+        out.setdefault(name, {})[role] = entry
+    return out
+
+
+@torch.no_grad()
+def collect_telemetry(model: nn.Module, reset: bool = True) -> dict[str, float]:
+    """Telemetry aggregated over every low-precision layer of ``model``, for Trainer logs.
+
+    Keys (``{fmt}`` a format name such as ``fp8``, ``{role}`` one of input/weight/grad; only formats
+    and roles whose policies record telemetry appear):
+
+    - ``lowprec/{fmt}/{role}_saturation`` and ``..._underflow``: fraction of elements clipped at the
+      format's max / flushed to zero, over all casts since the last reset;
+    - ``lowprec/{fmt}/{role}_scale_log2``: mean over layers of log2 of the last scale;
+    - ``lowprec/spikes``, ``lowprec/skips_requested``: gradient spikes detected and casts zeroed for a
+      step skip, cumulative over training (:class:`GradientScaling`).
+
+    ``reset`` zeroes the per-window counters (not the spike counts) after reading.
+    """
+    sums: dict[tuple[str, str], list[float]] = {}
+    spikes = skips = 0
+    any_gradient = False
+    for _, role, policy, layer in _policies(model):
+        if not policy.telemetry:
+            continue
+        spec = getattr(layer, "spec", None)
+        key = (spec.name if spec is not None else "fp8", role)
+        acc = sums.setdefault(key, [0.0, 0.0, 0.0, 0.0, 0.0])
+        acc[0] += int(policy.tele_elements)
+        acc[1] += int(policy.tele_saturated)
+        acc[2] += int(policy.tele_underflow)
+        if int(policy.tele_casts):
+            acc[3] += float(policy.tele_scale_log2)
+            acc[4] += 1
+        if isinstance(policy, GradientScaling):
+            any_gradient = True
+            spikes += int(policy.spikes)
+            skips += int(policy.skips_requested)
+        if reset:
+            for name in ("tele_elements", "tele_saturated", "tele_underflow", "tele_casts"):
+                getattr(policy, name).zero_()
+    out: dict[str, float] = {}
+    for (fmt, role), (n, sat, under, log2sum, layers) in sums.items():
+        prefix = f"{TELEMETRY_PREFIX}{fmt}/{role}"
+        out[f"{prefix}_saturation"] = sat / n if n else 0.0
+        out[f"{prefix}_underflow"] = under / n if n else 0.0
+        out[f"{prefix}_scale_log2"] = log2sum / layers if layers else 0.0
+    if any_gradient:
+        out[f"{TELEMETRY_PREFIX}spikes"] = float(spikes)
+        out[f"{TELEMETRY_PREFIX}skips_requested"] = float(skips)
+    return out
+
+
+# ------------------------------------------------------------------------------------ factories
+
+
+POLICIES = {"dynamic": DynamicScaling, "delayed": DelayedScaling, "gradient": GradientScaling}
+SCALERS = tuple(POLICIES)
+
+
+def _options_of(cls) -> set[str]:
+    names: set[str] = set()
+    for klass in (cls, ScalePolicy):
+        names |= {p for p in inspect.signature(klass.__init__).parameters if p not in ("self", "kwargs")}
+    return names
+
+
+def make_policy(name: str, **kwargs) -> ScalePolicy:
+    """Build a scale policy by name (``dynamic``, ``delayed``, ``gradient``) with its options."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown scale policy {name!r}; choose one of {', '.join(POLICIES)}")
+    cls = POLICIES[name]
+    unknown = set(kwargs) - _options_of(cls)
+    if unknown:
+        raise ValueError(f"scale policy {name!r}: unknown options {sorted(unknown)}; allowed: {sorted(_options_of(cls))}")
+    return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class PolicyFactory:
+    """``(layer name, role, spec) -> ScalePolicy`` for :func:`hf_lowprec.convert.apply_plan`.
+
+    ``scaler`` names the policy of the ``grad`` role (``dynamic``, ``delayed`` or ``gradient``);
+    ``input``/``weight`` use ``delayed`` when ``scaler="delayed"`` and ``dynamic`` otherwise.
+    ``options`` go to the gradient policy; ``telemetry``, ``sync`` and ``power_of_two`` (default: power
+    of two for row/block scales, as FP8Linear does) go to every role.
+    """
+
+    scaler: str = "dynamic"
+    options: Mapping = field(default_factory=dict)
+    telemetry: bool = True
+    sync: bool = False
+    power_of_two: bool | None = None
+
+    def __post_init__(self):
+        if self.scaler not in SCALERS:
+            raise ValueError(f"unknown scaler {self.scaler!r}; choose one of {', '.join(SCALERS)}")
+        allowed = _options_of(POLICIES[self.scaler]) - {"telemetry", "sync", "power_of_two"}
+        unknown = set(self.options) - allowed
+        if unknown:
+            raise ValueError(f"scaler {self.scaler!r}: unknown options {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+    def __call__(self, name: str, role: str, spec: FormatSpec) -> ScalePolicy:
+        if role not in ROLES:
+            raise ValueError(f"unknown tensor role {role!r}; choose one of {', '.join(ROLES)}")
+        if self.scaler == "delayed" and spec.granularity != "tensor":
+            raise ValueError(
+                f"layer {name!r}: delayed scaling needs tensorwise fp8 (format 'fp8'), not {spec.name}; "
+                "choose scaler 'dynamic' or 'gradient' for rowwise/blockwise layers"
+            )
+        pow2 = spec.granularity != "tensor" if self.power_of_two is None else self.power_of_two
+        common = {"telemetry": self.telemetry, "sync": self.sync}
+        if role == "grad" or self.scaler == "delayed":
+            if self.scaler == "gradient":
+                common["telemetry"] = True
+            return POLICIES[self.scaler](**dict(self.options), power_of_two=pow2, **common)
+        return DynamicScaling(pow2, **common)
+
+    def to_dict(self) -> dict:
+        return {"scaler": self.scaler, "options": dict(self.options), "telemetry": self.telemetry, "sync": self.sync,
+                "power_of_two": self.power_of_two}  # fmt: skip
+
+
+def make_policy_factory(scaler: str = "dynamic", *, telemetry: bool = True, sync: bool = False,
+                        power_of_two: bool | None = None, **options) -> PolicyFactory:  # fmt: skip
+    """The ``policy_factory`` for ``apply_plan``: e.g. ``make_policy_factory("gradient", spike_action="skip", sync=True)``."""
+    return PolicyFactory(scaler, dict(options), telemetry, sync, power_of_two)
+
+
+# ------------------------------------------------------------------------- learned steps (LSQ)
 
 
 class LearnedStepQuantizer(nn.Module):
@@ -63,9 +460,11 @@ class LearnedStepQuantizer(nn.Module):
 
     The step is initialised from the weight (``amax / qmax``, or min/max with a zero point when
     asymmetric). When ``learnable``, it is an ``nn.Parameter`` whose gradient is scaled by
-    ``1 / sqrt(N * Qp)`` with ``N`` the group size (Esser et al., 2020, "Learned Step Size
-    Quantization"); otherwise steps are recomputed from the weight on every call (max calibration).
-    NF4 has no integer grid and always uses the per-group absmax.
+    ``1 / sqrt(N * Qp)`` with ``N`` the group size (the number of weights sharing one step) and ``Qp``
+    the largest code (Esser et al., 2020, "Learned Step Size Quantization"); otherwise steps are
+    recomputed from the weight on every call (max calibration). NF4 has no integer grid and always uses
+    the per-group absmax. Steps made after an optimizer was built must be added to it:
+    :func:`add_new_parameters`.
     """
 
     def __init__(self, weight: torch.Tensor, spec: FormatSpec, learnable: bool = True):
@@ -97,8 +496,8 @@ class LearnedStepQuantizer(nn.Module):
         step, zero = self.step, self.zero
         if rows is not None:
             step, zero = step[rows], None if zero is None else zero[rows]
-        scaled = step * self.grad_scale
-        step = step.detach() + (scaled - scaled.detach())  # exactly the step's value; gradient x grad_scale (LSQ)
+        scaled = step * self.grad_scale  # same value, gradient scaled by grad_scale (LSQ)
+        step = (step - scaled).detach() + scaled
         return fake_quantize_int(w, self.spec, step.abs().clamp(min=1e-8), zero)
 
     def steps(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -111,9 +510,110 @@ class LearnedStepQuantizer(nn.Module):
         return f"{self.spec.name}, learnable={self.learnable}"
 
 
-def make_policy(name: str, **kwargs) -> ScalePolicy:
-    """Build a scale policy by name (``dynamic``)."""
-    policies = {"dynamic": DynamicScaling}
-    if name not in policies:
-        raise ValueError(f"unknown scale policy {name!r}; choose one of {', '.join(policies)}")
-    return policies[name](**kwargs)
+class LearnedActivationQuantizer(nn.Module):
+    """LSQ for activations: fake-quantize ``x`` (any shape) to a signed integer grid with one learned step.
+
+    ``spec`` gives the grid (``int8``: codes -128..127, ``int4``: -8..7). The step is initialised on the
+    first call to ``2 * mean|x| / sqrt(Qp)`` (Esser et al., 2020) and trained through the
+    straight-through estimator, its gradient scaled by ``1 / sqrt(N * Qp)`` with ``N`` the number of
+    elements quantized per call.
+    """
+
+    def __init__(self, spec: FormatSpec | str = "int8"):
+        super().__init__()
+        self.spec = FormatSpec.parse(spec)
+        if self.spec.family not in ("int4", "int8") or not self.spec.symmetric:
+            raise ValueError(f"LearnedActivationQuantizer needs a symmetric int4/int8 format, not {self.spec.name}")
+        self.step = nn.Parameter(torch.ones(()))
+        self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qmin, qmax = self.spec.qrange
+        if not bool(self.initialized):
+            with torch.no_grad():
+                self.step.copy_((2 * x.detach().abs().float().mean() / math.sqrt(qmax)).clamp(min=1e-8))
+                self.initialized.fill_(True)
+        grad_scale = 1.0 / math.sqrt(x.numel() * qmax)
+        scaled = self.step * grad_scale
+        step = ((self.step - scaled).detach() + scaled).abs().clamp(min=1e-8)
+        return (round_ste((x.float() / step).clamp(qmin, qmax)) * step).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return self.spec.name
+
+
+def add_new_parameters(optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Parameter] | Iterable[nn.Parameter],
+                       lr: float | None = None, weight_decay: float = 0.0, scheduler=None) -> int:  # fmt: skip
+    """Add the parameters not yet in ``optimizer`` as one new param group; returns how many were added.
+
+    For learned steps made after the optimizer (``apply_plan(...).new_parameters``). ``lr``: the group's
+    learning rate (default: the optimizer's default); ``weight_decay`` 0 (decay would shrink steps).
+    ``scheduler``: an LR scheduler built on ``optimizer`` (``LambdaLR`` family) to extend, so the new
+    group follows the same schedule.
+    """
+    params = list(params.values()) if isinstance(params, Mapping) else list(params)
+    known = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    new, seen = [], set()
+    for p in params:
+        if p.requires_grad and id(p) not in known and id(p) not in seen:
+            new.append(p)
+            seen.add(id(p))
+    if not new:
+        return 0
+    group = {"params": new, "weight_decay": weight_decay}
+    if lr is not None:
+        group["lr"] = lr
+    optimizer.add_param_group(group)
+    if scheduler is not None:
+        added = optimizer.param_groups[-1]
+        base_lr = added["lr"]
+        added.setdefault("initial_lr", base_lr)
+        scheduler.base_lrs.append(base_lr)
+        if hasattr(scheduler, "lr_lambdas"):
+            scheduler.lr_lambdas.append(scheduler.lr_lambdas[0])
+        if hasattr(scheduler, "_last_lr"):
+            factor = scheduler._last_lr[0] / scheduler.base_lrs[0] if scheduler.base_lrs[0] else 1.0
+            added["lr"] = base_lr * factor
+            scheduler._last_lr.append(added["lr"])
+    return len(new)
+
+
+# ---------------------------------------------------------------------------- FP16 loss scaling
+
+
+class DynamicLossScaler(torch.amp.GradScaler):
+    """FP16 dynamic loss scaling: multiply the loss by ``scale``, skip the step and halve ``scale`` when a
+    gradient is inf/NaN, double it after ``growth_interval`` clean steps.
+
+    That scheme is exactly torch's ``GradScaler`` (CPU and CUDA), which this class is; it adds only what
+    torch lacks for telemetry: ``steps_skipped``, counted in :meth:`update` and kept in ``state_dict``.
+    Use as ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``.
+    """
+
+    def __init__(self, device: str = "cpu", init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True):  # fmt: skip
+        super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        self.steps_skipped = 0
+
+    def update(self, new_scale=None) -> None:
+        if not self.is_enabled():
+            return
+        before = self.get_scale()
+        super().update(new_scale)
+        if new_scale is None and self.get_scale() < before:
+            self.steps_skipped += 1
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if state:
+            state["steps_skipped"] = self.steps_skipped
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state = dict(state_dict)
+        self.steps_skipped = int(state.pop("steps_skipped", 0))
+        super().load_state_dict(state)
+
+    def telemetry(self) -> dict[str, float]:
+        """``lowprec/loss_scale`` and ``lowprec/loss_scale_steps_skipped``."""
+        return {f"{TELEMETRY_PREFIX}loss_scale": self.get_scale(), f"{TELEMETRY_PREFIX}loss_scale_steps_skipped": float(self.steps_skipped)}
