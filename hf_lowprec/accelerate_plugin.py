@@ -1,0 +1,262 @@
+"""LowPrecisionPlugin: a precision plan in an Accelerate training loop, with one call around ``prepare``.
+
+    accelerator = Accelerator()
+    lowprec = LowPrecisionPlugin("fp8")
+    model, optimizer, loader = lowprec.prepare(accelerator, model, optimizer, loader)
+
+``prepare`` converts the model *before* Accelerate wraps it for DDP/FSDP, so every rank holds the
+same layers and DDP registers the learned INT4 steps; it puts new parameters into the optimizer
+(the group of their layer's weight), re-points the optimizer at any parameter a conversion replaced,
+and raises if any trainable parameter is still missing from it — before and after Accelerate's own
+``prepare``. Accelerate's ``mixed_precision="fp8"`` alone, called as ``prepare(model, optimizer)``,
+swaps Linear weights after the optimizer captured them and leaves them untrained; with the plugin
+that cannot happen.
+
+With ``mixed_precision="fp8"`` and torchao as Accelerate's FP8 backend, the plan's FP8 Linear layers
+whose scaling matches the recipe (``fp8`` tensorwise / ``fp8-rowwise`` axiswise) are handed to
+torchao: the plan becomes ``AORecipeKwargs.module_filter_func``, so torchao's ``Float8Linear`` (and
+its ``_scaled_mm`` kernels on FP8 GPUs) runs exactly those layers and no others; the plugin's own
+layers run the rest of the plan.
+
+Under more than one process the FP8 scale policies reduce their tensorwise amaxes with ``MAX`` over
+ranks (``sync``), so every rank quantizes with the same scales.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from hf_lowprec.callback import (
+    _is_auto,
+    _preserved_rng,
+    _same_on_all_ranks,
+    _world,
+    align_new_parameters,
+    coverage,
+    insert_new_parameters,
+    load_plan_source,
+    orphaned_parameters,
+)
+from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eligible_layers
+from hf_lowprec.formats import FormatSpec
+from hf_lowprec.plan import PrecisionPlan
+from hf_lowprec.scaling import TELEMETRY_PREFIX, collect_telemetry, make_policy_factory, skip_step_if_requested
+
+logger = logging.getLogger(__name__)
+
+TORCHAO_MIN_DIM = 16  # torch._scaled_mm needs both GEMM dims divisible by 16 (Accelerate's own filter)
+
+
+def _torchao_granularity(config) -> str | None:
+    """The FP8 granularity (``tensor``/``row``) of a torchao ``Float8LinearConfig``; None if mixed."""
+    from torchao.float8.config import ScalingGranularity
+
+    grans = {c.scaling_granularity for c in (config.cast_config_input, config.cast_config_weight, config.cast_config_grad_output)}
+    if grans == {ScalingGranularity.TENSORWISE}:
+        return "tensor"
+    if grans == {ScalingGranularity.AXISWISE}:
+        return "row"
+    return None
+
+
+class LowPrecisionPlugin:
+    """Apply a precision plan in an Accelerate loop and keep every trainable parameter in the optimizer.
+
+    Args:
+        plan: ``"auto"`` (scan + allocation; needs ``calibration_data`` or a DataLoader in ``prepare``),
+            a :class:`PrecisionPlan`, a dict, a plan file, a folder holding ``hf_lowprec_plan.json``,
+            or a format name for every Linear.
+        keep, budget, formats, calibration_batches, scan_method, seed: as for
+            :class:`hf_lowprec.callback.LowPrecisionCallback`.
+        scaler: FP8 scale policy (``dynamic``, ``delayed``, ``gradient``); ``scaler_options`` go to it.
+        fp8_backend: the plugin's own FP8 layers: ``auto``, ``emulated`` or ``torchao``.
+        learn_scales: train INT4/INT8 group steps (LSQ).
+        sync: reduce FP8 amaxes over ranks; default: when more than one process runs.
+    """
+
+    def __init__(
+        self, plan="auto", *, keep: tuple[str, ...] = (), budget=None, formats=("fp8", "int4-g64"),
+        calibration_batches: int = 4, scan_method: str = "auto", scaler: str = "dynamic",
+        scaler_options: Mapping | None = None, fp8_backend: str = "auto", learn_scales: bool = True,
+        sync: bool | None = None, seed: int = 0,
+    ):  # fmt: skip
+        self._auto = _is_auto(plan)
+        if not self._auto and budget is not None:
+            raise ValueError("budget= applies only to plan='auto'")
+        if calibration_batches < 1:
+            raise ValueError(f"calibration_batches must be >= 1, got {calibration_batches}")
+        for fmt in formats:
+            FormatSpec.parse(fmt)
+        make_policy_factory(scaler, **dict(scaler_options or {}))  # raises for unknown names/options
+        self.keep, self.budget, self.formats = tuple(keep), budget, tuple(formats)
+        self.calibration_batches, self.scan_method, self.seed = calibration_batches, scan_method, seed
+        self.scaler, self.scaler_options = scaler, dict(scaler_options or {})
+        self.fp8_backend, self.learn_scales, self.sync = fp8_backend, learn_scales, sync
+        self.plan: PrecisionPlan | None = None if self._auto else load_plan_source(plan, self.keep)
+        self.report: ConversionReport | None = None
+        self.torchao_layers: list[str] = []
+        self.coverage: dict[str, float] = {}
+        self.scan_seconds = 0.0
+        self.steps_skipped = 0
+        self._model: nn.Module | None = None
+
+    # ----------------------------------------------------------------------------------- prepare
+    def prepare(self, accelerator, *objects, calibration_data: Iterable[Mapping] | None = None):
+        """Convert the one model among ``objects``, fix the optimizer, then ``accelerator.prepare(*objects)``.
+
+        Returns what ``accelerator.prepare`` returns, in the same order. ``calibration_data``: batches
+        for ``plan="auto"`` (default: the first DataLoader among ``objects``).
+        """
+        models = [o for o in objects if isinstance(o, nn.Module)]
+        optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+        if len(models) != 1 or len(optimizers) > 1:
+            raise ValueError(f"prepare takes one model and at most one optimizer, got {len(models)} models and {len(optimizers)} optimizers")
+        model, optimizer = models[0], (optimizers[0] if optimizers else None)
+        if self.plan is None and calibration_data is None:
+            calibration_data = next((o for o in objects if isinstance(o, torch.utils.data.DataLoader)), None)
+        self.convert(model, optimizer, accelerator=accelerator, calibration_data=calibration_data)
+        prepared = accelerator.prepare(*objects)
+        prepared = prepared if isinstance(prepared, tuple) else (prepared,)
+        if optimizer is not None:
+            wrapped = next(o for o in prepared if isinstance(o, nn.Module))
+            inner = next(o for o in prepared if isinstance(o, torch.optim.Optimizer))
+            orphans = orphaned_parameters(accelerator.unwrap_model(wrapped), inner)
+            if orphans:
+                raise ValueError(f"after accelerator.prepare, trainable parameters are missing from the optimizer: {orphans[:5]}")
+        accelerator.register_for_checkpointing(self)
+        return prepared if len(prepared) > 1 else prepared[0]
+
+    def convert(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, accelerator=None,
+                calibration_data: Iterable[Mapping] | None = None) -> nn.Module:  # fmt: skip
+        """Convert ``model`` in place and fit ``optimizer`` to it, without wrapping (for loops that wrap
+        the model themselves, e.g. with ``torch.distributed.fsdp.fully_shard``: call this first).
+
+        Raises ``ValueError`` if a trainable parameter is missing from ``optimizer`` afterwards.
+        """
+        if getattr(model, "_is_accelerate_prepared", False) or isinstance(model, nn.parallel.DistributedDataParallel):
+            raise ValueError("the model is already prepared/wrapped; pass the plain model so it is converted before wrapping")
+        if any(type(m).__name__.startswith(("FSDP", "FullyShardedDataParallel")) for m in model.modules()):
+            raise ValueError("the model is already sharded with FSDP; convert it before fully_shard / prepare")
+        if not eligible_layers(model):
+            raise ValueError(f"{type(model).__name__} has no eligible layers (nn.Linear / nn.Embedding) to put in low precision")
+        if self.plan is None:
+            if calibration_data is None:
+                raise ValueError("plan='auto' needs calibration_data= or a DataLoader among the prepared objects")
+            self.plan = self._scan(model, calibration_data)
+        before = {name: p for name, p in model.named_parameters()}
+        self._convert(accelerator, model)
+        if optimizer is not None:
+            self._repoint(optimizer, model, before)
+            insert_new_parameters(optimizer, model, self._new_params)
+            orphans = orphaned_parameters(model, optimizer)
+            if orphans:
+                raise ValueError(f"trainable parameters missing from the optimizer: {orphans[:5]}{' ...' if len(orphans) > 5 else ''}; freeze them (requires_grad_(False)) or add them")
+            getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(self._before_step)
+        return model
+
+    def _scan(self, model: nn.Module, batches: Iterable[Mapping]) -> PrecisionPlan:
+        from hf_lowprec import sensitivity
+
+        start = time.perf_counter()
+        with _preserved_rng():
+            data = [b for _, b in zip(range(self.calibration_batches), batches)]
+            result = sensitivity.scan(model, data, formats=self.formats, method=self.scan_method, seed=self.seed)
+        if isinstance(self.budget, Mapping):
+            plan = sensitivity.allocate(result, keep=self.keep, **self.budget)
+        else:
+            plan = sensitivity.allocate(result, budget=self.budget, keep=self.keep)
+        self.scan_seconds = time.perf_counter() - start
+        return _same_on_all_ranks(plan)
+
+    def _convert(self, accelerator, model: nn.Module) -> None:
+        """Our layers for the plan, minus the FP8 layers handed to Accelerate's torchao backend."""
+        plan = self.plan
+        fp8 = getattr(accelerator, "fp8_enabled", False)
+        handler = getattr(accelerator, "ao_recipe_handler", None) if fp8 else None
+        if fp8 and handler is None:
+            raise ValueError(f"mixed_precision='fp8' with Accelerate's {accelerator.fp8_backend} backend is not supported; use torchao (AORecipeKwargs) or mixed_precision='no'/'bf16'")
+        ours = plan
+        if handler is not None:
+            gran = _torchao_granularity(handler.config)
+            layers = eligible_layers(model)
+            self.torchao_layers = [
+                name for name, spec in plan.assign(model).items()
+                if spec.family == "fp8" and spec.granularity == gran and type(layers[name]) is nn.Linear
+                and layers[name].in_features % TORCHAO_MIN_DIM == 0 and layers[name].out_features % TORCHAO_MIN_DIM == 0
+            ]  # fmt: skip
+            ours = PrecisionPlan({**plan.layers, **{n: "bf16" for n in self.torchao_layers}}, default=plan.default, model=plan.model)
+        world = accelerator.num_processes if accelerator is not None else _world()[1]
+        factory = make_policy_factory(self.scaler, sync=world > 1 if self.sync is None else self.sync, **self.scaler_options)
+        self.report = apply_plan(model, ours, fp8_backend=self.fp8_backend, learn_scales=self.learn_scales, policy_factory=factory)
+        model.hf_lowprec_plan = plan  # the whole plan, torchao's layers included
+        if handler is not None:
+            handler.module_filter_func = self._torchao_filter
+            from accelerate.utils.ao import convert_model_to_fp8_ao
+
+            # convert now, before the optimizer is re-pointed; Accelerate's own pass in prepare() then
+            # finds no plain Linear the filter accepts and changes nothing
+            convert_model_to_fp8_ao(model, config=handler.config, module_filter_func=self._torchao_filter)
+            for r in self.report.layers:
+                if r.name in self.torchao_layers:
+                    r.requested = r.applied = plan.resolve(r.name).name
+                    r.module, r.backend, r.reason = "torchao.Float8Linear", "torchao", "handed to Accelerate's torchao backend"
+        if not self.report.swapped:
+            raise ValueError(f"the plan puts no layer of {type(model).__name__} in low precision: {plan.to_dict()}")
+        for r in self.report.not_applied:
+            logger.warning("%s: requested %s, runs %s (%s)", r.name, r.requested, r.applied, r.reason)
+        self._model = model
+        self._new_params = align_new_parameters(model, self.report.new_parameters.values())
+        self.coverage = coverage(model, self.report)
+        logger.info("hf_lowprec: %s", self.report)
+
+    def _torchao_filter(self, module: nn.Module, fqn: str) -> bool:
+        """``AORecipeKwargs.module_filter_func``: exactly the plan's FP8 layers torchao runs."""
+        return type(module) is nn.Linear and canonical_name(fqn) in self.torchao_layers
+
+    @staticmethod
+    def _repoint(optimizer: torch.optim.Optimizer, model: nn.Module, before: Mapping[str, nn.Parameter]) -> None:
+        """Replace, in ``optimizer``, every parameter a conversion replaced (same name, new object)."""
+        after = dict(model.named_parameters())
+        mapping = {id(p): after[n] for n, p in before.items() if n in after and after[n] is not p}
+        if not mapping:
+            return
+        for group in optimizer.param_groups:
+            group["params"] = [mapping.get(id(p), p) for p in group["params"]]
+        for old_id, new in mapping.items():
+            old = next((p for p in optimizer.state if id(p) == old_id), None)
+            if old is not None:
+                optimizer.state[new] = optimizer.state.pop(old)
+        logger.info("re-pointed %d optimizer parameters replaced by the conversion", len(mapping))
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        """Optimizer step pre-hook: a gradient policy's spike ``skip`` drops this step on every rank."""
+        if self._model is not None and skip_step_if_requested(self._model):
+            self.steps_skipped += 1
+
+    # --------------------------------------------------------------------------------- telemetry
+    def telemetry(self) -> dict[str, float]:
+        """``lowprec/...`` values for ``accelerator.log``: coverage, saturation/underflow, spikes, skips, scan time."""
+        out = {TELEMETRY_PREFIX + k: v for k, v in self.coverage.items()}
+        if self._model is not None:
+            out.update(collect_telemetry(self._model))
+        out[TELEMETRY_PREFIX + "scan_seconds"] = self.scan_seconds
+        out[TELEMETRY_PREFIX + "steps_skipped"] = float(self.steps_skipped)
+        return out
+
+    # -------------------------------------------------------- Accelerate save_state / load_state
+    def state_dict(self) -> dict:
+        return {"plan": None if self.plan is None else self.plan.to_dict(), "steps_skipped": self.steps_skipped, "scan_seconds": self.scan_seconds}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        if state.get("plan") is not None and self.plan is not None and state["plan"] != self.plan.to_dict():
+            raise ValueError(f"the saved state was trained with another plan: {state['plan']}; this run uses {self.plan.to_dict()}")
+        self.steps_skipped = int(state.get("steps_skipped", 0))
+        self.scan_seconds = float(state.get("scan_seconds", 0.0))
+
+
+__all__ = ["LowPrecisionPlugin"]

@@ -1,0 +1,147 @@
+"""One rank of the distributed tests (run by ``torch.distributed.run``, or plainly for one process).
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/distributed_worker.py trainer,plugin,fsdp2 OUT [--no-sync] [--fp32]
+
+Trains a tiny Llama for ``STEPS`` optimizer steps with a global batch of ``GLOBAL_BATCH`` sequences
+taken in order, so any world size sees the same batches. Modes: ``trainer`` (``transformers.Trainer``
++ ``LowPrecisionCallback``), ``plugin`` (an Accelerate loop + ``LowPrecisionPlugin``, DDP) and
+``fsdp2`` (a plain loop, ``LowPrecisionPlugin.convert`` then torch's FSDP2 ``fully_shard``). Writes ``OUT/<mode>/losses.json`` (rank 0) and
+``OUT/<mode>/rank<r>.safetensors`` (every rank's parameters after training). ``--fp32`` trains without the
+callback (the reference for what a different world size alone changes); ``--no-sync`` turns off the
+amax reduction over ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import lm_batches, tiny_llama  # noqa: E402
+
+STEPS = 5
+GLOBAL_BATCH = 8
+PLAN = {"default": "fp8", "layers": {"*.mlp.down_proj": "int4-g64", "lm_head": "bf16"}}
+
+
+def dataset_rows() -> list[list[int]]:
+    ids = torch.cat([b["input_ids"] for b in lm_batches(n=STEPS, batch=GLOBAL_BATCH, seq=32, seed=3)])
+    return ids.tolist()
+
+
+def world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def run_trainer(out: Path, sync: bool | None, fp32: bool) -> tuple[list[float], torch.nn.Module]:
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    from hf_lowprec.callback import LowPrecisionCallback
+
+    _, size = world()
+    rows = dataset_rows()
+    ds = Dataset.from_dict({"input_ids": rows, "labels": rows})
+    args = TrainingArguments(
+        str(out / "run"), use_cpu=True, max_steps=STEPS, per_device_train_batch_size=GLOBAL_BATCH // size,
+        learning_rate=3e-3, logging_steps=1, report_to=[], save_strategy="no", train_sampling_strategy="sequential",
+        ddp_backend="gloo" if size > 1 else None, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    model = tiny_llama()
+    callbacks = [] if fp32 else [LowPrecisionCallback(PLAN, sync=sync)]
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks)
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], model
+
+
+def run_accelerate(out: Path, sync: bool | None) -> tuple[list[float], torch.nn.Module]:
+    from accelerate import Accelerator
+
+    from hf_lowprec.accelerate_plugin import LowPrecisionPlugin
+
+    _, size = world()
+    accelerator = Accelerator(cpu=True)
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rows = torch.tensor(dataset_rows())
+    loader = torch.utils.data.DataLoader([{"input_ids": r, "labels": r} for r in rows], batch_size=GLOBAL_BATCH // size)
+    lowprec = LowPrecisionPlugin(PLAN, sync=sync)
+    model, optimizer, loader = lowprec.prepare(accelerator, model, optimizer, loader)
+    losses = []
+    for batch in loader:
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(accelerator.gather(loss.detach()[None]).mean().item())
+    return losses, accelerator.unwrap_model(model)
+
+
+def run_fsdp2(out: Path, sync: bool | None) -> tuple[list[float], torch.nn.Module]:
+    """FSDP2 straight from torch (Accelerate enables FSDP only on accelerators, not for CPU processes)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_lowprec.accelerate_plugin import LowPrecisionPlugin
+
+    rank, size = world()
+    if size > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    model = tiny_llama()
+    LowPrecisionPlugin(PLAN, sync=sync).convert(model)  # before sharding
+    if size > 1:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)  # FSDP2: built on the sharded parameters
+    rows = torch.tensor(dataset_rows())
+    per = GLOBAL_BATCH // size
+    losses = []
+    for step in range(STEPS):
+        ids = rows[step * GLOBAL_BATCH + rank * per : step * GLOBAL_BATCH + (rank + 1) * per]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        if size > 1:
+            dist.all_reduce(mean)
+        losses.append(mean.item() / size)
+    return losses, model
+
+
+def run(mode: str, out: Path, sync: bool | None = None, fp32: bool = False) -> None:
+    """Train in ``mode`` and write ``out/losses.json`` (rank 0) and ``out/rank<r>.safetensors``."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)  # as torch.distributed.run sets for each process: same kernels, same rounding
+    if mode == "trainer":
+        losses, model = run_trainer(out, sync, fp32)
+    elif mode == "plugin":
+        losses, model = run_accelerate(out, sync)
+    else:
+        losses, model = run_fsdp2(out, sync)
+    rank, size = world()
+    # FSDP2 parameters are DTensor shards: gather the full tensor on every rank
+    sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
+    params = {n: getattr(p, "full_tensor", p.detach)().detach().float().contiguous().clone() for n, p in model.named_parameters()}
+    save_file(params, str(out / f"rank{rank}.safetensors"))
+    if rank == 0:
+        (out / "losses.json").write_text(json.dumps({"world": size, "losses": losses, "sharded": sharded}))
+
+
+def main() -> None:
+    modes, out = sys.argv[1].split(","), Path(sys.argv[2])
+    sync = False if "--no-sync" in sys.argv else None
+    for mode in modes:  # several modes share one launch (process start-up dominates the cost)
+        run(mode, out / mode, sync, fp32="--fp32" in sys.argv)
+
+
+if __name__ == "__main__":
+    main()
