@@ -244,12 +244,11 @@ def prepare_lm_data(
 
 
 def prepare_classification_data(
-    source: str | Path, tokenizer: PreTrainedTokenizerBase, max_length: int, *, text_column: str | None = None,
-    label_column: str = "label", split: str = "train", max_rows: int | None = None,
+    records: datasets.Dataset, name: str, tokenizer: PreTrainedTokenizerBase, max_length: int, *,
+    text_column: str | None = None, label_column: str = "label", max_rows: int | None = None,
 ) -> datasets.Dataset:  # fmt: skip
     """Tokenized ``input_ids``/``attention_mask``/``labels`` rows for sequence classification."""
-    ds = load_records(source, split=split)
-    name = str(source)
+    ds = records
     if label_column not in ds.column_names:
         raise ValueError(f"data {name!r} has no label column {label_column!r}; its columns are {', '.join(ds.column_names)}")
     cols = detect_columns(ds, name, text_column, None)

@@ -171,6 +171,11 @@ class Recipe:
         if self.method == "int4-lora" and fixed_format and FormatSpec.parse(self.precision.plan).family == "fp8":
             raise ValueError(f"method 'int4-lora' keeps its frozen base in an integer format, not {self.precision.plan!r}")
 
+    @property
+    def summary(self) -> str:
+        """The first sentence of the description."""
+        return self.description.partition(". ")[0].strip().rstrip(".")
+
     # ------------------------------------------------------------------------------- conversion
     @classmethod
     def from_dict(cls, data: Mapping, source: str = "<dict>") -> "Recipe":
@@ -188,7 +193,7 @@ class Recipe:
         return out
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, width=100)
 
     def with_overrides(self, overrides: Mapping[str, object], source: str = "command line") -> "Recipe":
         """A copy with dotted keys replaced (``{"training.max_steps": 10}``); ``None`` values are ignored."""

@@ -1,0 +1,1 @@
+"""The ``hf-lowprec`` command line (installed as the package ``hf_lowprec.cli``)."""

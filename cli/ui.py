@@ -1,0 +1,153 @@
+"""Terminal output of the CLI: rich consoles, progress for long steps, tables, one-line errors."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import NoReturn
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+out = Console(highlight=False)  # results: tables, summaries
+err = Console(stderr=True, highlight=False)  # progress, warnings, errors
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+class CLIError(Exception):
+    """A user-facing failure: printed as one line, exit status ``code``."""
+
+    def __init__(self, message: str, code: int = EXIT_BAD_INPUT):
+        super().__init__(message)
+        self.code = code
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
+    raise CLIError(message, code)
+
+
+def setup_logging(verbose: bool = False) -> None:
+    """Library logs (warnings by default) through rich on stderr; transformers/datasets bars off (ours replace them)."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
+                        handlers=[RichHandler(console=err, show_path=False, show_time=False)], force=True)  # fmt: skip
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    import datasets
+    import transformers
+
+    # optional-kernel notices of torchao (no triton) and bitsandbytes (no `kernels` package) say nothing actionable
+    for name in ("torchao", "bitsandbytes"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity_error()
+
+
+def guarded(fn):
+    """Run a command: bad input → one red line and exit 2; Ctrl-C → exit 130; other errors → one line (traceback with HF_LOWPREC_DEBUG=1)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CLIError as e:
+            _error_line(str(e))
+            raise typer.Exit(e.code) from None
+        except ValueError as e:
+            _error_line(str(e).strip().splitlines()[0] if str(e).strip() else "invalid input")
+            raise typer.Exit(EXIT_BAD_INPUT) from None
+        except KeyboardInterrupt:
+            _error_line("interrupted")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except typer.Exit:
+            raise
+        except Exception as e:
+            if os.environ.get("HF_LOWPREC_DEBUG"):
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            _error_line(f"{type(e).__name__}: {first} (set HF_LOWPREC_DEBUG=1 for the traceback)")
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def _error_line(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", soft_wrap=True, markup=True, highlight=False)
+
+
+@contextlib.contextmanager
+def step(description: str) -> Iterator[None]:
+    """A spinner with elapsed time while a long step runs; a ✓ line with its duration after."""
+    start = time.perf_counter()
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True,
+                  disable=not err.is_terminal) as progress:  # fmt: skip
+        progress.add_task(description, total=None)
+        yield
+    err.print(f"[green]✓[/] {description} [dim]({time.perf_counter() - start:.1f} s)[/]")
+
+
+class Counter:
+    """``counter(n)`` advances a bar by ``n``; ``counter.set(done, total)`` moves it to ``done`` of ``total``."""
+
+    def __init__(self, progress: Progress, task):
+        self.progress, self.task = progress, task
+
+    def __call__(self, n: int = 1) -> None:
+        self.progress.advance(self.task, n)
+
+    def set(self, done: int, total: int) -> None:
+        self.progress.update(self.task, completed=done, total=total)
+
+
+@contextlib.contextmanager
+def counted(description: str, total: int, unit: str = "rows") -> Iterator[Counter]:
+    """A bar over ``total`` items; yields a :class:`Counter`."""
+    start = time.perf_counter()
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
+        yield Counter(progress, progress.add_task(description, total=total))
+    err.print(f"[green]✓[/] {description} [dim]({time.perf_counter() - start:.1f} s)[/]")
+
+
+def training_progress() -> Progress:
+    """The bar of a training run: steps done, time left, last loss."""
+    return Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+        TimeElapsedColumn(), TextColumn("<"), TimeRemainingColumn(), TextColumn("{task.fields[loss]}"), console=err,
+    )  # fmt: skip
+
+
+def table(title: str, columns: Iterable[str], rows: Iterable[Iterable], numeric: Iterable[int] = ()) -> Table:
+    """A rich table; columns whose index is in ``numeric`` are right-aligned, the first never wraps."""
+    t = Table(title=title, title_justify="left", header_style="bold")
+    numeric = set(numeric)
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="right" if i in numeric else "left", no_wrap=i == 0)
+    for row in rows:
+        t.add_row(*(str(v) for v in row))
+    return t
+
+
+def key_values(title: str, items: Mapping[str, object]) -> Table:
+    t = Table(title=title, title_justify="left", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    for k, v in items.items():
+        t.add_row(k, str(v))
+    return t
+
+
+def plan_rows_table(rows: list[dict], title: str = "Precision plan") -> Table:
+    """``PrecisionPlan.summary`` rows as a table."""
+    return table(title, ("format", "layers", "parameters", "share", "weight MB"),
+                 [(r["format"], r["layers"], f"{r['params']:,}", f"{100 * r['fraction']:.1f}%", f"{r['bytes'] / 1e6:.2f}") for r in rows],
+                 numeric=(1, 2, 3, 4))  # fmt: skip
