@@ -1,0 +1,333 @@
+"""Sensitivity scan and budgeted allocation on a tiny Llama with one layer made sensitive on purpose."""
+
+import copy
+import itertools
+
+import numpy as np
+import pydoc_data.topics
+import pytest
+import torch
+import torch.nn.functional as F
+from scipy.stats import spearmanr
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_lowprec.convert import apply_plan
+from hf_lowprec.plan import PrecisionPlan
+from hf_lowprec.sensitivity import Budget, LayerScore, ScanResult, allocate, measure_plan, scan
+
+SENSITIVE = "model.layers.1.mlp.down_proj"
+INT4 = "int4-g64"
+
+
+def tiny_llama(tied: bool = False, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tied)  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+TEXT = torch.tensor(list("".join(pydoc_data.topics.topics.values()).encode("latin-1", "replace")))
+"""Python's own documentation as bytes (vocabulary 256): a real corpus that is always installed."""
+
+
+def batches(n: int = 2, seed: int = 1, rows: int = 2, length: int = 64) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        starts = torch.randint(0, len(TEXT) - length, (rows,), generator=g)
+        ids = torch.stack([TEXT[s : s + length] for s in starts])
+        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    return out
+
+
+def trained_llama(steps: int = 300) -> LlamaForCausalLM:
+    """A tiny Llama trained briefly on TEXT (loss ~5.5 -> ~1.8): near a minimum, so quantizing a
+    layer raises the loss as in a pretrained model instead of moving it at random."""
+    model = tiny_llama().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a model this small trains ~10x faster on one thread when the CPU is shared
+    try:
+        for step in range(steps):
+            b = batches(1, seed=100 + step, rows=8)[0]
+            model(input_ids=b["input_ids"], labels=b["labels"]).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    return model.eval()
+
+
+def make_sensitive(model: LlamaForCausalLM, factor: float = 300.0) -> None:
+    """Give down_proj of layer 1 outlier input columns without changing the function.
+
+    SwiGLU: ``down(act(gate(x)) * up(x))`` — dividing row j of ``up`` by ``factor`` and multiplying
+    column j of ``down`` by it leaves the output as it was, but each INT4 group of ``down`` (two
+    groups of 64 per row) now spans an outlier, so its other weights round to zero.
+    """
+    mlp = model.model.layers[1].mlp
+    with torch.no_grad():
+        for j in (5, 69):
+            mlp.up_proj.weight[j] /= factor
+            mlp.down_proj.weight[:, j] *= factor
+
+
+def mean_loss(model, data) -> float:
+    """Token-weighted next-token loss, computed from scratch (reference)."""
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for b in data:
+            logits = model(input_ids=b["input_ids"]).logits[:, :-1]
+            nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), b["labels"][:, 1:].reshape(-1), reduction="sum").item()
+            count += b["labels"][:, 1:].numel()
+    return nll / count
+
+
+@pytest.fixture(scope="module")
+def sensitive_model():
+    model = trained_llama()
+    reference = copy.deepcopy(model)
+    make_sensitive(model)
+    data = batches()
+    assert mean_loss(model, data) == pytest.approx(mean_loss(reference, data), abs=1e-4)  # same function
+    assert mean_loss(model, data) < 3.0  # trained: uniform guessing would be ln 256 = 5.5
+    return model
+
+
+@pytest.fixture(scope="module")
+def measured(sensitive_model):
+    return scan(sensitive_model, batches(), method="measured")
+
+
+@pytest.fixture(scope="module")
+def fisher(sensitive_model):
+    return scan(sensitive_model, batches(), method="fisher")
+
+
+def test_scan_ranks_the_outlier_layer_most_sensitive(measured, fisher):
+    assert measured.ranking(INT4)[0] == SENSITIVE
+    assert fisher.ranking(INT4)[0] == SENSITIVE
+    sensitive = measured[SENSITIVE]
+    others = [u.measured[INT4] for u in measured.layers if u.name != SENSITIVE]
+    assert sensitive.measured[INT4] > 3 * max(others)
+    assert sensitive.kl[INT4] > 0
+    # every eligible layer is a candidate, embedding and output head included
+    assert {"model.embed_tokens", "lm_head"} <= {u.name for u in measured.layers}
+    assert len(measured.layers) == 2 * 7 + 2
+
+
+def test_measured_delta_loss_matches_apply_plan(sensitive_model, measured):
+    """Reference: convert a copy with apply_plan and compute its loss from scratch."""
+    data = batches()
+    base = mean_loss(sensitive_model, data)
+    assert measured.base_loss == pytest.approx(base, rel=1e-5)
+    for name, fmt in [(SENSITIVE, INT4), ("model.layers.0.self_attn.q_proj", "fp8"), ("lm_head", INT4), ("model.embed_tokens", "fp8")]:
+        converted = copy.deepcopy(sensitive_model)
+        apply_plan(converted, PrecisionPlan({name: fmt}))
+        expected = mean_loss(converted, data) - base
+        assert measured[name].measured[fmt] == pytest.approx(expected, rel=1e-3, abs=1e-6), (name, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", INT4])
+def test_predicted_and_measured_rank_correlation(measured, fisher, fmt):
+    predicted = [u.predicted[fmt] for u in fisher.layers]
+    actual = [u.measured[fmt] for u in measured.layers]
+    rho = spearmanr(predicted, actual).statistic
+    assert rho >= 0.7, f"Spearman {rho:.3f} for {fmt}"
+
+
+def test_allocator_keeps_the_sensitive_layer_out_of_int4(measured):
+    plan = allocate(measured, target_bits_per_param=6.0)
+    formats = {name: spec.name for name, spec in plan.layers.items()}
+    assert formats[SENSITIVE] != INT4
+    assert sum(f == INT4 for f in formats.values()) >= 5  # the budget does use INT4 elsewhere
+    assert set(formats) == {n for u in measured.layers for n in u.names}  # explicit entry per layer
+    assert measured.allocation["bits_per_param"] <= 6.0
+    assert measured.chosen()[SENSITIVE] == formats[SENSITIVE]
+
+
+def test_budget_forbidding_int4_gives_no_int4(measured):
+    plan = allocate(measured, Budget(target_bits_per_param=8.0, int4_fraction=0.0))
+    assert all(spec.name != INT4 for spec in plan.layers.values())
+    assert measured.allocation["fractions"] == {"fp8": pytest.approx(1.0)}  # 8 bits on fp32 weights: all FP8
+
+
+def test_loss_budget_and_keep_force(measured):
+    cap = measured[SENSITIVE].measured[INT4] / 2
+    plan = allocate(measured, max_loss_increase=cap, keep=["lm_head"], force={"*.q_proj": "fp8"})
+    assert plan.layers["lm_head"].name == "bf16"
+    assert all(plan.layers[n].name == "fp8" for n in plan.layers if n.endswith("q_proj"))
+    assert plan.layers[SENSITIVE].name != INT4
+    assert measured.allocation["predicted_delta_loss"] <= cap
+    assert measured.allocation["solver"] == "ilp"
+
+
+def test_unmeetable_budget_names_the_best_reachable_value(measured):
+    with pytest.raises(ValueError, match=r"target_bits_per_param=2 cannot be met: the fewest bits per parameter reachable .* is 4\.25"):
+        allocate(measured, target_bits_per_param=2.0)
+    with pytest.raises(ValueError, match="lowest predicted Δloss reachable with target_bits_per_param=4.25"):
+        allocate(measured, target_bits_per_param=4.25, max_loss_increase=1e-9)
+    with pytest.raises(ValueError, match="matches no scanned layer"):
+        allocate(measured, target_bits_per_param=8, keep=["*norm*"])
+    with pytest.raises(ValueError, match="was not scanned"):
+        allocate(measured, target_bits_per_param=8, force={"lm_head": "nf4-g64"})
+
+
+def test_bad_inputs_give_clear_errors():
+    with pytest.raises(ValueError, match="no eligible layers"):
+        scan(nn.Sequential(nn.ReLU(), nn.LayerNorm(4)), batches())
+    with pytest.raises(ValueError, match=r"batches need a 'labels' key \(causal LM: labels=input_ids\)"):
+        scan(tiny_llama(), [{"input_ids": torch.zeros(1, 8, dtype=torch.long)}])
+    with pytest.raises(ValueError, match="unknown scan method"):
+        scan(tiny_llama(), batches(), method="hessian")
+    with pytest.raises(ValueError, match="high precision"):
+        scan(tiny_llama(), batches(), formats=("bf16",))
+    with pytest.raises(ValueError, match="at least one of"):
+        Budget()
+    with pytest.raises(ValueError, match=r"int4_fraction must be a fraction in \[0, 1\]"):
+        Budget(int4_fraction=1.5)
+    with pytest.raises(ValueError, match="no layers to allocate"):
+        allocate(ScanResult([], ("fp8",), "fisher"), target_bits_per_param=8)
+    converted = tiny_llama()
+    apply_plan(converted, "fp8")
+    with pytest.raises(ValueError, match="unconverted model"):
+        scan(converted, batches())
+
+
+def _snapshot(model):
+    return {
+        "modules": [(n, id(m), type(m)) for n, m in model.named_modules()],
+        "params": [(n, id(p), p.requires_grad, p.detach().clone(), None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()],
+        "training": [m.training for m in model.modules()],
+        "hooks": [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()],
+        "attrs": sorted(vars(model)),
+        "rng": torch.get_rng_state(),
+    }
+
+
+def _assert_same(before, after):
+    assert before["modules"] == after["modules"]
+    assert before["training"] == after["training"] and before["hooks"] == after["hooks"]
+    assert before["attrs"] == after["attrs"]
+    assert torch.equal(before["rng"], after["rng"])
+    for (n, i, rg, data, grad), (n2, i2, rg2, data2, grad2) in zip(before["params"], after["params"]):
+        assert (n, i, rg) == (n2, i2, rg2)
+        assert torch.equal(data, data2)
+        assert (grad is None and grad2 is None) or torch.equal(grad, grad2)
+
+
+def _prepared_model():
+    model = tiny_llama()
+    model.train()
+    model.model.layers[0].mlp.gate_proj.weight.requires_grad_(False)
+    model(**batches(1)[0]).loss.backward()  # leave gradients to check they survive
+    return model
+
+
+def test_scan_leaves_the_model_exactly_as_found_and_is_deterministic():
+    model = _prepared_model()
+    before = _snapshot(model)
+    calls = []
+    first = scan(model, batches(), method="auto", measure_top_fraction=0.2, progress=lambda d, t, s: calls.append((d, t)))
+    _assert_same(before, _snapshot(model))
+    second = scan(model, batches(), method="auto", measure_top_fraction=0.2)
+    a, b = first.to_dict(), second.to_dict()
+    a.pop("seconds"), b.pop("seconds")
+    assert a == b
+    measured_pairs = sum(len(u.measured) for u in first.layers)
+    assert measured_pairs == int(np.ceil(0.2 * 2 * len(first.layers)))
+    assert calls[-1][0] == calls[-1][1] == 2 + measured_pairs  # 2 fisher batches + measured pairs
+    assert [d for d, _ in calls] == list(range(1, len(calls) + 1))
+
+
+def test_interrupted_scan_restores_the_model():
+    model = _prepared_model()
+    before = _snapshot(model)
+
+    def interrupt(done, total, description):
+        if done == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        scan(model, batches(), method="auto", measure_top_fraction=0.5, progress=interrupt)
+    _assert_same(before, _snapshot(model))
+
+
+def test_tied_embeddings_are_one_unit():
+    model = tiny_llama(tied=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    result = scan(model, batches(), method="fisher")
+    unit = result["lm_head"]
+    assert unit.name == "model.embed_tokens" and unit.tied == ("lm_head",)
+    assert len(result.layers) == 2 * 7 + 1
+    plan = allocate(result, target_bits_per_param=4.25 + 1e-6)  # forces every unit into INT4
+    assert plan.layers["lm_head"] == plan.layers["model.embed_tokens"]
+    apply_plan(copy.deepcopy(model), plan)  # tied twins in one integer format: accepted
+    with pytest.raises(ValueError, match="gets both"):
+        allocate(result, target_bits_per_param=8, force={"lm_head": INT4, "model.embed_tokens": "fp8"})
+
+
+def test_measure_plan_matches_a_converted_copy(sensitive_model, measured):
+    plan = allocate(measured, target_bits_per_param=6.0)
+    held_out = batches(seed=7)
+    report = measure_plan(sensitive_model, plan, held_out)
+    converted = copy.deepcopy(sensitive_model)
+    apply_plan(converted, plan)
+    assert report["plan_loss"] == pytest.approx(mean_loss(converted, held_out), rel=1e-4)
+    assert report["base_loss"] == pytest.approx(mean_loss(sensitive_model, held_out), rel=1e-5)
+    assert report["kl"] > 0
+
+
+def _synthetic(n_units: int, seed: int) -> ScanResult:
+    rng = np.random.default_rng(seed)
+    layers = []
+    for i in range(n_units):
+        params = int(rng.integers(1000, 50000))
+        layers.append(LayerScore(f"layer{i}", params=params, bytes={"bf16": 2.0 * params, "fp8": 1.0 * params, INT4: 0.53 * params},
+                                 predicted={"fp8": float(rng.exponential(1e-3)), INT4: float(rng.exponential(1e-2))}))  # fmt: skip
+    return ScanResult(layers, ("fp8", INT4), "fisher", base_loss=3.0)
+
+
+@pytest.mark.parametrize("budget", [Budget(target_bits_per_param=7.0), Budget(max_loss_increase=0.01),
+                                    Budget(max_loss_increase=0.02, int4_fraction=0.3), Budget(min_fp8_fraction=0.6)])  # fmt: skip
+def test_ilp_is_optimal_and_greedy_is_feasible(budget):
+    """Brute force over all 3^7 plans is the reference for the exact solver."""
+    result = _synthetic(7, seed=3)
+    units = result.layers
+    total = sum(u.params for u in units)
+    best = None
+    for combo in itertools.product(["bf16", "fp8", INT4], repeat=len(units)):
+        loss = sum(u.score(c) for u, c in zip(units, combo))
+        bits = 8 * sum(u.bytes[c] for u, c in zip(units, combo)) / total
+        low = sum(u.params for u, c in zip(units, combo) if c != "bf16") / total
+        four = sum(u.params for u, c in zip(units, combo) if c == INT4) / total
+        ok = (budget.max_loss_increase is None or loss <= budget.max_loss_increase) and \
+             (budget.target_bits_per_param is None or bits <= budget.target_bits_per_param) and \
+             (budget.min_fp8_fraction is None or low >= budget.min_fp8_fraction) and \
+             (budget.int4_fraction is None or four <= budget.int4_fraction)  # fmt: skip
+        if ok:
+            key = loss if budget.minimizes_loss else bits
+            best = key if best is None else min(best, key)
+    allocate(result, budget, solver="ilp")
+    exact = result.allocation["predicted_delta_loss"] if budget.minimizes_loss else result.allocation["bits_per_param"]
+    assert exact == pytest.approx(best, rel=1e-9)
+    allocate(result, budget, solver="greedy")
+    greedy = result.allocation["predicted_delta_loss"] if budget.minimizes_loss else result.allocation["bits_per_param"]
+    assert greedy >= best - 1e-12
+
+
+def test_save_load_table_and_heatmap(measured, tmp_path):
+    allocate(measured, target_bits_per_param=6.0)
+    path = measured.save(tmp_path / "scan.json")
+    loaded = ScanResult.load(path)
+    assert loaded.to_dict() == measured.to_dict()
+    rows = loaded.rows()
+    assert rows[0].keys() >= {"layer", "params", "fp8", INT4, "chosen"}
+    assert next(r for r in rows if r["layer"] == SENSITIVE)["chosen"] != INT4
+    table = loaded.format_table()
+    assert SENSITIVE in table and "chosen" in table
+    png = loaded.save_heatmap(tmp_path / "scan.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size < 1_000_000
+    with pytest.raises(ValueError, match="not a saved ScanResult"):
+        ScanResult.load(PrecisionPlan().save(tmp_path / "plan.json"))
