@@ -91,24 +91,37 @@ def resolve_checkpoint(model_id_or_path: str | os.PathLike, gguf_file: str | Non
     return name, gguf_file
 
 
-def _gguf_cache_dir(folder: str, gguf_file: str) -> Path:
-    """One cache folder per GGUF file version (path, size and modification time)."""
+def _gguf_cache_dir(folder: str, gguf_file: str, dtype: torch.dtype) -> Path:
+    """One cache folder per GGUF file version (path, size, modification time) and dtype."""
     src = Path(folder) / gguf_file
     stat = src.stat()
     key = hashlib.sha256(f"{src.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_root() / "gguf" / f"{Path(gguf_file).stem}-{key}"
+    return cache_root() / "gguf" / f"{Path(gguf_file).stem}-{key}" / str(dtype).removeprefix("torch.")
 
 
-def _dequantize_gguf_to_cache(folder: str, gguf_file: str, target: Path) -> None:
-    """Load ``gguf_file`` through transformers (dequantizing it) and save it as a plain fp32 folder, atomically."""
+def _cache_gguf(folder: str, gguf_file: str, dtype: torch.dtype) -> Path:
+    """The cached plain folder of ``gguf_file`` in ``dtype``, made on first use, atomically.
+
+    Each dtype has its own folder: loading a bf16 model from fp32 files reads (and keeps resident) the
+    fp32 pages while converting, which doubles the loading peak memory.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.info("dequantizing %s once (cached in %s)", gguf_file, target)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    # the loaded model still says it is GGUF-quantized and refuses save_pretrained; its tensors are plain fp32
-    del model.config.quantization_config
-    model.hf_quantizer, model.is_quantized = None, False
+    target = _gguf_cache_dir(folder, gguf_file, dtype)
+    if (target / "config.json").is_file():
+        return target
+    if dtype == torch.float32:
+        logger.info("dequantizing %s once (cached in %s)", gguf_file, target)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+        # the loaded model still says it is GGUF-quantized and refuses save_pretrained; its tensors are plain fp32
+        del model.config.quantization_config
+        model.hf_quantizer, model.is_quantized = None, False
+    else:
+        source = _cache_gguf(folder, gguf_file, torch.float32)
+        logger.info("caching %s in %s (%s)", gguf_file, dtype, target)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(source)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
     try:
@@ -118,6 +131,7 @@ def _dequantize_gguf_to_cache(folder: str, gguf_file: str, target: Path) -> None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return target
 
 
 def load_pretrained(
@@ -148,10 +162,7 @@ def load_pretrained(
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     source, gguf = resolve_checkpoint(model_id_or_path, gguf_file)
     if gguf is not None and cache and Path(source).is_dir():
-        target = _gguf_cache_dir(source, gguf)
-        if not (target / "config.json").is_file():
-            _dequantize_gguf_to_cache(source, gguf, target)
-        source, gguf = str(target), None
+        source, gguf = str(_cache_gguf(source, gguf, dtype)), None
     extra = {"gguf_file": gguf} if gguf else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **extra) if _has_tokenizer(source, gguf) else None

@@ -1,0 +1,107 @@
+"""PEFT LoRA on a frozen :class:`PackedInt4Linear` base (the pattern of ``peft/tuners/lora/bnb.py``).
+
+PEFT picks a LoRA layer by the type of the layer it wraps; a packed INT4 linear is none of the types it
+knows, so :func:`register_int4_lora` adds ``PackedInt4Linear → PackedInt4LoraLinear`` to a
+``LoraConfig`` through PEFT's custom-module API (``LoraConfig._register_custom_module``).
+
+The forward keeps LoRA's numbers but not its elementwise passes: adapter weights stay fp32 (master
+copies, like PEFT's default ``autocast_adapter_dtype=True``) and are cast to the activation dtype for
+the two small matmuls, and ``scaling * (x A^T) B^T`` is added to the base output inside one ``addmm``
+instead of a separate multiply and add over the ``[tokens, out_features]`` output.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig
+from peft.tuners.lora.layer import Linear as LoraLinear
+from peft.tuners.tuners_utils import check_adapters_to_merge
+
+from hf_lowprec.modules.int4_packed import PackedInt4Linear
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_INITS = (True, False, "gaussian")
+
+
+class PackedInt4LoraLinear(LoraLinear):
+    """``lora.Linear`` whose base is a :class:`PackedInt4Linear`; merging re-quantizes the base.
+
+    Vanilla LoRA only: DoRA and the other variants, ``lora_bias`` and initialisations that read a dense
+    base weight (PiSSA, OLoRA, PEFT's own LoftQ ...) raise ``ValueError`` (use
+    ``hf_lowprec.finetune.prepare_int4_lora(loftq_init=True)`` for LoftQ on the INT4 base).
+    """
+
+    def __init__(self, base_layer, adapter_name: str, config: LoraConfig, **kwargs):
+        init = config.init_lora_weights
+        if init not in SUPPORTED_INITS:
+            raise ValueError(f"init_lora_weights={init!r} is not supported on a packed INT4 base; choose one of {SUPPORTED_INITS}")
+        if config.lora_bias:
+            raise ValueError("lora_bias=True is not supported on a packed INT4 base (it could not be merged into the codes)")
+        super().__init__(base_layer, adapter_name, config=config, **kwargs)
+        if self.lora_variant:
+            raise ValueError(f"LoRA variants ({', '.join(type(v).__name__ for v in self.lora_variant.values())}) are not supported on a packed INT4 base")
+        self.merge_errors: list[dict] = []
+
+    def _get_in_out_features(self, module):
+        return module.in_features, module.out_features
+
+    # -------------------------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args or kwargs or self.disable_adapters or self.merged:
+            return super().forward(x, *args, **kwargs)  # mixed adapter batches, disabled or merged adapters
+        result = self.base_layer(x)
+        out = result.reshape(-1, self.out_features)
+        x2d = x.reshape(-1, self.in_features)
+        for name in self.active_adapters:
+            if name not in self.lora_A:
+                continue
+            a = self.lora_A[name].weight.to(x.dtype)
+            b = self.lora_B[name].weight.to(x.dtype)
+            xa = F.linear(self.lora_dropout[name](x2d), a)
+            out = torch.addmm(out, xa, b.t(), alpha=self.scaling[name])
+        return out.reshape(result.shape)
+
+    # ---------------------------------------------------------------------------------- merge
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        """Add the adapters' delta to the dequantized base and re-quantize it (lossy: see ``merge_errors``)."""
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        adapter_names = [n for n in adapter_names if n in self.lora_A]
+        if not adapter_names:
+            return
+        base: PackedInt4Linear = self.get_base_layer()
+        weight = base.dequantized_weight(torch.float32)
+        delta = sum(self.get_delta_weight(n).float() for n in adapter_names)
+        merged = weight + delta
+        if safe_merge and not torch.isfinite(merged).all():
+            raise ValueError(f"NaNs detected in the merged weights; adapters {adapter_names} seem to be broken")
+        stats = base.requantize_(merged)
+        err = (base.dequantized_weight(torch.float32) - merged).norm()
+        stats.update(adapters=list(adapter_names), delta_norm=delta.norm().item(),
+                     error_vs_delta=(err / delta.norm().clamp(min=1e-12)).item())  # fmt: skip
+        self.merge_errors.append(stats)
+        self.merged_adapters.extend(adapter_names)
+
+    def unmerge(self) -> None:
+        """Subtract the merged adapters' delta and re-quantize (a second rounding: not an exact inverse)."""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.")
+            return
+        logger.warning("unmerging LoRA from a packed INT4 base re-quantizes it: weights differ from before the merge")
+        base: PackedInt4Linear = self.get_base_layer()
+        weight = base.dequantized_weight(torch.float32)
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            if name in self.lora_A:
+                weight = weight - self.get_delta_weight(name).float()
+        base.requantize_(weight)
+
+
+def register_int4_lora(config: LoraConfig) -> LoraConfig:
+    """Teach ``config`` (in place; also returned) to wrap :class:`PackedInt4Linear` layers in LoRA."""
+    config._register_custom_module({PackedInt4Linear: PackedInt4LoraLinear})
+    return config
