@@ -1,0 +1,231 @@
+"""LowPrecisionCallback inside an unmodified transformers.Trainer: real tiny models, real training."""
+
+import json
+import logging
+
+import pytest
+import torch
+from conftest import cls_batches, lm_batches, tiny_bert, tiny_llama
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from hf_lowprec.callback import STATE_FILE, TELEMETRY_KEYS, LowPrecisionCallback, orphaned_parameters
+from hf_lowprec.hub import PLAN_FILE
+from hf_lowprec.modules import LOW_PRECISION_TYPES
+from hf_lowprec.plan import PrecisionPlan
+
+MIXED_PLAN = {"default": "fp8", "layers": {"*.mlp.*": "int4-g64", "lm_head": "bf16"}}
+
+
+def lm_rows(batches: int = 4, batch: int = 8, seed: int = 1) -> list[dict]:
+    rows = torch.cat([b["input_ids"] for b in lm_batches(n=batches, batch=batch, seq=32, seed=seed)])
+    return [{"input_ids": r, "labels": r} for r in rows]
+
+
+def cls_rows(batches: int = 4) -> list[dict]:
+    return [{"input_ids": i, "labels": l} for b in cls_batches(n=batches) for i, l in zip(b["input_ids"], b["labels"])]
+
+
+def arguments(out, **overrides) -> TrainingArguments:
+    kw = dict(use_cpu=True, report_to=[], disable_tqdm=True, logging_steps=1, save_strategy="no", learning_rate=3e-3,
+              per_device_train_batch_size=8, max_steps=10, seed=0)  # fmt: skip
+    kw.update(overrides)
+    return TrainingArguments(str(out), **kw)
+
+
+class StepOneProbe(TrainerCallback):
+    """Records which trainable parameters did not change in the first ``at_step`` optimizer steps."""
+
+    def __init__(self, at_step: int = 1):
+        self.at_step = at_step
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.at_step:
+            now = dict(model.named_parameters())
+            self.unchanged = [n for n, p in self.before.items() if torch.equal(p, now[n].detach())]
+
+
+def losses(trainer) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+def assert_every_parameter_trains(trainer, probe):
+    model = trainer.model
+    assert orphaned_parameters(model, trainer.optimizer) == []
+    held = [id(p) for g in trainer.optimizer.param_groups for p in g["params"]]
+    assert len(held) == len(set(held)), "a parameter is in the optimizer twice"
+    assert probe.unchanged == [], f"trainable parameters unchanged after step 1: {probe.unchanged}"
+
+
+def assert_telemetry(trainer, fractions_of):
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    for log in logs:
+        for key in TELEMETRY_KEYS:
+            assert f"lowprec/{key}" in log
+        params = {k: v for k, v in log.items() if k.startswith("lowprec/params_")}
+        assert params == {f"lowprec/params_{k}": v for k, v in fractions_of.items()}
+        assert abs(sum(v for k, v in log.items() if k.startswith("lowprec/flops_")) - 1) < 1e-9
+        for fmt in fractions_of:
+            if fmt.startswith("fp8"):  # FP8 scale policies count saturated and flushed elements per role
+                assert {f"lowprec/{fmt}/{r}_{w}" for r in ("input", "weight", "grad") for w in ("saturation", "underflow")} <= set(log)
+
+
+def test_llama_trains_with_default_callback(tmp_path):
+    """plan='auto': scan on the first training batches at on_train_begin, then every parameter trains."""
+    model, probe, cb = tiny_llama(), StepOneProbe(), LowPrecisionCallback()
+    trainer = Trainer(model=model, args=arguments(tmp_path, max_steps=12), train_dataset=lm_rows(), callbacks=[cb, probe])
+    trainer.train()
+    assert model.hf_lowprec_plan is cb.plan and cb.report.swapped
+    assert any(isinstance(m, LOW_PRECISION_TYPES) for m in model.modules())
+    assert cb.scan_seconds > 0
+    assert_every_parameter_trains(trainer, probe)
+    assert_telemetry(trainer, cb.report.fractions())
+    curve = list(losses(trainer).values())
+    assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3 - 0.1, curve
+    assert PrecisionPlan.load(tmp_path / PLAN_FILE) == cb.plan  # next to the final model
+
+
+def test_bert_classifier_with_accumulation_and_eval(tmp_path):
+    model, probe = tiny_bert(), StepOneProbe()
+    cb = LowPrecisionCallback("fp8", keep=("classifier",))
+    args = arguments(tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=6, learning_rate=5e-3,
+                     eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=32)  # fmt: skip
+    rows = cls_rows(6)
+    trainer = Trainer(model=model, args=args, train_dataset=rows[:64], eval_dataset=rows[64:], callbacks=[cb, probe])
+    trainer.train()
+    assert_every_parameter_trains(trainer, probe)
+    assert_telemetry(trainer, cb.report.fractions())
+    assert type(model.classifier) is torch.nn.Linear
+    assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [3, 6]
+    curve = list(losses(trainer).values())
+    assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3 - 0.05, curve
+
+
+def test_peft_lora_on_low_precision_base(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"]))
+    probe, cb = StepOneProbe(at_step=2), LowPrecisionCallback(MIXED_PLAN)  # lora_B starts at 0: lora_A moves at step 2
+    trainer = Trainer(model=model, args=arguments(tmp_path, max_steps=8, learning_rate=1e-2, save_strategy="steps", save_steps=8),
+                      train_dataset=lm_rows(), callbacks=[cb, probe])  # fmt: skip
+    trainer.train()
+    base = model.base_model.model.model.layers[0]
+    assert isinstance(base.self_attn.q_proj.base_layer, LOW_PRECISION_TYPES)  # LoRA sits on a converted layer
+    assert isinstance(base.mlp.up_proj.base_layer, LOW_PRECISION_TYPES)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)  # frozen base: its learned steps stay fixed too
+    assert_every_parameter_trains(trainer, probe)
+    curve = list(losses(trainer).values())
+    assert curve[-1] < curve[0] - 0.05, curve
+    # PEFT checkpoints hold only the adapters; the low-precision state travels in our own file
+    assert (tmp_path / "checkpoint-8" / STATE_FILE).is_file() and (tmp_path / "checkpoint-8" / PLAN_FILE).is_file()
+
+
+def test_user_optimizer_gets_learned_steps(tmp_path):
+    """optimizers=(...) passed in: learned steps join the group of their layer's weight, in model order."""
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    n_before = len(optimizer.param_groups[0]["params"])
+    probe, cb = StepOneProbe(), LowPrecisionCallback(MIXED_PLAN)
+    trainer = Trainer(model=model, args=arguments(tmp_path, max_steps=2), train_dataset=lm_rows(1), callbacks=[cb, probe],
+                      optimizers=(optimizer, None))  # fmt: skip
+    steps = list(cb.report.new_parameters.values())
+    assert len(steps) == 6 and len(optimizer.param_groups) == 1
+    assert len(optimizer.param_groups[0]["params"]) == n_before + len(steps)
+    assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
+    trainer.train()
+    assert_every_parameter_trains(trainer, probe)
+
+
+def test_fp16_arguments_on_cpu_are_reported(tmp_path, caplog):
+    """Accelerate turns fp16 autocast + GradScaler on only for accelerators: on CPU the run is fp32, unscaled.
+
+    The callback says so, and the loss curve is the one of the same run without fp16.
+    """
+    curves = {}
+    for fp16 in (False, True):
+        with caplog.at_level(logging.WARNING, logger="hf_lowprec.callback"):
+            trainer = Trainer(model=tiny_llama(), args=arguments(tmp_path / str(fp16), fp16=fp16, max_steps=3),
+                              train_dataset=lm_rows(1), callbacks=[LowPrecisionCallback("fp8")])  # fmt: skip
+            trainer.train()
+        assert trainer.accelerator.scaler is None
+        assert all("lowprec/loss_scale" not in h for h in trainer.state.log_history)
+        curves[fp16] = losses(trainer)
+    assert sum("no GradScaler is active" in r.message for r in caplog.records) == 1
+    assert curves[True] == curves[False]
+
+
+def test_kill_and_resume_continues_the_same_curve(tmp_path):
+    """20 steps with checkpoints at 10 and 20 vs. a new Trainer resumed from step 10.
+
+    Resuming restores weights, learned steps, optimizer moments, scheduler, RNG and data position, and
+    CPU kernels are deterministic for equal shapes and threads, so the resumed losses must equal the
+    uninterrupted ones bit for bit; anything else means state was lost. 1e-6 (two fp32 ulps at loss
+    ~5) only absorbs printing/accumulation order, not a lost state (which moves losses by >1e-3).
+    """
+    data = lm_rows(5, batch=4)
+    args = dict(max_steps=20, per_device_train_batch_size=4, save_strategy="steps", save_steps=10)
+    cb = LowPrecisionCallback(calibration_batches=2)
+    full = Trainer(model=tiny_llama(), args=arguments(tmp_path / "full", **args), train_dataset=data, callbacks=[cb])
+    full.train()
+    ckpt = tmp_path / "full" / "checkpoint-10"
+    assert (ckpt / PLAN_FILE).is_file() and (ckpt / STATE_FILE).is_file()
+    saved = json.loads((ckpt / "trainer_state.json").read_text())["stateful_callbacks"]["LowPrecisionCallback"]
+    assert saved["args"]["plan"] == cb.plan.to_dict()
+
+    resumed = Trainer(model=tiny_llama(), args=arguments(tmp_path / "resumed", **args), train_dataset=data,
+                      callbacks=[LowPrecisionCallback(ckpt)])  # the plan the run saved  # fmt: skip
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    a = losses(full)
+    b = {s: v for s, v in losses(resumed).items() if s > 10}  # steps 1-10 come from the checkpoint's history
+    assert sorted(b) == list(range(11, 21))
+    assert max(abs(a[s] - b[s]) for s in b) <= 1e-6, [(a[s], b[s]) for s in b]
+
+
+# --------------------------------------------------------------------------------------- bad input
+def test_plan_for_another_model_fails_at_init(tmp_path):
+    path = PrecisionPlan({"bert.encoder.layer.0.attention.self.query": "fp8"}).save(tmp_path / "bert_plan.json")
+    with pytest.raises(ValueError, match="is not a layer of this model"):
+        Trainer(model=tiny_llama(), args=arguments(tmp_path), train_dataset=lm_rows(1), callbacks=[LowPrecisionCallback(path)])
+
+
+def test_model_without_eligible_layers_fails_at_init(tmp_path):
+    class NoLinear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv1d(4, 4, 3)
+
+        def forward(self, x, labels=None):
+            return {"loss": self.conv(x).mean()}
+
+    with pytest.raises(ValueError, match="no eligible layers"):
+        Trainer(model=NoLinear(), args=arguments(tmp_path), callbacks=[LowPrecisionCallback("fp8")])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(plan="fp8", budget={"target_bits_per_param": 8}), "apply only to plan='auto'"),
+        (dict(plan="int3"), "unknown format"),
+        (dict(plan="fp8", scaler="delayed-ish"), "unknown scaler"),
+        (dict(plan="fp8", scaler="dynamic", scaler_options={"spike_action": "skip"}), "unknown options"),
+        (dict(plan="fp8", calibration_batches=0), "calibration_batches"),
+        (dict(plan=MIXED_PLAN, keep=("lm_head",)), "keep= applies"),
+    ],
+)
+def test_incompatible_options_fail_on_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LowPrecisionCallback(**kwargs)
+
+
+def test_resuming_an_auto_run_without_its_plan_fails_before_training(tmp_path):
+    data = lm_rows(1, batch=4)
+    args = dict(max_steps=2, per_device_train_batch_size=4, save_strategy="steps", save_steps=1)
+    Trainer(model=tiny_llama(), args=arguments(tmp_path, **args), train_dataset=data,
+            callbacks=[LowPrecisionCallback(MIXED_PLAN)]).train()  # fmt: skip
+    again = Trainer(model=tiny_llama(), args=arguments(tmp_path, **args), train_dataset=data, callbacks=[LowPrecisionCallback()])
+    with pytest.raises(ValueError, match="pass its plan"):
+        again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert again.state.global_step == 0  # refused while loading the weights, before any step
