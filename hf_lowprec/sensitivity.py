@@ -57,6 +57,7 @@ DEFAULT_RELATIVE_LOSS_INCREASE = 0.01
 SOLVERS = ("auto", "ilp", "greedy")
 ILP_MAX_VARIABLES = 20000  # beyond this many (unit, choice) pairs the greedy solver is used
 IGNORE_INDEX = -100
+_AN_EMBEDDING = nn.Embedding(1, 1)  # PrecisionPlan.resolve looks at a module's type only
 Progress = Callable[[int, int, str], None]
 
 
@@ -840,6 +841,30 @@ def _unmeetable(p: _Problem, budget: Budget, failed: list[str]) -> ValueError:
             f"(and keep/force) is {float(row(p) @ x):.6g}"
         )
     return ValueError(f"budget {given} cannot be met by any combination of the scanned formats with keep/force")
+
+
+def predict_plan(result: ScanResult, plan: "PrecisionPlan | Mapping") -> dict:
+    """Predicted Δloss (sum of per-layer scores, negatives as 0), bits per parameter and format
+    fractions of any ``plan`` over the scanned layers (e.g. a hand-written one, to compare with
+    :func:`allocate`'s). Raises ``ValueError`` if the plan gives tied layers different formats or
+    a format the scan did not score."""
+    plan = plan if isinstance(plan, PrecisionPlan) else PrecisionPlan.from_dict(plan)
+    total = sum(u.params for u in result.layers) or 1
+    loss = nbytes = 0.0
+    fractions: dict[str, float] = {}
+    for u in result.layers:
+        # the unit's first layer has kind u.kind; tied twins are output heads (Linear)
+        specs = {plan.resolve(n, _AN_EMBEDDING if (n == u.name and u.kind == "Embedding") else None) for n in u.names}
+        names = {KEEP if s.is_high_precision else s.name for s in specs}
+        if len(names) > 1:
+            raise ValueError(f"plan gives the tied layers {list(u.names)} different formats {sorted(names)}; the scan scored them as one unit")
+        fmt = names.pop()
+        if fmt not in u.bytes:
+            raise ValueError(f"plan puts {u.name!r} in {fmt}, which the scan did not score; scanned: {', '.join(result.formats)}")
+        loss += max(u.score(fmt), 0.0)
+        nbytes += u.bytes[fmt]
+        fractions[fmt] = fractions.get(fmt, 0.0) + u.params / total
+    return {"predicted_delta_loss": loss, "bits_per_param": nbytes * 8 / total, "fractions": fractions}
 
 
 def allocate(

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_lowprec.convert import apply_plan
 from hf_lowprec.plan import PrecisionPlan
-from hf_lowprec.sensitivity import Budget, LayerScore, ScanResult, allocate, measure_plan, scan
+from hf_lowprec.sensitivity import Budget, LayerScore, ScanResult, allocate, measure_plan, predict_plan, scan
 
 SENSITIVE = "model.layers.1.mlp.down_proj"
 INT4 = "int4-g64"
@@ -331,3 +331,14 @@ def test_save_load_table_and_heatmap(measured, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size < 1_000_000
     with pytest.raises(ValueError, match="not a saved ScanResult"):
         ScanResult.load(PrecisionPlan().save(tmp_path / "plan.json"))
+
+
+def test_predict_plan_agrees_with_allocate(measured):
+    plan = allocate(measured, target_bits_per_param=6.0)
+    predicted = predict_plan(measured, plan)
+    assert predicted["predicted_delta_loss"] == pytest.approx(measured.allocation["predicted_delta_loss"])
+    assert predicted["bits_per_param"] == pytest.approx(measured.allocation["bits_per_param"])
+    uniform = predict_plan(measured, PrecisionPlan.uniform(INT4, keep=("lm_head",)))
+    assert uniform["fractions"]["bf16"] == pytest.approx(2 * 16384 / sum(u.params for u in measured.layers))  # embedding + head
+    with pytest.raises(ValueError, match="did not score"):
+        predict_plan(measured, PrecisionPlan.uniform("nf4-g64"))
