@@ -1,0 +1,142 @@
+"""LowPrecisionPlugin in Accelerate loops (one process; tests/test_distributed.py runs several)."""
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from conftest import lm_batches, tiny_llama
+from torch import nn
+from torchao.float8.float8_linear import Float8Linear
+
+from hf_lowprec.accelerate_plugin import LowPrecisionPlugin
+from hf_lowprec.callback import orphaned_parameters
+from hf_lowprec.modules import FP8Linear, Int4Linear
+
+PLAN = {"default": "fp8", "layers": {"*.mlp.down_proj": "int4-g64", "lm_head": "bf16"}}
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    """Each test builds its own Accelerator (mixed precision is process-global state in Accelerate)."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def one_step(model, optimizer, accelerator, batch, loss_factor: float = 1.0) -> dict[str, torch.Tensor]:
+    """Snapshot every trainable parameter, run one optimizer step; returns the snapshot."""
+    before = {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad}
+    loss = model(**batch).loss * loss_factor
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    return before
+
+
+def unchanged(model, before) -> list[str]:
+    return [n for n, p in model.named_parameters() if n in before and torch.equal(before[n], p.detach())]
+
+
+def test_accelerate_fp8_alone_leaves_weights_untrained():
+    """The hazard the plugin exists for (accelerate 1.15 + torchao 0.18): prepare(model, optimizer) with
+    mixed_precision="fp8" swaps Linear weights after the optimizer captured them."""
+    accelerator = Accelerator(cpu=True, mixed_precision="fp8")
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    orphans = orphaned_parameters(model, optimizer)
+    assert len(orphans) == 13 and sum(p.requires_grad for p in model.parameters()) == 21
+    before = one_step(model, optimizer, accelerator, lm_batches(1, batch=4)[0])
+    assert sorted(unchanged(model, before)) == sorted(orphans)
+
+
+def test_plugin_with_accelerate_fp8_trains_every_parameter():
+    """mixed_precision="fp8": the plan is torchao's module filter; every parameter (learned steps too) trains."""
+    accelerator = Accelerator(cpu=True, mixed_precision="fp8")
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    lowprec = LowPrecisionPlugin(PLAN)
+    model, optimizer = lowprec.prepare(accelerator, model, optimizer)
+    layer = model.model.layers[0]
+    # exactly the plan's tensorwise FP8 layers run in torchao (Accelerate's own filter would skip the first one)
+    assert type(layer.self_attn.q_proj) is Float8Linear and type(layer.mlp.up_proj) is Float8Linear
+    assert type(layer.mlp.down_proj) is Int4Linear and type(model.lm_head) is nn.Linear
+    assert len(lowprec.torchao_layers) == 12 and not lowprec.report.not_applied
+    assert orphaned_parameters(model, optimizer) == []
+    before = one_step(model, optimizer, accelerator, lm_batches(1, batch=4)[0])
+    assert len(before) == 21 + 2 and unchanged(model, before) == []
+
+
+def test_plugin_loop_trains_logs_and_checkpoints(tmp_path):
+    accelerator = Accelerator(cpu=True)
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    batches = lm_batches(6, batch=4)
+    loader = torch.utils.data.DataLoader([{k: v[i] for k, v in b.items()} for b in batches for i in range(4)], batch_size=4)
+    lowprec = LowPrecisionPlugin(PLAN)
+    model, optimizer, loader = lowprec.prepare(accelerator, model, optimizer, loader)
+    assert isinstance(model.model.layers[1].self_attn.o_proj, FP8Linear)
+    assert len(optimizer.param_groups[0]["params"]) == 21 + 2  # learned steps joined their weights' group
+    with torch.no_grad():
+        start = model(**batches[0]).loss.item()
+    for batch in loader:
+        before = one_step(model, optimizer, accelerator, batch)
+        assert unchanged(model, before) == []
+    with torch.no_grad():
+        assert model(**batches[0]).loss.item() < start - 0.1
+    logs = lowprec.telemetry()
+    assert logs["lowprec/params_int4-g64"] > 0 and logs["lowprec/flops_fp8"] > 0 and logs["lowprec/steps_skipped"] == 0
+    assert {"lowprec/fp8/input_saturation", "lowprec/fp8/grad_underflow"} <= set(logs)
+
+    accelerator.save_state(str(tmp_path / "state"))  # the plugin is registered for checkpointing
+
+    def restored(plan):
+        """A fresh model, optimizer and plugin prepared with ``plan`` and loaded from the saved state."""
+        acc = Accelerator(cpu=True)
+        plugin = LowPrecisionPlugin(plan)
+        m = tiny_llama(seed=1)
+        m, o = plugin.prepare(acc, m, torch.optim.AdamW(m.parameters(), lr=3e-3))
+        acc.load_state(str(tmp_path / "state"))
+        return m
+
+    again = restored(PLAN)
+    saved = accelerator.unwrap_model(model).state_dict()
+    assert all(torch.equal(v, saved[k]) for k, v in again.state_dict().items() if k.endswith(("weight", "step")))
+    with pytest.raises(ValueError, match="another plan"):  # same parameters, other formats: refused
+        restored({**PLAN, "default": "fp8-rowwise"})
+
+
+def test_gradient_spike_skips_the_step():
+    """scaler="gradient", spike_action="skip": a 1000x gradient spike leaves every parameter as it was."""
+    accelerator = Accelerator(cpu=True)
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    lowprec = LowPrecisionPlugin(PLAN, scaler="gradient", scaler_options={"spike_action": "skip"})
+    model, optimizer = lowprec.prepare(accelerator, model, optimizer)
+    batch = lm_batches(1, batch=4)[0]
+    for _ in range(3):
+        one_step(model, optimizer, accelerator, batch)
+    assert lowprec.steps_skipped == 0
+    before = one_step(model, optimizer, accelerator, batch, loss_factor=1000.0)
+    assert lowprec.steps_skipped == 1
+    assert sorted(unchanged(model, before)) == sorted(before)
+    assert lowprec.telemetry()["lowprec/spikes"] >= 1
+
+
+def test_bad_input():
+    accelerator = Accelerator(cpu=True)
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="one model"):
+        LowPrecisionPlugin("fp8").prepare(accelerator, model, tiny_llama())
+    partial = torch.optim.AdamW(model.model.layers.parameters(), lr=1e-3)  # the embedding and head left out
+    with pytest.raises(ValueError, match="missing from the optimizer"):
+        LowPrecisionPlugin("fp8").prepare(accelerator, model, partial)
+    prepared = accelerator.prepare(tiny_llama())
+    with pytest.raises(ValueError, match="already prepared"):
+        LowPrecisionPlugin("fp8").prepare(accelerator, prepared)
+    with pytest.raises(ValueError, match="needs calibration_data"):
+        LowPrecisionPlugin().prepare(accelerator, tiny_llama())
+    with pytest.raises(ValueError, match="no eligible layers"):
+        LowPrecisionPlugin("fp8").prepare(accelerator, nn.Sequential(nn.Conv1d(2, 2, 1)))
+    with pytest.raises(ValueError, match="apply only to plan='auto'|applies only to plan='auto'"):
+        LowPrecisionPlugin("fp8", budget={"target_bits_per_param": 8})
