@@ -38,9 +38,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import TrainerCallback
+from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from hf_lowprec.compensation import CompensatedOptimizer
+from hf_lowprec.compensation import METHODS as COMPENSATIONS
 from hf_lowprec.convert import ConversionReport, apply_plan, as_plan, eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.hub import PLAN_FILE
@@ -51,6 +54,7 @@ from hf_lowprec.scaling import TELEMETRY_PREFIX, collect_telemetry, make_policy_
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "hf_lowprec_state.safetensors"
+COMPENSATION_FILE = "hf_lowprec_compensation.pt"
 TELEMETRY_KEYS = ("scan_seconds", "steps_skipped")
 """Keys (after ``lowprec/``) in every training log. Besides: ``params_<format>`` and ``flops_<format>``,
 the fraction of eligible parameters and of Linear FLOPs in each applied format; the scale policies'
@@ -212,6 +216,9 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
         scaler: FP8 scale policy by name (``dynamic``, ``delayed``, ``gradient``); ``scaler_options`` go
             to it (e.g. ``{"spike_action": "skip"}``).
         sync: reduce FP8 tensorwise amaxes with MAX over ranks; default: when more than one process runs.
+        compensation: ``kahan`` or ``stochastic``: wrap the Trainer's optimizer in a
+            :class:`~hf_lowprec.compensation.CompensatedOptimizer` so bf16/fp16 weights train without an
+            fp32 master copy (the model must have such weights).
         fp8_backend: ``auto``, ``emulated`` or ``torchao`` (see :class:`hf_lowprec.modules.FP8Linear`).
         learn_scales: train INT4/INT8 group steps (LSQ).
         seed: the scan's seed.
@@ -221,7 +228,7 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
         self, plan="auto", *, keep: tuple[str, ...] = (), budget=None, formats=("fp8", "int4-g64"),
         calibration_data: Iterable[Mapping] | None = None, calibration_batches: int = 4, scan_method: str = "auto",
         scaler: str = "dynamic", scaler_options: Mapping | None = None, fp8_backend: str = "auto",
-        learn_scales: bool = True, sync: bool | None = None, seed: int = 0,
+        learn_scales: bool = True, sync: bool | None = None, compensation: str | None = None, seed: int = 0,
     ):  # fmt: skip
         self._auto = _is_auto(plan)
         if not self._auto and (budget is not None or calibration_data is not None):
@@ -232,11 +239,14 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
             raise ValueError(f"unknown fp8_backend {fp8_backend!r}; choose one of {', '.join(FP8_BACKENDS)}")
         for fmt in formats:
             FormatSpec.parse(fmt)
+        if compensation is not None and compensation not in COMPENSATIONS:
+            raise ValueError(f"unknown compensation {compensation!r}; choose one of {', '.join(COMPENSATIONS)} or None")
         make_policy_factory(scaler, **dict(scaler_options or {}))  # raises for unknown names/options
         self.keep, self.budget, self.formats = tuple(keep), budget, tuple(formats)
         self.calibration_data, self.calibration_batches, self.scan_method = calibration_data, calibration_batches, scan_method
         self.scaler, self.scaler_options = scaler, dict(scaler_options or {})
         self.fp8_backend, self.learn_scales, self.sync, self.seed = fp8_backend, learn_scales, sync, seed
+        self.compensation = None if compensation == "none" else compensation
         self.plan = None if self._auto else load_plan_source(plan, self.keep)
         self._plan_folder = Path(plan) if isinstance(plan, (str, os.PathLike)) and Path(plan).is_dir() else None
         self.report: ConversionReport | None = None
@@ -290,6 +300,11 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
             return  # model_init: converted at on_train_begin
         if not eligible_layers(model):
             raise ValueError(f"{type(model).__name__} has no eligible layers (nn.Linear / nn.Embedding) to put in low precision")
+        if self.compensation and not any(p.requires_grad and p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()):
+            raise ValueError(
+                f"compensation={self.compensation!r} keeps bf16/fp16 weights exact without an fp32 master copy, "
+                "but every trainable weight of this model is fp32: load the model in bf16 or drop compensation"
+            )
         if self._auto and self.plan is None:
             resume = getattr(args, "resume_from_checkpoint", None)
             if resume and (Path(resume) / PLAN_FILE).is_file():
@@ -313,8 +328,10 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
             self._convert_late(args, state, model, optimizer, train_dataloader)
         elif self.report is None and model is not None:  # a callback restored from trainer_state.json
             self._convert(model, model.hf_lowprec_plan if self.plan is None else self.plan)
+        if self.compensation and optimizer is not None:
+            self._compensate(optimizer)
         if state.global_step > 0:
-            self._restore(args, state, model)
+            self._restore(args, state, model, optimizer)
         if args.fp16 and getattr(optimizer, "scaler", None) is None:
             logger.warning(
                 "fp16=True but no GradScaler is active: Accelerate applies fp16 autocast and loss scaling only on "
@@ -350,7 +367,17 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
         if optimizer is not None:
             insert_new_parameters(optimizer, model, self._new_params)
 
-    def _restore(self, args, state, model) -> None:
+    def _compensate(self, optimizer) -> None:
+        """Wrap the optimizer inside the Trainer's ``AcceleratedOptimizer`` in a ``CompensatedOptimizer``."""
+        if getattr(optimizer, "scaler", None) is not None:
+            raise ValueError("compensation with an fp16 GradScaler is not supported: train bf16 weights (bf16=True)")
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None:
+            raise ValueError(f"compensation needs the Trainer's AcceleratedOptimizer, got {type(optimizer).__name__}")
+        if not isinstance(inner, CompensatedOptimizer):
+            optimizer.optimizer = CompensatedOptimizer(inner, self.compensation, seed=self.seed)
+
+    def _restore(self, args, state, model, optimizer) -> None:
         """On resume: counters from ``trainer_state.json``; steps and scaler buffers from our checkpoint file."""
         saved = (state.stateful_callbacks or {}).get(type(self).__name__)
         if isinstance(saved, list):
@@ -359,6 +386,11 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
             for key, value in saved.get("attributes", {}).items():
                 setattr(self, key, value)
         folder = self._checkpoint_folder(args, state)
+        if folder is None and self.compensation:
+            raise ValueError(
+                f"resuming at step {state.global_step} with compensation={self.compensation!r} needs the checkpoint's "
+                f"{COMPENSATION_FILE}: pass LowPrecisionCallback(plan='<checkpoint folder>', ...)"
+            )
         if folder is None:
             logger.warning("resumed at step %d without %s: low-precision state comes from the model weights only", state.global_step, STATE_FILE)
             return
@@ -373,6 +405,12 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
         with torch.no_grad():
             for key, value in tensors.items():
                 params[key].copy_(value)
+        if self.compensation and optimizer is not None:
+            # the Trainer loaded optimizer.pt into the unwrapped optimizer, casting the fp32 moments of
+            # bf16 weights to bf16; load it again through the wrapper, which keeps them fp32
+            extra = torch.load(folder / COMPENSATION_FILE, weights_only=True)
+            inner = torch.load(folder / OPTIMIZER_NAME, weights_only=True)
+            optimizer.optimizer.load_state_dict({"optimizer": inner, **extra})
 
     def _checkpoint_folder(self, args, state) -> Path | None:
         """The checkpoint being resumed: the plan folder, ``args.resume_from_checkpoint`` or ``<output_dir>/checkpoint-<step>``."""
@@ -419,6 +457,15 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
         tmp = folder / f".{STATE_FILE}.tmp"
         save_file(low_precision_state(model), str(tmp), metadata={"global_step": str(state.global_step)})
         os.replace(tmp, folder / STATE_FILE)
+        if self.compensation and (folder / OPTIMIZER_NAME).is_file():
+            # The Trainer saved the CompensatedOptimizer's state_dict; a resumed Trainer loads optimizer.pt
+            # into a plain optimizer before this callback can wrap it. Keep the plain optimizer's part
+            # there and the compensation buffers and generator states in our own file.
+            saved = torch.load(folder / OPTIMIZER_NAME, weights_only=True)
+            for name, value in ((COMPENSATION_FILE, {k: v for k, v in saved.items() if k != "optimizer"}), (OPTIMIZER_NAME, saved["optimizer"])):
+                tmp = folder / f".{name}.tmp"
+                torch.save(value, tmp)
+                os.replace(tmp, folder / name)
 
     def on_train_end(self, args, state, control, **kwargs):
         if args.should_save and self.plan is not None:
@@ -437,6 +484,7 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
                 "fp8_backend": self.fp8_backend,
                 "learn_scales": self.learn_scales,
                 "sync": self.sync,
+                "compensation": self.compensation,
                 "seed": self.seed,
             },
             "attributes": {"scan_seconds": self.scan_seconds, "steps_skipped": self.steps_skipped},

@@ -184,6 +184,26 @@ def test_kill_and_resume_continues_the_same_curve(tmp_path):
     assert max(abs(a[s] - b[s]) for s in b) <= 1e-6, [(a[s], b[s]) for s in b]
 
 
+def test_bf16_weights_with_kahan_compensation_resume_exactly(tmp_path):
+    """compensation="kahan" wraps the Trainer's optimizer; checkpoints keep the Trainer's optimizer.pt
+    loadable by a plain optimizer and the buffers (and fp32 moments) are restored through the wrapper."""
+    from hf_lowprec.compensation import CompensatedOptimizer
+
+    data = lm_rows(2, batch=4)
+    args = dict(max_steps=8, per_device_train_batch_size=4, save_strategy="steps", save_steps=4, bf16=True)
+    full = Trainer(model=tiny_llama().to(torch.bfloat16), args=arguments(tmp_path / "full", **args), train_dataset=data,
+                   callbacks=[LowPrecisionCallback(MIXED_PLAN, compensation="kahan")])  # fmt: skip
+    full.train()
+    assert isinstance(full.optimizer.optimizer, CompensatedOptimizer) and full.optimizer.optimizer.compensation_bytes() > 0
+    ckpt = tmp_path / "full" / "checkpoint-4"
+    assert set(torch.load(ckpt / "optimizer.pt", weights_only=True)) == {"state", "param_groups"}
+    resumed = Trainer(model=tiny_llama().to(torch.bfloat16), args=arguments(tmp_path / "resumed", **args), train_dataset=data,
+                      callbacks=[LowPrecisionCallback(ckpt, compensation="kahan")])  # fmt: skip
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    a, b = losses(full), {s: v for s, v in losses(resumed).items() if s > 4}
+    assert sorted(b) == [5, 6, 7, 8] and all(a[s] == b[s] for s in b), (a, b)
+
+
 # --------------------------------------------------------------------------------------- bad input
 def test_plan_for_another_model_fails_at_init(tmp_path):
     path = PrecisionPlan({"bert.encoder.layer.0.attention.self.query": "fp8"}).save(tmp_path / "bert_plan.json")
@@ -213,11 +233,17 @@ def test_model_without_eligible_layers_fails_at_init(tmp_path):
         (dict(plan="fp8", scaler="dynamic", scaler_options={"spike_action": "skip"}), "unknown options"),
         (dict(plan="fp8", calibration_batches=0), "calibration_batches"),
         (dict(plan=MIXED_PLAN, keep=("lm_head",)), "keep= applies"),
+        (dict(plan="fp8", compensation="kahan-ish"), "unknown compensation"),
     ],
 )
 def test_incompatible_options_fail_on_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LowPrecisionCallback(**kwargs)
+
+
+def test_compensation_on_fp32_weights_fails_at_init(tmp_path):
+    with pytest.raises(ValueError, match="every trainable weight of this model is fp32"):
+        Trainer(model=tiny_llama(), args=arguments(tmp_path), callbacks=[LowPrecisionCallback("fp8", compensation="kahan")])
 
 
 def test_resuming_an_auto_run_without_its_plan_fails_before_training(tmp_path):
