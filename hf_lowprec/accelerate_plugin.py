@@ -42,6 +42,8 @@ from hf_lowprec.callback import (
     load_plan_source,
     orphaned_parameters,
 )
+from hf_lowprec.compensation import METHODS as COMPENSATIONS
+from hf_lowprec.compensation import CompensatedOptimizer
 from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.plan import PrecisionPlan
@@ -77,13 +79,15 @@ class LowPrecisionPlugin:
         fp8_backend: the plugin's own FP8 layers: ``auto``, ``emulated`` or ``torchao``.
         learn_scales: train INT4/INT8 group steps (LSQ).
         sync: reduce FP8 amaxes over ranks; default: when more than one process runs.
+        compensation: ``kahan`` or ``stochastic``: the optimizer is wrapped in a
+            :class:`~hf_lowprec.compensation.CompensatedOptimizer` (for bf16/fp16 weights without an fp32 copy).
     """
 
     def __init__(
         self, plan="auto", *, keep: tuple[str, ...] = (), budget=None, formats=("fp8", "int4-g64"),
         calibration_batches: int = 4, scan_method: str = "auto", scaler: str = "dynamic",
         scaler_options: Mapping | None = None, fp8_backend: str = "auto", learn_scales: bool = True,
-        sync: bool | None = None, seed: int = 0,
+        sync: bool | None = None, compensation: str | None = None, seed: int = 0,
     ):  # fmt: skip
         self._auto = _is_auto(plan)
         if not self._auto and budget is not None:
@@ -93,6 +97,9 @@ class LowPrecisionPlugin:
         for fmt in formats:
             FormatSpec.parse(fmt)
         make_policy_factory(scaler, **dict(scaler_options or {}))  # raises for unknown names/options
+        if compensation is not None and compensation not in COMPENSATIONS:
+            raise ValueError(f"unknown compensation {compensation!r}; choose one of {', '.join(COMPENSATIONS)} or None")
+        self.compensation = None if compensation == "none" else compensation
         self.keep, self.budget, self.formats = tuple(keep), budget, tuple(formats)
         self.calibration_batches, self.scan_method, self.seed = calibration_batches, scan_method, seed
         self.scaler, self.scaler_options = scaler, dict(scaler_options or {})
@@ -120,6 +127,11 @@ class LowPrecisionPlugin:
         if self.plan is None and calibration_data is None:
             calibration_data = next((o for o in objects if isinstance(o, torch.utils.data.DataLoader)), None)
         self.convert(model, optimizer, accelerator=accelerator, calibration_data=calibration_data)
+        if self.compensation and optimizer is not None:
+            if not any(p.requires_grad and p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()):
+                raise ValueError(f"compensation={self.compensation!r} is for bf16/fp16 weights, but every trainable weight is fp32")
+            wrapped = CompensatedOptimizer(optimizer, self.compensation, seed=self.seed)
+            objects = tuple(wrapped if o is optimizer else o for o in objects)
         prepared = accelerator.prepare(*objects)
         prepared = prepared if isinstance(prepared, tuple) else (prepared,)
         if optimizer is not None:

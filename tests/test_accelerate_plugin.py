@@ -123,6 +123,25 @@ def test_gradient_spike_skips_the_step():
     assert lowprec.telemetry()["lowprec/spikes"] >= 1
 
 
+def test_plugin_compensation_wraps_the_optimizer():
+    from hf_lowprec.compensation import CompensatedOptimizer
+
+    accelerator = Accelerator(cpu=True)
+    model = tiny_llama().to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = LowPrecisionPlugin(PLAN, compensation="kahan").prepare(accelerator, model, optimizer)
+    assert isinstance(optimizer.optimizer, CompensatedOptimizer)
+    before = one_step(model, optimizer, accelerator, lm_batches(1, batch=4)[0])
+    # an update below half a bf16 ulp (the norms' 1e-4 steps at 1.0) leaves the weight and waits in its buffer
+    params = dict(model.named_parameters())
+    still = unchanged(model, before)
+    assert still and all("norm" in n for n in still)
+    assert all(optimizer.optimizer.buffers[id(params[n])].abs().max() > 0 for n in still)
+    with pytest.raises(ValueError, match="every trainable weight is fp32"):
+        m = tiny_llama()
+        LowPrecisionPlugin("fp8", compensation="kahan").prepare(accelerator, m, torch.optim.AdamW(m.parameters()))
+
+
 def test_bad_input():
     accelerator = Accelerator(cpu=True)
     model = tiny_llama()
