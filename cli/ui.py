@@ -37,8 +37,9 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
 
 def setup_logging(verbose: bool = False) -> None:
     """Library logs (warnings by default) through rich on stderr; transformers/datasets bars off (ours replace them)."""
+    # basicConfig leaves an already configured root logger (an embedding application, pytest) alone
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
-                        handlers=[RichHandler(console=err, show_path=False, show_time=False)], force=True)  # fmt: skip
+                        handlers=[RichHandler(console=err, show_path=False, show_time=False)])  # fmt: skip
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     import datasets
     import transformers

@@ -220,7 +220,8 @@ def prepare_lm_data(
         n_eval_rows = len(ds)
     else:
         n_eval_rows = max(1, round(len(ds) * eval_fraction)) if len(ds) > 1 else 0
-    train_rows, eval_rows = ds.select(range(len(ds) - n_eval_rows)), ds.select(range(len(ds) - n_eval_rows, len(ds)))
+    cut = len(ds) - n_eval_rows
+    train_rows, eval_rows = ds.select(list(range(cut))), ds.select(list(range(cut, len(ds))))
     if cols.kind == "text":
         train = pack_blocks(train_rows, tokenizer, cols, block_size, train_sequences)
         held = pack_blocks(eval_rows, tokenizer, cols, block_size, eval_sequences)

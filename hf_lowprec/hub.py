@@ -284,12 +284,14 @@ def read_run(folder: str | os.PathLike) -> dict:
 
 
 # -------------------------------------------------------------------------------------- load
-def load_exported(path_or_repo: str | os.PathLike, *, apply_plan_numerics: bool = False, dtype: torch.dtype = torch.float32):
+def load_exported(path_or_repo: str | os.PathLike, *, apply_plan_numerics: bool = False, dtype: torch.dtype = torch.float32,
+                  backend: str = "auto"):  # fmt: skip
     """``(model, tokenizer)`` of an exported folder or Hub repo.
 
     ``master`` exports load as plain ``transformers`` models; with ``apply_plan_numerics`` the plan is
     re-applied so the model computes with its training-time FP8/INT4 numerics. ``int4-packed`` exports
-    come back with :class:`PackedInt4Linear` layers holding the saved codes.
+    come back with :class:`PackedInt4Linear` layers holding the saved codes, computing with ``backend``
+    (``auto``: int8 kernels where the CPU has them; ``dequant``: exactly the QAT model's numerics).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -307,7 +309,7 @@ def load_exported(path_or_repo: str | os.PathLike, *, apply_plan_numerics: bool 
         return model, tokenizer
     config = AutoConfig.from_pretrained(folder)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    _install_packed(model, plan, dtype)
+    _install_packed(model, plan, dtype, backend)
     from safetensors.torch import load_file
 
     state = {}
@@ -324,14 +326,14 @@ def load_exported(path_or_repo: str | os.PathLike, *, apply_plan_numerics: bool 
     return model.eval(), tokenizer
 
 
-def _install_packed(model: nn.Module, plan: PrecisionPlan, dtype: torch.dtype) -> None:
+def _install_packed(model: nn.Module, plan: PrecisionPlan, dtype: torch.dtype, backend: str) -> None:
     """Swap the linears the plan puts in INT4 for empty :class:`PackedInt4Linear` shells."""
     from hf_lowprec.convert import _set_module  # the module-swapping helper lives in convert.py
 
     for name, spec in plan.assign(model).items():
         module = model.get_submodule(name)
         if spec.family == "int4" and isinstance(module, nn.Linear):
-            shell = PackedInt4Linear(module.in_features, module.out_features, spec, module.bias is not None, dtype)
+            shell = PackedInt4Linear(module.in_features, module.out_features, spec, module.bias is not None, dtype, backend=backend)
             _set_module(model, name, shell)
 
 

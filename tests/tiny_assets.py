@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import threading
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -54,13 +55,37 @@ def save_tiny_model(path: Path, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def validate_card_metadata(content: str) -> list[str]:
+    """Errors in a model card's YAML front matter (empty when it passes the stand-in's checks)."""
+    import yaml
+    from huggingface_hub import ModelCardData
+    from huggingface_hub.repocard_data import model_index_to_eval_results
+
+    if not content.startswith("---\n"):
+        return ["no YAML front matter"]
+    try:
+        meta = yaml.safe_load(content.split("---\n")[1])
+        if not isinstance(meta, dict):
+            return ["metadata is not a mapping"]
+        if "model-index" in meta:
+            model_index_to_eval_results(meta["model-index"])
+        ModelCardData(**meta, ignore_metadata_errors=False)
+    except Exception as e:
+        return [f"{type(e).__name__}: {e}"]
+    return []
+
+
 class HubStandIn:
     """A local stand-in for the Hub endpoints ``create_repo`` and ``upload_folder`` call.
 
-    Implements ``POST /api/repos/create``, ``POST /api/{type}s/{repo}/preupload/{rev}`` (every
-    file "regular", so its bytes travel base64 inside the commit) and
-    ``POST /api/{type}s/{repo}/commit/{rev}`` (NDJSON). Records every request's headers and the
-    files committed per repo.
+    Implements ``POST /api/repos/create``, ``POST /api/validate-yaml`` (a subset of the Hub's checks:
+    the README's front matter must be a YAML mapping whose ``model-index`` parses with
+    huggingface_hub's own parser and whose fields ``ModelCardData`` accepts strictly),
+    ``POST /api/{type}s/{repo}/preupload/{rev}`` (every file "regular", so its bytes travel base64
+    inside the commit), ``POST /api/{type}s/{repo}/commit/{rev}`` (NDJSON; a ``refs/pr/N`` revision
+    commits to pull request N) and, for ``create_pr``, ``POST``/``GET /api/{type}s/{repo}/discussions``.
+    Records every request's headers, the validated cards, the pull requests and the files committed
+    to each repo's main branch (``files``) or pull requests (``pr_files``).
     """
 
     def __init__(self):
@@ -68,6 +93,8 @@ class HubStandIn:
         self.repos: dict[str, dict] = {}
         self.files: dict[str, dict[str, bytes]] = {}
         self.pull_requests: list[str] = []
+        self.pr_files: dict[str, dict[str, bytes]] = {}
+        self.validated: list[str] = []
         standin = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -86,36 +113,53 @@ class HubStandIn:
                 raw = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
                 standin.requests.append({"method": "POST", "path": self.path, "headers": dict(self.headers), "body": raw})
                 path = self.path.split("?")[0]
+                if path == "/api/validate-yaml":
+                    content = json.loads(raw)["content"]
+                    errors = validate_card_metadata(content)
+                    if errors:
+                        return self._reply(400, {"errors": [{"message": e} for e in errors]})
+                    standin.validated.append(content)
+                    return self._reply(200, {"warnings": []})
                 if path == "/api/repos/create":
                     data = json.loads(raw)
                     repo = f"{data['organization']}/{data['name']}" if data.get("organization") else data["name"]
+                    if repo in standin.repos:
+                        return self._reply(409, {"error": "You already created this model repo", "url": f"http://{self.headers['Host']}/{repo}"})
                     standin.repos[repo] = data
                     standin.files.setdefault(repo, {})
                     return self._reply(200, {"url": f"http://{self.headers['Host']}/{repo}", "name": repo})
-                parts = path.split("/")  # ['', 'api', 'models', owner, name, action, rev]
-                if len(parts) >= 7 and parts[1] == "api":
+                parts = path.split("/")  # ['', 'api', 'models', owner, name, action, rev...]
+                if len(parts) >= 6 and parts[1] == "api":
                     repo, action = f"{parts[3]}/{parts[4]}", parts[5]
                     if repo not in standin.repos:
                         return self._reply(404, {"error": f"Repository {repo} not found"})
                     if action == "preupload":
                         files = json.loads(raw)["files"]
                         return self._reply(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]})
+                    url = f"http://{self.headers['Host']}/{repo}"
+                    if action == "discussions":
+                        standin.pull_requests.append(repo)
+                        return self._reply(200, {"num": len(standin.pull_requests)})
                     if action == "commit":
+                        revision = urllib.parse.unquote("/".join(parts[6:]))
+                        target = standin.pr_files.setdefault(revision, {}) if revision.startswith("refs/pr/") else standin.files[repo]
                         for line in raw.decode().splitlines():
                             item = json.loads(line)
                             if item["key"] == "file":
-                                standin.files[repo][item["value"]["path"]] = base64.b64decode(item["value"]["content"])
-                        pr = "create_pr=1" in self.path
-                        url = f"http://{self.headers['Host']}/{repo}"
-                        reply = {"commitUrl": f"{url}/commit/{'1' * 40}", "commitOid": "1" * 40}
-                        if pr:
-                            reply["pullRequestUrl"] = f"{url}/discussions/1"
-                            standin.pull_requests.append(repo)
-                        return self._reply(200, reply)
+                                target[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+                        return self._reply(200, {"commitUrl": f"{url}/commit/{'1' * 40}", "commitOid": "1" * 40})
                 return self._reply(404, {"error": f"stand-in does not implement POST {path}"})
 
             def do_GET(self):
                 standin.requests.append({"method": "GET", "path": self.path, "headers": dict(self.headers), "body": b""})
+                parts = self.path.split("?")[0].split("/")  # ['', 'api', 'models', owner, name, 'discussions', num]
+                if len(parts) == 7 and parts[5] == "discussions":
+                    repo, num = f"{parts[3]}/{parts[4]}", int(parts[6])
+                    return self._reply(200, {
+                        "title": "Upload", "num": num, "author": {"name": "me"}, "createdAt": "2026-01-01T00:00:00.000Z",
+                        "status": "draft", "repo": {"name": repo, "type": "model"}, "isPullRequest": True, "events": [],
+                        "changes": {"base": "refs/heads/main"}, "filesWithConflicts": [],
+                    })  # fmt: skip
                 return self._reply(404, {"error": f"stand-in does not implement GET {self.path}"})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

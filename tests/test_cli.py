@@ -1,0 +1,198 @@
+"""The hf-lowprec command line, end to end on a tiny local model and a local text file."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from tiny_assets import HubStandIn, corpus_text, save_tiny_model, validate_card_metadata
+from transformers import AutoModelForCausalLM, default_data_collator
+from typer.testing import CliRunner
+
+from hf_lowprec.cli.app import app
+from hf_lowprec.data import prepare_lm_data, read_source
+from hf_lowprec.hub import CARD_FILE, RUN_FILE, load_exported
+from hf_lowprec.metrics import causal_lm_loss
+
+COMMANDS = ("recipes", "scan", "finetune", "eval", "export", "push")
+FAST = ["--block-size", "32", "--batch-size", "2", "--eval-blocks", "4", "--dtype", "fp32", "--save-steps", "1000"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny matmuls with 2 OpenMP threads stall for milliseconds when other processes share the cores
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    save_tiny_model(d / "tiny")
+    (d / "corpus.txt").write_text(corpus_text(60_000))
+    return d
+
+
+def cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def held_out(ws, tokenizer, blocks=4):
+    """The held-out blocks finetune evaluates on (same data, same split rule)."""
+    return prepare_lm_data(*read_source(ws / "corpus.txt"), tokenizer, 32, train_sequences=1, eval_sequences=blocks)
+
+
+def one_error_line(result):
+    text = result.output.strip()
+    assert result.exit_code == 2, text
+    assert "Traceback" not in text and text.count("error:") == 1, text
+    return text
+
+
+def test_help_of_the_program_and_every_command():
+    proc = subprocess.run([sys.executable, "-m", "hf_lowprec.cli.app", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and all(c in proc.stdout for c in COMMANDS)
+    for command in COMMANDS:
+        result = cli(command, "--help")
+        assert result.exit_code == 0 and "Usage" in result.output and command in result.output
+    listing = cli("recipes")
+    assert listing.exit_code == 0 and all(r in listing.output for r in ("fp8-train", "auto-mixed", "int4-ondevice-lora", "qat-int4"))
+    shown = cli("recipes", "qat-int4")
+    assert shown.exit_code == 0 and "weights: int4-packed" in shown.output
+
+
+def test_finetune_eval_export_reload_fp8(ws):
+    out, pub = ws / "run-fp8", ws / "pub-fp8"
+    result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", "--recipe", "fp8-train", "--max-steps", "6", "--lr", "3e-3", *FAST, "-o", out)
+    assert result.exit_code == 0, result.output
+    assert "Fine-tuning summary" in result.output and "fp8 64.3%" in result.output and str(out) in result.output
+    record = json.loads((out / RUN_FILE).read_text())
+    f = record["training"]
+    assert f["steps"] == 6 and f["loss_final"] < f["loss_start"] and f["peak_rss_mb"] > 0 and f["tokens_per_second"] > 0
+    assert not (ws / "run-fp8.incomplete").exists()
+
+    # the exported master weights, with the plan re-applied, are the trained model: same held-out loss
+    # (same batches too: FP8 tensorwise scales follow each batch's amax)
+    model, tok = load_exported(out, apply_plan_numerics=True)
+    loss = causal_lm_loss(model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
+    assert loss == pytest.approx(f["loss_final"], abs=1e-6)
+
+    # eval: perplexity of the export, checked against transformers' own loss on the same blocks
+    result = cli("eval", out, "--data", ws / "corpus.txt", "--block-size", "32", "--max-sequences", "6")
+    assert result.exit_code == 0, result.output
+    plain = AutoModelForCausalLM.from_pretrained(out).eval()
+    blocks = prepare_lm_data(*read_source(ws / "corpus.txt"), tok, 32, eval_sequences=6, eval_only=True).eval
+    ids = torch.tensor(blocks["input_ids"])
+    with torch.no_grad():
+        expected = torch.exp(plain(input_ids=ids, labels=ids).loss).item()
+    assert f"{expected:.4f}" in result.output
+
+    result = cli("export", out, "--out", pub, "--repo-id", "me/tiny-fp8")
+    assert result.exit_code == 0, result.output
+    assert not (pub / "log_history.json").exists() and (pub / "hf_lowprec_plan.json").exists()
+    reloaded = AutoModelForCausalLM.from_pretrained(pub).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, plain(ids).logits)
+    card = ModelCard.load(pub / CARD_FILE)
+    assert validate_card_metadata(card.content) == [] and {"fp8", "hf-lowprec"} <= set(card.data.tags)
+    assert 'from_pretrained("me/tiny-fp8")' in card.text and "fp8-train" in card.text
+
+    with HubStandIn() as hub:
+        env = {"HF_TOKEN": "hf_cliSECRET0123456789abcdef", "HF_ENDPOINT": hub.endpoint}
+        import huggingface_hub.constants as hc
+
+        old = hc.ENDPOINT
+        hc.ENDPOINT = hub.endpoint
+        try:
+            result = CliRunner().invoke(app, ["push", str(pub), "me/tiny-fp8"], env=env)
+        finally:
+            hc.ENDPOINT = old
+    assert result.exit_code == 0, result.output
+    assert "commit:" in result.output and env["HF_TOKEN"] not in result.output
+    assert set(hub.files["me/tiny-fp8"]) == {p.name for p in pub.iterdir()}
+
+
+def test_qat_int4_run_exports_packed_weights_that_reproduce_the_trained_model(ws):
+    out = ws / "run-qat"
+    result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", "--recipe", "qat-int4", "--max-steps", "4", "--lr", "3e-3", *FAST, "-o", out)
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / RUN_FILE).read_text())
+    assert record["export"]["weights"] == "int4-packed" and "int4" in ModelCard.load(out / CARD_FILE).data.tags
+    model, tok = load_exported(out, backend="dequant")
+    loss = causal_lm_loss(model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
+    assert loss == pytest.approx(record["training"]["loss_final"], abs=1e-5)
+
+
+def test_scan_writes_a_plan_that_fits_the_model(ws):
+    out = ws / "scan" / "plan.json"
+    result = cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--block-size", "32", "--batches", "2", "--budget", "target_bits_per_param=12", "--out", out)
+    assert result.exit_code == 0, result.output
+    from hf_lowprec.plan import PrecisionPlan
+
+    PrecisionPlan.load(out).validate(AutoModelForCausalLM.from_pretrained(ws / "tiny"))
+    assert out.with_suffix(".png").stat().st_size > 1000 and "measured Δloss" in result.output
+    assert one_error_line(cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--budget", "bits=4", "--out", out))
+
+
+def test_bad_inputs_fail_with_one_line(ws, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("training: {max_steps: 3\n")
+    assert "not valid YAML" in one_error_line(cli("finetune", ws / "tiny", "--recipe", bad, "-o", tmp_path / "o1"))
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("training: {max_stepz: 3}\n")
+    assert "unknown key 'training.max_stepz'" in one_error_line(cli("finetune", ws / "tiny", "--recipe", unknown, "-o", tmp_path / "o1"))
+    assert "unknown recipe 'fp9'" in one_error_line(cli("finetune", ws / "tiny", "--recipe", "fp9", "-o", tmp_path / "o1"))
+    assert "does not exist" in one_error_line(cli("finetune", ws / "tiny", "--data", tmp_path / "missing.txt", "-o", tmp_path / "o1"))
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o1.incomplete").exists()  # nothing left behind
+    assert "does not exist" in one_error_line(cli("finetune", tmp_path / "no-model", "-o", tmp_path / "o1"))
+    assert "no interrupted run" in one_error_line(cli("finetune", ws / "tiny", "--resume", "-o", tmp_path / "o1"))
+    assert "does not exist" in one_error_line(cli("eval", ws / "tiny", "--data", tmp_path / "missing.csv"))
+    assert "not an hf-lowprec run" in one_error_line(cli("export", ws / "tiny", "--out", tmp_path / "e"))
+
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "mine.txt").write_text("keep me")
+    args = ["finetune", ws / "tiny", "--data", ws / "corpus.txt", "--recipe", "fp8-train", "--max-steps", "1", *FAST, "-o", existing]
+    assert "already exists; pass --overwrite" in one_error_line(cli(*args))
+    assert [p.name for p in existing.iterdir()] == ["mine.txt"]
+    result = cli(*args, "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert not (existing / "mine.txt").exists() and (existing / RUN_FILE).exists()
+
+
+def test_ctrl_c_leaves_a_resumable_checkpoint(ws, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hf_lowprec.cli.app", "finetune", str(ws / "tiny"), "--data", str(ws / "corpus.txt"),
+           "--recipe", "qat-int4", "--max-steps", "150", *FAST, "-o", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
+    deadline = time.time() + 120
+    while not any(line.startswith("step ") for line in lines) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert any(line.startswith("step ") for line in lines), "".join(lines)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    reader.join(timeout=10)
+    stderr = "".join(lines)
+    assert "checkpoint saved" in stderr and "--resume" in stderr and "Traceback" not in stderr
+    checkpoints = list((tmp_path / "run.incomplete" / "checkpoints").glob("checkpoint-*"))
+    assert len(checkpoints) == 1 and not out.exists()
+    stopped_at = int(checkpoints[0].name.split("-")[1])
+    assert 0 < stopped_at < 150
+
+    resumed = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    record = json.loads((out / RUN_FILE).read_text())
+    assert record["training"]["resumed_from_step"] == stopped_at and record["training"]["steps"] == 150
+    assert not (tmp_path / "run.incomplete").exists()

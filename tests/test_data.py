@@ -1,0 +1,155 @@
+"""Data: local files of every kind and the default corpus become the token sequences computed by hand."""
+
+import json
+
+import datasets
+import huggingface_hub
+import pandas as pd
+import pytest
+import torch
+from tiny_assets import corpus_text, tiny_tokenizer
+
+from hf_lowprec import checkpoints
+from hf_lowprec.data import (
+    default_corpus,
+    detect_columns,
+    load_records,
+    pack_blocks,
+    prepare_classification_data,
+    prepare_lm_data,
+    read_source,
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+ROWS = [{"text": f"Row {i}: " + corpus_text(3000)[i * 40 : i * 40 + 200], "label": i % 2} for i in range(40)]
+
+
+def _reference_blocks(texts, tok, block):
+    ids = []
+    for t in texts:
+        ids += tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    return [ids[i : i + block] for i in range(0, len(ids) - block + 1, block)]
+
+
+def test_default_corpus_is_shakespeare_and_falls_back_to_pydoc(monkeypatch):
+    ds, name = default_corpus()
+    assert name == "shakespeare" and len(ds) >= 30
+    assert any("HAMLET" in t[:200] for t in ds["text"])
+
+    def absent():
+        raise ValueError("the offline default corpus needs the shakespeare package")
+
+    monkeypatch.setattr(checkpoints, "default_corpus", absent)
+    ds, name = default_corpus()
+    from pydoc_data.topics import topics
+
+    assert name == "pydoc_data.topics" and len(ds) == len(topics)
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "csv", "parquet"])
+def test_jsonl_csv_parquet_give_the_blocks_computed_by_hand(tmp_path, tok, suffix):
+    path = tmp_path / f"data.{suffix}"
+    if suffix == "jsonl":
+        path.write_text("\n".join(json.dumps(r) for r in ROWS))
+    elif suffix == "csv":
+        pd.DataFrame(ROWS).to_csv(path, index=False)
+    else:
+        pd.DataFrame(ROWS).to_parquet(path)
+    records, name = read_source(str(path))
+    lm = prepare_lm_data(records, name, tok, 32, eval_fraction=0.1, eval_sequences=None)
+    texts = [r["text"] for r in ROWS]
+    assert lm.kind == "text"
+    assert lm.train["input_ids"] == _reference_blocks(texts[:36], tok, 32)  # last 10% of rows held out
+    assert lm.eval["input_ids"] == _reference_blocks(texts[36:], tok, 32)
+    assert lm.train["labels"] == lm.train["input_ids"]
+    batch = lm.collator([lm.train[i] for i in range(3)])
+    assert batch["input_ids"].shape == (3, 32) and torch.equal(batch["labels"], batch["input_ids"])
+
+
+def test_txt_keeps_line_breaks_and_caps_blocks(tmp_path, tok):
+    text = corpus_text(20000)
+    path = tmp_path / "corpus.txt"
+    path.write_text(text)
+    records, name = read_source(path)
+    assert "".join(records["text"]) == text
+    lm = prepare_lm_data(records, name, tok, 64, train_sequences=5, eval_sequences=2)
+    assert len(lm.train) == 5 and len(lm.eval) == 2
+    assert lm.train["input_ids"] == _reference_blocks(records["text"][:-max(1, round(len(records) * 0.05))], tok, 64)[:5]
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.txt").write_text(text[:5000])
+    (folder / "b.txt").write_text(text[5000:10000])
+    assert "".join(load_records(folder)["text"]) == text[:10000]
+
+
+def test_chat_and_instruction_rows_go_through_the_chat_template(tmp_path, tok):
+    chats = [{"messages": [{"role": "user", "content": f"what is {i}?"}, {"role": "assistant", "content": f"it is {i}"}]} for i in range(20)]
+    pairs = [{"instruction": f"what is {i}?", "output": f"it is {i}"} for i in range(20)]
+    for rows, fname in ((chats, "chat.jsonl"), (pairs, "pairs.jsonl")):
+        (tmp_path / fname).write_text("\n".join(json.dumps(r) for r in rows))
+        records, name = read_source(tmp_path / fname)
+        lm = prepare_lm_data(records, name, tok, 64, eval_fraction=0.1)
+        assert lm.kind == "chat" and len(lm.train) == 18 and len(lm.eval) == 2
+        expected = tok.apply_chat_template(chats[0]["messages"], tokenize=False)
+        assert tok.decode(lm.train[0]["input_ids"]) == expected
+        batch = lm.collator([lm.train[i] for i in range(2)] + [{"input_ids": [5, 6], "labels": [5, 6]}])
+        assert (batch["labels"][2, 2:] == -100).all() and (batch["attention_mask"][2, 2:] == 0).all()
+    long_rows = [{"messages": [{"role": "user", "content": corpus_text(2000)}]}] * 3
+    (tmp_path / "long.jsonl").write_text("\n".join(json.dumps(r) for r in long_rows))
+    lm = prepare_lm_data(*read_source(tmp_path / "long.jsonl"), tok, 16)
+    assert {len(ids) for ids in lm.train["input_ids"]} == {16}
+
+
+def test_clear_errors_for_missing_files_and_columns(tmp_path, tok):
+    with pytest.raises(ValueError, match=r"data file '.*missing\.txt' does not exist"):
+        read_source(tmp_path / "missing.txt")
+    with pytest.raises(ValueError, match=r"not an existing .* file, folder or Hub dataset name"):
+        read_source("./not/here")
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps({"body": "x" * 50, "score": 1}) for _ in range(5)))
+    records, name = read_source(path)
+    with pytest.raises(ValueError, match=r"has no column 'text_col'; its columns are body, score"):
+        prepare_lm_data(records, name, tok, 8, text_column="text_col")
+    with pytest.raises(ValueError, match=r"has no text column .* its columns are body, score; name one with --text-column"):
+        detect_columns(records, name)
+    assert prepare_lm_data(records, name, tok, 8, text_column="body").kind == "text"
+    with pytest.raises(ValueError, match=r"has no label column 'label'; its columns are body, score"):
+        prepare_classification_data(records, name, tok, 32, text_column="body")
+    with pytest.raises(ValueError, match=r"no complete block of 4096 tokens"):
+        prepare_lm_data(records, name, tok, 4096, text_column="body")
+    plain = tiny_tokenizer()
+    plain.chat_template = None
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"has no chat template"):
+        prepare_lm_data(*read_source(tmp_path / "c.jsonl"), plain, 8)
+    (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n{not json\n')
+    with pytest.raises(ValueError, match=r"could not read data '.*broken\.jsonl' as json"):
+        read_source(tmp_path / "broken.jsonl")
+
+
+def test_hub_dataset_names_go_through_datasets(monkeypatch):
+    # this machine cannot reach the Hub: offline mode makes datasets answer at once, through the same code path
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match=r"could not load dataset 'someone/some-dataset' \(split 'train'\) through datasets"):
+        load_records("someone/some-dataset")
+
+
+def test_classification_rows(tmp_path, tok):
+    path = tmp_path / "cls.csv"
+    pd.DataFrame(ROWS).to_csv(path, index=False)
+    ds = prepare_classification_data(*read_source(path), tok, 16, max_rows=10)
+    assert len(ds) == 10 and ds["labels"] == [r["label"] for r in ROWS[:10]]
+    assert ds["input_ids"][3] == tok(ROWS[3]["text"], truncation=True, max_length=16)["input_ids"]
+
+
+def test_pack_blocks_stops_early():
+    tok = tiny_tokenizer()
+    ds = datasets.Dataset.from_dict({"text": [corpus_text(4000)] * 50})
+    cols = detect_columns(ds, "mem")
+    assert len(pack_blocks(ds, tok, cols, 32, max_blocks=3)) == 3

@@ -1,0 +1,215 @@
+"""Export, model cards and push: reloads give the same logits, cards parse and validate, the token never leaks."""
+
+import copy
+import json
+import re
+
+import pytest
+import torch
+import yaml
+from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub.repocard_data import model_index_to_eval_results
+from safetensors import safe_open
+from tiny_assets import HubStandIn, save_tiny_model, validate_card_metadata
+from transformers import AutoModelForCausalLM
+
+from hf_lowprec import Int4Linear, PackedInt4Linear, apply_plan, freeze, revert
+from hf_lowprec.checkpoints import load_pretrained
+from hf_lowprec.hub import (
+    CARD_FILE,
+    PLAN_FILE,
+    RUN_FILE,
+    atomic_output_dir,
+    export_model,
+    export_run,
+    hardware_info,
+    load_exported,
+    push,
+    render_model_card,
+)
+from hf_lowprec.plan import PrecisionPlan
+
+TOKEN = "hf_standinSECRETtoken1234567890"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny matmuls with 2 OpenMP threads stall for milliseconds when other processes share the cores
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("base") / "tiny")
+
+
+def _trained(base_dir, fmt: str, steps: int = 3):
+    """The tiny model with ``fmt`` on every linear but the head, trained a few AdamW steps."""
+    model, tok = load_pretrained(base_dir)
+    apply_plan(model, PrecisionPlan.uniform(fmt, keep=("lm_head",)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval(), tok
+
+
+def _run_record(**extra):
+    return {
+        "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "recipe": {"name": "qat-int4", "method": "full", "training": {"max_steps": 3}},
+        "dataset": "shakespeare", "data_kind": "text", "training": {"steps": 3, "loss_base": 5.1, "loss_final": 4.2, "peak_rss_mb": 512.0},
+        "eval": [{"dataset": "shakespeare", "split": "held-out", "metric": "perplexity", "value": 66.7}],
+        "hardware": hardware_info(), **extra,
+    }  # fmt: skip
+
+
+IDS = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def test_master_export_reloads_with_transformers_and_with_plan_numerics(base_dir, tmp_path):
+    model, tok = _trained(base_dir, "fp8")
+    out = export_model(model, tok, tmp_path / "fp8", _run_record(), weights="master")
+    reference = copy.deepcopy(model)
+    revert(reference)
+    plain = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        assert torch.equal(plain(IDS).logits, reference(IDS).logits)  # master weights, bit for bit
+        again, _ = load_exported(out, apply_plan_numerics=True)
+        assert torch.equal(again(IDS).logits, model(IDS).logits)  # the FP8 numerics it trained with
+        assert not torch.equal(model(IDS).logits, reference(IDS).logits)
+    assert json.loads((out / PLAN_FILE).read_text()) == model.hf_lowprec_plan.to_dict()
+
+
+def test_qat_int4_export_is_real_packed_int4_and_reloads_the_same_logits(base_dir, tmp_path):
+    model, tok = _trained(base_dir, "int4-g64")
+    layer = model.model.layers[0].mlp.up_proj
+    learned = layer.weight_quantizer.steps(layer.weight)[0].detach().clone()  # the trained LSQ steps, as the quantizer uses them
+    calibrated = layer.weight.detach().abs().amax(-1, keepdim=True) / 7
+    out = export_model(model, tok, tmp_path / "int4", _run_record(), weights="int4-packed")
+    assert isinstance(model.model.layers[0].mlp.up_proj, Int4Linear)  # the in-memory model is left as it was
+    with safe_open(out / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+        qweight = f.get_tensor("model.layers.0.mlp.up_proj.qweight")
+        step = f.get_tensor("model.layers.0.mlp.up_proj.step")
+    assert qweight.dtype == torch.uint8 and qweight.shape == (128, 32)  # [out, in/2]: two codes a byte
+    assert "model.layers.0.mlp.up_proj.weight" not in keys and "lm_head.weight" in keys
+    assert torch.equal(step, learned.to(step.dtype)) and not torch.allclose(step, calibrated)  # learned, not re-calibrated
+    # the dequant backend computes exactly what the codes represent (the int8 backend adds activation
+    # rounding and compiles kernels on first use; its numerics are tested with the layer itself)
+    loaded, _ = load_exported(out, backend="dequant")
+    assert isinstance(loaded.model.layers[1].self_attn.q_proj, PackedInt4Linear)
+    frozen = copy.deepcopy(model)
+    freeze(frozen)
+    for m in frozen.modules():
+        if isinstance(m, PackedInt4Linear):
+            m.backend = "dequant"
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, frozen(IDS).logits)  # the same codes as the in-memory freeze
+        # = the QAT model, up to fp32 summation order (the codes dequantize to the fake-quantized weights)
+        torch.testing.assert_close(loaded(IDS).logits, model(IDS).logits, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="needs INT4 layers"):
+        export_model(_trained(base_dir, "fp8", 0)[0], tok, tmp_path / "none", _run_record(), weights="int4-packed")
+
+
+def test_model_card_metadata_and_body(base_dir, tmp_path):
+    model, tok = _trained(base_dir, "int4-g64", 1)
+    out = export_model(model, tok, tmp_path / "card", _run_record(), weights="int4-packed", repo_id="me/tiny-qat")
+    card = ModelCard.load(out / CARD_FILE)
+    data = card.data
+    assert data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and data.library_name == "hf-lowprec"
+    assert {"hf-lowprec", "int4", "qat"} <= set(data.tags) and data.datasets == ["shakespeare"] and data.metrics == ["perplexity"]
+    results = data.eval_results
+    assert results[0].metric_type == "perplexity" and results[0].metric_value == 66.7 and results[0].dataset_name == "shakespeare"
+    # the metadata validates: the YAML block parses, the model-index parses back, and ModelCardData accepts every field strictly
+    front = yaml.safe_load(card.content.split("---")[1])
+    name, parsed = model_index_to_eval_results(front["model-index"])
+    assert name == "tiny-qat" and parsed[0].metric_value == 66.7
+    ModelCardData(**front, ignore_metadata_errors=False)
+    assert validate_card_metadata(card.content) == []
+    assert validate_card_metadata(card.content.replace("value: 66.7", "valu: 66.7")) != []  # the check can fail
+    body = card.text
+    assert "load_exported(\"me/tiny-qat\")" in body and "real packed INT4" in body
+    assert re.search(r"\| int4-g64 \| 14 \| 73,728 \| 64\.3% \|", body)  # the plan table with fractions
+    assert "`model.layers.1.mlp.down_proj` | int4-g64" in body and "`lm_head` | bf16" in body  # per-layer list
+    assert "name: qat-int4" in body and "peak rss mb | 512" in body and "cpu cores" in body
+    assert "| shakespeare | perplexity | 66.7 |" in body
+
+
+def test_fp8_card_says_transformers_loads_it():
+    card = render_model_card({**_run_record(), "plan_rows": [{"format": "fp8", "layers": 2, "params": 10, "bytes": 10, "fraction": 1.0}],
+                              "export": {"loader": "transformers", "dtype": "float32", "library_name": "transformers"}}, "me/m")  # fmt: skip
+    assert card.data.library_name == "transformers" and "fp8" in card.data.tags and "qat" not in card.data.tags
+    assert 'AutoModelForCausalLM.from_pretrained("me/m")' in card.text and "emulated FP8" in card.text
+
+
+def test_atomic_output_dir_refuses_and_never_half_writes(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("old")
+    with pytest.raises(ValueError, match="already exists; pass --overwrite"):
+        with atomic_output_dir(out):
+            pass
+    with pytest.raises(RuntimeError):
+        with atomic_output_dir(out, overwrite=True) as tmp:
+            (tmp / "new.txt").write_text("half")
+            raise RuntimeError("crash mid-export")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and (out / "keep.txt").read_text() == "old"
+    with atomic_output_dir(out, overwrite=True) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert sorted(p.name for p in out.iterdir()) == ["new.txt"] and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_export_run_copies_publishable_files_only(base_dir, tmp_path):
+    model, tok = _trained(base_dir, "fp8", 1)
+    run = export_model(model, tok, tmp_path / "run", _run_record(), extra_files={"log_history.json": "[]", "recipe.yaml": "name: x\n"})
+    (run / "checkpoints").mkdir()
+    out = export_run(run, tmp_path / "pub", repo_id="me/pub")
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in run.iterdir() if p.name not in ("checkpoints", "log_history.json"))
+    assert 'from_pretrained("me/pub")' in (out / CARD_FILE).read_text()
+    with pytest.raises(ValueError, match="not an hf-lowprec run or export folder"):
+        export_run(base_dir, tmp_path / "x")
+
+
+def test_push_uploads_every_file_and_never_leaks_the_token(base_dir, tmp_path, monkeypatch, capsys):
+    model, tok = _trained(base_dir, "int4-g64", 1)
+    out = export_model(model, tok, tmp_path / "pub", _run_record(), weights="int4-packed")
+    with HubStandIn() as hub:
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        url = push(out, "me/tiny-int4", private=True)
+        pr_url = push(out, "me/tiny-int4", create_pr=True)
+    assert url.startswith(hub.endpoint) and pr_url.endswith("/discussions/1") and hub.pull_requests == ["me/tiny-int4"]
+    assert hub.pr_files["refs/pr/1"] == hub.files["me/tiny-int4"]
+    assert hub.repos["me/tiny-int4"]["visibility"] == "private"
+    assert hub.validated and hub.validated[-1] == (out / CARD_FILE).read_text()  # the client sent the card for validation
+    local = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert hub.files["me/tiny-int4"] == local  # every file, byte for byte (the card re-rendered for the repo id first)
+    assert b'load_exported("me/tiny-int4")' in local[CARD_FILE]
+    # every repo request carried the token in its header (huggingface_hub also fetches its public
+    # /api/agent-harnesses registry, without credentials)
+    repo_requests = [r for r in hub.requests if r["path"] != "/api/agent-harnesses"]
+    assert len(repo_requests) >= 6
+    assert all({k.lower(): v for k, v in r["headers"].items()}.get("authorization") == f"Bearer {TOKEN}" for r in repo_requests)
+    captured = capsys.readouterr()
+    assert TOKEN not in captured.out + captured.err
+    assert not any(TOKEN.encode() in p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())
+
+
+def test_push_errors_are_one_line_and_token_free(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_TOKEN_PATH", str(tmp_path / "hf_home" / "token"))
+    (tmp_path / "f").mkdir()
+    with pytest.raises(ValueError, match="no Hugging Face token found"):
+        push(tmp_path / "f", "me/x")
+    with HubStandIn() as hub:
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        with pytest.raises(ValueError) as info:
+            push(tmp_path / "f", "bad repo id with spaces", token=TOKEN)
+    assert "push to 'bad repo id with spaces' failed" in str(info.value) and TOKEN not in str(info.value)

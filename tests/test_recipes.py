@@ -1,0 +1,90 @@
+"""Recipes: the built-ins load and check; bad files and overrides fail with errors naming key, file and allowed values."""
+
+import pytest
+import yaml
+from conftest import tiny_llama
+
+from hf_lowprec import apply_plan
+from hf_lowprec.recipe import Recipe, list_recipes, load_recipe
+
+REQUIRED = {"fp8-train", "auto-mixed", "int4-ondevice-lora", "qat-int4"}
+
+
+def test_builtin_recipes_load_and_round_trip():
+    recipes = {r.name: r for r in list_recipes()}
+    assert REQUIRED <= set(recipes)
+    for r in recipes.values():
+        assert r.description and r.summary and len(r.summary) < len(r.description)
+        assert Recipe.from_dict(yaml.safe_load(r.to_yaml()), "again") == r
+    assert recipes["fp8-train"].method == "full" and recipes["fp8-train"].precision.plan == "fp8"
+    assert recipes["auto-mixed"].precision.is_auto and recipes["auto-mixed"].precision.budget
+    assert recipes["int4-ondevice-lora"].method == "int4-lora"
+    assert recipes["qat-int4"].export.weights == "int4-packed"
+
+
+def test_fixed_plan_of_a_recipe_applies_to_a_model():
+    model = tiny_llama()
+    report = apply_plan(model, load_recipe("qat-int4").precision.fixed_plan())
+    applied = {r.name: r.applied for r in report.layers}
+    assert applied["lm_head"] == "bf16" and applied["model.layers.0.mlp.up_proj"] == "int4-g64"
+    with pytest.raises(ValueError, match="scan"):
+        load_recipe("auto-mixed").precision.fixed_plan()
+
+
+def _write(tmp_path, data, name="r.yaml"):
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        ({"training": {"max_stepz": 3}}, r"unknown key 'training\.max_stepz'; allowed keys in training are max_steps, learning_rate"),
+        ({"trainig": {}}, r"unknown key 'trainig'; allowed keys in the recipe are name, description, method"),
+        ({"training": {"max_steps": "ten"}}, r"'training\.max_steps' must be an integer, got 'ten'"),
+        ({"training": {"gradient_checkpointing": "yes"}}, r"'training\.gradient_checkpointing' must be true/false"),
+        ({"training": {"dtype": "fp16"}}, r"'training\.dtype' is 'fp16'; allowed values are fp32, bf16"),
+        ({"method": "qlora"}, r"'method' is 'qlora'; allowed values are full, int4-lora"),
+        ({"precision": {"plan": "int3"}}, r"precision: 'plan' must be 'auto', a plan file .* or a format: unknown format 'int3'.*choose one of"),
+        ({"precision": {"keep": [1, 2]}}, r"'precision\.keep' must be a list of strings"),
+        ({"precision": {"budget": {"target_bits_per_param": "many"}}}, r"'precision\.budget\.target_bits_per_param' must be a number"),
+        ({"training": {"max_steps": 0}}, r"training: 'max_steps' must be >= 1"),
+        ({"method": "int4-lora", "precision": {"plan": "fp8"}}, r"method 'int4-lora' keeps its frozen base in an integer format"),
+        ({"training": []}, r"training must be a mapping"),
+    ],
+)
+def test_bad_recipe_files_name_key_file_and_allowed_values(tmp_path, data, expected):
+    path = _write(tmp_path, data)
+    with pytest.raises(ValueError, match=expected) as info:
+        load_recipe(path)
+    assert path in str(info.value) and "\n" not in str(info.value)
+
+
+def test_malformed_yaml_unknown_name_and_missing_file(tmp_path):
+    with pytest.raises(ValueError, match=r"recipe '.*bad\.yaml' is not valid YAML"):
+        load_recipe(_write(tmp_path, "training: {max_steps: 3\n", "bad.yaml"))
+    with pytest.raises(ValueError, match=r"must be a YAML mapping"):
+        load_recipe(_write(tmp_path, "- a\n- b\n", "list.yaml"))
+    with pytest.raises(ValueError, match=r"unknown recipe 'fp9-train'; built-in recipes are auto-mixed, fp8-train, int4-ondevice-lora, qat-int4"):
+        load_recipe("fp9-train")
+    with pytest.raises(ValueError, match=r"recipe file '.*nope\.yaml' does not exist"):
+        load_recipe(str(tmp_path / "nope.yaml"))
+
+
+def test_a_recipe_file_takes_its_name_from_the_file_and_defaults_the_rest(tmp_path):
+    r = load_recipe(_write(tmp_path, {"precision": {"plan": "int4-g64"}}, "mine.yaml"))
+    assert r.name == "mine" and r.training == Recipe("x").training and r.precision.plan == "int4-g64"
+
+
+def test_overrides_replace_values_and_are_checked_like_files():
+    base = load_recipe("fp8-train")
+    r = base.with_overrides({"training.max_steps": 7, "training.learning_rate": 1e-3, "precision.plan": "int4-g64", "lora.r": None})
+    assert (r.training.max_steps, r.training.learning_rate, r.precision.plan, r.lora.r) == (7, 1e-3, "int4-g64", base.lora.r)
+    assert base.training.max_steps != 7  # frozen: the original is unchanged
+    with pytest.raises(ValueError, match=r"unknown recipe key 'training\.max_step'; allowed keys are max_steps"):
+        base.with_overrides({"training.max_step": 3})
+    with pytest.raises(ValueError, match=r"'training\.dtype' is 'fp16'; allowed values are fp32, bf16"):
+        base.with_overrides({"training.dtype": "fp16"})
+    with pytest.raises(ValueError, match=r"unknown format 'int3'"):
+        base.with_overrides({"precision.plan": "int3"})
