@@ -48,7 +48,7 @@ from hf_lowprec.convert import ConversionReport, apply_plan, as_plan, eligible_l
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.hub import PLAN_FILE
 from hf_lowprec.modules import LOW_PRECISION_TYPES
-from hf_lowprec.plan import PrecisionPlan, atomic_write_text
+from hf_lowprec.plan import PrecisionPlan
 from hf_lowprec.scaling import TELEMETRY_PREFIX, collect_telemetry, make_policy_factory, skip_step_if_requested
 
 logger = logging.getLogger(__name__)
@@ -138,12 +138,16 @@ def coverage(model: nn.Module, report: ConversionReport) -> dict[str, float]:
 
 
 def low_precision_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Learned steps and scale-policy buffers of every low-precision layer, by full name (copies)."""
+    """Learned steps and scale-policy buffers of every low-precision layer, by full name (copies).
+
+    FSDP2-sharded values are gathered, so every rank must call this.
+    """
     out = {}
     for fqn, module in model.named_modules():
         if isinstance(module, LOW_PRECISION_TYPES):
             for key, value in module.state_dict().items():
                 if key not in ("weight", "bias") and value is not None:
+                    value = value.full_tensor() if hasattr(value, "full_tensor") else value
                     out[f"{fqn}.{key}"] = value.detach().clone().contiguous().cpu()
     return out
 
@@ -450,12 +454,15 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
             state.log_history[-1].update(values)  # the Trainer copied logs into the history before on_log
 
     def on_save(self, args, state, control, model=None, **kwargs):
-        if not args.should_save or self.plan is None or model is None:
+        if self.plan is None or model is None:
+            return
+        tensors = low_precision_state(model)  # on every rank: gathering FSDP shards is collective
+        if not args.should_save:
             return
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         self.plan.save(folder / PLAN_FILE)
         tmp = folder / f".{STATE_FILE}.tmp"
-        save_file(low_precision_state(model), str(tmp), metadata={"global_step": str(state.global_step)})
+        save_file(tensors, str(tmp), metadata={"global_step": str(state.global_step)})
         os.replace(tmp, folder / STATE_FILE)
         if self.compensation and (folder / OPTIMIZER_NAME).is_file():
             # The Trainer saved the CompensatedOptimizer's state_dict; a resumed Trainer loads optimizer.pt
