@@ -185,7 +185,7 @@ def _evaluate(model, lm, batch_size: int, autocast, label: str) -> dict:
 
 
 def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
-    from transformers import PrinterCallback, Trainer, TrainingArguments
+    from transformers import PrinterCallback, TrainingArguments
 
     from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
     from hf_lowprec.data import prepare_lm_data, read_source
@@ -195,8 +195,11 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
         records, data_name = read_source(opts.data, split=recipe.data.split)
     source, gguf = (opts.model, opts.gguf_file) if opts.model else default_checkpoint()
     label = opts.model or f"default model {DEFAULT_BASE_MODEL_ID} ({gguf})"
+    lora = recipe.method == "int4-lora"
+    # full training keeps fp32 master weights under bf16 autocast; the frozen INT4 base computes in the compute dtype
+    load_dtype = torch.bfloat16 if lora and t.dtype == "bf16" else torch.float32
     with ui.step(f"loading {label}"):
-        model, tokenizer = load_pretrained(source, gguf_file=gguf)
+        model, tokenizer = load_pretrained(source, gguf_file=gguf, dtype=load_dtype)
     if tokenizer is None:
         ui.fail(f"{source!r} has no tokenizer files; save the tokenizer next to the model (tokenizer.save_pretrained)")
     max_len = getattr(model.config, "max_position_embeddings", None)
@@ -207,7 +210,7 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
         lm = prepare_lm_data(records, data_name, tokenizer, t.block_size, train_sequences=needed, eval_sequences=t.eval_blocks,
                              eval_fraction=recipe.data.eval_fraction, text_column=recipe.data.text_column,
                              messages_column=recipe.data.messages_column)  # fmt: skip
-    autocast = torch.bfloat16 if t.dtype == "bf16" else None
+    autocast = torch.bfloat16 if t.dtype == "bf16" and not lora else None
     figures = dict(settings.get("figures", {}))
     if "loss_base" not in figures:
         figures["loss_base"] = _evaluate(model, lm, t.batch_size, autocast, "evaluating the base model (held-out data)")["loss"]
@@ -219,13 +222,13 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
         output_dir=str(run.checkpoints), max_steps=t.max_steps, per_device_train_batch_size=t.batch_size,
         per_device_eval_batch_size=t.batch_size, gradient_accumulation_steps=t.gradient_accumulation_steps,
         learning_rate=t.learning_rate, lr_scheduler_type=t.lr_scheduler, warmup_steps=t.warmup_steps,
-        weight_decay=t.weight_decay, bf16=t.dtype == "bf16", activation_checkpointing=t.gradient_checkpointing,
+        weight_decay=t.weight_decay, bf16=t.dtype == "bf16" and not lora, activation_checkpointing=t.gradient_checkpointing,
         use_cpu=not torch.cuda.is_available(),
         logging_steps=t.logging_steps, save_strategy="steps", save_steps=t.save_steps, save_total_limit=1,
         seed=t.seed, data_seed=t.seed, report_to="none", disable_tqdm=True, remove_unused_columns=False,
     )  # fmt: skip
-    trainer = Trainer(model=model, args=args, train_dataset=lm.train, data_collator=lm.collator,
-                      callbacks=[*callbacks, progress, stopper])  # fmt: skip
+    trainer = _trainer_class(recipe)(model=model, args=args, train_dataset=lm.train, data_collator=lm.collator,
+                                     callbacks=[*callbacks, progress, stopper])  # fmt: skip
     trainer.remove_callback(PrinterCallback)  # our progress bar reports the logs
     if "loss_start" not in figures:
         figures["loss_start"] = _evaluate(model, lm, t.batch_size, autocast, "evaluating with the plan applied, before training")["loss"]
@@ -310,11 +313,36 @@ def _low_precision_callback(recipe: Recipe, lm, t, resume_from: str | None):
 
 
 def _prepare_int4_lora(model, recipe: Recipe, resume_from: str | None):
-    try:
-        from hf_lowprec import finetune
-    except ImportError:
-        ui.fail("recipe method 'int4-lora' needs hf_lowprec.finetune, which this build does not have yet")
-    raise NotImplementedError  # replaced when hf_lowprec.finetune lands
+    """Pack the base to INT4 and wrap it in LoRA (``hf_lowprec.finetune``); the Trainer then trains the adapters."""
+    from peft import LoraConfig
+
+    from hf_lowprec.finetune import prepare_int4_lora
+
+    p, lora = recipe.precision, recipe.lora
+    if p.is_auto:
+        ui.fail("method 'int4-lora' needs a fixed plan: run `hf-lowprec scan` and pass --plan FILE, or a format such as int4-g64")
+    targets = lora.target_modules[0] if lora.target_modules == ("all-linear",) else list(lora.target_modules)
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
+    with ui.step(f"packing the base to INT4 and adding LoRA adapters (r={lora.r})"):
+        peft_model, _ = prepare_int4_lora(model, config, p.fixed_plan(), loftq_init=lora.init == "loftq")
+    trainable = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
+    return peft_model, [], {"adapter": {"trainable_params": trainable, "r": lora.r, "targets": len(config.target_modules) if isinstance(config.target_modules, (list, set)) else targets}}
+
+
+def _trainer_class(recipe: Recipe):
+    """``Trainer``, or for ``int4-lora`` a Trainer whose loss never materialises the ``[tokens, vocab]`` logits."""
+    from transformers import Trainer
+
+    if recipe.method != "int4-lora":
+        return Trainer
+    from hf_lowprec.finetune import causal_lm_loss
+
+    class ChunkedLossTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = causal_lm_loss(model, inputs["input_ids"], inputs.get("attention_mask"))
+            return (loss, None) if return_outputs else loss
+
+    return ChunkedLossTrainer
 
 
 def export_trained(model, tokenizer, out: Path, record: dict, recipe: Recipe, extra: dict) -> None:

@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import NoReturn
 
@@ -44,6 +45,8 @@ def setup_logging(verbose: bool = False) -> None:
     import datasets
     import transformers
 
+    # deprecation notices inside transformers/peft are for library authors, not for CLI users
+    warnings.filterwarnings("ignore", category=FutureWarning)
     # optional-kernel notices of torchao (no triton) and bitsandbytes (no `kernels` package) say nothing actionable
     for name in ("torchao", "bitsandbytes"):
         logging.getLogger(name).setLevel(logging.ERROR)

@@ -102,17 +102,20 @@ def hardware_info() -> dict:
 
 # ------------------------------------------------------------------------------ plan records
 def plan_record(model: nn.Module, plan: PrecisionPlan) -> tuple[list[dict], list[dict]]:
-    """``(per-layer [{name, format, params}], summary rows)`` of ``plan`` on ``model``."""
-    assigned = plan.assign(model)
-    layers = eligible_layers(model)
-    per_layer = [{"name": n, "format": spec.name, "params": _weight_numel(layers[n])} for n, spec in assigned.items()]
-    return per_layer, plan.summary(model)
+    """``(per-layer [{name, format, params}], PrecisionPlan.summary rows)`` of ``plan`` on ``model``.
+
+    Frozen packed INT4 layers keep no dense weight; they are summarised through a meta-device Linear
+    of their shape (no memory), so the figures are those of the layer before packing.
+    """
+    layers = {n: _dense_view(m) for n, m in eligible_layers(model).items()}
+    per_layer = [{"name": n, "format": spec.name, "params": layers[n].weight.numel()} for n, spec in plan.assign(layers).items()]
+    return per_layer, plan.summary(layers)
 
 
-def _weight_numel(module: nn.Module) -> int:
+def _dense_view(module: nn.Module) -> nn.Module:
     if isinstance(module, PackedInt4Linear):
-        return module.in_features * module.out_features
-    return module.weight.numel()
+        return nn.Linear(module.in_features, module.out_features, bias=False, device="meta", dtype=module.step.dtype)
+    return module
 
 
 # ------------------------------------------------------------------------------- model cards

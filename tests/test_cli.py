@@ -131,6 +131,28 @@ def test_qat_int4_run_exports_packed_weights_that_reproduce_the_trained_model(ws
     assert loss == pytest.approx(record["training"]["loss_final"], abs=1e-5)
 
 
+def test_eval_accuracy_of_a_classifier(ws, tmp_path):
+    from tiny_assets import tiny_tokenizer
+    from transformers import BertConfig, BertForSequenceClassification
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=len(tok),
+                     max_position_embeddings=64, num_labels=2, pad_token_id=tok.pad_token_id)  # fmt: skip
+    model = BertForSequenceClassification(cfg).eval()
+    model.save_pretrained(tmp_path / "bert")
+    tok.save_pretrained(tmp_path / "bert")
+    rows = [{"sentence": corpus_text(4000)[i * 37 : i * 37 + 60], "label": i % 2} for i in range(30)]
+    (tmp_path / "cls.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    result = cli("eval", tmp_path / "bert", "--data", tmp_path / "cls.jsonl", "--block-size", "32")
+    assert result.exit_code == 0, result.output
+    with torch.no_grad():
+        enc = tok([r["sentence"] for r in rows], truncation=True, max_length=32, padding=True, return_tensors="pt")
+        predicted = model(**enc).logits.argmax(-1).tolist()
+    expected = sum(p == r["label"] for p, r in zip(predicted, rows)) / len(rows)
+    assert f"{expected:.4f}" in result.output and "accuracy" in result.output
+
+
 def test_scan_writes_a_plan_that_fits_the_model(ws):
     out = ws / "scan" / "plan.json"
     result = cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--block-size", "32", "--batches", "2", "--budget", "target_bits_per_param=12", "--out", out)
