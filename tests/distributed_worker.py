@@ -4,7 +4,7 @@
 
 Trains a tiny Llama for ``STEPS`` optimizer steps with a global batch of ``GLOBAL_BATCH`` sequences
 taken in order, so any world size sees the same batches. Modes: ``trainer`` (``transformers.Trainer``
-+ ``LowPrecisionCallback``), ``plugin`` (an Accelerate loop + ``LowPrecisionPlugin``, DDP) and
++ ``LowPrecisionCallback``, fixed plan), ``trainer-auto`` (the same with a scan at ``on_train_begin``), ``plugin`` (an Accelerate loop + ``LowPrecisionPlugin``, DDP) and
 ``fsdp2`` (a plain loop, ``LowPrecisionPlugin.convert`` then torch's FSDP2 ``fully_shard``). Writes ``OUT/<mode>/losses.json`` (rank 0) and
 ``OUT/<mode>/rank<r>.safetensors`` (every rank's parameters after training). ``--fp32`` trains without the
 callback (the reference for what a different world size alone changes); ``--no-sync`` turns off the
@@ -37,7 +37,9 @@ def world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def run_trainer(out: Path, sync: bool | None, fp32: bool) -> tuple[list[float], torch.nn.Module]:
+def run_trainer(out: Path, sync: bool | None, fp32: bool, auto: bool = False) -> tuple[list[float], torch.nn.Module]:
+    """``auto``: plan="auto" scanned on each rank's first batches after DDP wrapped the model (rank 0's plan
+    is broadcast); the budget puts every Linear in FP8, so every world size ends with the same plan."""
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
@@ -52,7 +54,11 @@ def run_trainer(out: Path, sync: bool | None, fp32: bool) -> tuple[list[float], 
         ddp_backend="gloo" if size > 1 else None, disable_tqdm=True, seed=0,
     )  # fmt: skip
     model = tiny_llama()
-    callbacks = [] if fp32 else [LowPrecisionCallback(PLAN, sync=sync)]
+    if auto:
+        cb = LowPrecisionCallback(formats=("fp8",), budget={"min_fp8_fraction": 1.0}, calibration_batches=2, sync=sync)
+    else:
+        cb = LowPrecisionCallback(PLAN, sync=sync)
+    callbacks = [] if fp32 else [cb]
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks)
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], model
@@ -121,8 +127,8 @@ def run(mode: str, out: Path, sync: bool | None = None, fp32: bool = False) -> N
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     torch.set_num_threads(1)  # as torch.distributed.run sets for each process: same kernels, same rounding
-    if mode == "trainer":
-        losses, model = run_trainer(out, sync, fp32)
+    if mode in ("trainer", "trainer-auto"):
+        losses, model = run_trainer(out, sync, fp32, auto=mode == "trainer-auto")
     elif mode == "plugin":
         losses, model = run_accelerate(out, sync)
     else:
@@ -133,7 +139,9 @@ def run(mode: str, out: Path, sync: bool | None = None, fp32: bool = False) -> N
     params = {n: getattr(p, "full_tensor", p.detach)().detach().float().contiguous().clone() for n, p in model.named_parameters()}
     save_file(params, str(out / f"rank{rank}.safetensors"))
     if rank == 0:
-        (out / "losses.json").write_text(json.dumps({"world": size, "losses": losses, "sharded": sharded}))
+        plan = getattr(model, "hf_lowprec_plan", None)
+        record = {"world": size, "losses": losses, "sharded": sharded, "plan": plan and plan.to_dict()}
+        (out / "losses.json").write_text(json.dumps(record))
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
-"""Two CPU processes (gloo) against one, same global batch: Trainer + callback (DDP), Accelerate +
-plugin (DDP), and torch FSDP2 (``fully_shard``) after ``LowPrecisionPlugin.convert``.
+"""Two CPU processes (gloo) against one, same global batch: Trainer + callback (DDP; a fixed plan, and
+plan="auto" scanned after DDP wrapped the model), Accelerate + plugin (DDP), and torch FSDP2
+(``fully_shard``) after ``LowPrecisionPlugin.convert``.
 
 The runs live in tests/distributed_worker.py; one launch per world size runs all three modes.
 """
@@ -15,7 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
-MODES = ("trainer", "plugin", "fsdp2")
+MODES = ("trainer", "trainer-auto", "plugin", "fsdp2")
 
 
 def free_port() -> int:
@@ -53,6 +54,9 @@ def test_two_processes_follow_the_single_process_curve(runs, mode):
     two = json.loads((runs[2] / mode / "losses.json").read_text())
     assert one["world"] == 1 and two["world"] == 2
     assert two["sharded"] == (mode == "fsdp2")  # FSDP2 really sharded the parameters
+    assert one["plan"] == two["plan"] and two["plan"]["layers"]
+    if mode == "trainer-auto":
+        assert set(two["plan"]["layers"].values()) == {"fp8"}
     a, b = one["losses"], two["losses"]
     assert len(a) == len(b) == 5
     assert abs(a[0] - b[0]) <= 1e-5, (a, b)
@@ -60,7 +64,8 @@ def test_two_processes_follow_the_single_process_curve(runs, mode):
     r0, r1 = load_file(runs[2] / mode / "rank0.safetensors"), load_file(runs[2] / mode / "rank1.safetensors")
     ref = load_file(runs[1] / mode / "rank0.safetensors")
     assert r0.keys() == r1.keys() == ref.keys()
-    assert any(k.endswith("weight_quantizer.step") for k in r0)  # learned INT4 steps trained and synchronised
+    if mode != "trainer-auto":  # the fixed plan has INT4 layers: their learned steps trained and stayed in sync
+        assert any(k.endswith("weight_quantizer.step") for k in r0)
     for k in r0:
         assert (r0[k] - r1[k]).abs().max().item() == 0.0, k
         assert (r0[k] - ref[k]).abs().max().item() <= 1e-4, k
