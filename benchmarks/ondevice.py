@@ -1,0 +1,290 @@
+"""On-device LoRA fine-tuning of SmolLM2-135M-Instruct on a CPU: hf-lowprec INT4 LoRA against its peers.
+
+Same data (Shakespeare, batch 4 x 256 tokens, two plays held out), same seed, LoRA r=16 / alpha 32 on
+all linear layers, AdamW lr 2e-4, side by side; every configuration runs in a fresh subprocess so its
+peak RSS (``ru_maxrss``, loading included) is its own.
+
+    python benchmarks/ondevice.py speed [--steps 10 --warmup 3 --repeats 2]   # step time + peak RSS
+    python benchmarks/ondevice.py quality [--steps 100]                        # eval perplexity after N steps
+    python benchmarks/ondevice.py plot                                         # PNG from the JSON
+
+Configurations (``speed`` runs each with and without gradient checkpointing = "equal settings"; its
+own default is marked): fp32 LoRA, bf16 LoRA with PEFT's fp32 adapters and with bf16 adapters, bnb NF4
+QLoRA (double quant, bf16 compute), hf-lowprec INT4 LoRA (int4-g64 packed base, lm_head kept, chunked
+loss; default: checkpointing on). Peers compute their loss the way transformers does (full logits).
+
+Writes benchmarks/results/ondevice.json and ondevice.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+MARK = "@@RESULT@@"
+HELD_OUT = ("hamlet_gut", "tempest_gut")
+BATCH, BLOCK, LR, SEED = 4, 256, 2e-4, 0
+# name: (description, default gradient checkpointing)
+CONFIGS = {
+    "fp32-lora": ("fp32 LoRA", False),
+    "bf16-lora": ("bf16 LoRA, fp32 adapters (PEFT default)", False),
+    "bf16-lora-bf16ad": ("bf16 LoRA, bf16 adapters", False),
+    "bnb-nf4": ("bnb NF4 QLoRA", False),
+    "int4-lora": ("hf-lowprec INT4 LoRA", True),
+}
+
+
+# ------------------------------------------------------------------------------------- child
+def _data(tokenizer, n_train: int, n_eval: int):
+    from hf_lowprec.checkpoints import default_corpus
+    from hf_lowprec.finetune import token_blocks
+
+    files = default_corpus()
+    read = lambda fs: [p.read_text(encoding="latin-1") for p in fs]  # noqa: E731
+    train = token_blocks(tokenizer, read([p for p in files if p.stem not in HELD_OUT]), BLOCK, n_train)
+    evals = token_blocks(tokenizer, read([p for p in files if p.stem in HELD_OUT]), BLOCK, n_eval) if n_eval else None
+    return train, evals
+
+
+def _build(config: str, loftq: bool):
+    """``(model, tokenizer, loss_fn(batch) -> loss, notes)`` for one configuration."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
+    from hf_lowprec.finetune import causal_lm_loss, load_int4_lora
+
+    folder, gguf = default_checkpoint()
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
+    hf_loss = lambda m: (lambda b: m(input_ids=b, labels=b).loss)  # noqa: E731
+    torch.manual_seed(SEED)
+    if config == "int4-lora":
+        model, tok, report = load_int4_lora(folder, lora, "int4-g64", gguf_file=gguf, loftq_init=loftq)
+        return model, tok, (lambda b: causal_lm_loss(model, b)), {"plan_fractions": report.fractions()}
+    if config == "bnb-nf4":
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+        from hf_lowprec.checkpoints import _cache_gguf
+
+        _, tok = load_pretrained(folder, gguf_file=gguf, dtype=torch.bfloat16)  # also makes the bf16 cache
+        bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                 bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+        base = AutoModelForCausalLM.from_pretrained(_cache_gguf(folder, gguf, torch.bfloat16), quantization_config=bnb, dtype=torch.bfloat16)
+        torch.manual_seed(SEED)
+        model = get_peft_model(base, lora)
+        return model, tok, hf_loss(model), {}
+    dtype = torch.float32 if config == "fp32-lora" else torch.bfloat16
+    base, tok = load_pretrained(folder, gguf_file=gguf, dtype=dtype)
+    torch.manual_seed(SEED)
+    model = get_peft_model(base, lora, autocast_adapter_dtype=config != "bf16-lora-bf16ad")
+    return model, tok, hf_loss(model), {}
+
+
+def child(args) -> dict:
+    import resource
+
+    import psutil
+    import torch
+    from transformers import get_scheduler
+
+    from hf_lowprec.finetune import backend_counts, evaluate_loss
+
+    t0 = time.perf_counter()
+    model, tok, loss_fn, notes = _build(args.config, args.loftq)
+    load_s = time.perf_counter() - t0
+    rss_loaded = psutil.Process().memory_info().rss / 2**20
+    steps = args.warmup + args.steps
+    train, evals = _data(tok, steps * BATCH, args.eval_blocks)
+    base = model.get_base_model()
+    if args.gc:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base.config.use_cache = False
+    eval_before = evaluate_loss(model, evals, BATCH) if args.eval_blocks else None
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR)
+    sched = get_scheduler("linear", opt, num_warmup_steps=min(10, steps // 10), num_training_steps=steps)
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(SEED))
+    model.train()
+    wall, cpu, losses = [], [], []
+    for step in range(steps):
+        batch = train[order[step * BATCH : (step + 1) * BATCH]]
+        w, c = time.perf_counter(), time.process_time()
+        loss = loss_fn(batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        wall.append(time.perf_counter() - w)
+        cpu.append(time.process_time() - c)
+        losses.append(loss.item())
+    eval_after = evaluate_loss(model, evals, BATCH) if args.eval_blocks else None
+    timed_wall, timed_cpu = wall[args.warmup :], cpu[args.warmup :]
+    return {
+        "config": args.config, "gradient_checkpointing": bool(args.gc), "loftq": bool(args.loftq),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_after_load_mb": rss_loaded,
+        "load_s": load_s, "step_s_median": statistics.median(timed_wall), "step_cpu_s_median": statistics.median(timed_cpu),
+        "step_s": timed_wall, "losses": losses, "eval_loss_before": eval_before, "eval_loss_after": eval_after,
+        "ppl_before": math.exp(eval_before) if eval_before is not None else None,
+        "ppl_after": math.exp(eval_after) if eval_after is not None else None,
+        "trainable_params": sum(p.numel() for p in params), "backends": backend_counts(model),
+        "threads": torch.get_num_threads(), "loadavg": os.getloadavg(), **notes,
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ parent
+def run_child(config: str, gc: bool, steps: int, warmup: int, eval_blocks: int = 0, loftq: bool = False) -> dict:
+    cmd = [sys.executable, __file__, "child", "--config", config, "--gc", str(int(gc)), "--steps", str(steps),
+           "--warmup", str(warmup), "--eval-blocks", str(eval_blocks)] + (["--loftq"] if loftq else [])  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    line = next((x for x in proc.stdout.splitlines() if x.startswith(MARK)), None)
+    if proc.returncode or line is None:
+        raise RuntimeError(f"{config} (gc={gc}) failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(line[len(MARK) :])
+    print(f"  {config:<18} gc={int(gc)} loftq={int(loftq)}  peak {result['peak_rss_mb']:7.0f} MB  step {result['step_s_median']:.2f} s"
+          + (f"  ppl {result['ppl_before']:.2f} -> {result['ppl_after']:.2f}" if eval_blocks else ""), flush=True)  # fmt: skip
+    return result
+
+
+def _load_results() -> dict:
+    path = RESULTS / "ondevice.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _save(data: dict) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tmp = RESULTS / "ondevice.json.tmp"
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(RESULTS / "ondevice.json")
+
+
+def speed(args) -> None:
+    runs = []
+    for rep in range(args.repeats):
+        print(f"pass {rep + 1}/{args.repeats}", flush=True)
+        for config in args.configs:
+            for gc in (False, True):
+                runs.append(run_child(config, gc, args.steps, args.warmup))
+    table = {}
+    for config in args.configs:
+        for gc in (False, True):
+            mine = [r for r in runs if r["config"] == config and r["gradient_checkpointing"] == gc]
+            table[f"{config}{'+gc' if gc else ''}"] = {
+                "config": config, "description": CONFIGS[config][0], "gradient_checkpointing": gc,
+                "own_default": CONFIGS[config][1] == gc,
+                "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in mine),
+                "step_s": statistics.median(r["step_s_median"] for r in mine),
+                "step_cpu_s": statistics.median(r["step_cpu_s_median"] for r in mine),
+                "runs": len(mine),
+            }  # fmt: skip
+    data = _load_results()
+    data["speed"] = {"settings": {"batch": BATCH, "block": BLOCK, "lora_r": 16, "steps_timed": args.steps, "warmup": args.warmup,
+                                  "repeats": args.repeats}, "table": table, "runs": runs, "goals": goals(table)}  # fmt: skip
+    _save(data)
+    print_table(table, data["speed"]["goals"])
+
+
+def goals(t: dict) -> dict:
+    """The issue's goals, met or not (INT4 defaults = int4-lora+gc)."""
+    ours, ours_nogc = t["int4-lora+gc"], t["int4-lora"]
+    fp32_default = t["fp32-lora"]
+    bnb, bnb_gc = t["bnb-nf4"], t["bnb-nf4+gc"]
+    fastest = min((v for k, v in t.items() if not k.startswith("int4")), key=lambda v: v["step_s"])
+    leanest = min((v for k, v in t.items() if not k.startswith("int4")), key=lambda v: v["peak_rss_mb"])
+    r = lambda a, b: round(a / b, 3)  # noqa: E731
+    out = {
+        "rss_defaults_vs_fp32_defaults": r(ours["peak_rss_mb"], fp32_default["peak_rss_mb"]), "rss_goal_<=": 0.40,
+        "rss_vs_bnb_equal_gc": r(ours["peak_rss_mb"], bnb_gc["peak_rss_mb"]),
+        "rss_vs_bnb_equal_nogc": r(ours_nogc["peak_rss_mb"], bnb["peak_rss_mb"]), "rss_vs_bnb_goal_<=": 0.9,
+        "step_vs_bnb_equal_gc": r(ours["step_s"], bnb_gc["step_s"]),
+        "step_vs_bnb_equal_nogc": r(ours_nogc["step_s"], bnb["step_s"]), "step_vs_bnb_goal_<=": 0.8,
+        "step_defaults_vs_fastest_peer": r(ours["step_s"], fastest["step_s"]),
+        "step_nogc_vs_fastest_peer": r(ours_nogc["step_s"], fastest["step_s"]), "step_vs_fastest_goal_<=": 1.0,
+        "fastest_peer": f"{fastest['config']}{'+gc' if fastest['gradient_checkpointing'] else ''}",
+        "leanest_peer": f"{leanest['config']}{'+gc' if leanest['gradient_checkpointing'] else ''}",
+        "defaults_vs_leanest_rss": r(ours["peak_rss_mb"], leanest["peak_rss_mb"]),
+    }  # fmt: skip
+    out["moonshot_defaults"] = out["step_defaults_vs_fastest_peer"] < 1 and out["defaults_vs_leanest_rss"] < 1
+    return out
+
+
+def print_table(table: dict, goal: dict) -> None:
+    print(f"\n{'configuration':<22}{'gc':>4}{'default':>9}{'peak RSS MB':>13}{'step s':>9}{'cpu s':>8}")
+    for k, v in table.items():
+        print(f"{v['config']:<22}{int(v['gradient_checkpointing']):>4}{'*' if v['own_default'] else '':>9}{v['peak_rss_mb']:>13.0f}{v['step_s']:>9.2f}{v['step_cpu_s']:>8.2f}")
+    print(json.dumps(goal, indent=1))
+
+
+def quality(args) -> None:
+    runs = [run_child(c, CONFIGS[c][1] if c in CONFIGS else False, args.steps, 0, args.eval_blocks, loftq)
+            for c, loftq in [(c, False) for c in args.configs] + ([("int4-lora", True)] if args.loftq else [])]  # fmt: skip
+    data = _load_results()
+    ref = next((r for r in runs if r["config"] == "bf16-lora-bf16ad"), None)
+    summary = {}
+    for r in runs:
+        key = r["config"] + ("+loftq" if r["loftq"] else "")
+        summary[key] = {"ppl_before": r["ppl_before"], "ppl_after": r["ppl_after"], "loss_step1": r["losses"][0],
+                        "loss_last10_mean": statistics.mean(r["losses"][-10:]),
+                        "ppl_vs_bf16_lora": None if ref is None else round(r["ppl_after"] / ref["ppl_after"], 4)}  # fmt: skip
+    data["quality"] = {"settings": {"steps": args.steps, "eval_blocks": args.eval_blocks, "block": BLOCK, "held_out": HELD_OUT},
+                       "summary": summary, "runs": runs}  # fmt: skip
+    _save(data)
+    print(json.dumps(summary, indent=1))
+
+
+def plot(_args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = _load_results()
+    table = data["speed"]["table"]
+    names = list(table)
+    fig, axes = plt.subplots(1, 3 if "quality" in data else 2, figsize=(16, 5))
+    colors = ["tab:green" if k.startswith("int4") else "tab:gray" for k in names]
+    for ax, key, label in ((axes[0], "peak_rss_mb", "peak RSS (MB)"), (axes[1], "step_s", "median step (s)")):
+        ax.barh(names, [table[k][key] for k in names], color=colors)
+        ax.set_xlabel(label)
+        ax.invert_yaxis()
+    axes[0].set_title("SmolLM2-135M, LoRA r=16, batch 4x256, 2 CPU cores")
+    if "quality" in data:
+        q = data["quality"]["summary"]
+        axes[2].barh(list(q), [v["ppl_after"] for v in q.values()], color=["tab:green" if k.startswith("int4") else "tab:gray" for k in q])
+        axes[2].set_xlabel(f"held-out perplexity after {data['quality']['settings']['steps']} steps")
+        axes[2].invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "ondevice.png", dpi=80)
+    print(RESULTS / "ondevice.png")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=("speed", "quality", "plot", "child"))
+    p.add_argument("--config", choices=tuple(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    p.add_argument("--gc", type=int, default=0)
+    p.add_argument("--loftq", action="store_true")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--eval-blocks", type=int, default=16)
+    args = p.parse_args()
+    if args.mode == "child":
+        print(MARK + json.dumps(child(args)), flush=True)
+        return
+    if args.steps is None:
+        args.steps = {"speed": 10, "quality": 100}.get(args.mode, 0)
+    {"speed": speed, "quality": quality, "plot": plot}[args.mode](args)
+
+
+if __name__ == "__main__":
+    main()

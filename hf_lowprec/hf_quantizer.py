@@ -1,0 +1,77 @@
+"""transformers integration: ``from_pretrained`` of folders whose linears are packed INT4 (``quant_method: hf_lowprec``).
+
+A folder saved by :func:`hf_lowprec.finetune.export_int4_lora` holds ``qweight``/``step``/``zero``
+tensors for the packed layers and, in ``config.json``::
+
+    "quantization_config": {"quant_method": "hf_lowprec", "plan": {"default": "int4-g64", "layers": {...}}}
+
+Importing ``hf_lowprec`` registers this method with transformers (``register_quantization_config`` /
+``register_quantizer``), so ``AutoModelForCausalLM.from_pretrained(folder)`` builds the model with
+empty :class:`PackedInt4Linear` layers where the plan says ``int4`` and loads the codes into them.
+Without ``import hf_lowprec`` transformers warns "Unknown quantization type" and the packed layers
+come back randomly initialised: always import hf_lowprec (or use ``load_int4_model``).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from hf_lowprec.convert import _set_module  # the module-swapping helper lives in convert.py
+from hf_lowprec.modules.int4_packed import PackedInt4Linear
+from hf_lowprec.plan import PrecisionPlan
+
+QUANT_METHOD = "hf_lowprec"
+
+
+class HfLowprecConfig(QuantizationConfigMixin):
+    """``quantization_config`` of a packed-INT4 folder: the precision plan that says which linears are packed."""
+
+    def __init__(self, plan: dict | None = None, **kwargs):
+        self.quant_method = QUANT_METHOD
+        self.plan = PrecisionPlan.from_dict(plan or {}, source="quantization_config.plan").to_dict()
+
+    def to_dict(self) -> dict:
+        return {"quant_method": QUANT_METHOD, "plan": self.plan}
+
+
+class HfLowprecQuantizer(HfQuantizer):
+    """Swaps the plan's INT4 linears for empty packed shells before transformers loads the codes into them."""
+
+    requires_calibration = True  # only pre-quantized folders load; quantizing at load time is apply_plan's job
+
+    def _process_model_before_weight_loading(self, model, **kwargs):
+        install_packed_shells(model, PrecisionPlan.from_dict(self.quantization_config.plan))
+        model.hf_lowprec_plan = PrecisionPlan.from_dict(self.quantization_config.plan)
+
+    def is_serializable(self) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return True  # the base stays frozen; adapters (PEFT) train on top, gradients pass through the codes
+
+
+def install_packed_shells(model: nn.Module, plan: PrecisionPlan) -> int:
+    """Replace each ``nn.Linear`` the plan puts in int4 by an empty :class:`PackedInt4Linear` (same device/dtype)."""
+    count = 0
+    for name, spec in plan.assign(model).items():
+        module = model.get_submodule(name)
+        if spec.family == "int4" and isinstance(module, nn.Linear):
+            w = module.weight
+            shell = PackedInt4Linear(module.in_features, module.out_features, spec, module.bias is not None, w.dtype, w.device)
+            _set_module(model, name, shell)
+            count += 1
+    return count
+
+
+def quantization_config_dict(plan: PrecisionPlan) -> dict:
+    """The ``quantization_config`` entry for ``config.json`` of a packed folder made with ``plan``."""
+    return HfLowprecConfig(plan.to_dict()).to_dict()
+
+
+if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+    register_quantization_config(QUANT_METHOD)(HfLowprecConfig)
+    register_quantizer(QUANT_METHOD)(HfLowprecQuantizer)
