@@ -25,22 +25,21 @@ ranks (``sync``), so every rank quantizes with the same scales.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
 from hf_lowprec.callback import (
-    _is_auto,
-    _preserved_rng,
-    _same_on_all_ranks,
-    _world,
+    FP8_BACKENDS,
+    is_auto_plan,
+    process_world,
     align_new_parameters,
     coverage,
     insert_new_parameters,
     load_plan_source,
     orphaned_parameters,
+    scan_plan,
 )
 from hf_lowprec.compensation import METHODS as COMPENSATIONS
 from hf_lowprec.compensation import CompensatedOptimizer
@@ -89,11 +88,13 @@ class LowPrecisionPlugin:
         scaler_options: Mapping | None = None, fp8_backend: str = "auto", learn_scales: bool = True,
         sync: bool | None = None, compensation: str | None = None, seed: int = 0,
     ):  # fmt: skip
-        self._auto = _is_auto(plan)
+        self._auto = is_auto_plan(plan)
         if not self._auto and budget is not None:
             raise ValueError("budget= applies only to plan='auto'")
         if calibration_batches < 1:
             raise ValueError(f"calibration_batches must be >= 1, got {calibration_batches}")
+        if fp8_backend not in FP8_BACKENDS:
+            raise ValueError(f"unknown fp8_backend {fp8_backend!r}; choose one of {', '.join(FP8_BACKENDS)}")
         for fmt in formats:
             FormatSpec.parse(fmt)
         make_policy_factory(scaler, **dict(scaler_options or {}))  # raises for unknown names/options
@@ -172,18 +173,8 @@ class LowPrecisionPlugin:
         return model
 
     def _scan(self, model: nn.Module, batches: Iterable[Mapping]) -> PrecisionPlan:
-        from hf_lowprec import sensitivity
-
-        start = time.perf_counter()
-        with _preserved_rng():
-            data = [b for _, b in zip(range(self.calibration_batches), batches)]
-            result = sensitivity.scan(model, data, formats=self.formats, method=self.scan_method, seed=self.seed)
-        if isinstance(self.budget, Mapping):
-            plan = sensitivity.allocate(result, keep=self.keep, **self.budget)
-        else:
-            plan = sensitivity.allocate(result, budget=self.budget, keep=self.keep)
-        self.scan_seconds = time.perf_counter() - start
-        return _same_on_all_ranks(plan)
+        plan, self.scan_seconds = scan_plan(model, batches, self)
+        return plan
 
     def _convert(self, accelerator, model: nn.Module) -> None:
         """Our layers for the plan, minus the FP8 layers handed to Accelerate's torchao backend."""
@@ -202,7 +193,7 @@ class LowPrecisionPlugin:
                 and layers[name].in_features % TORCHAO_MIN_DIM == 0 and layers[name].out_features % TORCHAO_MIN_DIM == 0
             ]  # fmt: skip
             ours = PrecisionPlan({**plan.layers, **{n: "bf16" for n in self.torchao_layers}}, default=plan.default, model=plan.model)
-        world = accelerator.num_processes if accelerator is not None else _world()[1]
+        world = accelerator.num_processes if accelerator is not None else process_world()[1]
         factory = make_policy_factory(self.scaler, sync=world > 1 if self.sync is None else self.sync, **self.scaler_options)
         self.report = apply_plan(model, ours, fp8_backend=self.fp8_backend, learn_scales=self.learn_scales, policy_factory=factory)
         model.hf_lowprec_plan = plan  # the whole plan, torchao's layers included

@@ -45,6 +45,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from hf_lowprec.compensation import CompensatedOptimizer
 from hf_lowprec.compensation import METHODS as COMPENSATIONS
 from hf_lowprec.convert import ConversionReport, apply_plan, as_plan, eligible_layers
+from hf_lowprec import sensitivity
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.hub import PLAN_FILE
 from hf_lowprec.modules import LOW_PRECISION_TYPES
@@ -163,7 +164,7 @@ def _preserved_rng():
     np.random.set_state(npy)
 
 
-def _world() -> tuple[int, int]:
+def process_world() -> tuple[int, int]:
     """``(rank, world size)`` of the default process group (``(0, 1)`` when none)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -172,7 +173,7 @@ def _world() -> tuple[int, int]:
 
 def _same_on_all_ranks(plan: PrecisionPlan) -> PrecisionPlan:
     """Rank 0's plan on every rank (scans on different batches could disagree)."""
-    rank, world = _world()
+    rank, world = process_world()
     if world == 1:
         return plan
     box = [plan.to_dict() if rank == 0 else None]
@@ -180,7 +181,30 @@ def _same_on_all_ranks(plan: PrecisionPlan) -> PrecisionPlan:
     return PrecisionPlan.from_dict(box[0])
 
 
-def _is_auto(plan) -> bool:
+def scan_plan(model: nn.Module, batches: Iterable[Mapping], options) -> tuple[PrecisionPlan, float]:
+    """Scan the first ``options.calibration_batches`` batches, allocate under ``options.budget``; ``(plan, seconds)``.
+
+    ``options`` carries ``calibration_batches``, ``formats``, ``scan_method``, ``budget`` (a
+    ``sensitivity.Budget``, a dict of its fields, or None), ``keep`` and ``seed``. Random streams are left
+    as they were; under several processes every rank gets rank 0's plan.
+    """
+    start = time.perf_counter()
+    was_training = model.training
+    with _preserved_rng():
+        data = list(islice(iter(batches), options.calibration_batches))
+        if not data:
+            raise ValueError("plan='auto' found no calibration batches to scan")
+        result = sensitivity.scan(model, data, formats=options.formats, method=options.scan_method, seed=options.seed)
+    model.train(was_training)
+    if isinstance(options.budget, Mapping):
+        plan = sensitivity.allocate(result, keep=options.keep, **options.budget)
+    else:
+        plan = sensitivity.allocate(result, budget=options.budget, keep=options.keep)
+    return _same_on_all_ranks(plan), time.perf_counter() - start
+
+
+def is_auto_plan(plan) -> bool:
+    """True for the plan spec ``"auto"`` (scan + allocation)."""
     return isinstance(plan, str) and plan == "auto"
 
 
@@ -234,7 +258,7 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
         scaler: str = "dynamic", scaler_options: Mapping | None = None, fp8_backend: str = "auto",
         learn_scales: bool = True, sync: bool | None = None, compensation: str | None = None, seed: int = 0,
     ):  # fmt: skip
-        self._auto = _is_auto(plan)
+        self._auto = is_auto_plan(plan)
         if not self._auto and (budget is not None or calibration_data is not None):
             raise ValueError("budget= and calibration_data= apply only to plan='auto'")
         if calibration_batches < 1:
@@ -265,7 +289,7 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
     # -------------------------------------------------------------------------- conversion
     def _convert(self, model: nn.Module, plan: PrecisionPlan) -> None:
         """Apply ``plan`` to ``model``; remember the report and which new parameters train."""
-        sync = _world()[1] > 1 if self.sync is None else self.sync
+        sync = process_world()[1] > 1 if self.sync is None else self.sync
         factory = make_policy_factory(self.scaler, sync=sync, **self.scaler_options)
         self.report = apply_plan(model, plan, fp8_backend=self.fp8_backend, learn_scales=self.learn_scales, policy_factory=factory)
         if not self.report.swapped:
@@ -278,23 +302,8 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
         logger.info("hf_lowprec: %s", self.report)
 
     def _scan(self, model: nn.Module, batches: Iterable[Mapping]) -> PrecisionPlan:
-        """Run the sensitivity scan on the first ``calibration_batches`` batches and allocate a plan."""
-        from hf_lowprec import sensitivity
-
-        start = time.perf_counter()
-        was_training = model.training
-        with _preserved_rng():
-            data = list(islice(iter(batches), self.calibration_batches))
-            if not data:
-                raise ValueError("plan='auto' found no calibration batches to scan")
-            result = sensitivity.scan(model, data, formats=self.formats, method=self.scan_method, seed=self.seed)
-        model.train(was_training)
-        if isinstance(self.budget, Mapping):
-            plan = sensitivity.allocate(result, keep=self.keep, **self.budget)
-        else:
-            plan = sensitivity.allocate(result, budget=self.budget, keep=self.keep)
-        self.scan_seconds = time.perf_counter() - start
-        return _same_on_all_ranks(plan)
+        plan, self.scan_seconds = scan_plan(model, batches, self)
+        return plan
 
     # ------------------------------------------------------------------------------ events
     def on_init_end(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -363,7 +372,7 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
                 raise ValueError("plan='auto' needs training data or calibration_data= to scan")
             self.plan = self._scan(model, train_dataloader)
         self._convert(model, self.plan)
-        if self._new_params and _world()[1] > 1:
+        if self._new_params and process_world()[1] > 1:
             raise ValueError(
                 "the plan adds learned INT4 steps after DDP wrapped the model, so their gradients would not be "
                 "averaged across ranks: pass calibration_data= (converts before wrapping) or learn_scales=False"

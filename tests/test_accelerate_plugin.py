@@ -106,6 +106,21 @@ def test_plugin_loop_trains_logs_and_checkpoints(tmp_path):
         restored({**PLAN, "default": "fp8-rowwise"})
 
 
+def test_auto_plan_scans_the_loader_without_moving_the_random_streams():
+    accelerator = Accelerator(cpu=True)
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rows = [{k: v[i] for k, v in b.items()} for b in lm_batches(2, batch=4) for i in range(4)]
+    loader = torch.utils.data.DataLoader(rows, batch_size=4, shuffle=True)
+    rng = torch.random.get_rng_state()
+    lowprec = LowPrecisionPlugin(calibration_batches=1, scan_method="fisher")
+    model, optimizer, loader = lowprec.prepare(accelerator, model, optimizer, loader)
+    assert torch.equal(torch.random.get_rng_state(), rng)  # the scan's batches did not consume training randomness
+    assert lowprec.plan.layers and lowprec.scan_seconds > 0 and lowprec.report.swapped
+    before = one_step(model, optimizer, accelerator, next(iter(loader)))
+    assert unchanged(model, before) == []
+
+
 def test_gradient_spike_skips_the_step():
     """scaler="gradient", spike_action="skip": a 1000x gradient spike leaves every parameter as it was."""
     accelerator = Accelerator(cpu=True)
