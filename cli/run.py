@@ -278,11 +278,6 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     return record
 
 
-def _unwrapped(model):
-    """The transformers model under a PEFT wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def _base_model_id(model: str | None) -> str | None:
     """The Hub id of the base model (``None`` for a local checkpoint)."""
     if model is None:
@@ -347,4 +342,5 @@ def _trainer_class(recipe: Recipe):
 
 def export_trained(model, tokenizer, out: Path, record: dict, recipe: Recipe, extra: dict) -> None:
     """Write the trained model as an export folder (atomically replacing ``out``)."""
-    export_model(model, tokenizer, out, record, weights=recipe.export.weights, overwrite=True, extra_files=extra)
+    export_model(model, tokenizer, out, record, weights=recipe.export.weights, merge=recipe.export.merge_lora, overwrite=True,
+                 extra_files=extra)  # fmt: skip

@@ -33,7 +33,7 @@ from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData, get_tok
 from torch import nn
 
 from hf_lowprec.convert import apply_plan, eligible_layers, freeze, revert
-from hf_lowprec.modules import LOW_PRECISION_TYPES, PackedInt4Linear
+from hf_lowprec.modules import PackedInt4Linear
 from hf_lowprec.plan import PrecisionPlan, atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def replace_dir(src: Path, dst: Path) -> None:
 # ---------------------------------------------------------------------------------- hardware
 def hardware_info() -> dict:
     """What the run ran on: device, its name, CPU cores, torch version, whether FP8 tensor cores exist."""
-    info = {"device": "cpu", "name": platform.processor() or platform.machine(), "cpu_cores": os.cpu_count(), "torch": torch.__version__}
+    info = {"device": "cpu", "name": _cpu_name(), "cpu_cores": os.cpu_count(), "torch": torch.__version__}
     if torch.cuda.is_available():
         cap = torch.cuda.get_device_capability()
         info.update(device="cuda", name=torch.cuda.get_device_name(), compute_capability=f"{cap[0]}.{cap[1]}", gpus=torch.cuda.device_count())
@@ -98,6 +98,15 @@ def hardware_info() -> dict:
     else:
         info["fp8_tensor_cores"] = False
     return info
+
+
+def _cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 # ------------------------------------------------------------------------------ plan records
@@ -211,22 +220,31 @@ def _rows(figures: Mapping) -> list[tuple[str, str]]:
 
 # ------------------------------------------------------------------------------------ export
 def export_model(
-    model: nn.Module, tokenizer, out: str | os.PathLike, run: Mapping, *, weights: str = "master",
+    model: nn.Module, tokenizer, out: str | os.PathLike, run: Mapping, *, weights: str = "master", merge: bool = False,
     overwrite: bool = False, repo_id: str | None = None, extra_files: Mapping[str, str] | None = None,
 ) -> Path:  # fmt: skip
     """Write ``model`` (its plan applied) as a publishable folder at ``out``, atomically; returns ``out``.
 
     ``weights``: ``master`` (plain high-precision weights; FP8/INT4 layers reverted on a copy) or
-    ``int4-packed`` (INT4 layers frozen to packed codes on a copy; other layers as master weights).
+    ``int4-packed`` (INT4 layers frozen to packed codes on a copy, other layers as master weights;
+    ``config.json`` gets ``quant_method: hf_lowprec`` so ``from_pretrained`` rebuilds them after
+    ``import hf_lowprec``). A PEFT model from ``finetune.prepare_int4_lora`` is saved by
+    ``finetune.export_int4_lora``: packed base + adapters, or with ``merge`` the adapters merged and re-quantized.
     ``run``: the run record (see the module docstring); its ``plan``/``layers``/``export`` are filled in here.
     ``extra_files``: ``{name: text}`` written next to the weights (e.g. ``recipe.yaml``).
     """
     if weights not in EXPORT_WEIGHTS:
         raise ValueError(f"export weights {weights!r}: choose one of {', '.join(EXPORT_WEIGHTS)}")
-    plan = getattr(model, "hf_lowprec_plan", None) or PrecisionPlan()
+    peft = getattr(model, "peft_config", None) is not None
+    base = model.get_base_model() if peft else model
+    plan = getattr(base, "hf_lowprec_plan", None) or PrecisionPlan()
     run = dict(run)
     run["plan"] = plan.to_dict()
-    run["layers"], run["plan_rows"] = plan_record(model, plan)
+    run["layers"], run["plan_rows"] = plan_record(base, plan)
+    if peft:
+        return _export_lora(model, tokenizer, Path(out), run, merge, overwrite, repo_id, extra_files)
+    if merge:
+        raise ValueError("merge applies to LoRA adapters; this model has none")
     with atomic_output_dir(out, overwrite) as tmp:
         copy_ = copy.deepcopy(model)
         if weights == "int4-packed":
@@ -234,39 +252,78 @@ def export_model(
             if packed == 0:
                 raise ValueError("export weights 'int4-packed' needs INT4 layers in the plan; this model has none (export 'master')")
             revert(copy_)  # FP8 / non-INT4 layers back to plain layers with their master weights
-            copy_.config.hf_lowprec = {"packed_int4": plan.to_dict()}
             run["export"] = {"weights": weights, "loader": "hf_lowprec", "library_name": "hf-lowprec", "dtype": _dtype_name(copy_),
-                             "description": f"{packed} layers as uint8 pairs of 4-bit codes with per-group steps"}  # fmt: skip
+                             "description": f"{packed} layers as packed INT4 codes (uint8 pairs) with their learned per-group steps"}  # fmt: skip
         else:
             revert(copy_)
             run["export"] = {"weights": weights, "loader": "transformers", "library_name": "transformers", "dtype": _dtype_name(copy_),
                              "description": "high-precision master weights"}  # fmt: skip
-        _save_pretrained(copy_, tmp)
+        copy_.save_pretrained(tmp)
+        if weights == "int4-packed":
+            _mark_packed(copy_.config, plan, tmp)
         del copy_
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         atomic_write_text(tmp / PLAN_FILE, json.dumps(plan.to_dict(), indent=2) + "\n")
-        atomic_write_text(tmp / RUN_FILE, json.dumps(run, indent=2, default=str) + "\n")
-        for name, text in (extra_files or {}).items():
-            atomic_write_text(tmp / name, text)
-        render_model_card(run, repo_id).save(tmp / CARD_FILE)
+        _write_record(tmp, run, repo_id, extra_files)
     return Path(out)
 
 
-def _save_pretrained(model: nn.Module, folder: Path) -> None:
-    if getattr(model, "peft_config", None):
-        raise ValueError("export of a PEFT model goes through hf_lowprec.finetune (adapters or --merge)")
-    model.save_pretrained(folder)
+def _mark_packed(config, plan: PrecisionPlan, folder: Path) -> None:
+    """``config.json`` with ``quantization_config`` so transformers rebuilds the packed layers (hf_lowprec.hf_quantizer)."""
+    from hf_lowprec.hf_quantizer import quantization_config_dict
+
+    config = copy.deepcopy(config)
+    config.quantization_config = quantization_config_dict(plan)
+    config.save_pretrained(folder)
+
+
+def _write_record(folder: Path, run: Mapping, repo_id: str | None, extra_files: Mapping[str, str] | None) -> None:
+    atomic_write_text(folder / RUN_FILE, json.dumps(run, indent=2, default=str) + "\n")
+    for name, text in (extra_files or {}).items():
+        atomic_write_text(folder / name, text)
+    render_model_card(run, repo_id).save(folder / CARD_FILE)
+
+
+def _export_lora(model, tokenizer, out: Path, run: dict, merge: bool, overwrite: bool, repo_id, extra_files) -> Path:
+    """Packed INT4 base + LoRA adapters (or merged) through ``finetune.export_int4_lora``, then the record and card."""
+    from hf_lowprec.finetune import ADAPTER_DIR, MERGE_FILE, export_int4_lora
+
+    packed = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
+    if merge:
+        run["export"] = {"weights": "int4-packed", "loader": "hf_lowprec", "library_name": "hf-lowprec", "dtype": _dtype_name(model),
+                         "description": f"{packed} layers as packed INT4 codes, LoRA merged in and re-quantized (error in {MERGE_FILE})"}  # fmt: skip
+        run.pop("adapter", None)
+    else:
+        run["export"] = {"weights": "int4-packed", "loader": "hf_lowprec", "library_name": "hf-lowprec", "dtype": _dtype_name(model),
+                         "description": f"{packed} base layers as packed INT4 codes, plus LoRA adapters in PEFT format"}  # fmt: skip
+        run["adapter"] = {**run.get("adapter", {}), "folder": f"{ADAPTER_DIR}/",
+                          "note": "load_exported applies them; `hf-lowprec export --merge` folds them into the INT4 base"}  # fmt: skip
+    with atomic_output_dir(out, overwrite) as tmp:
+        export_int4_lora(model, tmp, merge=merge, tokenizer=tokenizer, overwrite=True)  # tmp is empty: written in place
+        if merge:
+            run["merge"] = json.loads((tmp / MERGE_FILE).read_text())["summary"]
+        _write_record(tmp, run, repo_id, extra_files)
+    return out
 
 
 def _dtype_name(model: nn.Module) -> str:
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
-def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False, repo_id: str | None = None) -> Path:
-    """Copy a finetune run folder's publishable files (weights, tokenizer, plan, record) to ``out`` and re-render its card."""
+def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False, repo_id: str | None = None,
+               merge: bool = False) -> Path:  # fmt: skip
+    """Copy a finetune run folder's publishable files (weights, tokenizer, plan, record) to ``out`` and re-render its card.
+
+    ``merge``: load the run's INT4 base + LoRA adapters and write them merged (re-quantized) instead.
+    """
     run_dir = Path(run_dir)
     run = read_run(run_dir)
+    if merge:
+        if not run.get("adapter"):
+            raise ValueError(f"--merge: {str(run_dir)!r} has no LoRA adapters to merge (recipe method {run.get('recipe', {}).get('method')!r})")
+        model, tokenizer = load_exported(run_dir)
+        return export_model(model, tokenizer, out, run, weights="int4-packed", merge=True, overwrite=overwrite, repo_id=repo_id)
     with atomic_output_dir(out, overwrite) as tmp:
         for item in run_dir.iterdir():
             if item.name in RUN_ONLY or item.name == CARD_FILE:
@@ -287,57 +344,32 @@ def read_run(folder: str | os.PathLike) -> dict:
 
 
 # -------------------------------------------------------------------------------------- load
-def load_exported(path_or_repo: str | os.PathLike, *, apply_plan_numerics: bool = False, dtype: torch.dtype = torch.float32,
+def load_exported(path_or_repo: str | os.PathLike, *, apply_plan_numerics: bool = False, dtype: torch.dtype | None = None,
                   backend: str = "auto"):  # fmt: skip
     """``(model, tokenizer)`` of an exported folder or Hub repo.
 
-    ``master`` exports load as plain ``transformers`` models; with ``apply_plan_numerics`` the plan is
-    re-applied so the model computes with its training-time FP8/INT4 numerics. ``int4-packed`` exports
-    come back with :class:`PackedInt4Linear` layers holding the saved codes, computing with ``backend``
-    (``auto``: int8 kernels where the CPU has them; ``dequant``: exactly the QAT model's numerics).
+    ``master`` exports load as plain ``transformers`` models (fp32 unless ``dtype``); with
+    ``apply_plan_numerics`` the plan is re-applied so the model computes with its training-time FP8/INT4
+    numerics. ``int4-packed`` exports load through ``finetune.load_int4_model`` (transformers with the
+    ``hf_lowprec`` quantizer; a PEFT model when the folder holds adapters), their packed layers computing
+    with ``backend`` (``auto``: int8 kernels where the CPU has them; ``dequant``: exactly the codes' values).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     from hf_lowprec.checkpoints import load_pretrained
 
     folder = Path(path_or_repo)
     if not folder.is_dir():
         folder = Path(snapshot_download(str(path_or_repo)))
     run = read_run(folder)
-    plan = PrecisionPlan.load(folder / PLAN_FILE)
-    if run.get("export", {}).get("weights") != "int4-packed":
-        model, tokenizer = load_pretrained(folder, dtype=dtype)
+    if run.get("export", {}).get("weights") == "int4-packed":
+        from hf_lowprec.finetune import load_int4_model
+
         if apply_plan_numerics:
-            apply_plan(model, plan)
-        return model, tokenizer
-    config = AutoConfig.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    _install_packed(model, plan, dtype, backend)
-    from safetensors.torch import load_file
-
-    state = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(shard))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {k for k in missing if k.endswith("lm_head.weight") and getattr(config, "tie_word_embeddings", False)}
-    if set(missing) - tied or unexpected:
-        raise ValueError(f"{str(path_or_repo)!r}: weights do not match the packed plan (missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]})")
-    if tied:
-        model.tie_weights()
-    tokenizer = AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None
-    model.hf_lowprec_plan = plan
-    return model.eval(), tokenizer
-
-
-def _install_packed(model: nn.Module, plan: PrecisionPlan, dtype: torch.dtype, backend: str) -> None:
-    """Swap the linears the plan puts in INT4 for empty :class:`PackedInt4Linear` shells."""
-    from hf_lowprec.convert import _set_module  # the module-swapping helper lives in convert.py
-
-    for name, spec in plan.assign(model).items():
-        module = model.get_submodule(name)
-        if spec.family == "int4" and isinstance(module, nn.Linear):
-            shell = PackedInt4Linear(module.in_features, module.out_features, spec, module.bias is not None, dtype, backend=backend)
-            _set_module(model, name, shell)
+            raise ValueError("a packed INT4 export already computes with its quantized weights; apply_plan_numerics is for master exports")
+        return load_int4_model(folder, dtype=dtype, backend=backend)
+    model, tokenizer = load_pretrained(folder, dtype=dtype or torch.float32)
+    if apply_plan_numerics:
+        apply_plan(model, PrecisionPlan.load(folder / PLAN_FILE))
+    return model, tokenizer
 
 
 # -------------------------------------------------------------------------------------- push

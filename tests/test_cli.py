@@ -131,6 +131,35 @@ def test_qat_int4_run_exports_packed_weights_that_reproduce_the_trained_model(ws
     assert loss == pytest.approx(record["training"]["loss_final"], abs=1e-5)
 
 
+def test_int4_lora_run_exports_adapters(ws):
+    out = ws / "run-lora"
+    args = ["--recipe", "int4-ondevice-lora", "--max-steps", "4", "--lr", "1e-2", "--block-size", "32", "--batch-size", "2", "--eval-blocks", "4"]
+    result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", *args, "-o", out)
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / RUN_FILE).read_text())
+    assert record["recipe"]["method"] == "int4-lora" and record["adapter"]["trainable_params"] > 0
+    assert (out / "adapter" / "adapter_config.json").is_file() and {"int4", "lora"} <= set(ModelCard.load(out / CARD_FILE).data.tags)
+    model, tok = load_exported(out)  # packed base + adapters, same kernels as in training
+    loss = causal_lm_loss(model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
+    assert loss == pytest.approx(record["training"]["loss_final"], abs=1e-4)
+
+
+@pytest.mark.xfail(strict=True, reason="finetune.export_int4_lora of a reloaded model: transformers' save_pretrained takes the "
+                   "state dict from the model's hf_quantizer and ignores the merged one (NaN steps); see the issue-7 report")
+def test_export_merge_folds_lora_into_the_int4_base(ws, tmp_path):
+    out, merged = ws / "run-lora", ws / "merged-lora"
+    if not out.exists():
+        pytest.skip("needs the run of test_int4_lora_run_exports_adapters")
+    model, tok = load_exported(out)
+    loss = causal_lm_loss(model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
+    result = cli("export", out, "--out", merged, "--merge")
+    assert result.exit_code == 0, result.output
+    assert "merge error" in result.output and not (merged / "adapter").exists()
+    merged_model, _ = load_exported(merged)
+    merged_loss = causal_lm_loss(merged_model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
+    assert merged_loss == pytest.approx(loss, abs=0.05)  # a second rounding: close to, not equal to, the trained model
+
+
 def test_eval_accuracy_of_a_classifier(ws, tmp_path):
     from tiny_assets import tiny_tokenizer
     from transformers import BertConfig, BertForSequenceClassification
@@ -178,6 +207,9 @@ def test_bad_inputs_fail_with_one_line(ws, tmp_path):
     assert "no interrupted run" in one_error_line(cli("finetune", ws / "tiny", "--resume", "-o", tmp_path / "o1"))
     assert "does not exist" in one_error_line(cli("eval", ws / "tiny", "--data", tmp_path / "missing.csv"))
     assert "not an hf-lowprec run" in one_error_line(cli("export", ws / "tiny", "--out", tmp_path / "e"))
+    (tmp_path / "full-run").mkdir()
+    (tmp_path / "full-run" / RUN_FILE).write_text(json.dumps({"recipe": {"method": "full"}}))
+    assert "has no LoRA adapters to merge" in one_error_line(cli("export", tmp_path / "full-run", "--out", tmp_path / "e", "--merge"))
 
     existing = tmp_path / "existing"
     existing.mkdir()
