@@ -518,12 +518,15 @@ def _refuse_low_precision_keys(module: nn.Module, incompatible) -> None:
 
 
 __all__ = [
+    "COMPENSATION_FILE",
     "LowPrecisionCallback",
     "STATE_FILE",
     "TELEMETRY_KEYS",
     "align_new_parameters",
     "coverage",
     "insert_new_parameters",
+    "load_plan_source",
     "low_precision_state",
     "orphaned_parameters",
+    "scan_plan",
 ]
