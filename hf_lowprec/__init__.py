@@ -7,6 +7,19 @@ from hf_lowprec.plan import PrecisionPlan
 
 __version__ = "0.1.0"
 
+_LAZY = {  # these import transformers/accelerate: loaded on first use
+    "LowPrecisionCallback": "hf_lowprec.callback",
+    "LowPrecisionPlugin": "hf_lowprec.accelerate_plugin",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hf_lowprec' has no attribute {name!r}")
+
 __all__ = [
     "ConversionReport",
     "FP8Embedding",
@@ -14,6 +27,8 @@ __all__ = [
     "FormatSpec",
     "Int4Embedding",
     "Int4Linear",
+    "LowPrecisionCallback",
+    "LowPrecisionPlugin",
     "PackedInt4Linear",
     "PrecisionPlan",
     "apply_plan",
