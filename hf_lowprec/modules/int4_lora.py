@@ -42,9 +42,10 @@ class PackedInt4LoraLinear(LoraLinear):
             raise ValueError(f"init_lora_weights={init!r} is not supported on a packed INT4 base; choose one of {SUPPORTED_INITS}")
         if config.lora_bias:
             raise ValueError("lora_bias=True is not supported on a packed INT4 base (it could not be merged into the codes)")
+        variant = self.resolve_lora_variant(config=config)  # reads only the config and the class's variant table
+        if variant is not None:
+            raise ValueError(f"LoRA variant {type(variant).__name__} (e.g. DoRA) is not supported on a packed INT4 base; use plain LoRA")
         super().__init__(base_layer, adapter_name, config=config, **kwargs)
-        if self.lora_variant:
-            raise ValueError(f"LoRA variants ({', '.join(type(v).__name__ for v in self.lora_variant.values())}) are not supported on a packed INT4 base")
         self.merge_errors: list[dict] = []
 
     def _get_in_out_features(self, module):

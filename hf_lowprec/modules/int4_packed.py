@@ -61,11 +61,16 @@ def quantize_scaled_rows(x: torch.Tensor, col_scale: torch.Tensor) -> tuple[torc
 
 
 def dequantize_product(acc: torch.Tensor, row_step: torch.Tensor, col_step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``acc [M, C]`` int32 times ``row_step [M, 1]`` and ``col_step [C]`` (or ``[1]``), in ``dtype``."""
+    """``acc [M, C]`` int32 times ``row_step [M, 1]`` and ``col_step [C]``, in ``dtype``."""
     return (acc.float() * row_step * col_step).to(dtype)
 
 
-_KERNELS = {f.__name__: f for f in (quantize_rows, quantize_scaled_rows, dequantize_product)}
+def dequantize_rows(acc: torch.Tensor, row_step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``acc [M, C]`` int32 times ``row_step [M, 1]``, in ``dtype``."""
+    return (acc.float() * row_step).to(dtype)
+
+
+_KERNELS = {f.__name__: f for f in (quantize_rows, quantize_scaled_rows, dequantize_product, dequantize_rows)}
 _compiled: dict[str, object] = {}
 
 
@@ -136,9 +141,8 @@ class _Int8Matmul(torch.autograd.Function):
         w8, row_step = ctx.layer.int8_weight()
         # grad_x[m, k] = sum_n g[m, n] r[n] w8[n, k]: the per-row weight step r[n] lies on the summed
         # dimension, so it is folded into the gradient before that is quantized per row
-        gq, g_step = _kernel("quantize_scaled_rows")(grad_out.contiguous(), row_step)
-        ones = torch.ones(1, dtype=torch.float32, device=gq.device)
-        return _kernel("dequantize_product")(torch._int_mm(gq, w8), g_step, ones, grad_out.dtype), None
+        gq, g_step = _kernel("quantize_scaled_rows")(grad_out.detach().contiguous(), row_step)
+        return _kernel("dequantize_rows")(torch._int_mm(gq, w8), g_step, grad_out.dtype), None
 
 
 # ------------------------------------------------------------------------------------ module

