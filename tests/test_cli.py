@@ -250,3 +250,17 @@ def test_ctrl_c_leaves_a_resumable_checkpoint(ws, tmp_path):
     record = json.loads((out / RUN_FILE).read_text())
     assert record["training"]["resumed_from_step"] == stopped_at and record["training"]["steps"] == 150
     assert not (tmp_path / "run.incomplete").exists()
+
+
+@pytest.mark.slow
+def test_default_demo_on_the_offline_checkpoint(tmp_path):
+    """The README's main job (`hf-lowprec finetune --output-dir runs/demo --overwrite`), shortened to 3 steps."""
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "hf_lowprec.cli.app", "finetune", "--output-dir", str(out), "--overwrite",
+                           "--max-steps", "3", "--eval-blocks", "2"], capture_output=True, text=True, timeout=1200)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Fine-tuning summary" in proc.stdout and "int4-g64" in proc.stdout and str(out) in proc.stdout
+    record = json.loads((out / RUN_FILE).read_text())
+    assert record["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and record["dataset"] == "shakespeare"
+    assert record["recipe"]["name"] == "int4-ondevice-lora" and record["training"]["steps"] == 3
+    assert validate_card_metadata((out / CARD_FILE).read_text()) == []
