@@ -253,20 +253,19 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     )  # fmt: skip
     if resume_from:
         figures["resumed_from_step"] = int(resume_from.rsplit("-", 1)[-1])
+    dataset = Path(data_name).name if Path(data_name).exists() else data_name  # a local file by name only, not its path
     record = {
         "name": run.out.name,
         "base_model": _base_model_id(opts.model),
         "base_model_path": Path(opts.model).name if opts.model and Path(opts.model).exists() else None,
         "recipe": recipe.to_dict(),
-        "dataset": Path(data_name).name if Path(data_name).exists() else data_name,
+        "dataset": dataset,
         "data_kind": lm.kind,
         "training": figures,
         "eval": [
-            {"dataset": Path(data_name).name if Path(data_name).exists() else data_name, "split": "held-out",
-             "metric": "perplexity", "value": round(final["perplexity"], 4)},
-            {"dataset": Path(data_name).name if Path(data_name).exists() else data_name, "split": "held-out",
-             "metric": "loss", "value": round(final["loss"], 4)},
-        ],  # fmt: skip
+            {"dataset": dataset, "split": "held-out", "metric": "perplexity", "value": round(final["perplexity"], 4)},
+            {"dataset": dataset, "split": "held-out", "metric": "loss", "value": round(final["loss"], 4)},
+        ],
         "hardware": hardware_info(),
         **method_info,
     }
@@ -289,7 +288,7 @@ def _prepare_method(model, recipe: Recipe, lm, t, resume_from: str | None):
     """``(model to train, extra callbacks, record fields)`` for the recipe's method."""
     if recipe.method == "full":
         return model, [_low_precision_callback(recipe, lm, t, resume_from)], {}
-    return _prepare_int4_lora(model, recipe, resume_from)
+    return _prepare_int4_lora(model, recipe)
 
 
 def _low_precision_callback(recipe: Recipe, lm, t, resume_from: str | None):
@@ -307,8 +306,11 @@ def _low_precision_callback(recipe: Recipe, lm, t, resume_from: str | None):
     return LowPrecisionCallback(plan=p.fixed_plan(), seed=t.seed)
 
 
-def _prepare_int4_lora(model, recipe: Recipe, resume_from: str | None):
-    """Pack the base to INT4 and wrap it in LoRA (``hf_lowprec.finetune``); the Trainer then trains the adapters."""
+def _prepare_int4_lora(model, recipe: Recipe):
+    """Pack the base to INT4 and wrap it in LoRA (``hf_lowprec.finetune``); the Trainer then trains the adapters.
+
+    Packing is deterministic, so a resumed run rebuilds the same base and the Trainer reloads the adapters.
+    """
     from peft import LoraConfig
 
     from hf_lowprec.finetune import prepare_int4_lora
@@ -321,7 +323,7 @@ def _prepare_int4_lora(model, recipe: Recipe, resume_from: str | None):
     with ui.step(f"packing the base to INT4 and adding LoRA adapters (r={lora.r})"):
         peft_model, _ = prepare_int4_lora(model, config, p.fixed_plan(), loftq_init=lora.init == "loftq")
     trainable = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
-    return peft_model, [], {"adapter": {"trainable_params": trainable, "r": lora.r, "targets": len(config.target_modules) if isinstance(config.target_modules, (list, set)) else targets}}
+    return peft_model, [], {"adapter": {"trainable_params": trainable, "r": lora.r, "target_modules": list(lora.target_modules)}}
 
 
 def _trainer_class(recipe: Recipe):

@@ -42,6 +42,7 @@ def setup_logging(verbose: bool = False) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
                         handlers=[RichHandler(console=err, show_path=False, show_time=False)])  # fmt: skip
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loader and hub downloads use tqdm directly
     import datasets
     import transformers
 

@@ -3,14 +3,17 @@
 An exported folder holds
 - the weights (``save_pretrained``): ``master`` exports write the high-precision master weights that the
   low-precision layers trained (plain ``transformers`` checkpoint); ``int4-packed`` exports write the
-  INT4 layers as real packed codes (two per byte) with their steps, reloaded by :func:`load_exported`;
+  INT4 layers as real packed codes (two per byte) with their steps and ``quant_method: hf_lowprec`` in
+  ``config.json`` (transformers rebuilds them after ``import hf_lowprec``; see ``hf_lowprec.hf_quantizer``),
+  plus LoRA adapters in ``adapter/`` for INT4 + LoRA runs;
 - ``hf_lowprec_plan.json``: the precision plan; ``hf_lowprec_run.json``: the run record (see below);
 - ``README.md``: the model card (``model_cards/model_card.md.jinja`` through ``huggingface_hub.ModelCard``).
 
-The run record is a JSON dict: ``base_model`` (hub id or None), ``base_model_path``, ``recipe`` (dict),
-``dataset``, ``data_kind``, ``plan`` (dict), ``layers`` ([{name, format, params}]), ``plan_rows``
-(``PrecisionPlan.summary`` rows), ``training`` (figures), ``eval`` ([{dataset, metric, value}]),
-``hardware``, ``export`` ({weights, loader, dtype, description}), ``adapter`` (optional).
+The run record is a JSON dict: ``name``, ``base_model`` (hub id or None), ``base_model_path``, ``recipe``
+(dict), ``dataset``, ``data_kind``, ``plan`` (dict), ``layers`` ([{name, format, params}]), ``plan_rows``
+(``PrecisionPlan.summary`` rows), ``training`` (figures), ``eval`` ([{dataset, split, metric, value}]),
+``hardware``, ``export`` ({weights, loader, library_name, dtype, description}), and optionally ``adapter``
+(LoRA), ``merge`` (re-quantization error of a merged export), ``summary`` and ``limitations`` (card text).
 """
 
 from __future__ import annotations
