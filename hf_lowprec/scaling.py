@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 ROLES = ("input", "weight", "grad")
 REDUCTIONS = ("max", "most_recent")
 STATISTICS = ("ema", "percentile")
-SPIKE_ACTIONS = ("clip", "skip")
+SPIKE_ACTIONS = ("rescale", "clip", "skip")
 TELEMETRY_PREFIX = "lowprec/"
 
 
@@ -87,7 +87,11 @@ class ScalePolicy(nn.Module):
         raise NotImplementedError
 
     def observe(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> None:
-        """Called after ``x`` was cast to ``q`` with ``scale`` (block scales: ``block`` is their shape)."""
+        """Called after ``x`` was cast to ``q`` with ``scale`` (block scales: ``block`` is their shape).
+
+        ``q`` and ``scale`` are the tensors the layer goes on to use: a policy may change them in place
+        (:class:`GradientScaling` does, to rescale or drop a spike).
+        """
         if self.telemetry:
             self._count(x, q, scale, block)
 
@@ -166,32 +170,35 @@ class DelayedScaling(ScalePolicy):
 class GradientScaling(ScalePolicy):
     """Scale for quantized gradients that follows a robust running statistic instead of the raw max.
 
-    Per cast, with ``a`` the tensor's amax and ``r`` the running statistic of past non-spike amaxes
-    (``ema``: exponential moving average with ``ema_decay``; ``percentile``: that percentile of the
-    last ``history_len``):
+    Per cast, with ``a`` the tensor's amax and ``r`` the running statistic (``ema``: exponential moving
+    average with ``ema_decay``; ``percentile``: that percentile of the last ``history_len``) of past
+    amaxes, each winsorized at ``spike_threshold * r`` before it is recorded (so one spike barely moves
+    ``r``, while a lasting change of level is followed within a few casts):
 
     - the scale maps ``limit = r * 2**-adjust`` onto the format's max (row/block scales: each group's
       amax, capped at ``limit``), so values beyond ``limit`` saturate — FP8 casts clip, they never
       overflow — and one outlier does not stretch the grid for every other value;
-    - ``a > spike_threshold * r`` is a spike: counted, left out of the statistic, and either clipped
-      (``spike_action="clip"``) or zeroed with a step-skip request (``"skip"``, see
-      :func:`skip_step_if_requested`);
+    - ``a > spike_threshold * r`` is a spike, counted and handled per ``spike_action``:
+      ``rescale`` (default) shrinks the whole gradient so its amax is ``limit`` (magnitude clipping:
+      direction kept, quantized at full resolution); ``clip`` clips values at ``limit`` (saturation);
+      ``skip`` zeroes this gradient and requests a step skip (see :func:`skip_step_if_requested`);
     - ``adjust`` (a power of two, within ``±max_adjust``) drops by one when more than
       ``saturation_tol`` of a non-spike cast saturates, and rises by one after ``growth_interval``
       consecutive casts that lose more than ``underflow_tol`` to zero without saturating
       (GradScale, Sun et al. 2020; MS-AMP's automatic scaling factor).
 
-    The first ``warmup`` casts only feed the statistic (dynamic scale, no spike test). With
-    ``sync=True`` the amax and the saturation/underflow fractions are reduced with MAX over ranks,
-    so every rank takes the same decisions. Telemetry is always on. Row/block casts count per cast:
-    a rowwise backward casts each gradient twice.
+    The first ``warmup`` casts only feed the statistic (dynamic scale, no spike test); all-zero
+    gradients are not recorded. With ``sync=True`` the amax and the saturation/underflow fractions are
+    reduced with MAX over ranks, so every rank takes the same decisions. Telemetry is always on.
+    Counts are per cast: a rowwise backward casts each gradient twice. ``rescale`` and ``skip`` act on
+    the cast's output in place, in :meth:`observe`.
     """
 
     observes = True
 
     def __init__(
         self, statistic: str = "ema", ema_decay: float = 0.9, history_len: int = 16, percentile: float = 50.0,
-        spike_threshold: float = 8.0, spike_action: str = "clip", warmup: int = 1, saturation_tol: float = 1e-3,
+        spike_threshold: float = 8.0, spike_action: str = "rescale", warmup: int = 2, saturation_tol: float = 1e-3,
         underflow_tol: float = 1e-2, growth_interval: int = 4, max_adjust: int = 4, power_of_two: bool = True,
         telemetry: bool = True, sync: bool = False,
     ):  # fmt: skip
@@ -217,9 +224,10 @@ class GradientScaling(ScalePolicy):
         int_zero = torch.zeros((), dtype=torch.int64)
         self.register_buffer("running_amax", torch.zeros(()))
         self.register_buffer("amax_history", torch.full((history_len,), float("nan")))
-        for name in ("casts", "adjust", "clean_streak", "spikes", "skips_requested"):
+        for name in ("casts", "recorded", "adjust", "clean_streak", "spikes", "skips_requested"):
             self.register_buffer(name, int_zero.clone())
         self.register_buffer("last_spike", torch.zeros((), dtype=torch.bool))
+        self.register_buffer("last_shrink", torch.ones(()))
         self.register_buffer("skip_pending", torch.zeros((), dtype=torch.bool))
 
     def _statistic(self) -> torch.Tensor:
@@ -231,34 +239,41 @@ class GradientScaling(ScalePolicy):
     def scale(self, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         a = self._reduce_amax(amax.float().amax())
         stat = self._statistic()
-        warm = (self.casts >= self.warmup) & (stat > 0)  # a statistic of all-zero gradients cannot judge
+        warm = (self.recorded >= self.warmup) & (stat > 0)
         ref = torch.where(warm, stat, a)
         spike = warm & (a > self.spike_threshold * ref)
         limit = ref * torch.exp2(-self.adjust.float())
-        scale = fp8_scale(torch.minimum(amax.float(), limit), dtype, self.power_of_two)
-        # the statistic learns from non-spike casts only
-        keep = ~spike
+        rescale = spike if self.spike_action == "rescale" else torch.zeros_like(spike)
+        # a rescaled spike is quantized at full resolution, its scale shrunk afterwards (observe)
+        capped = torch.where(rescale, amax.float(), torch.minimum(amax.float(), limit))
+        self.last_shrink.copy_(torch.where(rescale, limit / a, torch.ones_like(a)))
+        # record the amax winsorized at the spike threshold; all-zero gradients carry no level
+        sample = torch.where(warm, torch.minimum(a, self.spike_threshold * ref), a)
+        record = a > 0
         if self.statistic == "ema":
-            ema = torch.where(self.casts == 0, a, self.ema_decay * self.running_amax + (1 - self.ema_decay) * a)
-            self.running_amax.copy_(torch.where(keep, ema, self.running_amax))
+            ema = torch.where(self.recorded == 0, sample, self.ema_decay * self.running_amax + (1 - self.ema_decay) * sample)
+            self.running_amax.copy_(torch.where(record, ema, self.running_amax))
         else:
-            slot = (self.casts - self.spikes) % self.amax_history.numel()
-            self.amax_history[slot] = torch.where(keep, a, self.amax_history[slot])
+            slot = self.recorded % self.amax_history.numel()
+            self.amax_history[slot] = torch.where(record, sample, self.amax_history[slot])
+        self.recorded += record
         self.spikes += spike
         self.last_spike.copy_(spike)
         self.casts += 1
-        return scale
+        return fp8_scale(capped, dtype, self.power_of_two)
 
     @torch.no_grad()
     def observe(self, x, q, scale, block) -> None:
-        saturated, underflow = self._count(x, q, scale, block)
+        spike = self.last_spike
+        if self.spike_action == "rescale":
+            scale.div_(self.last_shrink)  # dequantized values shrink by limit / amax
+        saturated, underflow = self._count(x, q, scale * self.last_shrink, block)
         if self.sync and _distributed():
             rates = torch.stack((saturated, underflow))
             torch.distributed.all_reduce(rates, op=torch.distributed.ReduceOp.MAX)
             saturated, underflow = rates[0], rates[1]
-        spike = self.last_spike
         if self.spike_action == "skip":
-            q.view(torch.uint8).masked_fill_(spike, 0)  # the cast's output feeds the backward GEMMs: drop this gradient
+            q.view(torch.uint8).masked_fill_(spike, 0)  # the cast's output feeds the backward GEMMs: drop it
             self.skips_requested += spike
             self.skip_pending |= spike
         calm = ~spike

@@ -1,0 +1,206 @@
+"""Training-state bytes per parameter and peak memory of one training step, four ways (issue 4).
+
+(a) fp32 weights, fp32 math, AdamW;
+(b) bf16 autocast with fp32 master weights and AdamW (the usual mixed precision);
+(c) bf16 weights, no master copy, Kahan-compensated AdamW with 8-bit states;
+(d) (c) with every Linear in FP8 (tensorwise: FP8Linear saves its input and weight in FP8) and every
+    other saved activation stored in FP8 (hf_lowprec.activation_storage).
+Optimizer-state variants of (c) (torchao 8-bit / FP8 / 4-bit, bitsandbytes 8-bit, fp32) are measured too.
+
+Each configuration runs in a fresh subprocess: build the model (SmolLM2-135M's architecture from its
+config, random weights), one warm-up step (torchao's optimizers compile there), then the peak-RSS mark
+is reset (``/proc/self/clear_refs``) and one measured step runs; its peak is ``VmHWM``. Reported per
+config: peak RSS, peak minus the RSS right after the imports (what the training itself holds), bytes of
+training state per parameter (weights + grads + optimizer states + compensation buffers, counted from
+the tensors), and the measured step's time (one step on a shared 2-core machine: a rough figure).
+
+Usage: ``python benchmarks/memory.py [--quick]`` (``--quick``: 4 layers, batch 2x128).
+Writes benchmarks/results/memory.json and memory.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CONFIGS = {
+    "a_fp32": "fp32 weights + AdamW",
+    "b_bf16_amp": "bf16 autocast, fp32 master + AdamW",
+    "c_bf16_kahan_8bit": "bf16 weights + Kahan + torchao 8-bit AdamW",
+    "d_c_fp8_activations": "(c) + FP8 linears + FP8-stored activations",
+    "c_bf16_kahan_bnb8bit": "bf16 weights + Kahan + bitsandbytes 8-bit AdamW",
+    "c_bf16_kahan_fp8states": "bf16 weights + Kahan + torchao FP8-state AdamW",
+    "c_bf16_kahan_4bit": "bf16 weights + Kahan + torchao 4-bit AdamW",
+    "c_bf16_kahan_fp32states": "bf16 weights + Kahan + fp32-state AdamW",
+}
+STATES = {
+    "c_bf16_kahan_8bit": "8bit", "d_c_fp8_activations": "8bit", "c_bf16_kahan_bnb8bit": "bnb-8bit",
+    "c_bf16_kahan_fp8states": "fp8", "c_bf16_kahan_4bit": "4bit", "c_bf16_kahan_fp32states": "fp32",
+}  # fmt: skip
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` field in bytes."""
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def run_one(name: str, quick: bool) -> dict:
+    """One configuration, in this process: returns its measurements."""
+    import gc
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_lowprec import apply_plan
+    from hf_lowprec.activation_storage import FP8SavedActivations
+    from hf_lowprec.compensation import make_optimizer, optimizer_state_bytes
+
+    rss_imports = _status("VmRSS")
+    layers, batch, seq = (4, 2, 128) if quick else (30, 4, 256)
+    cfg = LlamaConfig(  # SmolLM2-135M's architecture
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9, num_key_value_heads=3,
+        vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True, rms_norm_eps=1e-5,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    if name != "a_fp32" and name != "b_bf16_amp":
+        model = model.to(torch.bfloat16)
+    if name.startswith("d_"):
+        apply_plan(model, "fp8", fp8_backend="emulated")
+    if name in ("a_fp32", "b_bf16_amp"):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    else:
+        optimizer = make_optimizer(model.parameters(), states=STATES[name], compensation="kahan", lr=1e-4)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    n_params = sum(p.numel() for p in model.parameters())
+    accounting = {}
+
+    def reset_peak():
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := current RSS
+
+    def step():
+        reset_peak()
+        with torch.autocast("cpu", torch.bfloat16, enabled=name == "b_bf16_amp"):
+            if name.startswith("d_"):
+                with FP8SavedActivations(model):
+                    loss = model(input_ids=ids, labels=ids).loss
+            else:
+                loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        accounting["peak_forward_backward"] = _status("VmHWM")
+        reset_peak()
+        accounting["weights"] = _tensor_bytes(model.parameters())
+        accounting["grads"] = _tensor_bytes(p.grad for p in model.parameters())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        accounting["peak_optimizer_step"] = _status("VmHWM")
+        accounting["optimizer"] = optimizer_state_bytes(optimizer)
+        return loss.item()
+
+    step()  # warm-up: optimizer states exist, torchao has compiled
+    gc.collect()
+    rss_before = _status("VmRSS")
+    start = time.perf_counter()
+    loss = step()
+    seconds = time.perf_counter() - start
+    phases = {"forward_backward": accounting.pop("peak_forward_backward") / 2**20,
+              "optimizer_step": accounting.pop("peak_optimizer_step") / 2**20}  # fmt: skip
+    peak = max(phases.values()) * 2**20
+    state = accounting["weights"] + accounting["grads"] + accounting["optimizer"]
+    return {
+        "config": name, "description": CONFIGS[name], "params": n_params, "loss": loss, "step_s": seconds,
+        "peak_rss_mb": peak / 2**20, "rss_imports_mb": rss_imports / 2**20, "rss_before_step_mb": rss_before / 2**20,
+        "peak_above_imports_mb": (peak - rss_imports) / 2**20, "peak_rss_by_phase_mb": phases,
+        "state_bytes_per_param": state / n_params,
+        "state_breakdown_bytes_per_param": {k: v / n_params for k, v in accounting.items()},
+        "torch_threads": torch.get_num_threads(),
+    }  # fmt: skip
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["config"] for r in results]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    ax1.barh(names, [r["peak_rss_mb"] for r in results], label="peak RSS", color="#9ecae1")
+    ax1.barh(names, [r["peak_above_imports_mb"] for r in results], label="peak minus RSS after imports", color="#3182bd")
+    ax1.set_xlabel("MB during one training step")
+    ax1.invert_yaxis()
+    ax1.legend(loc="lower right", fontsize=8)
+    left = [0.0] * len(results)
+    for part, color in (("weights", "#31a354"), ("grads", "#fd8d3c"), ("optimizer", "#756bb1")):
+        vals = [r["state_breakdown_bytes_per_param"][part] for r in results]
+        ax2.barh(names, vals, left=left, label=part, color=color)
+        left = [a + b for a, b in zip(left, vals)]
+    ax2.set_xlabel("training-state bytes per parameter (optimizer incl. compensation buffers)")
+    ax2.invert_yaxis()
+    ax2.legend(loc="lower right", fontsize=8)
+    fig.suptitle("SmolLM2-135M architecture, one training step, batch 4x256 (CPU)")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=90)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="4 layers, batch 2x128")
+    parser.add_argument("--only", nargs="*", choices=list(CONFIGS), help="run these configurations only")
+    parser.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run_one(args.child, args.quick)))
+        return
+    results = []
+    for name in args.only or CONFIGS:
+        cmd = [sys.executable, __file__, "--child", name] + (["--quick"] if args.quick else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        if proc.returncode != 0:
+            raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        results.append(r)
+        print(f"{name:26s} peak {r['peak_rss_mb']:7.0f} MB  above imports {r['peak_above_imports_mb']:7.0f} MB  "
+              f"(fwd+bwd {r['peak_rss_by_phase_mb']['forward_backward']:6.0f}, optimizer {r['peak_rss_by_phase_mb']['optimizer_step']:6.0f})  "
+              f"state {r['state_bytes_per_param']:5.2f} B/param  step {r['step_s']:6.1f} s  loss {r['loss']:.3f}", flush=True)  # fmt: skip
+    by = {r["config"]: r for r in results}
+    ratios = {}
+    if "b_bf16_amp" in by:
+        base = by["b_bf16_amp"]
+        for r in results:
+            ratios[r["config"]] = {
+                "peak_rss_vs_b": r["peak_rss_mb"] / base["peak_rss_mb"],
+                "peak_above_imports_vs_b": r["peak_above_imports_mb"] / base["peak_above_imports_mb"],
+                "state_bytes_vs_b": r["state_bytes_per_param"] / base["state_bytes_per_param"],
+            }
+        print("\nratios to (b) bf16 AMP + fp32 master:")
+        for name, rr in ratios.items():
+            print(f"  {name:26s} peak RSS {rr['peak_rss_vs_b']:.3f}x  peak above imports {rr['peak_above_imports_vs_b']:.3f}x  "
+                  f"state {rr['state_bytes_vs_b']:.3f}x")  # fmt: skip
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    suffix = "_quick" if args.quick else ""
+    out = {"quick": args.quick, "results": results, "ratios_to_b": ratios, "goal": "(d) peak <= 0.55x (b) peak"}
+    tmp = RESULTS / f"memory{suffix}.json.tmp"
+    tmp.write_text(json.dumps(out, indent=2))
+    os.replace(tmp, RESULTS / f"memory{suffix}.json")
+    plot(results, RESULTS / f"memory{suffix}.png")
+
+
+if __name__ == "__main__":
+    main()
