@@ -246,7 +246,7 @@ def eval_cmd(
         with ui.counted("evaluating", total=len(lm.eval), unit="sequences") as advance:
             result = causal_lm_loss(lm_model, lm.eval, lm.collator, batch_size=batch_size, on_batch=advance)
         rows = [("perplexity", f"{result['perplexity']:.4f}"), ("loss (nats/token)", f"{result['loss']:.4f}"), ("tokens", f"{result['tokens']:,}")]
-    ui.out.print(ui.table(f"Evaluation of {model} on {data}", ("metric", "value"), rows, numeric=(1,)))
+    ui.out.print(ui.key_values("Evaluation", {"model": model, "data": data, **{k: str(v) for k, v in rows}}))
 
 
 def _load_for_eval(model: str, gguf_file: str | None, task: str, plan_numerics: bool):
