@@ -245,8 +245,8 @@ def test_ctrl_c_leaves_a_resumable_checkpoint(ws, tmp_path):
     stopped_at = int(checkpoints[0].name.split("-")[1])
     assert 0 < stopped_at < 40
 
-    resumed = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, env=env, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    resumed = cli(*cmd[3:], "--resume")  # the same command, in this process
+    assert resumed.exit_code == 0, resumed.output[-2000:]
     record = json.loads((out / RUN_FILE).read_text())
     assert record["training"]["resumed_from_step"] == stopped_at and record["training"]["steps"] == 40
     assert not (tmp_path / "run.incomplete").exists()
