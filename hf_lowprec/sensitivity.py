@@ -13,8 +13,15 @@ every candidate format, how much the calibration loss rises when *only that laye
   ModelOpt AutoQuantize's output-space score (which keeps only the ``g²δy²`` term) plus the
   first-order term: working in output space covers activation quantization (FP8 inputs, ``-a8``)
   as well as weight error, and needs activation gradients only.
-- ``auto``: ``fisher`` for every layer, then ``measured`` for the layers the allocator is least
-  likely to put in the cheapest format (highest predicted Δloss per byte saved).
+- ``auto``: ``fisher`` for every layer, then ``measured`` for the (layer, format) pairs with the
+  highest predicted Δloss per byte saved: the choices a budget decides on first, and the largest
+  perturbations, where a Taylor estimate is least reliable.
+
+Twins run through forward hooks on the original layers: the scan swaps no module (only
+:mod:`hf_lowprec.convert` does), so module objects, parameters, gradients and train/eval modes are
+exactly as they were afterwards, also after an interrupt. (``apply_plan`` + ``revert`` would leave
+new ``nn.Linear`` objects behind.) Measured Δloss includes the first-order effect of the calibration
+data's gradient; the Fisher estimate keeps that term for the same reason.
 
 :func:`allocate` turns a :class:`ScanResult` and a :class:`Budget` into an explicit
 :class:`~hf_lowprec.plan.PrecisionPlan` by solving a multiple-choice knapsack; :func:`measure_plan`
@@ -26,7 +33,6 @@ Layers that share one weight (tied input/output embeddings) are scored and alloc
 from __future__ import annotations
 
 import fnmatch
-import heapq
 import json
 import logging
 import math
@@ -268,6 +274,36 @@ def _check_batches(batches: Iterable[Mapping]) -> list[dict]:
     return out
 
 
+def _merge(batches: list[dict], max_tokens: int) -> list[dict]:
+    """Concatenate consecutive batches of the same layout along dim 0, up to ``max_tokens`` per batch.
+
+    Fewer, larger forwards: every low-precision twin quantizes its weight once per forward, which
+    for a 135M model costs as much as the matmuls of a few hundred tokens.
+    """
+    out: list[dict] = []
+    for batch in batches:
+        last = out[-1] if out else None
+        if last is not None and _same_layout(last, batch) and last["input_ids"].numel() + batch["input_ids"].numel() <= max_tokens:
+            out[-1] = {k: torch.cat([last[k], v]) if torch.is_tensor(v) else v for k, v in batch.items()}
+        else:
+            out.append(batch)
+    return out
+
+
+def _same_layout(a: Mapping, b: Mapping) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k, v in b.items():
+        w = a[k]
+        if torch.is_tensor(v) != torch.is_tensor(w):
+            return False
+        if torch.is_tensor(v) and (v.dim() == 0 or v.shape[1:] != w.shape[1:] or v.dtype != w.dtype):
+            return False
+        if not torch.is_tensor(v) and v != w:
+            return False
+    return True
+
+
 def _label_count(batch: Mapping) -> int:
     return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
 
@@ -362,8 +398,8 @@ class _Tracker:
     def __init__(self, progress: Progress | None, total: int):
         self.progress, self.total, self.done = progress, total, 0
 
-    def step(self, description: str, n: int = 1) -> None:
-        self.done += n
+    def step(self, description: str) -> None:
+        self.done += 1
         if self.progress is not None:
             self.progress(self.done, self.total, description)
 
@@ -381,6 +417,7 @@ def scan(
     seed: int = 0,
     measure_top_fraction: float = 0.05,
     layers: Sequence[str] | None = None,
+    max_batch_tokens: int = 2048,
     fp8_backend: str = "auto",
 ) -> ScanResult:
     """Score every eligible layer of ``model`` for every format in ``formats``.
@@ -395,6 +432,8 @@ def scan(
         measure_top_fraction: ``auto`` only: fraction of (layer, format) pairs measured after the
             Fisher pass, those with the highest predicted Δloss per byte saved.
         layers: names or globs of the layers to scan (default: every eligible layer).
+        max_batch_tokens: consecutive batches of one shape run as one forward up to this many
+            tokens (FP8 tensorwise activation scales then span the merged batch).
         fp8_backend: passed to the FP8 layers (as in :func:`hf_lowprec.convert.apply_plan`).
 
     The model is left exactly as it was (modules, parameters, gradients, train/eval mode), also when
@@ -403,6 +442,8 @@ def scan(
     """
     if method not in METHODS:
         raise ValueError(f"unknown scan method {method!r}; choose one of {', '.join(METHODS)}")
+    if max_batch_tokens < 1:
+        raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
     if not 0.0 <= measure_top_fraction <= 1.0:
         raise ValueError(f"measure_top_fraction must be in [0, 1], got {measure_top_fraction}")
     specs = [FormatSpec.parse(f) for f in formats]
@@ -417,7 +458,7 @@ def scan(
     units = _units(model, specs)
     if layers is not None:
         units = _select(units, [layers] if isinstance(layers, str) else layers)
-    batches = _check_batches(batches)
+    batches = _merge(_check_batches(batches), max_batch_tokens)
     tokens = sum(_label_count(b) for b in batches)
     if tokens == 0:
         raise ValueError("the calibration batches have no label positions (all labels are -100 or sequences have length 1)")
@@ -425,14 +466,13 @@ def scan(
     scores = [LayerScore(u.name, tuple(n for n, _ in u.members[1:]), type(u.members[0][1]).__name__,
                          u.members[0][1].weight.numel(), _layer_bytes(u)) for u in units]  # fmt: skip
     result = ScanResult(scores, tuple(names), method, tokens=tokens, seed=seed, model=getattr(getattr(model, "config", None), "name_or_path", None) or None)
-    pairs = sum(len(u.formats) for u in units)
     start = time.perf_counter()
     with _scanning(model, seed) as hooks:
         if method == "measured":
-            tracker = _Tracker(progress, len(batches) + pairs)
+            pairs = [(i, f) for i, u in enumerate(units) for f in u.formats]
+            tracker = _Tracker(progress, len(batches) + len(pairs))
             base = _base_pass(model, batches, device, tracker)
             result.base_loss = base[0]
-            pairs = [(i, f) for i, u in enumerate(units) for f in u.formats]
             _measure(model, batches, device, units, pairs, scores, base, hooks, tracker, fp8_backend)
         else:
             measure = method == "auto" and measure_top_fraction > 0
@@ -463,22 +503,24 @@ def _base_pass(model, batches, device, tracker) -> tuple[float, list[torch.Tenso
 
 
 def _fisher_pass(model, batches, device, units, scores, hooks, tracker, fp8_backend, keep_logprobs):
-    """One forward/backward per batch: output-space Taylor estimate for every (unit, format)."""
-    twins = {(u.name, f): _twins(u, f, fp8_backend) for u in units for f in u.formats}
-    by_module: dict[int, list[tuple[str, str, nn.Module]]] = {}
-    for (uname, fmt), members in twins.items():
-        for _, module, twin in members:
-            by_module.setdefault(id(module), []).append((uname, fmt, twin))
+    """One forward/backward per batch: output-space Taylor estimate for every (unit, format).
+
+    The forward records each layer's input and output; after the backward (activation gradients
+    only), each low-precision twin runs on the recorded input to give ``δy``, one layer at a time.
+    """
+    twins: dict[int, list[tuple[tuple[str, str], nn.Module]]] = {}
+    for u in units:
+        for f in u.formats:
+            for _, module, twin in _twins(u, f, fp8_backend):
+                twins.setdefault(id(module), []).append(((u.name, f), twin))
     first = {(u.name, f): 0.0 for u in units for f in u.formats}
     second = dict(first)
-    record: list[tuple[int, torch.Tensor, dict]] = []
+    record: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
     def hook(module, args, out):
-        with torch.no_grad():
-            deltas = {(uname, fmt): (twin(args[0]) - out).detach() for uname, fmt, twin in by_module[id(module)]}
         if not out.requires_grad:  # frozen weights: make the output a leaf so gradients reach it
             out = out.detach().requires_grad_(True)
-        record.append((id(module), out, deltas))
+        record.append((id(module), args[0].detach(), out))
         return out
 
     for u in units:
@@ -490,20 +532,23 @@ def _fisher_pass(model, batches, device, units, scores, hooks, tracker, fp8_back
         with torch.enable_grad():
             logits, labels = _forward(model, batch, device)
             loss_sum = F.cross_entropy(logits, labels, reduction="sum")
-            grads = torch.autograd.grad(loss_sum, [out for _, out, _ in record], allow_unused=True)
+            grads = list(torch.autograd.grad(loss_sum, [out for _, _, out in record], allow_unused=True))
         nll += loss_sum.item()
         count += len(labels)
         if keep_logprobs:
             logps.append(torch.log_softmax(logits.detach(), -1))
-        for (_, _, deltas), g in zip(record, grads):
-            if g is None:
-                continue
-            g = g.float()
-            for key, delta in deltas.items():
-                d = delta.float()
-                first[key] += (g * d).sum().item()
-                second[key] += 0.5 * (g.square() * d.square()).sum().item()
-        del grads, logits, loss_sum
+        del logits, loss_sum
+        with torch.no_grad():
+            for j, (module_id, x, out) in enumerate(record):
+                g = grads[j]
+                grads[j] = None  # free as we go
+                if g is None:
+                    continue
+                g = g.float().flatten()
+                for key, twin in twins[module_id]:
+                    gd = twin(x).float().flatten().sub_(out.detach().float().flatten()).mul_(g)  # g * δy
+                    first[key] += gd.sum().item()
+                    second[key] += 0.5 * torch.dot(gd, gd).item()
         record.clear()
         tracker.step(f"fisher pass, batch {i + 1}/{len(batches)}")
     for h in hooks:
@@ -580,7 +625,7 @@ def measure_plan(model: nn.Module, plan: "PrecisionPlan | Mapping", batches: Ite
     """
     plan = plan if isinstance(plan, PrecisionPlan) else PrecisionPlan.from_dict(plan)
     plan.validate(model)
-    batches = _check_batches(batches)
+    batches = _check_batches(batches)  # one forward per batch, as training would run them
     device = next(model.parameters()).device
     assignment = plan.assign(model)
     layers = eligible_layers(model)
