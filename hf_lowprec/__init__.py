@@ -10,6 +10,12 @@ __version__ = "0.1.0"
 _LAZY = {  # these import transformers/accelerate: loaded on first use
     "LowPrecisionCallback": "hf_lowprec.callback",
     "LowPrecisionPlugin": "hf_lowprec.accelerate_plugin",
+    # on-device INT4 + LoRA fine-tuning (importing it also registers quant_method "hf_lowprec" with transformers)
+    "prepare_int4_lora": "hf_lowprec.finetune",
+    "load_int4_lora": "hf_lowprec.finetune",
+    "finetune_int4_lora": "hf_lowprec.finetune",
+    "export_int4_lora": "hf_lowprec.finetune",
+    "load_int4_model": "hf_lowprec.finetune",
 }
 
 
@@ -33,6 +39,11 @@ __all__ = [
     "PrecisionPlan",
     "apply_plan",
     "eligible_layers",
+    "export_int4_lora",
+    "finetune_int4_lora",
     "freeze",
+    "load_int4_lora",
+    "load_int4_model",
+    "prepare_int4_lora",
     "revert",
 ]
