@@ -235,24 +235,25 @@ class ScanResult:
         floor = positive.min() if positive.size else 1e-12
         shown = np.log10(np.where(np.isfinite(values), np.maximum(values, floor), np.nan))
         height = max(3.0, 0.13 * len(self.layers) + 1.5)
-        fig, ax = plt.subplots(figsize=(3.0 + 1.3 * len(fmts), height))
+        fig, ax = plt.subplots(figsize=(5.5 + 1.0 * len(fmts), height))
         im = ax.imshow(shown, aspect="auto", cmap="magma_r", interpolation="nearest")
-        fig.colorbar(im, ax=ax, label="log10 Δloss (nats/token; ≤0 clipped)")
+        fig.colorbar(im, ax=ax, label="log10 Δloss (nats/token; ≤ 0 shown at the smallest)", fraction=0.08, pad=0.03)
         ax.set_xticks(range(len(fmts)), fmts)
+        ax.tick_params(axis="x", top=True, labeltop=True)
         ax.set_yticks(range(len(self.layers)), [u.name + (" (tied)" if u.tied else "") for u in self.layers], fontsize=6)
         chosen = self.chosen()
         for i, u in enumerate(self.layers):
             for j, f in enumerate(fmts):
                 if f in u.measured:
-                    ax.plot(j, i, ".", color="cyan", markersize=3)
+                    ax.plot(j + 0.3, i, "o", color="white", markeredgecolor="black", markersize=3)
                 if chosen.get(u.name) == f:
-                    ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="lime", linewidth=1.2))
-        ax.set_title(title or f"{self.model or 'model'}: per-layer Δloss ({self.method}; dots measured, boxes chosen)", fontsize=8)
+                    ax.add_patch(plt.Rectangle((j - 0.45, i - 0.4), 0.9, 0.8, fill=False, edgecolor="deepskyblue", linewidth=1.5))
+        ax.set_title(title or f"{self.model or 'model'}: per-layer Δloss ({self.method}); dots measured, boxes chosen", fontsize=8)
         fig.tight_layout()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp.png")
-        fig.savefig(tmp, dpi=80)
+        fig.savefig(tmp, dpi=90)
         plt.close(fig)
         tmp.replace(path)
         return path
@@ -311,6 +312,8 @@ def _label_count(batch: Mapping) -> int:
 def _forward(model: nn.Module, batch: Mapping, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logits at label positions [T, V] fp32, next-token labels [T])`` of one batch."""
     inputs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items() if k != "labels"}
+    if getattr(getattr(model, "config", None), "use_cache", None) is not None:
+        inputs.setdefault("use_cache", False)  # no KV cache: less memory, and blocks can be replayed
     logits = model(**inputs).logits[:, :-1]
     labels = batch["labels"][:, 1:].to(device)
     valid = labels != IGNORE_INDEX
@@ -394,6 +397,96 @@ def _scanning(model: nn.Module, seed: int):
             m.training = mode
 
 
+class _BlockReplay:
+    """Outputs of the model's blocks (outermost children of its ``nn.ModuleList``s: decoder layers)
+    recorded in the unquantized pass, so that a measured pass for one layer replays the blocks that
+    finished before the layer first runs — their inputs are unchanged — instead of computing them.
+
+    Recording hooks stay in ``hooks`` until :meth:`stop`; :meth:`replaying` swaps a block's
+    ``forward`` for the recorded output and restores it afterwards (a block called more than once
+    per forward, or returning something other than tensors, is always computed).
+    """
+
+    def __init__(self, model: nn.Module, units: list[_Unit], hooks: list):
+        lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+        named = [(f"{n}.{i}" if n else str(i), b) for n in lists for i, b in enumerate(model.get_submodule(n))]
+        self.blocks = [b for n, b in named if not any(n.startswith(o + ".") for o, _ in named)]
+        self.outputs: list[list] = [[] for _ in self.blocks]
+        self.calls = [0] * len(self.blocks)
+        self.end: list[int | None] = [None] * len(self.blocks)
+        self.start: dict[int, int] = {}
+        self.clock, self.batch, self.recorded = 0, 0, 0
+        self._recording = [b.register_forward_hook(self._finished(k)) for k, b in enumerate(self.blocks)]
+        self._recording += [m.register_forward_pre_hook(self._started) for u in units for _, m in u.members]
+        hooks.extend(self._recording)
+        self._hooks = hooks
+
+    def _started(self, module, args):
+        self.clock += 1
+        if self.batch == 0:
+            self.start.setdefault(id(module), self.clock)
+
+    def _finished(self, k: int):
+        def hook(module, args, out):
+            self.clock += 1
+            if self.batch == 0:
+                self.calls[k] += 1
+                self.end[k] = self.clock
+            self.outputs[k].append(_detached(out))
+
+        return hook
+
+    def next_batch(self) -> None:
+        self.recorded += 1
+        self.batch = self.recorded
+
+    def stop(self) -> None:
+        """Stop recording (after the unquantized pass)."""
+        for h in self._recording:
+            h.remove()
+            self._hooks.remove(h)
+        self._recording = []
+
+    def skippable(self, unit: _Unit) -> list[int]:
+        first = min(self.start.get(id(m), math.inf) for _, m in unit.members)
+        return [k for k, end in enumerate(self.end)
+                if end is not None and end < first and self.calls[k] == 1 and len(self.outputs[k]) == self.recorded
+                and all(o is not None for o in self.outputs[k])]  # fmt: skip
+
+    @contextmanager
+    def replaying(self, blocks: list[int]):
+        saved = [(self.blocks[k], self.blocks[k].__dict__.get("forward")) for k in blocks]
+        try:
+            for k in blocks:
+                self.blocks[k].forward = self._replay(k)
+            yield
+        finally:
+            for block, forward in saved:
+                if forward is None:
+                    del block.forward
+                else:
+                    block.forward = forward
+
+    def _replay(self, k: int):
+        def forward(*args, **kwargs):
+            return _cloned(self.outputs[k][self.batch])
+
+        return forward
+
+
+def _detached(out):
+    """A detached copy of a tensor or a tuple of tensors (None for anything else)."""
+    if torch.is_tensor(out):
+        return out.detach().clone()
+    if isinstance(out, tuple) and all(torch.is_tensor(o) or o is None for o in out):
+        return tuple(None if o is None else o.detach().clone() for o in out)
+    return None
+
+
+def _cloned(out):
+    return out.clone() if torch.is_tensor(out) else tuple(None if o is None else o.clone() for o in out)
+
+
 class _Tracker:
     def __init__(self, progress: Progress | None, total: int):
         self.progress, self.total, self.done = progress, total, 0
@@ -471,19 +564,21 @@ def scan(
         if method == "measured":
             pairs = [(i, f) for i, u in enumerate(units) for f in u.formats]
             tracker = _Tracker(progress, len(batches) + len(pairs))
-            base = _base_pass(model, batches, device, tracker)
+            replay = _BlockReplay(model, units, hooks)
+            base = _base_pass(model, batches, device, tracker, replay)
             result.base_loss = base[0]
-            _measure(model, batches, device, units, pairs, scores, base, hooks, tracker, fp8_backend)
+            _measure(model, batches, device, units, pairs, scores, base, hooks, tracker, fp8_backend, replay)
         else:
             measure = method == "auto" and measure_top_fraction > 0
             tracker = _Tracker(progress, len(batches))
-            base = _fisher_pass(model, batches, device, units, scores, hooks, tracker, fp8_backend, keep_logprobs=measure)
+            replay = _BlockReplay(model, units, hooks) if measure else None
+            base = _fisher_pass(model, batches, device, units, scores, hooks, tracker, fp8_backend, replay)
             result.base_loss = base[0]
             result.seconds["fisher"] = time.perf_counter() - start
             if measure:
                 pairs = _boundary_pairs(units, scores, measure_top_fraction)
                 tracker.total += len(pairs)
-                _measure(model, batches, device, units, pairs, scores, base, hooks, tracker, fp8_backend)
+                _measure(model, batches, device, units, pairs, scores, base, hooks, tracker, fp8_backend, replay)
     result.seconds["total"] = time.perf_counter() - start
     if method != "fisher":
         result.seconds["measured"] = result.seconds["total"] - result.seconds.get("fisher", 0.0)
@@ -491,18 +586,22 @@ def scan(
 
 
 @torch.no_grad()
-def _base_pass(model, batches, device, tracker) -> tuple[float, list[torch.Tensor]]:
+def _base_pass(model, batches, device, tracker, replay: "_BlockReplay | None" = None) -> tuple[float, list[torch.Tensor]]:
     """Mean loss of the unquantized model and its log-probabilities per batch (for KL)."""
     nll, logps = 0.0, []
     for i, batch in enumerate(batches):
         logits, labels = _forward(model, batch, device)
         nll += F.cross_entropy(logits, labels, reduction="sum").item()
         logps.append(torch.log_softmax(logits, -1))
+        if replay is not None:
+            replay.next_batch()
         tracker.step(f"unquantized pass, batch {i + 1}/{len(batches)}")
+    if replay is not None:
+        replay.stop()
     return nll / sum(len(lp) for lp in logps), logps
 
 
-def _fisher_pass(model, batches, device, units, scores, hooks, tracker, fp8_backend, keep_logprobs):
+def _fisher_pass(model, batches, device, units, scores, hooks, tracker, fp8_backend, replay: "_BlockReplay | None"):
     """One forward/backward per batch: output-space Taylor estimate for every (unit, format).
 
     The forward records each layer's input and output; after the backward (activation gradients
@@ -535,8 +634,9 @@ def _fisher_pass(model, batches, device, units, scores, hooks, tracker, fp8_back
             grads = list(torch.autograd.grad(loss_sum, [out for _, _, out in record], allow_unused=True))
         nll += loss_sum.item()
         count += len(labels)
-        if keep_logprobs:
+        if replay is not None:  # needed only for the measured passes that follow
             logps.append(torch.log_softmax(logits.detach(), -1))
+            replay.next_batch()
         del logits, loss_sum
         with torch.no_grad():
             for j, (module_id, x, out) in enumerate(record):
@@ -551,6 +651,8 @@ def _fisher_pass(model, batches, device, units, scores, hooks, tracker, fp8_back
                     second[key] += 0.5 * torch.dot(gd, gd).item()
         record.clear()
         tracker.step(f"fisher pass, batch {i + 1}/{len(batches)}")
+    if replay is not None:
+        replay.stop()
     for h in hooks:
         h.remove()
     hooks.clear()
@@ -580,7 +682,7 @@ def _boundary_pairs(units, scores, fraction: float) -> list[tuple[int, str]]:
 
 
 @torch.no_grad()
-def _measure(model, batches, device, units, pairs, scores, base, hooks, tracker, fp8_backend):
+def _measure(model, batches, device, units, pairs, scores, base, hooks, tracker, fp8_backend, replay: _BlockReplay):
     """Measured Δloss and KL for each (unit index, format) in ``pairs``, one at a time."""
     base_loss, base_logps = base
     for i, fmt in pairs:
@@ -588,7 +690,8 @@ def _measure(model, batches, device, units, pairs, scores, base, hooks, tracker,
         handles = [module.register_forward_hook(_replace_output(twin)) for _, module, twin in _twins(unit, fmt, fp8_backend)]
         hooks.extend(handles)
         try:
-            nll, kl, count = _loss_and_kl(model, batches, device, base_logps)
+            with replay.replaying(replay.skippable(unit)):
+                nll, kl, count = _loss_and_kl(model, batches, device, base_logps, replay)
         finally:
             for h in handles:
                 h.remove()
@@ -598,10 +701,12 @@ def _measure(model, batches, device, units, pairs, scores, base, hooks, tracker,
         tracker.step(f"measured {unit.name} in {fmt}")
 
 
-def _loss_and_kl(model, batches, device, base_logps) -> tuple[float, float, int]:
+def _loss_and_kl(model, batches, device, base_logps, replay: "_BlockReplay | None" = None) -> tuple[float, float, int]:
     """Summed next-token loss, summed KL(base ‖ model) and token count over ``batches``."""
     nll, kl, count = 0.0, 0.0, 0
-    for batch, base_logp in zip(batches, base_logps):
+    for b, (batch, base_logp) in enumerate(zip(batches, base_logps)):
+        if replay is not None:
+            replay.batch = b
         logits, labels = _forward(model, batch, device)
         nll += F.cross_entropy(logits, labels, reduction="sum").item()
         kl += F.kl_div(torch.log_softmax(logits, -1), base_logp, reduction="sum", log_target=True).item()

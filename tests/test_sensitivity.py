@@ -201,7 +201,7 @@ def _snapshot(model):
         "params": [(n, id(p), p.requires_grad, p.detach().clone(), None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()],
         "training": [m.training for m in model.modules()],
         "hooks": [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()],
-        "attrs": sorted(vars(model)),
+        "attrs": [sorted(vars(m)) for m in model.modules()],  # e.g. no forward left patched
         "rng": torch.get_rng_state(),
     }
 
@@ -237,20 +237,51 @@ def test_scan_leaves_the_model_exactly_as_found_and_is_deterministic():
     assert a == b
     measured_pairs = sum(len(u.measured) for u in first.layers)
     assert measured_pairs == int(np.ceil(0.2 * 2 * len(first.layers)))
-    assert calls[-1][0] == calls[-1][1] == 2 + measured_pairs  # 2 fisher batches + measured pairs
+    assert calls[-1][0] == calls[-1][1] == 1 + measured_pairs  # the 2 batches run as one forward, then the pairs
     assert [d for d, _ in calls] == list(range(1, len(calls) + 1))
 
 
-def test_interrupted_scan_restores_the_model():
+def test_merging_batches_does_not_change_weight_only_scores():
+    """INT4 is weight-only, so running the two batches as one forward or two gives the same numbers."""
+    model = tiny_llama()
+    merged = scan(model, batches(), formats=(INT4,), method="fisher")
+    separate = scan(model, batches(), formats=(INT4,), method="fisher", max_batch_tokens=128)
+    for a, b in zip(merged.layers, separate.layers):
+        assert a.predicted[INT4] == pytest.approx(b.predicted[INT4], rel=1e-4, abs=1e-9)
+
+
+def test_measured_pass_replays_the_blocks_before_the_layer(sensitive_model, measured):
+    """Blocks that finish before the quantized layer starts are replayed from the unquantized pass,
+    not recomputed; the values equal a full recomputation (see also the apply_plan reference test)."""
+    computed = []
+    handle = sensitive_model.model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: computed.append(1))
+    try:
+        result = scan(sensitive_model, batches(), formats=(INT4,), method="measured", layers=["lm_head", SENSITIVE, "model.layers.0.mlp.up_proj"])
+    finally:
+        handle.remove()
+    # layer 0 runs in the unquantized pass and for layers.0.mlp.up_proj; the other two passes replay it
+    assert len(computed) == 2
+    for name in ("lm_head", SENSITIVE, "model.layers.0.mlp.up_proj"):
+        assert result[name].measured[INT4] == pytest.approx(measured[name].measured[INT4], rel=1e-5, abs=1e-9)
+
+
+@pytest.mark.parametrize("where", ["progress", "forward"])
+def test_interrupted_scan_restores_the_model(where):
+    """Ctrl-C between steps, or in the middle of a measured forward (blocks being replayed)."""
     model = _prepared_model()
     before = _snapshot(model)
+    seen = []
 
-    def interrupt(done, total, description):
-        if done == 3:
+    def interrupt(*args):
+        seen.append(1)
+        if len(seen) == 3:
             raise KeyboardInterrupt
 
+    handle = model.lm_head.register_forward_pre_hook(interrupt) if where == "forward" else None
     with pytest.raises(KeyboardInterrupt):
-        scan(model, batches(), method="auto", measure_top_fraction=0.5, progress=interrupt)
+        scan(model, batches(), method="auto", measure_top_fraction=0.5, progress=interrupt if where == "progress" else None)
+    if handle is not None:
+        handle.remove()
     _assert_same(before, _snapshot(model))
 
 
