@@ -32,6 +32,7 @@ Layers that share one weight (tied input/output embeddings) are scored and alloc
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import json
 import logging
@@ -107,7 +108,8 @@ class LayerScore:
         return [f for f in self.bytes if f != KEEP]
 
     def score(self, fmt: str) -> float:
-        """Δloss of ``fmt``: measured when available, else predicted; 0 for ``bf16``."""
+        """Δloss of ``fmt``: measured when available, else predicted; 0 for ``bf16`` (may be negative:
+        quantizing moved the calibration loss down; :func:`allocate` counts that as 0)."""
         if fmt == KEEP:
             return 0.0
         return self.measured[fmt] if fmt in self.measured else self.predicted[fmt]
@@ -219,11 +221,12 @@ class ScanResult:
             raise ValueError(f"scan file {str(path)!r} is not a saved ScanResult: {e}") from None
 
     def save_heatmap(self, path: str | Path, title: str | None = None) -> Path:
-        """PNG heat map, layer × format, of log10 Δloss; boxes mark the allocated format, dots measured values."""
-        import matplotlib
+        """PNG heat map, layer × format, of log10 Δloss; boxes mark the allocated format, dots measured values.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        Drawn on a bare ``matplotlib.figure.Figure`` (Agg canvas): no pyplot state, no backend switch.
+        """
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Rectangle
 
         fmts = list(self.formats)
         values = np.full((len(self.layers), len(fmts)), np.nan)
@@ -235,7 +238,8 @@ class ScanResult:
         floor = positive.min() if positive.size else 1e-12
         shown = np.log10(np.where(np.isfinite(values), np.maximum(values, floor), np.nan))
         height = max(3.0, 0.13 * len(self.layers) + 1.5)
-        fig, ax = plt.subplots(figsize=(5.5 + 1.0 * len(fmts), height))
+        fig = Figure(figsize=(5.5 + 1.0 * len(fmts), height))
+        ax = fig.subplots()
         im = ax.imshow(shown, aspect="auto", cmap="magma_r", interpolation="nearest")
         fig.colorbar(im, ax=ax, label="log10 Δloss (nats/token; ≤ 0 shown at the smallest)", fraction=0.08, pad=0.03)
         ax.set_xticks(range(len(fmts)), fmts)
@@ -247,14 +251,13 @@ class ScanResult:
                 if f in u.measured:
                     ax.plot(j + 0.3, i, "o", color="white", markeredgecolor="black", markersize=3)
                 if chosen.get(u.name) == f:
-                    ax.add_patch(plt.Rectangle((j - 0.45, i - 0.4), 0.9, 0.8, fill=False, edgecolor="deepskyblue", linewidth=1.5))
+                    ax.add_patch(Rectangle((j - 0.45, i - 0.4), 0.9, 0.8, fill=False, edgecolor="deepskyblue", linewidth=1.5))
         ax.set_title(title or f"{self.model or 'model'}: per-layer Δloss ({self.method}); dots measured, boxes chosen", fontsize=8)
         fig.tight_layout()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp.png")
-        fig.savefig(tmp, dpi=90)
-        plt.close(fig)
+        fig.savefig(tmp, dpi=90, format="png")
         tmp.replace(path)
         return path
 
@@ -825,8 +828,12 @@ def _problem(result: ScanResult, keep: Sequence[str], force: Mapping[str, str]) 
 
     def match(pattern: str, what: str) -> list[int]:
         hits = [i for i, u in enumerate(units) if any(fnmatch.fnmatchcase(n, pattern) for n in u.names)]
-        if not hits:
-            raise ValueError(f"{what} entry {pattern!r} matches no scanned layer (e.g. {all_names[0]!r}); only nn.Linear / nn.Embedding layers are scanned")
+        if not hits and any(c in pattern for c in "*?["):  # e.g. "*norm*": norms are never quantized anyway
+            logger.warning("%s pattern %r matches no scanned layer (only nn.Linear / nn.Embedding are scanned)", what, pattern)
+        elif not hits:
+            close = difflib.get_close_matches(pattern, all_names, n=3, cutoff=0.6)
+            hint = f"; close matches: {', '.join(close)}" if close else f" (e.g. {all_names[0]!r})"
+            raise ValueError(f"{what} entry {pattern!r} is not a scanned layer{hint}")
         return hits
 
     for pattern in keep:
@@ -1033,7 +1040,8 @@ def allocate(
             prediction (negative values count as 0).
         budget: a :class:`Budget`, or its fields as keyword arguments. Neither: Δloss ≤ 1% of the
             calibration loss.
-        keep: names or globs of layers to leave as they are (a tied twin follows its unit).
+        keep: names or globs of layers to leave as they are (a tied twin follows its unit); an
+            exact name that is no scanned layer raises, a glob that matches none is logged.
         force: ``{name or glob: format}`` fixing a layer's format (a scanned format or ``bf16``).
         solver: ``auto`` (exact ILP up to 20,000 choices, greedy beyond), ``ilp`` or ``greedy``.
 

@@ -168,8 +168,9 @@ def test_unmeetable_budget_names_the_best_reachable_value(measured):
         allocate(measured, target_bits_per_param=2.0)
     with pytest.raises(ValueError, match="lowest predicted Δloss reachable with target_bits_per_param=4.25"):
         allocate(measured, target_bits_per_param=4.25, max_loss_increase=1e-9)
-    with pytest.raises(ValueError, match="matches no scanned layer"):
-        allocate(measured, target_bits_per_param=8, keep=["*norm*"])
+    with pytest.raises(ValueError, match="'lm_haed' is not a scanned layer; close matches: lm_head"):
+        allocate(measured, target_bits_per_param=8, keep=["lm_haed"])
+    allocate(measured, target_bits_per_param=12, keep=["lm_head", "*norm*"])  # the example: norms are never scanned
     with pytest.raises(ValueError, match="was not scanned"):
         allocate(measured, target_bits_per_param=8, force={"lm_head": "nf4-g64"})
 
