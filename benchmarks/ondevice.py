@@ -141,6 +141,17 @@ def child(args) -> dict:
         cpu.append(time.process_time() - c)
         losses.append(loss.item())
     eval_after = evaluate_loss(model, evals, BATCH) if args.eval_blocks else None
+    if args.merge_eval:  # the honest cost of merging LoRA into the INT4 base (re-quantization)
+        import tempfile
+
+        from hf_lowprec.finetune import MERGE_FILE, export_int4_lora, load_int4_model
+
+        with tempfile.TemporaryDirectory() as tmp:
+            export_int4_lora(model, Path(tmp) / "merged", merge=True)
+            merged, _ = load_int4_model(Path(tmp) / "merged")
+            notes["eval_loss_merged"] = evaluate_loss(merged, evals, BATCH)
+            notes["ppl_merged"] = math.exp(notes["eval_loss_merged"])
+            notes["merge_summary"] = json.loads((Path(tmp) / "merged" / MERGE_FILE).read_text())["summary"]
     timed_wall, timed_cpu = wall[args.warmup :], cpu[args.warmup :]
     return {
         "config": args.config, "gradient_checkpointing": bool(args.gc), "loftq": bool(args.loftq),
@@ -155,9 +166,9 @@ def child(args) -> dict:
 
 
 # ------------------------------------------------------------------------------------ parent
-def run_child(config: str, gc: bool, steps: int, warmup: int, eval_blocks: int = 0, loftq: bool = False) -> dict:
+def run_child(config: str, gc: bool, steps: int, warmup: int, eval_blocks: int = 0, loftq: bool = False, merge_eval: bool = False) -> dict:
     cmd = [sys.executable, __file__, "child", "--config", config, "--gc", str(int(gc)), "--steps", str(steps),
-           "--warmup", str(warmup), "--eval-blocks", str(eval_blocks)] + (["--loftq"] if loftq else [])  # fmt: skip
+           "--warmup", str(warmup), "--eval-blocks", str(eval_blocks)] + (["--loftq"] if loftq else []) + (["--merge-eval"] if merge_eval else [])  # fmt: skip
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = next((x for x in proc.stdout.splitlines() if x.startswith(MARK)), None)
@@ -239,14 +250,14 @@ def print_table(table: dict, goal: dict) -> None:
 
 
 def quality(args) -> None:
-    runs = [run_child(c, CONFIGS[c][1] if c in CONFIGS else False, args.steps, 0, args.eval_blocks, loftq)
+    runs = [run_child(c, CONFIGS[c][1], args.steps, 0, args.eval_blocks, loftq, merge_eval=c == "int4-lora" and not loftq)
             for c, loftq in [(c, False) for c in args.configs] + ([("int4-lora", True)] if args.loftq else [])]  # fmt: skip
     data = _load_results()
     ref = next((r for r in runs if r["config"] == "bf16-lora-bf16ad"), None)
     summary = {}
     for r in runs:
         key = r["config"] + ("+loftq" if r["loftq"] else "")
-        summary[key] = {"ppl_before": r["ppl_before"], "ppl_after": r["ppl_after"], "loss_step1": r["losses"][0],
+        summary[key] = {"ppl_before": r["ppl_before"], "ppl_after": r["ppl_after"], "ppl_merged": r.get("ppl_merged"), "loss_step1": r["losses"][0],
                         "loss_last10_mean": statistics.mean(r["losses"][-10:]),
                         "ppl_vs_bf16_lora": None if ref is None else round(r["ppl_after"] / ref["ppl_after"], 4)}  # fmt: skip
     data["quality"] = {"settings": {"steps": args.steps, "eval_blocks": args.eval_blocks, "block": BLOCK, "held_out": HELD_OUT, "threads": THREADS},
@@ -318,6 +329,7 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS))
     p.add_argument("--gc", type=int, default=0)
     p.add_argument("--loftq", action="store_true")
+    p.add_argument("--merge-eval", action="store_true", help="child: also evaluate the merged, re-quantized export")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)

@@ -173,9 +173,12 @@ def prepare_int4_lora(
     report = apply_plan(model, plan, learn_scales=False)
     factors = _loftq_for_targets(model, config) if loftq_init else {}
     freeze(model)
-    for module in model.modules():
-        if isinstance(module, PackedInt4Linear):
-            module.backend = backend
+    layers = eligible_layers(model)
+    for row in report.layers:  # the report was made before freezing: name the modules that now run
+        row.module = type(layers[row.name]).__name__
+        if isinstance(layers[row.name], PackedInt4Linear):
+            layers[row.name].backend = backend
+            row.backend = backend
     for p in model.parameters():
         p.requires_grad_(False)
     peft_model = get_peft_model(model, register_int4_lora(config), autocast_adapter_dtype=False)
@@ -220,7 +223,9 @@ def load_int4_lora(
     from hf_lowprec.checkpoints import load_pretrained
 
     model, tokenizer = load_pretrained(model_id_or_path, gguf_file=gguf_file, dtype=dtype)
-    peft_model, report = prepare_int4_lora(model, lora_config, plan, loftq_init=loftq_init, adapter_dtype=adapter_dtype, backend=backend)
+    peft_model, report = prepare_int4_lora(
+        model, lora_config, plan, loftq_init=loftq_init, adapter_dtype=adapter_dtype, backend=backend
+    )
     return peft_model, tokenizer, report
 
 
@@ -404,13 +409,16 @@ def finetune_int4_lora(
     """Train the LoRA adapters of ``model`` (from :func:`prepare_int4_lora`) on ``train_blocks [n, T]``.
 
     AdamW on the trainable parameters only, linear warm-up (default ``steps // 10``, at most 10) then
-    linear decay, gradient clipping at ``max_grad_norm``. Activation memory: ``activation_storage``
-    (``int8``, ``fp8`` or ``None``) stores what autograd saves in 8 bits
-    (:class:`~hf_lowprec.activations.ActivationStorage`; a few % of gradient error);
-    ``gradient_checkpointing`` (``True`` or every ``n`` layers) recomputes layers instead (exact, slower). ``progress(step, steps, metrics)`` is called
-    after every step with ``loss``, ``lr``, ``step_seconds`` and ``peak_rss_mb`` (and ``eval_loss`` after
-    the last step). With ``output_dir`` the result is exported there (:func:`export_int4_lora`, adapters
-    kept or ``merge``\\ d) with ``finetune_metrics.json``.
+    linear decay, gradient clipping at ``max_grad_norm``.
+
+    Activation memory: ``activation_storage`` (``int8``, ``fp8`` or ``None``) keeps what autograd saves
+    in 8 bits (:class:`~hf_lowprec.activations.ActivationStorage`; a few % of gradient error);
+    ``gradient_checkpointing`` (``True``, or every ``n`` layers) recomputes layers instead (exact, slower).
+
+    ``progress(step, steps, metrics)`` is called after every step with ``loss``, ``lr``, ``step_seconds``
+    and ``peak_rss_mb`` (and once more with ``eval_loss`` after the last step). With ``output_dir`` the
+    result is exported there (:func:`export_int4_lora`; adapters kept, or merged with ``merge``) along with
+    ``finetune_metrics.json``. Raises ``ValueError`` for an output folder that exists (unless ``overwrite``).
     """
     from transformers import get_scheduler
 
@@ -459,7 +467,8 @@ def finetune_int4_lora(
         if not math.isfinite(losses[-1]):
             raise FloatingPointError(f"loss became {losses[-1]} at step {step}; lower the learning rate (now {lr})")
         if progress is not None:
-            progress(step, steps, {"loss": losses[-1], "lr": scheduler.get_last_lr()[0], "step_seconds": times[-1], "peak_rss_mb": peak_rss_mb()})
+            metrics = {"loss": losses[-1], "lr": scheduler.get_last_lr()[0], "step_seconds": times[-1], "peak_rss_mb": peak_rss_mb()}
+            progress(step, steps, metrics)
     train_seconds = time.perf_counter() - start
     if gradient_checkpointing:
         base.activation_checkpointing_disable()
@@ -607,7 +616,9 @@ def _merge_summary(errors: list[dict]) -> dict:
             "error_vs_delta_max": max(e["error_vs_delta"] for e in errors)}  # fmt: skip
 
 
-def load_int4_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None, backend: str = "auto", is_trainable: bool = False):
+def load_int4_model(
+    path: str | os.PathLike, *, dtype: torch.dtype | None = None, backend: str = "auto", is_trainable: bool = False
+):
     """``(model, tokenizer)`` from a folder written by :func:`export_int4_lora` (a ``PeftModel`` if it holds adapters).
 
     ``dtype``: default the saved one. ``is_trainable``: load adapters for further training.
