@@ -1,0 +1,47 @@
+"""`make bench`: run every CPU benchmark in sequence, then rebuild results/REPORT.md.
+
+Each script runs in its own process (fresh memory high-water marks); a failing one is reported and
+the others still run. Budget on the 2-core reference machine: about 45 minutes in all.
+
+    python benchmarks/run_all.py [--skip NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+STEPS = {  # name -> arguments (sized for the 45-minute budget; each script's --help says more)
+    "layers": ["layers.py", "--repeat", "7"],
+    "memory": ["memory.py"],
+    "scan": ["scan.py"],
+    "ondevice": ["ondevice.py", "speed"],
+    "convergence": ["convergence.py", "--steps", "300"],
+}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--skip", nargs="*", default=[], choices=list(STEPS))
+    args = ap.parse_args()
+    failed = []
+    for name, argv in STEPS.items():
+        if name in args.skip:
+            continue
+        t = time.perf_counter()
+        print(f"== {name}: {' '.join(argv)}", flush=True)
+        rc = subprocess.call([sys.executable, *argv], cwd=HERE)
+        print(f"== {name}: exit {rc} after {time.perf_counter() - t:.0f} s", flush=True)
+        if rc:
+            failed.append(name)
+    subprocess.check_call([sys.executable, "report.py"], cwd=HERE)
+    if failed:
+        sys.exit(f"benchmarks that failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()
