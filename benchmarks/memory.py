@@ -2,8 +2,8 @@
 
 (a) fp32 weights, fp32 math, AdamW;
 (b) bf16 autocast with fp32 master weights and AdamW (the usual mixed precision);
-(c) bf16 weights, no master copy, Kahan-compensated AdamW with 8-bit states;
-(d) (c) with every Linear in FP8 (tensorwise: FP8Linear saves its input and weight in FP8) and every
+(c) bf16 weights, no master copy, Kahan-compensated (or stochastically rounded) AdamW with 8-bit states;
+(d) (c) with every Linear but the output head in FP8 (tensorwise: FP8Linear saves its input and weight in FP8) and every
     other saved activation stored in FP8 (hf_lowprec.activation_storage).
 Optimizer-state variants of (c) (torchao 8-bit / FP8 / 4-bit, bitsandbytes 8-bit, fp32) are measured too.
 
@@ -33,7 +33,9 @@ CONFIGS = {
     "a_fp32": "fp32 weights + AdamW",
     "b_bf16_amp": "bf16 autocast, fp32 master + AdamW",
     "c_bf16_kahan_8bit": "bf16 weights + Kahan + torchao 8-bit AdamW",
-    "d_c_fp8_activations": "(c) + FP8 linears + FP8-stored activations",
+    "d_c_fp8_activations": "(c) + FP8 linears (lm_head bf16) + FP8-stored activations",
+    "c_bf16_sr_8bit": "bf16 weights + stochastic rounding (torchao) + torchao 8-bit AdamW",
+    "d_c_sr_fp8_activations": "(c, stochastic rounding) + FP8 linears (lm_head bf16) + FP8-stored activations",
     "c_bf16_kahan_bnb8bit": "bf16 weights + Kahan + bitsandbytes 8-bit AdamW",
     "c_bf16_kahan_fp8states": "bf16 weights + Kahan + torchao FP8-state AdamW",
     "c_bf16_kahan_4bit": "bf16 weights + Kahan + torchao 4-bit AdamW",
@@ -41,6 +43,7 @@ CONFIGS = {
 }
 STATES = {
     "c_bf16_kahan_8bit": "8bit", "d_c_fp8_activations": "8bit", "c_bf16_kahan_bnb8bit": "bnb-8bit",
+    "c_bf16_sr_8bit": "8bit", "d_c_sr_fp8_activations": "8bit",
     "c_bf16_kahan_fp8states": "fp8", "c_bf16_kahan_4bit": "4bit", "c_bf16_kahan_fp32states": "fp32",
 }  # fmt: skip
 
@@ -64,7 +67,7 @@ def run_one(name: str, quick: bool) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_lowprec import apply_plan
+    from hf_lowprec import PrecisionPlan, apply_plan
     from hf_lowprec.activation_storage import FP8SavedActivations
     from hf_lowprec.compensation import make_optimizer, optimizer_state_bytes
 
@@ -78,12 +81,13 @@ def run_one(name: str, quick: bool) -> dict:
     model = LlamaForCausalLM(cfg)
     if name != "a_fp32" and name != "b_bf16_amp":
         model = model.to(torch.bfloat16)
-    if name.startswith("d_"):
-        apply_plan(model, "fp8", fp8_backend="emulated")
+    if name.startswith("d_"):  # the output head stays bf16, as in DeepSeek-V3 and torchao's recipes
+        apply_plan(model, PrecisionPlan({"lm_head": "bf16"}, default="fp8"), fp8_backend="emulated")
     if name in ("a_fp32", "b_bf16_amp"):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
-        optimizer = make_optimizer(model.parameters(), states=STATES[name], compensation="kahan", lr=1e-4)
+        compensation = "stochastic" if "_sr_" in name else "kahan"
+        optimizer = make_optimizer(model.parameters(), states=STATES[name], compensation=compensation, lr=1e-4)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     n_params = sum(p.numel() for p in model.parameters())
     accounting = {}

@@ -21,6 +21,9 @@ from torch import nn
 from hf_lowprec.formats import E4M3, E5M2, dequantize_fp8, fp8_amax, fp8_scale, quantize_fp8
 
 
+_SLICE = 1 << 20  # elements quantized at a time: bounds the fp32 temporaries of a large tensor (logits)
+
+
 class _Packed:
     """An FP8 copy of a saved tensor: codes ``[R, C]``, row scales ``[R, 1]``, original shape and dtype."""
 
@@ -28,8 +31,14 @@ class _Packed:
 
     def __init__(self, t: torch.Tensor, dtype: torch.dtype):
         rows = t.detach().reshape(-1, t.shape[-1])
-        self.scale = fp8_scale(fp8_amax(rows, "row", dim=-1), dtype)
-        self.q = quantize_fp8(rows, self.scale, dtype)
+        self.q = torch.empty(rows.shape, dtype=dtype, device=rows.device)
+        self.scale = torch.empty(rows.shape[0], 1, device=rows.device)
+        step = max(1, _SLICE // rows.shape[1])
+        for r0 in range(0, rows.shape[0], step):
+            part = rows[r0 : r0 + step]
+            scale = fp8_scale(fp8_amax(part, "row", dim=-1), dtype)
+            self.scale[r0 : r0 + step] = scale
+            self.q[r0 : r0 + step] = quantize_fp8(part, scale, dtype)
         self.shape, self.dtype = t.shape, t.dtype
 
     def unpack(self) -> torch.Tensor:

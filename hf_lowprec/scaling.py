@@ -238,6 +238,7 @@ class GradientScaling(ScalePolicy):
     @torch.no_grad()
     def scale(self, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         a = self._reduce_amax(amax.float().amax())
+        amax = a if amax.dim() == 0 else amax.float()  # tensorwise: the (rank-synced) amax
         stat = self._statistic()
         warm = (self.recorded >= self.warmup) & (stat > 0)
         ref = torch.where(warm, stat, a)
@@ -245,7 +246,7 @@ class GradientScaling(ScalePolicy):
         limit = ref * torch.exp2(-self.adjust.float())
         rescale = spike if self.spike_action == "rescale" else torch.zeros_like(spike)
         # a rescaled spike is quantized at full resolution, its scale shrunk afterwards (observe)
-        capped = torch.where(rescale, amax.float(), torch.minimum(amax.float(), limit))
+        capped = torch.where(rescale, amax, torch.minimum(amax, limit))
         self.last_shrink.copy_(torch.where(rescale, limit / a, torch.ones_like(a)))
         # record the amax winsorized at the spike threshold; all-zero gradients carry no level
         sample = torch.where(warm, torch.minimum(a, self.spike_threshold * ref), a)
@@ -602,7 +603,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     That scheme is exactly torch's ``GradScaler`` (CPU and CUDA), which this class is; it adds only what
     torch lacks for telemetry: ``steps_skipped``, counted in :meth:`update` and kept in ``state_dict``.
-    Use as ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``.
+    Use as ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` with fp32 (master)
+    weights under ``torch.autocast(..., dtype=torch.float16)``: torch refuses to unscale fp16 gradients.
     """
 
     def __init__(self, device: str = "cpu", init_scale: float = 2.0**16, growth_factor: float = 2.0,
