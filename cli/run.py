@@ -28,6 +28,7 @@ from hf_lowprec.plan import atomic_write_text
 from hf_lowprec.recipe import Recipe
 
 SETTINGS_FILE = "run_settings.json"
+LOSS_CURVE = "loss_curve.png"
 PLAN_SNAPSHOT = "plan.json"
 
 
@@ -135,6 +136,29 @@ class RichProgress(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.progress.stop()
+
+
+def loss_curve_png(log_history: list[dict], title: str) -> bytes | None:
+    """A small PNG of the logged training loss per step (``None`` with fewer than two points)."""
+    points = [(e["step"], e["loss"]) for e in log_history if "loss" in e and "step" in e]
+    if len(points) < 2:
+        return None
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.plot(*zip(*points), marker=".")
+    ax.set(xlabel="optimizer step", ylabel="training loss (nats/token)", title=title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=80)
+    plt.close(fig)
+    return buffer.getvalue()
 
 
 def peak_memory() -> dict:
@@ -270,6 +294,9 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
         **method_info,
     }
     extra = {"recipe.yaml": recipe.to_yaml(), "log_history.json": json.dumps(trainer.state.log_history, indent=2)}
+    curve = loss_curve_png(trainer.state.log_history, f"{recipe.name}: training loss")
+    if curve is not None:
+        extra[LOSS_CURVE], record["loss_curve"] = curve, LOSS_CURVE
     with ui.step(f"exporting to {run.out} ({recipe.export.weights} weights)"):
         export_trained(model, tokenizer, run.out, record, recipe, extra)
     shutil.rmtree(run.work, ignore_errors=True)

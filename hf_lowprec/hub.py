@@ -198,6 +198,7 @@ def render_model_card(run: Mapping, repo_id: str | None = None) -> ModelCard:
         dataset=run.get("dataset", "unknown"),
         data_kind=run.get("data_kind", "text"),
         training_rows=_rows(run.get("training", {})),
+        loss_curve=run.get("loss_curve"),
         eval_rows=eval_rows,
         hardware_rows=_rows(run.get("hardware", {})),
         limitations=run.get("limitations", _limitations(run)),
@@ -224,7 +225,7 @@ def _rows(figures: Mapping) -> list[tuple[str, str]]:
 # ------------------------------------------------------------------------------------ export
 def export_model(
     model: nn.Module, tokenizer, out: str | os.PathLike, run: Mapping, *, weights: str = "master", merge: bool = False,
-    overwrite: bool = False, repo_id: str | None = None, extra_files: Mapping[str, str] | None = None,
+    overwrite: bool = False, repo_id: str | None = None, extra_files: Mapping[str, str | bytes] | None = None,
 ) -> Path:  # fmt: skip
     """Write ``model`` (its plan applied) as a publishable folder at ``out``, atomically; returns ``out``.
 
@@ -234,7 +235,7 @@ def export_model(
     ``import hf_lowprec``). A PEFT model from ``finetune.prepare_int4_lora`` is saved by
     ``finetune.export_int4_lora``: packed base + adapters, or with ``merge`` the adapters merged and re-quantized.
     ``run``: the run record (see the module docstring); its ``plan``/``layers``/``export`` are filled in here.
-    ``extra_files``: ``{name: text}`` written next to the weights (e.g. ``recipe.yaml``).
+    ``extra_files``: ``{name: text or bytes}`` written next to the weights (e.g. ``recipe.yaml``, a loss-curve PNG).
     """
     if weights not in EXPORT_WEIGHTS:
         raise ValueError(f"export weights {weights!r}: choose one of {', '.join(EXPORT_WEIGHTS)}")
@@ -267,7 +268,7 @@ def export_model(
         del copy_
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        atomic_write_text(tmp / PLAN_FILE, json.dumps(plan.to_dict(), indent=2) + "\n")
+        (tmp / PLAN_FILE).write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
         _write_record(tmp, run, repo_id, extra_files)
     return Path(out)
 
@@ -281,10 +282,11 @@ def _mark_packed(config, plan: PrecisionPlan, folder: Path) -> None:
     config.save_pretrained(folder)
 
 
-def _write_record(folder: Path, run: Mapping, repo_id: str | None, extra_files: Mapping[str, str] | None) -> None:
-    atomic_write_text(folder / RUN_FILE, json.dumps(run, indent=2, default=str) + "\n")
-    for name, text in (extra_files or {}).items():
-        atomic_write_text(folder / name, text)
+def _write_record(folder: Path, run: Mapping, repo_id: str | None, extra_files: Mapping[str, str | bytes] | None) -> None:
+    """Run record, extra files and model card into ``folder`` (a temporary folder renamed into place as a whole)."""
+    (folder / RUN_FILE).write_text(json.dumps(run, indent=2, default=str) + "\n")
+    for name, data in (extra_files or {}).items():
+        (folder / name).write_bytes(data) if isinstance(data, bytes) else (folder / name).write_text(data)
     render_model_card(run, repo_id).save(folder / CARD_FILE)
 
 
@@ -389,7 +391,7 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, crea
     if not token:
         raise ValueError("no Hugging Face token found: set HF_TOKEN or run `hf auth login`")
     if (folder / RUN_FILE).is_file():
-        render_model_card(read_run(folder), repo_id).save(folder / CARD_FILE)
+        atomic_write_text(folder / CARD_FILE, render_model_card(read_run(folder), repo_id).content)
     api = HfApi(token=token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)

@@ -249,6 +249,9 @@ def test_ctrl_c_leaves_a_resumable_checkpoint(ws, tmp_path):
     assert resumed.exit_code == 0, resumed.output[-2000:]
     record = json.loads((out / RUN_FILE).read_text())
     assert record["training"]["resumed_from_step"] == stopped_at and record["training"]["steps"] == 40
+    steps_logged = [e["step"] for e in json.loads((out / "log_history.json").read_text()) if "loss" in e]
+    assert steps_logged == list(range(5, 41, 5))  # one loss curve across the interruption
+    assert (out / "loss_curve.png").read_bytes()[:4] == b"\x89PNG" and "](loss_curve.png)" in (out / CARD_FILE).read_text()
     assert not (tmp_path / "run.incomplete").exists()
 
 
