@@ -24,7 +24,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from _util import RESULTS, machine, write_json
 from hf_lowprec import PrecisionPlan, apply_plan
 from hf_lowprec.checkpoints import default_corpus
-from hf_lowprec.scaling import make_policy_factory
+from hf_lowprec.scaling import add_new_parameters, make_policy_factory
+from hf_lowprec.sensitivity import allocate, scan
 
 VOCAB, SEQ, BATCH = 2048, 128, 16
 MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
@@ -72,6 +73,7 @@ def setups() -> dict:
         "fp8 (dynamic)": (PrecisionPlan.uniform("fp8", keep=("lm_head",)), {}, True),
         "fp8 (delayed)": (PrecisionPlan.uniform("fp8", keep=("lm_head",)), {"policy_factory": make_policy_factory("delayed")}, True),
         "fp8 all incl. lm_head": (PrecisionPlan.uniform("fp8"), {}, True),
+        "auto plan (scan after 10% of steps)": ("auto", {}, True),
         "int4 everywhere, LSQ": (PrecisionPlan({"model.embed_tokens": "int4-g32"}, default="int4-g32"), {}, True),
         "int4 everywhere, max-calibrated": (PrecisionPlan({"model.embed_tokens": "int4-g32"}, default="int4-g32"), {"learn_scales": False}, True),
         "int4 embeddings only": (PrecisionPlan({"model.embed_tokens": "int4-g32", "lm_head": "int4-g32"}), {}, True),
@@ -82,12 +84,18 @@ def setups() -> dict:
 def run(name, plan, options, autocast, train_stream, eval_stream, steps, seed, lr):
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**MODEL))
-    if plan is not None:
+    if plan is not None and plan != "auto":
         apply_plan(model, plan, **options)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps)))
-    losses, t0 = [], time.perf_counter()
-    for ids in batches(train_stream, steps, seed):
+    losses, t0, info = [], time.perf_counter(), {}
+    for step, ids in enumerate(batches(train_stream, steps, seed)):
+        if plan == "auto" and step == steps // 10:  # a from-scratch model is scanned once it has learned something
+            calib = [{"input_ids": b, "labels": b} for b in batches(train_stream, 4, seed + 1)]
+            chosen = allocate(scan(model, calib, method="auto", seed=seed), keep=("lm_head",), int4_fraction=0.5)
+            report = apply_plan(model, chosen)
+            add_new_parameters(opt, report.new_parameters, scheduler=sched)
+            info = {"plan_fractions": report.fractions()}
         with torch.autocast("cpu", torch.bfloat16) if autocast else nullcontext():
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -97,8 +105,9 @@ def run(name, plan, options, autocast, train_stream, eval_stream, steps, seed, l
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     seconds = time.perf_counter() - t0
-    return {"losses": losses, "final_train_loss": sum(losses[-20:]) / 20, "eval_loss": eval_loss(model, eval_stream),
-            "seconds": seconds, "finite": all(math.isfinite(x) for x in losses)}  # fmt: skip
+    tail = losses[-20:]
+    return {"losses": losses, "final_train_loss": sum(tail) / len(tail), "eval_loss": eval_loss(model, eval_stream),
+            "seconds": seconds, "finite": all(math.isfinite(x) for x in losses), **info}  # fmt: skip
 
 
 def plot(results: dict, path) -> None:
@@ -140,6 +149,10 @@ def main():
         results[name] = run(name, plan, options, autocast, train_stream, eval_stream, args.steps, args.seed, args.lr)
         r = results[name]
         print(f"{name:<34} train {r['final_train_loss']:.4f}  eval {r['eval_loss']:.4f}  {r['seconds']:.0f}s", flush=True)
+        save(results, args, train_stream, eval_stream)  # after every run: an interrupted sweep keeps what it measured
+
+
+def save(results, args, train_stream, eval_stream):
     base = results.get("bf16")
     for r in results.values():
         if base:
