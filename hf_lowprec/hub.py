@@ -192,7 +192,8 @@ def render_model_card(run: Mapping, repo_id: str | None = None) -> ModelCard:
         export=run.get("export", {"loader": "transformers", "dtype": "fp32"}),
         adapter=run.get("adapter"),
         plan_file=PLAN_FILE,
-        plan_sentence=f"Share of the eligible parameters (Linear/Embedding weights) per training format: {fractions}.",
+        plan_sentence=f"Share of the eligible parameters (Linear/Embedding weights) per training format: {fractions}. "
+        "`bf16` marks layers left in the model's own dtype.",
         plan_rows=run.get("plan_rows", []),
         layers=run.get("layers", []),
         dataset=run.get("dataset", "unknown"),

@@ -106,11 +106,13 @@ def test_qat_int4_export_is_real_packed_int4_and_reloads_the_same_logits(base_di
     assert isinstance(loaded.model.layers[1].self_attn.q_proj, PackedInt4Linear)
     frozen = copy.deepcopy(model)
     freeze(frozen)
-    for m in frozen.modules():
+    via_transformers = AutoModelForCausalLM.from_pretrained(out)  # `import hf_lowprec` registered the quantizer
+    for m in list(frozen.modules()) + list(via_transformers.modules()):
         if isinstance(m, PackedInt4Linear):
             m.backend = "dequant"
     with torch.no_grad():
         assert torch.equal(loaded(IDS).logits, frozen(IDS).logits)  # the same codes as the in-memory freeze
+        assert torch.equal(via_transformers(IDS).logits, loaded(IDS).logits)
         # = the QAT model, up to fp32 summation order (the codes dequantize to the fake-quantized weights)
         torch.testing.assert_close(loaded(IDS).logits, model(IDS).logits, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="needs INT4 layers"):
