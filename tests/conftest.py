@@ -6,6 +6,10 @@ from transformers import BertConfig, BertForSequenceClassification, LlamaConfig,
 
 VOCAB = 256
 
+# Tiny models gain nothing from a second thread, and on a loaded 2-core machine OpenMP spinning
+# makes a tiny matmul thousands of times slower; one thread keeps the suite fast and deterministic.
+torch.set_num_threads(1)
+
 
 def tiny_llama(seed: int = 0, tie: bool = False, **overrides) -> LlamaForCausalLM:
     """A 2-layer Llama (hidden 64) in fp32."""
