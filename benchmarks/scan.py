@@ -185,7 +185,8 @@ def main() -> None:
         "calibration": f"{args.batches} batches x 1 x {args.tokens} tokens, Shakespeare (first {args.batches} plays); held-out: last {args.batches} plays",
         "base_loss_calibration": auto.base_loss, "units": len(auto.layers), "machine": machine(), "load_s": round(load_clock.wall, 1),
         "methods": runs, "spearman": corr, "plans": plans, "peak_rss_mb": round(peak_rss_mb()),
-        "noise": "shared 2-core machine: see cpu_per_wall (2.0 = both cores ours) and the load averages per run",
+        "noise": "shared 2-core machine (other jobs ran throughout): cpu_per_wall 2.0 would mean both cores were ours; "
+                 "on an idle machine a run's wall time would lie between cpu_s / 2 and cpu_s",
         "files": {"heatmap": heatmap.name, "scores": f"{args.out}_scores.json"},
     }  # fmt: skip
     path = write_json(f"{args.out}.json", data)

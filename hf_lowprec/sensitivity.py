@@ -594,8 +594,9 @@ def _base_pass(model, batches, device, tracker, replay: "_BlockReplay | None" = 
     nll, logps = 0.0, []
     for i, batch in enumerate(batches):
         logits, labels = _forward(model, batch, device)
-        nll += F.cross_entropy(logits, labels, reduction="sum").item()
-        logps.append(torch.log_softmax(logits, -1))
+        logp = torch.log_softmax(logits, -1)
+        nll -= logp.gather(1, labels[:, None]).sum().item()
+        logps.append(logp)
         if replay is not None:
             replay.next_batch()
         tracker.step(f"unquantized pass, batch {i + 1}/{len(batches)}")
@@ -711,8 +712,9 @@ def _loss_and_kl(model, batches, device, base_logps, replay: "_BlockReplay | Non
         if replay is not None:
             replay.batch = b
         logits, labels = _forward(model, batch, device)
-        nll += F.cross_entropy(logits, labels, reduction="sum").item()
-        kl += F.kl_div(torch.log_softmax(logits, -1), base_logp, reduction="sum", log_target=True).item()
+        logp = torch.log_softmax(logits, -1)
+        nll -= logp.gather(1, labels[:, None]).sum().item()
+        kl += F.kl_div(logp, base_logp, reduction="sum", log_target=True).item()
         count += len(labels)
     return nll, kl, count
 
