@@ -181,6 +181,7 @@ def prepare_int4_lora(
             row.backend = backend
     for p in model.parameters():
         p.requires_grad_(False)
+    _own_dense_tensors(model)
     peft_model = get_peft_model(model, register_int4_lora(config), autocast_adapter_dtype=False)
     for name, module in peft_model.named_modules():
         if hasattr(module, "lora_A") and canonical_name(name) in factors:
@@ -192,6 +193,22 @@ def prepare_int4_lora(
             p.data = p.data.to(adapter_dtype)
     logger.info("INT4 base: %s; LoRA on %d layers%s", report, len(config.target_modules), " (LoftQ init)" if loftq_init else "")
     return peft_model, report
+
+
+@torch.no_grad()
+def _own_dense_tensors(model: nn.Module) -> None:
+    """Copy the parameters and buffers that stay dense (embeddings, norms) into memory of their own.
+
+    transformers maps safetensors checkpoints into memory; the linear weights read while quantizing stay
+    resident (and count in RSS) for as long as any tensor of the file is alive. Owning the few dense
+    tensors releases the file: on SmolLM2-135M, 146 MB less resident memory for the rest of training.
+    """
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            p.data = p.data.clone()
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and b.is_floating_point():
+                module._buffers[name] = b.clone()
 
 
 def _loftq_for_targets(model: nn.Module, config: LoraConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -278,7 +295,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
 
 
 def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   chunk_tokens: int = 256) -> torch.Tensor:  # fmt: skip
+                   chunk_tokens: int = 128) -> torch.Tensor:  # fmt: skip
     """Mean next-token cross-entropy of a causal LM (PEFT-wrapped or not), ``input_ids [B, T]``.
 
     Runs the decoder, then the output head and the loss over ``chunk_tokens`` tokens at a time (see
@@ -303,7 +320,7 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
 
 
 @torch.no_grad()
-def evaluate_loss(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4, chunk_tokens: int = 256) -> float:
+def evaluate_loss(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4, chunk_tokens: int = 128) -> float:
     """Mean next-token loss over ``blocks [n, T]`` (token-weighted; ``exp`` of it is the perplexity)."""
     was_training = model.training
     model.eval()
@@ -399,7 +416,7 @@ def finetune_int4_lora(
     seed: int = 0,
     activation_storage: str | None = "int8",
     gradient_checkpointing: bool = False,
-    chunk_tokens: int = 256,
+    chunk_tokens: int = 128,
     warmup_steps: int | None = None,
     weight_decay: float = 0.0,
     max_grad_norm: float = 1.0,
