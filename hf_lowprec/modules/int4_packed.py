@@ -70,19 +70,18 @@ def dequantize_rows(acc: torch.Tensor, row_step: torch.Tensor, dtype: torch.dtyp
     return (acc.float() * row_step).to(dtype)
 
 
-_KERNELS = {f.__name__: f for f in (quantize_rows, quantize_scaled_rows, dequantize_product, dequantize_rows)}
-_compiled: dict[str, object] = {}
+_compiled: dict[object, object] = {}
 
 
-def _kernel(name: str):
-    """The torch.compile'd version of a kernel above (eager if compilation is unavailable).
+def compiled(fn):
+    """``torch.compile(fn, dynamic=True)``, made once per function (``fn`` itself if compilation is unavailable).
 
     Call it with plain contiguous tensors that do not require grad: anything else adds guards and
     recompilations.
     """
-    if name not in _compiled:
-        _compiled[name] = torch.compile(_KERNELS[name], dynamic=True) if _COMPILE else _KERNELS[name]
-    return _compiled[name]
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=True) if _COMPILE else fn
+    return _compiled[fn]
 
 
 def _can_compile() -> bool:
@@ -133,16 +132,16 @@ class _Int8Matmul(torch.autograd.Function):
     def forward(ctx, x2d, layer: "PackedInt4Linear"):
         ctx.layer = layer
         w8, row_step = layer.int8_weight()
-        xq, x_step = _kernel("quantize_rows")(x2d.detach().contiguous())
-        return _kernel("dequantize_product")(torch._int_mm(xq, w8.t()), x_step, row_step, x2d.dtype)
+        xq, x_step = compiled(quantize_rows)(x2d.detach().contiguous())
+        return compiled(dequantize_product)(torch._int_mm(xq, w8.t()), x_step, row_step, x2d.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         w8, row_step = ctx.layer.int8_weight()
         # grad_x[m, k] = sum_n g[m, n] r[n] w8[n, k]: the per-row weight step r[n] lies on the summed
         # dimension, so it is folded into the gradient before that is quantized per row
-        gq, g_step = _kernel("quantize_scaled_rows")(grad_out.detach().contiguous(), row_step)
-        return _kernel("dequantize_rows")(torch._int_mm(gq, w8), g_step, grad_out.dtype), None
+        gq, g_step = compiled(quantize_scaled_rows)(grad_out.detach().contiguous(), row_step)
+        return compiled(dequantize_rows)(torch._int_mm(gq, w8), g_step, grad_out.dtype), None
 
 
 # ------------------------------------------------------------------------------------ module
