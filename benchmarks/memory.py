@@ -2,20 +2,26 @@
 
 (a) fp32 weights, fp32 math, AdamW;
 (b) bf16 autocast with fp32 master weights and AdamW (the usual mixed precision);
-(c) bf16 weights, no master copy, Kahan-compensated (or stochastically rounded) AdamW with 8-bit states;
-(d) (c) with every Linear but the output head in FP8 (tensorwise: FP8Linear saves its input and weight in FP8) and every
-    other saved activation stored in FP8 (hf_lowprec.activation_storage).
-Optimizer-state variants of (c) (torchao 8-bit / FP8 / 4-bit, bitsandbytes 8-bit, fp32) are measured too.
+(c) bf16 weights, no master copy, 8-bit AdamW states (torchao), compensated by Kahan buffers
+    (hf_lowprec.compensation.CompensatedOptimizer) or by stochastic rounding (torchao's own);
+(d) (c) with every activation saved for backward stored in FP8 (hf_lowprec.activation_storage); a
+    variant also runs every Linear but the output head as FP8Linear (tensorwise: it saves its own
+    input and weight in FP8).
+Optimizer-state variants of (c) (bitsandbytes 8-bit, torchao FP8 / 4-bit, fp32) are measured too.
 
-Each configuration runs in a fresh subprocess: build the model (SmolLM2-135M's architecture from its
-config, random weights), one warm-up step (torchao's optimizers compile there), then the peak-RSS mark
-is reset (``/proc/self/clear_refs``) and one measured step runs; its peak is ``VmHWM``. Reported per
-config: peak RSS, peak minus the RSS right after the imports (what the training itself holds), bytes of
-training state per parameter (weights + grads + optimizer states + compensation buffers, counted from
-the tensors), and the measured step's time (one step on a shared 2-core machine: a rough figure).
+Each configuration runs in a fresh subprocess (one intra-op thread): build the model (SmolLM2-135M's
+architecture from its config, random weights), one warm-up step (torchao's optimizers compile there),
+then the peak-RSS mark is reset (``/proc/self/clear_refs``) and one measured step runs; its peak is
+``VmHWM``. By default glibc is told to serve every block of 64 KiB or more by mmap
+(``MALLOC_MMAP_THRESHOLD_``), so freed tensors leave RSS and the peak follows live memory rather than
+what the allocator kept from the warm-up; ``--allocator default`` measures glibc's own behaviour.
+Reported per config: peak RSS (and per phase: forward+backward, optimizer step), peak minus the RSS
+right after the imports, bytes of training state per parameter (weights + grads + optimizer states +
+compensation buffers, counted from the tensors), and the measured step's time (one step on a shared
+2-core machine: a rough figure).
 
-Usage: ``python benchmarks/memory.py [--quick]`` (``--quick``: 4 layers, batch 2x128).
-Writes benchmarks/results/memory.json and memory.png.
+Usage: ``python benchmarks/memory.py [--quick] [--only NAME ...] [--allocator mmap|default]``
+(``--quick``: 4 layers, batch 2x128). Writes benchmarks/results/memory[_quick][_default_malloc].json and .png.
 """
 
 from __future__ import annotations
@@ -29,22 +35,19 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# name: (description, weights, optimizer states, compensation, FP8 linears, FP8-stored activations)
 CONFIGS = {
-    "a_fp32": "fp32 weights + AdamW",
-    "b_bf16_amp": "bf16 autocast, fp32 master + AdamW",
-    "c_bf16_kahan_8bit": "bf16 weights + Kahan + torchao 8-bit AdamW",
-    "d_c_fp8_activations": "(c) + FP8 linears (lm_head bf16) + FP8-stored activations",
-    "c_bf16_sr_8bit": "bf16 weights + stochastic rounding (torchao) + torchao 8-bit AdamW",
-    "d_c_sr_fp8_activations": "(c, stochastic rounding) + FP8 linears (lm_head bf16) + FP8-stored activations",
-    "c_bf16_kahan_bnb8bit": "bf16 weights + Kahan + bitsandbytes 8-bit AdamW",
-    "c_bf16_kahan_fp8states": "bf16 weights + Kahan + torchao FP8-state AdamW",
-    "c_bf16_kahan_4bit": "bf16 weights + Kahan + torchao 4-bit AdamW",
-    "c_bf16_kahan_fp32states": "bf16 weights + Kahan + fp32-state AdamW",
-}
-STATES = {
-    "c_bf16_kahan_8bit": "8bit", "d_c_fp8_activations": "8bit", "c_bf16_kahan_bnb8bit": "bnb-8bit",
-    "c_bf16_sr_8bit": "8bit", "d_c_sr_fp8_activations": "8bit",
-    "c_bf16_kahan_fp8states": "fp8", "c_bf16_kahan_4bit": "4bit", "c_bf16_kahan_fp32states": "fp32",
+    "a_fp32": ("fp32 weights + AdamW", "fp32", "fp32", None, False, False),
+    "b_bf16_amp": ("bf16 autocast, fp32 master weights + AdamW", "amp", "fp32", None, False, False),
+    "c_kahan_8bit": ("bf16 weights + Kahan + torchao 8-bit AdamW", "bf16", "8bit", "kahan", False, False),
+    "c_sr_8bit": ("bf16 weights + stochastic rounding + torchao 8-bit AdamW", "bf16", "8bit", "stochastic", False, False),
+    "d_kahan_8bit_fp8act": ("(c Kahan) + FP8-stored activations", "bf16", "8bit", "kahan", False, True),
+    "d_sr_8bit_fp8act": ("(c stochastic) + FP8-stored activations", "bf16", "8bit", "stochastic", False, True),
+    "d_sr_8bit_fp8act_fp8linear": ("(d stochastic) with FP8 linears (lm_head bf16)", "bf16", "8bit", "stochastic", True, True),
+    "c_kahan_bnb8bit": ("bf16 weights + Kahan + bitsandbytes 8-bit AdamW", "bf16", "bnb-8bit", "kahan", False, False),
+    "c_kahan_fp8states": ("bf16 weights + Kahan + torchao FP8-state AdamW", "bf16", "fp8", "kahan", False, False),
+    "c_kahan_4bit": ("bf16 weights + Kahan + torchao 4-bit AdamW", "bf16", "4bit", "kahan", False, False),
+    "c_kahan_fp32states": ("bf16 weights + Kahan + fp32-state AdamW", "bf16", "fp32", "kahan", False, False),
 }  # fmt: skip
 
 
@@ -71,6 +74,7 @@ def run_one(name: str, quick: bool) -> dict:
     from hf_lowprec.activation_storage import FP8SavedActivations
     from hf_lowprec.compensation import make_optimizer, optimizer_state_bytes
 
+    torch.set_num_threads(1)  # two threads on two shared cores oversubscribe; memory does not depend on it
     rss_imports = _status("VmRSS")
     layers, batch, seq = (4, 2, 128) if quick else (30, 4, 256)
     cfg = LlamaConfig(  # SmolLM2-135M's architecture
@@ -79,15 +83,15 @@ def run_one(name: str, quick: bool) -> dict:
     )  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
-    if name != "a_fp32" and name != "b_bf16_amp":
+    _, weights, states, compensation, fp8_linears, fp8_activations = CONFIGS[name]
+    if weights == "bf16":
         model = model.to(torch.bfloat16)
-    if name.startswith("d_"):  # the output head stays bf16, as in DeepSeek-V3 and torchao's recipes
+    if fp8_linears:  # the output head stays bf16, as in DeepSeek-V3 and torchao's recipes
         apply_plan(model, PrecisionPlan({"lm_head": "bf16"}, default="fp8"), fp8_backend="emulated")
-    if name in ("a_fp32", "b_bf16_amp"):
+    if compensation is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
-        compensation = "stochastic" if "_sr_" in name else "kahan"
-        optimizer = make_optimizer(model.parameters(), states=STATES[name], compensation=compensation, lr=1e-4)
+        optimizer = make_optimizer(model.parameters(), states=states, compensation=compensation, lr=1e-4)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     n_params = sum(p.numel() for p in model.parameters())
     accounting = {}
@@ -98,8 +102,8 @@ def run_one(name: str, quick: bool) -> dict:
 
     def step():
         reset_peak()
-        with torch.autocast("cpu", torch.bfloat16, enabled=name == "b_bf16_amp"):
-            if name.startswith("d_"):
+        with torch.autocast("cpu", torch.bfloat16, enabled=weights == "amp"):
+            if fp8_activations:
                 with FP8SavedActivations(model):
                     loss = model(input_ids=ids, labels=ids).loss
             else:
@@ -126,7 +130,7 @@ def run_one(name: str, quick: bool) -> dict:
     peak = max(phases.values()) * 2**20
     state = accounting["weights"] + accounting["grads"] + accounting["optimizer"]
     return {
-        "config": name, "description": CONFIGS[name], "params": n_params, "loss": loss, "step_s": seconds,
+        "config": name, "description": CONFIGS[name][0], "params": n_params, "loss": loss, "step_s": seconds,
         "peak_rss_mb": peak / 2**20, "rss_imports_mb": rss_imports / 2**20, "rss_before_step_mb": rss_before / 2**20,
         "peak_above_imports_mb": (peak - rss_imports) / 2**20, "peak_rss_by_phase_mb": phases,
         "state_bytes_per_param": state / n_params,
@@ -167,6 +171,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 layers, batch 2x128")
     parser.add_argument("--only", nargs="*", choices=list(CONFIGS), help="run these configurations only")
+    parser.add_argument("--allocator", choices=["mmap", "default"], default="mmap",
+                        help="mmap: glibc serves every block >= 64 KiB by mmap and returns it on free, so RSS "
+                             "follows live tensors; default: glibc's own thresholds (freed memory may stay resident)")
     parser.add_argument("--child", choices=list(CONFIGS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -175,7 +182,10 @@ def main() -> None:
     results = []
     for name in args.only or CONFIGS:
         cmd = [sys.executable, __file__, "--child", name] + (["--quick"] if args.quick else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+        if args.allocator == "mmap":
+            env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
         r = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -198,8 +208,9 @@ def main() -> None:
             print(f"  {name:26s} peak RSS {rr['peak_rss_vs_b']:.3f}x  peak above imports {rr['peak_above_imports_vs_b']:.3f}x  "
                   f"state {rr['state_bytes_vs_b']:.3f}x")  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
-    suffix = "_quick" if args.quick else ""
-    out = {"quick": args.quick, "results": results, "ratios_to_b": ratios, "goal": "(d) peak <= 0.55x (b) peak"}
+    suffix = ("_quick" if args.quick else "") + ("_default_malloc" if args.allocator == "default" else "")
+    out = {"quick": args.quick, "allocator": args.allocator, "results": results, "ratios_to_b": ratios,
+           "goal": "(d) peak <= 0.55x (b) peak"}  # fmt: skip
     tmp = RESULTS / f"memory{suffix}.json.tmp"
     tmp.write_text(json.dumps(out, indent=2))
     os.replace(tmp, RESULTS / f"memory{suffix}.json")

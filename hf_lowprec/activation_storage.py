@@ -21,7 +21,7 @@ from torch import nn
 from hf_lowprec.formats import E4M3, E5M2, dequantize_fp8, fp8_amax, fp8_scale, quantize_fp8
 
 
-_SLICE = 1 << 20  # elements quantized at a time: bounds the fp32 temporaries of a large tensor (logits)
+_SLICE = 1 << 20  # elements (de)quantized at a time: bounds the fp32 temporaries of a large tensor (logits)
 
 
 class _Packed:
@@ -42,7 +42,11 @@ class _Packed:
         self.shape, self.dtype = t.shape, t.dtype
 
     def unpack(self) -> torch.Tensor:
-        return dequantize_fp8(self.q, self.scale, self.dtype).reshape(self.shape)
+        out = torch.empty(self.q.shape, dtype=self.dtype, device=self.q.device)
+        step = max(1, _SLICE // self.q.shape[1])
+        for r0 in range(0, self.q.shape[0], step):
+            out[r0 : r0 + step] = dequantize_fp8(self.q[r0 : r0 + step], self.scale[r0 : r0 + step], self.dtype)
+        return out.reshape(self.shape)
 
 
 class FP8SavedActivations(torch.autograd.graph.saved_tensors_hooks):
@@ -54,7 +58,7 @@ class FP8SavedActivations(torch.autograd.graph.saved_tensors_hooks):
         min_numel: smaller tensors are saved as they are (scales would cost more than they save).
         dtype: FP8 storage dtype, E4M3 by default (E5M2 trades precision for range).
 
-    Integer and FP8 tensors pass through. A tensor saved by several ops is packed once. Use it around
+    Integer and FP8 tensors pass through. A tensor (or view) saved by several ops is packed once. Use it around
     the forward pass: ``with FP8SavedActivations(model): loss = model(**batch).loss`` then
     ``loss.backward()`` outside or inside.
     """
@@ -64,7 +68,7 @@ class FP8SavedActivations(torch.autograd.graph.saved_tensors_hooks):
             raise ValueError(f"FP8 activation storage dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
         self.min_numel, self.dtype = min_numel, dtype
         self._keep = set() if module is None else {p.untyped_storage().data_ptr() for p in module.parameters()}
-        self._cache: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}  # id -> (tensor, version, packed)
+        self._cache: dict[tuple, tuple[weakref.ref, int, weakref.ref]] = {}  # view key -> (base, version, packed)
         self.packed_bytes = 0
         self.original_bytes = 0
         super().__init__(self._pack, self._unpack)
@@ -79,13 +83,17 @@ class FP8SavedActivations(torch.autograd.graph.saved_tensors_hooks):
             or t.untyped_storage().data_ptr() in self._keep
         ):  # fmt: skip
             return t
-        hit = self._cache.get(id(t))
-        if hit is not None and hit[0]() is t and hit[1] == t._version and hit[2]() is not None:
+        # ops often save views of one tensor (a linear's input reshaped to 2-D, once per q/k/v projection):
+        # key on the viewed tensor and the view's geometry, and check the base is still the same, unchanged tensor
+        base = t if t._base is None else t._base
+        key = (id(base), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        hit = self._cache.get(key)
+        if hit is not None and hit[0]() is base and hit[1] == t._version and hit[2]() is not None:
             return hit[2]()
         packed = _Packed(t, self.dtype)
         if len(self._cache) > 4096:
             self._cache = {k: v for k, v in self._cache.items() if v[0]() is not None and v[2]() is not None}
-        self._cache[id(t)] = (weakref.ref(t), t._version, weakref.ref(packed))
+        self._cache[key] = (weakref.ref(base), t._version, weakref.ref(packed))
         self.packed_bytes += packed.q.numel() + packed.scale.numel() * 4
         self.original_bytes += t.numel() * t.element_size()
         return packed
