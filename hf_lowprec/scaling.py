@@ -96,17 +96,19 @@ class ScalePolicy(nn.Module):
             self._count(x, q, scale, block)
 
     @torch.no_grad()
-    def _count(self, x, q, scale, block) -> tuple[torch.Tensor, torch.Tensor]:
-        """Update the telemetry buffers; returns this cast's (saturated, underflow) fractions as fp32 scalars."""
+    def _count(self, x, q, scale, block, used: torch.Tensor | bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """This cast's (saturated, underflow) fractions as fp32 scalars; added to the telemetry buffers
+        when ``used`` (a bool tensor keeps this free of host syncs)."""
         full = expand_scale(scale, x.shape, block) if block is not None else scale
         limit = FP8_MAX[q.dtype] / full
         saturated = (x.abs().float() > limit).sum()
         underflow = ((q.view(torch.uint8) & 0x7F) == 0).logical_and_(x != 0).sum()
-        self.tele_elements += x.numel()
-        self.tele_saturated += saturated
-        self.tele_underflow += underflow
-        self.tele_casts += 1
-        self.tele_scale_log2.copy_(torch.log2(scale.float()).mean())
+        used = torch.as_tensor(used).long()
+        self.tele_elements += x.numel() * used
+        self.tele_saturated += saturated * used
+        self.tele_underflow += underflow * used
+        self.tele_casts += used
+        self.tele_scale_log2.copy_(torch.where(used > 0, torch.log2(scale.float()).mean(), self.tele_scale_log2))
         return saturated.float() / x.numel(), underflow.float() / x.numel()
 
     def _reduce_amax(self, amax: torch.Tensor) -> torch.Tensor:
@@ -268,7 +270,8 @@ class GradientScaling(ScalePolicy):
         spike = self.last_spike
         if self.spike_action == "rescale":
             scale.div_(self.last_shrink)  # dequantized values shrink by limit / amax
-        saturated, underflow = self._count(x, q, scale * self.last_shrink, block)
+        dropped = spike & (self.spike_action == "skip")
+        saturated, underflow = self._count(x, q, scale * self.last_shrink, block, used=~dropped)
         if self.sync and _distributed():
             rates = torch.stack((saturated, underflow))
             torch.distributed.all_reduce(rates, op=torch.distributed.ReduceOp.MAX)

@@ -163,6 +163,7 @@ def test_gradient_spike_skip_zeroes_the_gradient_and_skips_the_step():
     assert all(p.grad is None for p in model.parameters())
     assert not skip_step_if_requested(model)  # the request is consumed
     assert layer.scaling["grad"].skips_requested.item() == 1
+    assert layer.scaling["grad"].tele_casts.item() == 4  # the dropped cast is left out of the telemetry
 
 
 def test_power_of_two_adjustment_follows_saturation_and_underflow():
