@@ -86,6 +86,14 @@ class ScalePolicy(nn.Module):
     def scale(self, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
+    def _apply(self, fn, recurse=True):
+        # statistics stay fp32 when the model is cast (model.to(torch.bfloat16)): only the device follows
+        kept = {k: b for k, b in self._buffers.items() if b is not None and b.dtype == torch.float32}
+        super()._apply(fn, recurse)
+        for k, b in kept.items():
+            self._buffers[k] = b.to(self._buffers[k].device)
+        return self
+
     def observe(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> None:
         """Called after ``x`` was cast to ``q`` with ``scale`` (block scales: ``block`` is their shape).
 
