@@ -234,7 +234,7 @@ class GradientScaling(ScalePolicy):
         int_zero = torch.zeros((), dtype=torch.int64)
         self.register_buffer("running_amax", torch.zeros(()))
         self.register_buffer("amax_history", torch.full((history_len,), float("nan")))
-        for name in ("casts", "recorded", "adjust", "clean_streak", "spikes", "skips_requested"):
+        for name in ("recorded", "adjust", "clean_streak", "spikes", "skips_requested"):
             self.register_buffer(name, int_zero.clone())
         self.register_buffer("last_spike", torch.zeros((), dtype=torch.bool))
         self.register_buffer("last_shrink", torch.ones(()))
@@ -270,7 +270,6 @@ class GradientScaling(ScalePolicy):
         self.recorded += record
         self.spikes += spike
         self.last_spike.copy_(spike)
-        self.casts += 1
         return fp8_scale(capped, dtype, self.power_of_two)
 
     @torch.no_grad()
