@@ -139,28 +139,31 @@ def run_one(name: str, quick: bool) -> dict:
     }  # fmt: skip
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = [r["config"] for r in results]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2))
     ax1.barh(names, [r["peak_rss_mb"] for r in results], label="peak RSS", color="#9ecae1")
     ax1.barh(names, [r["peak_above_imports_mb"] for r in results], label="peak minus RSS after imports", color="#3182bd")
+    base = next((r for r in results if r["config"] == "b_bf16_amp"), None)
+    if base is not None:
+        ax1.axvline(0.55 * base["peak_rss_mb"], color="#de2d26", linestyle="--", label="goal: 0.55 x (b) peak RSS")
     ax1.set_xlabel("MB during one training step")
     ax1.invert_yaxis()
-    ax1.legend(loc="lower right", fontsize=8)
+    ax1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8)
     left = [0.0] * len(results)
     for part, color in (("weights", "#31a354"), ("grads", "#fd8d3c"), ("optimizer", "#756bb1")):
         vals = [r["state_breakdown_bytes_per_param"][part] for r in results]
-        ax2.barh(names, vals, left=left, label=part, color=color)
+        ax2.barh(names, vals, left=left, label=part if part != "optimizer" else "optimizer states + compensation", color=color)
         left = [a + b for a, b in zip(left, vals)]
-    ax2.set_xlabel("training-state bytes per parameter (optimizer incl. compensation buffers)")
+    ax2.set_xlabel("training-state bytes per parameter")
     ax2.invert_yaxis()
-    ax2.legend(loc="lower right", fontsize=8)
-    fig.suptitle("SmolLM2-135M architecture, one training step, batch 4x256 (CPU)")
+    ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize=8)
+    fig.suptitle(title)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=90)
@@ -214,7 +217,8 @@ def main() -> None:
     tmp = RESULTS / f"memory{suffix}.json.tmp"
     tmp.write_text(json.dumps(out, indent=2))
     os.replace(tmp, RESULTS / f"memory{suffix}.json")
-    plot(results, RESULTS / f"memory{suffix}.png")
+    shape = "4 layers, batch 2x128" if args.quick else "batch 4x256"
+    plot(results, RESULTS / f"memory{suffix}.png", f"SmolLM2-135M architecture ({shape}), one training step, CPU, {args.allocator} allocator")
 
 
 if __name__ == "__main__":
