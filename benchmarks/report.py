@@ -87,7 +87,7 @@ def claims(conv_res: dict, layers: dict | None, memory: dict | None, ondevice: d
                      "all linears but the output head in FP8 E4M3/E5M2, tensorwise dynamic scales"))  # fmt: skip
     else:
         rows.append(("FP8 can replace BF16 as the training format", "not measured", "—", ""))
-    lossless = [(n, r["eval_gap_vs_bf16"]) for n, r in conv_res.items() if n.startswith("int4") and "only" in n]
+    lossless = [(n, r["eval_gap_vs_bf16"]) for n, r in conv_res.items() if n.startswith("int4")]
     if lossless:
         best = min(lossless, key=lambda t: abs(t[1]))
         figs = "; ".join(f"{n}: {pct(g)}" for n, g in lossless)
