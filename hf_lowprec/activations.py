@@ -43,18 +43,18 @@ def unpack_fp8_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return dequantize_fp8(codes, scale, dtype)
 
 
-_CODECS = {"int8": (quantize_rows, dequantize_rows), "fp8": (pack_fp8_rows, unpack_fp8_rows)}
-
-
 class _Packed:
     __slots__ = ("codes", "scale", "shape", "dtype", "fmt")
 
     def __init__(self, t: torch.Tensor, fmt: str):
         self.shape, self.dtype, self.fmt = t.shape, t.dtype, fmt
-        self.codes, self.scale = compiled(_CODECS[fmt][0])(t.detach().reshape(-1, t.shape[-1]).contiguous())
+        rows = t.detach().reshape(-1, t.shape[-1]).contiguous()
+        self.codes, self.scale = quantize_rows(rows) if fmt == "int8" else compiled(pack_fp8_rows)(rows)
 
     def unpack(self) -> torch.Tensor:
-        return compiled(_CODECS[self.fmt][1])(self.codes, self.scale, self.dtype).view(self.shape)
+        if self.fmt == "int8":
+            return dequantize_rows(self.codes, self.scale, None, self.dtype).view(self.shape)
+        return compiled(unpack_fp8_rows)(self.codes, self.scale, self.dtype).view(self.shape)
 
 
 class ActivationStorage:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from hf_lowprec.formats import pack_int4, unpack_int4_planes
 from hf_lowprec.modules import Int4Linear, PackedInt4Linear
+from hf_lowprec.modules.cpu_kernels import cpu_kernels
 from hf_lowprec.modules.int4_packed import int8_backend_available
 
 INT8_OK, _ = int8_backend_available(torch.device("cpu"))
@@ -124,3 +125,33 @@ def test_state_dict_roundtrip_gives_identical_outputs():
     for backend in ("dequant", "int8") if INT8_OK else ("dequant",):
         layer.backend = other.backend = backend
         assert torch.equal(layer(x), other(x))
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels cannot be built here")
+@pytest.mark.parametrize("spec", ["int4-g64", "int4-g32-asym", "int4"])
+def test_cpu_kernels_match_torch_reference(spec):
+    from hf_lowprec.modules import int4_packed as P
+
+    ext = cpu_kernels()
+    layer = packed(spec, k=192, n=40)
+    ratio, _ = layer._int8_scales()
+    zero = None if layer.zero is None else layer.zero.float()
+    # unpacking: the int4 codes (unpacked by formats.unpack_int4) rescaled per group, computed in fp32 here
+    codes = layer.codes().float()
+    group = layer.spec.group_size or 192
+    expected = codes.view(40, -1, group)
+    if zero is not None:
+        expected = expected - zero.unsqueeze(-1)
+    expected = torch.round(expected * ratio.unsqueeze(-1)).view(40, 192).to(torch.int8)
+    assert torch.equal(ext.unpack_int4_int8(layer.qweight, ratio, zero, layer.spec.symmetric, 192), expected)
+    x = torch.randn(33, 192, dtype=torch.bfloat16)
+    col = torch.rand(192) + 0.5
+    for scale in (None, col):
+        q, step = ext.quantize_rows(x, scale)
+        q_ref, step_ref = P._quantize_rows_torch(x.float() * (1 if scale is None else scale))
+        assert (q.int() - q_ref.int()).abs().max() <= 1 and torch.allclose(step, step_ref)
+    acc = torch.randint(-30000, 30000, (33, 40), dtype=torch.int32)
+    rows, cols = torch.rand(33, 1), torch.rand(40)
+    torch.testing.assert_close(ext.dequantize(acc, rows, cols, torch.bfloat16), (acc.float() * rows * cols).bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(ext.dequantize(acc.to(torch.int8).clamp(-127, 127), rows, None, torch.float32),
+                               acc.to(torch.int8).clamp(-127, 127).float() * rows)  # fmt: skip

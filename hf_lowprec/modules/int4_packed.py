@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from hf_lowprec.formats import FormatSpec, dequantize_int, int_steps, pack_int4, quantize_int, unpack_int4, unpack_int4_planes
+from hf_lowprec.modules.cpu_kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -42,32 +43,58 @@ def _log_once(backend: str, reason: str) -> None:
 
 
 # --------------------------------------------------------------------------------- int8 kernels
-# The elementwise passes around torch._int_mm (per-row quantize, dequantize of the int32 result) cost
-# more than the int8 matmul saves when run as separate eager ops (measured 0.5-0.6x bf16 on this CPU);
-# fused by torch.compile they cost little. They compile once per process with dynamic shapes; where
-# torch.compile cannot run (no C++ compiler), the same functions run eagerly and a warning says so.
+# The elementwise passes around torch._int_mm (per-row quantize, unpacking the codes, dequantizing the
+# int32 product) cost as much as the int8 matmul saves when run as eager torch ops (measured 0.5-0.6x
+# bf16). They run as hand-written C++ (modules/cpu_kernels.py) on CPUs with AVX2, else as torch.compile'd
+# functions (else eagerly, with a warning, where neither can be built).
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row of ``x [M, C]``: ``(int8 [M, C], fp32 step [M, 1])``."""
+def _quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True).clamp(min=_EPS)
     return torch.round(xf * (_INT8_MAX / amax)).to(torch.int8), amax / _INT8_MAX
 
 
-def quantize_scaled_rows(x: torch.Tensor, col_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize_rows` of ``x * col_scale`` (``col_scale [C]`` fp32)."""
-    return quantize_rows(x.float() * col_scale)
+def _quantize_scaled_rows_torch(x: torch.Tensor, col_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_rows_torch(x.float() * col_scale)
 
 
-def dequantize_product(acc: torch.Tensor, row_step: torch.Tensor, col_step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``acc [M, C]`` int32 times ``row_step [M, 1]`` and ``col_step [C]``, in ``dtype``."""
+def _dequantize_torch(acc: torch.Tensor, row_step: torch.Tensor, col_step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (acc.float() * row_step * col_step).to(dtype)
 
 
-def dequantize_rows(acc: torch.Tensor, row_step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``acc [M, C]`` int32 times ``row_step [M, 1]``, in ``dtype``."""
+def _dequantize_rows_torch(acc: torch.Tensor, row_step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (acc.float() * row_step).to(dtype)
+
+
+def _native(*tensors: torch.Tensor):
+    """The C++ kernels if they run for these tensors (CPU; bf16/fp32 floats), else ``None``."""
+    if not all(t.device.type == "cpu" for t in tensors):
+        return None
+    if any(t.is_floating_point() and t.dtype not in (torch.bfloat16, torch.float32) for t in tensors):
+        return None
+    return cpu_kernels()
+
+
+def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of ``x [M, C]`` (times fp32 ``col_scale [C]`` first): ``(int8 [M, C], fp32 step [M, 1])``."""
+    x = x.detach().contiguous()
+    ext = _native(x)
+    if ext is not None:
+        return tuple(ext.quantize_rows(x, None if col_scale is None else col_scale.float().contiguous()))
+    if col_scale is None:
+        return compiled(_quantize_rows_torch)(x)
+    return compiled(_quantize_scaled_rows_torch)(x, col_scale)
+
+
+def dequantize_rows(codes: torch.Tensor, row_step: torch.Tensor, col_step: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``codes [M, C]`` (int32 products or int8 codes) times ``row_step [M, 1]`` (and ``col_step [C]``), in ``dtype``."""
+    ext = _native(codes) if dtype in (torch.bfloat16, torch.float32) else None
+    if ext is not None:
+        return ext.dequantize(codes, row_step.contiguous(), None if col_step is None else col_step.contiguous(), dtype)
+    if col_step is None:
+        return compiled(_dequantize_rows_torch)(codes, row_step, dtype)
+    return compiled(_dequantize_torch)(codes, row_step, col_step, dtype)
 
 
 _compiled: dict[object, object] = {}
@@ -132,16 +159,16 @@ class _Int8Matmul(torch.autograd.Function):
     def forward(ctx, x2d, layer: "PackedInt4Linear"):
         ctx.layer = layer
         w8, row_step = layer.int8_weight()
-        xq, x_step = compiled(quantize_rows)(x2d.detach().contiguous())
-        return compiled(dequantize_product)(torch._int_mm(xq, w8.t()), x_step, row_step, x2d.dtype)
+        xq, x_step = quantize_rows(x2d)
+        return dequantize_rows(torch._int_mm(xq, w8.t()), x_step, row_step, x2d.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         w8, row_step = ctx.layer.int8_weight()
         # grad_x[m, k] = sum_n g[m, n] r[n] w8[n, k]: the per-row weight step r[n] lies on the summed
         # dimension, so it is folded into the gradient before that is quantized per row
-        gq, g_step = compiled(quantize_scaled_rows)(grad_out.detach().contiguous(), row_step)
-        return compiled(dequantize_rows)(torch._int_mm(gq, w8), g_step, grad_out.dtype), None
+        gq, g_step = quantize_rows(grad_out, row_step)
+        return dequantize_rows(torch._int_mm(gq, w8), g_step, None, grad_out.dtype), None
 
 
 # ------------------------------------------------------------------------------------ module
@@ -216,15 +243,19 @@ class PackedInt4Linear(nn.Module):
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w8 [N, K] int8, r [N] fp32)`` with ``W ≈ r[:, None] * w8``, unpacked from the codes on every call.
 
-        Needs ``K`` a multiple of the group size (see :meth:`int8_supported`).
+        Needs ``K`` even and a multiple of the group size (see :meth:`int8_supported`).
         """
         ratio, row_step = self._int8_scales()
+        zero = None if self.zero is None else self.zero.float().contiguous()
+        ext = _native(self.qweight)
+        if ext is not None:
+            return ext.unpack_int4_int8(self.qweight, ratio, zero, self.spec.symmetric, self.in_features), row_step
         even, odd = unpack_int4_planes(self.qweight, signed=self.spec.symmetric)
         n, groups = ratio.shape
-        codes = torch.stack((even, odd), -1).view(n, groups, -1)[..., : self.in_features // groups].float()
-        if self.zero is not None:
-            codes = codes - self.zero.float().unsqueeze(-1)
-        w8 = torch.round(codes * ratio.unsqueeze(-1)).to(torch.int8)
+        codes = torch.stack((even, odd), -1).view(n, groups, -1).float()
+        if zero is not None:
+            codes = codes - zero.unsqueeze(-1)
+        w8 = torch.round(codes * ratio.unsqueeze(-1)).clamp(-_INT8_MAX, _INT8_MAX).to(torch.int8)
         return w8.view(n, self.in_features), row_step
 
     @torch.no_grad()
@@ -249,6 +280,8 @@ class PackedInt4Linear(nn.Module):
     def int8_supported(self) -> tuple[bool, str]:
         """Whether this layer's shape allows the int8 backend (and why not)."""
         k, g = self.in_features, self.spec.group_size
+        if k % 2:
+            return False, f"in_features {k} is odd"
         if g is not None and k % g:
             return False, f"in_features {k} is not a multiple of the group size {g}"
         return True, ""
