@@ -73,7 +73,7 @@ def _build(config: str, loftq: bool, gc: bool):
     if config.startswith("int4-lora"):
         from hf_lowprec.activations import ActivationStorage
 
-        model, tok, report = load_int4_lora(folder, lora, "int4-g64", gguf_file=gguf, loftq_init=loftq)
+        model, tok, report = load_int4_lora(folder, lora, gguf_file=gguf, loftq_init=loftq)  # default plan: int4-g64-asym, lm_head kept
         storage = ActivationStorage(model, "int8") if config == "int4-lora" and not gc else None
 
         def loss_fn(b):
@@ -214,32 +214,49 @@ def speed(args) -> None:
     data = _load_results()
     data["speed"] = {"settings": {"batch": BATCH, "block": BLOCK, "lora_r": 16, "steps_timed": args.steps, "warmup": args.warmup,
                                   "repeats": args.repeats, "threads": THREADS}, "table": table, "runs": runs, "goals": goals(table)}  # fmt: skip
+    data["speed"]["goals_wall"] = goals(table, "step_s")
     _save(data)
     print_table(table, data["speed"]["goals"])
 
 
-def goals(t: dict) -> dict:
-    """The issue's goals, met or not (INT4 defaults = int4-lora: int8-stored activations, no checkpointing)."""
+def goals(t: dict, key: str = "step_cpu_s") -> dict:
+    """The issue's goals, met or not (INT4 defaults = int4-lora: int8-stored activations, no checkpointing).
+
+    Step times compare ``key``: ``step_cpu_s`` (process CPU time; with one thread it is the time the step
+    takes on an idle core, and it barely moves when other processes share the cores) or ``step_s`` (wall).
+    """
     ours, ours_gc = t["int4-lora"], t["int4-lora+gc"]
     fp32_default = t["fp32-lora"]
     bnb, bnb_gc = t["bnb-nf4"], t["bnb-nf4+gc"]
-    fastest = min((v for k, v in t.items() if not k.startswith("int4")), key=lambda v: v["step_s"])
-    leanest = min((v for k, v in t.items() if not k.startswith("int4")), key=lambda v: v["peak_rss_mb"])
+    peers = {k: v for k, v in t.items() if not k.startswith("int4")}
+    fastest = min(peers, key=lambda k: peers[k][key])
+    leanest = min(peers, key=lambda k: peers[k]["peak_rss_mb"])
     r = lambda a, b: round(a / b, 3)  # noqa: E731
     out = {
+        "time_measure": key,
         "rss_defaults_vs_fp32_defaults": r(ours["peak_rss_mb"], fp32_default["peak_rss_mb"]), "rss_goal_<=": 0.40,
-        "rss_vs_bnb_equal_gc": r(ours_gc["peak_rss_mb"], bnb_gc["peak_rss_mb"]),
-        "rss_vs_bnb_equal_nogc": r(ours["peak_rss_mb"], bnb["peak_rss_mb"]), "rss_vs_bnb_goal_<=": 0.9,
-        "step_vs_bnb_equal_gc": r(ours_gc["step_s"], bnb_gc["step_s"]),
-        "step_vs_bnb_equal_nogc": r(ours["step_s"], bnb["step_s"]), "step_vs_bnb_goal_<=": 0.8,
-        "step_defaults_vs_fastest_peer": r(ours["step_s"], fastest["step_s"]),
-        "step_gc_vs_fastest_peer": r(ours_gc["step_s"], fastest["step_s"]), "step_vs_fastest_goal_<=": 1.0,
-        "fastest_peer": f"{fastest['config']}{'+gc' if fastest['gradient_checkpointing'] else ''}",
-        "leanest_peer": f"{leanest['config']}{'+gc' if leanest['gradient_checkpointing'] else ''}",
-        "defaults_vs_leanest_rss": r(ours["peak_rss_mb"], leanest["peak_rss_mb"]),
+        "rss_vs_bnb_equal_nogc": r(ours["peak_rss_mb"], bnb["peak_rss_mb"]),
+        "rss_vs_bnb_equal_gc": r(ours_gc["peak_rss_mb"], bnb_gc["peak_rss_mb"]), "rss_vs_bnb_goal_<=": 0.9,
+        "step_vs_bnb_equal_nogc": r(ours[key], bnb[key]),
+        "step_vs_bnb_equal_gc": r(ours_gc[key], bnb_gc[key]), "step_vs_bnb_goal_<=": 0.8,
+        "fastest_peer": fastest, "step_defaults_vs_fastest_peer": r(ours[key], peers[fastest][key]), "step_vs_fastest_goal_<=": 1.0,
+        "leanest_peer": leanest, "rss_defaults_vs_leanest_peer": r(ours["peak_rss_mb"], peers[leanest]["peak_rss_mb"]),
     }  # fmt: skip
-    out["moonshot_defaults"] = out["step_defaults_vs_fastest_peer"] < 1 and out["defaults_vs_leanest_rss"] < 1
+    out["moonshot_defaults"] = out["step_defaults_vs_fastest_peer"] < 1 and out["rss_defaults_vs_leanest_peer"] < 1
     return out
+
+
+def report(_args) -> None:
+    """Recompute the goals from the saved table (CPU time and wall) and print it."""
+    data = _load_results()
+    table = data["speed"]["table"]
+    data["speed"]["goals"] = goals(table)
+    data["speed"]["goals_wall"] = goals(table, "step_s")
+    _save(data)
+    print_table(table, data["speed"]["goals"])
+    print(json.dumps(data["speed"]["goals_wall"], indent=1))
+    if "quality" in data:
+        print(json.dumps(data["quality"]["summary"], indent=1))
 
 
 def print_table(table: dict, goal: dict) -> None:
@@ -249,19 +266,29 @@ def print_table(table: dict, goal: dict) -> None:
     print(json.dumps(goal, indent=1))
 
 
+def _quality_key(r: dict) -> str:
+    fmt = next((f for f in r.get("plan_fractions", {}) if f.startswith("int4")), None)
+    return r["config"] + (f" ({fmt})" if fmt else "") + ("+loftq" if r["loftq"] else "")
+
+
 def quality(args) -> None:
-    runs = [run_child(c, CONFIGS[c][1], args.steps, 0, args.eval_blocks, loftq, merge_eval=c == "int4-lora" and not loftq)
-            for c, loftq in [(c, False) for c in args.configs] + ([("int4-lora", True)] if args.loftq else [])]  # fmt: skip
+    """Perplexity on the held-out plays before and after ``--steps`` steps; merged with earlier quality runs."""
+    new = [run_child(c, CONFIGS[c][1], args.steps, 0, args.eval_blocks, loftq, merge_eval=c == "int4-lora" and not loftq)
+           for c, loftq in [(c, False) for c in args.configs] + ([("int4-lora", True)] if args.loftq else [])]  # fmt: skip
     data = _load_results()
+    old = data.get("quality", {}).get("runs", [])
+    runs = list({_quality_key(r): r for r in old + new}.values())  # a re-run replaces the earlier one
     ref = next((r for r in runs if r["config"] == "bf16-lora-bf16ad"), None)
     summary = {}
     for r in runs:
-        key = r["config"] + ("+loftq" if r["loftq"] else "")
-        summary[key] = {"ppl_before": r["ppl_before"], "ppl_after": r["ppl_after"], "ppl_merged": r.get("ppl_merged"), "loss_step1": r["losses"][0],
-                        "loss_last10_mean": statistics.mean(r["losses"][-10:]),
-                        "ppl_vs_bf16_lora": None if ref is None else round(r["ppl_after"] / ref["ppl_after"], 4)}  # fmt: skip
-    data["quality"] = {"settings": {"steps": args.steps, "eval_blocks": args.eval_blocks, "block": BLOCK, "held_out": HELD_OUT, "threads": THREADS},
-                       "summary": summary, "runs": runs}  # fmt: skip
+        summary[_quality_key(r)] = {
+            "ppl_before": r["ppl_before"], "ppl_after": r["ppl_after"], "ppl_merged": r.get("ppl_merged"),
+            "merge_summary": r.get("merge_summary"), "loss_step1": r["losses"][0],
+            "loss_last10_mean": statistics.mean(r["losses"][-10:]),
+            "ppl_after_vs_bf16_lora": None if ref is None else round(r["ppl_after"] / ref["ppl_after"], 4),
+        }  # fmt: skip
+    data["quality"] = {"settings": {"steps": args.steps, "eval_blocks": args.eval_blocks, "block": BLOCK, "held_out": HELD_OUT,
+                                    "threads": THREADS}, "summary": summary, "runs": runs}  # fmt: skip
     _save(data)
     print(json.dumps(summary, indent=1))
 
@@ -324,7 +351,7 @@ def plot(_args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=("speed", "quality", "demo", "plot", "child"))
+    p.add_argument("mode", choices=("speed", "quality", "demo", "report", "plot", "child"))
     p.add_argument("--config", choices=tuple(CONFIGS))
     p.add_argument("--configs", nargs="+", default=list(CONFIGS))
     p.add_argument("--gc", type=int, default=0)
@@ -343,7 +370,7 @@ def main() -> None:
         return
     if args.steps is None:
         args.steps = {"speed": 10, "quality": 100, "demo": 50}.get(args.mode, 0)
-    {"speed": speed, "quality": quality, "demo": demo, "plot": plot}[args.mode](args)
+    {"speed": speed, "quality": quality, "demo": demo, "report": report, "plot": plot}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ from hf_lowprec.plan import PrecisionPlan
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_FORMAT = "int4-g64"
+DEFAULT_FORMAT = "int4-g64-asym"  # SmolLM2-135M held-out perplexity after packing: 65.5 (asym) vs 80.6 (symmetric); bf16 49.7
 ALL_LINEAR = "all-linear"
 IGNORE_INDEX = -100
 ProgressFn = Callable[[int, int, dict], None]
@@ -65,7 +65,7 @@ def _output_layer_name(model: nn.Module) -> str | None:
 
 
 def int4_plan(model: nn.Module, plan: "PrecisionPlan | str | None" = None) -> PrecisionPlan:
-    """The plan for the frozen base: ``None`` → every Linear in ``int4-g64``; a format name → every Linear
+    """The plan for the frozen base: ``None`` → every Linear in ``int4-g64-asym``; a format name → every Linear
     in that format. Both keep the output projection (``lm_head``) in high precision: it is usually tied to
     the input embedding, so packing it would add a copy rather than save memory, and it is the most
     sensitive layer. A :class:`PrecisionPlan` is used exactly as given.

@@ -7,7 +7,9 @@ layers and to LoRA adapters. Two backends compute them:
 - ``int8`` (CPUs with VNNI/AMX int8 instructions): the codes are unpacked to an int8 weight per call
   (each row rescaled to one step, ``r[n] = max|W[n]| / 127``); activations and output gradients are
   quantized dynamically to int8 per row (token); ``torch._int_mm`` multiplies with int32 accumulation.
-  On this project's 2-core AVX512 CPU ``_int_mm`` runs about 2x bf16 ``mm`` on LLM shapes.
+  On this project's 2-core AVX512 CPU ``_int_mm`` runs about 2x bf16 ``mm`` on LLM shapes; the
+  unpacking, quantizing and dequantizing around it run as C++ kernels (``cpu_kernels.py``). About
+  0.8% relative error against the dequantized fp32 reference (forward and grad-input alike).
 - ``dequant``: the weight is dequantized to the activation dtype per call and multiplied with ``mm``;
   the numerical reference, and the path for other devices.
 
