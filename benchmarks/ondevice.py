@@ -212,11 +212,13 @@ def speed(args) -> None:
                 "runs": len(mine),
             }  # fmt: skip
     data = _load_results()
-    data["speed"] = {"settings": {"batch": BATCH, "block": BLOCK, "lora_r": 16, "steps_timed": args.steps, "warmup": args.warmup,
-                                  "repeats": args.repeats, "threads": THREADS}, "table": table, "runs": runs, "goals": goals(table)}  # fmt: skip
-    data["speed"]["goals_wall"] = goals(table, "step_s")
+    data.setdefault("speed", {})[f"{THREADS}_threads"] = {
+        "settings": {"batch": BATCH, "block": BLOCK, "lora_r": 16, "steps_timed": args.steps, "warmup": args.warmup,
+                     "repeats": args.repeats, "threads": THREADS, "loadavg_end": os.getloadavg()},
+        "table": table, "runs": runs, "goals": goals(table), "goals_wall": goals(table, "step_s"),
+    }  # fmt: skip
     _save(data)
-    print_table(table, data["speed"]["goals"])
+    print_table(table, data["speed"][f"{THREADS}_threads"]["goals"])
 
 
 def goals(t: dict, key: str = "step_cpu_s") -> dict:
@@ -247,14 +249,12 @@ def goals(t: dict, key: str = "step_cpu_s") -> dict:
 
 
 def report(_args) -> None:
-    """Recompute the goals from the saved table (CPU time and wall) and print it."""
+    """Print the saved tables and goals (CPU time and wall), and the quality summary."""
     data = _load_results()
-    table = data["speed"]["table"]
-    data["speed"]["goals"] = goals(table)
-    data["speed"]["goals_wall"] = goals(table, "step_s")
-    _save(data)
-    print_table(table, data["speed"]["goals"])
-    print(json.dumps(data["speed"]["goals_wall"], indent=1))
+    for name, run in data.get("speed", {}).items():
+        print(f"\n== {name}")
+        print_table(run["table"], run["goals"])
+        print(json.dumps(run["goals_wall"], indent=1))
     if "quality" in data:
         print(json.dumps(data["quality"]["summary"], indent=1))
 
@@ -329,16 +329,18 @@ def plot(_args) -> None:
     import matplotlib.pyplot as plt
 
     data = _load_results()
-    table = data["speed"]["table"]
+    speed = data["speed"]["1_threads"] if "1_threads" in data["speed"] else next(iter(data["speed"].values()))
+    table = speed["table"]
     names = list(table)
-    fig, axes = plt.subplots(1, 3 if "quality" in data else 2, figsize=(16, 5))
+    fig, axes = plt.subplots(1, 3 if "quality" in data else 2, figsize=(17, 5))
     colors = ["tab:green" if k.startswith("int4") else "tab:gray" for k in names]
     names_shown = [("* " if table[k]["own_default"] else "") + k for k in names]
-    for ax, key, label in ((axes[0], "peak_rss_mb", "peak RSS (MB)"), (axes[1], "step_s", "median step (s)")):
+    threads = speed["settings"]["threads"]
+    for ax, key, label in ((axes[0], "peak_rss_mb", "peak RSS (MB)"), (axes[1], "step_cpu_s", f"median step, CPU s ({threads} thread)")):
         ax.barh(names_shown, [table[k][key] for k in names], color=colors)
         ax.set_xlabel(label)
         ax.invert_yaxis()
-    axes[0].set_title("SmolLM2-135M, LoRA r=16, batch 4x256, 2 CPU cores")
+    axes[0].set_title("SmolLM2-135M, LoRA r=16, batch 4x256 (* = own default)")
     if "quality" in data:
         q = data["quality"]["summary"]
         axes[2].barh(list(q), [v["ppl_after"] for v in q.values()], color=["tab:green" if k.startswith("int4") else "tab:gray" for k in q])

@@ -20,7 +20,7 @@ STEPS = {  # name -> arguments (sized for the 45-minute budget; each script's --
     "memory": ["memory.py"],
     "scan": ["scan.py"],
     "ondevice": ["ondevice.py", "speed"],
-    "convergence": ["convergence.py", "--steps", "300"],
+    "convergence": ["convergence.py", "--steps", "600"],
 }
 
 

@@ -605,7 +605,7 @@ def export_int4_lora(
     config = copy.deepcopy(base.config)
     config.quantization_config = quantization_config_dict(plan)
     config.use_cache = True
-    with atomic_output_dir(out_dir, overwrite) as tmp:
+    with atomic_output_dir(out_dir, overwrite) as tmp, _without_hf_quantizer(base):
         base.save_pretrained(tmp, state_dict=state)
         config.save_pretrained(tmp)  # the config with quantization_config (base.config stays untouched)
         if not merge:
@@ -622,6 +622,18 @@ def export_int4_lora(
         for name, text in (extra_files or {}).items():
             atomic_write_text(tmp / name, text)
     return Path(out_dir)
+
+
+@contextlib.contextmanager
+def _without_hf_quantizer(model: nn.Module):
+    """Hide a reloaded model's ``hf_quantizer`` while saving: transformers' ``save_pretrained`` takes
+    the state dict from the quantizer when there is one and would ignore ours (the merged weights)."""
+    quantizer = model.__dict__.pop("hf_quantizer", None)
+    try:
+        yield
+    finally:
+        if quantizer is not None:
+            model.hf_quantizer = quantizer
 
 
 def _merge_summary(errors: list[dict]) -> dict:

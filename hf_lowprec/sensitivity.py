@@ -308,17 +308,38 @@ def _same_layout(a: Mapping, b: Mapping) -> bool:
     return True
 
 
-def _label_count(batch: Mapping) -> int:
-    return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
+def _shifts_labels(model: nn.Module, labels: torch.Tensor) -> bool:
+    """Whether ``labels`` are next-token targets (causal LM) rather than per-position or per-sequence classes."""
+    if labels.is_floating_point():
+        raise ValueError("scan needs class or token labels (integer tensors); regression labels (float) are not supported")
+    return labels.dim() == 2 and getattr(model, "loss_type", "ForCausalLM") == "ForCausalLM"
+
+
+def _targets(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+    """The labels the loss scores: shifted by one for a causal LM, as they are for classification."""
+    return labels[:, 1:] if _shifts_labels(model, labels) else labels
+
+
+def _label_count(model: nn.Module, batch: Mapping) -> int:
+    return int((_targets(model, batch["labels"]) != IGNORE_INDEX).sum())
 
 
 def _forward(model: nn.Module, batch: Mapping, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logits at label positions [T, V] fp32, next-token labels [T])`` of one batch."""
+    """``(logits at label positions [T, C] fp32, labels [T])`` of one batch.
+
+    Causal LM: next-token logits and labels (``T`` tokens, ``C`` = vocabulary). Token
+    classification: one row per labelled token. Sequence classification (logits ``[B, C]``,
+    labels ``[B]``): one row per sequence.
+    """
     inputs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items() if k != "labels"}
     if getattr(getattr(model, "config", None), "use_cache", None) is not None:
         inputs.setdefault("use_cache", False)  # no KV cache: less memory, and blocks can be replayed
-    logits = model(**inputs).logits[:, :-1]
-    labels = batch["labels"][:, 1:].to(device)
+    logits = model(**inputs).logits
+    labels = _targets(model, batch["labels"]).to(device)
+    if _shifts_labels(model, batch["labels"]):
+        logits = logits[:, :-1]
+    if logits.shape[: labels.dim()] != labels.shape:
+        raise ValueError(f"labels of shape {tuple(batch['labels'].shape)} do not fit logits of shape {tuple(logits.shape)} ({type(model).__name__})")
     valid = labels != IGNORE_INDEX
     return logits[valid].float(), labels[valid]
 
@@ -520,7 +541,8 @@ def scan(
 
     Args:
         batches: dicts with ``input_ids`` ``[B, T]``, optional ``attention_mask``, and ``labels``
-            (causal LM: ``labels=input_ids``; ``-100`` ignored). Consumed once.
+            (causal LM: ``labels=input_ids``; token classification ``[B, T]``; sequence
+            classification ``[B]``; ``-100`` ignored). Consumed once.
         formats: low-precision formats to score (``bf16`` — keeping the layer — is always the baseline).
         method: ``auto``, ``measured`` or ``fisher`` (see the module docstring).
         progress: ``progress(done, total, description)`` after each step.
@@ -555,9 +577,9 @@ def scan(
     if layers is not None:
         units = _select(units, [layers] if isinstance(layers, str) else layers)
     batches = _merge(_check_batches(batches), max_batch_tokens)
-    tokens = sum(_label_count(b) for b in batches)
+    tokens = sum(_label_count(model, b) for b in batches)
     if tokens == 0:
-        raise ValueError("the calibration batches have no label positions (all labels are -100 or sequences have length 1)")
+        raise ValueError("the calibration batches have no labelled positions (all labels are -100, or causal-LM sequences of length 1)")
     device = next(model.parameters()).device
     scores = [LayerScore(u.name, tuple(n for n, _ in u.members[1:]), type(u.members[0][1]).__name__,
                          u.members[0][1].weight.numel(), _layer_bytes(u)) for u in units]  # fmt: skip

@@ -87,6 +87,19 @@ def test_llama_trains_with_default_callback(tmp_path):
     assert PrecisionPlan.load(tmp_path / PLAN_FILE) == cb.plan  # next to the final model
 
 
+def test_bert_classifier_trains_with_default_callback(tmp_path):
+    """plan='auto' on a sequence classifier: the scan scores the classes ([B] labels), then every parameter trains."""
+    model, probe, cb = tiny_bert(), StepOneProbe(), LowPrecisionCallback()
+    rows = cls_rows(6)
+    trainer = Trainer(model=model, args=arguments(tmp_path, max_steps=8, learning_rate=5e-3), train_dataset=rows, callbacks=[cb, probe])
+    trainer.train()
+    assert cb.report.swapped and cb.scan_seconds > 0
+    assert_every_parameter_trains(trainer, probe)
+    assert_telemetry(trainer, cb.report.fractions())
+    curve = list(losses(trainer).values())
+    assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3 - 0.05, curve
+
+
 def test_bert_classifier_with_accumulation_and_eval(tmp_path):
     model, probe = tiny_bert(), StepOneProbe()
     cb = LowPrecisionCallback("fp8", keep=("classifier",))

@@ -144,8 +144,6 @@ def test_int4_lora_run_exports_adapters(ws):
     assert loss == pytest.approx(record["training"]["loss_final"], abs=1e-4)
 
 
-@pytest.mark.xfail(strict=True, reason="finetune.export_int4_lora of a reloaded model: transformers' save_pretrained takes the "
-                   "state dict from the model's hf_quantizer and ignores the merged one (NaN steps); see the issue-7 report")
 def test_export_merge_folds_lora_into_the_int4_base(ws, tmp_path):
     out, merged = ws / "run-lora", ws / "merged-lora"
     if not out.exists():

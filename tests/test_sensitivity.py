@@ -374,3 +374,25 @@ def test_predict_plan_agrees_with_allocate(measured):
     assert uniform["fractions"]["bf16"] == pytest.approx(2 * 16384 / sum(u.params for u in measured.layers))  # embedding + head
     with pytest.raises(ValueError, match="did not score"):
         predict_plan(measured, PrecisionPlan.uniform("nf4-g64"))
+
+
+def test_scan_of_a_sequence_classifier_scores_its_classes():
+    """[B] labels: the measured Δloss is the classifier's own mean cross-entropy change, computed on a converted copy."""
+    from conftest import cls_batches, tiny_bert
+
+    model, data = tiny_bert().eval(), cls_batches(n=2)
+    result = scan(model, data, formats=("fp8", INT4), method="measured")
+    assert result.tokens == sum(len(b["labels"]) for b in data)  # one scored position per sequence
+
+    def loss(m):
+        with torch.no_grad():
+            return sum(m(**b).loss.item() * len(b["labels"]) for b in data) / result.tokens
+
+    base = loss(model)
+    assert result.base_loss == pytest.approx(base, rel=1e-5)
+    for name in ("bert.encoder.layer.0.attention.self.query", "bert.encoder.layer.1.output.dense"):
+        converted = copy.deepcopy(model)
+        apply_plan(converted, PrecisionPlan({name: INT4}))
+        assert result[name].measured[INT4] == pytest.approx(loss(converted) - base, rel=1e-3, abs=1e-6), name
+    with pytest.raises(ValueError, match="regression labels"):
+        scan(model, [{"input_ids": data[0]["input_ids"], "labels": torch.rand(16)}], method="fisher")
