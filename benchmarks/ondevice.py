@@ -5,7 +5,7 @@ all linear layers, AdamW lr 2e-4, side by side; every configuration runs in a fr
 peak RSS (``ru_maxrss``, loading included) is its own.
 
     python benchmarks/ondevice.py speed [--steps 10 --warmup 3 --repeats 2]   # step time + peak RSS
-    python benchmarks/ondevice.py quality [--steps 100]                        # eval perplexity after N steps
+    python benchmarks/ondevice.py quality [--steps 100] [--configs ...] [--int4-variants gptq gptq+loftq]  # perplexity after N steps
     python benchmarks/ondevice.py demo [--steps 50]                            # the CLI default, end to end
     python benchmarks/ondevice.py plot                                         # PNG from the JSON
 
@@ -33,6 +33,7 @@ RESULTS = Path(__file__).parent / "results"
 MARK = "@@RESULT@@"
 HELD_OUT = ("hamlet_gut", "tempest_gut")
 BATCH, BLOCK, LR, SEED = 4, 256, 2e-4, 0
+GPTQ_BLOCKS = 16  # calibration blocks (x BLOCK tokens) for --gptq
 THREADS = 2  # set by --threads
 # name: (description, default gradient checkpointing)
 CONFIGS = {
@@ -58,7 +59,7 @@ def _data(tokenizer, n_train: int, n_eval: int):
     return train, evals
 
 
-def _build(config: str, loftq: bool, gc: bool):
+def _build(config: str, loftq: bool, gptq: bool, gc: bool):
     """``(model, tokenizer, loss_fn(batch) -> loss, notes)`` for one configuration."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -73,7 +74,8 @@ def _build(config: str, loftq: bool, gc: bool):
     if config.startswith("int4-lora"):
         from hf_lowprec.activations import ActivationStorage
 
-        model, tok, report = load_int4_lora(folder, lora, gguf_file=gguf, loftq_init=loftq)  # default plan: int4-g64-asym, lm_head kept
+        calibration = (lambda tok: _data(tok, GPTQ_BLOCKS, 0)[0]) if gptq else None  # the first training blocks
+        model, tok, report = load_int4_lora(folder, lora, gguf_file=gguf, loftq_init=loftq, calibration=calibration)  # default plan: int4-g64-asym, lm_head kept
         storage = ActivationStorage(model, "int8") if config == "int4-lora" and not gc else None
 
         def loss_fn(b):
@@ -82,7 +84,8 @@ def _build(config: str, loftq: bool, gc: bool):
             with storage:
                 return causal_lm_loss(model, b)
 
-        return model, tok, loss_fn, {"plan_fractions": report.fractions(), "activation_storage": "int8" if storage is not None else None}
+        return model, tok, loss_fn, {"plan_fractions": report.fractions(), "activation_storage": "int8" if storage is not None else None,
+                                     "gptq": report.gptq}  # fmt: skip
     if config == "bnb-nf4":
         from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -112,7 +115,7 @@ def child(args) -> dict:
     from hf_lowprec.finetune import backend_counts, evaluate_loss
 
     t0 = time.perf_counter()
-    model, tok, loss_fn, notes = _build(args.config, args.loftq, bool(args.gc))
+    model, tok, loss_fn, notes = _build(args.config, args.loftq, args.gptq, bool(args.gc))
     load_s = time.perf_counter() - t0
     rss_loaded = psutil.Process().memory_info().rss / 2**20
     steps = args.warmup + args.steps
@@ -154,7 +157,7 @@ def child(args) -> dict:
             notes["merge_summary"] = json.loads((Path(tmp) / "merged" / MERGE_FILE).read_text())["summary"]
     timed_wall, timed_cpu = wall[args.warmup :], cpu[args.warmup :]
     return {
-        "config": args.config, "gradient_checkpointing": bool(args.gc), "loftq": bool(args.loftq),
+        "config": args.config, "gradient_checkpointing": bool(args.gc), "loftq": bool(args.loftq), "gptq_rounding": bool(args.gptq),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_after_load_mb": rss_loaded,
         "load_s": load_s, "step_s_median": statistics.median(timed_wall), "step_cpu_s_median": statistics.median(timed_cpu),
         "step_s": timed_wall, "losses": losses, "eval_loss_before": eval_before, "eval_loss_after": eval_after,
@@ -166,16 +169,18 @@ def child(args) -> dict:
 
 
 # ------------------------------------------------------------------------------------ parent
-def run_child(config: str, gc: bool, steps: int, warmup: int, eval_blocks: int = 0, loftq: bool = False, merge_eval: bool = False) -> dict:
+def run_child(config: str, gc: bool, steps: int, warmup: int, eval_blocks: int = 0, loftq: bool = False, merge_eval: bool = False,
+              gptq: bool = False) -> dict:  # fmt: skip
+    flags = [f for f, on in (("--loftq", loftq), ("--merge-eval", merge_eval), ("--gptq", gptq)) if on]
     cmd = [sys.executable, __file__, "child", "--config", config, "--gc", str(int(gc)), "--steps", str(steps),
-           "--warmup", str(warmup), "--eval-blocks", str(eval_blocks)] + (["--loftq"] if loftq else []) + (["--merge-eval"] if merge_eval else [])  # fmt: skip
+           "--warmup", str(warmup), "--eval-blocks", str(eval_blocks), *flags]  # fmt: skip
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = next((x for x in proc.stdout.splitlines() if x.startswith(MARK)), None)
     if proc.returncode or line is None:
         raise RuntimeError(f"{config} (gc={gc}) failed:\n{proc.stderr[-3000:]}")
     result = json.loads(line[len(MARK) :])
-    print(f"  {config:<18} gc={int(gc)} loftq={int(loftq)}  peak {result['peak_rss_mb']:7.0f} MB  step {result['step_s_median']:.2f} s"
+    print(f"  {config:<18} gc={int(gc)} loftq={int(loftq)} gptq={int(gptq)}  peak {result['peak_rss_mb']:7.0f} MB  step {result['step_s_median']:.2f} s"
           + (f"  ppl {result['ppl_before']:.2f} -> {result['ppl_after']:.2f}" if eval_blocks else ""), flush=True)  # fmt: skip
     return result
 
@@ -268,13 +273,14 @@ def print_table(table: dict, goal: dict) -> None:
 
 def _quality_key(r: dict) -> str:
     fmt = next((f for f in r.get("plan_fractions", {}) if f.startswith("int4")), None)
-    return r["config"] + (f" ({fmt})" if fmt else "") + ("+loftq" if r["loftq"] else "")
+    return r["config"] + (f" ({fmt})" if fmt else "") + ("+gptq" if r.get("gptq_rounding") else "") + ("+loftq" if r["loftq"] else "")
 
 
 def quality(args) -> None:
     """Perplexity on the held-out plays before and after ``--steps`` steps; merged with earlier quality runs."""
-    new = [run_child(c, CONFIGS[c][1], args.steps, 0, args.eval_blocks, loftq, merge_eval=c == "int4-lora" and not loftq)
-           for c, loftq in [(c, False) for c in args.configs] + ([("int4-lora", True)] if args.loftq else [])]  # fmt: skip
+    variants = [(c, False, False) for c in args.configs] + [("int4-lora", "loftq" in v, "gptq" in v) for v in args.int4_variants]
+    new = [run_child(c, CONFIGS[c][1], args.steps, 0, args.eval_blocks, loftq, merge_eval=c == "int4-lora" and not loftq, gptq=gptq)
+           for c, loftq, gptq in variants]  # fmt: skip
     data = _load_results()
     old = data.get("quality", {}).get("runs", [])
     runs = list({_quality_key(r): r for r in old + new}.values())  # a re-run replaces the earlier one
@@ -329,7 +335,7 @@ def plot(_args) -> None:
     import matplotlib.pyplot as plt
 
     data = _load_results()
-    speed = data["speed"]["1_threads"] if "1_threads" in data["speed"] else next(iter(data["speed"].values()))
+    speed = data["speed"].get("2_threads") or next(iter(data["speed"].values()))
     table = speed["table"]
     names = list(table)
     fig, axes = plt.subplots(1, 3 if "quality" in data else 2, figsize=(17, 5))
@@ -357,7 +363,10 @@ def main() -> None:
     p.add_argument("--config", choices=tuple(CONFIGS))
     p.add_argument("--configs", nargs="+", default=list(CONFIGS))
     p.add_argument("--gc", type=int, default=0)
-    p.add_argument("--loftq", action="store_true")
+    p.add_argument("--loftq", action="store_true", help="child: LoftQ initialisation")
+    p.add_argument("--gptq", action="store_true", help=f"child: GPTQ rounding calibrated on {GPTQ_BLOCKS} training blocks")
+    p.add_argument("--int4-variants", nargs="*", default=[], choices=("loftq", "gptq", "gptq+loftq"),
+                   help="quality: also run int4-lora with these options")
     p.add_argument("--merge-eval", action="store_true", help="child: also evaluate the merged, re-quantized export")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=3)

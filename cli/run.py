@@ -315,7 +315,7 @@ def _prepare_method(model, recipe: Recipe, lm, t, resume_from: str | None):
     """``(model to train, extra callbacks, record fields)`` for the recipe's method."""
     if recipe.method == "full":
         return model, [_low_precision_callback(recipe, lm, t, resume_from)], {}
-    return _prepare_int4_lora(model, recipe)
+    return _prepare_int4_lora(model, recipe, lm, t)
 
 
 def _low_precision_callback(recipe: Recipe, lm, t, resume_from: str | None):
@@ -333,10 +333,11 @@ def _low_precision_callback(recipe: Recipe, lm, t, resume_from: str | None):
     return LowPrecisionCallback(plan=p.fixed_plan(), seed=t.seed)
 
 
-def _prepare_int4_lora(model, recipe: Recipe):
+def _prepare_int4_lora(model, recipe: Recipe, lm, t):
     """Pack the base to INT4 and wrap it in LoRA (``hf_lowprec.finetune``); the Trainer then trains the adapters.
 
-    Packing is deterministic, so a resumed run rebuilds the same base and the Trainer reloads the adapters.
+    Packing is deterministic (GPTQ calibrates on the first training batches), so a resumed run rebuilds
+    the same base and the Trainer reloads the adapters.
     """
     from peft import LoraConfig
 
@@ -347,10 +348,19 @@ def _prepare_int4_lora(model, recipe: Recipe):
         ui.fail("method 'int4-lora' needs a fixed plan: run `hf-lowprec scan` and pass --plan FILE, or a format such as int4-g64")
     targets = lora.target_modules[0] if lora.target_modules == ("all-linear",) else list(lora.target_modules)
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
-    with ui.step(f"packing the base to INT4 and adding LoRA adapters (r={lora.r})"):
-        peft_model, _ = prepare_int4_lora(model, config, p.fixed_plan(), loftq_init=lora.init == "loftq")
+    calibration = None
+    if p.rounding == "gptq":
+        n = min(len(lm.train), p.calibration_batches * t.batch_size)
+        tokens = torch.cat([torch.as_tensor(lm.train[i]["input_ids"]) for i in range(n)])  # rows may differ in length (chat data)
+        calibration = tokens[: len(tokens) // t.block_size * t.block_size].view(-1, t.block_size)
+    rounding = f", GPTQ on {calibration.numel()} tokens" if calibration is not None else ""
+    with ui.step(f"packing the base to INT4{rounding} and adding LoRA adapters (r={lora.r})"):
+        peft_model, report = prepare_int4_lora(model, config, p.fixed_plan(), loftq_init=lora.init == "loftq", calibration=calibration)
     trainable = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
-    return peft_model, [], {"adapter": {"trainable_params": trainable, "r": lora.r, "target_modules": list(lora.target_modules)}}
+    record = {"adapter": {"trainable_params": trainable, "r": lora.r, "target_modules": list(lora.target_modules)}}
+    if report.gptq is not None:
+        record["gptq"] = report.gptq
+    return peft_model, [], record
 
 
 def _trainer_class(recipe: Recipe):

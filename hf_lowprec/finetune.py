@@ -146,6 +146,7 @@ def prepare_int4_lora(
     plan: "PrecisionPlan | str | None" = None,
     *,
     loftq_init: bool = False,
+    calibration: torch.Tensor | None = None,
     adapter_dtype: torch.dtype = torch.float32,
     backend: str = "auto",
 ) -> tuple[PeftModel, ConversionReport]:
@@ -157,6 +158,8 @@ def prepare_int4_lora(
             accepts names, suffixes, a regex or ``all-linear`` (packed layers included).
         plan: see :func:`int4_plan`; layers it keeps in int8/nf4 stay fake-quantized, bf16/fp32 stay dense.
         loftq_init: initialise LoRA on INT4 layers from the SVD of their quantization residual (LoftQ).
+        calibration: token blocks ``[n, T]``: choose the INT4 codes by GPTQ on these tokens (see
+            :mod:`hf_lowprec.gptq`; same format and grid, lower output error) instead of rounding to nearest.
         adapter_dtype: dtype of the adapter weights (fp32 master copies by default; they compute in the
             activation dtype either way).
         backend: ``auto``, ``int8`` or ``dequant`` for every packed layer (see ``PackedInt4Linear``).
@@ -171,7 +174,11 @@ def prepare_int4_lora(
     _check_quantizable(model, plan)
     config.target_modules = resolve_target_modules(model, config.target_modules)
     report = apply_plan(model, plan, learn_scales=False)
-    factors = _loftq_for_targets(model, config) if loftq_init else {}
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if calibration is not None:
+        report.gptq = _gptq_pack(model, calibration, config if loftq_init else None, factors)
+    if loftq_init:
+        factors.update(_loftq_for_targets(model, config))
     freeze(model)
     layers = eligible_layers(model)
     for row in report.layers:  # the report was made before freezing: name the modules that now run
@@ -211,11 +218,43 @@ def _own_dense_tensors(model: nn.Module) -> None:
                 module._buffers[name] = b.clone()
 
 
+def _gptq_pack(model: nn.Module, calibration: torch.Tensor, loftq: LoraConfig | None, factors: dict) -> dict:
+    """Pack every INT4 ``Int4Linear`` with GPTQ codes (LoftQ factors from their residual into ``factors``
+    when ``loftq`` is given); returns :func:`hf_lowprec.gptq.summary`, also logged."""
+    from hf_lowprec import gptq
+    from hf_lowprec.convert import _set_module
+    from hf_lowprec.modules.int4 import Int4Linear
+
+    if calibration.dim() != 2 or calibration.dtype not in (torch.int32, torch.int64) or not len(calibration):
+        raise ValueError(f"calibration must be token ids [n, T] (int64), got {calibration.dtype} {tuple(calibration.shape)}")
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear) and m.spec.family == "int4"}
+    targets = set(loftq.target_modules) if loftq is not None else set()
+
+    def replace(name: str, result: gptq.GPTQResult) -> None:
+        module = layers[name]
+        packed = PackedInt4Linear.from_codes(result.codes, result.step, result.zero, module.spec, module.bias, module.weight.dtype)
+        if name in targets:
+            residual = module.weight.detach().float() - packed.dequantized_weight(torch.float32)
+            factors[canonical_name(name)] = loftq_factors(residual, loftq.r, _lora_scaling(loftq))
+        _set_module(model, name, packed)
+
+    start = time.perf_counter()
+    summary = gptq.summary(gptq.gptq_codes(model, layers, calibration, replace))
+    summary["seconds"] = time.perf_counter() - start
+    logger.info("GPTQ on %d tokens: output error %.3g (round-to-nearest %.3g), median over %d layers, %.0f s",
+                calibration.numel(), summary["output_error_median"], summary["output_error_nearest_median"], summary["layers"], summary["seconds"])  # fmt: skip
+    return summary
+
+
+def _lora_scaling(config: LoraConfig) -> float:
+    return config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
+
+
 def _loftq_for_targets(model: nn.Module, config: LoraConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """LoftQ factors for every LoRA target that the plan put in int4 (called before ``freeze``)."""
     from hf_lowprec.modules.int4 import Int4Linear
 
-    scaling = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
+    scaling = _lora_scaling(config)
     out = {}
     for fqn in config.target_modules:
         module = model.get_submodule(fqn)
@@ -233,15 +272,22 @@ def load_int4_lora(
     gguf_file: str | None = None,
     dtype: torch.dtype = torch.bfloat16,
     loftq_init: bool = False,
+    calibration=None,
     adapter_dtype: torch.dtype = torch.float32,
     backend: str = "auto",
 ):
-    """Load a pretrained checkpoint and :func:`prepare_int4_lora` it: ``(peft_model, tokenizer, report)``."""
+    """Load a pretrained checkpoint and :func:`prepare_int4_lora` it: ``(peft_model, tokenizer, report)``.
+
+    ``calibration``: token blocks ``[n, T]``, or a callable ``tokenizer -> blocks`` (the tokenizer is
+    only known after loading), for GPTQ rounding.
+    """
     from hf_lowprec.checkpoints import load_pretrained
 
     model, tokenizer = load_pretrained(model_id_or_path, gguf_file=gguf_file, dtype=dtype)
+    if callable(calibration):
+        calibration = calibration(tokenizer)
     peft_model, report = prepare_int4_lora(
-        model, lora_config, plan, loftq_init=loftq_init, adapter_dtype=adapter_dtype, backend=backend
+        model, lora_config, plan, loftq_init=loftq_init, calibration=calibration, adapter_dtype=adapter_dtype, backend=backend
     )
     return peft_model, tokenizer, report
 

@@ -35,6 +35,7 @@ PLAN_SOURCES = ("auto",)  # besides a format name or a plan file path
 DTYPES = ("fp32", "bf16")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 LORA_INITS = ("default", "loftq")
+ROUNDINGS = ("nearest", "gptq")
 EXPORT_WEIGHTS = ("master", "int4-packed")
 
 
@@ -52,8 +53,10 @@ class PrecisionSection:
         keep: layer names/patterns left in high precision (plain format plans only).
         formats: candidate formats of the ``auto`` scan.
         budget: ``auto`` budget, passed to ``sensitivity.allocate`` (e.g. ``{target_bits_per_param: 6}``).
-        calibration_batches: batches the ``auto`` scan measures on.
+        calibration_batches: batches the ``auto`` scan measures on, and GPTQ calibrates on.
         scan_method: ``auto`` scan method.
+        rounding: ``int4-lora`` only: how the frozen base's INT4 codes are chosen, ``nearest`` or
+            ``gptq`` (output-error-minimizing, calibrated on the first training batches; see ``hf_lowprec.gptq``).
     """
 
     plan: str = "fp8"
@@ -62,6 +65,7 @@ class PrecisionSection:
     budget: Mapping[str, float] = field(default_factory=dict)
     calibration_batches: int = 4
     scan_method: str = field(default="auto", metadata=_choices("auto", "fisher", "measured"))
+    rounding: str = field(default="nearest", metadata=_choices(*ROUNDINGS))
 
     def __post_init__(self):
         for fmt in self.formats:

@@ -1,0 +1,76 @@
+"""GPTQ rounding of the frozen INT4 base: exact where it must be (uncorrelated inputs), better where it claims to be."""
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from conftest import markov_batches, tiny_llama
+from hf_lowprec.finetune import prepare_int4_lora
+from hf_lowprec.formats import FormatSpec, dequantize_int, int_steps, quantize_int
+from hf_lowprec.gptq import gptq_quantize, hessian_groups
+from hf_lowprec.modules import PackedInt4Linear
+
+LORA = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+
+
+def correlated_inputs(tokens: int = 512, k: int = 128, seed: int = 0) -> torch.Tensor:
+    """Inputs ``[tokens, k]`` with strongly correlated features and a few large channels, as in transformer
+    layers: one distribution (fixed mixing), ``seed`` draws the samples."""
+    mix = torch.randn(k, k, generator=torch.Generator().manual_seed(1234)) / k**0.5 + torch.eye(k)
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(seed)) @ mix
+    x[:, :4] *= 8.0
+    return x
+
+
+@pytest.mark.parametrize("fmt", ["int4-g64", "int4-g32-asym"])
+def test_uncorrelated_inputs_give_round_to_nearest(fmt):
+    """H = I: no error is propagated, so GPTQ's codes are exactly the round-to-nearest codes."""
+    spec = FormatSpec.parse(fmt)
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(1))
+    step, zero = int_steps(w, spec)
+    result = gptq_quantize(w, torch.eye(128), spec, step, zero)
+    assert torch.equal(result.codes, quantize_int(w, spec, step, zero))
+    assert result.output_error == pytest.approx(result.output_error_nearest, rel=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["int4-g64", "int4-g64-asym"])
+def test_gptq_lowers_the_output_error_on_the_same_grid(fmt):
+    spec = FormatSpec.parse(fmt)
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(2)) * 0.05
+    x, x_new = correlated_inputs(seed=0), correlated_inputs(seed=1)  # calibrate on one sample, judge on another
+    step, zero = int_steps(w, spec)
+    result = gptq_quantize(w, x.T @ x, spec, step, zero)
+    lo, hi = spec.qrange
+    assert result.codes.min() >= lo and result.codes.max() <= hi
+    assert torch.equal(result.step, step)  # same grid: packs like any other layer
+    gptq_w = dequantize_int(result.codes, spec, step, zero)
+    nearest_w = dequantize_int(quantize_int(w, spec, step, zero), spec, step, zero)
+    err = lambda q: ((x_new @ (q - w).T).norm() / (x_new @ w.T).norm()).item()  # noqa: E731
+    assert err(gptq_w) < 0.7 * err(nearest_w), (err(gptq_w), err(nearest_w))
+    assert result.output_error < 0.6 * result.output_error_nearest
+
+
+def test_hessian_groups_respect_the_budget_and_keep_order():
+    sizes = {"a": 64, "b": 64, "c": 128, "d": 64}
+    assert hessian_groups(sizes, budget_bytes=4 * (64 * 64 * 2)) == [["a", "b"], ["c"], ["d"]]
+    assert hessian_groups(sizes, budget_bytes=1) == [["a"], ["b"], ["c"], ["d"]]  # one layer always fits
+
+
+def test_prepare_int4_lora_with_calibration_packs_gptq_codes_closer_to_the_model():
+    ids = markov_batches(n=2, batch=4, seq=32)
+    calibration, held_out = ids[0]["input_ids"], ids[1]["input_ids"]
+    full = tiny_llama(3, hidden_size=128, intermediate_size=256)
+    with torch.no_grad():
+        target = full(input_ids=held_out).logits
+    errors = {}
+    for gptq in (False, True):
+        model, report = prepare_int4_lora(tiny_llama(3, hidden_size=128, intermediate_size=256), LORA,
+                                          calibration=calibration if gptq else None, backend="dequant")  # fmt: skip
+        base = model.get_base_model()
+        assert sum(isinstance(m, PackedInt4Linear) for m in base.modules()) == 14
+        with torch.no_grad():
+            errors[gptq] = ((model(input_ids=held_out).logits - target).norm() / target.norm()).item()
+    assert report.gptq["layers"] == 14 and report.gptq["output_error_median"] < report.gptq["output_error_nearest_median"]
+    assert errors[True] < errors[False], errors
+    with pytest.raises(ValueError, match="calibration must be token ids"):
+        prepare_int4_lora(tiny_llama(), LORA, calibration=torch.rand(2, 8))
