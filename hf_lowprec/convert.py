@@ -141,6 +141,7 @@ def apply_plan(
     fp8_backend: str = "auto",
     grad_dtype: torch.dtype = E5M2,
     learn_scales: bool = True,
+    learn_activation_scales: bool = False,
     policy_factory: PolicyFactory | None = None,
 ) -> ConversionReport:
     """Swap ``model``'s layers in place for the formats ``plan`` assigns; returns a report.
@@ -150,6 +151,8 @@ def apply_plan(
         fp8_backend: ``auto`` (torchao kernels on FP8 GPUs, emulation elsewhere), ``emulated`` or ``torchao``.
         grad_dtype: FP8 dtype of output gradients.
         learn_scales: train INT4/INT8 group steps with LSQ.
+        learn_activation_scales: ``-a8`` formats: quantize each layer's input with one LSQ-trained step
+            (a new parameter in the report) instead of dynamic per-token scales.
         policy_factory: ``(layer name, role, spec) -> ScalePolicy or None`` for FP8 layers.
 
     Idempotent: layers already in their planned format are left alone; layers planned ``bf16``/``fp32``
@@ -181,7 +184,8 @@ def apply_plan(
                 f"layers sharing one weight (tied embeddings) need one integer format: {name!r} is planned "
                 f"{spec.name} but its tied twin is {shared[0]}"
             )
-        options = {"fp8_backend": fp8_backend, "grad_dtype": grad_dtype, "learn_scales": learn_scales}
+        options = {"fp8_backend": fp8_backend, "grad_dtype": grad_dtype, "learn_scales": learn_scales,
+                   "learn_activation_scales": learn_activation_scales}  # fmt: skip
         if policy_factory is not None and spec.family == "fp8":
             options["policies"] = {r: p for r in ("input", "weight", "grad") if (p := policy_factory(name, r, spec)) is not None}
         before = {id(p) for p in original.parameters()}

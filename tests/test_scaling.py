@@ -25,6 +25,7 @@ from hf_lowprec.formats import (
     fp8_scale,
     quantize_fp8,
 )
+from hf_lowprec.modules import Int4Linear
 from hf_lowprec.modules.fp8 import cast_fp8
 from hf_lowprec.scaling import (
     DelayedScaling,
@@ -278,6 +279,32 @@ def test_learned_activation_quantizer_init_grid_and_gradient():
     expected = (upstream * torch.where(inside, v.round() - v, v.clamp(-128, 127))).sum() / math.sqrt(x.numel() * 127)
     torch.testing.assert_close(quant.step.grad, expected, rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(x.grad, upstream * inside)  # straight through inside the grid
+
+
+def test_learned_activation_steps_wired_into_a8_layers_train_and_match_a_manual_reference():
+    model = tiny_llama()
+    report = apply_plan(model, "int4-g32-a8", learn_activation_scales=True)
+    act_steps = {n: p for n, p in report.new_parameters.items() if n.endswith("input_quantizer.step")}
+    assert len(act_steps) == 15  # every Linear of the 2-layer Llama, lm_head included
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.randn(2, 8, layer.in_features)
+    y = layer(x)
+    step = layer.input_quantizer.step.detach()
+    reference = torch.nn.functional.linear((x / step).round().clamp(-128, 127) * step, layer.quantized_weight().detach())
+    torch.testing.assert_close(y.detach(), reference, rtol=1e-5, atol=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for batch in text_batches(4):
+        before = {n: p.detach().clone() for n, p in act_steps.items()}
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert all(not torch.equal(before[n], p.detach()) for n, p in act_steps.items())  # the steps train
+    assert losses[-1] < losses[0]
+    with pytest.raises(ValueError, match="needs a format that quantizes activations"):
+        Int4Linear(64, 64, spec="int4-g32", learn_activation_scales=True)
 
 
 # ------------------------------------------------------------------------ state and telemetry

@@ -19,7 +19,8 @@ ELIGIBLE_TYPES = (nn.Linear, nn.Embedding)
 def low_precision_layer(module: nn.Module, spec: FormatSpec, options: dict, quantizer=None) -> nn.Module:
     """The low-precision replacement of an ``nn.Linear``/``nn.Embedding`` for ``spec``, sharing its parameters.
 
-    ``options``: ``fp8_backend``, ``grad_dtype``, ``policies`` (FP8), ``learn_scales`` (integer formats).
+    ``options``: ``fp8_backend``, ``grad_dtype``, ``policies`` (FP8), ``learn_scales`` and
+    ``learn_activation_scales`` (integer formats; the latter for ``-a8`` Linear formats only).
     ``quantizer``: an integer-format weight quantizer to share (tied weights).
     """
     if spec.family == "fp8":
@@ -30,7 +31,8 @@ def low_precision_layer(module: nn.Module, spec: FormatSpec, options: dict, quan
     learn = options.get("learn_scales", True)
     if isinstance(module, nn.Embedding):
         return Int4Embedding.from_embedding(module, spec, learn, quantizer)
-    return Int4Linear.from_linear(module, spec, learn, quantizer)
+    learn_act = options.get("learn_activation_scales", False) and spec.act_int8
+    return Int4Linear.from_linear(module, spec, learn, quantizer, learn_activation_scales=learn_act)
 
 
 __all__ = ["FP8Linear", "FP8Embedding", "Int4Linear", "Int4Embedding", "PackedInt4Linear", "low_precision_layer"]

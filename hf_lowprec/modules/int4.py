@@ -18,7 +18,7 @@ from torch import nn
 
 from hf_lowprec.formats import FormatSpec, fake_quantize_per_token_int8, quantize_int
 from hf_lowprec.modules.int4_packed import PackedInt4Linear
-from hf_lowprec.scaling import LearnedStepQuantizer
+from hf_lowprec.scaling import LearnedActivationQuantizer, LearnedStepQuantizer
 
 INT_FAMILIES = ("int4", "int8", "nf4")
 
@@ -34,25 +34,34 @@ class Int4Linear(nn.Linear):
     """``nn.Linear`` trained with a fake-quantized weight (``int4-gN``, ``int8``, ``nf4-gN`` ...).
 
     Args:
-        spec: the weight format; ``-a8`` variants also quantize the input to int8 per token.
+        spec: the weight format; ``-a8`` variants also quantize the input to int8 (per token, dynamic).
         learn_scales: train the group steps with LSQ (otherwise recompute them from the weight).
         quantizer: an existing quantizer to share (tied weights).
+        learn_activation_scales: ``-a8`` only: quantize the input with one LSQ-trained step
+            (:class:`~hf_lowprec.scaling.LearnedActivationQuantizer`) instead of dynamic per-token scales.
+            :meth:`freeze` keeps the weight codes only; the packed layer quantizes inputs per token.
     """
 
     def __init__(
         self, in_features, out_features, bias=True, *, spec: FormatSpec | str = "int4-g64", learn_scales: bool = True,
-        quantizer: LearnedStepQuantizer | None = None, device=None, dtype=None,
+        quantizer: LearnedStepQuantizer | None = None, learn_activation_scales: bool = False, device=None, dtype=None,
     ):  # fmt: skip
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.spec = _check_spec(spec, "Int4Linear")
+        if learn_activation_scales and not self.spec.act_int8:
+            raise ValueError(f"learn_activation_scales needs a format that quantizes activations (e.g. int4-g32-a8), not {self.spec.name!r}")
+        self.input_quantizer = LearnedActivationQuantizer("int8") if learn_activation_scales else None
         if self.weight.device.type != "meta":
             self.weight_quantizer = quantizer or LearnedStepQuantizer(self.weight, self.spec, learn_scales)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, spec: FormatSpec | str = "int4-g64", learn_scales: bool = True,
-                    quantizer: LearnedStepQuantizer | None = None) -> "Int4Linear":  # fmt: skip
+                    quantizer: LearnedStepQuantizer | None = None, learn_activation_scales: bool = False) -> "Int4Linear":  # fmt: skip
         """Wrap an existing ``nn.Linear``, keeping its ``weight``/``bias`` Parameter objects."""
-        new = cls(linear.in_features, linear.out_features, linear.bias is not None, spec=spec, device="meta")
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, spec=spec,
+                  learn_activation_scales=learn_activation_scales, device="meta")  # fmt: skip
+        if new.input_quantizer is not None:
+            new.input_quantizer.to(linear.weight.device)
         new.weight, new.bias = linear.weight, linear.bias
         new.weight_quantizer = quantizer or LearnedStepQuantizer(linear.weight, new.spec, learn_scales)
         return new
@@ -62,7 +71,9 @@ class Int4Linear(nn.Linear):
         return self.weight_quantizer(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.spec.act_int8:
+        if self.input_quantizer is not None:
+            x = self.input_quantizer(x)
+        elif self.spec.act_int8:
             x = fake_quantize_per_token_int8(x)
         w = self.quantized_weight().to(x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
