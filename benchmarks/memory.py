@@ -4,7 +4,7 @@
 (b) bf16 autocast with fp32 master weights and AdamW (the usual mixed precision);
 (c) bf16 weights, no master copy, 8-bit AdamW states (torchao), compensated by Kahan buffers
     (hf_lowprec.compensation.CompensatedOptimizer) or by stochastic rounding (torchao's own);
-(d) (c) with every activation saved for backward stored in FP8 (hf_lowprec.activation_storage); a
+(d) (c) with every activation saved for backward stored in FP8 (hf_lowprec.activations, fp8); a
     variant also runs every Linear but the output head as FP8Linear (tensorwise: it saves its own
     input and weight in FP8).
 Optimizer-state variants of (c) (bitsandbytes 8-bit, torchao FP8 / 4-bit, fp32) are measured too.
@@ -71,7 +71,7 @@ def run_one(name: str, quick: bool) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_lowprec import PrecisionPlan, apply_plan
-    from hf_lowprec.activation_storage import FP8SavedActivations
+    from hf_lowprec.activations import ActivationStorage
     from hf_lowprec.compensation import make_optimizer, optimizer_state_bytes
 
     torch.set_num_threads(1)  # two threads on two shared cores oversubscribe; memory does not depend on it
@@ -104,7 +104,7 @@ def run_one(name: str, quick: bool) -> dict:
         reset_peak()
         with torch.autocast("cpu", torch.bfloat16, enabled=weights == "amp"):
             if fp8_activations:
-                with FP8SavedActivations(model):
+                with ActivationStorage(model, "fp8", min_numel=4096):
                     loss = model(input_ids=ids, labels=ids).loss
             else:
                 loss = model(input_ids=ids, labels=ids).loss

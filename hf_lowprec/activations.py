@@ -1,17 +1,24 @@
 """8-bit stored activations: tensors saved for backward kept as int8 or FP8 (per-row scales) instead of bf16/fp32.
 
-At small model sizes the activations autograd keeps between forward and backward dominate training
+Between forward and backward, every op leaves tensors behind for its gradient (inputs of matmuls,
+norms, activation functions, attention, the loss). At small model sizes they dominate training
 memory (SmolLM2-135M, 4 x 256 tokens: ~0.9 GB of bf16 activations against ~0.1 GB of INT4 weights).
-Gradient checkpointing drops them and pays a second forward; storing them in 8 bits halves (bf16) or
-quarters (fp32) them for two elementwise passes and a rounding error in the gradients.
+Gradient checkpointing drops them and pays a second forward; :class:`ActivationStorage` instead packs
+them, through ``torch.autograd.graph.saved_tensors_hooks``, into 1 byte per element with one fp32
+scale per row (per token for ``[..., hidden]`` tensors) and unpacks them when backward asks.
+Gradients are then computed from the 8-bit copies (as COAT, Xi et al. 2024); the forward pass is
+unchanged.
 
-Formats (one scale per row, i.e. per token for ``[..., hidden]`` tensors):
+Formats:
 - ``int8`` (default): symmetric, 127 levels per sign. Measured LoRA-gradient error against exact bf16
   storage on 6 layers of SmolLM2-135M: median 2.3%, worst 7.8%.
 - ``fp8``: E4M3, 3 mantissa bits (<= 6.25% per element): median 3.7%, worst 17.5% on the same test.
+- ``fp8-e5m2``: E5M2, more range, 2 mantissa bits.
 
-Parameters, buffers, integer tensors and small tensors are saved as they are; a tensor saved several
-times (one input feeding q, k and v) is stored once.
+Parameters, buffers, integer and FP8 tensors and small tensors are saved as they are; a tensor (or a
+view of it) saved by several ops (one input feeding q, k and v) is stored once. Written here because
+torch provides only the hook mechanism; torchao's float8 training stores FP8 copies for its own
+linears only.
 
     with ActivationStorage(model):
         loss = compute_loss(model, batch)
@@ -25,17 +32,19 @@ import weakref
 import torch
 from torch import nn
 
-from hf_lowprec.formats import E4M3, dequantize_fp8, fp8_amax, fp8_scale, quantize_fp8
+from hf_lowprec.formats import E4M3, E5M2, dequantize_fp8, fp8_amax, fp8_scale, quantize_fp8
 from hf_lowprec.modules.int4_packed import compiled, dequantize_rows, quantize_rows
 
 MIN_NUMEL = 1 << 16  # smaller tensors (norm statistics, rotary tables) are not worth a kernel launch
-FORMATS = ("int8", "fp8")
+FORMATS = {"int8": torch.int8, "fp8": E4M3, "fp8-e5m2": E5M2}
+_SLICE = 1 << 20  # elements (un)packed at a time: bounds the temporaries of a large tensor (logits)
+_PACKED_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
 
-def pack_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [R, C]`` → ``(E4M3 codes [R, C], fp32 scale [R, 1])`` with ``x ≈ codes / scale``."""
-    scale = fp8_scale(fp8_amax(x, "row"), E4M3)
-    return quantize_fp8(x, scale, E4M3), scale
+def pack_fp8_rows(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [R, C]`` → ``(FP8 codes [R, C], fp32 scale [R, 1])`` with ``x ≈ codes / scale``."""
+    scale = fp8_scale(fp8_amax(x, "row"), dtype)
+    return quantize_fp8(x, scale, dtype), scale
 
 
 def unpack_fp8_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -44,55 +53,84 @@ def unpack_fp8_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 
 
 class _Packed:
-    __slots__ = ("codes", "scale", "shape", "dtype", "fmt")
+    """An 8-bit copy of a saved tensor: codes ``[R, C]``, row scales ``[R, 1]`` fp32, original shape and dtype."""
 
-    def __init__(self, t: torch.Tensor, fmt: str):
-        self.shape, self.dtype, self.fmt = t.shape, t.dtype, fmt
-        rows = t.detach().reshape(-1, t.shape[-1]).contiguous()
-        self.codes, self.scale = quantize_rows(rows) if fmt == "int8" else compiled(pack_fp8_rows)(rows)
+    __slots__ = ("codes", "scale", "shape", "dtype", "__weakref__")
+
+    def __init__(self, t: torch.Tensor, code_dtype: torch.dtype):
+        self.shape, self.dtype = t.shape, t.dtype
+        rows = t.detach().reshape(-1, t.shape[-1])
+        self.codes = torch.empty(rows.shape, dtype=code_dtype, device=rows.device)
+        self.scale = torch.empty(rows.shape[0], 1, device=rows.device)
+        step = max(1, _SLICE // rows.shape[1])
+        for r0 in range(0, rows.shape[0], step):
+            part = rows[r0 : r0 + step].contiguous()
+            if code_dtype == torch.int8:
+                codes, scale = quantize_rows(part)
+            else:
+                codes, scale = compiled(pack_fp8_rows)(part, code_dtype)
+            self.codes[r0 : r0 + step], self.scale[r0 : r0 + step] = codes, scale
 
     def unpack(self) -> torch.Tensor:
-        if self.fmt == "int8":
-            return dequantize_rows(self.codes, self.scale, None, self.dtype).view(self.shape)
-        return compiled(unpack_fp8_rows)(self.codes, self.scale, self.dtype).view(self.shape)
+        out = torch.empty(self.codes.shape, dtype=self.dtype, device=self.codes.device)
+        step = max(1, _SLICE // self.codes.shape[1])
+        for r0 in range(0, self.codes.shape[0], step):
+            codes, scale = self.codes[r0 : r0 + step], self.scale[r0 : r0 + step]
+            if self.codes.dtype == torch.int8:
+                out[r0 : r0 + step] = dequantize_rows(codes, scale, None, self.dtype)
+            else:
+                out[r0 : r0 + step] = compiled(unpack_fp8_rows)(codes, scale, self.dtype)
+        return out.view(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() * self.codes.element_size() + self.scale.numel() * 4
 
 
 class ActivationStorage:
     """Context manager: tensors autograd saves inside it are stored in 8 bits (see the module docstring).
 
-    ``model``: its parameters and buffers are never converted. ``fmt``: ``int8`` or ``fp8``. Counters
-    ``packed_bytes`` (original size) and ``stored_bytes`` (codes + scales) accumulate over its uses.
+    Args:
+        model: its parameters and buffers (and anything sharing their storage) are never converted;
+            ``None`` converts everything eligible.
+        fmt: ``int8``, ``fp8`` (E4M3) or ``fp8-e5m2``.
+        min_numel: smaller tensors are saved as they are.
+
+    Counters ``original_bytes`` and ``stored_bytes`` (codes + scales) accumulate over its uses.
     """
 
-    def __init__(self, model: nn.Module, fmt: str = "int8", min_numel: int = MIN_NUMEL):
+    def __init__(self, model: nn.Module | None = None, fmt: str = "int8", min_numel: int = MIN_NUMEL):
         if fmt not in FORMATS:
             raise ValueError(f"activation storage format {fmt!r}: choose one of {', '.join(FORMATS)}")
-        self.fmt = fmt
-        self.min_numel = min_numel
-        self._skip = {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
-        self._seen: dict[tuple, tuple[weakref.ref, _Packed]] = {}
+        self.fmt, self.min_numel = fmt, min_numel
+        tensors = () if model is None else (*model.parameters(), *model.buffers())
+        self._keep = {t.untyped_storage().data_ptr() for t in tensors}
+        self._cache: dict[tuple, tuple[weakref.ref, int, weakref.ref]] = {}  # view key -> (base, version, packed)
         self._hooks = None
-        self.packed_bytes = 0
+        self.original_bytes = 0
         self.stored_bytes = 0
 
     def _pack(self, t: torch.Tensor):
-        if t.dtype not in (torch.bfloat16, torch.float32, torch.float16) or t.numel() < self.min_numel or t.dim() < 2:
+        if t.dtype not in _PACKED_DTYPES or t.dim() < 2 or t.numel() < self.min_numel or t.untyped_storage().data_ptr() in self._keep:
             return t
-        if t.data_ptr() in self._skip:
-            return t
-        key = (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
-        seen = self._seen.get(key)
-        if seen is not None and seen[0]() is t:  # the same live tensor (memory reused by a new one does not match)
-            return seen[1]
-        packed = _Packed(t, self.fmt)
-        self._seen[key] = (weakref.ref(t), packed)
-        self.packed_bytes += t.numel() * t.element_size()
-        self.stored_bytes += packed.codes.numel() + packed.scale.numel() * 4
+        # ops often save views of one tensor (a linear's input reshaped to 2-D, once per q/k/v projection):
+        # key on the viewed tensor and the view's geometry, and check the base is still the same, unchanged tensor
+        base = t if t._base is None else t._base
+        key = (id(base), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        hit = self._cache.get(key)
+        if hit is not None and hit[0]() is base and hit[1] == t._version and hit[2]() is not None:
+            return hit[2]()
+        packed = _Packed(t, FORMATS[self.fmt])
+        if len(self._cache) > 4096:
+            self._cache = {k: v for k, v in self._cache.items() if v[0]() is not None and v[2]() is not None}
+        self._cache[key] = (weakref.ref(base), t._version, weakref.ref(packed))
+        self.original_bytes += t.numel() * t.element_size()
+        self.stored_bytes += packed.nbytes
         return packed
 
     @staticmethod
-    def _unpack(p):
-        return p.unpack() if isinstance(p, _Packed) else p
+    def _unpack(saved):
+        return saved.unpack() if isinstance(saved, _Packed) else saved
 
     def __enter__(self):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -101,5 +139,5 @@ class ActivationStorage:
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
-        self._seen.clear()  # the graph keeps what it needs; the dedup table is per forward
+        self._cache.clear()  # the graph keeps what it needs; the dedup table is per forward
         return False

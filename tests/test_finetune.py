@@ -216,7 +216,7 @@ def test_8bit_activation_storage_gradients_close_to_exact_and_memory_quartered(f
     # per-row int8 (127 levels) or E4M3 (3 mantissa bits): gradients off by a few % (measured 2% / 11% worst here)
     worst = max(((grads[True][n] - g).norm() / g.norm()).item() for n, g in grads[False].items())
     assert 0 < worst < tol
-    assert storage.packed_bytes > 0 and storage.stored_bytes < 0.3 * storage.packed_bytes  # fp32 -> 8 bits: ~1/4
+    assert storage.original_bytes > 0 and storage.stored_bytes < 0.3 * storage.original_bytes  # fp32 -> 8 bits: ~1/4
 
 
 def test_activation_storage_stores_a_tensor_saved_twice_once_and_rejects_unknown_formats():
@@ -228,7 +228,7 @@ def test_activation_storage_stores_a_tensor_saved_twice_once_and_rejects_unknown
     with storage:
         y = ((x @ w1) * g).sum() + ((x @ w2) * g).sum()  # x is saved by both matmuls
     y.backward()
-    assert storage.packed_bytes == (x.numel() + g.numel()) * 4  # x and g are each saved twice, stored once
+    assert storage.original_bytes == (x.numel() + g.numel()) * 4  # x and g are each saved twice, stored once
     exact = x.t() @ g
     assert ((w1.grad - exact).norm() / exact.norm()).item() < 0.02
     with pytest.raises(ValueError, match="choose one of int8, fp8"):
