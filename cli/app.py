@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -316,6 +317,9 @@ def push_cmd(
 
 
 def main() -> None:
+    # torchao warns at import about its CUDA-only extensions (mxfp8, cutlass) on machines without them;
+    # the CLI reports what runs where itself (plan report, "FP8 numerics emulated"), so keep its output clean
+    logging.getLogger("torchao").setLevel(logging.ERROR)
     app()
 
 
