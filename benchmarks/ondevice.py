@@ -361,7 +361,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=("speed", "quality", "demo", "report", "plot", "child"))
     p.add_argument("--config", choices=tuple(CONFIGS))
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=tuple(CONFIGS))
     p.add_argument("--gc", type=int, default=0)
     p.add_argument("--loftq", action="store_true", help="child: LoftQ initialisation")
     p.add_argument("--gptq", action="store_true", help=f"child: GPTQ rounding calibrated on {GPTQ_BLOCKS} training blocks")

@@ -19,8 +19,9 @@ STEPS = {  # name -> arguments (sized for the 45-minute budget; each script's --
     "layers": ["layers.py", "--repeat", "7"],
     "memory": ["memory.py"],
     "scan": ["scan.py"],
-    "ondevice": ["ondevice.py", "speed"],
-    "convergence": ["convergence.py", "--steps", "600"],
+    "ondevice": ["ondevice.py", "speed", "--steps", "6", "--warmup", "2"],
+    "finetune_quality": ["finetune_quality.py", "--steps", "30"],
+    "convergence": ["convergence.py", "--steps", "400"],
 }
 
 
