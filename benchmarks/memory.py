@@ -7,7 +7,11 @@
 (d) (c) with every activation saved for backward stored in FP8 (hf_lowprec.activations, fp8); a
     variant also runs every Linear but the output head as FP8Linear (tensorwise: it saves its own
     input and weight in FP8).
-Optimizer-state variants of (c) (bitsandbytes 8-bit, torchao FP8 / 4-bit, fp32) are measured too.
+Optimizer-state variants of (c) (bitsandbytes 8-bit, torchao FP8 / 4-bit, fp32) are measured too, and
+the peers at (b)'s settings (fp32 master weights, AdamW, bf16 autocast, output head left alone):
+torchao ``convert_to_float8_training``, Accelerate ``mixed_precision="fp8"`` (model prepared before
+the optimizer is built: a one-call ``prepare(model, optimizer)`` would orphan the swapped weights), and
+torchao QAT with int4 group-64 fake-quantized weights (``QATConfig(weight_config=IntxFakeQuantizeConfig)``).
 
 Each configuration runs in a fresh subprocess (one intra-op thread): build the model (SmolLM2-135M's
 architecture from its config, random weights), one warm-up step (torchao's optimizers compile there),
@@ -35,7 +39,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# name: (description, weights, optimizer states, compensation, FP8 linears, FP8-stored activations)
+# name: (description, weights, optimizer states, compensation, FP8 linears, FP8-stored activations[, peer conversion])
 CONFIGS = {
     "a_fp32": ("fp32 weights + AdamW", "fp32", "fp32", None, False, False),
     "b_bf16_amp": ("bf16 autocast, fp32 master weights + AdamW", "amp", "fp32", None, False, False),
@@ -48,7 +52,33 @@ CONFIGS = {
     "c_kahan_fp8states": ("bf16 weights + Kahan + torchao FP8-state AdamW", "bf16", "fp8", "kahan", False, False),
     "c_kahan_4bit": ("bf16 weights + Kahan + torchao 4-bit AdamW", "bf16", "4bit", "kahan", False, False),
     "c_kahan_fp32states": ("bf16 weights + Kahan + fp32-state AdamW", "bf16", "fp32", "kahan", False, False),
+    "peer_torchao_float8": ("peer: torchao convert_to_float8_training, (b) settings", "amp", "fp32", None, False, False, "torchao-float8"),
+    "peer_accelerate_fp8": ("peer: Accelerate mixed_precision='fp8', (b) settings", "fp32", "fp32", None, False, False, "accelerate-fp8"),
+    "peer_torchao_qat_int4": ("peer: torchao QAT int4-g64 weights, (b) settings", "amp", "fp32", None, False, False, "torchao-qat-int4"),
 }  # fmt: skip
+
+
+def convert_peer(model, peer: str):
+    """Apply a peer library's own conversion to ``model`` (every Linear but ``lm_head``); returns the model."""
+    import torch
+
+    not_head = lambda m, fqn: isinstance(m, torch.nn.Linear) and fqn != "lm_head"  # noqa: E731
+    if peer == "torchao-float8":
+        from torchao.float8 import convert_to_float8_training
+
+        return convert_to_float8_training(model, module_filter_fn=not_head)
+    if peer == "torchao-qat-int4":
+        from torchao.quantization import quantize_
+        from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
+
+        weights = IntxFakeQuantizeConfig(torch.int4, group_size=64, is_symmetric=True)
+        quantize_(model, QATConfig(weight_config=weights, step="prepare"), filter_fn=not_head)
+        return model
+    if peer == "accelerate-fp8":
+        from accelerate import Accelerator
+
+        return Accelerator(mixed_precision="fp8", cpu=True).prepare(model)  # converts and wraps forward in bf16 autocast
+    raise ValueError(f"unknown peer {peer!r}")
 
 
 def _status(field: str) -> int:
@@ -83,11 +113,14 @@ def run_one(name: str, quick: bool) -> dict:
     )  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
-    _, weights, states, compensation, fp8_linears, fp8_activations = CONFIGS[name]
+    _, weights, states, compensation, fp8_linears, fp8_activations, *peer = CONFIGS[name]
+    if peer:
+        model = convert_peer(model, peer[0])
     if weights == "bf16":
         model = model.to(torch.bfloat16)
     if fp8_linears:  # the output head stays bf16, as in DeepSeek-V3 and torchao's recipes
         apply_plan(model, PrecisionPlan({"lm_head": "bf16"}, default="fp8"), fp8_backend="emulated")
+    converted = sum(type(m).__name__ in ("Float8Linear", "FakeQuantizedLinear", "FP8Linear") for m in model.modules())
     if compensation is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
@@ -135,7 +168,7 @@ def run_one(name: str, quick: bool) -> dict:
         "peak_above_imports_mb": (peak - rss_imports) / 2**20, "peak_rss_by_phase_mb": phases,
         "state_bytes_per_param": state / n_params,
         "state_breakdown_bytes_per_param": {k: v / n_params for k, v in accounting.items()},
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads(), "low_precision_linears": converted,
     }  # fmt: skip
 
 
@@ -195,7 +228,8 @@ def main() -> None:
         results.append(r)
         print(f"{name:26s} peak {r['peak_rss_mb']:7.0f} MB  above imports {r['peak_above_imports_mb']:7.0f} MB  "
               f"(fwd+bwd {r['peak_rss_by_phase_mb']['forward_backward']:6.0f}, optimizer {r['peak_rss_by_phase_mb']['optimizer_step']:6.0f})  "
-              f"state {r['state_bytes_per_param']:5.2f} B/param  step {r['step_s']:6.1f} s  loss {r['loss']:.3f}", flush=True)  # fmt: skip
+              f"state {r['state_bytes_per_param']:5.2f} B/param  step {r['step_s']:6.1f} s  loss {r['loss']:.3f}  "
+              f"low-precision linears {r['low_precision_linears']}", flush=True)  # fmt: skip
     by = {r["config"]: r for r in results}
     ratios = {}
     if "b_bf16_amp" in by:
