@@ -24,7 +24,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from _util import RESULTS, machine, write_json
 from hf_lowprec import PrecisionPlan, apply_plan
 from hf_lowprec.checkpoints import default_corpus
-from hf_lowprec.scaling import add_new_parameters, make_policy_factory
+from hf_lowprec.new_parameters import add_new_parameters
+from hf_lowprec.scaling import make_policy_factory
 from hf_lowprec.sensitivity import allocate, scan
 
 VOCAB, SEQ, BATCH = 2048, 128, 16

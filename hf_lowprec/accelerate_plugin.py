@@ -30,19 +30,10 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from hf_lowprec.callback import (
-    FP8_BACKENDS,
-    is_auto_plan,
-    process_world,
-    align_new_parameters,
-    coverage,
-    insert_new_parameters,
-    load_plan_source,
-    orphaned_parameters,
-    scan_plan,
-)
+from hf_lowprec.callback import FP8_BACKENDS, coverage, is_auto_plan, load_plan_source, process_world, scan_plan
 from hf_lowprec.compensation import METHODS as COMPENSATIONS
 from hf_lowprec.compensation import CompensatedOptimizer
+from hf_lowprec.new_parameters import align_new_parameters, insert_new_parameters, orphaned_parameters
 from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.plan import PrecisionPlan

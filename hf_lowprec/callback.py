@@ -49,6 +49,7 @@ from hf_lowprec import sensitivity
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.hub import PLAN_FILE
 from hf_lowprec.modules import LOW_PRECISION_TYPES
+from hf_lowprec.new_parameters import align_new_parameters, insert_new_parameters, orphaned_parameters
 from hf_lowprec.plan import PrecisionPlan
 from hf_lowprec.scaling import TELEMETRY_PREFIX, collect_telemetry, make_policy_factory, skip_step_if_requested
 
@@ -62,66 +63,6 @@ the fraction of eligible parameters and of Linear FLOPs in each applied format; 
 ``<format>/<role>_saturation``, ``_underflow`` and ``_scale_log2`` (and ``spikes`` with the ``gradient``
 scaler, see :func:`hf_lowprec.scaling.collect_telemetry`); ``loss_scale`` under an fp16 GradScaler."""
 FP8_BACKENDS = ("auto", "emulated", "torchao")
-
-
-# ----------------------------------------------------------------------------- optimizer helpers
-def _owner_weights(model: nn.Module) -> dict[int, nn.Parameter]:
-    """``id(extra parameter) -> weight`` for parameters a low-precision layer adds (learned steps)."""
-    owners = {}
-    for module in model.modules():
-        if isinstance(module, LOW_PRECISION_TYPES):
-            for name, p in module.named_parameters():
-                if name not in ("weight", "bias"):
-                    owners[id(p)] = module.weight
-    return owners
-
-
-def align_new_parameters(model: nn.Module, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-    """Make each new parameter train exactly when its layer's weight does; returns the trainable ones."""
-    owners = _owner_weights(model)
-    trainable = []
-    for p in params:
-        weight = owners.get(id(p))
-        if weight is None:
-            raise ValueError("a new parameter does not belong to a low-precision layer of this model")
-        p.requires_grad_(weight.requires_grad)
-        if p.requires_grad:
-            trainable.append(p)
-    return trainable
-
-
-def insert_new_parameters(optimizer: torch.optim.Optimizer, model: nn.Module, params: Iterable[nn.Parameter]) -> int:
-    """Put each new parameter into the optimizer group that holds its layer's weight; returns how many.
-
-    Each touched group is re-ordered to the model's parameter order, which is the layout the Trainer
-    builds for a model converted before it (so optimizer state saved by either loads into the other).
-    A parameter whose weight is in no group is frozen (its layer does not train).
-    """
-    owners = _owner_weights(model)
-    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    order = {id(p): i for i, p in enumerate(model.parameters())}
-    touched, count = [], 0
-    for p in params:
-        if id(p) in group_of:
-            continue  # already there: never twice
-        group = group_of.get(id(owners.get(id(p))))
-        if group is None:
-            logger.info("a learned step's layer weight is not in the optimizer; the step stays fixed")
-            p.requires_grad_(False)
-            continue
-        group["params"].append(p)
-        group_of[id(p)] = group
-        touched.append(group)
-        count += 1
-    for group in {id(g): g for g in touched}.values():
-        group["params"].sort(key=lambda q: order.get(id(q), len(order)))
-    return count
-
-
-def orphaned_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """Names of trainable parameters of ``model`` that no optimizer group holds."""
-    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
 
 
 def coverage(model: nn.Module, report: ConversionReport) -> dict[str, float]:
@@ -522,11 +463,8 @@ __all__ = [
     "LowPrecisionCallback",
     "STATE_FILE",
     "TELEMETRY_KEYS",
-    "align_new_parameters",
     "coverage",
-    "insert_new_parameters",
     "load_plan_source",
     "low_precision_state",
-    "orphaned_parameters",
     "scan_plan",
 ]

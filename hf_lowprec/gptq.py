@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hf_lowprec.formats import FormatSpec, group_view
+from hf_lowprec.formats import FormatSpec
 
 logger = logging.getLogger(__name__)
 

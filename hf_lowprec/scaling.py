@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -490,7 +490,7 @@ class LearnedStepQuantizer(nn.Module):
     the largest code (Esser et al., 2020, "Learned Step Size Quantization"); otherwise steps are
     recomputed from the weight on every call (max calibration). NF4 has no integer grid and always uses
     the per-group absmax. Steps made after an optimizer was built must be added to it:
-    :func:`add_new_parameters`.
+    :func:`hf_lowprec.new_parameters.add_new_parameters`.
     """
 
     def __init__(self, weight: torch.Tensor, spec: FormatSpec, learnable: bool = True):
@@ -566,42 +566,6 @@ class LearnedActivationQuantizer(nn.Module):
 
     def extra_repr(self) -> str:
         return self.spec.name
-
-
-def add_new_parameters(optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Parameter] | Iterable[nn.Parameter],
-                       lr: float | None = None, weight_decay: float = 0.0, scheduler=None) -> int:  # fmt: skip
-    """Add the parameters not yet in ``optimizer`` as one new param group; returns how many were added.
-
-    For learned steps made after the optimizer (``apply_plan(...).new_parameters``). ``lr``: the group's
-    learning rate (default: the optimizer's default); ``weight_decay`` 0 (decay would shrink steps).
-    ``scheduler``: an LR scheduler built on ``optimizer`` (``LambdaLR`` family) to extend, so the new
-    group follows the same schedule.
-    """
-    params = list(params.values()) if isinstance(params, Mapping) else list(params)
-    known = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    new, seen = [], set()
-    for p in params:
-        if p.requires_grad and id(p) not in known and id(p) not in seen:
-            new.append(p)
-            seen.add(id(p))
-    if not new:
-        return 0
-    group = {"params": new, "weight_decay": weight_decay}
-    if lr is not None:
-        group["lr"] = lr
-    optimizer.add_param_group(group)
-    if scheduler is not None:
-        added = optimizer.param_groups[-1]
-        base_lr = added["lr"]
-        added.setdefault("initial_lr", base_lr)
-        scheduler.base_lrs.append(base_lr)
-        if hasattr(scheduler, "lr_lambdas"):
-            scheduler.lr_lambdas.append(scheduler.lr_lambdas[0])
-        if hasattr(scheduler, "_last_lr"):
-            factor = scheduler._last_lr[0] / scheduler.base_lrs[0] if scheduler.base_lrs[0] else 1.0
-            added["lr"] = base_lr * factor
-            scheduler._last_lr.append(added["lr"])
-    return len(new)
 
 
 # ---------------------------------------------------------------------------- FP16 loss scaling

@@ -9,7 +9,7 @@ from torch import nn
 from torchao.float8.float8_linear import Float8Linear
 
 from hf_lowprec.accelerate_plugin import LowPrecisionPlugin
-from hf_lowprec.callback import orphaned_parameters
+from hf_lowprec.new_parameters import orphaned_parameters
 from hf_lowprec.modules import FP8Linear, Int4Linear
 
 PLAN = {"default": "fp8", "layers": {"*.mlp.down_proj": "int4-g64", "lm_head": "bf16"}}

@@ -8,7 +8,8 @@ import torch
 from conftest import cls_batches, lm_batches, tiny_bert, tiny_llama
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from hf_lowprec.callback import STATE_FILE, TELEMETRY_KEYS, LowPrecisionCallback, orphaned_parameters
+from hf_lowprec.callback import STATE_FILE, TELEMETRY_KEYS, LowPrecisionCallback
+from hf_lowprec.new_parameters import orphaned_parameters
 from hf_lowprec.hub import PLAN_FILE
 from hf_lowprec.modules import LOW_PRECISION_TYPES
 from hf_lowprec.plan import PrecisionPlan

@@ -20,7 +20,7 @@ from hf_lowprec.compensation import (
     stochastic_round,
 )
 from hf_lowprec.formats import E4M3, FormatSpec, fake_quantize_int, fp8_scale, int_steps, quantize_fp8
-from hf_lowprec.scaling import add_new_parameters
+from hf_lowprec.new_parameters import add_new_parameters
 
 ULP = 2.0**-7  # bf16 spacing in [1, 2)
 

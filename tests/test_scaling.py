@@ -27,6 +27,7 @@ from hf_lowprec.formats import (
 )
 from hf_lowprec.modules import Int4Linear
 from hf_lowprec.modules.fp8 import cast_fp8
+from hf_lowprec.new_parameters import add_new_parameters
 from hf_lowprec.scaling import (
     DelayedScaling,
     DynamicLossScaler,
@@ -34,7 +35,6 @@ from hf_lowprec.scaling import (
     GradientScaling,
     LearnedActivationQuantizer,
     LearnedStepQuantizer,
-    add_new_parameters,
     collect_telemetry,
     layer_telemetry,
     make_policy,
