@@ -151,6 +151,8 @@ def finetune_cmd(
     save_steps: Annotated[Optional[int], typer.Option("--save-steps", min=1)] = None,
     eval_blocks: Annotated[Optional[int], typer.Option("--eval-blocks", min=1, help="Held-out sequences for the loss before/after.")] = None,
     lora_r: Annotated[Optional[int], typer.Option("--lora-r", min=1)] = None,
+    lora_init: Annotated[Optional[str], typer.Option("--lora-init", help="int4-lora: default or loftq (adapters start from the quantization residual).")] = None,  # fmt: skip
+    rounding: Annotated[Optional[str], typer.Option("--rounding", help="int4-lora: nearest or gptq (codes chosen on the first training batches).")] = None,  # fmt: skip
     seed: Annotated[Optional[int], typer.Option("--seed")] = None,
     text_column: TextColOpt = None,
     messages_column: MsgColOpt = None,
@@ -169,7 +171,7 @@ def finetune_cmd(
         "precision.plan": plan, "training.max_steps": max_steps, "training.learning_rate": learning_rate,
         "training.batch_size": batch_size, "training.gradient_accumulation_steps": grad_accum,
         "training.block_size": block_size, "training.dtype": dtype, "training.save_steps": save_steps,
-        "training.eval_blocks": eval_blocks, "lora.r": lora_r, "training.seed": seed,
+        "training.eval_blocks": eval_blocks, "lora.r": lora_r, "lora.init": lora_init, "precision.rounding": rounding, "training.seed": seed,
         "data.text_column": text_column, "data.messages_column": messages_column,
     })  # fmt: skip
     out = output_dir or Path("runs") / chosen.name

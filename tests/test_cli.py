@@ -133,11 +133,14 @@ def test_qat_int4_run_exports_packed_weights_that_reproduce_the_trained_model(ws
 
 def test_int4_lora_run_exports_adapters(ws):
     out = ws / "run-lora"
-    args = ["--recipe", "int4-ondevice-lora", "--max-steps", "4", "--lr", "1e-2", "--block-size", "32", "--batch-size", "2", "--eval-blocks", "4"]
+    args = ["--recipe", "int4-ondevice-lora", "--max-steps", "4", "--lr", "1e-2", "--block-size", "32", "--batch-size", "2", "--eval-blocks", "4",
+            "--rounding", "gptq", "--lora-init", "loftq"]  # fmt: skip
     result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", *args, "-o", out)
     assert result.exit_code == 0, result.output
     record = json.loads((out / RUN_FILE).read_text())
     assert record["recipe"]["method"] == "int4-lora" and record["adapter"]["trainable_params"] > 0
+    assert record["recipe"]["precision"]["rounding"] == "gptq" and record["recipe"]["lora"]["init"] == "loftq"
+    assert record["gptq"]["layers"] == 14 and record["gptq"]["output_error_median"] < record["gptq"]["output_error_nearest_median"]
     assert (out / "adapter" / "adapter_config.json").is_file() and {"int4", "lora"} <= set(ModelCard.load(out / CARD_FILE).data.tags)
     model, tok = load_exported(out)  # packed base + adapters, same kernels as in training
     loss = causal_lm_loss(model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
