@@ -319,9 +319,11 @@ def push_cmd(
 
 
 def main() -> None:
-    # torchao warns at import about its CUDA-only extensions (mxfp8, cutlass) on machines without them;
-    # the CLI reports what runs where itself (plan report, "FP8 numerics emulated"), so keep its output clean
-    logging.getLogger("torchao").setLevel(logging.ERROR)
+    # torchao warns at import about its CUDA-only extensions (mxfp8, cutlass) on machines without them, and
+    # torch about torchao's enum registrations; the CLI reports what runs where itself (plan report, "FP8
+    # numerics emulated"), so keep its output clean
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     app()
 
 
