@@ -64,6 +64,7 @@ class LayerReport:
     params: int
     backend: str = ""
     reason: str = ""
+    tied_to: str = ""  # the earlier layer whose weight this one shares (tied embeddings); counted there
 
 
 @dataclass
@@ -84,10 +85,11 @@ class ConversionReport:
         return [r for r in self.layers if r.requested != r.applied]
 
     def fractions(self) -> dict[str, float]:
-        """Fraction of eligible parameters per applied format."""
-        total = sum(r.params for r in self.layers) or 1
+        """Fraction of eligible parameters per applied format (a weight shared by tied layers counts once)."""
+        owned = [r for r in self.layers if not r.tied_to]
+        total = sum(r.params for r in owned) or 1
         out: dict[str, float] = {}
-        for r in self.layers:
+        for r in owned:
             out[r.applied] = out.get(r.applied, 0.0) + r.params / total
         return out
 
@@ -163,12 +165,15 @@ def apply_plan(
     assignments = plan.assign(model)
     report = ConversionReport()
     quantizers: dict[int, tuple[str, object]] = {}  # id(weight) -> (format, quantizer) for tied weights
+    first_user: dict[int, str] = {}  # id(weight) -> the first layer holding it
     for name, fqn, module in list(_walk(model)):
         spec = assignments[name]
         params = module.weight.numel() if hasattr(module, "weight") else 0
         kind = type(module).__name__
+        tied = first_user.setdefault(id(getattr(module, "weight", module)), name)
+        tied = "" if tied == name else tied
         if isinstance(module, LOW_PRECISION_TYPES) and module.spec == spec:
-            report.layers.append(LayerReport(name, spec.name, spec.name, kind, params, _backend(module), "unchanged"))
+            report.layers.append(LayerReport(name, spec.name, spec.name, kind, params, _backend(module), "unchanged", tied))
             continue
         if isinstance(module, PackedInt4Linear):
             raise ValueError(f"layer {name!r} is frozen packed INT4 and cannot change to {spec.name}; reload the model to re-plan it")
@@ -176,7 +181,7 @@ def apply_plan(
         if spec.is_high_precision:
             if original is not module:
                 _set_module(model, fqn, original)
-            report.layers.append(LayerReport(name, spec.name, spec.name, type(original).__name__, params))
+            report.layers.append(LayerReport(name, spec.name, spec.name, type(original).__name__, params, tied_to=tied))
             continue
         shared = quantizers.get(id(original.weight))
         if shared is not None and spec.family != "fp8" and shared[0] != spec.name:
@@ -196,7 +201,7 @@ def apply_plan(
         for pname, p in new.named_parameters():
             if id(p) not in before and p.requires_grad:
                 report.new_parameters[f"{fqn}.{pname}"] = p
-        report.layers.append(LayerReport(name, spec.name, spec.name, type(new).__name__, params, _backend(new), _note(new)))
+        report.layers.append(LayerReport(name, spec.name, spec.name, type(new).__name__, params, _backend(new), _note(new), tied))
     for r in report.layers:
         if r.reason and r.reason != "unchanged":
             logger.info("%s: %s (%s)", r.name, r.applied, r.reason)

@@ -181,17 +181,23 @@ class PrecisionPlan:
 
     # ---------------------------------------------------------------------------------- reports
     def summary(self, model: "nn.Module | Mapping[str, nn.Module]") -> list[dict]:
-        """Per format: layers, parameters, bytes of weight storage, fraction of eligible parameters."""
+        """Per format: layers, parameters, bytes of weight storage, fraction of eligible parameters.
+
+        A weight shared by several layers (tied embeddings) counts once, with the first layer that uses it.
+        """
         layers = _layers_of(model)
         rows: dict[str, dict] = {}
-        total = 0
+        total, seen = 0, set()
         for name, spec in self.assign(layers).items():
             w = layers[name].weight
+            row = rows.setdefault(spec.name, {"format": spec.name, "layers": 0, "params": 0, "bytes": 0.0})
+            row["layers"] += 1
+            if id(w) in seen:
+                continue
+            seen.add(id(w))
             n = w.numel()
             total += n
             per = w.element_size() if spec.is_high_precision else spec.bytes_per_param(w.shape[-1])
-            row = rows.setdefault(spec.name, {"format": spec.name, "layers": 0, "params": 0, "bytes": 0.0})
-            row["layers"] += 1
             row["params"] += n
             row["bytes"] += n * per
         for row in rows.values():

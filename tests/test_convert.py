@@ -71,6 +71,19 @@ def test_tied_embeddings_share_one_weight_and_one_quantizer():
     assert torch.equal(model.model.embed_tokens(ids), table[ids])
 
 
+def test_tied_weight_counts_once_in_fractions_and_summary():
+    model = tiny_llama(tie=True)
+    plan = PrecisionPlan({"model.embed_tokens": "bf16", "lm_head": "bf16"}, default="int4-g64")
+    report = apply_plan(model, plan)
+    unique = {id(m.weight): m.weight.numel() for m in eligible_layers(model).values()}
+    embed = model.model.embed_tokens.weight.numel()
+    assert [r.tied_to for r in report.layers if r.name == "lm_head"] == ["model.embed_tokens"]
+    assert report.fractions()["bf16"] == pytest.approx(embed / sum(unique.values()))
+    rows = {r["format"]: r for r in plan.summary(model)}
+    assert rows["bf16"]["layers"] == 2 and rows["bf16"]["params"] == embed  # two layers, one weight
+    assert sum(r["params"] for r in rows.values()) == sum(unique.values())
+
+
 def test_tied_embeddings_with_two_integer_formats_are_refused():
     model = tiny_llama(tie=True)
     with pytest.raises(ValueError, match="tied embeddings.*lm_head.*int4-g64"):
