@@ -281,15 +281,20 @@ def _load_for_eval(model: str, gguf_file: str | None, task: str, plan_numerics: 
 def export_cmd(
     run_dir: Annotated[Path, typer.Argument(help="A finetune output folder.")],
     out: Annotated[Path, typer.Option("--out", help="Folder to write (save_pretrained weights, plan, model card).")],
-    merge: Annotated[bool, typer.Option("--merge", help="Merge LoRA adapters into the base (re-quantized INT4 base).")] = False,
+    merge: Annotated[bool, typer.Option("--merge", help="Merge LoRA adapters into the base (see --merge-into).")] = False,
+    merge_into: Annotated[str, typer.Option("--merge-into", help="With --merge: int4 (re-quantize the packed base; loses adapter changes "
+                                            "smaller than half an INT4 step) or a dense bf16 / fp32 model that transformers loads alone.")] = "int4",  # fmt: skip
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out folder.")] = False,
     repo_id: Annotated[Optional[str], typer.Option("--repo-id", help="Hub repo id to show in the card's loading snippets.")] = None,
 ):
     """Write a publishable folder from a run: weights, precision plan and model card."""
     from hf_lowprec.hub import export_run, read_run
 
-    with ui.step(f"exporting {run_dir} → {out}" + (" (merging LoRA into the INT4 base)" if merge else "")):
-        export_run(run_dir, out, overwrite=overwrite, repo_id=repo_id, merge=merge)
+    if merge_into not in ("int4", "bf16", "fp32"):
+        ui.fail(f"--merge-into {merge_into!r}: choose one of int4, bf16, fp32")
+    dense = merge_into if merge and merge_into != "int4" else None
+    with ui.step(f"exporting {run_dir} → {out}" + (f" (merging LoRA into a {merge_into} base)" if merge else "")):
+        export_run(run_dir, out, overwrite=overwrite, repo_id=repo_id, merge=merge, merged_dtype=dense)
     files = sorted(p.name for p in Path(out).iterdir())
     size = sum(p.stat().st_size for p in Path(out).rglob("*") if p.is_file())
     record = read_run(out)

@@ -576,6 +576,7 @@ def _plan_rows(model: nn.Module, plan: PrecisionPlan) -> list[dict]:
 
 METRICS_FILE = "finetune_metrics.json"
 MERGE_FILE = "hf_lowprec_merge.json"
+MERGE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # export --merge-into dense dtypes
 ADAPTER_DIR = "adapter"  # not the top folder: transformers would try to load adapters there itself, without the INT4 dispatch
 
 
@@ -587,6 +588,23 @@ def _check_output_dir(out: Path, overwrite: bool) -> None:
 
 
 # --------------------------------------------------------------------------------------- export
+def _dense_merged_state(base: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The base model's state dict as plain ``dtype`` weights: every packed layer dequantized, LoRA deltas added
+    (one rounding, to ``dtype``); other tensors as they are."""
+    state = {k.replace(".base_layer", ""): v for k, v in base.state_dict().items() if ".lora_" not in k}
+    for fqn, module in base.named_modules():
+        layer = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+        if not isinstance(layer, PackedInt4Linear) or fqn.endswith(".base_layer"):
+            continue
+        weight = layer.dequantized_weight(torch.float32)
+        if hasattr(module, "lora_A") and module.active_adapters:
+            weight = weight + sum(module.get_delta_weight(n).float() for n in module.active_adapters if n in module.lora_A)
+        for buf in ("qweight", "step", "zero"):
+            state.pop(f"{fqn}.{buf}", None)
+        state[f"{fqn}.weight"] = weight.to(dtype)
+    return state
+
+
 def _packed_base_state(base: nn.Module, merge: bool) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """The base model's state dict without adapters (``merge``: LoRA deltas merged, packed layers re-quantized)."""
     from hf_lowprec.modules.int4_lora import PackedInt4LoraLinear
@@ -622,11 +640,17 @@ def export_int4_lora(
     out_dir: str | os.PathLike,
     merge: bool = False,
     *,
+    merged_dtype: torch.dtype | None = None,
     tokenizer=None,
     overwrite: bool = False,
     extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Save an INT4-base LoRA model as a ``save_pretrained`` folder, atomically; returns its path.
+
+    ``merge=True, merged_dtype=torch.bfloat16`` (or fp32) instead writes a plain dense model — every
+    packed weight dequantized plus its adapter delta, rounded once to ``merged_dtype`` — that any
+    ``transformers`` install loads without hf-lowprec. Re-quantizing to INT4 (the default merge) loses
+    adapter deltas smaller than half an INT4 step, which on small models is most of what LoRA learned.
 
     ``merge=False``: the packed base (``model.safetensors``, ``quant_method: hf_lowprec``) plus the
     adapters in PEFT format in ``adapter/`` (``adapter_config.json``, ``adapter_model.safetensors``). ``merge=True``:
@@ -647,6 +671,10 @@ def export_int4_lora(
     if plan is None:
         raise ValueError("the model has no hf_lowprec plan; build it with prepare_int4_lora / load_int4_lora")
     _check_output_dir(Path(out_dir), overwrite)
+    if merge and merged_dtype is not None:
+        return _export_dense_merged(model, base, Path(out_dir), merged_dtype, tokenizer, overwrite, extra_files)
+    if merged_dtype is not None:
+        raise ValueError("merged_dtype applies to merge=True")
     state, errors = _packed_base_state(base, merge)
     config = copy.deepcopy(base.config)
     config.quantization_config = quantization_config_dict(plan)
@@ -668,6 +696,29 @@ def export_int4_lora(
         for name, text in (extra_files or {}).items():
             atomic_write_text(tmp / name, text)
     return Path(out_dir)
+
+
+def _export_dense_merged(model, base, out_dir: Path, dtype: torch.dtype, tokenizer, overwrite: bool, extra_files) -> Path:
+    """:func:`export_int4_lora` with ``merged_dtype``: a plain ``transformers`` folder, no quantization config."""
+    from hf_lowprec.hub import atomic_output_dir
+    from hf_lowprec.plan import atomic_write_text
+
+    if dtype not in MERGE_DTYPES.values():
+        raise ValueError(f"merged_dtype must be one of {', '.join(str(d) for d in MERGE_DTYPES.values())}, got {dtype}")
+    state = _dense_merged_state(base, dtype)
+    config = copy.deepcopy(base.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.use_cache = True
+    config.dtype = str(dtype).removeprefix("torch.")
+    with atomic_output_dir(out_dir, overwrite) as tmp, _without_hf_quantizer(base):
+        base.save_pretrained(tmp, state_dict=state)
+        config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        for name, text in (extra_files or {}).items():
+            atomic_write_text(tmp / name, text)
+    return out_dir
 
 
 @contextlib.contextmanager

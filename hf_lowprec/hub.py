@@ -226,7 +226,8 @@ def _rows(figures: Mapping) -> list[tuple[str, str]]:
 # ------------------------------------------------------------------------------------ export
 def export_model(
     model: nn.Module, tokenizer, out: str | os.PathLike, run: Mapping, *, weights: str = "master", merge: bool = False,
-    overwrite: bool = False, repo_id: str | None = None, extra_files: Mapping[str, str | bytes] | None = None,
+    merged_dtype: str | None = None, overwrite: bool = False, repo_id: str | None = None,
+    extra_files: Mapping[str, str | bytes] | None = None,
 ) -> Path:  # fmt: skip
     """Write ``model`` (its plan applied) as a publishable folder at ``out``, atomically; returns ``out``.
 
@@ -234,7 +235,8 @@ def export_model(
     ``int4-packed`` (INT4 layers frozen to packed codes on a copy, other layers as master weights;
     ``config.json`` gets ``quant_method: hf_lowprec`` so ``from_pretrained`` rebuilds them after
     ``import hf_lowprec``). A PEFT model from ``finetune.prepare_int4_lora`` is saved by
-    ``finetune.export_int4_lora``: packed base + adapters, or with ``merge`` the adapters merged and re-quantized.
+    ``finetune.export_int4_lora``: packed base + adapters, or with ``merge`` the adapters merged and re-quantized
+    (``merged_dtype`` ``bf16``/``fp32``: merged into a plain dense model instead).
     ``run``: the run record (see the module docstring); its ``plan``/``layers``/``export`` are filled in here.
     ``extra_files``: ``{name: text or bytes}`` written next to the weights (e.g. ``recipe.yaml``, a loss-curve PNG).
     """
@@ -247,7 +249,7 @@ def export_model(
     run["plan"] = plan.to_dict()
     run["layers"], run["plan_rows"] = plan_record(base, plan)
     if peft:
-        return _export_lora(model, tokenizer, Path(out), run, merge, overwrite, repo_id, extra_files)
+        return _export_lora(model, tokenizer, Path(out), run, merge, merged_dtype, overwrite, repo_id, extra_files)
     if merge:
         raise ValueError("merge applies to LoRA adapters; this model has none")
     with atomic_output_dir(out, overwrite) as tmp:
@@ -291,11 +293,26 @@ def _write_record(folder: Path, run: Mapping, repo_id: str | None, extra_files: 
     render_model_card(run, repo_id).save(folder / CARD_FILE)
 
 
-def _export_lora(model, tokenizer, out: Path, run: dict, merge: bool, overwrite: bool, repo_id, extra_files) -> Path:
+def _export_lora(model, tokenizer, out: Path, run: dict, merge: bool, merged_dtype: str | None, overwrite: bool, repo_id,
+                 extra_files) -> Path:  # fmt: skip
     """Packed INT4 base + LoRA adapters (or merged) through ``finetune.export_int4_lora``, then the record and card."""
-    from hf_lowprec.finetune import ADAPTER_DIR, MERGE_FILE, export_int4_lora
+    from hf_lowprec.finetune import ADAPTER_DIR, MERGE_DTYPES, MERGE_FILE, export_int4_lora
 
+    if merged_dtype is not None and merged_dtype not in MERGE_DTYPES:
+        raise ValueError(f"merged dtype {merged_dtype!r}: choose one of {', '.join(MERGE_DTYPES)}")
+    if merged_dtype is not None and not merge:
+        raise ValueError("a merged dtype applies to --merge")
     packed = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
+    if merge and merged_dtype is not None:
+        dtype = MERGE_DTYPES[merged_dtype]
+        run["export"] = {"weights": "dense", "loader": "transformers", "library_name": "transformers", "dtype": _dtype_name(torch.empty(0, dtype=dtype)),
+                         "description": f"LoRA merged into a dense {merged_dtype} model: {packed} INT4 layers dequantized plus their adapter "
+                                        "deltas, rounded once"}  # fmt: skip
+        run.pop("adapter", None)
+        with atomic_output_dir(out, overwrite) as tmp:
+            export_int4_lora(model, tmp, merge=True, merged_dtype=dtype, tokenizer=tokenizer, overwrite=True)
+            _write_record(tmp, run, repo_id, extra_files)
+        return out
     if merge:
         run["export"] = {"weights": "int4-packed", "loader": "hf_lowprec", "library_name": "hf-lowprec", "dtype": _dtype_name(model),
                          "description": f"{packed} layers as packed INT4 codes, LoRA merged in and re-quantized (error in {MERGE_FILE})"}  # fmt: skip
@@ -313,15 +330,17 @@ def _export_lora(model, tokenizer, out: Path, run: dict, merge: bool, overwrite:
     return out
 
 
-def _dtype_name(model: nn.Module) -> str:
-    return str(next(model.parameters()).dtype).removeprefix("torch.")
+def _dtype_name(model_or_tensor: "nn.Module | torch.Tensor") -> str:
+    t = model_or_tensor if torch.is_tensor(model_or_tensor) else next(model_or_tensor.parameters())
+    return str(t.dtype).removeprefix("torch.")
 
 
 def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False, repo_id: str | None = None,
-               merge: bool = False) -> Path:  # fmt: skip
+               merge: bool = False, merged_dtype: str | None = None) -> Path:  # fmt: skip
     """Copy a finetune run folder's publishable files (weights, tokenizer, plan, record) to ``out`` and re-render its card.
 
-    ``merge``: load the run's INT4 base + LoRA adapters and write them merged (re-quantized) instead.
+    ``merge``: load the run's INT4 base + LoRA adapters and write them merged (re-quantized) instead;
+    ``merged_dtype`` (``bf16``/``fp32``): merged into a plain dense model.
     """
     run_dir = Path(run_dir)
     run = read_run(run_dir)
@@ -329,7 +348,8 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, overwrite:
         if not run.get("adapter"):
             raise ValueError(f"--merge: {str(run_dir)!r} has no LoRA adapters to merge (recipe method {run.get('recipe', {}).get('method')!r})")
         model, tokenizer = load_exported(run_dir)
-        return export_model(model, tokenizer, out, run, weights="int4-packed", merge=True, overwrite=overwrite, repo_id=repo_id)
+        return export_model(model, tokenizer, out, run, weights="int4-packed", merge=True, merged_dtype=merged_dtype, overwrite=overwrite,
+                            repo_id=repo_id)  # fmt: skip
     with atomic_output_dir(out, overwrite) as tmp:
         for item in run_dir.iterdir():
             if item.name in RUN_ONLY or item.name == CARD_FILE:

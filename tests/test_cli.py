@@ -19,6 +19,7 @@ from hf_lowprec.cli.app import app
 from hf_lowprec.data import prepare_lm_data, read_source
 from hf_lowprec.hub import CARD_FILE, RUN_FILE, load_exported
 from hf_lowprec.metrics import causal_lm_loss
+from hf_lowprec.modules import PackedInt4Linear
 
 COMMANDS = ("recipes", "scan", "finetune", "eval", "export", "push")
 FAST = ["--block-size", "32", "--batch-size", "2", "--eval-blocks", "4", "--dtype", "fp32", "--save-steps", "1000"]
@@ -159,6 +160,18 @@ def test_export_merge_folds_lora_into_the_int4_base(ws, tmp_path):
     merged_model, _ = load_exported(merged)
     merged_loss = causal_lm_loss(merged_model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
     assert merged_loss == pytest.approx(loss, abs=0.05)  # a second rounding: close to, not equal to, the trained model
+
+    dense = ws / "merged-dense"
+    result = cli("export", out, "--out", dense, "--merge", "--merge-into", "bf16")
+    assert result.exit_code == 0, result.output
+    assert "quantization_config" not in json.loads((dense / "config.json").read_text()) and not (dense / "adapter").exists()
+    assert ModelCard.load(dense / CARD_FILE).data.library_name == "transformers"
+    plain = AutoModelForCausalLM.from_pretrained(dense)  # transformers alone: a dense bf16 model
+    assert not any(isinstance(m, PackedInt4Linear) for m in plain.modules())
+    dense_loss = causal_lm_loss(plain, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
+    assert dense_loss == pytest.approx(loss, abs=0.02)  # only bf16 rounding of dequantized weight + delta
+    bad = cli("export", out, "--out", tmp_path / "x", "--merge", "--merge-into", "int3")
+    assert bad.exit_code != 0 and "choose one of int4, bf16, fp32" in bad.output
 
 
 def test_eval_accuracy_of_a_classifier(ws, tmp_path):

@@ -130,6 +130,30 @@ def test_finetune_from_disk_loss_falls_and_export_reloads_identically(tmp_path):
         export_int4_lora(model, tmp_path / "run")
 
 
+def test_merge_into_a_dense_model_reloads_with_transformers_alone_and_keeps_the_adapters(tmp_path):
+    """merged_dtype: dequantized INT4 + LoRA delta, one rounding: the same logits as the trained model's
+    dequantizing reference, where the INT4 re-quantizing merge loses part of the adapters' change."""
+    ids = markov_batches(n=1, batch=2, seq=32)[0]["input_ids"]
+    model, _ = prepare_int4_lora(tiny_llama(4, hidden_size=128, intermediate_size=256), LoraConfig(**LORA), backend="dequant")
+    with torch.no_grad():
+        for n, p in lora_params(model).items():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+        trained = model(input_ids=ids).logits
+    export_int4_lora(model, tmp_path / "dense", merge=True, merged_dtype=torch.float32)
+    assert "quantization_config" not in json.loads((tmp_path / "dense" / "config.json").read_text())
+    dense = AutoModelForCausalLM.from_pretrained(tmp_path / "dense")
+    assert not any(isinstance(m, PackedInt4Linear) for m in dense.modules())
+    export_int4_lora(model, tmp_path / "int4", merge=True)
+    requantized, _ = load_int4_model(tmp_path / "int4", backend="dequant")
+    with torch.no_grad():
+        dense_err = (dense(input_ids=ids).logits - trained).norm() / trained.norm()
+        int4_err = (requantized(input_ids=ids).logits - trained).norm() / trained.norm()
+    assert dense_err < 1e-5 and int4_err > 100 * dense_err, (dense_err, int4_err)
+    with pytest.raises(ValueError, match="merged_dtype applies to merge=True"):
+        export_int4_lora(model, tmp_path / "x", merged_dtype=torch.bfloat16)
+
+
 def test_loftq_init_is_the_best_rank_r_correction_and_starts_closer():
     ids = markov_batches(n=1, batch=2, seq=32)[0]["input_ids"]
     full = tiny_llama(2, hidden_size=128, intermediate_size=256)
