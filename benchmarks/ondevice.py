@@ -166,6 +166,8 @@ def child(args) -> dict:
     if args.merge_eval:  # the honest cost of merging LoRA into the INT4 base (re-quantization)
         import tempfile
 
+        from transformers import AutoModelForCausalLM
+
         from hf_lowprec.finetune import MERGE_FILE, export_int4_lora, load_int4_model
 
         with tempfile.TemporaryDirectory() as tmp:
@@ -174,6 +176,9 @@ def child(args) -> dict:
             notes["eval_loss_merged"] = evaluate_loss(merged, evals, BATCH)
             notes["ppl_merged"] = math.exp(notes["eval_loss_merged"])
             notes["merge_summary"] = json.loads((Path(tmp) / "merged" / MERGE_FILE).read_text())["summary"]
+            export_int4_lora(model, Path(tmp) / "dense", merge=True, merged_dtype=torch.bfloat16)  # the lossless alternative
+            dense = AutoModelForCausalLM.from_pretrained(Path(tmp) / "dense")
+            notes["ppl_merged_dense"] = math.exp(evaluate_loss(dense, evals, BATCH))
     timed_wall, timed_cpu = wall[args.warmup :], cpu[args.warmup :]
     return {
         "config": args.config, "gradient_checkpointing": bool(args.gc), "loftq": bool(args.loftq), "gptq_rounding": bool(args.gptq),
@@ -311,6 +316,7 @@ def quality(args) -> None:
     for r in runs:
         summary[_quality_key(r)] = {
             "ppl_before": r["ppl_before"], "ppl_after": r["ppl_after"], "ppl_merged": r.get("ppl_merged"),
+            "ppl_merged_dense": r.get("ppl_merged_dense"),
             "merge_summary": r.get("merge_summary"), "loss_step1": r["losses"][0],
             "loss_last10_mean": statistics.mean(r["losses"][-10:]),
             "ppl_after_vs_bf16_lora": None if ref is None else round(r["ppl_after"] / ref["ppl_after"], 4),

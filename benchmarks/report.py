@@ -201,13 +201,15 @@ def ondevice_section(ondevice: dict | None) -> list[str]:
         q = quality["settings"]
         lines += [f"Held-out perplexity after {q['steps']} steps of {st['batch']}x{q['block']} tokens (`ondevice.py quality`, lr 2e-4, "
                   f"same data order), on {q['eval_blocks']} blocks of the held-out plays; goal: within 3% of bf16 LoRA. "
-                  "`merged` = after `export --merge` (LoRA folded in, re-quantized to INT4).\n",
-                  "| run | ppl before | ppl after | vs bf16 LoRA | merged | training loss, step 1 → last 10 |", "|---|---|---|---|---|---|"]  # fmt: skip
+                  "`merged` = after `export --merge` (LoRA folded in, re-quantized to INT4); `merged bf16` = `--merge-into bf16` (dense).\n",
+                  "| run | ppl before | ppl after | vs bf16 LoRA | merged | merged bf16 | training loss, step 1 → last 10 |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
         for name, r in quality["summary"].items():
             vs = f"{r['ppl_after_vs_bf16_lora']:.3f}x" if r.get("ppl_after_vs_bf16_lora") else "—"
             merged = f"{r['ppl_merged']:.2f}" if r.get("ppl_merged") else "—"
+            dense = f"{r['ppl_merged_dense']:.2f}" if r.get("ppl_merged_dense") else "—"
             trend = f"{r['loss_step1']:.2f} → {r['loss_last10_mean']:.2f}" + (" (rose: diverged)" if r["loss_last10_mean"] > r["loss_step1"] else "")
-            lines.append(f"| {name} | {r['ppl_before']:.2f} | {r['ppl_after']:.2f} | {vs} | {merged} | {trend} |")
+            lines.append(f"| {name} | {r['ppl_before']:.2f} | {r['ppl_after']:.2f} | {vs} | {merged} | {dense} | {trend} |")
         lines.append("")
     return lines
 
