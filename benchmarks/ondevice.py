@@ -77,7 +77,7 @@ def _sensitive_kept_plan(folder, gguf, keep: float):
     return allocate(result, target_bits_per_param=int4_bits + keep * (16 - int4_bits))  # lm_head was not scanned: kept
 
 
-def _build(config: str, loftq: bool, gptq: bool, gc: bool, keep_bf16: float = 0.0):
+def _build(config: str, loftq: bool, gptq: bool, gc: bool, keep_bf16: float = 0.0, backend: str = "auto"):
     """``(model, tokenizer, loss_fn(batch) -> loss, notes)`` for one configuration."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -94,7 +94,7 @@ def _build(config: str, loftq: bool, gptq: bool, gc: bool, keep_bf16: float = 0.
 
         calibration = (lambda tok: _data(tok, GPTQ_BLOCKS, 0)[0]) if gptq else None  # the first training blocks
         plan = _sensitive_kept_plan(folder, gguf, keep_bf16) if keep_bf16 else None  # default: all int4-g64-asym, lm_head kept
-        model, tok, report = load_int4_lora(folder, lora, plan, gguf_file=gguf, loftq_init=loftq, calibration=calibration)
+        model, tok, report = load_int4_lora(folder, lora, plan, gguf_file=gguf, loftq_init=loftq, calibration=calibration, backend=backend)
         storage = ActivationStorage(model, "int8") if config == "int4-lora" and not gc else None
 
         def loss_fn(b):
@@ -134,7 +134,7 @@ def child(args) -> dict:
     from hf_lowprec.finetune import backend_counts, evaluate_loss
 
     t0 = time.perf_counter()
-    model, tok, loss_fn, notes = _build(args.config, args.loftq, args.gptq, bool(args.gc), args.keep_bf16)
+    model, tok, loss_fn, notes = _build(args.config, args.loftq, args.gptq, bool(args.gc), args.keep_bf16, args.backend)
     load_s = time.perf_counter() - t0
     rss_loaded = psutil.Process().memory_info().rss / 2**20
     steps = args.warmup + args.steps
@@ -182,7 +182,7 @@ def child(args) -> dict:
     timed_wall, timed_cpu = wall[args.warmup :], cpu[args.warmup :]
     return {
         "config": args.config, "gradient_checkpointing": bool(args.gc), "loftq": bool(args.loftq), "gptq_rounding": bool(args.gptq),
-        "keep_bf16": args.keep_bf16,
+        "keep_bf16": args.keep_bf16, "backend": args.backend,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_after_load_mb": rss_loaded,
         "load_s": load_s, "step_s_median": statistics.median(timed_wall), "step_cpu_s_median": statistics.median(timed_cpu),
         "step_s": timed_wall, "losses": losses, "eval_loss_before": eval_before, "eval_loss_after": eval_after,
@@ -195,8 +195,9 @@ def child(args) -> dict:
 
 # ------------------------------------------------------------------------------------ parent
 def run_child(config: str, gc: bool, steps: int, warmup: int, eval_blocks: int = 0, loftq: bool = False, merge_eval: bool = False,
-              gptq: bool = False, keep_bf16: float = 0.0) -> dict:  # fmt: skip
-    flags = [f for f, on in (("--loftq", loftq), ("--merge-eval", merge_eval), ("--gptq", gptq)) if on] + ["--keep-bf16", str(keep_bf16)]
+              gptq: bool = False, keep_bf16: float = 0.0, backend: str = "auto") -> dict:  # fmt: skip
+    flags = [f for f, on in (("--loftq", loftq), ("--merge-eval", merge_eval), ("--gptq", gptq)) if on]
+    flags += ["--keep-bf16", str(keep_bf16), "--backend", backend]
     cmd = [sys.executable, __file__, "child", "--config", config, "--gc", str(int(gc)), "--steps", str(steps),
            "--warmup", str(warmup), "--eval-blocks", str(eval_blocks), *flags]  # fmt: skip
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
@@ -299,15 +300,18 @@ def print_table(table: dict, goal: dict) -> None:
 def _quality_key(r: dict) -> str:
     fmt = next((f for f in r.get("plan_fractions", {}) if f.startswith("int4")), None)
     keep = f"+{round(100 * r['keep_bf16'])}% sensitive bf16" if r.get("keep_bf16") else ""
-    return r["config"] + (f" ({fmt})" if fmt else "") + keep + ("+gptq" if r.get("gptq_rounding") else "") + ("+loftq" if r["loftq"] else "")
+    backend = f" [{r['backend']} backend]" if r.get("backend", "auto") != "auto" else ""
+    return r["config"] + (f" ({fmt})" if fmt else "") + keep + ("+gptq" if r.get("gptq_rounding") else "") + ("+loftq" if r["loftq"] else "") + backend
 
 
 def quality(args) -> None:
     """Perplexity on the held-out plays before and after ``--steps`` steps; merged with earlier quality runs."""
-    variants = [(c, False, False, 0.0) for c in args.configs]
-    variants += [("int4-lora", "loftq" in v, "gptq" in v, float(v.split("keep")[1][:2]) / 100 if "keep" in v else 0.0) for v in args.int4_variants]
-    new = [run_child(c, CONFIGS[c][1], args.steps, 0, args.eval_blocks, loftq, merge_eval=c == "int4-lora" and not loftq, gptq=gptq, keep_bf16=keep)
-           for c, loftq, gptq, keep in variants]  # fmt: skip
+    variants = [(c, False, False, 0.0, "auto") for c in args.configs]
+    variants += [("int4-lora", "loftq" in v, "gptq" in v, float(v.split("keep")[1][:2]) / 100 if "keep" in v else 0.0,
+                  "dequant" if "dequant" in v else "auto") for v in args.int4_variants]  # fmt: skip
+    new = [run_child(c, CONFIGS[c][1], args.steps, 0, args.eval_blocks, loftq, merge_eval=c == "int4-lora" and not loftq, gptq=gptq,
+                     keep_bf16=keep, backend=backend)
+           for c, loftq, gptq, keep, backend in variants]  # fmt: skip
     data = _load_results()
     old = data.get("quality", {}).get("runs", [])
     runs = list({_quality_key(r): r for r in old + new}.values())  # a re-run replaces the earlier one
@@ -394,7 +398,8 @@ def main() -> None:
     p.add_argument("--loftq", action="store_true", help="child: LoftQ initialisation")
     p.add_argument("--gptq", action="store_true", help=f"child: GPTQ rounding calibrated on {GPTQ_BLOCKS} training blocks")
     p.add_argument("--keep-bf16", type=float, default=0.0, help="child: fraction of linear parameters kept bf16 (most sensitive by a Fisher scan)")
-    p.add_argument("--int4-variants", nargs="*", default=[], choices=("loftq", "gptq", "gptq+loftq", "keep10+loftq", "keep20+loftq"),
+    p.add_argument("--backend", default="auto", choices=("auto", "int8", "dequant"), help="child: PackedInt4Linear backend")
+    p.add_argument("--int4-variants", nargs="*", default=[], choices=("loftq", "gptq", "gptq+loftq", "keep10+loftq", "keep20+loftq", "dequant"),
                    help="quality: also run int4-lora with these options")
     p.add_argument("--merge-eval", action="store_true", help="child: also evaluate the merged, re-quantized export")
     p.add_argument("--steps", type=int, default=None)
