@@ -374,6 +374,15 @@ def test_collect_telemetry_counts_saturation_and_underflow():
     assert collect_telemetry(model)["lowprec/fp8/input_saturation"] == 0.0  # reset after reading
 
 
+def test_dynamic_scaling_never_counts_the_amax_as_saturated():
+    """scale = max / amax maps the amax onto the largest FP8 value up to fp32 rounding: nothing is clipped.
+    (Comparing |x| with max / scale without a tolerance counted 4 elements in these 50 casts.)"""
+    policy = DynamicScaling(telemetry=True)
+    for i in range(50):
+        cast_fp8(torch.randn(64, 64, generator=torch.Generator().manual_seed(i)) * (i + 1), policy, E4M3, "tensor")
+    assert int(policy.tele_elements) == 50 * 64 * 64 and int(policy.tele_saturated) == 0
+
+
 def test_factory_and_policy_errors():
     with pytest.raises(ValueError, match="unknown scaler 'fancy'; choose one of dynamic, delayed, gradient"):
         make_policy_factory("fancy")
