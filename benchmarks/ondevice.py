@@ -399,7 +399,7 @@ def main() -> None:
     p.add_argument("--gptq", action="store_true", help=f"child: GPTQ rounding calibrated on {GPTQ_BLOCKS} training blocks")
     p.add_argument("--keep-bf16", type=float, default=0.0, help="child: fraction of linear parameters kept bf16 (most sensitive by a Fisher scan)")
     p.add_argument("--backend", default="auto", choices=("auto", "int8", "dequant"), help="child: PackedInt4Linear backend")
-    p.add_argument("--int4-variants", nargs="*", default=[], choices=("loftq", "gptq", "gptq+loftq", "keep10+loftq", "keep20+loftq", "dequant", "keep20+loftq+dequant"),
+    p.add_argument("--int4-variants", nargs="*", default=[], choices=("loftq", "gptq", "gptq+loftq", "keep10+loftq", "keep20+loftq", "dequant", "keep20+loftq+dequant", "keep30+loftq+dequant"),
                    help="quality: also run int4-lora with these options")
     p.add_argument("--merge-eval", action="store_true", help="child: also evaluate the merged, re-quantized export")
     p.add_argument("--steps", type=int, default=None)
