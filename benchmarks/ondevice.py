@@ -370,7 +370,7 @@ def plot(_args) -> None:
     speed = data["speed"].get("2_threads") or next(iter(data["speed"].values()))
     table = speed["table"]
     names = list(table)
-    fig, axes = plt.subplots(1, 3 if "quality" in data else 2, figsize=(17, 5))
+    fig, axes = plt.subplots(1, 3 if "quality" in data else 2, figsize=(21, 6))
     colors = ["tab:green" if k.startswith("int4") else "tab:gray" for k in names]
     names_shown = [("* " if table[k]["own_default"] else "") + k for k in names]
     threads = speed["settings"]["threads"]
