@@ -25,15 +25,6 @@ COMMANDS = ("recipes", "scan", "finetune", "eval", "export", "push")
 FAST = ["--block-size", "32", "--batch-size", "2", "--eval-blocks", "4", "--dtype", "fp32", "--save-steps", "1000"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny matmuls with 2 OpenMP threads stall for milliseconds when other processes share the cores
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli")
@@ -132,11 +123,17 @@ def test_qat_int4_run_exports_packed_weights_that_reproduce_the_trained_model(ws
     assert loss == pytest.approx(record["training"]["loss_final"], abs=1e-5)
 
 
-def test_int4_lora_run_exports_adapters(ws):
+@pytest.fixture(scope="module")
+def lora_run(ws):
+    """An int4-ondevice-lora run (GPTQ rounding, LoftQ init) of the tiny model: ``(folder, CLI result)``, made once."""
     out = ws / "run-lora"
     args = ["--recipe", "int4-ondevice-lora", "--max-steps", "4", "--lr", "1e-2", "--block-size", "32", "--batch-size", "2", "--eval-blocks", "4",
             "--rounding", "gptq", "--lora-init", "loftq"]  # fmt: skip
-    result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", *args, "-o", out)
+    return out, cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", *args, "-o", out)
+
+
+def test_int4_lora_run_exports_adapters(ws, lora_run):
+    out, result = lora_run
     assert result.exit_code == 0, result.output
     record = json.loads((out / RUN_FILE).read_text())
     assert record["recipe"]["method"] == "int4-lora" and record["adapter"]["trainable_params"] > 0
@@ -148,10 +145,9 @@ def test_int4_lora_run_exports_adapters(ws):
     assert loss == pytest.approx(record["training"]["loss_final"], abs=1e-4)
 
 
-def test_export_merge_folds_lora_into_the_int4_base(ws, tmp_path):
-    out, merged = ws / "run-lora", ws / "merged-lora"
-    if not out.exists():
-        pytest.skip("needs the run of test_int4_lora_run_exports_adapters")
+def test_export_merge_folds_lora_into_the_int4_base(ws, lora_run, tmp_path):
+    (out, run), merged = lora_run, ws / "merged-lora"
+    assert run.exit_code == 0, run.output
     model, tok = load_exported(out)
     loss = causal_lm_loss(model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
     result = cli("export", out, "--out", merged, "--merge")

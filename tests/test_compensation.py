@@ -25,15 +25,6 @@ from hf_lowprec.new_parameters import add_new_parameters
 ULP = 2.0**-7  # bf16 spacing in [1, 2)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is several times faster than two on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ----------------------------------------------------------------------------- sub-ulp updates
 
 

@@ -32,15 +32,6 @@ from hf_lowprec.plan import PrecisionPlan
 TOKEN = "hf_standinSECRETtoken1234567890"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny matmuls with 2 OpenMP threads stall for milliseconds when other processes share the cores
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("base") / "tiny")

@@ -43,15 +43,6 @@ from hf_lowprec.scaling import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is several times faster than two on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _amax(v: float) -> torch.Tensor:
     return torch.tensor(v, dtype=torch.float32)
 
