@@ -59,17 +59,14 @@ def _data(tokenizer, n_train: int, n_eval: int):
     return train, evals
 
 
-def _sensitive_kept_plan(folder, gguf, keep: float):
-    """A plan putting every Linear but ``lm_head`` in int4-g64-asym except the most sensitive ones (Fisher scan on
-    the first training blocks), kept bf16 so that about ``keep`` of the linear parameters stay dense."""
+def _sensitive_kept_plan(base, blocks, keep: float):
+    """A plan putting every Linear but ``lm_head`` in int4-g64-asym except the most sensitive ones (Fisher scan of
+    ``base`` on the token ``blocks``), kept bf16 so that about ``keep`` of the linear parameters stay dense."""
     import torch
 
-    from hf_lowprec.checkpoints import load_pretrained
     from hf_lowprec.formats import FormatSpec
     from hf_lowprec.sensitivity import allocate, scan
 
-    base, tok = load_pretrained(folder, gguf_file=gguf, dtype=torch.bfloat16)
-    blocks = _data(tok, GPTQ_BLOCKS, 0)[0]
     linears = [n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
     result = scan(base, [{"input_ids": blocks[i : i + BATCH], "labels": blocks[i : i + BATCH]} for i in range(0, len(blocks), BATCH)],
                   formats=("int4-g64-asym",), method="fisher", layers=linears)  # fmt: skip
@@ -83,7 +80,7 @@ def _build(config: str, loftq: bool, gptq: bool, gc: bool, keep_bf16: float = 0.
     from peft import LoraConfig, get_peft_model
 
     from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
-    from hf_lowprec.finetune import causal_lm_loss, load_int4_lora
+    from hf_lowprec.finetune import causal_lm_loss, prepare_int4_lora
 
     folder, gguf = default_checkpoint()
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
@@ -92,9 +89,10 @@ def _build(config: str, loftq: bool, gptq: bool, gc: bool, keep_bf16: float = 0.
     if config.startswith("int4-lora"):
         from hf_lowprec.activations import ActivationStorage
 
-        calibration = (lambda tok: _data(tok, GPTQ_BLOCKS, 0)[0]) if gptq else None  # the first training blocks
-        plan = _sensitive_kept_plan(folder, gguf, keep_bf16) if keep_bf16 else None  # default: all int4-g64-asym, lm_head kept
-        model, tok, report = load_int4_lora(folder, lora, plan, gguf_file=gguf, loftq_init=loftq, calibration=calibration, backend=backend)
+        base, tok = load_pretrained(folder, gguf_file=gguf, dtype=torch.bfloat16)  # what load_int4_lora does, with the tokenizer first
+        first_blocks = _data(tok, GPTQ_BLOCKS, 0)[0] if gptq or keep_bf16 else None  # the first training blocks
+        plan = _sensitive_kept_plan(base, first_blocks, keep_bf16) if keep_bf16 else None  # default: all int4-g64-asym, lm_head kept
+        model, report = prepare_int4_lora(base, lora, plan, loftq_init=loftq, calibration=first_blocks if gptq else None, backend=backend)
         storage = ActivationStorage(model, "int8") if config == "int4-lora" and not gc else None
 
         def loss_fn(b):

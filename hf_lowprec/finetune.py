@@ -588,17 +588,30 @@ def _check_output_dir(out: Path, overwrite: bool) -> None:
 
 
 # --------------------------------------------------------------------------------------- export
+def _adapterless_state(base: nn.Module) -> dict[str, torch.Tensor]:
+    """``base``'s state dict without the LoRA tensors, keys as in the unwrapped model."""
+    return {k.replace(".base_layer", ""): v for k, v in base.state_dict().items() if ".lora_" not in k}
+
+
+def _adapter_delta(module: nn.Module) -> torch.Tensor | None:
+    """The summed weight delta (fp32) of a LoRA layer's active adapters; ``None`` for other modules."""
+    if not hasattr(module, "lora_A") or not module.active_adapters:
+        return None
+    return sum(module.get_delta_weight(n).float() for n in module.active_adapters if n in module.lora_A)
+
+
 def _dense_merged_state(base: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The base model's state dict as plain ``dtype`` weights: every packed layer dequantized, LoRA deltas added
     (one rounding, to ``dtype``); other tensors as they are."""
-    state = {k.replace(".base_layer", ""): v for k, v in base.state_dict().items() if ".lora_" not in k}
+    state = _adapterless_state(base)
     for fqn, module in base.named_modules():
         layer = module.get_base_layer() if hasattr(module, "get_base_layer") else module
         if not isinstance(layer, PackedInt4Linear) or fqn.endswith(".base_layer"):
             continue
         weight = layer.dequantized_weight(torch.float32)
-        if hasattr(module, "lora_A") and module.active_adapters:
-            weight = weight + sum(module.get_delta_weight(n).float() for n in module.active_adapters if n in module.lora_A)
+        delta = _adapter_delta(module)
+        if delta is not None:
+            weight = weight + delta
         for buf in ("qweight", "step", "zero"):
             state.pop(f"{fqn}.{buf}", None)
         state[f"{fqn}.weight"] = weight.to(dtype)
@@ -609,15 +622,14 @@ def _packed_base_state(base: nn.Module, merge: bool) -> tuple[dict[str, torch.Te
     """The base model's state dict without adapters (``merge``: LoRA deltas merged, packed layers re-quantized)."""
     from hf_lowprec.modules.int4_lora import PackedInt4LoraLinear
 
-    state = {k.replace(".base_layer", ""): v for k, v in base.state_dict().items() if ".lora_" not in k}
+    state = _adapterless_state(base)
     errors = []
     if not merge:
         return state, errors
     for fqn, module in base.named_modules():
-        if not hasattr(module, "lora_A") or not module.active_adapters:
+        delta = _adapter_delta(module)
+        if delta is None:
             continue
-        names = [n for n in module.active_adapters if n in module.lora_A]
-        delta = sum(module.get_delta_weight(n).float() for n in names)
         layer = module.get_base_layer()
         if isinstance(module, PackedInt4LoraLinear):
             merged = layer.dequantized_weight(torch.float32) + delta
@@ -647,17 +659,17 @@ def export_int4_lora(
 ) -> Path:
     """Save an INT4-base LoRA model as a ``save_pretrained`` folder, atomically; returns its path.
 
-    ``merge=True, merged_dtype=torch.bfloat16`` (or fp32) instead writes a plain dense model — every
-    packed weight dequantized plus its adapter delta, rounded once to ``merged_dtype`` — that any
-    ``transformers`` install loads without hf-lowprec. Re-quantizing to INT4 (the default merge) loses
-    adapter deltas smaller than half an INT4 step, which on small models is most of what LoRA learned.
-
     ``merge=False``: the packed base (``model.safetensors``, ``quant_method: hf_lowprec``) plus the
     adapters in PEFT format in ``adapter/`` (``adapter_config.json``, ``adapter_model.safetensors``). ``merge=True``:
     each adapter's delta is added to its dequantized base weight and re-quantized to INT4 with fresh
     steps — a second rounding, so the merged model differs from the trained one; the per-layer error
     is written to ``hf_lowprec_merge.json`` and logged. Reload either with :func:`load_int4_model`
     (or ``AutoModelForCausalLM.from_pretrained`` after ``import hf_lowprec``, then PEFT for adapters).
+
+    ``merge=True, merged_dtype=torch.bfloat16`` (or fp32) instead writes a plain dense model — every
+    packed weight dequantized plus its adapter delta, rounded once to ``merged_dtype`` — that any
+    ``transformers`` install loads without hf-lowprec. Re-quantizing to INT4 (the default merge) loses
+    adapter deltas smaller than half an INT4 step, which on small models is most of what LoRA learned.
     Refuses an existing non-empty ``out_dir`` unless ``overwrite``.
     """
     from hf_lowprec.hf_quantizer import quantization_config_dict
@@ -666,28 +678,36 @@ def export_int4_lora(
 
     if not isinstance(model, PeftModel):
         raise ValueError(f"export_int4_lora exports a PEFT model from prepare_int4_lora, got {type(model).__name__}")
+    if merged_dtype is not None and not merge:
+        raise ValueError("merged_dtype applies to merge=True")
+    if merged_dtype is not None and merged_dtype not in MERGE_DTYPES.values():
+        raise ValueError(f"merged_dtype must be one of {', '.join(str(d) for d in MERGE_DTYPES.values())}, got {merged_dtype}")
     base = model.get_base_model()
     plan = getattr(base, "hf_lowprec_plan", None)
     if plan is None:
         raise ValueError("the model has no hf_lowprec plan; build it with prepare_int4_lora / load_int4_lora")
     _check_output_dir(Path(out_dir), overwrite)
-    if merge and merged_dtype is not None:
-        return _export_dense_merged(model, base, Path(out_dir), merged_dtype, tokenizer, overwrite, extra_files)
-    if merged_dtype is not None:
-        raise ValueError("merged_dtype applies to merge=True")
-    state, errors = _packed_base_state(base, merge)
+    dense = merged_dtype is not None
     config = copy.deepcopy(base.config)
-    config.quantization_config = quantization_config_dict(plan)
     config.use_cache = True
+    if dense:
+        state, errors = _dense_merged_state(base, merged_dtype), []
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.dtype = str(merged_dtype).removeprefix("torch.")
+    else:
+        state, errors = _packed_base_state(base, merge)
+        config.quantization_config = quantization_config_dict(plan)
     with atomic_output_dir(out_dir, overwrite) as tmp, _without_hf_quantizer(base):
         base.save_pretrained(tmp, state_dict=state)
-        config.save_pretrained(tmp)  # the config with quantization_config (base.config stays untouched)
+        config.save_pretrained(tmp)  # base.config stays untouched
         if not merge:
             model.save_pretrained(tmp / ADAPTER_DIR)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        plan.save(tmp / PLAN_FILE)
-        if merge:
+        if not dense:
+            plan.save(tmp / PLAN_FILE)
+        if merge and not dense:
             summary = _merge_summary(errors)
             atomic_write_text(tmp / MERGE_FILE, json.dumps({"summary": summary, "layers": errors}, indent=2) + "\n")
             logger.warning("merged LoRA into the INT4 base and re-quantized %d layers: weight error %.3g%% (median), "
@@ -696,29 +716,6 @@ def export_int4_lora(
         for name, text in (extra_files or {}).items():
             atomic_write_text(tmp / name, text)
     return Path(out_dir)
-
-
-def _export_dense_merged(model, base, out_dir: Path, dtype: torch.dtype, tokenizer, overwrite: bool, extra_files) -> Path:
-    """:func:`export_int4_lora` with ``merged_dtype``: a plain ``transformers`` folder, no quantization config."""
-    from hf_lowprec.hub import atomic_output_dir
-    from hf_lowprec.plan import atomic_write_text
-
-    if dtype not in MERGE_DTYPES.values():
-        raise ValueError(f"merged_dtype must be one of {', '.join(str(d) for d in MERGE_DTYPES.values())}, got {dtype}")
-    state = _dense_merged_state(base, dtype)
-    config = copy.deepcopy(base.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.use_cache = True
-    config.dtype = str(dtype).removeprefix("torch.")
-    with atomic_output_dir(out_dir, overwrite) as tmp, _without_hf_quantizer(base):
-        base.save_pretrained(tmp, state_dict=state)
-        config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        for name, text in (extra_files or {}).items():
-            atomic_write_text(tmp / name, text)
-    return out_dir
 
 
 @contextlib.contextmanager

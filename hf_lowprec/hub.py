@@ -303,17 +303,13 @@ def _export_lora(model, tokenizer, out: Path, run: dict, merge: bool, merged_dty
     if merged_dtype is not None and not merge:
         raise ValueError("a merged dtype applies to --merge")
     packed = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
-    if merge and merged_dtype is not None:
-        dtype = MERGE_DTYPES[merged_dtype]
-        run["export"] = {"weights": "dense", "loader": "transformers", "library_name": "transformers", "dtype": _dtype_name(torch.empty(0, dtype=dtype)),
+    if merged_dtype is not None:
+        run["export"] = {"weights": "dense", "loader": "transformers", "library_name": "transformers",
+                         "dtype": str(MERGE_DTYPES[merged_dtype]).removeprefix("torch."),
                          "description": f"LoRA merged into a dense {merged_dtype} model: {packed} INT4 layers dequantized plus their adapter "
                                         "deltas, rounded once"}  # fmt: skip
         run.pop("adapter", None)
-        with atomic_output_dir(out, overwrite) as tmp:
-            export_int4_lora(model, tmp, merge=True, merged_dtype=dtype, tokenizer=tokenizer, overwrite=True)
-            _write_record(tmp, run, repo_id, extra_files)
-        return out
-    if merge:
+    elif merge:
         run["export"] = {"weights": "int4-packed", "loader": "hf_lowprec", "library_name": "hf-lowprec", "dtype": _dtype_name(model),
                          "description": f"{packed} layers as packed INT4 codes, LoRA merged in and re-quantized (error in {MERGE_FILE})"}  # fmt: skip
         run.pop("adapter", None)
@@ -323,16 +319,16 @@ def _export_lora(model, tokenizer, out: Path, run: dict, merge: bool, merged_dty
         run["adapter"] = {**run.get("adapter", {}), "folder": f"{ADAPTER_DIR}/",
                           "note": "load_exported applies them; `hf-lowprec export --merge` folds them into the INT4 base"}  # fmt: skip
     with atomic_output_dir(out, overwrite) as tmp:
-        export_int4_lora(model, tmp, merge=merge, tokenizer=tokenizer, overwrite=True)  # tmp is empty: written in place
-        if merge:
+        export_int4_lora(model, tmp, merge=merge, merged_dtype=MERGE_DTYPES.get(merged_dtype), tokenizer=tokenizer,
+                         overwrite=True)  # tmp is empty: written in place  # fmt: skip
+        if merge and merged_dtype is None:
             run["merge"] = json.loads((tmp / MERGE_FILE).read_text())["summary"]
         _write_record(tmp, run, repo_id, extra_files)
     return out
 
 
-def _dtype_name(model_or_tensor: "nn.Module | torch.Tensor") -> str:
-    t = model_or_tensor if torch.is_tensor(model_or_tensor) else next(model_or_tensor.parameters())
-    return str(t.dtype).removeprefix("torch.")
+def _dtype_name(model: nn.Module) -> str:
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False, repo_id: str | None = None,

@@ -315,13 +315,10 @@ def _shifts_labels(model: nn.Module, labels: torch.Tensor) -> bool:
     return labels.dim() == 2 and getattr(model, "loss_type", "ForCausalLM") == "ForCausalLM"
 
 
-def _targets(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
-    """The labels the loss scores: shifted by one for a causal LM, as they are for classification."""
-    return labels[:, 1:] if _shifts_labels(model, labels) else labels
-
-
 def _label_count(model: nn.Module, batch: Mapping) -> int:
-    return int((_targets(model, batch["labels"]) != IGNORE_INDEX).sum())
+    """Positions the loss scores: next tokens for a causal LM, labels as they are for classification."""
+    labels = batch["labels"]
+    return int(((labels[:, 1:] if _shifts_labels(model, labels) else labels) != IGNORE_INDEX).sum())
 
 
 def _forward(model: nn.Module, batch: Mapping, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,9 +332,9 @@ def _forward(model: nn.Module, batch: Mapping, device) -> tuple[torch.Tensor, to
     if getattr(getattr(model, "config", None), "use_cache", None) is not None:
         inputs.setdefault("use_cache", False)  # no KV cache: less memory, and blocks can be replayed
     logits = model(**inputs).logits
-    labels = _targets(model, batch["labels"]).to(device)
-    if _shifts_labels(model, batch["labels"]):
-        logits = logits[:, :-1]
+    labels = batch["labels"].to(device)
+    if _shifts_labels(model, labels):
+        logits, labels = logits[:, :-1], labels[:, 1:]
     if logits.shape[: labels.dim()] != labels.shape:
         raise ValueError(f"labels of shape {tuple(batch['labels'].shape)} do not fit logits of shape {tuple(logits.shape)} ({type(model).__name__})")
     valid = labels != IGNORE_INDEX
