@@ -5,7 +5,7 @@ all linear layers, AdamW lr 2e-4, side by side; every configuration runs in a fr
 peak RSS (``ru_maxrss``, loading included) is its own.
 
     python benchmarks/ondevice.py speed [--steps 10 --warmup 3 --repeats 2]   # step time + peak RSS
-    python benchmarks/ondevice.py quality [--steps 100] [--configs ...] [--int4-variants gptq gptq+loftq]  # perplexity after N steps
+    python benchmarks/ondevice.py quality [--steps 100] [--configs ...] [--int4-variants awq+gptq+loftq keep20+loftq]  # perplexity after N steps
     python benchmarks/ondevice.py demo [--steps 50]                            # the CLI default, end to end
     python benchmarks/ondevice.py plot                                         # PNG from the JSON
 
@@ -33,7 +33,7 @@ RESULTS = Path(__file__).parent / "results"
 MARK = "@@RESULT@@"
 HELD_OUT = ("hamlet_gut", "tempest_gut")
 BATCH, BLOCK, LR, SEED = 4, 256, 2e-4, 0
-GPTQ_BLOCKS = 16  # calibration blocks (x BLOCK tokens) for --gptq
+CALIBRATION_BLOCKS = 16  # calibration blocks (x BLOCK tokens) for --rounding gptq / awq / awq+gptq
 THREADS = 2  # set by --threads
 # name: (description, default gradient checkpointing)
 CONFIGS = {
@@ -74,7 +74,7 @@ def _sensitive_kept_plan(base, blocks, keep: float):
     return allocate(result, target_bits_per_param=int4_bits + keep * (16 - int4_bits))  # lm_head was not scanned: kept
 
 
-def _build(config: str, loftq: bool, gptq: bool, gc: bool, keep_bf16: float = 0.0, backend: str = "auto"):
+def _build(config: str, loftq: bool, rounding: str, gc: bool, keep_bf16: float = 0.0, backend: str = "auto"):
     """``(model, tokenizer, loss_fn(batch) -> loss, notes)`` for one configuration."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -90,9 +90,11 @@ def _build(config: str, loftq: bool, gptq: bool, gc: bool, keep_bf16: float = 0.
         from hf_lowprec.activations import ActivationStorage
 
         base, tok = load_pretrained(folder, gguf_file=gguf, dtype=torch.bfloat16)  # what load_int4_lora does, with the tokenizer first
-        first_blocks = _data(tok, GPTQ_BLOCKS, 0)[0] if gptq or keep_bf16 else None  # the first training blocks
+        calibrated = rounding != "nearest"
+        first_blocks = _data(tok, CALIBRATION_BLOCKS, 0)[0] if calibrated or keep_bf16 else None  # the first training blocks
         plan = _sensitive_kept_plan(base, first_blocks, keep_bf16) if keep_bf16 else None  # default: all int4-g64-asym, lm_head kept
-        model, report = prepare_int4_lora(base, lora, plan, loftq_init=loftq, calibration=first_blocks if gptq else None, backend=backend)
+        model, report = prepare_int4_lora(base, lora, plan, loftq_init=loftq, rounding=rounding, calibration=first_blocks if calibrated else None,
+                                          backend=backend)  # fmt: skip
         storage = ActivationStorage(model, "int8") if config == "int4-lora" and not gc else None
 
         def loss_fn(b):
@@ -102,7 +104,7 @@ def _build(config: str, loftq: bool, gptq: bool, gc: bool, keep_bf16: float = 0.
                 return causal_lm_loss(model, b)
 
         return model, tok, loss_fn, {"plan_fractions": report.fractions(), "activation_storage": "int8" if storage is not None else None,
-                                     "gptq": report.gptq}  # fmt: skip
+                                     "calibration": report.calibration}  # fmt: skip
     if config == "bnb-nf4":
         from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -132,7 +134,7 @@ def child(args) -> dict:
     from hf_lowprec.finetune import backend_counts, evaluate_loss
 
     t0 = time.perf_counter()
-    model, tok, loss_fn, notes = _build(args.config, args.loftq, args.gptq, bool(args.gc), args.keep_bf16, args.backend)
+    model, tok, loss_fn, notes = _build(args.config, args.loftq, args.rounding, bool(args.gc), args.keep_bf16, args.backend)
     load_s = time.perf_counter() - t0
     rss_loaded = psutil.Process().memory_info().rss / 2**20
     steps = args.warmup + args.steps
@@ -179,7 +181,7 @@ def child(args) -> dict:
             notes["ppl_merged_dense"] = math.exp(evaluate_loss(dense, evals, BATCH))
     timed_wall, timed_cpu = wall[args.warmup :], cpu[args.warmup :]
     return {
-        "config": args.config, "gradient_checkpointing": bool(args.gc), "loftq": bool(args.loftq), "gptq_rounding": bool(args.gptq),
+        "config": args.config, "gradient_checkpointing": bool(args.gc), "loftq": bool(args.loftq), "rounding": args.rounding,
         "keep_bf16": args.keep_bf16, "backend": args.backend,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_after_load_mb": rss_loaded,
         "load_s": load_s, "step_s_median": statistics.median(timed_wall), "step_cpu_s_median": statistics.median(timed_cpu),
@@ -193,9 +195,9 @@ def child(args) -> dict:
 
 # ------------------------------------------------------------------------------------ parent
 def run_child(config: str, gc: bool, steps: int, warmup: int, eval_blocks: int = 0, loftq: bool = False, merge_eval: bool = False,
-              gptq: bool = False, keep_bf16: float = 0.0, backend: str = "auto") -> dict:  # fmt: skip
-    flags = [f for f, on in (("--loftq", loftq), ("--merge-eval", merge_eval), ("--gptq", gptq)) if on]
-    flags += ["--keep-bf16", str(keep_bf16), "--backend", backend]
+              rounding: str = "nearest", keep_bf16: float = 0.0, backend: str = "auto") -> dict:  # fmt: skip
+    flags = [f for f, on in (("--loftq", loftq), ("--merge-eval", merge_eval)) if on]
+    flags += ["--rounding", rounding, "--keep-bf16", str(keep_bf16), "--backend", backend]
     cmd = [sys.executable, __file__, "child", "--config", config, "--gc", str(int(gc)), "--steps", str(steps),
            "--warmup", str(warmup), "--eval-blocks", str(eval_blocks), *flags]  # fmt: skip
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
@@ -204,7 +206,7 @@ def run_child(config: str, gc: bool, steps: int, warmup: int, eval_blocks: int =
     if proc.returncode or line is None:
         raise RuntimeError(f"{config} (gc={gc}) failed:\n{proc.stderr[-3000:]}")
     result = json.loads(line[len(MARK) :])
-    print(f"  {config:<18} gc={int(gc)} loftq={int(loftq)} gptq={int(gptq)}  peak {result['peak_rss_mb']:7.0f} MB  step {result['step_s_median']:.2f} s"
+    print(f"  {config:<18} gc={int(gc)} loftq={int(loftq)} {rounding}  peak {result['peak_rss_mb']:7.0f} MB  step {result['step_s_median']:.2f} s"
           + (f"  ppl {result['ppl_before']:.2f} -> {result['ppl_after']:.2f}" if eval_blocks else ""), flush=True)  # fmt: skip
     return result
 
@@ -299,17 +301,28 @@ def _quality_key(r: dict) -> str:
     fmt = next((f for f in r.get("plan_fractions", {}) if f.startswith("int4")), None)
     keep = f"+{round(100 * r['keep_bf16'])}% sensitive bf16" if r.get("keep_bf16") else ""
     backend = f" [{r['backend']} backend]" if r.get("backend", "auto") != "auto" else ""
-    return r["config"] + (f" ({fmt})" if fmt else "") + keep + ("+gptq" if r.get("gptq_rounding") else "") + ("+loftq" if r["loftq"] else "") + backend
+    rounding = r.get("rounding") or ("gptq" if r.get("gptq_rounding") else "nearest")  # older runs stored a GPTQ flag
+    return (r["config"] + (f" ({fmt})" if fmt else "") + keep + (f"+{rounding}" if rounding != "nearest" else "")
+            + ("+loftq" if r["loftq"] else "") + backend)  # fmt: skip
+
+
+def parse_variant(variant: str) -> dict:
+    """``int4-lora`` options from a ``+``-joined variant name: ``loftq``, ``gptq``, ``awq``, ``dequant``, ``keepNN``
+    (NN% of the linear parameters, the most sensitive, kept bf16); e.g. ``keep20+awq+gptq+loftq``."""
+    parts = variant.split("+")
+    unknown = [x for x in parts if x not in ("loftq", "gptq", "awq", "dequant") and not (x.startswith("keep") and x[4:].isdigit())]
+    if unknown:
+        raise SystemExit(f"--int4-variants {variant!r}: unknown part(s) {unknown}; use loftq, gptq, awq, dequant, keepNN joined by '+'")
+    rounding = "+".join(x for x in ("awq", "gptq") if x in parts) or "nearest"
+    keep = next((int(x[4:]) / 100 for x in parts if x.startswith("keep")), 0.0)
+    return {"loftq": "loftq" in parts, "rounding": rounding, "keep_bf16": keep, "backend": "dequant" if "dequant" in parts else "auto"}
 
 
 def quality(args) -> None:
     """Perplexity on the held-out plays before and after ``--steps`` steps; merged with earlier quality runs."""
-    variants = [(c, False, False, 0.0, "auto") for c in args.configs]
-    variants += [("int4-lora", "loftq" in v, "gptq" in v, float(v.split("keep")[1][:2]) / 100 if "keep" in v else 0.0,
-                  "dequant" if "dequant" in v else "auto") for v in args.int4_variants]  # fmt: skip
-    new = [run_child(c, CONFIGS[c][1], args.steps, 0, args.eval_blocks, loftq, merge_eval=c == "int4-lora" and not loftq, gptq=gptq,
-                     keep_bf16=keep, backend=backend)
-           for c, loftq, gptq, keep, backend in variants]  # fmt: skip
+    variants = [(c, {}) for c in args.configs] + [("int4-lora", parse_variant(v)) for v in args.int4_variants]
+    new = [run_child(c, CONFIGS[c][1], args.steps, 0, args.eval_blocks, merge_eval=c == "int4-lora" and not options.get("loftq"), **options)
+           for c, options in variants]  # fmt: skip
     data = _load_results()
     old = data.get("quality", {}).get("runs", [])
     runs = list({_quality_key(r): r for r in old + new}.values())  # a re-run replaces the earlier one
@@ -388,17 +401,18 @@ def plot(_args) -> None:
 
 
 def main() -> None:
+    from hf_lowprec.calibration import ROUNDINGS
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=("speed", "quality", "demo", "report", "plot", "child"))
     p.add_argument("--config", choices=tuple(CONFIGS))
     p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=tuple(CONFIGS))
     p.add_argument("--gc", type=int, default=0)
     p.add_argument("--loftq", action="store_true", help="child: LoftQ initialisation")
-    p.add_argument("--gptq", action="store_true", help=f"child: GPTQ rounding calibrated on {GPTQ_BLOCKS} training blocks")
+    p.add_argument("--rounding", default="nearest", choices=ROUNDINGS, help=f"child: INT4 rounding (calibrated on {CALIBRATION_BLOCKS} training blocks)")
     p.add_argument("--keep-bf16", type=float, default=0.0, help="child: fraction of linear parameters kept bf16 (most sensitive by a Fisher scan)")
     p.add_argument("--backend", default="auto", choices=("auto", "int8", "dequant"), help="child: PackedInt4Linear backend")
-    p.add_argument("--int4-variants", nargs="*", default=[], choices=("loftq", "gptq", "gptq+loftq", "keep10+loftq", "keep20+loftq", "dequant", "keep20+loftq+dequant", "keep30+loftq+dequant"),
-                   help="quality: also run int4-lora with these options")
+    p.add_argument("--int4-variants", nargs="*", default=[], help="quality: also run int4-lora with these options (see parse_variant)")
     p.add_argument("--merge-eval", action="store_true", help="child: also evaluate the merged, re-quantized export")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=3)

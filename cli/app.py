@@ -152,7 +152,7 @@ def finetune_cmd(
     eval_blocks: Annotated[Optional[int], typer.Option("--eval-blocks", min=1, help="Held-out sequences for the loss before/after.")] = None,
     lora_r: Annotated[Optional[int], typer.Option("--lora-r", min=1)] = None,
     lora_init: Annotated[Optional[str], typer.Option("--lora-init", help="int4-lora: default or loftq (adapters start from the quantization residual).")] = None,  # fmt: skip
-    rounding: Annotated[Optional[str], typer.Option("--rounding", help="int4-lora: nearest or gptq (codes chosen on the first training batches).")] = None,  # fmt: skip
+    rounding: Annotated[Optional[str], typer.Option("--rounding", help="int4-lora: how the INT4 codes are chosen: nearest, gptq, awq or awq+gptq (the last three calibrated on the first training batches).")] = None,  # fmt: skip
     seed: Annotated[Optional[int], typer.Option("--seed")] = None,
     text_column: TextColOpt = None,
     messages_column: MsgColOpt = None,

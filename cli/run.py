@@ -349,17 +349,18 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t):
     targets = lora.target_modules[0] if lora.target_modules == ("all-linear",) else list(lora.target_modules)
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
     calibration = None
-    if p.rounding == "gptq":
+    if p.rounding != "nearest":
         n = min(len(lm.train), p.calibration_batches * t.batch_size)
         tokens = torch.cat([torch.as_tensor(lm.train[i]["input_ids"]) for i in range(n)])  # rows may differ in length (chat data)
         calibration = tokens[: len(tokens) // t.block_size * t.block_size].view(-1, t.block_size)
-    rounding = f", GPTQ on {calibration.numel()} tokens" if calibration is not None else ""
+    rounding = f", {p.rounding} on {calibration.numel()} tokens" if calibration is not None else ""
     with ui.step(f"packing the base to INT4{rounding} and adding LoRA adapters (r={lora.r})"):
-        peft_model, report = prepare_int4_lora(model, config, p.fixed_plan(), loftq_init=lora.init == "loftq", calibration=calibration)
+        peft_model, report = prepare_int4_lora(model, config, p.fixed_plan(), loftq_init=lora.init == "loftq", rounding=p.rounding,
+                                               calibration=calibration)  # fmt: skip
     trainable = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
     record = {"adapter": {"trainable_params": trainable, "r": lora.r, "target_modules": list(lora.target_modules)}}
-    if report.gptq is not None:
-        record["gptq"] = report.gptq
+    if report.calibration is not None:
+        record["calibration"] = report.calibration
     return peft_model, [], record
 
 

@@ -73,7 +73,7 @@ class ConversionReport:
 
     layers: list[LayerReport] = field(default_factory=list)
     new_parameters: dict[str, nn.Parameter] = field(default_factory=dict)
-    gptq: dict | None = None  # hf_lowprec.gptq.summary when the INT4 codes were chosen by GPTQ
+    calibration: dict | None = None  # hf_lowprec.calibration.summary when the INT4 codes were calibrated (GPTQ, AWQ)
 
     @property
     def swapped(self) -> list[LayerReport]:
@@ -95,7 +95,7 @@ class ConversionReport:
 
     def to_dict(self) -> dict:
         return {"layers": [asdict(r) for r in self.layers], "fractions": self.fractions(), "new_parameters": list(self.new_parameters),
-                "gptq": self.gptq}  # fmt: skip
+                "calibration": self.calibration}  # fmt: skip
 
     def __str__(self) -> str:
         lines = [f"{len(self.swapped)} of {len(self.layers)} layers in low precision; " + ", ".join(f"{k} {v:.1%}" for k, v in self.fractions().items())]

@@ -40,6 +40,7 @@ from torch import nn
 
 import hf_lowprec.hf_quantizer  # noqa: F401  (registers quant_method "hf_lowprec": from_pretrained loads exported folders)
 from hf_lowprec.activations import ActivationStorage
+from hf_lowprec.calibration import ROUNDINGS, check_rounding
 from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eligible_layers, freeze
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.modules.int4_lora import register_int4_lora
@@ -146,6 +147,7 @@ def prepare_int4_lora(
     plan: "PrecisionPlan | str | None" = None,
     *,
     loftq_init: bool = False,
+    rounding: str = "nearest",
     calibration: torch.Tensor | None = None,
     adapter_dtype: torch.dtype = torch.float32,
     backend: str = "auto",
@@ -158,17 +160,22 @@ def prepare_int4_lora(
             accepts names, suffixes, a regex or ``all-linear`` (packed layers included).
         plan: see :func:`int4_plan`; layers it keeps in int8/nf4 stay fake-quantized, bf16/fp32 stay dense.
         loftq_init: initialise LoRA on INT4 layers from the SVD of their quantization residual (LoftQ).
-        calibration: token blocks ``[n, T]``: choose the INT4 codes by GPTQ on these tokens (see
-            :mod:`hf_lowprec.gptq`; same format and grid, lower output error) instead of rounding to nearest.
+        rounding: how the INT4 codes are chosen: ``nearest``, or calibrated on ``calibration`` tokens —
+            ``gptq`` (output-preserving rounding), ``awq`` (activation-aware input scales), ``awq+gptq``
+            (see :mod:`hf_lowprec.calibration`; same formats, lower output error).
+        calibration: token blocks ``[n, T]`` for the calibrated roundings.
         adapter_dtype: dtype of the adapter weights (fp32 master copies by default; they compute in the
             activation dtype either way).
         backend: ``auto``, ``int8`` or ``dequant`` for every packed layer (see ``PackedInt4Linear``).
 
-    Raises ``ValueError`` for a target that matches nothing, a plan that packs nothing, or a model whose
-    layers are narrower than one INT4 group.
+    Raises ``ValueError`` for a target that matches nothing, a plan that packs nothing, a model whose
+    layers are narrower than one INT4 group, or a rounding without (or ``nearest`` with) calibration tokens.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    if (check_rounding(rounding) == "nearest") != (calibration is None):
+        raise ValueError(f"rounding {rounding!r} " + ("needs calibration= token blocks [n, T]" if calibration is None else
+                         "uses no calibration tokens; choose one of " + ", ".join(ROUNDINGS[1:]) + " to use them"))  # fmt: skip
     config = copy.deepcopy(lora_config) if lora_config is not None else LoraConfig(r=16, lora_alpha=32, target_modules=ALL_LINEAR)
     plan = int4_plan(model, plan)
     _check_quantizable(model, plan)
@@ -176,7 +183,7 @@ def prepare_int4_lora(
     report = apply_plan(model, plan, learn_scales=False)
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     if calibration is not None:
-        report.gptq = _gptq_pack(model, calibration, config if loftq_init else None, factors)
+        report.calibration = _calibrated_pack(model, calibration, rounding, config if loftq_init else None, factors)
     if loftq_init:
         factors.update(_loftq_for_targets(model, config))
     freeze(model)
@@ -218,10 +225,10 @@ def _own_dense_tensors(model: nn.Module) -> None:
                 module._buffers[name] = b.clone()
 
 
-def _gptq_pack(model: nn.Module, calibration: torch.Tensor, loftq: LoraConfig | None, factors: dict) -> dict:
-    """Pack every INT4 ``Int4Linear`` with GPTQ codes (LoftQ factors from their residual into ``factors``
-    when ``loftq`` is given); returns :func:`hf_lowprec.gptq.summary`, also logged."""
-    from hf_lowprec import gptq
+def _calibrated_pack(model: nn.Module, calibration: torch.Tensor, rounding: str, loftq: LoraConfig | None, factors: dict) -> dict:
+    """Pack every INT4 ``Int4Linear`` with codes calibrated by ``rounding`` (LoftQ factors from their residual
+    into ``factors`` when ``loftq`` is given); returns :func:`hf_lowprec.calibration.summary`, also logged."""
+    from hf_lowprec.calibration import CalibratedCodes, calibrated_codes, summary
     from hf_lowprec.convert import _set_module
     from hf_lowprec.modules.int4 import Int4Linear
 
@@ -230,20 +237,21 @@ def _gptq_pack(model: nn.Module, calibration: torch.Tensor, loftq: LoraConfig | 
     layers = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear) and m.spec.family == "int4"}
     targets = set(loftq.target_modules) if loftq is not None else set()
 
-    def replace(name: str, result: gptq.GPTQResult) -> None:
+    def replace(name: str, result: CalibratedCodes) -> None:
         module = layers[name]
-        packed = PackedInt4Linear.from_codes(result.codes, result.step, result.zero, module.spec, module.bias, module.weight.dtype)
+        packed = PackedInt4Linear.from_codes(result.codes, result.step, result.zero, module.spec, module.bias, module.weight.dtype,
+                                             input_scale=result.input_scale)  # fmt: skip
         if name in targets:
             residual = module.weight.detach().float() - packed.dequantized_weight(torch.float32)
             factors[canonical_name(name)] = loftq_factors(residual, loftq.r, _lora_scaling(loftq))
         _set_module(model, name, packed)
 
     start = time.perf_counter()
-    summary = gptq.summary(gptq.gptq_codes(model, layers, calibration, replace))
-    summary["seconds"] = time.perf_counter() - start
-    logger.info("GPTQ on %d tokens: output error %.3g (round-to-nearest %.3g), median over %d layers, %.0f s",
-                calibration.numel(), summary["output_error_median"], summary["output_error_nearest_median"], summary["layers"], summary["seconds"])  # fmt: skip
-    return summary
+    stats = {"rounding": rounding, **summary(calibrated_codes(model, layers, calibration, replace, rounding))}
+    stats["seconds"] = time.perf_counter() - start
+    logger.info("%s on %d tokens: output error %.3g (round-to-nearest %.3g), median over %d layers, %.0f s", rounding,
+                calibration.numel(), stats["output_error_median"], stats["output_error_nearest_median"], stats["layers"], stats["seconds"])  # fmt: skip
+    return stats
 
 
 def _lora_scaling(config: LoraConfig) -> float:
@@ -272,6 +280,7 @@ def load_int4_lora(
     gguf_file: str | None = None,
     dtype: torch.dtype = torch.bfloat16,
     loftq_init: bool = False,
+    rounding: str = "nearest",
     calibration=None,
     adapter_dtype: torch.dtype = torch.float32,
     backend: str = "auto",
@@ -279,7 +288,7 @@ def load_int4_lora(
     """Load a pretrained checkpoint and :func:`prepare_int4_lora` it: ``(peft_model, tokenizer, report)``.
 
     ``calibration``: token blocks ``[n, T]``, or a callable ``tokenizer -> blocks`` (the tokenizer is
-    only known after loading), for GPTQ rounding.
+    only known after loading), for the calibrated roundings (see :func:`prepare_int4_lora`).
     """
     from hf_lowprec.checkpoints import load_pretrained
 
@@ -287,7 +296,8 @@ def load_int4_lora(
     if callable(calibration):
         calibration = calibration(tokenizer)
     peft_model, report = prepare_int4_lora(
-        model, lora_config, plan, loftq_init=loftq_init, calibration=calibration, adapter_dtype=adapter_dtype, backend=backend
+        model, lora_config, plan, loftq_init=loftq_init, rounding=rounding, calibration=calibration, adapter_dtype=adapter_dtype,
+        backend=backend,
     )
     return peft_model, tokenizer, report
 
@@ -612,7 +622,7 @@ def _dense_merged_state(base: nn.Module, dtype: torch.dtype) -> dict[str, torch.
         delta = _adapter_delta(module)
         if delta is not None:
             weight = weight + delta
-        for buf in ("qweight", "step", "zero"):
+        for buf in PackedInt4Linear.BUFFERS:
             state.pop(f"{fqn}.{buf}", None)
         state[f"{fqn}.weight"] = weight.to(dtype)
     return state
@@ -639,7 +649,7 @@ def _packed_base_state(base: nn.Module, merge: bool) -> tuple[dict[str, torch.Te
             stats.update(layer=canonical_name(fqn), delta_norm=delta.norm().item(),
                          error_vs_delta=(err / delta.norm().clamp(min=1e-12)).item())  # fmt: skip
             errors.append(stats)
-            for buf in ("qweight", "step", "zero"):
+            for buf in PackedInt4Linear.BUFFERS:
                 if getattr(shell, buf) is not None:
                     state[f"{fqn}.{buf}"] = getattr(shell, buf)
         else:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from hf_lowprec.calibration import ROUNDINGS
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.plan import PrecisionPlan
 
@@ -35,7 +36,6 @@ PLAN_SOURCES = ("auto",)  # besides a format name or a plan file path
 DTYPES = ("fp32", "bf16")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 LORA_INITS = ("default", "loftq")
-ROUNDINGS = ("nearest", "gptq")
 EXPORT_WEIGHTS = ("master", "int4-packed")
 
 
@@ -53,10 +53,11 @@ class PrecisionSection:
         keep: layer names/patterns left in high precision (plain format plans only).
         formats: candidate formats of the ``auto`` scan.
         budget: ``auto`` budget, passed to ``sensitivity.allocate`` (e.g. ``{target_bits_per_param: 6}``).
-        calibration_batches: batches the ``auto`` scan measures on, and GPTQ calibrates on.
+        calibration_batches: batches the ``auto`` scan measures on, and calibrated rounding calibrates on.
         scan_method: ``auto`` scan method.
-        rounding: ``int4-lora`` only: how the frozen base's INT4 codes are chosen, ``nearest`` or
-            ``gptq`` (output-error-minimizing, calibrated on the first training batches; see ``hf_lowprec.gptq``).
+        rounding: ``int4-lora`` only: how the frozen base's INT4 codes are chosen: ``nearest``, or calibrated
+            on the first ``calibration_batches`` training batches: ``gptq``, ``awq``, ``awq+gptq`` (lower
+            output error; see ``hf_lowprec.calibration``).
     """
 
     plan: str = "fp8"

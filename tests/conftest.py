@@ -22,6 +22,16 @@ def tiny_llama(seed: int = 0, tie: bool = False, **overrides) -> LlamaForCausalL
     return LlamaForCausalLM(LlamaConfig(**cfg))
 
 
+@torch.no_grad()
+def with_loud_channels(model: torch.nn.Module, channels: int = 4, gain: float = 20.0) -> torch.nn.Module:
+    """``model`` with its first ``channels`` hidden channels made ``gain``x louder at every RMSNorm output, like
+    the few massive activation channels of pretrained LLMs (random-init models have none)."""
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.weight[:channels] *= gain
+    return model
+
+
 def tiny_bert(seed: int = 0) -> BertForSequenceClassification:
     """A 2-layer BERT classifier (hidden 64, 2 labels) in fp32."""
     torch.manual_seed(seed)

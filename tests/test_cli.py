@@ -11,8 +11,9 @@ import time
 import pytest
 import torch
 from huggingface_hub import ModelCard
+from conftest import with_loud_channels
 from tiny_assets import HubStandIn, corpus_text, save_tiny_model, validate_card_metadata
-from transformers import AutoModelForCausalLM, default_data_collator
+from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_collator
 from typer.testing import CliRunner
 
 from hf_lowprec.cli.app import app
@@ -125,11 +126,14 @@ def test_qat_int4_run_exports_packed_weights_that_reproduce_the_trained_model(ws
 
 @pytest.fixture(scope="module")
 def lora_run(ws):
-    """An int4-ondevice-lora run (GPTQ rounding, LoftQ init) of the tiny model: ``(folder, CLI result)``, made once."""
-    out = ws / "run-lora"
+    """An int4-ondevice-lora run (AWQ scales + GPTQ rounding, LoftQ init) of the tiny model with a few loud channels
+    (so that AWQ scales some inputs): ``(folder, CLI result)``, made once."""
+    out, loud = ws / "run-lora", ws / "tiny-loud"
+    with_loud_channels(AutoModelForCausalLM.from_pretrained(ws / "tiny")).save_pretrained(loud)
+    AutoTokenizer.from_pretrained(ws / "tiny").save_pretrained(loud)
     args = ["--recipe", "int4-ondevice-lora", "--max-steps", "4", "--lr", "1e-2", "--block-size", "32", "--batch-size", "2", "--eval-blocks", "4",
-            "--rounding", "gptq", "--lora-init", "loftq"]  # fmt: skip
-    return out, cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", *args, "-o", out)
+            "--rounding", "awq+gptq", "--lora-init", "loftq"]  # fmt: skip
+    return out, cli("finetune", loud, "--data", ws / "corpus.txt", *args, "-o", out)
 
 
 def test_int4_lora_run_exports_adapters(ws, lora_run):
@@ -137,10 +141,12 @@ def test_int4_lora_run_exports_adapters(ws, lora_run):
     assert result.exit_code == 0, result.output
     record = json.loads((out / RUN_FILE).read_text())
     assert record["recipe"]["method"] == "int4-lora" and record["adapter"]["trainable_params"] > 0
-    assert record["recipe"]["precision"]["rounding"] == "gptq" and record["recipe"]["lora"]["init"] == "loftq"
-    assert record["gptq"]["layers"] == 14 and record["gptq"]["output_error_median"] < record["gptq"]["output_error_nearest_median"]
+    assert record["recipe"]["precision"]["rounding"] == "awq+gptq" and record["recipe"]["lora"]["init"] == "loftq"
+    stats = record["calibration"]
+    assert stats["rounding"] == "awq+gptq" and stats["layers"] == 14 and stats["output_error_median"] < stats["output_error_nearest_median"]
     assert (out / "adapter" / "adapter_config.json").is_file() and {"int4", "lora"} <= set(ModelCard.load(out / CARD_FILE).data.tags)
     model, tok = load_exported(out)  # packed base + adapters, same kernels as in training
+    assert any(bool((m.input_scale != 1).any()) for m in model.modules() if isinstance(m, PackedInt4Linear))  # AWQ scales reloaded
     loss = causal_lm_loss(model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
     assert loss == pytest.approx(record["training"]["loss_final"], abs=1e-4)
 

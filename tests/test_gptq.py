@@ -1,13 +1,15 @@
-"""GPTQ rounding of the frozen INT4 base: exact where it must be (uncorrelated inputs), better where it claims to be."""
+"""GPTQ rounding of the frozen INT4 base: exact where it must be (uncorrelated inputs), better where it claims to be;
+calibrated packing of a whole model (GPTQ, AWQ scales + GPTQ) and its errors."""
 
 import pytest
 import torch
 from peft import LoraConfig
 
-from conftest import markov_batches, tiny_llama
+from conftest import markov_batches, tiny_llama, with_loud_channels
 from hf_lowprec.finetune import prepare_int4_lora
 from hf_lowprec.formats import FormatSpec, dequantize_int, int_steps, quantize_int
-from hf_lowprec.gptq import gptq_quantize, hessian_groups
+from hf_lowprec.calibration import hessian_groups
+from hf_lowprec.gptq import gptq_quantize
 from hf_lowprec.modules import PackedInt4Linear
 
 LORA = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
@@ -56,21 +58,31 @@ def test_hessian_groups_respect_the_budget_and_keep_order():
     assert hessian_groups(sizes, budget_bytes=1) == [["a"], ["b"], ["c"], ["d"]]  # one layer always fits
 
 
-def test_prepare_int4_lora_with_calibration_packs_gptq_codes_closer_to_the_model():
+def test_prepare_int4_lora_with_calibration_packs_codes_closer_to_the_model():
     ids = markov_batches(n=2, batch=4, seq=32)
     calibration, held_out = ids[0]["input_ids"], ids[1]["input_ids"]
-    full = tiny_llama(3, hidden_size=128, intermediate_size=256)
+    model_like_a_pretrained_one = lambda: with_loud_channels(tiny_llama(3, hidden_size=128, intermediate_size=256))  # noqa: E731
     with torch.no_grad():
-        target = full(input_ids=held_out).logits
-    errors = {}
-    for gptq in (False, True):
-        model, report = prepare_int4_lora(tiny_llama(3, hidden_size=128, intermediate_size=256), LORA,
-                                          calibration=calibration if gptq else None, backend="dequant")  # fmt: skip
-        base = model.get_base_model()
-        assert sum(isinstance(m, PackedInt4Linear) for m in base.modules()) == 14
+        target = model_like_a_pretrained_one()(input_ids=held_out).logits
+    errors, stats = {}, {}
+    for rounding in ("nearest", "gptq", "awq+gptq"):
+        model, report = prepare_int4_lora(model_like_a_pretrained_one(), LORA, rounding=rounding,
+                                          calibration=None if rounding == "nearest" else calibration, backend="dequant")  # fmt: skip
+        packed = [m for m in model.get_base_model().modules() if isinstance(m, PackedInt4Linear)]
+        assert len(packed) == 14 and any(bool((m.input_scale != 1).any()) for m in packed) == (rounding == "awq+gptq")
         with torch.no_grad():
-            errors[gptq] = ((model(input_ids=held_out).logits - target).norm() / target.norm()).item()
-    assert report.gptq["layers"] == 14 and report.gptq["output_error_median"] < report.gptq["output_error_nearest_median"]
-    assert errors[True] < errors[False], errors
+            errors[rounding] = ((model(input_ids=held_out).logits - target).norm() / target.norm()).item()
+        stats[rounding] = report.calibration
+    assert stats["nearest"] is None
+    for rounding in ("gptq", "awq+gptq"):
+        assert stats[rounding]["rounding"] == rounding and stats[rounding]["layers"] == 14
+        assert stats[rounding]["output_error_median"] < stats[rounding]["output_error_nearest_median"]
+    assert errors["awq+gptq"] < errors["gptq"] < errors["nearest"], errors
     with pytest.raises(ValueError, match="calibration must be token ids"):
-        prepare_int4_lora(tiny_llama(), LORA, calibration=torch.rand(2, 8))
+        prepare_int4_lora(tiny_llama(), LORA, rounding="gptq", calibration=torch.rand(2, 8))
+    with pytest.raises(ValueError, match="rounding 'awq' needs calibration= token blocks"):
+        prepare_int4_lora(tiny_llama(), LORA, rounding="awq")
+    with pytest.raises(ValueError, match="rounding 'nearest' uses no calibration tokens; choose one of gptq, awq, awq\+gptq"):
+        prepare_int4_lora(tiny_llama(), LORA, calibration=calibration)
+    with pytest.raises(ValueError, match="unknown rounding 'rtn'; choose one of nearest, gptq, awq, awq\+gptq"):
+        prepare_int4_lora(tiny_llama(), LORA, rounding="rtn")

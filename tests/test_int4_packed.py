@@ -155,3 +155,46 @@ def test_cpu_kernels_match_torch_reference(spec):
     torch.testing.assert_close(ext.dequantize(acc, rows, cols, torch.bfloat16), (acc.float() * rows * cols).bfloat16(), rtol=0, atol=0)
     torch.testing.assert_close(ext.dequantize(acc.to(torch.int8).clamp(-127, 127), rows, None, torch.float32),
                                acc.to(torch.int8).clamp(-127, 127).float() * rows)  # fmt: skip
+
+
+def input_scaled(spec: str, dtype=torch.float32):
+    """A layer whose codes encode ``W diag(s)`` (``s`` powers of two): ``(layer, W, independent effective weight)``."""
+    from hf_lowprec.formats import FormatSpec, dequantize_int, int_steps, quantize_int
+
+    fmt = FormatSpec.parse(spec)
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 128, generator=gen) * 0.05
+    s = torch.exp2(torch.randint(-1, 2, (128,), generator=gen).float())  # 1/2, 1, 2
+    step, zero = int_steps(w * s, fmt)
+    codes = quantize_int(w * s, fmt, step, zero)
+    layer = PackedInt4Linear.from_codes(codes, step, zero, fmt, None, torch.float32, input_scale=s).to(dtype)
+    return layer, w, dequantize_int(codes, fmt, step, zero) / s
+
+
+@pytest.mark.parametrize("spec", ["int4-g64", "int4-g32-asym"])
+@pytest.mark.parametrize("backend", ["dequant", pytest.param("int8", marks=needs_int8)])
+def test_input_scale_is_divided_out_of_inputs_and_grad_inputs(spec, backend):
+    layer, w, effective = input_scaled(spec)
+    assert torch.equal(layer.dequantized_weight(), effective) and rel(effective, w) < 0.3  # codes of W diag(s): still W
+    x, g = torch.randn(4, 33, 128), torch.randn(4, 33, 96)
+    x[..., :8] *= 10  # outlier input channels, as in transformer layers
+    y, gx = run(layer, backend, x, g)
+    y_ref, gx_ref = x @ effective.T, g @ effective  # fp32 math on the weight the codes stand for
+    if backend == "int8":  # the designed numerics: x / s quantized per token (the outliers make that coarser)
+        from hf_lowprec.formats import fake_quantize_per_token_int8
+
+        assert rel(y, fake_quantize_per_token_int8(x / layer.input_scale) @ layer.grid_weight().T) < 0.02
+    tol = 1e-5 if backend == "dequant" else 0.05
+    assert rel(y, y_ref) < tol and rel(gx, gx_ref) < tol / 2, (rel(y, y_ref), rel(gx, gx_ref))
+
+
+def test_input_scale_survives_state_dict_dtype_casts_and_requantization():
+    layer, w, effective = input_scaled("int4-g64-asym")
+    shell = PackedInt4Linear(128, 96, "int4-g64-asym", bias=False, dtype=torch.float32)
+    shell.load_state_dict(layer.state_dict())
+    x = torch.randn(5, 128)
+    torch.testing.assert_close(F.linear(x, shell.dequantized_weight()), x @ effective.T)
+    assert torch.equal(layer.to(torch.bfloat16).input_scale.float(), layer.input_scale.float())  # powers of two: exact in bf16
+    stats = shell.requantize_(w)  # fresh steps, same input scale
+    assert torch.equal(shell.input_scale, layer.input_scale.float()) and stats["rel_error"] < 0.3
+    assert rel(shell.dequantized_weight(), w) == pytest.approx(stats["rel_error"], rel=1e-4)

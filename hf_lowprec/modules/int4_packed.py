@@ -13,6 +13,11 @@ layers and to LoRA adapters. Two backends compute them:
 - ``dequant``: the weight is dequantized to the activation dtype per call and multiplied with ``mm``;
   the numerical reference, and the path for other devices.
 
+An optional per-input-channel ``input_scale`` ``s [K]`` (activation-aware scaling, see
+:mod:`hf_lowprec.awq`) is folded into the codes: they encode ``W diag(s)``, inputs are divided by ``s``
+(inside the int8 quantization, or in the dequantized weight), so ``y = (x / s) (W diag(s))^T = x W^T``.
+``s`` holds powers of two, exact in every float dtype; all ones (the default) costs nothing.
+
 ``backend="auto"`` picks ``int8`` on a CPU with int8 dot-product instructions and ``dequant`` elsewhere;
 the choice is logged once per reason and readable as ``layer.last_backend``.
 
@@ -161,27 +166,30 @@ class _Int8Matmul(torch.autograd.Function):
     def forward(ctx, x2d, layer: "PackedInt4Linear"):
         ctx.layer = layer
         w8, row_step = layer.int8_weight()
-        xq, x_step = quantize_rows(x2d)
+        xq, x_step = quantize_rows(x2d, layer.inverse_input_scale())  # x / s, then int8 per row
         return dequantize_rows(torch._int_mm(xq, w8.t()), x_step, row_step, x2d.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         w8, row_step = ctx.layer.int8_weight()
-        # grad_x[m, k] = sum_n g[m, n] r[n] w8[n, k]: the per-row weight step r[n] lies on the summed
-        # dimension, so it is folded into the gradient before that is quantized per row
+        # grad_x[m, k] = sum_n g[m, n] r[n] w8[n, k] / s[k]: the per-row weight step r[n] lies on the
+        # summed dimension, so it is folded into the gradient before that is quantized per row
         gq, g_step = quantize_rows(grad_out, row_step)
-        return dequantize_rows(torch._int_mm(gq, w8), g_step, None, grad_out.dtype), None
+        return dequantize_rows(torch._int_mm(gq, w8), g_step, ctx.layer.inverse_input_scale(), grad_out.dtype), None
 
 
 # ------------------------------------------------------------------------------------ module
 
 
 class PackedInt4Linear(nn.Module):
-    """Frozen INT4 linear: ``qweight`` uint8 ``[N, ceil(K/2)]``, ``step`` ``[N, G]``, optional ``zero``.
+    """Frozen INT4 linear: ``qweight`` uint8 ``[N, ceil(K/2)]``, ``step`` ``[N, G]``, optional ``zero``,
+    ``input_scale`` fp32 ``[K]`` (ones unless activation-aware scaling chose others).
 
     Build it with :meth:`from_codes` (``Int4Linear.freeze()`` does). ``backend``: one of ``auto``,
     ``int8``, ``dequant`` (see the module docstring); a requested ``int8`` that cannot run raises.
     """
+
+    BUFFERS = ("qweight", "step", "zero", "input_scale")  # what a state dict holds for the weight
 
     def __init__(self, in_features: int, out_features: int, spec: FormatSpec | str, bias: bool = False,
                  dtype: torch.dtype = torch.bfloat16, device=None, backend: str = "auto"):  # fmt: skip
@@ -195,10 +203,11 @@ class PackedInt4Linear(nn.Module):
         self.register_buffer("step", torch.ones(out_features, groups, dtype=dtype, device=device))
         zero = None if self.spec.symmetric else torch.zeros(out_features, groups, dtype=dtype, device=device)
         self.register_buffer("zero", zero)
+        self.register_buffer("input_scale", torch.ones(in_features, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         self.backend = backend
         self.last_backend: str | None = None
-        self._int8_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cache: dict[str, torch.Tensor | None] = {}
 
     @property
     def backend(self) -> str:
@@ -212,14 +221,17 @@ class PackedInt4Linear(nn.Module):
 
     @classmethod
     def from_codes(cls, codes, step, zero, spec: FormatSpec, bias: torch.Tensor | None, dtype: torch.dtype,
-                   backend: str = "auto"):  # fmt: skip
-        """Pack integer ``codes [N, K]`` with their ``step``/``zero`` ``[N, G]``; steps kept in ``dtype``."""
+                   backend: str = "auto", input_scale: torch.Tensor | None = None):  # fmt: skip
+        """Pack integer ``codes [N, K]`` (of ``W diag(input_scale)``) with their ``step``/``zero`` ``[N, G]``;
+        steps kept in ``dtype``."""
         out_features, in_features = codes.shape
         new = cls(in_features, out_features, spec, bias is not None, dtype, codes.device, backend)
         new.qweight.copy_(pack_int4(codes))
         new.step.copy_(step)
         if zero is not None:
             new.zero.copy_(zero)
+        if input_scale is not None:
+            new.input_scale.copy_(input_scale)
         if bias is not None:
             new.bias.data.copy_(bias.detach())
         return new
@@ -229,21 +241,34 @@ class PackedInt4Linear(nn.Module):
         """The integer codes ``[N, K]`` (int8 when symmetric, else values in ``[0, 15]``)."""
         return unpack_int4(self.qweight, self.in_features, signed=self.spec.symmetric)
 
-    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``(codes - zero) * step`` as a dense ``[N, K]`` tensor."""
+    def grid_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``(codes - zero) * step`` as a dense ``[N, K]`` tensor: the weight times ``input_scale``."""
         zero = None if self.zero is None else self.zero.float()
         return dequantize_int(self.codes(), self.spec, self.step.float(), zero, dtype)
 
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the layer computes with, ``grid_weight / input_scale``, dense ``[N, K]``."""
+        inverse = self.inverse_input_scale()
+        if inverse is None:
+            return self.grid_weight(dtype)
+        return (self.grid_weight(torch.float32) * inverse).to(dtype)
+
+    def inverse_input_scale(self) -> torch.Tensor | None:
+        """``1 / input_scale`` fp32 ``[K]``, or ``None`` when the scale is all ones; cached until the buffers change."""
+        if "inverse" not in self._cache:
+            s = self.input_scale.float()
+            self._cache["inverse"] = None if bool((s == 1).all()) else (1.0 / s).contiguous()
+        return self._cache["inverse"]
+
     def _int8_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(step / r [N, G], r [N])`` fp32, with ``r[n] = max_k |W[n, k]| / 127``; cached until the buffers change."""
-        if self._int8_cache is None:
-            w = self.dequantized_weight(torch.float32)
-            row_step = (w.abs().amax(-1) / _INT8_MAX).clamp(min=_EPS)
-            self._int8_cache = ((self.step.float() / row_step.unsqueeze(-1)).contiguous(), row_step)
-        return self._int8_cache
+        """``(step / r [N, G], r [N])`` fp32, with ``r[n] = max_k |grid_weight[n, k]| / 127``; cached until the buffers change."""
+        if "ratio" not in self._cache:
+            row_step = (self.grid_weight(torch.float32).abs().amax(-1) / _INT8_MAX).clamp(min=_EPS)
+            self._cache["ratio"], self._cache["row_step"] = (self.step.float() / row_step.unsqueeze(-1)).contiguous(), row_step
+        return self._cache["ratio"], self._cache["row_step"]
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w8 [N, K] int8, r [N] fp32)`` with ``W ≈ r[:, None] * w8``, unpacked from the codes on every call.
+        """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``, unpacked from the codes on every call.
 
         Needs ``K`` even and a multiple of the group size (see :meth:`int8_supported`).
         """
@@ -262,20 +287,22 @@ class PackedInt4Linear(nn.Module):
 
     @torch.no_grad()
     def requantize_(self, weight: torch.Tensor) -> dict:
-        """Re-pack a dense ``weight [N, K]`` in this layer's format, in place (fresh steps from ``weight``).
+        """Re-pack a dense ``weight [N, K]`` in this layer's format, in place (fresh steps from
+        ``weight diag(input_scale)``; the input scale stays).
 
         Returns ``{"rel_error": ||Q(W) - W|| / ||W||}`` (Frobenius; fp32) so callers can report the loss.
         """
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"requantize_: weight shape {tuple(weight.shape)} != ({self.out_features}, {self.in_features})")
         w = weight.detach().float()
-        step, zero = int_steps(w, self.spec)
-        codes = quantize_int(w, self.spec, step, zero)
+        scaled = w * self.input_scale.float()
+        step, zero = int_steps(scaled, self.spec)
+        codes = quantize_int(scaled, self.spec, step, zero)
         self.qweight.copy_(pack_int4(codes))
         self.step.copy_(step)
         if zero is not None:
             self.zero.copy_(zero)
-        self._int8_cache = None
+        self._cache.clear()
         err = (self.dequantized_weight(torch.float32) - w).norm() / w.norm().clamp(min=_EPS)
         return {"rel_error": err.item()}
 
@@ -313,11 +340,11 @@ class PackedInt4Linear(nn.Module):
 
     # ------------------------------------------------------------------- cache invalidation
     def _apply(self, fn, recurse=True):
-        self._int8_cache = None
+        self._cache.clear()
         return super()._apply(fn, recurse)
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._int8_cache = None
+        self._cache.clear()
         return super()._load_from_state_dict(*args, **kwargs)
 
     def extra_repr(self) -> str:

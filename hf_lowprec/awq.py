@@ -1,0 +1,91 @@
+"""Activation-aware input scaling for the frozen INT4 base (AWQ; Lin et al., 2024).
+
+A few input channels of a transformer linear carry most of its activation energy, so rounding the
+weight columns that multiply them costs the output most. Scaling those columns up by ``s[k]`` before
+quantizing (and the inputs down by ``s[k]`` at run time, which
+:class:`~hf_lowprec.modules.int4_packed.PackedInt4Linear` does through its ``input_scale``) gives them
+finer steps within their group at the expense of quiet channels. As in AWQ, ``s = rms(x)^alpha``
+normalised to a geometric mean of one, with ``alpha`` searched on a grid per layer. The criterion is
+the layer's output error on calibration tokens, computed from the input Hessian ``H = X^T X`` (``tr(E H
+E^T)``, ``E`` the error of the effective weight) that the GPTQ pass accumulates anyway, so no
+activations are kept. Dividing the inputs by ``s`` also flattens their outliers, which lowers the error
+of the int8 backend's per-token activation quantization.
+
+``s`` is rounded to powers of two: exact in every float dtype the layer may be cast to, and the
+division by ``s`` adds no rounding.
+
+Written here because torchao's AWQ (``torchao.prototype.awq``, 0.18) keeps every calibration input of
+every layer, emits torchao's own INT4 tensor layout (not this project's packed codes with their
+backward), and cannot be combined with GPTQ rounding; AutoAWQ is CUDA-only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_lowprec.formats import FormatSpec, dequantize_int, int_steps, quantize_int
+
+ALPHAS = tuple(i / 20 for i in range(21))  # alpha = 0 is "no scaling": the search never does worse than it
+
+
+@dataclass
+class InputScale:
+    """The chosen ``scale [K]`` (fp32 powers of two), its exponent ``alpha`` and the relative output
+    error ``tr(E H E^T) / tr(W H W^T)`` with it (``output_error``) and without it (``output_error_unscaled``)."""
+
+    scale: torch.Tensor
+    alpha: float
+    output_error: float
+    output_error_unscaled: float
+
+
+def relative_output_error(err: torch.Tensor, weight: torch.Tensor, hessian: torch.Tensor) -> float:
+    """``tr(E H E^T) / tr(W H W^T)`` for a weight error ``err [N, K]`` and input Hessian ``hessian [K, K]``."""
+    return float(((err @ hessian) * err).sum() / ((weight @ hessian) * weight).sum().clamp(min=1e-30))
+
+
+def round_to_nearest(weight: torch.Tensor, spec: FormatSpec, step_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``weight [N, K]`` quantized to ``spec`` by rounding to nearest and dequantized (fp32); the steps are
+    first rounded to ``step_dtype``, as the packed layer stores them."""
+    step, zero = int_steps(weight, spec)
+    step = step.to(step_dtype).float()
+    zero = None if zero is None else zero.to(step_dtype).float()
+    return dequantize_int(quantize_int(weight, spec, step, zero), spec, step, zero, torch.float32)
+
+
+def power_of_two_scales(rms: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``rms^alpha`` over its geometric mean of max and min, rounded to powers of two (fp32 ``[K]``)."""
+    s = rms.pow(alpha)
+    s = s / (s.max() * s.min()).sqrt()
+    return torch.exp2(torch.round(torch.log2(s)))
+
+
+@torch.no_grad()
+def search_input_scale(
+    weight: torch.Tensor, hessian: torch.Tensor, spec: FormatSpec, step_dtype: torch.dtype = torch.float32,
+    alphas: tuple[float, ...] = ALPHAS,
+) -> InputScale:  # fmt: skip
+    """The input scale from ``alphas`` whose round-to-nearest quantization of ``weight [N, K] * s`` gives the
+    lowest output error under ``hessian [K, K]`` (``X^T X`` of the layer's calibration inputs).
+
+    Inputs that never fired (zero Hessian diagonal) are treated like the quietest live one.
+    """
+    w, h = weight.detach().float(), hessian.float()
+    if h.shape != (w.shape[1], w.shape[1]):
+        raise ValueError(f"search_input_scale: Hessian {tuple(h.shape)} does not match a weight with {w.shape[1]} inputs")
+    rms = torch.diag(h).clamp(min=0).sqrt()
+    live = rms > 0
+    rms = rms.clamp(min=float(rms[live].min()) if live.any() else 1.0)
+    unscaled = relative_output_error(round_to_nearest(w, spec, step_dtype) - w, w, h)
+    best = InputScale(torch.ones_like(rms), 0.0, unscaled, unscaled)
+    for alpha in alphas:
+        s = power_of_two_scales(rms, alpha)
+        err = relative_output_error(round_to_nearest(w * s, spec, step_dtype) / s - w, w, h)
+        if err < best.output_error:
+            best = InputScale(s, alpha, err, unscaled)
+    return best
+
+
+__all__ = ["ALPHAS", "InputScale", "power_of_two_scales", "relative_output_error", "round_to_nearest", "search_input_scale"]

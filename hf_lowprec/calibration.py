@@ -1,0 +1,181 @@
+"""Calibrated INT4 codes for the frozen base: activation-aware input scales and/or GPTQ rounding.
+
+``rounding`` names how a layer's INT4 codes are chosen:
+
+- ``nearest``: each weight rounded to its nearest code (no calibration data);
+- ``gptq``: codes chosen to preserve the layer's output on calibration tokens (:mod:`hf_lowprec.gptq`);
+- ``awq``: a per-input-channel scale folded into the weight first, chosen on calibration tokens
+  (:mod:`hf_lowprec.awq`), then rounding to nearest;
+- ``awq+gptq``: both, GPTQ on the scaled weight with the correspondingly scaled Hessian.
+
+All use each layer's own format and grid, so the results pack into
+:class:`~hf_lowprec.modules.int4_packed.PackedInt4Linear` like any other. Layers are processed a few
+decoder blocks at a time and packed as they go: later layers are calibrated on the inputs the
+already-quantized ones give them (sequential, as in GPTQ), and only a bounded number of input Hessians
+exist at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hf_lowprec.awq import relative_output_error, round_to_nearest, search_input_scale
+from hf_lowprec.formats import FormatSpec, dequantize_int, int_steps, quantize_int
+from hf_lowprec.gptq import gptq_quantize
+
+logger = logging.getLogger(__name__)
+
+ROUNDINGS = ("nearest", "gptq", "awq", "awq+gptq")
+HESSIAN_BUDGET_BYTES = 128 * 2**20  # fp32 Hessians alive at once (a 1536-input layer needs 9.4 MB)
+
+
+@dataclass
+class CalibratedCodes:
+    """Codes ``[N, K]`` (int8 symmetric / uint8 asymmetric) of ``W diag(input_scale)``, their grid
+    ``step``/``zero`` ``[N, G]`` fp32, the ``input_scale [K]`` (``None``: not scaled) and its ``alpha``,
+    and the calibration output error ``tr(E H E^T) / tr(W H W^T)`` of the result and of round-to-nearest."""
+
+    codes: torch.Tensor
+    step: torch.Tensor
+    zero: torch.Tensor | None
+    input_scale: torch.Tensor | None
+    alpha: float | None
+    output_error: float
+    output_error_nearest: float
+
+
+def check_rounding(rounding: str) -> str:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"unknown rounding {rounding!r}; choose one of {', '.join(ROUNDINGS)}")
+    return rounding
+
+
+@torch.no_grad()
+def calibrate_layer(
+    weight: torch.Tensor, hessian: torch.Tensor, spec: FormatSpec, rounding: str, step_dtype: torch.dtype = torch.float32
+) -> CalibratedCodes:
+    """Codes of ``weight [N, K]`` by ``rounding`` (not ``nearest``) given its input Hessian ``hessian [K, K]``.
+
+    ``step_dtype``: the dtype the packed layer stores its steps in; the codes are chosen on that grid.
+    """
+    w, h = weight.detach().float(), hessian.float()
+    scale = search_input_scale(w, h, spec, step_dtype) if check_rounding(rounding).startswith("awq") else None
+    s = None if scale is None else scale.scale
+    scaled = w if s is None else w * s
+    step, zero = int_steps(scaled, spec)
+    step = step.to(step_dtype).float()
+    zero = None if zero is None else zero.to(step_dtype).float()
+    if rounding.endswith("gptq"):
+        codes = gptq_quantize(scaled, h if s is None else h / s[:, None] / s[None, :], spec, step, zero).codes
+    else:
+        codes = quantize_int(scaled, spec, step, zero)
+    effective = dequantize_int(codes, spec, step, zero) / (1.0 if s is None else s)
+    nearest = scale.output_error_unscaled if scale is not None else relative_output_error(round_to_nearest(w, spec, step_dtype) - w, w, h)
+    return CalibratedCodes(codes, step, zero, s, None if scale is None else scale.alpha,
+                           relative_output_error(effective - w, w, h), nearest)  # fmt: skip
+
+
+class _GroupDone(Exception):
+    """Raised inside the forward once every layer of the group has seen its input: the rest is not needed."""
+class _HessianHooks:
+    """Forward pre-hooks accumulating ``X^T X`` (fp32 ``[K, K]``) of each listed Linear's input;
+    :meth:`run` stops the forward as soon as all of them have run."""
+
+    def __init__(self, modules: dict[str, nn.Module]):
+        self.hessians = {name: torch.zeros(m.in_features, m.in_features) for name, m in modules.items()}
+        self._seen: set[str] = set()
+        self._handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in modules.items()]
+
+    def _hook(self, name: str):
+        def hook(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            self.hessians[name].addmm_(x.T, x)
+            self._seen.add(name)
+            if len(self._seen) == len(self.hessians):
+                raise _GroupDone
+
+        return hook
+
+    def run(self, model: nn.Module, input_ids: torch.Tensor) -> None:
+        self._seen.clear()
+        try:
+            model(input_ids=input_ids, use_cache=False)
+        except _GroupDone:
+            pass
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def hessian_groups(sizes: dict[str, int], budget_bytes: int = HESSIAN_BUDGET_BYTES) -> list[list[str]]:
+    """Consecutive layer names (model order) split so each group's ``K^2`` fp32 Hessians fit ``budget_bytes``."""
+    groups: list[list[str]] = [[]]
+    used = 0
+    for name, k in sizes.items():
+        need = 4 * k * k
+        if groups[-1] and used + need > budget_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += need
+    return groups
+
+
+@torch.no_grad()
+def calibrated_codes(
+    model: nn.Module,
+    layers: dict[str, nn.Module],
+    blocks: torch.Tensor,
+    replace,
+    rounding: str = "gptq",
+    *,
+    batch_size: int = 4,
+    budget_bytes: int = HESSIAN_BUDGET_BYTES,
+    progress=None,
+) -> dict[str, CalibratedCodes]:
+    """Codes by ``rounding`` for ``layers`` (fqn → ``Int4Linear`` in model order) calibrated on token ``blocks [n, T]``.
+
+    Layers are handled in groups that fit ``budget_bytes`` of Hessians: one calibration pass per
+    group, then each layer's codes are computed and ``replace(fqn, result)`` swaps it (so later groups
+    see quantized inputs). ``progress(done, total)`` after each layer. Returns the results by name.
+    """
+    if check_rounding(rounding) == "nearest":
+        raise ValueError("calibrated_codes: rounding 'nearest' needs no calibration; pack the layers with Int4Linear.freeze()")
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    out: dict[str, CalibratedCodes] = {}
+    try:
+        for group in hessian_groups({n: m.in_features for n, m in layers.items()}, budget_bytes):
+            hooks = _HessianHooks({n: layers[n] for n in group})
+            try:
+                for i in range(0, len(blocks), batch_size):
+                    hooks.run(model, blocks[i : i + batch_size].to(device))
+            finally:
+                hooks.remove()
+            for name in group:
+                module = layers[name]
+                out[name] = calibrate_layer(module.weight, hooks.hessians.pop(name), module.spec, rounding, module.weight.dtype)
+                replace(name, out[name])
+                if progress is not None:
+                    progress(len(out), len(layers))
+    finally:
+        model.train(was_training)
+    return out
+
+
+def summary(results: dict[str, CalibratedCodes]) -> dict:
+    """Median relative calibration output error (and AWQ exponent) over the layers, and round-to-nearest's."""
+    med = lambda xs: sorted(xs)[len(xs) // 2] if xs else 0.0  # noqa: E731
+    alphas = [r.alpha for r in results.values() if r.alpha is not None]
+    return {"layers": len(results), "output_error_median": med([r.output_error for r in results.values()]),
+            "output_error_nearest_median": med([r.output_error_nearest for r in results.values()]),
+            **({"awq_alpha_median": med(alphas)} if alphas else {})}  # fmt: skip
+
+
+__all__ = ["ROUNDINGS", "CalibratedCodes", "calibrate_layer", "calibrated_codes", "check_rounding", "hessian_groups", "summary"]
