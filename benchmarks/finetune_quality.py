@@ -59,9 +59,9 @@ def prepare(name: str, model, train: torch.Tensor) -> tuple[torch.nn.Module, lis
     t = time.perf_counter()
     model = model.to(torch.bfloat16)
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
-    peft_model, report = prepare_int4_lora(model, lora, calibration=train[: 4 * BATCH])
+    peft_model, report = prepare_int4_lora(model, lora, rounding="gptq", calibration=train[: 4 * BATCH])
     params = [p for p in peft_model.parameters() if p.requires_grad]
-    return peft_model, params, LR_LORA, {"plan_fractions": report.fractions(), "gptq": report.gptq, "prepare_seconds": time.perf_counter() - t}
+    return peft_model, params, LR_LORA, {"plan_fractions": report.fractions(), "calibration": report.calibration, "prepare_seconds": time.perf_counter() - t}
 
 
 def run(name: str, steps: int) -> dict:
