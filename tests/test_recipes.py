@@ -46,6 +46,7 @@ def _write(tmp_path, data, name="r.yaml"):
         ({"training": {"gradient_checkpointing": "yes"}}, r"'training\.gradient_checkpointing' must be true/false"),
         ({"training": {"dtype": "fp16"}}, r"'training\.dtype' is 'fp16'; allowed values are fp32, bf16"),
         ({"method": "qlora"}, r"'method' is 'qlora'; allowed values are full, int4-lora"),
+        ({"precision": {"rounding": "rtn"}}, r"'precision\.rounding' is 'rtn'; allowed values are nearest, gptq, awq, awq\+gptq"),
         ({"precision": {"plan": "int3"}}, r"precision: 'plan' must be 'auto', a plan file .* or a format: unknown format 'int3'.*choose one of"),
         ({"precision": {"keep": [1, 2]}}, r"'precision\.keep' must be a list of strings"),
         ({"precision": {"budget": {"target_bits_per_param": "many"}}}, r"'precision\.budget\.target_bits_per_param' must be a number"),
