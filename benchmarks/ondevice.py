@@ -381,7 +381,8 @@ def plot(_args) -> None:
     speed = data["speed"].get("2_threads") or next(iter(data["speed"].values()))
     table = speed["table"]
     names = list(table)
-    fig, axes = plt.subplots(1, 3 if "quality" in data else 2, figsize=(21, 6))
+    panels = 3 if "quality" in data else 2
+    fig, axes = plt.subplots(1, panels, figsize=(24, 7), gridspec_kw={"width_ratios": [1, 1, 1.3][:panels]})
     colors = ["tab:green" if k.startswith("int4") else "tab:gray" for k in names]
     names_shown = [("* " if table[k]["own_default"] else "") + k for k in names]
     threads = speed["settings"]["threads"]
@@ -391,9 +392,17 @@ def plot(_args) -> None:
         ax.invert_yaxis()
     axes[0].set_title("SmolLM2-135M, LoRA r=16, batch 4x256 (* = own default)")
     if "quality" in data:
-        q = data["quality"]["summary"]
-        axes[2].barh(list(q), [v["ppl_after"] for v in q.values()], color=["tab:green" if k.startswith("int4") else "tab:gray" for k in q])
-        axes[2].set_xlabel(f"held-out perplexity after {data['quality']['settings']['steps']} steps")
+        q = {k: v for k, v in data["quality"]["summary"].items() if v["ppl_after_vs_bf16_lora"]}
+        ratios = [v["ppl_after_vs_bf16_lora"] for v in q.values()]
+        shown = [min(r, 1.3) for r in ratios]  # a diverged run (bnb NF4 here) would flatten the rest: clipped, value printed
+        axes[2].barh([k.replace(" (int4-g64-asym)", "").replace(" sensitive", "") for k in q], [r - 1 for r in shown], left=1,
+                     color=["tab:green" if k.startswith("int4") else "tab:gray" for k in q])  # fmt: skip
+        for y, r in enumerate(ratios):
+            axes[2].text(min(r, 1.3) + 0.003, y, f"{r:.3f}", va="center", fontsize=8)
+        axes[2].axvline(1.03, color="tab:red", ls="--", lw=1, label="goal: within 3%")
+        axes[2].set_xlim(0.98, 1.36)
+        axes[2].set_xlabel(f"held-out perplexity after {data['quality']['settings']['steps']} steps / bf16 LoRA's")
+        axes[2].legend(loc="lower right")
         axes[2].invert_yaxis()
     fig.tight_layout()
     fig.savefig(RESULTS / "ondevice.png", dpi=80)
