@@ -27,7 +27,7 @@ import torch
 
 from hf_lowprec.formats import FormatSpec, dequantize_int, int_steps, quantize_int
 
-ALPHAS = tuple(i / 20 for i in range(21))  # alpha = 0 is "no scaling": the search never does worse than it
+ALPHAS = tuple(i / 20 for i in range(1, 21))  # alpha = 0 ("no scaling") is where the search starts: never worse than it
 
 
 @dataclass
@@ -46,12 +46,15 @@ def relative_output_error(err: torch.Tensor, weight: torch.Tensor, hessian: torc
     return float(((err @ hessian) * err).sum() / ((weight @ hessian) * weight).sum().clamp(min=1e-30))
 
 
-def round_to_nearest(weight: torch.Tensor, spec: FormatSpec, step_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``weight [N, K]`` quantized to ``spec`` by rounding to nearest and dequantized (fp32); the steps are
-    first rounded to ``step_dtype``, as the packed layer stores them."""
+def stored_steps(weight: torch.Tensor, spec: FormatSpec, step_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``int_steps`` of ``weight [N, K]`` rounded to ``step_dtype`` (as the packed layer stores them), as fp32 ``[N, G]``."""
     step, zero = int_steps(weight, spec)
-    step = step.to(step_dtype).float()
-    zero = None if zero is None else zero.to(step_dtype).float()
+    return step.to(step_dtype).float(), None if zero is None else zero.to(step_dtype).float()
+
+
+def round_to_nearest(weight: torch.Tensor, spec: FormatSpec, step_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``weight [N, K]`` quantized to ``spec`` by rounding to nearest on :func:`stored_steps` and dequantized (fp32)."""
+    step, zero = stored_steps(weight, spec, step_dtype)
     return dequantize_int(quantize_int(weight, spec, step, zero), spec, step, zero, torch.float32)
 
 
@@ -88,4 +91,4 @@ def search_input_scale(
     return best
 
 
-__all__ = ["ALPHAS", "InputScale", "power_of_two_scales", "relative_output_error", "round_to_nearest", "search_input_scale"]
+__all__ = ["ALPHAS", "InputScale", "power_of_two_scales", "relative_output_error", "round_to_nearest", "search_input_scale", "stored_steps"]

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hf_lowprec.awq import relative_output_error, round_to_nearest, search_input_scale
-from hf_lowprec.formats import FormatSpec, dequantize_int, int_steps, quantize_int
+from hf_lowprec.awq import search_input_scale, stored_steps
+from hf_lowprec.formats import FormatSpec, quantize_int
 from hf_lowprec.gptq import gptq_quantize
 
 logger = logging.getLogger(__name__)
@@ -66,17 +66,16 @@ def calibrate_layer(
     scale = search_input_scale(w, h, spec, step_dtype) if check_rounding(rounding).startswith("awq") else None
     s = None if scale is None else scale.scale
     scaled = w if s is None else w * s
-    step, zero = int_steps(scaled, spec)
-    step = step.to(step_dtype).float()
-    zero = None if zero is None else zero.to(step_dtype).float()
+    step, zero = stored_steps(scaled, spec, step_dtype)
     if rounding.endswith("gptq"):
-        codes = gptq_quantize(scaled, h if s is None else h / s[:, None] / s[None, :], spec, step, zero).codes
-    else:
-        codes = quantize_int(scaled, spec, step, zero)
-    effective = dequantize_int(codes, spec, step, zero) / (1.0 if s is None else s)
-    nearest = scale.output_error_unscaled if scale is not None else relative_output_error(round_to_nearest(w, spec, step_dtype) - w, w, h)
-    return CalibratedCodes(codes, step, zero, s, None if scale is None else scale.alpha,
-                           relative_output_error(effective - w, w, h), nearest)  # fmt: skip
+        # the output error is the same in scaled coordinates (W s, H / s s^T) as in the layer's own
+        result = gptq_quantize(scaled, h if s is None else h / s[:, None] / s[None, :], spec, step, zero)
+        codes, error, nearest = result.codes, result.output_error, result.output_error_nearest
+    else:  # awq: the search already measured its round-to-nearest codes
+        codes, error = quantize_int(scaled, spec, step, zero), scale.output_error
+    if scale is not None:
+        nearest = scale.output_error_unscaled
+    return CalibratedCodes(codes, step, zero, s, None if scale is None else scale.alpha, error, nearest)
 
 
 class _GroupDone(Exception):
