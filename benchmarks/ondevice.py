@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -59,9 +60,10 @@ def _data(tokenizer, n_train: int, n_eval: int):
     return train, evals
 
 
-def _sensitive_kept_plan(base, blocks, keep: float):
+def _sensitive_kept_plan(base, blocks, keep: float, keep_format: str = "bf16"):
     """A plan putting every Linear but ``lm_head`` in int4-g64-asym except the most sensitive ones (Fisher scan of
-    ``base`` on the token ``blocks``), kept bf16 so that about ``keep`` of the linear parameters stay dense."""
+    ``base`` on the token ``blocks``), kept in ``keep_format`` (bf16 or int8) so that about ``keep`` of the linear
+    parameters do."""
     import torch
 
     from hf_lowprec.formats import FormatSpec
@@ -69,12 +71,12 @@ def _sensitive_kept_plan(base, blocks, keep: float):
 
     linears = [n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
     result = scan(base, [{"input_ids": blocks[i : i + BATCH], "labels": blocks[i : i + BATCH]} for i in range(0, len(blocks), BATCH)],
-                  formats=("int4-g64-asym",), method="fisher", layers=linears)  # fmt: skip
-    int4_bits = 8 * FormatSpec.parse("int4-g64-asym").bytes_per_param(576)
-    return allocate(result, target_bits_per_param=int4_bits + keep * (16 - int4_bits))  # lm_head was not scanned: kept
+                  formats=("int4-g64-asym",) + ((keep_format,) if keep_format != "bf16" else ()), method="fisher", layers=linears)  # fmt: skip
+    int4_bits, kept_bits = (8 * FormatSpec.parse(f).bytes_per_param(576) for f in ("int4-g64-asym", keep_format))
+    return allocate(result, target_bits_per_param=int4_bits + keep * (kept_bits - int4_bits))  # lm_head was not scanned: kept
 
 
-def _build(config: str, loftq: bool, rounding: str, gc: bool, keep_bf16: float = 0.0, backend: str = "auto"):
+def _build(config: str, loftq: bool, rounding: str, gc: bool, keep: float = 0.0, keep_format: str = "bf16", backend: str = "auto"):
     """``(model, tokenizer, loss_fn(batch) -> loss, notes)`` for one configuration."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -91,8 +93,8 @@ def _build(config: str, loftq: bool, rounding: str, gc: bool, keep_bf16: float =
 
         base, tok = load_pretrained(folder, gguf_file=gguf, dtype=torch.bfloat16)  # what load_int4_lora does, with the tokenizer first
         calibrated = rounding != "nearest"
-        first_blocks = _data(tok, CALIBRATION_BLOCKS, 0)[0] if calibrated or keep_bf16 else None  # the first training blocks
-        plan = _sensitive_kept_plan(base, first_blocks, keep_bf16) if keep_bf16 else None  # default: all int4-g64-asym, lm_head kept
+        first_blocks = _data(tok, CALIBRATION_BLOCKS, 0)[0] if calibrated or keep else None  # the first training blocks
+        plan = _sensitive_kept_plan(base, first_blocks, keep, keep_format) if keep else None  # default: all int4-g64-asym, lm_head kept
         model, report = prepare_int4_lora(base, lora, plan, loftq_init=loftq, rounding=rounding, calibration=first_blocks if calibrated else None,
                                           backend=backend)  # fmt: skip
         storage = ActivationStorage(model, "int8") if config == "int4-lora" and not gc else None
@@ -134,7 +136,7 @@ def child(args) -> dict:
     from hf_lowprec.finetune import backend_counts, evaluate_loss
 
     t0 = time.perf_counter()
-    model, tok, loss_fn, notes = _build(args.config, args.loftq, args.rounding, bool(args.gc), args.keep_bf16, args.backend)
+    model, tok, loss_fn, notes = _build(args.config, args.loftq, args.rounding, bool(args.gc), args.keep, args.keep_format, args.backend)
     load_s = time.perf_counter() - t0
     rss_loaded = psutil.Process().memory_info().rss / 2**20
     steps = args.warmup + args.steps
@@ -182,7 +184,7 @@ def child(args) -> dict:
     timed_wall, timed_cpu = wall[args.warmup :], cpu[args.warmup :]
     return {
         "config": args.config, "gradient_checkpointing": bool(args.gc), "loftq": bool(args.loftq), "rounding": args.rounding,
-        "keep_bf16": args.keep_bf16, "backend": args.backend,
+        "keep": args.keep, "keep_format": args.keep_format, "backend": args.backend,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_after_load_mb": rss_loaded,
         "load_s": load_s, "step_s_median": statistics.median(timed_wall), "step_cpu_s_median": statistics.median(timed_cpu),
         "step_s": timed_wall, "losses": losses, "eval_loss_before": eval_before, "eval_loss_after": eval_after,
@@ -195,9 +197,9 @@ def child(args) -> dict:
 
 # ------------------------------------------------------------------------------------ parent
 def run_child(config: str, gc: bool, steps: int, warmup: int, eval_blocks: int = 0, loftq: bool = False, merge_eval: bool = False,
-              rounding: str = "nearest", keep_bf16: float = 0.0, backend: str = "auto") -> dict:  # fmt: skip
+              rounding: str = "nearest", keep: float = 0.0, keep_format: str = "bf16", backend: str = "auto") -> dict:  # fmt: skip
     flags = [f for f, on in (("--loftq", loftq), ("--merge-eval", merge_eval)) if on]
-    flags += ["--rounding", rounding, "--keep-bf16", str(keep_bf16), "--backend", backend]
+    flags += ["--rounding", rounding, "--keep", str(keep), "--keep-format", keep_format, "--backend", backend]
     cmd = [sys.executable, __file__, "child", "--config", config, "--gc", str(int(gc)), "--steps", str(steps),
            "--warmup", str(warmup), "--eval-blocks", str(eval_blocks), *flags]  # fmt: skip
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
@@ -299,7 +301,7 @@ def print_table(table: dict, goal: dict) -> None:
 
 def _quality_key(r: dict) -> str:
     fmt = next((f for f in r.get("plan_fractions", {}) if f.startswith("int4")), None)
-    keep = f"+{round(100 * r['keep_bf16'])}% sensitive bf16" if r.get("keep_bf16") else ""
+    keep = f"+{round(100 * r['keep'])}% sensitive {r['keep_format']}" if r.get("keep") else ""
     backend = f" [{r['backend']} backend]" if r.get("backend", "auto") != "auto" else ""
     rounding = r.get("rounding") or ("gptq" if r.get("gptq_rounding") else "nearest")  # older runs stored a GPTQ flag
     return (r["config"] + (f" ({fmt})" if fmt else "") + keep + (f"+{rounding}" if rounding != "nearest" else "")
@@ -308,14 +310,16 @@ def _quality_key(r: dict) -> str:
 
 def parse_variant(variant: str) -> dict:
     """``int4-lora`` options from a ``+``-joined variant name: ``loftq``, ``gptq``, ``awq``, ``dequant``, ``keepNN``
-    (NN% of the linear parameters, the most sensitive, kept bf16); e.g. ``keep20+awq+gptq+loftq``."""
+    (NN% of the linear parameters, the most sensitive, kept bf16) or ``keepNN-int8`` (kept int8); e.g. ``keep20+awq+gptq+loftq``."""
     parts = variant.split("+")
-    unknown = [x for x in parts if x not in ("loftq", "gptq", "awq", "dequant") and not (x.startswith("keep") and x[4:].isdigit())]
+    kept = [m for m in map(re.compile(r"keep(\d+)(?:-(int8))?").fullmatch, parts) if m]
+    unknown = [x for x in parts if x not in ("loftq", "gptq", "awq", "dequant") and not any(m.string == x for m in kept)]
     if unknown:
-        raise SystemExit(f"--int4-variants {variant!r}: unknown part(s) {unknown}; use loftq, gptq, awq, dequant, keepNN joined by '+'")
+        raise SystemExit(f"--int4-variants {variant!r}: unknown part(s) {unknown}; use loftq, gptq, awq, dequant, keepNN, keepNN-int8 joined by '+'")
     rounding = "+".join(x for x in ("awq", "gptq") if x in parts) or "nearest"
-    keep = next((int(x[4:]) / 100 for x in parts if x.startswith("keep")), 0.0)
-    return {"loftq": "loftq" in parts, "rounding": rounding, "keep_bf16": keep, "backend": "dequant" if "dequant" in parts else "auto"}
+    keep, keep_format = (int(kept[0][1]) / 100, kept[0][2] or "bf16") if kept else (0.0, "bf16")
+    return {"loftq": "loftq" in parts, "rounding": rounding, "keep": keep, "keep_format": keep_format,
+            "backend": "dequant" if "dequant" in parts else "auto"}
 
 
 def quality(args) -> None:
@@ -419,7 +423,8 @@ def main() -> None:
     p.add_argument("--gc", type=int, default=0)
     p.add_argument("--loftq", action="store_true", help="child: LoftQ initialisation")
     p.add_argument("--rounding", default="nearest", choices=ROUNDINGS, help=f"child: INT4 rounding (calibrated on {CALIBRATION_BLOCKS} training blocks)")
-    p.add_argument("--keep-bf16", type=float, default=0.0, help="child: fraction of linear parameters kept bf16 (most sensitive by a Fisher scan)")
+    p.add_argument("--keep", type=float, default=0.0, help="child: fraction of linear parameters kept in --keep-format (most sensitive by a Fisher scan)")
+    p.add_argument("--keep-format", default="bf16", choices=("bf16", "int8"), help="child: format of the kept layers")
     p.add_argument("--backend", default="auto", choices=("auto", "int8", "dequant"), help="child: PackedInt4Linear backend")
     p.add_argument("--int4-variants", nargs="*", default=[], help="quality: also run int4-lora with these options (see parse_variant)")
     p.add_argument("--merge-eval", action="store_true", help="child: also evaluate the merged, re-quantized export")
