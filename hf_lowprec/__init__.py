@@ -2,7 +2,7 @@
 
 from hf_lowprec.convert import ConversionReport, apply_plan, eligible_layers, freeze, revert
 from hf_lowprec.formats import FormatSpec
-from hf_lowprec.modules import FP8Embedding, FP8Linear, Int4Embedding, Int4Linear, PackedInt4Linear
+from hf_lowprec.modules import FP8Embedding, FP8Linear, Int4Embedding, Int4Linear, PackedInt4Linear, PackedInt8Linear
 from hf_lowprec.plan import PrecisionPlan
 
 __version__ = "0.1.0"
@@ -36,6 +36,7 @@ __all__ = [
     "LowPrecisionCallback",
     "LowPrecisionPlugin",
     "PackedInt4Linear",
+    "PackedInt8Linear",
     "PrecisionPlan",
     "apply_plan",
     "eligible_layers",

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from hf_lowprec.formats import E4M3, E5M2, dequantize_fp8, fp8_amax, fp8_scale, quantize_fp8
-from hf_lowprec.modules.int4_packed import compiled, dequantize_rows, quantize_rows
+from hf_lowprec.modules.packed import compiled, dequantize_rows, quantize_rows
 
 MIN_NUMEL = 1 << 16  # smaller tensors (norm statistics, rotary tables) are not worth a kernel launch
 FORMATS = {"int8": torch.int8, "fp8": E4M3, "fp8-e5m2": E5M2}

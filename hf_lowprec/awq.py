@@ -3,7 +3,7 @@
 A few input channels of a transformer linear carry most of its activation energy, so rounding the
 weight columns that multiply them costs the output most. Scaling those columns up by ``s[k]`` before
 quantizing (and the inputs down by ``s[k]`` at run time, which
-:class:`~hf_lowprec.modules.int4_packed.PackedInt4Linear` does through its ``input_scale``) gives them
+:class:`~hf_lowprec.modules.packed.PackedInt4Linear` does through its ``input_scale``) gives them
 finer steps within their group at the expense of quiet channels. As in AWQ, ``s = rms(x)^alpha``
 normalised to a geometric mean of one, with ``alpha`` searched on a grid per layer. The criterion is
 the layer's output error on calibration tokens, computed from the input Hessian ``H = X^T X`` (``tr(E H

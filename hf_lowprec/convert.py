@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from hf_lowprec.formats import E5M2, FormatSpec
-from hf_lowprec.modules import LOW_PRECISION_TYPES, PackedInt4Linear, low_precision_layer
+from hf_lowprec.modules import LOW_PRECISION_TYPES, PackedLinear, low_precision_layer
+from hf_lowprec.modules.packed import packed_class
 from hf_lowprec.modules.fp8 import FP8Linear, fp8_hardware_available
 from hf_lowprec.modules.int4 import Int4Embedding, Int4Linear
 from hf_lowprec.plan import PrecisionPlan
@@ -119,8 +120,8 @@ def as_plan(plan: "PrecisionPlan | Mapping | str | Path") -> PrecisionPlan:
 
 def _high_precision(module: nn.Module) -> nn.Module:
     """A plain ``nn.Linear``/``nn.Embedding`` sharing ``module``'s parameters."""
-    if isinstance(module, PackedInt4Linear):
-        raise ValueError("a frozen PackedInt4Linear has no high-precision weight left to revert to")
+    if isinstance(module, PackedLinear):
+        raise ValueError(f"a frozen {type(module).__name__} has no high-precision weight left to revert to")
     if isinstance(module, nn.Embedding):
         new = nn.Embedding(module.num_embeddings, module.embedding_dim, module.padding_idx, module.max_norm,
                            module.norm_type, module.scale_grad_by_freq, module.sparse, device="meta")  # fmt: skip
@@ -175,8 +176,8 @@ def apply_plan(
         if isinstance(module, LOW_PRECISION_TYPES) and module.spec == spec:
             report.layers.append(LayerReport(name, spec.name, spec.name, kind, params, _backend(module), "unchanged", tied))
             continue
-        if isinstance(module, PackedInt4Linear):
-            raise ValueError(f"layer {name!r} is frozen packed INT4 and cannot change to {spec.name}; reload the model to re-plan it")
+        if isinstance(module, PackedLinear):
+            raise ValueError(f"layer {name!r} is frozen packed {module.spec.name} and cannot change to {spec.name}; reload the model to re-plan it")
         original = _high_precision(module) if isinstance(module, LOW_PRECISION_TYPES) else module
         if spec.is_high_precision:
             if original is not module:
@@ -227,7 +228,7 @@ def revert(model: nn.Module) -> int:
     """Put plain ``nn.Linear``/``nn.Embedding`` back for every converted (non-frozen) layer; returns the count."""
     count = 0
     for _, fqn, module in list(_walk(model)):
-        if isinstance(module, LOW_PRECISION_TYPES) and not isinstance(module, PackedInt4Linear):
+        if isinstance(module, LOW_PRECISION_TYPES) and not isinstance(module, PackedLinear):
             _set_module(model, fqn, _high_precision(module))
             count += 1
     if hasattr(model, "hf_lowprec_plan"):
@@ -237,10 +238,11 @@ def revert(model: nn.Module) -> int:
 
 @torch.no_grad()
 def freeze(model: nn.Module) -> int:
-    """Replace every INT4 ``Int4Linear`` by its packed, frozen :class:`PackedInt4Linear`; returns the count."""
+    """Replace every ``Int4Linear`` whose format packs (int4; per-channel int8) by its frozen packed layer
+    (:func:`~hf_lowprec.modules.packed.packed_class`); returns the count."""
     count = 0
     for _, fqn, module in list(_walk(model)):
-        if isinstance(module, Int4Linear) and module.spec.family == "int4":
+        if isinstance(module, Int4Linear) and packed_class(module.spec) is not None:
             _set_module(model, fqn, module.freeze())
             count += 1
     return count

@@ -10,8 +10,9 @@ The PEFT way, with the base in INT4::
 
 The base linears go through the precision plan (``convert.apply_plan`` then ``convert.freeze``), so a
 plan may keep sensitive layers in int8/bf16; everything a plan puts in ``int4`` becomes a
-:class:`~hf_lowprec.modules.PackedInt4Linear` (0.5 byte/parameter + steps), whose forward and
-grad-input run from the packed codes (int8 ``_int_mm`` on CPUs; see ``modules/int4_packed.py``).
+:class:`~hf_lowprec.modules.PackedInt4Linear` (0.5 byte/parameter + steps), per-channel ``int8`` a
+:class:`~hf_lowprec.modules.PackedInt8Linear` (1 byte/parameter), whose forward and grad-input run from
+the codes (int8 ``_int_mm`` on CPUs; see ``modules/packed.py``).
 Only the LoRA adapters train, so optimizer states exist for them only.
 
 Activation memory, which dominates at this model size, is cut by storing the tensors saved for backward
@@ -44,7 +45,7 @@ from hf_lowprec.calibration import ROUNDINGS, check_rounding
 from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eligible_layers, freeze
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.modules.int4_lora import register_int4_lora
-from hf_lowprec.modules.int4_packed import BACKENDS, PackedInt4Linear, compiled
+from hf_lowprec.modules.packed import BACKENDS, PackedInt4Linear, PackedLinear, compiled
 from hf_lowprec.plan import PrecisionPlan
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ def resolve_target_modules(model: nn.Module, target_modules) -> list[str]:
     ``all-linear`` means every Linear (packed or not) except the output projection, as in PEFT. Raises
     ``ValueError`` for a name or regex that matches no Linear layer.
     """
-    linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, (nn.Linear, PackedInt4Linear))}
+    linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, (nn.Linear, PackedLinear))}
     names = sorted({canonical_name(f).rsplit(".", 1)[-1] for f in linears})
     head = _output_layer_name(model)
     if target_modules is None:
@@ -158,7 +159,8 @@ def prepare_int4_lora(
         model: a causal LM (fp32 or bf16; that dtype is the compute dtype). Modified in place.
         lora_config: a ``peft.LoraConfig`` (default: r=16, alpha=32, all linear layers); ``target_modules``
             accepts names, suffixes, a regex or ``all-linear`` (packed layers included).
-        plan: see :func:`int4_plan`; layers it keeps in int8/nf4 stay fake-quantized, bf16/fp32 stay dense.
+        plan: see :func:`int4_plan`; layers it puts in per-channel ``int8`` are packed too, other int8/nf4
+            formats stay fake-quantized, bf16/fp32 stay dense.
         loftq_init: initialise LoRA on INT4 layers from the SVD of their quantization residual (LoftQ).
         rounding: how the INT4 codes are chosen: ``nearest``, or calibrated on ``calibration`` tokens —
             ``gptq`` (output-preserving rounding), ``awq`` (activation-aware input scales), ``awq+gptq``
@@ -166,7 +168,7 @@ def prepare_int4_lora(
         calibration: token blocks ``[n, T]`` for the calibrated roundings.
         adapter_dtype: dtype of the adapter weights (fp32 master copies by default; they compute in the
             activation dtype either way).
-        backend: ``auto``, ``int8`` or ``dequant`` for every packed layer (see ``PackedInt4Linear``).
+        backend: ``auto``, ``int8`` or ``dequant`` for every packed layer (see ``modules/packed.py``).
 
     Raises ``ValueError`` for a target that matches nothing, a plan that packs nothing, a model whose
     layers are narrower than one INT4 group, or a rounding without (or ``nearest`` with) calibration tokens.
@@ -190,7 +192,7 @@ def prepare_int4_lora(
     layers = eligible_layers(model)
     for row in report.layers:  # the report was made before freezing: name the modules that now run
         row.module = type(layers[row.name]).__name__
-        if isinstance(layers[row.name], PackedInt4Linear):
+        if isinstance(layers[row.name], PackedLinear):
             layers[row.name].backend = backend
             row.backend = backend
     for p in model.parameters():
@@ -416,7 +418,7 @@ def backend_counts(model: nn.Module) -> dict[str, int]:
     """How many packed layers ran each backend in their last forward (``never run`` before the first)."""
     counts: dict[str, int] = {}
     for m in model.modules():
-        if isinstance(m, PackedInt4Linear):
+        if isinstance(m, PackedLinear):
             key = m.last_backend or "never run"
             counts[key] = counts.get(key, 0) + 1
     return counts
@@ -574,7 +576,7 @@ def _plan_rows(model: nn.Module, plan: PrecisionPlan) -> list[dict]:
     rows: dict[str, dict] = {}
     for name, spec in plan.assign(layers).items():
         m = layers[name]
-        n = m.in_features * m.out_features if isinstance(m, PackedInt4Linear) else m.weight.numel()
+        n = m.in_features * m.out_features if isinstance(m, PackedLinear) else m.weight.numel()
         total += n
         row = rows.setdefault(spec.name, {"format": spec.name, "layers": 0, "params": 0})
         row["layers"] += 1
@@ -616,13 +618,13 @@ def _dense_merged_state(base: nn.Module, dtype: torch.dtype) -> dict[str, torch.
     state = _adapterless_state(base)
     for fqn, module in base.named_modules():
         layer = module.get_base_layer() if hasattr(module, "get_base_layer") else module
-        if not isinstance(layer, PackedInt4Linear) or fqn.endswith(".base_layer"):
+        if not isinstance(layer, PackedLinear) or fqn.endswith(".base_layer"):
             continue
         weight = layer.dequantized_weight(torch.float32)
         delta = _adapter_delta(module)
         if delta is not None:
             weight = weight + delta
-        for buf in PackedInt4Linear.BUFFERS:
+        for buf in PackedLinear.BUFFERS:
             state.pop(f"{fqn}.{buf}", None)
         state[f"{fqn}.weight"] = weight.to(dtype)
     return state
@@ -630,7 +632,7 @@ def _dense_merged_state(base: nn.Module, dtype: torch.dtype) -> dict[str, torch.
 
 def _packed_base_state(base: nn.Module, merge: bool) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """The base model's state dict without adapters (``merge``: LoRA deltas merged, packed layers re-quantized)."""
-    from hf_lowprec.modules.int4_lora import PackedInt4LoraLinear
+    from hf_lowprec.modules.int4_lora import PackedLoraLinear
 
     state = _adapterless_state(base)
     errors = []
@@ -641,7 +643,7 @@ def _packed_base_state(base: nn.Module, merge: bool) -> tuple[dict[str, torch.Te
         if delta is None:
             continue
         layer = module.get_base_layer()
-        if isinstance(module, PackedInt4LoraLinear):
+        if isinstance(module, PackedLoraLinear):
             merged = layer.dequantized_weight(torch.float32) + delta
             shell = copy.deepcopy(layer)
             stats = shell.requantize_(merged)
@@ -649,7 +651,7 @@ def _packed_base_state(base: nn.Module, merge: bool) -> tuple[dict[str, torch.Te
             stats.update(layer=canonical_name(fqn), delta_norm=delta.norm().item(),
                          error_vs_delta=(err / delta.norm().clamp(min=1e-12)).item())  # fmt: skip
             errors.append(stats)
-            for buf in PackedInt4Linear.BUFFERS:
+            for buf in PackedLinear.BUFFERS:
                 if getattr(shell, buf) is not None:
                     state[f"{fqn}.{buf}"] = getattr(shell, buf)
         else:
@@ -770,7 +772,7 @@ def load_int4_model(
         raise ValueError(f"{str(folder)!r} is not a packed INT4 folder (quant_method {method!r}); load it with from_pretrained")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or getattr(config, "dtype", None) or torch.float32)
     for m in model.modules():
-        if isinstance(m, PackedInt4Linear):
+        if isinstance(m, PackedLinear):
             m.backend = backend
     if (folder / ADAPTER_DIR).is_dir():
         lora = register_int4_lora(LoraConfig.from_pretrained(folder / ADAPTER_DIR))

@@ -6,7 +6,7 @@ columns not yet quantized, weighted by the inverse of the layer's input Hessian 
 [K, K]`` from calibration tokens, so that ``||X W^T - X Q^T||`` rather than ``||W - Q||`` is small.
 
 The grid is the layer's own format (:func:`~hf_lowprec.formats.int_steps` of the original weight,
-"static groups"), so the result packs into :class:`~hf_lowprec.modules.int4_packed.PackedInt4Linear`
+"static groups"), so the result packs into :class:`~hf_lowprec.modules.packed.PackedInt4Linear`
 unchanged and loads like any other export. :mod:`hf_lowprec.calibration` runs it over a model, a few
 decoder blocks at a time (sequential GPTQ).
 

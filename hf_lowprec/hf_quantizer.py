@@ -7,7 +7,7 @@ tensors for the packed layers and, in ``config.json``::
 
 Importing ``hf_lowprec`` registers this method with transformers (``register_quantization_config`` /
 ``register_quantizer``), so ``AutoModelForCausalLM.from_pretrained(folder)`` builds the model with
-empty :class:`PackedInt4Linear` layers where the plan says ``int4`` and loads the codes into them.
+empty packed layers where the plan says ``int4`` (or per-channel ``int8``) and loads the codes into them.
 Without ``import hf_lowprec`` transformers warns "Unknown quantization type" and the packed layers
 come back randomly initialised: always import hf_lowprec (or use ``load_int4_model``).
 """
@@ -20,7 +20,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from hf_lowprec.convert import _set_module  # the module-swapping helper lives in convert.py
-from hf_lowprec.modules.int4_packed import PackedInt4Linear
+from hf_lowprec.modules.packed import packed_class
 from hf_lowprec.plan import PrecisionPlan
 
 QUANT_METHOD = "hf_lowprec"
@@ -55,13 +55,15 @@ class HfLowprecQuantizer(HfQuantizer):
 
 
 def install_packed_shells(model: nn.Module, plan: PrecisionPlan) -> int:
-    """Replace each ``nn.Linear`` the plan puts in int4 by an empty :class:`PackedInt4Linear` (same device/dtype)."""
+    """Replace each ``nn.Linear`` the plan puts in a packed format (int4; per-channel int8) by an empty packed
+    layer of that format (same device/dtype)."""
     count = 0
     for name, spec in plan.assign(model).items():
         module = model.get_submodule(name)
-        if spec.family == "int4" and isinstance(module, nn.Linear):
+        cls = packed_class(spec)
+        if cls is not None and isinstance(module, nn.Linear):
             w = module.weight
-            shell = PackedInt4Linear(module.in_features, module.out_features, spec, module.bias is not None, w.dtype, w.device)
+            shell = cls(module.in_features, module.out_features, spec, module.bias is not None, w.dtype, w.device)
             _set_module(model, name, shell)
             count += 1
     return count

@@ -36,7 +36,7 @@ from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData, get_tok
 from torch import nn
 
 from hf_lowprec.convert import apply_plan, eligible_layers, freeze, revert
-from hf_lowprec.modules import PackedInt4Linear
+from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear, PackedLinear
 from hf_lowprec.plan import PrecisionPlan, atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ def plan_record(model: nn.Module, plan: PrecisionPlan) -> tuple[list[dict], list
 
 
 def _dense_view(module: nn.Module) -> nn.Module:
-    if isinstance(module, PackedInt4Linear):
+    if isinstance(module, PackedLinear):
         return nn.Linear(module.in_features, module.out_features, bias=False, device="meta", dtype=module.step.dtype)
     return module
 
@@ -255,12 +255,11 @@ def export_model(
     with atomic_output_dir(out, overwrite) as tmp:
         copy_ = copy.deepcopy(model)
         if weights == "int4-packed":
-            packed = freeze(copy_)
-            if packed == 0:
-                raise ValueError("export weights 'int4-packed' needs INT4 layers in the plan; this model has none (export 'master')")
-            revert(copy_)  # FP8 / non-INT4 layers back to plain layers with their master weights
+            if freeze(copy_) == 0:
+                raise ValueError("export weights 'int4-packed' needs int4 (or per-channel int8) layers in the plan; this model has none (export 'master')")
+            revert(copy_)  # FP8 / other layers back to plain layers with their master weights
             run["export"] = {"weights": weights, "loader": "hf_lowprec", "library_name": "hf-lowprec", "dtype": _dtype_name(copy_),
-                             "description": f"{packed} layers as packed INT4 codes (uint8 pairs) with their learned per-group steps"}  # fmt: skip
+                             "description": f"{_packed_layers(copy_)} with their learned steps"}  # fmt: skip
         else:
             revert(copy_)
             run["export"] = {"weights": weights, "loader": "transformers", "library_name": "transformers", "dtype": _dtype_name(copy_),
@@ -293,6 +292,13 @@ def _write_record(folder: Path, run: Mapping, repo_id: str | None, extra_files: 
     render_model_card(run, repo_id).save(folder / CARD_FILE)
 
 
+def _packed_layers(model: nn.Module) -> str:
+    """``"N layers as packed INT4 codes (two per byte)[, M as int8 codes]"`` for ``model``'s packed layers."""
+    n4 = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
+    n8 = sum(isinstance(m, PackedInt8Linear) for m in model.modules())
+    return f"{n4} layers as packed INT4 codes (two per byte)" + (f", {n8} as int8 codes" if n8 else "")
+
+
 def _export_lora(model, tokenizer, out: Path, run: dict, merge: bool, merged_dtype: str | None, overwrite: bool, repo_id,
                  extra_files) -> Path:  # fmt: skip
     """Packed INT4 base + LoRA adapters (or merged) through ``finetune.export_int4_lora``, then the record and card."""
@@ -302,20 +308,20 @@ def _export_lora(model, tokenizer, out: Path, run: dict, merge: bool, merged_dty
         raise ValueError(f"merged dtype {merged_dtype!r}: choose one of {', '.join(MERGE_DTYPES)}")
     if merged_dtype is not None and not merge:
         raise ValueError("a merged dtype applies to --merge")
-    packed = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
+    packed = _packed_layers(model)
     if merged_dtype is not None:
         run["export"] = {"weights": "dense", "loader": "transformers", "library_name": "transformers",
                          "dtype": str(MERGE_DTYPES[merged_dtype]).removeprefix("torch."),
-                         "description": f"LoRA merged into a dense {merged_dtype} model: {packed} INT4 layers dequantized plus their adapter "
+                         "description": f"LoRA merged into a dense {merged_dtype} model: {packed} dequantized plus their adapter "
                                         "deltas, rounded once"}  # fmt: skip
         run.pop("adapter", None)
     elif merge:
         run["export"] = {"weights": "int4-packed", "loader": "hf_lowprec", "library_name": "hf-lowprec", "dtype": _dtype_name(model),
-                         "description": f"{packed} layers as packed INT4 codes, LoRA merged in and re-quantized (error in {MERGE_FILE})"}  # fmt: skip
+                         "description": f"{packed}, LoRA merged in and re-quantized (error in {MERGE_FILE})"}  # fmt: skip
         run.pop("adapter", None)
     else:
         run["export"] = {"weights": "int4-packed", "loader": "hf_lowprec", "library_name": "hf-lowprec", "dtype": _dtype_name(model),
-                         "description": f"{packed} base layers as packed INT4 codes, plus LoRA adapters in PEFT format"}  # fmt: skip
+                         "description": f"base: {packed}, plus LoRA adapters in PEFT format"}  # fmt: skip
         run["adapter"] = {**run.get("adapter", {}), "folder": f"{ADAPTER_DIR}/",
                           "note": "load_exported applies them; `hf-lowprec export --merge` folds them into the INT4 base"}  # fmt: skip
     with atomic_output_dir(out, overwrite) as tmp:

@@ -6,7 +6,8 @@ from conftest import lm_batches, tiny_llama
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from hf_lowprec import FP8Linear, Int4Embedding, Int4Linear, PackedInt4Linear, PrecisionPlan, apply_plan, freeze, revert
+from hf_lowprec import FP8Linear, Int4Embedding, Int4Linear, PackedInt4Linear, PackedInt8Linear, PrecisionPlan, apply_plan, freeze, revert
+from hf_lowprec.modules import PackedLinear
 from hf_lowprec.convert import eligible_layers
 
 
@@ -103,14 +104,15 @@ def test_peft_lora_model_converts_base_layers_and_keeps_adapters(llama):
     assert wrapper.lora_B["default"].weight.grad.abs().sum() > 0
 
 
-def test_freeze_packs_int4_layers_and_keeps_outputs(llama):
-    apply_plan(llama, PrecisionPlan({"*.mlp.*": "int4-g64"}))
+def test_freeze_packs_int4_and_int8_layers_and_keeps_outputs(llama):
+    apply_plan(llama, PrecisionPlan({"*.mlp.*": "int4-g64", "*.q_proj": "int8", "*.k_proj": "int8-g32"}))
     batch = lm_batches(1)[0]
     with torch.no_grad():
         before = llama(**batch).logits
-    assert freeze(llama) == 6
-    packed = [m for m in llama.modules() if isinstance(m, PackedInt4Linear)]
-    assert len(packed) == 6 and isinstance(llama.model.layers[1].mlp.down_proj, PackedInt4Linear)
+    assert freeze(llama) == 8  # int8-g32 has no packed layer: it stays fake-quantized
+    packed = [m for m in llama.modules() if isinstance(m, PackedLinear)]
+    assert sum(isinstance(m, PackedInt4Linear) for m in packed) == 6 and isinstance(llama.model.layers[1].mlp.down_proj, PackedInt4Linear)
+    assert isinstance(llama.model.layers[1].self_attn.q_proj, PackedInt8Linear) and isinstance(llama.model.layers[1].self_attn.k_proj, Int4Linear)
     for m in packed:  # the dequantizing backend computes exactly what the QAT layers computed
         m.backend = "dequant"
     with torch.no_grad():
@@ -120,7 +122,7 @@ def test_freeze_packs_int4_layers_and_keeps_outputs(llama):
     with torch.no_grad():
         fast = llama(**batch).logits
     assert (fast - before).norm() / before.norm() < 0.02
-    with pytest.raises(ValueError, match="frozen packed INT4"):
+    with pytest.raises(ValueError, match="is frozen packed int8 and cannot change to bf16; reload the model"):
         apply_plan(llama, PrecisionPlan({"*.mlp.*": "fp8"}))
 
 

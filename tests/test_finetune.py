@@ -22,11 +22,13 @@ from hf_lowprec.finetune import (
     prepare_int4_lora,
     token_blocks,
 )
-from hf_lowprec.modules import PackedInt4Linear
-from hf_lowprec.modules.int4_packed import int8_backend_available
+from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear, PackedLinear
+from hf_lowprec.plan import PrecisionPlan
+from hf_lowprec.modules.packed import int8_backend_available
 
 INT8_OK, _ = int8_backend_available(torch.device("cpu"))
 LORA = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
+MIXED = PrecisionPlan({"lm_head": "bf16", "*.v_proj": "int8"}, default="int4-g64-asym")  # the sensitive layers' int8 kept packed too
 
 
 def lora_params(model) -> dict[str, torch.nn.Parameter]:
@@ -40,7 +42,7 @@ def dequantized_twin(packed_model, seed: int = 0):
     base = packed_model.get_base_model()
     with torch.no_grad():
         for name, module in base.named_modules():
-            if isinstance(module, PackedInt4Linear):
+            if isinstance(module, PackedLinear):
                 twin.get_submodule(name.replace(".base_layer", "")).weight.copy_(module.dequantized_weight())
     twin = get_peft_model(twin, LoraConfig(**LORA))
     ours = lora_params(packed_model)
@@ -52,8 +54,9 @@ def dequantized_twin(packed_model, seed: int = 0):
 
 @pytest.mark.parametrize("backend", ["dequant", pytest.param("int8", marks=pytest.mark.skipif(not INT8_OK, reason="no int8 dot-product instructions"))])
 def test_input_and_lora_grads_through_int4_base_match_dequantized_reference(backend):
-    model, report = prepare_int4_lora(tiny_llama(0, hidden_size=128, intermediate_size=256), LoraConfig(**LORA), backend=backend)
-    assert report.fractions()["int4-g64-asym"] > 0.8
+    model, report = prepare_int4_lora(tiny_llama(0, hidden_size=128, intermediate_size=256), LoraConfig(**LORA), MIXED, backend=backend)
+    assert report.fractions()["int4-g64-asym"] > 0.7 and report.fractions()["int8"] > 0.04
+    assert sum(isinstance(m, PackedInt8Linear) for m in model.modules()) == 2
     with torch.no_grad():  # non-zero B so that every adapter (and the gradient into A) matters
         for n, p in lora_params(model).items():
             if "lora_B" in n:
@@ -93,8 +96,8 @@ def test_finetune_from_disk_loss_falls_and_export_reloads_identically(tmp_path):
     # a wider init than the default 0.02: LoRA cannot rescale the RMS-normalised hidden state, so the
     # frozen random lm_head must be large enough for the adapters to move the predictions
     path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128, initializer_range=0.1)
-    model, tokenizer, report = load_int4_lora(path, LoraConfig(**LORA), dtype=torch.float32)
-    assert report.fractions()["int4-g64-asym"] > 0.5
+    model, tokenizer, report = load_int4_lora(path, LoraConfig(**LORA), MIXED, dtype=torch.float32)
+    assert report.fractions()["int4-g64-asym"] > 0.5 and report.fractions()["int8"] > 0.03
     text = corpus_text(40_000)
     blocks = token_blocks(tokenizer, [text], 64)
     train, held_out = blocks[:-8], blocks[-8:]
@@ -108,7 +111,8 @@ def test_finetune_from_disk_loss_falls_and_export_reloads_identically(tmp_path):
     assert json.loads((tmp_path / "run" / METRICS_FILE).read_text())["steps"] == 25
 
     reloaded, tok = load_int4_model(tmp_path / "run")
-    assert tok is not None and sum(isinstance(m, PackedInt4Linear) for m in reloaded.modules()) == 14
+    assert tok is not None and sum(isinstance(m, PackedInt4Linear) for m in reloaded.modules()) == 12
+    assert sum(isinstance(m, PackedInt8Linear) for m in reloaded.modules()) == 2
     ids = held_out[:2]
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, reloaded(input_ids=ids).logits)
@@ -186,7 +190,7 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
         prepare_int4_lora(tiny_llama(hidden_size=32, intermediate_size=48), LoraConfig(r=4, target_modules="all-linear"))
     with pytest.raises(ValueError, match="puts no Linear layer of this model in int4"):
         prepare_int4_lora(tiny_llama(), LoraConfig(r=4, target_modules="all-linear"), plan="bf16")
-    with pytest.raises(ValueError, match="not supported on a packed INT4 base"):
+    with pytest.raises(ValueError, match="not supported on a packed base"):
         prepare_int4_lora(tiny_llama(), LoraConfig(r=4, target_modules="all-linear", use_dora=True))
     with pytest.raises(ValueError, match="not a packed INT4 folder"):
         load_int4_model(save_tiny_model(tmp_path / "plain"))

@@ -106,7 +106,7 @@ def test_qat_int4_export_is_real_packed_int4_and_reloads_the_same_logits(base_di
         assert torch.equal(via_transformers(IDS).logits, loaded(IDS).logits)
         # = the QAT model, up to fp32 summation order (the codes dequantize to the fake-quantized weights)
         torch.testing.assert_close(loaded(IDS).logits, model(IDS).logits, rtol=0, atol=1e-5)
-    with pytest.raises(ValueError, match="needs INT4 layers"):
+    with pytest.raises(ValueError, match=r"needs int4 \(or per-channel int8\) layers"):
         export_model(_trained(base_dir, "fp8", 0)[0], tok, tmp_path / "none", _run_record(), weights="int4-packed")
 
 

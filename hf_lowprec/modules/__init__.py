@@ -10,9 +10,9 @@ from torch import nn
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.modules.fp8 import FP8Embedding, FP8Linear
 from hf_lowprec.modules.int4 import Int4Embedding, Int4Linear
-from hf_lowprec.modules.int4_packed import PackedInt4Linear
+from hf_lowprec.modules.packed import PackedInt4Linear, PackedInt8Linear, PackedLinear
 
-LOW_PRECISION_TYPES = (FP8Linear, FP8Embedding, Int4Linear, Int4Embedding, PackedInt4Linear)
+LOW_PRECISION_TYPES = (FP8Linear, FP8Embedding, Int4Linear, Int4Embedding, PackedLinear)
 ELIGIBLE_TYPES = (nn.Linear, nn.Embedding)
 
 
@@ -35,4 +35,4 @@ def low_precision_layer(module: nn.Module, spec: FormatSpec, options: dict, quan
     return Int4Linear.from_linear(module, spec, learn, quantizer, learn_activation_scales=learn_act)
 
 
-__all__ = ["FP8Linear", "FP8Embedding", "Int4Linear", "Int4Embedding", "PackedInt4Linear", "low_precision_layer"]
+__all__ = ["FP8Linear", "FP8Embedding", "Int4Linear", "Int4Embedding", "PackedInt4Linear", "PackedInt8Linear", "PackedLinear", "low_precision_layer"]

@@ -9,7 +9,7 @@ groups to int8 for ``_int_mm``.
 
 The kernels build once per machine with the C++ compiler torch uses (``torch.utils.cpp_extension``,
 ~45 s, cached under ``~/.cache/torch_extensions``). :func:`cpu_kernels` returns ``None`` (and logs why)
-where they cannot build or run; callers then use the torch.compile'd equivalents in ``int4_packed.py``.
+where they cannot build or run; callers then use the torch.compile'd equivalents in ``packed.py``.
 """
 
 from __future__ import annotations

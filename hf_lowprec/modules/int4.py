@@ -3,8 +3,8 @@
 ``Int4Linear`` / ``Int4Embedding`` fake-quantize their weight on every forward through a
 :class:`~hf_lowprec.scaling.LearnedStepQuantizer` (group-wise steps, learned with LSQ by default,
 straight-through gradient to the weight). ``Int4Linear`` can also fake-quantize its input to int8
-per token (``-a8`` formats). ``Int4Linear.freeze()`` returns a :class:`PackedInt4Linear` holding
-the weight as real packed 4-bit codes.
+per token (``-a8`` formats). ``Int4Linear.freeze()`` returns a :class:`PackedInt4Linear` (or, for per-channel
+``int8``, a :class:`PackedInt8Linear`) holding the weight as real integer codes.
 
 Modules that share one weight ``Parameter`` (tied input/output embeddings) must share one
 quantizer, so both read the same quantized table: pass ``quantizer=`` (``convert.apply_plan`` does).
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_lowprec.formats import FormatSpec, fake_quantize_per_token_int8, quantize_int
-from hf_lowprec.modules.int4_packed import PackedInt4Linear
+from hf_lowprec.modules.packed import PackedLinear, packed_class
 from hf_lowprec.scaling import LearnedActivationQuantizer, LearnedStepQuantizer
 
 INT_FAMILIES = ("int4", "int8", "nf4")
@@ -79,13 +79,14 @@ class Int4Linear(nn.Linear):
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
     @torch.no_grad()
-    def freeze(self) -> PackedInt4Linear:
-        """A frozen :class:`PackedInt4Linear` holding this layer's codes (int4 formats only)."""
-        if self.spec.family != "int4":
-            raise ValueError(f"freeze() packs int4 formats only; this layer is {self.spec.name}")
+    def freeze(self) -> PackedLinear:
+        """A frozen packed layer holding this layer's codes (int4 formats and per-channel ``int8``; see ``packed_class``)."""
+        cls = packed_class(self.spec)
+        if cls is None:
+            raise ValueError(f"freeze() packs int4 formats and per-channel symmetric int8 only; this layer is {self.spec.name}")
         step, zero = self.weight_quantizer.steps(self.weight)
         codes = quantize_int(self.weight.detach(), self.spec, step, zero)
-        return PackedInt4Linear.from_codes(codes, step, zero, self.spec, self.bias, self.weight.dtype)
+        return cls.from_codes(codes, step, zero, self.spec, self.bias, self.weight.dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, format={self.spec.name}"

@@ -1,7 +1,8 @@
-"""PEFT LoRA on a frozen :class:`PackedInt4Linear` base (the pattern of ``peft/tuners/lora/bnb.py``).
+"""PEFT LoRA on a frozen packed base (:class:`PackedInt4Linear`, :class:`PackedInt8Linear`; the pattern
+of ``peft/tuners/lora/bnb.py``).
 
-PEFT picks a LoRA layer by the type of the layer it wraps; a packed INT4 linear is none of the types it
-knows, so :func:`register_int4_lora` adds ``PackedInt4Linear → PackedInt4LoraLinear`` to a
+PEFT picks a LoRA layer by the type of the layer it wraps; a packed linear is none of the types it
+knows, so :func:`register_int4_lora` maps ``PackedLinear`` (both classes) to ``PackedLoraLinear`` in a
 ``LoraConfig`` through PEFT's custom-module API (``LoraConfig._register_custom_module``).
 
 The forward keeps LoRA's numbers but not its elementwise passes: adapter weights stay fp32 (master
@@ -21,15 +22,15 @@ from peft import LoraConfig
 from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.tuners_utils import check_adapters_to_merge
 
-from hf_lowprec.modules.int4_packed import PackedInt4Linear
+from hf_lowprec.modules.packed import PackedLinear
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_INITS = (True, False, "gaussian")
 
 
-class PackedInt4LoraLinear(LoraLinear):
-    """``lora.Linear`` whose base is a :class:`PackedInt4Linear`; merging re-quantizes the base.
+class PackedLoraLinear(LoraLinear):
+    """``lora.Linear`` whose base is a :class:`PackedLinear`; merging re-quantizes the base.
 
     Vanilla LoRA only: DoRA and the other variants, ``lora_bias`` and initialisations that read a dense
     base weight (PiSSA, OLoRA, PEFT's own LoftQ ...) raise ``ValueError`` (use
@@ -39,12 +40,12 @@ class PackedInt4LoraLinear(LoraLinear):
     def __init__(self, base_layer, adapter_name: str, config: LoraConfig, **kwargs):
         init = config.init_lora_weights
         if init not in SUPPORTED_INITS:
-            raise ValueError(f"init_lora_weights={init!r} is not supported on a packed INT4 base; choose one of {SUPPORTED_INITS}")
+            raise ValueError(f"init_lora_weights={init!r} is not supported on a packed base; choose one of {SUPPORTED_INITS}")
         if config.lora_bias:
-            raise ValueError("lora_bias=True is not supported on a packed INT4 base (it could not be merged into the codes)")
+            raise ValueError("lora_bias=True is not supported on a packed base (it could not be merged into the codes)")
         variant = self.resolve_lora_variant(config=config)  # reads only the config and the class's variant table
         if variant is not None:
-            raise ValueError(f"LoRA variant {type(variant).__name__} (e.g. DoRA) is not supported on a packed INT4 base; use plain LoRA")
+            raise ValueError(f"LoRA variant {type(variant).__name__} (e.g. DoRA) is not supported on a packed base; use plain LoRA")
         super().__init__(base_layer, adapter_name, config=config, **kwargs)
         self.merge_errors: list[dict] = []
 
@@ -74,7 +75,7 @@ class PackedInt4LoraLinear(LoraLinear):
         adapter_names = [n for n in adapter_names if n in self.lora_A]
         if not adapter_names:
             return
-        base: PackedInt4Linear = self.get_base_layer()
+        base: PackedLinear = self.get_base_layer()
         weight = base.dequantized_weight(torch.float32)
         delta = sum(self.get_delta_weight(n).float() for n in adapter_names)
         merged = weight + delta
@@ -92,8 +93,8 @@ class PackedInt4LoraLinear(LoraLinear):
         if not self.merged:
             warnings.warn("Already unmerged. Nothing to do.")
             return
-        logger.warning("unmerging LoRA from a packed INT4 base re-quantizes it: weights differ from before the merge")
-        base: PackedInt4Linear = self.get_base_layer()
+        logger.warning("unmerging LoRA from a packed base re-quantizes it: weights differ from before the merge")
+        base: PackedLinear = self.get_base_layer()
         weight = base.dequantized_weight(torch.float32)
         while self.merged_adapters:
             name = self.merged_adapters.pop()
@@ -103,6 +104,6 @@ class PackedInt4LoraLinear(LoraLinear):
 
 
 def register_int4_lora(config: LoraConfig) -> LoraConfig:
-    """Teach ``config`` (in place; also returned) to wrap :class:`PackedInt4Linear` layers in LoRA."""
-    config._register_custom_module({PackedInt4Linear: PackedInt4LoraLinear})
+    """Teach ``config`` (in place; also returned) to wrap packed layers in LoRA."""
+    config._register_custom_module({PackedLinear: PackedLoraLinear})
     return config

@@ -1,15 +1,18 @@
-"""``PackedInt4Linear``: a frozen linear whose weight is stored as packed INT4 codes (two per byte).
+"""Frozen linears whose weight is stored as packed integer codes: ``PackedInt4Linear`` (two codes per
+byte, group-wise steps) and ``PackedInt8Linear`` (one byte per code, one step per output row).
 
-Forward and grad-input are both computed from the packed codes, never from a full-precision copy kept
-between calls, so a model whose base linears are packed still passes correct gradients to earlier
-layers and to LoRA adapters. Two backends compute them:
+Forward and grad-input are both computed from the codes, never from a full-precision copy kept between
+calls, so a model whose base linears are packed still passes correct gradients to earlier layers and to
+LoRA adapters. A precision plan puts most layers in INT4 and may keep the sensitive ones in int8; both
+run the same two backends:
 
-- ``int8`` (CPUs with VNNI/AMX int8 instructions): the codes are unpacked to an int8 weight per call
-  (each row rescaled to one step, ``r[n] = max|W[n]| / 127``); activations and output gradients are
-  quantized dynamically to int8 per row (token); ``torch._int_mm`` multiplies with int32 accumulation.
-  On this project's 2-core AVX512 CPU ``_int_mm`` runs about 2x bf16 ``mm`` on LLM shapes; the
-  unpacking, quantizing and dequantizing around it run as C++ kernels (``cpu_kernels.py``). About
-  0.8% relative error against the dequantized fp32 reference (forward and grad-input alike).
+- ``int8`` (CPUs with VNNI/AMX int8 instructions): the weight is an int8 matrix with one step per row
+  (int8 codes as stored; INT4 codes unpacked per call, each row rescaled to one step
+  ``r[n] = max|W[n]| / 127``); activations and output gradients are quantized dynamically to int8 per
+  row (token); ``torch._int_mm`` multiplies with int32 accumulation. On this project's 2-core AVX512 CPU
+  ``_int_mm`` runs about 2x bf16 ``mm`` on LLM shapes; the unpacking, quantizing and dequantizing around
+  it run as C++ kernels (``cpu_kernels.py``). About 0.8% relative error against the dequantized fp32
+  reference (forward and grad-input alike).
 - ``dequant``: the weight is dequantized to the activation dtype per call and multiplied with ``mm``;
   the numerical reference, and the path for other devices.
 
@@ -46,7 +49,7 @@ _logged: set[tuple[str, str]] = set()
 def _log_once(backend: str, reason: str) -> None:
     if (backend, reason) not in _logged:
         _logged.add((backend, reason))
-        logger.info("PackedInt4Linear runs the %s backend: %s", backend, reason)
+        logger.info("packed linears run the %s backend: %s", backend, reason)
 
 
 # --------------------------------------------------------------------------------- int8 kernels
@@ -150,7 +153,7 @@ class _DequantMatmul(torch.autograd.Function):
     """``y = x @ dequant(W)^T``; backward ``grad_x = grad_y @ dequant(W)``; no weight gradient."""
 
     @staticmethod
-    def forward(ctx, x2d, layer: "PackedInt4Linear"):
+    def forward(ctx, x2d, layer: "PackedLinear"):
         ctx.layer = layer
         return torch.mm(x2d, layer.dequantized_weight(x2d.dtype).t())
 
@@ -160,10 +163,10 @@ class _DequantMatmul(torch.autograd.Function):
 
 
 class _Int8Matmul(torch.autograd.Function):
-    """Same product through ``torch._int_mm``: int8 weight (unpacked per call) times int8 rows."""
+    """Same product through ``torch._int_mm``: int8 weight (INT4 codes unpacked per call) times int8 rows."""
 
     @staticmethod
-    def forward(ctx, x2d, layer: "PackedInt4Linear"):
+    def forward(ctx, x2d, layer: "PackedLinear"):
         ctx.layer = layer
         w8, row_step = layer.int8_weight()
         xq, x_step = quantize_rows(x2d, layer.inverse_input_scale())  # x / s, then int8 per row
@@ -181,25 +184,25 @@ class _Int8Matmul(torch.autograd.Function):
 # ------------------------------------------------------------------------------------ module
 
 
-class PackedInt4Linear(nn.Module):
-    """Frozen INT4 linear: ``qweight`` uint8 ``[N, ceil(K/2)]``, ``step`` ``[N, G]``, optional ``zero``,
-    ``input_scale`` fp32 ``[K]`` (ones unless activation-aware scaling chose others).
+class PackedLinear(nn.Module):
+    """Frozen linear stored as integer codes: ``qweight``, ``step`` ``[N, G]``, optional ``zero``, ``input_scale``
+    fp32 ``[K]`` (ones unless activation-aware scaling chose others). Subclasses say how codes are stored.
 
-    Build it with :meth:`from_codes` (``Int4Linear.freeze()`` does). ``backend``: one of ``auto``,
+    Build one with :meth:`from_codes` (``Int4Linear.freeze()`` does). ``backend``: one of ``auto``,
     ``int8``, ``dequant`` (see the module docstring); a requested ``int8`` that cannot run raises.
     """
 
     BUFFERS = ("qweight", "step", "zero", "input_scale")  # what a state dict holds for the weight
+    FAMILY = ""  # the format family the subclass stores
 
     def __init__(self, in_features: int, out_features: int, spec: FormatSpec | str, bias: bool = False,
                  dtype: torch.dtype = torch.bfloat16, device=None, backend: str = "auto"):  # fmt: skip
         super().__init__()
         self.spec = FormatSpec.parse(spec)
-        if self.spec.family != "int4":
-            raise ValueError(f"PackedInt4Linear stores int4 formats, got {self.spec.name!r}")
+        self._check_spec(self.spec)
         self.in_features, self.out_features = in_features, out_features
         groups = 1 if self.spec.group_size is None else -(-in_features // self.spec.group_size)
-        self.register_buffer("qweight", torch.zeros(out_features, (in_features + 1) // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("qweight", self._empty_codes(out_features, in_features, device))
         self.register_buffer("step", torch.ones(out_features, groups, dtype=dtype, device=device))
         zero = None if self.spec.symmetric else torch.zeros(out_features, groups, dtype=dtype, device=device)
         self.register_buffer("zero", zero)
@@ -209,6 +212,11 @@ class PackedInt4Linear(nn.Module):
         self.last_backend: str | None = None
         self._cache: dict[str, torch.Tensor | None] = {}
 
+    @classmethod
+    def _check_spec(cls, spec: FormatSpec) -> None:
+        if spec.family != cls.FAMILY:
+            raise ValueError(f"{cls.__name__} stores {cls.FAMILY} formats, got {spec.name!r}")
+
     @property
     def backend(self) -> str:
         return self._backend
@@ -216,17 +224,17 @@ class PackedInt4Linear(nn.Module):
     @backend.setter
     def backend(self, value: str) -> None:
         if value not in BACKENDS:
-            raise ValueError(f"PackedInt4Linear backend {value!r}: choose one of {', '.join(BACKENDS)}")
+            raise ValueError(f"{type(self).__name__} backend {value!r}: choose one of {', '.join(BACKENDS)}")
         self._backend = value
 
     @classmethod
     def from_codes(cls, codes, step, zero, spec: FormatSpec, bias: torch.Tensor | None, dtype: torch.dtype,
                    backend: str = "auto", input_scale: torch.Tensor | None = None):  # fmt: skip
-        """Pack integer ``codes [N, K]`` (of ``W diag(input_scale)``) with their ``step``/``zero`` ``[N, G]``;
+        """Store integer ``codes [N, K]`` (of ``W diag(input_scale)``) with their ``step``/``zero`` ``[N, G]``;
         steps kept in ``dtype``."""
         out_features, in_features = codes.shape
         new = cls(in_features, out_features, spec, bias is not None, dtype, codes.device, backend)
-        new.qweight.copy_(pack_int4(codes))
+        new.qweight.copy_(new._store(codes))
         new.step.copy_(step)
         if zero is not None:
             new.zero.copy_(zero)
@@ -236,11 +244,27 @@ class PackedInt4Linear(nn.Module):
             new.bias.data.copy_(bias.detach())
         return new
 
-    # ------------------------------------------------------------------------------- weights
-    def codes(self) -> torch.Tensor:
-        """The integer codes ``[N, K]`` (int8 when symmetric, else values in ``[0, 15]``)."""
-        return unpack_int4(self.qweight, self.in_features, signed=self.spec.symmetric)
+    # ----------------------------------------------------------------------- storage (subclasses)
+    def _empty_codes(self, out_features: int, in_features: int, device) -> torch.Tensor:
+        raise NotImplementedError
 
+    def _store(self, codes: torch.Tensor) -> torch.Tensor:
+        """``qweight`` holding integer ``codes [N, K]``."""
+        raise NotImplementedError
+
+    def codes(self) -> torch.Tensor:
+        """The integer codes ``[N, K]`` (int8 when symmetric, else non-negative uint8)."""
+        raise NotImplementedError
+
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``."""
+        raise NotImplementedError
+
+    def int8_supported(self) -> tuple[bool, str]:
+        """Whether this layer's shape allows the int8 backend (and why not)."""
+        return True, ""
+
+    # ------------------------------------------------------------------------------- weights
     def grid_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``(codes - zero) * step`` as a dense ``[N, K]`` tensor: the weight times ``input_scale``."""
         zero = None if self.zero is None else self.zero.float()
@@ -260,34 +284,9 @@ class PackedInt4Linear(nn.Module):
             self._cache["inverse"] = None if bool((s == 1).all()) else (1.0 / s).contiguous()
         return self._cache["inverse"]
 
-    def _int8_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(step / r [N, G], r [N])`` fp32, with ``r[n] = max_k |grid_weight[n, k]| / 127``; cached until the buffers change."""
-        if "ratio" not in self._cache:
-            row_step = (self.grid_weight(torch.float32).abs().amax(-1) / _INT8_MAX).clamp(min=_EPS)
-            self._cache["ratio"], self._cache["row_step"] = (self.step.float() / row_step.unsqueeze(-1)).contiguous(), row_step
-        return self._cache["ratio"], self._cache["row_step"]
-
-    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``, unpacked from the codes on every call.
-
-        Needs ``K`` even and a multiple of the group size (see :meth:`int8_supported`).
-        """
-        ratio, row_step = self._int8_scales()
-        zero = None if self.zero is None else self.zero.float().contiguous()
-        ext = _native(self.qweight)
-        if ext is not None:
-            return ext.unpack_int4_int8(self.qweight, ratio, zero, self.spec.symmetric, self.in_features), row_step
-        even, odd = unpack_int4_planes(self.qweight, signed=self.spec.symmetric)
-        n, groups = ratio.shape
-        codes = torch.stack((even, odd), -1).view(n, groups, -1).float()
-        if zero is not None:
-            codes = codes - zero.unsqueeze(-1)
-        w8 = torch.round(codes * ratio.unsqueeze(-1)).clamp(-_INT8_MAX, _INT8_MAX).to(torch.int8)
-        return w8.view(n, self.in_features), row_step
-
     @torch.no_grad()
     def requantize_(self, weight: torch.Tensor) -> dict:
-        """Re-pack a dense ``weight [N, K]`` in this layer's format, in place (fresh steps from
+        """Re-store a dense ``weight [N, K]`` in this layer's format, in place (fresh steps from
         ``weight diag(input_scale)``; the input scale stays).
 
         Returns ``{"rel_error": ||Q(W) - W|| / ||W||}`` (Frobenius; fp32) so callers can report the loss.
@@ -298,7 +297,7 @@ class PackedInt4Linear(nn.Module):
         scaled = w * self.input_scale.float()
         step, zero = int_steps(scaled, self.spec)
         codes = quantize_int(scaled, self.spec, step, zero)
-        self.qweight.copy_(pack_int4(codes))
+        self.qweight.copy_(self._store(codes))
         self.step.copy_(step)
         if zero is not None:
             self.zero.copy_(zero)
@@ -306,22 +305,13 @@ class PackedInt4Linear(nn.Module):
         err = (self.dequantized_weight(torch.float32) - w).norm() / w.norm().clamp(min=_EPS)
         return {"rel_error": err.item()}
 
-    def int8_supported(self) -> tuple[bool, str]:
-        """Whether this layer's shape allows the int8 backend (and why not)."""
-        k, g = self.in_features, self.spec.group_size
-        if k % 2:
-            return False, f"in_features {k} is odd"
-        if g is not None and k % g:
-            return False, f"in_features {k} is not a multiple of the group size {g}"
-        return True, ""
-
     def resolve_backend(self, x: torch.Tensor) -> str:
         """The backend that runs for input ``x`` (``auto`` resolved; logged once per reason)."""
         shape_ok, shape_reason = self.int8_supported()
         device_ok, device_reason = int8_backend_available(x.device)
         if self.backend == "int8":
             if not (shape_ok and device_ok):
-                raise ValueError(f"PackedInt4Linear backend 'int8' cannot run here: {shape_reason or device_reason}; use 'auto' or 'dequant'")
+                raise ValueError(f"{type(self).__name__} backend 'int8' cannot run here: {shape_reason or device_reason}; use 'auto' or 'dequant'")
             return "int8"
         if self.backend == "dequant":
             return "dequant"
@@ -349,3 +339,88 @@ class PackedInt4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.spec.name}, packed, backend={self.backend}"
+
+
+class PackedInt4Linear(PackedLinear):
+    """INT4 codes, two per byte: ``qweight`` uint8 ``[N, ceil(K/2)]``, group-wise ``step``/``zero`` ``[N, G]``."""
+
+    FAMILY = "int4"
+
+    def _empty_codes(self, out_features: int, in_features: int, device) -> torch.Tensor:
+        return torch.zeros(out_features, (in_features + 1) // 2, dtype=torch.uint8, device=device)
+
+    def _store(self, codes: torch.Tensor) -> torch.Tensor:
+        return pack_int4(codes)
+
+    def codes(self) -> torch.Tensor:
+        return unpack_int4(self.qweight, self.in_features, signed=self.spec.symmetric)
+
+    def _int8_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(step / r [N, G], r [N])`` fp32, with ``r[n] = max_k |grid_weight[n, k]| / 127``; cached until the buffers change."""
+        if "ratio" not in self._cache:
+            row_step = (self.grid_weight(torch.float32).abs().amax(-1) / _INT8_MAX).clamp(min=_EPS)
+            self._cache["ratio"], self._cache["row_step"] = (self.step.float() / row_step.unsqueeze(-1)).contiguous(), row_step
+        return self._cache["ratio"], self._cache["row_step"]
+
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``, unpacked from the codes on every call.
+
+        Needs ``K`` even and a multiple of the group size (see :meth:`int8_supported`).
+        """
+        ratio, row_step = self._int8_scales()
+        zero = None if self.zero is None else self.zero.float().contiguous()
+        ext = _native(self.qweight)
+        if ext is not None:
+            return ext.unpack_int4_int8(self.qweight, ratio, zero, self.spec.symmetric, self.in_features), row_step
+        even, odd = unpack_int4_planes(self.qweight, signed=self.spec.symmetric)
+        n, groups = ratio.shape
+        codes = torch.stack((even, odd), -1).view(n, groups, -1).float()
+        if zero is not None:
+            codes = codes - zero.unsqueeze(-1)
+        w8 = torch.round(codes * ratio.unsqueeze(-1)).clamp(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+        return w8.view(n, self.in_features), row_step
+
+    def int8_supported(self) -> tuple[bool, str]:
+        k, g = self.in_features, self.spec.group_size
+        if k % 2:
+            return False, f"in_features {k} is odd"
+        if g is not None and k % g:
+            return False, f"in_features {k} is not a multiple of the group size {g}"
+        return True, ""
+
+
+class PackedInt8Linear(PackedLinear):
+    """int8 codes, one per byte: ``qweight`` int8 ``[N, K]``, one symmetric ``step`` per output row ``[N, 1]``
+    (format ``int8``, per channel). The int8 backend multiplies the stored codes as they are."""
+
+    FAMILY = "int8"
+
+    @classmethod
+    def _check_spec(cls, spec: FormatSpec) -> None:
+        super()._check_spec(spec)
+        if spec.granularity != "channel" or not spec.symmetric or spec.act_int8:
+            raise ValueError(f"PackedInt8Linear stores per-channel symmetric int8 ('int8'), got {spec.name!r}")
+
+    def _empty_codes(self, out_features: int, in_features: int, device) -> torch.Tensor:
+        return torch.zeros(out_features, in_features, dtype=torch.int8, device=device)
+
+    def _store(self, codes: torch.Tensor) -> torch.Tensor:
+        return codes.to(torch.int8)
+
+    def codes(self) -> torch.Tensor:
+        return self.qweight
+
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if "row_step" not in self._cache:
+            self._cache["row_step"] = self.step.float().view(-1).contiguous()
+        return self.qweight, self._cache["row_step"]
+
+
+def packed_class(spec: FormatSpec | str) -> type[PackedLinear] | None:
+    """The packed class that stores ``spec`` (INT4 formats; per-channel symmetric ``int8``), else ``None``."""
+    spec = FormatSpec.parse(spec)
+    if spec.family == "int4":
+        return PackedInt4Linear
+    if spec.family == "int8" and spec.granularity == "channel" and spec.symmetric and not spec.act_int8:
+        return PackedInt8Linear
+    return None

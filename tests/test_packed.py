@@ -1,4 +1,5 @@
-"""PackedInt4Linear: both backends against a dequantized fp32 reference, backend choice, re-quantization."""
+"""PackedInt4Linear and PackedInt8Linear: both backends against a dequantized fp32 reference, backend choice,
+re-quantization."""
 
 import logging
 
@@ -7,15 +8,15 @@ import torch
 import torch.nn.functional as F
 
 from hf_lowprec.formats import pack_int4, unpack_int4_planes
-from hf_lowprec.modules import Int4Linear, PackedInt4Linear
+from hf_lowprec.modules import Int4Linear, PackedInt4Linear, PackedInt8Linear, PackedLinear
 from hf_lowprec.modules.cpu_kernels import cpu_kernels
-from hf_lowprec.modules.int4_packed import int8_backend_available
+from hf_lowprec.modules.packed import int8_backend_available
 
 INT8_OK, _ = int8_backend_available(torch.device("cpu"))
 needs_int8 = pytest.mark.skipif(not INT8_OK, reason="this CPU has no int8 dot-product instructions")
 
 
-def packed(spec: str, k: int = 128, n: int = 96, bias: bool = True, seed: int = 0) -> PackedInt4Linear:
+def packed(spec: str, k: int = 128, n: int = 96, bias: bool = True, seed: int = 0) -> PackedLinear:
     torch.manual_seed(seed)
     return Int4Linear.from_linear(torch.nn.Linear(k, n, bias=bias), spec, learn_scales=False).freeze()
 
@@ -24,7 +25,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def run(layer: PackedInt4Linear, backend: str, x: torch.Tensor, g: torch.Tensor):
+def run(layer: PackedLinear, backend: str, x: torch.Tensor, g: torch.Tensor):
     layer.backend = backend
     x = x.detach().clone().requires_grad_()
     y = layer(x)
@@ -32,7 +33,7 @@ def run(layer: PackedInt4Linear, backend: str, x: torch.Tensor, g: torch.Tensor)
     return y.detach(), x.grad
 
 
-def reference(layer: PackedInt4Linear, x: torch.Tensor, g: torch.Tensor):
+def reference(layer: PackedLinear, x: torch.Tensor, g: torch.Tensor):
     """fp32 math on the dequantized weight: the numbers the packed codes stand for."""
     x = x.detach().float().requires_grad_()
     bias = None if layer.bias is None else layer.bias.detach().float()
@@ -50,7 +51,7 @@ def test_unpack_int4_planes_splits_columns_by_parity():
     assert torch.equal(even, unsigned[:, 0::2].to(torch.int8)) and torch.equal(odd, unsigned[:, 1::2].to(torch.int8))
 
 
-@pytest.mark.parametrize("spec", ["int4-g64", "int4-g32-asym", "int4"])
+@pytest.mark.parametrize("spec", ["int4-g64", "int4-g32-asym", "int4", "int8"])
 def test_dequant_backend_is_exact_in_fp32(spec):
     layer = packed(spec)
     x, g = torch.randn(3, 5, 128), torch.randn(3, 5, 96)
@@ -61,7 +62,7 @@ def test_dequant_backend_is_exact_in_fp32(spec):
 
 
 @needs_int8
-@pytest.mark.parametrize("spec", ["int4-g64", "int4-g32-asym", "int4"])
+@pytest.mark.parametrize("spec", ["int4-g64", "int4-g32-asym", "int4", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_backend_forward_and_grad_input_match_reference(spec, dtype):
     layer = packed(spec).to(dtype)
@@ -86,9 +87,30 @@ def test_int8_weight_reconstructs_dequantized_weight():
     assert ((approx - layer.dequantized_weight()).abs() <= row_step.unsqueeze(1) / 2 + 1e-7).all()
 
 
+def test_int8_layer_stores_one_code_per_byte_and_multiplies_them_as_stored():
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(192, 40)
+    layer = Int4Linear.from_linear(dense, "int8", learn_scales=False).freeze()
+    assert isinstance(layer, PackedInt8Linear) and layer.qweight.dtype == torch.int8 and layer.qweight.shape == (40, 192)
+    step = dense.weight.detach().abs().amax(-1) / 127  # symmetric per-row step, computed here from the dense weight
+    torch.testing.assert_close(layer.step.view(-1), step)
+    assert ((layer.dequantized_weight() - dense.weight).abs() <= step.unsqueeze(1) / 2 + 1e-7).all()
+    w8, row_step = layer.int8_weight()
+    assert w8 is layer.qweight and torch.equal(row_step, layer.step.view(-1))  # no re-quantization on the int8 path
+    stats = layer.requantize_(dense.weight.detach() * 2)
+    assert torch.equal(layer.qweight, w8) and stats["rel_error"] < 0.01  # scaling the weight scales only the steps
+    other = PackedInt8Linear(192, 40, "int8", bias=True, dtype=torch.float32)
+    other.load_state_dict(layer.state_dict())
+    x = torch.randn(5, 192)
+    torch.testing.assert_close(other(x), layer(x), rtol=0, atol=0)
+    for spec in ("int8-g64", "int8-asym", "int4-g64"):
+        with pytest.raises(ValueError, match="PackedInt8Linear stores"):
+            PackedInt8Linear(192, 40, spec)
+
+
 def test_auto_backend_choice_and_errors(caplog):
     layer = packed("int4-g64")
-    with caplog.at_level(logging.INFO, logger="hf_lowprec.modules.int4_packed"):
+    with caplog.at_level(logging.INFO, logger="hf_lowprec.modules.packed"):
         assert layer.resolve_backend(torch.zeros(2, 128)) == ("int8" if INT8_OK else "dequant")
     odd = packed("int4-g64", k=100)  # 100 is not a multiple of the group: int8 path cannot run
     assert odd.resolve_backend(torch.zeros(2, 100)) == "dequant"
@@ -130,7 +152,7 @@ def test_state_dict_roundtrip_gives_identical_outputs():
 @pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels cannot be built here")
 @pytest.mark.parametrize("spec", ["int4-g64", "int4-g32-asym", "int4"])
 def test_cpu_kernels_match_torch_reference(spec):
-    from hf_lowprec.modules import int4_packed as P
+    from hf_lowprec.modules import packed as P
 
     ext = cpu_kernels()
     layer = packed(spec, k=192, n=40)
