@@ -425,7 +425,7 @@ def main() -> None:
     p.add_argument("--rounding", default="nearest", choices=ROUNDINGS, help=f"child: INT4 rounding (calibrated on {CALIBRATION_BLOCKS} training blocks)")
     p.add_argument("--keep", type=float, default=0.0, help="child: fraction of linear parameters kept in --keep-format (most sensitive by a Fisher scan)")
     p.add_argument("--keep-format", default="bf16", choices=("bf16", "int8"), help="child: format of the kept layers")
-    p.add_argument("--backend", default="auto", choices=("auto", "int8", "dequant"), help="child: PackedInt4Linear backend")
+    p.add_argument("--backend", default="auto", choices=("auto", "int8", "dequant"), help="child: backend of the packed layers")
     p.add_argument("--int4-variants", nargs="*", default=[], help="quality: also run int4-lora with these options (see parse_variant)")
     p.add_argument("--merge-eval", action="store_true", help="child: also evaluate the merged, re-quantized export")
     p.add_argument("--steps", type=int, default=None)
