@@ -152,6 +152,52 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x, c10::optional<torch::T
   return {q, step};
 }
 
+// max over rows of |x [M, C]| (times col_scale [C]) -> fp32 [C]: each thread reduces a block of rows into
+// its own partial row, the partials are reduced at the end
+template <bool BF16>
+static void column_absmax_impl(const void* xv, const float* cs, float* out, int64_t M, int64_t C) {
+  const int64_t threads = at::get_num_threads();
+  std::vector<float> partial(threads * C, 0.f);
+  at::parallel_for(0, M, 64, [&](int64_t b, int64_t e) {
+    float* p = partial.data() + at::get_thread_num() * C;
+    std::vector<float> buf(C);
+    float* f = buf.data();
+    for (int64_t m = b; m < e; ++m) {
+      if (BF16) {
+        const uint16_t* x = static_cast<const uint16_t*>(xv) + m * C;
+        #pragma omp simd
+        for (int64_t c = 0; c < C; ++c) f[c] = bf16_to_float(x[c]);
+      } else {
+        std::memcpy(f, static_cast<const float*>(xv) + m * C, C * sizeof(float));
+      }
+      #pragma omp simd
+      for (int64_t c = 0; c < C; ++c) {
+        const float a = f[c] < 0.f ? -f[c] : f[c];
+        p[c] = p[c] > a ? p[c] : a;
+      }
+    }
+  });
+  for (int64_t c = 0; c < C; ++c) {
+    float v = 0.f;
+    for (int64_t t = 0; t < threads; ++t) v = std::max(v, partial[t * C + c]);
+    out[c] = cs ? v * std::fabs(cs[c]) : v;
+  }
+}
+
+torch::Tensor column_absmax(torch::Tensor x, c10::optional<torch::Tensor> col_scale) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous());
+  const int64_t M = x.size(0), C = x.size(1);
+  auto out = torch::empty({C}, x.options().dtype(torch::kFloat));
+  const float* cs = col_scale.has_value() ? col_scale->data_ptr<float>() : nullptr;
+  if (x.scalar_type() == torch::kBFloat16)
+    column_absmax_impl<true>(x.data_ptr(), cs, out.data_ptr<float>(), M, C);
+  else {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat);
+    column_absmax_impl<false>(x.data_ptr(), cs, out.data_ptr<float>(), M, C);
+  }
+  return out;
+}
+
 // acc [M, C] (int32 or int8) * row [M] (* col [C]) -> bf16 or fp32
 template <typename In, bool BF16>
 static void dequant_impl(const In* acc, const float* rs, const float* cs, void* outv, int64_t M, int64_t C) {
@@ -193,12 +239,12 @@ torch::Tensor dequantize(torch::Tensor acc, torch::Tensor row_step, c10::optiona
 }
 """
 
-_FUNCTIONS = ["unpack_int4_int8", "quantize_rows", "dequantize"]
+_FUNCTIONS = ["unpack_int4_int8", "quantize_rows", "column_absmax", "dequantize"]
 _state: dict[str, object] = {}
 
 
 def cpu_kernels():
-    """The built extension module (functions ``unpack_int4_int8``, ``quantize_rows``, ``dequantize``), or ``None``."""
+    """The built extension module (functions ``unpack_int4_int8``, ``quantize_rows``, ``column_absmax``, ``dequantize``), or ``None``."""
     if "ext" not in _state:
         _state["ext"] = _build()
     return _state["ext"]
