@@ -336,7 +336,7 @@ def _low_precision_callback(recipe: Recipe, lm, t, resume_from: str | None):
 def _prepare_int4_lora(model, recipe: Recipe, lm, t):
     """Pack the base to INT4 and wrap it in LoRA (``hf_lowprec.finetune``); the Trainer then trains the adapters.
 
-    Packing is deterministic (GPTQ calibrates on the first training batches), so a resumed run rebuilds
+    Packing is deterministic (the plan scan and GPTQ calibrate on the first training batches), so a resumed run rebuilds
     the same base and the Trainer reloads the adapters.
     """
     from peft import LoraConfig
@@ -344,19 +344,19 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t):
     from hf_lowprec.finetune import prepare_int4_lora
 
     p, lora = recipe.precision, recipe.lora
-    if p.is_auto:
-        ui.fail("method 'int4-lora' needs a fixed plan: run `hf-lowprec scan` and pass --plan FILE, or a format such as int4-g64")
     targets = lora.target_modules[0] if lora.target_modules == ("all-linear",) else list(lora.target_modules)
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
     calibration = None
-    if p.rounding != "nearest":
+    if p.rounding != "nearest" or p.is_auto:
         n = min(len(lm.train), p.calibration_batches * t.batch_size)
         tokens = torch.cat([torch.as_tensor(lm.train[i]["input_ids"]) for i in range(n)])  # rows may differ in length (chat data)
         calibration = tokens[: len(tokens) // t.block_size * t.block_size].view(-1, t.block_size)
-    rounding = f", {p.rounding} on {calibration.numel()} tokens" if calibration is not None else ""
-    with ui.step(f"packing the base to INT4{rounding} and adding LoRA adapters (r={lora.r})"):
-        peft_model, report = prepare_int4_lora(model, config, p.fixed_plan(), loftq_init=lora.init == "loftq", rounding=p.rounding,
-                                               calibration=calibration)  # fmt: skip
+    scanned = f", plan by a sensitivity scan on {calibration.numel()} tokens" if p.is_auto else ""
+    rounding = f", {p.rounding} rounding" if p.rounding != "nearest" else ""
+    auto = {"budget": dict(p.budget) or None, "auto_formats": p.formats} if p.is_auto else {}
+    with ui.step(f"packing the base to INT4{scanned}{rounding} and adding LoRA adapters (r={lora.r})"):
+        peft_model, report = prepare_int4_lora(model, config, "auto" if p.is_auto else p.fixed_plan(), loftq_init=lora.init == "loftq",
+                                               rounding=p.rounding, calibration=calibration, **auto)  # fmt: skip
     trainable = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
     record = {"adapter": {"trainable_params": trainable, "r": lora.r, "target_modules": list(lora.target_modules)}}
     if report.calibration is not None:

@@ -51,6 +51,10 @@ from hf_lowprec.plan import PrecisionPlan
 logger = logging.getLogger(__name__)
 
 DEFAULT_FORMAT = "int4-g64-asym"  # SmolLM2-135M held-out perplexity after packing: 65.5 (asym) vs 80.6 (symmetric); bf16 49.7
+AUTO_FORMATS = (DEFAULT_FORMAT, "int8")  # what plan="auto" chooses from for each Linear (or keeps it bf16)
+# plan="auto" budget: the most INT4-sensitive half of the linear weights in int8 (4.5 bits + 0.5 x 3.5); on SmolLM2-135M
+# 1.026x bf16 LoRA's held-out perplexity after 100 steps, against 1.079x with every Linear in INT4 (benchmarks/ondevice.py)
+AUTO_BUDGET = {"target_bits_per_param": 6.25}
 ALL_LINEAR = "all-linear"
 IGNORE_INDEX = -100
 ProgressFn = Callable[[int, int, dict], None]
@@ -70,13 +74,40 @@ def int4_plan(model: nn.Module, plan: "PrecisionPlan | str | None" = None) -> Pr
     """The plan for the frozen base: ``None`` → every Linear in ``int4-g64-asym``; a format name → every Linear
     in that format. Both keep the output projection (``lm_head``) in high precision: it is usually tied to
     the input embedding, so packing it would add a copy rather than save memory, and it is the most
-    sensitive layer. A :class:`PrecisionPlan` is used exactly as given.
+    sensitive layer. A :class:`PrecisionPlan` is used exactly as given. (``auto``: see :func:`scan_int4_plan`.)
     """
     if isinstance(plan, PrecisionPlan):
         return plan
     fmt = FormatSpec.parse(plan or DEFAULT_FORMAT)
     head = _output_layer_name(model)
     return PrecisionPlan.uniform(fmt, keep=(head,) if head else ())
+
+
+def scan_int4_plan(model: nn.Module, calibration: torch.Tensor, budget: dict | None = None,
+                   formats: Sequence[str] = AUTO_FORMATS) -> PrecisionPlan:  # fmt: skip
+    """A plan for the frozen base from a sensitivity scan: every Linear but the output projection gets one of
+    ``formats`` (or stays bf16) so that the predicted loss increase is least within ``budget``.
+
+    Args:
+        calibration: token blocks ``[n, T]``; each block runs as its own forward (Fisher scan: activation
+            gradients only, so the peak memory is that of one block's forward and backward).
+        budget: keyword arguments of :func:`hf_lowprec.sensitivity.allocate` (default ``AUTO_BUDGET``).
+        formats: candidate formats (default ``AUTO_FORMATS``).
+    """
+    from hf_lowprec.sensitivity import allocate, scan
+
+    head = _output_layer_name(model)
+    linears = [n for n, m in eligible_layers(model).items() if isinstance(m, nn.Linear) and n != head]
+    batches = [{"input_ids": block[None], "labels": block[None]} for block in _check_calibration(calibration)]
+    result = scan(model, batches, formats=tuple(formats), method="fisher", layers=linears, max_batch_tokens=calibration.shape[1])
+    return allocate(result, **(AUTO_BUDGET if budget is None else budget))  # the output projection, not scanned, stays bf16
+
+
+def _check_calibration(calibration: torch.Tensor) -> torch.Tensor:
+    if not torch.is_tensor(calibration) or calibration.dim() != 2 or calibration.dtype not in (torch.int32, torch.int64) or not len(calibration):
+        got = f"{calibration.dtype} {tuple(calibration.shape)}" if torch.is_tensor(calibration) else type(calibration).__name__
+        raise ValueError(f"calibration must be token ids [n, T] (int64), got {got}")
+    return calibration
 
 
 def _check_quantizable(model: nn.Module, plan: PrecisionPlan) -> None:
@@ -150,6 +181,8 @@ def prepare_int4_lora(
     loftq_init: bool = False,
     rounding: str = "nearest",
     calibration: torch.Tensor | None = None,
+    budget: dict | None = None,
+    auto_formats: Sequence[str] = AUTO_FORMATS,
     adapter_dtype: torch.dtype = torch.float32,
     backend: str = "auto",
 ) -> tuple[PeftModel, ConversionReport]:
@@ -160,31 +193,41 @@ def prepare_int4_lora(
         lora_config: a ``peft.LoraConfig`` (default: r=16, alpha=32, all linear layers); ``target_modules``
             accepts names, suffixes, a regex or ``all-linear`` (packed layers included).
         plan: see :func:`int4_plan`; layers it puts in per-channel ``int8`` are packed too, other int8/nf4
-            formats stay fake-quantized, bf16/fp32 stay dense.
+            formats stay fake-quantized, bf16/fp32 stay dense. ``"auto"``: a sensitivity scan on
+            ``calibration`` chooses int4/int8/bf16 per layer within ``budget`` (:func:`scan_int4_plan`).
         loftq_init: initialise LoRA on INT4 layers from the SVD of their quantization residual (LoftQ).
         rounding: how the INT4 codes are chosen: ``nearest``, or calibrated on ``calibration`` tokens —
             ``gptq`` (output-preserving rounding), ``awq`` (activation-aware input scales), ``awq+gptq``
             (see :mod:`hf_lowprec.calibration`; same formats, lower output error).
-        calibration: token blocks ``[n, T]`` for the calibrated roundings.
+        calibration: token blocks ``[n, T]`` for ``plan="auto"`` and the calibrated roundings.
+        budget: ``plan="auto"`` only: :func:`hf_lowprec.sensitivity.allocate` keywords (default ``AUTO_BUDGET``).
+        auto_formats: ``plan="auto"`` only: the formats it chooses from besides bf16 (default ``AUTO_FORMATS``).
         adapter_dtype: dtype of the adapter weights (fp32 master copies by default; they compute in the
             activation dtype either way).
         backend: ``auto``, ``int8`` or ``dequant`` for every packed layer (see ``modules/packed.py``).
 
     Raises ``ValueError`` for a target that matches nothing, a plan that packs nothing, a model whose
-    layers are narrower than one INT4 group, or a rounding without (or ``nearest`` with) calibration tokens.
+    layers are narrower than one INT4 group, calibration tokens missing (``auto`` plan, calibrated rounding)
+    or unused, or a budget without an ``auto`` plan.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
-    if (check_rounding(rounding) == "nearest") != (calibration is None):
-        raise ValueError(f"rounding {rounding!r} " + ("needs calibration= token blocks [n, T]" if calibration is None else
-                         "uses no calibration tokens; choose one of " + ", ".join(ROUNDINGS[1:]) + " to use them"))  # fmt: skip
+    auto, calibrated = isinstance(plan, str) and plan == "auto", check_rounding(rounding) != "nearest"
+    if calibration is None and (auto or calibrated):
+        raise ValueError(f"{'plan auto' if auto else f'rounding {rounding!r}'} needs calibration= token blocks [n, T]")
+    if calibration is not None and not (auto or calibrated):
+        raise ValueError("calibration tokens are used by plan='auto' and by the roundings " + ", ".join(ROUNDINGS[1:]) + "; this call has neither")
+    if (budget is not None or tuple(auto_formats) != AUTO_FORMATS) and not auto:
+        raise ValueError("budget= and auto_formats= apply to plan='auto' (the sensitivity scan's allocation)")
     config = copy.deepcopy(lora_config) if lora_config is not None else LoraConfig(r=16, lora_alpha=32, target_modules=ALL_LINEAR)
-    plan = int4_plan(model, plan)
-    _check_quantizable(model, plan)
     config.target_modules = resolve_target_modules(model, config.target_modules)
+    if calibration is not None:
+        _check_calibration(calibration)
+    plan = scan_int4_plan(model, calibration, budget, auto_formats) if auto else int4_plan(model, plan)
+    _check_quantizable(model, plan)
     report = apply_plan(model, plan, learn_scales=False)
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    if calibration is not None:
+    if calibrated:
         report.calibration = _calibrated_pack(model, calibration, rounding, config if loftq_init else None, factors)
     if loftq_init:
         factors.update(_loftq_for_targets(model, config))
@@ -234,8 +277,6 @@ def _calibrated_pack(model: nn.Module, calibration: torch.Tensor, rounding: str,
     from hf_lowprec.convert import _set_module
     from hf_lowprec.modules.int4 import Int4Linear
 
-    if calibration.dim() != 2 or calibration.dtype not in (torch.int32, torch.int64) or not len(calibration):
-        raise ValueError(f"calibration must be token ids [n, T] (int64), got {calibration.dtype} {tuple(calibration.shape)}")
     layers = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear) and m.spec.family == "int4"}
     targets = set(loftq.target_modules) if loftq is not None else set()
 
@@ -284,13 +325,15 @@ def load_int4_lora(
     loftq_init: bool = False,
     rounding: str = "nearest",
     calibration=None,
+    budget: dict | None = None,
+    auto_formats: Sequence[str] = AUTO_FORMATS,
     adapter_dtype: torch.dtype = torch.float32,
     backend: str = "auto",
 ):
     """Load a pretrained checkpoint and :func:`prepare_int4_lora` it: ``(peft_model, tokenizer, report)``.
 
     ``calibration``: token blocks ``[n, T]``, or a callable ``tokenizer -> blocks`` (the tokenizer is
-    only known after loading), for the calibrated roundings (see :func:`prepare_int4_lora`).
+    only known after loading), for ``plan="auto"`` and the calibrated roundings (see :func:`prepare_int4_lora`).
     """
     from hf_lowprec.checkpoints import load_pretrained
 
@@ -298,8 +341,8 @@ def load_int4_lora(
     if callable(calibration):
         calibration = calibration(tokenizer)
     peft_model, report = prepare_int4_lora(
-        model, lora_config, plan, loftq_init=loftq_init, rounding=rounding, calibration=calibration, adapter_dtype=adapter_dtype,
-        backend=backend,
+        model, lora_config, plan, loftq_init=loftq_init, rounding=rounding, calibration=calibration, budget=budget,
+        auto_formats=auto_formats, adapter_dtype=adapter_dtype, backend=backend,
     )
     return peft_model, tokenizer, report
 

@@ -175,6 +175,9 @@ class Recipe:
         fixed_format = not (self.precision.is_auto or self.precision.is_file)
         if self.method == "int4-lora" and fixed_format and FormatSpec.parse(self.precision.plan).family == "fp8":
             raise ValueError(f"method 'int4-lora' keeps its frozen base in an integer format, not {self.precision.plan!r}")
+        floating = [f for f in self.precision.formats if FormatSpec.parse(f).family not in ("int4", "int8")]
+        if self.method == "int4-lora" and self.precision.is_auto and floating:
+            raise ValueError(f"method 'int4-lora' with plan 'auto' chooses among int4/int8 formats (e.g. int4-g64-asym, int8), not {floating}")
 
     @property
     def summary(self) -> str:

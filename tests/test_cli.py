@@ -20,7 +20,7 @@ from hf_lowprec.cli.app import app
 from hf_lowprec.data import prepare_lm_data, read_source
 from hf_lowprec.hub import CARD_FILE, RUN_FILE, load_exported
 from hf_lowprec.metrics import causal_lm_loss
-from hf_lowprec.modules import PackedInt4Linear
+from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear
 
 COMMANDS = ("recipes", "scan", "finetune", "eval", "export", "push")
 FAST = ["--block-size", "32", "--batch-size", "2", "--eval-blocks", "4", "--dtype", "fp32", "--save-steps", "1000"]
@@ -142,10 +142,13 @@ def test_int4_lora_run_exports_adapters(ws, lora_run):
     record = json.loads((out / RUN_FILE).read_text())
     assert record["recipe"]["method"] == "int4-lora" and record["adapter"]["trainable_params"] > 0
     assert record["recipe"]["precision"]["rounding"] == "awq+gptq" and record["recipe"]["lora"]["init"] == "loftq"
-    stats = record["calibration"]
-    assert stats["rounding"] == "awq+gptq" and stats["layers"] == 14 and stats["output_error_median"] < stats["output_error_nearest_median"]
+    assert {row["format"] for row in record["plan_rows"]} == {"int4-g64-asym", "int8", "bf16"}  # the recipe's scanned plan
     assert (out / "adapter" / "adapter_config.json").is_file() and {"int4", "lora"} <= set(ModelCard.load(out / CARD_FILE).data.tags)
     model, tok = load_exported(out)  # packed base + adapters, same kernels as in training
+    int4 = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
+    assert int4 >= 4 and int4 + sum(isinstance(m, PackedInt8Linear) for m in model.modules()) == 14
+    stats = record["calibration"]  # AWQ + GPTQ on the INT4 layers
+    assert stats["rounding"] == "awq+gptq" and stats["layers"] == int4 and stats["output_error_median"] < stats["output_error_nearest_median"]
     assert any(bool((m.input_scale != 1).any()) for m in model.modules() if isinstance(m, PackedInt4Linear))  # AWQ scales reloaded
     loss = causal_lm_loss(model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
     assert loss == pytest.approx(record["training"]["loss_final"], abs=1e-4)

@@ -12,6 +12,7 @@ from tiny_assets import corpus_text, save_tiny_model
 from conftest import markov_batches, tiny_llama
 from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
 from hf_lowprec.finetune import (
+    AUTO_FORMATS,
     MERGE_FILE,
     METRICS_FILE,
     causal_lm_loss,
@@ -24,6 +25,7 @@ from hf_lowprec.finetune import (
 )
 from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear, PackedLinear
 from hf_lowprec.plan import PrecisionPlan
+from hf_lowprec.sensitivity import allocate, scan
 from hf_lowprec.modules.packed import int8_backend_available
 
 INT8_OK, _ = int8_backend_available(torch.device("cpu"))
@@ -76,6 +78,30 @@ def test_input_and_lora_grads_through_int4_base_match_dequantized_reference(back
         ours = grads["ours"][name]
         assert ours is not None and ref.norm() > 0, name
         assert ((ours - ref).norm() / ref.norm()).item() < tol, name
+
+
+def test_auto_plan_packs_what_the_scan_allocates_within_the_bit_budget():
+    calibration = markov_batches(n=1, batch=4, seq=32)[0]["input_ids"]
+    budget = {"target_bits_per_param": 5.1}  # int4-g64-asym is 4.5 bits/param here, int8 8.25
+    model, report = prepare_int4_lora(tiny_llama(0), LoraConfig(**LORA), "auto", calibration=calibration, budget=budget)
+    formats = {row.name: row.applied for row in report.layers}
+    assert report.fractions()["int8"] > 0.05 and formats["lm_head"] == "bf16"  # the head is not scanned: kept
+    packed = {n.removesuffix(".base_layer"): m for n, m in model.get_base_model().named_modules() if isinstance(m, PackedLinear)}
+    assert {n for n, m in packed.items() if isinstance(m, PackedInt8Linear)} == {n for n, f in formats.items() if f == "int8"}
+    # the budget, counted on the stored codes and steps (the fp32 input_scale, 4 bytes per input, aside)
+    stored = sum(m.qweight.numel() + 2 * m.step.numel() + (0 if m.zero is None else 2 * m.zero.numel()) for m in packed.values())
+    assert 4.5 < 8 * stored / sum(m.in_features * m.out_features for m in packed.values()) <= 5.1
+    # the plan is the allocation of the same Fisher scan run directly, on an untouched copy of the model
+    reference = tiny_llama(0)
+    linears = [n for n, m in reference.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    result = scan(reference, [{"input_ids": b[None], "labels": b[None]} for b in calibration], formats=AUTO_FORMATS, method="fisher",
+                  layers=linears)  # fmt: skip
+    expected = allocate(result, **budget).assign(reference)
+    assert {n: formats[n] for n in linears} == {n: expected[n].name for n in linears}
+    with pytest.raises(ValueError, match="plan auto needs calibration= token blocks"):
+        prepare_int4_lora(tiny_llama(0), LoraConfig(**LORA), "auto")
+    with pytest.raises(ValueError, match="budget= and auto_formats= apply to plan='auto'"):
+        prepare_int4_lora(tiny_llama(0), LoraConfig(**LORA), budget={"target_bits_per_param": 5})
 
 
 def test_chunked_loss_equals_transformers_loss_and_grads():

@@ -52,6 +52,7 @@ def _write(tmp_path, data, name="r.yaml"):
         ({"precision": {"budget": {"target_bits_per_param": "many"}}}, r"'precision\.budget\.target_bits_per_param' must be a number"),
         ({"training": {"max_steps": 0}}, r"training: 'max_steps' must be >= 1"),
         ({"method": "int4-lora", "precision": {"plan": "fp8"}}, r"method 'int4-lora' keeps its frozen base in an integer format"),
+        ({"method": "int4-lora", "precision": {"plan": "auto"}}, r"method .int4-lora. with plan .auto. chooses among int4/int8 formats .* not \[.fp8.\]"),
         ({"training": []}, r"training must be a mapping"),
     ],
 )
