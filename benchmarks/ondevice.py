@@ -11,8 +11,10 @@ peak RSS (``ru_maxrss``, loading included) is its own.
 
 Configurations (``speed`` runs each with and without gradient checkpointing = "equal settings"; its
 own default is marked): fp32 LoRA, bf16 LoRA with PEFT's fp32 adapters and with bf16 adapters, bnb NF4
-QLoRA (double quant, bf16 compute), hf-lowprec INT4 LoRA (int4-g64 packed base, lm_head kept, chunked
-loss; default: checkpointing on). Peers compute their loss the way transformers does (full logits).
+QLoRA (double quant, bf16 compute), hf-lowprec INT4 LoRA (``INT4_DEFAULT``: the int4-ondevice-lora recipe's
+scanned plan, int4-g64-asym with the most sensitive half of the linear weights in int8, lm_head kept; LoftQ;
+chunked loss; int8-stored activations unless checkpointing). Peers compute their loss the way
+transformers does (full logits). ``--int4-variants`` name other INT4 settings (see ``parse_variant``).
 
 Writes benchmarks/results/ondevice.json and ondevice.png.
 """
@@ -45,6 +47,7 @@ CONFIGS = {
     "int4-lora": ("hf-lowprec INT4 LoRA (int8-stored activations unless checkpointing)", False),
     "int4-lora-plain": ("hf-lowprec INT4 LoRA without int8-stored activations (ablation)", False),
 }
+INT4_DEFAULT = "auto+loftq"  # what int4-lora* runs: the int4-ondevice-lora recipe's scanned plan and LoftQ init (see parse_variant)
 GC_VARIANTS = {"int4-lora-plain": (False,)}  # the plain ablation with checkpointing is int4-lora+gc
 
 
@@ -60,23 +63,7 @@ def _data(tokenizer, n_train: int, n_eval: int):
     return train, evals
 
 
-def _sensitive_kept_plan(base, blocks, keep: float, keep_format: str = "bf16"):
-    """A plan putting every Linear but ``lm_head`` in int4-g64-asym except the most sensitive ones (Fisher scan of
-    ``base`` on the token ``blocks``), kept in ``keep_format`` (bf16 or int8) so that about ``keep`` of the linear
-    parameters do."""
-    import torch
-
-    from hf_lowprec.formats import FormatSpec
-    from hf_lowprec.sensitivity import allocate, scan
-
-    linears = [n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
-    result = scan(base, [{"input_ids": blocks[i : i + BATCH], "labels": blocks[i : i + BATCH]} for i in range(0, len(blocks), BATCH)],
-                  formats=("int4-g64-asym",) + ((keep_format,) if keep_format != "bf16" else ()), method="fisher", layers=linears)  # fmt: skip
-    int4_bits, kept_bits = (8 * FormatSpec.parse(f).bytes_per_param(576) for f in ("int4-g64-asym", keep_format))
-    return allocate(result, target_bits_per_param=int4_bits + keep * (kept_bits - int4_bits))  # lm_head was not scanned: kept
-
-
-def _build(config: str, loftq: bool, rounding: str, gc: bool, keep: float = 0.0, keep_format: str = "bf16", backend: str = "auto"):
+def _build(config: str, loftq: bool, rounding: str, gc: bool, budget_bits: float = 0.0, kept_format: str = "int8", backend: str = "auto"):
     """``(model, tokenizer, loss_fn(batch) -> loss, notes)`` for one configuration."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -93,10 +80,11 @@ def _build(config: str, loftq: bool, rounding: str, gc: bool, keep: float = 0.0,
 
         base, tok = load_pretrained(folder, gguf_file=gguf, dtype=torch.bfloat16)  # what load_int4_lora does, with the tokenizer first
         calibrated = rounding != "nearest"
-        first_blocks = _data(tok, CALIBRATION_BLOCKS, 0)[0] if calibrated or keep else None  # the first training blocks
-        plan = _sensitive_kept_plan(base, first_blocks, keep, keep_format) if keep else None  # default: all int4-g64-asym, lm_head kept
-        model, report = prepare_int4_lora(base, lora, plan, loftq_init=loftq, rounding=rounding, calibration=first_blocks if calibrated else None,
-                                          backend=backend)  # fmt: skip
+        first_blocks = _data(tok, CALIBRATION_BLOCKS, 0)[0] if calibrated or budget_bits else None  # the first training blocks
+        # budget_bits: the product's scanned plan (int4-g64-asym, the most sensitive layers kept_format); 0: every Linear int4
+        auto = {"budget": {"target_bits_per_param": budget_bits}, "auto_formats": ("int4-g64-asym",) + ((kept_format,) if kept_format != "bf16" else ())}
+        model, report = prepare_int4_lora(base, lora, "auto" if budget_bits else None, loftq_init=loftq, rounding=rounding, calibration=first_blocks,
+                                          backend=backend, **(auto if budget_bits else {}))  # fmt: skip
         storage = ActivationStorage(model, "int8") if config == "int4-lora" and not gc else None
 
         def loss_fn(b):
@@ -136,7 +124,7 @@ def child(args) -> dict:
     from hf_lowprec.finetune import backend_counts, evaluate_loss
 
     t0 = time.perf_counter()
-    model, tok, loss_fn, notes = _build(args.config, args.loftq, args.rounding, bool(args.gc), args.keep, args.keep_format, args.backend)
+    model, tok, loss_fn, notes = _build(args.config, args.loftq, args.rounding, bool(args.gc), args.budget_bits, args.kept_format, args.backend)
     load_s = time.perf_counter() - t0
     rss_loaded = psutil.Process().memory_info().rss / 2**20
     steps = args.warmup + args.steps
@@ -184,7 +172,7 @@ def child(args) -> dict:
     timed_wall, timed_cpu = wall[args.warmup :], cpu[args.warmup :]
     return {
         "config": args.config, "gradient_checkpointing": bool(args.gc), "loftq": bool(args.loftq), "rounding": args.rounding,
-        "keep": args.keep, "keep_format": args.keep_format, "backend": args.backend,
+        "budget_bits": args.budget_bits, "kept_format": args.kept_format, "backend": args.backend,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_after_load_mb": rss_loaded,
         "load_s": load_s, "step_s_median": statistics.median(timed_wall), "step_cpu_s_median": statistics.median(timed_cpu),
         "step_s": timed_wall, "losses": losses, "eval_loss_before": eval_before, "eval_loss_after": eval_after,
@@ -197,9 +185,9 @@ def child(args) -> dict:
 
 # ------------------------------------------------------------------------------------ parent
 def run_child(config: str, gc: bool, steps: int, warmup: int, eval_blocks: int = 0, loftq: bool = False, merge_eval: bool = False,
-              rounding: str = "nearest", keep: float = 0.0, keep_format: str = "bf16", backend: str = "auto") -> dict:  # fmt: skip
+              rounding: str = "nearest", budget_bits: float = 0.0, kept_format: str = "int8", backend: str = "auto") -> dict:  # fmt: skip
     flags = [f for f, on in (("--loftq", loftq), ("--merge-eval", merge_eval)) if on]
-    flags += ["--rounding", rounding, "--keep", str(keep), "--keep-format", keep_format, "--backend", backend]
+    flags += ["--rounding", rounding, "--budget-bits", str(budget_bits), "--kept-format", kept_format, "--backend", backend]
     cmd = [sys.executable, __file__, "child", "--config", config, "--gc", str(int(gc)), "--steps", str(steps),
            "--warmup", str(warmup), "--eval-blocks", str(eval_blocks), *flags]  # fmt: skip
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
@@ -231,7 +219,7 @@ def speed(args) -> None:
         print(f"pass {rep + 1}/{args.repeats}", flush=True)
         for config in args.configs:
             for gc in GC_VARIANTS.get(config, (False, True)):
-                runs.append(run_child(config, gc, args.steps, args.warmup))
+                runs.append(run_child(config, gc, args.steps, args.warmup, **_options(config)))
     table = {}
     for config in args.configs:
         for gc in GC_VARIANTS.get(config, (False, True)):
@@ -301,30 +289,57 @@ def print_table(table: dict, goal: dict) -> None:
 
 def _quality_key(r: dict) -> str:
     fmt = next((f for f in r.get("plan_fractions", {}) if f.startswith("int4")), None)
-    keep = f"+{round(100 * r['keep'])}% sensitive {r['keep_format']}" if r.get("keep") else ""
+    keep = f"+{round(100 * _kept_fraction(r['budget_bits'], r['kept_format']))}% sensitive {r['kept_format']}" if r.get("budget_bits") else ""
     backend = f" [{r['backend']} backend]" if r.get("backend", "auto") != "auto" else ""
     rounding = r.get("rounding") or ("gptq" if r.get("gptq_rounding") else "nearest")  # older runs stored a GPTQ flag
     return (r["config"] + (f" ({fmt})" if fmt else "") + keep + (f"+{rounding}" if rounding != "nearest" else "")
             + ("+loftq" if r["loftq"] else "") + backend)  # fmt: skip
 
 
+def _bits(fmt: str) -> float:
+    from hf_lowprec.formats import FormatSpec
+
+    return 8 * FormatSpec.parse(fmt).bytes_per_param(576)  # SmolLM2-135M's hidden size
+
+
+def _kept_fraction(budget_bits: float, kept_format: str) -> float:
+    """The share of linear weights a plan of ``budget_bits`` bits/param can keep in ``kept_format`` (the rest int4-g64-asym)."""
+    return (budget_bits - _bits("int4-g64-asym")) / (_bits(kept_format) - _bits("int4-g64-asym"))
+
+
+def default_quality_key() -> str:
+    """The quality-table name of ``int4-lora`` run with ``INT4_DEFAULT``."""
+    return _quality_key({"config": "int4-lora", "plan_fractions": {"int4-g64-asym": 1.0}, **parse_variant(INT4_DEFAULT)})
+
+
+def _options(config: str) -> dict:
+    """The child options of ``config`` as the benchmark runs it by default."""
+    return parse_variant(INT4_DEFAULT) if config.startswith("int4-lora") else {}
+
+
 def parse_variant(variant: str) -> dict:
     """``int4-lora`` options from a ``+``-joined variant name: ``loftq``, ``gptq``, ``awq``, ``dequant``, ``keepNN``
-    (NN% of the linear parameters, the most sensitive, kept bf16) or ``keepNN-int8`` (kept int8); e.g. ``keep20+awq+gptq+loftq``."""
+    (a scanned plan keeping NN% of the linear weights, the most sensitive, in bf16) or ``keepNN-int8`` (in int8), ``auto``
+    (the product's default scanned plan); e.g. ``keep20+awq+gptq+loftq``. No keep part: every Linear int4."""
+    from hf_lowprec.finetune import AUTO_BUDGET
+
     parts = variant.split("+")
     kept = [m for m in map(re.compile(r"keep(\d+)(?:-(int8))?").fullmatch, parts) if m]
-    unknown = [x for x in parts if x not in ("loftq", "gptq", "awq", "dequant") and not any(m.string == x for m in kept)]
+    unknown = [x for x in parts if x not in ("loftq", "gptq", "awq", "dequant", "auto") and not any(m.string == x for m in kept)]
     if unknown:
-        raise SystemExit(f"--int4-variants {variant!r}: unknown part(s) {unknown}; use loftq, gptq, awq, dequant, keepNN, keepNN-int8 joined by '+'")
+        raise SystemExit(f"--int4-variants {variant!r}: unknown part(s) {unknown}; use loftq, gptq, awq, dequant, auto, keepNN, keepNN-int8 joined by '+'")
     rounding = "+".join(x for x in ("awq", "gptq") if x in parts) or "nearest"
-    keep, keep_format = (int(kept[0][1]) / 100, kept[0][2] or "bf16") if kept else (0.0, "bf16")
-    return {"loftq": "loftq" in parts, "rounding": rounding, "keep": keep, "keep_format": keep_format,
+    kept_format, bits = "int8", AUTO_BUDGET["target_bits_per_param"] if "auto" in parts else 0.0
+    if kept:
+        kept_format = kept[0][2] or "bf16"
+        bits = _bits("int4-g64-asym") + int(kept[0][1]) / 100 * (_bits(kept_format) - _bits("int4-g64-asym"))
+    return {"loftq": "loftq" in parts, "rounding": rounding, "budget_bits": bits, "kept_format": kept_format,
             "backend": "dequant" if "dequant" in parts else "auto"}
 
 
 def quality(args) -> None:
     """Perplexity on the held-out plays before and after ``--steps`` steps; merged with earlier quality runs."""
-    variants = [(c, {}) for c in args.configs] + [("int4-lora", parse_variant(v)) for v in args.int4_variants]
+    variants = [(c, _options(c)) for c in args.configs] + [("int4-lora", parse_variant(v)) for v in args.int4_variants]
     new = [run_child(c, CONFIGS[c][1], args.steps, 0, args.eval_blocks, merge_eval=c == "int4-lora" and not options.get("loftq"), **options)
            for c, options in variants]  # fmt: skip
     data = _load_results()
@@ -399,7 +414,9 @@ def plot(_args) -> None:
         q = {k: v for k, v in data["quality"]["summary"].items() if v["ppl_after_vs_bf16_lora"]}
         ratios = [v["ppl_after_vs_bf16_lora"] for v in q.values()]
         shown = [min(r, 1.3) for r in ratios]  # a diverged run (bnb NF4 here) would flatten the rest: clipped, value printed
-        axes[2].barh([k.replace(" (int4-g64-asym)", "").replace(" sensitive", "") for k in q], [r - 1 for r in shown], left=1,
+        default = default_quality_key()
+        labels = [("* " if k == default else "") + k.replace(" (int4-g64-asym)", "").replace(" sensitive", "") for k in q]
+        axes[2].barh(labels, [r - 1 for r in shown], left=1,
                      color=["tab:green" if k.startswith("int4") else "tab:gray" for k in q])  # fmt: skip
         for y, r in enumerate(ratios):
             axes[2].text(min(r, 1.3) + 0.003, y, f"{r:.3f}", va="center", fontsize=8)
@@ -423,8 +440,8 @@ def main() -> None:
     p.add_argument("--gc", type=int, default=0)
     p.add_argument("--loftq", action="store_true", help="child: LoftQ initialisation")
     p.add_argument("--rounding", default="nearest", choices=ROUNDINGS, help=f"child: INT4 rounding (calibrated on {CALIBRATION_BLOCKS} training blocks)")
-    p.add_argument("--keep", type=float, default=0.0, help="child: fraction of linear parameters kept in --keep-format (most sensitive by a Fisher scan)")
-    p.add_argument("--keep-format", default="bf16", choices=("bf16", "int8"), help="child: format of the kept layers")
+    p.add_argument("--budget-bits", type=float, default=0.0, help="child: bits/param of the scanned plan (0: every Linear int4)")
+    p.add_argument("--kept-format", default="int8", choices=("bf16", "int8"), help="child: what the scanned plan keeps sensitive layers in")
     p.add_argument("--backend", default="auto", choices=("auto", "int8", "dequant"), help="child: backend of the packed layers")
     p.add_argument("--int4-variants", nargs="*", default=[], help="quality: also run int4-lora with these options (see parse_variant)")
     p.add_argument("--merge-eval", action="store_true", help="child: also evaluate the merged, re-quantized export")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from _util import RESULTS
+from ondevice import default_quality_key
 
 
 def load(name: str) -> dict | None:
@@ -193,6 +194,13 @@ def ondevice_section(ondevice: dict | None) -> list[str]:
     ]
     for name, r in speed["table"].items():
         lines.append(f"| {'* ' if r['own_default'] else ''}{name} | {r['peak_rss_mb']:.0f} | {r['step_cpu_s']:.2f} | {r['step_s']:.2f} |")
+    plan = next((r["plan_fractions"] for r in speed.get("runs", []) if r["config"] == "int4-lora" and r.get("plan_fractions")), None)
+    if plan:
+        packed = {f: v for f, v in plan.items() if f.startswith(("int4", "int8"))}
+        share = ", ".join(f"{f} {v / sum(packed.values()):.0%}" for f, v in packed.items())
+        lines += ["", f"The `int4-lora` rows run the `int4-ondevice-lora` recipe's defaults (`ondevice.py` `INT4_DEFAULT`): a plan "
+                      f"scanned on the first training blocks ({share} of the packed linear weights; embeddings and head bf16), "
+                      "LoftQ-initialised adapters."]  # fmt: skip
     g = speed["goals"]
     lines += ["", f"Goals (CPU time): peak RSS of the INT4 default {g['rss_defaults_vs_fp32_defaults']:.2f}x fp32 LoRA (goal ≤ 0.40), "
               f"{g['rss_vs_bnb_equal_nogc']:.2f}x bnb NF4 at equal settings (≤ 0.9); step {g['step_vs_bnb_equal_nogc']:.2f}x bnb (≤ 0.8), "
@@ -211,6 +219,9 @@ def ondevice_section(ondevice: dict | None) -> list[str]:
             dense = f"{r['ppl_merged_dense']:.2f}" if r.get("ppl_merged_dense") else "—"
             trend = f"{r['loss_step1']:.2f} → {r['loss_last10_mean']:.2f}" + (" (rose: diverged)" if r["loss_last10_mean"] > r["loss_step1"] else "")
             lines.append(f"| {name} | {r['ppl_before']:.2f} | {r['ppl_after']:.2f} | {vs} | {merged} | {dense} | {trend} |")
+        default = quality["summary"].get(default_quality_key(), {}).get("ppl_after_vs_bf16_lora")
+        if default is not None:
+            lines += ["", f"Goal: the INT4 default (`{default_quality_key()}`) {default:.3f}x bf16 LoRA's perplexity (≤ 1.03)."]
         lines.append("")
     return lines
 
