@@ -365,16 +365,25 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t):
 
 
 def _trainer_class(recipe: Recipe):
-    """``Trainer``, or for ``int4-lora`` a Trainer whose loss never materialises the ``[tokens, vocab]`` logits."""
+    """``Trainer``, or for ``int4-lora`` a Trainer whose loss never materialises the ``[tokens, vocab]`` logits
+    and whose saved activations are stored in 8 bits when the recipe asks (``training.activation_storage``)."""
     from transformers import Trainer
 
     if recipe.method != "int4-lora":
         return Trainer
+    from hf_lowprec.activations import ActivationStorage
     from hf_lowprec.finetune import causal_lm_loss
 
+    fmt = recipe.training.activation_storage
+
     class ChunkedLossTrainer(Trainer):
+        activation_storage: ActivationStorage | None = None
+
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            loss = causal_lm_loss(model, inputs["input_ids"], inputs.get("attention_mask"))
+            if fmt != "none" and self.activation_storage is None:
+                self.activation_storage = ActivationStorage(model, fmt)
+            with self.activation_storage or contextlib.nullcontext():
+                loss = causal_lm_loss(model, inputs["input_ids"], inputs.get("attention_mask"))
             return (loss, None) if return_outputs else loss
 
     return ChunkedLossTrainer

@@ -34,6 +34,7 @@ RECIPE_PACKAGE = "hf_lowprec.recipes"
 METHODS = ("full", "int4-lora")
 PLAN_SOURCES = ("auto",)  # besides a format name or a plan file path
 DTYPES = ("fp32", "bf16")
+ACTIVATION_STORAGE = ("none", "int8", "fp8", "fp8-e5m2")  # hf_lowprec.activations formats
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 LORA_INITS = ("default", "loftq")
 EXPORT_WEIGHTS = ("master", "int4-packed")
@@ -110,6 +111,7 @@ class TrainingSection:
     lr_scheduler: str = field(default="cosine", metadata=_choices(*SCHEDULERS))
     dtype: str = field(default="bf16", metadata=_choices(*DTYPES))
     gradient_checkpointing: bool = False
+    activation_storage: str = field(default="none", metadata=_choices(*ACTIVATION_STORAGE))
     save_steps: int = 20
     logging_steps: int = 5
     eval_blocks: int = 8
@@ -175,6 +177,8 @@ class Recipe:
         fixed_format = not (self.precision.is_auto or self.precision.is_file)
         if self.method == "int4-lora" and fixed_format and FormatSpec.parse(self.precision.plan).family == "fp8":
             raise ValueError(f"method 'int4-lora' keeps its frozen base in an integer format, not {self.precision.plan!r}")
+        if self.training.activation_storage != "none" and self.method != "int4-lora":
+            raise ValueError(f"training.activation_storage {self.training.activation_storage!r} applies to method 'int4-lora'; use 'none'")
         floating = [f for f in self.precision.formats if FormatSpec.parse(f).family not in ("int4", "int8")]
         if self.method == "int4-lora" and self.precision.is_auto and floating:
             raise ValueError(f"method 'int4-lora' with plan 'auto' chooses among int4/int8 formats (e.g. int4-g64-asym, int8), not {floating}")
