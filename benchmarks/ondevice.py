@@ -35,7 +35,8 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 MARK = "@@RESULT@@"
 HELD_OUT = ("hamlet_gut", "tempest_gut")
-BATCH, BLOCK, LR, SEED = 4, 256, 2e-4, 0
+BATCH, BLOCK, LR = 4, 256, 2e-4
+SEED = 0  # adapter init and data order; set by --seed
 CALIBRATION_BLOCKS = 16  # calibration blocks (x BLOCK tokens) for --rounding gptq / awq / awq+gptq
 THREADS = 2  # set by --threads
 # name: (description, default gradient checkpointing)
@@ -172,7 +173,7 @@ def child(args) -> dict:
     timed_wall, timed_cpu = wall[args.warmup :], cpu[args.warmup :]
     return {
         "config": args.config, "gradient_checkpointing": bool(args.gc), "loftq": bool(args.loftq), "rounding": args.rounding,
-        "budget_bits": args.budget_bits, "kept_format": args.kept_format, "backend": args.backend,
+        "budget_bits": args.budget_bits, "kept_format": args.kept_format, "backend": args.backend, "seed": SEED,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_after_load_mb": rss_loaded,
         "load_s": load_s, "step_s_median": statistics.median(timed_wall), "step_cpu_s_median": statistics.median(timed_cpu),
         "step_s": timed_wall, "losses": losses, "eval_loss_before": eval_before, "eval_loss_after": eval_after,
@@ -187,7 +188,7 @@ def child(args) -> dict:
 def run_child(config: str, gc: bool, steps: int, warmup: int, eval_blocks: int = 0, loftq: bool = False, merge_eval: bool = False,
               rounding: str = "nearest", budget_bits: float = 0.0, kept_format: str = "int8", backend: str = "auto") -> dict:  # fmt: skip
     flags = [f for f, on in (("--loftq", loftq), ("--merge-eval", merge_eval)) if on]
-    flags += ["--rounding", rounding, "--budget-bits", str(budget_bits), "--kept-format", kept_format, "--backend", backend]
+    flags += ["--rounding", rounding, "--budget-bits", str(budget_bits), "--kept-format", kept_format, "--backend", backend, "--seed", str(SEED)]
     cmd = [sys.executable, __file__, "child", "--config", config, "--gc", str(int(gc)), "--steps", str(steps),
            "--warmup", str(warmup), "--eval-blocks", str(eval_blocks), *flags]  # fmt: skip
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
@@ -293,7 +294,7 @@ def _quality_key(r: dict) -> str:
     backend = f" [{r['backend']} backend]" if r.get("backend", "auto") != "auto" else ""
     rounding = r.get("rounding") or ("gptq" if r.get("gptq_rounding") else "nearest")  # older runs stored a GPTQ flag
     return (r["config"] + (f" ({fmt})" if fmt else "") + keep + (f"+{rounding}" if rounding != "nearest" else "")
-            + ("+loftq" if r["loftq"] else "") + backend)  # fmt: skip
+            + ("+loftq" if r["loftq"] else "") + backend + (f" [seed {r['seed']}]" if r.get("seed") else ""))  # fmt: skip
 
 
 def _bits(fmt: str) -> float:
@@ -345,9 +346,10 @@ def quality(args) -> None:
     data = _load_results()
     old = data.get("quality", {}).get("runs", [])
     runs = list({_quality_key(r): r for r in old + new}.values())  # a re-run replaces the earlier one
-    ref = next((r for r in runs if r["config"] == "bf16-lora-bf16ad"), None)
+    refs = {r.get("seed", 0): r for r in runs if r["config"] == "bf16-lora-bf16ad"}  # each run against bf16 LoRA of its seed
     summary = {}
     for r in runs:
+        ref = refs.get(r.get("seed", 0))
         summary[_quality_key(r)] = {
             "ppl_before": r["ppl_before"], "ppl_after": r["ppl_after"], "ppl_merged": r.get("ppl_merged"),
             "ppl_merged_dense": r.get("ppl_merged_dense"),
@@ -450,9 +452,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--eval-blocks", type=int, default=16)
     p.add_argument("--threads", type=int, default=2, help="torch/OpenMP threads per configuration")
+    p.add_argument("--seed", type=int, default=0, help="adapter init and data order (quality runs of another seed get their own rows)")
     args = p.parse_args()
-    global THREADS
-    THREADS = args.threads
+    global THREADS, SEED
+    THREADS, SEED = args.threads, args.seed
     if args.mode == "child":
         print(MARK + json.dumps(child(args)), flush=True)
         return
