@@ -9,7 +9,8 @@ run the same two backends:
 - ``int8`` (CPUs with VNNI/AMX int8 instructions): the weight is an int8 matrix with one step per row
   (int8 codes as stored; INT4 codes unpacked per call, each row rescaled to one step
   ``r[n] = max|W[n]| / 127``); activations and output gradients are quantized dynamically to int8 per
-  row (token); ``torch._int_mm`` multiplies with int32 accumulation. On this project's 2-core AVX512 CPU
+  row (token), the few loudest input channels of each call excepted (multiplied in the activation
+  dtype, see ``_Int8Matmul``); ``torch._int_mm`` multiplies with int32 accumulation. On this project's 2-core AVX512 CPU
   ``_int_mm`` runs about 2x bf16 ``mm`` on LLM shapes; the unpacking, quantizing and dequantizing around
   it run as C++ kernels (``cpu_kernels.py``). About 0.8% relative error against the dequantized fp32
   reference (forward and grad-input alike).
