@@ -115,6 +115,23 @@ def _build(config: str, loftq: bool, rounding: str, gc: bool, budget_bits: float
     return model, tok, hf_loss(model), {}
 
 
+def _unpack_bnb_cpu_weights(model) -> None:
+    """Undo bitsandbytes' CPU inference repacking before training.
+
+    bitsandbytes 0.50 on an AVX512-BF16 CPU: the first no-grad forward of a ``Linear4bit`` in eval mode
+    repacks its weight for the CPU inference kernel (``packing_format_for_cpu``) and nothing packs it back
+    when the model trains again. Forwards then run an op with no gradient to the input, so every LoRA
+    adapter below the last layer gets no gradient (measured: ``x.grad`` is ``None`` after one
+    ``evaluate_loss``), and the quality run diverged (held-out ppl 64.6 -> 122.7) until this was undone.
+    """
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if getattr(getattr(w, "quant_state", None), "packing_format_for_cpu", False):
+            w.data, w.quant_state = _convert_weight_packed_for_cpu_inverse(w.data, w.quant_state)
+
+
 def child(args) -> dict:
     import resource
 
@@ -135,6 +152,8 @@ def child(args) -> dict:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base.config.use_cache = False
     eval_before = evaluate_loss(model, evals, BATCH) if args.eval_blocks else None
+    if args.config == "bnb-nf4":
+        _unpack_bnb_cpu_weights(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR)
     sched = get_scheduler("linear", opt, num_warmup_steps=min(10, steps // 10), num_training_steps=steps)
@@ -364,7 +383,8 @@ def quality(args) -> None:
 
 
 def demo(args) -> None:
-    """The CLI's embedded default, timed end to end in this process: load, prepare, train, evaluate, export."""
+    """The INT4 default (``INT4_DEFAULT``) through the Python API, timed end to end in this process: load, scan and
+    pack, train, evaluate, export."""
     import tempfile
 
     import torch
@@ -375,7 +395,10 @@ def demo(args) -> None:
 
     t0 = time.perf_counter()
     folder, gguf = default_checkpoint()
-    model, tok, report = load_int4_lora(folder, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"), gguf_file=gguf)
+    options = parse_variant(INT4_DEFAULT)
+    model, tok, report = load_int4_lora(folder, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"), "auto", gguf_file=gguf,
+                                        calibration=lambda t: _data(t, CALIBRATION_BLOCKS, 0)[0], loftq_init=options["loftq"],
+                                        budget={"target_bits_per_param": options["budget_bits"]})  # fmt: skip
     train, evals = _data(tok, args.steps * BATCH, args.eval_blocks)
     t_load = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as out:
@@ -415,7 +438,7 @@ def plot(_args) -> None:
     if "quality" in data:
         q = {k: v for k, v in data["quality"]["summary"].items() if v["ppl_after_vs_bf16_lora"]}
         ratios = [v["ppl_after_vs_bf16_lora"] for v in q.values()]
-        shown = [min(r, 1.3) for r in ratios]  # a diverged run (bnb NF4 here) would flatten the rest: clipped, value printed
+        shown = [min(r, 1.3) for r in ratios]  # a diverged run would flatten the rest: clipped, value printed
         default = default_quality_key()
         labels = [("* " if k == default else "") + k.replace(" (int4-g64-asym)", "").replace(" sensitive", "") for k in q]
         axes[2].barh(labels, [r - 1 for r in shown], left=1,
