@@ -94,8 +94,10 @@ def _build(config: str, loftq: bool, rounding: str, gc: bool, budget_bits: float
             with storage:
                 return causal_lm_loss(model, b)
 
+        from hf_lowprec.modules.packed import OUTLIER_COLUMNS
+
         return model, tok, loss_fn, {"plan_fractions": report.fractions(), "activation_storage": "int8" if storage is not None else None,
-                                     "calibration": report.calibration}  # fmt: skip
+                                     "calibration": report.calibration, "int8_outlier_columns": OUTLIER_COLUMNS}  # fmt: skip
     if config == "bnb-nf4":
         from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
