@@ -345,7 +345,7 @@ def parse_variant(variant: str) -> dict:
     (the product's default scanned plan); e.g. ``keep20+awq+gptq+loftq``. No keep part: every Linear int4."""
     from hf_lowprec.finetune import AUTO_BUDGET
 
-    parts = variant.split("+")
+    parts = [x for x in variant.split("+") if x]  # "": every Linear int4, nearest rounding, default LoRA init
     kept = [m for m in map(re.compile(r"keep(\d+)(?:-(int8))?").fullmatch, parts) if m]
     unknown = [x for x in parts if x not in ("loftq", "gptq", "awq", "dequant", "auto") and not any(m.string == x for m in kept)]
     if unknown:

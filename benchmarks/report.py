@@ -224,7 +224,8 @@ def ondevice_section(ondevice: dict | None) -> list[str]:
             lines.append(f"| {name} | {r['ppl_before']:.2f} | {r['ppl_after']:.2f} | {vs} | {merged} | {dense} | {trend} |")
         if before_split:
             lines += ["", "† measured before the int8 backend multiplied each call's loudest input channels apart (commit f94f9a2); "
-                          "re-measured since: all-INT4+LoftQ 1.097x → 1.079x, 30% int8 1.050x → 1.036x."]  # fmt: skip
+                          "re-measured since: all-INT4 1.138x → 1.113x, all-INT4+LoftQ 1.097x → 1.079x, AWQ+GPTQ+LoftQ 1.103x → 1.106x, "
+                          "30% int8 1.050x → 1.036x."]  # fmt: skip
         key = default_quality_key()
         seeds = [f"{r['ppl_after_vs_bf16_lora']:.3f}x" + name.removeprefix(key) for name, r in quality["summary"].items()
                  if name.startswith(key) and r.get("ppl_after_vs_bf16_lora")]  # seed 0, then other seeds' rows ("[seed N]")
