@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from hf_lowprec.formats import E4M3, E5M2, dequantize_fp8, fp8_amax, fp8_scale, quantize_fp8
-from hf_lowprec.modules.packed import compiled, dequantize_rows, quantize_rows
+from hf_lowprec.modules.packed import compiled, dequantize_rows, quantize_rows, view_key
 
 MIN_NUMEL = 1 << 16  # smaller tensors (norm statistics, rotary tables) are not worth a kernel launch
 FORMATS = {"int8": torch.int8, "fp8": E4M3, "fp8-e5m2": E5M2}
@@ -115,8 +115,7 @@ class ActivationStorage:
             return t
         # ops often save views of one tensor (a linear's input reshaped to 2-D, once per q/k/v projection):
         # key on the viewed tensor and the view's geometry, and check the base is still the same, unchanged tensor
-        base = t if t._base is None else t._base
-        key = (id(base), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        base, key = view_key(t)
         hit = self._cache.get(key)
         if hit is not None and hit[0]() is base and hit[1] == t._version and hit[2]() is not None:
             return hit[2]()

@@ -106,6 +106,18 @@ static inline float round_even(float x) {
   return (x + magic) - magic;
 }
 
+// row m of x [M, C] (bf16 or fp32) into the fp32 buffer f [C]
+template <bool BF16>
+static inline void load_row(const void* xv, int64_t m, int64_t C, float* f) {
+  if (BF16) {
+    const uint16_t* x = static_cast<const uint16_t*>(xv) + m * C;
+    #pragma omp simd
+    for (int64_t c = 0; c < C; ++c) f[c] = bf16_to_float(x[c]);
+  } else {
+    std::memcpy(f, static_cast<const float*>(xv) + m * C, C * sizeof(float));
+  }
+}
+
 // symmetric int8 per row of x [M, C] (times col_scale [C]): codes and fp32 steps [M, 1]
 template <bool BF16>
 static void quantize_rows_impl(const void* xv, const float* cs, int8_t* q, float* step, int64_t M, int64_t C) {
@@ -113,13 +125,7 @@ static void quantize_rows_impl(const void* xv, const float* cs, int8_t* q, float
     std::vector<float> buf(C);
     float* f = buf.data();
     for (int64_t m = b; m < e; ++m) {
-      if (BF16) {
-        const uint16_t* x = static_cast<const uint16_t*>(xv) + m * C;
-        #pragma omp simd
-        for (int64_t c = 0; c < C; ++c) f[c] = bf16_to_float(x[c]);
-      } else {
-        std::memcpy(f, static_cast<const float*>(xv) + m * C, C * sizeof(float));
-      }
+      load_row<BF16>(xv, m, C, f);
       if (cs) {
         #pragma omp simd
         for (int64_t c = 0; c < C; ++c) f[c] *= cs[c];
@@ -163,13 +169,7 @@ static void column_absmax_impl(const void* xv, const float* cs, float* out, int6
     std::vector<float> buf(C);
     float* f = buf.data();
     for (int64_t m = b; m < e; ++m) {
-      if (BF16) {
-        const uint16_t* x = static_cast<const uint16_t*>(xv) + m * C;
-        #pragma omp simd
-        for (int64_t c = 0; c < C; ++c) f[c] = bf16_to_float(x[c]);
-      } else {
-        std::memcpy(f, static_cast<const float*>(xv) + m * C, C * sizeof(float));
-      }
+      load_row<BF16>(xv, m, C, f);
       #pragma omp simd
       for (int64_t c = 0; c < C; ++c) {
         const float a = f[c] < 0.f ? -f[c] : f[c];

@@ -179,6 +179,13 @@ class _DequantMatmul(torch.autograd.Function):
         return torch.mm(grad_out, ctx.layer.dequantized_weight(grad_out.dtype)), None
 
 
+def view_key(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """``(the tensor t views, key of the view)``: two views with one key read the same elements for as long
+    as that tensor is alive and its ``_version`` unchanged (ops save views of one input, layers share it)."""
+    base = t if t._base is None else t._base
+    return base, (id(base), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
 _last_rows: list = [None]  # (key, weakref to the input, its version, result) of the last _int8_rows call
 
 
@@ -189,8 +196,8 @@ def _int8_rows(x2d: torch.Tensor, inverse: torch.Tensor | None, k: int):
     the same unchanged tensor (q/k/v, gate/up) share one result: the last call's is kept, keyed on the
     input's identity and version (as ``ActivationStorage`` dedups saved views).
     """
-    base = x2d if x2d._base is None else x2d._base
-    key = (id(base), x2d.storage_offset(), tuple(x2d.shape), x2d.stride(), x2d.dtype, k, None if inverse is None else id(inverse))
+    base, view = view_key(x2d)
+    key = (view, k, None if inverse is None else id(inverse))
     hit = _last_rows[0]
     if hit is not None and hit[0] == key and hit[1]() is base and hit[2] == base._version and (inverse is None or hit[4]() is inverse):
         return hit[3]
@@ -254,7 +261,7 @@ class PackedLinear(nn.Module):
     """
 
     BUFFERS = ("qweight", "step", "zero", "input_scale")  # what a state dict holds for the weight
-    FAMILY = ""  # the format family the subclass stores
+    STORES = ""  # what the subclass stores, for error messages
 
     def __init__(self, in_features: int, out_features: int, spec: FormatSpec | str, bias: bool = False,
                  dtype: torch.dtype = torch.bfloat16, device=None, backend: str = "auto"):  # fmt: skip
@@ -275,9 +282,14 @@ class PackedLinear(nn.Module):
         self._cache: dict[str, torch.Tensor | None] = {}
 
     @classmethod
+    def stores(cls, spec: FormatSpec) -> bool:
+        """Whether this class stores format ``spec``."""
+        raise NotImplementedError
+
+    @classmethod
     def _check_spec(cls, spec: FormatSpec) -> None:
-        if spec.family != cls.FAMILY:
-            raise ValueError(f"{cls.__name__} stores {cls.FAMILY} formats, got {spec.name!r}")
+        if not cls.stores(spec):
+            raise ValueError(f"{cls.__name__} stores {cls.STORES}, got {spec.name!r}")
 
     @property
     def backend(self) -> str:
@@ -406,7 +418,11 @@ class PackedLinear(nn.Module):
 class PackedInt4Linear(PackedLinear):
     """INT4 codes, two per byte: ``qweight`` uint8 ``[N, ceil(K/2)]``, group-wise ``step``/``zero`` ``[N, G]``."""
 
-    FAMILY = "int4"
+    STORES = "int4 formats"
+
+    @classmethod
+    def stores(cls, spec: FormatSpec) -> bool:
+        return spec.family == "int4"
 
     def _empty_codes(self, out_features: int, in_features: int, device) -> torch.Tensor:
         return torch.zeros(out_features, (in_features + 1) // 2, dtype=torch.uint8, device=device)
@@ -455,13 +471,11 @@ class PackedInt8Linear(PackedLinear):
     """int8 codes, one per byte: ``qweight`` int8 ``[N, K]``, one symmetric ``step`` per output row ``[N, 1]``
     (format ``int8``, per channel). The int8 backend multiplies the stored codes as they are."""
 
-    FAMILY = "int8"
+    STORES = "per-channel symmetric int8 ('int8')"
 
     @classmethod
-    def _check_spec(cls, spec: FormatSpec) -> None:
-        super()._check_spec(spec)
-        if spec.granularity != "channel" or not spec.symmetric or spec.act_int8:
-            raise ValueError(f"PackedInt8Linear stores per-channel symmetric int8 ('int8'), got {spec.name!r}")
+    def stores(cls, spec: FormatSpec) -> bool:
+        return spec.family == "int8" and spec.granularity == "channel" and spec.symmetric and not spec.act_int8
 
     def _empty_codes(self, out_features: int, in_features: int, device) -> torch.Tensor:
         return torch.zeros(out_features, in_features, dtype=torch.int8, device=device)
@@ -481,8 +495,4 @@ class PackedInt8Linear(PackedLinear):
 def packed_class(spec: FormatSpec | str) -> type[PackedLinear] | None:
     """The packed class that stores ``spec`` (INT4 formats; per-channel symmetric ``int8``), else ``None``."""
     spec = FormatSpec.parse(spec)
-    if spec.family == "int4":
-        return PackedInt4Linear
-    if spec.family == "int8" and spec.granularity == "channel" and spec.symmetric and not spec.act_int8:
-        return PackedInt8Linear
-    return None
+    return next((cls for cls in (PackedInt4Linear, PackedInt8Linear) if cls.stores(spec)), None)
