@@ -16,7 +16,7 @@ from hf_lowprec.convert import apply_plan
 from hf_lowprec.plan import PrecisionPlan
 from hf_lowprec.sensitivity import Budget, LayerScore, ScanResult, allocate, measure_plan, predict_plan, scan
 
-SENSITIVE = "model.layers.1.mlp.down_proj"
+SENSITIVE = "model.layers.0.mlp.down_proj"
 INT4 = "int4-g64"
 
 
@@ -60,13 +60,16 @@ def trained_llama(steps: int = 300) -> LlamaForCausalLM:
 
 
 def make_sensitive(model: LlamaForCausalLM, factor: float = 300.0) -> None:
-    """Give down_proj of layer 1 outlier input columns without changing the function.
+    """Give down_proj of layer 0 outlier input columns without changing the function.
 
     SwiGLU: ``down(act(gate(x)) * up(x))`` — dividing row j of ``up`` by ``factor`` and multiplying
     column j of ``down`` by it leaves the output as it was, but each INT4 group of ``down`` (two
-    groups of 64 per row) now spans an outlier, so its other weights round to zero.
+    groups of 64 per row) now spans an outlier, so its other weights round to zero. Layer 0, not 1: its
+    error passes through every later layer, so the diagonal-Fisher estimate ranks it ~11x above the runner-up
+    (``lm_head``) on AVX2 and AVX-512 alike; in layer 1 the two were within 3% and their order followed the
+    CPU's floating-point summation order.
     """
-    mlp = model.model.layers[1].mlp
+    mlp = model.model.layers[0].mlp
     with torch.no_grad():
         for j in (5, 69):
             mlp.up_proj.weight[j] /= factor
@@ -251,18 +254,21 @@ def test_merging_batches_does_not_change_weight_only_scores():
         assert a.predicted[INT4] == pytest.approx(b.predicted[INT4], rel=1e-4, abs=1e-9)
 
 
+LATE_AND_EARLY = ("lm_head", "model.layers.1.mlp.down_proj", "model.layers.0.mlp.up_proj")
+
+
 def test_measured_pass_replays_the_blocks_before_the_layer(sensitive_model, measured):
     """Blocks that finish before the quantized layer starts are replayed from the unquantized pass,
     not recomputed; the values equal a full recomputation (see also the apply_plan reference test)."""
     computed = []
     handle = sensitive_model.model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: computed.append(1))
     try:
-        result = scan(sensitive_model, batches(), formats=(INT4,), method="measured", layers=["lm_head", SENSITIVE, "model.layers.0.mlp.up_proj"])
+        result = scan(sensitive_model, batches(), formats=(INT4,), method="measured", layers=list(LATE_AND_EARLY))
     finally:
         handle.remove()
     # layer 0 runs in the unquantized pass and for layers.0.mlp.up_proj; the other two passes replay it
     assert len(computed) == 2
-    for name in ("lm_head", SENSITIVE, "model.layers.0.mlp.up_proj"):
+    for name in LATE_AND_EARLY:
         assert result[name].measured[INT4] == pytest.approx(measured[name].measured[INT4], rel=1e-5, abs=1e-9)
 
 
