@@ -1,5 +1,8 @@
 """Shared fixtures: tiny models built from configs and small, learnable token batches."""
 
+import os
+import tempfile
+
 import pytest
 import torch
 from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
@@ -9,6 +12,8 @@ VOCAB = 256
 # Tiny models gain nothing from a second thread, and on a loaded 2-core machine OpenMP spinning
 # makes a tiny matmul thousands of times slower; one thread keeps the suite fast and deterministic.
 torch.set_num_threads(1)
+# measured kernel choices go to a folder of this run, not the user's cache (tests never depend on the winner)
+os.environ["HF_LOWPREC_CACHE"] = tempfile.mkdtemp(prefix="hf_lowprec_cache_")
 
 
 def tiny_llama(seed: int = 0, tie: bool = False, **overrides) -> LlamaForCausalLM:

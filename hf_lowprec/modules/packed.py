@@ -4,17 +4,20 @@ byte, group-wise steps) and ``PackedInt8Linear`` (one byte per code, one step pe
 Forward and grad-input are both computed from the codes, never from a full-precision copy kept between
 calls, so a model whose base linears are packed still passes correct gradients to earlier layers and to
 LoRA adapters. A precision plan puts most layers in INT4 and may keep the sensitive ones in int8; both
-run the same two backends:
+run the same three backends (:data:`KERNELS`):
 
-- ``int8`` (CPUs with VNNI/AMX int8 instructions): the weight is an int8 matrix with one step per row
+- ``int8`` (CPUs with int8 dot products: VNNI, AMX): the weight is an int8 matrix with one step per row
   (int8 codes as stored; INT4 codes unpacked per call, each row rescaled to one step
   ``r[n] = max|W[n]| / 127``); activations and output gradients are quantized dynamically to int8 per
   row (token), the few loudest input channels of each call excepted (multiplied in the activation
-  dtype, see ``_Int8Matmul``); ``torch._int_mm`` multiplies with int32 accumulation. On this project's 2-core AVX512 CPU
-  ``_int_mm`` runs about 2x bf16 ``mm`` on LLM shapes; the unpacking, quantizing and dequantizing around
-  it run as C++ kernels (``cpu_kernels.py``). About 0.8% relative error against the dequantized fp32
-  reference (forward and grad-input alike).
-- ``dequant``: the weight is dequantized to the activation dtype per call and multiplied with ``mm``;
+  dtype, see ``_int8_forward``); ``torch._int_mm`` multiplies with int32 accumulation, and C++ kernels
+  (``kernels/cpp.py``) unpack, quantize and dequantize around it. About 0.8% relative error against the
+  dequantized fp32 reference (forward and grad-input alike).
+- ``tiled`` (any x86-64 CPU with AVX2): C++ dequantizes one cache-sized tile of the weight at a time into the
+  activation dtype and multiplies it with the BLAS GEMM; exact up to the GEMM's rounding, and the dense
+  weight never exists whole. Where int8 or bf16 dot products are missing (AVX2), the fp32 GEMM is the
+  fastest arithmetic the CPU has, and this runs at its speed.
+- ``dequant``: the whole weight is dequantized per call with torch ops and multiplied with ``mm``;
   the numerical reference, and the path for other devices.
 
 An optional per-input-channel ``input_scale`` ``s [K]`` (activation-aware scaling, see
@@ -22,8 +25,9 @@ An optional per-input-channel ``input_scale`` ``s [K]`` (activation-aware scalin
 (inside the int8 quantization, or in the dequantized weight), so ``y = (x / s) (W diag(s))^T = x W^T``.
 ``s`` holds powers of two, exact in every float dtype; all ones (the default) costs nothing.
 
-``backend="auto"`` picks ``int8`` on a CPU with int8 dot-product instructions and ``dequant`` elsewhere;
-the choice is logged once per reason and readable as ``layer.last_backend``.
+``backend="auto"`` times the backends this CPU and layer shape can run, once per machine, shape and dtype
+(:mod:`hf_lowprec.modules.kernels.autotune`), and runs the fastest; the choice and its measured reason are
+logged once and readable as ``layer.last_backend``.
 
 Why hand-written: torchao's INT4 CPU kernel has no backward and its int8 dynamic-activation layers
 pass no gradient to their input; nothing in torch/torchao multiplies a gradient by an INT4 weight.
@@ -38,15 +42,28 @@ import torch
 from torch import nn
 
 from hf_lowprec.formats import FormatSpec, dequantize_int, int_steps, pack_int4, quantize_int, unpack_int4, unpack_int4_planes
-from hf_lowprec.modules.cpu_kernels import cpu_kernels
+from hf_lowprec.modules.kernels.autotune import fastest
+from hf_lowprec.modules.kernels.cpp import cpu_kernels
+from hf_lowprec.modules.kernels.cpu import cpu_info
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "int8", "dequant")
-OUTLIER_COLUMNS = 8  # input channels per call the int8 backend multiplies in the activation dtype (see _Int8Matmul)
+BACKENDS = ("auto", "int8", "tiled", "dequant")
+# weight tile of the tiled backend, at most this many output rows (forward) / input columns (grad-input); the
+# tile count is then rounded to a multiple of the thread count so that no thread idles (measured on SmolLM2
+# and Llama-3.2-1B shapes, benchmarks/kernels.py: 5 tiles on 2 threads cost up to 25%)
+ROW_TILE = 128
+COLUMN_TILE = 256
+AUTOTUNE_TOKENS = 256  # rows of the probe input when auto times the backends of a layer shape
+OUTLIER_COLUMNS = 8  # input channels per call the int8 backend multiplies in the activation dtype (see _int8_forward)
 _INT8_MAX = 127.0
 _EPS = 1e-12
 _logged: set[tuple[str, str]] = set()
+
+
+def _backend_reason(winner: str, seconds: dict[str, float]) -> str:
+    ranked = ", ".join(f"{name} {seconds[winner] / t:.2f}x" for name, t in sorted(seconds.items(), key=lambda kv: kv[1]))
+    return f"fastest measured here ({cpu_info().cpu_class}; speed relative to {winner}: {ranked})"
 
 
 def _log_once(backend: str, reason: str) -> None:
@@ -58,7 +75,7 @@ def _log_once(backend: str, reason: str) -> None:
 # --------------------------------------------------------------------------------- int8 kernels
 # The elementwise passes around torch._int_mm (per-row quantize, unpacking the codes, dequantizing the
 # int32 product) cost as much as the int8 matmul saves when run as eager torch ops (measured 0.5-0.6x
-# bf16). They run as hand-written C++ (modules/cpu_kernels.py) on CPUs with AVX2, else as torch.compile'd
+# bf16). They run as hand-written C++ (modules/kernels/cpp.py) on CPUs with AVX2, else as torch.compile'd
 # functions (else eagerly, with a warning, where neither can be built).
 
 
@@ -153,30 +170,53 @@ _COMPILE = _can_compile()
 
 
 def int8_backend_available(device: torch.device) -> tuple[bool, str]:
-    """Whether the ``int8`` backend speeds up ``device``, and why (or why not)."""
+    """Whether the ``int8`` backend can run on ``device`` with int8 dot products in hardware, and why (not)."""
     if device.type != "cpu":
-        return False, f"{device.type}: the int8 path is tuned for CPUs; dequantize to the activation dtype"
+        return False, f"{device.type}: the int8 path is written for CPUs"
     if not hasattr(torch, "_int_mm"):
         return False, "this torch has no torch._int_mm"
-    if not (torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()):
-        return False, "this CPU has no int8 dot-product instructions (VNNI/AMX)"
-    return True, "CPU with int8 dot products: torch._int_mm with dynamic per-token int8 activations"
+    if not cpu_info().int8_dot:
+        return False, f"this CPU has no int8 dot-product instructions ({cpu_info().cpu_class}: no VNNI/AMX)"
+    return True, "CPU with int8 dot products"
+
+
+def tiled_backend_available(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether the ``tiled`` backend (C++ tile dequantization into the BLAS GEMM) can run, and why (not)."""
+    if device.type != "cpu":
+        return False, f"{device.type}: the tiled path is written for CPUs"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False, f"activations in {dtype}: the tiled path computes in fp32 or bf16"
+    if cpu_kernels() is None:
+        return False, "the C++ CPU kernels could not be built here (see the log)"
+    return True, "CPU GEMM on weight tiles dequantized in cache"
 
 
 # ---------------------------------------------------------------------------------- autograd
 
 
-class _DequantMatmul(torch.autograd.Function):
-    """``y = x @ dequant(W)^T``; backward ``grad_x = grad_y @ dequant(W)``; no weight gradient."""
+def _dequant_forward(x2d: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
+    return torch.mm(x2d, layer.dequantized_weight(x2d.dtype).t())
 
-    @staticmethod
-    def forward(ctx, x2d, layer: "PackedLinear"):
-        ctx.layer = layer
-        return torch.mm(x2d, layer.dequantized_weight(x2d.dtype).t())
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        return torch.mm(grad_out, ctx.layer.dequantized_weight(grad_out.dtype)), None
+def _dequant_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
+    return torch.mm(grad_out, layer.dequantized_weight(grad_out.dtype))
+
+
+def balanced_tile(size: int, most: int) -> int:
+    """An even tile of at most ``most`` (about) that cuts ``size`` into a multiple of the thread count of tiles."""
+    threads = torch.get_num_threads()
+    tiles = threads * -(-size // (threads * most))
+    return max(2, -(-size // tiles) + (-(-size // tiles)) % 2)
+
+
+def _tiled_forward(x2d: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
+    tile = balanced_tile(layer.out_features, ROW_TILE)
+    return cpu_kernels().tiled_linear(x2d.contiguous(), *layer.tiled_operands(), tile)
+
+
+def _tiled_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
+    tile = balanced_tile(layer.in_features, COLUMN_TILE)
+    return cpu_kernels().tiled_linear_grad_input(grad_out.contiguous(), *layer.tiled_operands(), tile)
 
 
 def view_key(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
@@ -215,36 +255,49 @@ def _int8_rows(x2d: torch.Tensor, inverse: torch.Tensor | None, k: int):
     return result
 
 
-class _Int8Matmul(torch.autograd.Function):
-    """Same product through ``torch._int_mm``: int8 weight (INT4 codes unpacked per call) times int8 rows.
+def _int8_forward(x2d: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
+    """``x @ W^T`` through ``torch._int_mm``: int8 weight (INT4 codes unpacked per call) times int8 rows.
 
     The ``layer.outlier_columns`` input channels with the largest ``|x / s|`` in this call are left out of
     the int8 rows and multiplied in the activation dtype instead (LLM.int8()'s decomposition, with a fixed
-    count instead of a threshold). LLM inputs carry a few channels far above the rest (SmolLM2-135M: a
-    token's max 10-20x its rms); one of them sets the token's int8 step for all others. Measured on
-    SmolLM2-135M's held-out perplexity with the INT4 base: dequantized reference 62.7, int8 rows 65.5,
-    int8 rows without the top 8 channels 63.4. Backward is unchanged: output gradients have no such channels.
+    count instead of a threshold). LLM inputs carry a few channels far above the rest (a token's max 10-20x
+    its rms); one of them would set the token's int8 step for all others. The grad-input needs no such split:
+    output gradients have no such channels.
     """
+    w8, row_step = layer.int8_weight()
+    inverse = layer.inverse_input_scale()
+    xq, x_step, outliers, x_out = _int8_rows(x2d, inverse, min(layer.outlier_columns, x2d.shape[1]))
+    y = dequantize_rows(torch._int_mm(xq, w8.t()), x_step, row_step, x2d.dtype)
+    if outliers is None:
+        return y
+    w_out = w8.index_select(1, outliers).float() * row_step.unsqueeze(1)  # the grid weight's columns (W diag(s))
+    return y.addmm_(x_out, w_out.to(x2d.dtype).t())
+
+
+def _int8_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
+    w8, row_step = layer.int8_weight()
+    # grad_x[m, k] = sum_n g[m, n] r[n] w8[n, k] / s[k]: the per-row weight step r[n] lies on the
+    # summed dimension, so it is folded into the gradient before that is quantized per row
+    gq, g_step = quantize_rows(grad_out, row_step)
+    return dequantize_rows(torch._int_mm(gq, w8), g_step, layer.inverse_input_scale(), grad_out.dtype)
+
+
+KERNELS = {"int8": (_int8_forward, _int8_grad_input), "tiled": (_tiled_forward, _tiled_grad_input),
+           "dequant": (_dequant_forward, _dequant_grad_input)}  # fmt: skip
+"""backend -> (forward(x2d, layer), grad_input(grad_out, layer)); none computes a weight gradient."""
+
+
+class _PackedMatmul(torch.autograd.Function):
+    """``y = x @ W^T`` and ``grad_x = grad_y @ W`` by one backend's kernels (:data:`KERNELS`)."""
 
     @staticmethod
-    def forward(ctx, x2d, layer: "PackedLinear"):
-        ctx.layer = layer
-        w8, row_step = layer.int8_weight()
-        inverse = layer.inverse_input_scale()
-        xq, x_step, outliers, x_out = _int8_rows(x2d, inverse, min(layer.outlier_columns, x2d.shape[1]))
-        y = dequantize_rows(torch._int_mm(xq, w8.t()), x_step, row_step, x2d.dtype)
-        if outliers is None:
-            return y
-        w_out = w8.index_select(1, outliers).float() * row_step.unsqueeze(1)  # the grid weight's columns (W diag(s))
-        return y.addmm_(x_out, w_out.to(x2d.dtype).t())
+    def forward(ctx, x2d, layer: "PackedLinear", backend: str):
+        ctx.layer, ctx.backend = layer, backend
+        return KERNELS[backend][0](x2d, layer)
 
     @staticmethod
     def backward(ctx, grad_out):
-        w8, row_step = ctx.layer.int8_weight()
-        # grad_x[m, k] = sum_n g[m, n] r[n] w8[n, k] / s[k]: the per-row weight step r[n] lies on the
-        # summed dimension, so it is folded into the gradient before that is quantized per row
-        gq, g_step = quantize_rows(grad_out, row_step)
-        return dequantize_rows(torch._int_mm(gq, w8), g_step, ctx.layer.inverse_input_scale(), grad_out.dtype), None
+        return KERNELS[ctx.backend][1](grad_out, ctx.layer), None, None
 
 
 # ------------------------------------------------------------------------------------ module
@@ -334,8 +387,8 @@ class PackedLinear(nn.Module):
         """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``."""
         raise NotImplementedError
 
-    def int8_supported(self) -> tuple[bool, str]:
-        """Whether this layer's shape allows the int8 backend (and why not)."""
+    def kernel_shape_supported(self) -> tuple[bool, str]:
+        """Whether this layer's shape allows the int8 and tiled backends (and why not)."""
         return True, ""
 
     # ------------------------------------------------------------------------------- weights
@@ -358,6 +411,17 @@ class PackedLinear(nn.Module):
             self._cache["inverse"] = None if bool((s == 1).all()) else (1.0 / s).contiguous()
         return self._cache["inverse"]
 
+    def tiled_operands(self) -> tuple:
+        """``(codes as uint8, step fp32 [N, G], zero fp32 or None, 1/input_scale or None, K, group size,
+        signed, int4)``: the arguments of the C++ ``tiled_*`` kernels; cached until the buffers change."""
+        if "tiled" not in self._cache:
+            zero = None if self.zero is None else self.zero.float().contiguous()
+            group = self.spec.group_size or self.in_features
+            int4 = isinstance(self, PackedInt4Linear)
+            self._cache["tiled"] = (self.qweight.view(torch.uint8), self.step.float().contiguous(), zero,
+                                    self.inverse_input_scale(), self.in_features, group, self.spec.symmetric, int4)  # fmt: skip
+        return self._cache["tiled"]
+
     @torch.no_grad()
     def requantize_(self, weight: torch.Tensor) -> dict:
         """Re-store a dense ``weight [N, K]`` in this layer's format, in place (fresh steps from
@@ -379,27 +443,55 @@ class PackedLinear(nn.Module):
         err = (self.dequantized_weight(torch.float32) - w).norm() / w.norm().clamp(min=_EPS)
         return {"rel_error": err.item()}
 
+    def runnable_backends(self, x: torch.Tensor) -> dict[str, str]:
+        """``{backend: why it can run}`` for input ``x`` (this layer's shape, the device, the CPU, the kernels);
+        ``dequant`` always can."""
+        shape_ok, shape_reason = self.kernel_shape_supported()
+        out = {}
+        for name, (ok, reason) in (("int8", int8_backend_available(x.device)), ("tiled", tiled_backend_available(x.device, x.dtype))):
+            if ok and shape_ok:
+                out[name] = reason
+        out["dequant"] = "dense weight dequantized per call" + (f" ({shape_reason})" if not shape_ok else "")
+        return out
+
     def resolve_backend(self, x: torch.Tensor) -> str:
-        """The backend that runs for input ``x`` (``auto`` resolved; logged once per reason)."""
-        shape_ok, shape_reason = self.int8_supported()
-        device_ok, device_reason = int8_backend_available(x.device)
-        if self.backend == "int8":
-            if not (shape_ok and device_ok):
-                raise ValueError(f"{type(self).__name__} backend 'int8' cannot run here: {shape_reason or device_reason}; use 'auto' or 'dequant'")
-            return "int8"
-        if self.backend == "dequant":
+        """The backend that runs for input ``x``: the one asked for, or for ``auto`` the fastest runnable one
+        for this shape and dtype, measured once per machine (:mod:`hf_lowprec.modules.kernels.autotune`)."""
+        runnable = self.runnable_backends(x)
+        if self.backend != "auto":
+            if self.backend not in runnable:
+                available = int8_backend_available(x.device) if self.backend == "int8" else tiled_backend_available(x.device, x.dtype)
+                reason = self.kernel_shape_supported()[1] or available[1]
+                raise ValueError(f"{type(self).__name__} backend {self.backend!r} cannot run here: {reason}; "
+                                 f"use 'auto' or one of {', '.join(runnable)}")  # fmt: skip
+            return self.backend
+        if len(runnable) == 1:
+            _log_once("dequant", runnable["dequant"])
             return "dequant"
-        backend = "int8" if (shape_ok and device_ok) else "dequant"
-        _log_once(backend, device_reason if (device_ok and shape_ok) or not device_ok else shape_reason)
-        return backend
+        choice = self._autotune(x.device, x.dtype, runnable)
+        _log_once(choice.value, choice.reason)
+        return choice.value
+
+    def _autotune(self, device: torch.device, dtype: torch.dtype, runnable: dict[str, str]):
+        """Time forward + grad-input of each runnable backend on a random ``[AUTOTUNE_TOKENS, K]`` input."""
+        gen = torch.Generator(device).manual_seed(0)
+        x = torch.randn(AUTOTUNE_TOKENS, self.in_features, generator=gen, device=device).to(dtype)
+        g = torch.randn(AUTOTUNE_TOKENS, self.out_features, generator=gen, device=device).to(dtype)
+
+        def run(backend):
+            x.mul_(1.0)  # a new version: the int8 rows of the last call are not reused
+            forward, grad_input = KERNELS[backend]
+            return forward(x, self), grad_input(g, self)
+
+        key = f"packed:{type(self).__name__}:{self.spec.name}:{self.out_features}x{self.in_features}:{str(dtype)[6:]}"
+        return fastest(key, {name: (lambda name=name: run(name)) for name in runnable}, _backend_reason)
 
     # ------------------------------------------------------------------------------- compute
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2d = x.reshape(-1, shape[-1])
         self.last_backend = self.resolve_backend(x)
-        fn = _Int8Matmul if self.last_backend == "int8" else _DequantMatmul
-        out = fn.apply(x2d, self).reshape(*shape[:-1], self.out_features)
+        out = _PackedMatmul.apply(x2d, self, self.last_backend).reshape(*shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     # ------------------------------------------------------------------- cache invalidation
@@ -443,7 +535,7 @@ class PackedInt4Linear(PackedLinear):
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``, unpacked from the codes on every call.
 
-        Needs ``K`` even and a multiple of the group size (see :meth:`int8_supported`).
+        Needs ``K`` even and a multiple of the group size (see :meth:`kernel_shape_supported`).
         """
         ratio, row_step = self._int8_scales()
         zero = None if self.zero is None else self.zero.float().contiguous()
@@ -458,7 +550,7 @@ class PackedInt4Linear(PackedLinear):
         w8 = torch.round(codes * ratio.unsqueeze(-1)).clamp(-_INT8_MAX, _INT8_MAX).to(torch.int8)
         return w8.view(n, self.in_features), row_step
 
-    def int8_supported(self) -> tuple[bool, str]:
+    def kernel_shape_supported(self) -> tuple[bool, str]:
         k, g = self.in_features, self.spec.group_size
         if k % 2:
             return False, f"in_features {k} is odd"

@@ -1,15 +1,18 @@
-"""Hand-written CPU kernels for the int8 path: int4 → int8 unpacking, per-row int8 quantization, dequantization.
+"""Hand-written C++ CPU kernels of the packed layers: int4 -> int8 unpacking, per-row int8 quantization,
+column maxima, dequantization of int32 products, and the tiled dequantize-and-multiply of the ``tiled`` backend.
 
-Why by hand: around ``torch._int_mm`` (2x bf16 matmul on this AVX512-VNNI CPU) every elementwise pass
-counts. Measured single-threaded on SmolLM2 shapes (1024 x 576 / 1536): unpacking a 1536 x 576 INT4
-weight 0.11 ms (eager torch ops: 0.55 ms; torch.compile with dynamic shapes: 2.9 ms, not vectorized),
-dequantizing a 1024 x 1536 int32 product to bf16 0.08 ms (torch.compile: 0.67 ms), per-row int8
-quantization of 1024 x 576 bf16 0.05 ms (torch.compile: 0.11 ms). Nothing in torch/torchao unpacks INT4
-groups to int8 for ``_int_mm``.
+Why by hand: nothing in torch/torchao unpacks INT4 groups to int8 for ``torch._int_mm``, and eager torch ops
+around it make one pass over memory each (an int8 matmul is only worth it when the passes around it are
+fused). Nothing multiplies by an INT4 weight both ways at training sizes either: torch's own
+``_weight_int4pack_mm_for_cpu`` and ``_weight_int8pack_mm`` are made for a few tokens at a time and measure
+0.01x and 0.03x an fp32 GEMM at 256 tokens (``benchmarks/kernels.py``), and neither has a grad-input. The
+``tiled_*`` kernels instead dequantize one cache-sized tile of the weight at a time and hand it to the fp32
+(or bf16) GEMM of the CPU's BLAS: the arithmetic runs at that GEMM's speed, which is the fastest there is on
+an AVX2 CPU, and the dense weight never exists whole.
 
-The kernels build once per machine with the C++ compiler torch uses (``torch.utils.cpp_extension``,
-~45 s, cached under ``~/.cache/torch_extensions``). :func:`cpu_kernels` returns ``None`` (and logs why)
-where they cannot build or run; callers then use the torch.compile'd equivalents in ``packed.py``.
+The kernels build once per machine and CPU flags with the C++ compiler torch uses
+(``torch.utils.cpp_extension``, ~45 s, cached under ``~/.cache/torch_extensions``). :func:`cpu_kernels`
+returns ``None`` (and logs why) where they cannot build or run; callers then use torch ops.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import hashlib
 import logging
 
 import torch
+
+from hf_lowprec.modules.kernels.cpu import build_tag
 
 logger = logging.getLogger(__name__)
 
@@ -237,14 +242,143 @@ torch::Tensor dequantize(torch::Tensor acc, torch::Tensor row_step, c10::optiona
   }
   return out;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Tiled dequantize-and-multiply: the packed weight is dequantized one tile at a time into a per-thread
+// buffer that stays in cache and multiplied there by a single-threaded at::mm; the whole dense weight is
+// never materialized. W[n, k] = (code[n, k] - zero[n, g]) * step[n, g] * inv[k], g = k / (K / G).
+
+// codes of row `row` for columns [k0, k1) (k0 even) into f (as floats)
+template <bool INT4>
+static inline void row_codes(const uint8_t* row, int64_t k0, int64_t k1, bool is_signed, float* f) {
+  if (INT4) {
+    const int64_t W = k1 - k0;
+    const uint8_t* src = row + k0 / 2;
+    if (is_signed) {
+      #pragma omp simd
+      for (int64_t i = 0; i < W / 2; ++i) {
+        const int8_t b = static_cast<int8_t>(src[i]);
+        f[2 * i] = static_cast<float>(static_cast<int8_t>(b << 4) >> 4);
+        f[2 * i + 1] = static_cast<float>(b >> 4);
+      }
+    } else {
+      #pragma omp simd
+      for (int64_t i = 0; i < W / 2; ++i) {
+        f[2 * i] = static_cast<float>(src[i] & 0x0F);
+        f[2 * i + 1] = static_cast<float>(src[i] >> 4);
+      }
+    }
+  } else {
+    const int8_t* src = reinterpret_cast<const int8_t*>(row) + k0;
+    #pragma omp simd
+    for (int64_t i = 0; i < k1 - k0; ++i) f[i] = static_cast<float>(src[i]);
+  }
+}
+
+struct PackedWeight {
+  const uint8_t* qw; int64_t row_bytes; const float* step; const float* zero; const float* inv;
+  int64_t G, gsize; bool is_signed;
+};
+
+// rows [n0, n1) x columns [k0, k1) (k0 even) of the dense weight into out [n1-n0, k1-k0]
+template <bool INT4, bool BF16>
+static void dequant_tile(const PackedWeight& w, int64_t n0, int64_t n1, int64_t k0, int64_t k1, void* outv, float* f) {
+  const int64_t W = k1 - k0;
+  for (int64_t n = n0; n < n1; ++n) {
+    row_codes<INT4>(w.qw + n * w.row_bytes, k0, k1, w.is_signed, f);
+    for (int64_t k = k0; k < k1;) {  // one group (or the part of it inside the tile) at a time
+      const int64_t g = k / w.gsize, end = std::min(k1, (g + 1) * w.gsize);
+      const float s = w.step[n * w.G + g], z = w.zero ? w.zero[n * w.G + g] : 0.f;
+      float* fg = f + (k - k0);
+      #pragma omp simd
+      for (int64_t i = 0; i < end - k; ++i) fg[i] = (fg[i] - z) * s;
+      k = end;
+    }
+    if (w.inv) {
+      #pragma omp simd
+      for (int64_t i = 0; i < W; ++i) f[i] *= w.inv[k0 + i];
+    }
+    if (BF16) {
+      uint16_t* o = static_cast<uint16_t*>(outv) + (n - n0) * W;
+      #pragma omp simd
+      for (int64_t i = 0; i < W; ++i) o[i] = float_to_bf16(f[i]);
+    } else {
+      std::memcpy(static_cast<float*>(outv) + (n - n0) * W, f, W * sizeof(float));
+    }
+  }
+}
+
+template <bool INT4>
+static void dequant_tile_any(const PackedWeight& w, int64_t n0, int64_t n1, int64_t k0, int64_t k1, torch::Tensor& buf,
+                             float* f) {
+  if (buf.scalar_type() == torch::kBFloat16) dequant_tile<INT4, true>(w, n0, n1, k0, k1, buf.data_ptr(), f);
+  else dequant_tile<INT4, false>(w, n0, n1, k0, k1, buf.data_ptr(), f);
+}
+
+static PackedWeight packed_weight(const torch::Tensor& qweight, const torch::Tensor& step,
+                                  const c10::optional<torch::Tensor>& zero, const c10::optional<torch::Tensor>& inv,
+                                  int64_t K, int64_t gsize, bool is_signed) {
+  TORCH_CHECK(qweight.is_contiguous() && step.is_contiguous() && step.scalar_type() == torch::kFloat);
+  const int64_t G = step.size(1);
+  TORCH_CHECK(K % 2 == 0 && (K + gsize - 1) / gsize == G, "K must be even and step hold ceil(K / group size) groups");
+  return {qweight.data_ptr<uint8_t>(), qweight.size(1), step.data_ptr<float>(),
+          zero.has_value() ? zero->data_ptr<float>() : nullptr, inv.has_value() ? inv->data_ptr<float>() : nullptr,
+          G, gsize, is_signed};
+}
+
+// y [M, N] = x [M, K] @ W^T, parallel over tiles of `tile` output rows
+torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor step, c10::optional<torch::Tensor> zero,
+                           c10::optional<torch::Tensor> inv, int64_t K, int64_t gsize, bool is_signed, bool int4,
+                           int64_t tile) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == K);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16);
+  const PackedWeight w = packed_weight(qweight, step, zero, inv, K, gsize, is_signed);
+  const int64_t M = x.size(0), N = qweight.size(0), tiles = (N + tile - 1) / tile;
+  auto out = torch::empty({M, N}, x.options());
+  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+    auto buf = torch::empty({tile, K}, x.options());
+    std::vector<float> f(K);
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t n0 = t * tile, rows = std::min(tile, N - n0);
+      if (int4) dequant_tile_any<true>(w, n0, n0 + rows, 0, K, buf, f.data());
+      else dequant_tile_any<false>(w, n0, n0 + rows, 0, K, buf, f.data());
+      out.narrow(1, n0, rows).copy_(at::mm(x, buf.narrow(0, 0, rows).t()));
+    }
+  });
+  return out;
+}
+
+// grad_x [M, K] = g [M, N] @ W, parallel over tiles of `tile` (even) input columns
+torch::Tensor tiled_linear_grad_input(torch::Tensor g, torch::Tensor qweight, torch::Tensor step,
+                                      c10::optional<torch::Tensor> zero, c10::optional<torch::Tensor> inv, int64_t K,
+                                      int64_t gsize, bool is_signed, bool int4, int64_t tile) {
+  TORCH_CHECK(g.dim() == 2 && g.is_contiguous() && g.size(1) == qweight.size(0));
+  TORCH_CHECK(g.scalar_type() == torch::kFloat || g.scalar_type() == torch::kBFloat16);
+  const PackedWeight w = packed_weight(qweight, step, zero, inv, K, gsize, is_signed);
+  TORCH_CHECK(tile % 2 == 0, "the column tile must be even");
+  const int64_t M = g.size(0), N = qweight.size(0), tiles = (K + tile - 1) / tile;
+  auto out = torch::empty({M, K}, g.options());
+  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+    auto buf = torch::empty({N, tile}, g.options());
+    std::vector<float> f(tile);
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t k0 = t * tile, cols = std::min(tile, K - k0);
+      auto view = buf.view(-1).narrow(0, 0, N * cols).view({N, cols});
+      if (int4) dequant_tile_any<true>(w, 0, N, k0, k0 + cols, view, f.data());
+      else dequant_tile_any<false>(w, 0, N, k0, k0 + cols, view, f.data());
+      out.narrow(1, k0, cols).copy_(at::mm(g, view));
+    }
+  });
+  return out;
+}
 """
 
-_FUNCTIONS = ["unpack_int4_int8", "quantize_rows", "column_absmax", "dequantize"]
+_FUNCTIONS = ["unpack_int4_int8", "quantize_rows", "column_absmax", "dequantize", "tiled_linear", "tiled_linear_grad_input"]
 _state: dict[str, object] = {}
 
 
 def cpu_kernels():
-    """The built extension module (functions ``unpack_int4_int8``, ``quantize_rows``, ``column_absmax``, ``dequantize``), or ``None``."""
+    """The built extension module (the functions of ``_FUNCTIONS``), or ``None``."""
     if "ext" not in _state:
         _state["ext"] = _build()
     return _state["ext"]
@@ -252,16 +386,17 @@ def cpu_kernels():
 
 def _build():
     if not torch.cpu._is_avx2_supported():
-        logger.warning("CPU kernels need AVX2; the int8 path uses torch.compile'd kernels instead")
+        logger.warning("CPU kernels need AVX2; packed layers use torch ops instead")
         return None
     from torch.utils.cpp_extension import load_inline
 
-    name = "hf_lowprec_cpu_kernels_" + hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
+    # -march=native code runs only where it was built: the CPU's flags are part of the name
+    name = "hf_lowprec_cpu_kernels_" + hashlib.sha256((_SOURCE + build_tag()).encode()).hexdigest()[:12]
     logger.info("loading hf_lowprec CPU kernels (%s; built once per machine, ~45 s)", name)
     try:
         return load_inline(name, cpp_sources=_SOURCE, functions=_FUNCTIONS, verbose=False,
                            extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"])  # fmt: skip
     except Exception as e:  # no compiler, no headers, a build error: say so, run the slower path
-        logger.warning("building the hf_lowprec CPU kernels failed (%s: %s); the int8 path uses torch.compile'd kernels",
+        logger.warning("building the hf_lowprec CPU kernels failed (%s: %s); packed layers use torch ops",
                        type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")  # fmt: skip
         return None

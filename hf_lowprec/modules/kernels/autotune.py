@@ -1,0 +1,167 @@
+"""Measured choices, cached per machine: the compute dtype, and the kernel of each packed-layer shape.
+
+A choice is made the first time it is needed, by timing each candidate this CPU can run (a few ms each), and
+kept in ``~/.cache/hf_lowprec/autotune.json`` (``HF_LOWPREC_CACHE`` names another folder) under a key of the
+CPU model, its flags, the torch version and the thread count, so a machine of another CPU class, or the same
+one with another torch, measures again. Nothing is assumed from the CPU's name: a kernel that its instructions
+make possible still has to win the timing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from hf_lowprec.modules.kernels.cpu import cpu_info
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "HF_LOWPREC_CACHE"
+BF16_MIN_SPEEDUP = 1.2  # bf16 compute only where its GEMM beats fp32 by this much (it also rounds more)
+DTYPE_PROBE_SHAPE = (128, 512, 512)  # M, K, N: small enough that an emulated bf16 GEMM takes < 0.1 s
+_lock = threading.Lock()
+_memory: dict[str, dict] = {}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What was chosen, why (one line), and what each candidate measured (``{name: seconds per call}``)."""
+
+    value: str
+    reason: str
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"value": self.value, "reason": self.reason, "seconds": self.seconds}
+
+
+def machine_key() -> str:
+    """The key measurements are cached under: CPU model and flags, torch version, intra-op threads."""
+    cpu = cpu_info()
+    return f"{cpu.model}|{','.join(cpu.flags)}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+
+
+def cache_path() -> Path:
+    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hf_lowprec"
+    return Path(root) / "autotune.json"
+
+
+def time_call(fn: Callable[[], object], repeats: int = 3) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def fastest(key: str, candidates: dict[str, Callable[[], object]], why: Callable[[str, dict[str, float]], str]) -> Choice:
+    """The candidate of ``candidates`` (``{name: call}``) that runs fastest, measured once per machine and ``key``.
+
+    ``why(winner, seconds)`` words the reason. A cached winner that is no longer a candidate is measured again.
+    """
+    cached = _entries().get(key)
+    if cached is not None and cached["value"] in candidates:
+        return Choice(cached["value"], cached["reason"], cached["seconds"])
+    with torch.no_grad():
+        seconds = {name: time_call(call) for name, call in candidates.items()}
+    winner = min(seconds, key=seconds.get)
+    choice = Choice(winner, why(winner, seconds), {k: round(v, 6) for k, v in seconds.items()})
+    _store(key, choice)
+    logger.info("autotune %s: %s (%s)", key, choice.value, choice.reason)
+    return choice
+
+
+def compute_dtype(device: torch.device | str = "cpu") -> tuple[torch.dtype, str]:
+    """``(dtype, reason)``: the dtype a model computes in on ``device`` when the user asks for ``"auto"``.
+
+    CUDA: bf16. CPU: bf16 only where this CPU has native bf16 *and* its bf16 GEMM measured at least
+    ``BF16_MIN_SPEEDUP`` x fp32's; fp32 otherwise (an AVX2 CPU emulates bf16 GEMMs 25-80x slower than fp32).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16, "compute bf16: CUDA"
+    if device.type != "cpu":
+        return torch.float32, f"compute fp32: no measured choice for {device.type}"
+    cpu = cpu_info()
+    if not cpu.native_bf16:
+        return torch.float32, f"compute fp32: this CPU has no native bf16 ({cpu.cpu_class})"
+    m, k, n = DTYPE_PROBE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    choice = fastest("compute-dtype", {"bf16": lambda: F.linear(xb, wb), "fp32": lambda: F.linear(x, w)}, _dtype_reason)
+    return (torch.bfloat16 if choice.value == "bf16" and _speedup(choice.seconds) >= BF16_MIN_SPEEDUP else torch.float32), choice.reason
+
+
+def _speedup(seconds: dict[str, float]) -> float:
+    return seconds["fp32"] / max(seconds["bf16"], 1e-12)
+
+
+def _dtype_reason(winner: str, seconds: dict[str, float]) -> str:
+    ratio = _speedup(seconds)
+    chosen = "bf16" if ratio >= BF16_MIN_SPEEDUP else "fp32"
+    return f"compute {chosen}: bf16 GEMM measured {ratio:.2f}x fp32 on this CPU ({cpu_info().cpu_class})"
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | str = "cpu") -> tuple[torch.dtype, str]:
+    """``(torch dtype, reason)`` for a user's ``dtype``: ``"auto"``/``None`` measured (:func:`compute_dtype`),
+    ``"bf16"``/``"fp32"``/``torch.bfloat16``/``torch.float32`` as asked."""
+    if dtype is None or dtype == "auto":
+        return compute_dtype(device)
+    named = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+    if isinstance(dtype, str):
+        if dtype not in named:
+            raise ValueError(f"dtype {dtype!r}: choose one of auto, bf16, fp32")
+        dtype = named[dtype]
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"dtype {dtype}: choose one of auto, torch.bfloat16, torch.float32")
+    return dtype, f"compute {'bf16' if dtype == torch.bfloat16 else 'fp32'}: as requested"
+
+
+def measured() -> dict[str, dict]:
+    """Every choice this machine has measured so far (``{key: Choice.to_dict()}``)."""
+    return dict(_entries())
+
+
+# ----------------------------------------------------------------------------- the cache file
+def _entries() -> dict[str, dict]:
+    mk = machine_key()
+    if mk not in _memory:
+        try:
+            _memory[mk] = json.loads(cache_path().read_text()).get(mk, {})
+        except (OSError, ValueError):
+            _memory[mk] = {}
+    return _memory[mk]
+
+
+def _store(key: str, choice: Choice) -> None:
+    """Record ``choice`` in memory and in the cache file (written to a temporary file, then renamed)."""
+    with _lock:
+        _entries()[key] = choice.to_dict()
+        path = cache_path()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                everything = json.loads(path.read_text())
+            except (OSError, ValueError):
+                everything = {}
+            everything[machine_key()] = _entries()
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".autotune-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(everything, f, indent=1)
+            os.replace(tmp, path)
+        except OSError as e:  # a read-only home: keep the choice for this process only
+            logger.warning("could not write the autotune cache %s (%s); measuring again next run", path, e)

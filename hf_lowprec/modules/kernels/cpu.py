@@ -1,0 +1,110 @@
+"""What this CPU can do: its model name and the instruction-set extensions the kernels care about, read once.
+
+The capabilities only say which kernels *can* run; which one runs is measured (:mod:`.autotune`).
+
+``HF_LOWPREC_CPU_CLASS=avx2`` makes hf-lowprec treat the CPU as AVX2-only (no AVX-512, VNNI, native bf16 or
+AMX), to reproduce the AVX2 class on a larger CPU; pair it with torch's own ``ATEN_CPU_CAPABILITY=avx2``,
+``ONEDNN_MAX_CPU_ISA=AVX2`` and ``MKL_ENABLE_INSTRUCTIONS=AVX2`` so that torch's kernels follow.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CLASS_ENV = "HF_LOWPREC_CPU_CLASS"
+# the flags (as /proc/cpuinfo spells them) that decide which kernels can run
+X86_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+ARM_FLAGS = ("asimd", "asimddp", "i8mm", "bf16", "sve")
+_CLASSES = {"avx2": ("avx2", "fma")}  # what each HF_LOWPREC_CPU_CLASS value keeps
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """The CPU's model name, architecture, the relevant flags it has, and torch's own dispatch level."""
+
+    model: str
+    arch: str
+    flags: tuple[str, ...]
+    torch_capability: str
+    restricted_to: str | None = None
+
+    def has(self, flag: str) -> bool:
+        return flag in self.flags
+
+    @property
+    def native_bf16(self) -> bool:
+        """bf16 dot products in hardware (AVX512-BF16, AMX-BF16, Arm BF16)."""
+        return any(self.has(f) for f in ("avx512_bf16", "amx_bf16", "bf16"))
+
+    @property
+    def int8_dot(self) -> bool:
+        """int8 dot products in hardware (AVX512-VNNI, AVX-VNNI, AMX-INT8, Arm dot product / i8mm)."""
+        return any(self.has(f) for f in ("avx512_vnni", "avx_vnni", "amx_int8", "asimddp", "i8mm"))
+
+    @property
+    def cpu_class(self) -> str:
+        """A short name of the class: ``AMX``, ``AVX512-BF16``, ``AVX512``, ``AVX2``, ``Arm``, or ``baseline``."""
+        if self.has("amx_tile"):
+            return "AMX"
+        if self.has("avx512f"):
+            return "AVX512-BF16" if self.has("avx512_bf16") else "AVX512"
+        if self.has("avx2"):
+            return "AVX2"
+        return "Arm" if self.arch in ("aarch64", "arm64") else "baseline"
+
+    def summary(self) -> str:
+        """One line for logs and bug reports: ``AMD EPYC (AVX2: avx2 fma; torch AVX2)``."""
+        restricted = f", restricted by {CLASS_ENV}={self.restricted_to}" if self.restricted_to else ""
+        return f"{self.model} ({self.cpu_class}: {' '.join(self.flags) or 'none'}; torch {self.torch_capability}{restricted})"
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "arch": self.arch, "class": self.cpu_class, "flags": list(self.flags),
+                "torch_capability": self.torch_capability, "native_bf16": self.native_bf16, "int8_dot": self.int8_dot,
+                "restricted_to": self.restricted_to}  # fmt: skip
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    """This machine's :class:`CpuInfo` (``/proc/cpuinfo`` where it exists, torch's probes elsewhere)."""
+    model, flags = _read_proc_cpuinfo()
+    arch = platform.machine().lower()
+    if not flags:  # no /proc (macOS, Windows): torch's own probes cover the x86 flags that matter
+        probes = {"avx2": torch.cpu._is_avx2_supported, "avx512f": torch.cpu._is_avx512_supported,
+                  "avx512_vnni": torch.cpu._is_vnni_supported, "avx512_bf16": torch.cpu._is_avx512_bf16_supported,
+                  "amx_tile": torch.cpu._is_amx_tile_supported}  # fmt: skip
+        flags = {name for name, probe in probes.items() if probe()}
+    known = X86_FLAGS if arch in ("x86_64", "amd64") else ARM_FLAGS
+    present = tuple(f for f in known if f in flags)
+    restricted = os.environ.get(CLASS_ENV, "").strip().lower() or None
+    if restricted is not None:
+        if restricted not in _CLASSES:
+            raise ValueError(f"{CLASS_ENV}={restricted!r}: choose one of {', '.join(_CLASSES)}")
+        present = tuple(f for f in present if f in _CLASSES[restricted])
+    return CpuInfo(model or platform.processor() or arch, arch, present, torch.backends.cpu.get_cpu_capability(), restricted)
+
+
+def build_tag() -> str:
+    """What ``-march=native`` code depends on: the CPU model and every flag it has (never restricted)."""
+    model, flags = _read_proc_cpuinfo()
+    return f"{model or platform.machine()}|{' '.join(sorted(flags))}"
+
+
+def _read_proc_cpuinfo() -> tuple[str, set[str]]:
+    path = Path("/proc/cpuinfo")
+    if not path.is_file():
+        return "", set()
+    model, flags = "", set()
+    for line in path.read_text(errors="replace").splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("model name", "Model name", "Hardware") and not model:
+            model = value.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = set(value.split())
+    return model, flags
