@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-import platform
 import resource
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from hf_lowprec.modules.kernels.cpu import cpu_info
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -47,7 +48,10 @@ def saved_tensor_bytes(fn) -> int:
 
 
 def machine() -> dict:
-    return {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    """The CPU a result was measured on (model, class, flags), threads and torch version."""
+    cpu = cpu_info()
+    return {"machine": cpu.model, "cpu_class": cpu.cpu_class, "cpu": cpu.to_dict(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__}  # fmt: skip
 
 
 def write_json(name: str, data: dict) -> Path:

@@ -49,6 +49,48 @@ def recipes_cmd(name: Annotated[Optional[str], typer.Argument(help="Show this re
     ui.out.print(ui.table("Built-in recipes (`hf-lowprec recipes NAME` shows one)", ("recipe", "plan", "steps", "what it does"), rows, numeric=(2,)))
 
 
+# --------------------------------------------------------------------------------------- env
+ENV_SHAPES = {"SmolLM2-135M MLP up (576 -> 1536)": (576, 1536), "Llama-3.2-1B MLP up (2048 -> 8192)": (2048, 8192)}
+
+
+@app.command("env")
+@ui.guarded
+def env_cmd(
+    tokens: Annotated[int, typer.Option("--tokens", min=1, help="Rows of the timed activations (batch x sequence).")] = 256,
+    torch_int4: Annotated[bool, typer.Option("--torch-int4/--no-torch-int4", help="Also time torch's weight-only int4/int8 CPU kernels (slow at training sizes).")] = False,  # fmt: skip
+):
+    """Print this machine's CPU, its capabilities, the chosen compute dtype and kernels, and their measured
+    throughput: what to paste into a bug report."""
+    import platform
+
+    import torch
+
+    from hf_lowprec.modules.kernels.autotune import compute_dtype, measured
+    from hf_lowprec.modules.kernels.cpp import cpu_kernels
+    from hf_lowprec.modules.kernels.cpu import cpu_info
+    from hf_lowprec.modules.throughput import kernel_throughput
+
+    cpu = cpu_info()
+    with ui.step("measuring the compute dtype"):
+        dtype, reason = compute_dtype("cpu")
+    facts = {"CPU": cpu.model, "class": cpu.cpu_class, "flags": " ".join(cpu.flags) or "none", "torch dispatch": cpu.torch_capability,
+             "native bf16": cpu.native_bf16, "int8 dot products": cpu.int8_dot, "threads": torch.get_num_threads(),
+             "torch": torch.__version__, "python": platform.python_version(), "C++ kernels": "built" if cpu_kernels() else "unavailable (see the log)",
+             "compute dtype": reason}  # fmt: skip
+    if cpu.restricted_to:
+        facts["restricted"] = f"to {cpu.restricted_to} by HF_LOWPREC_CPU_CLASS"
+    ui.out.print(ui.key_values("hf-lowprec environment", facts))
+    for label, (k, n) in ENV_SHAPES.items():
+        with ui.step(f"timing the kernels on {label}, {tokens} tokens"):
+            result = kernel_throughput(tokens, k, n, torch_int4=torch_int4)
+        rows = [(name, f"{r['gflops']:.1f}", f"{r['vs_fp32']:.2f}x") for name, r in result.items()]
+        ui.out.print(ui.table(f"{label}, {tokens} tokens", ("kernel", "GFLOP/s", "vs fp32"), rows, numeric=(1, 2)))
+    if measured():
+        ui.out.print("[bold]Measured choices cached for this machine[/]")
+        for key, entry in measured().items():
+            ui.out.print(f"  {key}: [bold]{entry['value']}[/] ({entry['reason']})", soft_wrap=True)
+
+
 # -------------------------------------------------------------------------------------- scan
 @app.command("scan")
 @ui.guarded

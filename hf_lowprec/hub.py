@@ -24,7 +24,6 @@ import importlib.resources
 import json
 import logging
 import os
-import platform
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -37,6 +36,7 @@ from torch import nn
 
 from hf_lowprec.convert import apply_plan, eligible_layers, freeze, revert
 from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear, PackedLinear
+from hf_lowprec.modules.kernels.cpu import cpu_info
 from hf_lowprec.plan import PrecisionPlan, atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -92,8 +92,9 @@ def replace_dir(src: Path, dst: Path) -> None:
 
 # ---------------------------------------------------------------------------------- hardware
 def hardware_info() -> dict:
-    """What the run ran on: device, its name, CPU cores, torch version, whether FP8 tensor cores exist."""
-    info = {"device": "cpu", "name": _cpu_name(), "cpu_cores": os.cpu_count(), "torch": torch.__version__}
+    """What the run ran on: device, its name, CPU cores and capabilities, torch version, whether FP8 tensor cores exist."""
+    info = {"device": "cpu", "name": cpu_info().model, "cpu_cores": os.cpu_count(), "torch": torch.__version__,
+            "cpu": cpu_info().to_dict()}  # fmt: skip
     if torch.cuda.is_available():
         cap = torch.cuda.get_device_capability()
         info.update(device="cuda", name=torch.cuda.get_device_name(), compute_capability=f"{cap[0]}.{cap[1]}", gpus=torch.cuda.device_count())
@@ -101,15 +102,6 @@ def hardware_info() -> dict:
     else:
         info["fp8_tensor_cores"] = False
     return info
-
-
-def _cpu_name() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 # ------------------------------------------------------------------------------ plan records

@@ -54,7 +54,7 @@ def dequantized_twin(packed_model, seed: int = 0):
     return twin
 
 
-@pytest.mark.parametrize("backend", ["dequant", pytest.param("int8", marks=pytest.mark.skipif(not INT8_OK, reason="no int8 dot-product instructions"))])
+@pytest.mark.parametrize("backend", ["dequant", "tiled", pytest.param("int8", marks=pytest.mark.skipif(not INT8_OK, reason="no int8 dot-product instructions"))])
 def test_input_and_lora_grads_through_int4_base_match_dequantized_reference(backend):
     model, report = prepare_int4_lora(tiny_llama(0, hidden_size=128, intermediate_size=256), LoraConfig(**LORA), MIXED, backend=backend)
     assert report.fractions()["int4-g64-asym"] > 0.7 and report.fractions()["int8"] > 0.04
@@ -133,7 +133,9 @@ def test_finetune_from_disk_loss_falls_and_export_reloads_identically(tmp_path):
     assert result.eval_loss_after < result.eval_loss_before - 0.3
     assert sum(result.losses[-5:]) / 5 < sum(result.losses[:5]) / 5 - 0.3
     assert [s for s, _, _ in seen[:25]] == list(range(1, 26)) and "eval_loss" in seen[-1][2]
-    assert result.backends == {"int8" if INT8_OK else "dequant": 14} and result.peak_rss_mb > 0
+    # every packed layer ran a backend this CPU can run (which one is measured, never assumed)
+    runnable = next(m for m in model.modules() if isinstance(m, PackedLinear)).runnable_backends(held_out.float())
+    assert sum(result.backends.values()) == 14 and set(result.backends) <= set(runnable) and result.peak_rss_mb > 0
     assert json.loads((tmp_path / "run" / METRICS_FILE).read_text())["steps"] == 25
 
     reloaded, tok = load_int4_model(tmp_path / "run")

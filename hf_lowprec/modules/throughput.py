@@ -1,0 +1,61 @@
+"""Throughput of each CPU kernel on one linear shape, as GFLOP/s and as a ratio to the fp32 GEMM.
+
+What ``hf-lowprec env`` prints and ``benchmarks/kernels.py`` records per shape: the dense GEMMs (fp32, bf16,
+int8 ``torch._int_mm``), torch's own weight-only int4/int8 CPU kernels, and the packed layers' backends,
+forward (``y = x W^T``) and grad-input (``g W``) timed separately, one after the other in one process.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from hf_lowprec.formats import FormatSpec, int_steps, quantize_int
+from hf_lowprec.modules.kernels.autotune import time_call
+from hf_lowprec.modules.kernels.cpu import cpu_info
+from hf_lowprec.modules.packed import KERNELS, PackedInt4Linear
+
+SPEC = "int4-g64-asym"
+
+
+def kernel_candidates(m: int, k: int, n: int, torch_int4: bool = True) -> dict[str, Callable[[], object]]:
+    """``{kernel: call}`` for ``x [m, k] @ W^T [k, n]`` and the packed backends' grad-input (``.../grad``).
+
+    ``torch_int4``: include torch's ``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm`` (made for a few
+    tokens; slow at training sizes).
+    """
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) * 0.02
+    g = torch.randn(m, n, generator=gen)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    calls: dict[str, Callable[[], object]] = {"fp32": lambda: F.linear(x, w), "bf16": lambda: F.linear(xb, wb)}
+    if cpu_info().int8_dot:  # an emulated _int_mm is 30-150x slower than fp32: timing it tells nothing new
+        a8, b8 = (torch.randint(-127, 128, shape, dtype=torch.int8) for shape in ((m, k), (k, n)))
+        calls["int8 _int_mm"] = lambda: torch._int_mm(a8, b8)
+    spec = FormatSpec.parse(SPEC)
+    step, zero = int_steps(w, spec)
+    layer = PackedInt4Linear.from_codes(quantize_int(w, spec, step, zero), step, zero, spec, None, torch.float32)
+    if torch_int4:
+        codes = quantize_int(w, spec, step, zero).to(torch.int32)
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+        scales_zeros = torch.stack([step, (8 - zero) * step], -1).transpose(0, 1).contiguous()  # [G, N, 2]
+        calls["torch int4pack_mm"] = lambda: torch._weight_int4pack_mm_for_cpu(x, packed, spec.group_size, scales_zeros)
+        w8, row = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)
+        calls["torch int8pack_mm"] = lambda: torch._weight_int8pack_mm(x, w8, row)
+    for backend in layer.runnable_backends(x):
+        forward, grad_input = KERNELS[backend]
+        # a new version of x per call, as in training: the int8 backend's rows of the last call are not reused
+        calls[f"packed {backend}"] = lambda forward=forward: forward(x.mul_(1.0), layer)
+        calls[f"packed {backend}/grad"] = lambda grad_input=grad_input: grad_input(g, layer)
+    return calls
+
+
+def kernel_throughput(m: int, k: int, n: int, repeats: int = 5, torch_int4: bool = True) -> dict[str, dict]:
+    """``{kernel: {"seconds", "gflops", "vs_fp32"}}`` on one shape (see :func:`kernel_candidates`)."""
+    flops = 2.0 * m * k * n
+    seconds = {name: time_call(call, repeats) for name, call in kernel_candidates(m, k, n, torch_int4).items()}
+    fp32 = seconds["fp32"]
+    return {name: {"seconds": round(t, 6), "gflops": round(flops / t / 1e9, 2), "vs_fp32": round(fp32 / t, 3)}
+            for name, t in seconds.items()}  # fmt: skip
