@@ -189,7 +189,7 @@ def finetune_cmd(
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", min=1)] = None,
     grad_accum: Annotated[Optional[int], typer.Option("--grad-accum", min=1)] = None,
     block_size: Annotated[Optional[int], typer.Option("--block-size", min=8)] = None,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype: bf16 or fp32.")] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype: auto (bf16 where this CPU runs bf16 GEMMs fast, measured once; else fp32), bf16 or fp32.")] = None,
     save_steps: Annotated[Optional[int], typer.Option("--save-steps", min=1)] = None,
     eval_blocks: Annotated[Optional[int], typer.Option("--eval-blocks", min=1, help="Held-out sequences for the loss before/after.")] = None,
     lora_r: Annotated[Optional[int], typer.Option("--lora-r", min=1)] = None,

@@ -24,6 +24,7 @@ from transformers import TrainerCallback
 from hf_lowprec.cli import ui
 from hf_lowprec.hub import export_model, hardware_info, read_run
 from hf_lowprec.metrics import causal_lm_loss
+from hf_lowprec.modules.kernels.autotune import resolve_dtype
 from hf_lowprec.plan import atomic_write_text
 from hf_lowprec.recipe import Recipe
 
@@ -220,8 +221,11 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     source, gguf = (opts.model, opts.gguf_file) if opts.model else default_checkpoint()
     label = opts.model or f"default model {DEFAULT_BASE_MODEL_ID} ({gguf})"
     lora = recipe.method == "int4-lora"
+    compute, compute_reason = resolve_dtype(t.dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    bf16 = compute == torch.bfloat16
+    ui.err.print(compute_reason, soft_wrap=True)
     # full training keeps fp32 master weights under bf16 autocast; the frozen INT4 base computes in the compute dtype
-    load_dtype = torch.bfloat16 if lora and t.dtype == "bf16" else torch.float32
+    load_dtype = torch.bfloat16 if lora and bf16 else torch.float32
     with ui.step(f"loading {label}"):
         model, tokenizer = load_pretrained(source, gguf_file=gguf, dtype=load_dtype)
     if tokenizer is None:
@@ -234,7 +238,7 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
         lm = prepare_lm_data(records, data_name, tokenizer, t.block_size, train_sequences=needed, eval_sequences=t.eval_blocks,
                              eval_fraction=recipe.data.eval_fraction, text_column=recipe.data.text_column,
                              messages_column=recipe.data.messages_column)  # fmt: skip
-    autocast = torch.bfloat16 if t.dtype == "bf16" and not lora else None
+    autocast = torch.bfloat16 if bf16 and not lora else None
     figures = dict(settings.get("figures", {}))
     if "loss_base" not in figures:
         figures["loss_base"] = _evaluate(model, lm, t.batch_size, autocast, "evaluating the base model (held-out data)")["loss"]
@@ -246,7 +250,7 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
         output_dir=str(run.checkpoints), max_steps=t.max_steps, per_device_train_batch_size=t.batch_size,
         per_device_eval_batch_size=t.batch_size, gradient_accumulation_steps=t.gradient_accumulation_steps,
         learning_rate=t.learning_rate, lr_scheduler_type=t.lr_scheduler, warmup_steps=t.warmup_steps,
-        weight_decay=t.weight_decay, bf16=t.dtype == "bf16" and not lora, activation_checkpointing=t.gradient_checkpointing,
+        weight_decay=t.weight_decay, bf16=bf16 and not lora, activation_checkpointing=t.gradient_checkpointing,
         use_cpu=not torch.cuda.is_available(),
         logging_steps=t.logging_steps, save_strategy="steps", save_steps=t.save_steps, save_total_limit=1,
         seed=t.seed, data_seed=t.seed, report_to="none", disable_tqdm=True, remove_unused_columns=False,
@@ -291,6 +295,7 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
             {"dataset": dataset, "split": "held-out", "metric": "loss", "value": round(final["loss"], 4)},
         ],
         "hardware": hardware_info(),
+        "compute": {"dtype": str(compute).removeprefix("torch."), "reason": compute_reason},
         **method_info,
     }
     extra = {"recipe.yaml": recipe.to_yaml(), "log_history.json": json.dumps(trainer.state.log_history, indent=2)}

@@ -27,6 +27,8 @@ linears only.
 
 from __future__ import annotations
 
+import functools
+import logging
 import weakref
 
 import torch
@@ -39,6 +41,7 @@ MIN_NUMEL = 1 << 16  # smaller tensors (norm statistics, rotary tables) are not 
 FORMATS = {"int8": torch.int8, "fp8": E4M3, "fp8-e5m2": E5M2}
 _SLICE = 1 << 20  # elements (un)packed at a time: bounds the temporaries of a large tensor (logits)
 _PACKED_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+logger = logging.getLogger(__name__)
 
 
 def pack_fp8_rows(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +53,31 @@ def pack_fp8_rows(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Ten
 def unpack_fp8_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`pack_fp8_rows`, in ``dtype``."""
     return dequantize_fp8(codes, scale, dtype)
+
+
+@functools.cache
+def fp8_row_kernels():
+    """``(pack, unpack)``: :func:`pack_fp8_rows` / :func:`unpack_fp8_rows` compiled, if the compiled pair
+    reproduces the eager one on a probe; else the eager pair, with a warning.
+
+    Why the check: torch 2.13's inductor, generating AVX2 vector code with dynamic shapes, converts lanes 8-15
+    of every 16 FP8 values wrongly (NaN and garbage; seen with ``ATEN_CPU_CAPABILITY=avx2``).
+    """
+    pack, unpack = compiled(pack_fp8_rows), compiled(unpack_fp8_rows)
+    probe = torch.randn(4, 48, generator=torch.Generator().manual_seed(0)) * 10
+    codes, scale = pack_fp8_rows(probe)
+    try:
+        got_codes, got_scale = pack(probe, E4M3)
+        same = torch.equal(got_codes.float(), codes.float()) and torch.equal(got_scale, scale)
+        same = same and torch.equal(unpack(codes, scale, torch.float32), unpack_fp8_rows(codes, scale, torch.float32))
+    except Exception as e:  # a compiler error: the eager pair still works
+        logger.warning("compiling the FP8 row casts failed (%s); activations are packed by eager torch ops", e)
+        return pack_fp8_rows, unpack_fp8_rows
+    if not same:
+        logger.warning("the compiled FP8 row casts disagree with eager ones on this CPU (%s); activations are packed by "
+                       "eager torch ops", torch.backends.cpu.get_cpu_capability())  # fmt: skip
+        return pack_fp8_rows, unpack_fp8_rows
+    return pack, unpack
 
 
 class _Packed:
@@ -68,7 +96,7 @@ class _Packed:
             if code_dtype == torch.int8:
                 codes, scale = quantize_rows(part)
             else:
-                codes, scale = compiled(pack_fp8_rows)(part, code_dtype)
+                codes, scale = fp8_row_kernels()[0](part, code_dtype)
             self.codes[r0 : r0 + step], self.scale[r0 : r0 + step] = codes, scale
 
     def unpack(self) -> torch.Tensor:
@@ -79,7 +107,7 @@ class _Packed:
             if self.codes.dtype == torch.int8:
                 out[r0 : r0 + step] = dequantize_rows(codes, scale, None, self.dtype)
             else:
-                out[r0 : r0 + step] = compiled(unpack_fp8_rows)(codes, scale, self.dtype)
+                out[r0 : r0 + step] = fp8_row_kernels()[1](codes, scale, self.dtype)
         return out.view(self.shape)
 
     @property

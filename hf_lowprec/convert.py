@@ -75,6 +75,7 @@ class ConversionReport:
     layers: list[LayerReport] = field(default_factory=list)
     new_parameters: dict[str, nn.Parameter] = field(default_factory=dict)
     calibration: dict | None = None  # hf_lowprec.calibration.summary when the INT4 codes were calibrated (GPTQ, AWQ)
+    compute: dict | None = None  # {"dtype", "reason"}: the compute dtype chosen at load and why
 
     @property
     def swapped(self) -> list[LayerReport]:
@@ -96,10 +97,12 @@ class ConversionReport:
 
     def to_dict(self) -> dict:
         return {"layers": [asdict(r) for r in self.layers], "fractions": self.fractions(), "new_parameters": list(self.new_parameters),
-                "calibration": self.calibration}  # fmt: skip
+                "calibration": self.calibration, "compute": self.compute}  # fmt: skip
 
     def __str__(self) -> str:
         lines = [f"{len(self.swapped)} of {len(self.layers)} layers in low precision; " + ", ".join(f"{k} {v:.1%}" for k, v in self.fractions().items())]
+        if self.compute:
+            lines.append(f"  {self.compute['reason']}")
         for r in self.not_applied:
             lines.append(f"  {r.name}: requested {r.requested}, runs {r.applied} ({r.reason})")
         return "\n".join(lines)

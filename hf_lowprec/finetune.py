@@ -44,6 +44,7 @@ from hf_lowprec.activations import ActivationStorage
 from hf_lowprec.calibration import ROUNDINGS, check_rounding
 from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eligible_layers, freeze
 from hf_lowprec.formats import FormatSpec
+from hf_lowprec.modules.kernels.autotune import resolve_dtype
 from hf_lowprec.modules.int4_lora import register_int4_lora
 from hf_lowprec.modules.packed import BACKENDS, PackedInt4Linear, PackedLinear, compiled
 from hf_lowprec.plan import PrecisionPlan
@@ -321,7 +322,7 @@ def load_int4_lora(
     plan: "PrecisionPlan | str | None" = None,
     *,
     gguf_file: str | None = None,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | str = "auto",
     loftq_init: bool = False,
     rounding: str = "nearest",
     calibration=None,
@@ -332,11 +333,16 @@ def load_int4_lora(
 ):
     """Load a pretrained checkpoint and :func:`prepare_int4_lora` it: ``(peft_model, tokenizer, report)``.
 
-    ``calibration``: token blocks ``[n, T]``, or a callable ``tokenizer -> blocks`` (the tokenizer is
-    only known after loading), for ``plan="auto"`` and the calibrated roundings (see :func:`prepare_int4_lora`).
+    ``dtype``: the compute dtype, ``"auto"`` (bf16 where this CPU runs bf16 GEMMs fast, measured once per
+    machine; fp32 otherwise, e.g. on AVX2), ``"bf16"``/``"fp32"`` or a torch dtype; the choice and its reason
+    are in ``report.compute``. ``calibration``: token blocks ``[n, T]``, or a callable ``tokenizer -> blocks``
+    (the tokenizer is only known after loading), for ``plan="auto"`` and the calibrated roundings (see
+    :func:`prepare_int4_lora`).
     """
     from hf_lowprec.checkpoints import load_pretrained
 
+    dtype, reason = resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    logger.info(reason)
     model, tokenizer = load_pretrained(model_id_or_path, gguf_file=gguf_file, dtype=dtype)
     if callable(calibration):
         calibration = calibration(tokenizer)
@@ -344,6 +350,7 @@ def load_int4_lora(
         model, lora_config, plan, loftq_init=loftq_init, rounding=rounding, calibration=calibration, budget=budget,
         auto_formats=auto_formats, adapter_dtype=adapter_dtype, backend=backend,
     )
+    report.compute = {"dtype": str(dtype).removeprefix("torch."), "reason": reason}
     return peft_model, tokenizer, report
 
 

@@ -33,7 +33,7 @@ from hf_lowprec.plan import PrecisionPlan
 RECIPE_PACKAGE = "hf_lowprec.recipes"
 METHODS = ("full", "int4-lora")
 PLAN_SOURCES = ("auto",)  # besides a format name or a plan file path
-DTYPES = ("fp32", "bf16")
+DTYPES = ("auto", "fp32", "bf16")  # auto: bf16 where this CPU runs bf16 GEMMs fast (measured), else fp32
 ACTIVATION_STORAGE = ("none", "int8", "fp8", "fp8-e5m2")  # hf_lowprec.activations formats
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 LORA_INITS = ("default", "loftq")
@@ -109,7 +109,7 @@ class TrainingSection:
     warmup_steps: int = 0
     weight_decay: float = 0.0
     lr_scheduler: str = field(default="cosine", metadata=_choices(*SCHEDULERS))
-    dtype: str = field(default="bf16", metadata=_choices(*DTYPES))
+    dtype: str = field(default="auto", metadata=_choices(*DTYPES))
     gradient_checkpointing: bool = False
     activation_storage: str = field(default="none", metadata=_choices(*ACTIVATION_STORAGE))
     save_steps: int = 20

@@ -44,7 +44,7 @@ def _write(tmp_path, data, name="r.yaml"):
         ({"trainig": {}}, r"unknown key 'trainig'; allowed keys in the recipe are name, description, method"),
         ({"training": {"max_steps": "ten"}}, r"'training\.max_steps' must be an integer, got 'ten'"),
         ({"training": {"gradient_checkpointing": "yes"}}, r"'training\.gradient_checkpointing' must be true/false"),
-        ({"training": {"dtype": "fp16"}}, r"'training\.dtype' is 'fp16'; allowed values are fp32, bf16"),
+        ({"training": {"dtype": "fp16"}}, r"'training\.dtype' is 'fp16'; allowed values are auto, fp32, bf16"),
         ({"method": "qlora"}, r"'method' is 'qlora'; allowed values are full, int4-lora"),
         ({"precision": {"rounding": "rtn"}}, r"'precision\.rounding' is 'rtn'; allowed values are nearest, gptq, awq, awq\+gptq"),
         ({"precision": {"plan": "int3"}}, r"precision: 'plan' must be 'auto', a plan file .* or a format: unknown format 'int3'.*choose one of"),
@@ -88,7 +88,7 @@ def test_overrides_replace_values_and_are_checked_like_files():
     assert base.training.max_steps != 7  # frozen: the original is unchanged
     with pytest.raises(ValueError, match=r"unknown recipe key 'training\.max_step'; allowed keys are max_steps"):
         base.with_overrides({"training.max_step": 3})
-    with pytest.raises(ValueError, match=r"'training\.dtype' is 'fp16'; allowed values are fp32, bf16"):
+    with pytest.raises(ValueError, match=r"'training\.dtype' is 'fp16'; allowed values are auto, fp32, bf16"):
         base.with_overrides({"training.dtype": "fp16"})
     with pytest.raises(ValueError, match=r"unknown format 'int3'"):
         base.with_overrides({"precision.plan": "int3"})

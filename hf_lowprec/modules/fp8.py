@@ -4,9 +4,9 @@ Numerics (``backend="emulated"``, every device): the input and weight are cast t
 output gradient to E5M2 (configurable) with fp32 scales of the spec's granularity, then each GEMM
 multiplies the FP8 *values* with fp32 accumulation and applies the scales afterwards, exactly as
 ``torch._scaled_mm`` does. FP8 values are exactly representable in bf16, so the GEMM itself runs
-as a bf16 matmul (fp32 accumulation) when the output is bf16 and in fp32 otherwise: on a CPU with
-bf16 units that is the fastest exact way to compute an FP8 GEMM (``torch._scaled_mm`` on CPU runs
-at ~0.7x fp32 speed here).
+as a bf16 matmul (fp32 accumulation) when the output is bf16 and the CPU has fast bf16 GEMMs, in fp32
+otherwise: the fastest exact way to compute an FP8 GEMM on each CPU (``torch._scaled_mm`` on CPU runs at
+~0.7x fp32 speed).
 
 ``backend="torchao"`` runs torchao's ``Float8Linear`` autograd function (real ``_scaled_mm``
 kernels on CUDA SM89+); ``backend="auto"`` picks it there for tensorwise/rowwise scaling and the
@@ -29,6 +29,7 @@ from hf_lowprec.formats import (
     fp8_quantize_dequantize,
     quantize_fp8,
 )
+from hf_lowprec.modules.kernels.autotune import compute_dtype
 from hf_lowprec.scaling import DynamicScaling, ScalePolicy
 
 BACKENDS = ("auto", "emulated", "torchao")
@@ -39,9 +40,14 @@ def fp8_hardware_available(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _compute_dtype(out_dtype: torch.dtype) -> torch.dtype:
-    """bf16 GEMMs hold FP8 values exactly and accumulate in fp32; use them when the output is bf16."""
-    return torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+def _compute_dtype(out_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The GEMM dtype of the emulation: bf16 and fp32 both hold FP8 values exactly and accumulate in fp32, so
+    bf16 when the output is bf16 and the device multiplies bf16 fast (on a CPU: measured, see
+    :func:`~hf_lowprec.modules.kernels.autotune.compute_dtype`), fp32 otherwise (an AVX2 CPU emulates bf16
+    GEMMs 25-80x slower than fp32)."""
+    if out_dtype != torch.bfloat16:
+        return torch.float32
+    return torch.bfloat16 if device.type != "cpu" or compute_dtype(device)[0] == torch.bfloat16 else torch.float32
 
 
 def scaled_mm_emulated(a_q, a_scale, b_q, b_scale, out_dtype):
@@ -49,7 +55,7 @@ def scaled_mm_emulated(a_q, a_scale, b_q, b_scale, out_dtype):
 
     Scales are 0-dim (tensorwise) or ``[M, 1]`` / ``[1, N]`` (rowwise); fp32 accumulation.
     """
-    compute = _compute_dtype(out_dtype)
+    compute = _compute_dtype(out_dtype, a_q.device)
     out = torch.mm(a_q.to(compute), b_q.to(compute))
     return out.mul_(a_scale.reciprocal().to(compute)).mul_(b_scale.reciprocal().to(compute)).to(out_dtype)
 
@@ -76,7 +82,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             xq, sx = cast_fp8(x, pol["input"], E4M3, "block", block=bx)
             wq, sw = cast_fp8(weight, pol["weight"], E4M3, "block", block=bw)
             ctx.save_for_backward(xq, sx, wq, sw)
-            compute = _compute_dtype(out_dtype)
+            compute = _compute_dtype(out_dtype, xq.device)
             xd, wd = dequantize_fp8(xq, sx, compute, bx), dequantize_fp8(wq, sw, compute, bw)
             return torch.mm(xd, wd.t()).to(out_dtype)
         if gran == "tensor":
@@ -98,7 +104,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         g = grad_out.to(out_dtype)
         if gran == "block":
             xq, sx, wq, sw = ctx.saved_tensors
-            compute = _compute_dtype(out_dtype)
+            compute = _compute_dtype(out_dtype, xq.device)
             bg = block_shape(g, "grad")
             gq, sg = cast_fp8(g, pol["grad"], gdt, "block", block=bg)
             gd = dequantize_fp8(gq, sg, compute, bg)

@@ -9,6 +9,7 @@ make possible still has to win the timing.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -95,6 +96,11 @@ def compute_dtype(device: torch.device | str = "cpu") -> tuple[torch.dtype, str]
         return torch.bfloat16, "compute bf16: CUDA"
     if device.type != "cpu":
         return torch.float32, f"compute fp32: no measured choice for {device.type}"
+    return _cpu_compute_dtype()
+
+
+@functools.cache
+def _cpu_compute_dtype() -> tuple[torch.dtype, str]:
     cpu = cpu_info()
     if not cpu.native_bf16:
         return torch.float32, f"compute fp32: this CPU has no native bf16 ({cpu.cpu_class})"
