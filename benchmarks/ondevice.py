@@ -32,6 +32,9 @@ import sys
 import time
 from pathlib import Path
 
+from _util import machine
+from hf_lowprec.modules.kernels.cpu import cpu_info
+
 RESULTS = Path(__file__).parent / "results"
 MARK = "@@RESULT@@"
 HELD_OUT = ("hamlet_gut", "tempest_gut")
@@ -79,7 +82,10 @@ def _build(config: str, loftq: bool, rounding: str, gc: bool, budget_bits: float
     if config.startswith("int4-lora"):
         from hf_lowprec.activations import ActivationStorage
 
-        base, tok = load_pretrained(folder, gguf_file=gguf, dtype=torch.bfloat16)  # what load_int4_lora does, with the tokenizer first
+        from hf_lowprec.modules.kernels.autotune import compute_dtype
+
+        # what load_int4_lora(dtype="auto") does, with the tokenizer first: bf16 only where this CPU runs it fast
+        base, tok = load_pretrained(folder, gguf_file=gguf, dtype=compute_dtype("cpu")[0])
         calibrated = rounding != "nearest"
         first_blocks = _data(tok, CALIBRATION_BLOCKS, 0)[0] if calibrated or budget_bits else None  # the first training blocks
         # budget_bits: the product's scanned plan (int4-g64-asym, the most sensitive layers kept_format); 0: every Linear int4
@@ -255,13 +261,16 @@ def speed(args) -> None:
                 "runs": len(mine),
             }  # fmt: skip
     data = _load_results()
-    data.setdefault("speed", {})[f"{THREADS}_threads"] = {
+    complete = all(k in table for k in ("int4-lora", "int4-lora+gc", "fp32-lora", "bnb-nf4", "bnb-nf4+gc"))
+    key = f"{cpu_info().cpu_class}/{THREADS}_threads"
+    data.setdefault("speed", {})[key] = {
         "settings": {"batch": BATCH, "block": BLOCK, "lora_r": 16, "steps_timed": args.steps, "warmup": args.warmup,
                      "repeats": args.repeats, "threads": THREADS, "loadavg_end": os.getloadavg()},
-        "table": table, "runs": runs, "goals": goals(table), "goals_wall": goals(table, "step_s"),
+        "machine": machine(), "table": table, "runs": runs,
+        "goals": goals(table) if complete else {}, "goals_wall": goals(table, "step_s") if complete else {},
     }  # fmt: skip
     _save(data)
-    print_table(table, data["speed"][f"{THREADS}_threads"]["goals"])
+    print_table(table, data["speed"][key]["goals"])
 
 
 def goals(t: dict, key: str = "step_cpu_s") -> dict:
@@ -424,7 +433,7 @@ def plot(_args) -> None:
     import matplotlib.pyplot as plt
 
     data = _load_results()
-    speed = data["speed"].get("2_threads") or next(iter(data["speed"].values()))
+    speed = next((r for r in data["speed"].values() if r.get("goals")), next(iter(data["speed"].values())))
     table = speed["table"]
     names = list(table)
     panels = 3 if "quality" in data else 2
@@ -469,7 +478,7 @@ def main() -> None:
     p.add_argument("--rounding", default="nearest", choices=ROUNDINGS, help=f"child: INT4 rounding (calibrated on {CALIBRATION_BLOCKS} training blocks)")
     p.add_argument("--budget-bits", type=float, default=0.0, help="child: bits/param of the scanned plan (0: every Linear int4)")
     p.add_argument("--kept-format", default="int8", choices=("bf16", "int8"), help="child: what the scanned plan keeps sensitive layers in")
-    p.add_argument("--backend", default="auto", choices=("auto", "int8", "dequant"), help="child: backend of the packed layers")
+    p.add_argument("--backend", default="auto", choices=("auto", "int8", "tiled", "dequant"), help="child: backend of the packed layers")
     p.add_argument("--int4-variants", nargs="*", default=[], help="quality: also run int4-lora with these options (see parse_variant)")
     p.add_argument("--merge-eval", action="store_true", help="child: also evaluate the merged, re-quantized export")
     p.add_argument("--steps", type=int, default=None)

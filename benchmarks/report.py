@@ -95,9 +95,24 @@ def memory_section(memory: dict | None) -> list[str]:
 
 
 def ondevice_speed(ondevice: dict | None) -> dict:
-    """The on-device speed run at the machine's thread count (2), else the first one saved."""
+    """The first on-device speed run that compared every peer (has goals), else the first one saved."""
     runs = (ondevice or {}).get("speed", {})
-    return runs.get("2_threads") or next(iter(runs.values()), {})
+    return next((r for r in runs.values() if r.get("goals")), next(iter(runs.values()), {}))
+
+
+def ondevice_other_cpus(ondevice: dict | None) -> list[str]:
+    """One table per further speed run (another CPU class, or a subset of the configurations)."""
+    lines, main = [], ondevice_speed(ondevice)
+    for key, run in (ondevice or {}).get("speed", {}).items():
+        if run is main:
+            continue
+        emulated = run.get("machine", {}).get("cpu", {}).get("restricted_to")
+        lines += [f"Speed on `{key}`" + (" (AVX2 class reproduced on an AVX-512 CPU: HF_LOWPREC_CPU_CLASS=avx2, oneDNN/MKL "
+                                          "limited to AVX2)" if emulated else "") + ":\n",
+                  "| configuration | peak RSS MB | step s (CPU time) | step s (wall) |", "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {name} | {r['peak_rss_mb']:.0f} | {r['step_cpu_s']:.2f} | {r['step_s']:.2f} |" for name, r in run["table"].items()]
+        lines.append("")
+    return lines
 
 
 def claims(conv_res: dict, layers: dict | None, memory: dict | None, ondevice: dict | None, gpu: dict | None,
@@ -205,6 +220,7 @@ def ondevice_section(ondevice: dict | None) -> list[str]:
     lines += ["", f"Goals (CPU time): peak RSS of the INT4 default {g['rss_defaults_vs_fp32_defaults']:.2f}x fp32 LoRA (goal ≤ 0.40), "
               f"{g['rss_vs_bnb_equal_nogc']:.2f}x bnb NF4 at equal settings (≤ 0.9); step {g['step_vs_bnb_equal_nogc']:.2f}x bnb (≤ 0.8), "
               f"{g['step_defaults_vs_fastest_peer']:.2f}x the fastest bf16 LoRA `{g['fastest_peer']}` (≤ 1.0).", ""]  # fmt: skip
+    lines += ondevice_other_cpus(ondevice)
     quality = (ondevice or {}).get("quality")
     if quality:
         q = quality["settings"]
