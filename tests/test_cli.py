@@ -21,8 +21,10 @@ from hf_lowprec.data import prepare_lm_data, read_source
 from hf_lowprec.hub import CARD_FILE, RUN_FILE, load_exported
 from hf_lowprec.metrics import causal_lm_loss
 from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear
+from hf_lowprec.modules.kernels.cpp import cpu_kernels
+from hf_lowprec.modules.kernels.cpu import cpu_info
 
-COMMANDS = ("recipes", "scan", "finetune", "eval", "export", "push")
+COMMANDS = ("recipes", "scan", "finetune", "eval", "export", "push", "env")
 FAST = ["--block-size", "32", "--batch-size", "2", "--eval-blocks", "4", "--dtype", "fp32", "--save-steps", "1000"]
 
 
@@ -50,6 +52,16 @@ def one_error_line(result):
     return text
 
 
+def test_env_prints_the_cpu_the_dtype_choice_and_measured_throughput():
+    result = cli("env", "--tokens", "8")
+    assert result.exit_code == 0, result.output
+    cpu = cpu_info()
+    assert cpu.cpu_class in result.output and "compute " in result.output
+    for kernel in ("fp32", "bf16", "packed dequant") + (("packed tiled",) if cpu_kernels() else ()):
+        assert f"│ {kernel} " in result.output, kernel  # a row of the throughput table
+    assert "Llama-3.2-1B" in result.output and "GFLOP/s" in result.output
+
+
 def test_help_of_the_program_and_every_command():
     proc = subprocess.run([sys.executable, "-m", "hf_lowprec.cli.app", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and all(c in proc.stdout for c in COMMANDS)
@@ -71,6 +83,8 @@ def test_finetune_eval_export_reload_fp8(ws):
     f = record["training"]
     assert f["steps"] == 6 and f["loss_final"] < f["loss_start"] and f["peak_rss_mb"] > 0 and f["tokens_per_second"] > 0
     assert not (ws / "run-fp8.incomplete").exists()
+    assert record["compute"] == {"dtype": "float32", "reason": "compute fp32: as requested"}  # FAST asks for fp32
+    assert record["hardware"]["cpu"]["class"] == cpu_info().cpu_class
 
     # the exported master weights, with the plan re-applied, are the trained model: same held-out loss
     # (same batches too: FP8 tensorwise scales follow each batch's amax)

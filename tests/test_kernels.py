@@ -1,0 +1,92 @@
+"""CPU capabilities, the measured choices (compute dtype, kernels) and their per-machine cache."""
+
+import json
+
+import pytest
+import torch
+
+from hf_lowprec.modules.kernels import autotune
+from hf_lowprec.modules.kernels.cpu import CLASS_ENV, CpuInfo, cpu_info
+
+AVX2_ONLY = CpuInfo("an AVX2 CPU", "x86_64", ("avx2", "fma"), "AVX2")
+AVX512_BF16 = CpuInfo("an AVX-512 CPU", "x86_64", ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16"), "AVX512")
+
+
+def test_cpu_classes_and_capabilities():
+    assert (AVX2_ONLY.cpu_class, AVX2_ONLY.native_bf16, AVX2_ONLY.int8_dot) == ("AVX2", False, False)
+    assert (AVX512_BF16.cpu_class, AVX512_BF16.native_bf16, AVX512_BF16.int8_dot) == ("AVX512-BF16", True, True)
+    arm = CpuInfo("an Arm CPU", "aarch64", ("asimd", "asimddp", "bf16"), "DEFAULT")
+    assert (arm.cpu_class, arm.native_bf16, arm.int8_dot) == ("Arm", True, True)
+    assert "AVX2: avx2 fma" in AVX2_ONLY.summary()
+    here = cpu_info()  # whatever this machine is, the record is complete and consistent
+    assert here.to_dict()["class"] == here.cpu_class and set(here.flags) <= set(here.to_dict()["flags"])
+
+
+def test_the_class_variable_restricts_the_capabilities(monkeypatch):
+    monkeypatch.setenv(CLASS_ENV, "avx2")
+    cpu_info.cache_clear()
+    try:
+        restricted = cpu_info()
+        assert set(restricted.flags) <= {"avx2", "fma"} and not restricted.native_bf16 and not restricted.int8_dot
+        assert restricted.restricted_to == "avx2" and CLASS_ENV in restricted.summary()
+        monkeypatch.setenv(CLASS_ENV, "avx3")
+        cpu_info.cache_clear()
+        with pytest.raises(ValueError, match=f"{CLASS_ENV}='avx3': choose one of avx2"):
+            cpu_info()
+    finally:
+        monkeypatch.delenv(CLASS_ENV)
+        cpu_info.cache_clear()
+
+
+def test_no_native_bf16_means_fp32_compute_without_timing(monkeypatch):
+    monkeypatch.setattr(autotune, "cpu_info", lambda: AVX2_ONLY)
+    autotune._cpu_compute_dtype.cache_clear()
+    monkeypatch.setattr(autotune, "time_call", lambda fn, repeats=3: pytest.fail("nothing to time on AVX2"))
+    try:
+        assert autotune.compute_dtype("cpu") == (torch.float32, "compute fp32: this CPU has no native bf16 (AVX2)")
+    finally:
+        autotune._cpu_compute_dtype.cache_clear()
+
+
+def test_native_bf16_is_chosen_only_when_it_measures_faster(monkeypatch, tmp_path):
+    monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(autotune, "_memory", {})
+    monkeypatch.setattr(autotune, "cpu_info", lambda: AVX512_BF16)
+    for bf16_s, expected in ((1.0, torch.float32), (0.5, torch.bfloat16)):
+        autotune._cpu_compute_dtype.cache_clear()
+        autotune._memory.clear()
+        (tmp_path / "autotune.json").unlink(missing_ok=True)
+        timings = iter([bf16_s, 1.0])  # bf16 is timed first, then fp32
+        monkeypatch.setattr(autotune, "time_call", lambda fn, repeats=3: next(timings))
+        dtype, reason = autotune.compute_dtype("cpu")
+        assert dtype == expected and f"{1.0 / bf16_s:.2f}x fp32" in reason
+    autotune._cpu_compute_dtype.cache_clear()
+
+
+def test_a_choice_is_measured_once_and_cached_per_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv(autotune.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(autotune, "_memory", {})
+    calls = []
+    candidates = {"slow": lambda: calls.append("slow"), "fast": lambda: calls.append("fast")}
+    timings = {"slow": 2.0, "fast": 1.0}
+    monkeypatch.setattr(autotune, "time_call", lambda fn, repeats=3: (fn(), timings[calls[-1]])[1])
+    choice = autotune.fastest("probe", candidates, lambda w, s: f"{w} won")
+    assert (choice.value, choice.reason, choice.seconds) == ("fast", "fast won", {"slow": 2.0, "fast": 1.0})
+    assert len(calls) == 2
+    saved = json.loads((tmp_path / "autotune.json").read_text())
+    assert saved[autotune.machine_key()]["probe"]["value"] == "fast"
+    monkeypatch.setattr(autotune, "_memory", {})  # a new process: read back from the file, nothing timed
+    assert autotune.fastest("probe", candidates, lambda w, s: "unused").value == "fast" and len(calls) == 2
+    del candidates["fast"]  # the cached winner cannot run any more: measured again
+    assert autotune.fastest("probe", candidates, lambda w, s: f"{w} won").value == "slow" and len(calls) == 3
+    assert cpu_info().model in autotune.machine_key() and torch.__version__ in autotune.machine_key()
+
+
+def test_resolve_dtype_names_and_errors():
+    assert autotune.resolve_dtype("fp32") == (torch.float32, "compute fp32: as requested")
+    assert autotune.resolve_dtype(torch.bfloat16)[0] == torch.bfloat16
+    assert autotune.resolve_dtype("auto")[0] in (torch.float32, torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype 'fp16': choose one of auto, bf16, fp32"):
+        autotune.resolve_dtype("fp16")
+    with pytest.raises(ValueError, match="choose one of auto, torch.bfloat16, torch.float32"):
+        autotune.resolve_dtype(torch.float16)
