@@ -16,6 +16,7 @@ from hf_lowprec.finetune import (
     MERGE_FILE,
     METRICS_FILE,
     causal_lm_loss,
+    cross_entropy_with_grad,
     export_int4_lora,
     finetune_int4_lora,
     load_int4_lora,
@@ -24,6 +25,7 @@ from hf_lowprec.finetune import (
     token_blocks,
 )
 from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear, PackedLinear
+from hf_lowprec.modules.packed import compiled
 from hf_lowprec.plan import PrecisionPlan
 from hf_lowprec.sensitivity import allocate, scan
 from hf_lowprec.modules.packed import int8_backend_available
@@ -287,3 +289,24 @@ def test_activation_storage_stores_a_tensor_saved_twice_once_and_rejects_unknown
     assert ((w1.grad - exact).norm() / exact.norm()).item() < 0.02
     with pytest.raises(ValueError, match="choose one of int8, fp8"):
         ActivationStorage(torch.nn.Linear(1, 1), "int4")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_cross_entropy_with_grad_matches_autograd_on_two_threads(dtype):
+    """Rows of changing count, a 49152 vocabulary, two threads: the case whose compiled fp32 code once corrupted the heap."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows in (64, 63, 64):
+            logits = (torch.randn(rows, 49152, generator=torch.Generator().manual_seed(rows)) * 3).to(dtype)
+            labels = torch.randint(0, 49152, (rows,))
+            labels[:5] = -100
+            loss, grad = compiled(cross_entropy_with_grad)(logits, labels)
+            x = logits.float().requires_grad_()
+            ref = torch.nn.functional.cross_entropy(x, labels, reduction="sum")
+            ref.backward()
+            assert grad.dtype == dtype
+            torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-3)
+            torch.testing.assert_close(grad.float(), x.grad, rtol=0, atol=1e-6 if dtype == torch.float32 else 4e-3)
+    finally:
+        torch.set_num_threads(threads)

@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "int8", "tiled", "dequant")
 # weight tile of the tiled backend, at most this many output rows (forward) / input columns (grad-input); the
 # tile count is then rounded to a multiple of the thread count so that no thread idles (measured on SmolLM2
-# and Llama-3.2-1B shapes, benchmarks/kernels.py: 5 tiles on 2 threads cost up to 25%)
+# and Llama-3.2-1B shapes, benchmarks/kernel_speed.py: 5 tiles on 2 threads cost up to 25%)
 ROW_TILE = 128
 COLUMN_TILE = 256
 AUTOTUNE_TOKENS = 256  # rows of the probe input when auto times the backends of a layer shape

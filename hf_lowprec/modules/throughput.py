@@ -1,6 +1,6 @@
 """Throughput of each CPU kernel on one linear shape, as GFLOP/s and as a ratio to the fp32 GEMM.
 
-What ``hf-lowprec env`` prints and ``benchmarks/kernels.py`` records per shape: the dense GEMMs (fp32, bf16,
+What ``hf-lowprec env`` prints and ``benchmarks/kernel_speed.py`` records per shape: the dense GEMMs (fp32, bf16,
 int8 ``torch._int_mm``), torch's own weight-only int4/int8 CPU kernels, and the packed layers' backends,
 forward (``y = x W^T``) and grad-input (``g W``) timed separately, one after the other in one process.
 """

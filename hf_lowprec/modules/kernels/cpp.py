@@ -5,7 +5,7 @@ Why by hand: nothing in torch/torchao unpacks INT4 groups to int8 for ``torch._i
 around it make one pass over memory each (an int8 matmul is only worth it when the passes around it are
 fused). Nothing multiplies by an INT4 weight both ways at training sizes either: torch's own
 ``_weight_int4pack_mm_for_cpu`` and ``_weight_int8pack_mm`` are made for a few tokens at a time and measure
-0.01x and 0.03x an fp32 GEMM at 256 tokens (``benchmarks/kernels.py``), and neither has a grad-input. The
+0.01x and 0.03x an fp32 GEMM at 256 tokens (``benchmarks/kernel_speed.py``), and neither has a grad-input. The
 ``tiled_*`` kernels instead dequantize one cache-sized tile of the weight at a time and hand it to the fp32
 (or bf16) GEMM of the CPU's BLAS: the arithmetic runs at that GEMM's speed, which is the fastest there is on
 an AVX2 CPU, and the dense weight never exists whole.

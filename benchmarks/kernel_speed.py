@@ -5,7 +5,10 @@ Kernels: dense fp32 / bf16 / int8 ``torch._int_mm`` (where the CPU has int8 dot 
 grad-input), all in this process one after the other (``hf_lowprec.modules.throughput``). Results go to
 ``results/kernels-<CPU class>.json`` and ``.png``, so each CPU class keeps its own file.
 
-    python benchmarks/kernels.py [--tokens 256] [--repeats 5]
+    python benchmarks/kernel_speed.py [--tokens 256] [--repeats 5]
+
+(Not kernels.py: benchmark scripts run from this folder, where that name would shadow the PyPI package
+``kernels`` that bitsandbytes imports.)
 """
 
 from __future__ import annotations
