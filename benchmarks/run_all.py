@@ -16,6 +16,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 STEPS = {  # name -> arguments (sized for the 45-minute budget; each script's --help says more)
+    "kernel_speed": ["kernel_speed.py", "--repeats", "3"],
     "layers": ["layers.py", "--repeat", "7"],
     "memory": ["memory.py"],
     "scan": ["scan.py"],

@@ -238,6 +238,7 @@ def _print_summary(record: dict, out: Path) -> None:
         "time": f"{f['train_seconds']:.1f} s ({f['seconds_per_step']:.2f} s/step, {f['tokens_per_second']:,.0f} tokens/s)",
         "memory": mem,
         "hardware": f"{record['hardware']['device']} ({record['hardware']['name']}, {record['hardware']['cpu_cores']} cores)",
+        "compute": record["compute"]["reason"],
         "output": f"{out} ({record['export']['description']})",
     }
     ui.out.print(ui.key_values("Fine-tuning summary (losses on held-out data)", items))

@@ -122,18 +122,23 @@ class RichProgress(TrainerCallback):
         self.losses: list[tuple[int, float]] = []
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.last_step = time.perf_counter()
         self.progress.start()
         self.task = self.progress.add_task("training", total=state.max_steps, completed=state.global_step, loss="")
 
     def on_step_end(self, args, state, control, **kwargs):
         self.progress.update(self.task, completed=state.global_step)
+        if not ui.err.is_terminal:  # a line per step: a log file shows at once that the run moves
+            now = time.perf_counter()
+            ui.err.print(f"step {state.global_step}/{state.max_steps} ({now - self.last_step:.1f} s)", highlight=False)
+            self.last_step = now
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses.append((state.global_step, float(logs["loss"])))
             self.progress.update(self.task, loss=f"loss {logs['loss']:.3f}")
             if not ui.err.is_terminal:
-                ui.err.print(f"step {state.global_step}/{state.max_steps} loss {logs['loss']:.4f}")
+                ui.err.print(f"step {state.global_step}/{state.max_steps} loss {logs['loss']:.4f}", highlight=False)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.progress.stop()

@@ -91,8 +91,11 @@ def _error_line(message: str) -> None:
 
 @contextlib.contextmanager
 def step(description: str) -> Iterator[None]:
-    """A spinner with elapsed time while a long step runs; a ✓ line with its duration after."""
+    """A spinner with elapsed time while a long step runs (a plain "…" line when stderr is no terminal); a ✓ line
+    with its duration after."""
     start = time.perf_counter()
+    if not err.is_terminal:
+        err.print(f"… {description}", highlight=False)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True,
                   disable=not err.is_terminal) as progress:  # fmt: skip
         progress.add_task(description, total=None)
@@ -115,8 +118,10 @@ class Counter:
 
 @contextlib.contextmanager
 def counted(description: str, total: int, unit: str = "rows") -> Iterator[Counter]:
-    """A bar over ``total`` items; yields a :class:`Counter`."""
+    """A bar over ``total`` items (a plain "…" line when stderr is no terminal); yields a :class:`Counter`."""
     start = time.perf_counter()
+    if not err.is_terminal:
+        err.print(f"… {description} ({total} {unit})", highlight=False)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
         yield Counter(progress, progress.add_task(description, total=total))

@@ -84,6 +84,7 @@ def test_finetune_eval_export_reload_fp8(ws):
     assert f["steps"] == 6 and f["loss_final"] < f["loss_start"] and f["peak_rss_mb"] > 0 and f["tokens_per_second"] > 0
     assert not (ws / "run-fp8.incomplete").exists()
     assert record["compute"] == {"dtype": "float32", "reason": "compute fp32: as requested"}  # FAST asks for fp32
+    assert all(f"step {i}/6 (" in result.output for i in range(1, 7))  # no terminal: a plain line per step
     assert record["hardware"]["cpu"]["class"] == cpu_info().cpu_class
 
     # the exported master weights, with the plan re-applied, are the trained model: same held-out loss
