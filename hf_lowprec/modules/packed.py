@@ -457,31 +457,35 @@ class PackedLinear(nn.Module):
     def resolve_backend(self, x: torch.Tensor) -> str:
         """The backend that runs for input ``x``: the one asked for, or for ``auto`` the fastest runnable one
         for this shape and dtype, measured once per machine (:mod:`hf_lowprec.modules.kernels.autotune`)."""
+        if self.backend == "auto":
+            key = ("auto", x.device.type, x.dtype)  # resolved once per layer, device and dtype (the cache drops on .to())
+            if key not in self._cache:
+                runnable = self.runnable_backends(x)
+                choice = self._autotune(x.device, x.dtype, runnable) if len(runnable) > 1 else None
+                self._cache[key] = choice.value if choice else "dequant"
+                _log_once(self._cache[key], choice.reason if choice else runnable["dequant"])
+            return self._cache[key]
         runnable = self.runnable_backends(x)
-        if self.backend != "auto":
-            if self.backend not in runnable:
-                available = int8_backend_available(x.device) if self.backend == "int8" else tiled_backend_available(x.device, x.dtype)
-                reason = self.kernel_shape_supported()[1] or available[1]
-                raise ValueError(f"{type(self).__name__} backend {self.backend!r} cannot run here: {reason}; "
-                                 f"use 'auto' or one of {', '.join(runnable)}")  # fmt: skip
-            return self.backend
-        if len(runnable) == 1:
-            _log_once("dequant", runnable["dequant"])
-            return "dequant"
-        choice = self._autotune(x.device, x.dtype, runnable)
-        _log_once(choice.value, choice.reason)
-        return choice.value
+        if self.backend not in runnable:
+            available = int8_backend_available(x.device) if self.backend == "int8" else tiled_backend_available(x.device, x.dtype)
+            reason = self.kernel_shape_supported()[1] or available[1]
+            raise ValueError(f"{type(self).__name__} backend {self.backend!r} cannot run here: {reason}; "
+                             f"use 'auto' or one of {', '.join(runnable)}")  # fmt: skip
+        return self.backend
 
     def _autotune(self, device: torch.device, dtype: torch.dtype, runnable: dict[str, str]):
-        """Time forward + grad-input of each runnable backend on a random ``[AUTOTUNE_TOKENS, K]`` input."""
-        gen = torch.Generator(device).manual_seed(0)
-        x = torch.randn(AUTOTUNE_TOKENS, self.in_features, generator=gen, device=device).to(dtype)
-        g = torch.randn(AUTOTUNE_TOKENS, self.out_features, generator=gen, device=device).to(dtype)
+        """Time forward + grad-input of each runnable backend on a random ``[AUTOTUNE_TOKENS, K]`` input (made only
+        when this machine has not measured this shape yet)."""
+        probe: dict[str, torch.Tensor] = {}
 
         def run(backend):
-            x.mul_(1.0)  # a new version: the int8 rows of the last call are not reused
+            if not probe:
+                gen = torch.Generator(device).manual_seed(0)
+                probe["x"] = torch.randn(AUTOTUNE_TOKENS, self.in_features, generator=gen, device=device).to(dtype)
+                probe["g"] = torch.randn(AUTOTUNE_TOKENS, self.out_features, generator=gen, device=device).to(dtype)
+            x = probe["x"].mul_(1.0)  # a new version: the int8 rows of the last call are not reused
             forward, grad_input = KERNELS[backend]
-            return forward(x, self), grad_input(g, self)
+            return forward(x, self), grad_input(probe["g"], self)
 
         key = f"packed:{type(self).__name__}:{self.spec.name}:{self.out_features}x{self.in_features}:{str(dtype)[6:]}"
         return fastest(key, {name: (lambda name=name: run(name)) for name in runnable}, _backend_reason)
