@@ -24,7 +24,7 @@ from transformers import TrainerCallback
 from hf_lowprec.cli import ui
 from hf_lowprec.hub import export_model, hardware_info, read_run
 from hf_lowprec.metrics import causal_lm_loss
-from hf_lowprec.modules.kernels.autotune import resolve_dtype
+from hf_lowprec.modules.kernels.autotune import measured, resolve_dtype
 from hf_lowprec.plan import atomic_write_text
 from hf_lowprec.recipe import Recipe
 
@@ -219,6 +219,7 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
 
     from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
     from hf_lowprec.data import prepare_lm_data, read_source
+    from hf_lowprec.finetune import backend_counts
 
     recipe, t = opts.recipe, opts.recipe.training
     with ui.step(f"reading data {opts.data or '(default corpus)'}"):
@@ -300,7 +301,8 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
             {"dataset": dataset, "split": "held-out", "metric": "loss", "value": round(final["loss"], 4)},
         ],
         "hardware": hardware_info(),
-        "compute": {"dtype": str(compute).removeprefix("torch."), "reason": compute_reason},
+        "compute": {"dtype": str(compute).removeprefix("torch."), "reason": compute_reason,
+                    "packed_kernels": backend_counts(model), "measured_choices": measured()},
         **method_info,
     }
     extra = {"recipe.yaml": recipe.to_yaml(), "log_history.json": json.dumps(trainer.state.log_history, indent=2)}

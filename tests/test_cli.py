@@ -83,7 +83,8 @@ def test_finetune_eval_export_reload_fp8(ws):
     f = record["training"]
     assert f["steps"] == 6 and f["loss_final"] < f["loss_start"] and f["peak_rss_mb"] > 0 and f["tokens_per_second"] > 0
     assert not (ws / "run-fp8.incomplete").exists()
-    assert record["compute"] == {"dtype": "float32", "reason": "compute fp32: as requested"}  # FAST asks for fp32
+    assert record["compute"]["dtype"] == "float32" and record["compute"]["reason"] == "compute fp32: as requested"  # FAST: fp32
+    assert record["compute"]["packed_kernels"] == {}  # full FP8 training: no packed layers
     assert all(f"step {i}/6 (" in result.output for i in range(1, 7))  # no terminal: a plain line per step
     assert record["hardware"]["cpu"]["class"] == cpu_info().cpu_class
 
@@ -162,6 +163,8 @@ def test_int4_lora_run_exports_adapters(ws, lora_run):
     model, tok = load_exported(out)  # packed base + adapters, same kernels as in training
     int4 = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
     assert int4 >= 4 and int4 + sum(isinstance(m, PackedInt8Linear) for m in model.modules()) == 14
+    kernels = record["compute"]["packed_kernels"]  # every packed layer ran a measured or the only runnable kernel
+    assert sum(kernels.values()) == 14 and set(kernels) <= {"int8", "tiled", "dequant"}
     stats = record["calibration"]  # AWQ + GPTQ on the INT4 layers
     assert stats["rounding"] == "awq+gptq" and stats["layers"] == int4 and stats["output_error_median"] < stats["output_error_nearest_median"]
     assert any(bool((m.input_scale != 1).any()) for m in model.modules() if isinstance(m, PackedInt4Linear))  # AWQ scales reloaded
