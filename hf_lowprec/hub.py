@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.resources
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ import yaml
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData, get_token, snapshot_download
 from torch import nn
 
+from hf_lowprec.assets import shipped_folder
 from hf_lowprec.convert import apply_plan, eligible_layers, freeze, revert
 from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear, PackedLinear
 from hf_lowprec.modules.kernels.cpu import cpu_info
@@ -168,7 +168,7 @@ def render_model_card(run: Mapping, repo_id: str | None = None) -> ModelCard:
     )  # fmt: skip
     from hf_lowprec import __version__
 
-    template = importlib.resources.files("hf_lowprec.model_cards").joinpath(TEMPLATE).read_text()
+    template = shipped_folder("model_cards").joinpath(TEMPLATE).read_text()
     fractions = ", ".join(f"{100 * r['fraction']:.1f}% {r['format']}" for r in run.get("plan_rows", []))
     return ModelCard.from_template(
         card_data,

@@ -17,20 +17,20 @@ value outside its allowed set raises one ``ValueError`` naming the key, the file
 from __future__ import annotations
 
 import dataclasses
-import importlib.resources
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 import yaml
 
+from hf_lowprec.assets import shipped_folder
 from hf_lowprec.calibration import ROUNDINGS
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.plan import PrecisionPlan
 
-RECIPE_PACKAGE = "hf_lowprec.recipes"
 METHODS = ("full", "int4-lora")
 PLAN_SOURCES = ("auto",)  # besides a format name or a plan file path
 DTYPES = ("auto", "fp32", "bf16")  # auto: bf16 where this CPU runs bf16 GEMMs fast (measured), else fp32
@@ -295,8 +295,8 @@ def _check_value(value, hint, key: str, source: str):
 
 
 # ------------------------------------------------------------------------------------- catalogue
-def _packaged() -> dict[str, importlib.resources.abc.Traversable]:
-    root = importlib.resources.files(RECIPE_PACKAGE)
+def _packaged() -> dict[str, Traversable]:
+    root = shipped_folder("recipes")
     return {p.name.removesuffix(".yaml"): p for p in root.iterdir() if p.name.endswith(".yaml")}
 
 
