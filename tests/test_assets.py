@@ -31,3 +31,12 @@ def test_shipped_folders_hold_the_repository_files():
     names = sorted(p.name for p in shipped_folder("recipes").iterdir() if p.name.endswith(".yaml"))
     assert names == sorted(p.name for p in (ROOT / "recipes").glob("*.yaml")) and CHECKOUT == ROOT
     assert shipped_folder("model_cards").joinpath("model_card.md.jinja").read_text() == (ROOT / "model_cards" / "model_card.md.jinja").read_text()
+
+
+def test_the_wheel_lists_every_package_of_the_source_tree():
+    import re
+
+    block = re.search(r"^packages = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.S | re.M).group(1)
+    listed = set(re.findall(r'"([\w.]+)"', block))
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "hf_lowprec").rglob("__init__.py")}
+    assert found <= listed, f"missing from pyproject.toml packages: {sorted(found - listed)}"

@@ -1,0 +1,364 @@
+"""Budgeted allocation: :func:`allocate` turns a :class:`ScanResult` and a :class:`Budget` into an explicit
+:class:`~hf_lowprec.plan.PrecisionPlan` (a multiple-choice knapsack, ILP or greedy); :func:`predict_plan`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from torch import nn
+
+from hf_lowprec.formats import FormatSpec
+from hf_lowprec.plan import PrecisionPlan
+from hf_lowprec.sensitivity.results import KEEP, ScanResult
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RELATIVE_LOSS_INCREASE = 0.01
+"""Budget used by :func:`allocate` when none is given: Δloss ≤ 1% of the calibration loss."""
+SOLVERS = ("auto", "ilp", "greedy")
+ILP_MAX_VARIABLES = 20000  # beyond this many (unit, choice) pairs the greedy solver is used
+_AN_EMBEDDING = nn.Embedding(1, 1)  # PrecisionPlan.resolve looks at a module's type only
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What an allocation must respect (give at least one).
+
+    Attributes:
+        max_loss_increase: predicted Δloss of the whole plan (sum over layers), nats/token.
+        target_bits_per_param: mean stored bits per eligible weight, scales included (a layer kept
+            as it is counts its own dtype: 32 for fp32, 16 for bf16).
+        min_fp8_fraction: at least this fraction of eligible parameters in FP8 or lower precision.
+        int4_fraction: at most this fraction of eligible parameters in 4-bit formats (0 forbids INT4).
+
+    With ``target_bits_per_param`` or ``min_fp8_fraction`` the allocator minimizes the predicted
+    Δloss; otherwise it minimizes memory within ``max_loss_increase`` and ``int4_fraction``.
+    """
+
+    max_loss_increase: float | None = None
+    target_bits_per_param: float | None = None
+    min_fp8_fraction: float | None = None
+    int4_fraction: float | None = None
+
+    def __post_init__(self):
+        values = asdict(self)
+        if all(v is None for v in values.values()):
+            raise ValueError(f"a Budget needs at least one of {', '.join(values)}")
+        for key, v in values.items():
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)):
+                raise ValueError(f"budget {key} must be a finite number, got {v!r}")
+        if self.max_loss_increase is not None and self.max_loss_increase < 0:
+            raise ValueError(f"budget max_loss_increase must be >= 0 (nats/token), got {self.max_loss_increase}")
+        if self.target_bits_per_param is not None and self.target_bits_per_param <= 0:
+            raise ValueError(f"budget target_bits_per_param must be > 0, got {self.target_bits_per_param}")
+        for key in ("min_fp8_fraction", "int4_fraction"):
+            v = values[key]
+            if v is not None and not 0.0 <= v <= 1.0:
+                raise ValueError(f"budget {key} must be a fraction in [0, 1], got {v}")
+
+    @property
+    def minimizes_loss(self) -> bool:
+        return self.target_bits_per_param is not None or self.min_fp8_fraction is not None
+
+
+@dataclass
+class _Problem:
+    """The multiple-choice knapsack: one row per (unit, choice)."""
+
+    unit: np.ndarray  # unit index per row
+    choice: list[str]
+    loss: np.ndarray  # Δloss >= 0
+    nbytes: np.ndarray
+    params: np.ndarray  # unit params on every row
+    low: np.ndarray  # 1 if the choice is low precision
+    four_bit: np.ndarray  # 1 if the choice is a 4-bit format
+    fixed: np.ndarray  # rows forbidden by keep/force
+    n_units: int
+    total_params: float
+
+
+def _problem(result: ScanResult, keep: Sequence[str], force: Mapping[str, str]) -> _Problem:
+    units = [u for u in result.layers]
+    if not units:
+        raise ValueError("the scan has no layers to allocate (the model had no eligible nn.Linear / nn.Embedding layers)")
+    all_names = [n for u in units for n in u.names]
+    rules: dict[int, str] = {}
+
+    def match(pattern: str, what: str) -> list[int]:
+        hits = [i for i, u in enumerate(units) if any(fnmatch.fnmatchcase(n, pattern) for n in u.names)]
+        if not hits and any(c in pattern for c in "*?["):  # e.g. "*norm*": norms are never quantized anyway
+            logger.warning("%s pattern %r matches no scanned layer (only nn.Linear / nn.Embedding are scanned)", what, pattern)
+        elif not hits:
+            close = difflib.get_close_matches(pattern, all_names, n=3, cutoff=0.6)
+            hint = f"; close matches: {', '.join(close)}" if close else f" (e.g. {all_names[0]!r})"
+            raise ValueError(f"{what} entry {pattern!r} is not a scanned layer{hint}")
+        return hits
+
+    for pattern in keep:
+        for i in match(pattern, "keep"):
+            rules[i] = KEEP
+    for pattern, fmt in (force or {}).items():
+        spec = FormatSpec.parse(fmt)
+        name = KEEP if spec.is_high_precision else spec.name
+        for i in match(pattern, "force"):
+            if name != KEEP and name not in units[i].bytes:
+                allowed = ", ".join([KEEP, *units[i].formats])
+                raise ValueError(f"force entry {pattern!r}: format {name!r} was not scanned for {units[i].name!r}; choose one of {allowed}")
+            if rules.get(i, name) != name:
+                raise ValueError(f"layer {units[i].name!r} (with its tied twins {list(units[i].tied)}) gets both {rules[i]} and {name} from keep/force")
+            rules[i] = name
+    rows = [(i, c) for i, u in enumerate(units) for c in [KEEP, *u.formats]]
+    negative = sum(1 for i, c in rows if units[i].score(c) < 0)
+    if negative:
+        logger.info("%d (layer, format) scores are negative (quantizing lowered the calibration loss); counted as 0", negative)
+    return _Problem(
+        unit=np.array([i for i, _ in rows]),
+        choice=[c for _, c in rows],
+        loss=np.array([max(units[i].score(c), 0.0) for i, c in rows]),
+        nbytes=np.array([units[i].bytes[c] for i, c in rows]),
+        params=np.array([float(units[i].params) for i, _ in rows]),
+        low=np.array([0.0 if c == KEEP else 1.0 for _, c in rows]),
+        four_bit=np.array([1.0 if c != KEEP and FormatSpec.parse(c).bits <= 4 else 0.0 for _, c in rows]),
+        fixed=np.array([i in rules and rules[i] != c for i, c in rows]),
+        n_units=len(units),
+        total_params=float(sum(u.params for u in units)),
+    )
+
+
+_CONSTRAINTS = ("max_loss_increase", "target_bits_per_param", "min_fp8_fraction", "int4_fraction")
+
+
+def _limits(p: _Problem, budget: Budget, skip: str | None = None) -> list[tuple[np.ndarray, float, float]]:
+    """Linear constraints ``lo <= a·x <= hi`` for the budget (leaving out ``skip``)."""
+    total = p.total_params
+    out = []
+    if budget.max_loss_increase is not None and skip != "max_loss_increase":
+        out.append((p.loss, -np.inf, budget.max_loss_increase))
+    if budget.target_bits_per_param is not None and skip != "target_bits_per_param":
+        out.append((p.nbytes * 8 / total, -np.inf, budget.target_bits_per_param))
+    if budget.min_fp8_fraction is not None and skip != "min_fp8_fraction":
+        out.append((p.low * p.params / total, budget.min_fp8_fraction - 1e-12, np.inf))
+    if budget.int4_fraction is not None and skip != "int4_fraction":
+        out.append((p.four_bit * p.params / total, -np.inf, budget.int4_fraction + 1e-12))
+    return out
+
+
+def _solve_ilp(p: _Problem, objective: np.ndarray, limits, tiebreak: np.ndarray | None = None) -> np.ndarray | None:
+    """Exact 0/1 solution (HiGHS branch and bound via scipy) minimizing ``objective``; None if infeasible.
+
+    An ILP rather than a DP: the budget can constrain loss, memory and two fractions at once, which a
+    one-dimensional knapsack DP cannot express.
+    """
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    n = len(p.unit)
+    onehot = np.zeros((p.n_units, n))
+    onehot[p.unit, np.arange(n)] = 1.0
+    constraints = [LinearConstraint(onehot, 1.0, 1.0)]
+    constraints += [LinearConstraint(a[None, :], lo, hi) for a, lo, hi in limits]
+    bounds = Bounds(np.zeros(n), np.where(p.fixed, 0.0, 1.0))
+    options = {"time_limit": 60.0, "mip_rel_gap": 1e-9}
+    scale = max(np.abs(objective).max(), 1e-30)
+    res = milp(objective / scale, integrality=np.ones(n), bounds=bounds, constraints=constraints, options=options)
+    if res.x is None:
+        return None
+    if res.status != 0:
+        logger.warning("allocation ILP stopped before proving optimality (%s); using its best solution", res.message)
+    x = np.round(res.x)
+    if tiebreak is not None:  # among optimal solutions, the best by the second criterion
+        best = float(objective @ x)
+        tol = 1e-9 * max(abs(best), 1e-12) + 1e-15
+        res2 = milp(tiebreak / max(np.abs(tiebreak).max(), 1e-30), integrality=np.ones(n), bounds=bounds,
+                    constraints=[*constraints, LinearConstraint(objective[None, :], -np.inf, best + tol)], options=options)  # fmt: skip
+        if res2.x is not None:
+            x = np.round(res2.x)
+    return x
+
+
+def _solve_greedy(p: _Problem, budget: Budget) -> np.ndarray:
+    """Greedy for problems too large for the ILP: start from each unit's lowest-Δloss choice, then
+    repeatedly take the feasible move with the least Δloss per byte saved."""
+    total = p.total_params
+    allowed = ~p.fixed
+    state = np.zeros(p.n_units, dtype=int)
+    for u in range(p.n_units):
+        rows = np.flatnonzero((p.unit == u) & allowed)
+        state[u] = rows[np.lexsort((p.nbytes[rows], p.loss[rows]))[0]]
+    loss_cap = math.inf if budget.minimizes_loss or budget.max_loss_increase is None else budget.max_loss_increase
+    int4_cap = math.inf if budget.int4_fraction is None else budget.int4_fraction * total + 1e-9
+    while True:
+        cur = state[p.unit]
+        t = _totals(p, np.bincount(state, minlength=len(p.unit)).astype(float))
+        if budget.minimizes_loss and not _violations_of(t, budget, ("target_bits_per_param", "min_fp8_fraction")):
+            break
+        saved = p.nbytes[cur] - p.nbytes
+        ok = allowed & (saved > 0)
+        ok &= t["max_loss_increase"] + p.loss - p.loss[cur] <= loss_cap
+        ok &= t["int4_fraction"] * total + (p.four_bit - p.four_bit[cur]) * p.params <= int4_cap
+        if not ok.any():
+            break
+        slope = np.where(ok, (p.loss - p.loss[cur]) / np.where(ok, saved, 1.0), np.inf)
+        j = int(np.argmin(slope))
+        state[p.unit[j]] = j
+    x = np.zeros(len(p.unit))
+    x[state] = 1.0
+    return x
+
+
+def _totals(p: _Problem, x: np.ndarray) -> dict:
+    total = p.total_params
+    return {
+        "max_loss_increase": float(p.loss @ x),
+        "target_bits_per_param": float(p.nbytes @ x) * 8 / total,
+        "min_fp8_fraction": float((p.low * p.params) @ x) / total,
+        "int4_fraction": float((p.four_bit * p.params) @ x) / total,
+    }
+
+
+def _violations(p: _Problem, x: np.ndarray, budget: Budget) -> list[str]:
+    return _violations_of(_totals(p, x), budget, _CONSTRAINTS)
+
+
+def _violations_of(t: dict, budget: Budget, keys: Sequence[str]) -> list[str]:
+    """The budget constraints among ``keys`` that the totals ``t`` break."""
+    tol = 1e-9
+    bad = []
+    if budget.max_loss_increase is not None and t["max_loss_increase"] > budget.max_loss_increase + tol:
+        bad.append("max_loss_increase")
+    if budget.target_bits_per_param is not None and t["target_bits_per_param"] > budget.target_bits_per_param + tol:
+        bad.append("target_bits_per_param")
+    if budget.min_fp8_fraction is not None and t["min_fp8_fraction"] < budget.min_fp8_fraction - tol:
+        bad.append("min_fp8_fraction")
+    if budget.int4_fraction is not None and t["int4_fraction"] > budget.int4_fraction + tol:
+        bad.append("int4_fraction")
+    return [k for k in bad if k in keys]
+
+
+_BEST = {  # how to optimize one budget quantity alone: (objective row, sign, wording)
+    "max_loss_increase": (lambda p: p.loss, 1, "lowest predicted Δloss reachable"),
+    "target_bits_per_param": (lambda p: p.nbytes * 8 / p.total_params, 1, "fewest bits per parameter reachable"),
+    "min_fp8_fraction": (lambda p: p.low * p.params / p.total_params, -1, "largest FP8-or-lower fraction reachable"),
+    "int4_fraction": (lambda p: p.four_bit * p.params / p.total_params, 1, "smallest INT4 fraction reachable"),
+}
+
+
+def _unmeetable(p: _Problem, budget: Budget, failed: list[str]) -> ValueError:
+    """The error for a budget that cannot be met, naming the best reachable value of a failing constraint."""
+    given = {k: v for k, v in asdict(budget).items() if v is not None}
+    for key in failed or list(given):
+        row, sign, wording = _BEST[key]
+        x = _solve_ilp(p, sign * row(p), _limits(p, budget, skip=key))
+        if x is None:
+            continue
+        others = ", ".join(f"{k}={v:g}" for k, v in given.items() if k != key)
+        return ValueError(
+            f"budget {key}={given[key]:g} cannot be met: the {wording}{' with ' + others if others else ''} "
+            f"(and keep/force) is {float(row(p) @ x):.6g}"
+        )
+    return ValueError(f"budget {given} cannot be met by any combination of the scanned formats with keep/force")
+
+
+def predict_plan(result: ScanResult, plan: "PrecisionPlan | Mapping") -> dict:
+    """Predicted Δloss (sum of per-layer scores, negatives as 0), bits per parameter and format
+    fractions of any ``plan`` over the scanned layers (e.g. a hand-written one, to compare with
+    :func:`allocate`'s). Raises ``ValueError`` if the plan gives tied layers different formats or
+    a format the scan did not score."""
+    plan = plan if isinstance(plan, PrecisionPlan) else PrecisionPlan.from_dict(plan)
+    total = sum(u.params for u in result.layers) or 1
+    loss = nbytes = 0.0
+    fractions: dict[str, float] = {}
+    for u in result.layers:
+        # the unit's first layer has kind u.kind; tied twins are output heads (Linear)
+        specs = {plan.resolve(n, _AN_EMBEDDING if (n == u.name and u.kind == "Embedding") else None) for n in u.names}
+        names = {KEEP if s.is_high_precision else s.name for s in specs}
+        if len(names) > 1:
+            raise ValueError(f"plan gives the tied layers {list(u.names)} different formats {sorted(names)}; the scan scored them as one unit")
+        fmt = names.pop()
+        if fmt not in u.bytes:
+            raise ValueError(f"plan puts {u.name!r} in {fmt}, which the scan did not score; scanned: {', '.join(result.formats)}")
+        loss += max(u.score(fmt), 0.0)
+        nbytes += u.bytes[fmt]
+        fractions[fmt] = fractions.get(fmt, 0.0) + u.params / total
+    return {"predicted_delta_loss": loss, "bits_per_param": nbytes * 8 / total, "fractions": fractions}
+
+
+def allocate(
+    result: ScanResult,
+    budget: Budget | None = None,
+    *,
+    keep: Sequence[str] = (),
+    force: Mapping[str, str] | None = None,
+    solver: str = "auto",
+    **budget_kwargs,
+) -> PrecisionPlan:
+    """Choose a format per layer under ``budget``; returns a plan naming every scanned layer.
+
+    Args:
+        result: a :class:`ScanResult`; each choice costs its measured Δloss if measured, else its
+            prediction (negative values count as 0).
+        budget: a :class:`Budget`, or its fields as keyword arguments. Neither: Δloss ≤ 1% of the
+            calibration loss.
+        keep: names or globs of layers to leave as they are (a tied twin follows its unit); an
+            exact name that is no scanned layer raises, a glob that matches none is logged.
+        force: ``{name or glob: format}`` fixing a layer's format (a scanned format or ``bf16``).
+        solver: ``auto`` (exact ILP up to 20,000 choices, greedy beyond), ``ilp`` or ``greedy``.
+
+    Records the plan and a summary (predicted Δloss, bits per parameter, fractions) on ``result``.
+    Raises ``ValueError`` naming the best reachable value when the budget cannot be met.
+    """
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    if isinstance(keep, str):
+        keep = (keep,)
+    if budget is not None and budget_kwargs:
+        raise ValueError("pass either a Budget or budget keyword arguments, not both")
+    if budget is None:
+        if budget_kwargs:
+            unknown = sorted(set(budget_kwargs) - set(_CONSTRAINTS))
+            if unknown:
+                raise ValueError(f"unknown budget argument(s) {unknown}; choose from {', '.join(_CONSTRAINTS)}")
+            budget = Budget(**budget_kwargs)
+        else:
+            if not math.isfinite(result.base_loss):
+                raise ValueError("the scan has no calibration loss to derive a default budget from; pass a budget")
+            budget = Budget(max_loss_increase=DEFAULT_RELATIVE_LOSS_INCREASE * result.base_loss)
+            logger.info("no budget given: max_loss_increase = %.4g (1%% of the calibration loss)", budget.max_loss_increase)
+    p = _problem(result, keep, force or {})
+    use_ilp = solver == "ilp" or (solver == "auto" and len(p.unit) <= ILP_MAX_VARIABLES)
+    if use_ilp:
+        primary, second = (p.loss, p.nbytes) if budget.minimizes_loss else (p.nbytes, p.loss)
+        x = _solve_ilp(p, primary, _limits(p, budget), tiebreak=second)
+        if x is None:
+            raise _unmeetable(p, budget, [])
+    else:
+        x = _solve_greedy(p, budget)
+    failed = _violations(p, x, budget)
+    if failed:
+        raise _unmeetable(p, budget, failed)
+    chosen = {int(p.unit[j]): p.choice[j] for j in np.flatnonzero(x > 0.5)}
+    layers = {}
+    for i, unit in enumerate(result.layers):
+        for name in unit.names:
+            layers[name] = chosen[i]
+    plan = PrecisionPlan(layers, default=KEEP, model=result.model)
+    totals = _totals(p, x)
+    fractions: dict[str, float] = {}
+    for i, unit in enumerate(result.layers):
+        fractions[chosen[i]] = fractions.get(chosen[i], 0.0) + unit.params / p.total_params
+    result.plan = plan
+    result.allocation = {
+        "budget": {k: v for k, v in asdict(budget).items() if v is not None},
+        "keep": list(keep), "force": dict(force or {}), "solver": "ilp" if use_ilp else "greedy",
+        "predicted_delta_loss": totals["max_loss_increase"], "bits_per_param": totals["target_bits_per_param"],
+        "fractions": fractions,
+    }  # fmt: skip
+    logger.info("allocated: predicted Δloss %.4g, %.2f bits/param, %s", totals["max_loss_increase"],
+                totals["target_bits_per_param"], ", ".join(f"{k} {v:.1%}" for k, v in fractions.items()))  # fmt: skip
+    return plan

@@ -1,0 +1,89 @@
+"""Calibration batches of a scan: validated, merged up to a token budget, and run through the model as
+``(logits, labels)`` of the predicted tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+
+IGNORE_INDEX = -100
+
+
+def _check_batches(batches: Iterable[Mapping]) -> list[dict]:
+    out = []
+    for i, batch in enumerate(batches):
+        if not isinstance(batch, Mapping) or "input_ids" not in batch:
+            raise ValueError(f"batch {i}: each batch must be a dict with 'input_ids' and 'labels' tensors")
+        if "labels" not in batch:
+            raise ValueError("batches need a 'labels' key (causal LM: labels=input_ids)")
+        out.append(dict(batch))
+    if not out:
+        raise ValueError("scan needs at least one calibration batch")
+    return out
+
+
+def _merge(batches: list[dict], max_tokens: int) -> list[dict]:
+    """Concatenate consecutive batches of the same layout along dim 0, up to ``max_tokens`` per batch.
+
+    Fewer, larger forwards: every low-precision twin quantizes its weight once per forward, which
+    for a 135M model costs as much as the matmuls of a few hundred tokens.
+    """
+    out: list[dict] = []
+    for batch in batches:
+        last = out[-1] if out else None
+        if last is not None and _same_layout(last, batch) and last["input_ids"].numel() + batch["input_ids"].numel() <= max_tokens:
+            out[-1] = {k: torch.cat([last[k], v]) if torch.is_tensor(v) else v for k, v in batch.items()}
+        else:
+            out.append(batch)
+    return out
+
+
+def _same_layout(a: Mapping, b: Mapping) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k, v in b.items():
+        w = a[k]
+        if torch.is_tensor(v) != torch.is_tensor(w):
+            return False
+        if torch.is_tensor(v) and (v.dim() == 0 or v.shape[1:] != w.shape[1:] or v.dtype != w.dtype):
+            return False
+        if not torch.is_tensor(v) and v != w:
+            return False
+    return True
+
+
+def _shifts_labels(model: nn.Module, labels: torch.Tensor) -> bool:
+    """Whether ``labels`` are next-token targets (causal LM) rather than per-position or per-sequence classes."""
+    if labels.is_floating_point():
+        raise ValueError("scan needs class or token labels (integer tensors); regression labels (float) are not supported")
+    return labels.dim() == 2 and getattr(model, "loss_type", "ForCausalLM") == "ForCausalLM"
+
+
+def _label_count(model: nn.Module, batch: Mapping) -> int:
+    """Positions the loss scores: next tokens for a causal LM, labels as they are for classification."""
+    labels = batch["labels"]
+    return int(((labels[:, 1:] if _shifts_labels(model, labels) else labels) != IGNORE_INDEX).sum())
+
+
+def _forward(model: nn.Module, batch: Mapping, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits at label positions [T, C] fp32, labels [T])`` of one batch.
+
+    Causal LM: next-token logits and labels (``T`` tokens, ``C`` = vocabulary). Token
+    classification: one row per labelled token. Sequence classification (logits ``[B, C]``,
+    labels ``[B]``): one row per sequence.
+    """
+    inputs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items() if k != "labels"}
+    if getattr(getattr(model, "config", None), "use_cache", None) is not None:
+        inputs.setdefault("use_cache", False)  # no KV cache: less memory, and blocks can be replayed
+    logits = model(**inputs).logits
+    labels = batch["labels"].to(device)
+    if _shifts_labels(model, labels):
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    if logits.shape[: labels.dim()] != labels.shape:
+        raise ValueError(f"labels of shape {tuple(batch['labels'].shape)} do not fit logits of shape {tuple(logits.shape)} ({type(model).__name__})")
+    valid = labels != IGNORE_INDEX
+    return logits[valid].float(), labels[valid]

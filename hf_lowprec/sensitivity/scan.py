@@ -1,0 +1,314 @@
+"""The scan passes (:func:`scan`: unquantized, Fisher, measured) and :func:`measure_plan` of a whole plan.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_lowprec.convert import eligible_layers
+from hf_lowprec.formats import FormatSpec
+from hf_lowprec.modules import LOW_PRECISION_TYPES, low_precision_layer
+from hf_lowprec.plan import PrecisionPlan
+from hf_lowprec.sensitivity.batches import _check_batches, _forward, _label_count, _merge
+from hf_lowprec.sensitivity.replay import Progress, _BlockReplay
+from hf_lowprec.sensitivity.results import KEEP, LayerScore, ScanResult
+from hf_lowprec.sensitivity.units import _layer_bytes, _select, _twins, _units
+
+
+METHODS = ("auto", "measured", "fisher")
+DEFAULT_FORMATS = ("fp8", "int4-g64")
+
+
+@contextmanager
+def _scanning(model: nn.Module, seed: int):
+    """Eval mode, a forked and seeded RNG, and hooks removed afterwards, whatever happens."""
+    modes = [(m, m.training) for m in model.modules()]
+    hooks: list = []
+    device = next(model.parameters()).device
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            model.eval()
+            yield hooks
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, mode in modes:
+            m.training = mode
+
+
+class _Tracker:
+    def __init__(self, progress: Progress | None, total: int):
+        self.progress, self.total, self.done = progress, total, 0
+
+    def step(self, description: str) -> None:
+        self.done += 1
+        if self.progress is not None:
+            self.progress(self.done, self.total, description)
+
+
+def scan(
+    model: nn.Module,
+    batches: Iterable[Mapping],
+    formats: Sequence[str] = DEFAULT_FORMATS,
+    method: str = "auto",
+    *,
+    progress: Progress | None = None,
+    seed: int = 0,
+    measure_top_fraction: float = 0.05,
+    layers: Sequence[str] | None = None,
+    max_batch_tokens: int = 2048,
+    fp8_backend: str = "auto",
+) -> ScanResult:
+    """Score every eligible layer of ``model`` for every format in ``formats``.
+
+    Args:
+        batches: dicts with ``input_ids`` ``[B, T]``, optional ``attention_mask``, and ``labels``
+            (causal LM: ``labels=input_ids``; token classification ``[B, T]``; sequence
+            classification ``[B]``; ``-100`` ignored). Consumed once.
+        formats: low-precision formats to score (``bf16`` — keeping the layer — is always the baseline).
+        method: ``auto``, ``measured`` or ``fisher`` (see the module docstring).
+        progress: ``progress(done, total, description)`` after each step.
+        seed: seeds a forked RNG for the scan (the global RNG is left as it was).
+        measure_top_fraction: ``auto`` only: fraction of (layer, format) pairs measured after the
+            Fisher pass, those with the highest predicted Δloss per byte saved.
+        layers: names or globs of the layers to scan (default: every eligible layer).
+        max_batch_tokens: consecutive batches of one shape run as one forward up to this many
+            tokens (FP8 tensorwise activation scales then span the merged batch).
+        fp8_backend: passed to the FP8 layers (as in :func:`hf_lowprec.convert.apply_plan`).
+
+    The model is left exactly as it was (modules, parameters, gradients, train/eval mode), also when
+    interrupted. Raises ``ValueError`` for a model without eligible layers, an already converted
+    model, or batches without labels.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown scan method {method!r}; choose one of {', '.join(METHODS)}")
+    if max_batch_tokens < 1:
+        raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+    if not 0.0 <= measure_top_fraction <= 1.0:
+        raise ValueError(f"measure_top_fraction must be in [0, 1], got {measure_top_fraction}")
+    specs = [FormatSpec.parse(f) for f in formats]
+    if not specs:
+        raise ValueError("scan needs at least one format, e.g. formats=('fp8', 'int4-g64')")
+    for s in specs:
+        if s.is_high_precision:
+            raise ValueError(f"format {s.name!r} is high precision: scan low-precision formats (fp8, int4-g64, ...); {KEEP} is always the baseline")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"formats contain duplicates: {names}")
+    units = _units(model, specs)
+    if layers is not None:
+        units = _select(units, [layers] if isinstance(layers, str) else layers)
+    batches = _merge(_check_batches(batches), max_batch_tokens)
+    tokens = sum(_label_count(model, b) for b in batches)
+    if tokens == 0:
+        raise ValueError("the calibration batches have no labelled positions (all labels are -100, or causal-LM sequences of length 1)")
+    device = next(model.parameters()).device
+    scores = [LayerScore(u.name, tuple(n for n, _ in u.members[1:]), type(u.members[0][1]).__name__,
+                         u.members[0][1].weight.numel(), _layer_bytes(u)) for u in units]  # fmt: skip
+    result = ScanResult(scores, tuple(names), method, tokens=tokens, seed=seed, model=getattr(getattr(model, "config", None), "name_or_path", None) or None)
+    start = time.perf_counter()
+    with _scanning(model, seed) as hooks:
+        if method == "measured":
+            pairs = [(i, f) for i, u in enumerate(units) for f in u.formats]
+            tracker = _Tracker(progress, len(batches) + len(pairs))
+            replay = _BlockReplay(model, units, hooks)
+            base = _base_pass(model, batches, device, tracker, replay)
+            result.base_loss = base[0]
+            _measure(model, batches, device, units, pairs, scores, base, hooks, tracker, fp8_backend, replay)
+        else:
+            measure = method == "auto" and measure_top_fraction > 0
+            tracker = _Tracker(progress, len(batches))
+            replay = _BlockReplay(model, units, hooks) if measure else None
+            base = _fisher_pass(model, batches, device, units, scores, hooks, tracker, fp8_backend, replay)
+            result.base_loss = base[0]
+            result.seconds["fisher"] = time.perf_counter() - start
+            if measure:
+                pairs = _boundary_pairs(units, scores, measure_top_fraction)
+                tracker.total += len(pairs)
+                _measure(model, batches, device, units, pairs, scores, base, hooks, tracker, fp8_backend, replay)
+    result.seconds["total"] = time.perf_counter() - start
+    if method != "fisher":
+        result.seconds["measured"] = result.seconds["total"] - result.seconds.get("fisher", 0.0)
+    return result
+
+
+@torch.no_grad()
+def _base_pass(model, batches, device, tracker, replay: "_BlockReplay | None" = None) -> tuple[float, list[torch.Tensor]]:
+    """Mean loss of the unquantized model and its log-probabilities per batch (for KL)."""
+    nll, logps = 0.0, []
+    for i, batch in enumerate(batches):
+        logits, labels = _forward(model, batch, device)
+        logp = torch.log_softmax(logits, -1)
+        nll -= logp.gather(1, labels[:, None]).sum().item()
+        logps.append(logp)
+        if replay is not None:
+            replay.next_batch()
+        tracker.step(f"unquantized pass, batch {i + 1}/{len(batches)}")
+    if replay is not None:
+        replay.stop()
+    return nll / sum(len(lp) for lp in logps), logps
+
+
+def _fisher_pass(model, batches, device, units, scores, hooks, tracker, fp8_backend, replay: "_BlockReplay | None"):
+    """One forward/backward per batch: output-space Taylor estimate for every (unit, format).
+
+    The forward records each layer's input and output; after the backward (activation gradients
+    only), each low-precision twin runs on the recorded input to give ``δy``, one layer at a time.
+    """
+    twins: dict[int, list[tuple[tuple[str, str], nn.Module]]] = {}
+    for u in units:
+        for f in u.formats:
+            for _, module, twin in _twins(u, f, fp8_backend):
+                twins.setdefault(id(module), []).append(((u.name, f), twin))
+    first = {(u.name, f): 0.0 for u in units for f in u.formats}
+    second = dict(first)
+    record: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    def hook(module, args, out):
+        if not out.requires_grad:  # frozen weights: make the output a leaf so gradients reach it
+            out = out.detach().requires_grad_(True)
+        record.append((id(module), args[0].detach(), out))
+        return out
+
+    for u in units:
+        for _, module in u.members:
+            hooks.append(module.register_forward_hook(hook))
+    nll, logps, count = 0.0, [], 0
+    for i, batch in enumerate(batches):
+        record.clear()
+        with torch.enable_grad():
+            logits, labels = _forward(model, batch, device)
+            loss_sum = F.cross_entropy(logits, labels, reduction="sum")
+            grads = list(torch.autograd.grad(loss_sum, [out for _, _, out in record], allow_unused=True))
+        nll += loss_sum.item()
+        count += len(labels)
+        if replay is not None:  # needed only for the measured passes that follow
+            logps.append(torch.log_softmax(logits.detach(), -1))
+            replay.next_batch()
+        del logits, loss_sum
+        with torch.no_grad():
+            for j, (module_id, x, out) in enumerate(record):
+                g = grads[j]
+                grads[j] = None  # free as we go
+                if g is None:
+                    continue
+                g = g.float().flatten()
+                for key, twin in twins[module_id]:
+                    gd = twin(x).float().flatten().sub_(out.detach().float().flatten()).mul_(g)  # g * δy
+                    first[key] += gd.sum().item()
+                    second[key] += 0.5 * torch.dot(gd, gd).item()
+        record.clear()
+        tracker.step(f"fisher pass, batch {i + 1}/{len(batches)}")
+    if replay is not None:
+        replay.stop()
+    for h in hooks:
+        h.remove()
+    hooks.clear()
+    for u, s in zip(units, scores):
+        for f in u.formats:
+            s.first_order[f] = first[u.name, f] / count
+            s.second_order[f] = second[u.name, f] / count
+            s.predicted[f] = s.first_order[f] + s.second_order[f]
+    return nll / count, logps
+
+
+def _boundary_pairs(units, scores, fraction: float) -> list[tuple[int, str]]:
+    """The top ``fraction`` of (unit, format) pairs by predicted Δloss per byte saved, in model order.
+
+    These are the choices a budget keeps out of low precision first, so the ones whose estimate
+    matters most; they are also the largest perturbations, where a Taylor estimate is least reliable.
+    """
+    pairs = [(i, f) for i, u in enumerate(units) for f in u.formats]
+    n = math.ceil(fraction * len(pairs))
+
+    def per_byte(pair):
+        s = scores[pair[0]]
+        return s.predicted[pair[1]] / max(s.bytes[KEEP] - s.bytes[pair[1]], 1.0)
+
+    top = set(sorted(pairs, key=per_byte, reverse=True)[:n])
+    return [pair for pair in pairs if pair in top]
+
+
+@torch.no_grad()
+def _measure(model, batches, device, units, pairs, scores, base, hooks, tracker, fp8_backend, replay: _BlockReplay):
+    """Measured Δloss and KL for each (unit index, format) in ``pairs``, one at a time."""
+    base_loss, base_logps = base
+    for i, fmt in pairs:
+        unit, s = units[i], scores[i]
+        handles = [module.register_forward_hook(_replace_output(twin)) for _, module, twin in _twins(unit, fmt, fp8_backend)]
+        hooks.extend(handles)
+        try:
+            with replay.replaying(replay.skippable(unit)):
+                nll, kl, count = _loss_and_kl(model, batches, device, base_logps, replay)
+        finally:
+            for h in handles:
+                h.remove()
+                hooks.remove(h)
+        s.measured[fmt] = nll / count - base_loss
+        s.kl[fmt] = kl / count
+        tracker.step(f"measured {unit.name} in {fmt}")
+
+
+def _loss_and_kl(model, batches, device, base_logps, replay: "_BlockReplay | None" = None) -> tuple[float, float, int]:
+    """Summed next-token loss, summed KL(base ‖ model) and token count over ``batches``."""
+    nll, kl, count = 0.0, 0.0, 0
+    for b, (batch, base_logp) in enumerate(zip(batches, base_logps)):
+        if replay is not None:
+            replay.batch = b
+        logits, labels = _forward(model, batch, device)
+        logp = torch.log_softmax(logits, -1)
+        nll -= logp.gather(1, labels[:, None]).sum().item()
+        kl += F.kl_div(logp, base_logp, reduction="sum", log_target=True).item()
+        count += len(labels)
+    return nll, kl, count
+
+
+def _replace_output(twin: nn.Module):
+    def hook(module, args, out):
+        return twin(args[0])
+
+    return hook
+
+
+def measure_plan(model: nn.Module, plan: "PrecisionPlan | Mapping", batches: Iterable[Mapping], *, fp8_backend: str = "auto") -> dict:
+    """Measure a whole plan's Δloss and KL on ``batches`` (held-out data), leaving ``model`` as it was.
+
+    Every layer runs through the low-precision layer :func:`~hf_lowprec.convert.apply_plan` would
+    install for its planned format. Returns ``base_loss``, ``plan_loss``, ``delta_loss``, ``kl``
+    (nats/token) and ``tokens``.
+    """
+    plan = plan if isinstance(plan, PrecisionPlan) else PrecisionPlan.from_dict(plan)
+    plan.validate(model)
+    batches = _check_batches(batches)  # one forward per batch, as training would run them
+    device = next(model.parameters()).device
+    assignment = plan.assign(model)
+    layers = eligible_layers(model)
+    converted = [n for n, m in layers.items() if isinstance(m, LOW_PRECISION_TYPES)]
+    if converted:
+        raise ValueError(f"measure_plan needs an unconverted model ({converted[0]!r} is already low precision); call hf_lowprec.revert(model) first")
+    shared: dict[int, tuple[str, object]] = {}
+    with _scanning(model, 0) as hooks, torch.no_grad():
+        base_loss, base_logps = _base_pass(model, batches, device, _Tracker(None, 0))
+        for name, module in layers.items():
+            spec = assignment[name]
+            if spec.is_high_precision:
+                continue
+            twin_of = shared.get(id(module.weight))
+            if twin_of is not None and spec.family != "fp8" and twin_of[0] != spec.name:
+                raise ValueError(f"layers sharing one weight need one integer format: {name!r} is planned {spec.name} but its tied twin is {twin_of[0]}")
+            twin = low_precision_layer(module, spec, {"fp8_backend": fp8_backend, "learn_scales": False}, None if twin_of is None else twin_of[1])
+            if twin_of is None and hasattr(twin, "weight_quantizer"):
+                shared[id(module.weight)] = (spec.name, twin.weight_quantizer)
+            hooks.append(module.register_forward_hook(_replace_output(twin)))
+        nll, kl, count = _loss_and_kl(model, batches, device, base_logps)
+    plan_loss = nll / count
+    return {"base_loss": base_loss, "plan_loss": plan_loss, "delta_loss": plan_loss - base_loss, "kl": kl / count, "tokens": count}

@@ -1,0 +1,77 @@
+"""The units a scan scores: eligible layers grouped by shared weight (tied embeddings), the formats each can
+take, their low-precision twins and their storage per choice.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from hf_lowprec.convert import eligible_layers
+from hf_lowprec.formats import FormatSpec
+from hf_lowprec.modules import LOW_PRECISION_TYPES, low_precision_layer
+from hf_lowprec.sensitivity.results import KEEP
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Unit:
+    name: str
+    members: list[tuple[str, nn.Module]]
+    formats: list[str]
+
+
+def _units(model: nn.Module, formats: Sequence[FormatSpec]) -> list[_Unit]:
+    """Eligible layers grouped by shared weight, with the formats every member can take."""
+    layers = eligible_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no eligible layers (nn.Linear / nn.Embedding) to scan")
+    converted = [n for n, m in layers.items() if isinstance(m, LOW_PRECISION_TYPES)]
+    if converted:
+        raise ValueError(
+            f"scan needs an unconverted model, but {len(converted)} layers are already low precision "
+            f"(e.g. {converted[0]!r}); call hf_lowprec.revert(model) first"
+        )
+    groups: dict[int, _Unit] = {}
+    for name, module in layers.items():
+        unit = groups.setdefault(id(module.weight), _Unit(name, [], []))
+        unit.members.append((name, module))
+    for unit in groups.values():
+        has_embedding = any(isinstance(m, nn.Embedding) for _, m in unit.members)
+        unit.formats = [s.name for s in formats if not (s.act_int8 and has_embedding)]
+        if len(unit.formats) < len(formats):
+            logger.info("%s: embeddings have no activation to quantize; skipping -a8 formats", unit.name)
+    return list(groups.values())
+
+
+def _select(units: list[_Unit], patterns: Sequence[str]) -> list[_Unit]:
+    """The units with a member matching one of ``patterns`` (names or globs)."""
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(n, pattern) for u in units for n, _ in u.members):
+            raise ValueError(f"layers entry {pattern!r} matches no eligible layer (e.g. {units[0].name!r})")
+    return [u for u in units if any(fnmatch.fnmatchcase(n, p) for n, _ in u.members for p in patterns)]
+
+
+def _twins(unit: _Unit, fmt: str, fp8_backend: str) -> list[tuple[str, nn.Module, nn.Module]]:
+    """``(name, layer, low-precision twin)`` for each member; twins share weights (and integer quantizers)."""
+    spec = FormatSpec.parse(fmt)
+    options = {"fp8_backend": fp8_backend, "learn_scales": False}
+    out, quantizer = [], None
+    for name, module in unit.members:
+        twin = low_precision_layer(module, spec, options, quantizer)
+        quantizer = getattr(twin, "weight_quantizer", quantizer)
+        out.append((name, module, twin))
+    return out
+
+
+def _layer_bytes(unit: _Unit) -> dict[str, float]:
+    w = unit.members[0][1].weight
+    out = {KEEP: float(w.numel() * w.element_size())}
+    for f in unit.formats:
+        out[f] = float(w.numel() * FormatSpec.parse(f).bytes_per_param(w.shape[-1]))
+    return out
