@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import resource
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from hf_lowprec.metrics import peak_rss_mb  # noqa: F401  (the benchmarks' peak-RSS helper)
 from hf_lowprec.modules.kernels.cpu import cpu_info
 
 RESULTS = Path(__file__).parent / "results"
@@ -25,11 +25,6 @@ def median_time(fn, warmup: int = 2, repeat: int = 7) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
-
-
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far, MB (Linux reports ru_maxrss in KB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def saved_tensor_bytes(fn) -> int:

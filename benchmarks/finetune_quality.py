@@ -30,7 +30,7 @@ from ondevice import _data
 
 from hf_lowprec import PrecisionPlan, apply_plan
 from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
-from hf_lowprec.finetune import evaluate_loss, prepare_int4_lora
+from hf_lowprec.ondevice import evaluate_loss, prepare_int4_lora
 from hf_lowprec.sensitivity import allocate, scan
 
 BATCH, BLOCK, SEED, EVAL_BLOCKS = 4, 256, 0, 16

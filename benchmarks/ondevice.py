@@ -58,7 +58,7 @@ GC_VARIANTS = {"int4-lora-plain": (False,)}  # the plain ablation with checkpoin
 # ------------------------------------------------------------------------------------- child
 def _data(tokenizer, n_train: int, n_eval: int):
     from hf_lowprec.checkpoints import default_corpus
-    from hf_lowprec.finetune import token_blocks
+    from hf_lowprec.ondevice import token_blocks
 
     files = default_corpus()
     read = lambda fs: [p.read_text(encoding="latin-1") for p in fs]  # noqa: E731
@@ -73,7 +73,7 @@ def _build(config: str, loftq: bool, rounding: str, gc: bool, budget_bits: float
     from peft import LoraConfig, get_peft_model
 
     from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
-    from hf_lowprec.finetune import causal_lm_loss, prepare_int4_lora
+    from hf_lowprec.ondevice import causal_lm_loss, prepare_int4_lora
 
     folder, gguf = default_checkpoint()
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
@@ -147,7 +147,7 @@ def child(args) -> dict:
     import torch
     from transformers import get_scheduler
 
-    from hf_lowprec.finetune import backend_counts, evaluate_loss
+    from hf_lowprec.ondevice import backend_counts, evaluate_loss
 
     t0 = time.perf_counter()
     model, tok, loss_fn, notes = _build(args.config, args.loftq, args.rounding, bool(args.gc), args.budget_bits, args.kept_format, args.backend)
@@ -186,7 +186,7 @@ def child(args) -> dict:
 
         from transformers import AutoModelForCausalLM
 
-        from hf_lowprec.finetune import MERGE_FILE, export_int4_lora, load_int4_model
+        from hf_lowprec.ondevice import MERGE_FILE, export_int4_lora, load_int4_model
 
         with tempfile.TemporaryDirectory() as tmp:
             export_int4_lora(model, Path(tmp) / "merged", merge=True)
@@ -352,7 +352,7 @@ def parse_variant(variant: str) -> dict:
     """``int4-lora`` options from a ``+``-joined variant name: ``loftq``, ``gptq``, ``awq``, ``dequant``, ``keepNN``
     (a scanned plan keeping NN% of the linear weights, the most sensitive, in bf16) or ``keepNN-int8`` (in int8), ``auto``
     (the product's default scanned plan); e.g. ``keep20+awq+gptq+loftq``. No keep part: every Linear int4."""
-    from hf_lowprec.finetune import AUTO_BUDGET
+    from hf_lowprec.ondevice import AUTO_BUDGET
 
     parts = [x for x in variant.split("+") if x]  # "": every Linear int4, nearest rounding, default LoRA init
     kept = [m for m in map(re.compile(r"keep(\d+)(?:-(int8))?").fullmatch, parts) if m]
@@ -402,7 +402,7 @@ def demo(args) -> None:
     from peft import LoraConfig
 
     from hf_lowprec.checkpoints import default_checkpoint
-    from hf_lowprec.finetune import finetune_int4_lora, load_int4_lora
+    from hf_lowprec.ondevice import finetune_int4_lora, load_int4_lora
 
     t0 = time.perf_counter()
     folder, gguf = default_checkpoint()

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-
 from hf_lowprec.cli import ui
 
 app = typer.Typer(
@@ -205,6 +204,7 @@ def finetune_cmd(
     Flags such as --max-steps or --plan override the recipe's values.
     """
     from hf_lowprec.cli.run import FinetuneOptions, run_finetune
+
     from hf_lowprec.recipe import load_recipe
 
     if overwrite and resume:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import resource
 import shutil
 import signal
 import time
@@ -19,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from hf_lowprec.cli import ui
 from transformers import TrainerCallback
 
-from hf_lowprec.cli import ui
 from hf_lowprec.hub import export_model, hardware_info, read_run
-from hf_lowprec.metrics import causal_lm_loss
+from hf_lowprec.metrics import causal_lm_loss, peak_rss_mb
 from hf_lowprec.modules.kernels.autotune import measured, resolve_dtype
 from hf_lowprec.plan import atomic_write_text
 from hf_lowprec.recipe import Recipe
@@ -169,7 +168,7 @@ def loss_curve_png(log_history: list[dict], title: str) -> bytes | None:
 
 def peak_memory() -> dict:
     """Peak resident memory of this process (MB) and, on CUDA, peak allocated GPU memory (MB)."""
-    out = {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    out = {"peak_rss_mb": round(peak_rss_mb(), 1)}
     if torch.cuda.is_available():
         out["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     return out
@@ -219,7 +218,7 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
 
     from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
     from hf_lowprec.data import prepare_lm_data, read_source
-    from hf_lowprec.finetune import backend_counts
+    from hf_lowprec.ondevice import backend_counts
 
     recipe, t = opts.recipe, opts.recipe.training
     with ui.step(f"reading data {opts.data or '(default corpus)'}"):
@@ -346,14 +345,14 @@ def _low_precision_callback(recipe: Recipe, lm, t, resume_from: str | None):
 
 
 def _prepare_int4_lora(model, recipe: Recipe, lm, t):
-    """Pack the base to INT4 and wrap it in LoRA (``hf_lowprec.finetune``); the Trainer then trains the adapters.
+    """Pack the base to INT4 and wrap it in LoRA (``hf_lowprec.ondevice``); the Trainer then trains the adapters.
 
     Packing is deterministic (the plan scan and GPTQ calibrate on the first training batches), so a resumed run rebuilds
     the same base and the Trainer reloads the adapters.
     """
     from peft import LoraConfig
 
-    from hf_lowprec.finetune import prepare_int4_lora
+    from hf_lowprec.ondevice import prepare_int4_lora
 
     p, lora = recipe.precision, recipe.lora
     targets = lora.target_modules[0] if lora.target_modules == ("all-linear",) else list(lora.target_modules)
@@ -384,7 +383,7 @@ def _trainer_class(recipe: Recipe):
     if recipe.method != "int4-lora":
         return Trainer
     from hf_lowprec.activations import ActivationStorage
-    from hf_lowprec.finetune import causal_lm_loss
+    from hf_lowprec.ondevice import causal_lm_loss
 
     fmt = recipe.training.activation_storage
 

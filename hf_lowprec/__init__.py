@@ -11,11 +11,11 @@ _LAZY = {  # these import transformers/accelerate: loaded on first use
     "LowPrecisionCallback": "hf_lowprec.callback",
     "LowPrecisionPlugin": "hf_lowprec.accelerate_plugin",
     # on-device INT4 + LoRA fine-tuning (importing it also registers quant_method "hf_lowprec" with transformers)
-    "prepare_int4_lora": "hf_lowprec.finetune",
-    "load_int4_lora": "hf_lowprec.finetune",
-    "finetune_int4_lora": "hf_lowprec.finetune",
-    "export_int4_lora": "hf_lowprec.finetune",
-    "load_int4_model": "hf_lowprec.finetune",
+    "prepare_int4_lora": "hf_lowprec.ondevice",
+    "load_int4_lora": "hf_lowprec.ondevice",
+    "finetune_int4_lora": "hf_lowprec.ondevice",
+    "export_int4_lora": "hf_lowprec.ondevice",
+    "load_int4_model": "hf_lowprec.ondevice",
 }
 
 

@@ -33,9 +33,9 @@ from torch import nn
 from hf_lowprec.callback import FP8_BACKENDS, coverage, is_auto_plan, load_plan_source, process_world, scan_plan
 from hf_lowprec.compensation import METHODS as COMPENSATIONS
 from hf_lowprec.compensation import CompensatedOptimizer
-from hf_lowprec.new_parameters import align_new_parameters, insert_new_parameters, orphaned_parameters
 from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eligible_layers
 from hf_lowprec.formats import FormatSpec
+from hf_lowprec.new_parameters import align_new_parameters, insert_new_parameters, orphaned_parameters
 from hf_lowprec.plan import PrecisionPlan
 from hf_lowprec.scaling import TELEMETRY_PREFIX, collect_telemetry, make_policy_factory, skip_step_if_requested
 

@@ -42,10 +42,10 @@ from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from hf_lowprec.compensation import CompensatedOptimizer
-from hf_lowprec.compensation import METHODS as COMPENSATIONS
-from hf_lowprec.convert import ConversionReport, apply_plan, as_plan, eligible_layers
 from hf_lowprec import sensitivity
+from hf_lowprec.compensation import METHODS as COMPENSATIONS
+from hf_lowprec.compensation import CompensatedOptimizer
+from hf_lowprec.convert import ConversionReport, apply_plan, as_plan, eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.hub import PLAN_FILE
 from hf_lowprec.modules import LOW_PRECISION_TYPES

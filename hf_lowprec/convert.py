@@ -17,9 +17,9 @@ from torch import nn
 
 from hf_lowprec.formats import E5M2, FormatSpec
 from hf_lowprec.modules import LOW_PRECISION_TYPES, PackedLinear, low_precision_layer
-from hf_lowprec.modules.packed import packed_class
 from hf_lowprec.modules.fp8 import FP8Linear, fp8_hardware_available
 from hf_lowprec.modules.int4 import Int4Embedding, Int4Linear
+from hf_lowprec.modules.packed import packed_class
 from hf_lowprec.plan import PrecisionPlan
 
 logger = logging.getLogger(__name__)

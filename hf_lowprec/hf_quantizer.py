@@ -1,6 +1,6 @@
 """transformers integration: ``from_pretrained`` of folders whose linears are packed INT4 (``quant_method: hf_lowprec``).
 
-A folder saved by :func:`hf_lowprec.finetune.export_int4_lora` holds ``qweight``/``step``/``zero``
+A folder saved by :func:`hf_lowprec.ondevice.export_int4_lora` holds ``qweight``/``step``/``zero``
 tensors for the packed layers and, in ``config.json``::
 
     "quantization_config": {"quant_method": "hf_lowprec", "plan": {"default": "int4-g64", "layers": {...}}}

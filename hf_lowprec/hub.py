@@ -294,7 +294,7 @@ def _packed_layers(model: nn.Module) -> str:
 def _export_lora(model, tokenizer, out: Path, run: dict, merge: bool, merged_dtype: str | None, overwrite: bool, repo_id,
                  extra_files) -> Path:  # fmt: skip
     """Packed INT4 base + LoRA adapters (or merged) through ``finetune.export_int4_lora``, then the record and card."""
-    from hf_lowprec.finetune import ADAPTER_DIR, MERGE_DTYPES, MERGE_FILE, export_int4_lora
+    from hf_lowprec.ondevice import ADAPTER_DIR, MERGE_DTYPES, MERGE_FILE, export_int4_lora
 
     if merged_dtype is not None and merged_dtype not in MERGE_DTYPES:
         raise ValueError(f"merged dtype {merged_dtype!r}: choose one of {', '.join(MERGE_DTYPES)}")
@@ -381,7 +381,7 @@ def load_exported(path_or_repo: str | os.PathLike, *, apply_plan_numerics: bool 
         folder = Path(snapshot_download(str(path_or_repo)))
     run = read_run(folder)
     if run.get("export", {}).get("weights") == "int4-packed":
-        from hf_lowprec.finetune import load_int4_model
+        from hf_lowprec.ondevice import load_int4_model
 
         if apply_plan_numerics:
             raise ValueError("a packed INT4 export already computes with its quantized weights; apply_plan_numerics is for master exports")

@@ -11,12 +11,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import resource
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+"""The label value every loss here (and transformers') skips: padding, prompts, the first token."""
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, MB (``ru_maxrss``; Linux reports KB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _batches(dataset, collator, batch_size: int):
@@ -50,7 +59,7 @@ def causal_lm_loss(
             with _autocast(autocast_dtype, device):
                 logits = model(**batch).logits
             shift_logits, shift_labels = logits[:, :-1].float(), labels[:, 1:]
-            mask = shift_labels != -100
+            mask = shift_labels != IGNORE_INDEX
             nll = nn.functional.cross_entropy(shift_logits[mask], shift_labels[mask], reduction="sum")
             total += nll.item()
             count += int(mask.sum())

@@ -311,7 +311,7 @@ def test_int4_lora_trainer_stores_what_backward_needs_in_int8(tmp_path):
     from transformers import TrainingArguments
 
     from hf_lowprec.cli.run import _trainer_class
-    from hf_lowprec.finetune import prepare_int4_lora
+    from hf_lowprec.ondevice import prepare_int4_lora
     from hf_lowprec.recipe import load_recipe
 
     recipe = load_recipe("int4-ondevice-lora")

@@ -6,7 +6,7 @@ import torch
 from peft import LoraConfig
 
 from conftest import markov_batches, tiny_llama, with_loud_channels
-from hf_lowprec.finetune import prepare_int4_lora
+from hf_lowprec.ondevice import prepare_int4_lora
 from hf_lowprec.formats import FormatSpec, dequantize_int, int_steps, quantize_int
 from hf_lowprec.calibration import hessian_groups
 from hf_lowprec.gptq import gptq_quantize

@@ -34,7 +34,7 @@ class PackedLoraLinear(LoraLinear):
 
     Vanilla LoRA only: DoRA and the other variants, ``lora_bias`` and initialisations that read a dense
     base weight (PiSSA, OLoRA, PEFT's own LoftQ ...) raise ``ValueError`` (use
-    ``hf_lowprec.finetune.prepare_int4_lora(loftq_init=True)`` for LoftQ on the INT4 base).
+    ``hf_lowprec.ondevice.prepare_int4_lora(loftq_init=True)`` for LoftQ on the INT4 base).
     """
 
     def __init__(self, base_layer, adapter_name: str, config: LoraConfig, **kwargs):

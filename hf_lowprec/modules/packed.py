@@ -41,7 +41,15 @@ import weakref
 import torch
 from torch import nn
 
-from hf_lowprec.formats import FormatSpec, dequantize_int, int_steps, pack_int4, quantize_int, unpack_int4, unpack_int4_planes
+from hf_lowprec.formats import (
+    FormatSpec,
+    dequantize_int,
+    int_steps,
+    pack_int4,
+    quantize_int,
+    unpack_int4,
+    unpack_int4_planes,
+)
 from hf_lowprec.modules.kernels.autotune import fastest
 from hf_lowprec.modules.kernels.cpp import cpu_kernels
 from hf_lowprec.modules.kernels.cpu import cpu_info

@@ -9,8 +9,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-
-IGNORE_INDEX = -100
+from hf_lowprec.metrics import IGNORE_INDEX
 
 
 def _check_batches(batches: Iterable[Mapping]) -> list[dict]:

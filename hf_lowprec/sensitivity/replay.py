@@ -13,7 +13,6 @@ from torch import nn
 
 from hf_lowprec.sensitivity.units import _Unit
 
-
 Progress = Callable[[int, int, str], None]
 
 

@@ -13,7 +13,6 @@ import numpy as np
 
 from hf_lowprec.plan import PrecisionPlan, atomic_write_text
 
-
 KEEP = "bf16"
 """Label of the high-precision choice: the layer stays as it is (plans write it as ``bf16``)."""
 

@@ -21,7 +21,6 @@ from hf_lowprec.sensitivity.replay import Progress, _BlockReplay
 from hf_lowprec.sensitivity.results import KEEP, LayerScore, ScanResult
 from hf_lowprec.sensitivity.units import _layer_bytes, _select, _twins, _units
 
-
 METHODS = ("auto", "measured", "fisher")
 DEFAULT_FORMATS = ("fp8", "int4-g64")
 

@@ -11,7 +11,7 @@ from tiny_assets import corpus_text, save_tiny_model
 
 from conftest import markov_batches, tiny_llama
 from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
-from hf_lowprec.finetune import (
+from hf_lowprec.ondevice import (
     AUTO_FORMATS,
     MERGE_FILE,
     METRICS_FILE,

@@ -1,0 +1,216 @@
+"""Export of an INT4+LoRA model: the packed base with PEFT adapters, or merged (into the INT4 base, or a dense
+bf16/fp32 model), and reloading it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel
+from torch import nn
+
+import hf_lowprec.hf_quantizer  # noqa: F401  (registers quant_method "hf_lowprec": from_pretrained loads exported folders)
+from hf_lowprec.convert import canonical_name
+from hf_lowprec.modules.int4_lora import register_int4_lora
+from hf_lowprec.modules.packed import PackedLinear
+
+logger = logging.getLogger(__name__)
+
+
+MERGE_FILE = "hf_lowprec_merge.json"
+MERGE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # export --merge-into dense dtypes
+ADAPTER_DIR = "adapter"  # not the top folder: transformers would try to load adapters there itself, without the INT4 dispatch
+
+
+def _adapterless_state(base: nn.Module) -> dict[str, torch.Tensor]:
+    """``base``'s state dict without the LoRA tensors, keys as in the unwrapped model."""
+    return {k.replace(".base_layer", ""): v for k, v in base.state_dict().items() if ".lora_" not in k}
+
+
+def _adapter_delta(module: nn.Module) -> torch.Tensor | None:
+    """The summed weight delta (fp32) of a LoRA layer's active adapters; ``None`` for other modules."""
+    if not hasattr(module, "lora_A") or not module.active_adapters:
+        return None
+    return sum(module.get_delta_weight(n).float() for n in module.active_adapters if n in module.lora_A)
+
+
+def _dense_merged_state(base: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The base model's state dict as plain ``dtype`` weights: every packed layer dequantized, LoRA deltas added
+    (one rounding, to ``dtype``); other tensors as they are."""
+    state = _adapterless_state(base)
+    for fqn, module in base.named_modules():
+        layer = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+        if not isinstance(layer, PackedLinear) or fqn.endswith(".base_layer"):
+            continue
+        weight = layer.dequantized_weight(torch.float32)
+        delta = _adapter_delta(module)
+        if delta is not None:
+            weight = weight + delta
+        for buf in PackedLinear.BUFFERS:
+            state.pop(f"{fqn}.{buf}", None)
+        state[f"{fqn}.weight"] = weight.to(dtype)
+    return state
+
+
+def _packed_base_state(base: nn.Module, merge: bool) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """The base model's state dict without adapters (``merge``: LoRA deltas merged, packed layers re-quantized)."""
+    from hf_lowprec.modules.int4_lora import PackedLoraLinear
+
+    state = _adapterless_state(base)
+    errors = []
+    if not merge:
+        return state, errors
+    for fqn, module in base.named_modules():
+        delta = _adapter_delta(module)
+        if delta is None:
+            continue
+        layer = module.get_base_layer()
+        if isinstance(module, PackedLoraLinear):
+            merged = layer.dequantized_weight(torch.float32) + delta
+            shell = copy.deepcopy(layer)
+            stats = shell.requantize_(merged)
+            err = (shell.dequantized_weight(torch.float32) - merged).norm()
+            stats.update(layer=canonical_name(fqn), delta_norm=delta.norm().item(),
+                         error_vs_delta=(err / delta.norm().clamp(min=1e-12)).item())  # fmt: skip
+            errors.append(stats)
+            for buf in PackedLinear.BUFFERS:
+                if getattr(shell, buf) is not None:
+                    state[f"{fqn}.{buf}"] = getattr(shell, buf)
+        else:
+            state[f"{fqn}.weight"] = (layer.weight.float() + delta).to(layer.weight.dtype)
+    return state, errors
+
+
+def export_int4_lora(
+    model: PeftModel,
+    out_dir: str | os.PathLike,
+    merge: bool = False,
+    *,
+    merged_dtype: torch.dtype | None = None,
+    tokenizer=None,
+    overwrite: bool = False,
+    extra_files: dict[str, str] | None = None,
+) -> Path:
+    """Save an INT4-base LoRA model as a ``save_pretrained`` folder, atomically; returns its path.
+
+    ``merge=False``: the packed base (``model.safetensors``, ``quant_method: hf_lowprec``) plus the
+    adapters in PEFT format in ``adapter/`` (``adapter_config.json``, ``adapter_model.safetensors``). ``merge=True``:
+    each adapter's delta is added to its dequantized base weight and re-quantized to INT4 with fresh
+    steps — a second rounding, so the merged model differs from the trained one; the per-layer error
+    is written to ``hf_lowprec_merge.json`` and logged. Reload either with :func:`load_int4_model`
+    (or ``AutoModelForCausalLM.from_pretrained`` after ``import hf_lowprec``, then PEFT for adapters).
+
+    ``merge=True, merged_dtype=torch.bfloat16`` (or fp32) instead writes a plain dense model — every
+    packed weight dequantized plus its adapter delta, rounded once to ``merged_dtype`` — that any
+    ``transformers`` install loads without hf-lowprec. Re-quantizing to INT4 (the default merge) loses
+    adapter deltas smaller than half an INT4 step, which on small models is most of what LoRA learned.
+    Refuses an existing non-empty ``out_dir`` unless ``overwrite``.
+    """
+    from hf_lowprec.hf_quantizer import quantization_config_dict
+    from hf_lowprec.hub import PLAN_FILE, atomic_output_dir
+    from hf_lowprec.plan import atomic_write_text
+
+    if not isinstance(model, PeftModel):
+        raise ValueError(f"export_int4_lora exports a PEFT model from prepare_int4_lora, got {type(model).__name__}")
+    if merged_dtype is not None and not merge:
+        raise ValueError("merged_dtype applies to merge=True")
+    if merged_dtype is not None and merged_dtype not in MERGE_DTYPES.values():
+        raise ValueError(f"merged_dtype must be one of {', '.join(str(d) for d in MERGE_DTYPES.values())}, got {merged_dtype}")
+    base = model.get_base_model()
+    plan = getattr(base, "hf_lowprec_plan", None)
+    if plan is None:
+        raise ValueError("the model has no hf_lowprec plan; build it with prepare_int4_lora / load_int4_lora")
+    check_output_dir(Path(out_dir), overwrite)
+    dense = merged_dtype is not None
+    config = copy.deepcopy(base.config)
+    config.use_cache = True
+    if dense:
+        state, errors = _dense_merged_state(base, merged_dtype), []
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.dtype = str(merged_dtype).removeprefix("torch.")
+    else:
+        state, errors = _packed_base_state(base, merge)
+        config.quantization_config = quantization_config_dict(plan)
+    with atomic_output_dir(out_dir, overwrite) as tmp, _without_hf_quantizer(base):
+        base.save_pretrained(tmp, state_dict=state)
+        config.save_pretrained(tmp)  # base.config stays untouched
+        if not merge:
+            model.save_pretrained(tmp / ADAPTER_DIR)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if not dense:
+            plan.save(tmp / PLAN_FILE)
+        if merge and not dense:
+            summary = _merge_summary(errors)
+            atomic_write_text(tmp / MERGE_FILE, json.dumps({"summary": summary, "layers": errors}, indent=2) + "\n")
+            logger.warning("merged LoRA into the INT4 base and re-quantized %d layers: weight error %.3g%% (median), "
+                           "%.3g of the adapter delta's norm (median; max %.3g)", summary["layers"],
+                           100 * summary["rel_error_median"], summary["error_vs_delta_median"], summary["error_vs_delta_max"])  # fmt: skip
+        for name, text in (extra_files or {}).items():
+            atomic_write_text(tmp / name, text)
+    return Path(out_dir)
+
+
+@contextlib.contextmanager
+def _without_hf_quantizer(model: nn.Module):
+    """Hide a reloaded model's ``hf_quantizer`` while saving: transformers' ``save_pretrained`` takes
+    the state dict from the quantizer when there is one and would ignore ours (the merged weights)."""
+    quantizer = model.__dict__.pop("hf_quantizer", None)
+    try:
+        yield
+    finally:
+        if quantizer is not None:
+            model.hf_quantizer = quantizer
+
+
+def _merge_summary(errors: list[dict]) -> dict:
+    if not errors:
+        return {"layers": 0, "rel_error_median": 0.0, "error_vs_delta_median": 0.0, "error_vs_delta_max": 0.0}
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return {"layers": len(errors), "rel_error_median": med([e["rel_error"] for e in errors]),
+            "error_vs_delta_median": med([e["error_vs_delta"] for e in errors]),
+            "error_vs_delta_max": max(e["error_vs_delta"] for e in errors)}  # fmt: skip
+
+
+def load_int4_model(
+    path: str | os.PathLike, *, dtype: torch.dtype | None = None, backend: str = "auto", is_trainable: bool = False
+):
+    """``(model, tokenizer)`` from a folder written by :func:`export_int4_lora` (a ``PeftModel`` if it holds adapters).
+
+    ``dtype``: default the saved one. ``is_trainable``: load adapters for further training.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from hf_lowprec.checkpoints import TOKENIZER_FILES
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{str(folder)!r} is not a model folder (no config.json)")
+    config = AutoConfig.from_pretrained(folder)
+    qc = getattr(config, "quantization_config", None)
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    if method != "hf_lowprec":
+        raise ValueError(f"{str(folder)!r} is not a packed INT4 folder (quant_method {method!r}); load it with from_pretrained")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or getattr(config, "dtype", None) or torch.float32)
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m.backend = backend
+    if (folder / ADAPTER_DIR).is_dir():
+        lora = register_int4_lora(LoraConfig.from_pretrained(folder / ADAPTER_DIR))
+        model = PeftModel.from_pretrained(model, folder / ADAPTER_DIR, config=lora, is_trainable=is_trainable)
+    tokenizer = AutoTokenizer.from_pretrained(folder) if any((folder / f).is_file() for f in TOKENIZER_FILES) else None
+    return model.eval(), tokenizer
+
+
+def check_output_dir(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {str(out)!r} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"output folder {str(out)!r} already exists and is not empty; pass overwrite=True to replace it")

@@ -1,0 +1,124 @@
+"""Which layers of a pretrained checkpoint go into the packed base, in which format: a fixed plan or one scanned
+on calibration tokens under a bit budget, and the LoRA targets.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+import hf_lowprec.hf_quantizer  # noqa: F401  (registers quant_method "hf_lowprec": from_pretrained loads exported folders)
+from hf_lowprec.convert import canonical_name, eligible_layers
+from hf_lowprec.formats import FormatSpec
+from hf_lowprec.modules.packed import PackedLinear
+from hf_lowprec.plan import PrecisionPlan
+
+logger = logging.getLogger(__name__)
+
+
+DEFAULT_FORMAT = "int4-g64-asym"  # SmolLM2-135M held-out perplexity after packing: 65.5 (asym) vs 80.6 (symmetric); bf16 49.7
+AUTO_FORMATS = (DEFAULT_FORMAT, "int8")  # what plan="auto" chooses from for each Linear (or keeps it bf16)
+# plan="auto" budget: the most INT4-sensitive half of the linear weights in int8 (4.5 bits + 0.5 x 3.5); on SmolLM2-135M
+# 1.027x bf16 LoRA's held-out perplexity after 100 steps, against 1.079x with every Linear in INT4 (benchmarks/ondevice.py)
+AUTO_BUDGET = {"target_bits_per_param": 6.25}
+ALL_LINEAR = "all-linear"
+
+def _output_layer_name(model: nn.Module) -> str | None:
+    """Canonical name of the model's output projection (``lm_head``), if it has one."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    if head is None:
+        return None
+    return next((canonical_name(n) for n, m in model.named_modules() if m is head), None)
+
+
+def int4_plan(model: nn.Module, plan: "PrecisionPlan | str | None" = None) -> PrecisionPlan:
+    """The plan for the frozen base: ``None`` → every Linear in ``int4-g64-asym``; a format name → every Linear
+    in that format. Both keep the output projection (``lm_head``) in high precision: it is usually tied to
+    the input embedding, so packing it would add a copy rather than save memory, and it is the most
+    sensitive layer. A :class:`PrecisionPlan` is used exactly as given. (``auto``: see :func:`scan_int4_plan`.)
+    """
+    if isinstance(plan, PrecisionPlan):
+        return plan
+    fmt = FormatSpec.parse(plan or DEFAULT_FORMAT)
+    head = _output_layer_name(model)
+    return PrecisionPlan.uniform(fmt, keep=(head,) if head else ())
+
+
+def scan_int4_plan(model: nn.Module, calibration: torch.Tensor, budget: dict | None = None,
+                   formats: Sequence[str] = AUTO_FORMATS) -> PrecisionPlan:  # fmt: skip
+    """A plan for the frozen base from a sensitivity scan: every Linear but the output projection gets one of
+    ``formats`` (or stays bf16) so that the predicted loss increase is least within ``budget``.
+
+    Args:
+        calibration: token blocks ``[n, T]``; each block runs as its own forward (Fisher scan: activation
+            gradients only, so the peak memory is that of one block's forward and backward).
+        budget: keyword arguments of :func:`hf_lowprec.sensitivity.allocate` (default ``AUTO_BUDGET``).
+        formats: candidate formats (default ``AUTO_FORMATS``).
+    """
+    from hf_lowprec.sensitivity import allocate, scan
+
+    head = _output_layer_name(model)
+    linears = [n for n, m in eligible_layers(model).items() if isinstance(m, nn.Linear) and n != head]
+    batches = [{"input_ids": block[None], "labels": block[None]} for block in check_calibration(calibration)]
+    result = scan(model, batches, formats=tuple(formats), method="fisher", layers=linears, max_batch_tokens=calibration.shape[1])
+    return allocate(result, **(AUTO_BUDGET if budget is None else budget))  # the output projection, not scanned, stays bf16
+
+
+def check_calibration(calibration: torch.Tensor) -> torch.Tensor:
+    if not torch.is_tensor(calibration) or calibration.dim() != 2 or calibration.dtype not in (torch.int32, torch.int64) or not len(calibration):
+        got = f"{calibration.dtype} {tuple(calibration.shape)}" if torch.is_tensor(calibration) else type(calibration).__name__
+        raise ValueError(f"calibration must be token ids [n, T] (int64), got {got}")
+    return calibration
+
+
+def check_quantizable(model: nn.Module, plan: PrecisionPlan) -> None:
+    """Raise ``ValueError`` if the plan packs nothing or a layer is narrower than its INT4 group."""
+    assigned = plan.assign(model)
+    layers = eligible_layers(model)
+    packed = {n: s for n, s in assigned.items() if s.family == "int4" and isinstance(layers[n], nn.Linear)}
+    if not packed:
+        raise ValueError(f"plan {plan.to_dict()} puts no Linear layer of this model in int4; nothing to pack into an INT4 base")
+    narrow = [f"{n} ({layers[n].in_features} inputs)" for n, s in packed.items()
+              if s.group_size is not None and layers[n].in_features < s.group_size]  # fmt: skip
+    if narrow:
+        group = next(s.group_size for s in packed.values() if s.group_size)
+        raise ValueError(
+            f"model too small to quantize with groups of {group}: {', '.join(narrow[:3])}{' ...' if len(narrow) > 3 else ''} "
+            f"have fewer inputs than one group; use a smaller group (e.g. int4-g{max(2, group // 4)}) or keep them in bf16"
+        )
+
+
+def resolve_target_modules(model: nn.Module, target_modules) -> list[str]:
+    """Full module names LoRA will wrap, from PEFT-style ``target_modules`` (names, suffixes, ``all-linear``, a regex).
+
+    ``all-linear`` means every Linear (packed or not) except the output projection, as in PEFT. Raises
+    ``ValueError`` for a name or regex that matches no Linear layer.
+    """
+    linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, (nn.Linear, PackedLinear))}
+    names = sorted({canonical_name(f).rsplit(".", 1)[-1] for f in linears})
+    head = _output_layer_name(model)
+    if target_modules is None:
+        raise ValueError(f"LoraConfig.target_modules is required here; e.g. 'all-linear' or some of {names}")
+    if isinstance(target_modules, str):
+        if target_modules.lower() == ALL_LINEAR:
+            return sorted(f for f in linears if canonical_name(f) != head)
+        import re
+
+        found = sorted(f for f in linears if re.fullmatch(target_modules, f))
+        if not found:
+            raise ValueError(f"target_modules regex {target_modules!r} matches no Linear layer; Linear layers are named {names}")
+        return found
+    targets = list(target_modules)
+    if any(isinstance(t, str) and t.lower() == ALL_LINEAR for t in targets):
+        return sorted(f for f in linears if canonical_name(f) != head)
+    chosen = set()
+    for t in targets:
+        hit = [f for f in linears if f == t or f.endswith(f".{t}")]
+        if not hit:
+            raise ValueError(f"target module {t!r} matches no Linear layer of this model; Linear layers are named {names}")
+        chosen.update(hit)
+    return sorted(chosen)

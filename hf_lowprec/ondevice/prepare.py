@@ -1,0 +1,197 @@
+"""Packing a pretrained model into the INT4 base and wrapping it in LoRA: :func:`prepare_int4_lora`,
+:func:`load_int4_lora`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
+
+import hf_lowprec.hf_quantizer  # noqa: F401  (registers quant_method "hf_lowprec": from_pretrained loads exported folders)
+from hf_lowprec.calibration import ROUNDINGS, check_rounding
+from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eligible_layers, freeze
+from hf_lowprec.modules.int4_lora import register_int4_lora
+from hf_lowprec.modules.kernels.autotune import resolve_dtype
+from hf_lowprec.modules.packed import BACKENDS, PackedInt4Linear, PackedLinear
+from hf_lowprec.ondevice.loftq import loftq_factors, loftq_for_targets, lora_scaling
+from hf_lowprec.ondevice.planning import (
+    ALL_LINEAR,
+    AUTO_FORMATS,
+    check_calibration,
+    check_quantizable,
+    int4_plan,
+    resolve_target_modules,
+    scan_int4_plan,
+)
+from hf_lowprec.plan import PrecisionPlan
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_int4_lora(
+    model: nn.Module,
+    lora_config: LoraConfig | None = None,
+    plan: "PrecisionPlan | str | None" = None,
+    *,
+    loftq_init: bool = False,
+    rounding: str = "nearest",
+    calibration: torch.Tensor | None = None,
+    budget: dict | None = None,
+    auto_formats: Sequence[str] = AUTO_FORMATS,
+    adapter_dtype: torch.dtype = torch.float32,
+    backend: str = "auto",
+) -> tuple[PeftModel, ConversionReport]:
+    """Pack ``model``'s base linears into INT4 (per ``plan``) and wrap them in LoRA: ``(peft_model, report)``.
+
+    Args:
+        model: a causal LM (fp32 or bf16; that dtype is the compute dtype). Modified in place.
+        lora_config: a ``peft.LoraConfig`` (default: r=16, alpha=32, all linear layers); ``target_modules``
+            accepts names, suffixes, a regex or ``all-linear`` (packed layers included).
+        plan: see :func:`int4_plan`; layers it puts in per-channel ``int8`` are packed too, other int8/nf4
+            formats stay fake-quantized, bf16/fp32 stay dense. ``"auto"``: a sensitivity scan on
+            ``calibration`` chooses int4/int8/bf16 per layer within ``budget`` (:func:`scan_int4_plan`).
+        loftq_init: initialise LoRA on INT4 layers from the SVD of their quantization residual (LoftQ).
+        rounding: how the INT4 codes are chosen: ``nearest``, or calibrated on ``calibration`` tokens —
+            ``gptq`` (output-preserving rounding), ``awq`` (activation-aware input scales), ``awq+gptq``
+            (see :mod:`hf_lowprec.calibration`; same formats, lower output error).
+        calibration: token blocks ``[n, T]`` for ``plan="auto"`` and the calibrated roundings.
+        budget: ``plan="auto"`` only: :func:`hf_lowprec.sensitivity.allocate` keywords (default ``AUTO_BUDGET``).
+        auto_formats: ``plan="auto"`` only: the formats it chooses from besides bf16 (default ``AUTO_FORMATS``).
+        adapter_dtype: dtype of the adapter weights (fp32 master copies by default; they compute in the
+            activation dtype either way).
+        backend: ``auto``, ``int8`` or ``dequant`` for every packed layer (see ``modules/packed.py``).
+
+    Raises ``ValueError`` for a target that matches nothing, a plan that packs nothing, a model whose
+    layers are narrower than one INT4 group, calibration tokens missing (``auto`` plan, calibrated rounding)
+    or unused, or a budget without an ``auto`` plan.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    auto, calibrated = isinstance(plan, str) and plan == "auto", check_rounding(rounding) != "nearest"
+    if calibration is None and (auto or calibrated):
+        raise ValueError(f"{'plan auto' if auto else f'rounding {rounding!r}'} needs calibration= token blocks [n, T]")
+    if calibration is not None and not (auto or calibrated):
+        raise ValueError("calibration tokens are used by plan='auto' and by the roundings " + ", ".join(ROUNDINGS[1:]) + "; this call has neither")
+    if (budget is not None or tuple(auto_formats) != AUTO_FORMATS) and not auto:
+        raise ValueError("budget= and auto_formats= apply to plan='auto' (the sensitivity scan's allocation)")
+    config = copy.deepcopy(lora_config) if lora_config is not None else LoraConfig(r=16, lora_alpha=32, target_modules=ALL_LINEAR)
+    config.target_modules = resolve_target_modules(model, config.target_modules)
+    if calibration is not None:
+        check_calibration(calibration)
+    plan = scan_int4_plan(model, calibration, budget, auto_formats) if auto else int4_plan(model, plan)
+    check_quantizable(model, plan)
+    report = apply_plan(model, plan, learn_scales=False)
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if calibrated:
+        report.calibration = _calibrated_pack(model, calibration, rounding, config if loftq_init else None, factors)
+    if loftq_init:
+        factors.update(loftq_for_targets(model, config))
+    freeze(model)
+    layers = eligible_layers(model)
+    for row in report.layers:  # the report was made before freezing: name the modules that now run
+        row.module = type(layers[row.name]).__name__
+        if isinstance(layers[row.name], PackedLinear):
+            layers[row.name].backend = backend
+            row.backend = backend
+    for p in model.parameters():
+        p.requires_grad_(False)
+    _own_dense_tensors(model)
+    peft_model = get_peft_model(model, register_int4_lora(config), autocast_adapter_dtype=False)
+    for name, module in peft_model.named_modules():
+        if hasattr(module, "lora_A") and canonical_name(name) in factors:
+            a, b = factors[canonical_name(name)]
+            module.lora_A["default"].weight.data.copy_(a)
+            module.lora_B["default"].weight.data.copy_(b)
+    for name, p in peft_model.named_parameters():
+        if p.requires_grad:
+            p.data = p.data.to(adapter_dtype)
+    logger.info("INT4 base: %s; LoRA on %d layers%s", report, len(config.target_modules), " (LoftQ init)" if loftq_init else "")
+    return peft_model, report
+
+
+@torch.no_grad()
+def _own_dense_tensors(model: nn.Module) -> None:
+    """Copy the parameters and buffers that stay dense (embeddings, norms) into memory of their own.
+
+    transformers maps safetensors checkpoints into memory; the linear weights read while quantizing stay
+    resident (and count in RSS) for as long as any tensor of the file is alive. Owning the few dense
+    tensors releases the file: on SmolLM2-135M, 146 MB less resident memory for the rest of training.
+    """
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            p.data = p.data.clone()
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and b.is_floating_point():
+                module._buffers[name] = b.clone()
+
+
+def _calibrated_pack(model: nn.Module, calibration: torch.Tensor, rounding: str, loftq: LoraConfig | None, factors: dict) -> dict:
+    """Pack every INT4 ``Int4Linear`` with codes calibrated by ``rounding`` (LoftQ factors from their residual
+    into ``factors`` when ``loftq`` is given); returns :func:`hf_lowprec.calibration.summary`, also logged."""
+    from hf_lowprec.calibration import CalibratedCodes, calibrated_codes, summary
+    from hf_lowprec.convert import _set_module
+    from hf_lowprec.modules.int4 import Int4Linear
+
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear) and m.spec.family == "int4"}
+    targets = set(loftq.target_modules) if loftq is not None else set()
+
+    def replace(name: str, result: CalibratedCodes) -> None:
+        module = layers[name]
+        packed = PackedInt4Linear.from_codes(result.codes, result.step, result.zero, module.spec, module.bias, module.weight.dtype,
+                                             input_scale=result.input_scale)  # fmt: skip
+        if name in targets:
+            residual = module.weight.detach().float() - packed.dequantized_weight(torch.float32)
+            factors[canonical_name(name)] = loftq_factors(residual, loftq.r, lora_scaling(loftq))
+        _set_module(model, name, packed)
+
+    start = time.perf_counter()
+    stats = {"rounding": rounding, **summary(calibrated_codes(model, layers, calibration, replace, rounding))}
+    stats["seconds"] = time.perf_counter() - start
+    logger.info("%s on %d tokens: output error %.3g (round-to-nearest %.3g), median over %d layers, %.0f s", rounding,
+                calibration.numel(), stats["output_error_median"], stats["output_error_nearest_median"], stats["layers"], stats["seconds"])  # fmt: skip
+    return stats
+
+
+def load_int4_lora(
+    model_id_or_path: str | os.PathLike,
+    lora_config: LoraConfig | None = None,
+    plan: "PrecisionPlan | str | None" = None,
+    *,
+    gguf_file: str | None = None,
+    dtype: torch.dtype | str = "auto",
+    loftq_init: bool = False,
+    rounding: str = "nearest",
+    calibration=None,
+    budget: dict | None = None,
+    auto_formats: Sequence[str] = AUTO_FORMATS,
+    adapter_dtype: torch.dtype = torch.float32,
+    backend: str = "auto",
+):
+    """Load a pretrained checkpoint and :func:`prepare_int4_lora` it: ``(peft_model, tokenizer, report)``.
+
+    ``dtype``: the compute dtype, ``"auto"`` (bf16 where this CPU runs bf16 GEMMs fast, measured once per
+    machine; fp32 otherwise, e.g. on AVX2), ``"bf16"``/``"fp32"`` or a torch dtype; the choice and its reason
+    are in ``report.compute``. ``calibration``: token blocks ``[n, T]``, or a callable ``tokenizer -> blocks``
+    (the tokenizer is only known after loading), for ``plan="auto"`` and the calibrated roundings (see
+    :func:`prepare_int4_lora`).
+    """
+    from hf_lowprec.checkpoints import load_pretrained
+
+    dtype, reason = resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    logger.info(reason)
+    model, tokenizer = load_pretrained(model_id_or_path, gguf_file=gguf_file, dtype=dtype)
+    if callable(calibration):
+        calibration = calibration(tokenizer)
+    peft_model, report = prepare_int4_lora(
+        model, lora_config, plan, loftq_init=loftq_init, rounding=rounding, calibration=calibration, budget=budget,
+        auto_formats=auto_formats, adapter_dtype=adapter_dtype, backend=backend,
+    )
+    report.compute = {"dtype": str(dtype).removeprefix("torch."), "reason": reason}
+    return peft_model, tokenizer, report

@@ -1,0 +1,206 @@
+"""The training loop of :func:`finetune_int4_lora` (AdamW on the adapters, warm-up, clipping, 8-bit saved
+activations) and what it reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from torch import nn
+
+import hf_lowprec.hf_quantizer  # noqa: F401  (registers quant_method "hf_lowprec": from_pretrained loads exported folders)
+from hf_lowprec.activations import ActivationStorage
+from hf_lowprec.convert import eligible_layers
+from hf_lowprec.metrics import peak_rss_mb
+from hf_lowprec.modules.packed import PackedLinear
+from hf_lowprec.ondevice.export import check_output_dir, export_int4_lora
+from hf_lowprec.ondevice.loss import causal_lm_loss, evaluate_loss
+from hf_lowprec.plan import PrecisionPlan
+
+logger = logging.getLogger(__name__)
+
+
+ProgressFn = Callable[[int, int, dict], None]
+METRICS_FILE = "finetune_metrics.json"
+
+
+def backend_counts(model: nn.Module) -> dict[str, int]:
+    """How many packed layers ran each backend in their last forward (``never run`` before the first)."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            key = m.last_backend or "never run"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@dataclass
+class FinetuneResult:
+    """What :func:`finetune_int4_lora` did; ``to_dict()`` is JSON-ready."""
+
+    steps: int
+    losses: list[float]
+    step_seconds: list[float]
+    train_seconds: float
+    peak_rss_mb: float
+    eval_loss_before: float | None = None
+    eval_loss_after: float | None = None
+    plan_fractions: dict[str, float] = field(default_factory=dict)
+    backends: dict[str, int] = field(default_factory=dict)
+    trainable_params: int = 0
+    output_dir: str | None = None
+
+    @property
+    def perplexity_before(self) -> float | None:
+        return None if self.eval_loss_before is None else math.exp(self.eval_loss_before)
+
+    @property
+    def perplexity_after(self) -> float | None:
+        return None if self.eval_loss_after is None else math.exp(self.eval_loss_after)
+
+    @property
+    def median_step_seconds(self) -> float:
+        s = sorted(self.step_seconds)
+        return s[len(s) // 2] if s else float("nan")
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(perplexity_before=self.perplexity_before, perplexity_after=self.perplexity_after,
+                   median_step_seconds=self.median_step_seconds)  # fmt: skip
+        return out
+
+
+def finetune_int4_lora(
+    model: PeftModel,
+    tokenizer,
+    train_blocks: torch.Tensor,
+    *,
+    steps: int,
+    lr: float = 2e-4,
+    batch_size: int = 4,
+    output_dir: str | os.PathLike | None = None,
+    eval_blocks: torch.Tensor | None = None,
+    progress: ProgressFn | None = None,
+    seed: int = 0,
+    activation_storage: str | None = "int8",
+    gradient_checkpointing: bool = False,
+    chunk_tokens: int = 128,
+    warmup_steps: int | None = None,
+    weight_decay: float = 0.0,
+    max_grad_norm: float = 1.0,
+    merge: bool = False,
+    overwrite: bool = False,
+) -> FinetuneResult:
+    """Train the LoRA adapters of ``model`` (from :func:`prepare_int4_lora`) on ``train_blocks [n, T]``.
+
+    AdamW on the trainable parameters only, linear warm-up (default ``steps // 10``, at most 10) then
+    linear decay, gradient clipping at ``max_grad_norm``.
+
+    Activation memory: ``activation_storage`` (``int8``, ``fp8`` or ``None``) keeps what autograd saves
+    in 8 bits (:class:`~hf_lowprec.activations.ActivationStorage`; a few % of gradient error);
+    ``gradient_checkpointing`` (``True``, or every ``n`` layers) recomputes layers instead (exact, slower).
+
+    ``progress(step, steps, metrics)`` is called after every step with ``loss``, ``lr``, ``step_seconds``
+    and ``peak_rss_mb`` (and once more with ``eval_loss`` after the last step). With ``output_dir`` the
+    result is exported there (:func:`export_int4_lora`; adapters kept, or merged with ``merge``) along with
+    ``finetune_metrics.json``. Raises ``ValueError`` for an output folder that exists (unless ``overwrite``).
+    """
+    from transformers import get_scheduler
+
+    if steps < 1 or batch_size < 1:
+        raise ValueError(f"steps and batch_size must be positive, got steps={steps}, batch_size={batch_size}")
+    if not isinstance(train_blocks, torch.Tensor) or train_blocks.dim() != 2 or train_blocks.shape[1] < 2:
+        raise ValueError("train_blocks must be a LongTensor [n_blocks, block_size >= 2] (see token_blocks)")
+    if output_dir is not None:
+        check_output_dir(Path(output_dir), overwrite)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters; build it with prepare_int4_lora / load_int4_lora")
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    if gradient_checkpointing:
+        base.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=int(gradient_checkpointing))
+    storage = ActivationStorage(model, activation_storage) if activation_storage else contextlib.nullcontext()
+    if getattr(base, "config", None) is not None:
+        base.config.use_cache = False
+    eval_before = evaluate_loss(model, eval_blocks, batch_size, chunk_tokens) if eval_blocks is not None else None
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    warmup = min(10, steps // 10) if warmup_steps is None else warmup_steps
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=warmup, num_training_steps=steps)
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    order = torch.randperm(len(train_blocks), generator=gen)
+    cursor = 0
+    losses, times = [], []
+    model.train()
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        if cursor + batch_size > len(order):
+            order, cursor = torch.randperm(len(train_blocks), generator=gen), 0
+        batch = train_blocks[order[cursor : cursor + batch_size]]
+        cursor += batch_size
+        t0 = time.perf_counter()
+        with storage:
+            loss = causal_lm_loss(model, batch, chunk_tokens=chunk_tokens)
+        loss.backward()
+        if max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        if not math.isfinite(losses[-1]):
+            raise FloatingPointError(f"loss became {losses[-1]} at step {step}; lower the learning rate (now {lr})")
+        if progress is not None:
+            metrics = {"loss": losses[-1], "lr": scheduler.get_last_lr()[0], "step_seconds": times[-1], "peak_rss_mb": peak_rss_mb()}
+            progress(step, steps, metrics)
+    train_seconds = time.perf_counter() - start
+    if gradient_checkpointing:
+        base.activation_checkpointing_disable()
+    model.eval()
+    eval_after = evaluate_loss(model, eval_blocks, batch_size, chunk_tokens) if eval_blocks is not None else None
+    if progress is not None and eval_after is not None:
+        progress(steps, steps, {"loss": losses[-1], "eval_loss": eval_after, "peak_rss_mb": peak_rss_mb()})
+    plan = getattr(base, "hf_lowprec_plan", None)
+    result = FinetuneResult(
+        steps=steps, losses=losses, step_seconds=times, train_seconds=train_seconds, peak_rss_mb=peak_rss_mb(),
+        eval_loss_before=eval_before, eval_loss_after=eval_after,
+        plan_fractions=_plan_fractions(base, plan) if plan is not None else {}, backends=backend_counts(model),
+        trainable_params=sum(p.numel() for p in params),
+    )  # fmt: skip
+    if output_dir is not None:
+        metrics = json.dumps(result.to_dict(), indent=2) + "\n"
+        result.output_dir = str(export_int4_lora(model, output_dir, tokenizer=tokenizer, merge=merge, overwrite=overwrite,
+                                                 extra_files={METRICS_FILE: metrics}))  # fmt: skip
+    return result
+
+
+def _plan_fractions(model: nn.Module, plan: PrecisionPlan) -> dict[str, float]:
+    """Fraction of eligible parameters per format, from the plan (works after freezing)."""
+    return {row["format"]: row["fraction"] for row in _plan_rows(model, plan)}
+
+
+def _plan_rows(model: nn.Module, plan: PrecisionPlan) -> list[dict]:
+    layers = eligible_layers(model)
+    total = 0
+    rows: dict[str, dict] = {}
+    for name, spec in plan.assign(layers).items():
+        m = layers[name]
+        n = m.in_features * m.out_features if isinstance(m, PackedLinear) else m.weight.numel()
+        total += n
+        row = rows.setdefault(spec.name, {"format": spec.name, "layers": 0, "params": 0})
+        row["layers"] += 1
+        row["params"] += n
+    for row in rows.values():
+        row["fraction"] = row["params"] / max(total, 1)
+    return sorted(rows.values(), key=lambda r: -r["params"])
