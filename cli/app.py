@@ -300,7 +300,8 @@ def _load_for_eval(model: str, gguf_file: str | None, task: str, plan_numerics: 
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     from hf_lowprec.checkpoints import load_pretrained, resolve_checkpoint
-    from hf_lowprec.hub import RUN_FILE, load_exported
+    from hf_lowprec.export.folder import load_exported
+    from hf_lowprec.export.records import RUN_FILE
 
     if (Path(model) / RUN_FILE).is_file():
         m, tok = load_exported(model, apply_plan_numerics=plan_numerics)
@@ -331,7 +332,8 @@ def export_cmd(
     repo_id: Annotated[Optional[str], typer.Option("--repo-id", help="Hub repo id to show in the card's loading snippets.")] = None,
 ):
     """Write a publishable folder from a run: weights, precision plan and model card."""
-    from hf_lowprec.hub import export_run, read_run
+    from hf_lowprec.export.folder import export_run
+    from hf_lowprec.export.records import read_run
 
     if merge_into not in ("int4", "bf16", "fp32"):
         ui.fail(f"--merge-into {merge_into!r}: choose one of int4, bf16, fp32")
@@ -359,7 +361,7 @@ def push_cmd(
     create_pr: Annotated[bool, typer.Option("--create-pr", help="Open a pull request instead of committing to main.")] = False,
 ):
     """Upload an exported folder to the Hugging Face Hub (token from HF_TOKEN or `hf auth login`)."""
-    from hf_lowprec.hub import push
+    from hf_lowprec.export.publish import push
 
     with ui.step(f"uploading {folder} to {repo_id}"):
         url = push(folder, repo_id, private=private, create_pr=create_pr)

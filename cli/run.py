@@ -21,7 +21,8 @@ import torch
 from hf_lowprec.cli import ui
 from transformers import TrainerCallback
 
-from hf_lowprec.hub import export_model, hardware_info, read_run
+from hf_lowprec.export.folder import export_model
+from hf_lowprec.export.records import hardware_info, read_run
 from hf_lowprec.metrics import causal_lm_loss, peak_rss_mb
 from hf_lowprec.modules.kernels.autotune import measured, resolve_dtype
 from hf_lowprec.plan import atomic_write_text

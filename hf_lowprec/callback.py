@@ -47,10 +47,9 @@ from hf_lowprec.compensation import METHODS as COMPENSATIONS
 from hf_lowprec.compensation import CompensatedOptimizer
 from hf_lowprec.convert import ConversionReport, apply_plan, as_plan, eligible_layers
 from hf_lowprec.formats import FormatSpec
-from hf_lowprec.hub import PLAN_FILE
 from hf_lowprec.modules import LOW_PRECISION_TYPES
 from hf_lowprec.new_parameters import align_new_parameters, insert_new_parameters, orphaned_parameters
-from hf_lowprec.plan import PrecisionPlan
+from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 from hf_lowprec.scaling import TELEMETRY_PREFIX, collect_telemetry, make_policy_factory, skip_step_if_requested
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,6 @@ import fnmatch
 import json
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 import yaml
 from torch import nn
 
+from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.formats import FormatSpec
 
 PLAN_KEYS = ("default", "layers", "model")
@@ -37,21 +37,7 @@ def _is_pattern(key: str) -> bool:
     return key.startswith("re:") or any(c in key for c in "*?[")
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: never a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the mode open() would
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+PLAN_FILE = "hf_lowprec_plan.json"  # a plan's file name in checkpoints, run and export folders
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,9 @@ from conftest import cls_batches, lm_batches, tiny_bert, tiny_llama
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_lowprec.callback import STATE_FILE, TELEMETRY_KEYS, LowPrecisionCallback
-from hf_lowprec.new_parameters import orphaned_parameters
-from hf_lowprec.hub import PLAN_FILE
 from hf_lowprec.modules import LOW_PRECISION_TYPES
-from hf_lowprec.plan import PrecisionPlan
+from hf_lowprec.new_parameters import orphaned_parameters
+from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 
 MIXED_PLAN = {"default": "fp8", "layers": {"*.mlp.*": "int4-g64", "lm_head": "bf16"}}
 

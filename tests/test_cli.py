@@ -10,15 +10,15 @@ import time
 
 import pytest
 import torch
-from huggingface_hub import ModelCard
 from conftest import with_loud_channels
+from hf_lowprec.cli.app import app
+from huggingface_hub import ModelCard
 from tiny_assets import HubStandIn, corpus_text, save_tiny_model, validate_card_metadata
 from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_collator
 from typer.testing import CliRunner
 
-from hf_lowprec.cli.app import app
 from hf_lowprec.data import prepare_lm_data, read_source
-from hf_lowprec.hub import CARD_FILE, RUN_FILE, load_exported
+from hf_lowprec.export import CARD_FILE, RUN_FILE, load_exported
 from hf_lowprec.metrics import causal_lm_loss
 from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear
 from hf_lowprec.modules.kernels.cpp import cpu_kernels
@@ -307,10 +307,10 @@ def test_default_demo_on_the_offline_checkpoint(tmp_path):
 
 
 def test_int4_lora_trainer_stores_what_backward_needs_in_int8(tmp_path):
+    from hf_lowprec.cli.run import _trainer_class
     from peft import LoraConfig
     from transformers import TrainingArguments
 
-    from hf_lowprec.cli.run import _trainer_class
     from hf_lowprec.ondevice import prepare_int4_lora
     from hf_lowprec.recipe import load_recipe
 

@@ -15,10 +15,14 @@ import torch
 from peft import LoraConfig, PeftModel
 from torch import nn
 
-import hf_lowprec.hf_quantizer  # noqa: F401  (registers quant_method "hf_lowprec": from_pretrained loads exported folders)
 from hf_lowprec.convert import canonical_name
+
+# also registers quant_method "hf_lowprec" with transformers: from_pretrained loads exported folders
+from hf_lowprec.export.hf_quantizer import quantization_config_dict
+from hf_lowprec.folders import atomic_output_dir, atomic_write_text, check_output_dir
 from hf_lowprec.modules.int4_lora import register_int4_lora
 from hf_lowprec.modules.packed import PackedLinear
+from hf_lowprec.plan import PLAN_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +116,6 @@ def export_int4_lora(
     adapter deltas smaller than half an INT4 step, which on small models is most of what LoRA learned.
     Refuses an existing non-empty ``out_dir`` unless ``overwrite``.
     """
-    from hf_lowprec.hf_quantizer import quantization_config_dict
-    from hf_lowprec.hub import PLAN_FILE, atomic_output_dir
-    from hf_lowprec.plan import atomic_write_text
 
     if not isinstance(model, PeftModel):
         raise ValueError(f"export_int4_lora exports a PEFT model from prepare_int4_lora, got {type(model).__name__}")
@@ -208,9 +209,3 @@ def load_int4_model(
     tokenizer = AutoTokenizer.from_pretrained(folder) if any((folder / f).is_file() for f in TOKENIZER_FILES) else None
     return model.eval(), tokenizer
 
-
-def check_output_dir(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"output {str(out)!r} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"output folder {str(out)!r} already exists and is not empty; pass overwrite=True to replace it")

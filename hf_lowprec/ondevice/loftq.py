@@ -10,7 +10,6 @@ import torch
 from peft import LoraConfig
 from torch import nn
 
-import hf_lowprec.hf_quantizer  # noqa: F401  (registers quant_method "hf_lowprec": from_pretrained loads exported folders)
 from hf_lowprec.convert import canonical_name
 
 logger = logging.getLogger(__name__)

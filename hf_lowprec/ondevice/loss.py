@@ -11,7 +11,6 @@ import torch
 from peft import PeftModel
 from torch import nn
 
-import hf_lowprec.hf_quantizer  # noqa: F401  (registers quant_method "hf_lowprec": from_pretrained loads exported folders)
 from hf_lowprec.metrics import IGNORE_INDEX
 from hf_lowprec.modules.packed import compiled
 

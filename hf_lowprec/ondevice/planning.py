@@ -10,7 +10,6 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-import hf_lowprec.hf_quantizer  # noqa: F401  (registers quant_method "hf_lowprec": from_pretrained loads exported folders)
 from hf_lowprec.convert import canonical_name, eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.modules.packed import PackedLinear

@@ -14,7 +14,6 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
-import hf_lowprec.hf_quantizer  # noqa: F401  (registers quant_method "hf_lowprec": from_pretrained loads exported folders)
 from hf_lowprec.calibration import ROUNDINGS, check_rounding
 from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eligible_layers, freeze
 from hf_lowprec.modules.int4_lora import register_int4_lora

@@ -18,12 +18,12 @@ import torch
 from peft import PeftModel
 from torch import nn
 
-import hf_lowprec.hf_quantizer  # noqa: F401  (registers quant_method "hf_lowprec": from_pretrained loads exported folders)
 from hf_lowprec.activations import ActivationStorage
 from hf_lowprec.convert import eligible_layers
+from hf_lowprec.folders import check_output_dir
 from hf_lowprec.metrics import peak_rss_mb
 from hf_lowprec.modules.packed import PackedLinear
-from hf_lowprec.ondevice.export import check_output_dir, export_int4_lora
+from hf_lowprec.ondevice.export import export_int4_lora
 from hf_lowprec.ondevice.loss import causal_lm_loss, evaluate_loss
 from hf_lowprec.plan import PrecisionPlan
 

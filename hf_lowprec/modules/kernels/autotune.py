@@ -13,7 +13,6 @@ import functools
 import json
 import logging
 import os
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.modules.kernels.cpu import cpu_info
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ def _entries() -> dict[str, dict]:
 
 
 def _store(key: str, choice: Choice) -> None:
-    """Record ``choice`` in memory and in the cache file (written to a temporary file, then renamed)."""
+    """Record ``choice`` in memory and in the cache file (never half-written)."""
     with _lock:
         _entries()[key] = choice.to_dict()
         path = cache_path()
@@ -165,9 +165,6 @@ def _store(key: str, choice: Choice) -> None:
             except (OSError, ValueError):
                 everything = {}
             everything[machine_key()] = _entries()
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".autotune-", suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                json.dump(everything, f, indent=1)
-            os.replace(tmp, path)
+            atomic_write_text(path, json.dumps(everything, indent=1))
         except OSError as e:  # a read-only home: keep the choice for this process only
             logger.warning("could not write the autotune cache %s (%s); measuring again next run", path, e)

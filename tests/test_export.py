@@ -15,11 +15,9 @@ from transformers import AutoModelForCausalLM
 
 from hf_lowprec import Int4Linear, PackedInt4Linear, apply_plan, freeze, revert
 from hf_lowprec.checkpoints import load_pretrained
-from hf_lowprec.hub import (
+from hf_lowprec.export import (
     CARD_FILE,
     PLAN_FILE,
-    RUN_FILE,
-    atomic_output_dir,
     export_model,
     export_run,
     hardware_info,
@@ -27,6 +25,7 @@ from hf_lowprec.hub import (
     push,
     render_model_card,
 )
+from hf_lowprec.folders import atomic_output_dir
 from hf_lowprec.plan import PrecisionPlan
 
 TOKEN = "hf_standinSECRETtoken1234567890"

@@ -1,0 +1,107 @@
+"""The model card of an exported run: YAML metadata (``ModelCardData``) and the shipped Jinja template.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import yaml
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from hf_lowprec.assets import shipped_folder
+from hf_lowprec.plan import PLAN_FILE
+
+TEMPLATE = "model_card.md.jinja"
+TASK_TYPES = {"perplexity": "text-generation", "loss": "text-generation", "accuracy": "text-classification"}
+
+
+def _tags(run: Mapping) -> list[str]:
+    formats = {row["format"] for row in run.get("plan_rows", [])}
+    tags = ["hf-lowprec"]
+    if any(f.startswith("fp8") for f in formats):
+        tags.append("fp8")
+    if any(f.startswith("int4") for f in formats):
+        tags.append("int4")
+    recipe = run.get("recipe", {})
+    if recipe.get("method") == "full" and any(f.startswith(("int4", "int8", "nf4")) for f in formats):
+        tags.append("qat")
+    if recipe.get("method") == "int4-lora":
+        tags += ["lora", "peft"]
+    if run.get("export", {}).get("weights") == "int4-packed":
+        tags.append("4-bit")
+    return tags
+
+
+def _eval_results(run: Mapping, model_name: str) -> list[EvalResult]:
+    out = []
+    for row in run.get("eval", []):
+        out.append(EvalResult(
+            task_type=TASK_TYPES.get(row["metric"], "text-generation"), dataset_type=row["dataset"],
+            dataset_name=row["dataset"], dataset_split=row.get("split"), metric_type=row["metric"],
+            metric_value=row["value"],
+        ))  # fmt: skip
+    return out
+
+
+def render_model_card(run: Mapping, repo_id: str | None = None) -> ModelCard:
+    """The model card of an exported run: YAML metadata (``ModelCardData``) + the packaged Jinja template.
+
+    ``repo_id`` appears in the loading snippets (default: a placeholder path).
+    """
+    recipe = run.get("recipe", {})
+    model_name = (repo_id or run.get("name") or "hf-lowprec-model").split("/")[-1]
+    base_model = run.get("base_model")
+    eval_rows = list(run.get("eval", []))
+    datasets = [run["dataset"]] if run.get("dataset") else None
+    card_data = ModelCardData(
+        base_model=base_model, library_name=run.get("export", {}).get("library_name", "transformers"),
+        tags=_tags(run), datasets=datasets, metrics=sorted({r["metric"] for r in eval_rows}) or None,
+        pipeline_tag="text-generation", model_name=model_name, eval_results=_eval_results(run, model_name) or None,
+    )  # fmt: skip
+    from hf_lowprec import __version__
+
+    template = shipped_folder("model_cards").joinpath(TEMPLATE).read_text()
+    fractions = ", ".join(f"{100 * r['fraction']:.1f}% {r['format']}" for r in run.get("plan_rows", []))
+    return ModelCard.from_template(
+        card_data,
+        template_str=template,
+        model_name=model_name,
+        summary=run.get("summary", f"A model fine-tuned with low-precision layers ({fractions})."),
+        version=__version__,
+        recipe=recipe,
+        recipe_yaml=yaml.safe_dump(recipe, sort_keys=False),
+        base_model=base_model,
+        base_model_path=run.get("base_model_path"),
+        repo_id=repo_id or f"path/to/{model_name}",
+        export=run.get("export", {"loader": "transformers", "dtype": "fp32"}),
+        adapter=run.get("adapter"),
+        plan_file=PLAN_FILE,
+        plan_sentence=f"Share of the eligible parameters (Linear/Embedding weights) per training format: {fractions}. "
+        "`bf16` marks layers left in the model's own dtype.",
+        plan_rows=run.get("plan_rows", []),
+        layers=run.get("layers", []),
+        dataset=run.get("dataset", "unknown"),
+        data_kind=run.get("data_kind", "text"),
+        training_rows=_rows(run.get("training", {})),
+        loss_curve=run.get("loss_curve"),
+        eval_rows=eval_rows,
+        hardware_rows=_rows(run.get("hardware", {})),
+        limitations=run.get("limitations", _limitations(run)),
+    )
+
+
+def _limitations(run: Mapping) -> str:
+    text = ("Low-precision training changes the numerics of the layers in the plan; check the evaluation above on "
+            "your own data before relying on the model.")  # fmt: skip
+    if any(r["format"].startswith("fp8") for r in run.get("plan_rows", [])) and not run.get("hardware", {}).get("fp8_tensor_cores"):
+        text += " The FP8 layers ran emulated FP8 numerics (this hardware has no FP8 tensor cores): same numbers, slower steps."
+    return text
+
+
+def _rows(figures: Mapping) -> list[tuple[str, str]]:
+    out = []
+    for key, value in figures.items():
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        out.append((key.replace("_", " "), str(value)))
+    return out

@@ -1,0 +1,185 @@
+"""Exporting a trained model as a loadable folder (master weights, packed INT4, or INT4 base + LoRA) and loading one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from huggingface_hub import snapshot_download
+from torch import nn
+
+from hf_lowprec.convert import apply_plan, freeze, revert
+from hf_lowprec.export.card import render_model_card
+from hf_lowprec.export.hf_quantizer import quantization_config_dict
+from hf_lowprec.export.records import CARD_FILE, RUN_ONLY, plan_record, read_run, write_record
+from hf_lowprec.folders import atomic_output_dir
+from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear
+from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
+
+EXPORT_WEIGHTS = ("master", "int4-packed")
+
+
+def export_model(
+    model: nn.Module, tokenizer, out: str | os.PathLike, run: Mapping, *, weights: str = "master", merge: bool = False,
+    merged_dtype: str | None = None, overwrite: bool = False, repo_id: str | None = None,
+    extra_files: Mapping[str, str | bytes] | None = None,
+) -> Path:  # fmt: skip
+    """Write ``model`` (its plan applied) as a publishable folder at ``out``, atomically; returns ``out``.
+
+    ``weights``: ``master`` (plain high-precision weights; FP8/INT4 layers reverted on a copy) or
+    ``int4-packed`` (INT4 layers frozen to packed codes on a copy, other layers as master weights;
+    ``config.json`` gets ``quant_method: hf_lowprec`` so ``from_pretrained`` rebuilds them after
+    ``import hf_lowprec``). A PEFT model from ``finetune.prepare_int4_lora`` is saved by
+    ``finetune.export_int4_lora``: packed base + adapters, or with ``merge`` the adapters merged and re-quantized
+    (``merged_dtype`` ``bf16``/``fp32``: merged into a plain dense model instead).
+    ``run``: the run record (see the module docstring); its ``plan``/``layers``/``export`` are filled in here.
+    ``extra_files``: ``{name: text or bytes}`` written next to the weights (e.g. ``recipe.yaml``, a loss-curve PNG).
+    """
+    if weights not in EXPORT_WEIGHTS:
+        raise ValueError(f"export weights {weights!r}: choose one of {', '.join(EXPORT_WEIGHTS)}")
+    peft = getattr(model, "peft_config", None) is not None
+    base = model.get_base_model() if peft else model
+    plan = getattr(base, "hf_lowprec_plan", None) or PrecisionPlan()
+    run = dict(run)
+    run["plan"] = plan.to_dict()
+    run["layers"], run["plan_rows"] = plan_record(base, plan)
+    if peft:
+        return _export_lora(model, tokenizer, Path(out), run, merge, merged_dtype, overwrite, repo_id, extra_files)
+    if merge:
+        raise ValueError("merge applies to LoRA adapters; this model has none")
+    with atomic_output_dir(out, overwrite) as tmp:
+        copy_ = copy.deepcopy(model)
+        if weights == "int4-packed":
+            if freeze(copy_) == 0:
+                raise ValueError("export weights 'int4-packed' needs int4 (or per-channel int8) layers in the plan; this model has none (export 'master')")
+            revert(copy_)  # FP8 / other layers back to plain layers with their master weights
+            run["export"] = {"weights": weights, "loader": "hf_lowprec", "library_name": "hf-lowprec", "dtype": _dtype_name(copy_),
+                             "description": f"{_packed_layers(copy_)} with their learned steps"}  # fmt: skip
+        else:
+            revert(copy_)
+            run["export"] = {"weights": weights, "loader": "transformers", "library_name": "transformers", "dtype": _dtype_name(copy_),
+                             "description": "high-precision master weights"}  # fmt: skip
+        copy_.save_pretrained(tmp)
+        if weights == "int4-packed":
+            _mark_packed(copy_.config, plan, tmp)
+        del copy_
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / PLAN_FILE).write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+        write_record(tmp, run, repo_id, extra_files)
+    return Path(out)
+
+
+def _mark_packed(config, plan: PrecisionPlan, folder: Path) -> None:
+    """``config.json`` with ``quantization_config`` so transformers rebuilds the packed layers (hf_lowprec.export.hf_quantizer)."""
+    config = copy.deepcopy(config)
+    config.quantization_config = quantization_config_dict(plan)
+    config.save_pretrained(folder)
+
+
+
+
+def _packed_layers(model: nn.Module) -> str:
+    """``"N layers as packed INT4 codes (two per byte)[, M as int8 codes]"`` for ``model``'s packed layers."""
+    n4 = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
+    n8 = sum(isinstance(m, PackedInt8Linear) for m in model.modules())
+    return f"{n4} layers as packed INT4 codes (two per byte)" + (f", {n8} as int8 codes" if n8 else "")
+
+
+def _export_lora(model, tokenizer, out: Path, run: dict, merge: bool, merged_dtype: str | None, overwrite: bool, repo_id,
+                 extra_files) -> Path:  # fmt: skip
+    """Packed INT4 base + LoRA adapters (or merged) through ``finetune.export_int4_lora``, then the record and card."""
+    from hf_lowprec.ondevice import ADAPTER_DIR, MERGE_DTYPES, MERGE_FILE, export_int4_lora
+
+    if merged_dtype is not None and merged_dtype not in MERGE_DTYPES:
+        raise ValueError(f"merged dtype {merged_dtype!r}: choose one of {', '.join(MERGE_DTYPES)}")
+    if merged_dtype is not None and not merge:
+        raise ValueError("a merged dtype applies to --merge")
+    packed = _packed_layers(model)
+    if merged_dtype is not None:
+        run["export"] = {"weights": "dense", "loader": "transformers", "library_name": "transformers",
+                         "dtype": str(MERGE_DTYPES[merged_dtype]).removeprefix("torch."),
+                         "description": f"LoRA merged into a dense {merged_dtype} model: {packed} dequantized plus their adapter "
+                                        "deltas, rounded once"}  # fmt: skip
+        run.pop("adapter", None)
+    elif merge:
+        run["export"] = {"weights": "int4-packed", "loader": "hf_lowprec", "library_name": "hf-lowprec", "dtype": _dtype_name(model),
+                         "description": f"{packed}, LoRA merged in and re-quantized (error in {MERGE_FILE})"}  # fmt: skip
+        run.pop("adapter", None)
+    else:
+        run["export"] = {"weights": "int4-packed", "loader": "hf_lowprec", "library_name": "hf-lowprec", "dtype": _dtype_name(model),
+                         "description": f"base: {packed}, plus LoRA adapters in PEFT format"}  # fmt: skip
+        run["adapter"] = {**run.get("adapter", {}), "folder": f"{ADAPTER_DIR}/",
+                          "note": "load_exported applies them; `hf-lowprec export --merge` folds them into the INT4 base"}  # fmt: skip
+    with atomic_output_dir(out, overwrite) as tmp:
+        export_int4_lora(model, tmp, merge=merge, merged_dtype=MERGE_DTYPES.get(merged_dtype), tokenizer=tokenizer,
+                         overwrite=True)  # tmp is empty: written in place  # fmt: skip
+        if merge and merged_dtype is None:
+            run["merge"] = json.loads((tmp / MERGE_FILE).read_text())["summary"]
+        write_record(tmp, run, repo_id, extra_files)
+    return out
+
+
+def _dtype_name(model: nn.Module) -> str:
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False, repo_id: str | None = None,
+               merge: bool = False, merged_dtype: str | None = None) -> Path:  # fmt: skip
+    """Copy a finetune run folder's publishable files (weights, tokenizer, plan, record) to ``out`` and re-render its card.
+
+    ``merge``: load the run's INT4 base + LoRA adapters and write them merged (re-quantized) instead;
+    ``merged_dtype`` (``bf16``/``fp32``): merged into a plain dense model.
+    """
+    run_dir = Path(run_dir)
+    run = read_run(run_dir)
+    if merge:
+        if not run.get("adapter"):
+            raise ValueError(f"--merge: {str(run_dir)!r} has no LoRA adapters to merge (recipe method {run.get('recipe', {}).get('method')!r})")
+        model, tokenizer = load_exported(run_dir)
+        return export_model(model, tokenizer, out, run, weights="int4-packed", merge=True, merged_dtype=merged_dtype, overwrite=overwrite,
+                            repo_id=repo_id)  # fmt: skip
+    with atomic_output_dir(out, overwrite) as tmp:
+        for item in run_dir.iterdir():
+            if item.name in RUN_ONLY or item.name == CARD_FILE:
+                continue
+            (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
+        render_model_card(run, repo_id).save(tmp / CARD_FILE)
+    return Path(out)
+
+
+
+
+# -------------------------------------------------------------------------------------- load
+def load_exported(path_or_repo: str | os.PathLike, *, apply_plan_numerics: bool = False, dtype: torch.dtype | None = None,
+                  backend: str = "auto"):  # fmt: skip
+    """``(model, tokenizer)`` of an exported folder or Hub repo.
+
+    ``master`` exports load as plain ``transformers`` models (fp32 unless ``dtype``); with
+    ``apply_plan_numerics`` the plan is re-applied so the model computes with its training-time FP8/INT4
+    numerics. ``int4-packed`` exports load through ``finetune.load_int4_model`` (transformers with the
+    ``hf_lowprec`` quantizer; a PEFT model when the folder holds adapters), their packed layers computing
+    with ``backend`` (``auto``: int8 kernels where the CPU has them; ``dequant``: exactly the codes' values).
+    """
+    from hf_lowprec.checkpoints import load_pretrained
+
+    folder = Path(path_or_repo)
+    if not folder.is_dir():
+        folder = Path(snapshot_download(str(path_or_repo)))
+    run = read_run(folder)
+    if run.get("export", {}).get("weights") == "int4-packed":
+        from hf_lowprec.ondevice import load_int4_model
+
+        if apply_plan_numerics:
+            raise ValueError("a packed INT4 export already computes with its quantized weights; apply_plan_numerics is for master exports")
+        return load_int4_model(folder, dtype=dtype, backend=backend)
+    model, tokenizer = load_pretrained(folder, dtype=dtype or torch.float32)
+    if apply_plan_numerics:
+        apply_plan(model, PrecisionPlan.load(folder / PLAN_FILE))
+    return model, tokenizer

@@ -1,0 +1,72 @@
+"""What an exported folder holds besides its weights: the file names, the run record (hardware, per-layer plan
+record) and reading and writing it with the card.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hf_lowprec.convert import eligible_layers
+from hf_lowprec.export.card import render_model_card
+from hf_lowprec.modules import PackedLinear
+from hf_lowprec.modules.kernels.cpu import cpu_info
+from hf_lowprec.plan import PLAN_FILE, PrecisionPlan  # noqa: F401  (re-exported: the folder's file names)
+
+RUN_FILE = "hf_lowprec_run.json"
+CARD_FILE = "README.md"
+# files a run folder holds that an export does not publish
+RUN_ONLY = ("checkpoints", "log_history.json")
+
+
+def hardware_info() -> dict:
+    """What the run ran on: device, its name, CPU cores and capabilities, torch version, whether FP8 tensor cores exist."""
+    info = {"device": "cpu", "name": cpu_info().model, "cpu_cores": os.cpu_count(), "torch": torch.__version__,
+            "cpu": cpu_info().to_dict()}  # fmt: skip
+    if torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability()
+        info.update(device="cuda", name=torch.cuda.get_device_name(), compute_capability=f"{cap[0]}.{cap[1]}", gpus=torch.cuda.device_count())
+        info["fp8_tensor_cores"] = cap >= (8, 9)
+    else:
+        info["fp8_tensor_cores"] = False
+    return info
+
+
+# ------------------------------------------------------------------------------ plan records
+def plan_record(model: nn.Module, plan: PrecisionPlan) -> tuple[list[dict], list[dict]]:
+    """``(per-layer [{name, format, params}], PrecisionPlan.summary rows)`` of ``plan`` on ``model``.
+
+    Frozen packed INT4 layers keep no dense weight; they are summarised through a meta-device Linear
+    of their shape (no memory), so the figures are those of the layer before packing.
+    """
+    layers = {n: _dense_view(m) for n, m in eligible_layers(model).items()}
+    per_layer = [{"name": n, "format": spec.name, "params": layers[n].weight.numel()} for n, spec in plan.assign(layers).items()]
+    return per_layer, plan.summary(layers)
+
+
+def _dense_view(module: nn.Module) -> nn.Module:
+    if isinstance(module, PackedLinear):
+        return nn.Linear(module.in_features, module.out_features, bias=False, device="meta", dtype=module.step.dtype)
+    return module
+
+def read_run(folder: str | os.PathLike) -> dict:
+    """The run record of an exported/run folder; ``ValueError`` if it is not one."""
+    path = Path(folder) / RUN_FILE
+    if not Path(folder).is_dir():
+        raise ValueError(f"{str(folder)!r} is not a folder")
+    if not path.is_file():
+        raise ValueError(f"{str(folder)!r} is not an hf-lowprec run or export folder (no {RUN_FILE})")
+    return json.loads(path.read_text())
+
+
+def write_record(folder: Path, run: Mapping, repo_id: str | None, extra_files: Mapping[str, str | bytes] | None) -> None:
+    """Run record, extra files and model card into ``folder`` (a temporary folder renamed into place as a whole)."""
+    (folder / RUN_FILE).write_text(json.dumps(run, indent=2, default=str) + "\n")
+    for name, data in (extra_files or {}).items():
+        (folder / name).write_bytes(data) if isinstance(data, bytes) else (folder / name).write_text(data)
+    render_model_card(run, repo_id).save(folder / CARD_FILE)

@@ -1,0 +1,72 @@
+"""Writing files and folders so that nothing already there is lost or half-overwritten: a file through a temporary
+file and a rename, a folder through a temporary sibling renamed into place, and the one check of an output folder."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the mode open() would
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def check_output_dir(out: str | os.PathLike, overwrite: bool) -> None:
+    """``ValueError`` unless ``out`` is free to write: absent, an empty folder, or any folder with ``overwrite``."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {str(out)!r} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"output folder {str(out)!r} already exists; pass --overwrite (overwrite=True) to replace it")
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield an empty temporary sibling of ``out``; on success it replaces ``out`` in one rename.
+
+    Raises ``ValueError`` if ``out`` exists (and is not empty) without ``overwrite``. On any error the
+    temporary folder is removed and ``out`` is left exactly as it was.
+    """
+    out = Path(out)
+    check_output_dir(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial"))
+    try:
+        yield tmp
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Move folder ``src`` to ``dst``, replacing ``dst``; ``dst`` is never half-written (rename, then delete the old)."""
+    old = None
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        os.replace(dst, old)
+    try:
+        os.replace(src, dst)
+    except BaseException:
+        if old is not None:
+            os.replace(old, dst)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
