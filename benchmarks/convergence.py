@@ -18,15 +18,15 @@ import time
 from contextlib import nullcontext
 
 import torch
+from _util import RESULTS, machine, write_json
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from _util import RESULTS, machine, write_json
 from hf_lowprec import PrecisionPlan, apply_plan
 from hf_lowprec.checkpoints import default_corpus
-from hf_lowprec.new_parameters import add_new_parameters
 from hf_lowprec.scaling import make_policy_factory
 from hf_lowprec.sensitivity import allocate, scan
+from hf_lowprec.training.new_parameters import add_new_parameters
 
 VOCAB, SEQ, BATCH = 2048, 128, 16
 MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,

@@ -18,8 +18,8 @@ import argparse
 import os
 
 import torch
-
 from _util import RESULTS, machine, write_json
+
 from hf_lowprec.modules.kernels.cpu import cpu_info
 from hf_lowprec.modules.throughput import kernel_throughput
 

@@ -15,9 +15,9 @@ import statistics
 import time
 
 import torch
+from _util import machine, saved_tensor_bytes, write_json
 from torch import nn
 
-from _util import machine, saved_tensor_bytes, write_json
 from hf_lowprec.modules import FP8Linear, Int4Linear
 
 D, TOKENS = 2048, (4, 256)

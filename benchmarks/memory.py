@@ -3,8 +3,8 @@
 (a) fp32 weights, fp32 math, AdamW;
 (b) bf16 autocast with fp32 master weights and AdamW (the usual mixed precision);
 (c) bf16 weights, no master copy, 8-bit AdamW states (torchao), compensated by Kahan buffers
-    (hf_lowprec.compensation.CompensatedOptimizer) or by stochastic rounding (torchao's own);
-(d) (c) with every activation saved for backward stored in FP8 (hf_lowprec.activations, fp8); a
+    (hf_lowprec.training.compensation.CompensatedOptimizer) or by stochastic rounding (torchao's own);
+(d) (c) with every activation saved for backward stored in FP8 (hf_lowprec.training.activations, fp8); a
     variant also runs every Linear but the output head as FP8Linear (tensorwise: it saves its own
     input and weight in FP8).
 Optimizer-state variants of (c) (bitsandbytes 8-bit, torchao FP8 / 4-bit, fp32) are measured too, and
@@ -101,8 +101,8 @@ def run_one(name: str, quick: bool) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_lowprec import PrecisionPlan, apply_plan
-    from hf_lowprec.activations import ActivationStorage
-    from hf_lowprec.compensation import make_optimizer, optimizer_state_bytes
+    from hf_lowprec.training.activations import ActivationStorage
+    from hf_lowprec.training.compensation import make_optimizer, optimizer_state_bytes
 
     torch.set_num_threads(1)  # two threads on two shared cores oversubscribe; memory does not depend on it
     rss_imports = _status("VmRSS")

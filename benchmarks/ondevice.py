@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from _util import machine
+
 from hf_lowprec.modules.kernels.cpu import cpu_info
 
 RESULTS = Path(__file__).parent / "results"
@@ -80,9 +81,8 @@ def _build(config: str, loftq: bool, rounding: str, gc: bool, budget_bits: float
     hf_loss = lambda m: (lambda b: m(input_ids=b, labels=b).loss)  # noqa: E731
     torch.manual_seed(SEED)
     if config.startswith("int4-lora"):
-        from hf_lowprec.activations import ActivationStorage
-
         from hf_lowprec.modules.kernels.autotune import compute_dtype
+        from hf_lowprec.training.activations import ActivationStorage
 
         # what load_int4_lora(dtype="auto") does, with the tokenizer first: bf16 only where this CPU runs it fast
         base, tok = load_pretrained(folder, gguf_file=gguf, dtype=compute_dtype("cpu")[0])
@@ -467,7 +467,7 @@ def plot(_args) -> None:
 
 
 def main() -> None:
-    from hf_lowprec.calibration import ROUNDINGS
+    from hf_lowprec.ondevice.calibration import ROUNDINGS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=("speed", "quality", "demo", "report", "plot", "child"))

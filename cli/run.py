@@ -331,7 +331,7 @@ def _prepare_method(model, recipe: Recipe, lm, t, resume_from: str | None):
 
 
 def _low_precision_callback(recipe: Recipe, lm, t, resume_from: str | None):
-    from hf_lowprec.callback import LowPrecisionCallback
+    from hf_lowprec.training.callback import LowPrecisionCallback
 
     p = recipe.precision
     if p.is_auto:
@@ -383,8 +383,8 @@ def _trainer_class(recipe: Recipe):
 
     if recipe.method != "int4-lora":
         return Trainer
-    from hf_lowprec.activations import ActivationStorage
     from hf_lowprec.ondevice import causal_lm_loss
+    from hf_lowprec.training.activations import ActivationStorage
 
     fmt = recipe.training.activation_storage
 

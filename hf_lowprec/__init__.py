@@ -8,8 +8,8 @@ from hf_lowprec.plan import PrecisionPlan
 __version__ = "0.1.0"
 
 _LAZY = {  # these import transformers/accelerate: loaded on first use
-    "LowPrecisionCallback": "hf_lowprec.callback",
-    "LowPrecisionPlugin": "hf_lowprec.accelerate_plugin",
+    "LowPrecisionCallback": "hf_lowprec.training.callback",
+    "LowPrecisionPlugin": "hf_lowprec.training.accelerate",
     # on-device INT4 + LoRA fine-tuning (importing it also registers quant_method "hf_lowprec" with transformers)
     "prepare_int4_lora": "hf_lowprec.ondevice",
     "load_int4_lora": "hf_lowprec.ondevice",

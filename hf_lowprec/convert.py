@@ -74,7 +74,7 @@ class ConversionReport:
 
     layers: list[LayerReport] = field(default_factory=list)
     new_parameters: dict[str, nn.Parameter] = field(default_factory=dict)
-    calibration: dict | None = None  # hf_lowprec.calibration.summary when the INT4 codes were calibrated (GPTQ, AWQ)
+    calibration: dict | None = None  # hf_lowprec.ondevice.calibration.summary when the INT4 codes were calibrated (GPTQ, AWQ)
     compute: dict | None = None  # {"dtype", "reason"}: the compute dtype chosen at load and why
 
     @property

@@ -27,14 +27,14 @@ from pathlib import Path
 import yaml
 
 from hf_lowprec.assets import shipped_folder
-from hf_lowprec.calibration import ROUNDINGS
 from hf_lowprec.formats import FormatSpec
+from hf_lowprec.ondevice.calibration import ROUNDINGS
 from hf_lowprec.plan import PrecisionPlan
 
 METHODS = ("full", "int4-lora")
 PLAN_SOURCES = ("auto",)  # besides a format name or a plan file path
 DTYPES = ("auto", "fp32", "bf16")  # auto: bf16 where this CPU runs bf16 GEMMs fast (measured), else fp32
-ACTIVATION_STORAGE = ("none", "int8", "fp8", "fp8-e5m2")  # hf_lowprec.activations formats
+ACTIVATION_STORAGE = ("none", "int8", "fp8", "fp8-e5m2")  # hf_lowprec.training.activations formats
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 LORA_INITS = ("default", "loftq")
 EXPORT_WEIGHTS = ("master", "int4-packed")
@@ -58,7 +58,7 @@ class PrecisionSection:
         scan_method: ``auto`` scan method.
         rounding: ``int4-lora`` only: how the frozen base's INT4 codes are chosen: ``nearest``, or calibrated
             on the first ``calibration_batches`` training batches: ``gptq``, ``awq``, ``awq+gptq`` (lower
-            output error; see ``hf_lowprec.calibration``).
+            output error; see ``hf_lowprec.ondevice.calibration``).
     """
 
     plan: str = "fp8"

@@ -10,20 +10,18 @@ policy per tensor role: ``input``, ``weight`` and ``grad`` (the gradient of the 
 - :class:`GradientScaling` — for quantized gradients: the scale follows a robust running statistic of
   the gradient's amax, spikes beyond ``k`` times it are clipped (or the step skipped) and counted, and
   a power-of-two adjustment reacts to saturation/underflow rates (GradScale, Sun et al. 2020; MS-AMP).
-- :class:`LearnedStepQuantizer` / :class:`LearnedActivationQuantizer` — the integer formats' step as a
-  trained parameter (LSQ, Esser et al. 2020).
 - :class:`DynamicLossScaler` — FP16 loss scaling (torch's ``GradScaler`` plus a skipped-step count).
 
-Every policy can record telemetry (saturated and underflowed elements, last scale);
-:func:`collect_telemetry` aggregates it over a model, :func:`make_policy_factory` builds the
-``policy_factory`` that :func:`hf_lowprec.convert.apply_plan` takes.
+Every policy can record telemetry (saturated and underflowed elements, last scale;
+:mod:`hf_lowprec.training.telemetry` aggregates it over a model); :func:`make_policy_factory` builds the
+``policy_factory`` that :func:`hf_lowprec.convert.apply_plan` takes. The integer formats' learned steps
+(LSQ) are in :mod:`hf_lowprec.modules.lsq`.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -33,13 +31,8 @@ from torch import nn
 from hf_lowprec.formats import (
     FP8_MAX,
     FormatSpec,
-    dequantize_nf4,
     expand_scale,
-    fake_quantize_int,
     fp8_scale,
-    int_steps,
-    quantize_nf4,
-    round_ste,
 )
 
 logger = logging.getLogger(__name__)
@@ -48,7 +41,7 @@ ROLES = ("input", "weight", "grad")
 REDUCTIONS = ("max", "most_recent")
 STATISTICS = ("ema", "percentile")
 SPIKE_ACTIONS = ("rescale", "clip", "skip")
-TELEMETRY_PREFIX = "lowprec/"
+TELEMETRY_PREFIX = "lowprec/"  # of every telemetry key in Trainer logs
 
 
 def _distributed() -> bool:
@@ -302,106 +295,6 @@ class GradientScaling(ScalePolicy):
         )
 
 
-# ------------------------------------------------------------------------------- skips, telemetry
-
-
-def _policies(model: nn.Module):
-    """``(layer name, role, policy, layer)`` for every scale policy held by a layer's ``scaling`` dict."""
-    from hf_lowprec.convert import canonical_name  # convert imports the modules, which import this file
-
-    for fqn, module in model.named_modules():
-        scaling = getattr(module, "scaling", None)
-        if isinstance(scaling, nn.ModuleDict):
-            for role, policy in scaling.items():
-                if isinstance(policy, ScalePolicy):
-                    yield canonical_name(fqn), role, policy, module
-
-
-@torch.no_grad()
-def skip_step_if_requested(model: nn.Module) -> bool:
-    """If any :class:`GradientScaling` (``spike_action="skip"``) saw a spike since the last call, drop every
-    parameter gradient of ``model`` (set to ``None``: optimizers then leave the parameter and its state
-    alone) and return True. Call it between ``backward`` and ``optimizer.step``.
-    """
-    pending = [p for _, _, p, _ in _policies(model) if isinstance(p, GradientScaling) and bool(p.skip_pending)]
-    if not pending:
-        return False
-    for policy in pending:
-        policy.skip_pending.fill_(False)
-    for param in model.parameters():
-        param.grad = None
-    logger.info("gradient spike in %d casts: optimizer step skipped", len(pending))
-    return True
-
-
-def layer_telemetry(model: nn.Module) -> dict[str, dict[str, dict[str, float]]]:
-    """``{layer: {role: {saturation, underflow, scale_log2, casts[, spikes, skips, adjust]}}}`` since the last reset."""
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for name, role, policy, _ in _policies(model):
-        if not policy.telemetry:
-            continue
-        n = max(int(policy.tele_elements), 1)
-        entry = {
-            "saturation": int(policy.tele_saturated) / n,
-            "underflow": int(policy.tele_underflow) / n,
-            "scale_log2": float(policy.tele_scale_log2),
-            "casts": float(policy.tele_casts),
-        }
-        if isinstance(policy, GradientScaling):
-            entry.update(spikes=float(policy.spikes), skips=float(policy.skips_requested), adjust=float(policy.adjust))
-        out.setdefault(name, {})[role] = entry
-    return out
-
-
-@torch.no_grad()
-def collect_telemetry(model: nn.Module, reset: bool = True) -> dict[str, float]:
-    """Telemetry aggregated over every low-precision layer of ``model``, for Trainer logs.
-
-    Keys (``{fmt}`` a format name such as ``fp8``, ``{role}`` one of input/weight/grad; only formats
-    and roles whose policies record telemetry appear):
-
-    - ``lowprec/{fmt}/{role}_saturation`` and ``..._underflow``: fraction of elements clipped at the
-      format's max / flushed to zero, over all casts since the last reset;
-    - ``lowprec/{fmt}/{role}_scale_log2``: mean over layers of log2 of the last scale;
-    - ``lowprec/spikes``, ``lowprec/skips_requested``: gradient spikes detected and casts zeroed for a
-      step skip, cumulative over training (:class:`GradientScaling`).
-
-    ``reset`` zeroes the per-window counters (not the spike counts) after reading.
-    """
-    sums: dict[tuple[str, str], list[float]] = {}
-    spikes = skips = 0
-    any_gradient = False
-    for _, role, policy, layer in _policies(model):
-        if not policy.telemetry:
-            continue
-        spec = getattr(layer, "spec", None)
-        key = (spec.name if spec is not None else "fp8", role)
-        acc = sums.setdefault(key, [0.0, 0.0, 0.0, 0.0, 0.0])
-        acc[0] += int(policy.tele_elements)
-        acc[1] += int(policy.tele_saturated)
-        acc[2] += int(policy.tele_underflow)
-        if int(policy.tele_casts):
-            acc[3] += float(policy.tele_scale_log2)
-            acc[4] += 1
-        if isinstance(policy, GradientScaling):
-            any_gradient = True
-            spikes += int(policy.spikes)
-            skips += int(policy.skips_requested)
-        if reset:
-            for name in ("tele_elements", "tele_saturated", "tele_underflow", "tele_casts"):
-                getattr(policy, name).zero_()
-    out: dict[str, float] = {}
-    for (fmt, role), (n, sat, under, log2sum, layers) in sums.items():
-        prefix = f"{TELEMETRY_PREFIX}{fmt}/{role}"
-        out[f"{prefix}_saturation"] = sat / n if n else 0.0
-        out[f"{prefix}_underflow"] = under / n if n else 0.0
-        out[f"{prefix}_scale_log2"] = log2sum / layers if layers else 0.0
-    if any_gradient:
-        out[f"{TELEMETRY_PREFIX}spikes"] = float(spikes)
-        out[f"{TELEMETRY_PREFIX}skips_requested"] = float(skips)
-    return out
-
-
 # ------------------------------------------------------------------------------------ factories
 
 
@@ -476,96 +369,6 @@ def make_policy_factory(scaler: str = "dynamic", *, telemetry: bool = True, sync
                         power_of_two: bool | None = None, **options) -> PolicyFactory:  # fmt: skip
     """The ``policy_factory`` for ``apply_plan``: e.g. ``make_policy_factory("gradient", spike_action="skip", sync=True)``."""
     return PolicyFactory(scaler, dict(options), telemetry, sync, power_of_two)
-
-
-# ------------------------------------------------------------------------- learned steps (LSQ)
-
-
-class LearnedStepQuantizer(nn.Module):
-    """Fake-quantizes a weight ``[R, C]`` with per-group steps ``[R, G]`` that can be trained (LSQ).
-
-    The step is initialised from the weight (``amax / qmax``, or min/max with a zero point when
-    asymmetric). When ``learnable``, it is an ``nn.Parameter`` whose gradient is scaled by
-    ``1 / sqrt(N * Qp)`` with ``N`` the group size (the number of weights sharing one step) and ``Qp``
-    the largest code (Esser et al., 2020, "Learned Step Size Quantization"); otherwise steps are
-    recomputed from the weight on every call (max calibration). NF4 has no integer grid and always uses
-    the per-group absmax. Steps made after an optimizer was built must be added to it:
-    :func:`hf_lowprec.new_parameters.add_new_parameters`.
-    """
-
-    def __init__(self, weight: torch.Tensor, spec: FormatSpec, learnable: bool = True):
-        super().__init__()
-        if spec.family not in ("int4", "int8", "nf4"):
-            raise ValueError(f"LearnedStepQuantizer handles int4, int8 and nf4 formats, not {spec.name}")
-        self.spec = spec
-        self.learnable = learnable and spec.family != "nf4"
-        cols = weight.shape[1]
-        self.grad_scale = 1.0 / math.sqrt(min(spec.group_size or cols, cols) * max(spec.qrange[1], 1))
-        if self.learnable:
-            step, zero = int_steps(weight, spec)
-            self.step = nn.Parameter(step.to(weight.device))
-            self.register_buffer("zero", None if zero is None else zero.to(weight.device))
-
-    def forward(self, weight: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Quantize-dequantize ``weight`` (or only ``weight[rows]``, ``rows`` a 1-D index: ``[len(rows), C]``).
-
-        Straight-through gradient to the weight, LSQ gradient to the step.
-        """
-        w = weight if rows is None else weight[rows]
-        if self.spec.family == "nf4":
-            idx, absmax = quantize_nf4(w, self.spec.group_size)
-            q = dequantize_nf4(idx, absmax, self.spec.group_size, w.dtype)
-            return w + (q - w).detach()
-        if not self.learnable:
-            step, zero = int_steps(w, self.spec)
-            return fake_quantize_int(w, self.spec, step, zero)
-        step, zero = self.step, self.zero
-        if rows is not None:
-            step, zero = step[rows], None if zero is None else zero[rows]
-        scaled = step * self.grad_scale  # same value, gradient scaled by grad_scale (LSQ)
-        step = (step - scaled).detach() + scaled
-        return fake_quantize_int(w, self.spec, step.abs().clamp(min=1e-8), zero)
-
-    def steps(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The steps ``[R, G]`` (fp32, detached) and zero points in use for ``weight``."""
-        if self.learnable:
-            return self.step.detach().abs().clamp(min=1e-8).float(), self.zero
-        return int_steps(weight, self.spec)
-
-    def extra_repr(self) -> str:
-        return f"{self.spec.name}, learnable={self.learnable}"
-
-
-class LearnedActivationQuantizer(nn.Module):
-    """LSQ for activations: fake-quantize ``x`` (any shape) to a signed integer grid with one learned step.
-
-    ``spec`` gives the grid (``int8``: codes -128..127, ``int4``: -8..7). The step is initialised on the
-    first call to ``2 * mean|x| / sqrt(Qp)`` (Esser et al., 2020) and trained through the
-    straight-through estimator, its gradient scaled by ``1 / sqrt(N * Qp)`` with ``N`` the number of
-    elements quantized per call.
-    """
-
-    def __init__(self, spec: FormatSpec | str = "int8"):
-        super().__init__()
-        self.spec = FormatSpec.parse(spec)
-        if self.spec.family not in ("int4", "int8") or not self.spec.symmetric:
-            raise ValueError(f"LearnedActivationQuantizer needs a symmetric int4/int8 format, not {self.spec.name}")
-        self.step = nn.Parameter(torch.ones(()))
-        self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qmin, qmax = self.spec.qrange
-        if not bool(self.initialized):
-            with torch.no_grad():
-                self.step.copy_((2 * x.detach().abs().float().mean() / math.sqrt(qmax)).clamp(min=1e-8))
-                self.initialized.fill_(True)
-        grad_scale = 1.0 / math.sqrt(x.numel() * qmax)
-        scaled = self.step * grad_scale
-        step = ((self.step - scaled).detach() + scaled).abs().clamp(min=1e-8)
-        return (round_ste((x.float() / step).clamp(qmin, qmax)) * step).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return self.spec.name
 
 
 # ---------------------------------------------------------------------------- FP16 loss scaling

@@ -43,7 +43,7 @@ def run_trainer(out: Path, sync: bool | None, fp32: bool, auto: bool = False) ->
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
-    from hf_lowprec.callback import LowPrecisionCallback
+    from hf_lowprec.training.callback import LowPrecisionCallback
 
     _, size = world()
     rows = dataset_rows()
@@ -67,7 +67,7 @@ def run_trainer(out: Path, sync: bool | None, fp32: bool, auto: bool = False) ->
 def run_accelerate(out: Path, sync: bool | None) -> tuple[list[float], torch.nn.Module]:
     from accelerate import Accelerator
 
-    from hf_lowprec.accelerate_plugin import LowPrecisionPlugin
+    from hf_lowprec.training.accelerate import LowPrecisionPlugin
 
     _, size = world()
     accelerator = Accelerator(cpu=True)
@@ -92,7 +92,7 @@ def run_fsdp2(out: Path, sync: bool | None) -> tuple[list[float], torch.nn.Modul
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from hf_lowprec.accelerate_plugin import LowPrecisionPlugin
+    from hf_lowprec.training.accelerate import LowPrecisionPlugin
 
     rank, size = world()
     if size > 1 and not dist.is_initialized():

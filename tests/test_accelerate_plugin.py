@@ -8,9 +8,9 @@ from conftest import lm_batches, tiny_llama
 from torch import nn
 from torchao.float8.float8_linear import Float8Linear
 
-from hf_lowprec.accelerate_plugin import LowPrecisionPlugin
-from hf_lowprec.new_parameters import orphaned_parameters
 from hf_lowprec.modules import FP8Linear, Int4Linear
+from hf_lowprec.training.accelerate import LowPrecisionPlugin
+from hf_lowprec.training.new_parameters import orphaned_parameters
 
 PLAN = {"default": "fp8", "layers": {"*.mlp.down_proj": "int4-g64", "lm_head": "bf16"}}
 
@@ -139,7 +139,7 @@ def test_gradient_spike_skips_the_step():
 
 
 def test_plugin_compensation_wraps_the_optimizer():
-    from hf_lowprec.compensation import CompensatedOptimizer
+    from hf_lowprec.training.compensation import CompensatedOptimizer
 
     accelerator = Accelerator(cpu=True)
     model = tiny_llama().to(torch.bfloat16)

@@ -8,8 +8,8 @@ from conftest import tiny_llama
 from text_batches import text_batches
 
 from hf_lowprec import FP8Linear, apply_plan
-from hf_lowprec.activations import ActivationStorage
 from hf_lowprec.formats import E4M3, dequantize_fp8, fp8_amax, fp8_scale, quantize_fp8
+from hf_lowprec.training.activations import ActivationStorage
 
 
 def _fp8_rows(t: torch.Tensor) -> torch.Tensor:

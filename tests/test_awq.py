@@ -4,9 +4,14 @@ when a few channels dominate, and composable with GPTQ on the scaled weight."""
 import pytest
 import torch
 
-from hf_lowprec.awq import power_of_two_scales, relative_output_error, round_to_nearest, search_input_scale
-from hf_lowprec.calibration import calibrate_layer
 from hf_lowprec.formats import FormatSpec, dequantize_int
+from hf_lowprec.ondevice.calibration import calibrate_layer
+from hf_lowprec.ondevice.calibration.awq import (
+    power_of_two_scales,
+    relative_output_error,
+    round_to_nearest,
+    search_input_scale,
+)
 
 SPEC = FormatSpec.parse("int4-g64-asym")
 

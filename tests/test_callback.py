@@ -8,10 +8,10 @@ import torch
 from conftest import cls_batches, lm_batches, tiny_bert, tiny_llama
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from hf_lowprec.callback import STATE_FILE, TELEMETRY_KEYS, LowPrecisionCallback
 from hf_lowprec.modules import LOW_PRECISION_TYPES
-from hf_lowprec.new_parameters import orphaned_parameters
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
+from hf_lowprec.training.callback import STATE_FILE, TELEMETRY_KEYS, LowPrecisionCallback
+from hf_lowprec.training.new_parameters import orphaned_parameters
 
 MIXED_PLAN = {"default": "fp8", "layers": {"*.mlp.*": "int4-g64", "lm_head": "bf16"}}
 
@@ -159,7 +159,7 @@ def test_fp16_arguments_on_cpu_are_reported(tmp_path, caplog):
     """
     curves = {}
     for fp16 in (False, True):
-        with caplog.at_level(logging.WARNING, logger="hf_lowprec.callback"):
+        with caplog.at_level(logging.WARNING, logger="hf_lowprec.training.callback"):
             trainer = Trainer(model=tiny_llama(), args=arguments(tmp_path / str(fp16), fp16=fp16, max_steps=3),
                               train_dataset=lm_rows(1), callbacks=[LowPrecisionCallback("fp8")])  # fmt: skip
             trainer.train()
@@ -216,7 +216,7 @@ def test_torch_compile_trains_like_eager(tmp_path):
 def test_bf16_weights_with_kahan_compensation_resume_exactly(tmp_path):
     """compensation="kahan" wraps the Trainer's optimizer; checkpoints keep the Trainer's optimizer.pt
     loadable by a plain optimizer and the buffers (and fp32 moments) are restored through the wrapper."""
-    from hf_lowprec.compensation import CompensatedOptimizer
+    from hf_lowprec.training.compensation import CompensatedOptimizer
 
     data = lm_rows(2, batch=4)
     args = dict(max_steps=8, per_device_train_batch_size=4, save_strategy="steps", save_steps=4, bf16=True)

@@ -10,7 +10,8 @@ import torch
 from conftest import tiny_llama
 from text_batches import text_batches
 
-from hf_lowprec.compensation import (
+from hf_lowprec.formats import E4M3, FormatSpec, fake_quantize_int, fp8_scale, int_steps, quantize_fp8
+from hf_lowprec.training.compensation import (
     CompensatedOptimizer,
     chunked_scaled_mm,
     emulated_accumulation_matmul,
@@ -19,8 +20,7 @@ from hf_lowprec.compensation import (
     round_mantissa,
     stochastic_round,
 )
-from hf_lowprec.formats import E4M3, FormatSpec, fake_quantize_int, fp8_scale, int_steps, quantize_fp8
-from hf_lowprec.new_parameters import add_new_parameters
+from hf_lowprec.training.new_parameters import add_new_parameters
 
 ULP = 2.0**-7  # bf16 spacing in [1, 2)
 

@@ -6,9 +6,19 @@ from conftest import lm_batches, tiny_llama
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from hf_lowprec import FP8Linear, Int4Embedding, Int4Linear, PackedInt4Linear, PackedInt8Linear, PrecisionPlan, apply_plan, freeze, revert
-from hf_lowprec.modules import PackedLinear
+from hf_lowprec import (
+    FP8Linear,
+    Int4Embedding,
+    Int4Linear,
+    PackedInt4Linear,
+    PackedInt8Linear,
+    PrecisionPlan,
+    apply_plan,
+    freeze,
+    revert,
+)
 from hf_lowprec.convert import eligible_layers
+from hf_lowprec.modules import PackedLinear
 
 
 def test_swap_keeps_parameter_objects_so_an_earlier_optimizer_still_trains_them(llama):

@@ -3,14 +3,14 @@ calibrated packing of a whole model (GPTQ, AWQ scales + GPTQ) and its errors."""
 
 import pytest
 import torch
+from conftest import markov_batches, tiny_llama, with_loud_channels
 from peft import LoraConfig
 
-from conftest import markov_batches, tiny_llama, with_loud_channels
-from hf_lowprec.ondevice import prepare_int4_lora
 from hf_lowprec.formats import FormatSpec, dequantize_int, int_steps, quantize_int
-from hf_lowprec.calibration import hessian_groups
-from hf_lowprec.gptq import gptq_quantize
 from hf_lowprec.modules import PackedInt4Linear
+from hf_lowprec.ondevice import prepare_int4_lora
+from hf_lowprec.ondevice.calibration import hessian_groups
+from hf_lowprec.ondevice.calibration.gptq import gptq_quantize
 
 LORA = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
 

@@ -5,12 +5,14 @@ import math
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
-from tiny_assets import corpus_text, save_tiny_model
-
 from conftest import markov_batches, tiny_llama
+from peft import LoraConfig, get_peft_model
+from tiny_assets import corpus_text, save_tiny_model
+from transformers import AutoModelForCausalLM
+
 from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
+from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear, PackedLinear
+from hf_lowprec.modules.packed import compiled, int8_backend_available
 from hf_lowprec.ondevice import (
     AUTO_FORMATS,
     MERGE_FILE,
@@ -24,11 +26,8 @@ from hf_lowprec.ondevice import (
     prepare_int4_lora,
     token_blocks,
 )
-from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear, PackedLinear
-from hf_lowprec.modules.packed import compiled
 from hf_lowprec.plan import PrecisionPlan
 from hf_lowprec.sensitivity import allocate, scan
-from hf_lowprec.modules.packed import int8_backend_available
 
 INT8_OK, _ = int8_backend_available(torch.device("cpu"))
 LORA = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
@@ -250,7 +249,7 @@ def test_smollm2_int4_lora_trains_and_reloads(tmp_path):
 
 @pytest.mark.parametrize("fmt, tol", [("int8", 0.04), ("fp8", 0.15)])
 def test_8bit_activation_storage_gradients_close_to_exact_and_memory_quartered(fmt, tol):
-    from hf_lowprec.activations import ActivationStorage
+    from hf_lowprec.training.activations import ActivationStorage
 
     model, _ = prepare_int4_lora(tiny_llama(3, hidden_size=128, intermediate_size=256), LoraConfig(**LORA), backend="dequant")
     with torch.no_grad():
@@ -276,7 +275,7 @@ def test_8bit_activation_storage_gradients_close_to_exact_and_memory_quartered(f
 
 
 def test_activation_storage_stores_a_tensor_saved_twice_once_and_rejects_unknown_formats():
-    from hf_lowprec.activations import ActivationStorage
+    from hf_lowprec.training.activations import ActivationStorage
 
     w1, w2 = torch.randn(256, 300, requires_grad=True), torch.randn(256, 300, requires_grad=True)
     x, g = torch.randn(300, 256), torch.randn(300, 300)

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from hf_lowprec.formats import pack_int4, unpack_int4_planes
 from hf_lowprec.modules import Int4Linear, PackedInt4Linear, PackedInt8Linear, PackedLinear
-from hf_lowprec.modules.kernels.cpp import cpu_kernels
 from hf_lowprec.modules.kernels import autotune
+from hf_lowprec.modules.kernels.cpp import cpu_kernels
 from hf_lowprec.modules.kernels.cpu import CpuInfo
 from hf_lowprec.modules.packed import int8_backend_available
 

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-from conftest import tiny_llama
 
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.plan import PrecisionPlan

@@ -27,20 +27,17 @@ from hf_lowprec.formats import (
 )
 from hf_lowprec.modules import Int4Linear
 from hf_lowprec.modules.fp8 import cast_fp8
-from hf_lowprec.new_parameters import add_new_parameters
+from hf_lowprec.modules.lsq import LearnedActivationQuantizer, LearnedStepQuantizer
 from hf_lowprec.scaling import (
     DelayedScaling,
     DynamicLossScaler,
     DynamicScaling,
     GradientScaling,
-    LearnedActivationQuantizer,
-    LearnedStepQuantizer,
-    collect_telemetry,
-    layer_telemetry,
     make_policy,
     make_policy_factory,
-    skip_step_if_requested,
 )
+from hf_lowprec.training.new_parameters import add_new_parameters
+from hf_lowprec.training.telemetry import collect_telemetry, layer_telemetry, skip_step_if_requested
 
 
 def _amax(v: float) -> torch.Tensor:

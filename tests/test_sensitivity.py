@@ -2,9 +2,9 @@
 
 import copy
 import itertools
+import pydoc_data.topics
 
 import numpy as np
-import pydoc_data.topics
 import pytest
 import torch
 import torch.nn.functional as F

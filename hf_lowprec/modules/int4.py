@@ -1,7 +1,7 @@
 """Quantization-aware training layers for the weight-only integer formats: INT4 (and INT8, NF4).
 
 ``Int4Linear`` / ``Int4Embedding`` fake-quantize their weight on every forward through a
-:class:`~hf_lowprec.scaling.LearnedStepQuantizer` (group-wise steps, learned with LSQ by default,
+:class:`~hf_lowprec.modules.lsq.LearnedStepQuantizer` (group-wise steps, learned with LSQ by default,
 straight-through gradient to the weight). ``Int4Linear`` can also fake-quantize its input to int8
 per token (``-a8`` formats). ``Int4Linear.freeze()`` returns a :class:`PackedInt4Linear` (or, for per-channel
 ``int8``, a :class:`PackedInt8Linear`) holding the weight as real integer codes.
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_lowprec.formats import FormatSpec, fake_quantize_per_token_int8, quantize_int
+from hf_lowprec.modules.lsq import LearnedActivationQuantizer, LearnedStepQuantizer
 from hf_lowprec.modules.packed import PackedLinear, packed_class
-from hf_lowprec.scaling import LearnedActivationQuantizer, LearnedStepQuantizer
 
 INT_FAMILIES = ("int4", "int8", "nf4")
 
@@ -38,7 +38,7 @@ class Int4Linear(nn.Linear):
         learn_scales: train the group steps with LSQ (otherwise recompute them from the weight).
         quantizer: an existing quantizer to share (tied weights).
         learn_activation_scales: ``-a8`` only: quantize the input with one LSQ-trained step
-            (:class:`~hf_lowprec.scaling.LearnedActivationQuantizer`) instead of dynamic per-token scales.
+            (:class:`~hf_lowprec.modules.lsq.LearnedActivationQuantizer`) instead of dynamic per-token scales.
             :meth:`freeze` keeps the weight codes only; the packed layer quantizes inputs per token.
     """
 

@@ -21,7 +21,7 @@ run the same three backends (:data:`KERNELS`):
   the numerical reference, and the path for other devices.
 
 An optional per-input-channel ``input_scale`` ``s [K]`` (activation-aware scaling, see
-:mod:`hf_lowprec.awq`) is folded into the codes: they encode ``W diag(s)``, inputs are divided by ``s``
+:mod:`hf_lowprec.ondevice.calibration.awq`) is folded into the codes: they encode ``W diag(s)``, inputs are divided by ``s``
 (inside the int8 quantization, or in the dequantized weight), so ``y = (x / s) (W diag(s))^T = x W^T``.
 ``s`` holds powers of two, exact in every float dtype; all ones (the default) costs nothing.
 

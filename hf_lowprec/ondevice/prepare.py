@@ -14,11 +14,11 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
-from hf_lowprec.calibration import ROUNDINGS, check_rounding
 from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eligible_layers, freeze
 from hf_lowprec.modules.int4_lora import register_int4_lora
 from hf_lowprec.modules.kernels.autotune import resolve_dtype
 from hf_lowprec.modules.packed import BACKENDS, PackedInt4Linear, PackedLinear
+from hf_lowprec.ondevice.calibration import ROUNDINGS, check_rounding
 from hf_lowprec.ondevice.loftq import loftq_factors, loftq_for_targets, lora_scaling
 from hf_lowprec.ondevice.planning import (
     ALL_LINEAR,
@@ -59,7 +59,7 @@ def prepare_int4_lora(
         loftq_init: initialise LoRA on INT4 layers from the SVD of their quantization residual (LoftQ).
         rounding: how the INT4 codes are chosen: ``nearest``, or calibrated on ``calibration`` tokens —
             ``gptq`` (output-preserving rounding), ``awq`` (activation-aware input scales), ``awq+gptq``
-            (see :mod:`hf_lowprec.calibration`; same formats, lower output error).
+            (see :mod:`hf_lowprec.ondevice.calibration`; same formats, lower output error).
         calibration: token blocks ``[n, T]`` for ``plan="auto"`` and the calibrated roundings.
         budget: ``plan="auto"`` only: :func:`hf_lowprec.sensitivity.allocate` keywords (default ``AUTO_BUDGET``).
         auto_formats: ``plan="auto"`` only: the formats it chooses from besides bf16 (default ``AUTO_FORMATS``).
@@ -133,10 +133,10 @@ def _own_dense_tensors(model: nn.Module) -> None:
 
 def _calibrated_pack(model: nn.Module, calibration: torch.Tensor, rounding: str, loftq: LoraConfig | None, factors: dict) -> dict:
     """Pack every INT4 ``Int4Linear`` with codes calibrated by ``rounding`` (LoftQ factors from their residual
-    into ``factors`` when ``loftq`` is given); returns :func:`hf_lowprec.calibration.summary`, also logged."""
-    from hf_lowprec.calibration import CalibratedCodes, calibrated_codes, summary
+    into ``factors`` when ``loftq`` is given); returns :func:`hf_lowprec.ondevice.calibration.summary`, also logged."""
     from hf_lowprec.convert import _set_module
     from hf_lowprec.modules.int4 import Int4Linear
+    from hf_lowprec.ondevice.calibration import CalibratedCodes, calibrated_codes, summary
 
     layers = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear) and m.spec.family == "int4"}
     targets = set(loftq.target_modules) if loftq is not None else set()

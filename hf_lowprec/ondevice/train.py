@@ -18,7 +18,6 @@ import torch
 from peft import PeftModel
 from torch import nn
 
-from hf_lowprec.activations import ActivationStorage
 from hf_lowprec.convert import eligible_layers
 from hf_lowprec.folders import check_output_dir
 from hf_lowprec.metrics import peak_rss_mb
@@ -26,6 +25,7 @@ from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.ondevice.export import export_int4_lora
 from hf_lowprec.ondevice.loss import causal_lm_loss, evaluate_loss
 from hf_lowprec.plan import PrecisionPlan
+from hf_lowprec.training.activations import ActivationStorage
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def finetune_int4_lora(
     linear decay, gradient clipping at ``max_grad_norm``.
 
     Activation memory: ``activation_storage`` (``int8``, ``fp8`` or ``None``) keeps what autograd saves
-    in 8 bits (:class:`~hf_lowprec.activations.ActivationStorage`; a few % of gradient error);
+    in 8 bits (:class:`~hf_lowprec.training.activations.ActivationStorage`; a few % of gradient error);
     ``gradient_checkpointing`` (``True``, or every ``n`` layers) recomputes layers instead (exact, slower).
 
     ``progress(step, steps, metrics)`` is called after every step with ``loss``, ``lr``, ``step_seconds``

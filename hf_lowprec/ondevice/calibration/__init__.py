@@ -3,9 +3,9 @@
 ``rounding`` names how a layer's INT4 codes are chosen:
 
 - ``nearest``: each weight rounded to its nearest code (no calibration data);
-- ``gptq``: codes chosen to preserve the layer's output on calibration tokens (:mod:`hf_lowprec.gptq`);
+- ``gptq``: codes chosen to preserve the layer's output on calibration tokens (:mod:`hf_lowprec.ondevice.calibration.gptq`);
 - ``awq``: a per-input-channel scale folded into the weight first, chosen on calibration tokens
-  (:mod:`hf_lowprec.awq`), then rounding to nearest;
+  (:mod:`hf_lowprec.ondevice.calibration.awq`), then rounding to nearest;
 - ``awq+gptq``: both, GPTQ on the scaled weight with the correspondingly scaled Hessian.
 
 All use each layer's own format and grid, so the results pack into
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hf_lowprec.awq import search_input_scale, stored_steps
 from hf_lowprec.formats import FormatSpec, quantize_int
-from hf_lowprec.gptq import gptq_quantize
+from hf_lowprec.ondevice.calibration.awq import search_input_scale, stored_steps
+from hf_lowprec.ondevice.calibration.gptq import gptq_quantize
 
 logger = logging.getLogger(__name__)
 

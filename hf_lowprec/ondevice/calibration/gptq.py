@@ -7,7 +7,7 @@ columns not yet quantized, weighted by the inverse of the layer's input Hessian 
 
 The grid is the layer's own format (:func:`~hf_lowprec.formats.int_steps` of the original weight,
 "static groups"), so the result packs into :class:`~hf_lowprec.modules.packed.PackedInt4Linear`
-unchanged and loads like any other export. :mod:`hf_lowprec.calibration` runs it over a model, a few
+unchanged and loads like any other export. :mod:`hf_lowprec.ondevice.calibration` runs it over a model, a few
 decoder blocks at a time (sequential GPTQ).
 
 Written here because torchao's GPTQ (``torchao.prototype.gptq``, 0.18) runs on CUDA only and
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_lowprec.awq import relative_output_error
 from hf_lowprec.formats import FormatSpec
+from hf_lowprec.ondevice.calibration.awq import relative_output_error
 
 
 @dataclass

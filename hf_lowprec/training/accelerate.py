@@ -30,14 +30,22 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from hf_lowprec.callback import FP8_BACKENDS, coverage, is_auto_plan, load_plan_source, process_world, scan_plan
-from hf_lowprec.compensation import METHODS as COMPENSATIONS
-from hf_lowprec.compensation import CompensatedOptimizer
 from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eligible_layers
 from hf_lowprec.formats import FormatSpec
-from hf_lowprec.new_parameters import align_new_parameters, insert_new_parameters, orphaned_parameters
 from hf_lowprec.plan import PrecisionPlan
-from hf_lowprec.scaling import TELEMETRY_PREFIX, collect_telemetry, make_policy_factory, skip_step_if_requested
+from hf_lowprec.scaling import TELEMETRY_PREFIX, make_policy_factory
+from hf_lowprec.training.callback import (
+    FP8_BACKENDS,
+    coverage,
+    is_auto_plan,
+    load_plan_source,
+    process_world,
+    scan_plan,
+)
+from hf_lowprec.training.compensation import METHODS as COMPENSATIONS
+from hf_lowprec.training.compensation import CompensatedOptimizer
+from hf_lowprec.training.new_parameters import align_new_parameters, insert_new_parameters, orphaned_parameters
+from hf_lowprec.training.telemetry import collect_telemetry, skip_step_if_requested
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +72,13 @@ class LowPrecisionPlugin:
             a :class:`PrecisionPlan`, a dict, a plan file, a folder holding ``hf_lowprec_plan.json``,
             or a format name for every Linear.
         keep, budget, formats, calibration_batches, scan_method, seed: as for
-            :class:`hf_lowprec.callback.LowPrecisionCallback`.
+            :class:`hf_lowprec.training.callback.LowPrecisionCallback`.
         scaler: FP8 scale policy (``dynamic``, ``delayed``, ``gradient``); ``scaler_options`` go to it.
         fp8_backend: the plugin's own FP8 layers: ``auto``, ``emulated`` or ``torchao``.
         learn_scales: train INT4/INT8 group steps (LSQ).
         sync: reduce FP8 amaxes over ranks; default: when more than one process runs.
         compensation: ``kahan`` or ``stochastic``: the optimizer is wrapped in a
-            :class:`~hf_lowprec.compensation.CompensatedOptimizer` (for bf16/fp16 weights without an fp32 copy).
+            :class:`~hf_lowprec.training.compensation.CompensatedOptimizer` (for bf16/fp16 weights without an fp32 copy).
     """
 
     def __init__(

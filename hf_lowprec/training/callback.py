@@ -43,14 +43,15 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_lowprec import sensitivity
-from hf_lowprec.compensation import METHODS as COMPENSATIONS
-from hf_lowprec.compensation import CompensatedOptimizer
 from hf_lowprec.convert import ConversionReport, apply_plan, as_plan, eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.modules import LOW_PRECISION_TYPES
-from hf_lowprec.new_parameters import align_new_parameters, insert_new_parameters, orphaned_parameters
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
-from hf_lowprec.scaling import TELEMETRY_PREFIX, collect_telemetry, make_policy_factory, skip_step_if_requested
+from hf_lowprec.scaling import TELEMETRY_PREFIX, make_policy_factory
+from hf_lowprec.training.compensation import METHODS as COMPENSATIONS
+from hf_lowprec.training.compensation import CompensatedOptimizer
+from hf_lowprec.training.new_parameters import align_new_parameters, insert_new_parameters, orphaned_parameters
+from hf_lowprec.training.telemetry import collect_telemetry, skip_step_if_requested
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ TELEMETRY_KEYS = ("scan_seconds", "steps_skipped")
 """Keys (after ``lowprec/``) in every training log. Besides: ``params_<format>`` and ``flops_<format>``,
 the fraction of eligible parameters and of Linear FLOPs in each applied format; the scale policies'
 ``<format>/<role>_saturation``, ``_underflow`` and ``_scale_log2`` (and ``spikes`` with the ``gradient``
-scaler, see :func:`hf_lowprec.scaling.collect_telemetry`); ``loss_scale`` under an fp16 GradScaler."""
+scaler, see :func:`hf_lowprec.training.telemetry.collect_telemetry`); ``loss_scale`` under an fp16 GradScaler."""
 FP8_BACKENDS = ("auto", "emulated", "torchao")
 
 
@@ -185,7 +186,7 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
             to it (e.g. ``{"spike_action": "skip"}``).
         sync: reduce FP8 tensorwise amaxes with MAX over ranks; default: when more than one process runs.
         compensation: ``kahan`` or ``stochastic``: wrap the Trainer's optimizer in a
-            :class:`~hf_lowprec.compensation.CompensatedOptimizer` so bf16/fp16 weights train without an
+            :class:`~hf_lowprec.training.compensation.CompensatedOptimizer` so bf16/fp16 weights train without an
             fp32 master copy (the model must have such weights).
         fp8_backend: ``auto``, ``emulated`` or ``torchao`` (see :class:`hf_lowprec.modules.FP8Linear`).
         learn_scales: train INT4/INT8 group steps (LSQ).
