@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from hf_lowprec.formats import E5M2, FormatSpec
+from hf_lowprec.layers import canonical_name, eligible_layers, set_module, walk_layers  # noqa: F401  (re-exported)
 from hf_lowprec.modules import LOW_PRECISION_TYPES, PackedLinear, low_precision_layer
 from hf_lowprec.modules.fp8 import FP8Linear, fp8_hardware_available
 from hf_lowprec.modules.int4 import Int4Embedding, Int4Linear
@@ -24,34 +25,7 @@ from hf_lowprec.plan import PrecisionPlan
 
 logger = logging.getLogger(__name__)
 
-PEFT_PREFIX = "base_model.model."
-ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector", "modules_to_save")
 PolicyFactory = Callable[[str, str, FormatSpec], object]
-
-
-def canonical_name(fqn: str) -> str:
-    """Module name without PEFT's wrappers (``base_model.model.`` prefix, ``.base_layer`` parts)."""
-    if fqn.startswith(PEFT_PREFIX):
-        fqn = fqn[len(PEFT_PREFIX) :]
-    return ".".join(p for p in fqn.split(".") if p != "base_layer")
-
-
-def _is_eligible(module: nn.Module) -> bool:
-    return isinstance(module, (nn.Linear, nn.Embedding)) or isinstance(module, LOW_PRECISION_TYPES)
-
-
-def _walk(model: nn.Module):
-    """``(canonical name, full name, module)`` for every eligible layer outside PEFT adapters."""
-    for fqn, module in model.named_modules():
-        parts = fqn.split(".")
-        if any(p in ADAPTER_PARTS for p in parts) or not _is_eligible(module):
-            continue
-        yield canonical_name(fqn), fqn, module
-
-
-def eligible_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """``{canonical name: module}`` for every ``nn.Linear``/``nn.Embedding`` (converted or not)."""
-    return {name: module for name, _, module in _walk(model)}
 
 
 @dataclass
@@ -135,9 +109,6 @@ def _high_precision(module: nn.Module) -> nn.Module:
     return new
 
 
-def _set_module(model: nn.Module, fqn: str, new: nn.Module) -> None:
-    parent_name, _, attr = fqn.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
 
 
 def apply_plan(
@@ -170,7 +141,7 @@ def apply_plan(
     report = ConversionReport()
     quantizers: dict[int, tuple[str, object]] = {}  # id(weight) -> (format, quantizer) for tied weights
     first_user: dict[int, str] = {}  # id(weight) -> the first layer holding it
-    for name, fqn, module in list(_walk(model)):
+    for name, fqn, module in list(walk_layers(model)):
         spec = assignments[name]
         params = module.weight.numel() if hasattr(module, "weight") else 0
         kind = type(module).__name__
@@ -184,7 +155,7 @@ def apply_plan(
         original = _high_precision(module) if isinstance(module, LOW_PRECISION_TYPES) else module
         if spec.is_high_precision:
             if original is not module:
-                _set_module(model, fqn, original)
+                set_module(model, fqn, original)
             report.layers.append(LayerReport(name, spec.name, spec.name, type(original).__name__, params, tied_to=tied))
             continue
         shared = quantizers.get(id(original.weight))
@@ -201,7 +172,7 @@ def apply_plan(
         new = low_precision_layer(original, spec, options, None if shared is None else shared[1])
         if isinstance(new, (Int4Linear, Int4Embedding)) and shared is None:
             quantizers[id(original.weight)] = (spec.name, new.weight_quantizer)
-        _set_module(model, fqn, new)
+        set_module(model, fqn, new)
         for pname, p in new.named_parameters():
             if id(p) not in before and p.requires_grad:
                 report.new_parameters[f"{fqn}.{pname}"] = p
@@ -230,9 +201,9 @@ def _note(module: nn.Module) -> str:
 def revert(model: nn.Module) -> int:
     """Put plain ``nn.Linear``/``nn.Embedding`` back for every converted (non-frozen) layer; returns the count."""
     count = 0
-    for _, fqn, module in list(_walk(model)):
+    for _, fqn, module in list(walk_layers(model)):
         if isinstance(module, LOW_PRECISION_TYPES) and not isinstance(module, PackedLinear):
-            _set_module(model, fqn, _high_precision(module))
+            set_module(model, fqn, _high_precision(module))
             count += 1
     if hasattr(model, "hf_lowprec_plan"):
         del model.hf_lowprec_plan
@@ -244,8 +215,8 @@ def freeze(model: nn.Module) -> int:
     """Replace every ``Int4Linear`` whose format packs (int4; per-channel int8) by its frozen packed layer
     (:func:`~hf_lowprec.modules.packed.packed_class`); returns the count."""
     count = 0
-    for _, fqn, module in list(_walk(model)):
+    for _, fqn, module in list(walk_layers(model)):
         if isinstance(module, Int4Linear) and packed_class(module.spec) is not None:
-            _set_module(model, fqn, module.freeze())
+            set_module(model, fqn, module.freeze())
             count += 1
     return count

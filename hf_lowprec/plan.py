@@ -29,6 +29,7 @@ from torch import nn
 
 from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.formats import FormatSpec
+from hf_lowprec.layers import canonical_name, eligible_layers
 
 PLAN_KEYS = ("default", "layers", "model")
 
@@ -216,14 +217,10 @@ def _find_module(model, name: str) -> nn.Module | None:
     """The module called ``name`` (canonical name) in ``model``, if ``model`` is a module."""
     if not isinstance(model, nn.Module):
         return None
-    from hf_lowprec.convert import canonical_name
-
     return next((m for fqn, m in model.named_modules() if canonical_name(fqn) == name), None)
 
 
 def _layers_of(model_or_layers) -> dict[str, nn.Module]:
     if isinstance(model_or_layers, nn.Module):
-        from hf_lowprec.convert import eligible_layers  # convert imports this module
-
         return eligible_layers(model_or_layers)
     return dict(model_or_layers)

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from hf_lowprec import __version__
 from hf_lowprec.assets import shipped_folder
 from hf_lowprec.plan import PLAN_FILE
 
@@ -58,8 +59,6 @@ def render_model_card(run: Mapping, repo_id: str | None = None) -> ModelCard:
         tags=_tags(run), datasets=datasets, metrics=sorted({r["metric"] for r in eval_rows}) or None,
         pipeline_tag="text-generation", model_name=model_name, eval_results=_eval_results(run, model_name) or None,
     )  # fmt: skip
-    from hf_lowprec import __version__
-
     template = shipped_folder("model_cards").joinpath(TEMPLATE).read_text()
     fractions = ", ".join(f"{100 * r['fraction']:.1f}% {r['format']}" for r in run.get("plan_rows", []))
     return ModelCard.from_template(

@@ -14,12 +14,14 @@ import torch
 from huggingface_hub import snapshot_download
 from torch import nn
 
+from hf_lowprec.checkpoints import load_pretrained
 from hf_lowprec.convert import apply_plan, freeze, revert
 from hf_lowprec.export.card import render_model_card
 from hf_lowprec.export.hf_quantizer import quantization_config_dict
 from hf_lowprec.export.records import CARD_FILE, RUN_ONLY, plan_record, read_run, write_record
 from hf_lowprec.folders import atomic_output_dir
 from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear
+from hf_lowprec.ondevice import ADAPTER_DIR, MERGE_DTYPES, MERGE_FILE, export_int4_lora, load_int4_model
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 
 EXPORT_WEIGHTS = ("master", "int4-packed")
@@ -95,8 +97,6 @@ def _packed_layers(model: nn.Module) -> str:
 def _export_lora(model, tokenizer, out: Path, run: dict, merge: bool, merged_dtype: str | None, overwrite: bool, repo_id,
                  extra_files) -> Path:  # fmt: skip
     """Packed INT4 base + LoRA adapters (or merged) through ``finetune.export_int4_lora``, then the record and card."""
-    from hf_lowprec.ondevice import ADAPTER_DIR, MERGE_DTYPES, MERGE_FILE, export_int4_lora
-
     if merged_dtype is not None and merged_dtype not in MERGE_DTYPES:
         raise ValueError(f"merged dtype {merged_dtype!r}: choose one of {', '.join(MERGE_DTYPES)}")
     if merged_dtype is not None and not merge:
@@ -167,15 +167,11 @@ def load_exported(path_or_repo: str | os.PathLike, *, apply_plan_numerics: bool 
     ``hf_lowprec`` quantizer; a PEFT model when the folder holds adapters), their packed layers computing
     with ``backend`` (``auto``: int8 kernels where the CPU has them; ``dequant``: exactly the codes' values).
     """
-    from hf_lowprec.checkpoints import load_pretrained
-
     folder = Path(path_or_repo)
     if not folder.is_dir():
         folder = Path(snapshot_download(str(path_or_repo)))
     run = read_run(folder)
     if run.get("export", {}).get("weights") == "int4-packed":
-        from hf_lowprec.ondevice import load_int4_model
-
         if apply_plan_numerics:
             raise ValueError("a packed INT4 export already computes with its quantized weights; apply_plan_numerics is for master exports")
         return load_int4_model(folder, dtype=dtype, backend=backend)

@@ -19,7 +19,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from hf_lowprec.convert import _set_module  # the module-swapping helper lives in convert.py
+from hf_lowprec.layers import set_module
 from hf_lowprec.modules.packed import packed_class
 from hf_lowprec.plan import PrecisionPlan
 
@@ -64,7 +64,7 @@ def install_packed_shells(model: nn.Module, plan: PrecisionPlan) -> int:
         if cls is not None and isinstance(module, nn.Linear):
             w = module.weight
             shell = cls(module.in_features, module.out_features, spec, module.bias is not None, w.dtype, w.device)
-            _set_module(model, name, shell)
+            set_module(model, name, shell)
             count += 1
     return count
 

@@ -15,12 +15,13 @@ import torch
 from peft import LoraConfig, PeftModel
 from torch import nn
 
+from hf_lowprec.checkpoints import TOKENIZER_FILES
 from hf_lowprec.convert import canonical_name
 
 # also registers quant_method "hf_lowprec" with transformers: from_pretrained loads exported folders
 from hf_lowprec.export.hf_quantizer import quantization_config_dict
 from hf_lowprec.folders import atomic_output_dir, atomic_write_text, check_output_dir
-from hf_lowprec.modules.int4_lora import register_int4_lora
+from hf_lowprec.modules.int4_lora import PackedLoraLinear, register_int4_lora
 from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.plan import PLAN_FILE
 
@@ -64,8 +65,6 @@ def _dense_merged_state(base: nn.Module, dtype: torch.dtype) -> dict[str, torch.
 
 def _packed_base_state(base: nn.Module, merge: bool) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """The base model's state dict without adapters (``merge``: LoRA deltas merged, packed layers re-quantized)."""
-    from hf_lowprec.modules.int4_lora import PackedLoraLinear
-
     state = _adapterless_state(base)
     errors = []
     if not merge:
@@ -188,8 +187,6 @@ def load_int4_model(
     ``dtype``: default the saved one. ``is_trainable``: load adapters for further training.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from hf_lowprec.checkpoints import TOKENIZER_FILES
 
     folder = Path(path)
     if not (folder / "config.json").is_file():

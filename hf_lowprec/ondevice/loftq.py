@@ -11,6 +11,7 @@ from peft import LoraConfig
 from torch import nn
 
 from hf_lowprec.convert import canonical_name
+from hf_lowprec.modules.int4 import Int4Linear
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,6 @@ def lora_scaling(config: LoraConfig) -> float:
 
 def loftq_for_targets(model: nn.Module, config: LoraConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """LoftQ factors for every LoRA target that the plan put in int4 (called before ``freeze``)."""
-    from hf_lowprec.modules.int4 import Int4Linear
-
     scaling = lora_scaling(config)
     out = {}
     for fqn in config.target_modules:

@@ -14,6 +14,7 @@ from hf_lowprec.convert import canonical_name, eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.plan import PrecisionPlan
+from hf_lowprec.sensitivity import allocate, scan
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,6 @@ def scan_int4_plan(model: nn.Module, calibration: torch.Tensor, budget: dict | N
         budget: keyword arguments of :func:`hf_lowprec.sensitivity.allocate` (default ``AUTO_BUDGET``).
         formats: candidate formats (default ``AUTO_FORMATS``).
     """
-    from hf_lowprec.sensitivity import allocate, scan
-
     head = _output_layer_name(model)
     linears = [n for n, m in eligible_layers(model).items() if isinstance(m, nn.Linear) and n != head]
     batches = [{"input_ids": block[None], "labels": block[None]} for block in check_calibration(calibration)]

@@ -14,11 +14,14 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
+from hf_lowprec.checkpoints import load_pretrained
 from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eligible_layers, freeze
+from hf_lowprec.layers import set_module
+from hf_lowprec.modules.int4 import Int4Linear
 from hf_lowprec.modules.int4_lora import register_int4_lora
 from hf_lowprec.modules.kernels.autotune import resolve_dtype
 from hf_lowprec.modules.packed import BACKENDS, PackedInt4Linear, PackedLinear
-from hf_lowprec.ondevice.calibration import ROUNDINGS, check_rounding
+from hf_lowprec.ondevice.calibration import ROUNDINGS, CalibratedCodes, calibrated_codes, check_rounding, summary
 from hf_lowprec.ondevice.loftq import loftq_factors, loftq_for_targets, lora_scaling
 from hf_lowprec.ondevice.planning import (
     ALL_LINEAR,
@@ -134,9 +137,6 @@ def _own_dense_tensors(model: nn.Module) -> None:
 def _calibrated_pack(model: nn.Module, calibration: torch.Tensor, rounding: str, loftq: LoraConfig | None, factors: dict) -> dict:
     """Pack every INT4 ``Int4Linear`` with codes calibrated by ``rounding`` (LoftQ factors from their residual
     into ``factors`` when ``loftq`` is given); returns :func:`hf_lowprec.ondevice.calibration.summary`, also logged."""
-    from hf_lowprec.convert import _set_module
-    from hf_lowprec.modules.int4 import Int4Linear
-    from hf_lowprec.ondevice.calibration import CalibratedCodes, calibrated_codes, summary
 
     layers = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear) and m.spec.family == "int4"}
     targets = set(loftq.target_modules) if loftq is not None else set()
@@ -148,7 +148,7 @@ def _calibrated_pack(model: nn.Module, calibration: torch.Tensor, rounding: str,
         if name in targets:
             residual = module.weight.detach().float() - packed.dequantized_weight(torch.float32)
             factors[canonical_name(name)] = loftq_factors(residual, loftq.r, lora_scaling(loftq))
-        _set_module(model, name, packed)
+        set_module(model, name, packed)
 
     start = time.perf_counter()
     stats = {"rounding": rounding, **summary(calibrated_codes(model, layers, calibration, replace, rounding))}
@@ -181,8 +181,6 @@ def load_int4_lora(
     (the tokenizer is only known after loading), for ``plan="auto"`` and the calibrated roundings (see
     :func:`prepare_int4_lora`).
     """
-    from hf_lowprec.checkpoints import load_pretrained
-
     dtype, reason = resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")
     logger.info(reason)
     model, tokenizer = load_pretrained(model_id_or_path, gguf_file=gguf_file, dtype=dtype)

@@ -1,0 +1,43 @@
+"""Which layers of a model hf-lowprec works on, and their names: every ``nn.Linear`` / ``nn.Embedding`` (converted
+or not) outside PEFT adapters, named without PEFT's wrappers; and the one helper that puts a module in a layer's place.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hf_lowprec.modules import LOW_PRECISION_TYPES
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector", "modules_to_save")
+
+
+def canonical_name(fqn: str) -> str:
+    """Module name without PEFT's wrappers (``base_model.model.`` prefix, ``.base_layer`` parts)."""
+    if fqn.startswith(PEFT_PREFIX):
+        fqn = fqn[len(PEFT_PREFIX) :]
+    return ".".join(p for p in fqn.split(".") if p != "base_layer")
+
+
+def _is_eligible(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Linear, nn.Embedding)) or isinstance(module, LOW_PRECISION_TYPES)
+
+
+def walk_layers(model: nn.Module):
+    """``(canonical name, full name, module)`` for every eligible layer outside PEFT adapters."""
+    for fqn, module in model.named_modules():
+        parts = fqn.split(".")
+        if any(p in ADAPTER_PARTS for p in parts) or not _is_eligible(module):
+            continue
+        yield canonical_name(fqn), fqn, module
+
+
+def eligible_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """``{canonical name: module}`` for every ``nn.Linear``/``nn.Embedding`` (converted or not)."""
+    return {name: module for name, _, module in walk_layers(model)}
+
+
+def set_module(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    """Put ``new`` where ``model``'s submodule ``fqn`` (full name) is."""
+    parent_name, _, attr = fqn.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
