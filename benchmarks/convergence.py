@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_lowprec import PrecisionPlan, apply_plan
-from hf_lowprec.checkpoints import default_corpus
+from hf_lowprec.checkpoints import shakespeare_files
 from hf_lowprec.scaling import make_policy_factory
 from hf_lowprec.sensitivity import allocate, scan
 from hf_lowprec.training.new_parameters import add_new_parameters
@@ -36,7 +36,7 @@ HELD_OUT = ("hamlet", "macbeth")
 
 def corpus_tokens(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token streams ``(train, eval)`` of the Shakespeare texts under a BPE trained on the train plays."""
-    files = default_corpus()
+    files = shakespeare_files()
     train_files = [f for f in files if not any(h in f.name for h in HELD_OUT)]
     eval_files = [f for f in files if any(h in f.name for h in HELD_OUT)]
     read = lambda fs: "\n".join(f.read_text(encoding="latin-1") for f in fs)  # noqa: E731

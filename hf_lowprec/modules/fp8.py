@@ -32,7 +32,7 @@ from hf_lowprec.formats import (
 from hf_lowprec.modules.kernels.autotune import compute_dtype
 from hf_lowprec.scaling import DynamicScaling, ScalePolicy
 
-BACKENDS = ("auto", "emulated", "torchao")
+FP8_BACKENDS = ("auto", "emulated", "torchao")
 
 
 def fp8_hardware_available(device: torch.device) -> bool:
@@ -148,8 +148,8 @@ class FP8Linear(nn.Linear):
         self.spec = FormatSpec.parse(spec)
         if self.spec.family != "fp8":
             raise ValueError(f"FP8Linear needs an fp8 format, got {self.spec.name!r}")
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown FP8 backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if backend not in FP8_BACKENDS:
+            raise ValueError(f"unknown FP8 backend {backend!r}; choose one of {', '.join(FP8_BACKENDS)}")
         if grad_dtype not in (E4M3, E5M2):
             raise ValueError(f"grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {grad_dtype}")
         self.requested_backend = backend

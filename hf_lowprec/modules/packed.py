@@ -56,7 +56,7 @@ from hf_lowprec.modules.kernels.cpu import cpu_info
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "int8", "tiled", "dequant")
+PACKED_BACKENDS = ("auto", "int8", "tiled", "dequant")
 # weight tile of the tiled backend, at most this many output rows (forward) / input columns (grad-input); the
 # tile count is then rounded to a multiple of the thread count so that no thread idles (measured on SmolLM2
 # and Llama-3.2-1B shapes, benchmarks/kernel_speed.py: 5 tiles on 2 threads cost up to 25%)
@@ -358,8 +358,8 @@ class PackedLinear(nn.Module):
 
     @backend.setter
     def backend(self, value: str) -> None:
-        if value not in BACKENDS:
-            raise ValueError(f"{type(self).__name__} backend {value!r}: choose one of {', '.join(BACKENDS)}")
+        if value not in PACKED_BACKENDS:
+            raise ValueError(f"{type(self).__name__} backend {value!r}: choose one of {', '.join(PACKED_BACKENDS)}")
         self._backend = value
 
     @classmethod

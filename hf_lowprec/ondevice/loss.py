@@ -67,7 +67,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         return grad * grad_total.to(grad.dtype), None, None, None
 
 
-def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+def chunked_causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    chunk_tokens: int = 128) -> torch.Tensor:  # fmt: skip
     """Mean next-token cross-entropy of a causal LM (PEFT-wrapped or not), ``input_ids [B, T]``.
 
@@ -101,7 +101,7 @@ def evaluate_loss(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4, c
     for i in range(0, len(blocks), batch_size):
         batch = blocks[i : i + batch_size]
         tokens = batch.shape[0] * (batch.shape[1] - 1)
-        total += causal_lm_loss(model, batch, chunk_tokens=chunk_tokens).item() * tokens
+        total += chunked_causal_lm_loss(model, batch, chunk_tokens=chunk_tokens).item() * tokens
         count += tokens
     model.train(was_training)
     return total / max(count, 1)

@@ -26,6 +26,7 @@ AUTO_FORMATS = (DEFAULT_FORMAT, "int8")  # what plan="auto" chooses from for eac
 AUTO_BUDGET = {"target_bits_per_param": 6.25}
 ALL_LINEAR = "all-linear"
 
+
 def _output_layer_name(model: nn.Module) -> str | None:
     """Canonical name of the model's output projection (``lm_head``), if it has one."""
     get = getattr(model, "get_output_embeddings", None)

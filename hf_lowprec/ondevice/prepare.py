@@ -20,7 +20,7 @@ from hf_lowprec.layers import set_module
 from hf_lowprec.modules.int4 import Int4Linear
 from hf_lowprec.modules.int4_lora import register_int4_lora
 from hf_lowprec.modules.kernels.autotune import resolve_dtype
-from hf_lowprec.modules.packed import BACKENDS, PackedInt4Linear, PackedLinear
+from hf_lowprec.modules.packed import PACKED_BACKENDS, PackedInt4Linear, PackedLinear
 from hf_lowprec.ondevice.calibration import ROUNDINGS, CalibratedCodes, calibrated_codes, check_rounding, summary
 from hf_lowprec.ondevice.loftq import loftq_factors, loftq_for_targets, lora_scaling
 from hf_lowprec.ondevice.planning import (
@@ -74,8 +74,8 @@ def prepare_int4_lora(
     layers are narrower than one INT4 group, calibration tokens missing (``auto`` plan, calibrated rounding)
     or unused, or a budget without an ``auto`` plan.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    if backend not in PACKED_BACKENDS:
+        raise ValueError(f"backend {backend!r}: choose one of {', '.join(PACKED_BACKENDS)}")
     auto, calibrated = isinstance(plan, str) and plan == "auto", check_rounding(rounding) != "nearest"
     if calibration is None and (auto or calibrated):
         raise ValueError(f"{'plan auto' if auto else f'rounding {rounding!r}'} needs calibration= token blocks [n, T]")

@@ -23,7 +23,7 @@ from hf_lowprec.folders import check_output_dir
 from hf_lowprec.metrics import peak_rss_mb
 from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.ondevice.export import export_int4_lora
-from hf_lowprec.ondevice.loss import causal_lm_loss, evaluate_loss
+from hf_lowprec.ondevice.loss import chunked_causal_lm_loss, evaluate_loss
 from hf_lowprec.plan import PrecisionPlan
 from hf_lowprec.training.activations import ActivationStorage
 
@@ -150,7 +150,7 @@ def finetune_int4_lora(
         cursor += batch_size
         t0 = time.perf_counter()
         with storage:
-            loss = causal_lm_loss(model, batch, chunk_tokens=chunk_tokens)
+            loss = chunked_causal_lm_loss(model, batch, chunk_tokens=chunk_tokens)
         loss.backward()
         if max_grad_norm:
             torch.nn.utils.clip_grad_norm_(params, max_grad_norm)

@@ -46,6 +46,7 @@ from hf_lowprec import sensitivity
 from hf_lowprec.convert import ConversionReport, apply_plan, as_plan, eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.modules import LOW_PRECISION_TYPES
+from hf_lowprec.modules.fp8 import FP8_BACKENDS
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 from hf_lowprec.scaling import TELEMETRY_PREFIX, make_policy_factory
 from hf_lowprec.training.compensation import METHODS as COMPENSATIONS
@@ -62,7 +63,6 @@ TELEMETRY_KEYS = ("scan_seconds", "steps_skipped")
 the fraction of eligible parameters and of Linear FLOPs in each applied format; the scale policies'
 ``<format>/<role>_saturation``, ``_underflow`` and ``_scale_log2`` (and ``spikes`` with the ``gradient``
 scaler, see :func:`hf_lowprec.training.telemetry.collect_telemetry`); ``loss_scale`` under an fp16 GradScaler."""
-FP8_BACKENDS = ("auto", "emulated", "torchao")
 
 
 def coverage(model: nn.Module, report: ConversionReport) -> dict[str, float]:

@@ -80,6 +80,8 @@ def calibrate_layer(
 
 class _GroupDone(Exception):
     """Raised inside the forward once every layer of the group has seen its input: the rest is not needed."""
+
+
 class _HessianHooks:
     """Forward pre-hooks accumulating ``X^T X`` (fp32 ``[K, K]``) of each listed Linear's input;
     :meth:`run` stops the forward as soon as all of them have run."""
