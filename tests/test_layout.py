@@ -1,0 +1,68 @@
+"""The package's shape: docs/ARCHITECTURE.md names every module, and the package's imports form no circle."""
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "hf_lowprec"
+
+
+def modules() -> dict[str, Path]:
+    """``{dotted name: file}`` of every module of the package (``__init__`` files as their package)."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """The package modules ``path`` imports at module level (what runs on import, where circles break)."""
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        out |= {n for n in names if n in known}
+    return out
+
+
+def test_architecture_doc_names_every_module():
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    named = set(re.findall(r"`([\w/]+\.py|[\w/]+/)`", doc))
+    for name, path in modules().items():
+        rel = path.relative_to(PACKAGE).as_posix()
+        if path.name == "__init__.py" and path.parent != PACKAGE:
+            assert rel.rsplit("/", 1)[0] + "/" in named or any(n.startswith(rel.rsplit("/", 1)[0] + "/") for n in named), name
+        elif path.name != "__init__.py":
+            assert rel in named, f"docs/ARCHITECTURE.md does not name {rel}"
+
+
+def test_module_level_imports_form_no_circle():
+    known = modules()
+    graph = {name: imports_of(path, set(known)) - {name} for name, path in known.items()}
+    for name in graph:  # a submodule import runs its packages' __init__ first
+        graph[name] |= {p for m in list(graph[name]) for p in _parents(m) if p in known and p != name and not name.startswith(p + ".")}
+    state: dict[str, int] = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in graph[node]:
+            if state.get(nxt) == 1:
+                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for name in graph:
+        if name not in state:
+            visit(name, [name])
+
+
+def _parents(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(2, len(parts))]
