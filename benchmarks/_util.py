@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -13,18 +11,6 @@ from hf_lowprec.metrics import peak_rss_mb  # noqa: F401  (the benchmarks' peak-
 from hf_lowprec.modules.kernels.cpu import cpu_info
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def median_time(fn, warmup: int = 2, repeat: int = 7) -> float:
-    """Median wall seconds of ``fn()`` over ``repeat`` runs after ``warmup``."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def saved_tensor_bytes(fn) -> int:

@@ -308,11 +308,14 @@ static void dequant_tile(const PackedWeight& w, int64_t n0, int64_t n1, int64_t 
   }
 }
 
-template <bool INT4>
-static void dequant_tile_any(const PackedWeight& w, int64_t n0, int64_t n1, int64_t k0, int64_t k1, torch::Tensor& buf,
-                             float* f) {
-  if (buf.scalar_type() == torch::kBFloat16) dequant_tile<INT4, true>(w, n0, n1, k0, k1, buf.data_ptr(), f);
-  else dequant_tile<INT4, false>(w, n0, n1, k0, k1, buf.data_ptr(), f);
+// rows [n0, n1) x columns [k0, k1) of W into `tile` [n1-n0, k1-k0] (fp32 or bf16); f: k1-k0 floats of scratch
+static void dequant(const PackedWeight& w, bool int4, int64_t n0, int64_t n1, int64_t k0, int64_t k1, torch::Tensor& tile,
+                    float* f) {
+  const bool bf16 = tile.scalar_type() == torch::kBFloat16;
+  if (int4 && bf16) dequant_tile<true, true>(w, n0, n1, k0, k1, tile.data_ptr(), f);
+  else if (int4) dequant_tile<true, false>(w, n0, n1, k0, k1, tile.data_ptr(), f);
+  else if (bf16) dequant_tile<false, true>(w, n0, n1, k0, k1, tile.data_ptr(), f);
+  else dequant_tile<false, false>(w, n0, n1, k0, k1, tile.data_ptr(), f);
 }
 
 static PackedWeight packed_weight(const torch::Tensor& qweight, const torch::Tensor& step,
@@ -326,24 +329,35 @@ static PackedWeight packed_weight(const torch::Tensor& qweight, const torch::Ten
           G, gsize, is_signed};
 }
 
+// body(t, scratch tensor of `elems` in `options`, scratch floats of `floats`) for each of `tiles` tiles, in parallel;
+// the BLAS calls inside a parallel region run single-threaded, each on its thread's cache-resident tile
+template <typename Body>
+static void for_each_tile(int64_t tiles, int64_t elems, int64_t floats, const torch::TensorOptions& options, Body body) {
+  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+    auto scratch = torch::empty({elems}, options);
+    std::vector<float> f(floats);
+    for (int64_t t = b; t < e; ++t) body(t, scratch, f.data());
+  });
+}
+
+static void check_rows(const torch::Tensor& a, int64_t cols) {
+  TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && a.size(1) == cols);
+  TORCH_CHECK(a.scalar_type() == torch::kFloat || a.scalar_type() == torch::kBFloat16);
+}
+
 // y [M, N] = x [M, K] @ W^T, parallel over tiles of `tile` output rows
 torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor step, c10::optional<torch::Tensor> zero,
                            c10::optional<torch::Tensor> inv, int64_t K, int64_t gsize, bool is_signed, bool int4,
                            int64_t tile) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == K);
-  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16);
+  check_rows(x, K);
   const PackedWeight w = packed_weight(qweight, step, zero, inv, K, gsize, is_signed);
-  const int64_t M = x.size(0), N = qweight.size(0), tiles = (N + tile - 1) / tile;
-  auto out = torch::empty({M, N}, x.options());
-  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
-    auto buf = torch::empty({tile, K}, x.options());
-    std::vector<float> f(K);
-    for (int64_t t = b; t < e; ++t) {
-      const int64_t n0 = t * tile, rows = std::min(tile, N - n0);
-      if (int4) dequant_tile_any<true>(w, n0, n0 + rows, 0, K, buf, f.data());
-      else dequant_tile_any<false>(w, n0, n0 + rows, 0, K, buf, f.data());
-      out.narrow(1, n0, rows).copy_(at::mm(x, buf.narrow(0, 0, rows).t()));
-    }
+  const int64_t N = qweight.size(0);
+  auto out = torch::empty({x.size(0), N}, x.options());
+  for_each_tile((N + tile - 1) / tile, tile * K, K, x.options(), [&](int64_t t, torch::Tensor& scratch, float* f) {
+    const int64_t n0 = t * tile, rows = std::min(tile, N - n0);
+    auto wt = scratch.narrow(0, 0, rows * K).view({rows, K});
+    dequant(w, int4, n0, n0 + rows, 0, K, wt, f);
+    out.narrow(1, n0, rows).copy_(at::mm(x, wt.t()));
   });
   return out;
 }
@@ -352,22 +366,16 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
 torch::Tensor tiled_linear_grad_input(torch::Tensor g, torch::Tensor qweight, torch::Tensor step,
                                       c10::optional<torch::Tensor> zero, c10::optional<torch::Tensor> inv, int64_t K,
                                       int64_t gsize, bool is_signed, bool int4, int64_t tile) {
-  TORCH_CHECK(g.dim() == 2 && g.is_contiguous() && g.size(1) == qweight.size(0));
-  TORCH_CHECK(g.scalar_type() == torch::kFloat || g.scalar_type() == torch::kBFloat16);
-  const PackedWeight w = packed_weight(qweight, step, zero, inv, K, gsize, is_signed);
+  const int64_t N = qweight.size(0);
+  check_rows(g, N);
   TORCH_CHECK(tile % 2 == 0, "the column tile must be even");
-  const int64_t M = g.size(0), N = qweight.size(0), tiles = (K + tile - 1) / tile;
-  auto out = torch::empty({M, K}, g.options());
-  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
-    auto buf = torch::empty({N, tile}, g.options());
-    std::vector<float> f(tile);
-    for (int64_t t = b; t < e; ++t) {
-      const int64_t k0 = t * tile, cols = std::min(tile, K - k0);
-      auto view = buf.view(-1).narrow(0, 0, N * cols).view({N, cols});
-      if (int4) dequant_tile_any<true>(w, 0, N, k0, k0 + cols, view, f.data());
-      else dequant_tile_any<false>(w, 0, N, k0, k0 + cols, view, f.data());
-      out.narrow(1, k0, cols).copy_(at::mm(g, view));
-    }
+  const PackedWeight w = packed_weight(qweight, step, zero, inv, K, gsize, is_signed);
+  auto out = torch::empty({g.size(0), K}, g.options());
+  for_each_tile((K + tile - 1) / tile, N * tile, tile, g.options(), [&](int64_t t, torch::Tensor& scratch, float* f) {
+    const int64_t k0 = t * tile, cols = std::min(tile, K - k0);
+    auto wt = scratch.narrow(0, 0, N * cols).view({N, cols});
+    dequant(w, int4, 0, N, k0, k0 + cols, wt, f);
+    out.narrow(1, k0, cols).copy_(at::mm(g, wt));
   });
   return out;
 }
