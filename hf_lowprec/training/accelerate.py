@@ -30,22 +30,12 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eligible_layers
-from hf_lowprec.formats import FormatSpec
+from hf_lowprec.convert import canonical_name, eligible_layers
 from hf_lowprec.plan import PrecisionPlan
-from hf_lowprec.scaling import TELEMETRY_PREFIX, make_policy_factory
-from hf_lowprec.training.callback import (
-    FP8_BACKENDS,
-    coverage,
-    is_auto_plan,
-    load_plan_source,
-    process_world,
-    scan_plan,
-)
-from hf_lowprec.training.compensation import METHODS as COMPENSATIONS
 from hf_lowprec.training.compensation import CompensatedOptimizer
-from hf_lowprec.training.new_parameters import align_new_parameters, insert_new_parameters, orphaned_parameters
-from hf_lowprec.training.telemetry import collect_telemetry, skip_step_if_requested
+from hf_lowprec.training.new_parameters import insert_new_parameters, orphaned_parameters
+from hf_lowprec.training.session import LowPrecisionSession, SessionOwner, process_world
+from hf_lowprec.training.telemetry import skip_step_if_requested
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +54,7 @@ def _torchao_granularity(config) -> str | None:
     return None
 
 
-class LowPrecisionPlugin:
+class LowPrecisionPlugin(SessionOwner):
     """Apply a precision plan in an Accelerate loop and keep every trainable parameter in the optimizer.
 
     Args:
@@ -87,30 +77,12 @@ class LowPrecisionPlugin:
         scaler_options: Mapping | None = None, fp8_backend: str = "auto", learn_scales: bool = True,
         sync: bool | None = None, compensation: str | None = None, seed: int = 0,
     ):  # fmt: skip
-        self._auto = is_auto_plan(plan)
-        if not self._auto and budget is not None:
-            raise ValueError("budget= applies only to plan='auto'")
-        if calibration_batches < 1:
-            raise ValueError(f"calibration_batches must be >= 1, got {calibration_batches}")
-        if fp8_backend not in FP8_BACKENDS:
-            raise ValueError(f"unknown fp8_backend {fp8_backend!r}; choose one of {', '.join(FP8_BACKENDS)}")
-        for fmt in formats:
-            FormatSpec.parse(fmt)
-        make_policy_factory(scaler, **dict(scaler_options or {}))  # raises for unknown names/options
-        if compensation is not None and compensation not in COMPENSATIONS:
-            raise ValueError(f"unknown compensation {compensation!r}; choose one of {', '.join(COMPENSATIONS)} or None")
-        self.compensation = None if compensation == "none" else compensation
-        self.keep, self.budget, self.formats = tuple(keep), budget, tuple(formats)
-        self.calibration_batches, self.scan_method, self.seed = calibration_batches, scan_method, seed
-        self.scaler, self.scaler_options = scaler, dict(scaler_options or {})
-        self.fp8_backend, self.learn_scales, self.sync = fp8_backend, learn_scales, sync
-        self.plan: PrecisionPlan | None = None if self._auto else load_plan_source(plan, self.keep)
-        self.report: ConversionReport | None = None
+        self.session = LowPrecisionSession(
+            plan, keep=keep, budget=budget, formats=formats, calibration_batches=calibration_batches, scan_method=scan_method,
+            scaler=scaler, scaler_options=scaler_options, fp8_backend=fp8_backend, learn_scales=learn_scales, sync=sync,
+            compensation=compensation, seed=seed,
+        )  # fmt: skip
         self.torchao_layers: list[str] = []
-        self.coverage: dict[str, float] = {}
-        self.scan_seconds = 0.0
-        self.steps_skipped = 0
-        self._model: nn.Module | None = None
 
     # ----------------------------------------------------------------------------------- prepare
     def prepare(self, accelerator, *objects, calibration_data: Iterable[Mapping] | None = None):
@@ -130,7 +102,7 @@ class LowPrecisionPlugin:
         if self.compensation and optimizer is not None:
             if not any(p.requires_grad and p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()):
                 raise ValueError(f"compensation={self.compensation!r} is for bf16/fp16 weights, but every trainable weight is fp32")
-            wrapped = CompensatedOptimizer(optimizer, self.compensation, seed=self.seed)
+            wrapped = CompensatedOptimizer(optimizer, self.compensation, seed=self.session.seed)
             objects = tuple(wrapped if o is optimizer else o for o in objects)
         prepared = accelerator.prepare(*objects)
         prepared = prepared if isinstance(prepared, tuple) else (prepared,)
@@ -159,21 +131,17 @@ class LowPrecisionPlugin:
         if self.plan is None:
             if calibration_data is None:
                 raise ValueError("plan='auto' needs calibration_data= or a DataLoader among the prepared objects")
-            self.plan = self._scan(model, calibration_data)
+            self.session.scan(model, calibration_data)
         before = {name: p for name, p in model.named_parameters()}
         self._convert(accelerator, model)
         if optimizer is not None:
             self._repoint(optimizer, model, before)
-            insert_new_parameters(optimizer, model, self._new_params)
+            insert_new_parameters(optimizer, model, self.session.new_params)
             orphans = orphaned_parameters(model, optimizer)
             if orphans:
                 raise ValueError(f"trainable parameters missing from the optimizer: {orphans[:5]}{' ...' if len(orphans) > 5 else ''}; freeze them (requires_grad_(False)) or add them")
             getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(self._before_step)
         return model
-
-    def _scan(self, model: nn.Module, batches: Iterable[Mapping]) -> PrecisionPlan:
-        plan, self.scan_seconds = scan_plan(model, batches, self)
-        return plan
 
     def _convert(self, accelerator, model: nn.Module) -> None:
         """Our layers for the plan, minus the FP8 layers handed to Accelerate's torchao backend."""
@@ -193,8 +161,7 @@ class LowPrecisionPlugin:
             ]  # fmt: skip
             ours = PrecisionPlan({**plan.layers, **{n: "bf16" for n in self.torchao_layers}}, default=plan.default, model=plan.model)
         world = accelerator.num_processes if accelerator is not None else process_world()[1]
-        factory = make_policy_factory(self.scaler, sync=world > 1 if self.sync is None else self.sync, **self.scaler_options)
-        self.report = apply_plan(model, ours, fp8_backend=self.fp8_backend, learn_scales=self.learn_scales, policy_factory=factory)
+        report = self.session.apply(model, ours, world)
         model.hf_lowprec_plan = plan  # the whole plan, torchao's layers included
         if handler is not None:
             handler.module_filter_func = self._torchao_filter
@@ -203,18 +170,11 @@ class LowPrecisionPlugin:
             # convert now, before the optimizer is re-pointed; Accelerate's own pass in prepare() then
             # finds no plain Linear the filter accepts and changes nothing
             convert_model_to_fp8_ao(model, config=handler.config, module_filter_func=self._torchao_filter)
-            for r in self.report.layers:
+            for r in report.layers:
                 if r.name in self.torchao_layers:
                     r.requested = r.applied = plan.resolve(r.name).name
                     r.module, r.backend, r.reason = "torchao.Float8Linear", "torchao", "handed to Accelerate's torchao backend"
-        if not self.report.swapped:
-            raise ValueError(f"the plan puts no layer of {type(model).__name__} in low precision: {plan.to_dict()}")
-        for r in self.report.not_applied:
-            logger.warning("%s: requested %s, runs %s (%s)", r.name, r.requested, r.applied, r.reason)
-        self._model = model
-        self._new_params = align_new_parameters(model, self.report.new_parameters.values())
-        self.coverage = coverage(model, self.report)
-        logger.info("hf_lowprec: %s", self.report)
+        self.session.record(model, plan, report)
 
     def _torchao_filter(self, module: nn.Module, fqn: str) -> bool:
         """``AORecipeKwargs.module_filter_func``: exactly the plan's FP8 layers torchao runs."""
@@ -237,18 +197,13 @@ class LowPrecisionPlugin:
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         """Optimizer step pre-hook: a gradient policy's spike ``skip`` drops this step on every rank."""
-        if self._model is not None and skip_step_if_requested(self._model):
+        if self.session.model is not None and skip_step_if_requested(self.session.model):
             self.steps_skipped += 1
 
     # --------------------------------------------------------------------------------- telemetry
     def telemetry(self) -> dict[str, float]:
         """``lowprec/...`` values for ``accelerator.log``: coverage, saturation/underflow, spikes, skips, scan time."""
-        out = {TELEMETRY_PREFIX + k: v for k, v in self.coverage.items()}
-        if self._model is not None:
-            out.update(collect_telemetry(self._model))
-        out[TELEMETRY_PREFIX + "scan_seconds"] = self.scan_seconds
-        out[TELEMETRY_PREFIX + "steps_skipped"] = float(self.steps_skipped)
-        return out
+        return self.session.telemetry()
 
     # -------------------------------------------------------- Accelerate save_state / load_state
     def state_dict(self) -> dict:

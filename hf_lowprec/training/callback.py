@@ -24,16 +24,11 @@ training logs under ``lowprec/`` (see :data:`TELEMETRY_KEYS`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import random
-import time
 from collections.abc import Iterable, Mapping
-from itertools import islice
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -42,17 +37,14 @@ from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from hf_lowprec import sensitivity
-from hf_lowprec.convert import ConversionReport, apply_plan, as_plan, eligible_layers
-from hf_lowprec.formats import FormatSpec
+from hf_lowprec.convert import eligible_layers
 from hf_lowprec.modules import LOW_PRECISION_TYPES
-from hf_lowprec.modules.fp8 import FP8_BACKENDS
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
-from hf_lowprec.scaling import TELEMETRY_PREFIX, make_policy_factory
-from hf_lowprec.training.compensation import METHODS as COMPENSATIONS
+from hf_lowprec.scaling import TELEMETRY_PREFIX
 from hf_lowprec.training.compensation import CompensatedOptimizer
-from hf_lowprec.training.new_parameters import align_new_parameters, insert_new_parameters, orphaned_parameters
-from hf_lowprec.training.telemetry import collect_telemetry, skip_step_if_requested
+from hf_lowprec.training.new_parameters import insert_new_parameters, orphaned_parameters
+from hf_lowprec.training.session import LowPrecisionSession, SessionOwner, is_auto_plan, process_world
+from hf_lowprec.training.telemetry import skip_step_if_requested
 
 logger = logging.getLogger(__name__)
 
@@ -63,20 +55,6 @@ TELEMETRY_KEYS = ("scan_seconds", "steps_skipped")
 the fraction of eligible parameters and of Linear FLOPs in each applied format; the scale policies'
 ``<format>/<role>_saturation``, ``_underflow`` and ``_scale_log2`` (and ``spikes`` with the ``gradient``
 scaler, see :func:`hf_lowprec.training.telemetry.collect_telemetry`); ``loss_scale`` under an fp16 GradScaler."""
-
-
-def coverage(model: nn.Module, report: ConversionReport) -> dict[str, float]:
-    """``params_<fmt>``: fraction of eligible parameters per applied format; ``flops_<fmt>``: of Linear FLOPs.
-
-    A Linear's FLOPs per token are proportional to its weight size; embedding lookups do no GEMM.
-    """
-    out = {f"params_{fmt}": frac for fmt, frac in report.fractions().items()}
-    layers = eligible_layers(model)
-    linear = [r for r in report.layers if isinstance(layers.get(r.name), nn.Linear)]
-    total = sum(r.params for r in linear) or 1
-    for r in linear:
-        out[f"flops_{r.applied}"] = out.get(f"flops_{r.applied}", 0.0) + r.params / total
-    return out
 
 
 def low_precision_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -94,80 +72,8 @@ def low_precision_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-@contextlib.contextmanager
-def _preserved_rng():
-    """Run a block without moving Python, NumPy or torch random streams (a scan must not change training)."""
-    py, npy = random.getstate(), np.random.get_state()
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        yield
-    random.setstate(py)
-    np.random.set_state(npy)
-
-
-def process_world() -> tuple[int, int]:
-    """``(rank, world size)`` of the default process group (``(0, 1)`` when none)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def _same_on_all_ranks(plan: PrecisionPlan) -> PrecisionPlan:
-    """Rank 0's plan on every rank (scans on different batches could disagree)."""
-    rank, world = process_world()
-    if world == 1:
-        return plan
-    box = [plan.to_dict() if rank == 0 else None]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return PrecisionPlan.from_dict(box[0])
-
-
-def scan_plan(model: nn.Module, batches: Iterable[Mapping], options) -> tuple[PrecisionPlan, float]:
-    """Scan the first ``options.calibration_batches`` batches, allocate under ``options.budget``; ``(plan, seconds)``.
-
-    ``options`` carries ``calibration_batches``, ``formats``, ``scan_method``, ``budget`` (a
-    ``sensitivity.Budget``, a dict of its fields, or None), ``keep`` and ``seed``. Random streams are left
-    as they were; under several processes every rank gets rank 0's plan.
-    """
-    start = time.perf_counter()
-    was_training = model.training
-    with _preserved_rng():
-        data = list(islice(iter(batches), options.calibration_batches))
-        if not data:
-            raise ValueError("plan='auto' found no calibration batches to scan")
-        result = sensitivity.scan(model, data, formats=options.formats, method=options.scan_method, seed=options.seed)
-    model.train(was_training)
-    if isinstance(options.budget, Mapping):
-        plan = sensitivity.allocate(result, keep=options.keep, **options.budget)
-    else:
-        plan = sensitivity.allocate(result, budget=options.budget, keep=options.keep)
-    return _same_on_all_ranks(plan), time.perf_counter() - start
-
-
-def is_auto_plan(plan) -> bool:
-    """True for the plan spec ``"auto"`` (scan + allocation)."""
-    return isinstance(plan, str) and plan == "auto"
-
-
-def load_plan_source(plan, keep: tuple[str, ...] = ()) -> PrecisionPlan:
-    """A fixed plan from a plan, dict, plan file, folder holding ``hf_lowprec_plan.json``, or format name."""
-    if isinstance(plan, (str, os.PathLike)) and Path(plan).is_dir():
-        path = Path(plan) / PLAN_FILE
-        if not path.is_file():
-            raise ValueError(f"plan folder {str(plan)!r} holds no {PLAN_FILE}")
-        return PrecisionPlan.load(path)
-    if isinstance(plan, str) and Path(plan).suffix not in (".json", ".yaml", ".yml"):
-        try:
-            return PrecisionPlan.uniform(FormatSpec.parse(plan), keep=keep)
-        except ValueError as e:
-            raise ValueError(f"plan must be 'auto', a plan file or folder, or a format name: {e}") from None
-    if keep:
-        raise ValueError("keep= applies to a format-name plan or 'auto'; write kept layers into the plan itself")
-    return as_plan(plan)
-
-
 # ---------------------------------------------------------------------------------- the callback
-class LowPrecisionCallback(TrainerCallback, ExportableState):
+class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
     """Converts the Trainer's model to a precision plan and keeps it stable and observable in training.
 
     Args:
@@ -199,52 +105,20 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
         scaler: str = "dynamic", scaler_options: Mapping | None = None, fp8_backend: str = "auto",
         learn_scales: bool = True, sync: bool | None = None, compensation: str | None = None, seed: int = 0,
     ):  # fmt: skip
-        self._auto = is_auto_plan(plan)
-        if not self._auto and (budget is not None or calibration_data is not None):
+        if not is_auto_plan(plan) and calibration_data is not None:
             raise ValueError("budget= and calibration_data= apply only to plan='auto'")
-        if calibration_batches < 1:
-            raise ValueError(f"calibration_batches must be >= 1, got {calibration_batches}")
-        if fp8_backend not in FP8_BACKENDS:
-            raise ValueError(f"unknown fp8_backend {fp8_backend!r}; choose one of {', '.join(FP8_BACKENDS)}")
-        for fmt in formats:
-            FormatSpec.parse(fmt)
-        if compensation is not None and compensation not in COMPENSATIONS:
-            raise ValueError(f"unknown compensation {compensation!r}; choose one of {', '.join(COMPENSATIONS)} or None")
-        make_policy_factory(scaler, **dict(scaler_options or {}))  # raises for unknown names/options
-        self.keep, self.budget, self.formats = tuple(keep), budget, tuple(formats)
-        self.calibration_data, self.calibration_batches, self.scan_method = calibration_data, calibration_batches, scan_method
-        self.scaler, self.scaler_options = scaler, dict(scaler_options or {})
-        self.fp8_backend, self.learn_scales, self.sync, self.seed = fp8_backend, learn_scales, sync, seed
-        self.compensation = None if compensation == "none" else compensation
-        self.plan = None if self._auto else load_plan_source(plan, self.keep)
+        self.session = LowPrecisionSession(
+            plan, keep=keep, budget=budget, formats=formats, calibration_batches=calibration_batches, scan_method=scan_method,
+            scaler=scaler, scaler_options=scaler_options, fp8_backend=fp8_backend, learn_scales=learn_scales, sync=sync,
+            compensation=compensation, seed=seed,
+        )  # fmt: skip
+        self.calibration_data = calibration_data
         self._plan_folder = Path(plan) if isinstance(plan, (str, os.PathLike)) and Path(plan).is_dir() else None
-        self.report: ConversionReport | None = None
-        self.coverage: dict[str, float] = {}
-        self.scan_seconds = 0.0
-        self.steps_skipped = 0
-        self._model: nn.Module | None = None
-        self._new_params: list[nn.Parameter] = []
         self._hook = None
         self._optimizer = None
 
-    # -------------------------------------------------------------------------- conversion
     def _convert(self, model: nn.Module, plan: PrecisionPlan) -> None:
-        """Apply ``plan`` to ``model``; remember the report and which new parameters train."""
-        sync = process_world()[1] > 1 if self.sync is None else self.sync
-        factory = make_policy_factory(self.scaler, sync=sync, **self.scaler_options)
-        self.report = apply_plan(model, plan, fp8_backend=self.fp8_backend, learn_scales=self.learn_scales, policy_factory=factory)
-        if not self.report.swapped:
-            raise ValueError(f"the plan puts no layer of {type(model).__name__} in low precision: {plan.to_dict()}")
-        for r in self.report.not_applied:
-            logger.warning("%s: requested %s, runs %s (%s)", r.name, r.requested, r.applied, r.reason)
-        self.plan, self._model = plan, model
-        self._new_params = align_new_parameters(model, self.report.new_parameters.values())
-        self.coverage = coverage(model, self.report)
-        logger.info("hf_lowprec: %s", self.report)
-
-    def _scan(self, model: nn.Module, batches: Iterable[Mapping]) -> PrecisionPlan:
-        plan, self.scan_seconds = scan_plan(model, batches, self)
-        return plan
+        self.session.record(model, plan, self.session.apply(model, plan, process_world()[1]))
 
     # ------------------------------------------------------------------------------ events
     def on_init_end(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -259,19 +133,19 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
                 f"compensation={self.compensation!r} keeps bf16/fp16 weights exact without an fp32 master copy, "
                 "but every trainable weight of this model is fp32: load the model in bf16 or drop compensation"
             )
-        if self._auto and self.plan is None:
+        if self.session.auto and self.plan is None:
             resume = getattr(args, "resume_from_checkpoint", None)
             if resume and (Path(resume) / PLAN_FILE).is_file():
                 self.plan = PrecisionPlan.load(Path(resume) / PLAN_FILE)
             elif self.calibration_data is not None:
-                self.plan = self._scan(model, self.calibration_data)
+                self.session.scan(model, self.calibration_data)
         if self.plan is None:
             # a checkpoint written with INT4 layers must not load silently into an unconverted model
             self._hook = model.register_load_state_dict_post_hook(_refuse_low_precision_keys)
             return
         self._convert(model, self.plan)
         if optimizer is not None:  # the user passed optimizers=(...)
-            insert_new_parameters(optimizer, model, self._new_params)
+            insert_new_parameters(optimizer, model, self.session.new_params)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
         if self._hook is not None:
@@ -293,7 +167,7 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
             )
         if optimizer is not None:
             orphans = orphaned_parameters(model, optimizer)
-            ours = {id(p) for p in self._new_params}
+            ours = {id(p) for p in self.session.new_params}
             if any(id(p) in ours for n, p in model.named_parameters() if n in orphans):
                 raise ValueError(f"learned low-precision parameters missing from the optimizer: {orphans}")
             if orphans:
@@ -311,15 +185,15 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
         if self.plan is None:
             if train_dataloader is None:
                 raise ValueError("plan='auto' needs training data or calibration_data= to scan")
-            self.plan = self._scan(model, train_dataloader)
+            self.session.scan(model, train_dataloader)
         self._convert(model, self.plan)
-        if self._new_params and process_world()[1] > 1:
+        if self.session.new_params and process_world()[1] > 1:
             raise ValueError(
                 "the plan adds learned INT4 steps after DDP wrapped the model, so their gradients would not be "
                 "averaged across ranks: pass calibration_data= (converts before wrapping) or learn_scales=False"
             )
         if optimizer is not None:
-            insert_new_parameters(optimizer, model, self._new_params)
+            insert_new_parameters(optimizer, model, self.session.new_params)
 
     def _compensate(self, optimizer) -> None:
         """Wrap the optimizer inside the Trainer's ``AcceleratedOptimizer`` in a ``CompensatedOptimizer``."""
@@ -329,7 +203,7 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
         if inner is None:
             raise ValueError(f"compensation needs the Trainer's AcceleratedOptimizer, got {type(optimizer).__name__}")
         if not isinstance(inner, CompensatedOptimizer):
-            optimizer.optimizer = CompensatedOptimizer(inner, self.compensation, seed=self.seed)
+            optimizer.optimizer = CompensatedOptimizer(inner, self.compensation, seed=self.session.seed)
 
     def _restore(self, args, state, model, optimizer) -> None:
         """On resume: counters from ``trainer_state.json``; steps and scaler buffers from our checkpoint file."""
@@ -385,11 +259,7 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
 
     def telemetry(self) -> dict[str, float]:
         """The current ``lowprec/...`` values (reading resets the scale policies' per-window counters)."""
-        out = {TELEMETRY_PREFIX + k: v for k, v in self.coverage.items()}
-        if self._model is not None:
-            out.update(collect_telemetry(self._model))
-        out[TELEMETRY_PREFIX + "scan_seconds"] = self.scan_seconds
-        out[TELEMETRY_PREFIX + "steps_skipped"] = float(self.steps_skipped)
+        out = self.session.telemetry()
         scaler = getattr(self._optimizer, "scaler", None)
         if scaler is not None:
             out[TELEMETRY_PREFIX + "loss_scale"] = float(scaler.get_scale())
@@ -434,15 +304,15 @@ class LowPrecisionCallback(TrainerCallback, ExportableState):
         return {
             "args": {
                 "plan": self.plan.to_dict() if self.plan is not None else "auto",
-                "keep": list(self.keep) if self.plan is None else [],
-                "calibration_batches": self.calibration_batches,
-                "scaler": self.scaler,
-                "scaler_options": self.scaler_options,
-                "fp8_backend": self.fp8_backend,
-                "learn_scales": self.learn_scales,
-                "sync": self.sync,
+                "keep": list(self.session.keep) if self.plan is None else [],
+                "calibration_batches": self.session.calibration_batches,
+                "scaler": self.session.scaler,
+                "scaler_options": self.session.scaler_options,
+                "fp8_backend": self.session.fp8_backend,
+                "learn_scales": self.session.learn_scales,
+                "sync": self.session.sync,
                 "compensation": self.compensation,
-                "seed": self.seed,
+                "seed": self.session.seed,
             },
             "attributes": {"scan_seconds": self.scan_seconds, "steps_skipped": self.steps_skipped},
         }
@@ -463,8 +333,5 @@ __all__ = [
     "LowPrecisionCallback",
     "STATE_FILE",
     "TELEMETRY_KEYS",
-    "coverage",
-    "load_plan_source",
     "low_precision_state",
-    "scan_plan",
 ]

@@ -1,0 +1,205 @@
+"""What :class:`~hf_lowprec.training.callback.LowPrecisionCallback` and
+:class:`~hf_lowprec.training.accelerate.LowPrecisionPlugin` share: their options (validated once), the plan (fixed, or
+found by a scan of calibration batches), the conversion and its bookkeeping (report, coverage, learned parameters),
+and the ``lowprec/`` telemetry. The callback and the plugin only react to their framework's events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import time
+from collections.abc import Iterable, Mapping
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from hf_lowprec import sensitivity
+from hf_lowprec.convert import ConversionReport, apply_plan, as_plan, eligible_layers
+from hf_lowprec.formats import FormatSpec
+from hf_lowprec.modules.fp8 import FP8_BACKENDS
+from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
+from hf_lowprec.scaling import TELEMETRY_PREFIX, make_policy_factory
+from hf_lowprec.training.compensation import METHODS as COMPENSATIONS
+from hf_lowprec.training.new_parameters import align_new_parameters
+from hf_lowprec.training.telemetry import collect_telemetry
+
+logger = logging.getLogger(__name__)
+
+
+def coverage(model: nn.Module, report: ConversionReport) -> dict[str, float]:
+    """``params_<fmt>``: fraction of eligible parameters per applied format; ``flops_<fmt>``: of Linear FLOPs.
+
+    A Linear's FLOPs per token are proportional to its weight size; embedding lookups do no GEMM.
+    """
+    out = {f"params_{fmt}": frac for fmt, frac in report.fractions().items()}
+    layers = eligible_layers(model)
+    linear = [r for r in report.layers if isinstance(layers.get(r.name), nn.Linear)]
+    total = sum(r.params for r in linear) or 1
+    for r in linear:
+        out[f"flops_{r.applied}"] = out.get(f"flops_{r.applied}", 0.0) + r.params / total
+    return out
+
+
+@contextlib.contextmanager
+def _preserved_rng():
+    """Run a block without moving Python, NumPy or torch random streams (a scan must not change training)."""
+    py, npy = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+    random.setstate(py)
+    np.random.set_state(npy)
+
+
+def process_world() -> tuple[int, int]:
+    """``(rank, world size)`` of the default process group (``(0, 1)`` when none)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _same_on_all_ranks(plan: PrecisionPlan) -> PrecisionPlan:
+    """Rank 0's plan on every rank (scans on different batches could disagree)."""
+    rank, world = process_world()
+    if world == 1:
+        return plan
+    box = [plan.to_dict() if rank == 0 else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return PrecisionPlan.from_dict(box[0])
+
+
+def scan_plan(model: nn.Module, batches: Iterable[Mapping], options) -> tuple[PrecisionPlan, float]:
+    """Scan the first ``options.calibration_batches`` batches, allocate under ``options.budget``; ``(plan, seconds)``.
+
+    ``options`` carries ``calibration_batches``, ``formats``, ``scan_method``, ``budget`` (a
+    ``sensitivity.Budget``, a dict of its fields, or None), ``keep`` and ``seed``. Random streams are left
+    as they were; under several processes every rank gets rank 0's plan.
+    """
+    start = time.perf_counter()
+    was_training = model.training
+    with _preserved_rng():
+        data = list(islice(iter(batches), options.calibration_batches))
+        if not data:
+            raise ValueError("plan='auto' found no calibration batches to scan")
+        result = sensitivity.scan(model, data, formats=options.formats, method=options.scan_method, seed=options.seed)
+    model.train(was_training)
+    if isinstance(options.budget, Mapping):
+        plan = sensitivity.allocate(result, keep=options.keep, **options.budget)
+    else:
+        plan = sensitivity.allocate(result, budget=options.budget, keep=options.keep)
+    return _same_on_all_ranks(plan), time.perf_counter() - start
+
+
+def is_auto_plan(plan) -> bool:
+    """True for the plan spec ``"auto"`` (scan + allocation)."""
+    return isinstance(plan, str) and plan == "auto"
+
+
+def load_plan_source(plan, keep: tuple[str, ...] = ()) -> PrecisionPlan:
+    """A fixed plan from a plan, dict, plan file, folder holding ``hf_lowprec_plan.json``, or format name."""
+    if isinstance(plan, (str, os.PathLike)) and Path(plan).is_dir():
+        path = Path(plan) / PLAN_FILE
+        if not path.is_file():
+            raise ValueError(f"plan folder {str(plan)!r} holds no {PLAN_FILE}")
+        return PrecisionPlan.load(path)
+    if isinstance(plan, str) and Path(plan).suffix not in (".json", ".yaml", ".yml"):
+        try:
+            return PrecisionPlan.uniform(FormatSpec.parse(plan), keep=keep)
+        except ValueError as e:
+            raise ValueError(f"plan must be 'auto', a plan file or folder, or a format name: {e}") from None
+    if keep:
+        raise ValueError("keep= applies to a format-name plan or 'auto'; write kept layers into the plan itself")
+    return as_plan(plan)
+
+
+class LowPrecisionSession:
+    """Options, plan, conversion and telemetry of one training run (see the module docstring).
+
+    Args: as for :class:`~hf_lowprec.training.callback.LowPrecisionCallback` (``calibration_data`` aside).
+    After :meth:`record`: ``plan``, ``report``, ``coverage``, ``model`` and ``new_params`` (the learned
+    parameters the conversion added, in model order); ``scan_seconds`` and ``steps_skipped`` count.
+    """
+
+    def __init__(
+        self, plan="auto", *, keep: tuple[str, ...] = (), budget=None, formats=("fp8", "int4-g64"), calibration_batches: int = 4,
+        scan_method: str = "auto", scaler: str = "dynamic", scaler_options: Mapping | None = None, fp8_backend: str = "auto",
+        learn_scales: bool = True, sync: bool | None = None, compensation: str | None = None, seed: int = 0,
+    ):  # fmt: skip
+        self.auto = is_auto_plan(plan)
+        if not self.auto and budget is not None:
+            raise ValueError("budget= and calibration_data= apply only to plan='auto'")
+        if calibration_batches < 1:
+            raise ValueError(f"calibration_batches must be >= 1, got {calibration_batches}")
+        if fp8_backend not in FP8_BACKENDS:
+            raise ValueError(f"unknown fp8_backend {fp8_backend!r}; choose one of {', '.join(FP8_BACKENDS)}")
+        for fmt in formats:
+            FormatSpec.parse(fmt)
+        if compensation is not None and compensation not in COMPENSATIONS:
+            raise ValueError(f"unknown compensation {compensation!r}; choose one of {', '.join(COMPENSATIONS)} or None")
+        make_policy_factory(scaler, **dict(scaler_options or {}))  # raises for unknown names/options
+        self.keep, self.budget, self.formats = tuple(keep), budget, tuple(formats)
+        self.calibration_batches, self.scan_method, self.seed = calibration_batches, scan_method, seed
+        self.scaler, self.scaler_options = scaler, dict(scaler_options or {})
+        self.fp8_backend, self.learn_scales, self.sync = fp8_backend, learn_scales, sync
+        self.compensation = None if compensation == "none" else compensation
+        self.plan: PrecisionPlan | None = None if self.auto else load_plan_source(plan, self.keep)
+        self.report: ConversionReport | None = None
+        self.coverage: dict[str, float] = {}
+        self.scan_seconds = 0.0
+        self.steps_skipped = 0
+        self.model: nn.Module | None = None
+        self.new_params: list[nn.Parameter] = []
+
+    def scan(self, model: nn.Module, batches: Iterable[Mapping]) -> PrecisionPlan:
+        """Find the plan by a scan of ``batches`` (``plan="auto"``); it becomes :attr:`plan`."""
+        self.plan, self.scan_seconds = scan_plan(model, batches, self)
+        return self.plan
+
+    def apply(self, model: nn.Module, plan: PrecisionPlan, world: int) -> ConversionReport:
+        """:func:`~hf_lowprec.convert.apply_plan` with these options (amaxes synced over ``world`` processes by default)."""
+        factory = make_policy_factory(self.scaler, sync=world > 1 if self.sync is None else self.sync, **self.scaler_options)
+        return apply_plan(model, plan, fp8_backend=self.fp8_backend, learn_scales=self.learn_scales, policy_factory=factory)
+
+    def record(self, model: nn.Module, plan: PrecisionPlan, report: ConversionReport) -> None:
+        """Keep what a conversion of ``model`` to ``plan`` did; ``ValueError`` if no layer went to low precision."""
+        if not report.swapped:
+            raise ValueError(f"the plan puts no layer of {type(model).__name__} in low precision: {plan.to_dict()}")
+        for r in report.not_applied:
+            logger.warning("%s: requested %s, runs %s (%s)", r.name, r.requested, r.applied, r.reason)
+        self.plan, self.model, self.report = plan, model, report
+        self.new_params = align_new_parameters(model, report.new_parameters.values())
+        self.coverage = coverage(model, report)
+        logger.info("hf_lowprec: %s", report)
+
+    def telemetry(self) -> dict[str, float]:
+        """``lowprec/...``: coverage, the scale policies' telemetry (reading resets their windows), scan time, skips."""
+        out = {TELEMETRY_PREFIX + k: v for k, v in self.coverage.items()}
+        if self.model is not None:
+            out.update(collect_telemetry(self.model))
+        out[TELEMETRY_PREFIX + "scan_seconds"] = self.scan_seconds
+        out[TELEMETRY_PREFIX + "steps_skipped"] = float(self.steps_skipped)
+        return out
+
+
+def _session_attribute(name: str) -> property:
+    """A property reading and writing ``self.session.<name>``."""
+    return property(lambda self: getattr(self.session, name), lambda self, value: setattr(self.session, name, value))
+
+
+class SessionOwner:
+    """Base of the callback and the plugin: their session's state under the names users (and a Trainer's saved
+    callback state) read and write."""
+
+    session: LowPrecisionSession
+    plan = _session_attribute("plan")
+    report = _session_attribute("report")
+    coverage = _session_attribute("coverage")
+    scan_seconds = _session_attribute("scan_seconds")
+    steps_skipped = _session_attribute("steps_skipped")
+    compensation = _session_attribute("compensation")
