@@ -21,7 +21,7 @@ from hf_lowprec.modules import LOW_PRECISION_TYPES, PackedLinear, low_precision_
 from hf_lowprec.modules.fp8 import FP8Linear, fp8_hardware_available
 from hf_lowprec.modules.int4 import Int4Embedding, Int4Linear
 from hf_lowprec.modules.packed import packed_class
-from hf_lowprec.plan import PrecisionPlan
+from hf_lowprec.plan import PrecisionPlan, resolve_plan
 
 logger = logging.getLogger(__name__)
 
@@ -82,18 +82,6 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def as_plan(plan: "PrecisionPlan | Mapping | str | Path") -> PrecisionPlan:
-    """Accept a plan object, a dict, a path to a JSON/YAML file, or a format name (every Linear in it)."""
-    if isinstance(plan, PrecisionPlan):
-        return plan
-    if isinstance(plan, Mapping):
-        return PrecisionPlan.from_dict(plan)
-    if isinstance(plan, Path) or (isinstance(plan, str) and Path(plan).suffix in (".json", ".yaml", ".yml")):
-        return PrecisionPlan.load(plan)
-    if isinstance(plan, str):
-        return PrecisionPlan.uniform(plan)
-    raise ValueError(f"plan must be a PrecisionPlan, a dict, a .json/.yaml path or a format name, got {type(plan).__name__}")
-
 
 def _high_precision(module: nn.Module) -> nn.Module:
     """A plain ``nn.Linear``/``nn.Embedding`` sharing ``module``'s parameters."""
@@ -133,7 +121,7 @@ def apply_plan(
     Idempotent: layers already in their planned format are left alone; layers planned ``bf16``/``fp32``
     that were converted earlier are reverted. Raises ``ValueError`` if the plan does not fit the model.
     """
-    plan = as_plan(plan)
+    plan = resolve_plan(plan)
     plan.validate(model)
     assignments = plan.assign(model)
     report = ConversionReport()

@@ -224,3 +224,40 @@ def _layers_of(model_or_layers) -> dict[str, nn.Module]:
     if isinstance(model_or_layers, nn.Module):
         return eligible_layers(model_or_layers)
     return dict(model_or_layers)
+
+
+AUTO = "auto"
+"""The ``plan=`` value that asks for a sensitivity scan instead of naming a plan."""
+
+
+def is_auto(plan) -> bool:
+    """True for ``plan="auto"`` (scan + allocation), which each entry point resolves with its own data."""
+    return isinstance(plan, str) and plan == AUTO
+
+
+def resolve_plan(plan, keep: tuple[str, ...] = ()) -> PrecisionPlan:
+    """The one reading of a ``plan=`` argument (``"auto"`` aside: callers check :func:`is_auto` first).
+
+    A :class:`PrecisionPlan` as it is; a dict (``PrecisionPlan.to_dict`` layout); a ``.json``/``.yaml`` file; a folder
+    holding ``hf_lowprec_plan.json`` (a checkpoint or an export); a format name: every ``nn.Linear`` in that format
+    except ``keep`` (names or patterns left in high precision; for format names only).
+    """
+    if isinstance(plan, FormatSpec) or isinstance(plan, str) and Path(plan).suffix not in (".json", ".yaml", ".yml") and not Path(plan).is_dir():
+        try:
+            return PrecisionPlan.uniform(FormatSpec.parse(plan), keep=tuple(keep))
+        except ValueError as e:
+            raise ValueError(f"plan must be 'auto', a plan file or folder, or a format name: {e}") from None
+    if keep:
+        raise ValueError("keep= applies to a format-name plan or 'auto'; write kept layers into the plan itself")
+    if isinstance(plan, PrecisionPlan):
+        return plan
+    if isinstance(plan, Mapping):
+        return PrecisionPlan.from_dict(plan)
+    if isinstance(plan, (str, os.PathLike)):
+        path = Path(plan)
+        if path.is_dir():
+            if not (path / PLAN_FILE).is_file():
+                raise ValueError(f"plan folder {str(plan)!r} holds no {PLAN_FILE}")
+            path = path / PLAN_FILE
+        return PrecisionPlan.load(path)
+    raise ValueError(f"plan must be a PrecisionPlan, a dict, a .json/.yaml path, a plan folder or a format name, got {type(plan).__name__}")

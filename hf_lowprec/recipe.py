@@ -29,7 +29,7 @@ import yaml
 from hf_lowprec.assets import shipped_folder
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.ondevice.calibration import ROUNDINGS
-from hf_lowprec.plan import PrecisionPlan
+from hf_lowprec.plan import AUTO, PrecisionPlan, resolve_plan
 
 METHODS = ("full", "int4-lora")
 PLAN_SOURCES = ("auto",)  # besides a format name or a plan file path
@@ -82,7 +82,7 @@ class PrecisionSection:
 
     @property
     def is_auto(self) -> bool:
-        return self.plan == "auto"
+        return self.plan == AUTO
 
     @property
     def is_file(self) -> bool:
@@ -92,9 +92,7 @@ class PrecisionSection:
         """The plan of a format-name or file ``plan`` (``auto`` needs a scan; see the CLI)."""
         if self.is_auto:
             raise ValueError("precision.plan 'auto' has no fixed plan; it is found by a sensitivity scan")
-        if self.is_file:
-            return PrecisionPlan.load(self.plan)
-        return PrecisionPlan.uniform(self.plan, keep=self.keep)
+        return resolve_plan(self.plan, keep=() if self.is_file else self.keep)  # a file names its kept layers itself
 
 
 @dataclass(frozen=True)

@@ -94,3 +94,25 @@ def test_plan_dict_round_trip_is_json_serialisable():
     data = json.loads(json.dumps(plan.to_dict()))
     assert PrecisionPlan.from_dict(data) == plan
     assert plan.default == FormatSpec.parse("fp8")
+
+
+def test_resolve_plan_reads_every_kind_of_plan_argument(tmp_path):
+    from hf_lowprec.plan import PLAN_FILE, is_auto, resolve_plan
+
+    plan = PrecisionPlan({"lm_head": "bf16", "*.mlp.*": "int4-g64"}, default="fp8")
+    plan.save(tmp_path / "plan.yaml")
+    (tmp_path / "ckpt").mkdir()
+    plan.save(tmp_path / "ckpt" / PLAN_FILE)
+    for source in (plan, plan.to_dict(), tmp_path / "plan.yaml", str(tmp_path / "plan.yaml"), tmp_path / "ckpt", str(tmp_path / "ckpt")):
+        assert resolve_plan(source).to_dict() == plan.to_dict(), source
+    uniform = resolve_plan("int4-g64", keep=("lm_head",))
+    assert uniform.resolve("model.layers.0.mlp.up_proj").name == "int4-g64" and uniform.resolve("lm_head").name == "bf16"
+    assert is_auto("auto") and not is_auto("fp8") and not is_auto(plan)
+    with pytest.raises(ValueError, match="keep= applies to a format-name plan"):
+        resolve_plan(plan, keep=("lm_head",))
+    with pytest.raises(ValueError, match="plan must be 'auto', a plan file or folder, or a format name: .*int3"):
+        resolve_plan("int3")
+    with pytest.raises(ValueError, match=f"holds no {PLAN_FILE}"):
+        resolve_plan(tmp_path)
+    with pytest.raises(ValueError, match="got int"):
+        resolve_plan(3)

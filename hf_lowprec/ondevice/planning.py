@@ -13,7 +13,7 @@ from torch import nn
 from hf_lowprec.convert import canonical_name, eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.modules.packed import PackedLinear
-from hf_lowprec.plan import PrecisionPlan
+from hf_lowprec.plan import PrecisionPlan, resolve_plan
 from hf_lowprec.sensitivity import allocate, scan
 
 logger = logging.getLogger(__name__)
@@ -40,13 +40,21 @@ def int4_plan(model: nn.Module, plan: "PrecisionPlan | str | None" = None) -> Pr
     """The plan for the frozen base: ``None`` → every Linear in ``int4-g64-asym``; a format name → every Linear
     in that format. Both keep the output projection (``lm_head``) in high precision: it is usually tied to
     the input embedding, so packing it would add a copy rather than save memory, and it is the most
-    sensitive layer. A :class:`PrecisionPlan` is used exactly as given. (``auto``: see :func:`scan_int4_plan`.)
+    sensitive layer. Any other plan (a :class:`PrecisionPlan`, a dict, a file or folder) is used exactly as given
+    (:func:`hf_lowprec.plan.resolve_plan`; ``auto``: see :func:`scan_int4_plan`).
     """
-    if isinstance(plan, PrecisionPlan):
-        return plan
-    fmt = FormatSpec.parse(plan or DEFAULT_FORMAT)
-    head = _output_layer_name(model)
-    return PrecisionPlan.uniform(fmt, keep=(head,) if head else ())
+    if plan is None or isinstance(plan, FormatSpec) or isinstance(plan, str) and _names_a_format(plan):
+        head = _output_layer_name(model)
+        return resolve_plan(plan or DEFAULT_FORMAT, keep=(head,) if head else ())
+    return resolve_plan(plan)
+
+
+def _names_a_format(text: str) -> bool:
+    try:
+        FormatSpec.parse(text)
+        return True
+    except ValueError:
+        return False
 
 
 def scan_int4_plan(model: nn.Module, calibration: torch.Tensor, budget: dict | None = None,

@@ -32,7 +32,7 @@ from hf_lowprec.ondevice.planning import (
     resolve_target_modules,
     scan_int4_plan,
 )
-from hf_lowprec.plan import PrecisionPlan
+from hf_lowprec.plan import PrecisionPlan, is_auto
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def prepare_int4_lora(
     """
     if backend not in PACKED_BACKENDS:
         raise ValueError(f"backend {backend!r}: choose one of {', '.join(PACKED_BACKENDS)}")
-    auto, calibrated = isinstance(plan, str) and plan == "auto", check_rounding(rounding) != "nearest"
+    auto, calibrated = is_auto(plan), check_rounding(rounding) != "nearest"
     if calibration is None and (auto or calibrated):
         raise ValueError(f"{'plan auto' if auto else f'rounding {rounding!r}'} needs calibration= token blocks [n, T]")
     if calibration is not None and not (auto or calibrated):

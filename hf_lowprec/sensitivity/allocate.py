@@ -15,7 +15,7 @@ import numpy as np
 from torch import nn
 
 from hf_lowprec.formats import FormatSpec
-from hf_lowprec.plan import PrecisionPlan
+from hf_lowprec.plan import PrecisionPlan, resolve_plan
 from hf_lowprec.sensitivity.results import KEEP, ScanResult
 
 logger = logging.getLogger(__name__)
@@ -270,7 +270,7 @@ def predict_plan(result: ScanResult, plan: "PrecisionPlan | Mapping") -> dict:
     fractions of any ``plan`` over the scanned layers (e.g. a hand-written one, to compare with
     :func:`allocate`'s). Raises ``ValueError`` if the plan gives tied layers different formats or
     a format the scan did not score."""
-    plan = plan if isinstance(plan, PrecisionPlan) else PrecisionPlan.from_dict(plan)
+    plan = resolve_plan(plan)
     total = sum(u.params for u in result.layers) or 1
     loss = nbytes = 0.0
     fractions: dict[str, float] = {}

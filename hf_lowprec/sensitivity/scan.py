@@ -15,7 +15,7 @@ from torch import nn
 from hf_lowprec.convert import eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.modules import LOW_PRECISION_TYPES, low_precision_layer
-from hf_lowprec.plan import PrecisionPlan
+from hf_lowprec.plan import PrecisionPlan, resolve_plan
 from hf_lowprec.sensitivity.batches import _check_batches, _forward, _label_count, _merge
 from hf_lowprec.sensitivity.replay import Progress, _BlockReplay
 from hf_lowprec.sensitivity.results import KEEP, LayerScore, ScanResult
@@ -285,7 +285,7 @@ def measure_plan(model: nn.Module, plan: "PrecisionPlan | Mapping", batches: Ite
     install for its planned format. Returns ``base_loss``, ``plan_loss``, ``delta_loss``, ``kl``
     (nats/token) and ``tokens``.
     """
-    plan = plan if isinstance(plan, PrecisionPlan) else PrecisionPlan.from_dict(plan)
+    plan = resolve_plan(plan)
     plan.validate(model)
     batches = _check_batches(batches)  # one forward per batch, as training would run them
     device = next(model.parameters()).device

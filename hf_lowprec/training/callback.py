@@ -39,11 +39,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_lowprec.convert import eligible_layers
 from hf_lowprec.modules import LOW_PRECISION_TYPES
-from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
+from hf_lowprec.plan import PLAN_FILE, PrecisionPlan, is_auto
 from hf_lowprec.scaling import TELEMETRY_PREFIX
 from hf_lowprec.training.compensation import CompensatedOptimizer
 from hf_lowprec.training.new_parameters import insert_new_parameters, orphaned_parameters
-from hf_lowprec.training.session import LowPrecisionSession, SessionOwner, is_auto_plan, process_world
+from hf_lowprec.training.session import LowPrecisionSession, SessionOwner, process_world
 from hf_lowprec.training.telemetry import skip_step_if_requested
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         scaler: str = "dynamic", scaler_options: Mapping | None = None, fp8_backend: str = "auto",
         learn_scales: bool = True, sync: bool | None = None, compensation: str | None = None, seed: int = 0,
     ):  # fmt: skip
-        if not is_auto_plan(plan) and calibration_data is not None:
+        if not is_auto(plan) and calibration_data is not None:
             raise ValueError("budget= and calibration_data= apply only to plan='auto'")
         self.session = LowPrecisionSession(
             plan, keep=keep, budget=budget, formats=formats, calibration_batches=calibration_batches, scan_method=scan_method,

@@ -8,22 +8,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import random
 import time
 from collections.abc import Iterable, Mapping
 from itertools import islice
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
 from hf_lowprec import sensitivity
-from hf_lowprec.convert import ConversionReport, apply_plan, as_plan, eligible_layers
+from hf_lowprec.convert import ConversionReport, apply_plan, eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.modules.fp8 import FP8_BACKENDS
-from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
+from hf_lowprec.plan import PrecisionPlan, is_auto, resolve_plan
 from hf_lowprec.scaling import TELEMETRY_PREFIX, make_policy_factory
 from hf_lowprec.training.compensation import METHODS as COMPENSATIONS
 from hf_lowprec.training.new_parameters import align_new_parameters
@@ -96,26 +94,6 @@ def scan_plan(model: nn.Module, batches: Iterable[Mapping], options) -> tuple[Pr
     return _same_on_all_ranks(plan), time.perf_counter() - start
 
 
-def is_auto_plan(plan) -> bool:
-    """True for the plan spec ``"auto"`` (scan + allocation)."""
-    return isinstance(plan, str) and plan == "auto"
-
-
-def load_plan_source(plan, keep: tuple[str, ...] = ()) -> PrecisionPlan:
-    """A fixed plan from a plan, dict, plan file, folder holding ``hf_lowprec_plan.json``, or format name."""
-    if isinstance(plan, (str, os.PathLike)) and Path(plan).is_dir():
-        path = Path(plan) / PLAN_FILE
-        if not path.is_file():
-            raise ValueError(f"plan folder {str(plan)!r} holds no {PLAN_FILE}")
-        return PrecisionPlan.load(path)
-    if isinstance(plan, str) and Path(plan).suffix not in (".json", ".yaml", ".yml"):
-        try:
-            return PrecisionPlan.uniform(FormatSpec.parse(plan), keep=keep)
-        except ValueError as e:
-            raise ValueError(f"plan must be 'auto', a plan file or folder, or a format name: {e}") from None
-    if keep:
-        raise ValueError("keep= applies to a format-name plan or 'auto'; write kept layers into the plan itself")
-    return as_plan(plan)
 
 
 class LowPrecisionSession:
@@ -131,7 +109,7 @@ class LowPrecisionSession:
         scan_method: str = "auto", scaler: str = "dynamic", scaler_options: Mapping | None = None, fp8_backend: str = "auto",
         learn_scales: bool = True, sync: bool | None = None, compensation: str | None = None, seed: int = 0,
     ):  # fmt: skip
-        self.auto = is_auto_plan(plan)
+        self.auto = is_auto(plan)
         if not self.auto and budget is not None:
             raise ValueError("budget= and calibration_data= apply only to plan='auto'")
         if calibration_batches < 1:
@@ -148,7 +126,7 @@ class LowPrecisionSession:
         self.scaler, self.scaler_options = scaler, dict(scaler_options or {})
         self.fp8_backend, self.learn_scales, self.sync = fp8_backend, learn_scales, sync
         self.compensation = None if compensation == "none" else compensation
-        self.plan: PrecisionPlan | None = None if self.auto else load_plan_source(plan, self.keep)
+        self.plan: PrecisionPlan | None = None if self.auto else resolve_plan(plan, self.keep)
         self.report: ConversionReport | None = None
         self.coverage: dict[str, float] = {}
         self.scan_seconds = 0.0
