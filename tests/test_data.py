@@ -152,4 +152,5 @@ def test_pack_blocks_stops_early():
     tok = tiny_tokenizer()
     ds = datasets.Dataset.from_dict({"text": [corpus_text(4000)] * 50})
     cols = detect_columns(ds, "mem")
-    assert len(pack_blocks(ds, tok, cols, 32, max_blocks=3)) == 3
+    blocks = pack_blocks(ds, tok, cols, 32, max_blocks=3)
+    assert blocks == _reference_blocks(ds["text"][:1], tok, 32)[:3]  # three blocks: the first text's first three
