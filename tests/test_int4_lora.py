@@ -1,0 +1,61 @@
+"""PackedLoraLinear: LoRA on a packed base against a dense reference, merge / unmerge, unsupported options."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from hf_lowprec.modules import Int4Linear
+from hf_lowprec.modules.int4_lora import PackedLoraLinear, register_int4_lora
+
+
+def packed_with_lora(**lora):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48))
+    model[0] = Int4Linear.from_linear(model[0], "int4-g32-asym", learn_scales=False).freeze()
+    config = register_int4_lora(LoraConfig(r=4, lora_alpha=8, target_modules=["0"], **lora))
+    peft = get_peft_model(model, config)
+    layer = peft.base_model.model[0]
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_(0, 0.1)  # B starts at zero: make the adapter matter
+    return peft, layer
+
+
+def test_forward_and_grads_equal_a_dense_reference():
+    peft, layer = packed_with_lora()
+    assert isinstance(layer, PackedLoraLinear)
+    base = layer.get_base_layer()
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    y = peft(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    xr = x.detach().clone().requires_grad_()
+    ar, br = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    w = base.dequantized_weight(torch.float32)
+    ref = xr @ w.t() + base.bias + layer.scaling["default"] * (xr @ ar.t()) @ br.t()
+    ref.backward(g)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    for ours, theirs in ((x.grad, xr.grad), (a.grad, ar.grad), (b.grad, br.grad)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_merge_requantizes_the_delta_and_reports_the_error():
+    peft, layer = packed_with_lora()
+    base = layer.get_base_layer()
+    expected = base.dequantized_weight(torch.float32) + layer.get_delta_weight("default").float()
+    layer.merge()
+    stats = layer.merge_errors[-1]
+    got = base.dequantized_weight(torch.float32)
+    assert layer.merged and stats["adapters"] == ["default"] and stats["delta_norm"] > 0
+    assert stats["rel_error"] == pytest.approx(((got - expected).norm() / expected.norm()).item(), rel=1e-4)
+    x = torch.randn(4, 64)
+    torch.testing.assert_close(peft(x), x @ got.t() + base.bias, rtol=1e-5, atol=1e-5)  # merged: the base alone
+    layer.unmerge()
+    assert not layer.merged
+
+
+@pytest.mark.parametrize("option, message", [(dict(use_dora=True), "DoRA"), (dict(lora_bias=True), "lora_bias"),
+                                             (dict(init_lora_weights="pissa"), "not supported on a packed base")])
+def test_unsupported_options_raise(option, message):
+    with pytest.raises(ValueError, match=message):
+        packed_with_lora(**option)
