@@ -352,7 +352,7 @@ class _FakeQuantizeInt(torch.autograd.Function):
     """Quantize-dequantize with the LSQ gradients, saving only ``w`` and ``step`` for backward.
 
     Written by hand (not composed from autograd ops) because the composed graph keeps four fp32
-    copies of the weight alive until backward: 4.4x a bf16 layer's activations in benchmarks/layers.py.
+    copies of the weight alive until backward (several times a bf16 layer's activations; benchmarks/layers.py).
     """
 
     @staticmethod

@@ -5,8 +5,8 @@ output gradient to E5M2 (configurable) with fp32 scales of the spec's granularit
 multiplies the FP8 *values* with fp32 accumulation and applies the scales afterwards, exactly as
 ``torch._scaled_mm`` does. FP8 values are exactly representable in bf16, so the GEMM itself runs
 as a bf16 matmul (fp32 accumulation) when the output is bf16 and the CPU has fast bf16 GEMMs, in fp32
-otherwise: the fastest exact way to compute an FP8 GEMM on each CPU (``torch._scaled_mm`` on CPU runs at
-~0.7x fp32 speed).
+otherwise: the fastest exact way to compute an FP8 GEMM on each CPU (``torch._scaled_mm`` on CPU is slower than
+an fp32 GEMM; ``benchmarks/layers.py``).
 
 ``backend="torchao"`` runs torchao's ``Float8Linear`` autograd function (real ``_scaled_mm``
 kernels on CUDA SM89+); ``backend="auto"`` picks it there for tensorwise/rowwise scaling and the

@@ -82,8 +82,8 @@ def _log_once(backend: str, reason: str) -> None:
 
 # --------------------------------------------------------------------------------- int8 kernels
 # The elementwise passes around torch._int_mm (per-row quantize, unpacking the codes, dequantizing the
-# int32 product) cost as much as the int8 matmul saves when run as eager torch ops (measured 0.5-0.6x
-# bf16). They run as hand-written C++ (modules/kernels/cpp.py) on CPUs with AVX2, else as torch.compile'd
+# int32 product) cost as much as the int8 matmul saves when run as eager torch ops, one pass over memory
+# each. They run as hand-written C++ (modules/kernels/cpp.py) on CPUs with AVX2, else as torch.compile'd
 # functions (else eagerly, with a warning, where neither can be built).
 
 

@@ -19,10 +19,10 @@ from hf_lowprec.sensitivity import allocate, scan
 logger = logging.getLogger(__name__)
 
 
-DEFAULT_FORMAT = "int4-g64-asym"  # SmolLM2-135M held-out perplexity after packing: 65.5 (asym) vs 80.6 (symmetric); bf16 49.7
+DEFAULT_FORMAT = "int4-g64-asym"  # zero points fit LLM weights' skewed groups better than symmetric steps (ondevice.py)
 AUTO_FORMATS = (DEFAULT_FORMAT, "int8")  # what plan="auto" chooses from for each Linear (or keeps it bf16)
-# plan="auto" budget: the most INT4-sensitive half of the linear weights in int8 (4.5 bits + 0.5 x 3.5); on SmolLM2-135M
-# 1.027x bf16 LoRA's held-out perplexity after 100 steps, against 1.079x with every Linear in INT4 (benchmarks/ondevice.py)
+# plan="auto" budget: the most INT4-sensitive half of the linear weights in int8 (4.5 bits + 0.5 x 3.5); its quality
+# against all-INT4 and bf16 LoRA is measured by benchmarks/ondevice.py (results/REPORT.md)
 AUTO_BUDGET = {"target_bits_per_param": 6.25}
 ALL_LINEAR = "all-linear"
 
