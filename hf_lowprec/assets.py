@@ -21,6 +21,8 @@ def shipped_folder(name: str) -> Traversable:
     except ModuleNotFoundError:  # a plain checkout: the folder sits next to the package
         folder = CHECKOUT / name
         if not folder.is_dir():
-            raise FileNotFoundError(f"hf-lowprec's {name}/ folder is missing: neither hf_lowprec.{name} is installed nor "
-                                    f"{folder} exists; reinstall with `pip install hf-lowprec`") from None  # fmt: skip
+            raise FileNotFoundError(
+                f"hf-lowprec's {name}/ folder is missing: neither hf_lowprec.{name} is installed nor "
+                f"{folder} exists; reinstall with `pip install hf-lowprec`"
+            ) from None
         return folder

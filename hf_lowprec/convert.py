@@ -48,7 +48,9 @@ class ConversionReport:
 
     layers: list[LayerReport] = field(default_factory=list)
     new_parameters: dict[str, nn.Parameter] = field(default_factory=dict)
-    calibration: dict | None = None  # hf_lowprec.ondevice.calibration.summary when the INT4 codes were calibrated (GPTQ, AWQ)
+    calibration: dict | None = (
+        None  # hf_lowprec.ondevice.calibration.summary when the INT4 codes were calibrated (GPTQ, AWQ)
+    )
     compute: dict | None = None  # {"dtype", "reason"}: the compute dtype chosen at load and why
 
     @property
@@ -70,11 +72,19 @@ class ConversionReport:
         return out
 
     def to_dict(self) -> dict:
-        return {"layers": [asdict(r) for r in self.layers], "fractions": self.fractions(), "new_parameters": list(self.new_parameters),
-                "calibration": self.calibration, "compute": self.compute}  # fmt: skip
+        return {
+            "layers": [asdict(r) for r in self.layers],
+            "fractions": self.fractions(),
+            "new_parameters": list(self.new_parameters),
+            "calibration": self.calibration,
+            "compute": self.compute,
+        }
 
     def __str__(self) -> str:
-        lines = [f"{len(self.swapped)} of {len(self.layers)} layers in low precision; " + ", ".join(f"{k} {v:.1%}" for k, v in self.fractions().items())]
+        lines = [
+            f"{len(self.swapped)} of {len(self.layers)} layers in low precision; "
+            + ", ".join(f"{k} {v:.1%}" for k, v in self.fractions().items())
+        ]
         if self.compute:
             lines.append(f"  {self.compute['reason']}")
         for r in self.not_applied:
@@ -82,14 +92,21 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-
 def _high_precision(module: nn.Module) -> nn.Module:
     """A plain ``nn.Linear``/``nn.Embedding`` sharing ``module``'s parameters."""
     if isinstance(module, PackedLinear):
         raise ValueError(f"a frozen {type(module).__name__} has no high-precision weight left to revert to")
     if isinstance(module, nn.Embedding):
-        new = nn.Embedding(module.num_embeddings, module.embedding_dim, module.padding_idx, module.max_norm,
-                           module.norm_type, module.scale_grad_by_freq, module.sparse, device="meta")  # fmt: skip
+        new = nn.Embedding(
+            module.num_embeddings,
+            module.embedding_dim,
+            module.padding_idx,
+            module.max_norm,
+            module.norm_type,
+            module.scale_grad_by_freq,
+            module.sparse,
+            device="meta",
+        )
         new.weight = module.weight
         return new
     new = nn.Linear(module.in_features, module.out_features, module.bias is not None, device="meta")
@@ -134,10 +151,14 @@ def apply_plan(
         tied = first_user.setdefault(id(getattr(module, "weight", module)), name)
         tied = "" if tied == name else tied
         if isinstance(module, LOW_PRECISION_TYPES) and module.spec == spec:
-            report.layers.append(LayerReport(name, spec.name, spec.name, kind, params, _backend(module), "unchanged", tied))
+            report.layers.append(
+                LayerReport(name, spec.name, spec.name, kind, params, _backend(module), "unchanged", tied)
+            )
             continue
         if isinstance(module, PackedLinear):
-            raise ValueError(f"layer {name!r} is frozen packed {module.spec.name} and cannot change to {spec.name}; reload the model to re-plan it")
+            raise ValueError(
+                f"layer {name!r} is frozen packed {module.spec.name} and cannot change to {spec.name}; reload the model to re-plan it"
+            )
         original = _high_precision(module) if isinstance(module, LOW_PRECISION_TYPES) else module
         if spec.is_high_precision:
             if original is not module:
@@ -150,10 +171,16 @@ def apply_plan(
                 f"layers sharing one weight (tied embeddings) need one integer format: {name!r} is planned "
                 f"{spec.name} but its tied twin is {shared[0]}"
             )
-        options = {"fp8_backend": fp8_backend, "grad_dtype": grad_dtype, "learn_scales": learn_scales,
-                   "learn_activation_scales": learn_activation_scales}  # fmt: skip
+        options = {
+            "fp8_backend": fp8_backend,
+            "grad_dtype": grad_dtype,
+            "learn_scales": learn_scales,
+            "learn_activation_scales": learn_activation_scales,
+        }
         if policy_factory is not None and spec.family == "fp8":
-            options["policies"] = {r: p for r in ("input", "weight", "grad") if (p := policy_factory(name, r, spec)) is not None}
+            options["policies"] = {
+                r: p for r in ("input", "weight", "grad") if (p := policy_factory(name, r, spec)) is not None
+            }
         before = {id(p) for p in original.parameters()}
         new = low_precision_layer(original, spec, options, None if shared is None else shared[1])
         if isinstance(new, (Int4Linear, Int4Embedding)) and shared is None:
@@ -162,7 +189,9 @@ def apply_plan(
         for pname, p in new.named_parameters():
             if id(p) not in before and p.requires_grad:
                 report.new_parameters[f"{fqn}.{pname}"] = p
-        report.layers.append(LayerReport(name, spec.name, spec.name, type(new).__name__, params, _backend(new), _note(new), tied))
+        report.layers.append(
+            LayerReport(name, spec.name, spec.name, type(new).__name__, params, _backend(new), _note(new), tied)
+        )
     for r in report.layers:
         if r.reason and r.reason != "unchanged":
             logger.info("%s: %s (%s)", r.name, r.applied, r.reason)
@@ -171,7 +200,11 @@ def apply_plan(
 
 
 def _backend(module: nn.Module) -> str:
-    return module.backend if isinstance(module, FP8Linear) else ("emulated" if isinstance(module, LOW_PRECISION_TYPES) else "")
+    return (
+        module.backend
+        if isinstance(module, FP8Linear)
+        else ("emulated" if isinstance(module, LOW_PRECISION_TYPES) else "")
+    )
 
 
 def _note(module: nn.Module) -> str:

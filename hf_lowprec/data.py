@@ -62,18 +62,24 @@ def load_records(source: str | Path, *, split: str = "train", config: str | None
         builders = {FILE_BUILDERS[p.suffix] for p in files}
         if len(builders) != 1:
             found = ", ".join(sorted(builders)) or "none"
-            raise ValueError(f"data folder {str(path)!r} must hold files of one kind ({', '.join(FILE_BUILDERS)}); found {found}")
+            raise ValueError(
+                f"data folder {str(path)!r} must hold files of one kind ({', '.join(FILE_BUILDERS)}); found {found}"
+            )
         return _load_files(builders.pop(), [str(p) for p in files], str(path))
     if path.suffix in FILE_BUILDERS:
         if not path.is_file():
             raise ValueError(f"data file {str(path)!r} does not exist")
         return _load_files(FILE_BUILDERS[path.suffix], [str(path)], str(path))
     if path.exists() or path.suffix or str(source).startswith((".", "/", "~")):
-        raise ValueError(f"data {str(source)!r}: not an existing {'/'.join(FILE_BUILDERS)} file, folder or Hub dataset name")
+        raise ValueError(
+            f"data {str(source)!r}: not an existing {'/'.join(FILE_BUILDERS)} file, folder or Hub dataset name"
+        )
     try:
         ds = datasets.load_dataset(str(source), config, split=split)
     except Exception as e:  # datasets raises many types (network, missing split, script errors)
-        raise ValueError(f"could not load dataset {str(source)!r} (split {split!r}) through datasets: {str(e).splitlines()[0]}") from None
+        raise ValueError(
+            f"could not load dataset {str(source)!r} (split {split!r}) through datasets: {str(e).splitlines()[0]}"
+        ) from None
     return ds
 
 
@@ -97,7 +103,9 @@ class Columns:
     response: str | None = None
 
 
-def detect_columns(ds: datasets.Dataset, source: str, text_column: str | None = None, messages_column: str | None = None) -> Columns:
+def detect_columns(
+    ds: datasets.Dataset, source: str, text_column: str | None = None, messages_column: str | None = None
+) -> Columns:
     """Pick the text or chat columns of ``ds`` (forced ones must exist); a clear error otherwise."""
     names = list(ds.column_names)
     listing = ", ".join(names) or "none"
@@ -138,7 +146,9 @@ def _messages(row: dict, cols: Columns) -> list[dict]:
 def _sequences(ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cols: Columns) -> Iterator[list[int]]:
     """Token ids per row (text rows end with EOS; chat rows through the chat template)."""
     if cols.kind == "chat" and not tokenizer.chat_template:
-        raise ValueError(f"the tokenizer ({type(tokenizer).__name__}) has no chat template; chat data needs one (or use --text-column)")
+        raise ValueError(
+            f"the tokenizer ({type(tokenizer).__name__}) has no chat template; chat data needs one (or use --text-column)"
+        )
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     for row in ds:
         if cols.kind == "text":
@@ -150,7 +160,9 @@ def _sequences(ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cols: C
             yield list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc)
 
 
-def pack_blocks(ds: datasets.Dataset, tokenizer, cols: Columns, block_size: int, max_blocks: int | None = None) -> list[list[int]]:
+def pack_blocks(
+    ds: datasets.Dataset, tokenizer, cols: Columns, block_size: int, max_blocks: int | None = None
+) -> list[list[int]]:
     """Text rows joined and cut into blocks of ``block_size`` tokens (the remainder is dropped)."""
     blocks, buffer = [], []
     for ids in _sequences(ds, tokenizer, cols):
@@ -163,7 +175,9 @@ def pack_blocks(ds: datasets.Dataset, tokenizer, cols: Columns, block_size: int,
     return blocks
 
 
-def chat_sequences(ds: datasets.Dataset, tokenizer, cols: Columns, block_size: int, max_rows: int | None = None) -> list[list[int]]:
+def chat_sequences(
+    ds: datasets.Dataset, tokenizer, cols: Columns, block_size: int, max_rows: int | None = None
+) -> list[list[int]]:
     """One chat-formatted sequence per row, truncated to ``block_size`` tokens."""
     out = []
     for ids in _sequences(ds, tokenizer, cols):
@@ -234,7 +248,9 @@ def prepare_lm_data(
         held = chat_sequences(eval_rows, tokenizer, cols, block_size, eval_sequences)
         collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, padding=True)
     if not train and not eval_only:
-        raise ValueError(f"data {name!r} gives no complete block of {block_size} tokens to train on; lower --block-size or add data")
+        raise ValueError(
+            f"data {name!r} gives no complete block of {block_size} tokens to train on; lower --block-size or add data"
+        )
     if not held:
         raise ValueError(f"data {name!r} leaves nothing to evaluate on; add rows or raise eval_fraction")
 
@@ -245,13 +261,21 @@ def prepare_lm_data(
 
 
 def prepare_classification_data(
-    records: datasets.Dataset, name: str, tokenizer: PreTrainedTokenizerBase, max_length: int, *,
-    text_column: str | None = None, label_column: str = "label", max_rows: int | None = None,
-) -> datasets.Dataset:  # fmt: skip
+    records: datasets.Dataset,
+    name: str,
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    *,
+    text_column: str | None = None,
+    label_column: str = "label",
+    max_rows: int | None = None,
+) -> datasets.Dataset:
     """Tokenized ``input_ids``/``attention_mask``/``labels`` rows for sequence classification."""
     ds = records
     if label_column not in ds.column_names:
-        raise ValueError(f"data {name!r} has no label column {label_column!r}; its columns are {', '.join(ds.column_names)}")
+        raise ValueError(
+            f"data {name!r} has no label column {label_column!r}; its columns are {', '.join(ds.column_names)}"
+        )
     cols = detect_columns(ds, name, text_column, None)
     if cols.kind != "text":
         raise ValueError(f"classification data {name!r} needs a text column, not chat messages")

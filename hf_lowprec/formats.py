@@ -27,12 +27,24 @@ _EPS = 1e-12  # smallest amax considered non-zero (same as torchao.float8.float8
 
 NF4_LEVELS = torch.tensor(
     [
-        -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-        -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-        0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-        0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
     ]
-)  # fmt: skip
+)
 """The 16 NormalFloat-4 levels published with QLoRA (Dettmers et al., 2023, appendix E)."""
 
 FAMILIES = ("fp32", "bf16", "fp8", "int8", "int4", "nf4")
@@ -40,9 +52,20 @@ HIGH_PRECISION = ("fp32", "bf16")
 FP8_GRANULARITIES = {"": "tensor", "tensorwise": "tensor", "rowwise": "row", "block": "block"}
 BLOCK = 128  # DeepSeek-V3 / TransformerEngine Float8BlockScaling: 1x128 activations, 128x128 weights
 EXAMPLE_NAMES = (
-    "fp32", "bf16", "fp8", "fp8-rowwise", "fp8-block", "int8", "int4", "int4-g32", "int4-g64",
-    "int4-g128", "int4-g64-asym", "int4-g64-a8", "nf4-g64",
-)  # fmt: skip
+    "fp32",
+    "bf16",
+    "fp8",
+    "fp8-rowwise",
+    "fp8-block",
+    "int8",
+    "int4",
+    "int4-g32",
+    "int4-g64",
+    "int4-g128",
+    "int4-g64-asym",
+    "int4-g64-a8",
+    "nf4-g64",
+)
 _NAME_RE = re.compile(
     r"^(?P<family>fp32|bf16|fp8|int8|int4|nf4)"
     r"(?:-(?P<fp8g>tensorwise|rowwise|block))?"
@@ -76,9 +99,13 @@ class FormatSpec:
         if self.family not in FAMILIES:
             raise ValueError(f"unknown format family {self.family!r}; choose one of {', '.join(FAMILIES)}")
         allowed = {
-            "fp32": ("none",), "bf16": ("none",), "fp8": ("tensor", "row", "block"),
-            "int8": ("channel", "group"), "int4": ("channel", "group"), "nf4": ("group",),
-        }[self.family]  # fmt: skip
+            "fp32": ("none",),
+            "bf16": ("none",),
+            "fp8": ("tensor", "row", "block"),
+            "int8": ("channel", "group"),
+            "int4": ("channel", "group"),
+            "nf4": ("group",),
+        }[self.family]
         if self.granularity not in allowed:
             raise ValueError(
                 f"format {self.family}: granularity {self.granularity!r} not allowed; choose one of {allowed}"

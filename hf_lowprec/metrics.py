@@ -41,9 +41,14 @@ def _autocast(dtype: torch.dtype | None, device: torch.device):
 
 @torch.no_grad()
 def causal_lm_loss(
-    model: nn.Module, dataset, collator, *, batch_size: int = 4, autocast_dtype: torch.dtype | None = None,
+    model: nn.Module,
+    dataset,
+    collator,
+    *,
+    batch_size: int = 4,
+    autocast_dtype: torch.dtype | None = None,
     on_batch: Callable[[int], None] | None = None,
-) -> dict:  # fmt: skip
+) -> dict:
     """Token-weighted mean next-token loss over ``dataset`` (rows with ``input_ids``/``labels``).
 
     Returns ``{"loss", "perplexity", "tokens"}``; ``on_batch(rows)`` is called after every batch.
@@ -91,7 +96,15 @@ def classification_accuracy(model: nn.Module, dataset, collator, *, batch_size: 
 
         metric = evaluate.load("accuracy")
         accuracy, source = metric.compute(predictions=predictions, references=references)["accuracy"], "evaluate"
-    except Exception as e:  # evaluate fetches the metric from the Hub; offline it raises FileNotFoundError/ConnectionError
-        logger.warning("evaluate.load('accuracy') is unavailable (%s); counting correct predictions directly", str(e).splitlines()[0])
-        accuracy, source = sum(p == r for p, r in zip(predictions, references)) / max(len(references), 1), "direct count"
+    except (
+        Exception
+    ) as e:  # evaluate fetches the metric from the Hub; offline it raises FileNotFoundError/ConnectionError
+        logger.warning(
+            "evaluate.load('accuracy') is unavailable (%s); counting correct predictions directly",
+            str(e).splitlines()[0],
+        )
+        accuracy, source = (
+            sum(p == r for p, r in zip(predictions, references)) / max(len(references), 1),
+            "direct count",
+        )
     return {"accuracy": float(accuracy), "rows": len(references), "metric_source": source}

@@ -86,10 +86,14 @@ class PrecisionPlan:
         """Build from ``{"default": ..., "layers": {...}, "model": ...}``; ``source`` names the origin in errors."""
         where = f"{source}: " if source else ""
         if not isinstance(data, Mapping):
-            raise ValueError(f"{where}a plan must be a mapping with keys {', '.join(PLAN_KEYS)}, got {type(data).__name__}")
+            raise ValueError(
+                f"{where}a plan must be a mapping with keys {', '.join(PLAN_KEYS)}, got {type(data).__name__}"
+            )
         unknown = sorted(set(data) - set(PLAN_KEYS))
         if unknown:
-            raise ValueError(f"{where}unknown plan key(s) {', '.join(map(repr, unknown))}; allowed keys are {', '.join(PLAN_KEYS)}")
+            raise ValueError(
+                f"{where}unknown plan key(s) {', '.join(map(repr, unknown))}; allowed keys are {', '.join(PLAN_KEYS)}"
+            )
         layers = data.get("layers") or {}
         if not isinstance(layers, Mapping):
             raise ValueError(f"{where}'layers' must map layer names to formats, got {type(layers).__name__}")
@@ -109,7 +113,9 @@ class PrecisionPlan:
             data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         except (json.JSONDecodeError, yaml.YAMLError) as e:
             first = str(e).splitlines()[0]
-            raise ValueError(f"plan file {str(path)!r} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {first}") from None
+            raise ValueError(
+                f"plan file {str(path)!r} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {first}"
+            ) from None
         return cls.from_dict(data, source=f"plan file {str(path)!r}")
 
     def to_dict(self) -> dict:
@@ -154,7 +160,9 @@ class PrecisionPlan:
             elif key not in layers:
                 found = _find_module(source, key)
                 if found is not None:
-                    raise ValueError(f"plan entry {key!r} is a {type(found).__name__}; only nn.Linear and nn.Embedding layers can change format")
+                    raise ValueError(
+                        f"plan entry {key!r} is a {type(found).__name__}; only nn.Linear and nn.Embedding layers can change format"
+                    )
                 close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
                 hint = f"; close matches: {', '.join(close)}" if close else ""
                 raise ValueError(f"plan entry {key!r} is not a layer of this model{hint}")
@@ -203,7 +211,9 @@ class PrecisionPlan:
         """A plain-text table of :meth:`summary` (the CLI renders the same rows with rich)."""
         lines = [f"{'format':<16}{'layers':>8}{'params':>14}{'fraction':>10}{'MB':>10}"]
         for r in self.summary(model):
-            lines.append(f"{r['format']:<16}{r['layers']:>8}{r['params']:>14,}{r['fraction']:>10.1%}{r['bytes'] / 1e6:>10.2f}")
+            lines.append(
+                f"{r['format']:<16}{r['layers']:>8}{r['params']:>14,}{r['fraction']:>10.1%}{r['bytes'] / 1e6:>10.2f}"
+            )
         return "\n".join(lines)
 
 
@@ -242,7 +252,12 @@ def resolve_plan(plan, keep: tuple[str, ...] = ()) -> PrecisionPlan:
     holding ``hf_lowprec_plan.json`` (a checkpoint or an export); a format name: every ``nn.Linear`` in that format
     except ``keep`` (names or patterns left in high precision; for format names only).
     """
-    if isinstance(plan, FormatSpec) or isinstance(plan, str) and Path(plan).suffix not in (".json", ".yaml", ".yml") and not Path(plan).is_dir():
+    if (
+        isinstance(plan, FormatSpec)
+        or isinstance(plan, str)
+        and Path(plan).suffix not in (".json", ".yaml", ".yml")
+        and not Path(plan).is_dir()
+    ):
         try:
             return PrecisionPlan.uniform(FormatSpec.parse(plan), keep=tuple(keep))
         except ValueError as e:
@@ -260,4 +275,6 @@ def resolve_plan(plan, keep: tuple[str, ...] = ()) -> PrecisionPlan:
                 raise ValueError(f"plan folder {str(plan)!r} holds no {PLAN_FILE}")
             path = path / PLAN_FILE
         return PrecisionPlan.load(path)
-    raise ValueError(f"plan must be a PrecisionPlan, a dict, a .json/.yaml path, a plan folder or a format name, got {type(plan).__name__}")
+    raise ValueError(
+        f"plan must be a PrecisionPlan, a dict, a .json/.yaml path, a plan folder or a format name, got {type(plan).__name__}"
+    )

@@ -116,8 +116,15 @@ class TrainingSection:
     seed: int = 0
 
     def __post_init__(self):
-        for key in ("max_steps", "batch_size", "gradient_accumulation_steps", "block_size", "save_steps",
-                    "logging_steps", "eval_blocks"):  # fmt: skip
+        for key in (
+            "max_steps",
+            "batch_size",
+            "gradient_accumulation_steps",
+            "block_size",
+            "save_steps",
+            "logging_steps",
+            "eval_blocks",
+        ):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key!r} must be >= 1, got {getattr(self, key)}")
         if self.learning_rate <= 0:
@@ -174,12 +181,18 @@ class Recipe:
     def __post_init__(self):
         fixed_format = not (self.precision.is_auto or self.precision.is_file)
         if self.method == "int4-lora" and fixed_format and FormatSpec.parse(self.precision.plan).family == "fp8":
-            raise ValueError(f"method 'int4-lora' keeps its frozen base in an integer format, not {self.precision.plan!r}")
+            raise ValueError(
+                f"method 'int4-lora' keeps its frozen base in an integer format, not {self.precision.plan!r}"
+            )
         if self.training.activation_storage != "none" and self.method != "int4-lora":
-            raise ValueError(f"training.activation_storage {self.training.activation_storage!r} applies to method 'int4-lora'; use 'none'")
+            raise ValueError(
+                f"training.activation_storage {self.training.activation_storage!r} applies to method 'int4-lora'; use 'none'"
+            )
         floating = [f for f in self.precision.formats if FormatSpec.parse(f).family not in ("int4", "int8")]
         if self.method == "int4-lora" and self.precision.is_auto and floating:
-            raise ValueError(f"method 'int4-lora' with plan 'auto' chooses among int4/int8 formats (e.g. int4-g64-asym, int8), not {floating}")
+            raise ValueError(
+                f"method 'int4-lora' with plan 'auto' chooses among int4/int8 formats (e.g. int4-g64-asym, int8), not {floating}"
+            )
 
     @property
     def summary(self) -> str:
@@ -220,12 +233,16 @@ class Recipe:
             if leaf not in node:
                 raise ValueError(f"{source}: unknown recipe key {key!r}; allowed keys are {', '.join(node)}")
             node[leaf] = list(value) if isinstance(value, tuple) else value
-        return dataclasses.replace(_build(Recipe, data, "", f"{self.source or self.name} + {source}"), source=self.source)
+        return dataclasses.replace(
+            _build(Recipe, data, "", f"{self.source or self.name} + {source}"), source=self.source
+        )
 
 
 def _plain(value):
     if dataclasses.is_dataclass(value):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if not f.metadata.get("internal")}
+        return {
+            f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if not f.metadata.get("internal")
+        }
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
     if isinstance(value, Mapping):
@@ -245,7 +262,9 @@ def _build(cls, data, prefix: str, source: str):
     fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
     unknown = [k for k in data if k not in fields]
     if unknown:
-        raise ValueError(f"{where}: unknown key {prefix + str(unknown[0])!r}; allowed keys in {section} are {', '.join(fields)}")
+        raise ValueError(
+            f"{where}: unknown key {prefix + str(unknown[0])!r}; allowed keys in {section} are {', '.join(fields)}"
+        )
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in data.items():
@@ -315,13 +334,17 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
             raise ValueError(f"recipe file {text_source!r} does not exist")
         text, source = path.read_text(), text_source
     else:
-        raise ValueError(f"unknown recipe {text_source!r}; built-in recipes are {', '.join(sorted(packaged))} (or pass a .yaml file)")
+        raise ValueError(
+            f"unknown recipe {text_source!r}; built-in recipes are {', '.join(sorted(packaged))} (or pass a .yaml file)"
+        )
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ValueError(f"recipe {source!r} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, Mapping):
-        raise ValueError(f"recipe {source!r} must be a YAML mapping with keys {', '.join(f.name for f in dataclasses.fields(Recipe) if f.name != 'source')}")
+        raise ValueError(
+            f"recipe {source!r} must be a YAML mapping with keys {', '.join(f.name for f in dataclasses.fields(Recipe) if f.name != 'source')}"
+        )
     if "name" not in data:
         data = {"name": Path(source).stem, **data}
     return Recipe.from_dict(data, source=source)

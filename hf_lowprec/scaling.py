@@ -101,7 +101,9 @@ class ScalePolicy(nn.Module):
         """This cast's (saturated, underflow) fractions as fp32 scalars; added to the telemetry buffers
         when ``used`` (a bool tensor keeps this free of host syncs)."""
         full = expand_scale(scale, x.shape, block) if block is not None else scale
-        limit = FP8_MAX[q.dtype] * (1 + 2**-20) / full  # the amax itself maps to FP8_MAX up to fp32 rounding: not clipped
+        limit = (
+            FP8_MAX[q.dtype] * (1 + 2**-20) / full
+        )  # the amax itself maps to FP8_MAX up to fp32 rounding: not clipped
         saturated = (x.abs().float() > limit).sum()
         underflow = ((q.view(torch.uint8) & 0x7F) == 0).logical_and_(x != 0).sum()
         used = torch.as_tensor(used).long()
@@ -139,7 +141,9 @@ class DelayedScaling(ScalePolicy):
     (headroom, as in TransformerEngine). Tensorwise scales only: per-token amaxes have no history.
     """
 
-    def __init__(self, history_len: int = 16, reduction: str = "max", margin: int = 0, power_of_two: bool = False, **kwargs):
+    def __init__(
+        self, history_len: int = 16, reduction: str = "max", margin: int = 0, power_of_two: bool = False, **kwargs
+    ):
         super().__init__(power_of_two, **kwargs)
         if history_len < 1:
             raise ValueError(f"history_len must be >= 1, got {history_len}")
@@ -167,7 +171,9 @@ class DelayedScaling(ScalePolicy):
         return fp8_scale(reference, dtype, self.power_of_two) / 2.0**self.margin
 
     def extra_repr(self) -> str:
-        return f"history_len={self.history_len}, reduction={self.reduction}, margin={self.margin}, {super().extra_repr()}"
+        return (
+            f"history_len={self.history_len}, reduction={self.reduction}, margin={self.margin}, {super().extra_repr()}"
+        )
 
 
 class GradientScaling(ScalePolicy):
@@ -200,11 +206,22 @@ class GradientScaling(ScalePolicy):
     observes = True
 
     def __init__(
-        self, statistic: str = "ema", ema_decay: float = 0.9, history_len: int = 16, percentile: float = 50.0,
-        spike_threshold: float = 8.0, spike_action: str = "rescale", warmup: int = 2, saturation_tol: float = 1e-3,
-        underflow_tol: float = 1e-2, growth_interval: int = 4, max_adjust: int = 4, power_of_two: bool = True,
-        telemetry: bool = True, sync: bool = False,
-    ):  # fmt: skip
+        self,
+        statistic: str = "ema",
+        ema_decay: float = 0.9,
+        history_len: int = 16,
+        percentile: float = 50.0,
+        spike_threshold: float = 8.0,
+        spike_action: str = "rescale",
+        warmup: int = 2,
+        saturation_tol: float = 1e-3,
+        underflow_tol: float = 1e-2,
+        growth_interval: int = 4,
+        max_adjust: int = 4,
+        power_of_two: bool = True,
+        telemetry: bool = True,
+        sync: bool = False,
+    ):
         if not telemetry:
             raise ValueError("GradientScaling needs telemetry=True: its scale adjustments read the saturation counts")
         super().__init__(power_of_two, telemetry=True, sync=sync)
@@ -255,7 +272,9 @@ class GradientScaling(ScalePolicy):
         sample = torch.where(warm, torch.minimum(a, self.spike_threshold * ref), a)
         record = a > 0
         if self.statistic == "ema":
-            ema = torch.where(self.recorded == 0, sample, self.ema_decay * self.running_amax + (1 - self.ema_decay) * sample)
+            ema = torch.where(
+                self.recorded == 0, sample, self.ema_decay * self.running_amax + (1 - self.ema_decay) * sample
+            )
             self.running_amax.copy_(torch.where(record, ema, self.running_amax))
         else:
             slot = self.recorded % self.amax_history.numel()
@@ -316,7 +335,9 @@ def make_policy(name: str, **kwargs) -> ScalePolicy:
     cls = POLICIES[name]
     unknown = set(kwargs) - _options_of(cls)
     if unknown:
-        raise ValueError(f"scale policy {name!r}: unknown options {sorted(unknown)}; allowed: {sorted(_options_of(cls))}")
+        raise ValueError(
+            f"scale policy {name!r}: unknown options {sorted(unknown)}; allowed: {sorted(_options_of(cls))}"
+        )
     return cls(**kwargs)
 
 
@@ -361,12 +382,18 @@ class PolicyFactory:
         return DynamicScaling(pow2, **common)
 
     def to_dict(self) -> dict:
-        return {"scaler": self.scaler, "options": dict(self.options), "telemetry": self.telemetry, "sync": self.sync,
-                "power_of_two": self.power_of_two}  # fmt: skip
+        return {
+            "scaler": self.scaler,
+            "options": dict(self.options),
+            "telemetry": self.telemetry,
+            "sync": self.sync,
+            "power_of_two": self.power_of_two,
+        }
 
 
-def make_policy_factory(scaler: str = "dynamic", *, telemetry: bool = True, sync: bool = False,
-                        power_of_two: bool | None = None, **options) -> PolicyFactory:  # fmt: skip
+def make_policy_factory(
+    scaler: str = "dynamic", *, telemetry: bool = True, sync: bool = False, power_of_two: bool | None = None, **options
+) -> PolicyFactory:
     """The ``policy_factory`` for ``apply_plan``: e.g. ``make_policy_factory("gradient", spike_action="skip", sync=True)``."""
     return PolicyFactory(scaler, dict(options), telemetry, sync, power_of_two)
 
@@ -384,8 +411,15 @@ class DynamicLossScaler(torch.amp.GradScaler):
     weights under ``torch.autocast(..., dtype=torch.float16)``: torch refuses to unscale fp16 gradients.
     """
 
-    def __init__(self, device: str = "cpu", init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        device: str = "cpu",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ):
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self.steps_skipped = 0
 
@@ -410,4 +444,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     def telemetry(self) -> dict[str, float]:
         """``lowprec/loss_scale`` and ``lowprec/loss_scale_steps_skipped``."""
-        return {f"{TELEMETRY_PREFIX}loss_scale": self.get_scale(), f"{TELEMETRY_PREFIX}loss_scale_steps_skipped": float(self.steps_skipped)}
+        return {
+            f"{TELEMETRY_PREFIX}loss_scale": self.get_scale(),
+            f"{TELEMETRY_PREFIX}loss_scale_steps_skipped": float(self.steps_skipped),
+        }

@@ -19,9 +19,17 @@ The run record is a JSON dict: ``name``, ``base_model`` (hub id or None), ``base
 import importlib
 
 _LAZY = {  # name -> module; loaded on first use, so that ondevice may import export.records without a circle
-    "CARD_FILE": "records", "PLAN_FILE": "records", "RUN_FILE": "records", "hardware_info": "records", "read_run": "records",
-    "render_model_card": "card", "export_model": "folder", "export_run": "folder", "load_exported": "folder", "push": "publish",
-}  # fmt: skip
+    "CARD_FILE": "records",
+    "PLAN_FILE": "records",
+    "RUN_FILE": "records",
+    "hardware_info": "records",
+    "read_run": "records",
+    "render_model_card": "card",
+    "export_model": "folder",
+    "export_run": "folder",
+    "load_exported": "folder",
+    "push": "publish",
+}
 __all__ = sorted(_LAZY)
 
 

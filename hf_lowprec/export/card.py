@@ -1,5 +1,4 @@
-"""The model card of an exported run: YAML metadata (``ModelCardData``) and the shipped Jinja template.
-"""
+"""The model card of an exported run: YAML metadata (``ModelCardData``) and the shipped Jinja template."""
 
 from __future__ import annotations
 
@@ -36,11 +35,16 @@ def _tags(run: Mapping) -> list[str]:
 def _eval_results(run: Mapping, model_name: str) -> list[EvalResult]:
     out = []
     for row in run.get("eval", []):
-        out.append(EvalResult(
-            task_type=TASK_TYPES.get(row["metric"], "text-generation"), dataset_type=row["dataset"],
-            dataset_name=row["dataset"], dataset_split=row.get("split"), metric_type=row["metric"],
-            metric_value=row["value"],
-        ))  # fmt: skip
+        out.append(
+            EvalResult(
+                task_type=TASK_TYPES.get(row["metric"], "text-generation"),
+                dataset_type=row["dataset"],
+                dataset_name=row["dataset"],
+                dataset_split=row.get("split"),
+                metric_type=row["metric"],
+                metric_value=row["value"],
+            )
+        )
     return out
 
 
@@ -55,10 +59,15 @@ def render_model_card(run: Mapping, repo_id: str | None = None) -> ModelCard:
     eval_rows = list(run.get("eval", []))
     datasets = [run["dataset"]] if run.get("dataset") else None
     card_data = ModelCardData(
-        base_model=base_model, library_name=run.get("export", {}).get("library_name", "transformers"),
-        tags=_tags(run), datasets=datasets, metrics=sorted({r["metric"] for r in eval_rows}) or None,
-        pipeline_tag="text-generation", model_name=model_name, eval_results=_eval_results(run, model_name) or None,
-    )  # fmt: skip
+        base_model=base_model,
+        library_name=run.get("export", {}).get("library_name", "transformers"),
+        tags=_tags(run),
+        datasets=datasets,
+        metrics=sorted({r["metric"] for r in eval_rows}) or None,
+        pipeline_tag="text-generation",
+        model_name=model_name,
+        eval_results=_eval_results(run, model_name) or None,
+    )
     template = shipped_folder("model_cards").joinpath(TEMPLATE).read_text()
     fractions = ", ".join(f"{100 * r['fraction']:.1f}% {r['format']}" for r in run.get("plan_rows", []))
     return ModelCard.from_template(
@@ -90,9 +99,13 @@ def render_model_card(run: Mapping, repo_id: str | None = None) -> ModelCard:
 
 
 def _limitations(run: Mapping) -> str:
-    text = ("Low-precision training changes the numerics of the layers in the plan; check the evaluation above on "
-            "your own data before relying on the model.")  # fmt: skip
-    if any(r["format"].startswith("fp8") for r in run.get("plan_rows", [])) and not run.get("hardware", {}).get("fp8_tensor_cores"):
+    text = (
+        "Low-precision training changes the numerics of the layers in the plan; check the evaluation above on "
+        "your own data before relying on the model."
+    )
+    if any(r["format"].startswith("fp8") for r in run.get("plan_rows", [])) and not run.get("hardware", {}).get(
+        "fp8_tensor_cores"
+    ):
         text += " The FP8 layers ran emulated FP8 numerics (this hardware has no FP8 tensor cores): same numbers, slower steps."
     return text
 

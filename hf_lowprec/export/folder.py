@@ -1,5 +1,4 @@
-"""Exporting a trained model as a loadable folder (master weights, packed INT4, or INT4 base + LoRA) and loading one.
-"""
+"""Exporting a trained model as a loadable folder (master weights, packed INT4, or INT4 base + LoRA) and loading one."""
 
 from __future__ import annotations
 
@@ -28,10 +27,18 @@ EXPORT_WEIGHTS = ("master", "int4-packed")
 
 
 def export_model(
-    model: nn.Module, tokenizer, out: str | os.PathLike, run: Mapping, *, weights: str = "master", merge: bool = False,
-    merged_dtype: str | None = None, overwrite: bool = False, repo_id: str | None = None,
+    model: nn.Module,
+    tokenizer,
+    out: str | os.PathLike,
+    run: Mapping,
+    *,
+    weights: str = "master",
+    merge: bool = False,
+    merged_dtype: str | None = None,
+    overwrite: bool = False,
+    repo_id: str | None = None,
     extra_files: Mapping[str, str | bytes] | None = None,
-) -> Path:  # fmt: skip
+) -> Path:
     """Write ``model`` (its plan applied) as a publishable folder at ``out``, atomically; returns ``out``.
 
     ``weights``: ``master`` (plain high-precision weights; FP8/INT4 layers reverted on a copy) or
@@ -59,14 +66,26 @@ def export_model(
         copy_ = copy.deepcopy(model)
         if weights == "int4-packed":
             if freeze(copy_) == 0:
-                raise ValueError("export weights 'int4-packed' needs int4 (or per-channel int8) layers in the plan; this model has none (export 'master')")
+                raise ValueError(
+                    "export weights 'int4-packed' needs int4 (or per-channel int8) layers in the plan; this model has none (export 'master')"
+                )
             revert(copy_)  # FP8 / other layers back to plain layers with their master weights
-            run["export"] = {"weights": weights, "loader": "hf_lowprec", "library_name": "hf-lowprec", "dtype": _dtype_name(copy_),
-                             "description": f"{_packed_layers(copy_)} with their learned steps"}  # fmt: skip
+            run["export"] = {
+                "weights": weights,
+                "loader": "hf_lowprec",
+                "library_name": "hf-lowprec",
+                "dtype": _dtype_name(copy_),
+                "description": f"{_packed_layers(copy_)} with their learned steps",
+            }
         else:
             revert(copy_)
-            run["export"] = {"weights": weights, "loader": "transformers", "library_name": "transformers", "dtype": _dtype_name(copy_),
-                             "description": "high-precision master weights"}  # fmt: skip
+            run["export"] = {
+                "weights": weights,
+                "loader": "transformers",
+                "library_name": "transformers",
+                "dtype": _dtype_name(copy_),
+                "description": "high-precision master weights",
+            }
         copy_.save_pretrained(tmp)
         if weights == "int4-packed":
             _mark_packed(copy_.config, plan, tmp)
@@ -92,8 +111,9 @@ def _packed_layers(model: nn.Module) -> str:
     return f"{n4} layers as packed INT4 codes (two per byte)" + (f", {n8} as int8 codes" if n8 else "")
 
 
-def _export_lora(model, tokenizer, out: Path, run: dict, merge: bool, merged_dtype: str | None, overwrite: bool, repo_id,
-                 extra_files) -> Path:  # fmt: skip
+def _export_lora(
+    model, tokenizer, out: Path, run: dict, merge: bool, merged_dtype: str | None, overwrite: bool, repo_id, extra_files
+) -> Path:
     """Packed INT4 base + LoRA adapters (or merged) through ``finetune.export_int4_lora``, then the record and card."""
     if merged_dtype is not None and merged_dtype not in MERGE_DTYPES:
         raise ValueError(f"merged dtype {merged_dtype!r}: choose one of {', '.join(MERGE_DTYPES)}")
@@ -101,23 +121,41 @@ def _export_lora(model, tokenizer, out: Path, run: dict, merge: bool, merged_dty
         raise ValueError("a merged dtype applies to --merge")
     packed = _packed_layers(model)
     if merged_dtype is not None:
-        run["export"] = {"weights": "dense", "loader": "transformers", "library_name": "transformers",
-                         "dtype": str(MERGE_DTYPES[merged_dtype]).removeprefix("torch."),
-                         "description": f"LoRA merged into a dense {merged_dtype} model: {packed} dequantized plus their adapter "
-                                        "deltas, rounded once"}  # fmt: skip
+        run["export"] = {
+            "weights": "dense",
+            "loader": "transformers",
+            "library_name": "transformers",
+            "dtype": str(MERGE_DTYPES[merged_dtype]).removeprefix("torch."),
+            "description": f"LoRA merged into a dense {merged_dtype} model: {packed} dequantized plus their adapter "
+            "deltas, rounded once",
+        }
         run.pop("adapter", None)
     elif merge:
-        run["export"] = {"weights": "int4-packed", "loader": "hf_lowprec", "library_name": "hf-lowprec", "dtype": _dtype_name(model),
-                         "description": f"{packed}, LoRA merged in and re-quantized (error in {MERGE_FILE})"}  # fmt: skip
+        run["export"] = {
+            "weights": "int4-packed",
+            "loader": "hf_lowprec",
+            "library_name": "hf-lowprec",
+            "dtype": _dtype_name(model),
+            "description": f"{packed}, LoRA merged in and re-quantized (error in {MERGE_FILE})",
+        }
         run.pop("adapter", None)
     else:
-        run["export"] = {"weights": "int4-packed", "loader": "hf_lowprec", "library_name": "hf-lowprec", "dtype": _dtype_name(model),
-                         "description": f"base: {packed}, plus LoRA adapters in PEFT format"}  # fmt: skip
-        run["adapter"] = {**run.get("adapter", {}), "folder": f"{ADAPTER_DIR}/",
-                          "note": "load_exported applies them; `hf-lowprec export --merge` folds them into the INT4 base"}  # fmt: skip
+        run["export"] = {
+            "weights": "int4-packed",
+            "loader": "hf_lowprec",
+            "library_name": "hf-lowprec",
+            "dtype": _dtype_name(model),
+            "description": f"base: {packed}, plus LoRA adapters in PEFT format",
+        }
+        run["adapter"] = {
+            **run.get("adapter", {}),
+            "folder": f"{ADAPTER_DIR}/",
+            "note": "load_exported applies them; `hf-lowprec export --merge` folds them into the INT4 base",
+        }
     with atomic_output_dir(out, overwrite) as tmp:
-        export_int4_lora(model, tmp, merge=merge, merged_dtype=MERGE_DTYPES.get(merged_dtype), tokenizer=tokenizer,
-                         overwrite=True)  # tmp is empty: written in place  # fmt: skip
+        export_int4_lora(
+            model, tmp, merge=merge, merged_dtype=MERGE_DTYPES.get(merged_dtype), tokenizer=tokenizer, overwrite=True
+        )  # tmp is empty: written in place
         if merge and merged_dtype is None:
             run["merge"] = json.loads((tmp / MERGE_FILE).read_text())["summary"]
         write_record(tmp, run, repo_id, extra_files)
@@ -128,8 +166,15 @@ def _dtype_name(model: nn.Module) -> str:
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
-def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False, repo_id: str | None = None,
-               merge: bool = False, merged_dtype: str | None = None) -> Path:  # fmt: skip
+def export_run(
+    run_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    repo_id: str | None = None,
+    merge: bool = False,
+    merged_dtype: str | None = None,
+) -> Path:
     """Copy a finetune run folder's publishable files (weights, tokenizer, plan, record) to ``out`` and re-render its card.
 
     ``merge``: load the run's INT4 base + LoRA adapters and write them merged (re-quantized) instead;
@@ -139,10 +184,21 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, overwrite:
     run = read_run(run_dir)
     if merge:
         if not run.get("adapter"):
-            raise ValueError(f"--merge: {str(run_dir)!r} has no LoRA adapters to merge (recipe method {run.get('recipe', {}).get('method')!r})")
+            raise ValueError(
+                f"--merge: {str(run_dir)!r} has no LoRA adapters to merge (recipe method {run.get('recipe', {}).get('method')!r})"
+            )
         model, tokenizer = load_exported(run_dir)
-        return export_model(model, tokenizer, out, run, weights="int4-packed", merge=True, merged_dtype=merged_dtype, overwrite=overwrite,
-                            repo_id=repo_id)  # fmt: skip
+        return export_model(
+            model,
+            tokenizer,
+            out,
+            run,
+            weights="int4-packed",
+            merge=True,
+            merged_dtype=merged_dtype,
+            overwrite=overwrite,
+            repo_id=repo_id,
+        )
     with atomic_output_dir(out, overwrite) as tmp:
         for item in run_dir.iterdir():
             if item.name in RUN_ONLY or item.name == CARD_FILE:
@@ -153,8 +209,13 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, overwrite:
 
 
 # -------------------------------------------------------------------------------------- load
-def load_exported(path_or_repo: str | os.PathLike, *, apply_plan_numerics: bool = False, dtype: torch.dtype | None = None,
-                  backend: str = "auto"):  # fmt: skip
+def load_exported(
+    path_or_repo: str | os.PathLike,
+    *,
+    apply_plan_numerics: bool = False,
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
+):
     """``(model, tokenizer)`` of an exported folder or Hub repo.
 
     ``master`` exports load as plain ``transformers`` models (fp32 unless ``dtype``); with
@@ -169,7 +230,9 @@ def load_exported(path_or_repo: str | os.PathLike, *, apply_plan_numerics: bool 
     run = read_run(folder)
     if run.get("export", {}).get("weights") == "int4-packed":
         if apply_plan_numerics:
-            raise ValueError("a packed INT4 export already computes with its quantized weights; apply_plan_numerics is for master exports")
+            raise ValueError(
+                "a packed INT4 export already computes with its quantized weights; apply_plan_numerics is for master exports"
+            )
         return load_int4_model(folder, dtype=dtype, backend=backend)
     model, tokenizer = load_pretrained(folder, dtype=dtype or torch.float32)
     if apply_plan_numerics:

@@ -1,5 +1,4 @@
-"""Publishing an exported folder to the Hugging Face Hub.
-"""
+"""Publishing an exported folder to the Hugging Face Hub."""
 
 from __future__ import annotations
 
@@ -13,7 +12,9 @@ from hf_lowprec.export.records import CARD_FILE, RUN_FILE, read_run
 from hf_lowprec.folders import atomic_write_text
 
 
-def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, create_pr: bool = False, token: str | None = None) -> str:
+def push(
+    folder: str | os.PathLike, repo_id: str, *, private: bool = False, create_pr: bool = False, token: str | None = None
+) -> str:
     """Create ``repo_id`` (if needed) and upload ``folder``; returns the commit or pull-request URL.
 
     The token comes from ``token``, else the usual places (``HF_TOKEN``, ``hf auth login``); it is sent
@@ -30,8 +31,12 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, crea
     api = HfApi(token=token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
-        info = api.upload_folder(folder_path=folder, repo_id=repo_id, create_pr=create_pr,
-                                 commit_message="Upload model trained with hf-lowprec")  # fmt: skip
+        info = api.upload_folder(
+            folder_path=folder,
+            repo_id=repo_id,
+            create_pr=create_pr,
+            commit_message="Upload model trained with hf-lowprec",
+        )
     except Exception as e:  # huggingface_hub raises HTTP, validation and connection errors
         message = str(e).replace(token, "***").strip().splitlines()
         raise ValueError(f"push to {repo_id!r} failed: {message[0] if message else type(e).__name__}") from None

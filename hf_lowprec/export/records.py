@@ -26,11 +26,21 @@ RUN_ONLY = ("checkpoints", "log_history.json")
 
 def hardware_info() -> dict:
     """What the run ran on: device, its name, CPU cores and capabilities, torch version, whether FP8 tensor cores exist."""
-    info = {"device": "cpu", "name": cpu_info().model, "cpu_cores": os.cpu_count(), "torch": torch.__version__,
-            "cpu": cpu_info().to_dict()}  # fmt: skip
+    info = {
+        "device": "cpu",
+        "name": cpu_info().model,
+        "cpu_cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "cpu": cpu_info().to_dict(),
+    }
     if torch.cuda.is_available():
         cap = torch.cuda.get_device_capability()
-        info.update(device="cuda", name=torch.cuda.get_device_name(), compute_capability=f"{cap[0]}.{cap[1]}", gpus=torch.cuda.device_count())
+        info.update(
+            device="cuda",
+            name=torch.cuda.get_device_name(),
+            compute_capability=f"{cap[0]}.{cap[1]}",
+            gpus=torch.cuda.device_count(),
+        )
         info["fp8_tensor_cores"] = cap >= (8, 9)
     else:
         info["fp8_tensor_cores"] = False
@@ -45,7 +55,9 @@ def plan_record(model: nn.Module, plan: PrecisionPlan) -> tuple[list[dict], list
     of their shape (no memory), so the figures are those of the layer before packing.
     """
     layers = {n: _dense_view(m) for n, m in eligible_layers(model).items()}
-    per_layer = [{"name": n, "format": spec.name, "params": layers[n].weight.numel()} for n, spec in plan.assign(layers).items()]
+    per_layer = [
+        {"name": n, "format": spec.name, "params": layers[n].weight.numel()} for n, spec in plan.assign(layers).items()
+    ]
     return per_layer, plan.summary(layers)
 
 
@@ -65,7 +77,9 @@ def read_run(folder: str | os.PathLike) -> dict:
     return json.loads(path.read_text())
 
 
-def write_record(folder: Path, run: Mapping, repo_id: str | None, extra_files: Mapping[str, str | bytes] | None) -> None:
+def write_record(
+    folder: Path, run: Mapping, repo_id: str | None, extra_files: Mapping[str, str | bytes] | None
+) -> None:
     """Run record, extra files and model card into ``folder`` (a temporary folder renamed into place as a whole)."""
     (folder / RUN_FILE).write_text(json.dumps(run, indent=2, default=str) + "\n")
     for name, data in (extra_files or {}).items():

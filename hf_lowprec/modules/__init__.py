@@ -35,4 +35,13 @@ def low_precision_layer(module: nn.Module, spec: FormatSpec, options: dict, quan
     return Int4Linear.from_linear(module, spec, learn, quantizer, learn_activation_scales=learn_act)
 
 
-__all__ = ["FP8Linear", "FP8Embedding", "Int4Linear", "Int4Embedding", "PackedInt4Linear", "PackedInt8Linear", "PackedLinear", "low_precision_layer"]
+__all__ = [
+    "FP8Linear",
+    "FP8Embedding",
+    "Int4Linear",
+    "Int4Embedding",
+    "PackedInt4Linear",
+    "PackedInt8Linear",
+    "PackedLinear",
+    "low_precision_layer",
+]

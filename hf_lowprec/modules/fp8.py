@@ -141,9 +141,18 @@ class FP8Linear(nn.Linear):
     """
 
     def __init__(
-        self, in_features, out_features, bias=True, *, spec: FormatSpec | str = "fp8", backend: str = "auto",
-        grad_dtype: torch.dtype = E5M2, policies: dict[str, ScalePolicy] | None = None, device=None, dtype=None,
-    ):  # fmt: skip
+        self,
+        in_features,
+        out_features,
+        bias=True,
+        *,
+        spec: FormatSpec | str = "fp8",
+        backend: str = "auto",
+        grad_dtype: torch.dtype = E5M2,
+        policies: dict[str, ScalePolicy] | None = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.spec = FormatSpec.parse(spec)
         if self.spec.family != "fp8":
@@ -156,7 +165,9 @@ class FP8Linear(nn.Linear):
         self.grad_dtype = grad_dtype
         pow2 = self.spec.granularity != "tensor"
         policies = dict(policies or {})
-        self.scaling = nn.ModuleDict({r: policies.pop(r, None) or DynamicScaling(power_of_two=pow2) for r in ("input", "weight", "grad")})
+        self.scaling = nn.ModuleDict(
+            {r: policies.pop(r, None) or DynamicScaling(power_of_two=pow2) for r in ("input", "weight", "grad")}
+        )
         if policies:
             raise ValueError(f"unknown scale policy roles {sorted(policies)}; choose from input, weight, grad")
         self._torchao_config = None
@@ -228,7 +239,16 @@ class FP8Embedding(nn.Embedding):
     to the high-precision table.
     """
 
-    def __init__(self, num_embeddings, embedding_dim, *, spec: FormatSpec | str = "fp8-rowwise", device=None, dtype=None, **kwargs):
+    def __init__(
+        self,
+        num_embeddings,
+        embedding_dim,
+        *,
+        spec: FormatSpec | str = "fp8-rowwise",
+        device=None,
+        dtype=None,
+        **kwargs,
+    ):
         super().__init__(num_embeddings, embedding_dim, device=device, dtype=dtype, **kwargs)
         self.spec = FormatSpec.parse(spec)
         if self.spec.family != "fp8":
@@ -238,9 +258,16 @@ class FP8Embedding(nn.Embedding):
     def from_embedding(cls, emb: nn.Embedding, spec: FormatSpec | str = "fp8-rowwise") -> "FP8Embedding":
         """Wrap an existing ``nn.Embedding``, keeping its ``weight`` Parameter."""
         new = cls(
-            emb.num_embeddings, emb.embedding_dim, spec=spec, padding_idx=emb.padding_idx, max_norm=emb.max_norm,
-            norm_type=emb.norm_type, scale_grad_by_freq=emb.scale_grad_by_freq, sparse=emb.sparse, device="meta",
-        )  # fmt: skip
+            emb.num_embeddings,
+            emb.embedding_dim,
+            spec=spec,
+            padding_idx=emb.padding_idx,
+            max_norm=emb.max_norm,
+            norm_type=emb.norm_type,
+            scale_grad_by_freq=emb.scale_grad_by_freq,
+            sparse=emb.sparse,
+            device="meta",
+        )
         new.weight = emb.weight
         return new
 

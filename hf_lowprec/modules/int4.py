@@ -43,23 +43,46 @@ class Int4Linear(nn.Linear):
     """
 
     def __init__(
-        self, in_features, out_features, bias=True, *, spec: FormatSpec | str = "int4-g64", learn_scales: bool = True,
-        quantizer: LearnedStepQuantizer | None = None, learn_activation_scales: bool = False, device=None, dtype=None,
-    ):  # fmt: skip
+        self,
+        in_features,
+        out_features,
+        bias=True,
+        *,
+        spec: FormatSpec | str = "int4-g64",
+        learn_scales: bool = True,
+        quantizer: LearnedStepQuantizer | None = None,
+        learn_activation_scales: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.spec = _check_spec(spec, "Int4Linear")
         if learn_activation_scales and not self.spec.act_int8:
-            raise ValueError(f"learn_activation_scales needs a format that quantizes activations (e.g. int4-g32-a8), not {self.spec.name!r}")
+            raise ValueError(
+                f"learn_activation_scales needs a format that quantizes activations (e.g. int4-g32-a8), not {self.spec.name!r}"
+            )
         self.input_quantizer = LearnedActivationQuantizer("int8") if learn_activation_scales else None
         if self.weight.device.type != "meta":
             self.weight_quantizer = quantizer or LearnedStepQuantizer(self.weight, self.spec, learn_scales)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, spec: FormatSpec | str = "int4-g64", learn_scales: bool = True,
-                    quantizer: LearnedStepQuantizer | None = None, learn_activation_scales: bool = False) -> "Int4Linear":  # fmt: skip
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        spec: FormatSpec | str = "int4-g64",
+        learn_scales: bool = True,
+        quantizer: LearnedStepQuantizer | None = None,
+        learn_activation_scales: bool = False,
+    ) -> "Int4Linear":
         """Wrap an existing ``nn.Linear``, keeping its ``weight``/``bias`` Parameter objects."""
-        new = cls(linear.in_features, linear.out_features, linear.bias is not None, spec=spec,
-                  learn_activation_scales=learn_activation_scales, device="meta")  # fmt: skip
+        new = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            spec=spec,
+            learn_activation_scales=learn_activation_scales,
+            device="meta",
+        )
         if new.input_quantizer is not None:
             new.input_quantizer.to(linear.weight.device)
         new.weight, new.bias = linear.weight, linear.bias
@@ -83,7 +106,9 @@ class Int4Linear(nn.Linear):
         """A frozen packed layer holding this layer's codes (int4 formats and per-channel ``int8``; see ``packed_class``)."""
         cls = packed_class(self.spec)
         if cls is None:
-            raise ValueError(f"freeze() packs int4 formats and per-channel symmetric int8 only; this layer is {self.spec.name}")
+            raise ValueError(
+                f"freeze() packs int4 formats and per-channel symmetric int8 only; this layer is {self.spec.name}"
+            )
         step, zero = self.weight_quantizer.steps(self.weight)
         codes = quantize_int(self.weight.detach(), self.spec, step, zero)
         return cls.from_codes(codes, step, zero, self.spec, self.bias, self.weight.dtype)
@@ -95,20 +120,34 @@ class Int4Linear(nn.Linear):
 class Int4Embedding(nn.Embedding):
     """``nn.Embedding`` whose table is fake-quantized per row in groups along the embedding dim."""
 
-    def __init__(self, num_embeddings, embedding_dim, *, spec: FormatSpec | str = "int4-g64", device=None, dtype=None, **kwargs):
+    def __init__(
+        self, num_embeddings, embedding_dim, *, spec: FormatSpec | str = "int4-g64", device=None, dtype=None, **kwargs
+    ):
         super().__init__(num_embeddings, embedding_dim, device=device, dtype=dtype, **kwargs)
         self.spec = _check_spec(spec, "Int4Embedding")
         if self.spec.act_int8:
             raise ValueError(f"an embedding has no activation input to quantize; drop '-a8' from {self.spec.name!r}")
 
     @classmethod
-    def from_embedding(cls, emb: nn.Embedding, spec: FormatSpec | str = "int4-g64", learn_scales: bool = True,
-                       quantizer: LearnedStepQuantizer | None = None) -> "Int4Embedding":  # fmt: skip
+    def from_embedding(
+        cls,
+        emb: nn.Embedding,
+        spec: FormatSpec | str = "int4-g64",
+        learn_scales: bool = True,
+        quantizer: LearnedStepQuantizer | None = None,
+    ) -> "Int4Embedding":
         """Wrap an existing ``nn.Embedding``, keeping its ``weight`` Parameter."""
         new = cls(
-            emb.num_embeddings, emb.embedding_dim, spec=spec, padding_idx=emb.padding_idx, max_norm=emb.max_norm,
-            norm_type=emb.norm_type, scale_grad_by_freq=emb.scale_grad_by_freq, sparse=emb.sparse, device="meta",
-        )  # fmt: skip
+            emb.num_embeddings,
+            emb.embedding_dim,
+            spec=spec,
+            padding_idx=emb.padding_idx,
+            max_norm=emb.max_norm,
+            norm_type=emb.norm_type,
+            scale_grad_by_freq=emb.scale_grad_by_freq,
+            sparse=emb.sparse,
+            device="meta",
+        )
         new.weight = emb.weight
         new.weight_quantizer = quantizer or LearnedStepQuantizer(emb.weight, new.spec, learn_scales)
         return new

@@ -40,12 +40,16 @@ class PackedLoraLinear(LoraLinear):
     def __init__(self, base_layer, adapter_name: str, config: LoraConfig, **kwargs):
         init = config.init_lora_weights
         if init not in SUPPORTED_INITS:
-            raise ValueError(f"init_lora_weights={init!r} is not supported on a packed base; choose one of {SUPPORTED_INITS}")
+            raise ValueError(
+                f"init_lora_weights={init!r} is not supported on a packed base; choose one of {SUPPORTED_INITS}"
+            )
         if config.lora_bias:
             raise ValueError("lora_bias=True is not supported on a packed base (it could not be merged into the codes)")
         variant = self.resolve_lora_variant(config=config)  # reads only the config and the class's variant table
         if variant is not None:
-            raise ValueError(f"LoRA variant {type(variant).__name__} (e.g. DoRA) is not supported on a packed base; use plain LoRA")
+            raise ValueError(
+                f"LoRA variant {type(variant).__name__} (e.g. DoRA) is not supported on a packed base; use plain LoRA"
+            )
         super().__init__(base_layer, adapter_name, config=config, **kwargs)
         self.merge_errors: list[dict] = []
 
@@ -83,8 +87,11 @@ class PackedLoraLinear(LoraLinear):
             raise ValueError(f"NaNs detected in the merged weights; adapters {adapter_names} seem to be broken")
         stats = base.requantize_(merged)
         err = (base.dequantized_weight(torch.float32) - merged).norm()
-        stats.update(adapters=list(adapter_names), delta_norm=delta.norm().item(),
-                     error_vs_delta=(err / delta.norm().clamp(min=1e-12)).item())  # fmt: skip
+        stats.update(
+            adapters=list(adapter_names),
+            delta_norm=delta.norm().item(),
+            error_vs_delta=(err / delta.norm().clamp(min=1e-12)).item(),
+        )
         self.merge_errors.append(stats)
         self.merged_adapters.extend(adapter_names)
 

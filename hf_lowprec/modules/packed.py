@@ -70,7 +70,9 @@ _logged: set[tuple[str, str]] = set()
 
 
 def _backend_reason(winner: str, seconds: dict[str, float]) -> str:
-    ranked = ", ".join(f"{name} {seconds[winner] / t:.2f}x" for name, t in sorted(seconds.items(), key=lambda kv: kv[1]))
+    ranked = ", ".join(
+        f"{name} {seconds[winner] / t:.2f}x" for name, t in sorted(seconds.items(), key=lambda kv: kv[1])
+    )
     return f"fastest measured here ({cpu_info().cpu_class}; speed relative to {winner}: {ranked})"
 
 
@@ -101,7 +103,9 @@ def _column_absmax_torch(x: torch.Tensor) -> torch.Tensor:
     return x.abs().amax(0).float()
 
 
-def _dequantize_torch(acc: torch.Tensor, row_step: torch.Tensor, col_step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_torch(
+    acc: torch.Tensor, row_step: torch.Tensor, col_step: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     return (acc.float() * row_step * col_step).to(dtype)
 
 
@@ -139,7 +143,9 @@ def column_absmax(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tor
     return amax if col_scale is None else amax * col_scale.float().abs()
 
 
-def dequantize_rows(codes: torch.Tensor, row_step: torch.Tensor, col_step: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_rows(
+    codes: torch.Tensor, row_step: torch.Tensor, col_step: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
     """``codes [M, C]`` (int32 products or int8 codes) times ``row_step [M, 1]`` (and ``col_step [C]``), in ``dtype``."""
     ext = _native(codes) if dtype in (torch.bfloat16, torch.float32) else None
     if ext is not None:
@@ -247,7 +253,13 @@ def _int8_rows(x2d: torch.Tensor, inverse: torch.Tensor | None, k: int):
     base, view = view_key(x2d)
     key = (view, k, None if inverse is None else id(inverse))
     hit = _last_rows[0]
-    if hit is not None and hit[0] == key and hit[1]() is base and hit[2] == base._version and (inverse is None or hit[4]() is inverse):
+    if (
+        hit is not None
+        and hit[0] == key
+        and hit[1]() is base
+        and hit[2] == base._version
+        and (inverse is None or hit[4]() is inverse)
+    ):
         return hit[3]
     if not k:
         result = (*quantize_rows(x2d, inverse), None, None)  # x / s, then int8 per row
@@ -290,8 +302,11 @@ def _int8_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Ten
     return dequantize_rows(torch._int_mm(gq, w8), g_step, layer.inverse_input_scale(), grad_out.dtype)
 
 
-KERNELS = {"int8": (_int8_forward, _int8_grad_input), "tiled": (_tiled_forward, _tiled_grad_input),
-           "dequant": (_dequant_forward, _dequant_grad_input)}  # fmt: skip
+KERNELS = {
+    "int8": (_int8_forward, _int8_grad_input),
+    "tiled": (_tiled_forward, _tiled_grad_input),
+    "dequant": (_dequant_forward, _dequant_grad_input),
+}
 """backend -> (forward(x2d, layer), grad_input(grad_out, layer)); none computes a weight gradient."""
 
 
@@ -324,8 +339,16 @@ class PackedLinear(nn.Module):
     BUFFERS = ("qweight", "step", "zero", "input_scale")  # what a state dict holds for the weight
     STORES = ""  # what the subclass stores, for error messages
 
-    def __init__(self, in_features: int, out_features: int, spec: FormatSpec | str, bias: bool = False,
-                 dtype: torch.dtype = torch.bfloat16, device=None, backend: str = "auto"):  # fmt: skip
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        spec: FormatSpec | str,
+        bias: bool = False,
+        dtype: torch.dtype = torch.bfloat16,
+        device=None,
+        backend: str = "auto",
+    ):
         super().__init__()
         self.spec = FormatSpec.parse(spec)
         self._check_spec(self.spec)
@@ -336,7 +359,9 @@ class PackedLinear(nn.Module):
         zero = None if self.spec.symmetric else torch.zeros(out_features, groups, dtype=dtype, device=device)
         self.register_buffer("zero", zero)
         self.register_buffer("input_scale", torch.ones(in_features, device=device))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
         self.backend = backend
         self.last_backend: str | None = None
         self.outlier_columns = OUTLIER_COLUMNS
@@ -363,8 +388,17 @@ class PackedLinear(nn.Module):
         self._backend = value
 
     @classmethod
-    def from_codes(cls, codes, step, zero, spec: FormatSpec, bias: torch.Tensor | None, dtype: torch.dtype,
-                   backend: str = "auto", input_scale: torch.Tensor | None = None):  # fmt: skip
+    def from_codes(
+        cls,
+        codes,
+        step,
+        zero,
+        spec: FormatSpec,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        backend: str = "auto",
+        input_scale: torch.Tensor | None = None,
+    ):
         """Store integer ``codes [N, K]`` (of ``W diag(input_scale)``) with their ``step``/``zero`` ``[N, G]``;
         steps kept in ``dtype``."""
         out_features, in_features = codes.shape
@@ -426,8 +460,16 @@ class PackedLinear(nn.Module):
             zero = None if self.zero is None else self.zero.float().contiguous()
             group = self.spec.group_size or self.in_features
             int4 = isinstance(self, PackedInt4Linear)
-            self._cache["tiled"] = (self.qweight.view(torch.uint8), self.step.float().contiguous(), zero,
-                                    self.inverse_input_scale(), self.in_features, group, self.spec.symmetric, int4)  # fmt: skip
+            self._cache["tiled"] = (
+                self.qweight.view(torch.uint8),
+                self.step.float().contiguous(),
+                zero,
+                self.inverse_input_scale(),
+                self.in_features,
+                group,
+                self.spec.symmetric,
+                int4,
+            )
         return self._cache["tiled"]
 
     @torch.no_grad()
@@ -438,7 +480,9 @@ class PackedLinear(nn.Module):
         Returns ``{"rel_error": ||Q(W) - W|| / ||W||}`` (Frobenius; fp32) so callers can report the loss.
         """
         if tuple(weight.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"requantize_: weight shape {tuple(weight.shape)} != ({self.out_features}, {self.in_features})")
+            raise ValueError(
+                f"requantize_: weight shape {tuple(weight.shape)} != ({self.out_features}, {self.in_features})"
+            )
         w = weight.detach().float()
         scaled = w * self.input_scale.float()
         step, zero = int_steps(scaled, self.spec)
@@ -456,7 +500,10 @@ class PackedLinear(nn.Module):
         ``dequant`` always can."""
         shape_ok, shape_reason = self.kernel_shape_supported()
         out = {}
-        for name, (ok, reason) in (("int8", int8_backend_available(x.device)), ("tiled", tiled_backend_available(x.device, x.dtype))):
+        for name, (ok, reason) in (
+            ("int8", int8_backend_available(x.device)),
+            ("tiled", tiled_backend_available(x.device, x.dtype)),
+        ):
             if ok and shape_ok:
                 out[name] = reason
         out["dequant"] = "dense weight dequantized per call" + (f" ({shape_reason})" if not shape_ok else "")
@@ -466,7 +513,11 @@ class PackedLinear(nn.Module):
         """The backend that runs for input ``x``: the one asked for, or for ``auto`` the fastest runnable one
         for this shape and dtype, measured once per machine (:mod:`hf_lowprec.modules.kernels.autotune`)."""
         if self.backend == "auto":
-            key = ("auto", x.device.type, x.dtype)  # resolved once per layer, device and dtype (the cache drops on .to())
+            key = (
+                "auto",
+                x.device.type,
+                x.dtype,
+            )  # resolved once per layer, device and dtype (the cache drops on .to())
             if key not in self._cache:
                 runnable = self.runnable_backends(x)
                 choice = self._autotune(x.device, x.dtype, runnable) if len(runnable) > 1 else None
@@ -475,10 +526,16 @@ class PackedLinear(nn.Module):
             return self._cache[key]
         runnable = self.runnable_backends(x)
         if self.backend not in runnable:
-            available = int8_backend_available(x.device) if self.backend == "int8" else tiled_backend_available(x.device, x.dtype)
+            available = (
+                int8_backend_available(x.device)
+                if self.backend == "int8"
+                else tiled_backend_available(x.device, x.dtype)
+            )
             reason = self.kernel_shape_supported()[1] or available[1]
-            raise ValueError(f"{type(self).__name__} backend {self.backend!r} cannot run here: {reason}; "
-                             f"use 'auto' or one of {', '.join(runnable)}")  # fmt: skip
+            raise ValueError(
+                f"{type(self).__name__} backend {self.backend!r} cannot run here: {reason}; "
+                f"use 'auto' or one of {', '.join(runnable)}"
+            )
         return self.backend
 
     def _autotune(self, device: torch.device, dtype: torch.dtype, runnable: dict[str, str]):
@@ -541,7 +598,10 @@ class PackedInt4Linear(PackedLinear):
         """``(step / r [N, G], r [N])`` fp32, with ``r[n] = max_k |grid_weight[n, k]| / 127``; cached until the buffers change."""
         if "ratio" not in self._cache:
             row_step = (self.grid_weight(torch.float32).abs().amax(-1) / _INT8_MAX).clamp(min=_EPS)
-            self._cache["ratio"], self._cache["row_step"] = (self.step.float() / row_step.unsqueeze(-1)).contiguous(), row_step
+            self._cache["ratio"], self._cache["row_step"] = (
+                (self.step.float() / row_step.unsqueeze(-1)).contiguous(),
+                row_step,
+            )
         return self._cache["ratio"], self._cache["row_step"]
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:

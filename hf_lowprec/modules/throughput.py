@@ -57,5 +57,7 @@ def kernel_throughput(m: int, k: int, n: int, repeats: int = 5, torch_int4: bool
     flops = 2.0 * m * k * n
     seconds = {name: time_call(call, repeats) for name, call in kernel_candidates(m, k, n, torch_int4).items()}
     fp32 = seconds["fp32"]
-    return {name: {"seconds": round(t, 6), "gflops": round(flops / t / 1e9, 2), "vs_fp32": round(fp32 / t, 3)}
-            for name, t in seconds.items()}  # fmt: skip
+    return {
+        name: {"seconds": round(t, 6), "gflops": round(flops / t / 1e9, 2), "vs_fp32": round(fp32 / t, 3)}
+        for name, t in seconds.items()
+    }

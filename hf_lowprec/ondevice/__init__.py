@@ -24,17 +24,38 @@ from hf_lowprec.ondevice.export import ADAPTER_DIR, MERGE_DTYPES, MERGE_FILE, ex
 from hf_lowprec.ondevice.loftq import loftq_factors
 from hf_lowprec.ondevice.loss import chunked_causal_lm_loss, cross_entropy_with_grad, evaluate_loss, token_blocks
 from hf_lowprec.ondevice.planning import (
-           AUTO_BUDGET,
-           AUTO_FORMATS,
-           DEFAULT_FORMAT,
-           int4_plan,
-           resolve_target_modules,
-           scan_int4_plan,
+    AUTO_BUDGET,
+    AUTO_FORMATS,
+    DEFAULT_FORMAT,
+    int4_plan,
+    resolve_target_modules,
+    scan_int4_plan,
 )
 from hf_lowprec.ondevice.prepare import load_int4_lora, prepare_int4_lora
 from hf_lowprec.ondevice.train import METRICS_FILE, FinetuneResult, backend_counts, finetune_int4_lora, peak_rss_mb
 
-__all__ = ["ADAPTER_DIR", "AUTO_BUDGET", "AUTO_FORMATS", "DEFAULT_FORMAT", "FinetuneResult", "MERGE_DTYPES", "MERGE_FILE",
-           "METRICS_FILE", "backend_counts", "chunked_causal_lm_loss", "cross_entropy_with_grad", "evaluate_loss", "export_int4_lora",
-           "finetune_int4_lora", "int4_plan", "load_int4_lora", "load_int4_model", "loftq_factors", "peak_rss_mb",
-           "prepare_int4_lora", "resolve_target_modules", "scan_int4_plan", "token_blocks"]
+__all__ = [
+    "ADAPTER_DIR",
+    "AUTO_BUDGET",
+    "AUTO_FORMATS",
+    "DEFAULT_FORMAT",
+    "FinetuneResult",
+    "MERGE_DTYPES",
+    "MERGE_FILE",
+    "METRICS_FILE",
+    "backend_counts",
+    "chunked_causal_lm_loss",
+    "cross_entropy_with_grad",
+    "evaluate_loss",
+    "export_int4_lora",
+    "finetune_int4_lora",
+    "int4_plan",
+    "load_int4_lora",
+    "load_int4_model",
+    "loftq_factors",
+    "peak_rss_mb",
+    "prepare_int4_lora",
+    "resolve_target_modules",
+    "scan_int4_plan",
+    "token_blocks",
+]

@@ -30,7 +30,9 @@ logger = logging.getLogger(__name__)
 
 MERGE_FILE = "hf_lowprec_merge.json"
 MERGE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # export --merge-into dense dtypes
-ADAPTER_DIR = "adapter"  # not the top folder: transformers would try to load adapters there itself, without the INT4 dispatch
+ADAPTER_DIR = (
+    "adapter"  # not the top folder: transformers would try to load adapters there itself, without the INT4 dispatch
+)
 
 
 def _adapterless_state(base: nn.Module) -> dict[str, torch.Tensor]:
@@ -79,8 +81,11 @@ def _packed_base_state(base: nn.Module, merge: bool) -> tuple[dict[str, torch.Te
             shell = copy.deepcopy(layer)
             stats = shell.requantize_(merged)
             err = (shell.dequantized_weight(torch.float32) - merged).norm()
-            stats.update(layer=canonical_name(fqn), delta_norm=delta.norm().item(),
-                         error_vs_delta=(err / delta.norm().clamp(min=1e-12)).item())  # fmt: skip
+            stats.update(
+                layer=canonical_name(fqn),
+                delta_norm=delta.norm().item(),
+                error_vs_delta=(err / delta.norm().clamp(min=1e-12)).item(),
+            )
             errors.append(stats)
             for buf in PackedLinear.BUFFERS:
                 if getattr(shell, buf) is not None:
@@ -121,7 +126,9 @@ def export_int4_lora(
     if merged_dtype is not None and not merge:
         raise ValueError("merged_dtype applies to merge=True")
     if merged_dtype is not None and merged_dtype not in MERGE_DTYPES.values():
-        raise ValueError(f"merged_dtype must be one of {', '.join(str(d) for d in MERGE_DTYPES.values())}, got {merged_dtype}")
+        raise ValueError(
+            f"merged_dtype must be one of {', '.join(str(d) for d in MERGE_DTYPES.values())}, got {merged_dtype}"
+        )
     base = model.get_base_model()
     plan = getattr(base, "hf_lowprec_plan", None)
     if plan is None:
@@ -150,9 +157,14 @@ def export_int4_lora(
         if merge and not dense:
             summary = _merge_summary(errors)
             atomic_write_text(tmp / MERGE_FILE, json.dumps({"summary": summary, "layers": errors}, indent=2) + "\n")
-            logger.warning("merged LoRA into the INT4 base and re-quantized %d layers: weight error %.3g%% (median), "
-                           "%.3g of the adapter delta's norm (median; max %.3g)", summary["layers"],
-                           100 * summary["rel_error_median"], summary["error_vs_delta_median"], summary["error_vs_delta_max"])  # fmt: skip
+            logger.warning(
+                "merged LoRA into the INT4 base and re-quantized %d layers: weight error %.3g%% (median), "
+                "%.3g of the adapter delta's norm (median; max %.3g)",
+                summary["layers"],
+                100 * summary["rel_error_median"],
+                summary["error_vs_delta_median"],
+                summary["error_vs_delta_max"],
+            )
         for name, text in (extra_files or {}).items():
             atomic_write_text(tmp / name, text)
     return Path(out_dir)
@@ -174,9 +186,12 @@ def _merge_summary(errors: list[dict]) -> dict:
     if not errors:
         return {"layers": 0, "rel_error_median": 0.0, "error_vs_delta_median": 0.0, "error_vs_delta_max": 0.0}
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    return {"layers": len(errors), "rel_error_median": med([e["rel_error"] for e in errors]),
-            "error_vs_delta_median": med([e["error_vs_delta"] for e in errors]),
-            "error_vs_delta_max": max(e["error_vs_delta"] for e in errors)}  # fmt: skip
+    return {
+        "layers": len(errors),
+        "rel_error_median": med([e["rel_error"] for e in errors]),
+        "error_vs_delta_median": med([e["error_vs_delta"] for e in errors]),
+        "error_vs_delta_max": max(e["error_vs_delta"] for e in errors),
+    }
 
 
 def load_int4_model(
@@ -195,7 +210,9 @@ def load_int4_model(
     qc = getattr(config, "quantization_config", None)
     method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
     if method != "hf_lowprec":
-        raise ValueError(f"{str(folder)!r} is not a packed INT4 folder (quant_method {method!r}); load it with from_pretrained")
+        raise ValueError(
+            f"{str(folder)!r} is not a packed INT4 folder (quant_method {method!r}); load it with from_pretrained"
+        )
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or getattr(config, "dtype", None) or torch.float32)
     for m in model.modules():
         if isinstance(m, PackedLinear):
@@ -205,4 +222,3 @@ def load_int4_model(
         model = PeftModel.from_pretrained(model, folder / ADAPTER_DIR, config=lora, is_trainable=is_trainable)
     tokenizer = AutoTokenizer.from_pretrained(folder) if any((folder / f).is_file() for f in TOKENIZER_FILES) else None
     return model.eval(), tokenizer
-

@@ -1,5 +1,4 @@
-"""LoftQ initialisation: LoRA adapters that start as the truncated SVD of each INT4 layer's quantization residual.
-"""
+"""LoftQ initialisation: LoRA adapters that start as the truncated SVD of each INT4 layer's quantization residual."""
 
 from __future__ import annotations
 

@@ -67,8 +67,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
         return grad * grad_total.to(grad.dtype), None, None, None
 
 
-def chunked_causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   chunk_tokens: int = 128) -> torch.Tensor:  # fmt: skip
+def chunked_causal_lm_loss(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, chunk_tokens: int = 128
+) -> torch.Tensor:
     """Mean next-token cross-entropy of a causal LM (PEFT-wrapped or not), ``input_ids [B, T]``.
 
     Runs the decoder, then the output head and the loss over ``chunk_tokens`` tokens at a time (see
@@ -81,8 +82,14 @@ def chunked_causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, attention_
         labels = labels.masked_fill(attention_mask[:, 1:] == 0, IGNORE_INDEX)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     cfg = getattr(base, "config", None)
-    plain_head = head is not None and hasattr(base, "get_decoder") and not any(p.requires_grad for p in head.parameters())
-    plain_head = plain_head and getattr(cfg, "final_logit_softcapping", None) is None and getattr(cfg, "logit_scale", None) is None
+    plain_head = (
+        head is not None and hasattr(base, "get_decoder") and not any(p.requires_grad for p in head.parameters())
+    )
+    plain_head = (
+        plain_head
+        and getattr(cfg, "final_logit_softcapping", None) is None
+        and getattr(cfg, "logit_scale", None) is None
+    )
     if not plain_head:
         full_labels = torch.cat((torch.full_like(labels[:, :1], IGNORE_INDEX), labels), 1)
         return model(input_ids=input_ids, attention_mask=attention_mask, labels=full_labels).loss

@@ -57,8 +57,9 @@ def _names_a_format(text: str) -> bool:
         return False
 
 
-def scan_int4_plan(model: nn.Module, calibration: torch.Tensor, budget: dict | None = None,
-                   formats: Sequence[str] = AUTO_FORMATS) -> PrecisionPlan:  # fmt: skip
+def scan_int4_plan(
+    model: nn.Module, calibration: torch.Tensor, budget: dict | None = None, formats: Sequence[str] = AUTO_FORMATS
+) -> PrecisionPlan:
     """A plan for the frozen base from a sensitivity scan: every Linear but the output projection gets one of
     ``formats`` (or stays bf16) so that the predicted loss increase is least within ``budget``.
 
@@ -71,13 +72,26 @@ def scan_int4_plan(model: nn.Module, calibration: torch.Tensor, budget: dict | N
     head = _output_layer_name(model)
     linears = [n for n, m in eligible_layers(model).items() if isinstance(m, nn.Linear) and n != head]
     batches = [{"input_ids": block[None], "labels": block[None]} for block in check_calibration(calibration)]
-    result = scan(model, batches, formats=tuple(formats), method="fisher", layers=linears, max_batch_tokens=calibration.shape[1])
-    return allocate(result, **(AUTO_BUDGET if budget is None else budget))  # the output projection, not scanned, stays bf16
+    result = scan(
+        model, batches, formats=tuple(formats), method="fisher", layers=linears, max_batch_tokens=calibration.shape[1]
+    )
+    return allocate(
+        result, **(AUTO_BUDGET if budget is None else budget)
+    )  # the output projection, not scanned, stays bf16
 
 
 def check_calibration(calibration: torch.Tensor) -> torch.Tensor:
-    if not torch.is_tensor(calibration) or calibration.dim() != 2 or calibration.dtype not in (torch.int32, torch.int64) or not len(calibration):
-        got = f"{calibration.dtype} {tuple(calibration.shape)}" if torch.is_tensor(calibration) else type(calibration).__name__
+    if (
+        not torch.is_tensor(calibration)
+        or calibration.dim() != 2
+        or calibration.dtype not in (torch.int32, torch.int64)
+        or not len(calibration)
+    ):
+        got = (
+            f"{calibration.dtype} {tuple(calibration.shape)}"
+            if torch.is_tensor(calibration)
+            else type(calibration).__name__
+        )
         raise ValueError(f"calibration must be token ids [n, T] (int64), got {got}")
     return calibration
 
@@ -88,9 +102,14 @@ def check_quantizable(model: nn.Module, plan: PrecisionPlan) -> None:
     layers = eligible_layers(model)
     packed = {n: s for n, s in assigned.items() if s.family == "int4" and isinstance(layers[n], nn.Linear)}
     if not packed:
-        raise ValueError(f"plan {plan.to_dict()} puts no Linear layer of this model in int4; nothing to pack into an INT4 base")
-    narrow = [f"{n} ({layers[n].in_features} inputs)" for n, s in packed.items()
-              if s.group_size is not None and layers[n].in_features < s.group_size]  # fmt: skip
+        raise ValueError(
+            f"plan {plan.to_dict()} puts no Linear layer of this model in int4; nothing to pack into an INT4 base"
+        )
+    narrow = [
+        f"{n} ({layers[n].in_features} inputs)"
+        for n, s in packed.items()
+        if s.group_size is not None and layers[n].in_features < s.group_size
+    ]
     if narrow:
         group = next(s.group_size for s in packed.values() if s.group_size)
         raise ValueError(
@@ -117,7 +136,9 @@ def resolve_target_modules(model: nn.Module, target_modules) -> list[str]:
 
         found = sorted(f for f in linears if re.fullmatch(target_modules, f))
         if not found:
-            raise ValueError(f"target_modules regex {target_modules!r} matches no Linear layer; Linear layers are named {names}")
+            raise ValueError(
+                f"target_modules regex {target_modules!r} matches no Linear layer; Linear layers are named {names}"
+            )
         return found
     targets = list(target_modules)
     if any(isinstance(t, str) and t.lower() == ALL_LINEAR for t in targets):
@@ -126,6 +147,8 @@ def resolve_target_modules(model: nn.Module, target_modules) -> list[str]:
     for t in targets:
         hit = [f for f in linears if f == t or f.endswith(f".{t}")]
         if not hit:
-            raise ValueError(f"target module {t!r} matches no Linear layer of this model; Linear layers are named {names}")
+            raise ValueError(
+                f"target module {t!r} matches no Linear layer of this model; Linear layers are named {names}"
+            )
         chosen.update(hit)
     return sorted(chosen)

@@ -80,10 +80,18 @@ def prepare_int4_lora(
     if calibration is None and (auto or calibrated):
         raise ValueError(f"{'plan auto' if auto else f'rounding {rounding!r}'} needs calibration= token blocks [n, T]")
     if calibration is not None and not (auto or calibrated):
-        raise ValueError("calibration tokens are used by plan='auto' and by the roundings " + ", ".join(ROUNDINGS[1:]) + "; this call has neither")
+        raise ValueError(
+            "calibration tokens are used by plan='auto' and by the roundings "
+            + ", ".join(ROUNDINGS[1:])
+            + "; this call has neither"
+        )
     if (budget is not None or tuple(auto_formats) != AUTO_FORMATS) and not auto:
         raise ValueError("budget= and auto_formats= apply to plan='auto' (the sensitivity scan's allocation)")
-    config = copy.deepcopy(lora_config) if lora_config is not None else LoraConfig(r=16, lora_alpha=32, target_modules=ALL_LINEAR)
+    config = (
+        copy.deepcopy(lora_config)
+        if lora_config is not None
+        else LoraConfig(r=16, lora_alpha=32, target_modules=ALL_LINEAR)
+    )
     config.target_modules = resolve_target_modules(model, config.target_modules)
     if calibration is not None:
         check_calibration(calibration)
@@ -114,7 +122,9 @@ def prepare_int4_lora(
     for name, p in peft_model.named_parameters():
         if p.requires_grad:
             p.data = p.data.to(adapter_dtype)
-    logger.info("INT4 base: %s; LoRA on %d layers%s", report, len(config.target_modules), " (LoftQ init)" if loftq_init else "")
+    logger.info(
+        "INT4 base: %s; LoRA on %d layers%s", report, len(config.target_modules), " (LoftQ init)" if loftq_init else ""
+    )
     return peft_model, report
 
 
@@ -134,7 +144,9 @@ def _own_dense_tensors(model: nn.Module) -> None:
                 module._buffers[name] = b.clone()
 
 
-def _calibrated_pack(model: nn.Module, calibration: torch.Tensor, rounding: str, loftq: LoraConfig | None, factors: dict) -> dict:
+def _calibrated_pack(
+    model: nn.Module, calibration: torch.Tensor, rounding: str, loftq: LoraConfig | None, factors: dict
+) -> dict:
     """Pack every INT4 ``Int4Linear`` with codes calibrated by ``rounding`` (LoftQ factors from their residual
     into ``factors`` when ``loftq`` is given); returns :func:`hf_lowprec.ondevice.calibration.summary`, also logged."""
 
@@ -143,8 +155,15 @@ def _calibrated_pack(model: nn.Module, calibration: torch.Tensor, rounding: str,
 
     def replace(name: str, result: CalibratedCodes) -> None:
         module = layers[name]
-        packed = PackedInt4Linear.from_codes(result.codes, result.step, result.zero, module.spec, module.bias, module.weight.dtype,
-                                             input_scale=result.input_scale)  # fmt: skip
+        packed = PackedInt4Linear.from_codes(
+            result.codes,
+            result.step,
+            result.zero,
+            module.spec,
+            module.bias,
+            module.weight.dtype,
+            input_scale=result.input_scale,
+        )
         if name in targets:
             residual = module.weight.detach().float() - packed.dequantized_weight(torch.float32)
             factors[canonical_name(name)] = loftq_factors(residual, loftq.r, lora_scaling(loftq))
@@ -153,8 +172,15 @@ def _calibrated_pack(model: nn.Module, calibration: torch.Tensor, rounding: str,
     start = time.perf_counter()
     stats = {"rounding": rounding, **summary(calibrated_codes(model, layers, calibration, replace, rounding))}
     stats["seconds"] = time.perf_counter() - start
-    logger.info("%s on %d tokens: output error %.3g (round-to-nearest %.3g), median over %d layers, %.0f s", rounding,
-                calibration.numel(), stats["output_error_median"], stats["output_error_nearest_median"], stats["layers"], stats["seconds"])  # fmt: skip
+    logger.info(
+        "%s on %d tokens: output error %.3g (round-to-nearest %.3g), median over %d layers, %.0f s",
+        rounding,
+        calibration.numel(),
+        stats["output_error_median"],
+        stats["output_error_nearest_median"],
+        stats["layers"],
+        stats["seconds"],
+    )
     return stats
 
 
@@ -187,8 +213,16 @@ def load_int4_lora(
     if callable(calibration):
         calibration = calibration(tokenizer)
     peft_model, report = prepare_int4_lora(
-        model, lora_config, plan, loftq_init=loftq_init, rounding=rounding, calibration=calibration, budget=budget,
-        auto_formats=auto_formats, adapter_dtype=adapter_dtype, backend=backend,
+        model,
+        lora_config,
+        plan,
+        loftq_init=loftq_init,
+        rounding=rounding,
+        calibration=calibration,
+        budget=budget,
+        auto_formats=auto_formats,
+        adapter_dtype=adapter_dtype,
+        backend=backend,
     )
     report.compute = {"dtype": str(dtype).removeprefix("torch."), "reason": reason}
     return peft_model, tokenizer, report

@@ -75,8 +75,11 @@ class FinetuneResult:
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        out.update(perplexity_before=self.perplexity_before, perplexity_after=self.perplexity_after,
-                   median_step_seconds=self.median_step_seconds)  # fmt: skip
+        out.update(
+            perplexity_before=self.perplexity_before,
+            perplexity_after=self.perplexity_after,
+            median_step_seconds=self.median_step_seconds,
+        )
         return out
 
 
@@ -162,7 +165,12 @@ def finetune_int4_lora(
         if not math.isfinite(losses[-1]):
             raise FloatingPointError(f"loss became {losses[-1]} at step {step}; lower the learning rate (now {lr})")
         if progress is not None:
-            metrics = {"loss": losses[-1], "lr": scheduler.get_last_lr()[0], "step_seconds": times[-1], "peak_rss_mb": peak_rss_mb()}
+            metrics = {
+                "loss": losses[-1],
+                "lr": scheduler.get_last_lr()[0],
+                "step_seconds": times[-1],
+                "peak_rss_mb": peak_rss_mb(),
+            }
             progress(step, steps, metrics)
     train_seconds = time.perf_counter() - start
     if gradient_checkpointing:
@@ -173,15 +181,29 @@ def finetune_int4_lora(
         progress(steps, steps, {"loss": losses[-1], "eval_loss": eval_after, "peak_rss_mb": peak_rss_mb()})
     plan = getattr(base, "hf_lowprec_plan", None)
     result = FinetuneResult(
-        steps=steps, losses=losses, step_seconds=times, train_seconds=train_seconds, peak_rss_mb=peak_rss_mb(),
-        eval_loss_before=eval_before, eval_loss_after=eval_after,
-        plan_fractions=_plan_fractions(base, plan) if plan is not None else {}, backends=backend_counts(model),
+        steps=steps,
+        losses=losses,
+        step_seconds=times,
+        train_seconds=train_seconds,
+        peak_rss_mb=peak_rss_mb(),
+        eval_loss_before=eval_before,
+        eval_loss_after=eval_after,
+        plan_fractions=_plan_fractions(base, plan) if plan is not None else {},
+        backends=backend_counts(model),
         trainable_params=sum(p.numel() for p in params),
-    )  # fmt: skip
+    )
     if output_dir is not None:
         metrics = json.dumps(result.to_dict(), indent=2) + "\n"
-        result.output_dir = str(export_int4_lora(model, output_dir, tokenizer=tokenizer, merge=merge, overwrite=overwrite,
-                                                 extra_files={METRICS_FILE: metrics}))  # fmt: skip
+        result.output_dir = str(
+            export_int4_lora(
+                model,
+                output_dir,
+                tokenizer=tokenizer,
+                merge=merge,
+                overwrite=overwrite,
+                extra_files={METRICS_FILE: metrics},
+            )
+        )
     return result
 
 

@@ -34,5 +34,15 @@ from hf_lowprec.sensitivity.allocate import Budget, allocate, predict_plan
 from hf_lowprec.sensitivity.results import KEEP, LayerScore, ScanResult
 from hf_lowprec.sensitivity.scan import DEFAULT_FORMATS, METHODS, measure_plan, scan
 
-__all__ = ["Budget", "DEFAULT_FORMATS", "KEEP", "LayerScore", "METHODS", "ScanResult", "allocate", "measure_plan",
-           "predict_plan", "scan"]
+__all__ = [
+    "Budget",
+    "DEFAULT_FORMATS",
+    "KEEP",
+    "LayerScore",
+    "METHODS",
+    "ScanResult",
+    "allocate",
+    "measure_plan",
+    "predict_plan",
+    "scan",
+]

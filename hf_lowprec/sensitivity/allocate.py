@@ -87,14 +87,18 @@ class _Problem:
 def _problem(result: ScanResult, keep: Sequence[str], force: Mapping[str, str]) -> _Problem:
     units = [u for u in result.layers]
     if not units:
-        raise ValueError("the scan has no layers to allocate (the model had no eligible nn.Linear / nn.Embedding layers)")
+        raise ValueError(
+            "the scan has no layers to allocate (the model had no eligible nn.Linear / nn.Embedding layers)"
+        )
     all_names = [n for u in units for n in u.names]
     rules: dict[int, str] = {}
 
     def match(pattern: str, what: str) -> list[int]:
         hits = [i for i, u in enumerate(units) if any(fnmatch.fnmatchcase(n, pattern) for n in u.names)]
         if not hits and any(c in pattern for c in "*?["):  # e.g. "*norm*": norms are never quantized anyway
-            logger.warning("%s pattern %r matches no scanned layer (only nn.Linear / nn.Embedding are scanned)", what, pattern)
+            logger.warning(
+                "%s pattern %r matches no scanned layer (only nn.Linear / nn.Embedding are scanned)", what, pattern
+            )
         elif not hits:
             close = difflib.get_close_matches(pattern, all_names, n=3, cutoff=0.6)
             hint = f"; close matches: {', '.join(close)}" if close else f" (e.g. {all_names[0]!r})"
@@ -110,14 +114,20 @@ def _problem(result: ScanResult, keep: Sequence[str], force: Mapping[str, str]) 
         for i in match(pattern, "force"):
             if name != KEEP and name not in units[i].bytes:
                 allowed = ", ".join([KEEP, *units[i].formats])
-                raise ValueError(f"force entry {pattern!r}: format {name!r} was not scanned for {units[i].name!r}; choose one of {allowed}")
+                raise ValueError(
+                    f"force entry {pattern!r}: format {name!r} was not scanned for {units[i].name!r}; choose one of {allowed}"
+                )
             if rules.get(i, name) != name:
-                raise ValueError(f"layer {units[i].name!r} (with its tied twins {list(units[i].tied)}) gets both {rules[i]} and {name} from keep/force")
+                raise ValueError(
+                    f"layer {units[i].name!r} (with its tied twins {list(units[i].tied)}) gets both {rules[i]} and {name} from keep/force"
+                )
             rules[i] = name
     rows = [(i, c) for i, u in enumerate(units) for c in [KEEP, *u.formats]]
     negative = sum(1 for i, c in rows if units[i].score(c) < 0)
     if negative:
-        logger.info("%d (layer, format) scores are negative (quantizing lowered the calibration loss); counted as 0", negative)
+        logger.info(
+            "%d (layer, format) scores are negative (quantizing lowered the calibration loss); counted as 0", negative
+        )
     return _Problem(
         unit=np.array([i for i, _ in rows]),
         choice=[c for _, c in rows],
@@ -175,8 +185,13 @@ def _solve_ilp(p: _Problem, objective: np.ndarray, limits, tiebreak: np.ndarray 
     if tiebreak is not None:  # among optimal solutions, the best by the second criterion
         best = float(objective @ x)
         tol = 1e-9 * max(abs(best), 1e-12) + 1e-15
-        res2 = milp(tiebreak / max(np.abs(tiebreak).max(), 1e-30), integrality=np.ones(n), bounds=bounds,
-                    constraints=[*constraints, LinearConstraint(objective[None, :], -np.inf, best + tol)], options=options)  # fmt: skip
+        res2 = milp(
+            tiebreak / max(np.abs(tiebreak).max(), 1e-30),
+            integrality=np.ones(n),
+            bounds=bounds,
+            constraints=[*constraints, LinearConstraint(objective[None, :], -np.inf, best + tol)],
+            options=options,
+        )
         if res2.x is not None:
             x = np.round(res2.x)
     return x
@@ -279,10 +294,14 @@ def predict_plan(result: ScanResult, plan: "PrecisionPlan | Mapping") -> dict:
         specs = {plan.resolve(n, _AN_EMBEDDING if (n == u.name and u.kind == "Embedding") else None) for n in u.names}
         names = {KEEP if s.is_high_precision else s.name for s in specs}
         if len(names) > 1:
-            raise ValueError(f"plan gives the tied layers {list(u.names)} different formats {sorted(names)}; the scan scored them as one unit")
+            raise ValueError(
+                f"plan gives the tied layers {list(u.names)} different formats {sorted(names)}; the scan scored them as one unit"
+            )
         fmt = names.pop()
         if fmt not in u.bytes:
-            raise ValueError(f"plan puts {u.name!r} in {fmt}, which the scan did not score; scanned: {', '.join(result.formats)}")
+            raise ValueError(
+                f"plan puts {u.name!r} in {fmt}, which the scan did not score; scanned: {', '.join(result.formats)}"
+            )
         loss += max(u.score(fmt), 0.0)
         nbytes += u.bytes[fmt]
         fractions[fmt] = fractions.get(fmt, 0.0) + u.params / total
@@ -329,7 +348,9 @@ def allocate(
             if not math.isfinite(result.base_loss):
                 raise ValueError("the scan has no calibration loss to derive a default budget from; pass a budget")
             budget = Budget(max_loss_increase=DEFAULT_RELATIVE_LOSS_INCREASE * result.base_loss)
-            logger.info("no budget given: max_loss_increase = %.4g (1%% of the calibration loss)", budget.max_loss_increase)
+            logger.info(
+                "no budget given: max_loss_increase = %.4g (1%% of the calibration loss)", budget.max_loss_increase
+            )
     p = _problem(result, keep, force or {})
     use_ilp = solver == "ilp" or (solver == "auto" and len(p.unit) <= ILP_MAX_VARIABLES)
     if use_ilp:
@@ -355,10 +376,17 @@ def allocate(
     result.plan = plan
     result.allocation = {
         "budget": {k: v for k, v in asdict(budget).items() if v is not None},
-        "keep": list(keep), "force": dict(force or {}), "solver": "ilp" if use_ilp else "greedy",
-        "predicted_delta_loss": totals["max_loss_increase"], "bits_per_param": totals["target_bits_per_param"],
+        "keep": list(keep),
+        "force": dict(force or {}),
+        "solver": "ilp" if use_ilp else "greedy",
+        "predicted_delta_loss": totals["max_loss_increase"],
+        "bits_per_param": totals["target_bits_per_param"],
         "fractions": fractions,
-    }  # fmt: skip
-    logger.info("allocated: predicted Δloss %.4g, %.2f bits/param, %s", totals["max_loss_increase"],
-                totals["target_bits_per_param"], ", ".join(f"{k} {v:.1%}" for k, v in fractions.items()))  # fmt: skip
+    }
+    logger.info(
+        "allocated: predicted Δloss %.4g, %.2f bits/param, %s",
+        totals["max_loss_increase"],
+        totals["target_bits_per_param"],
+        ", ".join(f"{k} {v:.1%}" for k, v in fractions.items()),
+    )
     return plan

@@ -34,7 +34,11 @@ def _merge(batches: list[dict], max_tokens: int) -> list[dict]:
     out: list[dict] = []
     for batch in batches:
         last = out[-1] if out else None
-        if last is not None and _same_layout(last, batch) and last["input_ids"].numel() + batch["input_ids"].numel() <= max_tokens:
+        if (
+            last is not None
+            and _same_layout(last, batch)
+            and last["input_ids"].numel() + batch["input_ids"].numel() <= max_tokens
+        ):
             out[-1] = {k: torch.cat([last[k], v]) if torch.is_tensor(v) else v for k, v in batch.items()}
         else:
             out.append(batch)
@@ -58,7 +62,9 @@ def _same_layout(a: Mapping, b: Mapping) -> bool:
 def _shifts_labels(model: nn.Module, labels: torch.Tensor) -> bool:
     """Whether ``labels`` are next-token targets (causal LM) rather than per-position or per-sequence classes."""
     if labels.is_floating_point():
-        raise ValueError("scan needs class or token labels (integer tensors); regression labels (float) are not supported")
+        raise ValueError(
+            "scan needs class or token labels (integer tensors); regression labels (float) are not supported"
+        )
     return labels.dim() == 2 and getattr(model, "loss_type", "ForCausalLM") == "ForCausalLM"
 
 
@@ -83,6 +89,8 @@ def _forward(model: nn.Module, batch: Mapping, device) -> tuple[torch.Tensor, to
     if _shifts_labels(model, labels):
         logits, labels = logits[:, :-1], labels[:, 1:]
     if logits.shape[: labels.dim()] != labels.shape:
-        raise ValueError(f"labels of shape {tuple(batch['labels'].shape)} do not fit logits of shape {tuple(logits.shape)} ({type(model).__name__})")
+        raise ValueError(
+            f"labels of shape {tuple(batch['labels'].shape)} do not fit logits of shape {tuple(logits.shape)} ({type(model).__name__})"
+        )
     valid = labels != IGNORE_INDEX
     return logits[valid].float(), labels[valid]

@@ -68,9 +68,15 @@ class _BlockReplay:
 
     def skippable(self, unit: _Unit) -> list[int]:
         first = min(self.start.get(id(m), math.inf) for _, m in unit.members)
-        return [k for k, end in enumerate(self.end)
-                if end is not None and end < first and self.calls[k] == 1 and len(self.outputs[k]) == self.recorded
-                and all(o is not None for o in self.outputs[k])]  # fmt: skip
+        return [
+            k
+            for k, end in enumerate(self.end)
+            if end is not None
+            and end < first
+            and self.calls[k] == 1
+            and len(self.outputs[k]) == self.recorded
+            and all(o is not None for o in self.outputs[k])
+        ]
 
     @contextmanager
     def replaying(self, blocks: list[int]):

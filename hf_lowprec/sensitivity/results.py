@@ -131,26 +131,41 @@ class ScanResult:
                 mark = "*" if f in u.measured else " "
                 cells += f"{'n/a':>14}" if v is None else f"{v:>13.3e}{mark}"
             lines.append(f"{name:<{width}}{u.params:>12,}{cells}{row['chosen'] or '':>11}")
-        lines.append(f"Δloss in nats/token over {self.tokens} tokens (base loss {self.base_loss:.4f}); * measured, else predicted; +t tied weights")
+        lines.append(
+            f"Δloss in nats/token over {self.tokens} tokens (base loss {self.base_loss:.4f}); * measured, else predicted; +t tied weights"
+        )
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {
-            "method": self.method, "formats": list(self.formats), "base_loss": self.base_loss,
-            "tokens": self.tokens, "seed": self.seed, "seconds": self.seconds, "model": self.model,
+            "method": self.method,
+            "formats": list(self.formats),
+            "base_loss": self.base_loss,
+            "tokens": self.tokens,
+            "seed": self.seed,
+            "seconds": self.seconds,
+            "model": self.model,
             "layers": [{**asdict(u), "tied": list(u.tied)} for u in self.layers],
-            "plan": None if self.plan is None else self.plan.to_dict(), "allocation": self.allocation,
-        }  # fmt: skip
+            "plan": None if self.plan is None else self.plan.to_dict(),
+            "allocation": self.allocation,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "ScanResult":
         layers = [LayerScore(**{**u, "tied": tuple(u.get("tied", ()))}) for u in data["layers"]]
         plan = data.get("plan")
         return cls(
-            layers, tuple(data["formats"]), data["method"], data.get("base_loss", float("nan")), data.get("tokens", 0),
-            data.get("seed", 0), dict(data.get("seconds", {})), data.get("model"),
-            None if plan is None else PrecisionPlan.from_dict(plan), data.get("allocation"),
-        )  # fmt: skip
+            layers,
+            tuple(data["formats"]),
+            data["method"],
+            data.get("base_loss", float("nan")),
+            data.get("tokens", 0),
+            data.get("seed", 0),
+            dict(data.get("seconds", {})),
+            data.get("model"),
+            None if plan is None else PrecisionPlan.from_dict(plan),
+            data.get("allocation"),
+        )
 
     def save(self, path: str | Path) -> Path:
         """Write JSON atomically; returns the path."""
@@ -192,15 +207,22 @@ class ScanResult:
         fig.colorbar(im, ax=ax, label="log10 Δloss (nats/token; ≤ 0 shown at the smallest)", fraction=0.08, pad=0.03)
         ax.set_xticks(range(len(fmts)), fmts)
         ax.tick_params(axis="x", top=True, labeltop=True)
-        ax.set_yticks(range(len(self.layers)), [u.name + (" (tied)" if u.tied else "") for u in self.layers], fontsize=6)
+        ax.set_yticks(
+            range(len(self.layers)), [u.name + (" (tied)" if u.tied else "") for u in self.layers], fontsize=6
+        )
         chosen = self.chosen()
         for i, u in enumerate(self.layers):
             for j, f in enumerate(fmts):
                 if f in u.measured:
                     ax.plot(j + 0.3, i, "o", color="white", markeredgecolor="black", markersize=3)
                 if chosen.get(u.name) == f:
-                    ax.add_patch(Rectangle((j - 0.45, i - 0.4), 0.9, 0.8, fill=False, edgecolor="deepskyblue", linewidth=1.5))
-        ax.set_title(title or f"{self.model or 'model'}: per-layer Δloss ({self.method}); dots measured, boxes chosen", fontsize=8)
+                    ax.add_patch(
+                        Rectangle((j - 0.45, i - 0.4), 0.9, 0.8, fill=False, edgecolor="deepskyblue", linewidth=1.5)
+                    )
+        ax.set_title(
+            title or f"{self.model or 'model'}: per-layer Δloss ({self.method}); dots measured, boxes chosen",
+            fontsize=8,
+        )
         fig.tight_layout()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

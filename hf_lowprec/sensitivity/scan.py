@@ -1,5 +1,4 @@
-"""The scan passes (:func:`scan`: unquantized, Fisher, measured) and :func:`measure_plan` of a whole plan.
-"""
+"""The scan passes (:func:`scan`: unquantized, Fisher, measured) and :func:`measure_plan` of a whole plan."""
 
 from __future__ import annotations
 
@@ -99,7 +98,9 @@ def scan(
         raise ValueError("scan needs at least one format, e.g. formats=('fp8', 'int4-g64')")
     for s in specs:
         if s.is_high_precision:
-            raise ValueError(f"format {s.name!r} is high precision: scan low-precision formats (fp8, int4-g64, ...); {KEEP} is always the baseline")
+            raise ValueError(
+                f"format {s.name!r} is high precision: scan low-precision formats (fp8, int4-g64, ...); {KEEP} is always the baseline"
+            )
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"formats contain duplicates: {names}")
@@ -109,11 +110,28 @@ def scan(
     batches = _merge(_check_batches(batches), max_batch_tokens)
     tokens = sum(_label_count(model, b) for b in batches)
     if tokens == 0:
-        raise ValueError("the calibration batches have no labelled positions (all labels are -100, or causal-LM sequences of length 1)")
+        raise ValueError(
+            "the calibration batches have no labelled positions (all labels are -100, or causal-LM sequences of length 1)"
+        )
     device = next(model.parameters()).device
-    scores = [LayerScore(u.name, tuple(n for n, _ in u.members[1:]), type(u.members[0][1]).__name__,
-                         u.members[0][1].weight.numel(), _layer_bytes(u)) for u in units]  # fmt: skip
-    result = ScanResult(scores, tuple(names), method, tokens=tokens, seed=seed, model=getattr(getattr(model, "config", None), "name_or_path", None) or None)
+    scores = [
+        LayerScore(
+            u.name,
+            tuple(n for n, _ in u.members[1:]),
+            type(u.members[0][1]).__name__,
+            u.members[0][1].weight.numel(),
+            _layer_bytes(u),
+        )
+        for u in units
+    ]
+    result = ScanResult(
+        scores,
+        tuple(names),
+        method,
+        tokens=tokens,
+        seed=seed,
+        model=getattr(getattr(model, "config", None), "name_or_path", None) or None,
+    )
     start = time.perf_counter()
     with _scanning(model, seed) as hooks:
         if method == "measured":
@@ -141,7 +159,9 @@ def scan(
 
 
 @torch.no_grad()
-def _base_pass(model, batches, device, tracker, replay: "_BlockReplay | None" = None) -> tuple[float, list[torch.Tensor]]:
+def _base_pass(
+    model, batches, device, tracker, replay: "_BlockReplay | None" = None
+) -> tuple[float, list[torch.Tensor]]:
     """Mean loss of the unquantized model and its log-probabilities per batch (for KL)."""
     nll, logps = 0.0, []
     for i, batch in enumerate(batches):
@@ -243,7 +263,9 @@ def _measure(model, batches, device, units, pairs, scores, base, hooks, tracker,
     base_loss, base_logps = base
     for i, fmt in pairs:
         unit, s = units[i], scores[i]
-        handles = [module.register_forward_hook(_replace_output(twin)) for _, module, twin in _twins(unit, fmt, fp8_backend)]
+        handles = [
+            module.register_forward_hook(_replace_output(twin)) for _, module, twin in _twins(unit, fmt, fp8_backend)
+        ]
         hooks.extend(handles)
         try:
             with replay.replaying(replay.skippable(unit)):
@@ -278,7 +300,9 @@ def _replace_output(twin: nn.Module):
     return hook
 
 
-def measure_plan(model: nn.Module, plan: "PrecisionPlan | Mapping", batches: Iterable[Mapping], *, fp8_backend: str = "auto") -> dict:
+def measure_plan(
+    model: nn.Module, plan: "PrecisionPlan | Mapping", batches: Iterable[Mapping], *, fp8_backend: str = "auto"
+) -> dict:
     """Measure a whole plan's Δloss and KL on ``batches`` (held-out data), leaving ``model`` as it was.
 
     Every layer runs through the low-precision layer :func:`~hf_lowprec.convert.apply_plan` would
@@ -293,7 +317,9 @@ def measure_plan(model: nn.Module, plan: "PrecisionPlan | Mapping", batches: Ite
     layers = eligible_layers(model)
     converted = [n for n, m in layers.items() if isinstance(m, LOW_PRECISION_TYPES)]
     if converted:
-        raise ValueError(f"measure_plan needs an unconverted model ({converted[0]!r} is already low precision); call hf_lowprec.revert(model) first")
+        raise ValueError(
+            f"measure_plan needs an unconverted model ({converted[0]!r} is already low precision); call hf_lowprec.revert(model) first"
+        )
     shared: dict[int, tuple[str, object]] = {}
     with _scanning(model, 0) as hooks, torch.no_grad():
         base_loss, base_logps = _base_pass(model, batches, device, _Tracker(None, 0))
@@ -303,11 +329,24 @@ def measure_plan(model: nn.Module, plan: "PrecisionPlan | Mapping", batches: Ite
                 continue
             twin_of = shared.get(id(module.weight))
             if twin_of is not None and spec.family != "fp8" and twin_of[0] != spec.name:
-                raise ValueError(f"layers sharing one weight need one integer format: {name!r} is planned {spec.name} but its tied twin is {twin_of[0]}")
-            twin = low_precision_layer(module, spec, {"fp8_backend": fp8_backend, "learn_scales": False}, None if twin_of is None else twin_of[1])
+                raise ValueError(
+                    f"layers sharing one weight need one integer format: {name!r} is planned {spec.name} but its tied twin is {twin_of[0]}"
+                )
+            twin = low_precision_layer(
+                module,
+                spec,
+                {"fp8_backend": fp8_backend, "learn_scales": False},
+                None if twin_of is None else twin_of[1],
+            )
             if twin_of is None and hasattr(twin, "weight_quantizer"):
                 shared[id(module.weight)] = (spec.name, twin.weight_quantizer)
             hooks.append(module.register_forward_hook(_replace_output(twin)))
         nll, kl, count = _loss_and_kl(model, batches, device, base_logps)
     plan_loss = nll / count
-    return {"base_loss": base_loss, "plan_loss": plan_loss, "delta_loss": plan_loss - base_loss, "kl": kl / count, "tokens": count}
+    return {
+        "base_loss": base_loss,
+        "plan_loss": plan_loss,
+        "delta_loss": plan_loss - base_loss,
+        "kl": kl / count,
+        "tokens": count,
+    }

@@ -46,7 +46,10 @@ def _torchao_granularity(config) -> str | None:
     """The FP8 granularity (``tensor``/``row``) of a torchao ``Float8LinearConfig``; None if mixed."""
     from torchao.float8.config import ScalingGranularity
 
-    grans = {c.scaling_granularity for c in (config.cast_config_input, config.cast_config_weight, config.cast_config_grad_output)}
+    grans = {
+        c.scaling_granularity
+        for c in (config.cast_config_input, config.cast_config_weight, config.cast_config_grad_output)
+    }
     if grans == {ScalingGranularity.TENSORWISE}:
         return "tensor"
     if grans == {ScalingGranularity.AXISWISE}:
@@ -72,16 +75,37 @@ class LowPrecisionPlugin(SessionOwner):
     """
 
     def __init__(
-        self, plan="auto", *, keep: tuple[str, ...] = (), budget=None, formats=("fp8", "int4-g64"),
-        calibration_batches: int = 4, scan_method: str = "auto", scaler: str = "dynamic",
-        scaler_options: Mapping | None = None, fp8_backend: str = "auto", learn_scales: bool = True,
-        sync: bool | None = None, compensation: str | None = None, seed: int = 0,
-    ):  # fmt: skip
+        self,
+        plan="auto",
+        *,
+        keep: tuple[str, ...] = (),
+        budget=None,
+        formats=("fp8", "int4-g64"),
+        calibration_batches: int = 4,
+        scan_method: str = "auto",
+        scaler: str = "dynamic",
+        scaler_options: Mapping | None = None,
+        fp8_backend: str = "auto",
+        learn_scales: bool = True,
+        sync: bool | None = None,
+        compensation: str | None = None,
+        seed: int = 0,
+    ):
         self.session = LowPrecisionSession(
-            plan, keep=keep, budget=budget, formats=formats, calibration_batches=calibration_batches, scan_method=scan_method,
-            scaler=scaler, scaler_options=scaler_options, fp8_backend=fp8_backend, learn_scales=learn_scales, sync=sync,
-            compensation=compensation, seed=seed,
-        )  # fmt: skip
+            plan,
+            keep=keep,
+            budget=budget,
+            formats=formats,
+            calibration_batches=calibration_batches,
+            scan_method=scan_method,
+            scaler=scaler,
+            scaler_options=scaler_options,
+            fp8_backend=fp8_backend,
+            learn_scales=learn_scales,
+            sync=sync,
+            compensation=compensation,
+            seed=seed,
+        )
         self.torchao_layers: list[str] = []
 
     # ----------------------------------------------------------------------------------- prepare
@@ -94,14 +118,18 @@ class LowPrecisionPlugin(SessionOwner):
         models = [o for o in objects if isinstance(o, nn.Module)]
         optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
         if len(models) != 1 or len(optimizers) > 1:
-            raise ValueError(f"prepare takes one model and at most one optimizer, got {len(models)} models and {len(optimizers)} optimizers")
+            raise ValueError(
+                f"prepare takes one model and at most one optimizer, got {len(models)} models and {len(optimizers)} optimizers"
+            )
         model, optimizer = models[0], (optimizers[0] if optimizers else None)
         if self.plan is None and calibration_data is None:
             calibration_data = next((o for o in objects if isinstance(o, torch.utils.data.DataLoader)), None)
         self.convert(model, optimizer, accelerator=accelerator, calibration_data=calibration_data)
         if self.compensation and optimizer is not None:
             if not any(p.requires_grad and p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()):
-                raise ValueError(f"compensation={self.compensation!r} is for bf16/fp16 weights, but every trainable weight is fp32")
+                raise ValueError(
+                    f"compensation={self.compensation!r} is for bf16/fp16 weights, but every trainable weight is fp32"
+                )
             wrapped = CompensatedOptimizer(optimizer, self.compensation, seed=self.session.seed)
             objects = tuple(wrapped if o is optimizer else o for o in objects)
         prepared = accelerator.prepare(*objects)
@@ -111,23 +139,35 @@ class LowPrecisionPlugin(SessionOwner):
             inner = next(o for o in prepared if isinstance(o, torch.optim.Optimizer))
             orphans = orphaned_parameters(accelerator.unwrap_model(wrapped), inner)
             if orphans:
-                raise ValueError(f"after accelerator.prepare, trainable parameters are missing from the optimizer: {orphans[:5]}")
+                raise ValueError(
+                    f"after accelerator.prepare, trainable parameters are missing from the optimizer: {orphans[:5]}"
+                )
         accelerator.register_for_checkpointing(self)
         return prepared if len(prepared) > 1 else prepared[0]
 
-    def convert(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, accelerator=None,
-                calibration_data: Iterable[Mapping] | None = None) -> nn.Module:  # fmt: skip
+    def convert(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        accelerator=None,
+        calibration_data: Iterable[Mapping] | None = None,
+    ) -> nn.Module:
         """Convert ``model`` in place and fit ``optimizer`` to it, without wrapping (for loops that wrap
         the model themselves, e.g. with ``torch.distributed.fsdp.fully_shard``: call this first).
 
         Raises ``ValueError`` if a trainable parameter is missing from ``optimizer`` afterwards.
         """
         if getattr(model, "_is_accelerate_prepared", False) or isinstance(model, nn.parallel.DistributedDataParallel):
-            raise ValueError("the model is already prepared/wrapped; pass the plain model so it is converted before wrapping")
+            raise ValueError(
+                "the model is already prepared/wrapped; pass the plain model so it is converted before wrapping"
+            )
         if any(type(m).__name__.startswith(("FSDP", "FullyShardedDataParallel")) for m in model.modules()):
             raise ValueError("the model is already sharded with FSDP; convert it before fully_shard / prepare")
         if not eligible_layers(model):
-            raise ValueError(f"{type(model).__name__} has no eligible layers (nn.Linear / nn.Embedding) to put in low precision")
+            raise ValueError(
+                f"{type(model).__name__} has no eligible layers (nn.Linear / nn.Embedding) to put in low precision"
+            )
         if self.plan is None:
             if calibration_data is None:
                 raise ValueError("plan='auto' needs calibration_data= or a DataLoader among the prepared objects")
@@ -139,7 +179,9 @@ class LowPrecisionPlugin(SessionOwner):
             insert_new_parameters(optimizer, model, self.session.new_params)
             orphans = orphaned_parameters(model, optimizer)
             if orphans:
-                raise ValueError(f"trainable parameters missing from the optimizer: {orphans[:5]}{' ...' if len(orphans) > 5 else ''}; freeze them (requires_grad_(False)) or add them")
+                raise ValueError(
+                    f"trainable parameters missing from the optimizer: {orphans[:5]}{' ...' if len(orphans) > 5 else ''}; freeze them (requires_grad_(False)) or add them"
+                )
             getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(self._before_step)
         return model
 
@@ -149,17 +191,25 @@ class LowPrecisionPlugin(SessionOwner):
         fp8 = getattr(accelerator, "fp8_enabled", False)
         handler = getattr(accelerator, "ao_recipe_handler", None) if fp8 else None
         if fp8 and handler is None:
-            raise ValueError(f"mixed_precision='fp8' with Accelerate's {accelerator.fp8_backend} backend is not supported; use torchao (AORecipeKwargs) or mixed_precision='no'/'bf16'")
+            raise ValueError(
+                f"mixed_precision='fp8' with Accelerate's {accelerator.fp8_backend} backend is not supported; use torchao (AORecipeKwargs) or mixed_precision='no'/'bf16'"
+            )
         ours = plan
         if handler is not None:
             gran = _torchao_granularity(handler.config)
             layers = eligible_layers(model)
             self.torchao_layers = [
-                name for name, spec in plan.assign(model).items()
-                if spec.family == "fp8" and spec.granularity == gran and type(layers[name]) is nn.Linear
-                and layers[name].in_features % TORCHAO_MIN_DIM == 0 and layers[name].out_features % TORCHAO_MIN_DIM == 0
-            ]  # fmt: skip
-            ours = PrecisionPlan({**plan.layers, **{n: "bf16" for n in self.torchao_layers}}, default=plan.default, model=plan.model)
+                name
+                for name, spec in plan.assign(model).items()
+                if spec.family == "fp8"
+                and spec.granularity == gran
+                and type(layers[name]) is nn.Linear
+                and layers[name].in_features % TORCHAO_MIN_DIM == 0
+                and layers[name].out_features % TORCHAO_MIN_DIM == 0
+            ]
+            ours = PrecisionPlan(
+                {**plan.layers, **{n: "bf16" for n in self.torchao_layers}}, default=plan.default, model=plan.model
+            )
         world = accelerator.num_processes if accelerator is not None else process_world()[1]
         report = self.session.apply(model, ours, world)
         model.hf_lowprec_plan = plan  # the whole plan, torchao's layers included
@@ -173,7 +223,11 @@ class LowPrecisionPlugin(SessionOwner):
             for r in report.layers:
                 if r.name in self.torchao_layers:
                     r.requested = r.applied = plan.resolve(r.name).name
-                    r.module, r.backend, r.reason = "torchao.Float8Linear", "torchao", "handed to Accelerate's torchao backend"
+                    r.module, r.backend, r.reason = (
+                        "torchao.Float8Linear",
+                        "torchao",
+                        "handed to Accelerate's torchao backend",
+                    )
         self.session.record(model, plan, report)
 
     def _torchao_filter(self, module: nn.Module, fqn: str) -> bool:
@@ -207,11 +261,17 @@ class LowPrecisionPlugin(SessionOwner):
 
     # -------------------------------------------------------- Accelerate save_state / load_state
     def state_dict(self) -> dict:
-        return {"plan": None if self.plan is None else self.plan.to_dict(), "steps_skipped": self.steps_skipped, "scan_seconds": self.scan_seconds}
+        return {
+            "plan": None if self.plan is None else self.plan.to_dict(),
+            "steps_skipped": self.steps_skipped,
+            "scan_seconds": self.scan_seconds,
+        }
 
     def load_state_dict(self, state: Mapping) -> None:
         if state.get("plan") is not None and self.plan is not None and state["plan"] != self.plan.to_dict():
-            raise ValueError(f"the saved state was trained with another plan: {state['plan']}; this run uses {self.plan.to_dict()}")
+            raise ValueError(
+                f"the saved state was trained with another plan: {state['plan']}; this run uses {self.plan.to_dict()}"
+            )
         self.steps_skipped = int(state.get("steps_skipped", 0))
         self.scan_seconds = float(state.get("scan_seconds", 0.0))
 

@@ -74,8 +74,11 @@ def fp8_row_kernels():
         logger.warning("compiling the FP8 row casts failed (%s); activations are packed by eager torch ops", e)
         return pack_fp8_rows, unpack_fp8_rows
     if not same:
-        logger.warning("the compiled FP8 row casts disagree with eager ones on this CPU (%s); activations are packed by "
-                       "eager torch ops", torch.backends.cpu.get_cpu_capability())  # fmt: skip
+        logger.warning(
+            "the compiled FP8 row casts disagree with eager ones on this CPU (%s); activations are packed by "
+            "eager torch ops",
+            torch.backends.cpu.get_cpu_capability(),
+        )
         return pack_fp8_rows, unpack_fp8_rows
     return pack, unpack
 
@@ -139,7 +142,12 @@ class ActivationStorage:
         self.stored_bytes = 0
 
     def _pack(self, t: torch.Tensor):
-        if t.dtype not in _PACKED_DTYPES or t.dim() < 2 or t.numel() < self.min_numel or t.untyped_storage().data_ptr() in self._keep:
+        if (
+            t.dtype not in _PACKED_DTYPES
+            or t.dim() < 2
+            or t.numel() < self.min_numel
+            or t.untyped_storage().data_ptr() in self._keep
+        ):
             return t
         # ops often save views of one tensor (a linear's input reshaped to 2-D, once per q/k/v projection):
         # key on the viewed tensor and the view's geometry, and check the base is still the same, unchanged tensor

@@ -100,18 +100,40 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
     """
 
     def __init__(
-        self, plan="auto", *, keep: tuple[str, ...] = (), budget=None, formats=("fp8", "int4-g64"),
-        calibration_data: Iterable[Mapping] | None = None, calibration_batches: int = 4, scan_method: str = "auto",
-        scaler: str = "dynamic", scaler_options: Mapping | None = None, fp8_backend: str = "auto",
-        learn_scales: bool = True, sync: bool | None = None, compensation: str | None = None, seed: int = 0,
-    ):  # fmt: skip
+        self,
+        plan="auto",
+        *,
+        keep: tuple[str, ...] = (),
+        budget=None,
+        formats=("fp8", "int4-g64"),
+        calibration_data: Iterable[Mapping] | None = None,
+        calibration_batches: int = 4,
+        scan_method: str = "auto",
+        scaler: str = "dynamic",
+        scaler_options: Mapping | None = None,
+        fp8_backend: str = "auto",
+        learn_scales: bool = True,
+        sync: bool | None = None,
+        compensation: str | None = None,
+        seed: int = 0,
+    ):
         if not is_auto(plan) and calibration_data is not None:
             raise ValueError("budget= and calibration_data= apply only to plan='auto'")
         self.session = LowPrecisionSession(
-            plan, keep=keep, budget=budget, formats=formats, calibration_batches=calibration_batches, scan_method=scan_method,
-            scaler=scaler, scaler_options=scaler_options, fp8_backend=fp8_backend, learn_scales=learn_scales, sync=sync,
-            compensation=compensation, seed=seed,
-        )  # fmt: skip
+            plan,
+            keep=keep,
+            budget=budget,
+            formats=formats,
+            calibration_batches=calibration_batches,
+            scan_method=scan_method,
+            scaler=scaler,
+            scaler_options=scaler_options,
+            fp8_backend=fp8_backend,
+            learn_scales=learn_scales,
+            sync=sync,
+            compensation=compensation,
+            seed=seed,
+        )
         self.calibration_data = calibration_data
         self._plan_folder = Path(plan) if isinstance(plan, (str, os.PathLike)) and Path(plan).is_dir() else None
         self._hook = None
@@ -127,8 +149,12 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         if model is None:
             return  # model_init: converted at on_train_begin
         if not eligible_layers(model):
-            raise ValueError(f"{type(model).__name__} has no eligible layers (nn.Linear / nn.Embedding) to put in low precision")
-        if self.compensation and not any(p.requires_grad and p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()):
+            raise ValueError(
+                f"{type(model).__name__} has no eligible layers (nn.Linear / nn.Embedding) to put in low precision"
+            )
+        if self.compensation and not any(
+            p.requires_grad and p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()
+        ):
             raise ValueError(
                 f"compensation={self.compensation!r} keeps bf16/fp16 weights exact without an fp32 master copy, "
                 "but every trainable weight of this model is fp32: load the model in bf16 or drop compensation"
@@ -163,7 +189,9 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         if args.fp16 and getattr(optimizer, "scaler", None) is None:
             logger.warning(
                 "fp16=True but no GradScaler is active: Accelerate applies fp16 autocast and loss scaling only on "
-                "accelerators, so on %s the model trains in %s without loss scaling", args.device, next(model.parameters()).dtype
+                "accelerators, so on %s the model trains in %s without loss scaling",
+                args.device,
+                next(model.parameters()).dtype,
             )
         if optimizer is not None:
             orphans = orphaned_parameters(model, optimizer)
@@ -181,7 +209,9 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
                 "LowPrecisionCallback(plan='<checkpoint folder>'), so it is applied before the optimizer state loads"
             )
         if args.fsdp or type(model).__name__.startswith("FullyShardedDataParallel"):
-            raise ValueError("under FSDP the plan must be applied before wrapping: pass calibration_data= or a fixed plan")
+            raise ValueError(
+                "under FSDP the plan must be applied before wrapping: pass calibration_data= or a fixed plan"
+            )
         if self.plan is None:
             if train_dataloader is None:
                 raise ValueError("plan='auto' needs training data or calibration_data= to scan")
@@ -220,11 +250,17 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
                 f"{COMPENSATION_FILE}: pass LowPrecisionCallback(plan='<checkpoint folder>', ...)"
             )
         if folder is None:
-            logger.warning("resumed at step %d without %s: low-precision state comes from the model weights only", state.global_step, STATE_FILE)
+            logger.warning(
+                "resumed at step %d without %s: low-precision state comes from the model weights only",
+                state.global_step,
+                STATE_FILE,
+            )
             return
         saved_plan = PrecisionPlan.load(folder / PLAN_FILE)
         if saved_plan.to_dict() != self.plan.to_dict():
-            raise ValueError(f"checkpoint {str(folder)!r} was trained with another plan: {saved_plan.to_dict()}; this run uses {self.plan.to_dict()}")
+            raise ValueError(
+                f"checkpoint {str(folder)!r} was trained with another plan: {saved_plan.to_dict()}; this run uses {self.plan.to_dict()}"
+            )
         tensors = load_file(str(folder / STATE_FILE))
         expected = low_precision_state(model)
         if set(tensors) != set(expected):
@@ -242,7 +278,11 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
 
     def _checkpoint_folder(self, args, state) -> Path | None:
         """The checkpoint being resumed: the plan folder, ``args.resume_from_checkpoint`` or ``<output_dir>/checkpoint-<step>``."""
-        candidates = [self._plan_folder, getattr(args, "resume_from_checkpoint", None), Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"]
+        candidates = [
+            self._plan_folder,
+            getattr(args, "resume_from_checkpoint", None),
+            Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}",
+        ]
         for c in candidates:
             if c and (Path(c) / STATE_FILE).is_file() and (Path(c) / PLAN_FILE).is_file():
                 return Path(c)
@@ -289,7 +329,10 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
             # into a plain optimizer before this callback can wrap it. Keep the plain optimizer's part
             # there and the compensation buffers and generator states in our own file.
             saved = torch.load(folder / OPTIMIZER_NAME, weights_only=True)
-            for name, value in ((COMPENSATION_FILE, {k: v for k, v in saved.items() if k != "optimizer"}), (OPTIMIZER_NAME, saved["optimizer"])):
+            for name, value in (
+                (COMPENSATION_FILE, {k: v for k, v in saved.items() if k != "optimizer"}),
+                (OPTIMIZER_NAME, saved["optimizer"]),
+            ):
                 tmp = folder / f".{name}.tmp"
                 torch.save(value, tmp)
                 os.replace(tmp, folder / name)

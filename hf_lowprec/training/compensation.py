@@ -82,9 +82,14 @@ def emulated_accumulation_matmul(
 
 
 def chunked_scaled_mm(
-    a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor, chunk: int = 128,
-    out_dtype: torch.dtype = torch.float32, use_fast_accum: bool = True,
-) -> torch.Tensor:  # fmt: skip
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scale: torch.Tensor,
+    chunk: int = 128,
+    out_dtype: torch.dtype = torch.float32,
+    use_fast_accum: bool = True,
+) -> torch.Tensor:
     """FP8 GEMM ``(a_q / a_scale) @ (b_q / b_scale)`` summed over K-chunks of ``chunk`` in fp32.
 
     ``a_q [M, K]`` row-major, ``b_q [K, N]`` column-major (``w_q.t()``), FP8; scales in this package's
@@ -98,9 +103,13 @@ def chunked_scaled_mm(
     out = None
     for k0 in range(0, a_q.shape[1], chunk):
         part = torch._scaled_mm(
-            a_q[:, k0 : k0 + chunk], b_q[k0 : k0 + chunk], scale_a=sa, scale_b=sb, out_dtype=torch.float32,
+            a_q[:, k0 : k0 + chunk],
+            b_q[k0 : k0 + chunk],
+            scale_a=sa,
+            scale_b=sb,
+            out_dtype=torch.float32,
             use_fast_accum=use_fast_accum,
-        )  # fmt: skip
+        )
         out = part if out is None else out.add_(part)
     return out.to(out_dtype)
 
@@ -172,10 +181,14 @@ class CompensatedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, method: str = "kahan",
+        self,
+        optimizer: torch.optim.Optimizer,
+        method: str = "kahan",
         error_feedback: Mapping[nn.Parameter, FormatSpec | str] | None = None,
-        residual_dtype: torch.dtype = torch.bfloat16, max_chunk_numel: int = 2**24, seed: int = 0,
-    ):  # fmt: skip
+        residual_dtype: torch.dtype = torch.bfloat16,
+        max_chunk_numel: int = 2**24,
+        seed: int = 0,
+    ):
         # Like accelerate's AcceleratedOptimizer: an Optimizer (LR schedulers check) that delegates
         # to the wrapped one instead of calling Optimizer.__init__.
         if method not in METHODS:
@@ -314,7 +327,9 @@ class CompensatedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         if state_dict.get("method") != self.method:
-            raise ValueError(f"state_dict was saved with method {state_dict.get('method')!r}, this optimizer uses {self.method!r}")
+            raise ValueError(
+                f"state_dict was saved with method {state_dict.get('method')!r}, this optimizer uses {self.method!r}"
+            )
         params = self._params()
         # torch casts floating states to their parameter's dtype on load; the wrapped optimizer's states
         # belong to the fp32 lifted values, so present fp32 stand-ins (stride-0, no memory) while loading
@@ -326,7 +341,9 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         finally:
             for p, data in swapped:
                 p.data = data
-        self.buffers = {id(params[int(i)]): v.to(params[int(i)].device).clone() for i, v in state_dict["buffers"].items()}
+        self.buffers = {
+            id(params[int(i)]): v.to(params[int(i)].device).clone() for i, v in state_dict["buffers"].items()
+        }
         self._generators = {}
         for dev, gen_state in state_dict.get("generators", {}).items():
             self._generator(torch.device(dev)).set_state(gen_state)
@@ -340,9 +357,15 @@ class CompensatedOptimizer(torch.optim.Optimizer):
 
 
 def make_optimizer(
-    params: Iterable, states: str = "fp32", compensation: str | None = None, lr: float = 1e-3,
-    weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, **wrapper_options,
-) -> torch.optim.Optimizer:  # fmt: skip
+    params: Iterable,
+    states: str = "fp32",
+    compensation: str | None = None,
+    lr: float = 1e-3,
+    weight_decay: float = 0.01,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    **wrapper_options,
+) -> torch.optim.Optimizer:
     """AdamW with ``states`` optimizer states, optionally wrapped in a :class:`CompensatedOptimizer`.
 
     ``states``: ``fp32`` (torch), ``8bit`` / ``4bit`` / ``fp8`` (torchao's AdamW8bit / AdamW4bit /

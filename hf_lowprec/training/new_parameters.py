@@ -85,8 +85,13 @@ def orphaned_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> l
     return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
 
 
-def add_new_parameters(optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Parameter] | Iterable[nn.Parameter],
-                       lr: float | None = None, weight_decay: float = 0.0, scheduler=None) -> int:  # fmt: skip
+def add_new_parameters(
+    optimizer: torch.optim.Optimizer,
+    params: Mapping[str, nn.Parameter] | Iterable[nn.Parameter],
+    lr: float | None = None,
+    weight_decay: float = 0.0,
+    scheduler=None,
+) -> int:
     """Add the parameters not yet in ``optimizer`` as one new param group; returns how many were added.
 
     For learned steps made after the optimizer (``apply_plan(...).new_parameters``). ``lr``: the group's

@@ -94,8 +94,6 @@ def scan_plan(model: nn.Module, batches: Iterable[Mapping], options) -> tuple[Pr
     return _same_on_all_ranks(plan), time.perf_counter() - start
 
 
-
-
 class LowPrecisionSession:
     """Options, plan, conversion and telemetry of one training run (see the module docstring).
 
@@ -105,10 +103,22 @@ class LowPrecisionSession:
     """
 
     def __init__(
-        self, plan="auto", *, keep: tuple[str, ...] = (), budget=None, formats=("fp8", "int4-g64"), calibration_batches: int = 4,
-        scan_method: str = "auto", scaler: str = "dynamic", scaler_options: Mapping | None = None, fp8_backend: str = "auto",
-        learn_scales: bool = True, sync: bool | None = None, compensation: str | None = None, seed: int = 0,
-    ):  # fmt: skip
+        self,
+        plan="auto",
+        *,
+        keep: tuple[str, ...] = (),
+        budget=None,
+        formats=("fp8", "int4-g64"),
+        calibration_batches: int = 4,
+        scan_method: str = "auto",
+        scaler: str = "dynamic",
+        scaler_options: Mapping | None = None,
+        fp8_backend: str = "auto",
+        learn_scales: bool = True,
+        sync: bool | None = None,
+        compensation: str | None = None,
+        seed: int = 0,
+    ):
         self.auto = is_auto(plan)
         if not self.auto and budget is not None:
             raise ValueError("budget= and calibration_data= apply only to plan='auto'")
@@ -141,8 +151,12 @@ class LowPrecisionSession:
 
     def apply(self, model: nn.Module, plan: PrecisionPlan, world: int) -> ConversionReport:
         """:func:`~hf_lowprec.convert.apply_plan` with these options (amaxes synced over ``world`` processes by default)."""
-        factory = make_policy_factory(self.scaler, sync=world > 1 if self.sync is None else self.sync, **self.scaler_options)
-        return apply_plan(model, plan, fp8_backend=self.fp8_backend, learn_scales=self.learn_scales, policy_factory=factory)
+        factory = make_policy_factory(
+            self.scaler, sync=world > 1 if self.sync is None else self.sync, **self.scaler_options
+        )
+        return apply_plan(
+            model, plan, fp8_backend=self.fp8_backend, learn_scales=self.learn_scales, policy_factory=factory
+        )
 
     def record(self, model: nn.Module, plan: PrecisionPlan, report: ConversionReport) -> None:
         """Keep what a conversion of ``model`` to ``plan`` did; ``ValueError`` if no layer went to low precision."""

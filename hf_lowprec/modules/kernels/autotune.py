@@ -68,7 +68,9 @@ def time_call(fn: Callable[[], object], repeats: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def fastest(key: str, candidates: dict[str, Callable[[], object]], why: Callable[[str, dict[str, float]], str]) -> Choice:
+def fastest(
+    key: str, candidates: dict[str, Callable[[], object]], why: Callable[[str, dict[str, float]], str]
+) -> Choice:
     """The candidate of ``candidates`` (``{name: call}``) that runs fastest, measured once per machine and ``key``.
 
     ``why(winner, seconds)`` words the reason. A cached winner that is no longer a candidate is measured again.
@@ -109,7 +111,9 @@ def _cpu_compute_dtype() -> tuple[torch.dtype, str]:
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
     xb, wb = x.bfloat16(), w.bfloat16()
     choice = fastest("compute-dtype", {"bf16": lambda: F.linear(xb, wb), "fp32": lambda: F.linear(x, w)}, _dtype_reason)
-    return (torch.bfloat16 if choice.value == "bf16" and _speedup(choice.seconds) >= BF16_MIN_SPEEDUP else torch.float32), choice.reason
+    return (
+        torch.bfloat16 if choice.value == "bf16" and _speedup(choice.seconds) >= BF16_MIN_SPEEDUP else torch.float32
+    ), choice.reason
 
 
 def _speedup(seconds: dict[str, float]) -> float:

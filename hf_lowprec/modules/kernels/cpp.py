@@ -381,7 +381,14 @@ torch::Tensor tiled_linear_grad_input(torch::Tensor g, torch::Tensor qweight, to
 }
 """
 
-_FUNCTIONS = ["unpack_int4_int8", "quantize_rows", "column_absmax", "dequantize", "tiled_linear", "tiled_linear_grad_input"]
+_FUNCTIONS = [
+    "unpack_int4_int8",
+    "quantize_rows",
+    "column_absmax",
+    "dequantize",
+    "tiled_linear",
+    "tiled_linear_grad_input",
+]
 _state: dict[str, object] = {}
 
 
@@ -402,9 +409,18 @@ def _build():
     name = "hf_lowprec_cpu_kernels_" + hashlib.sha256((_SOURCE + build_tag()).encode()).hexdigest()[:12]
     logger.info("loading hf_lowprec CPU kernels (%s; built once per machine, ~45 s)", name)
     try:
-        return load_inline(name, cpp_sources=_SOURCE, functions=_FUNCTIONS, verbose=False,
-                           extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"])  # fmt: skip
+        return load_inline(
+            name,
+            cpp_sources=_SOURCE,
+            functions=_FUNCTIONS,
+            verbose=False,
+            extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
     except Exception as e:  # no compiler, no headers, a build error: say so, run the slower path
-        logger.warning("building the hf_lowprec CPU kernels failed (%s: %s); packed layers use torch ops",
-                       type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")  # fmt: skip
+        logger.warning(
+            "building the hf_lowprec CPU kernels failed (%s: %s); packed layers use torch ops",
+            type(e).__name__,
+            str(e).strip().splitlines()[-1] if str(e).strip() else "",
+        )
         return None

@@ -19,7 +19,18 @@ import torch
 
 CLASS_ENV = "HF_LOWPREC_CPU_CLASS"
 # the flags (as /proc/cpuinfo spells them) that decide which kernels can run
-X86_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+X86_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+)
 ARM_FLAGS = ("asimd", "asimddp", "i8mm", "bf16", "sve")
 _CLASSES = {"avx2": ("avx2", "fma")}  # what each HF_LOWPREC_CPU_CLASS value keeps
 
@@ -64,9 +75,16 @@ class CpuInfo:
         return f"{self.model} ({self.cpu_class}: {' '.join(self.flags) or 'none'}; torch {self.torch_capability}{restricted})"
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "arch": self.arch, "class": self.cpu_class, "flags": list(self.flags),
-                "torch_capability": self.torch_capability, "native_bf16": self.native_bf16, "int8_dot": self.int8_dot,
-                "restricted_to": self.restricted_to}  # fmt: skip
+        return {
+            "model": self.model,
+            "arch": self.arch,
+            "class": self.cpu_class,
+            "flags": list(self.flags),
+            "torch_capability": self.torch_capability,
+            "native_bf16": self.native_bf16,
+            "int8_dot": self.int8_dot,
+            "restricted_to": self.restricted_to,
+        }
 
 
 @functools.cache
@@ -75,9 +93,13 @@ def cpu_info() -> CpuInfo:
     model, flags = _read_proc_cpuinfo()
     arch = platform.machine().lower()
     if not flags:  # no /proc (macOS, Windows): torch's own probes cover the x86 flags that matter
-        probes = {"avx2": torch.cpu._is_avx2_supported, "avx512f": torch.cpu._is_avx512_supported,
-                  "avx512_vnni": torch.cpu._is_vnni_supported, "avx512_bf16": torch.cpu._is_avx512_bf16_supported,
-                  "amx_tile": torch.cpu._is_amx_tile_supported}  # fmt: skip
+        probes = {
+            "avx2": torch.cpu._is_avx2_supported,
+            "avx512f": torch.cpu._is_avx512_supported,
+            "avx512_vnni": torch.cpu._is_vnni_supported,
+            "avx512_bf16": torch.cpu._is_avx512_bf16_supported,
+            "amx_tile": torch.cpu._is_amx_tile_supported,
+        }
         flags = {name for name, probe in probes.items() if probe()}
     known = X86_FLAGS if arch in ("x86_64", "amd64") else ARM_FLAGS
     present = tuple(f for f in known if f in flags)
@@ -86,7 +108,9 @@ def cpu_info() -> CpuInfo:
         if restricted not in _CLASSES:
             raise ValueError(f"{CLASS_ENV}={restricted!r}: choose one of {', '.join(_CLASSES)}")
         present = tuple(f for f in present if f in _CLASSES[restricted])
-    return CpuInfo(model or platform.processor() or arch, arch, present, torch.backends.cpu.get_cpu_capability(), restricted)
+    return CpuInfo(
+        model or platform.processor() or arch, arch, present, torch.backends.cpu.get_cpu_capability(), restricted
+    )
 
 
 def build_tag() -> str:

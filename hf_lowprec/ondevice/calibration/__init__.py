@@ -56,7 +56,11 @@ def check_rounding(rounding: str) -> str:
 
 @torch.no_grad()
 def calibrate_layer(
-    weight: torch.Tensor, hessian: torch.Tensor, spec: FormatSpec, rounding: str, step_dtype: torch.dtype = torch.float32
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    spec: FormatSpec,
+    rounding: str,
+    step_dtype: torch.dtype = torch.float32,
 ) -> CalibratedCodes:
     """Codes of ``weight [N, K]`` by ``rounding`` (not ``nearest``) given its input Hessian ``hessian [K, K]``.
 
@@ -146,7 +150,9 @@ def calibrated_codes(
     see quantized inputs). ``progress(done, total)`` after each layer. Returns the results by name.
     """
     if check_rounding(rounding) == "nearest":
-        raise ValueError("calibrated_codes: rounding 'nearest' needs no calibration; pack the layers with Int4Linear.freeze()")
+        raise ValueError(
+            "calibrated_codes: rounding 'nearest' needs no calibration; pack the layers with Int4Linear.freeze()"
+        )
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -161,7 +167,9 @@ def calibrated_codes(
                 hooks.remove()
             for name in group:
                 module = layers[name]
-                out[name] = calibrate_layer(module.weight, hooks.hessians.pop(name), module.spec, rounding, module.weight.dtype)
+                out[name] = calibrate_layer(
+                    module.weight, hooks.hessians.pop(name), module.spec, rounding, module.weight.dtype
+                )
                 replace(name, out[name])
                 if progress is not None:
                     progress(len(out), len(layers))
@@ -174,9 +182,20 @@ def summary(results: dict[str, CalibratedCodes]) -> dict:
     """Median relative calibration output error (and AWQ exponent) over the layers, and round-to-nearest's."""
     med = lambda xs: sorted(xs)[len(xs) // 2] if xs else 0.0  # noqa: E731
     alphas = [r.alpha for r in results.values() if r.alpha is not None]
-    return {"layers": len(results), "output_error_median": med([r.output_error for r in results.values()]),
-            "output_error_nearest_median": med([r.output_error_nearest for r in results.values()]),
-            **({"awq_alpha_median": med(alphas)} if alphas else {})}  # fmt: skip
+    return {
+        "layers": len(results),
+        "output_error_median": med([r.output_error for r in results.values()]),
+        "output_error_nearest_median": med([r.output_error_nearest for r in results.values()]),
+        **({"awq_alpha_median": med(alphas)} if alphas else {}),
+    }
 
 
-__all__ = ["ROUNDINGS", "CalibratedCodes", "calibrate_layer", "calibrated_codes", "check_rounding", "hessian_groups", "summary"]
+__all__ = [
+    "ROUNDINGS",
+    "CalibratedCodes",
+    "calibrate_layer",
+    "calibrated_codes",
+    "check_rounding",
+    "hessian_groups",
+    "summary",
+]

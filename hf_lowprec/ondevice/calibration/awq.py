@@ -46,7 +46,9 @@ def relative_output_error(err: torch.Tensor, weight: torch.Tensor, hessian: torc
     return float(((err @ hessian) * err).sum() / ((weight @ hessian) * weight).sum().clamp(min=1e-30))
 
 
-def stored_steps(weight: torch.Tensor, spec: FormatSpec, step_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+def stored_steps(
+    weight: torch.Tensor, spec: FormatSpec, step_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``int_steps`` of ``weight [N, K]`` rounded to ``step_dtype`` (as the packed layer stores them), as fp32 ``[N, G]``."""
     step, zero = int_steps(weight, spec)
     return step.to(step_dtype).float(), None if zero is None else zero.to(step_dtype).float()
@@ -67,9 +69,12 @@ def power_of_two_scales(rms: torch.Tensor, alpha: float) -> torch.Tensor:
 
 @torch.no_grad()
 def search_input_scale(
-    weight: torch.Tensor, hessian: torch.Tensor, spec: FormatSpec, step_dtype: torch.dtype = torch.float32,
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    spec: FormatSpec,
+    step_dtype: torch.dtype = torch.float32,
     alphas: tuple[float, ...] = ALPHAS,
-) -> InputScale:  # fmt: skip
+) -> InputScale:
     """The input scale from ``alphas`` whose round-to-nearest quantization of ``weight [N, K] * s`` gives the
     lowest output error under ``hessian [K, K]`` (``X^T X`` of the layer's calibration inputs).
 
@@ -77,7 +82,9 @@ def search_input_scale(
     """
     w, h = weight.detach().float(), hessian.float()
     if h.shape != (w.shape[1], w.shape[1]):
-        raise ValueError(f"search_input_scale: Hessian {tuple(h.shape)} does not match a weight with {w.shape[1]} inputs")
+        raise ValueError(
+            f"search_input_scale: Hessian {tuple(h.shape)} does not match a weight with {w.shape[1]} inputs"
+        )
     rms = torch.diag(h).clamp(min=0).sqrt()
     live = rms > 0
     rms = rms.clamp(min=float(rms[live].min()) if live.any() else 1.0)
@@ -91,4 +98,12 @@ def search_input_scale(
     return best
 
 
-__all__ = ["ALPHAS", "InputScale", "power_of_two_scales", "relative_output_error", "round_to_nearest", "search_input_scale", "stored_steps"]
+__all__ = [
+    "ALPHAS",
+    "InputScale",
+    "power_of_two_scales",
+    "relative_output_error",
+    "round_to_nearest",
+    "search_input_scale",
+    "stored_steps",
+]

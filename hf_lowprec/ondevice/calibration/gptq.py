@@ -93,9 +93,12 @@ def gptq_quantize(
     _, nearest = _round(w, col_step, col_zero, qmin, qmax)
     hessian = hessian.float()
     return GPTQResult(
-        codes.to(torch.int8 if spec.symmetric else torch.uint8), step.float(), None if zero is None else zero.float(),
-        relative_output_error(deq - w, w, hessian), relative_output_error(nearest - w, w, hessian),
-    )  # fmt: skip
+        codes.to(torch.int8 if spec.symmetric else torch.uint8),
+        step.float(),
+        None if zero is None else zero.float(),
+        relative_output_error(deq - w, w, hessian),
+        relative_output_error(nearest - w, w, hessian),
+    )
 
 
 __all__ = ["GPTQResult", "gptq_quantize"]
