@@ -32,7 +32,8 @@ DataOpt = Annotated[
     Optional[str],
     typer.Option(
         "--data",
-        help="Local .txt/.jsonl/.json/.csv/.parquet file or folder, or a Hub dataset name. Default: the offline Shakespeare corpus.",
+        help="Local .txt/.jsonl/.json/.csv/.parquet file or folder, or a Hub dataset name. Default: the offline "
+        "Shakespeare corpus.",
     ),
 ]
 TextColOpt = Annotated[Optional[str], typer.Option("--text-column", help="Column of plain text (else detected).")]
@@ -141,7 +142,8 @@ def scan_cmd(
         Optional[str],
         typer.Option(
             "--budget",
-            help="Allocation budget as key=value[,key=value]: target_bits_per_param, max_loss_increase, min_fp8_fraction, int4_fraction. Default: predicted Δloss ≤ 1% of the calibration loss.",
+            help="Allocation budget as key=value[,key=value]: target_bits_per_param, max_loss_increase, "
+            "min_fp8_fraction, int4_fraction. Default: predicted Δloss ≤ 1% of the calibration loss.",
         ),
     ] = None,
     formats: Annotated[str, typer.Option("--formats", help="Comma-separated candidate formats.")] = "fp8,int4-g64",
@@ -224,7 +226,8 @@ def scan_cmd(
     ]
     ui.out.print(
         ui.table(
-            f"Sensitivity: Δloss (nats/token) per layer and format; * measured, else predicted (base loss {result.base_loss:.4f})",
+            "Sensitivity: Δloss (nats/token) per layer and format; * measured, else predicted (base loss "
+            f"{result.base_loss:.4f})",
             ("layer", "params", *result.formats, "chosen"),
             rows,
             numeric=range(1, 2 + len(result.formats)),
@@ -239,7 +242,8 @@ def scan_cmd(
                 "budget": ", ".join(f"{k}={v:g}" for k, v in alloc.get("budget", {}).items()),
                 "bits per parameter": f"{alloc.get('bits_per_param', float('nan')):.2f}",
                 "predicted Δloss (calibration)": f"{alloc.get('predicted_delta_loss', float('nan')):.4f}",
-                "measured Δloss (held-out)": f"{measured['delta_loss']:.4f} (loss {measured['base_loss']:.4f} → {measured['plan_loss']:.4f}, KL {measured['kl']:.4f})",
+                "measured Δloss (held-out)": f"{measured['delta_loss']:.4f} (loss {measured['base_loss']:.4f} → "
+                f"{measured['plan_loss']:.4f}, KL {measured['kl']:.4f})",
                 "scan time": f"{result.seconds.get('total', 0.0):.1f} s",
                 "files": f"{out} (plan), {heatmap} (heat map), {scores} (scores)",
             },
@@ -302,7 +306,8 @@ def finetune_cmd(
         Optional[str],
         typer.Option(
             "--dtype",
-            help="Compute dtype: auto (bf16 where this CPU runs bf16 GEMMs fast, measured once; else fp32), bf16 or fp32.",
+            help="Compute dtype: auto (bf16 where this CPU runs bf16 GEMMs fast, measured once; else fp32), bf16 "
+            "or fp32.",
         ),
     ] = None,
     save_steps: Annotated[Optional[int], typer.Option("--save-steps", min=1)] = None,
@@ -320,7 +325,8 @@ def finetune_cmd(
         Optional[str],
         typer.Option(
             "--rounding",
-            help="int4-lora: how the INT4 codes are chosen: nearest, gptq, awq or awq+gptq (the last three calibrated on the first training batches).",
+            help="int4-lora: how the INT4 codes are chosen: nearest, gptq, awq or awq+gptq (the last three "
+            "calibrated on the first training batches).",
         ),
     ] = None,
     seed: Annotated[Optional[int], typer.Option("--seed")] = None,
@@ -378,16 +384,19 @@ def _print_summary(record: dict, out: Path) -> None:
         "loss, plan applied, before training": f"{f['loss_start']:.4f}",
         "loss, after training": f"{f['loss_final']:.4f} (perplexity {f['perplexity_final']:.2f})",
         "steps": f"{f['steps']}" + (f" (resumed from {f['resumed_from_step']})" if "resumed_from_step" in f else ""),
-        "time": f"{f['train_seconds']:.1f} s ({f['seconds_per_step']:.2f} s/step, {f['tokens_per_second']:,.0f} tokens/s)",
+        "time": f"{f['train_seconds']:.1f} s ({f['seconds_per_step']:.2f} s/step, {f['tokens_per_second']:,.0f} "
+        "tokens/s)",
         "memory": mem,
-        "hardware": f"{record['hardware']['device']} ({record['hardware']['name']}, {record['hardware']['cpu_cores']} cores)",
+        "hardware": f"{record['hardware']['device']} ({record['hardware']['name']}, "
+        f"{record['hardware']['cpu_cores']} cores)",
         "compute": record["compute"]["reason"],
         "output": f"{out} ({record['export']['description']})",
     }
     ui.out.print(ui.key_values("Fine-tuning summary (losses on held-out data)", items))
     ui.out.print(ui.plan_rows_table(record["plan_rows"]))
     ui.out.print(
-        f"next: hf-lowprec eval {out} --data <file>   |   hf-lowprec export {out} --out <dir>   |   hf-lowprec push <dir> <user/repo>"
+        f"next: hf-lowprec eval {out} --data <file>   |   hf-lowprec export {out} --out <dir>   |   hf-lowprec "
+        "push <dir> <user/repo>"
     )
 
 

@@ -68,7 +68,8 @@ def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool) -> RunFol
         return run
     if run.out.is_dir() and any(run.out.iterdir()) and not overwrite:
         ui.fail(
-            f"output folder {str(run.out)!r} already exists; pass --overwrite to replace it (it is replaced only when the new run finishes)"
+            f"output folder {str(run.out)!r} already exists; pass --overwrite to replace it (it is replaced only "
+            "when the new run finishes)"
         )
     if run.work.exists():
         if not overwrite:

@@ -89,7 +89,8 @@ def resolve_checkpoint(model_id_or_path: str | os.PathLike, gguf_file: str | Non
             ggufs = sorted(p.name for p in path.glob("*.gguf"))
             hint = f"; it holds GGUF files {ggufs}: pass gguf_file=" if ggufs else ""
             raise ValueError(
-                f"{name!r} is not a model folder (no config.json){hint}; pass a save_pretrained folder, a hub id or a .gguf file"
+                f"{name!r} is not a model folder (no config.json){hint}; pass a save_pretrained folder, a hub id "
+                "or a .gguf file"
             )
         return str(path), gguf_file
     if not _is_hub_id(name):

@@ -157,7 +157,8 @@ def apply_plan(
             continue
         if isinstance(module, PackedLinear):
             raise ValueError(
-                f"layer {name!r} is frozen packed {module.spec.name} and cannot change to {spec.name}; reload the model to re-plan it"
+                f"layer {name!r} is frozen packed {module.spec.name} and cannot change to {spec.name}; reload the "
+                "model to re-plan it"
             )
         original = _high_precision(module) if isinstance(module, LOW_PRECISION_TYPES) else module
         if spec.is_high_precision:

@@ -147,7 +147,8 @@ def _sequences(ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cols: C
     """Token ids per row (text rows end with EOS; chat rows through the chat template)."""
     if cols.kind == "chat" and not tokenizer.chat_template:
         raise ValueError(
-            f"the tokenizer ({type(tokenizer).__name__}) has no chat template; chat data needs one (or use --text-column)"
+            f"the tokenizer ({type(tokenizer).__name__}) has no chat template; chat data needs one (or use "
+            "--text-column)"
         )
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     for row in ds:

@@ -161,7 +161,8 @@ class PrecisionPlan:
                 found = _find_module(source, key)
                 if found is not None:
                     raise ValueError(
-                        f"plan entry {key!r} is a {type(found).__name__}; only nn.Linear and nn.Embedding layers can change format"
+                        f"plan entry {key!r} is a {type(found).__name__}; only nn.Linear and nn.Embedding layers "
+                        "can change format"
                     )
                 close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
                 hint = f"; close matches: {', '.join(close)}" if close else ""
@@ -276,5 +277,6 @@ def resolve_plan(plan, keep: tuple[str, ...] = ()) -> PrecisionPlan:
             path = path / PLAN_FILE
         return PrecisionPlan.load(path)
     raise ValueError(
-        f"plan must be a PrecisionPlan, a dict, a .json/.yaml path, a plan folder or a format name, got {type(plan).__name__}"
+        "plan must be a PrecisionPlan, a dict, a .json/.yaml path, a plan folder or a format name, got "
+        f"{type(plan).__name__}"
     )

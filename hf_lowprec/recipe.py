@@ -186,12 +186,14 @@ class Recipe:
             )
         if self.training.activation_storage != "none" and self.method != "int4-lora":
             raise ValueError(
-                f"training.activation_storage {self.training.activation_storage!r} applies to method 'int4-lora'; use 'none'"
+                f"training.activation_storage {self.training.activation_storage!r} applies to method 'int4-lora'; "
+                "use 'none'"
             )
         floating = [f for f in self.precision.formats if FormatSpec.parse(f).family not in ("int4", "int8")]
         if self.method == "int4-lora" and self.precision.is_auto and floating:
             raise ValueError(
-                f"method 'int4-lora' with plan 'auto' chooses among int4/int8 formats (e.g. int4-g64-asym, int8), not {floating}"
+                "method 'int4-lora' with plan 'auto' chooses among int4/int8 formats (e.g. int4-g64-asym, int8), "
+                f"not {floating}"
             )
 
     @property
@@ -343,7 +345,8 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         raise ValueError(f"recipe {source!r} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, Mapping):
         raise ValueError(
-            f"recipe {source!r} must be a YAML mapping with keys {', '.join(f.name for f in dataclasses.fields(Recipe) if f.name != 'source')}"
+            f"recipe {source!r} must be a YAML mapping with keys "
+            f"{', '.join(f.name for f in dataclasses.fields(Recipe) if f.name != 'source')}"
         )
     if "name" not in data:
         data = {"name": Path(source).stem, **data}

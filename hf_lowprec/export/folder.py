@@ -67,7 +67,8 @@ def export_model(
         if weights == "int4-packed":
             if freeze(copy_) == 0:
                 raise ValueError(
-                    "export weights 'int4-packed' needs int4 (or per-channel int8) layers in the plan; this model has none (export 'master')"
+                    "export weights 'int4-packed' needs int4 (or per-channel int8) layers in the plan; this model "
+                    "has none (export 'master')"
                 )
             revert(copy_)  # FP8 / other layers back to plain layers with their master weights
             run["export"] = {
@@ -185,7 +186,8 @@ def export_run(
     if merge:
         if not run.get("adapter"):
             raise ValueError(
-                f"--merge: {str(run_dir)!r} has no LoRA adapters to merge (recipe method {run.get('recipe', {}).get('method')!r})"
+                f"--merge: {str(run_dir)!r} has no LoRA adapters to merge (recipe method "
+                f"{run.get('recipe', {}).get('method')!r})"
             )
         model, tokenizer = load_exported(run_dir)
         return export_model(
@@ -231,7 +233,8 @@ def load_exported(
     if run.get("export", {}).get("weights") == "int4-packed":
         if apply_plan_numerics:
             raise ValueError(
-                "a packed INT4 export already computes with its quantized weights; apply_plan_numerics is for master exports"
+                "a packed INT4 export already computes with its quantized weights; apply_plan_numerics is for "
+                "master exports"
             )
         return load_int4_model(folder, dtype=dtype, backend=backend)
     model, tokenizer = load_pretrained(folder, dtype=dtype or torch.float32)

@@ -59,7 +59,8 @@ class Int4Linear(nn.Linear):
         self.spec = _check_spec(spec, "Int4Linear")
         if learn_activation_scales and not self.spec.act_int8:
             raise ValueError(
-                f"learn_activation_scales needs a format that quantizes activations (e.g. int4-g32-a8), not {self.spec.name!r}"
+                "learn_activation_scales needs a format that quantizes activations (e.g. int4-g32-a8), not "
+                f"{self.spec.name!r}"
             )
         self.input_quantizer = LearnedActivationQuantizer("int8") if learn_activation_scales else None
         if self.weight.device.type != "meta":

@@ -113,8 +113,10 @@ def check_quantizable(model: nn.Module, plan: PrecisionPlan) -> None:
     if narrow:
         group = next(s.group_size for s in packed.values() if s.group_size)
         raise ValueError(
-            f"model too small to quantize with groups of {group}: {', '.join(narrow[:3])}{' ...' if len(narrow) > 3 else ''} "
-            f"have fewer inputs than one group; use a smaller group (e.g. int4-g{max(2, group // 4)}) or keep them in bf16"
+            f"model too small to quantize with groups of {group}: "
+            f"{', '.join(narrow[:3])}{' ...' if len(narrow) > 3 else ''} "
+            f"have fewer inputs than one group; use a smaller group (e.g. int4-g{max(2, group // 4)}) or keep them "
+            "in bf16"
         )
 
 

@@ -115,11 +115,13 @@ def _problem(result: ScanResult, keep: Sequence[str], force: Mapping[str, str]) 
             if name != KEEP and name not in units[i].bytes:
                 allowed = ", ".join([KEEP, *units[i].formats])
                 raise ValueError(
-                    f"force entry {pattern!r}: format {name!r} was not scanned for {units[i].name!r}; choose one of {allowed}"
+                    f"force entry {pattern!r}: format {name!r} was not scanned for {units[i].name!r}; choose one "
+                    f"of {allowed}"
                 )
             if rules.get(i, name) != name:
                 raise ValueError(
-                    f"layer {units[i].name!r} (with its tied twins {list(units[i].tied)}) gets both {rules[i]} and {name} from keep/force"
+                    f"layer {units[i].name!r} (with its tied twins {list(units[i].tied)}) gets both {rules[i]} and "
+                    f"{name} from keep/force"
                 )
             rules[i] = name
     rows = [(i, c) for i, u in enumerate(units) for c in [KEEP, *u.formats]]
@@ -295,7 +297,8 @@ def predict_plan(result: ScanResult, plan: "PrecisionPlan | Mapping") -> dict:
         names = {KEEP if s.is_high_precision else s.name for s in specs}
         if len(names) > 1:
             raise ValueError(
-                f"plan gives the tied layers {list(u.names)} different formats {sorted(names)}; the scan scored them as one unit"
+                f"plan gives the tied layers {list(u.names)} different formats {sorted(names)}; the scan scored "
+                "them as one unit"
             )
         fmt = names.pop()
         if fmt not in u.bytes:

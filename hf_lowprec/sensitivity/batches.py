@@ -90,7 +90,8 @@ def _forward(model: nn.Module, batch: Mapping, device) -> tuple[torch.Tensor, to
         logits, labels = logits[:, :-1], labels[:, 1:]
     if logits.shape[: labels.dim()] != labels.shape:
         raise ValueError(
-            f"labels of shape {tuple(batch['labels'].shape)} do not fit logits of shape {tuple(logits.shape)} ({type(model).__name__})"
+            f"labels of shape {tuple(batch['labels'].shape)} do not fit logits of shape {tuple(logits.shape)} "
+            f"({type(model).__name__})"
         )
     valid = labels != IGNORE_INDEX
     return logits[valid].float(), labels[valid]

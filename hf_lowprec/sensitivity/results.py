@@ -132,7 +132,8 @@ class ScanResult:
                 cells += f"{'n/a':>14}" if v is None else f"{v:>13.3e}{mark}"
             lines.append(f"{name:<{width}}{u.params:>12,}{cells}{row['chosen'] or '':>11}")
         lines.append(
-            f"Δloss in nats/token over {self.tokens} tokens (base loss {self.base_loss:.4f}); * measured, else predicted; +t tied weights"
+            f"Δloss in nats/token over {self.tokens} tokens (base loss {self.base_loss:.4f}); * measured, else "
+            "predicted; +t tied weights"
         )
         return "\n".join(lines)
 

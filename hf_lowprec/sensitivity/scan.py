@@ -99,7 +99,8 @@ def scan(
     for s in specs:
         if s.is_high_precision:
             raise ValueError(
-                f"format {s.name!r} is high precision: scan low-precision formats (fp8, int4-g64, ...); {KEEP} is always the baseline"
+                f"format {s.name!r} is high precision: scan low-precision formats (fp8, int4-g64, ...); {KEEP} is "
+                "always the baseline"
             )
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
@@ -111,7 +112,8 @@ def scan(
     tokens = sum(_label_count(model, b) for b in batches)
     if tokens == 0:
         raise ValueError(
-            "the calibration batches have no labelled positions (all labels are -100, or causal-LM sequences of length 1)"
+            "the calibration batches have no labelled positions (all labels are -100, or causal-LM sequences of "
+            "length 1)"
         )
     device = next(model.parameters()).device
     scores = [
@@ -318,7 +320,8 @@ def measure_plan(
     converted = [n for n, m in layers.items() if isinstance(m, LOW_PRECISION_TYPES)]
     if converted:
         raise ValueError(
-            f"measure_plan needs an unconverted model ({converted[0]!r} is already low precision); call hf_lowprec.revert(model) first"
+            f"measure_plan needs an unconverted model ({converted[0]!r} is already low precision); call "
+            "hf_lowprec.revert(model) first"
         )
     shared: dict[int, tuple[str, object]] = {}
     with _scanning(model, 0) as hooks, torch.no_grad():
@@ -330,7 +333,8 @@ def measure_plan(
             twin_of = shared.get(id(module.weight))
             if twin_of is not None and spec.family != "fp8" and twin_of[0] != spec.name:
                 raise ValueError(
-                    f"layers sharing one weight need one integer format: {name!r} is planned {spec.name} but its tied twin is {twin_of[0]}"
+                    f"layers sharing one weight need one integer format: {name!r} is planned {spec.name} but its "
+                    f"tied twin is {twin_of[0]}"
                 )
             twin = low_precision_layer(
                 module,

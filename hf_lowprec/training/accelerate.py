@@ -119,7 +119,8 @@ class LowPrecisionPlugin(SessionOwner):
         optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
         if len(models) != 1 or len(optimizers) > 1:
             raise ValueError(
-                f"prepare takes one model and at most one optimizer, got {len(models)} models and {len(optimizers)} optimizers"
+                f"prepare takes one model and at most one optimizer, got {len(models)} models and "
+                f"{len(optimizers)} optimizers"
             )
         model, optimizer = models[0], (optimizers[0] if optimizers else None)
         if self.plan is None and calibration_data is None:
@@ -180,7 +181,9 @@ class LowPrecisionPlugin(SessionOwner):
             orphans = orphaned_parameters(model, optimizer)
             if orphans:
                 raise ValueError(
-                    f"trainable parameters missing from the optimizer: {orphans[:5]}{' ...' if len(orphans) > 5 else ''}; freeze them (requires_grad_(False)) or add them"
+                    "trainable parameters missing from the optimizer: "
+                    f"{orphans[:5]}{' ...' if len(orphans) > 5 else ''}; freeze them (requires_grad_(False)) or "
+                    "add them"
                 )
             getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(self._before_step)
         return model
@@ -192,7 +195,8 @@ class LowPrecisionPlugin(SessionOwner):
         handler = getattr(accelerator, "ao_recipe_handler", None) if fp8 else None
         if fp8 and handler is None:
             raise ValueError(
-                f"mixed_precision='fp8' with Accelerate's {accelerator.fp8_backend} backend is not supported; use torchao (AORecipeKwargs) or mixed_precision='no'/'bf16'"
+                f"mixed_precision='fp8' with Accelerate's {accelerator.fp8_backend} backend is not supported; use "
+                "torchao (AORecipeKwargs) or mixed_precision='no'/'bf16'"
             )
         ours = plan
         if handler is not None:

@@ -259,7 +259,8 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         saved_plan = PrecisionPlan.load(folder / PLAN_FILE)
         if saved_plan.to_dict() != self.plan.to_dict():
             raise ValueError(
-                f"checkpoint {str(folder)!r} was trained with another plan: {saved_plan.to_dict()}; this run uses {self.plan.to_dict()}"
+                f"checkpoint {str(folder)!r} was trained with another plan: {saved_plan.to_dict()}; this run uses "
+                f"{self.plan.to_dict()}"
             )
         tensors = load_file(str(folder / STATE_FILE))
         expected = low_precision_state(model)
