@@ -69,7 +69,8 @@ def setup_logging(verbose: bool = False) -> None:
 
 
 def guarded(fn):
-    """Run a command: bad input → one red line and exit 2; Ctrl-C → exit 130; other errors → one line (traceback with HF_LOWPREC_DEBUG=1)."""
+    """Run a command: bad input → one red line and exit 2; Ctrl-C → exit 130; other errors → one line (traceback with
+    HF_LOWPREC_DEBUG=1)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

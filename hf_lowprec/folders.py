@@ -57,7 +57,8 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
 
 
 def replace_dir(src: Path, dst: Path) -> None:
-    """Move folder ``src`` to ``dst``, replacing ``dst``; ``dst`` is never half-written (rename, then delete the old)."""
+    """Move folder ``src`` to ``dst``, replacing ``dst``; ``dst`` is never half-written (rename, then delete the
+    old)."""
     old = None
     if dst.exists():
         old = dst.with_name(f".{dst.name}.old-{os.getpid()}")

@@ -340,7 +340,8 @@ def dequantize_nf4(idx: torch.Tensor, absmax: torch.Tensor, group_size: int, out
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """Pack 4-bit codes (any int dtype, values in ``[-8, 15]``, last dim ``C``) two per byte → uint8 ``[..., ceil(C/2)]``.
+    """Pack 4-bit codes (any int dtype, values in ``[-8, 15]``, last dim ``C``) two per byte → uint8 ``[...,
+    ceil(C/2)]``.
 
     Element ``2i`` goes to the low nibble of byte ``i``, ``2i+1`` to the high nibble. Signed codes are
     stored as their two's-complement nibble; :func:`unpack_int4` with ``signed=True`` restores them.

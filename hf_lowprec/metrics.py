@@ -80,7 +80,8 @@ def causal_lm_loss(
 
 @torch.no_grad()
 def classification_accuracy(model: nn.Module, dataset, collator, *, batch_size: int = 16, on_batch=None) -> dict:
-    """Accuracy of ``model`` (a sequence classifier) on rows with ``labels``: ``{"accuracy", "rows", "metric_source"}``."""
+    """Accuracy of ``model`` (a sequence classifier) on rows with ``labels``: ``{"accuracy", "rows",
+    "metric_source"}``."""
     model.eval()
     device = next(model.parameters()).device
     predictions, references = [], []

@@ -394,7 +394,8 @@ class PolicyFactory:
 def make_policy_factory(
     scaler: str = "dynamic", *, telemetry: bool = True, sync: bool = False, power_of_two: bool | None = None, **options
 ) -> PolicyFactory:
-    """The ``policy_factory`` for ``apply_plan``: e.g. ``make_policy_factory("gradient", spike_action="skip", sync=True)``."""
+    """The ``policy_factory`` for ``apply_plan``: e.g. ``make_policy_factory("gradient", spike_action="skip",
+    sync=True)``."""
     return PolicyFactory(scaler, dict(options), telemetry, sync, power_of_two)
 
 

@@ -103,10 +103,10 @@ def _limitations(run: Mapping) -> str:
         "Low-precision training changes the numerics of the layers in the plan; check the evaluation above on "
         "your own data before relying on the model."
     )
-    if any(r["format"].startswith("fp8") for r in run.get("plan_rows", [])) and not run.get("hardware", {}).get(
-        "fp8_tensor_cores"
-    ):
-        text += " The FP8 layers ran emulated FP8 numerics (this hardware has no FP8 tensor cores): same numbers, slower steps."
+    fp8 = any(r["format"].startswith("fp8") for r in run.get("plan_rows", []))
+    if fp8 and not run.get("hardware", {}).get("fp8_tensor_cores"):
+        text += " The FP8 layers ran emulated FP8 numerics (this hardware has no FP8 tensor cores): same numbers, "
+        text += "slower steps."
     return text
 
 

@@ -99,7 +99,8 @@ def export_model(
 
 
 def _mark_packed(config, plan: PrecisionPlan, folder: Path) -> None:
-    """``config.json`` with ``quantization_config`` so transformers rebuilds the packed layers (hf_lowprec.export.hf_quantizer)."""
+    """``config.json`` with ``quantization_config`` so transformers rebuilds the packed layers
+    (hf_lowprec.export.hf_quantizer)."""
     config = copy.deepcopy(config)
     config.quantization_config = quantization_config_dict(plan)
     config.save_pretrained(folder)
@@ -176,7 +177,8 @@ def export_run(
     merge: bool = False,
     merged_dtype: str | None = None,
 ) -> Path:
-    """Copy a finetune run folder's publishable files (weights, tokenizer, plan, record) to ``out`` and re-render its card.
+    """Copy a finetune run folder's publishable files (weights, tokenizer, plan, record) to ``out`` and re-render its
+    card.
 
     ``merge``: load the run's INT4 base + LoRA adapters and write them merged (re-quantized) instead;
     ``merged_dtype`` (``bf16``/``fp32``): merged into a plain dense model.

@@ -1,4 +1,5 @@
-"""transformers integration: ``from_pretrained`` of folders whose linears are packed INT4 (``quant_method: hf_lowprec``).
+"""transformers integration: ``from_pretrained`` of folders whose linears are packed INT4 (``quant_method:
+hf_lowprec``).
 
 A folder saved by :func:`hf_lowprec.ondevice.export_int4_lora` holds ``qweight``/``step``/``zero``
 tensors for the packed layers and, in ``config.json``::

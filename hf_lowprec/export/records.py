@@ -25,7 +25,8 @@ RUN_ONLY = ("checkpoints", "log_history.json")
 
 
 def hardware_info() -> dict:
-    """What the run ran on: device, its name, CPU cores and capabilities, torch version, whether FP8 tensor cores exist."""
+    """What the run ran on: device, its name, CPU cores and capabilities, torch version, whether FP8 tensor cores
+    exist."""
     info = {
         "device": "cpu",
         "name": cpu_info().model,

@@ -104,7 +104,8 @@ class Int4Linear(nn.Linear):
 
     @torch.no_grad()
     def freeze(self) -> PackedLinear:
-        """A frozen packed layer holding this layer's codes (int4 formats and per-channel ``int8``; see ``packed_class``)."""
+        """A frozen packed layer holding this layer's codes (int4 formats and per-channel ``int8``; see
+        ``packed_class``)."""
         cls = packed_class(self.spec)
         if cls is None:
             raise ValueError(

@@ -21,7 +21,8 @@ run the same three backends (:data:`KERNELS`):
   the numerical reference, and the path for other devices.
 
 An optional per-input-channel ``input_scale`` ``s [K]`` (activation-aware scaling, see
-:mod:`hf_lowprec.ondevice.calibration.awq`) is folded into the codes: they encode ``W diag(s)``, inputs are divided by ``s``
+:mod:`hf_lowprec.ondevice.calibration.awq`) is folded into the codes: they encode ``W diag(s)``, inputs are divided
+by ``s``
 (inside the int8 quantization, or in the dequantized weight), so ``y = (x / s) (W diag(s))^T = x W^T``.
 ``s`` holds powers of two, exact in every float dtype; all ones (the default) costs nothing.
 
@@ -123,7 +124,8 @@ def _native(*tensors: torch.Tensor):
 
 
 def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row of ``x [M, C]`` (times fp32 ``col_scale [C]`` first): ``(int8 [M, C], fp32 step [M, 1])``."""
+    """Symmetric int8 per row of ``x [M, C]`` (times fp32 ``col_scale [C]`` first): ``(int8 [M, C], fp32 step [M,
+    1])``."""
     x = x.detach().contiguous()
     ext = _native(x)
     if ext is not None:
@@ -146,7 +148,8 @@ def column_absmax(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tor
 def dequantize_rows(
     codes: torch.Tensor, row_step: torch.Tensor, col_step: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``codes [M, C]`` (int32 products or int8 codes) times ``row_step [M, 1]`` (and ``col_step [C]``), in ``dtype``."""
+    """``codes [M, C]`` (int32 products or int8 codes) times ``row_step [M, 1]`` (and ``col_step [C]``), in
+    ``dtype``."""
     ext = _native(codes) if dtype in (torch.bfloat16, torch.float32) else None
     if ext is not None:
         return ext.dequantize(codes, row_step.contiguous(), None if col_step is None else col_step.contiguous(), dtype)
@@ -573,7 +576,8 @@ class PackedLinear(nn.Module):
         return super()._load_from_state_dict(*args, **kwargs)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.spec.name}, packed, backend={self.backend}"
+        shape = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{shape}, format={self.spec.name}, packed, backend={self.backend}"
 
 
 class PackedInt4Linear(PackedLinear):
@@ -595,7 +599,8 @@ class PackedInt4Linear(PackedLinear):
         return unpack_int4(self.qweight, self.in_features, signed=self.spec.symmetric)
 
     def _int8_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(step / r [N, G], r [N])`` fp32, with ``r[n] = max_k |grid_weight[n, k]| / 127``; cached until the buffers change."""
+        """``(step / r [N, G], r [N])`` fp32, with ``r[n] = max_k |grid_weight[n, k]| / 127``; cached until the
+        buffers change."""
         if "ratio" not in self._cache:
             row_step = (self.grid_weight(torch.float32).abs().amax(-1) / _INT8_MAX).clamp(min=_EPS)
             self._cache["ratio"], self._cache["row_step"] = (
@@ -605,7 +610,8 @@ class PackedInt4Linear(PackedLinear):
         return self._cache["ratio"], self._cache["row_step"]
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``, unpacked from the codes on every call.
+        """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``, unpacked from the codes on every
+        call.
 
         Needs ``K`` even and a multiple of the group size (see :meth:`kernel_shape_supported`).
         """

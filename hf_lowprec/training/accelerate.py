@@ -71,7 +71,8 @@ class LowPrecisionPlugin(SessionOwner):
         learn_scales: train INT4/INT8 group steps (LSQ).
         sync: reduce FP8 amaxes over ranks; default: when more than one process runs.
         compensation: ``kahan`` or ``stochastic``: the optimizer is wrapped in a
-            :class:`~hf_lowprec.training.compensation.CompensatedOptimizer` (for bf16/fp16 weights without an fp32 copy).
+            :class:`~hf_lowprec.training.compensation.CompensatedOptimizer` (for bf16/fp16 weights without an fp32
+            copy).
     """
 
     def __init__(

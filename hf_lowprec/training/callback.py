@@ -278,7 +278,8 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
             optimizer.optimizer.load_state_dict({"optimizer": inner, **extra})
 
     def _checkpoint_folder(self, args, state) -> Path | None:
-        """The checkpoint being resumed: the plan folder, ``args.resume_from_checkpoint`` or ``<output_dir>/checkpoint-<step>``."""
+        """The checkpoint being resumed: the plan folder, ``args.resume_from_checkpoint`` or
+        ``<output_dir>/checkpoint-<step>``."""
         candidates = [
             self._plan_folder,
             getattr(args, "resume_from_checkpoint", None),

@@ -231,7 +231,8 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def __repr__(self) -> str:
-        return f"CompensatedOptimizer(method={self.method}, error_feedback={len(self.error_feedback)} params, {self.optimizer!r})"
+        feedback = f"error_feedback={len(self.error_feedback)} params"
+        return f"CompensatedOptimizer(method={self.method}, {feedback}, {self.optimizer!r})"
 
     # the step -----------------------------------------------------------------------------
     def _mode(self, p: torch.Tensor) -> str | None:

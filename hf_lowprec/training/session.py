@@ -150,7 +150,8 @@ class LowPrecisionSession:
         return self.plan
 
     def apply(self, model: nn.Module, plan: PrecisionPlan, world: int) -> ConversionReport:
-        """:func:`~hf_lowprec.convert.apply_plan` with these options (amaxes synced over ``world`` processes by default)."""
+        """:func:`~hf_lowprec.convert.apply_plan` with these options (amaxes synced over ``world`` processes by
+        default)."""
         factory = make_policy_factory(
             self.scaler, sync=world > 1 if self.sync is None else self.sync, **self.scaler_options
         )

@@ -309,8 +309,8 @@ static void dequant_tile(const PackedWeight& w, int64_t n0, int64_t n1, int64_t 
 }
 
 // rows [n0, n1) x columns [k0, k1) of W into `tile` [n1-n0, k1-k0] (fp32 or bf16); f: k1-k0 floats of scratch
-static void dequant(const PackedWeight& w, bool int4, int64_t n0, int64_t n1, int64_t k0, int64_t k1, torch::Tensor& tile,
-                    float* f) {
+static void dequant(const PackedWeight& w, bool int4, int64_t n0, int64_t n1, int64_t k0, int64_t k1,
+                    torch::Tensor& tile, float* f) {
   const bool bf16 = tile.scalar_type() == torch::kBFloat16;
   if (int4 && bf16) dequant_tile<true, true>(w, n0, n1, k0, k1, tile.data_ptr(), f);
   else if (int4) dequant_tile<true, false>(w, n0, n1, k0, k1, tile.data_ptr(), f);
@@ -332,7 +332,8 @@ static PackedWeight packed_weight(const torch::Tensor& qweight, const torch::Ten
 // body(t, scratch tensor of `elems` in `options`, scratch floats of `floats`) for each of `tiles` tiles, in parallel;
 // the BLAS calls inside a parallel region run single-threaded, each on its thread's cache-resident tile
 template <typename Body>
-static void for_each_tile(int64_t tiles, int64_t elems, int64_t floats, const torch::TensorOptions& options, Body body) {
+static void for_each_tile(int64_t tiles, int64_t elems, int64_t floats, const torch::TensorOptions& options,
+                          Body body) {
   at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
     auto scratch = torch::empty({elems}, options);
     std::vector<float> f(floats);
@@ -346,9 +347,9 @@ static void check_rows(const torch::Tensor& a, int64_t cols) {
 }
 
 // y [M, N] = x [M, K] @ W^T, parallel over tiles of `tile` output rows
-torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor step, c10::optional<torch::Tensor> zero,
-                           c10::optional<torch::Tensor> inv, int64_t K, int64_t gsize, bool is_signed, bool int4,
-                           int64_t tile) {
+torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor step,
+                           c10::optional<torch::Tensor> zero, c10::optional<torch::Tensor> inv, int64_t K,
+                           int64_t gsize, bool is_signed, bool int4, int64_t tile) {
   check_rows(x, K);
   const PackedWeight w = packed_weight(qweight, step, zero, inv, K, gsize, is_signed);
   const int64_t N = qweight.size(0);

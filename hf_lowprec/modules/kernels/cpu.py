@@ -72,7 +72,8 @@ class CpuInfo:
     def summary(self) -> str:
         """One line for logs and bug reports: ``AMD EPYC (AVX2: avx2 fma; torch AVX2)``."""
         restricted = f", restricted by {CLASS_ENV}={self.restricted_to}" if self.restricted_to else ""
-        return f"{self.model} ({self.cpu_class}: {' '.join(self.flags) or 'none'}; torch {self.torch_capability}{restricted})"
+        flags = " ".join(self.flags) or "none"
+        return f"{self.model} ({self.cpu_class}: {flags}; torch {self.torch_capability}{restricted})"
 
     def to_dict(self) -> dict:
         return {

@@ -3,7 +3,8 @@
 ``rounding`` names how a layer's INT4 codes are chosen:
 
 - ``nearest``: each weight rounded to its nearest code (no calibration data);
-- ``gptq``: codes chosen to preserve the layer's output on calibration tokens (:mod:`hf_lowprec.ondevice.calibration.gptq`);
+- ``gptq``: codes chosen to preserve the layer's output on calibration tokens
+(:mod:`hf_lowprec.ondevice.calibration.gptq`);
 - ``awq``: a per-input-channel scale folded into the weight first, chosen on calibration tokens
   (:mod:`hf_lowprec.ondevice.calibration.awq`), then rounding to nearest;
 - ``awq+gptq``: both, GPTQ on the scaled weight with the correspondingly scaled Hessian.

@@ -49,7 +49,8 @@ def relative_output_error(err: torch.Tensor, weight: torch.Tensor, hessian: torc
 def stored_steps(
     weight: torch.Tensor, spec: FormatSpec, step_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``int_steps`` of ``weight [N, K]`` rounded to ``step_dtype`` (as the packed layer stores them), as fp32 ``[N, G]``."""
+    """``int_steps`` of ``weight [N, K]`` rounded to ``step_dtype`` (as the packed layer stores them), as fp32 ``[N,
+    G]``."""
     step, zero = int_steps(weight, spec)
     return step.to(step_dtype).float(), None if zero is None else zero.to(step_dtype).float()
 
