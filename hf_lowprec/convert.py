@@ -18,6 +18,7 @@ from torch import nn
 from hf_lowprec.formats import E5M2, FormatSpec
 from hf_lowprec.layers import canonical_name, eligible_layers, set_module, walk_layers  # noqa: F401  (re-exported)
 from hf_lowprec.modules import LOW_PRECISION_TYPES, PackedLinear, low_precision_layer
+from hf_lowprec.modules.embedding import like_embedding
 from hf_lowprec.modules.fp8 import FP8Linear, fp8_hardware_available
 from hf_lowprec.modules.int4 import Int4Embedding, Int4Linear
 from hf_lowprec.modules.packed import packed_class
@@ -97,18 +98,7 @@ def _high_precision(module: nn.Module) -> nn.Module:
     if isinstance(module, PackedLinear):
         raise ValueError(f"a frozen {type(module).__name__} has no high-precision weight left to revert to")
     if isinstance(module, nn.Embedding):
-        new = nn.Embedding(
-            module.num_embeddings,
-            module.embedding_dim,
-            module.padding_idx,
-            module.max_norm,
-            module.norm_type,
-            module.scale_grad_by_freq,
-            module.sparse,
-            device="meta",
-        )
-        new.weight = module.weight
-        return new
+        return like_embedding(nn.Embedding, module)
     new = nn.Linear(module.in_features, module.out_features, module.bias is not None, device="meta")
     new.weight, new.bias = module.weight, module.bias
     return new

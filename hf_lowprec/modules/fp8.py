@@ -29,6 +29,7 @@ from hf_lowprec.formats import (
     fp8_quantize_dequantize,
     quantize_fp8,
 )
+from hf_lowprec.modules.embedding import like_embedding
 from hf_lowprec.modules.kernels.autotune import compute_dtype
 from hf_lowprec.scaling import DynamicScaling, ScalePolicy
 
@@ -257,18 +258,7 @@ class FP8Embedding(nn.Embedding):
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, spec: FormatSpec | str = "fp8-rowwise") -> "FP8Embedding":
         """Wrap an existing ``nn.Embedding``, keeping its ``weight`` Parameter."""
-        new = cls(
-            emb.num_embeddings,
-            emb.embedding_dim,
-            spec=spec,
-            padding_idx=emb.padding_idx,
-            max_norm=emb.max_norm,
-            norm_type=emb.norm_type,
-            scale_grad_by_freq=emb.scale_grad_by_freq,
-            sparse=emb.sparse,
-            device="meta",
-        )
-        new.weight = emb.weight
+        new = like_embedding(cls, emb, spec=spec)
         return new
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_lowprec.formats import FormatSpec, fake_quantize_per_token_int8, quantize_int
+from hf_lowprec.modules.embedding import like_embedding
 from hf_lowprec.modules.lsq import LearnedActivationQuantizer, LearnedStepQuantizer
 from hf_lowprec.modules.packed import PackedLinear, packed_class
 
@@ -139,18 +140,7 @@ class Int4Embedding(nn.Embedding):
         quantizer: LearnedStepQuantizer | None = None,
     ) -> "Int4Embedding":
         """Wrap an existing ``nn.Embedding``, keeping its ``weight`` Parameter."""
-        new = cls(
-            emb.num_embeddings,
-            emb.embedding_dim,
-            spec=spec,
-            padding_idx=emb.padding_idx,
-            max_norm=emb.max_norm,
-            norm_type=emb.norm_type,
-            scale_grad_by_freq=emb.scale_grad_by_freq,
-            sparse=emb.sparse,
-            device="meta",
-        )
-        new.weight = emb.weight
+        new = like_embedding(cls, emb, spec=spec)
         new.weight_quantizer = quantizer or LearnedStepQuantizer(emb.weight, new.spec, learn_scales)
         return new
 

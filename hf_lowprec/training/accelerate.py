@@ -64,6 +64,7 @@ class LowPrecisionPlugin(SessionOwner):
         plan: ``"auto"`` (scan + allocation; needs ``calibration_data`` or a DataLoader in ``prepare``),
             a :class:`PrecisionPlan`, a dict, a plan file, a folder holding ``hf_lowprec_plan.json``,
             or a format name for every Linear.
+        the other keywords (checked by :class:`~hf_lowprec.training.session.LowPrecisionSession`):
         keep, budget, formats, calibration_batches, scan_method, seed: as for
             :class:`hf_lowprec.training.callback.LowPrecisionCallback`.
         scaler: FP8 scale policy (``dynamic``, ``delayed``, ``gradient``); ``scaler_options`` go to it.
@@ -75,38 +76,8 @@ class LowPrecisionPlugin(SessionOwner):
             copy).
     """
 
-    def __init__(
-        self,
-        plan="auto",
-        *,
-        keep: tuple[str, ...] = (),
-        budget=None,
-        formats=("fp8", "int4-g64"),
-        calibration_batches: int = 4,
-        scan_method: str = "auto",
-        scaler: str = "dynamic",
-        scaler_options: Mapping | None = None,
-        fp8_backend: str = "auto",
-        learn_scales: bool = True,
-        sync: bool | None = None,
-        compensation: str | None = None,
-        seed: int = 0,
-    ):
-        self.session = LowPrecisionSession(
-            plan,
-            keep=keep,
-            budget=budget,
-            formats=formats,
-            calibration_batches=calibration_batches,
-            scan_method=scan_method,
-            scaler=scaler,
-            scaler_options=scaler_options,
-            fp8_backend=fp8_backend,
-            learn_scales=learn_scales,
-            sync=sync,
-            compensation=compensation,
-            seed=seed,
-        )
+    def __init__(self, plan="auto", **options):
+        self.session = LowPrecisionSession(plan, **options)
         self.torchao_layers: list[str] = []
 
     # ----------------------------------------------------------------------------------- prepare

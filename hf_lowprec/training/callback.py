@@ -99,41 +99,10 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         seed: the scan's seed.
     """
 
-    def __init__(
-        self,
-        plan="auto",
-        *,
-        keep: tuple[str, ...] = (),
-        budget=None,
-        formats=("fp8", "int4-g64"),
-        calibration_data: Iterable[Mapping] | None = None,
-        calibration_batches: int = 4,
-        scan_method: str = "auto",
-        scaler: str = "dynamic",
-        scaler_options: Mapping | None = None,
-        fp8_backend: str = "auto",
-        learn_scales: bool = True,
-        sync: bool | None = None,
-        compensation: str | None = None,
-        seed: int = 0,
-    ):
+    def __init__(self, plan="auto", *, calibration_data: Iterable[Mapping] | None = None, **options):
         if not is_auto(plan) and calibration_data is not None:
             raise ValueError("budget= and calibration_data= apply only to plan='auto'")
-        self.session = LowPrecisionSession(
-            plan,
-            keep=keep,
-            budget=budget,
-            formats=formats,
-            calibration_batches=calibration_batches,
-            scan_method=scan_method,
-            scaler=scaler,
-            scaler_options=scaler_options,
-            fp8_backend=fp8_backend,
-            learn_scales=learn_scales,
-            sync=sync,
-            compensation=compensation,
-            seed=seed,
-        )
+        self.session = LowPrecisionSession(plan, **options)
         self.calibration_data = calibration_data
         self._plan_folder = Path(plan) if isinstance(plan, (str, os.PathLike)) and Path(plan).is_dir() else None
         self._hook = None
