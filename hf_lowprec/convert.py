@@ -17,10 +17,10 @@ from torch import nn
 
 from hf_lowprec.formats import E5M2, FormatSpec
 from hf_lowprec.layers import canonical_name, eligible_layers, set_module, walk_layers  # noqa: F401  (re-exported)
-from hf_lowprec.modules import LOW_PRECISION_TYPES, PackedLinear, low_precision_layer
+from hf_lowprec.modules import LOW_PRECISION_TYPES, PackedLinear, TiedQuantizers
 from hf_lowprec.modules.embedding import like_embedding
 from hf_lowprec.modules.fp8 import FP8Linear, fp8_hardware_available
-from hf_lowprec.modules.int4 import Int4Embedding, Int4Linear
+from hf_lowprec.modules.int4 import Int4Linear
 from hf_lowprec.modules.packed import packed_class
 from hf_lowprec.plan import PrecisionPlan, resolve_plan
 
@@ -132,7 +132,7 @@ def apply_plan(
     plan.validate(model)
     assignments = plan.assign(model)
     report = ConversionReport()
-    quantizers: dict[int, tuple[str, object]] = {}  # id(weight) -> (format, quantizer) for tied weights
+    quantizers = TiedQuantizers()  # layers on one weight share its quantizer
     first_user: dict[int, str] = {}  # id(weight) -> the first layer holding it
     for name, fqn, module in list(walk_layers(model)):
         spec = assignments[name]
@@ -156,12 +156,6 @@ def apply_plan(
                 set_module(model, fqn, original)
             report.layers.append(LayerReport(name, spec.name, spec.name, type(original).__name__, params, tied_to=tied))
             continue
-        shared = quantizers.get(id(original.weight))
-        if shared is not None and spec.family != "fp8" and shared[0] != spec.name:
-            raise ValueError(
-                f"layers sharing one weight (tied embeddings) need one integer format: {name!r} is planned "
-                f"{spec.name} but its tied twin is {shared[0]}"
-            )
         options = {
             "fp8_backend": fp8_backend,
             "grad_dtype": grad_dtype,
@@ -173,9 +167,7 @@ def apply_plan(
                 r: p for r in ("input", "weight", "grad") if (p := policy_factory(name, r, spec)) is not None
             }
         before = {id(p) for p in original.parameters()}
-        new = low_precision_layer(original, spec, options, None if shared is None else shared[1])
-        if isinstance(new, (Int4Linear, Int4Embedding)) and shared is None:
-            quantizers[id(original.weight)] = (spec.name, new.weight_quantizer)
+        new = quantizers.build(name, original, spec, options)
         set_module(model, fqn, new)
         for pname, p in new.named_parameters():
             if id(p) not in before and p.requires_grad:

@@ -35,6 +35,27 @@ def low_precision_layer(module: nn.Module, spec: FormatSpec, options: dict, quan
     return Int4Linear.from_linear(module, spec, learn, quantizer, learn_activation_scales=learn_act)
 
 
+class TiedQuantizers:
+    """Builds low-precision layers so that layers on one weight (tied input/output embeddings) share the first one's
+    weight quantizer, and refuses to give them different integer formats."""
+
+    def __init__(self):
+        self._by_weight: dict[int, tuple[str, nn.Module]] = {}
+
+    def build(self, name: str, module: nn.Module, spec: FormatSpec, options: dict) -> nn.Module:
+        """:func:`low_precision_layer` of ``module`` (called ``name``) for ``spec``, sharing a tied twin's quantizer."""
+        shared = self._by_weight.get(id(module.weight))
+        if shared is not None and spec.family != "fp8" and shared[0] != spec.name:
+            raise ValueError(
+                f"layers sharing one weight (tied embeddings) need one integer format: {name!r} is planned "
+                f"{spec.name} but its tied twin is {shared[0]}"
+            )
+        new = low_precision_layer(module, spec, options, None if shared is None else shared[1])
+        if shared is None and hasattr(new, "weight_quantizer"):
+            self._by_weight[id(module.weight)] = (spec.name, new.weight_quantizer)
+        return new
+
+
 __all__ = [
     "FP8Linear",
     "FP8Embedding",

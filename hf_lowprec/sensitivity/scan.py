@@ -13,7 +13,7 @@ from torch import nn
 
 from hf_lowprec.convert import eligible_layers
 from hf_lowprec.formats import FormatSpec
-from hf_lowprec.modules import LOW_PRECISION_TYPES, low_precision_layer
+from hf_lowprec.modules import LOW_PRECISION_TYPES, TiedQuantizers
 from hf_lowprec.plan import PrecisionPlan, resolve_plan
 from hf_lowprec.sensitivity.batches import _check_batches, _forward, _label_count, _merge
 from hf_lowprec.sensitivity.replay import Progress, _BlockReplay
@@ -323,27 +323,14 @@ def measure_plan(
             f"measure_plan needs an unconverted model ({converted[0]!r} is already low precision); call "
             "hf_lowprec.revert(model) first"
         )
-    shared: dict[int, tuple[str, object]] = {}
+    shared = TiedQuantizers()
     with _scanning(model, 0) as hooks, torch.no_grad():
         base_loss, base_logps = _base_pass(model, batches, device, _Tracker(None, 0))
         for name, module in layers.items():
             spec = assignment[name]
             if spec.is_high_precision:
                 continue
-            twin_of = shared.get(id(module.weight))
-            if twin_of is not None and spec.family != "fp8" and twin_of[0] != spec.name:
-                raise ValueError(
-                    f"layers sharing one weight need one integer format: {name!r} is planned {spec.name} but its "
-                    f"tied twin is {twin_of[0]}"
-                )
-            twin = low_precision_layer(
-                module,
-                spec,
-                {"fp8_backend": fp8_backend, "learn_scales": False},
-                None if twin_of is None else twin_of[1],
-            )
-            if twin_of is None and hasattr(twin, "weight_quantizer"):
-                shared[id(module.weight)] = (spec.name, twin.weight_quantizer)
+            twin = shared.build(name, module, spec, {"fp8_backend": fp8_backend, "learn_scales": False})
             hooks.append(module.register_forward_hook(_replace_output(twin)))
         nll, kl, count = _loss_and_kl(model, batches, device, base_logps)
     plan_loss = nll / count
