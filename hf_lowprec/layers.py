@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from hf_lowprec.modules import LOW_PRECISION_TYPES
+from hf_lowprec.modules import LOW_PRECISION_TYPES, PackedLinear
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector", "modules_to_save")
@@ -35,6 +35,17 @@ def walk_layers(model: nn.Module):
 def eligible_layers(model: nn.Module) -> dict[str, nn.Module]:
     """``{canonical name: module}`` for every ``nn.Linear``/``nn.Embedding`` (converted or not)."""
     return {name: module for name, _, module in walk_layers(model)}
+
+
+def dense_views(model: nn.Module) -> dict[str, nn.Module]:
+    """:func:`eligible_layers`, with each frozen packed layer (which keeps no dense weight) seen through a meta-device
+    ``nn.Linear`` of its shape (no memory): what parameter counts per format read."""
+    return {
+        name: nn.Linear(m.in_features, m.out_features, bias=False, device="meta", dtype=m.step.dtype)
+        if isinstance(m, PackedLinear)
+        else m
+        for name, m in eligible_layers(model).items()
+    }
 
 
 def set_module(model: nn.Module, fqn: str, new: nn.Module) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 
 from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.formats import FormatSpec
-from hf_lowprec.layers import canonical_name, eligible_layers
+from hf_lowprec.layers import canonical_name, dense_views, eligible_layers
 
 PLAN_KEYS = ("default", "layers", "model")
 
@@ -179,9 +179,10 @@ class PrecisionPlan:
     def summary(self, model: "nn.Module | Mapping[str, nn.Module]") -> list[dict]:
         """Per format: layers, parameters, bytes of weight storage, fraction of eligible parameters.
 
-        A weight shared by several layers (tied embeddings) counts once, with the first layer that uses it.
+        A weight shared by several layers (tied embeddings) counts once, with the first layer that uses it; a frozen
+        packed layer counts as the dense layer it was.
         """
-        layers = _layers_of(model)
+        layers = dense_views(model) if isinstance(model, nn.Module) else dict(model)
         rows: dict[str, dict] = {}
         total, seen = 0, set()
         for name, spec in self.assign(layers).items():

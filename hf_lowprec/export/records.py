@@ -12,9 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hf_lowprec.convert import eligible_layers
 from hf_lowprec.export.card import render_model_card
-from hf_lowprec.modules import PackedLinear
+from hf_lowprec.layers import dense_views
 from hf_lowprec.modules.kernels.cpu import cpu_info
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan  # noqa: F401  (re-exported: the folder's file names)
 
@@ -50,22 +49,13 @@ def hardware_info() -> dict:
 
 # ------------------------------------------------------------------------------ plan records
 def plan_record(model: nn.Module, plan: PrecisionPlan) -> tuple[list[dict], list[dict]]:
-    """``(per-layer [{name, format, params}], PrecisionPlan.summary rows)`` of ``plan`` on ``model``.
-
-    Frozen packed INT4 layers keep no dense weight; they are summarised through a meta-device Linear
-    of their shape (no memory), so the figures are those of the layer before packing.
-    """
-    layers = {n: _dense_view(m) for n, m in eligible_layers(model).items()}
+    """``(per-layer [{name, format, params}], PrecisionPlan.summary rows)`` of ``plan`` on ``model`` (frozen packed
+    layers counted as the dense layers they were)."""
+    layers = dense_views(model)
     per_layer = [
         {"name": n, "format": spec.name, "params": layers[n].weight.numel()} for n, spec in plan.assign(layers).items()
     ]
     return per_layer, plan.summary(layers)
-
-
-def _dense_view(module: nn.Module) -> nn.Module:
-    if isinstance(module, PackedLinear):
-        return nn.Linear(module.in_features, module.out_features, bias=False, device="meta", dtype=module.step.dtype)
-    return module
 
 
 def read_run(folder: str | os.PathLike) -> dict:

@@ -18,13 +18,11 @@ import torch
 from peft import PeftModel
 from torch import nn
 
-from hf_lowprec.convert import eligible_layers
 from hf_lowprec.folders import check_output_dir
 from hf_lowprec.metrics import peak_rss_mb
 from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.ondevice.export import export_int4_lora
 from hf_lowprec.ondevice.loss import chunked_causal_lm_loss, evaluate_loss
-from hf_lowprec.plan import PrecisionPlan
 from hf_lowprec.training.activations import ActivationStorage
 
 logger = logging.getLogger(__name__)
@@ -188,7 +186,7 @@ def finetune_int4_lora(
         peak_rss_mb=peak_rss_mb(),
         eval_loss_before=eval_before,
         eval_loss_after=eval_after,
-        plan_fractions=_plan_fractions(base, plan) if plan is not None else {},
+        plan_fractions={r["format"]: r["fraction"] for r in plan.summary(base)} if plan is not None else {},
         backends=backend_counts(model),
         trainable_params=sum(p.numel() for p in params),
     )
@@ -205,24 +203,3 @@ def finetune_int4_lora(
             )
         )
     return result
-
-
-def _plan_fractions(model: nn.Module, plan: PrecisionPlan) -> dict[str, float]:
-    """Fraction of eligible parameters per format, from the plan (works after freezing)."""
-    return {row["format"]: row["fraction"] for row in _plan_rows(model, plan)}
-
-
-def _plan_rows(model: nn.Module, plan: PrecisionPlan) -> list[dict]:
-    layers = eligible_layers(model)
-    total = 0
-    rows: dict[str, dict] = {}
-    for name, spec in plan.assign(layers).items():
-        m = layers[name]
-        n = m.in_features * m.out_features if isinstance(m, PackedLinear) else m.weight.numel()
-        total += n
-        row = rows.setdefault(spec.name, {"format": spec.name, "layers": 0, "params": 0})
-        row["layers"] += 1
-        row["params"] += n
-    for row in rows.values():
-        row["fraction"] = row["params"] / max(total, 1)
-    return sorted(rows.values(), key=lambda r: -r["params"])
