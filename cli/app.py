@@ -171,7 +171,7 @@ def scan_cmd(
     """Measure each layer's sensitivity to FP8/INT4, allocate a plan under a budget, write it with a heat map."""
     from hf_lowprec import sensitivity
     from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
-    from hf_lowprec.data import prepare_lm_data, read_source
+    from hf_lowprec.data import collated_batches, prepare_lm_data, read_source
 
     if out.suffix not in (".json", ".yaml", ".yml"):
         ui.fail(f"--out {str(out)!r}: a plan file ends in .json, .yaml or .yml")
@@ -191,7 +191,8 @@ def scan_cmd(
             eval_sequences=batches * batch_size,
             text_column=text_column,
         )
-    calib, held_out = _batched(lm.train, lm.collator, batch_size), _batched(lm.eval, lm.collator, batch_size)
+    calib = list(collated_batches(lm.train, lm.collator, batch_size))
+    held_out = list(collated_batches(lm.eval, lm.collator, batch_size))
     with ui.counted(f"scanning ({method}, {len(calib)} batches)", total=1, unit="steps") as advance:
         result = sensitivity.scan(
             lm_model,
@@ -250,13 +251,6 @@ def scan_cmd(
         )
     )
     ui.out.print(f"train with it: hf-lowprec finetune {model + ' ' if model else ''}--plan {out}")
-
-
-def _batched(dataset, collator, batch_size: int) -> list[dict]:
-    return [
-        collator([dataset[i] for i in range(s, min(s + batch_size, len(dataset)))])
-        for s in range(0, len(dataset), batch_size)
-    ]
 
 
 def _parse_budget(text: str | None) -> dict:

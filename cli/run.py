@@ -15,6 +15,7 @@ import shutil
 import signal
 import time
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -23,9 +24,9 @@ from transformers import TrainerCallback
 
 from hf_lowprec.export.folder import export_model
 from hf_lowprec.export.records import hardware_info, read_run
+from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.metrics import causal_lm_loss, peak_rss_mb
 from hf_lowprec.modules.kernels.autotune import measured, resolve_dtype
-from hf_lowprec.plan import atomic_write_text
 from hf_lowprec.recipe import Recipe
 
 SETTINGS_FILE = "run_settings.json"
@@ -383,16 +384,14 @@ def _prepare_method(model, recipe: Recipe, lm, t, resume_from: str | None):
 
 
 def _low_precision_callback(recipe: Recipe, lm, t, resume_from: str | None):
+    from hf_lowprec.data import collated_batches
     from hf_lowprec.training.callback import LowPrecisionCallback
 
     p = recipe.precision
     if p.is_auto:
         if resume_from:  # the checkpoint holds the plan the scan chose
             return LowPrecisionCallback(plan=resume_from, seed=t.seed)
-        calibration = [
-            lm.collator([lm.train[i] for i in range(s, min(s + t.batch_size, len(lm.train)))])
-            for s in range(0, min(len(lm.train), p.calibration_batches * t.batch_size), t.batch_size)
-        ]
+        calibration = list(islice(collated_batches(lm.train, lm.collator, t.batch_size), p.calibration_batches))
         return LowPrecisionCallback(
             plan="auto",
             keep=p.keep,

@@ -284,3 +284,9 @@ def prepare_classification_data(
         ds = ds.select(range(min(max_rows, len(ds))))
     enc = tokenizer([str(t) for t in ds[cols.text]], truncation=True, max_length=max_length)
     return datasets.Dataset.from_dict({**enc, "labels": [int(v) for v in ds[label_column]]})
+
+
+def collated_batches(dataset, collator, batch_size: int) -> Iterator[dict]:
+    """``collator`` applied to consecutive rows of ``dataset``, ``batch_size`` at a time (the last may be short)."""
+    for start in range(0, len(dataset), batch_size):
+        yield collator([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])

@@ -17,6 +17,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from hf_lowprec.data import collated_batches
+
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
@@ -26,11 +28,6 @@ IGNORE_INDEX = -100
 def peak_rss_mb() -> float:
     """Peak resident memory of this process so far, MB (``ru_maxrss``; Linux reports KB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _batches(dataset, collator, batch_size: int):
-    for start in range(0, len(dataset), batch_size):
-        yield collator([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
 
 
 def _autocast(dtype: torch.dtype | None, device: torch.device):
@@ -58,7 +55,7 @@ def causal_lm_loss(
     device = next(model.parameters()).device
     total, count = 0.0, 0
     try:
-        for batch in _batches(dataset, collator, batch_size):
+        for batch in collated_batches(dataset, collator, batch_size):
             batch = {k: v.to(device) for k, v in batch.items()}
             labels = batch.pop("labels")
             with _autocast(autocast_dtype, device):
@@ -85,7 +82,7 @@ def classification_accuracy(model: nn.Module, dataset, collator, *, batch_size: 
     model.eval()
     device = next(model.parameters()).device
     predictions, references = [], []
-    for batch in _batches(dataset, collator, batch_size):
+    for batch in collated_batches(dataset, collator, batch_size):
         batch = {k: v.to(device) for k, v in batch.items()}
         labels = batch.pop("labels")
         predictions += model(**batch).logits.argmax(-1).tolist()

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hf_lowprec.plan import PrecisionPlan, atomic_write_text
+from hf_lowprec.folders import atomic_write_text
+from hf_lowprec.plan import PrecisionPlan
 
 KEEP = "bf16"
 """Label of the high-precision choice: the layer stays as it is (plans write it as ``bf16``)."""
