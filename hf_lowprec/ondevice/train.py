@@ -5,6 +5,7 @@ activations) and what it reports.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 from torch import nn
+from transformers import get_scheduler
 
 from hf_lowprec.folders import check_output_dir
 from hf_lowprec.metrics import peak_rss_mb
@@ -116,17 +118,7 @@ def finetune_int4_lora(
     result is exported there (:func:`export_int4_lora`; adapters kept, or merged with ``merge``) along with
     ``finetune_metrics.json``. Raises ``ValueError`` for an output folder that exists (unless ``overwrite``).
     """
-    from transformers import get_scheduler
-
-    if steps < 1 or batch_size < 1:
-        raise ValueError(f"steps and batch_size must be positive, got steps={steps}, batch_size={batch_size}")
-    if not isinstance(train_blocks, torch.Tensor) or train_blocks.dim() != 2 or train_blocks.shape[1] < 2:
-        raise ValueError("train_blocks must be a LongTensor [n_blocks, block_size >= 2] (see token_blocks)")
-    if output_dir is not None:
-        check_output_dir(Path(output_dir), overwrite)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("the model has no trainable parameters; build it with prepare_int4_lora / load_int4_lora")
+    params = _checked_parameters(model, train_blocks, steps, batch_size, output_dir, overwrite)
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     if gradient_checkpointing:
         base.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=int(gradient_checkpointing))
@@ -137,40 +129,8 @@ def finetune_int4_lora(
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     warmup = min(10, steps // 10) if warmup_steps is None else warmup_steps
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=warmup, num_training_steps=steps)
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    order = torch.randperm(len(train_blocks), generator=gen)
-    cursor = 0
-    losses, times = [], []
-    model.train()
-    start = time.perf_counter()
-    for step in range(1, steps + 1):
-        if cursor + batch_size > len(order):
-            order, cursor = torch.randperm(len(train_blocks), generator=gen), 0
-        batch = train_blocks[order[cursor : cursor + batch_size]]
-        cursor += batch_size
-        t0 = time.perf_counter()
-        with storage:
-            loss = chunked_causal_lm_loss(model, batch, chunk_tokens=chunk_tokens)
-        loss.backward()
-        if max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-        if not math.isfinite(losses[-1]):
-            raise FloatingPointError(f"loss became {losses[-1]} at step {step}; lower the learning rate (now {lr})")
-        if progress is not None:
-            metrics = {
-                "loss": losses[-1],
-                "lr": scheduler.get_last_lr()[0],
-                "step_seconds": times[-1],
-                "peak_rss_mb": peak_rss_mb(),
-            }
-            progress(step, steps, metrics)
-    train_seconds = time.perf_counter() - start
+    step = functools.partial(_step, model, params, optimizer, scheduler, storage, chunk_tokens, max_grad_norm)
+    losses, times, train_seconds = _run_steps(step, scheduler, train_blocks, steps, batch_size, seed, progress)
     if gradient_checkpointing:
         base.activation_checkpointing_disable()
     model.eval()
@@ -191,15 +151,61 @@ def finetune_int4_lora(
         trainable_params=sum(p.numel() for p in params),
     )
     if output_dir is not None:
-        metrics = json.dumps(result.to_dict(), indent=2) + "\n"
-        result.output_dir = str(
-            export_int4_lora(
-                model,
-                output_dir,
-                tokenizer=tokenizer,
-                merge=merge,
-                overwrite=overwrite,
-                extra_files={METRICS_FILE: metrics},
-            )
+        metrics = {METRICS_FILE: json.dumps(result.to_dict(), indent=2) + "\n"}
+        out = export_int4_lora(
+            model, output_dir, tokenizer=tokenizer, merge=merge, overwrite=overwrite, extra_files=metrics
         )
+        result.output_dir = str(out)
     return result
+
+
+def _checked_parameters(model: nn.Module, train_blocks, steps: int, batch_size: int, output_dir, overwrite: bool):
+    """The parameters that train (the adapters), after checking the arguments of :func:`finetune_int4_lora`."""
+    if steps < 1 or batch_size < 1:
+        raise ValueError(f"steps and batch_size must be positive, got steps={steps}, batch_size={batch_size}")
+    if not isinstance(train_blocks, torch.Tensor) or train_blocks.dim() != 2 or train_blocks.shape[1] < 2:
+        raise ValueError("train_blocks must be a LongTensor [n_blocks, block_size >= 2] (see token_blocks)")
+    if output_dir is not None:
+        check_output_dir(Path(output_dir), overwrite)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters; build it with prepare_int4_lora / load_int4_lora")
+    return params
+
+
+def _step(model, params, optimizer, scheduler, storage, chunk_tokens: int, max_grad_norm: float, batch) -> float:
+    """One optimizer step on ``batch [B, T]``; returns its loss."""
+    with storage:
+        loss = chunked_causal_lm_loss(model, batch, chunk_tokens=chunk_tokens)
+    loss.backward()
+    if max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def _run_steps(step, scheduler, train_blocks: torch.Tensor, steps: int, batch_size: int, seed: int, progress):
+    """``steps`` calls of ``step(batch)`` on shuffled blocks (reshuffled each epoch): ``(losses, seconds per step,
+    seconds in all)``."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    order, cursor = torch.randperm(len(train_blocks), generator=gen), 0
+    losses, times = [], []
+    start = time.perf_counter()
+    for i in range(1, steps + 1):
+        if cursor + batch_size > len(order):
+            order, cursor = torch.randperm(len(train_blocks), generator=gen), 0
+        batch = train_blocks[order[cursor : cursor + batch_size]]
+        cursor += batch_size
+        t0 = time.perf_counter()
+        losses.append(step(batch))
+        times.append(time.perf_counter() - t0)
+        if not math.isfinite(losses[-1]):
+            lr = scheduler.base_lrs[0]
+            raise FloatingPointError(f"loss became {losses[-1]} at step {i}; lower the learning rate (now {lr})")
+        if progress is not None:
+            lr = scheduler.get_last_lr()[0]
+            progress(i, steps, {"loss": losses[-1], "lr": lr, "step_seconds": times[-1], "peak_rss_mb": peak_rss_mb()})
+    return losses, times, time.perf_counter() - start
