@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hf_lowprec.formats import E5M2, FormatSpec
-from hf_lowprec.layers import canonical_name, eligible_layers, set_module, walk_layers  # noqa: F401  (re-exported)
+from hf_lowprec.layers import canonical_name, eligible_layers, swap_layers  # noqa: F401  (re-exported)
 from hf_lowprec.modules import LOW_PRECISION_TYPES, PackedLinear, TiedQuantizers
 from hf_lowprec.modules.embedding import like_embedding
 from hf_lowprec.modules.fp8 import FP8Linear, fp8_hardware_available
@@ -132,19 +132,41 @@ def apply_plan(
     plan.validate(model)
     assignments = plan.assign(model)
     report = ConversionReport()
-    quantizers = TiedQuantizers()  # layers on one weight share its quantizer
-    first_user: dict[int, str] = {}  # id(weight) -> the first layer holding it
-    for name, fqn, module in list(walk_layers(model)):
-        spec = assignments[name]
+    options = {
+        "fp8_backend": fp8_backend,
+        "grad_dtype": grad_dtype,
+        "learn_scales": learn_scales,
+        "learn_activation_scales": learn_activation_scales,
+    }
+    convert = _LayerConversion(assignments, report, options, policy_factory)
+    swap_layers(model, convert)
+    for r in report.layers:
+        if r.reason and r.reason != "unchanged":
+            logger.info("%s: %s (%s)", r.name, r.applied, r.reason)
+    model.hf_lowprec_plan = plan
+    return report
+
+
+class _LayerConversion:
+    """``(name, fqn, module) -> new layer or None`` for :func:`swap_layers`: each layer in its planned format, a
+    :class:`LayerReport` for every layer, learned parameters the new layers add, tied weights sharing a quantizer."""
+
+    def __init__(self, assignments: dict[str, FormatSpec], report: ConversionReport, options: dict, policy_factory):
+        self.assignments, self.report, self.options, self.policy_factory = assignments, report, options, policy_factory
+        self.quantizers = TiedQuantizers()  # layers on one weight share its quantizer
+        self.first_user: dict[int, str] = {}  # id(weight) -> the first layer holding it
+
+    def __call__(self, name: str, fqn: str, module: nn.Module) -> nn.Module | None:
+        spec = self.assignments[name]
         params = module.weight.numel() if hasattr(module, "weight") else 0
-        kind = type(module).__name__
-        tied = first_user.setdefault(id(getattr(module, "weight", module)), name)
+        tied = self.first_user.setdefault(id(getattr(module, "weight", module)), name)
         tied = "" if tied == name else tied
         if isinstance(module, LOW_PRECISION_TYPES) and module.spec == spec:
-            report.layers.append(
+            kind = type(module).__name__
+            self.report.layers.append(
                 LayerReport(name, spec.name, spec.name, kind, params, _backend(module), "unchanged", tied)
             )
-            continue
+            return None
         if isinstance(module, PackedLinear):
             raise ValueError(
                 f"layer {name!r} is frozen packed {module.spec.name} and cannot change to {spec.name}; reload the "
@@ -152,34 +174,22 @@ def apply_plan(
             )
         original = _high_precision(module) if isinstance(module, LOW_PRECISION_TYPES) else module
         if spec.is_high_precision:
-            if original is not module:
-                set_module(model, fqn, original)
-            report.layers.append(LayerReport(name, spec.name, spec.name, type(original).__name__, params, tied_to=tied))
-            continue
-        options = {
-            "fp8_backend": fp8_backend,
-            "grad_dtype": grad_dtype,
-            "learn_scales": learn_scales,
-            "learn_activation_scales": learn_activation_scales,
-        }
-        if policy_factory is not None and spec.family == "fp8":
-            options["policies"] = {
-                r: p for r in ("input", "weight", "grad") if (p := policy_factory(name, r, spec)) is not None
-            }
+            kind = type(original).__name__
+            self.report.layers.append(LayerReport(name, spec.name, spec.name, kind, params, tied_to=tied))
+            return original
+        options = dict(self.options)
+        if self.policy_factory is not None and spec.family == "fp8":
+            roles = ("input", "weight", "grad")
+            options["policies"] = {r: p for r in roles if (p := self.policy_factory(name, r, spec)) is not None}
         before = {id(p) for p in original.parameters()}
-        new = quantizers.build(name, original, spec, options)
-        set_module(model, fqn, new)
+        new = self.quantizers.build(name, original, spec, options)
         for pname, p in new.named_parameters():
             if id(p) not in before and p.requires_grad:
-                report.new_parameters[f"{fqn}.{pname}"] = p
-        report.layers.append(
+                self.report.new_parameters[f"{fqn}.{pname}"] = p
+        self.report.layers.append(
             LayerReport(name, spec.name, spec.name, type(new).__name__, params, _backend(new), _note(new), tied)
         )
-    for r in report.layers:
-        if r.reason and r.reason != "unchanged":
-            logger.info("%s: %s (%s)", r.name, r.applied, r.reason)
-    model.hf_lowprec_plan = plan
-    return report
+        return new
 
 
 def _backend(module: nn.Module) -> str:
@@ -202,11 +212,7 @@ def _note(module: nn.Module) -> str:
 
 def revert(model: nn.Module) -> int:
     """Put plain ``nn.Linear``/``nn.Embedding`` back for every converted (non-frozen) layer; returns the count."""
-    count = 0
-    for _, fqn, module in list(walk_layers(model)):
-        if isinstance(module, LOW_PRECISION_TYPES) and not isinstance(module, PackedLinear):
-            set_module(model, fqn, _high_precision(module))
-            count += 1
+    count = swap_layers(model, lambda name, fqn, m: _high_precision(m) if _revertible(m) else None)
     if hasattr(model, "hf_lowprec_plan"):
         del model.hf_lowprec_plan
     return count
@@ -216,9 +222,12 @@ def revert(model: nn.Module) -> int:
 def freeze(model: nn.Module) -> int:
     """Replace every ``Int4Linear`` whose format packs (int4; per-channel int8) by its frozen packed layer
     (:func:`~hf_lowprec.modules.packed.packed_class`); returns the count."""
-    count = 0
-    for _, fqn, module in list(walk_layers(model)):
-        if isinstance(module, Int4Linear) and packed_class(module.spec) is not None:
-            set_module(model, fqn, module.freeze())
-            count += 1
-    return count
+    return swap_layers(model, lambda name, fqn, m: m.freeze() if _packs(m) else None)
+
+
+def _revertible(module: nn.Module) -> bool:
+    return isinstance(module, LOW_PRECISION_TYPES) and not isinstance(module, PackedLinear)
+
+
+def _packs(module: nn.Module) -> bool:
+    return isinstance(module, Int4Linear) and packed_class(module.spec) is not None

@@ -48,6 +48,19 @@ def dense_views(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
+def swap_layers(model: nn.Module, make_layer) -> int:
+    """Put ``make_layer(name, fqn, module)`` in the place of each eligible layer (canonical and full name) for which
+    it returns a module other than the one there (``None``: keep it); returns how many were swapped. The one loop
+    that replaces layers (as torchao's ``swap_linear_layers``, with the plan or a type test as the filter)."""
+    count = 0
+    for name, fqn, module in list(walk_layers(model)):
+        new = make_layer(name, fqn, module)
+        if new is not None and new is not module:
+            set_module(model, fqn, new)
+            count += 1
+    return count
+
+
 def set_module(model: nn.Module, fqn: str, new: nn.Module) -> None:
     """Put ``new`` where ``model``'s submodule ``fqn`` (full name) is."""
     parent_name, _, attr = fqn.rpartition(".")

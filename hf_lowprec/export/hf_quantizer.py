@@ -20,7 +20,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from hf_lowprec.layers import set_module
+from hf_lowprec.layers import swap_layers
 from hf_lowprec.modules.packed import packed_class
 from hf_lowprec.plan import PrecisionPlan
 
@@ -58,16 +58,17 @@ class HfLowprecQuantizer(HfQuantizer):
 def install_packed_shells(model: nn.Module, plan: PrecisionPlan) -> int:
     """Replace each ``nn.Linear`` the plan puts in a packed format (int4; per-channel int8) by an empty packed
     layer of that format (same device/dtype)."""
-    count = 0
-    for name, spec in plan.assign(model).items():
-        module = model.get_submodule(name)
+    assignments = plan.assign(model)
+
+    def shell(name: str, fqn: str, module: nn.Module) -> nn.Module | None:
+        spec = assignments[name]
         cls = packed_class(spec)
-        if cls is not None and isinstance(module, nn.Linear):
-            w = module.weight
-            shell = cls(module.in_features, module.out_features, spec, module.bias is not None, w.dtype, w.device)
-            set_module(model, name, shell)
-            count += 1
-    return count
+        if cls is None or not isinstance(module, nn.Linear):
+            return None
+        w = module.weight
+        return cls(module.in_features, module.out_features, spec, module.bias is not None, w.dtype, w.device)
+
+    return swap_layers(model, shell)
 
 
 def quantization_config_dict(plan: PrecisionPlan) -> dict:
