@@ -87,24 +87,8 @@ def scan(
     interrupted. Raises ``ValueError`` for a model without eligible layers, an already converted
     model, or batches without labels.
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown scan method {method!r}; choose one of {', '.join(METHODS)}")
-    if max_batch_tokens < 1:
-        raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
-    if not 0.0 <= measure_top_fraction <= 1.0:
-        raise ValueError(f"measure_top_fraction must be in [0, 1], got {measure_top_fraction}")
-    specs = [FormatSpec.parse(f) for f in formats]
-    if not specs:
-        raise ValueError("scan needs at least one format, e.g. formats=('fp8', 'int4-g64')")
-    for s in specs:
-        if s.is_high_precision:
-            raise ValueError(
-                f"format {s.name!r} is high precision: scan low-precision formats (fp8, int4-g64, ...); {KEEP} is "
-                "always the baseline"
-            )
+    specs = _checked_formats(formats, method, max_batch_tokens, measure_top_fraction)
     names = [s.name for s in specs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"formats contain duplicates: {names}")
     units = _units(model, specs)
     if layers is not None:
         units = _select(units, [layers] if isinstance(layers, str) else layers)
@@ -115,7 +99,6 @@ def scan(
             "the calibration batches have no labelled positions (all labels are -100, or causal-LM sequences of "
             "length 1)"
         )
-    device = next(model.parameters()).device
     scores = [
         LayerScore(
             u.name,
@@ -134,8 +117,38 @@ def scan(
         seed=seed,
         model=getattr(getattr(model, "config", None), "name_or_path", None) or None,
     )
+    _run_passes(model, batches, units, scores, result, progress, measure_top_fraction, fp8_backend)
+    return result
+
+
+def _checked_formats(formats, method: str, max_batch_tokens: int, measure_top_fraction: float) -> list[FormatSpec]:
+    """The scan's formats, parsed, after checking them and the other options of :func:`scan`."""
+    if method not in METHODS:
+        raise ValueError(f"unknown scan method {method!r}; choose one of {', '.join(METHODS)}")
+    if max_batch_tokens < 1:
+        raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+    if not 0.0 <= measure_top_fraction <= 1.0:
+        raise ValueError(f"measure_top_fraction must be in [0, 1], got {measure_top_fraction}")
+    specs = [FormatSpec.parse(f) for f in formats]
+    if not specs:
+        raise ValueError("scan needs at least one format, e.g. formats=('fp8', 'int4-g64')")
+    for s in specs:
+        if s.is_high_precision:
+            raise ValueError(
+                f"format {s.name!r} is high precision: scan low-precision formats (fp8, int4-g64, ...); {KEEP} is "
+                "always the baseline"
+            )
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"formats contain duplicates: {names}")
+    return specs
+
+
+def _run_passes(model, batches, units, scores, result: ScanResult, progress, measure_top_fraction, fp8_backend) -> None:
+    """The passes of ``result.method`` over ``batches``, filling ``scores`` and ``result``'s base loss and seconds."""
+    method, device = result.method, next(model.parameters()).device
     start = time.perf_counter()
-    with _scanning(model, seed) as hooks:
+    with _scanning(model, result.seed) as hooks:
         if method == "measured":
             pairs = [(i, f) for i, u in enumerate(units) for f in u.formats]
             tracker = _Tracker(progress, len(batches) + len(pairs))
@@ -157,7 +170,6 @@ def scan(
     result.seconds["total"] = time.perf_counter() - start
     if method != "fisher":
         result.seconds["measured"] = result.seconds["total"] - result.seconds.get("fisher", 0.0)
-    return result
 
 
 @torch.no_grad()
