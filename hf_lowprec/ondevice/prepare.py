@@ -68,25 +68,14 @@ def prepare_int4_lora(
         auto_formats: ``plan="auto"`` only: the formats it chooses from besides bf16 (default ``AUTO_FORMATS``).
         adapter_dtype: dtype of the adapter weights (fp32 master copies by default; they compute in the
             activation dtype either way).
-        backend: ``auto``, ``int8`` or ``dequant`` for every packed layer (see ``modules/packed.py``).
+        backend: ``auto`` (measured per shape), ``int8``, ``tiled`` or ``dequant`` for every packed layer (see
+            ``modules/packed.py``).
 
     Raises ``ValueError`` for a target that matches nothing, a plan that packs nothing, a model whose
     layers are narrower than one INT4 group, calibration tokens missing (``auto`` plan, calibrated rounding)
     or unused, or a budget without an ``auto`` plan.
     """
-    if backend not in PACKED_BACKENDS:
-        raise ValueError(f"backend {backend!r}: choose one of {', '.join(PACKED_BACKENDS)}")
-    auto, calibrated = is_auto(plan), check_rounding(rounding) != "nearest"
-    if calibration is None and (auto or calibrated):
-        raise ValueError(f"{'plan auto' if auto else f'rounding {rounding!r}'} needs calibration= token blocks [n, T]")
-    if calibration is not None and not (auto or calibrated):
-        raise ValueError(
-            "calibration tokens are used by plan='auto' and by the roundings "
-            + ", ".join(ROUNDINGS[1:])
-            + "; this call has neither"
-        )
-    if (budget is not None or tuple(auto_formats) != AUTO_FORMATS) and not auto:
-        raise ValueError("budget= and auto_formats= apply to plan='auto' (the sensitivity scan's allocation)")
+    auto, calibrated = _check_arguments(plan, rounding, calibration, budget, auto_formats, backend)
     config = (
         copy.deepcopy(lora_config)
         if lora_config is not None
@@ -103,6 +92,34 @@ def prepare_int4_lora(
         report.calibration = _calibrated_pack(model, calibration, rounding, config if loftq_init else None, factors)
     if loftq_init:
         factors.update(loftq_for_targets(model, config))
+    _freeze_base(model, report, backend)
+    peft_model = _with_adapters(model, config, factors, adapter_dtype)
+    logger.info(
+        "INT4 base: %s; LoRA on %d layers%s", report, len(config.target_modules), " (LoftQ init)" if loftq_init else ""
+    )
+    return peft_model, report
+
+
+def _check_arguments(plan, rounding: str, calibration, budget, auto_formats, backend: str) -> tuple[bool, bool]:
+    """``(plan is auto, rounding is calibrated)`` after checking that the arguments of :func:`prepare_int4_lora` fit."""
+    if backend not in PACKED_BACKENDS:
+        raise ValueError(f"backend {backend!r}: choose one of {', '.join(PACKED_BACKENDS)}")
+    auto, calibrated = is_auto(plan), check_rounding(rounding) != "nearest"
+    if calibration is None and (auto or calibrated):
+        raise ValueError(f"{'plan auto' if auto else f'rounding {rounding!r}'} needs calibration= token blocks [n, T]")
+    if calibration is not None and not (auto or calibrated):
+        raise ValueError(
+            "calibration tokens are used by plan='auto' and by the roundings "
+            + ", ".join(ROUNDINGS[1:])
+            + "; this call has neither"
+        )
+    if (budget is not None or tuple(auto_formats) != AUTO_FORMATS) and not auto:
+        raise ValueError("budget= and auto_formats= apply to plan='auto' (the sensitivity scan's allocation)")
+    return auto, calibrated
+
+
+def _freeze_base(model: nn.Module, report: ConversionReport, backend: str) -> None:
+    """Pack the plan's layers, set their ``backend``, name in ``report`` the modules that now run, freeze the rest."""
     freeze(model)
     layers = eligible_layers(model)
     for row in report.layers:  # the report was made before freezing: name the modules that now run
@@ -113,19 +130,20 @@ def prepare_int4_lora(
     for p in model.parameters():
         p.requires_grad_(False)
     _own_dense_tensors(model)
+
+
+def _with_adapters(model: nn.Module, config: LoraConfig, factors: dict, adapter_dtype: torch.dtype) -> PeftModel:
+    """``model`` wrapped in LoRA per ``config``; adapters named in ``factors`` start from them (LoftQ)."""
     peft_model = get_peft_model(model, register_int4_lora(config), autocast_adapter_dtype=False)
     for name, module in peft_model.named_modules():
         if hasattr(module, "lora_A") and canonical_name(name) in factors:
             a, b = factors[canonical_name(name)]
             module.lora_A["default"].weight.data.copy_(a)
             module.lora_B["default"].weight.data.copy_(b)
-    for name, p in peft_model.named_parameters():
+    for p in peft_model.parameters():
         if p.requires_grad:
             p.data = p.data.to(adapter_dtype)
-    logger.info(
-        "INT4 base: %s; LoRA on %d layers%s", report, len(config.target_modules), " (LoftQ init)" if loftq_init else ""
-    )
-    return peft_model, report
+    return peft_model
 
 
 @torch.no_grad()
