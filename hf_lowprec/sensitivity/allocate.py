@@ -339,21 +339,7 @@ def allocate(
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     if isinstance(keep, str):
         keep = (keep,)
-    if budget is not None and budget_kwargs:
-        raise ValueError("pass either a Budget or budget keyword arguments, not both")
-    if budget is None:
-        if budget_kwargs:
-            unknown = sorted(set(budget_kwargs) - set(_CONSTRAINTS))
-            if unknown:
-                raise ValueError(f"unknown budget argument(s) {unknown}; choose from {', '.join(_CONSTRAINTS)}")
-            budget = Budget(**budget_kwargs)
-        else:
-            if not math.isfinite(result.base_loss):
-                raise ValueError("the scan has no calibration loss to derive a default budget from; pass a budget")
-            budget = Budget(max_loss_increase=DEFAULT_RELATIVE_LOSS_INCREASE * result.base_loss)
-            logger.info(
-                "no budget given: max_loss_increase = %.4g (1%% of the calibration loss)", budget.max_loss_increase
-            )
+    budget = _budget_of(result, budget, budget_kwargs)
     p = _problem(result, keep, force or {})
     use_ilp = solver == "ilp" or (solver == "auto" and len(p.unit) <= ILP_MAX_VARIABLES)
     if use_ilp:
@@ -366,6 +352,29 @@ def allocate(
     failed = _violations(p, x, budget)
     if failed:
         raise _unmeetable(p, budget, failed)
+    return _record(result, p, x, budget, keep, force, "ilp" if use_ilp else "greedy")
+
+
+def _budget_of(result: ScanResult, budget: Budget | None, budget_kwargs: dict) -> Budget:
+    """The :class:`Budget` of an :func:`allocate` call: given, from keywords, or Δloss ≤ 1% of the calibration loss."""
+    if budget is not None and budget_kwargs:
+        raise ValueError("pass either a Budget or budget keyword arguments, not both")
+    if budget is not None:
+        return budget
+    if budget_kwargs:
+        unknown = sorted(set(budget_kwargs) - set(_CONSTRAINTS))
+        if unknown:
+            raise ValueError(f"unknown budget argument(s) {unknown}; choose from {', '.join(_CONSTRAINTS)}")
+        return Budget(**budget_kwargs)
+    if not math.isfinite(result.base_loss):
+        raise ValueError("the scan has no calibration loss to derive a default budget from; pass a budget")
+    budget = Budget(max_loss_increase=DEFAULT_RELATIVE_LOSS_INCREASE * result.base_loss)
+    logger.info("no budget given: max_loss_increase = %.4g (1%% of the calibration loss)", budget.max_loss_increase)
+    return budget
+
+
+def _record(result: ScanResult, p: _Problem, x: np.ndarray, budget: Budget, keep, force, solver: str) -> PrecisionPlan:
+    """The plan of solution ``x``, recorded with its summary on ``result``."""
     chosen = {int(p.unit[j]): p.choice[j] for j in np.flatnonzero(x > 0.5)}
     layers = {}
     for i, unit in enumerate(result.layers):
@@ -381,7 +390,7 @@ def allocate(
         "budget": {k: v for k, v in asdict(budget).items() if v is not None},
         "keep": list(keep),
         "force": dict(force or {}),
-        "solver": "ilp" if use_ilp else "greedy",
+        "solver": solver,
         "predicted_delta_loss": totals["max_loss_increase"],
         "bits_per_param": totals["target_bits_per_param"],
         "fractions": fractions,
