@@ -23,7 +23,7 @@ from hf_lowprec.export.hf_quantizer import quantization_config_dict
 from hf_lowprec.folders import atomic_output_dir, atomic_write_text, check_output_dir
 from hf_lowprec.modules.int4_lora import PackedLoraLinear, register_int4_lora
 from hf_lowprec.modules.packed import PackedLinear
-from hf_lowprec.plan import PLAN_FILE
+from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 
 logger = logging.getLogger(__name__)
 
@@ -120,19 +120,7 @@ def export_int4_lora(
     adapter deltas smaller than half an INT4 step, which on small models is most of what LoRA learned.
     Refuses an existing non-empty ``out_dir`` unless ``overwrite``.
     """
-
-    if not isinstance(model, PeftModel):
-        raise ValueError(f"export_int4_lora exports a PEFT model from prepare_int4_lora, got {type(model).__name__}")
-    if merged_dtype is not None and not merge:
-        raise ValueError("merged_dtype applies to merge=True")
-    if merged_dtype is not None and merged_dtype not in MERGE_DTYPES.values():
-        raise ValueError(
-            f"merged_dtype must be one of {', '.join(str(d) for d in MERGE_DTYPES.values())}, got {merged_dtype}"
-        )
-    base = model.get_base_model()
-    plan = getattr(base, "hf_lowprec_plan", None)
-    if plan is None:
-        raise ValueError("the model has no hf_lowprec plan; build it with prepare_int4_lora / load_int4_lora")
+    base, plan = _checked_base(model, merge, merged_dtype)
     check_output_dir(Path(out_dir), overwrite)
     dense = merged_dtype is not None
     config = copy.deepcopy(base.config)
@@ -155,19 +143,41 @@ def export_int4_lora(
         if not dense:
             plan.save(tmp / PLAN_FILE)
         if merge and not dense:
-            summary = _merge_summary(errors)
-            atomic_write_text(tmp / MERGE_FILE, json.dumps({"summary": summary, "layers": errors}, indent=2) + "\n")
-            logger.warning(
-                "merged LoRA into the INT4 base and re-quantized %d layers: weight error %.3g%% (median), "
-                "%.3g of the adapter delta's norm (median; max %.3g)",
-                summary["layers"],
-                100 * summary["rel_error_median"],
-                summary["error_vs_delta_median"],
-                summary["error_vs_delta_max"],
-            )
+            _write_merge_errors(tmp, errors)
         for name, text in (extra_files or {}).items():
             atomic_write_text(tmp / name, text)
     return Path(out_dir)
+
+
+def _checked_base(model, merge: bool, merged_dtype) -> tuple[nn.Module, PrecisionPlan]:
+    """``(base model, its plan)`` of a PEFT model from :func:`prepare_int4_lora`, after checking the export options."""
+    if not isinstance(model, PeftModel):
+        raise ValueError(f"export_int4_lora exports a PEFT model from prepare_int4_lora, got {type(model).__name__}")
+    if merged_dtype is not None and not merge:
+        raise ValueError("merged_dtype applies to merge=True")
+    if merged_dtype is not None and merged_dtype not in MERGE_DTYPES.values():
+        raise ValueError(
+            f"merged_dtype must be one of {', '.join(str(d) for d in MERGE_DTYPES.values())}, got {merged_dtype}"
+        )
+    base = model.get_base_model()
+    plan = getattr(base, "hf_lowprec_plan", None)
+    if plan is None:
+        raise ValueError("the model has no hf_lowprec plan; build it with prepare_int4_lora / load_int4_lora")
+    return base, plan
+
+
+def _write_merge_errors(folder: Path, errors: list[dict]) -> None:
+    """``hf_lowprec_merge.json``: the re-quantization error of each merged layer and their summary (also logged)."""
+    summary = _merge_summary(errors)
+    atomic_write_text(folder / MERGE_FILE, json.dumps({"summary": summary, "layers": errors}, indent=2) + "\n")
+    logger.warning(
+        "merged LoRA into the INT4 base and re-quantized %d layers: weight error %.3g%% (median), "
+        "%.3g of the adapter delta's norm (median; max %.3g)",
+        summary["layers"],
+        100 * summary["rel_error_median"],
+        summary["error_vs_delta_median"],
+        summary["error_vs_delta_max"],
+    )
 
 
 @contextlib.contextmanager
