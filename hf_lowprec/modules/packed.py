@@ -498,46 +498,40 @@ class PackedLinear(nn.Module):
         err = (self.dequantized_weight(torch.float32) - w).norm() / w.norm().clamp(min=_EPS)
         return {"rel_error": err.item()}
 
-    def runnable_backends(self, x: torch.Tensor) -> dict[str, str]:
-        """``{backend: why it can run}`` for input ``x`` (this layer's shape, the device, the CPU, the kernels);
-        ``dequant`` always can."""
+    def backend_status(self, x: torch.Tensor) -> dict[str, tuple[bool, str]]:
+        """``{backend: (can run, why)}`` for input ``x``: this layer's shape, the device, the CPU, the kernels."""
         shape_ok, shape_reason = self.kernel_shape_supported()
         out = {}
         for name, (ok, reason) in (
             ("int8", int8_backend_available(x.device)),
             ("tiled", tiled_backend_available(x.device, x.dtype)),
         ):
-            if ok and shape_ok:
-                out[name] = reason
-        out["dequant"] = "dense weight dequantized per call" + (f" ({shape_reason})" if not shape_ok else "")
+            out[name] = (ok, reason) if shape_ok else (False, shape_reason)
+        out["dequant"] = (True, "dense weight dequantized per call" + (f" ({shape_reason})" if not shape_ok else ""))
         return out
+
+    def runnable_backends(self, x: torch.Tensor) -> dict[str, str]:
+        """``{backend: why it can run}`` for input ``x``; ``dequant`` always can."""
+        return {name: reason for name, (ok, reason) in self.backend_status(x).items() if ok}
 
     def resolve_backend(self, x: torch.Tensor) -> str:
         """The backend that runs for input ``x``: the one asked for, or for ``auto`` the fastest runnable one
         for this shape and dtype, measured once per machine (:mod:`hf_lowprec.modules.kernels.autotune`)."""
         if self.backend == "auto":
-            key = (
-                "auto",
-                x.device.type,
-                x.dtype,
-            )  # resolved once per layer, device and dtype (the cache drops on .to())
+            key = ("auto", x.device.type, x.dtype)  # resolved once per layer, device, dtype (dropped on .to())
             if key not in self._cache:
                 runnable = self.runnable_backends(x)
                 choice = self._autotune(x.device, x.dtype, runnable) if len(runnable) > 1 else None
                 self._cache[key] = choice.value if choice else "dequant"
                 _log_once(self._cache[key], choice.reason if choice else runnable["dequant"])
             return self._cache[key]
-        runnable = self.runnable_backends(x)
-        if self.backend not in runnable:
-            available = (
-                int8_backend_available(x.device)
-                if self.backend == "int8"
-                else tiled_backend_available(x.device, x.dtype)
-            )
-            reason = self.kernel_shape_supported()[1] or available[1]
+        status = self.backend_status(x)
+        ok, reason = status[self.backend]
+        if not ok:
+            runnable = ", ".join(name for name, (can, _) in status.items() if can)
             raise ValueError(
                 f"{type(self).__name__} backend {self.backend!r} cannot run here: {reason}; "
-                f"use 'auto' or one of {', '.join(runnable)}"
+                f"use 'auto' or one of {runnable}"
             )
         return self.backend
 

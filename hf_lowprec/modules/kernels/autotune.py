@@ -111,18 +111,17 @@ def _cpu_compute_dtype() -> tuple[torch.dtype, str]:
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
     xb, wb = x.bfloat16(), w.bfloat16()
     choice = fastest("compute-dtype", {"bf16": lambda: F.linear(xb, wb), "fp32": lambda: F.linear(x, w)}, _dtype_reason)
-    return (
-        torch.bfloat16 if choice.value == "bf16" and _speedup(choice.seconds) >= BF16_MIN_SPEEDUP else torch.float32
-    ), choice.reason
+    return (torch.bfloat16 if _bf16_wins(choice.seconds) else torch.float32), choice.reason
 
 
-def _speedup(seconds: dict[str, float]) -> float:
-    return seconds["fp32"] / max(seconds["bf16"], 1e-12)
+def _bf16_wins(seconds: dict[str, float]) -> bool:
+    """Whether bf16 measured at least ``BF16_MIN_SPEEDUP`` x fp32 (``seconds``: per candidate)."""
+    return seconds["fp32"] / max(seconds["bf16"], 1e-12) >= BF16_MIN_SPEEDUP
 
 
 def _dtype_reason(winner: str, seconds: dict[str, float]) -> str:
-    ratio = _speedup(seconds)
-    chosen = "bf16" if ratio >= BF16_MIN_SPEEDUP else "fp32"
+    ratio = seconds["fp32"] / max(seconds["bf16"], 1e-12)
+    chosen = "bf16" if _bf16_wins(seconds) else "fp32"
     return f"compute {chosen}: bf16 GEMM measured {ratio:.2f}x fp32 on this CPU ({cpu_info().cpu_class})"
 
 
