@@ -40,6 +40,43 @@ TextColOpt = Annotated[Optional[str], typer.Option("--text-column", help="Column
 MsgColOpt = Annotated[Optional[str], typer.Option("--messages-column", help="Column of chat messages (else detected).")]
 
 
+# ------------------------------------------------------------------------------ finetune options
+RecipeOpt = Annotated[
+    str, typer.Option("--recipe", help="Built-in recipe name or recipe .yaml file (see `hf-lowprec recipes`).")
+]
+PlanOpt = Annotated[
+    Optional[str],
+    typer.Option("--plan", help="Plan file (.json/.yaml), format name, or 'auto'; overrides the recipe's."),
+]
+OutputDirOpt = Annotated[Optional[Path], typer.Option("--output-dir", "-o", help="Run folder (default runs/<recipe>).")]
+OverwriteOpt = Annotated[
+    bool, typer.Option("--overwrite", help="Replace an existing output folder (only once the new run finishes).")
+]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last checkpoint.")]
+DtypeOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--dtype",
+        help="Compute dtype: auto (bf16 where this CPU runs bf16 GEMMs fast, measured once; else fp32), bf16 or fp32.",
+    ),
+]
+EvalBlocksOpt = Annotated[
+    Optional[int], typer.Option("--eval-blocks", min=1, help="Held-out sequences for the loss before/after.")
+]
+LoraInitOpt = Annotated[
+    Optional[str],
+    typer.Option("--lora-init", help="int4-lora: default or loftq (adapters start from the quantization residual)."),
+]
+RoundingOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--rounding",
+        help="int4-lora: how the INT4 codes are chosen: nearest, gptq, awq or awq+gptq (the last three "
+        "calibrated on the first training batches).",
+    ),
+]
+
+
 @app.callback()
 def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show library INFO logs.")] = False):
     ui.setup_logging(verbose)
@@ -170,29 +207,11 @@ def scan_cmd(
 ):
     """Measure each layer's sensitivity to FP8/INT4, allocate a plan under a budget, write it with a heat map."""
     from hf_lowprec import sensitivity
-    from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
-    from hf_lowprec.data import collated_batches, prepare_lm_data, read_source
 
     if out.suffix not in (".json", ".yaml", ".yml"):
         ui.fail(f"--out {str(out)!r}: a plan file ends in .json, .yaml or .yml")
     budget_args = _parse_budget(budget)
-    with ui.step(f"reading data {data or '(default corpus)'}"):
-        records, data_name = read_source(data)
-    source, gguf = (model, gguf_file) if model else default_checkpoint()
-    with ui.step(f"loading {model or 'the default model'}"):
-        lm_model, tokenizer = load_pretrained(source, gguf_file=gguf)
-    with ui.step("tokenizing calibration data"):
-        lm = prepare_lm_data(
-            records,
-            data_name,
-            tokenizer,
-            block_size,
-            train_sequences=batches * batch_size,
-            eval_sequences=batches * batch_size,
-            text_column=text_column,
-        )
-    calib = list(collated_batches(lm.train, lm.collator, batch_size))
-    held_out = list(collated_batches(lm.eval, lm.collator, batch_size))
+    lm_model, calib, held_out = _scan_batches(model, gguf_file, data, batches, batch_size, block_size, text_column)
     with ui.counted(f"scanning ({method}, {len(calib)} batches)", total=1, unit="steps") as advance:
         result = sensitivity.scan(
             lm_model,
@@ -209,22 +228,43 @@ def scan_cmd(
     plan.save(out)
     heatmap = result.save_heatmap(out.with_suffix(".png"))
     scores = result.save(out.with_name(out.stem + ".scores.json"))
-    rows = [
-        (
-            r["layer"],
-            f"{r['params']:,}",
-            *(
-                (
-                    "n/a"
-                    if r[f] is None
-                    else f"{r[f]:.2e}{'*' if r['measured'] and f in result[r['layer']].measured else ''}"
-                )
-                for f in result.formats
-            ),
-            r["chosen"] or "",
+    _print_scan(result, plan.summary(lm_model), measured, f"{out} (plan), {heatmap} (heat map), {scores} (scores)")
+    ui.out.print(f"train with it: hf-lowprec finetune {model + ' ' if model else ''}--plan {out}")
+
+
+def _scan_batches(model, gguf_file, data, batches: int, batch_size: int, block_size: int, text_column):
+    """``(model, calibration batches, held-out batches)`` for ``scan``: ``batches`` of each."""
+    from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
+    from hf_lowprec.data import collated_batches, prepare_lm_data, read_source
+
+    with ui.step(f"reading data {data or '(default corpus)'}"):
+        records, data_name = read_source(data)
+    source, gguf = (model, gguf_file) if model else default_checkpoint()
+    with ui.step(f"loading {model or 'the default model'}"):
+        lm_model, tokenizer = load_pretrained(source, gguf_file=gguf)
+    with ui.step("tokenizing calibration data"):
+        lm = prepare_lm_data(
+            records,
+            data_name,
+            tokenizer,
+            block_size,
+            train_sequences=batches * batch_size,
+            eval_sequences=batches * batch_size,
+            text_column=text_column,
         )
-        for r in result.rows()
-    ]
+    calib = list(collated_batches(lm.train, lm.collator, batch_size))
+    return lm_model, calib, list(collated_batches(lm.eval, lm.collator, batch_size))
+
+
+def _print_scan(result, plan_rows: list[dict], measured: dict, files: str) -> None:
+    """The sensitivity table, the plan's rows and its budget, predicted and measured Δloss."""
+    rows = []
+    for r in result.rows():
+        cells = []
+        for f in result.formats:
+            star = "*" if r["measured"] and f in result[r["layer"]].measured else ""
+            cells.append("n/a" if r[f] is None else f"{r[f]:.2e}{star}")
+        rows.append((r["layer"], f"{r['params']:,}", *cells, r["chosen"] or ""))
     ui.out.print(
         ui.table(
             "Sensitivity: Δloss (nats/token) per layer and format; * measured, else predicted (base loss "
@@ -234,7 +274,7 @@ def scan_cmd(
             numeric=range(1, 2 + len(result.formats)),
         )
     )
-    ui.out.print(ui.plan_rows_table(plan.summary(lm_model)))
+    ui.out.print(ui.plan_rows_table(plan_rows))
     alloc = result.allocation or {}
     ui.out.print(
         ui.key_values(
@@ -246,11 +286,10 @@ def scan_cmd(
                 "measured Δloss (held-out)": f"{measured['delta_loss']:.4f} (loss {measured['base_loss']:.4f} → "
                 f"{measured['plan_loss']:.4f}, KL {measured['kl']:.4f})",
                 "scan time": f"{result.seconds.get('total', 0.0):.1f} s",
-                "files": f"{out} (plan), {heatmap} (heat map), {scores} (scores)",
+                "files": files,
             },
         )
     )
-    ui.out.print(f"train with it: hf-lowprec finetune {model + ' ' if model else ''}--plan {out}")
 
 
 def _parse_budget(text: str | None) -> dict:
@@ -273,56 +312,24 @@ def _parse_budget(text: str | None) -> dict:
 @ui.guarded
 def finetune_cmd(
     model: ModelArg = None,
-    recipe: Annotated[
-        str, typer.Option("--recipe", help="Built-in recipe name or recipe .yaml file (see `hf-lowprec recipes`).")
-    ] = DEFAULT_RECIPE,
+    recipe: RecipeOpt = DEFAULT_RECIPE,
     data: DataOpt = None,
-    plan: Annotated[
-        Optional[str],
-        typer.Option("--plan", help="Plan file (.json/.yaml), format name, or 'auto'; overrides the recipe's."),
-    ] = None,
-    output_dir: Annotated[
-        Optional[Path], typer.Option("--output-dir", "-o", help="Run folder (default runs/<recipe>).")
-    ] = None,
-    overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace an existing output folder (only once the new run finishes).")
-    ] = False,
-    resume: Annotated[
-        bool, typer.Option("--resume", help="Continue an interrupted run from its last checkpoint.")
-    ] = False,
+    plan: PlanOpt = None,
+    output_dir: OutputDirOpt = None,
+    overwrite: OverwriteOpt = False,
+    resume: ResumeOpt = False,
     gguf_file: GGUFOpt = None,
     max_steps: Annotated[Optional[int], typer.Option("--max-steps", min=1)] = None,
     learning_rate: Annotated[Optional[float], typer.Option("--learning-rate", "--lr", min=0.0)] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", min=1)] = None,
     grad_accum: Annotated[Optional[int], typer.Option("--grad-accum", min=1)] = None,
     block_size: Annotated[Optional[int], typer.Option("--block-size", min=8)] = None,
-    dtype: Annotated[
-        Optional[str],
-        typer.Option(
-            "--dtype",
-            help="Compute dtype: auto (bf16 where this CPU runs bf16 GEMMs fast, measured once; else fp32), bf16 "
-            "or fp32.",
-        ),
-    ] = None,
+    dtype: DtypeOpt = None,
     save_steps: Annotated[Optional[int], typer.Option("--save-steps", min=1)] = None,
-    eval_blocks: Annotated[
-        Optional[int], typer.Option("--eval-blocks", min=1, help="Held-out sequences for the loss before/after.")
-    ] = None,
+    eval_blocks: EvalBlocksOpt = None,
     lora_r: Annotated[Optional[int], typer.Option("--lora-r", min=1)] = None,
-    lora_init: Annotated[
-        Optional[str],
-        typer.Option(
-            "--lora-init", help="int4-lora: default or loftq (adapters start from the quantization residual)."
-        ),
-    ] = None,
-    rounding: Annotated[
-        Optional[str],
-        typer.Option(
-            "--rounding",
-            help="int4-lora: how the INT4 codes are chosen: nearest, gptq, awq or awq+gptq (the last three "
-            "calibrated on the first training batches).",
-        ),
-    ] = None,
+    lora_init: LoraInitOpt = None,
+    rounding: RoundingOpt = None,
     seed: Annotated[Optional[int], typer.Option("--seed")] = None,
     text_column: TextColOpt = None,
     messages_column: MsgColOpt = None,
@@ -419,8 +426,7 @@ def eval_cmd(
     label_column: Annotated[str, typer.Option("--label-column")] = "label",
 ):
     """Perplexity (causal LM) or accuracy (classification) of a model on a dataset."""
-    from hf_lowprec.data import load_records, prepare_classification_data, prepare_lm_data
-    from hf_lowprec.metrics import causal_lm_loss, classification_accuracy
+    from hf_lowprec.data import load_records
 
     tasks = ("auto", "causal-lm", "classification")
     if task not in tasks:
@@ -431,48 +437,50 @@ def eval_cmd(
         lm_model, tokenizer, kind = _load_for_eval(model, gguf_file, task, plan_numerics)
     if tokenizer is None:
         ui.fail(f"{model!r} has no tokenizer files")
+    columns = {"text_column": text_column, "max_rows": max_sequences}
     if kind == "classification":
-        with ui.step("tokenizing"):
-            ds = prepare_classification_data(
-                records,
-                data,
-                tokenizer,
-                block_size,
-                text_column=text_column,
-                label_column=label_column,
-                max_rows=max_sequences,
-            )
-        from transformers import DataCollatorWithPadding
-
-        with ui.counted("evaluating", total=len(ds)) as advance:
-            result = classification_accuracy(
-                lm_model, ds, DataCollatorWithPadding(tokenizer), batch_size=batch_size, on_batch=advance
-            )
-        rows = [
-            ("accuracy", f"{result['accuracy']:.4f}"),
-            ("rows", result["rows"]),
-            ("computed by", result["metric_source"]),
-        ]
+        rows = _eval_classification(lm_model, tokenizer, records, data, block_size, batch_size, columns, label_column)
     else:
-        with ui.step(f"tokenizing into sequences of {block_size} tokens"):
-            lm = prepare_lm_data(
-                records,
-                data,
-                tokenizer,
-                block_size,
-                eval_sequences=max_sequences,
-                eval_only=True,
-                text_column=text_column,
-                messages_column=messages_column,
-            )
-        with ui.counted("evaluating", total=len(lm.eval), unit="sequences") as advance:
-            result = causal_lm_loss(lm_model, lm.eval, lm.collator, batch_size=batch_size, on_batch=advance)
-        rows = [
-            ("perplexity", f"{result['perplexity']:.4f}"),
-            ("loss (nats/token)", f"{result['loss']:.4f}"),
-            ("tokens", f"{result['tokens']:,}"),
-        ]
+        columns["messages_column"] = messages_column
+        rows = _eval_causal_lm(lm_model, tokenizer, records, data, block_size, batch_size, columns)
     ui.out.print(ui.key_values("Evaluation", {"model": model, "data": data, **{k: str(v) for k, v in rows}}))
+
+
+def _eval_classification(model, tokenizer, records, data: str, max_length: int, batch_size: int, columns, label_column):
+    """``[(name, value)]``: accuracy over the rows (at most ``columns["max_rows"]``)."""
+    from transformers import DataCollatorWithPadding
+
+    from hf_lowprec.data import prepare_classification_data
+    from hf_lowprec.metrics import classification_accuracy
+
+    with ui.step("tokenizing"):
+        ds = prepare_classification_data(records, data, tokenizer, max_length, label_column=label_column, **columns)
+    with ui.counted("evaluating", total=len(ds)) as advance:
+        result = classification_accuracy(
+            model, ds, DataCollatorWithPadding(tokenizer), batch_size=batch_size, on_batch=advance
+        )
+    return [
+        ("accuracy", f"{result['accuracy']:.4f}"),
+        ("rows", result["rows"]),
+        ("computed by", result["metric_source"]),
+    ]
+
+
+def _eval_causal_lm(model, tokenizer, records, data: str, block_size: int, batch_size: int, columns):
+    """``[(name, value)]``: perplexity and loss over blocks of ``block_size`` tokens."""
+    from hf_lowprec.data import prepare_lm_data
+    from hf_lowprec.metrics import causal_lm_loss
+
+    max_rows = columns.pop("max_rows")
+    with ui.step(f"tokenizing into sequences of {block_size} tokens"):
+        lm = prepare_lm_data(records, data, tokenizer, block_size, eval_sequences=max_rows, eval_only=True, **columns)
+    with ui.counted("evaluating", total=len(lm.eval), unit="sequences") as advance:
+        result = causal_lm_loss(model, lm.eval, lm.collator, batch_size=batch_size, on_batch=advance)
+    return [
+        ("perplexity", f"{result['perplexity']:.4f}"),
+        ("loss (nats/token)", f"{result['loss']:.4f}"),
+        ("tokens", f"{result['tokens']:,}"),
+    ]
 
 
 def _load_for_eval(model: str, gguf_file: str | None, task: str, plan_numerics: bool):

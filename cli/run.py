@@ -27,6 +27,7 @@ from hf_lowprec.export.records import hardware_info, read_run
 from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.metrics import causal_lm_loss, peak_rss_mb
 from hf_lowprec.modules.kernels.autotune import measured, resolve_dtype
+from hf_lowprec.ondevice.train import backend_counts
 from hf_lowprec.recipe import Recipe
 
 SETTINGS_FILE = "run_settings.json"
@@ -225,54 +226,95 @@ def _evaluate(model, lm, batch_size: int, autocast, label: str) -> dict:
 
 
 def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
-    from transformers import PrinterCallback, TrainingArguments
-
-    from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
-    from hf_lowprec.data import prepare_lm_data, read_source
-    from hf_lowprec.ondevice import backend_counts
+    from transformers import PrinterCallback
 
     recipe, t = opts.recipe, opts.recipe.training
-    with ui.step(f"reading data {opts.data or '(default corpus)'}"):
-        records, data_name = read_source(opts.data, split=recipe.data.split)
-    source, gguf = (opts.model, opts.gguf_file) if opts.model else default_checkpoint()
-    label = opts.model or f"default model {DEFAULT_BASE_MODEL_ID} ({gguf})"
     lora = recipe.method == "int4-lora"
     compute, compute_reason = resolve_dtype(t.dtype, "cuda" if torch.cuda.is_available() else "cpu")
-    bf16 = compute == torch.bfloat16
     ui.err.print(compute_reason, soft_wrap=True)
+    bf16 = compute == torch.bfloat16
     # full training keeps fp32 master weights under bf16 autocast; the frozen INT4 base computes in the compute dtype
-    load_dtype = torch.bfloat16 if lora and bf16 else torch.float32
-    with ui.step(f"loading {label}"):
-        model, tokenizer = load_pretrained(source, gguf_file=gguf, dtype=load_dtype)
-    if tokenizer is None:
-        ui.fail(f"{source!r} has no tokenizer files; save the tokenizer next to the model (tokenizer.save_pretrained)")
-    max_len = getattr(model.config, "max_position_embeddings", None)
-    if max_len is not None and t.block_size > max_len:
-        ui.fail(f"block size {t.block_size} exceeds the model's max_position_embeddings {max_len}; lower --block-size")
-    needed = t.max_steps * t.batch_size * t.gradient_accumulation_steps
-    with ui.step(f"tokenizing {data_name} into sequences of {t.block_size} tokens"):
-        lm = prepare_lm_data(
-            records,
-            data_name,
-            tokenizer,
-            t.block_size,
-            train_sequences=needed,
-            eval_sequences=t.eval_blocks,
-            eval_fraction=recipe.data.eval_fraction,
-            text_column=recipe.data.text_column,
-            messages_column=recipe.data.messages_column,
-        )
+    model, tokenizer, lm = _load_model_and_data(opts, torch.bfloat16 if lora and bf16 else torch.float32)
     autocast = torch.bfloat16 if bf16 and not lora else None
     figures = dict(settings.get("figures", {}))
     if "loss_base" not in figures:
         figures["loss_base"] = _evaluate(
             model, lm, t.batch_size, autocast, "evaluating the base model (held-out data)"
         )["loss"]
-
     resume_from = str(run.latest_checkpoint()) if opts.resume else None
     model, callbacks, method_info = _prepare_method(model, recipe, lm, t, resume_from)
-    progress, stopper = RichProgress(), StopOnInterrupt()
-    args = TrainingArguments(
+    stopper = StopOnInterrupt()
+    trainer = _trainer_class(recipe)(
+        model=model,
+        args=_training_arguments(run, t, bf16_autocast=bf16 and not lora),
+        train_dataset=lm.train,
+        data_collator=lm.collator,
+        callbacks=[*callbacks, RichProgress(), stopper],
+    )
+    trainer.remove_callback(PrinterCallback)  # our progress bar reports the logs
+    if "loss_start" not in figures:
+        label = "evaluating with the plan applied, before training"
+        figures["loss_start"] = _evaluate(model, lm, t.batch_size, autocast, label)["loss"]
+        atomic_write_text(run.work / SETTINGS_FILE, json.dumps({**settings, "figures": figures}, indent=2))
+    start = time.perf_counter()
+    with stopper.installed():
+        result = trainer.train(resume_from_checkpoint=resume_from)
+    train_seconds = time.perf_counter() - start
+    if stopper.requested:
+        ui.fail(
+            f"interrupted at step {trainer.state.global_step}/{t.max_steps}; checkpoint saved in "
+            f"{str(run.latest_checkpoint())!r}; run the same command with --resume to continue",
+            code=ui.EXIT_INTERRUPTED,
+        )
+    final = _evaluate(model, lm, t.batch_size, autocast, "evaluating the trained model (held-out data)")
+    figures.update(_training_figures(trainer, result, t, train_seconds, resume_from, figures["loss_base"], final))
+    record = _run_record(run, opts, lm, figures, final, method_info)
+    record["compute"] = {
+        "dtype": str(compute).removeprefix("torch."),
+        "reason": compute_reason,
+        "packed_kernels": backend_counts(model),
+        "measured_choices": measured(),
+    }
+    _export_run(model, tokenizer, run, record, recipe, trainer.state.log_history)
+    return record
+
+
+def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
+    """``(model, tokenizer, lm_data)``: the checkpoint in ``dtype`` and the data tokenized into blocks."""
+    from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
+    from hf_lowprec.data import prepare_lm_data, read_source
+
+    recipe, t = opts.recipe, opts.recipe.training
+    with ui.step(f"reading data {opts.data or '(default corpus)'}"):
+        records, data_name = read_source(opts.data, split=recipe.data.split)
+    source, gguf = (opts.model, opts.gguf_file) if opts.model else default_checkpoint()
+    with ui.step(f"loading {opts.model or f'default model {DEFAULT_BASE_MODEL_ID} ({gguf})'}"):
+        model, tokenizer = load_pretrained(source, gguf_file=gguf, dtype=dtype)
+    if tokenizer is None:
+        ui.fail(f"{source!r} has no tokenizer files; save the tokenizer next to the model (tokenizer.save_pretrained)")
+    max_len = getattr(model.config, "max_position_embeddings", None)
+    if max_len is not None and t.block_size > max_len:
+        ui.fail(f"block size {t.block_size} exceeds the model's max_position_embeddings {max_len}; lower --block-size")
+    with ui.step(f"tokenizing {data_name} into sequences of {t.block_size} tokens"):
+        lm = prepare_lm_data(
+            records,
+            data_name,
+            tokenizer,
+            t.block_size,
+            train_sequences=t.max_steps * t.batch_size * t.gradient_accumulation_steps,
+            eval_sequences=t.eval_blocks,
+            eval_fraction=recipe.data.eval_fraction,
+            text_column=recipe.data.text_column,
+            messages_column=recipe.data.messages_column,
+        )
+    return model, tokenizer, lm
+
+
+def _training_arguments(run: RunFolder, t, *, bf16_autocast: bool):
+    """The recipe's ``training`` section as ``TrainingArguments`` (checkpoints in the run's work folder)."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
         output_dir=str(run.checkpoints),
         max_steps=t.max_steps,
         per_device_train_batch_size=t.batch_size,
@@ -282,7 +324,7 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
         lr_scheduler_type=t.lr_scheduler,
         warmup_steps=t.warmup_steps,
         weight_decay=t.weight_decay,
-        bf16=bf16 and not lora,
+        bf16=bf16_autocast,
         activation_checkpointing=t.gradient_checkpointing,
         use_cpu=not torch.cuda.is_available(),
         logging_steps=t.logging_steps,
@@ -295,53 +337,37 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
         disable_tqdm=True,
         remove_unused_columns=False,
     )
-    trainer = _trainer_class(recipe)(
-        model=model,
-        args=args,
-        train_dataset=lm.train,
-        data_collator=lm.collator,
-        callbacks=[*callbacks, progress, stopper],
-    )
-    trainer.remove_callback(PrinterCallback)  # our progress bar reports the logs
-    if "loss_start" not in figures:
-        figures["loss_start"] = _evaluate(
-            model, lm, t.batch_size, autocast, "evaluating with the plan applied, before training"
-        )["loss"]
-        atomic_write_text(run.work / SETTINGS_FILE, json.dumps({**settings, "figures": figures}, indent=2))
 
-    start = time.perf_counter()
-    with stopper.installed():
-        result = trainer.train(resume_from_checkpoint=resume_from)
-    train_seconds = time.perf_counter() - start
-    if stopper.requested:
-        ckpt = run.latest_checkpoint()
-        ui.fail(
-            f"interrupted at step {trainer.state.global_step}/{t.max_steps}; checkpoint saved in {str(ckpt)!r}; "
-            "run the same command with --resume to continue",
-            code=ui.EXIT_INTERRUPTED,
-        )
-    final = _evaluate(model, lm, t.batch_size, autocast, "evaluating the trained model (held-out data)")
-    steps_run = trainer.state.global_step - (int(resume_from.rsplit("-", 1)[-1]) if resume_from else 0)
+
+def _training_figures(trainer, result, t, train_seconds: float, resume_from, loss_base: float, final: dict) -> dict:
+    """Losses, speed and memory of the finished training (steps of a resumed run counted from its checkpoint)."""
+    resumed_at = int(resume_from.rsplit("-", 1)[-1]) if resume_from else 0
+    steps_run = trainer.state.global_step - resumed_at
     tokens = steps_run * t.batch_size * t.gradient_accumulation_steps * t.block_size
-    figures.update(
-        loss_final=final["loss"],
-        perplexity_base=math.exp(figures["loss_base"]),
-        perplexity_final=final["perplexity"],
-        steps=trainer.state.global_step,
-        train_loss=result.training_loss,
-        train_seconds=round(train_seconds, 1),
-        seconds_per_step=round(train_seconds / max(steps_run, 1), 3),
-        tokens_per_second=round(tokens / max(train_seconds, 1e-9), 1),
+    figures = {
+        "loss_final": final["loss"],
+        "perplexity_base": math.exp(loss_base),
+        "perplexity_final": final["perplexity"],
+        "steps": trainer.state.global_step,
+        "train_loss": result.training_loss,
+        "train_seconds": round(train_seconds, 1),
+        "seconds_per_step": round(train_seconds / max(steps_run, 1), 3),
+        "tokens_per_second": round(tokens / max(train_seconds, 1e-9), 1),
         **peak_memory(),
-    )
+    }
     if resume_from:
-        figures["resumed_from_step"] = int(resume_from.rsplit("-", 1)[-1])
-    dataset = Path(data_name).name if Path(data_name).exists() else data_name  # a local file by name only, not its path
-    record = {
+        figures["resumed_from_step"] = resumed_at
+    return figures
+
+
+def _run_record(run: RunFolder, opts: FinetuneOptions, lm, figures: dict, final: dict, method_info: dict) -> dict:
+    """The run record written next to the weights (see ``hf_lowprec.export.records``)."""
+    dataset = Path(lm.source).name if Path(lm.source).exists() else lm.source  # a local file by name only, not its path
+    return {
         "name": run.out.name,
         "base_model": _base_model_id(opts.model),
         "base_model_path": Path(opts.model).name if opts.model and Path(opts.model).exists() else None,
-        "recipe": recipe.to_dict(),
+        "recipe": opts.recipe.to_dict(),
         "dataset": dataset,
         "data_kind": lm.kind,
         "training": figures,
@@ -350,23 +376,20 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
             {"dataset": dataset, "split": "held-out", "metric": "loss", "value": round(final["loss"], 4)},
         ],
         "hardware": hardware_info(),
-        "compute": {
-            "dtype": str(compute).removeprefix("torch."),
-            "reason": compute_reason,
-            "packed_kernels": backend_counts(model),
-            "measured_choices": measured(),
-        },
         **method_info,
     }
-    extra = {"recipe.yaml": recipe.to_yaml(), "log_history.json": json.dumps(trainer.state.log_history, indent=2)}
-    curve = loss_curve_png(trainer.state.log_history, f"{recipe.name}: training loss")
+
+
+def _export_run(model, tokenizer, run: RunFolder, record: dict, recipe: Recipe, log_history: list[dict]) -> None:
+    """Export the model with the recipe, the log history and the loss curve; then drop the work folder."""
+    extra = {"recipe.yaml": recipe.to_yaml(), "log_history.json": json.dumps(log_history, indent=2)}
+    curve = loss_curve_png(log_history, f"{recipe.name}: training loss")
     if curve is not None:
         extra[LOSS_CURVE], record["loss_curve"] = curve, LOSS_CURVE
     with ui.step(f"exporting to {run.out} ({recipe.export.weights} weights)"):
         export_trained(model, tokenizer, run.out, record, recipe, extra)
     shutil.rmtree(run.work, ignore_errors=True)
     record.update(read_run(run.out))
-    return record
 
 
 def _base_model_id(model: str | None) -> str | None:

@@ -64,29 +64,7 @@ def export_model(
         raise ValueError("merge applies to LoRA adapters; this model has none")
     with atomic_output_dir(out, overwrite) as tmp:
         copy_ = copy.deepcopy(model)
-        if weights == "int4-packed":
-            if freeze(copy_) == 0:
-                raise ValueError(
-                    "export weights 'int4-packed' needs int4 (or per-channel int8) layers in the plan; this model "
-                    "has none (export 'master')"
-                )
-            revert(copy_)  # FP8 / other layers back to plain layers with their master weights
-            run["export"] = {
-                "weights": weights,
-                "loader": "hf_lowprec",
-                "library_name": "hf-lowprec",
-                "dtype": _dtype_name(copy_),
-                "description": f"{_packed_layers(copy_)} with their learned steps",
-            }
-        else:
-            revert(copy_)
-            run["export"] = {
-                "weights": weights,
-                "loader": "transformers",
-                "library_name": "transformers",
-                "dtype": _dtype_name(copy_),
-                "description": "high-precision master weights",
-            }
+        run["export"] = _export_weights(copy_, weights)
         copy_.save_pretrained(tmp)
         if weights == "int4-packed":
             _mark_packed(copy_.config, plan, tmp)
@@ -96,6 +74,29 @@ def export_model(
         (tmp / PLAN_FILE).write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
         write_record(tmp, run, repo_id, extra_files)
     return Path(out)
+
+
+def _export_weights(model: nn.Module, weights: str) -> dict:
+    """Turn ``model`` (a copy) into what ``weights`` exports, in place; returns the run record's ``export``."""
+    if weights == "int4-packed":
+        if freeze(model) == 0:
+            raise ValueError(
+                "export weights 'int4-packed' needs int4 (or per-channel int8) layers in the plan; this model "
+                "has none (export 'master')"
+            )
+        revert(model)  # FP8 / other layers back to plain layers with their master weights
+        loader, description = "hf_lowprec", f"{_packed_layers(model)} with their learned steps"
+    else:
+        revert(model)
+        loader, description = "transformers", "high-precision master weights"
+    library = "hf-lowprec" if loader == "hf_lowprec" else "transformers"
+    return {
+        "weights": weights,
+        "loader": loader,
+        "library_name": library,
+        "dtype": _dtype_name(model),
+        "description": description,
+    }
 
 
 def _mark_packed(config, plan: PrecisionPlan, folder: Path) -> None:

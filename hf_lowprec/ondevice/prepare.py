@@ -76,11 +76,7 @@ def prepare_int4_lora(
     or unused, or a budget without an ``auto`` plan.
     """
     auto, calibrated = _check_arguments(plan, rounding, calibration, budget, auto_formats, backend)
-    config = (
-        copy.deepcopy(lora_config)
-        if lora_config is not None
-        else LoraConfig(r=16, lora_alpha=32, target_modules=ALL_LINEAR)
-    )
+    config = copy.deepcopy(lora_config or LoraConfig(r=16, lora_alpha=32, target_modules=ALL_LINEAR))
     config.target_modules = resolve_target_modules(model, config.target_modules)
     if calibration is not None:
         check_calibration(calibration)

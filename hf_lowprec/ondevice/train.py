@@ -106,38 +106,26 @@ def finetune_int4_lora(
 ) -> FinetuneResult:
     """Train the LoRA adapters of ``model`` (from :func:`prepare_int4_lora`) on ``train_blocks [n, T]``.
 
-    AdamW on the trainable parameters only, linear warm-up (default ``steps // 10``, at most 10) then
-    linear decay, gradient clipping at ``max_grad_norm``.
+    AdamW on the trainable parameters, linear warm-up (default ``steps // 10``, ≤ 10) and decay, clipping.
 
     Activation memory: ``activation_storage`` (``int8``, ``fp8`` or ``None``) keeps what autograd saves
     in 8 bits (:class:`~hf_lowprec.training.activations.ActivationStorage`; a few % of gradient error);
     ``gradient_checkpointing`` (``True``, or every ``n`` layers) recomputes layers instead (exact, slower).
 
-    ``progress(step, steps, metrics)`` is called after every step with ``loss``, ``lr``, ``step_seconds``
-    and ``peak_rss_mb`` (and once more with ``eval_loss`` after the last step). With ``output_dir`` the
+    ``progress(step, steps, metrics)`` is called after every step with ``loss``, ``lr``, ``step_seconds``,
+    ``peak_rss_mb`` (and with ``eval_loss`` after the last). With ``output_dir`` the
     result is exported there (:func:`export_int4_lora`; adapters kept, or merged with ``merge``) along with
     ``finetune_metrics.json``. Raises ``ValueError`` for an output folder that exists (unless ``overwrite``).
     """
     params = _checked_parameters(model, train_blocks, steps, batch_size, output_dir, overwrite)
     base = model.get_base_model() if isinstance(model, PeftModel) else model
-    if gradient_checkpointing:
-        base.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=int(gradient_checkpointing))
-    storage = ActivationStorage(model, activation_storage) if activation_storage else contextlib.nullcontext()
-    if getattr(base, "config", None) is not None:
-        base.config.use_cache = False
     eval_before = evaluate_loss(model, eval_blocks, batch_size, chunk_tokens) if eval_blocks is not None else None
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    warmup = min(10, steps // 10) if warmup_steps is None else warmup_steps
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=warmup, num_training_steps=steps)
-    step = functools.partial(_step, model, params, optimizer, scheduler, storage, chunk_tokens, max_grad_norm)
-    losses, times, train_seconds = _run_steps(step, scheduler, train_blocks, steps, batch_size, seed, progress)
-    if gradient_checkpointing:
-        base.activation_checkpointing_disable()
+    optimizer, scheduler = _optimizer_and_schedule(params, lr, weight_decay, steps, warmup_steps)
+    with _activation_memory(model, base, activation_storage, gradient_checkpointing) as storage:
+        step = functools.partial(_step, model, params, optimizer, scheduler, storage, chunk_tokens, max_grad_norm)
+        losses, times, train_seconds = _run_steps(step, scheduler, train_blocks, steps, batch_size, seed, progress)
     model.eval()
-    eval_after = evaluate_loss(model, eval_blocks, batch_size, chunk_tokens) if eval_blocks is not None else None
-    if progress is not None and eval_after is not None:
-        progress(steps, steps, {"loss": losses[-1], "eval_loss": eval_after, "peak_rss_mb": peak_rss_mb()})
-    plan = getattr(base, "hf_lowprec_plan", None)
+    eval_after = _final_eval(model, eval_blocks, batch_size, chunk_tokens, progress, steps, losses[-1])
     result = FinetuneResult(
         steps=steps,
         losses=losses,
@@ -146,17 +134,53 @@ def finetune_int4_lora(
         peak_rss_mb=peak_rss_mb(),
         eval_loss_before=eval_before,
         eval_loss_after=eval_after,
-        plan_fractions={r["format"]: r["fraction"] for r in plan.summary(base)} if plan is not None else {},
+        plan_fractions=_plan_fractions(base),
         backends=backend_counts(model),
         trainable_params=sum(p.numel() for p in params),
     )
     if output_dir is not None:
         metrics = {METRICS_FILE: json.dumps(result.to_dict(), indent=2) + "\n"}
-        out = export_int4_lora(
-            model, output_dir, tokenizer=tokenizer, merge=merge, overwrite=overwrite, extra_files=metrics
-        )
-        result.output_dir = str(out)
+        options = {"tokenizer": tokenizer, "merge": merge, "overwrite": overwrite, "extra_files": metrics}
+        result.output_dir = str(export_int4_lora(model, output_dir, **options))
     return result
+
+
+@contextlib.contextmanager
+def _activation_memory(model: nn.Module, base: nn.Module, storage: str | None, checkpointing: bool | int):
+    """Training mode for memory: no KV cache; checkpoint every ``checkpointing`` layers while inside; yields the per-step context that stores saved
+    activations in ``storage`` (``int8``/``fp8``; a no-op context for ``None``)."""
+    if getattr(base, "config", None) is not None:
+        base.config.use_cache = False  # a KV cache is of no use in training and costs memory
+    if checkpointing:
+        base.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=int(checkpointing))
+    try:
+        yield ActivationStorage(model, storage) if storage else contextlib.nullcontext()
+    finally:
+        if checkpointing:
+            base.activation_checkpointing_disable()
+
+
+def _final_eval(model, eval_blocks, batch_size: int, chunk_tokens: int, progress, steps: int, last_loss: float):
+    """Held-out loss after training (``None`` without ``eval_blocks``), reported through ``progress`` too."""
+    if eval_blocks is None:
+        return None
+    eval_loss = evaluate_loss(model, eval_blocks, batch_size, chunk_tokens)
+    if progress is not None:
+        progress(steps, steps, {"loss": last_loss, "eval_loss": eval_loss, "peak_rss_mb": peak_rss_mb()})
+    return eval_loss
+
+
+def _optimizer_and_schedule(params, lr: float, weight_decay: float, steps: int, warmup_steps: int | None):
+    """AdamW over ``params`` and a linear schedule: warm-up (default ``steps // 10``, at most 10), then decay."""
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    warmup = min(10, steps // 10) if warmup_steps is None else warmup_steps
+    return optimizer, get_scheduler("linear", optimizer, num_warmup_steps=warmup, num_training_steps=steps)
+
+
+def _plan_fractions(base: nn.Module) -> dict[str, float]:
+    """Fraction of the plan's parameters per format (empty for a model without a plan)."""
+    plan = getattr(base, "hf_lowprec_plan", None)
+    return {r["format"]: r["fraction"] for r in plan.summary(base)} if plan is not None else {}
 
 
 def _checked_parameters(model: nn.Module, train_blocks, steps: int, batch_size: int, output_dir, overwrite: bool):

@@ -93,32 +93,30 @@ def scan(
     if layers is not None:
         units = _select(units, [layers] if isinstance(layers, str) else layers)
     batches = _merge(_check_batches(batches), max_batch_tokens)
+    scores = [_empty_score(u) for u in units]
+    model_id = getattr(getattr(model, "config", None), "name_or_path", None) or None
+    tokens = _labelled_tokens(model, batches)
+    result = ScanResult(scores, tuple(names), method, tokens=tokens, seed=seed, model=model_id)
+    _run_passes(model, batches, units, scores, result, progress, measure_top_fraction, fp8_backend)
+    return result
+
+
+def _labelled_tokens(model: nn.Module, batches: list[Mapping]) -> int:
+    """Labelled positions in ``batches``; raises ``ValueError`` when there are none."""
     tokens = sum(_label_count(model, b) for b in batches)
     if tokens == 0:
         raise ValueError(
             "the calibration batches have no labelled positions (all labels are -100, or causal-LM sequences of "
             "length 1)"
         )
-    scores = [
-        LayerScore(
-            u.name,
-            tuple(n for n, _ in u.members[1:]),
-            type(u.members[0][1]).__name__,
-            u.members[0][1].weight.numel(),
-            _layer_bytes(u),
-        )
-        for u in units
-    ]
-    result = ScanResult(
-        scores,
-        tuple(names),
-        method,
-        tokens=tokens,
-        seed=seed,
-        model=getattr(getattr(model, "config", None), "name_or_path", None) or None,
-    )
-    _run_passes(model, batches, units, scores, result, progress, measure_top_fraction, fp8_backend)
-    return result
+    return tokens
+
+
+def _empty_score(unit) -> LayerScore:
+    """A layer's score row before any pass: its name, tied members, type, parameters and bytes."""
+    first = unit.members[0][1]
+    tied = tuple(n for n, _ in unit.members[1:])
+    return LayerScore(unit.name, tied, type(first).__name__, first.weight.numel(), _layer_bytes(unit))
 
 
 def _checked_formats(formats, method: str, max_batch_tokens: int, measure_top_fraction: float) -> list[FormatSpec]:
@@ -191,6 +189,23 @@ def _base_pass(
     return nll / sum(len(lp) for lp in logps), logps
 
 
+@torch.no_grad()
+def _accumulate_taylor_terms(record: list, grads: list, twins: dict, first: dict, second: dict) -> None:
+    """Add ``Σ g·δy`` and ``½ Σ (g·δy)²`` of every twin of every recorded layer; empties ``record`` and ``grads``
+    as it goes (``g``: the loss gradient at the layer's output, ``δy``: twin output minus recorded output)."""
+    for j, (module_id, x, out) in enumerate(record):
+        g = grads[j]
+        grads[j] = None  # free as we go
+        if g is None:
+            continue
+        g = g.float().flatten()
+        for key, twin in twins[module_id]:
+            gd = twin(x).float().flatten().sub_(out.detach().float().flatten()).mul_(g)  # g * δy
+            first[key] += gd.sum().item()
+            second[key] += 0.5 * torch.dot(gd, gd).item()
+    record.clear()
+
+
 def _fisher_pass(model, batches, device, units, scores, hooks, tracker, fp8_backend, replay: "_BlockReplay | None"):
     """One forward/backward per batch: output-space Taylor estimate for every (unit, format).
 
@@ -228,18 +243,7 @@ def _fisher_pass(model, batches, device, units, scores, hooks, tracker, fp8_back
             logps.append(torch.log_softmax(logits.detach(), -1))
             replay.next_batch()
         del logits, loss_sum
-        with torch.no_grad():
-            for j, (module_id, x, out) in enumerate(record):
-                g = grads[j]
-                grads[j] = None  # free as we go
-                if g is None:
-                    continue
-                g = g.float().flatten()
-                for key, twin in twins[module_id]:
-                    gd = twin(x).float().flatten().sub_(out.detach().float().flatten()).mul_(g)  # g * δy
-                    first[key] += gd.sum().item()
-                    second[key] += 0.5 * torch.dot(gd, gd).item()
-        record.clear()
+        _accumulate_taylor_terms(record, grads, twins, first, second)
         tracker.step(f"fisher pass, batch {i + 1}/{len(batches)}")
     if replay is not None:
         replay.stop()
