@@ -1,4 +1,8 @@
-"""``hf-lowprec``: scan, fine-tune, evaluate, export and publish low-precision models from the command line."""
+"""``hf-lowprec``: scan, fine-tune, evaluate, export and publish low-precision models from the command line.
+
+Each command imports the library inside its body: ``hf-lowprec --help`` and a rejected option then answer at
+once instead of after the seconds it takes to import torch, transformers and peft.
+"""
 
 from __future__ import annotations
 

@@ -20,15 +20,20 @@ from pathlib import Path
 
 import torch
 from hf_lowprec.cli import ui
-from transformers import TrainerCallback
+from peft import LoraConfig
+from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
+from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
+from hf_lowprec.data import collated_batches, prepare_lm_data, read_source
 from hf_lowprec.export.folder import export_model
 from hf_lowprec.export.records import hardware_info, read_run
 from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.metrics import causal_lm_loss, peak_rss_mb
 from hf_lowprec.modules.kernels.autotune import measured, resolve_dtype
-from hf_lowprec.ondevice.train import backend_counts
+from hf_lowprec.ondevice import backend_counts, chunked_causal_lm_loss, prepare_int4_lora
 from hf_lowprec.recipe import Recipe
+from hf_lowprec.training.activations import ActivationStorage
+from hf_lowprec.training.callback import LowPrecisionCallback
 
 SETTINGS_FILE = "run_settings.json"
 LOSS_CURVE = "loss_curve.png"
@@ -226,7 +231,6 @@ def _evaluate(model, lm, batch_size: int, autocast, label: str) -> dict:
 
 
 def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
-    from transformers import PrinterCallback
 
     recipe, t = opts.recipe, opts.recipe.training
     lora = recipe.method == "int4-lora"
@@ -281,8 +285,6 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
 
 def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
     """``(model, tokenizer, lm_data)``: the checkpoint in ``dtype`` and the data tokenized into blocks."""
-    from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
-    from hf_lowprec.data import prepare_lm_data, read_source
 
     recipe, t = opts.recipe, opts.recipe.training
     with ui.step(f"reading data {opts.data or '(default corpus)'}"):
@@ -312,7 +314,6 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
 
 def _training_arguments(run: RunFolder, t, *, bf16_autocast: bool):
     """The recipe's ``training`` section as ``TrainingArguments`` (checkpoints in the run's work folder)."""
-    from transformers import TrainingArguments
 
     return TrainingArguments(
         output_dir=str(run.checkpoints),
@@ -407,8 +408,6 @@ def _prepare_method(model, recipe: Recipe, lm, t, resume_from: str | None):
 
 
 def _low_precision_callback(recipe: Recipe, lm, t, resume_from: str | None):
-    from hf_lowprec.data import collated_batches
-    from hf_lowprec.training.callback import LowPrecisionCallback
 
     p = recipe.precision
     if p.is_auto:
@@ -434,9 +433,6 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t):
     Packing is deterministic (the plan scan and GPTQ calibrate on the first training batches), so a resumed run rebuilds
     the same base and the Trainer reloads the adapters.
     """
-    from peft import LoraConfig
-
-    from hf_lowprec.ondevice import prepare_int4_lora
 
     p, lora = recipe.precision, recipe.lora
     targets = lora.target_modules[0] if lora.target_modules == ("all-linear",) else list(lora.target_modules)
@@ -471,12 +467,9 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t):
 def _trainer_class(recipe: Recipe):
     """``Trainer``, or for ``int4-lora`` a Trainer whose loss never materialises the ``[tokens, vocab]`` logits
     and whose saved activations are stored in 8 bits when the recipe asks (``training.activation_storage``)."""
-    from transformers import Trainer
 
     if recipe.method != "int4-lora":
         return Trainer
-    from hf_lowprec.ondevice import chunked_causal_lm_loss
-    from hf_lowprec.training.activations import ActivationStorage
 
     fmt = recipe.training.activation_storage
 

@@ -22,7 +22,7 @@ from hf_lowprec.modules.embedding import like_embedding
 from hf_lowprec.modules.fp8 import FP8Linear, fp8_hardware_available
 from hf_lowprec.modules.int4 import Int4Linear
 from hf_lowprec.modules.packed import packed_class
-from hf_lowprec.plan import PrecisionPlan, resolve_plan
+from hf_lowprec.plan import PrecisionPlan, format_shares, resolve_plan
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +65,7 @@ class ConversionReport:
 
     def fractions(self) -> dict[str, float]:
         """Fraction of eligible parameters per applied format (a weight shared by tied layers counts once)."""
-        owned = [r for r in self.layers if not r.tied_to]
-        total = sum(r.params for r in owned) or 1
-        out: dict[str, float] = {}
-        for r in owned:
-            out[r.applied] = out.get(r.applied, 0.0) + r.params / total
-        return out
+        return format_shares((r.applied, r.params) for r in self.layers if not r.tied_to)
 
     def to_dict(self) -> dict:
         return {

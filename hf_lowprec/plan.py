@@ -20,7 +20,7 @@ import fnmatch
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -184,7 +184,7 @@ class PrecisionPlan:
         """
         layers = dense_views(model) if isinstance(model, nn.Module) else dict(model)
         rows: dict[str, dict] = {}
-        total, seen = 0, set()
+        seen = set()
         for name, spec in self.assign(layers).items():
             w = layers[name].weight
             row = rows.setdefault(spec.name, {"format": spec.name, "layers": 0, "params": 0, "bytes": 0.0})
@@ -193,12 +193,12 @@ class PrecisionPlan:
                 continue
             seen.add(id(w))
             n = w.numel()
-            total += n
             per = w.element_size() if spec.is_high_precision else spec.bytes_per_param(w.shape[-1])
             row["params"] += n
             row["bytes"] += n * per
+        shares = format_shares((row["format"], row["params"]) for row in rows.values())
         for row in rows.values():
-            row["fraction"] = row["params"] / max(total, 1)
+            row["fraction"] = shares[row["format"]]
             row["bytes"] = int(row["bytes"])
         return sorted(rows.values(), key=lambda r: -r["params"])
 
@@ -217,6 +217,17 @@ class PrecisionPlan:
                 f"{r['format']:<16}{r['layers']:>8}{r['params']:>14,}{r['fraction']:>10.1%}{r['bytes'] / 1e6:>10.2f}"
             )
         return "\n".join(lines)
+
+
+def format_shares(counts: Iterable[tuple[str, int]]) -> dict[str, float]:
+    """Fraction of the total per format from ``(format, parameters)`` pairs (all 0 when the total is 0); the one
+    count behind the plan summary, the conversion report and the training coverage."""
+    counts = list(counts)
+    total = sum(n for _, n in counts)
+    out: dict[str, float] = {}
+    for fmt, n in counts:
+        out[fmt] = out.get(fmt, 0.0) + (n / total if total else 0.0)
+    return out
 
 
 def _matches(pattern: str, name: str) -> bool:

@@ -21,7 +21,7 @@ from hf_lowprec import sensitivity
 from hf_lowprec.convert import ConversionReport, apply_plan, eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.modules.fp8 import FP8_BACKENDS
-from hf_lowprec.plan import PrecisionPlan, is_auto, resolve_plan
+from hf_lowprec.plan import PrecisionPlan, format_shares, is_auto, resolve_plan
 from hf_lowprec.scaling import TELEMETRY_PREFIX, make_policy_factory
 from hf_lowprec.training.compensation import METHODS as COMPENSATIONS
 from hf_lowprec.training.new_parameters import align_new_parameters
@@ -37,10 +37,8 @@ def coverage(model: nn.Module, report: ConversionReport) -> dict[str, float]:
     """
     out = {f"params_{fmt}": frac for fmt, frac in report.fractions().items()}
     layers = eligible_layers(model)
-    linear = [r for r in report.layers if isinstance(layers.get(r.name), nn.Linear)]
-    total = sum(r.params for r in linear) or 1
-    for r in linear:
-        out[f"flops_{r.applied}"] = out.get(f"flops_{r.applied}", 0.0) + r.params / total
+    linear = [(r.applied, r.params) for r in report.layers if isinstance(layers.get(r.name), nn.Linear)]
+    out.update({f"flops_{fmt}": frac for fmt, frac in format_shares(linear).items()})
     return out
 
 
