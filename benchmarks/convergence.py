@@ -18,6 +18,7 @@ import time
 from contextlib import nullcontext
 
 import torch
+from _train_step import train_step
 from _util import RESULTS, machine, write_json
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -97,14 +98,12 @@ def run(name, plan, options, autocast, train_stream, eval_stream, steps, seed, l
             report = apply_plan(model, chosen)
             add_new_parameters(opt, report.new_parameters, scheduler=sched)
             info = {"plan_fractions": report.fractions()}
-        with torch.autocast("cpu", torch.bfloat16) if autocast else nullcontext():
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+
+        def loss_fn(ids=ids):
+            with torch.autocast("cpu", torch.bfloat16) if autocast else nullcontext():
+                return model(input_ids=ids, labels=ids).loss
+
+        losses.append(train_step(loss_fn, opt, model.parameters(), scheduler=sched))
     seconds = time.perf_counter() - t0
     tail = losses[-20:]
     return {"losses": losses, "final_train_loss": sum(tail) / len(tail), "eval_loss": eval_loss(model, eval_stream),

@@ -25,6 +25,7 @@ import time
 from contextlib import nullcontext
 
 import torch
+from _train_step import train_step
 from _util import machine, write_json
 from ondevice import _data
 
@@ -83,13 +84,12 @@ def run(name: str, steps: int) -> dict:
     model.train()
     for step in range(steps):
         ids = train[order[step * BATCH : (step + 1) * BATCH]]
-        with amp():
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+
+        def loss_fn(ids=ids):
+            with amp():
+                return model(input_ids=ids, labels=ids).loss
+
+        losses.append(train_step(loss_fn, opt, params))
     seconds = time.perf_counter() - t
     with amp():
         eval_after = evaluate_loss(model, evals, BATCH)

@@ -21,6 +21,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _train_step import train_step  # noqa: E402
+
 from hf_lowprec import PrecisionPlan, apply_plan  # noqa: E402
 
 CONFIG = dict(
@@ -59,14 +61,11 @@ def run(name: str, steps: int, warmup: int, batch: int, seq: int) -> dict:
     for i in range(warmup + steps):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(lambda m=model: m(input_ids=ids, labels=ids).loss, opt, None, max_grad_norm=None)
         torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t)
-            losses.append(loss.item())
+            losses.append(loss)
     out = {"step_s": statistics.median(times), "peak_GB": torch.cuda.max_memory_allocated() / 1e9, "loss_last": losses[-1], "params": params, "note": note}
     del model, opt
     gc.collect()

@@ -31,6 +31,7 @@ Usage: ``python benchmarks/memory.py [--quick] [--only NAME ...] [--allocator mm
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -98,6 +99,7 @@ def run_one(name: str, quick: bool) -> dict:
     import gc
 
     import torch
+    from _train_step import train_step
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_lowprec import PrecisionPlan, apply_plan
@@ -133,24 +135,23 @@ def run_one(name: str, quick: bool) -> dict:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM := current RSS
 
-    def step():
-        reset_peak()
+    def forward():
         with torch.autocast("cpu", torch.bfloat16, enabled=weights == "amp"):
-            if fp8_activations:
-                with ActivationStorage(model, "fp8", min_numel=4096):
-                    loss = model(input_ids=ids, labels=ids).loss
-            else:
-                loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+            with ActivationStorage(model, "fp8", min_numel=4096) if fp8_activations else contextlib.nullcontext():
+                return model(input_ids=ids, labels=ids).loss
+
+    def after_backward():
         accounting["peak_forward_backward"] = _status("VmHWM")
         reset_peak()
         accounting["weights"] = _tensor_bytes(model.parameters())
         accounting["grads"] = _tensor_bytes(p.grad for p in model.parameters())
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+
+    def step():
+        reset_peak()
+        loss = train_step(forward, optimizer, model.parameters(), max_grad_norm=None, after_backward=after_backward)
         accounting["peak_optimizer_step"] = _status("VmHWM")
         accounting["optimizer"] = optimizer_state_bytes(optimizer)
-        return loss.item()
+        return loss
 
     step()  # warm-up: optimizer states exist, torchao has compiled
     gc.collect()

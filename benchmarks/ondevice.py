@@ -32,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+from _train_step import train_step
 from _util import machine
 
 from hf_lowprec.modules.kernels.cpu import cpu_info
@@ -171,15 +172,10 @@ def child(args) -> dict:
     for step in range(steps):
         batch = train[order[step * BATCH : (step + 1) * BATCH]]
         w, c = time.perf_counter(), time.process_time()
-        loss = loss_fn(batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(lambda batch=batch: loss_fn(batch), opt, params, scheduler=sched)
         wall.append(time.perf_counter() - w)
         cpu.append(time.process_time() - c)
-        losses.append(loss.item())
+        losses.append(loss)
     eval_after = evaluate_loss(model, evals, BATCH) if args.eval_blocks else None
     if args.merge_eval:  # the honest cost of merging LoRA into the INT4 base (re-quantization)
         import tempfile
