@@ -2,15 +2,18 @@
 
 from hf_lowprec.convert import ConversionReport, apply_plan, eligible_layers, freeze, revert
 from hf_lowprec.formats import FormatSpec
+from hf_lowprec.integrations import register_integrations
 from hf_lowprec.modules import FP8Embedding, FP8Linear, Int4Embedding, Int4Linear, PackedInt4Linear, PackedInt8Linear
 from hf_lowprec.plan import PrecisionPlan
 
 __version__ = "0.1.0"
 
+register_integrations()  # quant_method "hf_lowprec" for transformers, packed layers for PEFT (when they are imported)
+
 _LAZY = {  # these import transformers/accelerate: loaded on first use
     "LowPrecisionCallback": "hf_lowprec.training.callback",
     "LowPrecisionPlugin": "hf_lowprec.training.accelerate",
-    # on-device INT4 + LoRA fine-tuning (importing it also registers quant_method "hf_lowprec" with transformers)
+    # on-device INT4 + LoRA fine-tuning
     "prepare_int4_lora": "hf_lowprec.ondevice",
     "load_int4_lora": "hf_lowprec.ondevice",
     "finetune_int4_lora": "hf_lowprec.ondevice",

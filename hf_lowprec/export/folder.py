@@ -146,7 +146,7 @@ def _export_lora(
         run["export"] = {
             "weights": "int4-packed",
             "loader": "hf_lowprec",
-            "library_name": "hf-lowprec",
+            "library_name": "peft",  # the Hub's convention for a repository of adapters
             "dtype": _dtype_name(model),
             "description": f"base: {packed}, plus LoRA adapters in PEFT format",
         }
@@ -157,8 +157,14 @@ def _export_lora(
         }
     with atomic_output_dir(out, overwrite) as tmp:
         export_int4_lora(
-            model, tmp, merge=merge, merged_dtype=MERGE_DTYPES.get(merged_dtype), tokenizer=tokenizer, overwrite=True
-        )  # tmp is empty: written in place
+            model,
+            tmp,
+            merge=merge,
+            merged_dtype=MERGE_DTYPES.get(merged_dtype),
+            tokenizer=tokenizer,
+            overwrite=True,  # tmp is empty: written in place
+            base_model_id=run.get("base_model"),
+        )
         if merge and merged_dtype is None:
             run["merge"] = json.loads((tmp / MERGE_FILE).read_text())["summary"]
         write_record(tmp, run, repo_id, extra_files)

@@ -7,7 +7,7 @@ tensors for the packed layers and, in ``config.json``::
     "quantization_config": {"quant_method": "hf_lowprec", "plan": {"default": "int4-g64", "layers": {...}}}
 
 Importing ``hf_lowprec`` registers this method with transformers (``register_quantization_config`` /
-``register_quantizer``), so ``AutoModelForCausalLM.from_pretrained(folder)`` builds the model with
+``register_quantizer``; see :mod:`hf_lowprec.integrations`), so ``AutoModelForCausalLM.from_pretrained(folder)`` builds the model with
 empty packed layers where the plan says ``int4`` (or per-channel ``int8``) and loads the codes into them.
 Without ``import hf_lowprec`` transformers warns "Unknown quantization type" and the packed layers
 come back randomly initialised: always import hf_lowprec (or use ``load_int4_model``).
@@ -76,6 +76,12 @@ def quantization_config_dict(plan: PrecisionPlan) -> dict:
     return HfLowprecConfig(plan.to_dict()).to_dict()
 
 
-if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
-    register_quantization_config(QUANT_METHOD)(HfLowprecConfig)
-    register_quantizer(QUANT_METHOD)(HfLowprecQuantizer)
+def register() -> None:
+    """Make ``from_pretrained`` understand ``quant_method: hf_lowprec`` (once; :mod:`hf_lowprec.integrations` calls
+    it when transformers is imported)."""
+    if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config(QUANT_METHOD)(HfLowprecConfig)
+        register_quantizer(QUANT_METHOD)(HfLowprecQuantizer)
+
+
+register()

@@ -3,7 +3,9 @@ of ``peft/tuners/lora/bnb.py``).
 
 PEFT picks a LoRA layer by the type of the layer it wraps; a packed linear is none of the types it
 knows, so :func:`register_int4_lora` maps ``PackedLinear`` (both classes) to ``PackedLoraLinear`` in a
-``LoraConfig`` through PEFT's custom-module API (``LoraConfig._register_custom_module``).
+``LoraConfig`` through PEFT's custom-module API (``LoraConfig._register_custom_module``), and
+:func:`register_peft_dispatch` does it for every config PEFT wraps a packed layer with, also one read from an
+``adapter_config.json`` by ``PeftModel.from_pretrained``.
 
 The forward keeps LoRA's numbers but not its elementwise passes: adapter weights stay fp32 (master
 copies, like PEFT's default ``autocast_adapter_dtype=True``) and are cast to the activation dtype for
@@ -20,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig
 from peft.tuners.lora.layer import Linear as LoraLinear
-from peft.tuners.tuners_utils import check_adapters_to_merge
+from peft.tuners.lora.model import LoraModel
+from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 
 from hf_lowprec.modules.packed import PackedLinear
 
@@ -114,3 +117,25 @@ def register_int4_lora(config: LoraConfig) -> LoraConfig:
     """Teach ``config`` (in place; also returned) to wrap packed layers in LoRA."""
     config._register_custom_module({PackedLinear: PackedLoraLinear})
     return config
+
+
+def register_peft_dispatch() -> None:
+    """Let PEFT wrap packed layers under any ``LoraConfig`` (once; :mod:`hf_lowprec.integrations` calls it when PEFT
+    is imported).
+
+    PEFT's only hook for new layer types is the per-config mapping of :func:`register_int4_lora`, which a config read
+    from disk does not carry; so ``LoraModel._create_new_module`` is wrapped to add that mapping whenever the layer
+    to wrap is packed, and to leave every other layer to PEFT as it is.
+    """
+    create = LoraModel._create_new_module
+    if getattr(create, "hf_lowprec_dispatch", False):
+        return
+
+    def create_new_module(lora_config, adapter_name, target, **kwargs):
+        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        if isinstance(base, PackedLinear):
+            register_int4_lora(lora_config)
+        return create(lora_config, adapter_name, target, **kwargs)
+
+    create_new_module.hf_lowprec_dispatch = True
+    LoraModel._create_new_module = staticmethod(create_new_module)

@@ -104,6 +104,7 @@ def export_int4_lora(
     tokenizer=None,
     overwrite: bool = False,
     extra_files: dict[str, str] | None = None,
+    base_model_id: str | None = None,
 ) -> Path:
     """Save an INT4-base LoRA model as a ``save_pretrained`` folder, atomically; returns its path.
 
@@ -119,6 +120,11 @@ def export_int4_lora(
     ``transformers`` install loads without hf-lowprec. Re-quantizing to INT4 (the default merge) loses
     adapter deltas smaller than half an INT4 step, which on small models is most of what LoRA learned.
     Refuses an existing non-empty ``out_dir`` unless ``overwrite``.
+
+    ``base_model_id``: the Hub id the adapters' ``base_model_name_or_path`` names (default: the base's own
+    ``name_or_path`` when that is a Hub id, else none: a local path of this machine means nothing elsewhere).
+    The adapters load the PEFT way onto the packed base: ``PeftModel.from_pretrained(base, folder, subfolder="adapter")``
+    after ``import hf_lowprec``.
     """
     base, plan = _checked_base(model, merge, merged_dtype)
     check_output_dir(Path(out_dir), overwrite)
@@ -137,7 +143,8 @@ def export_int4_lora(
         base.save_pretrained(tmp, state_dict=state)
         config.save_pretrained(tmp)  # base.config stays untouched
         if not merge:
-            model.save_pretrained(tmp / ADAPTER_DIR)
+            with _adapters_naming(model, base_model_id):
+                model.save_pretrained(tmp / ADAPTER_DIR)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if not dense:
@@ -178,6 +185,21 @@ def _write_merge_errors(folder: Path, errors: list[dict]) -> None:
         summary["error_vs_delta_median"],
         summary["error_vs_delta_max"],
     )
+
+
+@contextlib.contextmanager
+def _adapters_naming(model: PeftModel, base_model_id: str | None):
+    """Set every adapter config's ``base_model_name_or_path`` to ``base_model_id`` (or the base's own Hub id, never a
+    local path) while inside."""
+    saved = {name: config.base_model_name_or_path for name, config in model.peft_config.items()}
+    for config in model.peft_config.values():
+        own = config.base_model_name_or_path
+        config.base_model_name_or_path = base_model_id or (None if own is None or Path(own).exists() else own)
+    try:
+        yield
+    finally:
+        for name, config in model.peft_config.items():
+            config.base_model_name_or_path = saved[name]
 
 
 @contextlib.contextmanager

@@ -1,0 +1,68 @@
+"""Registration with transformers and PEFT on ``import hf_lowprec``, without importing either.
+
+Two registrations make the ecosystem's own loaders understand hf-lowprec folders:
+
+- transformers: ``quant_method: hf_lowprec`` (:mod:`hf_lowprec.export.hf_quantizer`), so
+  ``AutoModelForCausalLM.from_pretrained(folder)`` rebuilds packed INT4 layers instead of random ones;
+- PEFT: packed layers wrap in :class:`~hf_lowprec.modules.int4_lora.PackedLoraLinear`, so
+  ``PeftModel.from_pretrained(base, adapter_folder)`` loads adapters onto a packed base.
+
+Importing transformers' model code and PEFT costs seconds, which ``import hf_lowprec`` should not pay for a user who
+needs neither. So each registration runs as soon as its library is imported: at once when it already is, otherwise
+from a post-import hook on ``sys.meta_path`` (the pattern of ``wrapt``'s post-import hooks) that runs it right after
+``transformers.modeling_utils`` or ``peft`` has finished executing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
+# module whose import must be followed by a registration -> "module:function" doing it
+REGISTRATIONS = {
+    "transformers.modeling_utils": "hf_lowprec.export.hf_quantizer:register",
+    "peft": "hf_lowprec.modules.int4_lora:register_peft_dispatch",
+}
+
+
+def _run(target: str) -> None:
+    module, function = target.split(":")
+    getattr(importlib.import_module(module), function)()
+
+
+class _PostImportHook(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for the modules of :data:`REGISTRATIONS` it returns the spec the other finders give,
+    with a loader that runs the registration once the module has executed."""
+
+    def __init__(self, pending: dict[str, str]):
+        self.pending = pending
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in self.pending:
+            return None
+        registration = self.pending.pop(fullname)  # popped first: find_spec below must not find this hook again
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def execute_then_register(module):
+            execute(module)
+            _run(registration)
+
+        spec.loader.exec_module = execute_then_register
+        return spec
+
+
+def register_integrations() -> None:
+    """Register with every library of :data:`REGISTRATIONS`: now if it is imported, else right after its import."""
+    pending = {}
+    for module, target in REGISTRATIONS.items():
+        if module in sys.modules:
+            _run(target)
+        else:
+            pending[module] = target
+    if pending and not any(isinstance(f, _PostImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PostImportHook(pending))

@@ -1,0 +1,108 @@
+"""The Hugging Face round trip as users meet it: the model card's snippets run as written in a fresh interpreter
+(only ``import hf_lowprec``, transformers and PEFT), and give the trained model's logits."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig
+from tiny_assets import save_tiny_model
+
+from hf_lowprec.export import CARD_FILE, export_model, hardware_info
+from hf_lowprec.ondevice import load_int4_lora
+
+BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+IDS = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def _adapted_model(base_dir: Path):
+    """The tiny model with a packed INT4 base and LoRA adapters whose ``B`` is non-zero (so they change the logits)."""
+    model, tokenizer, _ = load_int4_lora(base_dir, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return model.eval(), tokenizer
+
+
+def _record() -> dict:
+    return {
+        "base_model": BASE_ID,
+        "recipe": {"name": "int4-ondevice-lora", "method": "int4-lora"},
+        "dataset": "shakespeare",
+        "eval": [{"dataset": "shakespeare", "split": "held-out", "metric": "perplexity", "value": 50.0}],
+        "hardware": hardware_info(),
+    }
+
+
+def _card_snippets(card: str) -> list[str]:
+    """The python code blocks of a model card."""
+    return re.findall(r"```python\n(.*?)```", card, flags=re.S)
+
+
+def _run_snippet(code: str, tmp_path: Path) -> torch.Tensor:
+    """Run ``code`` in a fresh interpreter, then save ``model``'s logits on :data:`IDS`; return them."""
+    torch.save(IDS, tmp_path / "ids.pt")
+    out = tmp_path / "logits.pt"
+    epilogue = (
+        "\nimport torch\n"
+        f"with torch.no_grad():\n    torch.save(model(torch.load({str(tmp_path / 'ids.pt')!r})).logits, {str(out)!r})\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code + epilogue], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    base_dir = save_tiny_model(tmp_path_factory.mktemp("base") / "tiny")
+    model, tokenizer = _adapted_model(base_dir)
+    out = export_model(model, tokenizer, tmp_path_factory.mktemp("export") / "run", _record(), repo_id="me/tiny-int4")
+    with torch.no_grad():
+        logits = model(IDS).logits
+    return out, logits
+
+
+def test_card_snippets_reload_the_trained_model_in_a_fresh_interpreter(exported, tmp_path):
+    folder, trained_logits = exported
+    card = (folder / CARD_FILE).read_text()
+    snippets = {s for s in _card_snippets(card) if "import hf_lowprec" in s}
+    base_snippet = next(s for s in snippets if "PeftModel" not in s)
+    peft_snippet = next(s for s in snippets if "PeftModel.from_pretrained" in s)
+    base_logits = _run_snippet(base_snippet.replace("me/tiny-int4", str(folder)), tmp_path)
+    adapted_logits = _run_snippet(peft_snippet.replace("me/tiny-int4", str(folder)), tmp_path)
+    # the same packed codes and adapters, the same kernels (the autotune cache is shared): the same numbers
+    torch.testing.assert_close(adapted_logits, trained_logits, rtol=0, atol=1e-5)
+    assert (base_logits - trained_logits).abs().max() > 1e-2  # the adapters were applied, not dropped
+
+
+def test_adapters_name_the_hub_base_model_and_the_card_follows_the_adapter_convention(exported):
+    import json
+
+    from huggingface_hub import ModelCard
+
+    folder, _ = exported
+    adapter_config = json.loads((folder / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == BASE_ID  # not this machine's cache path
+    data = ModelCard.load(folder / CARD_FILE).data
+    assert data.library_name == "peft" and data.base_model == BASE_ID
+
+
+def test_import_registers_without_importing_transformers_or_peft():
+    code = (
+        "import sys, hf_lowprec\n"
+        "assert 'transformers.modeling_utils' not in sys.modules and 'peft' not in sys.modules, 'imported eagerly'\n"
+        "from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING\n"
+        "import transformers.modeling_utils, peft\n"
+        "from peft.tuners.lora.model import LoraModel\n"
+        "assert 'hf_lowprec' in AUTO_QUANTIZATION_CONFIG_MAPPING\n"
+        "assert LoraModel._create_new_module.hf_lowprec_dispatch\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
