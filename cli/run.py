@@ -30,9 +30,8 @@ from hf_lowprec.export.records import hardware_info, read_run
 from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.metrics import causal_lm_loss, peak_rss_mb
 from hf_lowprec.modules.kernels.autotune import measured, resolve_dtype
-from hf_lowprec.ondevice import backend_counts, chunked_causal_lm_loss, prepare_int4_lora
+from hf_lowprec.ondevice import ChunkedLossTrainer, backend_counts, prepare_int4_lora
 from hf_lowprec.recipe import Recipe
-from hf_lowprec.training.activations import ActivationStorage
 from hf_lowprec.training.callback import LowPrecisionCallback
 
 SETTINGS_FILE = "run_settings.json"
@@ -248,7 +247,8 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     resume_from = str(run.latest_checkpoint()) if opts.resume else None
     model, callbacks, method_info = _prepare_method(model, recipe, lm, t, resume_from)
     stopper = StopOnInterrupt()
-    trainer = _trainer_class(recipe)(
+    trainer = _trainer(
+        recipe,
         model=model,
         args=_training_arguments(run, t, bf16_autocast=bf16 and not lora),
         train_dataset=lm.train,
@@ -464,26 +464,13 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t):
     return peft_model, [], record
 
 
-def _trainer_class(recipe: Recipe):
-    """``Trainer``, or for ``int4-lora`` a Trainer whose loss never materialises the ``[tokens, vocab]`` logits
-    and whose saved activations are stored in 8 bits when the recipe asks (``training.activation_storage``)."""
-
+def _trainer(recipe: Recipe, **kwargs) -> Trainer:
+    """``Trainer`` for full training; for ``int4-lora`` the library's :class:`ChunkedLossTrainer` (chunked loss, saved
+    activations in the recipe's ``training.activation_storage``)."""
     if recipe.method != "int4-lora":
-        return Trainer
-
-    fmt = recipe.training.activation_storage
-
-    class ChunkedLossTrainer(Trainer):
-        activation_storage: ActivationStorage | None = None
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            if fmt != "none" and self.activation_storage is None:
-                self.activation_storage = ActivationStorage(model, fmt)
-            with self.activation_storage or contextlib.nullcontext():
-                loss = chunked_causal_lm_loss(model, inputs["input_ids"], inputs.get("attention_mask"))
-            return (loss, None) if return_outputs else loss
-
-    return ChunkedLossTrainer
+        return Trainer(**kwargs)
+    storage = recipe.training.activation_storage
+    return ChunkedLossTrainer(activation_storage=None if storage == "none" else storage, **kwargs)
 
 
 def export_trained(model, tokenizer, out: Path, record: dict, recipe: Recipe, extra: dict) -> None:

@@ -15,6 +15,7 @@ _LAZY = {  # these import transformers/accelerate: loaded on first use
     "LowPrecisionPlugin": "hf_lowprec.training.accelerate",
     # on-device INT4 + LoRA fine-tuning
     "prepare_int4_lora": "hf_lowprec.ondevice",
+    "ChunkedLossTrainer": "hf_lowprec.ondevice",
     "load_int4_lora": "hf_lowprec.ondevice",
     "finetune_int4_lora": "hf_lowprec.ondevice",
     "export_int4_lora": "hf_lowprec.ondevice",
@@ -31,6 +32,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "ChunkedLossTrainer",
     "ConversionReport",
     "FP8Embedding",
     "FP8Linear",

@@ -13,15 +13,17 @@ from peft import LoraConfig
 from tiny_assets import save_tiny_model
 
 from hf_lowprec.export import CARD_FILE, export_model, hardware_info
+from hf_lowprec.modules import PackedLinear
 from hf_lowprec.ondevice import load_int4_lora
 
 BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 IDS = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
 
 
-def _adapted_model(base_dir: Path):
+def _adapted_model(base_dir: Path, dtype="auto"):
     """The tiny model with a packed INT4 base and LoRA adapters whose ``B`` is non-zero (so they change the logits)."""
-    model, tokenizer, _ = load_int4_lora(base_dir, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    torch.manual_seed(0)  # PEFT draws A at random
+    model, tokenizer, _ = load_int4_lora(base_dir, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), dtype=dtype)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -106,3 +108,65 @@ def test_import_registers_without_importing_transformers_or_peft():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+class _GradientsBeforeStep:
+    """A Trainer callback keeping a copy of the trainable parameters' gradients before the optimizer step."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        outer = self
+
+        class Callback(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+                outer.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+        self.callback = Callback()
+
+
+def _gradients_after_one_step(method: str, base_dir: Path, tmp_path: Path, batch: int, accumulation: int) -> dict:
+    import datasets
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from hf_lowprec import ChunkedLossTrainer, LowPrecisionCallback
+    from hf_lowprec.checkpoints import load_pretrained
+
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randint(3, 300, (4, 16), generator=g).tolist()
+    data = datasets.Dataset.from_dict({"input_ids": rows, "labels": rows})
+    args = TrainingArguments(
+        output_dir=str(tmp_path / f"{batch}x{accumulation}"),
+        max_steps=1,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation,
+        max_grad_norm=0.0,  # no clipping: it would hide a scale error
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    probe = _GradientsBeforeStep()
+    common = {"args": args, "train_dataset": data, "data_collator": default_data_collator}
+    if method == "int4-lora":
+        model, _ = _adapted_model(base_dir, torch.float32)  # bf16 GEMMs round differently per batch shape
+        for m in model.modules():
+            if isinstance(m, PackedLinear):
+                m.backend = "dequant"  # the int8 backend picks its outlier channels per call, i.e. per batch
+        trainer = ChunkedLossTrainer(model=model.train(), activation_storage=None, callbacks=[probe.callback], **common)
+    else:
+        model, _ = load_pretrained(base_dir)
+        callbacks = [LowPrecisionCallback(plan={"default": "fp8-rowwise", "layers": {"lm_head": "bf16"}}), probe.callback]
+        trainer = Trainer(model=model, callbacks=callbacks, **common)
+    trainer.train()
+    return probe.grads
+
+
+@pytest.mark.parametrize("method", ["int4-lora", "full"])
+def test_gradient_accumulation_gives_the_gradients_of_one_large_batch(method, tmp_path):
+    base_dir = save_tiny_model(tmp_path / "base")
+    large = _gradients_after_one_step(method, base_dir, tmp_path, batch=4, accumulation=1)
+    accumulated = _gradients_after_one_step(method, base_dir, tmp_path, batch=1, accumulation=4)
+    assert large and large.keys() == accumulated.keys()
+    for name, grad in large.items():
+        torch.testing.assert_close(accumulated[name], grad, rtol=1e-4, atol=1e-7, msg=name)

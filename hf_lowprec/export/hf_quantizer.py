@@ -7,9 +7,9 @@ tensors for the packed layers and, in ``config.json``::
     "quantization_config": {"quant_method": "hf_lowprec", "plan": {"default": "int4-g64", "layers": {...}}}
 
 Importing ``hf_lowprec`` registers this method with transformers (``register_quantization_config`` /
-``register_quantizer``; see :mod:`hf_lowprec.integrations`), so ``AutoModelForCausalLM.from_pretrained(folder)`` builds the model with
-empty packed layers where the plan says ``int4`` (or per-channel ``int8``) and loads the codes into them.
-Without ``import hf_lowprec`` transformers warns "Unknown quantization type" and the packed layers
+``register_quantizer``; see :mod:`hf_lowprec.integrations`), so ``AutoModelForCausalLM.from_pretrained(folder)``
+builds the model with empty packed layers where the plan says ``int4`` (or per-channel ``int8``) and loads the
+codes into them. Without ``import hf_lowprec`` transformers warns "Unknown quantization type" and the packed layers
 come back randomly initialised: always import hf_lowprec (or use ``load_int4_model``).
 """
 

@@ -33,9 +33,11 @@ from hf_lowprec.ondevice.planning import (
 )
 from hf_lowprec.ondevice.prepare import load_int4_lora, prepare_int4_lora
 from hf_lowprec.ondevice.train import METRICS_FILE, FinetuneResult, backend_counts, finetune_int4_lora, peak_rss_mb
+from hf_lowprec.ondevice.trainer import ChunkedLossTrainer
 
 __all__ = [
     "ADAPTER_DIR",
+    "ChunkedLossTrainer",
     "AUTO_BUDGET",
     "AUTO_FORMATS",
     "DEFAULT_FORMAT",

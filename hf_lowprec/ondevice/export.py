@@ -123,8 +123,8 @@ def export_int4_lora(
 
     ``base_model_id``: the Hub id the adapters' ``base_model_name_or_path`` names (default: the base's own
     ``name_or_path`` when that is a Hub id, else none: a local path of this machine means nothing elsewhere).
-    The adapters load the PEFT way onto the packed base: ``PeftModel.from_pretrained(base, folder, subfolder="adapter")``
-    after ``import hf_lowprec``.
+    The adapters load the PEFT way onto the packed base, after ``import hf_lowprec``:
+    ``PeftModel.from_pretrained(base, folder, subfolder="adapter")``.
     """
     base, plan = _checked_base(model, merge, merged_dtype)
     check_output_dir(Path(out_dir), overwrite)

@@ -68,35 +68,48 @@ class _ChunkedLMLoss(torch.autograd.Function):
 
 
 def chunked_causal_lm_loss(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, chunk_tokens: int = 128
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    chunk_tokens: int = 128,
+    *,
+    labels: torch.Tensor | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mean next-token cross-entropy of a causal LM (PEFT-wrapped or not), ``input_ids [B, T]``.
+    """Next-token cross-entropy of a causal LM (PEFT-wrapped or not), ``input_ids [B, T]``.
+
+    ``labels [B, T]`` (default ``input_ids``; ``-100`` and padded positions ignored) are shifted inside, as in
+    transformers. The loss is the mean over this batch's targets, or their sum over ``num_items_in_batch`` (the
+    targets of all the batches of one optimizer step, as the ``Trainer`` passes it for gradient accumulation).
 
     Runs the decoder, then the output head and the loss over ``chunk_tokens`` tokens at a time (see
     :class:`_ChunkedLMLoss`). Falls back to the model's own loss (full logits) when the model has no
     ``get_decoder``, scales or caps its logits, or when its output head trains.
     """
     base = model.get_base_model() if isinstance(model, PeftModel) else model
-    labels = input_ids[:, 1:]
+    targets = (input_ids if labels is None else labels)[:, 1:]
     if attention_mask is not None:
-        labels = labels.masked_fill(attention_mask[:, 1:] == 0, IGNORE_INDEX)
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    cfg = getattr(base, "config", None)
-    plain_head = (
-        head is not None and hasattr(base, "get_decoder") and not any(p.requires_grad for p in head.parameters())
-    )
-    plain_head = (
-        plain_head
-        and getattr(cfg, "final_logit_softcapping", None) is None
-        and getattr(cfg, "logit_scale", None) is None
-    )
-    if not plain_head:
-        full_labels = torch.cat((torch.full_like(labels[:, :1], IGNORE_INDEX), labels), 1)
-        return model(input_ids=input_ids, attention_mask=attention_mask, labels=full_labels).loss
+        targets = targets.masked_fill(attention_mask[:, 1:] == 0, IGNORE_INDEX)
+    if not _plain_output_head(base):
+        full_labels = torch.cat((torch.full_like(targets[:, :1], IGNORE_INDEX), targets), 1)
+        extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
+        return model(input_ids=input_ids, attention_mask=attention_mask, labels=full_labels, **extra).loss
     hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    flat_labels = labels.reshape(-1)
-    total = _ChunkedLMLoss.apply(hidden[:, :-1].reshape(-1, hidden.shape[-1]), flat_labels, head, chunk_tokens)
-    return total / (flat_labels != IGNORE_INDEX).sum().clamp(min=1)
+    flat = targets.reshape(-1)
+    head = base.get_output_embeddings()
+    total = _ChunkedLMLoss.apply(hidden[:, :-1].reshape(-1, hidden.shape[-1]), flat, head, chunk_tokens)
+    if num_items_in_batch is not None:
+        return total / num_items_in_batch
+    return total / (flat != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def _plain_output_head(base: nn.Module) -> bool:
+    """Whether the loss may run the output head in chunks: a frozen head whose logits are used as they are."""
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if head is None or not hasattr(base, "get_decoder") or any(p.requires_grad for p in head.parameters()):
+        return False
+    cfg = getattr(base, "config", None)
+    return getattr(cfg, "final_logit_softcapping", None) is None and getattr(cfg, "logit_scale", None) is None
 
 
 @torch.no_grad()

@@ -147,8 +147,8 @@ def finetune_int4_lora(
 
 @contextlib.contextmanager
 def _activation_memory(model: nn.Module, base: nn.Module, storage: str | None, checkpointing: bool | int):
-    """Training mode for memory: no KV cache; checkpoint every ``checkpointing`` layers while inside; yields the per-step context that stores saved
-    activations in ``storage`` (``int8``/``fp8``; a no-op context for ``None``)."""
+    """Training mode for memory: no KV cache; checkpoint every ``checkpointing`` layers while inside; yields the
+    per-step context that stores saved activations in ``storage`` (``int8``/``fp8``; a no-op context for ``None``)."""
     if getattr(base, "config", None) is not None:
         base.config.use_cache = False  # a KV cache is of no use in training and costs memory
     if checkpointing:
