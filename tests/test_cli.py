@@ -307,7 +307,7 @@ def test_default_demo_on_the_offline_checkpoint(tmp_path):
 
 
 def test_int4_lora_trainer_stores_what_backward_needs_in_int8(tmp_path):
-    from hf_lowprec.cli.run import _trainer_class
+    from hf_lowprec.cli.run import _trainer
     from peft import LoraConfig
     from transformers import TrainingArguments
 
@@ -320,7 +320,7 @@ def test_int4_lora_trainer_stores_what_backward_needs_in_int8(tmp_path):
     ids = torch.randint(0, model.config.vocab_size, (16, 64))  # 512 tokens: the MLP activations pass the size threshold
     args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=8, use_cpu=True, report_to="none",
                              disable_tqdm=True, save_strategy="no")  # fmt: skip
-    trainer = _trainer_class(recipe)(model=model, args=args, train_dataset=[{"input_ids": row} for row in ids], data_collator=default_data_collator)
+    trainer = _trainer(recipe, model=model, args=args, train_dataset=[{"input_ids": row} for row in ids], data_collator=default_data_collator)
     trainer.train()
     storage = trainer.activation_storage
     # 1 byte per element (+ a 4-byte scale per row) in place of 4 (fp32 model): well under a third of the bytes

@@ -38,12 +38,12 @@ class ChunkedLossTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.activation_storage_format = activation_storage
         self.chunk_tokens = chunk_tokens
-        self._storage: ActivationStorage | None = None
+        self.activation_storage: ActivationStorage | None = None  # made at the first step
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self.activation_storage_format is not None and self._storage is None:
-            self._storage = ActivationStorage(model, self.activation_storage_format)
-        with self._storage or contextlib.nullcontext():
+        if self.activation_storage_format is not None and self.activation_storage is None:
+            self.activation_storage = ActivationStorage(model, self.activation_storage_format)
+        with self.activation_storage or contextlib.nullcontext():
             loss = chunked_causal_lm_loss(
                 model,
                 inputs["input_ids"],
