@@ -71,6 +71,14 @@ LoraInitOpt = Annotated[
     Optional[str],
     typer.Option("--lora-init", help="int4-lora: default or loftq (adapters start from the quantization residual)."),
 ]
+ReportToOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--report-to",
+        help="Experiment trackers for the Trainer's logs and hf-lowprec's lowprec/* telemetry, comma-separated "
+        "(TrainingArguments.report_to): none (default), tensorboard, wandb, trackio, mlflow, ...",
+    ),
+]
 RoundingOpt = Annotated[
     Optional[str],
     typer.Option(
@@ -337,6 +345,7 @@ def finetune_cmd(
     seed: Annotated[Optional[int], typer.Option("--seed")] = None,
     text_column: TextColOpt = None,
     messages_column: MsgColOpt = None,
+    report_to: ReportToOpt = None,
 ):
     """Fine-tune MODEL with a recipe: full training through a precision plan, or an INT4 base with LoRA.
 
@@ -366,6 +375,7 @@ def finetune_cmd(
             "training.seed": seed,
             "data.text_column": text_column,
             "data.messages_column": messages_column,
+            "training.report_to": report_to,
         }
     )
     out = output_dir or Path("runs") / chosen.name

@@ -37,6 +37,7 @@ from hf_lowprec.training.callback import LowPrecisionCallback
 SETTINGS_FILE = "run_settings.json"
 LOSS_CURVE = "loss_curve.png"
 PLAN_SNAPSHOT = "plan.json"
+TRACKER_DIR = "runs"  # where transformers' TensorBoard callback writes under output_dir
 
 
 # ---------------------------------------------------------------------------------- folders
@@ -334,7 +335,7 @@ def _training_arguments(run: RunFolder, t, *, bf16_autocast: bool):
         save_total_limit=1,
         seed=t.seed,
         data_seed=t.seed,
-        report_to="none",
+        report_to=t.trackers,
         disable_tqdm=True,
         remove_unused_columns=False,
     )
@@ -384,6 +385,10 @@ def _run_record(run: RunFolder, opts: FinetuneOptions, lm, figures: dict, final:
 def _export_run(model, tokenizer, run: RunFolder, record: dict, recipe: Recipe, log_history: list[dict]) -> None:
     """Export the model with the recipe, the log history and the loss curve; then drop the work folder."""
     extra = {"recipe.yaml": recipe.to_yaml(), "log_history.json": json.dumps(log_history, indent=2)}
+    tracker_logs = run.checkpoints / TRACKER_DIR  # --report-to tensorboard: the Hub shows runs/ as TensorBoard traces
+    extra.update(
+        {f"{TRACKER_DIR}/{f.relative_to(tracker_logs)}": f.read_bytes() for f in tracker_logs.rglob("*") if f.is_file()}
+    )
     curve = loss_curve_png(log_history, f"{recipe.name}: training loss")
     if curve is not None:
         extra[LOSS_CURVE], record["loss_curve"] = curve, LOSS_CURVE

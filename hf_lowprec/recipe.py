@@ -114,6 +114,9 @@ class TrainingSection:
     logging_steps: int = 5
     eval_blocks: int = 8
     seed: int = 0
+    report_to: str = (
+        "none"  # experiment trackers, comma-separated (TrainingArguments.report_to): none, tensorboard, ...
+    )
 
     def __post_init__(self):
         for key in (
@@ -129,6 +132,17 @@ class TrainingSection:
                 raise ValueError(f"{key!r} must be >= 1, got {getattr(self, key)}")
         if self.learning_rate <= 0:
             raise ValueError(f"'learning_rate' must be > 0, got {self.learning_rate}")
+        from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK  # imports seconds of code
+
+        allowed = ("none", "all", *INTEGRATION_TO_CALLBACK)
+        unknown = [t for t in self.trackers if t not in allowed]
+        if unknown:
+            raise ValueError(f"'report_to' {', '.join(unknown)}: choose from {', '.join(allowed)}")
+
+    @property
+    def trackers(self) -> list[str]:
+        """``report_to`` as the list ``TrainingArguments`` takes."""
+        return [t.strip() for t in self.report_to.split(",") if t.strip()] or ["none"]
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch
 from conftest import with_loud_channels
 from hf_lowprec.cli.app import app
 from huggingface_hub import ModelCard
-from tiny_assets import HubStandIn, corpus_text, save_tiny_model, validate_card_metadata
+from tiny_assets import HubStandIn, corpus_text, save_tiny_model, tensorboard_scalars, validate_card_metadata
 from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_collator
 from typer.testing import CliRunner
 
@@ -325,3 +325,14 @@ def test_int4_lora_trainer_stores_what_backward_needs_in_int8(tmp_path):
     storage = trainer.activation_storage
     # 1 byte per element (+ a 4-byte scale per row) in place of 4 (fp32 model): well under a third of the bytes
     assert storage is not None and 0 < storage.stored_bytes < storage.original_bytes / 3
+
+
+def test_report_to_sends_trainer_and_lowprec_values_to_tensorboard_in_the_run_folder(ws):
+    out = ws / "run-tb"
+    result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", "--recipe", "fp8-train", "--max-steps", "5",
+                 "--report-to", "tensorboard", *FAST, "-o", out)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    scalars = tensorboard_scalars(out / "runs")
+    assert "train/loss" in scalars and any(tag.startswith("train/lowprec/") for tag in scalars), sorted(scalars)
+    bad = cli("finetune", ws / "tiny", "--report-to", "tensorbored", "-o", ws / "run-bad")
+    assert bad.exit_code != 0 and "'report_to' tensorbored: choose from none, all" in one_error_line(bad)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig
-from tiny_assets import save_tiny_model
+from tiny_assets import save_tiny_model, tensorboard_scalars
 
 from hf_lowprec.export import CARD_FILE, export_model, hardware_info
 from hf_lowprec.modules import PackedLinear
@@ -170,3 +170,35 @@ def test_gradient_accumulation_gives_the_gradients_of_one_large_batch(method, tm
     assert large and large.keys() == accumulated.keys()
     for name, grad in large.items():
         torch.testing.assert_close(accumulated[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_telemetry_reaches_the_experiment_trackers(tmp_path):
+    import datasets
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from conftest import tiny_llama
+    from hf_lowprec import LowPrecisionCallback
+
+    rows = torch.randint(3, 256, (16, 16), generator=torch.Generator().manual_seed(4)).tolist()
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        logging_steps=2,
+        report_to=["tensorboard"],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    plan = {"default": "fp8", "layers": {"lm_head": "bf16", "*.mlp.*": "int4-g64"}}
+    Trainer(
+        model=tiny_llama(),
+        args=args,
+        train_dataset=datasets.Dataset.from_dict({"input_ids": rows, "labels": rows}),
+        data_collator=default_data_collator,
+        callbacks=[LowPrecisionCallback(plan=plan)],
+    ).train()
+    scalars = tensorboard_scalars(tmp_path / "out")
+    lowprec = {tag: values for tag, values in scalars.items() if "lowprec/" in tag}
+    assert any("loss" in tag for tag in scalars)  # the tracker wrote the Trainer's own values
+    assert lowprec and all(len(values) == 2 for values in lowprec.values()), sorted(scalars)  # at steps 2 and 4

@@ -173,3 +173,21 @@ class HubStandIn:
     def __exit__(self, *exc):
         self.server.shutdown()
         self.server.server_close()
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, list[float]]:
+    """``{tag: [values]}`` of every TensorBoard event file under ``folder`` (TFRecord framing read by hand)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    scalars: dict[str, list[float]] = {}
+    for path in folder.rglob("events.out.tfevents.*"):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = Event.FromString(data[pos + 12 : pos + 12 + length])
+            pos += 12 + length + 4  # length, its CRC, the record, its CRC
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append(value.simple_value)
+    return scalars

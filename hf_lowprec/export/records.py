@@ -71,8 +71,12 @@ def read_run(folder: str | os.PathLike) -> dict:
 def write_record(
     folder: Path, run: Mapping, repo_id: str | None, extra_files: Mapping[str, str | bytes] | None
 ) -> None:
-    """Run record, extra files and model card into ``folder`` (a temporary folder renamed into place as a whole)."""
+    """Run record, extra files and model card into ``folder`` (a temporary folder renamed into place as a whole).
+
+    An extra file's name may hold sub-folders (``runs/<run>/events.out.tfevents...``)."""
     (folder / RUN_FILE).write_text(json.dumps(run, indent=2, default=str) + "\n")
     for name, data in (extra_files or {}).items():
-        (folder / name).write_bytes(data) if isinstance(data, bytes) else (folder / name).write_text(data)
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data) if isinstance(data, bytes) else path.write_text(data)
     render_model_card(run, repo_id).save(folder / CARD_FILE)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME
-from transformers.trainer_callback import ExportableState
+from transformers.trainer_callback import CallbackHandler, ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_lowprec.convert import eligible_layers
@@ -115,6 +116,7 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
     def on_init_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         if getattr(args, "deepspeed", None):
             raise ValueError("LowPrecisionCallback does not support DeepSpeed; use DDP or FSDP")
+        _run_before_trackers(self)
         if model is None:
             return  # model_init: converted at on_train_begin
         if not eligible_layers(model):
@@ -330,6 +332,29 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
             },
             "attributes": {"scan_seconds": self.scan_seconds, "steps_skipped": self.steps_skipped},
         }
+
+
+def _run_before_trackers(callback: TrainerCallback) -> None:
+    """Move ``callback`` ahead of the Trainer's experiment trackers (``report_to``) so that their ``on_log`` sees the
+    ``lowprec/*`` values it adds.
+
+    The Trainer puts its ``report_to`` integrations before the user's callbacks and has no API to reorder them; the
+    list is that of the ``CallbackHandler`` dispatching this event, found in the calling frame. Moving an item to an
+    earlier place while the handler iterates neither skips nor repeats a callback.
+    """
+    frame = sys._getframe(1)
+    while frame is not None and not (
+        isinstance(frame.f_locals.get("self"), CallbackHandler) and callback in frame.f_locals["self"].callbacks
+    ):
+        frame = frame.f_back
+    if frame is None:
+        logger.warning("LowPrecisionCallback: no Trainer callback list found; report_to trackers miss lowprec/* values")
+        return
+    callbacks = frame.f_locals["self"].callbacks
+    trackers = [i for i, c in enumerate(callbacks) if type(c).__module__.startswith("transformers.integrations")]
+    if trackers and callbacks.index(callback) > trackers[0]:
+        callbacks.remove(callback)
+        callbacks.insert(trackers[0], callback)
 
 
 def _refuse_low_precision_keys(module: nn.Module, incompatible) -> None:
