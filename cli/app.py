@@ -79,6 +79,14 @@ ReportToOpt = Annotated[
         "(TrainingArguments.report_to): none (default), tensorboard, wandb, trackio, mlflow, ...",
     ),
 ]
+ExportFormatOpt = Annotated[
+    str,
+    typer.Option(
+        "--format",
+        help="native (hf-lowprec's packed layout; resumes training), compressed-tensors (INT4 that transformers "
+        "and vLLM load without hf-lowprec) or bf16 (LoRA merged into a dense bf16 model, as --merge-into bf16).",
+    ),
+]
 RoundingOpt = Annotated[
     Optional[str],
     typer.Option(
@@ -546,6 +554,7 @@ def export_cmd(
     repo_id: Annotated[
         Optional[str], typer.Option("--repo-id", help="Hub repo id to show in the card's loading snippets.")
     ] = None,
+    weights_format: ExportFormatOpt = "native",
 ):
     """Write a publishable folder from a run: weights, precision plan and model card."""
     from hf_lowprec.export.folder import export_run
@@ -553,9 +562,23 @@ def export_cmd(
 
     if merge_into not in ("int4", "bf16", "fp32"):
         ui.fail(f"--merge-into {merge_into!r}: choose one of int4, bf16, fp32")
+    if weights_format not in ("native", "compressed-tensors", "bf16"):
+        ui.fail(f"--format {weights_format!r}: choose one of native, compressed-tensors, bf16")
+    if weights_format != "native" and merge:
+        ui.fail(f"--merge applies to --format native; --format {weights_format} chooses the weights itself")
+    if weights_format == "bf16":
+        merge, merge_into, weights_format = True, "bf16", "native"
     dense = merge_into if merge and merge_into != "int4" else None
     with ui.step(f"exporting {run_dir} → {out}" + (f" (merging LoRA into a {merge_into} base)" if merge else "")):
-        export_run(run_dir, out, overwrite=overwrite, repo_id=repo_id, merge=merge, merged_dtype=dense)
+        export_run(
+            run_dir,
+            out,
+            overwrite=overwrite,
+            repo_id=repo_id,
+            merge=merge,
+            merged_dtype=dense,
+            weights_format=weights_format,
+        )
     files = sorted(p.name for p in Path(out).iterdir())
     size = sum(p.stat().st_size for p in Path(out).rglob("*") if p.is_file())
     record = read_run(out)

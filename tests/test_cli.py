@@ -336,3 +336,41 @@ def test_report_to_sends_trainer_and_lowprec_values_to_tensorboard_in_the_run_fo
     assert "train/loss" in scalars and any(tag.startswith("train/lowprec/") for tag in scalars), sorted(scalars)
     bad = cli("finetune", ws / "tiny", "--report-to", "tensorbored", "-o", ws / "run-bad")
     assert bad.exit_code != 0 and "'report_to' tensorbored: choose from none, all" in one_error_line(bad)
+
+
+CT_HELD_OUT_LOSS = """
+import sys, torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({folder!r}), {folder!r}, subfolder="adapter")
+assert not any(m.startswith("hf_lowprec") for m in sys.modules)
+blocks = torch.load({blocks!r})
+with torch.no_grad():
+    print(sum(model(input_ids=b[None], labels=b[None]).loss.item() for b in blocks) / len(blocks))
+"""
+
+
+def test_export_formats_compressed_tensors_and_bf16(ws, lora_run, tmp_path):
+    (out, run), ct = lora_run, tmp_path / "ct"
+    assert run.exit_code == 0, run.output
+    result = cli("export", out, "--out", ct, "--format", "compressed-tensors")
+    assert result.exit_code == 0, result.output
+    record = json.loads((ct / RUN_FILE).read_text())
+    assert record["export"]["loader"] == "compressed-tensors" and record["export"]["requantized_layers"]  # AWQ layers
+    assert json.loads((ct / "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
+    tok = AutoTokenizer.from_pretrained(out)
+    blocks = torch.stack([torch.as_tensor(r["input_ids"]) for r in held_out(ws, tok).eval])
+    torch.save(blocks, tmp_path / "blocks.pt")
+    code = CT_HELD_OUT_LOSS.format(folder=str(ct), blocks=str(tmp_path / "blocks.pt"))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loss = float(done.stdout.strip().splitlines()[-1])
+    # the trained model, up to the second rounding of the AWQ-scaled layers onto the plain grid
+    assert loss == pytest.approx(json.loads((out / RUN_FILE).read_text())["training"]["loss_final"], abs=0.05)
+
+    dense = cli("export", out, "--out", tmp_path / "bf16", "--format", "bf16")
+    assert dense.exit_code == 0, dense.output
+    assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
+    bad = cli("export", out, "--out", tmp_path / "x", "--format", "gguf")
+    assert "choose one of native, compressed-tensors, bf16" in one_error_line(bad)

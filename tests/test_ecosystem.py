@@ -1,6 +1,7 @@
 """The Hugging Face round trip as users meet it: the model card's snippets run as written in a fresh interpreter
 (only ``import hf_lowprec``, transformers and PEFT), and give the trained model's logits."""
 
+import json
 import os
 import re
 import subprocess
@@ -202,3 +203,52 @@ def test_telemetry_reaches_the_experiment_trackers(tmp_path):
     lowprec = {tag: values for tag, values in scalars.items() if "lowprec/" in tag}
     assert any("loss" in tag for tag in scalars)  # the tracker wrote the Trainer's own values
     assert lowprec and all(len(values) == 2 for values in lowprec.values()), sorted(scalars)  # at steps 2 and 4
+
+
+LOAD_WITHOUT_HF_LOWPREC = """
+import sys
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({folder!r}, dtype=torch.float32)
+model = PeftModel.from_pretrained(model, {folder!r}, subfolder="adapter")
+assert not any(m.startswith("hf_lowprec") for m in sys.modules), "hf_lowprec was imported"
+"""
+
+
+@pytest.mark.parametrize("fmt", ["int4-g32-asym", "int4-g32"])
+def test_compressed_tensors_export_loads_without_hf_lowprec(fmt, tmp_path):
+    """``from_pretrained`` with compressed-tensors (and PEFT for the adapters) gives the trained model's logits."""
+    from hf_lowprec.export.compressed_tensors import export_compressed_tensors
+    from hf_lowprec.plan import PrecisionPlan
+
+    base_dir = save_tiny_model(tmp_path / "base")
+    torch.manual_seed(0)
+    plan = PrecisionPlan({"lm_head": "bf16", "*.v_proj": "int8"}, default=fmt)  # int8 layers travel dense
+    model, _, _ = load_int4_lora(base_dir, LoraConfig(r=4, target_modules="all-linear"), plan, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+        for m in model.modules():
+            if isinstance(m, PackedLinear):
+                m.backend = "dequant"  # the exact reference
+        trained = model.eval()(IDS).logits
+    errors = export_compressed_tensors(model, tmp_path / "ct", base_model_id=BASE_ID)
+    assert errors == {}  # nearest rounding with integer zero points: nothing re-quantized
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
+    assert "lm_head" in config["ignore"] and all("v_proj" in n for n in config["ignore"] if n != "lm_head")
+    loaded = _run_snippet(LOAD_WITHOUT_HF_LOWPREC.format(folder=str(tmp_path / "ct")), tmp_path)
+    # the same dense weights; LoRA computed by PEFT's own layer instead of ours: fp32 summation order only
+    torch.testing.assert_close(loaded, trained, rtol=0, atol=1e-4)
+
+
+def test_pack_int32_matches_compressed_tensors():
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from hf_lowprec.export.compressed_tensors import pack_int32
+
+    codes = torch.randint(-8, 8, (16, 64), generator=torch.Generator().manual_seed(5), dtype=torch.int8)
+    assert torch.equal(pack_int32(codes, 4), pack_to_int32(codes, 4))
+    assert torch.equal(pack_int32(codes.t().contiguous(), 4).t(), pack_to_int32(codes, 4, packed_dim=0))

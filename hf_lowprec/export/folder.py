@@ -16,6 +16,7 @@ from torch import nn
 from hf_lowprec.checkpoints import load_pretrained
 from hf_lowprec.convert import apply_plan, freeze, revert
 from hf_lowprec.export.card import render_model_card
+from hf_lowprec.export.compressed_tensors import write_compressed_tensors
 from hf_lowprec.export.hf_quantizer import quantization_config_dict
 from hf_lowprec.export.records import CARD_FILE, RUN_ONLY, plan_record, read_run, write_record
 from hf_lowprec.folders import atomic_output_dir
@@ -24,6 +25,7 @@ from hf_lowprec.ondevice import ADAPTER_DIR, MERGE_DTYPES, MERGE_FILE, export_in
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 
 EXPORT_WEIGHTS = ("master", "int4-packed")
+EXPORT_FORMATS = ("native", "compressed-tensors")  # export_run: the run's own files, or compressed-tensors
 
 
 def export_model(
@@ -183,15 +185,22 @@ def export_run(
     repo_id: str | None = None,
     merge: bool = False,
     merged_dtype: str | None = None,
+    weights_format: str = "native",
 ) -> Path:
     """Copy a finetune run folder's publishable files (weights, tokenizer, plan, record) to ``out`` and re-render its
     card.
 
     ``merge``: load the run's INT4 base + LoRA adapters and write them merged (re-quantized) instead;
-    ``merged_dtype`` (``bf16``/``fp32``): merged into a plain dense model.
+    ``merged_dtype`` (``bf16``/``fp32``): merged into a plain dense model. ``weights_format``: ``native`` (the
+    run's own files, which hf-lowprec resumes training from) or ``compressed-tensors`` (the packed INT4 layers in the
+    layout transformers and vLLM load without hf-lowprec; adapters kept in PEFT format).
     """
     run_dir = Path(run_dir)
     run = read_run(run_dir)
+    if weights_format not in EXPORT_FORMATS:
+        raise ValueError(f"export format {weights_format!r}: choose one of {', '.join(EXPORT_FORMATS)}")
+    if weights_format == "compressed-tensors":
+        return _export_compressed_tensors(run_dir, Path(out), run, overwrite, repo_id)
     if merge:
         if not run.get("adapter"):
             raise ValueError(
@@ -217,6 +226,25 @@ def export_run(
             (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
         render_model_card(run, repo_id).save(tmp / CARD_FILE)
     return Path(out)
+
+
+def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id: str | None) -> Path:
+    """The run's packed model (and adapters) in the compressed-tensors layout, with its record and card."""
+    model, tokenizer = load_exported(run_dir)
+    with atomic_output_dir(out, overwrite) as tmp:
+        errors = write_compressed_tensors(model, tmp, tokenizer=tokenizer, base_model_id=run.get("base_model"))
+        run["export"] = {
+            "weights": "compressed-tensors",
+            "loader": "compressed-tensors",
+            "library_name": "peft" if run.get("adapter") else "transformers",
+            "dtype": _dtype_name(model),
+            "description": f"{_packed_layers(model)}; int8 layers as dense weights",
+            "requantized_layers": errors,
+        }
+        if run.get("adapter"):
+            run["adapter"] = {**run["adapter"], "note": "PEFT loads them onto the decompressed base"}
+        write_record(tmp, run, repo_id, None)
+    return out
 
 
 # -------------------------------------------------------------------------------------- load

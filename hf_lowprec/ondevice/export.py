@@ -35,7 +35,7 @@ ADAPTER_DIR = (
 )
 
 
-def _adapterless_state(base: nn.Module) -> dict[str, torch.Tensor]:
+def adapterless_state(base: nn.Module) -> dict[str, torch.Tensor]:
     """``base``'s state dict without the LoRA tensors, keys as in the unwrapped model."""
     return {k.replace(".base_layer", ""): v for k, v in base.state_dict().items() if ".lora_" not in k}
 
@@ -50,7 +50,7 @@ def _adapter_delta(module: nn.Module) -> torch.Tensor | None:
 def _dense_merged_state(base: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The base model's state dict as plain ``dtype`` weights: every packed layer dequantized, LoRA deltas added
     (one rounding, to ``dtype``); other tensors as they are."""
-    state = _adapterless_state(base)
+    state = adapterless_state(base)
     for fqn, module in base.named_modules():
         layer = module.get_base_layer() if hasattr(module, "get_base_layer") else module
         if not isinstance(layer, PackedLinear) or fqn.endswith(".base_layer"):
@@ -67,7 +67,7 @@ def _dense_merged_state(base: nn.Module, dtype: torch.dtype) -> dict[str, torch.
 
 def _packed_base_state(base: nn.Module, merge: bool) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """The base model's state dict without adapters (``merge``: LoRA deltas merged, packed layers re-quantized)."""
-    state = _adapterless_state(base)
+    state = adapterless_state(base)
     errors = []
     if not merge:
         return state, errors
@@ -139,11 +139,11 @@ def export_int4_lora(
     else:
         state, errors = _packed_base_state(base, merge)
         config.quantization_config = quantization_config_dict(plan)
-    with atomic_output_dir(out_dir, overwrite) as tmp, _without_hf_quantizer(base):
+    with atomic_output_dir(out_dir, overwrite) as tmp, without_hf_quantizer(base):
         base.save_pretrained(tmp, state_dict=state)
         config.save_pretrained(tmp)  # base.config stays untouched
         if not merge:
-            with _adapters_naming(model, base_model_id):
+            with adapters_naming(model, base_model_id):
                 model.save_pretrained(tmp / ADAPTER_DIR)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -188,7 +188,7 @@ def _write_merge_errors(folder: Path, errors: list[dict]) -> None:
 
 
 @contextlib.contextmanager
-def _adapters_naming(model: PeftModel, base_model_id: str | None):
+def adapters_naming(model: PeftModel, base_model_id: str | None):
     """Set every adapter config's ``base_model_name_or_path`` to ``base_model_id`` (or the base's own Hub id, never a
     local path) while inside."""
     saved = {name: config.base_model_name_or_path for name, config in model.peft_config.items()}
@@ -203,7 +203,7 @@ def _adapters_naming(model: PeftModel, base_model_id: str | None):
 
 
 @contextlib.contextmanager
-def _without_hf_quantizer(model: nn.Module):
+def without_hf_quantizer(model: nn.Module):
     """Hide a reloaded model's ``hf_quantizer`` while saving: transformers' ``save_pretrained`` takes
     the state dict from the quantizer when there is one and would ignore ours (the merged weights)."""
     quantizer = model.__dict__.pop("hf_quantizer", None)

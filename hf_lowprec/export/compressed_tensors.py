@@ -1,0 +1,188 @@
+"""Export of a packed INT4 model to the compressed-tensors "pack-quantized" layout, which transformers (with the
+``compressed-tensors`` package) and vLLM load without hf-lowprec.
+
+Layout per INT4 linear (compressed-tensors' own names): ``weight_packed`` int32 ``[N, K/8]`` (eight 4-bit codes per
+word, the first in the lowest bits, each stored as ``code + 8``), ``weight_scale`` ``[N, K/group]`` in the model
+dtype, ``weight_shape`` int64 ``[2]``, and for asymmetric formats ``weight_zero_point`` int32 ``[N/8, K/group]``
+(packed along the output dimension). Codes and zero points are signed: ``w = (q - zero) * scale``.
+
+The packing is written here (a few lines) so that exporting needs no compressed-tensors; whoever loads the folder
+needs it. What compressed-tensors 0.20 loads correctly on CPU decides the rest:
+
+- one INT4 format per model (one config group; every other linear is listed in ``ignore``);
+- ``"dequantize": true``: transformers decompresses the weights while loading (its packed path mis-sizes asymmetric
+  zero points, and its dequantizing path decodes every group with the first group's scheme), so the layers come
+  back as plain ``nn.Linear`` — and PEFT adapters load onto them the standard way;
+- per-channel int8 layers are written as dense weights in the model dtype (exact: code times step, one rounding).
+
+A layer with activation-aware input scales (AWQ) or a non-integer zero point is re-quantized on the plain grid first
+(a second rounding; its error is returned).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from torch import nn
+
+from hf_lowprec.folders import atomic_output_dir, check_output_dir
+from hf_lowprec.layers import canonical_name
+from hf_lowprec.modules.packed import PackedInt4Linear, PackedInt8Linear, PackedLinear
+from hf_lowprec.ondevice.export import ADAPTER_DIR, adapterless_state, adapters_naming, without_hf_quantizer
+
+QUANT_METHOD = "compressed-tensors"
+CT_FORMAT = "pack-quantized"
+
+
+def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Signed ``codes [R, C]`` (C a multiple of ``32 / bits``) as int32 words ``[R, C * bits / 32]``, as
+    compressed-tensors' ``pack_to_int32``: each code stored as ``code + 2^(bits-1)``, the first in the lowest bits."""
+    per_word = 32 // bits
+    rows, cols = codes.shape
+    unsigned = (codes.to(torch.int32) + (1 << (bits - 1))).view(rows, cols // per_word, per_word)
+    shifts = bits * torch.arange(per_word, dtype=torch.int32, device=codes.device)
+    return (unsigned << shifts).sum(-1, dtype=torch.int32)
+
+
+def _packed_layers(base: nn.Module) -> dict[str, PackedLinear]:
+    """``{canonical name: packed layer}`` of ``base`` (PEFT wrappers seen through)."""
+    found = {}
+    for fqn, module in base.named_modules():
+        if isinstance(module, PackedLinear):
+            found[canonical_name(fqn)] = module
+    return found
+
+
+def _int4_format(layers: dict[str, PackedLinear]):
+    """The one INT4 format of ``layers``; ``ValueError`` for none, several, or a shape compressed-tensors refuses."""
+    specs = {m.spec.name: m.spec for m in layers.values() if isinstance(m, PackedInt4Linear)}
+    if not specs:
+        raise ValueError("compressed-tensors export needs packed INT4 layers; this model has none (export 'bf16')")
+    if len(specs) > 1:
+        raise ValueError(
+            f"compressed-tensors export takes one INT4 format per model, this one has {', '.join(sorted(specs))}; "
+            "re-plan with one int4 format"
+        )
+    spec = next(iter(specs.values()))
+    for name, m in layers.items():
+        if isinstance(m, PackedInt4Linear) and (
+            m.in_features % spec.group_size or (not spec.symmetric and m.out_features % 8)
+        ):
+            raise ValueError(
+                f"layer {name!r} ({m.out_features}x{m.in_features}): compressed-tensors needs in_features divisible "
+                f"by the group size {spec.group_size} (and out_features by 8 for zero points)"
+            )
+    return spec
+
+
+def _on_plain_grid(layer: PackedInt4Linear) -> tuple[PackedInt4Linear, float | None]:
+    """``layer``, or a copy re-quantized without input scales and with integer zero points; the relative weight
+    error of that second rounding (``None`` when none was needed)."""
+    integral_zero = layer.zero is None or bool(torch.equal(layer.zero, layer.zero.round()))
+    if layer.inverse_input_scale() is None and integral_zero:
+        return layer, None
+    plain = copy.deepcopy(layer)
+    plain.input_scale.fill_(1.0)
+    return plain, plain.requantize_(layer.dequantized_weight(torch.float32))["rel_error"]
+
+
+def _int4_tensors(layer: PackedInt4Linear, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """compressed-tensors' tensors of one INT4 layer (see the module docstring)."""
+    codes = layer.codes().to(torch.int32)
+    out = {
+        "weight_scale": layer.step.to(dtype).contiguous(),
+        "weight_shape": torch.tensor([layer.out_features, layer.in_features], dtype=torch.int64),
+    }
+    if layer.zero is None:
+        out["weight_packed"] = pack_int32(codes, 4)
+    else:  # unsigned codes 0..15 with zero z become signed codes and zero points: shift both by 8
+        out["weight_packed"] = pack_int32(codes - 8, 4)
+        zero = layer.zero.float().round().to(torch.int32) - 8
+        out["weight_zero_point"] = pack_int32(zero.t().contiguous(), 4).t().contiguous()
+    return out
+
+
+def compressed_tensors_state(base: nn.Module) -> tuple[dict[str, torch.Tensor], dict, dict[str, float]]:
+    """``(state dict, quantization_config, {layer: re-quantization error})`` of ``base`` (a model with packed layers,
+    adapters excluded) in the pack-quantized layout."""
+    layers = _packed_layers(base)
+    spec = _int4_format(layers)
+    dtype = next(p for p in base.parameters() if p.is_floating_point()).dtype
+    state, errors = adapterless_state(base), {}
+    for name, layer in layers.items():
+        for buffer in PackedLinear.BUFFERS:
+            state.pop(f"{name}.{buffer}", None)
+        if isinstance(layer, PackedInt8Linear):
+            state[f"{name}.weight"] = layer.dequantized_weight(dtype)
+            continue
+        plain, error = _on_plain_grid(layer)
+        if error is not None:
+            errors[name] = error
+        state.update({f"{name}.{key}": value for key, value in _int4_tensors(plain, dtype).items()})
+    linears = [canonical_name(n) for n, m in base.named_modules() if isinstance(m, nn.Linear) and ".lora_" not in n]
+    ignore = sorted(n for n in linears if not isinstance(layers.get(n), PackedInt4Linear))
+    weights = {"num_bits": 4, "type": "int", "symmetric": spec.symmetric, "strategy": "group",
+               "group_size": spec.group_size, "dynamic": False, "actorder": None, "observer": None}  # fmt: skip
+    config = {
+        "quant_method": QUANT_METHOD,
+        "format": CT_FORMAT,
+        "quantization_status": "compressed",
+        "dequantize": True,
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": None,
+                "output_activations": None,
+                "format": CT_FORMAT,
+            }
+        },
+    }
+    return state, config, errors
+
+
+def export_compressed_tensors(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer=None,
+    overwrite: bool = False,
+    base_model_id: str | None = None,
+) -> dict[str, float]:
+    """Write ``model`` (packed INT4 layers, optionally a PEFT model with LoRA adapters) as a compressed-tensors folder
+    at ``out_dir``, atomically; adapters go to ``adapter/`` in PEFT format. Returns the relative weight error of each
+    layer that had to be re-quantized (see the module docstring; empty when none).
+
+    Load it without hf-lowprec (``pip install compressed-tensors``)::
+
+        model = AutoModelForCausalLM.from_pretrained(out_dir)
+        model = PeftModel.from_pretrained(model, out_dir, subfolder="adapter")  # when it has adapters
+    """
+    check_output_dir(Path(out_dir), overwrite)
+    with atomic_output_dir(out_dir, overwrite) as tmp:
+        return write_compressed_tensors(model, tmp, tokenizer=tokenizer, base_model_id=base_model_id)
+
+
+def write_compressed_tensors(model: nn.Module, folder: Path, *, tokenizer=None, base_model_id: str | None = None):
+    """:func:`export_compressed_tensors` into an existing empty ``folder`` (not atomic)."""
+    peft = isinstance(model, PeftModel)
+    base = model.get_base_model() if peft else model
+    state, quantization_config, errors = compressed_tensors_state(base)
+    config = copy.deepcopy(base.config)
+    config.quantization_config = quantization_config
+    config.use_cache = True
+    with without_hf_quantizer(base):
+        base.save_pretrained(folder, state_dict=state)
+    config.save_pretrained(folder)
+    if peft:
+        with adapters_naming(model, base_model_id):
+            model.save_pretrained(folder / ADAPTER_DIR)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return errors
