@@ -2,7 +2,7 @@
 
 from hf_lowprec.convert import ConversionReport, apply_plan, eligible_layers, freeze, revert
 from hf_lowprec.formats import FormatSpec
-from hf_lowprec.integrations import register_integrations
+from hf_lowprec.integrations import quiet_imports, register_integrations
 from hf_lowprec.modules import FP8Embedding, FP8Linear, Int4Embedding, Int4Linear, PackedInt4Linear, PackedInt8Linear
 from hf_lowprec.plan import PrecisionPlan
 
@@ -27,7 +27,8 @@ def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        with quiet_imports():
+            return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'hf_lowprec' has no attribute {name!r}")
 
 

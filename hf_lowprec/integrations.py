@@ -10,14 +10,17 @@ Two registrations make the ecosystem's own loaders understand hf-lowprec folders
 Importing transformers' model code and PEFT costs seconds, which ``import hf_lowprec`` should not pay for a user who
 needs neither. So each registration runs as soon as its library is imported: at once when it already is, otherwise
 from a post-import hook on ``sys.meta_path`` (the pattern of ``wrapt``'s post-import hooks) that runs it right after
-``transformers.modeling_utils`` or ``peft`` has finished executing.
+``transformers.modeling_utils`` or ``peft`` has finished executing (whose import notices of optional kernels are
+silenced meanwhile, see :func:`quiet_imports`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.util
+import logging
 import sys
 
 # module whose import must be followed by a registration -> "module:function" doing it
@@ -25,6 +28,25 @@ REGISTRATIONS = {
     "transformers.modeling_utils": "hf_lowprec.export.hf_quantizer:register",
     "peft": "hf_lowprec.modules.int4_lora:register_peft_dispatch",
 }
+
+
+# loggers whose import-time notices say nothing a user can act on: torchao's optional CUDA extensions (on a CPU
+# machine), torch's pytree deprecation notice that torchao triggers, bitsandbytes' optional `kernels` package
+IMPORT_NOISE = ("torchao", "torch.utils._pytree", "bitsandbytes")
+
+
+@contextlib.contextmanager
+def quiet_imports():
+    """Silence :data:`IMPORT_NOISE` below ERROR while inside (levels restored after): for importing peft, torchao."""
+    loggers = [logging.getLogger(name) for name in IMPORT_NOISE]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _run(target: str) -> None:
@@ -49,7 +71,8 @@ class _PostImportHook(importlib.abc.MetaPathFinder):
         execute = spec.loader.exec_module
 
         def execute_then_register(module):
-            execute(module)
+            with quiet_imports():
+                execute(module)
             _run(registration)
 
         spec.loader.exec_module = execute_then_register

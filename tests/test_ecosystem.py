@@ -252,3 +252,9 @@ def test_pack_int32_matches_compressed_tensors():
     codes = torch.randint(-8, 8, (16, 64), generator=torch.Generator().manual_seed(5), dtype=torch.int8)
     assert torch.equal(pack_int32(codes, 4), pack_to_int32(codes, 4))
     assert torch.equal(pack_int32(codes.t().contiguous(), 4).t(), pack_to_int32(codes, 4, packed_dim=0))
+
+
+def test_imports_print_nothing():
+    code = "import hf_lowprec\nfrom hf_lowprec import load_int4_lora, LowPrecisionCallback\nimport hf_lowprec.ondevice\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "" and done.stderr == "", done.stderr[-2000:]
