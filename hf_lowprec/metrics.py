@@ -2,14 +2,13 @@
 
 Perplexity is computed here (exp of the token-weighted mean negative log-likelihood) because
 ``evaluate``'s ``perplexity`` metric reloads a model by hub id and cannot score an in-memory or
-packed-INT4 model. Accuracy goes through ``evaluate.load("accuracy")``; where that metric cannot be
-fetched (offline machines), the same count is made directly and the result says so.
+packed-INT4 model. Accuracy is the share of correct argmax predictions (``evaluate``'s accuracy metric computes
+the same through scikit-learn and a Hub download, neither of which this needs).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import resource
 from collections.abc import Callable
@@ -18,8 +17,6 @@ import torch
 from torch import nn
 
 from hf_lowprec.data import collated_batches
-
-logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 """The label value every loss here (and transformers') skips: padding, prompts, the first token."""
@@ -77,8 +74,7 @@ def causal_lm_loss(
 
 @torch.no_grad()
 def classification_accuracy(model: nn.Module, dataset, collator, *, batch_size: int = 16, on_batch=None) -> dict:
-    """Accuracy of ``model`` (a sequence classifier) on rows with ``labels``: ``{"accuracy", "rows",
-    "metric_source"}``."""
+    """Accuracy of ``model`` (a sequence classifier) on rows with ``labels``: ``{"accuracy", "rows"}``."""
     model.eval()
     device = next(model.parameters()).device
     predictions, references = [], []
@@ -89,20 +85,5 @@ def classification_accuracy(model: nn.Module, dataset, collator, *, batch_size: 
         references += labels.tolist()
         if on_batch is not None:
             on_batch(len(labels))
-    try:
-        import evaluate
-
-        metric = evaluate.load("accuracy")
-        accuracy, source = metric.compute(predictions=predictions, references=references)["accuracy"], "evaluate"
-    except (
-        Exception
-    ) as e:  # evaluate fetches the metric from the Hub; offline it raises FileNotFoundError/ConnectionError
-        logger.warning(
-            "evaluate.load('accuracy') is unavailable (%s); counting correct predictions directly",
-            str(e).splitlines()[0],
-        )
-        accuracy, source = (
-            sum(p == r for p, r in zip(predictions, references)) / max(len(references), 1),
-            "direct count",
-        )
-    return {"accuracy": float(accuracy), "rows": len(references), "metric_source": source}
+    accuracy = sum(p == r for p, r in zip(predictions, references)) / max(len(references), 1)
+    return {"accuracy": float(accuracy), "rows": len(references)}

@@ -2,6 +2,7 @@
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,3 +67,35 @@ def test_module_level_imports_form_no_circle():
 def _parents(module: str) -> list[str]:
     parts = module.split(".")
     return [".".join(parts[:i]) for i in range(2, len(parts))]
+
+
+def _imported_top_level_modules() -> set[str]:
+    """Top-level modules imported anywhere in the package and the CLI (function-local imports included)."""
+    found = set()
+    for path in [*Path("hf_lowprec").rglob("*.py"), *Path("cli").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+    return found - set(sys.stdlib_module_names) - {"hf_lowprec", "__future__"}
+
+
+def test_dependencies_are_declared_used_and_ranges():
+    import importlib.metadata
+    import re
+    import tomllib
+
+    project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
+    required = project["dependencies"]
+    extras = [d for group in project["optional-dependencies"].values() for d in group]
+    name = lambda spec: re.split(r"[<>=~!\[ ;]", spec, maxsplit=1)[0].lower().replace("_", "-")  # noqa: E731
+    declared = {name(d) for d in required + extras}
+    dists = importlib.metadata.packages_distributions()
+    imported = {dist.lower().replace("_", "-") for module in _imported_top_level_modules() for dist in dists.get(module, [module])}
+    assert imported <= declared, f"imported but not declared: {sorted(imported - declared)}"
+    imported |= {"jinja2"}  # used through huggingface_hub's ModelCard.from_template (our card template)
+    assert {name(d) for d in required} <= imported, f"declared but never imported: {sorted({name(d) for d in required} - imported)}"
+    assert not [d for d in required if "==" in d], "library dependencies take ranges; exact pins go to constraints.txt"
+    pins = dict(line.split("==") for line in Path("constraints.txt").read_text().splitlines() if "==" in line)
+    assert {name(d) for d in required} <= {k.lower().replace("_", "-") for k in pins}  # the tested set is pinned
