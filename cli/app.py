@@ -45,6 +45,32 @@ MsgColOpt = Annotated[Optional[str], typer.Option("--messages-column", help="Col
 
 
 # ------------------------------------------------------------------------------ finetune options
+FLAG_KEYS = {  # finetune option -> the recipe key it sets
+    "plan": "precision.plan",
+    "max_steps": "training.max_steps",
+    "learning_rate": "training.learning_rate",
+    "batch_size": "training.per_device_train_batch_size",
+    "grad_accum": "training.gradient_accumulation_steps",
+    "block_size": "training.block_size",
+    "dtype": "training.dtype",
+    "save_steps": "training.save_steps",
+    "eval_blocks": "training.eval_blocks",
+    "lora_r": "lora.r",
+    "lora_init": "lora.init",
+    "rounding": "precision.rounding",
+    "seed": "training.seed",
+    "text_column": "data.text_column",
+    "messages_column": "data.messages_column",
+    "report_to": "training.report_to",
+}
+OverridesArg = Annotated[
+    Optional[list[str]],
+    typer.Argument(
+        help="Recipe keys as key=value with dotted paths (e.g. training.max_steps=10 lora.r=8), applied after the "
+        "flags; any key that `hf-lowprec recipes NAME` shows.",
+        show_default=False,
+    ),
+]
 RecipeOpt = Annotated[
     str, typer.Option("--recipe", help="Built-in recipe name or recipe .yaml file (see `hf-lowprec recipes`).")
 ]
@@ -332,6 +358,7 @@ def _parse_budget(text: str | None) -> dict:
 @ui.guarded
 def finetune_cmd(
     model: ModelArg = None,
+    overrides: OverridesArg = None,
     recipe: RecipeOpt = DEFAULT_RECIPE,
     data: DataOpt = None,
     plan: PlanOpt = None,
@@ -358,7 +385,7 @@ def finetune_cmd(
     """Fine-tune MODEL with a recipe: full training through a precision plan, or an INT4 base with LoRA.
 
     With no MODEL and no --data it fine-tunes the offline default (SmolLM2-135M-Instruct on Shakespeare).
-    Flags such as --max-steps or --plan override the recipe's values.
+    Flags such as --max-steps or --plan, then key=value arguments, override the recipe's values.
     """
     from hf_lowprec.cli.run import FinetuneOptions, run_finetune
 
@@ -366,30 +393,30 @@ def finetune_cmd(
 
     if overwrite and resume:
         ui.fail("--overwrite starts over and --resume continues: choose one")
-    chosen = load_recipe(recipe).with_overrides(
-        {
-            "precision.plan": plan,
-            "training.max_steps": max_steps,
-            "training.learning_rate": learning_rate,
-            "training.batch_size": batch_size,
-            "training.gradient_accumulation_steps": grad_accum,
-            "training.block_size": block_size,
-            "training.dtype": dtype,
-            "training.save_steps": save_steps,
-            "training.eval_blocks": eval_blocks,
-            "lora.r": lora_r,
-            "lora.init": lora_init,
-            "precision.rounding": rounding,
-            "training.seed": seed,
-            "data.text_column": text_column,
-            "data.messages_column": messages_column,
-            "training.report_to": report_to,
-        }
-    )
+    model, key_values = _model_and_key_values(model, overrides or [])
+    flags = locals()  # this command's options by parameter name
+    chosen = load_recipe(recipe).with_overrides({key: flags[name] for name, key in FLAG_KEYS.items()})
+    chosen = chosen.with_overrides(key_values, "key=value arguments")
     out = output_dir or Path("runs") / chosen.name
     ui.err.print(f"recipe [bold]{chosen.name}[/] ({chosen.method}, plan {chosen.precision.plan}) → {out}")
     record = run_finetune(FinetuneOptions(model, gguf_file, data, chosen, out, overwrite, resume))
     _print_summary(record, out)
+
+
+def _model_and_key_values(model: str | None, items: list[str]) -> tuple[str | None, dict]:
+    """``(MODEL, {dotted key: value})`` from the positional arguments (values read as YAML scalars or lists); a first
+    argument ``key=value`` that is no existing path is an override, not a model."""
+    import yaml
+
+    if model is not None and "=" in model and not Path(model).exists():
+        model, items = None, [model, *items]
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ui.fail(f"{item!r}: recipe overrides are key=value with a dotted key, e.g. training.max_steps=10")
+        out[key.strip()] = yaml.safe_load(value)
+    return model, out
 
 
 def _print_summary(record: dict, out: Path) -> None:

@@ -243,7 +243,7 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     figures = dict(settings.get("figures", {}))
     if "loss_base" not in figures:
         figures["loss_base"] = _evaluate(
-            model, lm, t.batch_size, autocast, "evaluating the base model (held-out data)"
+            model, lm, t.per_device_train_batch_size, autocast, "evaluating the base model (held-out data)"
         )["loss"]
     resume_from = str(run.latest_checkpoint()) if opts.resume else None
     model, callbacks, method_info = _prepare_method(model, recipe, lm, t, resume_from)
@@ -259,7 +259,7 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     trainer.remove_callback(PrinterCallback)  # our progress bar reports the logs
     if "loss_start" not in figures:
         label = "evaluating with the plan applied, before training"
-        figures["loss_start"] = _evaluate(model, lm, t.batch_size, autocast, label)["loss"]
+        figures["loss_start"] = _evaluate(model, lm, t.per_device_train_batch_size, autocast, label)["loss"]
         atomic_write_text(run.work / SETTINGS_FILE, json.dumps({**settings, "figures": figures}, indent=2))
     start = time.perf_counter()
     with stopper.installed():
@@ -271,7 +271,9 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
             f"{str(run.latest_checkpoint())!r}; run the same command with --resume to continue",
             code=ui.EXIT_INTERRUPTED,
         )
-    final = _evaluate(model, lm, t.batch_size, autocast, "evaluating the trained model (held-out data)")
+    final = _evaluate(
+        model, lm, t.per_device_train_batch_size, autocast, "evaluating the trained model (held-out data)"
+    )
     figures.update(_training_figures(trainer, result, t, train_seconds, resume_from, figures["loss_base"], final))
     record = _run_record(run, opts, lm, figures, final, method_info)
     record["compute"] = {
@@ -304,7 +306,7 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
             data_name,
             tokenizer,
             t.block_size,
-            train_sequences=t.max_steps * t.batch_size * t.gradient_accumulation_steps,
+            train_sequences=t.max_steps * t.per_device_train_batch_size * t.gradient_accumulation_steps,
             eval_sequences=t.eval_blocks,
             eval_fraction=recipe.data.eval_fraction,
             text_column=recipe.data.text_column,
@@ -319,11 +321,11 @@ def _training_arguments(run: RunFolder, t, *, bf16_autocast: bool):
     return TrainingArguments(
         output_dir=str(run.checkpoints),
         max_steps=t.max_steps,
-        per_device_train_batch_size=t.batch_size,
-        per_device_eval_batch_size=t.batch_size,
+        per_device_train_batch_size=t.per_device_train_batch_size,
+        per_device_eval_batch_size=t.per_device_train_batch_size,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         learning_rate=t.learning_rate,
-        lr_scheduler_type=t.lr_scheduler,
+        lr_scheduler_type=t.lr_scheduler_type,
         warmup_steps=t.warmup_steps,
         weight_decay=t.weight_decay,
         bf16=bf16_autocast,
@@ -345,7 +347,7 @@ def _training_figures(trainer, result, t, train_seconds: float, resume_from, los
     """Losses, speed and memory of the finished training (steps of a resumed run counted from its checkpoint)."""
     resumed_at = int(resume_from.rsplit("-", 1)[-1]) if resume_from else 0
     steps_run = trainer.state.global_step - resumed_at
-    tokens = steps_run * t.batch_size * t.gradient_accumulation_steps * t.block_size
+    tokens = steps_run * t.per_device_train_batch_size * t.gradient_accumulation_steps * t.block_size
     figures = {
         "loss_final": final["loss"],
         "perplexity_base": math.exp(loss_base),
@@ -418,7 +420,9 @@ def _low_precision_callback(recipe: Recipe, lm, t, resume_from: str | None):
     if p.is_auto:
         if resume_from:  # the checkpoint holds the plan the scan chose
             return LowPrecisionCallback(plan=resume_from, seed=t.seed)
-        calibration = list(islice(collated_batches(lm.train, lm.collator, t.batch_size), p.calibration_batches))
+        calibration = list(
+            islice(collated_batches(lm.train, lm.collator, t.per_device_train_batch_size), p.calibration_batches)
+        )
         return LowPrecisionCallback(
             plan="auto",
             keep=p.keep,
@@ -441,10 +445,10 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t):
 
     p, lora = recipe.precision, recipe.lora
     targets = lora.target_modules[0] if lora.target_modules == ("all-linear",) else list(lora.target_modules)
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
+    config = LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout, target_modules=targets)
     calibration = None
     if p.rounding != "nearest" or p.is_auto:
-        n = min(len(lm.train), p.calibration_batches * t.batch_size)
+        n = min(len(lm.train), p.calibration_batches * t.per_device_train_batch_size)
         tokens = torch.cat(
             [torch.as_tensor(lm.train[i]["input_ids"]) for i in range(n)]
         )  # rows may differ in length (chat data)

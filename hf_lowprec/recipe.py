@@ -17,6 +17,8 @@ value outside its allowed set raises one ``ValueError`` naming the key, the file
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import types
 import typing
 from collections.abc import Mapping
@@ -30,6 +32,8 @@ from hf_lowprec.assets import shipped_folder
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.ondevice.calibration import ROUNDINGS
 from hf_lowprec.plan import AUTO, PrecisionPlan, resolve_plan
+
+logger = logging.getLogger(__name__)
 
 METHODS = ("full", "int4-lora")
 PLAN_SOURCES = ("auto",)  # besides a format name or a plan file path
@@ -97,16 +101,22 @@ class PrecisionSection:
 
 @dataclass(frozen=True)
 class TrainingSection:
-    """Optimisation settings (passed to ``transformers.TrainingArguments``); ``dtype`` is the compute dtype."""
+    """Optimisation settings under ``transformers.TrainingArguments``' own names; ``block_size``, ``dtype`` (the
+    compute dtype), ``activation_storage`` and ``eval_blocks`` are hf-lowprec's."""
+
+    RENAMED: typing.ClassVar[dict[str, str]] = {  # earlier names, still read (with a deprecation message)
+        "batch_size": "per_device_train_batch_size",
+        "lr_scheduler": "lr_scheduler_type",
+    }
 
     max_steps: int = 60
     learning_rate: float = 1e-4
-    batch_size: int = 4
+    per_device_train_batch_size: int = 4
     gradient_accumulation_steps: int = 1
     block_size: int = 256
     warmup_steps: int = 0
     weight_decay: float = 0.0
-    lr_scheduler: str = field(default="cosine", metadata=_choices(*SCHEDULERS))
+    lr_scheduler_type: str = field(default="cosine", metadata=_choices(*SCHEDULERS))
     dtype: str = field(default="auto", metadata=_choices(*DTYPES))
     gradient_checkpointing: bool = False
     activation_storage: str = field(default="none", metadata=_choices(*ACTIVATION_STORAGE))
@@ -121,7 +131,7 @@ class TrainingSection:
     def __post_init__(self):
         for key in (
             "max_steps",
-            "batch_size",
+            "per_device_train_batch_size",
             "gradient_accumulation_steps",
             "block_size",
             "save_steps",
@@ -147,11 +157,13 @@ class TrainingSection:
 
 @dataclass(frozen=True)
 class LoraSection:
-    """LoRA adapters of the ``int4-lora`` method (``peft.LoraConfig`` names)."""
+    """LoRA adapters of the ``int4-lora`` method under ``peft.LoraConfig``'s names (``init``: default or loftq)."""
+
+    RENAMED: typing.ClassVar[dict[str, str]] = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
 
     r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
     target_modules: tuple[str, ...] = ("all-linear",)
     init: str = field(default="default", metadata=_choices(*LORA_INITS))
 
@@ -246,12 +258,17 @@ class Recipe:
                 if not isinstance(node.get(p), dict):
                     raise ValueError(f"{source}: unknown recipe key {key!r}")
                 node = node[p]
+            leaf = _RENAMED.get(".".join(parents), {}).get(leaf, leaf)
             if leaf not in node:
-                raise ValueError(f"{source}: unknown recipe key {key!r}; allowed keys are {', '.join(node)}")
+                hint = _close_match(leaf, node)
+                raise ValueError(f"{source}: unknown recipe key {key!r}{hint}; allowed keys are {', '.join(node)}")
             node[leaf] = list(value) if isinstance(value, tuple) else value
         return dataclasses.replace(
             _build(Recipe, data, "", f"{self.source or self.name} + {source}"), source=self.source
         )
+
+
+_RENAMED = {"training": TrainingSection.RENAMED, "lora": LoraSection.RENAMED}  # by section, for with_overrides
 
 
 def _plain(value):
@@ -275,11 +292,13 @@ def _build(cls, data, prefix: str, source: str):
     section = prefix.rstrip(".") or "the recipe"  # for messages
     if not isinstance(data, Mapping):
         raise ValueError(f"{where}: {section} must be a mapping of keys, got {type(data).__name__}")
+    data = _renamed_keys(cls, data, prefix, where)
     fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
     unknown = [k for k in data if k not in fields]
     if unknown:
         raise ValueError(
-            f"{where}: unknown key {prefix + str(unknown[0])!r}; allowed keys in {section} are {', '.join(fields)}"
+            f"{where}: unknown key {prefix + str(unknown[0])!r}{_close_match(str(unknown[0]), fields)}; allowed keys "
+            f"in {section} are {', '.join(fields)}"
         )
     hints = typing.get_type_hints(cls)
     kwargs = {}
@@ -293,6 +312,32 @@ def _build(cls, data, prefix: str, source: str):
         return cls(**kwargs)
     except ValueError as e:
         raise ValueError(f"{where}: {prefix.rstrip('.') + ': ' if prefix else ''}{e}") from None
+
+
+def _close_match(key: str, allowed) -> str:
+    """`` (did you mean 'x'?)`` for the allowed key closest to ``key``, or nothing."""
+    close = difflib.get_close_matches(key, list(allowed), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _renamed_keys(cls, data: Mapping, prefix: str, where: str) -> dict:
+    """``data`` with ``cls.RENAMED`` keys under their current names (each use logged as deprecated)."""
+    renamed = getattr(cls, "RENAMED", {})
+    out = {}
+    for key, value in data.items():
+        new = renamed.get(key)
+        if new is None:
+            out[key] = value
+            continue
+        if new in data:
+            raise ValueError(
+                f"{where}: {prefix + key!r} and {prefix + new!r} name the same setting; keep {prefix + new!r}"
+            )
+        logger.warning(
+            "%s: %r is deprecated; use %r (its name in transformers/PEFT)", where, prefix + key, prefix + new
+        )
+        out[new] = value
+    return out
 
 
 def _check_value(value, hint, key: str, source: str):

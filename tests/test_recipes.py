@@ -40,8 +40,8 @@ def _write(tmp_path, data, name="r.yaml"):
 @pytest.mark.parametrize(
     "data, expected",
     [
-        ({"training": {"max_stepz": 3}}, r"unknown key 'training\.max_stepz'; allowed keys in training are max_steps, learning_rate"),
-        ({"trainig": {}}, r"unknown key 'trainig'; allowed keys in the recipe are name, description, method"),
+        ({"training": {"max_stepz": 3}}, r"unknown key 'training\.max_stepz' \(did you mean 'max_steps'\?\); allowed keys in training are max_steps, learning_rate"),
+        ({"trainig": {}}, r"unknown key 'trainig' \(did you mean 'training'\?\); allowed keys in the recipe are name, description, method"),
         ({"training": {"max_steps": "ten"}}, r"'training\.max_steps' must be an integer, got 'ten'"),
         ({"training": {"gradient_checkpointing": "yes"}}, r"'training\.gradient_checkpointing' must be true/false"),
         ({"training": {"dtype": "fp16"}}, r"'training\.dtype' is 'fp16'; allowed values are auto, fp32, bf16"),
@@ -86,9 +86,36 @@ def test_overrides_replace_values_and_are_checked_like_files():
     r = base.with_overrides({"training.max_steps": 7, "training.learning_rate": 1e-3, "precision.plan": "int4-g64", "lora.r": None})
     assert (r.training.max_steps, r.training.learning_rate, r.precision.plan, r.lora.r) == (7, 1e-3, "int4-g64", base.lora.r)
     assert base.training.max_steps != 7  # frozen: the original is unchanged
-    with pytest.raises(ValueError, match=r"unknown recipe key 'training\.max_step'; allowed keys are max_steps"):
+    with pytest.raises(ValueError, match=r"unknown recipe key 'training\.max_step' \(did you mean 'max_steps'\?\); allowed keys are max_steps"):
         base.with_overrides({"training.max_step": 3})
     with pytest.raises(ValueError, match=r"'training\.dtype' is 'fp16'; allowed values are auto, fp32, bf16"):
         base.with_overrides({"training.dtype": "fp16"})
     with pytest.raises(ValueError, match=r"unknown format 'int3'"):
         base.with_overrides({"precision.plan": "int3"})
+
+
+def test_keys_are_the_libraries_names_and_old_names_still_read(caplog):
+    import dataclasses as dc
+
+    from peft import LoraConfig
+    from transformers import TrainingArguments
+
+    from hf_lowprec.recipe import LoraSection, Recipe, TrainingSection
+
+    ours = {"block_size", "dtype", "activation_storage", "eval_blocks", "gradient_checkpointing"}
+    training_args = {f.name for f in dc.fields(TrainingArguments)} | {"gradient_checkpointing"}
+    assert {f.name for f in dc.fields(TrainingSection)} - ours <= training_args
+    assert {f.name for f in dc.fields(LoraSection)} - {"init"} <= {f.name for f in dc.fields(LoraConfig)}
+    base = {"name": "x", "method": "int4-lora", "precision": {"plan": "int4-g64"}}
+    new = {**base, "training": {"per_device_train_batch_size": 2, "lr_scheduler_type": "linear"},
+           "lora": {"lora_alpha": 8, "lora_dropout": 0.1}}  # fmt: skip
+    old = {**base, "training": {"batch_size": 2, "lr_scheduler": "linear"}, "lora": {"alpha": 8, "dropout": 0.1}}
+    with caplog.at_level("WARNING", logger="hf_lowprec.recipe"):
+        assert Recipe.from_dict(old) == Recipe.from_dict(new)
+    assert "'training.batch_size' is deprecated; use 'training.per_device_train_batch_size'" in caplog.text
+    assert "'lora.alpha' is deprecated; use 'lora.lora_alpha'" in caplog.text
+    with pytest.raises(ValueError, match="name the same setting"):
+        Recipe.from_dict({**new, "training": {"batch_size": 2, "per_device_train_batch_size": 2}})
+    assert Recipe.from_dict(new).with_overrides({"training.batch_size": 3}).training.per_device_train_batch_size == 3
+    with pytest.raises(ValueError, match=r"unknown recipe key 'training.max_step' \(did you mean 'max_steps'\?\)"):
+        Recipe.from_dict(new).with_overrides({"training.max_step": 3})
