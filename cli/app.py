@@ -44,6 +44,47 @@ TextColOpt = Annotated[Optional[str], typer.Option("--text-column", help="Column
 MsgColOpt = Annotated[Optional[str], typer.Option("--messages-column", help="Column of chat messages (else detected).")]
 
 
+TrainOnOpt = Annotated[
+    Optional[str], typer.Option("--train-on", help="Chat data: all tokens count in the loss, or completions only.")
+]
+RevisionOpt = Annotated[
+    Optional[str], typer.Option("--revision", help="Model revision on the Hub: a branch, tag or commit id.")
+]
+TrustCodeOpt = Annotated[
+    bool,
+    typer.Option("--trust-remote-code", help="Allow the model repository's own Python code (read it first)."),
+]
+
+
+def load_options(revision: str | None, trust_remote_code: bool) -> dict:
+    """``from_pretrained`` keywords of the --revision / --trust-remote-code options."""
+    return {"trust_remote_code": trust_remote_code, **({"revision": revision} if revision else {})}
+
+
+# ---------------------------------------------------------------------------------- scan options
+BudgetOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--budget",
+        help="Allocation budget as key=value[,key=value]: target_bits_per_param, max_loss_increase, "
+        "min_fp8_fraction, int4_fraction. Default: predicted Δloss ≤ 1% of the calibration loss.",
+    ),
+]
+ScanBatchesOpt = Annotated[
+    int,
+    typer.Option(
+        "--batches", min=1, help="Calibration batches (the same number again is held out to measure the plan)."
+    ),
+]
+KeepOpt = Annotated[str, typer.Option("--keep", help="Comma-separated layers/patterns kept in high precision.")]
+PlanOutOpt = Annotated[
+    Path,
+    typer.Option(
+        "--out", help="Plan file to write (.json or .yaml); the heat map PNG and the scores JSON go next to it."
+    ),
+]
+
+
 # ------------------------------------------------------------------------------ finetune options
 FLAG_KEYS = {  # finetune option -> the recipe key it sets
     "plan": "precision.plan",
@@ -62,6 +103,7 @@ FLAG_KEYS = {  # finetune option -> the recipe key it sets
     "text_column": "data.text_column",
     "messages_column": "data.messages_column",
     "report_to": "training.report_to",
+    "train_on": "data.train_on",
 }
 OverridesArg = Annotated[
     Optional[list[str]],
@@ -221,35 +263,18 @@ def scan_cmd(
     model: ModelArg = None,
     gguf_file: GGUFOpt = None,
     data: DataOpt = None,
-    budget: Annotated[
-        Optional[str],
-        typer.Option(
-            "--budget",
-            help="Allocation budget as key=value[,key=value]: target_bits_per_param, max_loss_increase, "
-            "min_fp8_fraction, int4_fraction. Default: predicted Δloss ≤ 1% of the calibration loss.",
-        ),
-    ] = None,
+    budget: BudgetOpt = None,
     formats: Annotated[str, typer.Option("--formats", help="Comma-separated candidate formats.")] = "fp8,int4-g64",
     method: Annotated[str, typer.Option("--method", help="Scan method: auto, fisher or measured.")] = "auto",
-    batches: Annotated[
-        int,
-        typer.Option(
-            "--batches", min=1, help="Calibration batches (the same number again is held out to measure the plan)."
-        ),
-    ] = 4,
+    batches: ScanBatchesOpt = 4,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 4,
     block_size: Annotated[int, typer.Option("--block-size", min=8)] = 256,
-    keep: Annotated[
-        str, typer.Option("--keep", help="Comma-separated layers/patterns kept in high precision.")
-    ] = "lm_head",
-    out: Annotated[
-        Path,
-        typer.Option(
-            "--out", help="Plan file to write (.json or .yaml); the heat map PNG and the scores JSON go next to it."
-        ),
-    ] = Path("plan.json"),
+    keep: KeepOpt = "lm_head",
+    out: PlanOutOpt = Path("plan.json"),
     seed: int = 0,
     text_column: TextColOpt = None,
+    revision: RevisionOpt = None,
+    trust_remote_code: TrustCodeOpt = False,
 ):
     """Measure each layer's sensitivity to FP8/INT4, allocate a plan under a budget, write it with a heat map."""
     from hf_lowprec import sensitivity
@@ -257,7 +282,10 @@ def scan_cmd(
     if out.suffix not in (".json", ".yaml", ".yml"):
         ui.fail(f"--out {str(out)!r}: a plan file ends in .json, .yaml or .yml")
     budget_args = _parse_budget(budget)
-    lm_model, calib, held_out = _scan_batches(model, gguf_file, data, batches, batch_size, block_size, text_column)
+    loading = load_options(revision, trust_remote_code)
+    lm_model, calib, held_out = _scan_batches(
+        model, gguf_file, data, (batches, batch_size, block_size), text_column, loading
+    )
     with ui.counted(f"scanning ({method}, {len(calib)} batches)", total=1, unit="steps") as advance:
         result = sensitivity.scan(
             lm_model,
@@ -278,16 +306,18 @@ def scan_cmd(
     ui.out.print(f"train with it: hf-lowprec finetune {model + ' ' if model else ''}--plan {out}")
 
 
-def _scan_batches(model, gguf_file, data, batches: int, batch_size: int, block_size: int, text_column):
-    """``(model, calibration batches, held-out batches)`` for ``scan``: ``batches`` of each."""
+def _scan_batches(model, gguf_file, data, sizes: tuple[int, int, int], text_column, loading: dict):
+    """``(model, calibration batches, held-out batches)`` for ``scan``; ``sizes``: ``(batches of each, batch size,
+    block size)``; ``loading``: ``from_pretrained`` keywords."""
     from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
     from hf_lowprec.data import collated_batches, prepare_lm_data, read_source
 
+    batches, batch_size, block_size = sizes
     with ui.step(f"reading data {data or '(default corpus)'}"):
         records, data_name = read_source(data)
     source, gguf = (model, gguf_file) if model else default_checkpoint()
     with ui.step(f"loading {model or 'the default model'}"):
-        lm_model, tokenizer = load_pretrained(source, gguf_file=gguf)
+        lm_model, tokenizer = load_pretrained(source, gguf_file=gguf, **loading)
     with ui.step("tokenizing calibration data"):
         lm = prepare_lm_data(
             records,
@@ -381,6 +411,9 @@ def finetune_cmd(
     text_column: TextColOpt = None,
     messages_column: MsgColOpt = None,
     report_to: ReportToOpt = None,
+    train_on: TrainOnOpt = None,
+    revision: RevisionOpt = None,
+    trust_remote_code: TrustCodeOpt = False,
 ):
     """Fine-tune MODEL with a recipe: full training through a precision plan, or an INT4 base with LoRA.
 
@@ -399,7 +432,10 @@ def finetune_cmd(
     chosen = chosen.with_overrides(key_values, "key=value arguments")
     out = output_dir or Path("runs") / chosen.name
     ui.err.print(f"recipe [bold]{chosen.name}[/] ({chosen.method}, plan {chosen.precision.plan}) → {out}")
-    record = run_finetune(FinetuneOptions(model, gguf_file, data, chosen, out, overwrite, resume))
+    options = FinetuneOptions(
+        model, gguf_file, data, chosen, out, overwrite, resume, load_options(revision, trust_remote_code)
+    )
+    record = run_finetune(options)
     _print_summary(record, out)
 
 
@@ -460,7 +496,9 @@ def eval_cmd(
     task: Annotated[
         str, typer.Option("--task", help="auto, causal-lm (perplexity) or classification (accuracy).")
     ] = "auto",
-    split: Annotated[str, typer.Option("--split", help="Dataset split (Hub datasets).")] = "train",
+    split: Annotated[
+        Optional[str], typer.Option("--split", help="Dataset split (default: its validation split, else train).")
+    ] = None,
     block_size: Annotated[int, typer.Option("--block-size", min=8)] = 256,
     max_sequences: Annotated[
         Optional[int], typer.Option("--max-sequences", min=1, help="Evaluate at most this many sequences/rows.")
@@ -473,17 +511,21 @@ def eval_cmd(
     text_column: TextColOpt = None,
     messages_column: MsgColOpt = None,
     label_column: Annotated[str, typer.Option("--label-column")] = "label",
+    revision: RevisionOpt = None,
+    trust_remote_code: TrustCodeOpt = False,
 ):
     """Perplexity (causal LM) or accuracy (classification) of a model on a dataset."""
-    from hf_lowprec.data import load_records
+    from hf_lowprec.data import default_eval_split, load_records
 
     tasks = ("auto", "causal-lm", "classification")
     if task not in tasks:
         ui.fail(f"--task {task!r}: choose one of {', '.join(tasks)}")
-    with ui.step(f"reading data {data}"):
+    split = split or default_eval_split(data)
+    with ui.step(f"reading data {data} ({split} split)"):
         records = load_records(data, split=split)
     with ui.step(f"loading {model}"):
-        lm_model, tokenizer, kind = _load_for_eval(model, gguf_file, task, plan_numerics)
+        loading = load_options(revision, trust_remote_code)
+        lm_model, tokenizer, kind = _load_for_eval(model, gguf_file, task, plan_numerics, loading)
     if tokenizer is None:
         ui.fail(f"{model!r} has no tokenizer files")
     columns = {"text_column": text_column, "max_rows": max_sequences}
@@ -528,8 +570,9 @@ def _eval_causal_lm(model, tokenizer, records, data: str, block_size: int, batch
     ]
 
 
-def _load_for_eval(model: str, gguf_file: str | None, task: str, plan_numerics: bool):
-    """``(model, tokenizer, kind)``; run/export folders go through ``hub.load_exported``."""
+def _load_for_eval(model: str, gguf_file: str | None, task: str, plan_numerics: bool, loading: dict):
+    """``(model, tokenizer, kind)``; run/export folders go through ``load_exported``; ``loading``: ``from_pretrained``
+    keywords (--revision, --trust-remote-code)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     from hf_lowprec.checkpoints import load_pretrained, resolve_checkpoint
@@ -543,16 +586,16 @@ def _load_for_eval(model: str, gguf_file: str | None, task: str, plan_numerics: 
         ui.fail("--plan-numerics applies to hf-lowprec export folders only")
     source, gguf = resolve_checkpoint(model, gguf_file)
     if task == "auto":
-        config = AutoConfig.from_pretrained(source, **({"gguf_file": gguf} if gguf else {}))
+        config = AutoConfig.from_pretrained(source, **({"gguf_file": gguf} if gguf else {}), **loading)
         archs = getattr(config, "architectures", None) or []
         task = "classification" if any(a.endswith("ForSequenceClassification") for a in archs) else "causal-lm"
     if task == "classification":
         return (
-            AutoModelForSequenceClassification.from_pretrained(source).eval(),
-            AutoTokenizer.from_pretrained(source),
+            AutoModelForSequenceClassification.from_pretrained(source, **loading).eval(),
+            AutoTokenizer.from_pretrained(source, **loading),
             task,
         )
-    m, tok = load_pretrained(model, gguf_file=gguf_file)
+    m, tok = load_pretrained(model, gguf_file=gguf_file, **loading)
     return m, tok, task
 
 

@@ -14,7 +14,7 @@ import math
 import shutil
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
@@ -204,6 +204,7 @@ class FinetuneOptions:
     output_dir: Path
     overwrite: bool
     resume: bool
+    load_options: dict = field(default_factory=dict)  # from_pretrained keywords: revision, trust_remote_code
 
 
 def run_finetune(opts: FinetuneOptions) -> dict:
@@ -294,7 +295,7 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
         records, data_name = read_source(opts.data, split=recipe.data.split)
     source, gguf = (opts.model, opts.gguf_file) if opts.model else default_checkpoint()
     with ui.step(f"loading {opts.model or f'default model {DEFAULT_BASE_MODEL_ID} ({gguf})'}"):
-        model, tokenizer = load_pretrained(source, gguf_file=gguf, dtype=dtype)
+        model, tokenizer = load_pretrained(source, gguf_file=gguf, dtype=dtype, **opts.load_options)
     if tokenizer is None:
         ui.fail(f"{source!r} has no tokenizer files; save the tokenizer next to the model (tokenizer.save_pretrained)")
     max_len = getattr(model.config, "max_position_embeddings", None)
@@ -311,6 +312,7 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
             eval_fraction=recipe.data.eval_fraction,
             text_column=recipe.data.text_column,
             messages_column=recipe.data.messages_column,
+            train_on=recipe.data.train_on,
         )
     return model, tokenizer, lm
 

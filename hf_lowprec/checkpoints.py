@@ -158,7 +158,8 @@ def load_pretrained(
         gguf_file: GGUF file name inside the folder (transformers dequantizes it to ``dtype``).
         dtype: ``torch.float32`` or ``torch.bfloat16``.
         cache: keep GGUF checkpoints dequantized under :func:`cache_root` (later loads ~1 s instead of ~18 s).
-        from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``revision``).
+        from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained``; ``revision``,
+            ``trust_remote_code`` and ``token`` to the tokenizer's too.
 
     Raises ``ValueError`` for a path that does not exist, a folder that holds no model, an unknown dtype,
     or a hub id that cannot be fetched.
@@ -172,7 +173,8 @@ def load_pretrained(
         source, gguf = str(_cache_gguf(source, gguf, dtype)), None
     extra = {"gguf_file": gguf} if gguf else {}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **extra) if _has_tokenizer(source, gguf) else None
+        shared = {k: v for k, v in from_pretrained_kwargs.items() if k in ("revision", "trust_remote_code", "token")}
+        tokenizer = AutoTokenizer.from_pretrained(source, **extra, **shared) if _has_tokenizer(source, gguf) else None
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra, **from_pretrained_kwargs)
     except OSError as e:  # transformers reports missing files and unreachable hubs as OSError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -34,6 +34,7 @@ MESSAGE_COLUMNS = ("messages", "conversations")
 PROMPT_COLUMNS = ("instruction", "prompt", "question")
 RESPONSE_COLUMNS = ("output", "response", "completion", "answer")
 DEFAULT_CORPUS = "shakespeare"
+IGNORE_INDEX = -100  # the label of positions a loss skips (transformers' convention)
 
 
 def default_corpus() -> tuple[datasets.Dataset, str]:
@@ -57,6 +58,11 @@ def default_corpus() -> tuple[datasets.Dataset, str]:
 def load_records(source: str | Path, *, split: str = "train", config: str | None = None) -> datasets.Dataset:
     """Rows of a local data file/folder or a Hub dataset (``split`` of it)."""
     path = Path(source)
+    if path.is_dir() and _split_files(path):
+        files = _split_files(path)
+        if split not in files:
+            raise ValueError(f"data folder {str(path)!r} has no split {split!r}; its splits are {', '.join(files)}")
+        return _load_files(FILE_BUILDERS[files[split].suffix], [str(files[split])], str(path))
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in FILE_BUILDERS)
         builders = {FILE_BUILDERS[p.suffix] for p in files}
@@ -81,6 +87,35 @@ def load_records(source: str | Path, *, split: str = "train", config: str | None
             f"could not load dataset {str(source)!r} (split {split!r}) through datasets: {str(e).splitlines()[0]}"
         ) from None
     return ds
+
+
+SPLIT_NAMES = ("train", "validation", "test")  # a data folder of files named by split holds those splits
+EVAL_SPLITS = ("validation", "test")  # the splits evaluation prefers, in order
+
+
+def _split_files(folder: Path) -> dict[str, Path]:
+    """``{split: file}`` of a folder whose data files are named by split (``train.jsonl``, ``validation.jsonl``);
+    empty when any data file is named otherwise."""
+    files = [p for p in sorted(folder.iterdir()) if p.suffix in FILE_BUILDERS]
+    if not files or any(p.stem not in SPLIT_NAMES for p in files):
+        return {}
+    return {p.stem: p for p in files}
+
+
+def default_eval_split(source: str | Path) -> str:
+    """The split to evaluate on: the data's own validation (else test) split when it has one, else ``train``."""
+    path = Path(source)
+    if path.is_dir():
+        splits = list(_split_files(path))
+    elif path.exists() or path.suffix:
+        return "train"
+    else:
+        try:
+            splits = datasets.get_dataset_split_names(str(source))
+        except Exception as e:  # offline, unknown dataset: load_records reports it on the real load
+            logger.info("split names of %s unavailable (%s); evaluating on train", source, str(e).splitlines()[0])
+            return "train"
+    return next((s for s in EVAL_SPLITS if s in splits), "train")
 
 
 def _load_files(builder: str, files: list[str], name: str) -> datasets.Dataset:
@@ -131,16 +166,52 @@ def detect_columns(
     )
 
 
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+TRAIN_ON = ("all", "completions")  # which tokens of chat rows the loss counts
+
+
+def _message(m, column: str) -> dict:
+    """One chat message as ``{"role", "content"}``; ShareGPT's ``{"from", "value"}`` is read too."""
+    if isinstance(m, dict) and "role" in m and "content" in m:
+        return m
+    if isinstance(m, dict) and m.get("from") in SHAREGPT_ROLES and "value" in m:
+        return {"role": SHAREGPT_ROLES[m["from"]], "content": m["value"]}
+    raise ValueError(
+        f"column {column!r} must hold lists of {{'role': ..., 'content': ...}} messages (or ShareGPT's "
+        f"{{'from': {'/'.join(SHAREGPT_ROLES)}, 'value': ...}}), got {str(m)[:80]!r}"
+    )
+
+
 def _messages(row: dict, cols: Columns) -> list[dict]:
     if cols.messages:
         msgs = row[cols.messages]
-        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
-            raise ValueError(f"column {cols.messages!r} must hold lists of {{'role': ..., 'content': ...}} messages")
-        return msgs
+        if not isinstance(msgs, list):
+            raise ValueError(f"column {cols.messages!r} must hold lists of messages, got {type(msgs).__name__}")
+        return [_message(m, cols.messages) for m in msgs]
     prompt = str(row[cols.prompt])
     if cols.extra_input and row.get(cols.extra_input):
         prompt = f"{prompt}\n\n{row[cols.extra_input]}"
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": str(row[cols.response])}]
+
+
+def _chat_ids(tokenizer, messages: list[dict], **options) -> list[int]:
+    enc = tokenizer.apply_chat_template(messages, tokenize=True, **options)
+    return list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc)
+
+
+def completion_labels(tokenizer, messages: list[dict], ids: list[int]) -> list[int]:
+    """Labels of a chat sequence ``ids`` that count the assistant turns only (``-100`` elsewhere).
+
+    An assistant turn spans from the end of the conversation before it, with the generation prompt, to the end of
+    the conversation that includes it, both as the chat template renders them."""
+    labels = [IGNORE_INDEX] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(_chat_ids(tokenizer, messages[:i], add_generation_prompt=True))
+        end = len(_chat_ids(tokenizer, messages[: i + 1]))
+        labels[start:end] = ids[start:end]
+    return labels
 
 
 def _sequences(ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cols: Columns) -> Iterator[list[int]]:
@@ -157,8 +228,7 @@ def _sequences(ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cols: C
             if text:
                 yield tokenizer(str(text), add_special_tokens=False)["input_ids"] + eos
         else:
-            enc = tokenizer.apply_chat_template(_messages(row, cols), tokenize=True)
-            yield list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc)
+            yield _chat_ids(tokenizer, _messages(row, cols))
 
 
 def pack_blocks(
@@ -177,15 +247,23 @@ def pack_blocks(
 
 
 def chat_sequences(
-    ds: datasets.Dataset, tokenizer, cols: Columns, block_size: int, max_rows: int | None = None
-) -> list[list[int]]:
-    """One chat-formatted sequence per row, truncated to ``block_size`` tokens."""
-    out = []
-    for ids in _sequences(ds, tokenizer, cols):
-        out.append(ids[:block_size])
-        if max_rows is not None and len(out) >= max_rows:
+    ds: datasets.Dataset,
+    tokenizer,
+    cols: Columns,
+    block_size: int,
+    max_rows: int | None = None,
+    train_on: str = "all",
+) -> tuple[list[list[int]], list[list[int]]]:
+    """``(ids, labels)``: one chat-formatted sequence per row, truncated to ``block_size`` tokens; labels are the ids
+    (``train_on="all"``) or the assistant turns only (``"completions"``, see :func:`completion_labels`)."""
+    ids, labels = [], []
+    for row, seq in zip(ds, _sequences(ds, tokenizer, cols)):
+        ids.append(seq[:block_size])
+        full = seq if train_on == "all" else completion_labels(tokenizer, _messages(row, cols), seq)
+        labels.append(full[:block_size])
+        if max_rows is not None and len(ids) >= max_rows:
             break
-    return out
+    return ids, labels
 
 
 @dataclass
@@ -219,12 +297,16 @@ def prepare_lm_data(
     text_column: str | None = None,
     messages_column: str | None = None,
     eval_only: bool = False,
+    train_on: str = "all",
 ) -> LMData:
     """Tokenized causal-LM data from ``records`` (see :func:`read_source`), split into train and held-out rows.
 
     ``train_sequences``/``eval_sequences`` cap how many blocks (text) or rows (chat) are tokenized,
-    so a large corpus costs only what a run uses. ``eval_only``: every row goes to ``eval``.
+    so a large corpus costs only what a run uses. ``eval_only``: every row goes to ``eval``. ``train_on``
+    (chat data): ``all`` tokens count in the loss, or the assistant ``completions`` only.
     """
+    if train_on not in TRAIN_ON:
+        raise ValueError(f"train_on {train_on!r}: choose one of {', '.join(TRAIN_ON)}")
     ds = records
     if len(ds) == 0:
         raise ValueError(f"data {name!r} has no rows")
@@ -244,10 +326,11 @@ def prepare_lm_data(
             cut = max(1, min(eval_sequences, len(train) // 10))
             train, held = train[:-cut], train[-cut:]
         collator = default_data_collator
+        train_labels, held_labels = train, held
     else:
-        train = chat_sequences(train_rows, tokenizer, cols, block_size, train_sequences)
-        held = chat_sequences(eval_rows, tokenizer, cols, block_size, eval_sequences)
-        collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, padding=True)
+        train, train_labels = chat_sequences(train_rows, tokenizer, cols, block_size, train_sequences, train_on)
+        held, held_labels = chat_sequences(eval_rows, tokenizer, cols, block_size, eval_sequences, train_on)
+        collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
     if not train and not eval_only:
         raise ValueError(
             f"data {name!r} gives no complete block of {block_size} tokens to train on; lower --block-size or add data"
@@ -255,10 +338,10 @@ def prepare_lm_data(
     if not held:
         raise ValueError(f"data {name!r} leaves nothing to evaluate on; add rows or raise eval_fraction")
 
-    def as_dataset(seqs):
-        return datasets.Dataset.from_dict({"input_ids": seqs, "labels": [list(s) for s in seqs]})
+    def as_dataset(seqs, labels):
+        return datasets.Dataset.from_dict({"input_ids": seqs, "labels": [list(s) for s in labels]})
 
-    return LMData(as_dataset(train), as_dataset(held), cols.kind, name, block_size, collator)
+    return LMData(as_dataset(train, train_labels), as_dataset(held, held_labels), cols.kind, name, block_size, collator)
 
 
 def prepare_classification_data(

@@ -16,9 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from hf_lowprec.data import collated_batches
+from hf_lowprec.data import IGNORE_INDEX, collated_batches
 
-IGNORE_INDEX = -100
 """The label value every loss here (and transformers') skips: padding, prompts, the first token."""
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import yaml
 
 from hf_lowprec.assets import shipped_folder
+from hf_lowprec.data import TRAIN_ON
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.ondevice.calibration import ROUNDINGS
 from hf_lowprec.plan import AUTO, PrecisionPlan, resolve_plan
@@ -176,6 +177,7 @@ class DataSection:
     messages_column: str | None = None
     split: str = "train"
     eval_fraction: float = 0.05
+    train_on: str = field(default="all", metadata=_choices(*TRAIN_ON))  # chat data: all tokens, or the completions
 
     def __post_init__(self):
         if not 0.0 <= self.eval_fraction < 1.0:

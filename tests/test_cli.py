@@ -1,7 +1,9 @@
 """The hf-lowprec command line, end to end on a tiny local model and a local text file."""
 
 import json
+import re
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -386,3 +388,37 @@ def test_recipe_keys_as_key_value_arguments(ws, tmp_path):
     bad = cli("finetune", ws / "tiny", "training.max_step=2", "-o", tmp_path / "bad")
     assert "unknown recipe key 'training.max_step' (did you mean 'max_steps'?)" in one_error_line(bad)
     assert "key=value with a dotted key" in one_error_line(cli("finetune", ws / "tiny", "oops", "-o", tmp_path / "bad"))
+
+
+def test_trust_remote_code_and_revision_reach_from_pretrained(ws, tmp_path):
+    custom = tmp_path / "custom"
+    shutil.copytree(ws / "tiny", custom)
+    marker = tmp_path / "custom-code-ran"
+    (custom / "modeling_custom.py").write_text(
+        "from pathlib import Path\nfrom transformers import LlamaForCausalLM\n\n\nclass CustomLlama(LlamaForCausalLM):\n"
+        f"    def __init__(self, config):\n        super().__init__(config)\n        Path({str(marker)!r}).touch()\n"
+    )
+    config = json.loads((custom / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomLlama"}
+    (custom / "config.json").write_text(json.dumps(config))
+    args = ["eval", custom, "--data", ws / "corpus.txt", "--block-size", "32", "--max-sequences", "2"]
+    assert cli(*args).exit_code == 0 and not marker.exists()  # the repository's code is not run unasked
+    trusted = cli(*args, "--trust-remote-code")
+    assert trusted.exit_code == 0 and "perplexity" in trusted.output and marker.exists(), trusted.output
+    assert cli(*args, "--trust-remote-code", "--revision", "main").exit_code == 0  # a local folder has no revisions
+
+
+def test_eval_defaults_to_the_validation_split(ws, tmp_path):
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    text = corpus_text(20000)
+    (folder / "train.jsonl").write_text("\n".join(json.dumps({"text": text[i : i + 2000]}) for i in range(0, 10000, 2000)))
+    (folder / "validation.jsonl").write_text(json.dumps({"text": "to be or not to be " * 60}))
+    args = ["eval", ws / "tiny", "--data", folder, "--block-size", "32"]
+    default, train = cli(*args), cli(*args, "--split", "train")
+    flat = lambda r: " ".join(r.output.split())  # noqa: E731  (rich wraps long lines)
+    assert default.exit_code == 0 and "(validation split)" in flat(default), default.output
+    assert train.exit_code == 0 and "(train split)" in flat(train)
+    tokens = lambda r: int(re.search(r"tokens\s*│?\s*([\d,]+)", r.output).group(1).replace(",", ""))  # noqa: E731
+    assert tokens(default) < tokens(train)  # the one short validation row, not the five training rows
+    assert "has no split 'test'" in one_error_line(cli(*args, "--split", "test"))

@@ -154,3 +154,24 @@ def test_pack_blocks_stops_early():
     cols = detect_columns(ds, "mem")
     blocks = pack_blocks(ds, tok, cols, 32, max_blocks=3)
     assert blocks == _reference_blocks(ds["text"][:1], tok, 32)[:3]  # three blocks: the first text's first three
+
+
+def test_sharegpt_rows_and_completion_only_labels(tmp_path, tok):
+    shared = [{"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": f"what is {i}?"},
+                                 {"from": "gpt", "value": f"it is {i}"}]} for i in range(10)]  # fmt: skip
+    (tmp_path / "sharegpt.jsonl").write_text("\n".join(json.dumps(r) for r in shared))
+    records, name = read_source(tmp_path / "sharegpt.jsonl")
+    everything = prepare_lm_data(records, name, tok, 64, eval_fraction=0.1)
+    completions = prepare_lm_data(records, name, tok, 64, eval_fraction=0.1, train_on="completions")
+    roles = [{"role": r, "content": c} for r, c in (("system", "be brief"), ("user", "what is 0?"), ("assistant", "it is 0"))]
+    assert tok.decode(everything.train[0]["input_ids"]) == tok.apply_chat_template(roles, tokenize=False)
+    assert everything.train[0]["labels"] == everything.train[0]["input_ids"]
+    ids, labels = completions.train[0]["input_ids"], completions.train[0]["labels"]
+    assert ids == everything.train[0]["input_ids"]
+    # the counted tokens are exactly the assistant turn as ChatML renders it: "it is 0<|im_end|>\n"
+    counted = [t for t, label in zip(ids, labels) if label != -100]
+    assert tok.decode(counted) == "it is 0<|im_end|>\n" and labels[: len(ids) - len(counted)] == [-100] * (len(ids) - len(counted))
+    with pytest.raises(ValueError, match="ShareGPT"):
+        prepare_lm_data(datasets.Dataset.from_dict({"messages": [[{"from": "robot", "value": "x"}]]}), "bad", tok, 64)
+    with pytest.raises(ValueError, match="train_on 'prompts': choose one of all, completions"):
+        prepare_lm_data(records, name, tok, 64, train_on="prompts")
