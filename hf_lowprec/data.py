@@ -168,6 +168,7 @@ def detect_columns(
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 TRAIN_ON = ("all", "completions")  # which tokens of chat rows the loss counts
+TOKENIZE_BATCH = 65536  # characters of text tokenized per call; a run stops reading once it has its blocks
 
 
 def _message(m, column: str) -> dict:
@@ -222,13 +223,28 @@ def _sequences(ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cols: C
             "--text-column)"
         )
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    for row in ds:
-        if cols.kind == "text":
-            text = row[cols.text]
-            if text:
-                yield tokenizer(str(text), add_special_tokens=False)["input_ids"] + eos
-        else:
+    if cols.kind == "chat":
+        for row in ds:
             yield _chat_ids(tokenizer, _messages(row, cols))
+        return
+    for texts in _text_batches(ds, cols.text):
+        for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+            yield ids + eos
+
+
+def _text_batches(ds: datasets.Dataset, column: str) -> Iterator[list[str]]:
+    """The non-empty texts of ``column`` in batches for the fast tokenizer's batch call: up to
+    :data:`TOKENIZE_BATCH` characters each (at least one row), so a run that needs a few blocks reads a few rows."""
+    batch, size = [], 0
+    for row in ds:
+        if row[column]:
+            batch.append(str(row[column]))
+            size += len(batch[-1])
+        if batch and size >= TOKENIZE_BATCH:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 def pack_blocks(

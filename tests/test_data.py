@@ -175,3 +175,26 @@ def test_sharegpt_rows_and_completion_only_labels(tmp_path, tok):
         prepare_lm_data(datasets.Dataset.from_dict({"messages": [[{"from": "robot", "value": "x"}]]}), "bad", tok, 64)
     with pytest.raises(ValueError, match="train_on 'prompts': choose one of all, completions"):
         prepare_lm_data(records, name, tok, 64, train_on="prompts")
+
+
+def test_text_is_tokenized_in_batch_calls_and_only_as_far_as_needed(tok):
+    calls = []
+
+    class Counting:  # the tokenizer as it is, counting the texts of each call
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, texts, **kw):
+            calls.append(len(texts) if isinstance(texts, list) else 1)
+            return self.inner(texts, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    short = datasets.Dataset.from_dict({"text": [corpus_text(400)[i::3] for i in range(3)] * 40})
+    prepare_lm_data(short, "short", Counting(tok), 16)
+    assert calls == [114, 6], calls  # one call for the 114 training rows, one for the 6 held out: not one call a row
+    calls.clear()
+    long = datasets.Dataset.from_dict({"text": [corpus_text(80_000)] * 10})
+    prepare_lm_data(long, "long", Counting(tok), 16, train_sequences=2, eval_sequences=2)
+    assert sum(calls) <= 2, calls  # 2 blocks need the first row of each split, not all ten
