@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from hf_lowprec.cli import ui
 from peft import LoraConfig
-from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
 from hf_lowprec.data import collated_batches, prepare_lm_data, read_source
@@ -247,6 +247,7 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
             model, lm, t.per_device_train_batch_size, autocast, "evaluating the base model (held-out data)"
         )["loss"]
     resume_from = str(run.latest_checkpoint()) if opts.resume else None
+    set_seed(t.seed)  # the adapters' random init (LoRA A) comes before the Trainer seeds anything
     model, callbacks, method_info = _prepare_method(model, recipe, lm, t, resume_from)
     stopper = StopOnInterrupt()
     trainer = _trainer(

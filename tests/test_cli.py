@@ -422,3 +422,15 @@ def test_eval_defaults_to_the_validation_split(ws, tmp_path):
     tokens = lambda r: int(re.search(r"tokens\s*│?\s*([\d,]+)", r.output).group(1).replace(",", ""))  # noqa: E731
     assert tokens(default) < tokens(train)  # the one short validation row, not the five training rows
     assert "has no split 'test'" in one_error_line(cli(*args, "--split", "test"))
+
+
+def test_same_seed_same_run(ws, tmp_path):
+    """Two processes' worth of state aside, a run is a function of its recipe and seed: LoRA's random init included."""
+    args = ["--data", ws / "corpus.txt", "--lora-init", "default", "--max-steps", "2", "--lr", "1e-2", *FAST]
+    losses = []
+    for name in ("a", "b"):
+        torch.manual_seed(len(losses))  # whatever the global RNG holds before, the run seeds itself
+        result = cli("finetune", ws / "tiny", *args, "-o", tmp_path / name)
+        assert result.exit_code == 0, result.output
+        losses.append(json.loads((tmp_path / name / RUN_FILE).read_text())["training"]["loss_final"])
+    assert losses[0] == losses[1]
