@@ -317,6 +317,27 @@ def test_measure_plan_matches_a_converted_copy(sensitive_model, measured):
     assert report["kl"] > 0
 
 
+def test_measure_plan_leaves_the_model_as_it_was_also_on_error(monkeypatch):
+    import sys
+
+    from hf_lowprec.modules import LOW_PRECISION_TYPES
+
+    scan_module = sys.modules["hf_lowprec.sensitivity.scan"]  # the package's `scan` names the function
+    model = tiny_llama()
+    before = dict(model.named_modules())
+    measure_plan(model, {"default": "int4-g32", "layers": {"lm_head": "bf16"}}, batches(seed=3))
+    assert dict(model.named_modules()) == before  # the same module objects, where they were
+
+    def interrupted(model, *args, **kwargs):  # the measuring pass stops while the low-precision layers are in
+        assert any(isinstance(m, LOW_PRECISION_TYPES) for m in model.modules())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(scan_module, "_loss_and_kl", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        measure_plan(model, {"default": "fp8"}, batches(seed=3))
+    assert dict(model.named_modules()) == before
+
+
 def _synthetic(n_units: int, seed: int) -> ScanResult:
     rng = np.random.default_rng(seed)
     layers = []

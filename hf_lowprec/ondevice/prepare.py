@@ -16,7 +16,7 @@ from torch import nn
 
 from hf_lowprec.checkpoints import load_pretrained
 from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eligible_layers, freeze
-from hf_lowprec.layers import set_module
+from hf_lowprec.layers import swap_layers
 from hf_lowprec.modules.int4 import Int4Linear
 from hf_lowprec.modules.int4_lora import register_int4_lora
 from hf_lowprec.modules.kernels.autotune import resolve_dtype
@@ -181,7 +181,7 @@ def _calibrated_pack(
         if name in targets:
             residual = module.weight.detach().float() - packed.dequantized_weight(torch.float32)
             factors[canonical_name(name)] = loftq_factors(residual, loftq.r, lora_scaling(loftq))
-        set_module(model, name, packed)
+        swap_layers(model, lambda _, fqn, module: packed if fqn == name else None)  # this layer, as it is calibrated
 
     start = time.perf_counter()
     stats = {"rounding": rounding, **summary(calibrated_codes(model, layers, calibration, replace, rounding))}

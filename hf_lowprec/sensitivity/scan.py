@@ -13,6 +13,7 @@ from torch import nn
 
 from hf_lowprec.convert import eligible_layers
 from hf_lowprec.formats import FormatSpec
+from hf_lowprec.layers import swap_layers
 from hf_lowprec.modules import LOW_PRECISION_TYPES, TiedQuantizers
 from hf_lowprec.plan import PrecisionPlan, resolve_plan
 from hf_lowprec.sensitivity.batches import _check_batches, _forward, _label_count, _merge
@@ -339,16 +340,21 @@ def measure_plan(
             f"measure_plan needs an unconverted model ({converted[0]!r} is already low precision); call "
             "hf_lowprec.revert(model) first"
         )
-    shared = TiedQuantizers()
-    with _scanning(model, 0) as hooks, torch.no_grad():
+    shared, originals = TiedQuantizers(), {}
+
+    def twin(name: str, fqn: str, module: nn.Module) -> nn.Module | None:
+        if assignment[name].is_high_precision:
+            return None
+        originals[fqn] = module
+        return shared.build(name, module, assignment[name], {"fp8_backend": fp8_backend, "learn_scales": False})
+
+    with _scanning(model, 0), torch.no_grad():
         base_loss, base_logps = _base_pass(model, batches, device, _Tracker(None, 0))
-        for name, module in layers.items():
-            spec = assignment[name]
-            if spec.is_high_precision:
-                continue
-            twin = shared.build(name, module, spec, {"fp8_backend": fp8_backend, "learn_scales": False})
-            hooks.append(module.register_forward_hook(_replace_output(twin)))
-        nll, kl, count = _loss_and_kl(model, batches, device, base_logps)
+        try:
+            swap_layers(model, twin)  # the layers apply_plan would install, sharing the weights
+            nll, kl, count = _loss_and_kl(model, batches, device, base_logps)
+        finally:
+            swap_layers(model, lambda name, fqn, module: originals.get(fqn))
     plan_loss = nll / count
     return {
         "base_loss": base_loss,
