@@ -88,12 +88,9 @@ class PackedLoraLinear(LoraLinear):
         merged = weight + delta
         if safe_merge and not torch.isfinite(merged).all():
             raise ValueError(f"NaNs detected in the merged weights; adapters {adapter_names} seem to be broken")
-        stats = base.requantize_(merged)
-        err = (base.dequantized_weight(torch.float32) - merged).norm()
+        stats = requantize_merged(base, merged, delta)
         stats.update(
             adapters=list(adapter_names),
-            delta_norm=delta.norm().item(),
-            error_vs_delta=(err / delta.norm().clamp(min=1e-12)).item(),
         )
         self.merge_errors.append(stats)
         self.merged_adapters.extend(adapter_names)
@@ -111,6 +108,16 @@ class PackedLoraLinear(LoraLinear):
             if name in self.lora_A:
                 weight = weight - self.get_delta_weight(name).float()
         base.requantize_(weight)
+
+
+@torch.no_grad()
+def requantize_merged(layer: PackedLinear, merged: torch.Tensor, delta: torch.Tensor) -> dict:
+    """Store ``merged`` (its dequantized weight plus an adapter ``delta``, fp32 ``[N, K]``) in ``layer``'s format, in
+    place: ``requantize_``'s ``rel_error`` plus ``delta_norm`` and the rounding error relative to it."""
+    stats = layer.requantize_(merged)
+    err = (layer.dequantized_weight(torch.float32) - merged).norm()
+    stats.update(delta_norm=delta.norm().item(), error_vs_delta=(err / delta.norm().clamp(min=1e-12)).item())
+    return stats
 
 
 def register_int4_lora(config: LoraConfig) -> LoraConfig:

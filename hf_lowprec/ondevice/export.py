@@ -21,7 +21,7 @@ from hf_lowprec.convert import canonical_name
 # also registers quant_method "hf_lowprec" with transformers: from_pretrained loads exported folders
 from hf_lowprec.export.hf_quantizer import quantization_config_dict
 from hf_lowprec.folders import atomic_output_dir, atomic_write_text, check_output_dir
-from hf_lowprec.modules.int4_lora import PackedLoraLinear, register_int4_lora
+from hf_lowprec.modules.int4_lora import PackedLoraLinear, register_int4_lora, requantize_merged
 from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 
@@ -77,16 +77,9 @@ def _packed_base_state(base: nn.Module, merge: bool) -> tuple[dict[str, torch.Te
             continue
         layer = module.get_base_layer()
         if isinstance(module, PackedLoraLinear):
-            merged = layer.dequantized_weight(torch.float32) + delta
             shell = copy.deepcopy(layer)
-            stats = shell.requantize_(merged)
-            err = (shell.dequantized_weight(torch.float32) - merged).norm()
-            stats.update(
-                layer=canonical_name(fqn),
-                delta_norm=delta.norm().item(),
-                error_vs_delta=(err / delta.norm().clamp(min=1e-12)).item(),
-            )
-            errors.append(stats)
+            stats = requantize_merged(shell, layer.dequantized_weight(torch.float32) + delta, delta)
+            errors.append({**stats, "layer": canonical_name(fqn)})
             for buf in PackedLinear.BUFFERS:
                 if getattr(shell, buf) is not None:
                     state[f"{fqn}.{buf}"] = getattr(shell, buf)
