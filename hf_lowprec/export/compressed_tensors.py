@@ -125,8 +125,16 @@ def compressed_tensors_state(base: nn.Module) -> tuple[dict[str, torch.Tensor], 
         state.update({f"{name}.{key}": value for key, value in _int4_tensors(plain, dtype).items()})
     linears = [canonical_name(n) for n, m in base.named_modules() if isinstance(m, nn.Linear) and ".lora_" not in n]
     ignore = sorted(n for n in linears if not isinstance(layers.get(n), PackedInt4Linear))
-    weights = {"num_bits": 4, "type": "int", "symmetric": spec.symmetric, "strategy": "group",
-               "group_size": spec.group_size, "dynamic": False, "actorder": None, "observer": None}  # fmt: skip
+    weights = {
+        "num_bits": 4,
+        "type": "int",
+        "symmetric": spec.symmetric,
+        "strategy": "group",
+        "group_size": spec.group_size,
+        "dynamic": False,
+        "actorder": None,
+        "observer": None,
+    }
     config = {
         "quant_method": QUANT_METHOD,
         "format": CT_FORMAT,
