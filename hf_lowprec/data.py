@@ -58,8 +58,7 @@ def default_corpus() -> tuple[datasets.Dataset, str]:
 def load_records(source: str | Path, *, split: str = "train", config: str | None = None) -> datasets.Dataset:
     """Rows of a local data file/folder or a Hub dataset (``split`` of it)."""
     path = Path(source)
-    if path.is_dir() and _split_files(path):
-        files = _split_files(path)
+    if path.is_dir() and (files := _split_files(path)):
         if split not in files:
             raise ValueError(f"data folder {str(path)!r} has no split {split!r}; its splits are {', '.join(files)}")
         return _load_files(FILE_BUILDERS[files[split].suffix], [str(files[split])], str(path))

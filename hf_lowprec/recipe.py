@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 import types
 import typing
@@ -143,9 +144,7 @@ class TrainingSection:
                 raise ValueError(f"{key!r} must be >= 1, got {getattr(self, key)}")
         if self.learning_rate <= 0:
             raise ValueError(f"'learning_rate' must be > 0, got {self.learning_rate}")
-        from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK  # imports seconds of code
-
-        allowed = ("none", "all", *INTEGRATION_TO_CALLBACK)
+        allowed = _tracker_names()
         unknown = [t for t in self.trackers if t not in allowed]
         if unknown:
             raise ValueError(f"'report_to' {', '.join(unknown)}: choose from {', '.join(allowed)}")
@@ -154,6 +153,14 @@ class TrainingSection:
     def trackers(self) -> list[str]:
         """``report_to`` as the list ``TrainingArguments`` takes."""
         return [t.strip() for t in self.report_to.split(",") if t.strip()] or ["none"]
+
+
+@functools.cache
+def _tracker_names() -> tuple[str, ...]:
+    """The ``report_to`` values transformers knows (its integrations module takes seconds to import: once)."""
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    return ("none", "all", *INTEGRATION_TO_CALLBACK)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from peft import LoraConfig
 from tiny_assets import save_tiny_model, tensorboard_scalars
+from transformers import TrainerCallback
 
 from hf_lowprec.export import CARD_FILE, export_model, hardware_info
 from hf_lowprec.modules import PackedLinear
@@ -111,19 +112,11 @@ def test_import_registers_without_importing_transformers_or_peft():
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-class _GradientsBeforeStep:
-    """A Trainer callback keeping a copy of the trainable parameters' gradients before the optimizer step."""
+class GradientsBeforeStep(TrainerCallback):
+    """Keeps a copy of the trainable parameters' gradients before the optimizer step."""
 
-    def __init__(self):
-        from transformers import TrainerCallback
-
-        outer = self
-
-        class Callback(TrainerCallback):
-            def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-                outer.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-        self.callback = Callback()
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _gradients_after_one_step(method: str, base_dir: Path, tmp_path: Path, batch: int, accumulation: int) -> dict:
@@ -147,17 +140,17 @@ def _gradients_after_one_step(method: str, base_dir: Path, tmp_path: Path, batch
         save_strategy="no",
         disable_tqdm=True,
     )
-    probe = _GradientsBeforeStep()
+    probe = GradientsBeforeStep()
     common = {"args": args, "train_dataset": data, "data_collator": default_data_collator}
     if method == "int4-lora":
         model, _ = _adapted_model(base_dir, torch.float32)  # bf16 GEMMs round differently per batch shape
         for m in model.modules():
             if isinstance(m, PackedLinear):
                 m.backend = "dequant"  # the int8 backend picks its outlier channels per call, i.e. per batch
-        trainer = ChunkedLossTrainer(model=model.train(), activation_storage=None, callbacks=[probe.callback], **common)
+        trainer = ChunkedLossTrainer(model=model.train(), activation_storage=None, callbacks=[probe], **common)
     else:
         model, _ = load_pretrained(base_dir)
-        callbacks = [LowPrecisionCallback(plan={"default": "fp8-rowwise", "layers": {"lm_head": "bf16"}}), probe.callback]
+        callbacks = [LowPrecisionCallback(plan={"default": "fp8-rowwise", "layers": {"lm_head": "bf16"}}), probe]
         trainer = Trainer(model=model, callbacks=callbacks, **common)
     trainer.train()
     return probe.grads

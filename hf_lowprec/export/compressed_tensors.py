@@ -48,7 +48,7 @@ def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return (unsigned << shifts).sum(-1, dtype=torch.int32)
 
 
-def _packed_layers(base: nn.Module) -> dict[str, PackedLinear]:
+def _packed_by_name(base: nn.Module) -> dict[str, PackedLinear]:
     """``{canonical name: packed layer}`` of ``base`` (PEFT wrappers seen through)."""
     found = {}
     for fqn, module in base.named_modules():
@@ -109,7 +109,7 @@ def _int4_tensors(layer: PackedInt4Linear, dtype: torch.dtype) -> dict[str, torc
 def compressed_tensors_state(base: nn.Module) -> tuple[dict[str, torch.Tensor], dict, dict[str, float]]:
     """``(state dict, quantization_config, {layer: re-quantization error})`` of ``base`` (a model with packed layers,
     adapters excluded) in the pack-quantized layout."""
-    layers = _packed_layers(base)
+    layers = _packed_by_name(base)
     spec = _int4_format(layers)
     dtype = next(p for p in base.parameters() if p.is_floating_point()).dtype
     state, errors = adapterless_state(base), {}

@@ -90,26 +90,27 @@ def chunked_causal_lm_loss(
     targets = (input_ids if labels is None else labels)[:, 1:]
     if attention_mask is not None:
         targets = targets.masked_fill(attention_mask[:, 1:] == 0, IGNORE_INDEX)
-    if not _plain_output_head(base):
+    head = _chunkable_head(base)
+    if head is None:
         full_labels = torch.cat((torch.full_like(targets[:, :1], IGNORE_INDEX), targets), 1)
         extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
         return model(input_ids=input_ids, attention_mask=attention_mask, labels=full_labels, **extra).loss
     hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     flat = targets.reshape(-1)
-    head = base.get_output_embeddings()
     total = _ChunkedLMLoss.apply(hidden[:, :-1].reshape(-1, hidden.shape[-1]), flat, head, chunk_tokens)
     if num_items_in_batch is not None:
         return total / num_items_in_batch
     return total / (flat != IGNORE_INDEX).sum().clamp(min=1)
 
 
-def _plain_output_head(base: nn.Module) -> bool:
-    """Whether the loss may run the output head in chunks: a frozen head whose logits are used as they are."""
+def _chunkable_head(base: nn.Module) -> nn.Module | None:
+    """The output head when the loss may run it in chunks (frozen, its logits used as they are), else ``None``."""
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if head is None or not hasattr(base, "get_decoder") or any(p.requires_grad for p in head.parameters()):
-        return False
+        return None
     cfg = getattr(base, "config", None)
-    return getattr(cfg, "final_logit_softcapping", None) is None and getattr(cfg, "logit_scale", None) is None
+    plain = getattr(cfg, "final_logit_softcapping", None) is None and getattr(cfg, "logit_scale", None) is None
+    return head if plain else None
 
 
 @torch.no_grad()
