@@ -214,19 +214,10 @@ def completion_labels(tokenizer, messages: list[dict], ids: list[int]) -> list[i
     return labels
 
 
-def _sequences(ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cols: Columns) -> Iterator[list[int]]:
-    """Token ids per row (text rows end with EOS; chat rows through the chat template)."""
-    if cols.kind == "chat" and not tokenizer.chat_template:
-        raise ValueError(
-            f"the tokenizer ({type(tokenizer).__name__}) has no chat template; chat data needs one (or use "
-            "--text-column)"
-        )
+def _text_sequences(ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, column: str) -> Iterator[list[int]]:
+    """Token ids of each non-empty text row, ending with EOS."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    if cols.kind == "chat":
-        for row in ds:
-            yield _chat_ids(tokenizer, _messages(row, cols))
-        return
-    for texts in _text_batches(ds, cols.text):
+    for texts in _text_batches(ds, column):
         for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
             yield ids + eos
 
@@ -251,7 +242,7 @@ def pack_blocks(
 ) -> list[list[int]]:
     """Text rows joined and cut into blocks of ``block_size`` tokens (the remainder is dropped)."""
     blocks, buffer = [], []
-    for ids in _sequences(ds, tokenizer, cols):
+    for ids in _text_sequences(ds, tokenizer, cols.text):
         buffer.extend(ids)
         while len(buffer) >= block_size:
             blocks.append(buffer[:block_size])
@@ -271,10 +262,17 @@ def chat_sequences(
 ) -> tuple[list[list[int]], list[list[int]]]:
     """``(ids, labels)``: one chat-formatted sequence per row, truncated to ``block_size`` tokens; labels are the ids
     (``train_on="all"``) or the assistant turns only (``"completions"``, see :func:`completion_labels`)."""
+    if not tokenizer.chat_template:
+        raise ValueError(
+            f"the tokenizer ({type(tokenizer).__name__}) has no chat template; chat data needs one (or use "
+            "--text-column)"
+        )
     ids, labels = [], []
-    for row, seq in zip(ds, _sequences(ds, tokenizer, cols)):
+    for row in ds:
+        messages = _messages(row, cols)
+        seq = _chat_ids(tokenizer, messages)
         ids.append(seq[:block_size])
-        full = seq if train_on == "all" else completion_labels(tokenizer, _messages(row, cols), seq)
+        full = seq if train_on == "all" else completion_labels(tokenizer, messages, seq)
         labels.append(full[:block_size])
         if max_rows is not None and len(ids) >= max_rows:
             break
