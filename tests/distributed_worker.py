@@ -149,6 +149,9 @@ def main() -> None:
     sync = False if "--no-sync" in sys.argv else None
     for mode in modes:  # several modes share one launch (process start-up dominates the cost)
         run(mode, out / mode, sync, fp32="--fp32" in sys.argv)
+    if torch.distributed.is_initialized():  # left to interpreter exit, gloo's threads sometimes abort a rank (SIGABRT)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
