@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -147,6 +148,7 @@ def load_pretrained(
     gguf_file: str | None = None,
     dtype: torch.dtype = torch.float32,
     cache: bool = True,
+    quantization_config=None,
     **from_pretrained_kwargs,
 ):
     """Load a causal LM and its tokenizer: ``(model, tokenizer)``, model in ``dtype`` and ``eval()`` mode.
@@ -158,6 +160,10 @@ def load_pretrained(
         gguf_file: GGUF file name inside the folder (transformers dequantizes it to ``dtype``).
         dtype: ``torch.float32`` or ``torch.bfloat16``.
         cache: keep GGUF checkpoints dequantized under :func:`cache_root` (later loads ~1 s instead of ~18 s).
+        quantization_config: quantize while loading (e.g. :class:`hf_lowprec.export.hf_quantizer.HfLowprecConfig`);
+            a local folder's safetensors are then read tensor by tensor into memory of their own (``pread``) rather
+            than memory-mapped, so the pages of weights already packed do not stay resident (see
+            :func:`_read_weights_by_pread`).
         from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained``; ``revision``,
             ``trust_remote_code`` and ``token`` to the tokenizer's too.
 
@@ -173,15 +179,71 @@ def load_pretrained(
         source, gguf = str(_cache_gguf(source, gguf, dtype)), None
     extra = {"gguf_file": gguf} if gguf else {}
     try:
-        shared = {k: v for k, v in from_pretrained_kwargs.items() if k in ("revision", "trust_remote_code", "token")}
+        shared = _source_kwargs(from_pretrained_kwargs)
         tokenizer = AutoTokenizer.from_pretrained(source, **extra, **shared) if _has_tokenizer(source, gguf) else None
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra, **from_pretrained_kwargs)
+        model = None
+        if quantization_config is not None:
+            from_pretrained_kwargs["quantization_config"] = quantization_config
+            model = None if gguf else _load_by_pread(source, dtype, from_pretrained_kwargs)
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra, **from_pretrained_kwargs)
     except OSError as e:  # transformers reports missing files and unreachable hubs as OSError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"cannot load checkpoint {os.fspath(model_id_or_path)!r}: {first}") from e
     if tokenizer is None:
         logger.warning("%s has no tokenizer files; returning tokenizer=None", source)
     return model.eval(), tokenizer
+
+
+def _source_kwargs(from_pretrained_kwargs: dict) -> dict:
+    """The ``from_pretrained`` keywords that say which files to read (the tokenizer's and config's too)."""
+    return {k: v for k, v in from_pretrained_kwargs.items() if k in ("revision", "trust_remote_code", "token")}
+
+
+def _load_by_pread(source: str, dtype: torch.dtype, from_pretrained_kwargs: dict):
+    """The causal LM of a local folder, its safetensors read by ``pread`` (:func:`_read_weights_by_pread`); ``None``
+    for a hub id, a folder without safetensors, or a model class transformers does not know (remote code)."""
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    shared = _source_kwargs(from_pretrained_kwargs)
+    weights = _read_weights_by_pread(source) if Path(source).is_dir() else None
+    config = AutoConfig.from_pretrained(source, **shared) if weights is not None else None
+    if config is None or type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return None
+    # the concrete class: AutoModel deep-copies its keywords, and safetensors slices cannot be copied
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k not in shared}
+    model = model_class.from_pretrained(None, config=config, state_dict=weights, dtype=dtype, **kwargs)
+    if (Path(source) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(source)
+    return model
+
+
+def _read_weights_by_pread(source: str) -> dict | None:
+    """``{name: lazy safetensors slice}`` of a local folder's weights, read by ``pread`` when sliced; ``None`` if the
+    folder holds no safetensors.
+
+    Why not transformers' own reading: it memory-maps the files, and every page of a weight it has read stays in
+    the process's resident memory while the file is mapped (the whole load): quantizing a 1.2B checkpoint on load
+    then peaks at the bf16 file's size plus the packed model. Read by ``pread``, a weight's dense copy is freed
+    as soon as it is packed.
+    """
+    from safetensors import safe_open
+
+    folder = Path(source)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        return None
+    weights = {}
+    for name in files:
+        handle = safe_open(folder / name, framework="pt", backend="pread")
+        weights.update({k: handle.get_slice(k) for k in handle.keys()})
+    return weights
 
 
 def _has_tokenizer(source: str, gguf_file: str | None) -> bool:

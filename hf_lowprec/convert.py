@@ -153,7 +153,7 @@ class _LayerConversion:
 
     def __call__(self, name: str, fqn: str, module: nn.Module) -> nn.Module | None:
         spec = self.assignments[name]
-        params = module.weight.numel() if hasattr(module, "weight") else 0
+        params = module.weight.numel() if hasattr(module, "weight") else module.in_features * module.out_features
         tied = self.first_user.setdefault(id(getattr(module, "weight", module)), name)
         tied = "" if tied == name else tied
         if isinstance(module, LOW_PRECISION_TYPES) and module.spec == spec:

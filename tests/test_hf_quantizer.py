@@ -41,3 +41,54 @@ def test_from_pretrained_rebuilds_the_packed_model(tmp_path):
         torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
     assert reloaded.hf_lowprec_plan.to_dict() == PLAN.to_dict()
     assert sum(isinstance(m, PackedInt4Linear) for m in reloaded.modules()) == 12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_on_load_packs_as_apply_plan_does(tmp_path, dtype):
+    """A dense folder loaded with ``HfLowprecConfig`` holds the same codes as loading it dense, then apply_plan + freeze,
+    and saves/reloads as a packed folder."""
+    tiny_llama().save_pretrained(tmp_path / "dense")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=dtype)
+    apply_plan(reference, PLAN, learn_scales=False)
+    freeze(reference)
+    packed = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=dtype, quantization_config=HfLowprecConfig(PLAN))
+    expected, got = reference.state_dict(), packed.state_dict()
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
+    assert packed.config.quantization_config.to_dict() == quantization_config_dict(PLAN)
+    packed.save_pretrained(tmp_path / "packed")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "packed")
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_quantize_on_load_default_plan_and_a_tied_head(tmp_path):
+    """No plan: every Linear in int4-g64-asym but the output head (a format name keeps it too). A plan that packs a
+    tied head packs it from the embedding after loading (the checkpoint holds no head weight)."""
+    tiny_llama(tie=True).save_pretrained(tmp_path)
+    default = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=HfLowprecConfig())
+    assert default.hf_lowprec_plan.to_dict() == {"default": "int4-g64-asym", "layers": {"lm_head": "bf16"}}
+    assert sum(isinstance(m, PackedInt4Linear) for m in default.modules()) == 14 and type(default.lm_head) is torch.nn.Linear
+    assert AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=HfLowprecConfig("int4-g32")).hf_lowprec_plan.layers
+    everything = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=HfLowprecConfig({"default": "int4-g32"}))
+    assert isinstance(everything.lm_head, PackedInt4Linear)
+    embedding = everything.model.embed_tokens.weight.detach()
+    reference = PackedInt4Linear.from_weight(embedding, "int4-g32")
+    torch.testing.assert_close(everything.lm_head.dequantized_weight(), reference.dequantized_weight(), rtol=0, atol=0)
+    assert (everything.lm_head.dequantized_weight() - embedding).abs().max() < embedding.abs().max() / 7
+
+
+@pytest.mark.parametrize(
+    "plan, message",
+    [
+        ("auto", "plan 'auto' needs calibration tokens"),
+        ({"default": "int4-g64", "layers": {"*.v_proj": "fp8"}}, "quantize-on-load packs int4 formats and per-channel int8; the plan also has fp8"),
+        ("int4-g999x", "plan must be 'auto', a plan file or folder, or a format name"),
+    ],
+)
+def test_quantize_on_load_names_a_plan_it_cannot_apply(tmp_path, plan, message):
+    tiny_llama().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=HfLowprecConfig(plan))

@@ -11,6 +11,7 @@ from tiny_assets import corpus_text, save_tiny_model
 from transformers import AutoModelForCausalLM
 
 from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
+from hf_lowprec.export.hf_quantizer import HfLowprecConfig
 from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear, PackedLinear
 from hf_lowprec.modules.packed import compiled, int8_backend_available
 from hf_lowprec.ondevice import (
@@ -26,6 +27,7 @@ from hf_lowprec.ondevice import (
     prepare_int4_lora,
     token_blocks,
 )
+from hf_lowprec.ondevice.prepare import _own_dense_tensors
 from hf_lowprec.plan import PrecisionPlan
 from hf_lowprec.sensitivity import allocate, scan
 
@@ -159,6 +161,34 @@ def test_finetune_from_disk_loss_falls_and_export_reloads_identically(tmp_path):
 
     with pytest.raises(ValueError, match="already exists"):
         export_int4_lora(model, tmp_path / "run")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_load_int4_lora_packs_while_loading_as_the_dense_path_does(tmp_path, dtype):
+    """Round-to-nearest plans pack each weight as it is read (by pread: no tensor left in a mapped file); the model,
+    adapters and report are those of loading dense and packing after."""
+    path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
+    torch.manual_seed(0)
+    model, _, report = load_int4_lora(path, LoraConfig(**LORA), MIXED, dtype=dtype)
+    torch.manual_seed(0)
+    dense, _ = load_pretrained(path, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
+    reference, reference_report = prepare_int4_lora(dense, LoraConfig(**LORA), MIXED)
+    got, expected = model.state_dict(), reference.state_dict()
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+    assert str(report).splitlines()[0] == str(reference_report).splitlines()[0]
+    assert {r.reason for r in report.layers if r.module.startswith("Packed")} == {"packed while loading"}
+    assert not [line for line in open("/proc/self/maps") if str(tmp_path) in line]  # nothing of the file kept mapped
+
+
+def test_only_tensors_still_in_a_mapped_file_are_copied(tmp_path):
+    """The dense tensors of a memory-mapped load get memory of their own (releasing the file); those read by pread
+    already have it and are not copied (a copy would add a 128k-vocabulary embedding to the peak)."""
+    path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
+    for quantization, copied in ((None, True), (HfLowprecConfig(), False)):
+        model, _ = load_pretrained(path, quantization_config=quantization)
+        before = model.model.embed_tokens.weight.data_ptr()
+        _own_dense_tensors(model)
+        assert (model.model.embed_tokens.weight.data_ptr() != before) == copied
 
 
 def test_merge_into_a_dense_model_reloads_with_transformers_alone_and_keeps_the_adapters(tmp_path):

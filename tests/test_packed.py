@@ -313,3 +313,41 @@ def test_input_scale_survives_state_dict_dtype_casts_and_requantization():
     stats = shell.requantize_(w)  # fresh steps, same input scale
     assert torch.equal(shell.input_scale, layer.input_scale.float()) and stats["rel_error"] < 0.3
     assert rel(shell.dequantized_weight(), w) == pytest.approx(stats["rel_error"], rel=1e-4)
+
+
+@pytest.mark.parametrize("spec", ["int4-g64-asym", "int8"])
+def test_from_weight_packs_as_freeze_does_a_slice_of_rows_at_a_time(spec, monkeypatch):
+    """``from_weight`` (quantize-on-load) quantizes rows in slices: the codes are those of ``Int4Linear.freeze``."""
+    monkeypatch.setattr("hf_lowprec.modules.packed.CHUNK_ELEMENTS", 128 * 7)  # 7 rows a slice: 96 rows -> 14 slices
+    frozen = packed(spec)
+    dense = frozen.dequantized_weight()  # re-quantizing a grid weight must give the same grid
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 96)
+    fresh = type(frozen).from_weight(linear.weight, spec, linear.bias)
+    for name, tensor in frozen.state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    assert rel(type(frozen).from_weight(dense, spec).dequantized_weight(), dense) < 1e-6
+
+
+LLAMA_1B_SHAPES = {"q_proj": (2048, 2048), "k_proj": (2048, 512), "gate_proj": (2048, 8192), "down_proj": (8192, 2048)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", list(LLAMA_1B_SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_llama_1b_shapes_every_runnable_backend_matches_the_dequantized_reference(shape, dtype):
+    """Llama-3.2-1B's linear shapes, packed from a dense weight as on load: forward and grad-input of each backend
+    this CPU runs against fp32 math on the dequantized weight (issue 18)."""
+    k, n = LLAMA_1B_SHAPES[shape]
+    torch.manual_seed(0)
+    layer = PackedInt4Linear.from_weight(torch.randn(n, k, dtype=dtype) * 0.02, "int4-g64-asym")
+    x, g = torch.randn(2, 128, k, dtype=dtype), torch.randn(2, 128, n, dtype=dtype)
+    y_ref, gx_ref = reference(layer, x, g)
+    backends = layer.runnable_backends(x)
+    assert "dequant" in backends
+    for backend in backends:
+        y, gx = run(layer, backend, x, g)
+        assert layer.last_backend == backend and y.dtype == dtype and gx.dtype == dtype
+        # int8: dynamic int8 activations (~0.8%); bf16: one rounding of the output (2^-9 relative)
+        tol = 0.02 if backend == "int8" else (1e-5 if dtype == torch.float32 else 8e-3)
+        assert rel(y, y_ref) < tol and rel(gx, gx_ref) < tol, (backend, rel(y, y_ref), rel(gx, gx_ref))

@@ -1,5 +1,5 @@
-"""transformers integration: ``from_pretrained`` of folders whose linears are packed INT4 (``quant_method:
-hf_lowprec``).
+"""transformers integration, ``quant_method: hf_lowprec``: ``from_pretrained`` of folders whose linears are packed
+INT4, and quantize-on-load of dense checkpoints.
 
 A folder saved by :func:`hf_lowprec.ondevice.export_int4_lora` holds ``qweight``/``step``/``zero``
 tensors for the packed layers and, in ``config.json``::
@@ -11,41 +11,104 @@ Importing ``hf_lowprec`` registers this method with transformers (``register_qua
 builds the model with empty packed layers where the plan says ``int4`` (or per-channel ``int8``) and loads the
 codes into them. Without ``import hf_lowprec`` transformers warns "Unknown quantization type" and the packed layers
 come back randomly initialised: always import hf_lowprec (or use ``load_int4_model``).
+
+A dense checkpoint is packed as it loads::
+
+    AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=HfLowprecConfig())
+
+transformers reads one tensor at a time when a quantizer packs on the fly; each weight the plan packs is
+rounded to nearest as it arrives (:meth:`~hf_lowprec.modules.PackedLinear.from_weight`) and its dense copy is
+dropped, so the dense model never exists whole: peak memory is near the packed model plus one weight.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+
 from torch import nn
+from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from hf_lowprec.layers import swap_layers
+from hf_lowprec.formats import FormatSpec
+from hf_lowprec.layers import canonical_name, set_module, swap_layers
 from hf_lowprec.modules.packed import packed_class
-from hf_lowprec.plan import PrecisionPlan
+from hf_lowprec.plan import PrecisionPlan, is_auto, resolve_plan
+
+logger = logging.getLogger(__name__)
 
 QUANT_METHOD = "hf_lowprec"
 
 
 class HfLowprecConfig(QuantizationConfigMixin):
-    """``quantization_config`` of a packed-INT4 folder: the precision plan that says which linears are packed."""
+    """``quantization_config`` of hf_lowprec's packed base: the precision plan that says which linears are packed.
 
-    def __init__(self, plan: dict | None = None, **kwargs):
+    ``plan``: in a packed folder's ``config.json``, the plan it was packed with. Passed to ``from_pretrained`` of a
+    dense checkpoint, what to pack while loading: ``None`` (every Linear in ``int4-g64-asym`` but the output head,
+    as :func:`hf_lowprec.ondevice.int4_plan`), a format name, a :class:`PrecisionPlan`, its dict, or a plan file. Only
+    formats that pack (int4; per-channel ``int8``) and high precision can be applied while loading.
+    """
+
+    def __init__(self, plan: "PrecisionPlan | dict | str | os.PathLike | None" = None, **kwargs):
         self.quant_method = QUANT_METHOD
-        self.plan = PrecisionPlan.from_dict(plan or {}, source="quantization_config.plan").to_dict()
+        self.plan = _plan_argument(plan)
 
     def to_dict(self) -> dict:
         return {"quant_method": QUANT_METHOD, "plan": self.plan}
 
 
-class HfLowprecQuantizer(HfQuantizer):
-    """Swaps the plan's INT4 linears for empty packed shells before transformers loads the codes into them."""
+def _plan_argument(plan) -> "dict | str | None":
+    """``plan`` as ``HfLowprecConfig`` keeps it: a plan dict, or ``None``/a format name (resolved against the model,
+    whose output head they keep dense, when it is built)."""
+    if plan is None or isinstance(plan, FormatSpec):
+        return None if plan is None else plan.name
+    if is_auto(plan):
+        raise ValueError(
+            "quantization_config plan 'auto' needs calibration tokens for its sensitivity scan; use "
+            "hf_lowprec.load_int4_lora(path, plan='auto', calibration=...)"
+        )
+    if isinstance(plan, dict):
+        return PrecisionPlan.from_dict(plan, source="quantization_config.plan").to_dict()
+    resolved = resolve_plan(plan)  # a plan, a file or folder, or a format name (checked here)
+    return plan if isinstance(plan, str) and resolved == PrecisionPlan.uniform(plan) else resolved.to_dict()
 
-    requires_calibration = True  # only pre-quantized folders load; quantizing at load time is apply_plan's job
+
+class HfLowprecQuantizer(HfQuantizer):
+    """Loads packed folders (empty packed shells filled from the codes) and packs dense checkpoints while loading."""
+
+    requires_calibration = False  # a dense checkpoint is rounded to nearest; calibrated roundings: load_int4_lora
+
+    def __init__(self, quantization_config: HfLowprecConfig, **kwargs):
+        super().__init__(quantization_config, **kwargs)
+        self.to_pack: dict[str, FormatSpec] = {}  # full module name -> format, for a dense checkpoint
 
     def _process_model_before_weight_loading(self, model, **kwargs):
-        install_packed_shells(model, PrecisionPlan.from_dict(self.quantization_config.plan))
-        model.hf_lowprec_plan = PrecisionPlan.from_dict(self.quantization_config.plan)
+        if self.pre_quantized:
+            plan = PrecisionPlan.from_dict(self.quantization_config.plan)
+            install_packed_shells(model, plan)
+        else:
+            plan = packing_plan(model, self.quantization_config.plan)
+            self.quantization_config.plan = plan.to_dict()  # the folder's config.json says what was packed
+            self.to_pack = _packed_layers(model, plan)
+            logger.info("packing %d linears while loading (%s)", len(self.to_pack), plan.format_summary(model))
+        model.hf_lowprec_plan = plan
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        """Pack the planned linears whose weight the checkpoint does not hold (an output head tied to the embedding)."""
+        for fqn in self.to_pack:
+            linear = model.get_submodule(fqn)
+            if isinstance(linear, nn.Linear):
+                _pack(model, fqn, linear.weight, self.to_pack[fqn])
+        return model
+
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        module_name, _, tensor = param_name.rpartition(".")
+        return tensor == "weight" and module_name in self.to_pack
+
+    def get_quantize_ops(self):
+        return PackOnLoad(self)
 
     def is_serializable(self) -> bool:
         return True
@@ -53,6 +116,70 @@ class HfLowprecQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return True  # the base stays frozen; adapters (PEFT) train on top, gradients pass through the codes
+
+
+class PackOnLoad(ConversionOps):
+    """transformers' loading op for one weight the plan packs: puts a packed layer holding its round-to-nearest codes
+    in the ``nn.Linear``'s place (its bias, loaded or not yet, moves along) and keeps nothing dense."""
+
+    def __init__(self, quantizer: HfLowprecQuantizer):
+        self.quantizer = quantizer
+
+    def convert(self, input_dict: dict, model=None, full_layer_name: str | None = None, missing_keys=None, **kwargs):
+        (value,) = input_dict.values()
+        weight = value[0] if isinstance(value, list) else value
+        module_name = full_layer_name.rpartition(".")[0]
+        _pack(model, module_name, weight, self.quantizer.to_pack[module_name])
+        if missing_keys is not None:
+            missing_keys.discard(full_layer_name)
+        return {}
+
+
+def _pack(model: nn.Module, fqn: str, weight, spec: FormatSpec) -> None:
+    """Put in the place of ``model``'s ``nn.Linear`` ``fqn`` a packed layer of ``weight`` (its bias moves along)."""
+    packed = packed_class(spec).from_weight(weight, spec)
+    packed.bias = model.get_submodule(fqn).bias
+    packed._is_hf_initialized = True  # transformers initialises the weights of modules without it
+    set_module(model, fqn, packed)
+
+
+def packing_plan(model: nn.Module, plan: "dict | str | None") -> PrecisionPlan:
+    """The plan :class:`HfLowprecConfig` applies while loading ``model`` (its layers still on the meta device); raises
+    ``ValueError`` for a plan that packs nothing, a layer narrower than its group, or a format that cannot be packed."""
+    from hf_lowprec.ondevice.planning import check_quantizable, int4_plan  # ondevice imports transformers' models
+
+    plan = int4_plan(model, plan)
+    check_quantizable(model, plan)
+    formats = plan.assign(model).values()
+    dense_only = sorted({s.name for s in formats if not s.is_high_precision and packed_class(s) is None})
+    if dense_only:
+        raise ValueError(
+            f"quantize-on-load packs int4 formats and per-channel int8; the plan also has {', '.join(dense_only)}: "
+            "load the model dense and apply_plan it, or use hf_lowprec.load_int4_lora"
+        )
+    return plan
+
+
+def packs_on_load(plan) -> bool:
+    """Whether :class:`HfLowprecConfig` can apply ``plan`` (any ``plan=`` argument) while loading: not ``auto``, and
+    each low-precision format in it packs."""
+    if plan is None:
+        return True
+    if is_auto(plan):
+        return False
+    resolved = resolve_plan(plan)
+    formats = [resolved.default, *resolved.layers.values()]
+    return all(s.is_high_precision or packed_class(s) is not None for s in formats)
+
+
+def _packed_layers(model: nn.Module, plan: PrecisionPlan) -> dict[str, FormatSpec]:
+    """``{full module name: format}`` of the ``nn.Linear`` layers ``plan`` packs."""
+    assigned = plan.assign(model)
+    return {
+        fqn: assigned[canonical_name(fqn)]
+        for fqn, m in model.named_modules()
+        if isinstance(m, nn.Linear) and packed_class(assigned[canonical_name(fqn)])
+    }
 
 
 def install_packed_shells(model: nn.Module, plan: PrecisionPlan) -> int:

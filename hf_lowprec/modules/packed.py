@@ -64,6 +64,7 @@ PACKED_BACKENDS = ("auto", "int8", "tiled", "dequant")
 ROW_TILE = 128
 COLUMN_TILE = 256
 AUTOTUNE_TOKENS = 256  # rows of the probe input when auto times the backends of a layer shape
+CHUNK_ELEMENTS = 1 << 22  # weight elements quantized per slice when packing a dense weight (16 MB in fp32)
 OUTLIER_COLUMNS = 8  # input channels per call the int8 backend multiplies in the activation dtype (see _int8_forward)
 _INT8_MAX = 127.0
 _EPS = 1e-12
@@ -475,6 +476,36 @@ class PackedLinear(nn.Module):
             )
         return self._cache["tiled"]
 
+    @classmethod
+    @torch.no_grad()
+    def from_weight(
+        cls, weight: torch.Tensor, spec: FormatSpec | str, bias: torch.Tensor | None = None, dtype=None,
+        backend: str = "auto",
+    ):
+        """Round-to-nearest codes of a dense ``weight [N, K]`` (steps from each group's range, ``int_steps``); steps
+        kept in ``dtype`` (default ``weight.dtype``). Rows are quantized a slice at a time, so the fp32 working copy
+        stays near ``CHUNK_ELEMENTS`` whatever the weight's size (a 128k-vocabulary head: 1 GB whole)."""
+        out_features, in_features = weight.shape
+        new = cls(in_features, out_features, spec, bias is not None, dtype or weight.dtype, weight.device, backend)
+        new._store_weight(weight)
+        if bias is not None:
+            new.bias.data.copy_(bias.detach())
+        return new
+
+    def _store_weight(self, weight: torch.Tensor) -> None:
+        """Store ``weight diag(input_scale)`` (``weight`` dense ``[N, K]``) with fresh round-to-nearest steps."""
+        rows = max(1, CHUNK_ELEMENTS // self.in_features)
+        scale = self.input_scale.float()
+        for start in range(0, self.out_features, rows):
+            part = slice(start, start + rows)
+            w = weight[part].detach().float() * scale
+            step, zero = int_steps(w, self.spec)
+            self.qweight[part] = self._store(quantize_int(w, self.spec, step, zero))
+            self.step[part] = step
+            if zero is not None:
+                self.zero[part] = zero
+        self._cache.clear()
+
     @torch.no_grad()
     def requantize_(self, weight: torch.Tensor) -> dict:
         """Re-store a dense ``weight [N, K]`` in this layer's format, in place (fresh steps from
@@ -486,15 +517,8 @@ class PackedLinear(nn.Module):
             raise ValueError(
                 f"requantize_: weight shape {tuple(weight.shape)} != ({self.out_features}, {self.in_features})"
             )
+        self._store_weight(weight)
         w = weight.detach().float()
-        scaled = w * self.input_scale.float()
-        step, zero = int_steps(scaled, self.spec)
-        codes = quantize_int(scaled, self.spec, step, zero)
-        self.qweight.copy_(self._store(codes))
-        self.step.copy_(step)
-        if zero is not None:
-            self.zero.copy_(zero)
-        self._cache.clear()
         err = (self.dequantized_weight(torch.float32) - w).norm() / w.norm().clamp(min=_EPS)
         return {"rel_error": err.item()}
 

@@ -100,7 +100,8 @@ def check_quantizable(model: nn.Module, plan: PrecisionPlan) -> None:
     """Raise ``ValueError`` if the plan packs nothing or a layer is narrower than its INT4 group."""
     assigned = plan.assign(model)
     layers = eligible_layers(model)
-    packed = {n: s for n, s in assigned.items() if s.family == "int4" and isinstance(layers[n], nn.Linear)}
+    linear = (nn.Linear, PackedLinear)  # packed already when quantized on load
+    packed = {n: s for n, s in assigned.items() if s.family == "int4" and isinstance(layers[n], linear)}
     if not packed:
         raise ValueError(
             f"plan {plan.to_dict()} puts no Linear layer of this model in int4; nothing to pack into an INT4 base"

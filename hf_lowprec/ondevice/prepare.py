@@ -16,6 +16,7 @@ from torch import nn
 
 from hf_lowprec.checkpoints import load_pretrained
 from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eligible_layers, freeze
+from hf_lowprec.export.hf_quantizer import HfLowprecConfig, packs_on_load
 from hf_lowprec.layers import swap_layers
 from hf_lowprec.modules.int4 import Int4Linear
 from hf_lowprec.modules.int4_lora import register_int4_lora
@@ -123,6 +124,8 @@ def _freeze_base(model: nn.Module, report: ConversionReport, backend: str) -> No
         if isinstance(layers[row.name], PackedLinear):
             layers[row.name].backend = backend
             row.backend = backend
+            if row.reason == "unchanged":
+                row.reason = "packed while loading"
     for p in model.parameters():
         p.requires_grad_(False)
     _own_dense_tensors(model)
@@ -144,18 +147,46 @@ def _with_adapters(model: nn.Module, config: LoraConfig, factors: dict, adapter_
 
 @torch.no_grad()
 def _own_dense_tensors(model: nn.Module) -> None:
-    """Copy the parameters and buffers that stay dense (embeddings, norms) into memory of their own.
+    """Copy the parameters and buffers that stay dense (embeddings, norms) and still live in a memory-mapped
+    checkpoint file into memory of their own.
 
     transformers maps safetensors checkpoints into memory; the linear weights read while quantizing stay
     resident (and count in RSS) for as long as any tensor of the file is alive. Owning the few dense
-    tensors releases the file: on SmolLM2-135M, 146 MB less resident memory for the rest of training.
+    tensors releases the file: on SmolLM2-135M, 146 MB less resident memory for the rest of training. Tensors
+    already in memory of their own (quantized on load) are left alone: copying a 128k-vocabulary embedding would
+    add its size to the peak.
     """
+    mapped = _file_mappings()
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
-            p.data = p.data.clone()
+            if _in_file(p, mapped):
+                p.data = p.data.clone()
         for name, b in module.named_buffers(recurse=False):
-            if b is not None and b.is_floating_point():
+            if b is not None and b.is_floating_point() and _in_file(b, mapped):
                 module._buffers[name] = b.clone()
+
+
+def _file_mappings() -> list[tuple[int, int]] | None:
+    """``(start, end)`` addresses of this process's file-backed memory mappings (``/proc/self/maps``; ``None`` where
+    there is no such file, and every tensor then counts as mapped)."""
+    try:
+        lines = open("/proc/self/maps").read().splitlines()
+    except OSError:
+        return None
+    ranges = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[4] != "0":  # an inode: backed by a file
+            start, end = fields[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def _in_file(t: torch.Tensor, mapped: list[tuple[int, int]] | None) -> bool:
+    if mapped is None:
+        return True
+    address = t.untyped_storage().data_ptr()
+    return any(start <= address < end for start, end in mapped)
 
 
 def _calibrated_pack(
@@ -215,6 +246,11 @@ def load_int4_lora(
 ):
     """Load a pretrained checkpoint and :func:`prepare_int4_lora` it: ``(peft_model, tokenizer, report)``.
 
+    With round-to-nearest codes and no LoftQ (the defaults) and a plan that packs every layer it quantizes, each
+    weight is packed as it is read (:class:`~hf_lowprec.export.hf_quantizer.HfLowprecConfig`): the dense model never
+    exists whole. Calibrated roundings, LoftQ, ``plan="auto"`` and plans with formats that do not pack load the
+    dense model first.
+
     ``dtype``: the compute dtype, ``"auto"`` (bf16 where this CPU runs bf16 GEMMs fast, measured once per
     machine; fp32 otherwise, e.g. on AVX2), ``"bf16"``/``"fp32"`` or a torch dtype; the choice and its reason
     are in ``report.compute``. ``calibration``: token blocks ``[n, T]``, or a callable ``tokenizer -> blocks``
@@ -223,7 +259,13 @@ def load_int4_lora(
     """
     dtype, reason = resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")
     logger.info(reason)
-    model, tokenizer = load_pretrained(model_id_or_path, gguf_file=gguf_file, dtype=dtype)
+    on_load = rounding == "nearest" and not loftq_init and packs_on_load(plan)
+    quantization = HfLowprecConfig(plan) if on_load else None
+    model, tokenizer = load_pretrained(
+        model_id_or_path, gguf_file=gguf_file, dtype=dtype, quantization_config=quantization
+    )
+    if on_load:
+        plan = model.hf_lowprec_plan  # resolved against the model; its packed layers stay as they are
     if callable(calibration):
         calibration = calibration(tokenizer)
     peft_model, report = prepare_int4_lora(
