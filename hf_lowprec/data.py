@@ -25,6 +25,7 @@ import datasets
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, default_data_collator
 
 from hf_lowprec.checkpoints import shakespeare_files
+from hf_lowprec.labels import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,6 @@ MESSAGE_COLUMNS = ("messages", "conversations")
 PROMPT_COLUMNS = ("instruction", "prompt", "question")
 RESPONSE_COLUMNS = ("output", "response", "completion", "answer")
 DEFAULT_CORPUS = "shakespeare"
-IGNORE_INDEX = -100  # the label of positions a loss skips (transformers' convention)
 
 
 def default_corpus() -> tuple[datasets.Dataset, str]:

@@ -16,9 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from hf_lowprec.data import IGNORE_INDEX, collated_batches
-
-"""The label value every loss here (and transformers') skips: padding, prompts, the first token."""
+from hf_lowprec.labels import IGNORE_INDEX
 
 
 def peak_rss_mb() -> float:
@@ -46,6 +44,8 @@ def causal_lm_loss(
 
     Returns ``{"loss", "perplexity", "tokens"}``; ``on_batch(rows)`` is called after every batch.
     """
+    from hf_lowprec.data import collated_batches  # data.py imports datasets: only when evaluating
+
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -74,6 +74,8 @@ def causal_lm_loss(
 @torch.no_grad()
 def classification_accuracy(model: nn.Module, dataset, collator, *, batch_size: int = 16, on_batch=None) -> dict:
     """Accuracy of ``model`` (a sequence classifier) on rows with ``labels``: ``{"accuracy", "rows"}``."""
+    from hf_lowprec.data import collated_batches  # data.py imports datasets: only when evaluating
+
     model.eval()
     device = next(model.parameters()).device
     predictions, references = [], []

@@ -251,3 +251,15 @@ def test_imports_print_nothing():
     code = "import hf_lowprec\nfrom hf_lowprec import load_int4_lora, LowPrecisionCallback\nimport hf_lowprec.ondevice\n"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout == "" and done.stderr == "", done.stderr[-2000:]
+
+
+def test_the_on_device_training_path_does_not_import_datasets():
+    """datasets (with pandas) costs ~90 MB of resident memory; a process that loads, packs and trains without reading
+    data through it must not import it (the Trainer subclass and the data readers load it when used)."""
+    code = (
+        "import sys\nfrom hf_lowprec.ondevice import load_int4_lora, finetune_int4_lora, chunked_causal_lm_loss\n"
+        "import hf_lowprec.training.activations\nprint(sorted(m for m in ('datasets', 'pandas') if m in sys.modules))\n"
+        "from hf_lowprec.ondevice import ChunkedLossTrainer\nprint('datasets' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split("\n")[:2] == ["[]", "True"], done.stdout + done.stderr[-2000:]

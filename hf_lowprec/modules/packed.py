@@ -459,22 +459,15 @@ class PackedLinear(nn.Module):
 
     def tiled_operands(self) -> tuple:
         """``(codes as uint8, step fp32 [N, G], zero fp32 or None, 1/input_scale or None, K, group size,
-        signed, int4)``: the arguments of the C++ ``tiled_*`` kernels; cached until the buffers change."""
-        if "tiled" not in self._cache:
-            zero = None if self.zero is None else self.zero.float().contiguous()
-            group = self.spec.group_size or self.in_features
-            int4 = isinstance(self, PackedInt4Linear)
-            self._cache["tiled"] = (
-                self.qweight.view(torch.uint8),
-                self.step.float().contiguous(),
-                zero,
-                self.inverse_input_scale(),
-                self.in_features,
-                group,
-                self.spec.symmetric,
-                int4,
-            )
-        return self._cache["tiled"]
+        signed, int4)``: the arguments of the C++ ``tiled_*`` kernels. Steps and zero points are converted on every
+        call (``[N, G]``: 1/64 of the codes): kept, their fp32 copies would add 8 bytes per group, 116 MB on a
+        1.2B-parameter model."""
+        zero = None if self.zero is None else self.zero.float().contiguous()
+        group = self.spec.group_size or self.in_features
+        int4 = isinstance(self, PackedInt4Linear)
+        step = self.step.float().contiguous()
+        inverse = self.inverse_input_scale()
+        return self.qweight.view(torch.uint8), step, zero, inverse, self.in_features, group, self.spec.symmetric, int4
 
     @classmethod
     @torch.no_grad()
@@ -617,15 +610,12 @@ class PackedInt4Linear(PackedLinear):
         return unpack_int4(self.qweight, self.in_features, signed=self.spec.symmetric)
 
     def _int8_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(step / r [N, G], r [N])`` fp32, with ``r[n] = max_k |grid_weight[n, k]| / 127``; cached until the
-        buffers change."""
-        if "ratio" not in self._cache:
-            row_step = (self.grid_weight(torch.float32).abs().amax(-1) / _INT8_MAX).clamp(min=_EPS)
-            self._cache["ratio"], self._cache["row_step"] = (
-                (self.step.float() / row_step.unsqueeze(-1)).contiguous(),
-                row_step,
-            )
-        return self._cache["ratio"], self._cache["row_step"]
+        """``(step / r [N, G], r [N])`` fp32, with ``r[n] = max_k |grid_weight[n, k]| / 127``; ``r`` is cached until
+        the buffers change (it needs the whole weight), the ratio computed per call (cached, 4 bytes per group)."""
+        if "row_step" not in self._cache:
+            self._cache["row_step"] = (self.grid_weight(torch.float32).abs().amax(-1) / _INT8_MAX).clamp(min=_EPS)
+        row_step = self._cache["row_step"]
+        return (self.step.float() / row_step.unsqueeze(-1)).contiguous(), row_step
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``, unpacked from the codes on every

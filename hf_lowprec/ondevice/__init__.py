@@ -33,7 +33,16 @@ from hf_lowprec.ondevice.planning import (
 )
 from hf_lowprec.ondevice.prepare import load_int4_lora, prepare_int4_lora
 from hf_lowprec.ondevice.train import METRICS_FILE, FinetuneResult, backend_counts, finetune_int4_lora, peak_rss_mb
-from hf_lowprec.ondevice.trainer import ChunkedLossTrainer
+
+
+def __getattr__(name: str):
+    # transformers' Trainer imports datasets and pandas (~90 MB resident): loaded when first asked for
+    if name == "ChunkedLossTrainer":
+        from hf_lowprec.ondevice.trainer import ChunkedLossTrainer
+
+        return ChunkedLossTrainer
+    raise AttributeError(f"module 'hf_lowprec.ondevice' has no attribute {name!r}")
+
 
 __all__ = [
     "ADAPTER_DIR",

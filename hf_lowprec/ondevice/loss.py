@@ -11,7 +11,7 @@ import torch
 from peft import PeftModel
 from torch import nn
 
-from hf_lowprec.data import IGNORE_INDEX
+from hf_lowprec.labels import IGNORE_INDEX
 from hf_lowprec.modules.packed import compiled
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from hf_lowprec.data import IGNORE_INDEX
+from hf_lowprec.labels import IGNORE_INDEX
 
 
 def _check_batches(batches: Iterable[Mapping]) -> list[dict]:
