@@ -215,6 +215,7 @@ def _load_by_pread(source: str, dtype: torch.dtype, from_pretrained_kwargs: dict
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k not in shared}
     model = model_class.from_pretrained(None, config=config, state_dict=weights, dtype=dtype, **kwargs)
+    model.config.name_or_path = model.name_or_path = source  # as from_pretrained(folder) records it (adapters name it)
     if (Path(source) / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(source)
     return model

@@ -66,18 +66,27 @@ def test_quantize_on_load_packs_as_apply_plan_does(tmp_path, dtype):
 
 def test_quantize_on_load_default_plan_and_a_tied_head(tmp_path):
     """No plan: every Linear in int4-g64-asym but the output head (a format name keeps it too). A plan that packs a
-    tied head packs it from the embedding after loading (the checkpoint holds no head weight)."""
-    tiny_llama(tie=True).save_pretrained(tmp_path)
-    default = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=HfLowprecConfig())
+    tied head packs the table once, as the checkpoint's embedding arrives; the embedding then reads the head's rows,
+    and a saved folder reloads the tie from the head's codes."""
+    tiny_llama(tie=True).save_pretrained(tmp_path / "dense")
+    default = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", quantization_config=HfLowprecConfig())
     assert default.hf_lowprec_plan.to_dict() == {"default": "int4-g64-asym", "layers": {"lm_head": "bf16"}}
     assert sum(isinstance(m, PackedInt4Linear) for m in default.modules()) == 14 and type(default.lm_head) is torch.nn.Linear
-    assert AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=HfLowprecConfig("int4-g32")).hf_lowprec_plan.layers
-    everything = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=HfLowprecConfig({"default": "int4-g32"}))
+    packed_default = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", quantization_config=HfLowprecConfig("int4-g32"))
+    assert packed_default.hf_lowprec_plan.layers
+    config = HfLowprecConfig({"default": "int4-g32"})
+    everything = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", quantization_config=config)
     assert isinstance(everything.lm_head, PackedInt4Linear)
-    embedding = everything.model.embed_tokens.weight.detach()
-    reference = PackedInt4Linear.from_weight(embedding, "int4-g32")
+    assert type(everything.get_input_embeddings()).__name__ == "TiedPackedEmbedding"
+    table = default.get_input_embeddings().weight.detach()
+    reference = PackedInt4Linear.from_weight(table, "int4-g32")
     torch.testing.assert_close(everything.lm_head.dequantized_weight(), reference.dequantized_weight(), rtol=0, atol=0)
-    assert (everything.lm_head.dequantized_weight() - embedding).abs().max() < embedding.abs().max() / 7
+    assert (everything.lm_head.dequantized_weight() - table).abs().max() < table.abs().max() / 7
+    everything.save_pretrained(tmp_path / "packed")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "packed")
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, everything(input_ids=ids).logits, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

@@ -177,6 +177,7 @@ def test_load_int4_lora_packs_while_loading_as_the_dense_path_does(tmp_path, dty
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
     assert str(report).splitlines()[0] == str(reference_report).splitlines()[0]
     assert {r.reason for r in report.layers if r.module.startswith("Packed")} == {"packed while loading"}
+    assert model.get_base_model().name_or_path == str(path)  # as from_pretrained(folder) names it
     assert not [line for line in open("/proc/self/maps") if str(tmp_path) in line]  # nothing of the file kept mapped
 
 
@@ -339,3 +340,52 @@ def test_compiled_cross_entropy_with_grad_matches_autograd_on_two_threads(dtype)
             torch.testing.assert_close(grad.float(), x.grad, rtol=0, atol=1e-6 if dtype == torch.float32 else 4e-3)
     finally:
         torch.set_num_threads(threads)
+
+
+TIED_INT8_HEAD = PrecisionPlan({"lm_head": "int8"}, default="int4-g64-asym")
+
+
+def test_a_packed_tied_head_is_the_embedding_table_too(tmp_path):
+    """A plan that packs a tied output head: the input embedding reads the head's codes (no dense table left), on
+    load and after, and the export reloads the tie from the head's codes alone."""
+    path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model, _, report = load_int4_lora(path, LoraConfig(**LORA), TIED_INT8_HEAD, dtype="fp32", backend="dequant")
+    torch.manual_seed(0)
+    dense, _ = load_pretrained(path)
+    table = dense.get_input_embeddings().weight.detach().clone()
+    reference, reference_report = prepare_int4_lora(dense, LoraConfig(**LORA), TIED_INT8_HEAD)
+    for m in (model, reference):
+        base = m.get_base_model()
+        assert isinstance(base.lm_head, PackedInt8Linear) and type(base.get_input_embeddings()).__name__ == "TiedPackedEmbedding"
+        assert not any(p.numel() == table.numel() for p in base.parameters())  # the dense table is gone
+    got, expected = model.state_dict(), reference.state_dict()
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+    assert {r.name: r.module for r in reference_report.layers}["model.embed_tokens"] == "TiedPackedEmbedding"
+    ids = torch.randint(0, table.shape[0], (2, 16))
+    head = reference.get_base_model().lm_head
+    rows = reference.get_base_model().get_input_embeddings()(ids)
+    torch.testing.assert_close(rows, head.dequantized_weight()[ids], rtol=0, atol=0)
+    step = table.abs().amax(-1, keepdim=True) / 127  # int8 per row: each row within half a step of the dense table
+    assert ((rows - table[ids]).abs() <= step[ids] / 2 + 1e-6).all()
+    export_int4_lora(model, tmp_path / "run")
+    reloaded, _ = load_int4_model(tmp_path / "run")
+    assert type(reloaded.get_base_model().get_input_embeddings()).__name__ == "TiedPackedEmbedding"
+    for m in reloaded.modules():
+        if isinstance(m, PackedLinear):
+            m.backend = "dequant"
+    export_int4_lora(model, tmp_path / "dense", merge=True, merged_dtype=torch.float32)  # the table written dense
+    dense_reload = AutoModelForCausalLM.from_pretrained(tmp_path / "dense")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+        dense_logits = dense_reload(input_ids=ids).logits  # the dequant backend: fp32 math on the same weights
+        torch.testing.assert_close(dense_logits, model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_default_plan_packs_only_large_output_heads_in_int8(monkeypatch):
+    from hf_lowprec.ondevice import int4_plan
+
+    model = tiny_llama(tie=True)
+    assert int4_plan(model).to_dict() == {"default": "int4-g64-asym", "layers": {"lm_head": "bf16"}}
+    monkeypatch.setattr("hf_lowprec.ondevice.planning.HEAD_INT8_MIN_PARAMS", 64 * 256 - 1)  # this head's 64 x 256
+    assert int4_plan(model, "int4-g32").to_dict() == {"default": "int4-g32", "layers": {"lm_head": "int8"}}

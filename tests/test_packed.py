@@ -351,3 +351,22 @@ def test_llama_1b_shapes_every_runnable_backend_matches_the_dequantized_referenc
         # int8: dynamic int8 activations (~0.8%); bf16: one rounding of the output (2^-9 relative)
         tol = 0.02 if backend == "int8" else (1e-5 if dtype == torch.float32 else 8e-3)
         assert rel(y, y_ref) < tol and rel(gx, gx_ref) < tol, (backend, rel(y, y_ref), rel(gx, gx_ref))
+
+
+def test_auto_never_times_the_dequant_backend_of_a_large_layer(monkeypatch):
+    """Timing ``dequant`` materialises the dense weight (a 128k-vocabulary head: 1 GB); above
+    ``DEQUANT_AUTOTUNE_MAX`` elements auto chooses among the kernels that work from the codes."""
+    import hf_lowprec.modules.packed as packed_module
+
+    timed = []
+    real = packed_module.fastest
+    monkeypatch.setattr(packed_module, "fastest", lambda key, candidates, why: timed.append(set(candidates)) or real(key, candidates, why))
+    x = torch.randn(4, 128)
+    for limit in (1 << 30, 0):
+        monkeypatch.setattr(packed_module, "DEQUANT_AUTOTUNE_MAX", limit)
+        layer = packed("int4-g64")
+        if len(layer.runnable_backends(x)) == 1:
+            pytest.skip("only the dequant backend runs here: nothing to choose")
+        layer(x)
+    assert "dequant" in timed[0] and timed[1] == set(layer.runnable_backends(x)) - {"dequant"}
+    assert layer.last_backend != "dequant"

@@ -35,6 +35,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import canonical_name, set_module, swap_layers
 from hf_lowprec.modules.packed import packed_class
+from hf_lowprec.modules.tied_embedding import share_packed_head, tied_head_names
 from hf_lowprec.plan import PrecisionPlan, is_auto, resolve_plan
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class HfLowprecQuantizer(HfQuantizer):
     def __init__(self, quantization_config: HfLowprecConfig, **kwargs):
         super().__init__(quantization_config, **kwargs)
         self.to_pack: dict[str, FormatSpec] = {}  # full module name -> format, for a dense checkpoint
+        self.tied: tuple[str, str] | None = None  # (head, embedding) when the plan packs a head tied to the embedding
 
     def _process_model_before_weight_loading(self, model, **kwargs):
         if self.pre_quantized:
@@ -92,6 +94,10 @@ class HfLowprecQuantizer(HfQuantizer):
             plan = packing_plan(model, self.quantization_config.plan)
             self.quantization_config.plan = plan.to_dict()  # the folder's config.json says what was packed
             self.to_pack = _packed_layers(model, plan)
+            tied = tied_head_names(model)
+            if tied is not None and tied[0] in self.to_pack:  # the checkpoint holds the table as the embedding's
+                self.tied, self.to_pack[tied[1]] = tied, self.to_pack[tied[0]]
+                model.all_tied_weights_keys.pop(f"{tied[0]}.weight", None)  # tied through the codes instead
             logger.info("packing %d linears while loading (%s)", len(self.to_pack), plan.format_summary(model))
         model.hf_lowprec_plan = plan
 
@@ -129,9 +135,13 @@ class PackOnLoad(ConversionOps):
         (value,) = input_dict.values()
         weight = value[0] if isinstance(value, list) else value
         module_name = full_layer_name.rpartition(".")[0]
-        _pack(model, module_name, weight, self.quantizer.to_pack[module_name])
+        tied = self.quantizer.tied
+        head = tied[0] if tied is not None and module_name == tied[1] else module_name  # a tied table packs the head
+        _pack(model, head, weight, self.quantizer.to_pack[module_name])
+        if head != module_name:
+            share_packed_head(model, tied)
         if missing_keys is not None:
-            missing_keys.discard(full_layer_name)
+            missing_keys.difference_update({full_layer_name, f"{head}.weight"})
         return {}
 
 
@@ -195,7 +205,11 @@ def install_packed_shells(model: nn.Module, plan: PrecisionPlan) -> int:
         w = module.weight
         return cls(module.in_features, module.out_features, spec, module.bias is not None, w.dtype, w.device)
 
-    return swap_layers(model, shell)
+    tied = tied_head_names(model)
+    count = swap_layers(model, shell)
+    if tied is not None:
+        share_packed_head(model, tied)  # a packed folder holds a tied table once, as the head's codes
+    return count
 
 
 def quantization_config_dict(plan: PrecisionPlan) -> dict:

@@ -63,6 +63,7 @@ PACKED_BACKENDS = ("auto", "int8", "tiled", "dequant")
 # and Llama-3.2-1B shapes, benchmarks/kernel_speed.py: 5 tiles on 2 threads cost up to 25%)
 ROW_TILE = 128
 COLUMN_TILE = 256
+DEQUANT_AUTOTUNE_MAX = 1 << 24  # weights above this many elements: auto never times (nor picks) dequant
 AUTOTUNE_TOKENS = 256  # rows of the probe input when auto times the backends of a layer shape
 CHUNK_ELEMENTS = 1 << 22  # weight elements quantized per slice when packing a dense weight (16 MB in fp32)
 OUTLIER_COLUMNS = 8  # input channels per call the int8 backend multiplies in the activation dtype (see _int8_forward)
@@ -425,9 +426,13 @@ class PackedLinear(nn.Module):
         """``qweight`` holding integer ``codes [N, K]``."""
         raise NotImplementedError
 
+    def _unpack(self, qweight: torch.Tensor) -> torch.Tensor:
+        """The integer codes ``[n, K]`` of stored rows ``qweight [n, ...]`` (int8 when symmetric, else uint8)."""
+        raise NotImplementedError
+
     def codes(self) -> torch.Tensor:
         """The integer codes ``[N, K]`` (int8 when symmetric, else non-negative uint8)."""
-        raise NotImplementedError
+        return self._unpack(self.qweight)
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``."""
@@ -449,6 +454,15 @@ class PackedLinear(nn.Module):
         if inverse is None:
             return self.grid_weight(dtype)
         return (self.grid_weight(torch.float32) * inverse).to(dtype)
+
+    def dequantized_rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``index`` (any shape) of :meth:`dequantized_weight`, ``[*index.shape, K]`` in ``dtype``, dequantized
+        from their codes alone: what an input embedding tied to this (output head) layer reads per token."""
+        flat = index.reshape(-1)
+        zero = None if self.zero is None else self.zero[flat].float()
+        rows = dequantize_int(self._unpack(self.qweight[flat]), self.spec, self.step[flat].float(), zero)
+        inverse = self.inverse_input_scale()
+        return (rows if inverse is None else rows * inverse).to(dtype).view(*index.shape, self.in_features)
 
     def inverse_input_scale(self) -> torch.Tensor | None:
         """``1 / input_scale`` fp32 ``[K]``, or ``None`` when the scale is all ones; cached until the buffers change."""
@@ -538,6 +552,8 @@ class PackedLinear(nn.Module):
             key = ("auto", x.device.type, x.dtype)  # resolved once per layer, device, dtype (dropped on .to())
             if key not in self._cache:
                 runnable = self.runnable_backends(x)
+                if len(runnable) > 1 and self.in_features * self.out_features > DEQUANT_AUTOTUNE_MAX:
+                    del runnable["dequant"]  # timing it makes the whole dense weight (a 128k-vocabulary head: 1 GB)
                 choice = self._autotune(x.device, x.dtype, runnable) if len(runnable) > 1 else None
                 self._cache[key] = choice.value if choice else "dequant"
                 _log_once(self._cache[key], choice.reason if choice else runnable["dequant"])
@@ -606,8 +622,8 @@ class PackedInt4Linear(PackedLinear):
     def _store(self, codes: torch.Tensor) -> torch.Tensor:
         return pack_int4(codes)
 
-    def codes(self) -> torch.Tensor:
-        return unpack_int4(self.qweight, self.in_features, signed=self.spec.symmetric)
+    def _unpack(self, qweight: torch.Tensor) -> torch.Tensor:
+        return unpack_int4(qweight, self.in_features, signed=self.spec.symmetric)
 
     def _int8_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(step / r [N, G], r [N])`` fp32, with ``r[n] = max_k |grid_weight[n, k]| / 127``; ``r`` is cached until
@@ -661,8 +677,8 @@ class PackedInt8Linear(PackedLinear):
     def _store(self, codes: torch.Tensor) -> torch.Tensor:
         return codes.to(torch.int8)
 
-    def codes(self) -> torch.Tensor:
-        return self.qweight
+    def _unpack(self, qweight: torch.Tensor) -> torch.Tensor:
+        return qweight
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         if "row_step" not in self._cache:

@@ -22,6 +22,7 @@ from hf_lowprec.modules.int4 import Int4Linear
 from hf_lowprec.modules.int4_lora import register_int4_lora
 from hf_lowprec.modules.kernels.autotune import resolve_dtype
 from hf_lowprec.modules.packed import PACKED_BACKENDS, PackedInt4Linear, PackedLinear
+from hf_lowprec.modules.tied_embedding import TiedPackedEmbedding, share_packed_head, tied_head_names
 from hf_lowprec.ondevice.calibration import ROUNDINGS, CalibratedCodes, calibrated_codes, check_rounding, summary
 from hf_lowprec.ondevice.loftq import loftq_factors, loftq_for_targets, lora_scaling
 from hf_lowprec.ondevice.planning import (
@@ -116,16 +117,24 @@ def _check_arguments(plan, rounding: str, calibration, budget, auto_formats, bac
 
 
 def _freeze_base(model: nn.Module, report: ConversionReport, backend: str) -> None:
-    """Pack the plan's layers, set their ``backend``, name in ``report`` the modules that now run, freeze the rest."""
+    """Pack the plan's layers, set their ``backend``, name in ``report`` the modules that now run, freeze the rest;
+    an input embedding tied to a packed output head reads the head's rows (:mod:`hf_lowprec.modules.tied_embedding`)."""
+    tied = tied_head_names(model)
     freeze(model)
     layers = eligible_layers(model)
     for row in report.layers:  # the report was made before freezing: name the modules that now run
+        if row.name not in layers:
+            continue  # an embedding that reads a packed head already (packed while loading)
         row.module = type(layers[row.name]).__name__
         if isinstance(layers[row.name], PackedLinear):
             layers[row.name].backend = backend
             row.backend = backend
             if row.reason == "unchanged":
                 row.reason = "packed while loading"
+    if tied is not None and share_packed_head(model, tied):
+        for row in report.layers:
+            if row.name == canonical_name(tied[1]):
+                row.module, row.reason = TiedPackedEmbedding.__name__, f"reads the rows of the packed {tied[0]}"
     for p in model.parameters():
         p.requires_grad_(False)
     _own_dense_tensors(model)
