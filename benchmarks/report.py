@@ -270,6 +270,30 @@ def kernels_section() -> list[str]:
     return lines
 
 
+def scale_section(scale: dict | None) -> list[str]:
+    """Load and training memory and step time per model size and configuration (benchmarks/scale.py)."""
+    lines = ["## Fine-tuning at real sizes (benchmarks/scale.py)\n"]
+    if not scale:
+        return lines + ["not measured: run `python benchmarks/scale.py` (about 40 minutes on 2 cores; not part of `make bench`)\n"]
+    m = scale["machine"]
+    lines += [f"{m['machine']} ({m['cpu_class']}), {m['threads']} threads; random-weight checkpoints of each architecture, "
+              f"LoRA r={scale['lora']['r']} on every linear, {scale['steps']} timed steps after one warm-up.\n",
+              "| size | configuration | params | load s | load peak MB | peak MB 1x256 | peak MB 4x256 | step s 1x256 | step s 4x256 |",
+              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in sorted(scale["results"], key=lambda r: (r["params"], r["config"])):
+        t1, t4 = r["train"]["1x256"], r["train"]["4x256"]
+        lines.append(f"| {r['size']} | {r['config']} | {r['params'] / 1e6:.0f}M | {r['load_s']:.1f} | {r['load_peak_rss_mb']:.0f} | "
+                     f"{t1['peak_rss_mb']:.0f} | {t4['peak_rss_mb']:.0f} | {t1['step_s_median']:.2f} | {t4['step_s_median']:.2f} |")  # fmt: skip
+    fits = ", ".join(f"{c} {f['1x256']['bytes_per_param']:.2f} B/param + {f['1x256']['overhead_mb']:.0f} MB" for c, f in scale["fit"].items())
+    lines += ["", f"Peak RSS (loading included, batch 1x256) against parameters, least squares over the sizes: {fits}.", ""]
+    for config, g in scale.get("goals", {}).items():
+        lines.append(f"Llama-3.2-1B shape, `{config}`, batch 1x256: peak {g['peak_rss_mb']:.0f} MB (goal {g['peak_rss_goal_mb']}), "
+                     f"{g['peak_vs_checkpoint']:.2f}x the bf16 checkpoint on disk (goal {g['peak_vs_checkpoint_goal']}), "
+                     f"{g.get('peak_vs_nf4_qlora', float('nan')):.2f}x bnb NF4 QLoRA's peak (goal 0.7); step "
+                     f"{g.get('step_vs_fastest_peer', float('nan')):.2f}x the fastest peer's ({g.get('fastest_peer')}; goal 1.0).\n")  # fmt: skip
+    return lines + ["![scale](scale.png)", ""]
+
+
 def gpu_section(gpu: dict | None) -> list[str]:
     lines = ["## GPU column\n"]
     if not gpu:
@@ -296,6 +320,7 @@ def main():
     out += memory_section(memory)
     out += finetune_quality_section(fq)
     out += ondevice_section(ondevice)
+    out += scale_section(load("scale"))
     out += kernels_section()
     out += gpu_section(gpu)
     path = RESULTS / "REPORT.md"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -44,6 +45,7 @@ from hf_lowprec.checkpoints import cache_root
 MARK = "@@RESULT@@"
 BLOCK = 256
 BATCHES = (1, 4)
+STEPS = 2  # timed steps per batch size (--steps)
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192, "rope_theta": 500000.0}  # fmt: skip
@@ -183,7 +185,7 @@ def child(args) -> dict:
         }  # fmt: skip
     return {
         "size": args.size, "config": args.config, "description": CONFIGS[args.config],
-        "params": sum(p.numel() for p in model.get_base_model().parameters()) + _packed_params(model),
+        "params": checkpoint_params(Path(args.folder)),
         "checkpoint_mb": sum(f.stat().st_size for f in Path(args.folder).glob("*.safetensors")) / 2**20,
         "load_s": load_s, "load_peak_rss_mb": load_peak, "rss_after_load_mb": rss_loaded, "rss_imports_mb": rss_imports,
         "train": per_batch, "peak_rss_mb": max([load_peak] + [b["peak_rss_mb"] for b in per_batch.values()]),
@@ -192,11 +194,17 @@ def child(args) -> dict:
     }  # fmt: skip
 
 
-def _packed_params(model) -> int:
-    """Weights held as packed codes (not parameters): ``in x out`` of each packed layer."""
-    from hf_lowprec.modules import PackedLinear
+def checkpoint_params(folder: Path) -> int:
+    """Parameters of the checkpoint in ``folder`` (its safetensors' shapes; the tied table once), the x axis: counted
+    from the model, a packed or NF4 layer would count its bytes."""
+    from safetensors import safe_open
 
-    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, PackedLinear))
+    total = 0
+    for path in folder.glob("*.safetensors"):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                total += math.prod(f.get_slice(name).get_shape())
+    return total
 
 
 # ------------------------------------------------------------------------------------ parent
@@ -214,36 +222,52 @@ def run_child(size: str, config: str, folder: Path, steps: int) -> dict:
     return r
 
 
+def peak_mb(r: dict, batch: str) -> float:
+    """Peak RSS of a configuration training at ``batch`` (e.g. ``1x256``), loading included, MB."""
+    return max(r["load_peak_rss_mb"], r["train"][batch]["peak_rss_mb"])
+
+
 def fit(results: list[dict]) -> dict:
-    """Per configuration, peak RSS (MB) ~ overhead + slope x parameters, least squares over the sizes measured."""
+    """Per configuration and batch, peak RSS (MB, loading included) ~ overhead + slope x parameters, least squares
+    over the sizes measured."""
     out = {}
     for config in sorted({r["config"] for r in results}):
-        points = [(r["params"], r["peak_rss_mb"] * 2**20) for r in results if r["config"] == config]
-        if len(points) < 2:
+        rows = [r for r in results if r["config"] == config]
+        if len(rows) < 2:
             continue
-        slope, intercept = statistics.linear_regression(*zip(*points))
-        out[config] = {"bytes_per_param": slope, "overhead_mb": intercept / 2**20, "sizes": len(points)}
+        for batch in rows[0]["train"]:
+            slope, intercept = statistics.linear_regression([r["params"] for r in rows], [peak_mb(r, batch) * 2**20 for r in rows])
+            out.setdefault(config, {})[batch] = {"bytes_per_param": slope, "overhead_mb": intercept / 2**20, "sizes": len(rows)}
     return out
 
 
 def goals(results: list[dict]) -> dict:
-    """The issue's targets at the Llama-3.2-1B shape, as ratios measured in this run."""
+    """The issue's targets at the Llama-3.2-1B shape, batch 1x256, as ratios measured in this run."""
+    batch = f"1x{BLOCK}"
     at = {r["config"]: r for r in results if r["size"] == "llama-3.2-1b"}
-    ours = at.get("int4-lora")
-    if ours is None:
-        return {}
     peers = {c: r for c, r in at.items() if not c.startswith("int4-lora")}
-    out = {
-        "peak_rss_mb": ours["peak_rss_mb"], "peak_rss_goal_mb": 1536,
-        "peak_vs_checkpoint": ours["peak_rss_mb"] / ours["checkpoint_mb"], "peak_vs_checkpoint_goal": 0.6,
-    }  # fmt: skip
-    if "nf4-qlora" in peers:
-        out["peak_vs_nf4_qlora"] = ours["peak_rss_mb"] / peers["nf4-qlora"]["peak_rss_mb"]
-    if peers:
-        fastest = min(peers.values(), key=lambda r: r["train"][f"1x{BLOCK}"]["step_s_median"])
-        out["step_vs_fastest_peer"] = ours["train"][f"1x{BLOCK}"]["step_s_median"] / fastest["train"][f"1x{BLOCK}"]["step_s_median"]
-        out["fastest_peer"] = fastest["config"]
+    out = {}
+    for config in ("int4-lora", "int4-lora-gc"):
+        ours = at.get(config)
+        if ours is None:
+            continue
+        peak = peak_mb(ours, batch)
+        row = {"peak_rss_mb": peak, "peak_rss_goal_mb": 1536, "peak_vs_checkpoint": peak / ours["checkpoint_mb"],
+               "peak_vs_checkpoint_goal": 0.6}  # fmt: skip
+        if "nf4-qlora" in peers:
+            row["peak_vs_nf4_qlora"] = peak / peak_mb(peers["nf4-qlora"], batch)
+        if peers:
+            fastest = min(peers.values(), key=lambda r: r["train"][batch]["step_s_median"])
+            row["step_vs_fastest_peer"] = ours["train"][batch]["step_s_median"] / fastest["train"][batch]["step_s_median"]
+            row["fastest_peer"] = fastest["config"]
+        out[config] = row
     return out
+
+
+def summary(results: list[dict]) -> dict:
+    """What scale.json holds: the machine, the settings, every run, the fits and the goals."""
+    return {"machine": machine(), "steps": STEPS, "lora": LORA, "block": BLOCK, "results": results, "fit": fit(results),
+            "goals": goals(results)}  # fmt: skip
 
 
 def plot(data: dict, path: Path) -> None:
@@ -259,9 +283,9 @@ def plot(data: dict, path: Path) -> None:
         if not rows:
             continue
         x = [r["params"] / 1e9 for r in rows]
-        ax_mem.plot(x, [r["peak_rss_mb"] / 1024 for r in rows], "o-", label=config)
+        ax_mem.plot(x, [peak_mb(r, f"1x{BLOCK}") / 1024 for r in rows], "o-", label=config)
         ax_time.plot(x, [r["train"][f"1x{BLOCK}"]["step_s_median"] for r in rows], "o-", label=config)
-    ax_mem.set(xlabel="parameters (billions)", ylabel="peak RSS, loading and training (GB)", title="peak memory")
+    ax_mem.set(xlabel="parameters (billions)", ylabel=f"peak RSS, loading and training 1x{BLOCK} (GB)", title="peak memory")
     ax_time.set(xlabel="parameters (billions)", ylabel=f"step time, batch 1x{BLOCK} (s)", title="step time")
     for ax in (ax_mem, ax_time):
         ax.grid(alpha=0.3)
@@ -282,10 +306,8 @@ def sweep(args) -> None:
     for size in args.sizes:
         folder = checkpoint(work, size)
         for config in args.configs:
-            done[(size, config)] = run_child(size, config, folder, args.steps)
-            results = list(done.values())
-            data = {"machine": machine(), "steps": args.steps, "lora": LORA, "block": BLOCK, "results": results,
-                    "fit": fit(results), "goals": goals(results)}  # fmt: skip
+            done[(size, config)] = {**run_child(size, config, folder, args.steps), "steps": args.steps}
+            data = summary(list(done.values()))
             write_json("scale.json", data)
             plot(data, RESULTS / "scale.png")
     print(json.dumps({"fit": data["fit"], "goals": data["goals"]}, indent=1))
@@ -296,7 +318,7 @@ def main() -> None:
     parser.add_argument("mode", nargs="?", default="sweep", choices=["sweep", "child", "build", "plot"])
     parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), choices=list(SIZES))
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per batch size (after one warm-up)")
+    parser.add_argument("--steps", type=int, default=STEPS, help="timed steps per batch size (after one warm-up)")
     parser.add_argument("--work", default=str(cache_root() / "scale"),
                         help="where the random-weight checkpoints are saved (built once)")  # fmt: skip
     parser.add_argument("--size", choices=list(SIZES), help=argparse.SUPPRESS)
@@ -307,8 +329,14 @@ def main() -> None:
         print(MARK + json.dumps(child(args)))
     elif args.mode == "build":
         build(args.size, Path(args.work))
-    elif args.mode == "plot":
-        plot(json.loads((RESULTS / "scale.json").read_text()), RESULTS / "scale.png")
+    elif args.mode == "plot":  # fits, goals and plot again from the runs in scale.json
+        old = json.loads((RESULTS / "scale.json").read_text())
+        for r in old["results"]:  # runs before the count read the checkpoint
+            folder = Path(args.work) / r["size"]
+            r["params"] = checkpoint_params(folder) if folder.is_dir() else r["params"]
+        data = {**summary(old["results"]), "machine": old["machine"], "steps": old["steps"]}
+        write_json("scale.json", data)
+        plot(data, RESULTS / "scale.png")
     else:
         sweep(args)
 

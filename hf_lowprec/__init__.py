@@ -13,6 +13,7 @@ register_integrations()  # quant_method "hf_lowprec" for transformers, packed la
 _LAZY = {  # these import transformers/accelerate: loaded on first use
     "LowPrecisionCallback": "hf_lowprec.training.callback",
     "LowPrecisionPlugin": "hf_lowprec.training.accelerate",
+    "HfLowprecConfig": "hf_lowprec.export.hf_quantizer",  # quantization_config= of from_pretrained
     # on-device INT4 + LoRA fine-tuning
     "prepare_int4_lora": "hf_lowprec.ondevice",
     "ChunkedLossTrainer": "hf_lowprec.ondevice",
@@ -38,6 +39,7 @@ __all__ = [
     "FP8Embedding",
     "FP8Linear",
     "FormatSpec",
+    "HfLowprecConfig",
     "Int4Embedding",
     "Int4Linear",
     "LowPrecisionCallback",

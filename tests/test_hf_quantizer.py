@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import tiny_llama
 from transformers import AutoModelForCausalLM
 
-from conftest import tiny_llama
 from hf_lowprec import apply_plan, freeze
 from hf_lowprec.export.hf_quantizer import HfLowprecConfig, install_packed_shells, quantization_config_dict
 from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear
@@ -101,3 +101,18 @@ def test_quantize_on_load_names_a_plan_it_cannot_apply(tmp_path, plan, message):
     tiny_llama().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=message):
         AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=HfLowprecConfig(plan))
+
+
+def test_pread_loading_of_sharded_safetensors_matches_transformers_own(tmp_path):
+    """load_pretrained reads a sharded folder's tensors by pread when quantizing on load: the same model as
+    transformers' memory-mapped loading, the name recorded as from_pretrained(folder) records it."""
+    from hf_lowprec.checkpoints import load_pretrained
+
+    tiny_llama(tie=True).save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 2
+    ours, _ = load_pretrained(tmp_path, quantization_config=HfLowprecConfig(PLAN))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=HfLowprecConfig(PLAN))
+    expected = theirs.state_dict()
+    assert ours.state_dict().keys() == expected.keys()
+    assert all(torch.equal(ours.state_dict()[k], v) for k, v in expected.items())
+    assert ours.name_or_path == str(tmp_path) and ours.hf_lowprec_plan.to_dict() == PLAN.to_dict()

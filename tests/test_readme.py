@@ -34,7 +34,7 @@ def ws(tmp_path_factory):
 def _localized(text: str, ws: Path) -> str:
     for name in ("runs/demo", "exports/demo-ct", "my-data.jsonl"):
         text = text.replace(name, str(ws / name))
-    return text
+    return text.replace("path/to/checkpoint", str(ws / "tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_cli_lines_run_and_do_what_the_readme_says(ws, cli_lines):
     assert "perplexity" in cli_lines[2].output
 
 
-@pytest.mark.parametrize("index", [0, 1, 2])
+@pytest.mark.parametrize("index", [0, 1, 2, 3])
 def test_python_snippets_run_in_a_fresh_interpreter(ws, cli_lines, index):
     code = _localized(_section_blocks("python")[index], ws)
     if "ChunkedLossTrainer" in code:  # the reader's own model, arguments and data
