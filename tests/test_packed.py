@@ -368,5 +368,7 @@ def test_auto_never_times_the_dequant_backend_of_a_large_layer(monkeypatch):
         if len(layer.runnable_backends(x)) == 1:
             pytest.skip("only the dequant backend runs here: nothing to choose")
         layer(x)
-    assert "dequant" in timed[0] and timed[1] == set(layer.runnable_backends(x)) - {"dequant"}
-    assert layer.last_backend != "dequant"
+    kernels = set(layer.runnable_backends(x)) - {"dequant"}
+    assert "dequant" in timed[0]  # a small layer: every runnable backend timed
+    # a large one: the kernels that work from the codes (timed when there are two: int8 and tiled; else the one)
+    assert timed[1:] == ([kernels] if len(kernels) > 1 else []) and layer.last_backend in kernels

@@ -554,9 +554,12 @@ class PackedLinear(nn.Module):
                 runnable = self.runnable_backends(x)
                 if len(runnable) > 1 and self.in_features * self.out_features > DEQUANT_AUTOTUNE_MAX:
                     del runnable["dequant"]  # timing it makes the whole dense weight (a 128k-vocabulary head: 1 GB)
-                choice = self._autotune(x.device, x.dtype, runnable) if len(runnable) > 1 else None
-                self._cache[key] = choice.value if choice else "dequant"
-                _log_once(self._cache[key], choice.reason if choice else runnable["dequant"])
+                if len(runnable) > 1:
+                    choice = self._autotune(x.device, x.dtype, runnable)
+                    self._cache[key], reason = choice.value, choice.reason
+                else:
+                    self._cache[key], reason = next(iter(runnable.items()))
+                _log_once(self._cache[key], reason)
             return self._cache[key]
         status = self.backend_status(x)
         ok, reason = status[self.backend]
