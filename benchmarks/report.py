@@ -277,7 +277,9 @@ def scale_section(scale: dict | None) -> list[str]:
         return lines + ["not measured: run `python benchmarks/scale.py` (about 40 minutes on 2 cores; not part of `make bench`)\n"]
     m = scale["machine"]
     lines += [f"{m['machine']} ({m['cpu_class']}), {m['threads']} threads; random-weight checkpoints of each architecture, "
-              f"LoRA r={scale['lora']['r']} on every linear, {scale['steps']} timed steps after one warm-up.\n",
+              f"LoRA r={scale['lora']['r']} on every linear, {scale['steps']} timed steps after one warm-up; peak RSS from a run where "
+              "glibc returns every freed block of 64 KiB or more, step times from a run with glibc's default allocator (the "
+              "other one's page faults double some step times).\n",
               "| size | configuration | params | load s | load peak MB | peak MB 1x256 | peak MB 4x256 | step s 1x256 | step s 4x256 |",
               "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in sorted(scale["results"], key=lambda r: (r["params"], r["config"])):

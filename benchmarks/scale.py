@@ -15,10 +15,11 @@ a fresh process of its own, and trains LoRA (r=16, alpha 32, every linear, AdamW
 
 Per configuration: load seconds, peak RSS while loading (``VmHWM``, imports included), then for batch 1x256 and
 4x256 one warm-up and ``--steps`` timed steps with the peak reset before each (``/proc/self/clear_refs``): peak RSS
-while training and the median step time. glibc serves blocks of 64 KiB or more by mmap
-(``MALLOC_MMAP_THRESHOLD_``), so freed tensors leave RSS. The plot shows peak RSS and step time against parameter
-count, one line per configuration; a least-squares line per configuration gives bytes per parameter above a fixed
-overhead.
+while training and the median step time. Each configuration runs twice: peak RSS is read where glibc serves blocks
+of 64 KiB or more by mmap (``MALLOC_MMAP_THRESHOLD_``, so freed tensors leave RSS), times (and glibc's own peaks,
+``*_glibc``) with glibc's default allocator, whose page faults are fewer (see ``run_config``). The plot shows peak
+RSS and step time against parameter count, one line per configuration; a least-squares line per configuration
+gives bytes per parameter above a fixed overhead.
 
     python benchmarks/scale.py [--sizes smollm2-135m smollm2-360m llama-3.2-1b] [--configs ...] [--steps 2]
 
@@ -208,18 +209,36 @@ def checkpoint_params(folder: Path) -> int:
 
 
 # ------------------------------------------------------------------------------------ parent
-def run_child(size: str, config: str, folder: Path, steps: int) -> dict:
+def run_child(size: str, config: str, folder: Path, steps: int, mmap_allocator: bool) -> dict:
+    """One configuration in a fresh process; ``mmap_allocator``: glibc returns every freed block of 64 KiB or more."""
     cmd = [sys.executable, __file__, "child", "--size", size, "--config", config, "--folder", str(folder),
            "--steps", str(steps)]  # fmt: skip
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if mmap_allocator:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = next((x for x in proc.stdout.splitlines() if x.startswith(MARK)), None)
     if proc.returncode or line is None:
         raise RuntimeError(f"{size} {config} failed:\n{proc.stderr[-3000:]}")
-    r = json.loads(line[len(MARK) :])
-    steps_text = "  ".join(f"{k} {v['step_s_median']:6.2f} s, peak {v['peak_rss_mb']:6.0f} MB" for k, v in r["train"].items())
-    print(f"{size:13s} {config:13s} load {r['load_s']:5.1f} s, peak {r['load_peak_rss_mb']:6.0f} MB | {steps_text}", flush=True)
-    return r
+    return json.loads(line[len(MARK) :])
+
+
+def run_config(size: str, config: str, folder: Path, steps: int) -> dict:
+    """Memory from a run with the mmap allocator (RSS follows the live tensors), times (and glibc's own peaks) from a
+    run with glibc's default one: the mmap allocator's page faults double some step times (measured at the 1B shape:
+    INT4+LoRA 2.0 -> 4.2 s, bf16 LoRA 2.25 -> 3.8 s), and not all configurations alike."""
+    memory = run_child(size, config, folder, steps, mmap_allocator=True)
+    speed = run_child(size, config, folder, steps, mmap_allocator=False)
+    for batch, row in memory["train"].items():
+        timed = speed["train"][batch]
+        row.update(step_s_median=timed["step_s_median"], step_s=timed["step_s"], peak_rss_mb_glibc=timed["peak_rss_mb"],
+                   step_s_median_mmap_allocator=row["step_s_median"])  # fmt: skip
+    memory.update(load_s=speed["load_s"], load_peak_rss_mb_glibc=speed["load_peak_rss_mb"])
+    steps_text = "  ".join(f"{k} {v['step_s_median']:6.2f} s, peak {v['peak_rss_mb']:6.0f} MB" for k, v in memory["train"].items())
+    print(f"{size:13s} {config:13s} load {memory['load_s']:5.1f} s, peak {memory['load_peak_rss_mb']:6.0f} MB | {steps_text}",
+          flush=True)  # fmt: skip
+    return memory
 
 
 def peak_mb(r: dict, batch: str) -> float:
@@ -306,7 +325,7 @@ def sweep(args) -> None:
     for size in args.sizes:
         folder = checkpoint(work, size)
         for config in args.configs:
-            done[(size, config)] = {**run_child(size, config, folder, args.steps), "steps": args.steps}
+            done[(size, config)] = {**run_config(size, config, folder, args.steps), "steps": args.steps}
             data = summary(list(done.values()))
             write_json("scale.json", data)
             plot(data, RESULTS / "scale.png")
