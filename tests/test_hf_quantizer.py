@@ -116,3 +116,12 @@ def test_pread_loading_of_sharded_safetensors_matches_transformers_own(tmp_path)
     assert ours.state_dict().keys() == expected.keys()
     assert all(torch.equal(ours.state_dict()[k], v) for k, v in expected.items())
     assert ours.name_or_path == str(tmp_path) and ours.hf_lowprec_plan.to_dict() == PLAN.to_dict()
+
+
+def test_packs_on_load_says_which_plans_load_packed():
+    """load_int4_lora packs while loading exactly when every low-precision format of the plan packs."""
+    from hf_lowprec.export.hf_quantizer import packs_on_load
+
+    assert packs_on_load(None) and packs_on_load(PLAN) and packs_on_load("int4-g32") and packs_on_load(PLAN.to_dict())
+    assert not packs_on_load("auto") and not packs_on_load("fp8") and not packs_on_load("int8-g128")
+    assert not packs_on_load(PrecisionPlan({"*.v_proj": "nf4-g64"}, default="int4-g64"))
