@@ -278,6 +278,24 @@ def test_smollm2_int4_lora_trains_and_reloads(tmp_path):
         assert torch.equal(model(input_ids=blocks[:1]).logits, reloaded(input_ids=blocks[:1]).logits)
 
 
+@pytest.mark.slow
+def test_smollm2_packed_while_loading_is_the_dense_path_bit_for_bit():
+    """The real checkpoint: load_int4_lora's quantize-on-load gives the codes, adapters and logits of loading dense
+    and packing after (bf16, the tied head kept bf16 by the default plan at this size)."""
+    folder, gguf = default_checkpoint()
+    torch.manual_seed(0)
+    model, tokenizer, report = load_int4_lora(folder, gguf_file=gguf, dtype="bf16")
+    torch.manual_seed(0)
+    dense, _ = load_pretrained(folder, gguf_file=gguf, dtype=torch.bfloat16)
+    reference, _ = prepare_int4_lora(dense, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    got, expected = model.state_dict(), reference.state_dict()
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+    assert {r.reason for r in report.layers if r.module.startswith("Packed")} == {"packed while loading"}
+    ids = token_blocks(tokenizer, [corpus_text(5_000)], 64)[:2]
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
 @pytest.mark.parametrize("fmt, tol", [("int8", 0.04), ("fp8", 0.15)])
 def test_8bit_activation_storage_gradients_close_to_exact_and_memory_quartered(fmt, tol):
     from hf_lowprec.training.activations import ActivationStorage
