@@ -221,6 +221,26 @@ def _load_by_pread(source: str, dtype: torch.dtype, from_pretrained_kwargs: dict
     return model
 
 
+class DenseWeights:
+    """``reader(name) -> tensor``: one tensor of a local folder's safetensors read by ``pread`` when asked (the
+    calibrated roundings of a base packed while loading read each layer's dense weight, one at a time)."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = str(folder)
+        weights = _read_weights_by_pread(self.folder)
+        if weights is None:
+            raise ValueError(f"{self.folder!r} holds no safetensors to read dense weights from")
+        self._slices = weights
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._slices
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self._slices:
+            raise ValueError(f"{self.folder!r} has no tensor {name!r}")
+        return self._slices[name][...]
+
+
 def _read_weights_by_pread(source: str) -> dict | None:
     """``{name: lazy safetensors slice}`` of a local folder's weights, read by ``pread`` when sliced; ``None`` if the
     folder holds no safetensors.

@@ -407,3 +407,24 @@ def test_default_plan_packs_only_large_output_heads_in_int8(monkeypatch):
     assert int4_plan(model).to_dict() == {"default": "int4-g64-asym", "layers": {"lm_head": "bf16"}}
     monkeypatch.setattr("hf_lowprec.ondevice.planning.HEAD_INT8_MIN_PARAMS", 64 * 256 - 1)  # this head's 64 x 256
     assert int4_plan(model, "int4-g32").to_dict() == {"default": "int4-g32", "layers": {"lm_head": "int8"}}
+
+
+@pytest.mark.parametrize("rounding", ["gptq", "awq+gptq"])
+def test_calibrated_rounding_of_a_base_packed_while_loading_reads_each_dense_weight_back(tmp_path, rounding):
+    """Calibrated codes need the dense weights: a base packed while loading reads them back from the checkpoint, one
+    layer at a time, and gets the calibration of the dense path (the same layers, output errors within rounding)."""
+    path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
+    calibration = token_blocks(load_pretrained(path)[1], [corpus_text(8_000)], 32)[:8]
+    options = dict(rounding=rounding, calibration=calibration, dtype="fp32")
+    model, _, report = load_int4_lora(path, LoraConfig(**LORA), MIXED, **options)
+    assert {r.reason for r in report.layers if r.module.startswith("Packed")} == {"packed while loading"}
+    assert not hasattr(model.get_base_model(), "hf_lowprec_dense_weights")  # the reader is dropped after calibrating
+    dense, _ = load_pretrained(path)
+    _, reference = prepare_int4_lora(dense, LoraConfig(**LORA), MIXED, rounding=rounding, calibration=calibration)
+    ours, theirs = report.calibration, reference.calibration
+    assert ours["layers"] == theirs["layers"] == 12
+    assert ours["output_error_median"] == pytest.approx(theirs["output_error_median"], rel=0.05)
+    assert ours["output_error_median"] < ours["output_error_nearest_median"]  # calibration did its job
+    with pytest.raises(ValueError, match="packed already and its dense weight cannot be read"):
+        packed, _ = load_pretrained(path, quantization_config=HfLowprecConfig(MIXED))
+        prepare_int4_lora(packed, LoraConfig(**LORA), MIXED, rounding=rounding, calibration=calibration)

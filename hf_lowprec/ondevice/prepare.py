@@ -9,12 +9,13 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
-from hf_lowprec.checkpoints import load_pretrained
+from hf_lowprec.checkpoints import DenseWeights, load_pretrained
 from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eligible_layers, freeze
 from hf_lowprec.export.hf_quantizer import HfLowprecConfig, packs_on_load
 from hf_lowprec.layers import swap_layers
@@ -204,27 +205,22 @@ def _calibrated_pack(
     """Pack every INT4 ``Int4Linear`` with codes calibrated by ``rounding`` (LoftQ factors from their residual
     into ``factors`` when ``loftq`` is given); returns :func:`hf_lowprec.ondevice.calibration.summary`, also logged."""
 
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear) and m.spec.family == "int4"}
+    layers = {n: m for n, m in model.named_modules() if _calibrates(m)}
     targets = set(loftq.target_modules) if loftq is not None else set()
+    dense_weight = _dense_weight_source(model, layers)
 
     def replace(name: str, result: CalibratedCodes) -> None:
-        module = layers[name]
-        packed = PackedInt4Linear.from_codes(
-            result.codes,
-            result.step,
-            result.zero,
-            module.spec,
-            module.bias,
-            module.weight.dtype,
-            input_scale=result.input_scale,
-        )
+        module, weight = layers[name], dense_weight(name, layers[name])
+        grid = (result.codes, result.step, result.zero, module.spec)
+        packed = PackedInt4Linear.from_codes(*grid, module.bias, weight.dtype, input_scale=result.input_scale)
         if name in targets:
-            residual = module.weight.detach().float() - packed.dequantized_weight(torch.float32)
+            residual = weight.detach().float() - packed.dequantized_weight(torch.float32)
             factors[canonical_name(name)] = loftq_factors(residual, loftq.r, lora_scaling(loftq))
         swap_layers(model, lambda _, fqn, module: packed if fqn == name else None)  # this layer, as it is calibrated
 
     start = time.perf_counter()
-    stats = {"rounding": rounding, **summary(calibrated_codes(model, layers, calibration, replace, rounding))}
+    codes = calibrated_codes(model, layers, calibration, replace, rounding, dense_weight=dense_weight)
+    stats = {"rounding": rounding, **summary(codes)}
     stats["seconds"] = time.perf_counter() - start
     logger.info(
         "%s on %d tokens: output error %.3g (round-to-nearest %.3g), median over %d layers, %.0f s",
@@ -236,6 +232,28 @@ def _calibrated_pack(
         stats["seconds"],
     )
     return stats
+
+
+def _calibrates(module: nn.Module) -> bool:
+    """An INT4 layer the calibrated roundings choose codes for: fake-quantized, or packed to nearest while loading."""
+    return isinstance(module, (Int4Linear, PackedInt4Linear)) and module.spec.family == "int4"
+
+
+def _dense_weight_source(model: nn.Module, layers: dict[str, nn.Module]):
+    """``(fqn, layer) -> dense weight``: the layer's own, or for a layer packed while loading the checkpoint's tensor
+    (``model.hf_lowprec_dense_weights``, set by :func:`load_int4_lora`) in the layer's dtype."""
+    reader = getattr(model, "hf_lowprec_dense_weights", None)
+    packed = [n for n, m in layers.items() if isinstance(m, PackedInt4Linear)]
+    if packed and (reader is None or any(f"{n}.weight" not in reader for n in packed)):
+        raise ValueError(
+            f"layer {packed[0]!r} is packed already and its dense weight cannot be read for calibrated rounding; "
+            "pass a dense model, or load it with load_int4_lora(path, rounding=...)"
+        )
+
+    def dense_weight(name: str, module: nn.Module) -> torch.Tensor:
+        return reader(f"{name}.weight").to(module.step.dtype) if isinstance(module, PackedLinear) else module.weight
+
+    return dense_weight
 
 
 def load_int4_lora(
@@ -255,10 +273,10 @@ def load_int4_lora(
 ):
     """Load a pretrained checkpoint and :func:`prepare_int4_lora` it: ``(peft_model, tokenizer, report)``.
 
-    With round-to-nearest codes and no LoftQ (the defaults) and a plan that packs every layer it quantizes, each
-    weight is packed as it is read (:class:`~hf_lowprec.export.hf_quantizer.HfLowprecConfig`): the dense model never
-    exists whole. Calibrated roundings, LoftQ, ``plan="auto"`` and plans with formats that do not pack load the
-    dense model first.
+    Without LoftQ and with a plan that packs every layer it quantizes (the defaults), each weight is packed as it is
+    read (:class:`~hf_lowprec.export.hf_quantizer.HfLowprecConfig`): the dense model never exists whole. Calibrated
+    roundings then re-choose each layer's codes from its checkpoint weight, read one layer at a time. LoftQ,
+    ``plan="auto"`` and plans with formats that do not pack load the dense model first.
 
     ``dtype``: the compute dtype, ``"auto"`` (bf16 where this CPU runs bf16 GEMMs fast, measured once per
     machine; fp32 otherwise, e.g. on AVX2), ``"bf16"``/``"fp32"`` or a torch dtype; the choice and its reason
@@ -268,13 +286,17 @@ def load_int4_lora(
     """
     dtype, reason = resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")
     logger.info(reason)
-    on_load = rounding == "nearest" and not loftq_init and packs_on_load(plan)
+    # calibrated codes on a base packed while loading read the dense weights back from a local folder's safetensors
+    readable = rounding == "nearest" or Path(model_id_or_path).exists()
+    on_load = not loftq_init and packs_on_load(plan) and readable
     quantization = HfLowprecConfig(plan) if on_load else None
     model, tokenizer = load_pretrained(
         model_id_or_path, gguf_file=gguf_file, dtype=dtype, quantization_config=quantization
     )
     if on_load:
         plan = model.hf_lowprec_plan  # resolved against the model; its packed layers stay as they are
+        if rounding != "nearest":  # calibrated codes replace the nearest ones, from the checkpoint's dense weights
+            model.hf_lowprec_dense_weights = DenseWeights(model.name_or_path)
     if callable(calibration):
         calibration = calibration(tokenizer)
     peft_model, report = prepare_int4_lora(
@@ -290,4 +312,5 @@ def load_int4_lora(
         backend=backend,
     )
     report.compute = {"dtype": str(dtype).removeprefix("torch."), "reason": reason}
+    model.__dict__.pop("hf_lowprec_dense_weights", None)  # calibrated: the checkpoint's files are no longer needed
     return peft_model, tokenizer, report

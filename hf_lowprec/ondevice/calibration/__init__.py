@@ -143,8 +143,12 @@ def calibrated_codes(
     batch_size: int = 4,
     budget_bytes: int = HESSIAN_BUDGET_BYTES,
     progress=None,
+    dense_weight=lambda name, module: module.weight,
 ) -> dict[str, CalibratedCodes]:
     """Codes by ``rounding`` for ``layers`` (fqn → ``Int4Linear`` in model order) calibrated on token ``blocks [n, T]``.
+
+    ``dense_weight(fqn, module)``: the weight to calibrate (default the layer's own); a layer packed already (round to
+    nearest, while loading) is calibrated from its checkpoint weight, read one at a time.
 
     Layers are handled in groups that fit ``budget_bytes`` of Hessians: one calibration pass per
     group, then each layer's codes are computed and ``replace(fqn, result)`` swaps it (so later groups
@@ -168,9 +172,8 @@ def calibrated_codes(
                 hooks.remove()
             for name in group:
                 module = layers[name]
-                out[name] = calibrate_layer(
-                    module.weight, hooks.hessians.pop(name), module.spec, rounding, module.weight.dtype
-                )
+                weight = dense_weight(name, module)
+                out[name] = calibrate_layer(weight, hooks.hessians.pop(name), module.spec, rounding, weight.dtype)
                 replace(name, out[name])
                 if progress is not None:
                     progress(len(out), len(layers))
