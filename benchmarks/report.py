@@ -170,6 +170,10 @@ def claims(conv_res: dict, layers: dict | None, memory: dict | None, ondevice: d
     if goals.get("rss_defaults_vs_fp32_defaults") is not None:
         mem.append(f"INT4+LoRA fine-tuning peak RSS {goals['rss_defaults_vs_fp32_defaults']:.2f}x fp32 LoRA, "
                    f"{goals['rss_vs_bnb_equal_nogc']:.2f}x bnb NF4 QLoRA")  # fmt: skip
+    scale_goals = (load("scale") or {}).get("goals", {}).get("int4-lora")
+    if scale_goals is not None:
+        mem.append(f"Llama-3.2-1B shape, INT4+LoRA defaults, batch 1x256, loading included: peak RSS {scale_goals['peak_rss_mb']:.0f} MB, "
+                   f"{scale_goals['peak_vs_nf4_qlora']:.2f}x bnb NF4 QLoRA (scale.py)")  # fmt: skip
     verdict = "—" if ratio is None else ("holds" if ratio <= 0.6 else ("holds partly" if ratio <= 0.8 else "does not hold here"))
     rows.append(("≥40% less memory", "; ".join(mem) or "not measured", verdict, ""))
     lines = ["## The claims, tested\n", "| claim | measured | verdict | note |", "|---|---|---|---|"]
