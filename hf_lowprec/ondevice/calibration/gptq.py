@@ -76,8 +76,13 @@ def gptq_quantize(
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     h.diagonal().add_(percdamp * torch.diag(h).mean())
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    work, codes = w.clone(), torch.empty_like(w)
+    # each step replaces h, so at most two [K, K] matrices exist besides the Hessian (268 MB each at K = 8192)
+    h = torch.linalg.cholesky(h)
+    h = torch.cholesky_inverse(h)
+    hinv = torch.linalg.cholesky(h, upper=True)
+    del h
+    work = w.clone()
+    codes = torch.empty(rows, cols, dtype=torch.int8 if spec.symmetric else torch.uint8)
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
         chunk, errors, hinv_chunk = work[:, i1:i2].clone(), torch.empty(rows, i2 - i1), hinv[i1:i2, i1:i2]
@@ -89,11 +94,12 @@ def gptq_quantize(
             chunk[:, i:] -= err[:, None] * hinv_chunk[i, i:][None, :]
             errors[:, i] = err
         work[:, i2:] -= errors @ hinv[i1:i2, i2:]
-    deq = (codes - (0 if col_zero is None else col_zero)) * col_step
+    del work, hinv
+    deq = (codes.float() - (0 if col_zero is None else col_zero)) * col_step
     _, nearest = _round(w, col_step, col_zero, qmin, qmax)
     hessian = hessian.float()
     return GPTQResult(
-        codes.to(torch.int8 if spec.symmetric else torch.uint8),
+        codes,
         step.float(),
         None if zero is None else zero.float(),
         relative_output_error(deq - w, w, hessian),
