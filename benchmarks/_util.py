@@ -28,6 +28,20 @@ def saved_tensor_bytes(fn) -> int:
     return sum(seen.values()), out
 
 
+def proc_status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes."""
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    """Set this process's peak RSS mark (``VmHWM``) to its current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def machine() -> dict:
     """The CPU a result was measured on (model, class, flags), threads and torch version."""
     cpu = cpu_info()

@@ -82,14 +82,6 @@ def convert_peer(model, peer: str):
     raise ValueError(f"unknown peer {peer!r}")
 
 
-def _status(field: str) -> int:
-    """A ``/proc/self/status`` field in bytes."""
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -100,6 +92,7 @@ def run_one(name: str, quick: bool) -> dict:
 
     import torch
     from _train_step import train_step
+    from _util import proc_status_bytes, reset_peak_rss
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_lowprec import PrecisionPlan, apply_plan
@@ -107,7 +100,7 @@ def run_one(name: str, quick: bool) -> dict:
     from hf_lowprec.training.compensation import make_optimizer, optimizer_state_bytes
 
     torch.set_num_threads(1)  # two threads on two shared cores oversubscribe; memory does not depend on it
-    rss_imports = _status("VmRSS")
+    rss_imports = proc_status_bytes("VmRSS")
     layers, batch, seq = (4, 2, 128) if quick else (30, 4, 256)
     cfg = LlamaConfig(  # SmolLM2-135M's architecture
         hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9, num_key_value_heads=3,
@@ -131,31 +124,27 @@ def run_one(name: str, quick: bool) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     accounting = {}
 
-    def reset_peak():
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := current RSS
-
     def forward():
         with torch.autocast("cpu", torch.bfloat16, enabled=weights == "amp"):
             with ActivationStorage(model, "fp8", min_numel=4096) if fp8_activations else contextlib.nullcontext():
                 return model(input_ids=ids, labels=ids).loss
 
     def after_backward():
-        accounting["peak_forward_backward"] = _status("VmHWM")
-        reset_peak()
+        accounting["peak_forward_backward"] = proc_status_bytes("VmHWM")
+        reset_peak_rss()
         accounting["weights"] = _tensor_bytes(model.parameters())
         accounting["grads"] = _tensor_bytes(p.grad for p in model.parameters())
 
     def step():
-        reset_peak()
+        reset_peak_rss()
         loss = train_step(forward, optimizer, model.parameters(), max_grad_norm=None, after_backward=after_backward)
-        accounting["peak_optimizer_step"] = _status("VmHWM")
+        accounting["peak_optimizer_step"] = proc_status_bytes("VmHWM")
         accounting["optimizer"] = optimizer_state_bytes(optimizer)
         return loss
 
     step()  # warm-up: optimizer states exist, torchao has compiled
     gc.collect()
-    rss_before = _status("VmRSS")
+    rss_before = proc_status_bytes("VmRSS")
     start = time.perf_counter()
     loss = step()
     seconds = time.perf_counter() - start

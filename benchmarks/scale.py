@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from _train_step import train_step
-from _util import RESULTS, machine, write_json
+from _util import RESULTS, machine, proc_status_bytes, reset_peak_rss, write_json
 
 from hf_lowprec.checkpoints import cache_root
 
@@ -71,19 +71,6 @@ CONFIGS = {
     "nf4-qlora": "bnb NF4 QLoRA (double quant, bf16 compute)",
     "nf4-qlora-gc": "bnb NF4 QLoRA + gradient checkpointing",
 }
-
-
-def _status_mb(field: str) -> float:
-    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``), MB."""
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := current RSS
 
 
 # ------------------------------------------------------------------------------------- checkpoints
@@ -162,10 +149,11 @@ def child(args) -> dict:
 
     from hf_lowprec.ondevice import backend_counts
 
-    rss_imports = _status_mb("VmRSS")
+    rss_imports = proc_status_bytes("VmRSS") / 2**20
     start = time.perf_counter()
     model, loss_fn, notes = _load(args.config, Path(args.folder))
-    load_s, load_peak, rss_loaded = time.perf_counter() - start, _status_mb("VmHWM"), _status_mb("VmRSS")
+    load_s = time.perf_counter() - start
+    load_peak, rss_loaded = proc_status_bytes("VmHWM") / 2**20, proc_status_bytes("VmRSS") / 2**20
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     vocab = model.get_base_model().config.vocab_size
@@ -173,7 +161,7 @@ def child(args) -> dict:
     model.train()
     per_batch = {}
     for batch_size in BATCHES:
-        _reset_peak()
+        reset_peak_rss()
         times, losses = [], []
         for _ in range(1 + args.steps):  # one warm-up step (autotuning, optimizer states), then the timed ones
             batch = torch.randint(0, vocab, (batch_size, BLOCK), generator=gen)
@@ -181,7 +169,7 @@ def child(args) -> dict:
             losses.append(train_step(lambda: loss_fn(batch), optimizer, params))
             times.append(time.perf_counter() - t0)
         per_batch[f"{batch_size}x{BLOCK}"] = {
-            "peak_rss_mb": _status_mb("VmHWM"), "step_s_median": statistics.median(times[1:]), "step_s": times,
+            "peak_rss_mb": proc_status_bytes("VmHWM") / 2**20, "step_s_median": statistics.median(times[1:]), "step_s": times,
             "losses": losses,
         }  # fmt: skip
     return {
