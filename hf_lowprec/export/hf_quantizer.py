@@ -160,8 +160,7 @@ def packing_plan(model: nn.Module, plan: "dict | str | None") -> PrecisionPlan:
 
     plan = int4_plan(model, plan)
     check_quantizable(model, plan)
-    formats = plan.assign(model).values()
-    dense_only = sorted({s.name for s in formats if not s.is_high_precision and packed_class(s) is None})
+    dense_only = _unpacked_formats(plan.assign(model).values())
     if dense_only:
         raise ValueError(
             f"quantize-on-load packs int4 formats and per-channel int8; the plan also has {', '.join(dense_only)}: "
@@ -178,8 +177,12 @@ def packs_on_load(plan) -> bool:
     if is_auto(plan):
         return False
     resolved = resolve_plan(plan)
-    formats = [resolved.default, *resolved.layers.values()]
-    return all(s.is_high_precision or packed_class(s) is not None for s in formats)
+    return not _unpacked_formats([resolved.default, *resolved.layers.values()])
+
+
+def _unpacked_formats(specs) -> list[str]:
+    """The low-precision formats among ``specs`` that no packed layer stores (fp8, nf4, grouped int8), by name."""
+    return sorted({s.name for s in specs if not s.is_high_precision and packed_class(s) is None})
 
 
 def _packed_layers(model: nn.Module, plan: PrecisionPlan) -> dict[str, FormatSpec]:
@@ -195,15 +198,14 @@ def _packed_layers(model: nn.Module, plan: PrecisionPlan) -> dict[str, FormatSpe
 def install_packed_shells(model: nn.Module, plan: PrecisionPlan) -> int:
     """Replace each ``nn.Linear`` the plan puts in a packed format (int4; per-channel int8) by an empty packed
     layer of that format (same device/dtype)."""
-    assignments = plan.assign(model)
+    packed = _packed_layers(model, plan)
 
     def shell(name: str, fqn: str, module: nn.Module) -> nn.Module | None:
-        spec = assignments[name]
-        cls = packed_class(spec)
-        if cls is None or not isinstance(module, nn.Linear):
+        if fqn not in packed:
             return None
-        w = module.weight
-        return cls(module.in_features, module.out_features, spec, module.bias is not None, w.dtype, w.device)
+        w, spec = module.weight, packed[fqn]
+        shape = (module.in_features, module.out_features)
+        return packed_class(spec)(*shape, spec, module.bias is not None, w.dtype, w.device)
 
     tied = tied_head_names(model)
     count = swap_layers(model, shell)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf_lowprec.layers import set_module
+from hf_lowprec.layers import canonical_name, set_module
 from hf_lowprec.modules.packed import PackedLinear
 
 
@@ -71,8 +71,6 @@ def share_packed_head(model: nn.Module, names: tuple[str, str]) -> bool:
 def dense_tables(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """``{"<embedding>.weight": dense table}`` of each :class:`TiedPackedEmbedding` of ``model`` (PEFT wrappers
     stripped from the names): what an export in a dense-embedding layout writes in its place."""
-    from hf_lowprec.layers import canonical_name
-
     return {
         f"{canonical_name(n)}.weight": m.dequantized_weight(dtype)
         for n, m in model.named_modules()

@@ -180,7 +180,7 @@ def _file_mappings() -> list[tuple[int, int]] | None:
     """``(start, end)`` addresses of this process's file-backed memory mappings (``/proc/self/maps``; ``None`` where
     there is no such file, and every tensor then counts as mapped)."""
     try:
-        lines = open("/proc/self/maps").read().splitlines()
+        lines = Path("/proc/self/maps").read_text().splitlines()
     except OSError:
         return None
     ranges = []
