@@ -356,20 +356,24 @@ def test_llama_1b_shapes_every_runnable_backend_matches_the_dequantized_referenc
 
 def test_auto_never_times_the_dequant_backend_of_a_large_layer(monkeypatch):
     """Timing ``dequant`` materialises the dense weight (a 128k-vocabulary head: 1 GB); above
-    ``DEQUANT_AUTOTUNE_MAX`` elements auto chooses among the kernels that work from the codes."""
+    ``DEQUANT_AUTOTUNE_MAX`` elements auto chooses among the kernels that work from the codes, and where this CPU
+    has none (no int8 dot products, no C++ kernels) runs ``dequant`` untimed, the one backend there is."""
     import hf_lowprec.modules.packed as packed_module
 
-    timed = []
-    real = packed_module.fastest
-    monkeypatch.setattr(packed_module, "fastest", lambda key, candidates, why: timed.append(set(candidates)) or real(key, candidates, why))
     x = torch.randn(4, 128)
-    for limit in (1 << 30, 0):
-        monkeypatch.setattr(packed_module, "DEQUANT_AUTOTUNE_MAX", limit)
-        layer = packed("int4-g64")
-        if len(layer.runnable_backends(x)) == 1:
-            pytest.skip("only the dequant backend runs here: nothing to choose")
-        layer(x)
-    kernels = set(layer.runnable_backends(x)) - {"dequant"}
-    assert "dequant" in timed[0]  # a small layer: every runnable backend timed
-    # a large one: the kernels that work from the codes (timed when there are two: int8 and tiled; else the one)
-    assert timed[1:] == ([kernels] if len(kernels) > 1 else []) and layer.last_backend in kernels
+    real = packed_module.fastest
+    for without_kernels in (False, True):  # this CPU's backends, then a CPU with neither int8 nor the C++ kernels
+        if without_kernels:
+            for check in ("int8_backend_available", "tiled_backend_available"):
+                monkeypatch.setattr(packed_module, check, lambda *a: (False, "not on this CPU"))
+        runnable = set(packed("int4-g64").runnable_backends(x))
+        kernels = runnable - {"dequant"}
+        for limit, candidates in ((1 << 30, runnable), (0, kernels or runnable)):
+            timed = []
+            monkeypatch.setattr(packed_module, "fastest", lambda key, c, why: timed.append(set(c)) or real(key, c, why))
+            monkeypatch.setattr(packed_module, "DEQUANT_AUTOTUNE_MAX", limit)
+            layer = packed("int4-g64")
+            layer(x)
+            # timed only when there is a choice; the large layer's candidates leave dequant out whenever a kernel runs
+            assert timed == ([candidates] if len(candidates) > 1 else []) and layer.last_backend in candidates
+    assert runnable == {"dequant"}  # the second pass did run the one-backend case
