@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from hf_lowprec.modules.fp8 import FP8Linear, fp8_hardware_available
 from hf_lowprec.modules.int4 import Int4Linear
 from hf_lowprec.modules.packed import packed_class
 from hf_lowprec.plan import PrecisionPlan, format_shares, resolve_plan
+from hf_lowprec.rotation import MIN_ROTATION_BLOCK, rotation_block
 
 logger = logging.getLogger(__name__)
 
@@ -152,15 +153,20 @@ class _LayerConversion:
         self.first_user: dict[int, str] = {}  # id(weight) -> the first layer holding it
 
     def __call__(self, name: str, fqn: str, module: nn.Module) -> nn.Module | None:
-        spec = self.assignments[name]
+        requested = spec = self.assignments[name]
+        reason = ""
+        if spec.rotate and not isinstance(module, nn.Embedding) and rotation_block(module.in_features) is None:
+            spec = replace(spec, rotate=False)
+            reason = f"not rotated: {module.in_features} input features are not a multiple of {MIN_ROTATION_BLOCK}"
+            logger.warning("%s: requested %s, runs %s (%s)", name, requested.name, spec.name, reason)
         params = module.weight.numel() if hasattr(module, "weight") else module.in_features * module.out_features
         tied = self.first_user.setdefault(id(getattr(module, "weight", module)), name)
         tied = "" if tied == name else tied
         if isinstance(module, LOW_PRECISION_TYPES) and module.spec == spec:
             kind = type(module).__name__
-            self.report.layers.append(
-                LayerReport(name, spec.name, spec.name, kind, params, _backend(module), "unchanged", tied)
-            )
+            backend = _backend(module)
+            row = LayerReport(name, requested.name, spec.name, kind, params, backend, reason or "unchanged", tied)
+            self.report.layers.append(row)
             return None
         if isinstance(module, PackedLinear):
             raise ValueError(
@@ -181,8 +187,9 @@ class _LayerConversion:
         for pname, p in new.named_parameters():
             if id(p) not in before and p.requires_grad:
                 self.report.new_parameters[f"{fqn}.{pname}"] = p
+        reason = "; ".join(r for r in (reason, _note(new)) if r)
         self.report.layers.append(
-            LayerReport(name, spec.name, spec.name, type(new).__name__, params, _backend(new), _note(new), tied)
+            LayerReport(name, requested.name, spec.name, type(new).__name__, params, _backend(new), reason, tied)
         )
         return new
 

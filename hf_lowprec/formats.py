@@ -49,14 +49,18 @@ NF4_LEVELS = torch.tensor(
 
 FAMILIES = ("fp32", "bf16", "fp8", "int8", "int4", "nf4")
 HIGH_PRECISION = ("fp32", "bf16")
-FP8_GRANULARITIES = {"": "tensor", "tensorwise": "tensor", "rowwise": "row", "block": "block"}
+FP8_GRANULARITIES = {"": "tensor", "tensorwise": "tensor", "rowwise": "row", "block": "block", "mx": "mx"}
+_FP8_NAMES = {"tensor": "fp8", "row": "fp8-rowwise", "block": "fp8-block", "mx": "fp8-mx"}  # canonical, per granularity
 BLOCK = 128  # DeepSeek-V3 / TransformerEngine Float8BlockScaling: 1x128 activations, 128x128 weights
+MX_BLOCK = 32  # OCP Microscaling (MXFP8): 32 consecutive elements along the contraction dim share an E8M0 scale
 EXAMPLE_NAMES = (
     "fp32",
     "bf16",
     "fp8",
     "fp8-rowwise",
     "fp8-block",
+    "fp8-mx",
+    "fp8-rowwise-rht",
     "int8",
     "int4",
     "int4-g32",
@@ -64,14 +68,16 @@ EXAMPLE_NAMES = (
     "int4-g128",
     "int4-g64-asym",
     "int4-g64-a8",
+    "int4-g64-asym-rht",
     "nf4-g64",
 )
 _NAME_RE = re.compile(
     r"^(?P<family>fp32|bf16|fp8|int8|int4|nf4)"
-    r"(?:-(?P<fp8g>tensorwise|rowwise|block))?"
+    r"(?:-(?P<fp8g>tensorwise|rowwise|block|mx))?"
     r"(?:-g(?P<group>\d+))?"
     r"(?P<asym>-asym)?"
-    r"(?P<a8>-a8)?$"
+    r"(?P<a8>-a8)?"
+    r"(?P<rht>-rht)?$"
 )
 
 
@@ -81,11 +87,14 @@ class FormatSpec:
 
     Attributes:
         family: one of ``fp32, bf16, fp8, int8, int4, nf4``.
-        granularity: ``tensor``, ``row`` or ``block`` for FP8; ``channel`` (one step per output row)
-            or ``group`` for the integer and NF4 formats; ``none`` for fp32/bf16.
+        granularity: ``tensor``, ``row``, ``block`` (1x128 / 128x128) or ``mx`` (1x32 along the contraction
+            dimension, power-of-two scales: MXFP8) for FP8; ``channel`` (one step per output row) or ``group``
+            for the integer and NF4 formats; ``none`` for fp32/bf16.
         group_size: elements per scale group along the input dimension (``group`` only).
         symmetric: integer codes centred on zero (``False``: a zero point per group).
         act_int8: also fake-quantize the layer's input to int8 per token (int4/int8 only).
+        rotate: quantize the input and weight in a randomized Hadamard basis of the input dimension
+            (``-rht``; fp8, int4 and int8 linears; :mod:`hf_lowprec.rotation`).
     """
 
     family: str
@@ -93,6 +102,7 @@ class FormatSpec:
     group_size: int | None = None
     symmetric: bool = True
     act_int8: bool = False
+    rotate: bool = False
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -101,7 +111,7 @@ class FormatSpec:
         allowed = {
             "fp32": ("none",),
             "bf16": ("none",),
-            "fp8": ("tensor", "row", "block"),
+            "fp8": ("tensor", "row", "block", "mx"),
             "int8": ("channel", "group"),
             "int4": ("channel", "group"),
             "nf4": ("group",),
@@ -118,6 +128,8 @@ class FormatSpec:
             raise ValueError(f"'-a8' (int8 activations) applies to int4/int8 formats, not {self.family}")
         if not self.symmetric and self.family not in ("int4", "int8"):
             raise ValueError(f"'-asym' applies to int4/int8 formats, not {self.family}")
+        if self.rotate and self.family not in ("fp8", "int4", "int8"):
+            raise ValueError(f"'-rht' (Hadamard rotation) applies to fp8/int4/int8 formats, not {self.family}")
         object.__setattr__(self, "name", self._canonical_name())
 
     @classmethod
@@ -132,27 +144,28 @@ class FormatSpec:
             close = difflib.get_close_matches(name, EXAMPLE_NAMES, n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise ValueError(f"unknown format {name!r}{hint}; choose one of {', '.join(EXAMPLE_NAMES)}")
-        family, fp8g, group = m["family"], m["fp8g"], m["group"]
+        family, fp8g, group, rotate = m["family"], m["fp8g"], m["group"], m["rht"] is not None
         if fp8g is not None and family != "fp8":
             raise ValueError(f"unknown format {name!r}: '-{fp8g}' applies to fp8 only")
         if family == "fp8":
             if group is not None:
-                raise ValueError(f"unknown format {name!r}: fp8 takes -tensorwise, -rowwise or -block, not -g")
-            return cls("fp8", FP8_GRANULARITIES[fp8g or ""])
+                raise ValueError(f"unknown format {name!r}: fp8 takes -tensorwise, -rowwise, -block or -mx, not -g")
+            return cls("fp8", FP8_GRANULARITIES[fp8g or ""], rotate=rotate)
         if family in HIGH_PRECISION:
-            if group or m["asym"] or m["a8"]:
+            if group or m["asym"] or m["a8"] or rotate:
                 raise ValueError(f"unknown format {name!r}: {family} takes no options")
             return cls(family)
         if family == "nf4":
-            if m["asym"] or m["a8"]:
+            if m["asym"] or m["a8"] or rotate:
                 raise ValueError(f"unknown format {name!r}: nf4 takes only a group size (nf4-g64)")
             return cls("nf4", "group", int(group or 64))
         gran = "group" if group else "channel"
-        return cls(family, gran, int(group) if group else None, m["asym"] is None, m["a8"] is not None)
+        return cls(family, gran, int(group) if group else None, m["asym"] is None, m["a8"] is not None, rotate)
 
     def _canonical_name(self) -> str:
+        suffix = "-rht" if self.rotate else ""
         if self.family == "fp8":
-            return {"tensor": "fp8", "row": "fp8-rowwise", "block": "fp8-block"}[self.granularity]
+            return _FP8_NAMES[self.granularity] + suffix
         name = self.family
         if self.group_size is not None:
             name += f"-g{self.group_size}"
@@ -160,7 +173,7 @@ class FormatSpec:
             name += "-asym"
         if self.act_int8:
             name += "-a8"
-        return name
+        return name + suffix
 
     def __str__(self) -> str:
         return self.name
@@ -176,7 +189,7 @@ class FormatSpec:
         return {"fp32": 32, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "nf4": 4}[self.family]
 
     def bytes_per_param(self, in_features: int = 4096) -> float:
-        """Stored bytes per weight element, scales (bf16 steps, fp32 FP8 scales) included."""
+        """Stored bytes per weight element, scales (bf16 steps, fp32 FP8 scales, E8M0 MX scales) included."""
         base = self.bits / 8
         if self.granularity == "group":
             per_group = 2 + (0 if self.symmetric else 2)
@@ -187,6 +200,8 @@ class FormatSpec:
             return base + 4 / in_features
         if self.granularity == "block":
             return base + 4 / (BLOCK * BLOCK)
+        if self.granularity == "mx":
+            return base + 1 / MX_BLOCK
         return base
 
     @property
@@ -207,27 +222,32 @@ def fp8_saturate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.clamp(-fmax, fmax).to(dtype)
 
 
-def block_shape(x: torch.Tensor, role: str) -> tuple[int, int]:
-    """Scale block for ``fp8-block``: 128x128 for weights, 1x128 for activations and gradients."""
-    return (BLOCK, BLOCK) if role == "weight" else (1, BLOCK)
+def block_shape(granularity: str, role: str) -> tuple[int, int] | None:
+    """Scale block of a forward GEMM operand (blocks along its last, contraction, dimension): ``block`` 128x128
+    for weights and 1x128 for activations and gradients; ``mx`` 1x32 for every role; ``None`` otherwise."""
+    if granularity == "mx":
+        return (1, MX_BLOCK)
+    if granularity == "block":
+        return (BLOCK, BLOCK) if role == "weight" else (1, BLOCK)
+    return None
 
 
 def fp8_amax(x: torch.Tensor, granularity: str, dim: int = -1, block: tuple[int, int] = (1, BLOCK)) -> torch.Tensor:
     """Absolute maximum of a 2-D tensor ``[R, C]`` per scaling group, fp32.
 
     Shapes: ``tensor`` → ``[]``; ``row`` → amax over ``dim`` kept as size 1 (``dim=-1``: ``[R, 1]``,
-    ``dim=0``: ``[1, C]``); ``block`` → ``[ceil(R/br), ceil(C/bc)]``.
+    ``dim=0``: ``[1, C]``); ``block`` and ``mx`` → ``[ceil(R/br), ceil(C/bc)]``.
     """
     if granularity == "tensor":
         return x.abs().amax().float()
     if granularity == "row":
         return x.abs().amax(dim=dim, keepdim=True).float()
-    if granularity == "block":
+    if granularity in ("block", "mx"):
         br, bc = block
         padded = _pad_to(x, (br, bc))
         r, c = padded.shape
         return padded.abs().reshape(r // br, br, c // bc, bc).amax(dim=(1, 3)).float()
-    raise ValueError(f"unknown FP8 granularity {granularity!r}; choose one of tensor, row, block")
+    raise ValueError(f"unknown FP8 granularity {granularity!r}; choose one of tensor, row, block, mx")
 
 
 def fp8_scale(amax: torch.Tensor, dtype: torch.dtype, power_of_two: bool = False) -> torch.Tensor:
@@ -263,7 +283,7 @@ def fp8_quantize_dequantize(
     x: torch.Tensor, dtype: torch.dtype, granularity: str, role: str = "input", amax: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Round-trip a 2-D ``x`` through FP8 with a dynamic scale (from ``amax`` if given); keeps ``x``'s dtype."""
-    block = block_shape(x, role) if granularity == "block" else None
+    block = block_shape(granularity, role)
     if amax is None:
         amax = fp8_amax(x, granularity, -1, block or (1, BLOCK))
     scale = fp8_scale(amax, dtype, power_of_two=granularity != "tensor")  # as FP8Linear does

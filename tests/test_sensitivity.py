@@ -132,6 +132,25 @@ def test_measured_delta_loss_matches_apply_plan(sensitive_model, measured):
         assert measured[name].measured[fmt] == pytest.approx(expected, rel=1e-3, abs=1e-6), (name, fmt)
 
 
+def test_scan_scores_rotation_and_the_allocator_picks_it_where_it_pays(sensitive_model):
+    """Layer 0's down_proj has outlier input columns that ruin its INT4 groups; rotated (``-rht``) they are spread over
+    the 128 columns of a rotation block. The scan's Δloss is that of a copy converted by apply_plan."""
+    rotated = INT4 + "-rht"
+    data = batches()
+    result = scan(sensitive_model, data, formats=(INT4, rotated), method="measured")
+    sensitive = result[SENSITIVE].measured
+    assert sensitive[rotated] < 0.2 * sensitive[INT4], sensitive
+    converted = copy.deepcopy(sensitive_model)
+    apply_plan(converted, PrecisionPlan({SENSITIVE: rotated}))
+    expected = mean_loss(converted, data) - mean_loss(sensitive_model, data)
+    assert sensitive[rotated] == pytest.approx(expected, rel=1e-3, abs=1e-6)
+    plan = allocate(result, min_fp8_fraction=1.0)  # everything in 4 bits: each layer gets its better variant
+    assert plan.resolve(SENSITIVE).name == rotated
+    assert {plan.resolve(u.name).name for u in result.layers if u.name != SENSITIVE} <= {INT4, rotated}
+    assert plan.resolve("model.embed_tokens").name == INT4  # an embedding cannot rotate: not scanned with -rht
+    assert rotated not in result["model.embed_tokens"].predicted | result["model.embed_tokens"].measured
+
+
 @pytest.mark.parametrize("fmt", ["fp8", INT4])
 def test_predicted_and_measured_rank_correlation(measured, fisher, fmt):
     predicted = [u.predicted[fmt] for u in fisher.layers]

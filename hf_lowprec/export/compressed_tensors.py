@@ -15,14 +15,15 @@ needs it. What compressed-tensors 0.20 loads correctly on CPU decides the rest:
   back as plain ``nn.Linear`` — and PEFT adapters load onto them the standard way;
 - per-channel int8 layers are written as dense weights in the model dtype (exact: code times step, one rounding).
 
-A layer with activation-aware input scales (AWQ) or a non-integer zero point is re-quantized on the plain grid first
-(a second rounding; its error is returned).
+A layer with activation-aware input scales (AWQ), a Hadamard rotation (``-rht``) or a non-integer zero point is
+re-quantized on the plain grid first (a second rounding; its error is returned).
 """
 
 from __future__ import annotations
 
 import copy
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -60,7 +61,8 @@ def _packed_by_name(base: nn.Module) -> dict[str, PackedLinear]:
 
 def _int4_format(layers: dict[str, PackedLinear]):
     """The one INT4 format of ``layers``; ``ValueError`` for none, several, or a shape compressed-tensors refuses."""
-    specs = {m.spec.name: m.spec for m in layers.values() if isinstance(m, PackedInt4Linear)}
+    plain = (replace(m.spec, rotate=False) for m in layers.values() if isinstance(m, PackedInt4Linear))
+    specs = {spec.name: spec for spec in plain}  # rotated layers are written on the plain grid
     if not specs:
         raise ValueError("compressed-tensors export needs packed INT4 layers; this model has none (export 'bf16')")
     if len(specs) > 1:
@@ -84,10 +86,12 @@ def _on_plain_grid(layer: PackedInt4Linear) -> tuple[PackedInt4Linear, float | N
     """``layer``, or a copy re-quantized without input scales and with integer zero points; the relative weight
     error of that second rounding (``None`` when none was needed)."""
     integral_zero = layer.zero is None or bool(torch.equal(layer.zero, layer.zero.round()))
-    if layer.inverse_input_scale() is None and integral_zero:
+    if layer.inverse_input_scale() is None and integral_zero and layer.rotation_block is None:
         return layer, None
-    plain = copy.deepcopy(layer)
-    plain.input_scale.fill_(1.0)
+    spec = replace(layer.spec, rotate=False)
+    plain = PackedInt4Linear(layer.in_features, layer.out_features, spec, layer.bias is not None, layer.step.dtype)
+    if layer.bias is not None:
+        plain.bias.data.copy_(layer.bias)
     return plain, plain.requantize_(layer.dequantized_weight(torch.float32))["rel_error"]
 
 

@@ -8,6 +8,12 @@ as a bf16 matmul (fp32 accumulation) when the output is bf16 and the CPU has fas
 otherwise: the fastest exact way to compute an FP8 GEMM on each CPU (``torch._scaled_mm`` on CPU is slower than
 an fp32 GEMM; ``benchmarks/layers.py``).
 
+``fp8-mx`` (MXFP8) scales 1x32 blocks along each GEMM's contraction dimension with power-of-two (E8M0)
+scales, so every operand is quantized once per GEMM orientation, as torchao's ``MXLinear`` does; its scale
+(the largest power of two keeping the block in range) is torchao's ``RCEIL`` mode. ``-rht`` formats multiply the
+input and the weight by a randomized block Hadamard matrix along the input dimension before quantizing
+(:mod:`hf_lowprec.rotation`); autograd rotates the input gradient back.
+
 ``backend="torchao"`` runs torchao's ``Float8Linear`` autograd function (real ``_scaled_mm``
 kernels on CUDA SM89+); ``backend="auto"`` picks it there for tensorwise/rowwise scaling and the
 emulation everywhere else. A parity test holds the two together.
@@ -22,6 +28,7 @@ from torch import nn
 from hf_lowprec.formats import (
     E4M3,
     E5M2,
+    MX_BLOCK,
     FormatSpec,
     block_shape,
     dequantize_fp8,
@@ -31,6 +38,7 @@ from hf_lowprec.formats import (
 )
 from hf_lowprec.modules.embedding import like_embedding
 from hf_lowprec.modules.kernels.autotune import compute_dtype
+from hf_lowprec.rotation import check_rotatable, rotate
 from hf_lowprec.scaling import DynamicScaling, ScalePolicy
 
 FP8_BACKENDS = ("auto", "emulated", "torchao")
@@ -70,6 +78,17 @@ def cast_fp8(x, policy: ScalePolicy, dtype, granularity: str, dim: int = -1, blo
     return q, scale
 
 
+def _mx_mm(a, a_policy, a_dtype, b, b_policy, b_dtype, out_dtype):
+    """``a [M, K] @ b [K, N]`` with both operands in MXFP8: 1x32 blocks along ``K`` (``b``'s columns of 32),
+    power-of-two scales, fp32 accumulation."""
+    compute = _compute_dtype(out_dtype, a.device)
+    aq, sa = cast_fp8(a, a_policy, a_dtype, "mx", block=(1, MX_BLOCK))
+    bq, sb = cast_fp8(b, b_policy, b_dtype, "mx", block=(MX_BLOCK, 1))
+    ad = dequantize_fp8(aq, sa, compute, (1, MX_BLOCK))
+    bd = dequantize_fp8(bq, sb, compute, (MX_BLOCK, 1))
+    return torch.mm(ad, bd).to(out_dtype)
+
+
 class _FP8LinearFunction(torch.autograd.Function):
     """``y = x @ W^T`` with all three GEMMs in FP8; ``x`` is 2-D ``[T, K]``, ``W`` is ``[N, K]``."""
 
@@ -78,8 +97,11 @@ class _FP8LinearFunction(torch.autograd.Function):
         out_dtype = x.dtype
         gran, pol = layer.spec.granularity, layer.scaling
         ctx.layer, ctx.out_dtype = layer, out_dtype
+        if gran == "mx":
+            ctx.save_for_backward(x, weight)  # re-quantized along the backward GEMMs' contraction dims
+            return _mx_mm(x, pol["input"], E4M3, weight.t(), pol["weight"], E4M3, out_dtype)
         if gran == "block":
-            bx, bw = block_shape(x, "input"), block_shape(weight, "weight")
+            bx, bw = block_shape(gran, "input"), block_shape(gran, "weight")
             xq, sx = cast_fp8(x, pol["input"], E4M3, "block", block=bx)
             wq, sw = cast_fp8(weight, pol["weight"], E4M3, "block", block=bw)
             ctx.save_for_backward(xq, sx, wq, sw)
@@ -103,14 +125,19 @@ class _FP8LinearFunction(torch.autograd.Function):
         layer, out_dtype = ctx.layer, ctx.out_dtype
         gran, gdt, pol = layer.spec.granularity, layer.grad_dtype, layer.scaling
         g = grad_out.to(out_dtype)
+        if gran == "mx":
+            x, weight = ctx.saved_tensors
+            grad_x = _mx_mm(g, pol["grad"], gdt, weight, pol["weight"], E4M3, out_dtype)  # [T, N] @ [N, K]
+            grad_w = _mx_mm(g.t(), pol["grad"], gdt, x, pol["input"], E4M3, out_dtype)  # [N, T] @ [T, K]
+            return grad_x, grad_w, None
         if gran == "block":
             xq, sx, wq, sw = ctx.saved_tensors
             compute = _compute_dtype(out_dtype, xq.device)
-            bg = block_shape(g, "grad")
+            bg = block_shape(gran, "grad")
             gq, sg = cast_fp8(g, pol["grad"], gdt, "block", block=bg)
             gd = dequantize_fp8(gq, sg, compute, bg)
-            xd = dequantize_fp8(xq, sx, compute, block_shape(xq, "input"))
-            wd = dequantize_fp8(wq, sw, compute, block_shape(wq, "weight"))
+            xd = dequantize_fp8(xq, sx, compute, block_shape(gran, "input"))
+            wd = dequantize_fp8(wq, sw, compute, block_shape(gran, "weight"))
             return torch.mm(gd, wd).to(out_dtype), torch.mm(gd.t(), xd).to(out_dtype), None
         if gran == "tensor":
             xq, sx, wq, sw = ctx.saved_tensors
@@ -134,11 +161,12 @@ class FP8Linear(nn.Linear):
     """``nn.Linear`` whose forward, grad-input and grad-weight GEMMs run in FP8.
 
     Args:
-        spec: an ``fp8*`` :class:`FormatSpec` (granularity ``tensor``, ``row`` or ``block``).
+        spec: an ``fp8*`` :class:`FormatSpec` (granularity ``tensor``, ``row``, ``block`` or ``mx``; ``-rht`` to
+            rotate the input dimension).
         backend: ``auto``, ``emulated`` or ``torchao`` (see the module docstring).
         grad_dtype: FP8 dtype of the output gradient (E5M2 by default; torchao's rowwise recipe uses E4M3).
         policies: scale policy per role (``input``, ``weight``, ``grad``); dynamic amax by default,
-            power-of-two for rowwise and blockwise scales.
+            power-of-two for rowwise, blockwise and MX scales (MX requires them).
     """
 
     def __init__(
@@ -171,6 +199,9 @@ class FP8Linear(nn.Linear):
         )
         if policies:
             raise ValueError(f"unknown scale policy roles {sorted(policies)}; choose from input, weight, grad")
+        if self.spec.granularity == "mx" and not all(p.power_of_two for p in self.scaling.values()):
+            raise ValueError("fp8-mx scales are powers of two (E8M0); pass scale policies with power_of_two=True")
+        self.rotation_block = check_rotatable(in_features, f"FP8Linear({self.spec.name})") if self.spec.rotate else None
         self._torchao_config = None
 
     @classmethod
@@ -196,6 +227,8 @@ class FP8Linear(nn.Linear):
         weight = self.weight.to(x.dtype)
         shape = x.shape
         x2d = x.reshape(-1, shape[-1])
+        if self.rotation_block is not None:
+            x2d, weight = rotate(x2d, self.rotation_block), rotate(weight, self.rotation_block)
         if self.backend == "torchao":
             out = self._torchao_matmul(x2d, weight)
         else:
@@ -254,6 +287,8 @@ class FP8Embedding(nn.Embedding):
         self.spec = FormatSpec.parse(spec)
         if self.spec.family != "fp8":
             raise ValueError(f"FP8Embedding needs an fp8 format, got {self.spec.name!r}")
+        if self.spec.rotate:
+            raise ValueError(f"an embedding has no input dimension to rotate; drop '-rht' from {self.spec.name!r}")
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, spec: FormatSpec | str = "fp8-rowwise") -> "FP8Embedding":

@@ -8,6 +8,9 @@ per token (``-a8`` formats). ``Int4Linear.freeze()`` returns a :class:`PackedInt
 
 Modules that share one weight ``Parameter`` (tied input/output embeddings) must share one
 quantizer, so both read the same quantized table: pass ``quantizer=`` (``convert.apply_plan`` does).
+
+``-rht`` formats quantize ``W R`` and multiply it by ``x R`` (``R`` the randomized block Hadamard rotation of
+:mod:`hf_lowprec.rotation`): the quantizer's steps belong to the rotated weight, and ``freeze()`` packs its codes.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from hf_lowprec.formats import FormatSpec, fake_quantize_per_token_int8, quantiz
 from hf_lowprec.modules.embedding import like_embedding
 from hf_lowprec.modules.lsq import LearnedActivationQuantizer, LearnedStepQuantizer
 from hf_lowprec.modules.packed import PackedLinear, packed_class
+from hf_lowprec.rotation import check_rotatable, rotate
 
 INT_FAMILIES = ("int4", "int8", "nf4")
 
@@ -64,8 +68,9 @@ class Int4Linear(nn.Linear):
                 f"{self.spec.name!r}"
             )
         self.input_quantizer = LearnedActivationQuantizer("int8") if learn_activation_scales else None
+        self.rotation_block = check_rotatable(in_features, f"Int4Linear({self.spec.name})") if self.spec.rotate else None
         if self.weight.device.type != "meta":
-            self.weight_quantizer = quantizer or LearnedStepQuantizer(self.weight, self.spec, learn_scales)
+            self.weight_quantizer = quantizer or LearnedStepQuantizer(self.operand(self.weight), self.spec, learn_scales)
 
     @classmethod
     def from_linear(
@@ -88,14 +93,19 @@ class Int4Linear(nn.Linear):
         if new.input_quantizer is not None:
             new.input_quantizer.to(linear.weight.device)
         new.weight, new.bias = linear.weight, linear.bias
-        new.weight_quantizer = quantizer or LearnedStepQuantizer(linear.weight, new.spec, learn_scales)
+        new.weight_quantizer = quantizer or LearnedStepQuantizer(new.operand(linear.weight), new.spec, learn_scales)
         return new
 
+    def operand(self, t: torch.Tensor) -> torch.Tensor:
+        """``t [..., K]`` as the GEMM sees it: rotated along ``K`` for ``-rht`` formats, else ``t`` itself."""
+        return t if self.rotation_block is None else rotate(t, self.rotation_block)
+
     def quantized_weight(self) -> torch.Tensor:
-        """The weight as the format represents it (differentiable)."""
-        return self.weight_quantizer(self.weight)
+        """The weight as the format represents it (differentiable; ``W R`` for ``-rht`` formats)."""
+        return self.weight_quantizer(self.operand(self.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.operand(x)
         if self.input_quantizer is not None:
             x = self.input_quantizer(x)
         elif self.spec.act_int8:
@@ -112,8 +122,9 @@ class Int4Linear(nn.Linear):
             raise ValueError(
                 f"freeze() packs int4 formats and per-channel symmetric int8 only; this layer is {self.spec.name}"
             )
-        step, zero = self.weight_quantizer.steps(self.weight)
-        codes = quantize_int(self.weight.detach(), self.spec, step, zero)
+        weight = self.operand(self.weight.detach())
+        step, zero = self.weight_quantizer.steps(weight)
+        codes = quantize_int(weight, self.spec, step, zero)
         return cls.from_codes(codes, step, zero, self.spec, self.bias, self.weight.dtype)
 
     def extra_repr(self) -> str:
@@ -130,6 +141,8 @@ class Int4Embedding(nn.Embedding):
         self.spec = _check_spec(spec, "Int4Embedding")
         if self.spec.act_int8:
             raise ValueError(f"an embedding has no activation input to quantize; drop '-a8' from {self.spec.name!r}")
+        if self.spec.rotate:
+            raise ValueError(f"an embedding has no input dimension to rotate; drop '-rht' from {self.spec.name!r}")
 
     @classmethod
     def from_embedding(

@@ -26,6 +26,10 @@ by ``s``
 (inside the int8 quantization, or in the dequantized weight), so ``y = (x / s) (W diag(s))^T = x W^T``.
 ``s`` holds powers of two, exact in every float dtype; all ones (the default) costs nothing.
 
+A ``-rht`` format stores the codes of ``W R`` (``R`` the randomized block Hadamard rotation of
+:mod:`hf_lowprec.rotation`) and rotates every input first, ``y = (x R)(W R)^T``; the codes, steps, scales and the
+backends all live in the rotated basis, and :meth:`PackedLinear.dequantized_weight` rotates back.
+
 ``backend="auto"`` times the backends this CPU and layer shape can run, once per machine, shape and dtype
 (:mod:`hf_lowprec.modules.kernels.autotune`), and runs the fastest; the choice and its measured reason are
 logged once and readable as ``layer.last_backend``.
@@ -54,6 +58,7 @@ from hf_lowprec.formats import (
 from hf_lowprec.modules.kernels.autotune import fastest
 from hf_lowprec.modules.kernels.cpp import cpu_kernels
 from hf_lowprec.modules.kernels.cpu import cpu_info
+from hf_lowprec.rotation import check_rotatable, rotate, unrotate
 
 logger = logging.getLogger(__name__)
 
@@ -214,11 +219,11 @@ def tiled_backend_available(device: torch.device, dtype: torch.dtype) -> tuple[b
 
 
 def _dequant_forward(x2d: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
-    return torch.mm(x2d, layer.dequantized_weight(x2d.dtype).t())
+    return torch.mm(x2d, layer.operand_weight(x2d.dtype).t())
 
 
 def _dequant_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
-    return torch.mm(grad_out, layer.dequantized_weight(grad_out.dtype))
+    return torch.mm(grad_out, layer.operand_weight(grad_out.dtype))
 
 
 def balanced_tile(size: int, most: int) -> int:
@@ -358,6 +363,8 @@ class PackedLinear(nn.Module):
         self.spec = FormatSpec.parse(spec)
         self._check_spec(self.spec)
         self.in_features, self.out_features = in_features, out_features
+        rotated = check_rotatable(in_features, f"{type(self).__name__}({self.spec.name})") if self.spec.rotate else None
+        self.rotation_block = rotated
         groups = 1 if self.spec.group_size is None else -(-in_features // self.spec.group_size)
         self.register_buffer("qweight", self._empty_codes(out_features, in_features, device))
         self.register_buffer("step", torch.ones(out_features, groups, dtype=dtype, device=device))
@@ -404,8 +411,8 @@ class PackedLinear(nn.Module):
         backend: str = "auto",
         input_scale: torch.Tensor | None = None,
     ):
-        """Store integer ``codes [N, K]`` (of ``W diag(input_scale)``) with their ``step``/``zero`` ``[N, G]``;
-        steps kept in ``dtype``."""
+        """Store integer ``codes [N, K]`` (of ``W diag(input_scale)``, ``W R diag(input_scale)`` for ``-rht``) with
+        their ``step``/``zero`` ``[N, G]``; steps kept in ``dtype``."""
         out_features, in_features = codes.shape
         new = cls(in_features, out_features, spec, bias is not None, dtype, codes.device, backend)
         new.qweight.copy_(new._store(codes))
@@ -444,16 +451,27 @@ class PackedLinear(nn.Module):
 
     # ------------------------------------------------------------------------------- weights
     def grid_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``(codes - zero) * step`` as a dense ``[N, K]`` tensor: the weight times ``input_scale``."""
+        """``(codes - zero) * step`` as a dense ``[N, K]`` tensor: the (rotated) weight times ``input_scale``."""
         zero = None if self.zero is None else self.zero.float()
         return dequantize_int(self.codes(), self.spec, self.step.float(), zero, dtype)
 
-    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight the layer computes with, ``grid_weight / input_scale``, dense ``[N, K]``."""
+    def operand_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``grid_weight / input_scale``, dense ``[N, K]``: the weight the backends multiply (``W R`` for ``-rht``)."""
         inverse = self.inverse_input_scale()
         if inverse is None:
             return self.grid_weight(dtype)
         return (self.grid_weight(torch.float32) * inverse).to(dtype)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the layer computes with, in its input's basis (``operand_weight`` rotated back for ``-rht``),
+        dense ``[N, K]``."""
+        if self.rotation_block is None:
+            return self.operand_weight(dtype)
+        return self._original_basis(self.operand_weight(torch.float32)).to(dtype)
+
+    def _original_basis(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight R^T`` for ``-rht`` layers (rows of the stored basis back in the input's), else ``weight``."""
+        return weight if self.rotation_block is None else unrotate(weight, self.rotation_block)
 
     def dequantized_rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``index`` (any shape) of :meth:`dequantized_weight`, ``[*index.shape, K]`` in ``dtype``, dequantized
@@ -462,7 +480,8 @@ class PackedLinear(nn.Module):
         zero = None if self.zero is None else self.zero[flat].float()
         rows = dequantize_int(self._unpack(self.qweight[flat]), self.spec, self.step[flat].float(), zero)
         inverse = self.inverse_input_scale()
-        return (rows if inverse is None else rows * inverse).to(dtype).view(*index.shape, self.in_features)
+        rows = self._original_basis(rows if inverse is None else rows * inverse)
+        return rows.to(dtype).view(*index.shape, self.in_features)
 
     def inverse_input_scale(self) -> torch.Tensor | None:
         """``1 / input_scale`` fp32 ``[K]``, or ``None`` when the scale is all ones; cached until the buffers change."""
@@ -500,12 +519,14 @@ class PackedLinear(nn.Module):
         return new
 
     def _store_weight(self, weight: torch.Tensor) -> None:
-        """Store ``weight diag(input_scale)`` (``weight`` dense ``[N, K]``) with fresh round-to-nearest steps."""
+        """Store ``weight diag(input_scale)`` (``weight`` dense ``[N, K]``, rotated first for ``-rht``) with fresh
+        round-to-nearest steps."""
         rows = max(1, CHUNK_ELEMENTS // self.in_features)
         scale = self.input_scale.float()
         for start in range(0, self.out_features, rows):
             part = slice(start, start + rows)
-            w = weight[part].detach().float() * scale
+            w = weight[part].detach().float()
+            w = (w if self.rotation_block is None else rotate(w, self.rotation_block)) * scale
             step, zero = int_steps(w, self.spec)
             self.qweight[part] = self._store(quantize_int(w, self.spec, step, zero))
             self.step[part] = step
@@ -592,6 +613,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2d = x.reshape(-1, shape[-1])
+        if self.rotation_block is not None:
+            x2d = rotate(x2d, self.rotation_block)
         self.last_backend = self.resolve_backend(x)
         out = _PackedMatmul.apply(x2d, self, self.last_backend).reshape(*shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias.to(out.dtype)

@@ -14,6 +14,7 @@ from torch import nn
 from hf_lowprec.convert import eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.modules import LOW_PRECISION_TYPES, low_precision_layer
+from hf_lowprec.rotation import MIN_ROTATION_BLOCK, rotation_block
 from hf_lowprec.sensitivity.results import KEEP
 
 logger = logging.getLogger(__name__)
@@ -42,11 +43,28 @@ def _units(model: nn.Module, formats: Sequence[FormatSpec]) -> list[_Unit]:
         unit = groups.setdefault(id(module.weight), _Unit(name, [], []))
         unit.members.append((name, module))
     for unit in groups.values():
-        has_embedding = any(isinstance(m, nn.Embedding) for _, m in unit.members)
-        unit.formats = [s.name for s in formats if not (s.act_int8 and has_embedding)]
+        unit.formats = [s.name for s in formats if _can_take(unit, s)]
         if len(unit.formats) < len(formats):
-            logger.info("%s: embeddings have no activation to quantize; skipping -a8 formats", unit.name)
+            skipped = sorted({s.name for s in formats} - set(unit.formats))
+            logger.info("%s: skipping %s (%s)", unit.name, ", ".join(skipped), _why_not(unit))
     return list(groups.values())
+
+
+def _can_take(unit: _Unit, spec: FormatSpec) -> bool:
+    """Whether every member can run ``spec``: embeddings have no activation to quantize (``-a8``) nor input to
+    rotate (``-rht``); a rotated linear needs an input size that is a multiple of the smallest rotation block."""
+    for _, module in unit.members:
+        if isinstance(module, nn.Embedding) and (spec.act_int8 or spec.rotate):
+            return False
+        if spec.rotate and not isinstance(module, nn.Embedding) and rotation_block(module.in_features) is None:
+            return False
+    return True
+
+
+def _why_not(unit: _Unit) -> str:
+    if any(isinstance(m, nn.Embedding) for _, m in unit.members):
+        return "an embedding has no activation to quantize nor input to rotate"
+    return f"its input size is not a multiple of {MIN_ROTATION_BLOCK}, so it cannot be rotated"
 
 
 def _select(units: list[_Unit], patterns: Sequence[str]) -> list[_Unit]:

@@ -27,6 +27,7 @@ from torch import nn
 from hf_lowprec.formats import FormatSpec, quantize_int
 from hf_lowprec.ondevice.calibration.awq import search_input_scale, stored_steps
 from hf_lowprec.ondevice.calibration.gptq import gptq_quantize
+from hf_lowprec.rotation import check_rotatable, rotate
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,9 @@ def calibrate_layer(
     ``step_dtype``: the dtype the packed layer stores its steps in; the codes are chosen on that grid.
     """
     w, h = weight.detach().float(), hessian.float()
+    if spec.rotate:  # the codes of W R for inputs X R, whose Hessian is R^T H R
+        block = check_rotatable(w.shape[1], f"calibrating {spec.name}")
+        w, h = rotate(w, block), rotate(rotate(h, block).t(), block).t()
     scale = search_input_scale(w, h, spec, step_dtype) if check_rounding(rounding).startswith("awq") else None
     s = None if scale is None else scale.scale
     scaled = w if s is None else w * s

@@ -1,0 +1,210 @@
+"""Outlier handling: Hadamard rotation (``-rht``) and MXFP8 (``fp8-mx``), each against a reference computed another way
+(torchao's own MX cast and Hadamard matrix, fp32 math on rotated operands, dequantized copies)."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_llama
+from peft import LoraConfig
+from tiny_assets import save_tiny_model
+from torch import nn
+from torchao.prototype.mx_formats.mx_tensor import ScaleCalculationMode, to_dtype, to_mx
+
+from hf_lowprec import PrecisionPlan, apply_plan
+from hf_lowprec.convert import freeze
+from hf_lowprec.formats import E4M3, E5M2, FormatSpec, fp8_quantize_dequantize, int_steps, quantize_int
+from hf_lowprec.modules import FP8Embedding, FP8Linear, Int4Embedding, Int4Linear, PackedInt4Linear, PackedLinear
+from hf_lowprec.ondevice import export_int4_lora, load_int4_lora, load_int4_model
+from hf_lowprec.ondevice.calibration import calibrate_layer
+from hf_lowprec.rotation import rotate, rotation_block, rotation_matrix, unrotate
+
+
+def _mx_reference(x: torch.Tensor, dtype=E4M3) -> torch.Tensor:
+    """torchao's MX cast (RCEIL scales, 1x32 blocks along the last dim), dequantized to fp32."""
+    scale, data = to_mx(x.float().contiguous(), dtype, 32, ScaleCalculationMode.RCEIL)
+    return to_dtype(data, scale, dtype, 32, torch.float32)
+
+
+def test_rotation_is_an_orthogonal_signed_hadamard_block():
+    from torchao.prototype.spinquant.hadamard_utils import hadamard_matrix
+
+    for block in (16, 64, 128):
+        r = rotation_matrix(block)
+        torch.testing.assert_close(r @ r.t(), torch.eye(block), rtol=0, atol=1e-6)
+        h = hadamard_matrix(block, "cpu").float()  # torchao's (unsigned) normalized Hadamard matrix
+        signs = (r / h)[:, :1]  # each row of ours is a row of torchao's times +-1
+        assert set(signs.flatten().tolist()) == {1.0, -1.0}
+        torch.testing.assert_close(r, signs * h, rtol=0, atol=1e-6)
+    assert [rotation_block(k) for k in (576, 1536, 192, 2048, 100, 8)] == [64, 128, 64, 128, None, None]
+    x = torch.randn(3, 5, 576, dtype=torch.float64)
+    torch.testing.assert_close(unrotate(rotate(x, 64), 64), x)
+    torch.testing.assert_close(rotate(x, 64).norm(dim=-1), x.norm(dim=-1))
+
+
+def test_format_names_parse_and_reject_what_does_not_apply():
+    for name in ("fp8-mx", "fp8-rowwise-rht", "fp8-mx-rht", "int4-g64-asym-rht", "int8-rht"):
+        assert FormatSpec.parse(name).name == name
+    assert FormatSpec.parse("fp8-mx").granularity == "mx" and FormatSpec.parse("int4-g64-rht").rotate
+    assert FormatSpec.parse("fp8-mx").bytes_per_param() == 1 + 1 / 32
+    for bad, match in (("nf4-g64-rht", "nf4 takes only"), ("bf16-rht", "takes no options"), ("fp8-mx-g32", "not -g")):
+        with pytest.raises(ValueError, match=match):
+            FormatSpec.parse(bad)
+    with pytest.raises(ValueError, match="no input dimension to rotate"):
+        Int4Embedding(10, 64, spec="int4-g32-rht")
+    with pytest.raises(ValueError, match="no input dimension to rotate"):
+        FP8Embedding(10, 64, spec="fp8-rht")
+    with pytest.raises(ValueError, match="divisible by 16"):
+        FP8Linear(40, 8, spec="fp8-rht")
+
+
+def test_mx_cast_is_torchaos_rceil_mxfp8():
+    x = torch.randn(16, 96) * torch.logspace(-4, 4, 96)  # blocks of very different magnitudes
+    for dtype in (E4M3, E5M2):
+        torch.testing.assert_close(fp8_quantize_dequantize(x, dtype, "mx"), _mx_reference(x, dtype), rtol=0, atol=0)
+
+
+def test_mx_linear_quantizes_every_gemm_along_its_contraction_dim():
+    """Forward, grad-input and grad-weight equal fp32 GEMMs of torchao's MX casts along K, N and T respectively."""
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 64, bias=False)
+    layer = FP8Linear.from_linear(lin, "fp8-mx", backend="emulated")
+    x = (torch.randn(64, 128) * torch.logspace(-2, 2, 128)).requires_grad_()
+    g = torch.randn(64, 64)
+    y = layer(x)
+    y.backward(g)
+    w = lin.weight.detach()
+    torch.testing.assert_close(y, _mx_reference(x.detach()) @ _mx_reference(w).t(), rtol=1e-5, atol=1e-5)
+    grad_x = _mx_reference(g, E5M2) @ _mx_reference(w.t()).t()  # contraction over the 64 outputs
+    torch.testing.assert_close(x.grad, grad_x, rtol=1e-5, atol=1e-5)
+    grad_w = _mx_reference(g.t(), E5M2) @ _mx_reference(x.detach().t()).t()  # contraction over the 64 tokens
+    torch.testing.assert_close(lin.weight.grad, grad_w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["fp8-rht", "fp8-rowwise-rht", "fp8-block-rht", "fp8-mx-rht"])
+def test_rotated_fp8_linear_is_the_plain_layer_on_rotated_operands(spec):
+    """``-rht`` = the same FP8 layer applied to ``x R`` with weight ``W R``; the input gradient is rotated back."""
+    torch.manual_seed(0)
+    lin = nn.Linear(192, 48)
+    x, g = torch.randn(24, 192), torch.randn(24, 48)
+    x[:, 5] *= 40  # an outlier channel
+    ours = FP8Linear.from_linear(lin, spec, backend="emulated")
+    plain = nn.Linear(192, 48)
+    plain.weight.data, plain.bias.data = rotate(lin.weight.detach(), 64), lin.bias.detach().clone()
+    plain = FP8Linear.from_linear(plain, spec.removesuffix("-rht"), backend="emulated")
+    xa, xb = x.clone().requires_grad_(), rotate(x, 64).requires_grad_()
+    ya, yb = ours(xa), plain(xb)
+    ya.backward(g)
+    yb.backward(g)
+    torch.testing.assert_close(ya, yb, rtol=0, atol=1e-5)
+    torch.testing.assert_close(xa.grad, unrotate(xb.grad, 64), rtol=0, atol=1e-5)
+    torch.testing.assert_close(lin.weight.grad, unrotate(plain.weight.grad, 64), rtol=0, atol=1e-5)
+
+
+def test_rotated_int4_trains_packs_and_passes_input_gradients():
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 64)
+    x = torch.randn(16, 256)
+    spec = FormatSpec.parse("int4-g64-asym-rht")
+    layer = Int4Linear.from_linear(lin, spec, learn_scales=False)
+    wr = rotate(lin.weight.detach(), 128)
+    step, zero = int_steps(wr, spec)
+    from hf_lowprec.formats import dequantize_int
+
+    q = dequantize_int(quantize_int(wr, spec, step, zero), spec, step, zero)
+    reference = rotate(x, 128) @ q.t() + lin.bias.detach()
+    torch.testing.assert_close(layer(x), reference, rtol=0, atol=1e-5)
+
+    packed = layer.freeze()
+    assert packed.spec.rotate and packed.rotation_block == 128
+    dense = packed.dequantized_weight()  # rotated back into the input's basis
+    torch.testing.assert_close(dense, unrotate(q, 128), rtol=0, atol=1e-6)
+    torch.testing.assert_close(packed.dequantized_rows(torch.tensor([3, 7]), torch.float32), dense[[3, 7]])
+    for backend in ("dequant", "tiled", "int8"):
+        if backend not in packed.runnable_backends(x):
+            continue
+        packed.backend = backend
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out = packed(xa)
+        ref = F.linear(xb, dense, lin.bias.detach())
+        tol = 2e-2 if backend == "int8" else 1e-4  # int8: quantized activations (see test_packed)
+        assert (out - ref).norm() / ref.norm() < tol, backend
+        out.backward(torch.ones_like(out))
+        ref.backward(torch.ones_like(ref))
+        assert (xa.grad - xb.grad).norm() / xb.grad.norm() < tol, backend
+    same = PackedInt4Linear.from_weight(lin.weight.detach(), spec, lin.bias.detach(), torch.float32)
+    assert torch.equal(same.qweight, packed.qweight)  # packing a dense weight rotates it the same way
+    reloaded = PackedInt4Linear(256, 64, spec, bias=True, dtype=torch.float32)
+    reloaded.load_state_dict(packed.state_dict())
+    reloaded.backend = packed.backend = "dequant"
+    assert torch.equal(reloaded(x), packed(x))  # the rotation is not stored: it is rebuilt from the format
+
+
+def test_gptq_on_a_rotated_layer_beats_nearest_on_the_layer_output():
+    """The calibration works in the rotated basis (codes of ``W R``, Hessian ``R^T H R``); measured on the layer."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 256)
+    x = torch.randn(512, 256) * torch.logspace(-1, 1, 256)
+    spec = FormatSpec.parse("int4-g64-rht")
+    result = calibrate_layer(w, x.t() @ x, spec, "gptq")
+    packed = PackedInt4Linear.from_codes(result.codes, result.step, result.zero, spec, None, torch.float32)
+    nearest = PackedInt4Linear.from_weight(w, spec, dtype=torch.float32)
+    ref = x @ w.t()
+    err = lambda layer: ((layer.dequantized_weight() @ x.t()).t() - ref).norm() ** 2 / ref.norm() ** 2  # noqa: E731
+    assert err(packed) < 0.8 * err(nearest)
+    assert err(packed).item() == pytest.approx(result.output_error, rel=1e-3)
+
+
+def test_plans_apply_rotation_and_report_layers_that_cannot_rotate():
+    model = tiny_llama(hidden_size=64, intermediate_size=136)  # down_proj: 136 inputs, 8 | 136 but 16 does not
+    report = apply_plan(model, PrecisionPlan(default="fp8-mx-rht", layers={"lm_head": "bf16"}))
+    downs = [r for r in report.layers if r.name.endswith("down_proj")]
+    assert downs and all(r.requested == "fp8-mx-rht" and r.applied == "fp8-mx" for r in downs)
+    assert all("not rotated: 136 input features" in r.reason for r in downs)
+    assert {r.name for r in report.not_applied} == {r.name for r in downs}
+    q = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q, FP8Linear) and q.rotation_block == 64
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert q.weight.grad is not None and torch.isfinite(q.weight.grad).all()
+    again = apply_plan(model, PrecisionPlan(default="fp8-mx-rht", layers={"lm_head": "bf16"}))
+    assert all(r.reason.startswith("not rotated") or r.reason == "unchanged" for r in again.layers if r.applied != "bf16")
+
+    int4 = tiny_llama(hidden_size=64, intermediate_size=128)
+    apply_plan(int4, PrecisionPlan(default="int4-g32-rht", layers={"lm_head": "bf16"}), learn_scales=False)
+    with torch.no_grad():
+        fake = int4(input_ids=ids).logits
+        freeze(int4)
+        assert all(m.spec.rotate for m in int4.modules() if isinstance(m, PackedLinear))
+        for m in int4.modules():
+            if isinstance(m, PackedLinear):
+                m.backend = "dequant"
+        torch.testing.assert_close(int4(input_ids=ids).logits, fake, rtol=0, atol=1e-4)
+
+
+def test_rotated_int4_lora_round_trips_through_the_packed_folder_and_compressed_tensors(tmp_path):
+    from hf_lowprec.export.compressed_tensors import export_compressed_tensors
+
+    base_dir = save_tiny_model(tmp_path / "base", hidden_size=64, intermediate_size=128)
+    plan = PrecisionPlan({"lm_head": "bf16"}, default="int4-g32-asym-rht")
+    model, _, report = load_int4_lora(base_dir, LoraConfig(r=4, target_modules="all-linear"), plan, dtype=torch.float32)
+    assert {r.applied for r in report.layers if r.name.startswith("model.layers.")} == {"int4-g32-asym-rht"}
+    ids = torch.randint(0, 100, (2, 16))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+        for m in model.modules():
+            if isinstance(m, PackedLinear):
+                m.backend = "dequant"
+        trained = model.eval()(input_ids=ids).logits
+    export_int4_lora(model, tmp_path / "run")
+    reloaded, _ = load_int4_model(tmp_path / "run", backend="dequant")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, trained, rtol=0, atol=1e-5)
+    errors = export_compressed_tensors(model, tmp_path / "ct")
+    assert errors and all(0 < e < 0.2 for e in errors.values())  # every rotated layer re-quantized on the plain grid
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    group = next(iter(config["config_groups"].values()))
+    assert group["weights"]["group_size"] == 32 and group["weights"]["symmetric"] is False
