@@ -68,9 +68,11 @@ class Int4Linear(nn.Linear):
                 f"{self.spec.name!r}"
             )
         self.input_quantizer = LearnedActivationQuantizer("int8") if learn_activation_scales else None
-        self.rotation_block = check_rotatable(in_features, f"Int4Linear({self.spec.name})") if self.spec.rotate else None
+        rotated = self.spec.rotate
+        self.rotation_block = check_rotatable(in_features, f"Int4Linear({self.spec.name})") if rotated else None
         if self.weight.device.type != "meta":
-            self.weight_quantizer = quantizer or LearnedStepQuantizer(self.operand(self.weight), self.spec, learn_scales)
+            weight = self.operand(self.weight)
+            self.weight_quantizer = quantizer or LearnedStepQuantizer(weight, self.spec, learn_scales)
 
     @classmethod
     def from_linear(
