@@ -208,3 +208,10 @@ def test_rotated_int4_lora_round_trips_through_the_packed_folder_and_compressed_
     config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     group = next(iter(config["config_groups"].values()))
     assert group["weights"]["group_size"] == 32 and group["weights"]["symmetric"] is False
+
+
+def test_loading_a_base_with_a_layer_that_cannot_rotate_names_it(tmp_path):
+    base_dir = save_tiny_model(tmp_path / "base", hidden_size=64, intermediate_size=136)
+    plan = PrecisionPlan({"lm_head": "bf16"}, default="int4-g8-rht")
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj \(136 inputs\).*without '-rht'"):
+        load_int4_lora(base_dir, LoraConfig(r=4, target_modules="all-linear"), plan, dtype=torch.float32)

@@ -14,6 +14,7 @@ from hf_lowprec.convert import canonical_name, eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.plan import PrecisionPlan, resolve_plan
+from hf_lowprec.rotation import MIN_ROTATION_BLOCK, rotation_block
 from hf_lowprec.sensitivity import allocate, scan
 
 logger = logging.getLogger(__name__)
@@ -110,7 +111,8 @@ def check_calibration(calibration: torch.Tensor) -> torch.Tensor:
 
 
 def check_quantizable(model: nn.Module, plan: PrecisionPlan) -> None:
-    """Raise ``ValueError`` if the plan packs nothing or a layer is narrower than its INT4 group."""
+    """Raise ``ValueError`` if the plan packs nothing, a layer is narrower than its INT4 group, or a ``-rht`` layer's
+    input cannot be rotated."""
     assigned = plan.assign(model)
     layers = eligible_layers(model)
     linear = (nn.Linear, PackedLinear)  # packed already when quantized on load
@@ -131,6 +133,16 @@ def check_quantizable(model: nn.Module, plan: PrecisionPlan) -> None:
             f"{', '.join(narrow[:3])}{' ...' if len(narrow) > 3 else ''} "
             f"have fewer inputs than one group; use a smaller group (e.g. int4-g{max(2, group // 4)}) or keep them "
             "in bf16"
+        )
+    unrotatable = [
+        f"{n} ({layers[n].in_features} inputs)"
+        for n, s in assigned.items()
+        if s.rotate and isinstance(layers[n], linear) and rotation_block(layers[n].in_features) is None
+    ]
+    if unrotatable:
+        raise ValueError(
+            f"'-rht' needs input sizes that are multiples of {MIN_ROTATION_BLOCK}: {', '.join(unrotatable[:3])}"
+            f"{' ...' if len(unrotatable) > 3 else ''} cannot be rotated; plan them without '-rht'"
         )
 
 
