@@ -5,6 +5,8 @@ out for evaluation), side by side in one process:
 
 - ``bf16``: full fine-tuning, bf16 autocast with fp32 master weights (the baseline);
 - ``fp8``: the same with every linear but the output head in FP8 (E4M3/E5M2, tensorwise, emulated on a CPU);
+- ``fp8 (gptq)``: the same, its master weights first moved to the FP8 grid points GPTQ chooses on 16 training blocks
+  (``round_fp8_weights``; the ``fp8-train`` recipe's ``rounding: gptq``);
 - ``auto plan``: Fisher sensitivity scan on 4 training batches, then FP8/INT4 allocation with at most
   half the parameters in INT4 (``lm_head`` kept);
 - ``int4 LoRA``: the ``int4-ondevice-lora`` recipe's model: packed INT4 base (int4-g64-asym, GPTQ
@@ -16,7 +18,8 @@ training blocks' order; LoRA's initialization) each run is repeated per seed and
 deviations, the gap to bf16 paired by seed. Writes benchmarks/results/finetune_quality.json (or ``--out``).
 
     python benchmarks/finetune_quality.py [--steps 30]
-    python benchmarks/finetune_quality.py --steps 200 --batch 2 --seeds 0 1 2 --only bf16 fp8 --out finetune_quality_200steps.json
+    python benchmarks/finetune_quality.py --steps 200 --batch 1 --seeds 0 1 2 --only bf16 fp8 "fp8 (gptq)" \
+        --out finetune_quality_200steps.json
 """
 
 from __future__ import annotations
@@ -35,20 +38,25 @@ from ondevice import _data
 from hf_lowprec import PrecisionPlan, apply_plan
 from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
 from hf_lowprec.ondevice import evaluate_loss, prepare_int4_lora
+from hf_lowprec.ondevice.calibration.fp8 import round_fp8_weights
 from hf_lowprec.sensitivity import allocate, scan
 
 BATCH, BLOCK, SEED, EVAL_BLOCKS = 4, 256, 0, 16  # BATCH and SEED: the defaults of --batch and --seeds
 LR_FULL, LR_LORA = 2e-5, 2e-4
-RUNS = ("bf16", "fp8", "auto plan", "int4 LoRA")
+RUNS = ("bf16", "fp8", "fp8 (gptq)", "auto plan", "int4 LoRA")
 
 
 def prepare(name: str, model, train: torch.Tensor, seed: int) -> tuple[torch.nn.Module, list, float, dict]:
     """``(model, trainable parameters, learning rate, notes)`` for one run."""
     if name == "bf16":
         return model, list(model.parameters()), LR_FULL, {}
-    if name == "fp8":
+    if name in ("fp8", "fp8 (gptq)"):
         report = apply_plan(model, PrecisionPlan.uniform("fp8", keep=("lm_head",)))
-        return model, list(model.parameters()), LR_FULL, {"plan_fractions": report.fractions()}
+        notes = {"plan_fractions": report.fractions()}
+        if name == "fp8 (gptq)":
+            with torch.autocast("cpu", torch.bfloat16):
+                notes["rounding"] = round_fp8_weights(model, train[: 4 * BATCH])
+        return model, list(model.parameters()), LR_FULL, notes
     if name == "auto plan":
         t = time.perf_counter()
         calib = [{"input_ids": train[i : i + BATCH], "labels": train[i : i + BATCH]} for i in range(0, 4 * BATCH, BATCH)]

@@ -41,7 +41,7 @@ def verdict_within(gap: float, std: float, target: float) -> str:
 
 
 LONGER_RUN = "convergence_600steps"  # the same sweep run longer once: benchmarks/convergence.py --steps 600
-LONG_FINETUNE = "finetune_quality_200steps"  # finetune_quality.py --steps 200 --batch 2 --seeds 0 1 2 --only bf16 fp8
+LONG_FINETUNE = "finetune_quality_200steps"  # finetune_quality.py --steps 200 --batch 1 --seeds 0 1 2 --only ...
 
 
 def convergence_section(conv: dict | None) -> tuple[list[str], dict]:

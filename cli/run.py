@@ -250,14 +250,21 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     set_seed(t.seed)  # the adapters' random init (LoRA A) comes before the Trainer seeds anything
     model, callbacks, method_info = _prepare_method(model, recipe, lm, t, resume_from)
     stopper = StopOnInterrupt()
-    trainer = _trainer(
-        recipe,
-        model=model,
-        args=_training_arguments(run, t, bf16_autocast=bf16 and not lora),
-        train_dataset=lm.train,
-        data_collator=lm.collator,
-        callbacks=[*callbacks, RichProgress(), stopper],
-    )
+    rounds = not lora and recipe.precision.rounding != "nearest" and not resume_from
+    rounding = recipe.precision.rounding
+    rounding_step = ui.step(f"rounding the FP8 weights by {rounding}") if rounds else contextlib.nullcontext()
+    with rounding_step:  # the callback converts the model (and rounds its FP8 weights) as the Trainer is built
+        trainer = _trainer(
+            recipe,
+            model=model,
+            args=_training_arguments(run, t, bf16_autocast=bf16 and not lora),
+            train_dataset=lm.train,
+            data_collator=lm.collator,
+            callbacks=[*callbacks, RichProgress(), stopper],
+        )
+    rounded = next((c.session.rounding for c in callbacks if isinstance(c, LowPrecisionCallback)), None)
+    if rounded is not None:
+        method_info = {**method_info, "fp8_rounding": rounded}
     trainer.remove_callback(PrinterCallback)  # our progress bar reports the logs
     if "loss_start" not in figures:
         label = "evaluating with the plan applied, before training"
@@ -418,25 +425,23 @@ def _prepare_method(model, recipe: Recipe, lm, t, resume_from: str | None):
 
 
 def _low_precision_callback(recipe: Recipe, lm, t, resume_from: str | None):
-
+    """The method ``full``'s callback: the recipe's plan (or its scan), and its FP8 weight rounding; a resumed run reads
+    the plan (and the rounded weights) from its checkpoint."""
     p = recipe.precision
+    if resume_from and p.is_auto:  # the checkpoint holds the plan the scan chose
+        return LowPrecisionCallback(plan=resume_from, seed=t.seed)
+    options = {"seed": t.seed, "calibration_batches": p.calibration_batches}
     if p.is_auto:
-        if resume_from:  # the checkpoint holds the plan the scan chose
-            return LowPrecisionCallback(plan=resume_from, seed=t.seed)
-        calibration = list(
-            islice(collated_batches(lm.train, lm.collator, t.per_device_train_batch_size), p.calibration_batches)
-        )
-        return LowPrecisionCallback(
-            plan="auto",
-            keep=p.keep,
-            budget=dict(p.budget) or None,
-            formats=p.formats,
-            calibration_data=calibration,
-            calibration_batches=p.calibration_batches,
-            scan_method=p.scan_method,
-            seed=t.seed,
-        )
-    return LowPrecisionCallback(plan=p.fixed_plan(), seed=t.seed)
+        budget = dict(p.budget) or None
+        options.update(plan="auto", keep=p.keep, budget=budget, formats=p.formats, scan_method=p.scan_method)
+    else:
+        options["plan"] = p.fixed_plan()
+    if p.rounding != "nearest" and not resume_from:
+        options["fp8_rounding"] = p.rounding
+    if p.is_auto or "fp8_rounding" in options:
+        batches = collated_batches(lm.train, lm.collator, t.per_device_train_batch_size)
+        options["calibration_data"] = list(islice(batches, p.calibration_batches))
+    return LowPrecisionCallback(**options)
 
 
 def _prepare_int4_lora(model, recipe: Recipe, lm, t):

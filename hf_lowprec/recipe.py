@@ -33,6 +33,7 @@ from hf_lowprec.assets import shipped_folder
 from hf_lowprec.data import TRAIN_ON
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.ondevice.calibration import ROUNDINGS
+from hf_lowprec.ondevice.calibration.fp8 import FP8_ROUNDINGS
 from hf_lowprec.plan import AUTO, PrecisionPlan, resolve_plan
 
 logger = logging.getLogger(__name__)
@@ -62,9 +63,10 @@ class PrecisionSection:
         budget: ``auto`` budget, passed to ``sensitivity.allocate`` (e.g. ``{target_bits_per_param: 6}``).
         calibration_batches: batches the ``auto`` scan measures on, and calibrated rounding calibrates on.
         scan_method: ``auto`` scan method.
-        rounding: ``int4-lora`` only: how the frozen base's INT4 codes are chosen: ``nearest``, or calibrated
-            on the first ``calibration_batches`` training batches: ``gptq``, ``awq``, ``awq+gptq`` (lower
-            output error; see ``hf_lowprec.ondevice.calibration``).
+        rounding: how the weights are rounded, calibrated on the first ``calibration_batches`` training batches.
+            ``int4-lora``: the frozen base's INT4 codes: ``nearest``, ``gptq``, ``awq``, ``awq+gptq`` (lower output
+            error; see ``hf_lowprec.ondevice.calibration``). ``full``: ``nearest`` or ``gptq``, which first moves each
+            FP8 layer's master weight to the grid point GPTQ chooses (``hf_lowprec.ondevice.calibration.fp8``).
     """
 
     plan: str = "fp8"
@@ -223,6 +225,11 @@ class Recipe:
             raise ValueError(
                 f"training.activation_storage {self.training.activation_storage!r} applies to method 'int4-lora'; "
                 "use 'none'"
+            )
+        if self.method == "full" and self.precision.rounding not in FP8_ROUNDINGS:
+            raise ValueError(
+                f"precision.rounding {self.precision.rounding!r} applies to method 'int4-lora'; method 'full' rounds "
+                f"its FP8 weights by one of {', '.join(FP8_ROUNDINGS)}"
             )
         floating = [f for f in self.precision.formats if FormatSpec.parse(f).family not in ("int4", "int8")]
         if self.method == "int4-lora" and self.precision.is_auto and floating:

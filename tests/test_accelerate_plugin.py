@@ -170,7 +170,27 @@ def test_bad_input():
         LowPrecisionPlugin("fp8").prepare(accelerator, prepared)
     with pytest.raises(ValueError, match="needs calibration_data"):
         LowPrecisionPlugin().prepare(accelerator, tiny_llama())
+    with pytest.raises(ValueError, match="fp8_rounding='gptq': needs calibration_data"):
+        LowPrecisionPlugin("fp8", fp8_rounding="gptq").prepare(accelerator, tiny_llama())
     with pytest.raises(ValueError, match="no eligible layers"):
         LowPrecisionPlugin("fp8").prepare(accelerator, nn.Sequential(nn.Conv1d(2, 2, 1)))
     with pytest.raises(ValueError, match="apply only to plan='auto'|applies only to plan='auto'"):
         LowPrecisionPlugin("fp8", budget={"target_bits_per_param": 8})
+
+
+def test_fp8_rounding_calibrates_on_the_prepared_dataloader():
+    """The plugin rounds the FP8 master weights on the first batches of the DataLoader it prepares: the same weights as
+    rounding the converted model by hand on those batches."""
+    from hf_lowprec import PrecisionPlan, apply_plan
+    from hf_lowprec.ondevice.calibration.fp8 import round_fp8_weights
+
+    batches = lm_batches(n=2, batch=8, seq=32, seed=1)
+    loader = torch.utils.data.DataLoader([{"input_ids": r} for b in batches for r in b["input_ids"]], batch_size=8)
+    model, by_hand = tiny_llama(), tiny_llama()
+    plugin = LowPrecisionPlugin("fp8", fp8_rounding="gptq", calibration_batches=2)
+    plugin.prepare(Accelerator(cpu=True), model, loader)
+    apply_plan(by_hand, PrecisionPlan.uniform("fp8"))
+    round_fp8_weights(by_hand, [b["input_ids"] for b in batches])
+    assert plugin.session.rounding["layers"] == 15
+    for (name, a), b in zip(model.named_parameters(), by_hand.parameters()):
+        assert torch.equal(a, b), name

@@ -1,5 +1,6 @@
 """LowPrecisionCallback inside an unmodified transformers.Trainer: real tiny models, real training."""
 
+import copy
 import json
 import logging
 
@@ -263,6 +264,8 @@ def test_model_without_eligible_layers_fails_at_init(tmp_path):
         (dict(plan="fp8", calibration_batches=0), "calibration_batches"),
         (dict(plan=MIXED_PLAN, keep=("lm_head",)), "keep= applies"),
         (dict(plan="fp8", compensation="kahan-ish"), "unknown compensation"),
+        (dict(plan="fp8", fp8_rounding="gptq"), "needs calibration_data="),
+        (dict(plan="fp8", fp8_rounding="awq", calibration_data=[{}]), "unknown fp8_rounding 'awq'; choose one of"),
     ],
 )
 def test_incompatible_options_fail_on_construction(kwargs, message):
@@ -284,3 +287,32 @@ def test_resuming_an_auto_run_without_its_plan_fails_before_training(tmp_path):
     with pytest.raises(ValueError, match="pass its plan"):
         again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
     assert again.state.global_step == 0  # refused while loading the weights, before any step
+
+
+def test_fp8_rounding_moves_the_master_weights_onto_their_grid_before_training(tmp_path):
+    """``fp8_rounding="gptq"``: after the conversion each FP8 weight casts to itself (but each group's largest element),
+    the logits move toward the unquantized model's, and training runs from there."""
+    from hf_lowprec.formats import E4M3, fp8_quantize_dequantize
+    from hf_lowprec.modules import FP8Linear
+
+    model = tiny_llama(hidden_size=128, intermediate_size=256)
+    rows = lm_rows()
+    calibration = lm_batches(n=4, batch=8, seq=32, seed=1)  # the rows' batches
+    ids = calibration[0]["input_ids"]
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+    nearest = copy.deepcopy(model)
+    Trainer(model=nearest, args=arguments(tmp_path / "n"), callbacks=[LowPrecisionCallback("fp8")])
+    callback = LowPrecisionCallback("fp8", fp8_rounding="gptq", calibration_data=calibration)
+    trainer = Trainer(model=model, args=arguments(tmp_path / "g"), train_dataset=rows, callbacks=[callback])
+    assert callback.session.rounding["layers"] == 2 * 7 + 1  # lm_head too: the plan keeps nothing
+    for m in model.modules():
+        if isinstance(m, FP8Linear):
+            w = m.weight.detach()
+            off_grid = fp8_quantize_dequantize(w, E4M3, "tensor", role="weight") != w
+            assert (w[off_grid].abs() == w.abs().max()).all()
+    with torch.no_grad():
+        err = (model(input_ids=ids).logits - reference).norm()
+        assert err < 0.9 * (nearest(input_ids=ids).logits - reference).norm()
+    trainer.train()
+    assert all(torch.isfinite(torch.tensor(v)) for v in losses(trainer).values())

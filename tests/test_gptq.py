@@ -86,3 +86,54 @@ def test_prepare_int4_lora_with_calibration_packs_codes_closer_to_the_model():
         prepare_int4_lora(tiny_llama(), LORA, calibration=calibration)
     with pytest.raises(ValueError, match="unknown rounding 'rtn'; choose one of nearest, gptq, awq, awq\+gptq"):
         prepare_int4_lora(tiny_llama(), LORA, rounding="rtn")
+
+
+@pytest.mark.parametrize("fmt,pow2", [("fp8", False), ("fp8-rowwise", True), ("fp8-block", True), ("fp8-mx", True)])
+def test_fp8_gptq_weights_are_fixed_points_of_the_layer_cast_and_lower_the_output_error(fmt, pow2):
+    """The rounded weight casts to itself under the layer's own dynamic scales (which it leaves unchanged), and its
+    output error on held-out inputs of the calibration distribution beats round-to-nearest's."""
+    from hf_lowprec.formats import E4M3, block_shape, expand_scale, fp8_amax, fp8_quantize_dequantize
+    from hf_lowprec.ondevice.calibration.fp8 import gptq_fp8
+
+    spec = FormatSpec.parse(fmt)
+    w = torch.randn(160, 256, generator=torch.Generator().manual_seed(3)) * 0.05
+    x = correlated_inputs(tokens=1024, k=256)
+    hessian = x.t() @ x
+    result = gptq_fp8(w, hessian, spec, pow2)
+    block = block_shape(spec.granularity, "weight") or (1, 1)
+    torch.testing.assert_close(fp8_amax(result.weight, spec.granularity, -1, block), fp8_amax(w, spec.granularity, -1, block))
+    cast = lambda t: fp8_quantize_dequantize(t, E4M3, spec.granularity, role="weight")  # noqa: E731 (pow2 as FP8Linear)
+    if pow2:  # the layer's own cast (power-of-two scales for these granularities)
+        off_grid = cast(result.weight) != result.weight
+        group_amax = fp8_amax(result.weight, spec.granularity, -1, block)
+        if spec.granularity in ("block", "mx"):
+            group_amax = expand_scale(group_amax, w.shape, block)
+        assert torch.equal(result.weight[off_grid].abs(), group_amax.expand_as(w)[off_grid])  # only the maxima are off
+    held_out = correlated_inputs(tokens=1024, k=256, seed=1)
+    err = lambda q: ((held_out @ (q - w).t()).norm() / (held_out @ w.t()).norm()).item()  # noqa: E731
+    assert err(cast(result.weight)) < 0.8 * err(cast(w))
+    assert result.output_error < 0.8 * result.output_error_nearest
+    with torch.autocast("cpu", torch.bfloat16):  # as in a bf16 training run: the rounding still computes in fp32
+        assert torch.equal(gptq_fp8(w, hessian, spec, pow2).weight, result.weight)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-rowwise-rht"])
+def test_round_fp8_weights_brings_an_fp8_model_closer_to_its_unquantized_outputs(fmt):
+    from hf_lowprec import PrecisionPlan, apply_plan
+    from hf_lowprec.ondevice.calibration.fp8 import round_fp8_weights
+
+    model = with_loud_channels(tiny_llama(hidden_size=128, intermediate_size=256))
+    calibration = torch.cat([b["input_ids"] for b in markov_batches(n=4)])
+    held_out = torch.cat([b["input_ids"] for b in markov_batches(n=1, seed=9)])
+    with torch.no_grad():
+        reference = model(input_ids=held_out).logits
+        apply_plan(model, PrecisionPlan.uniform(fmt, keep=("lm_head",)))
+        nearest = model(input_ids=held_out).logits
+        stats = round_fp8_weights(model, calibration, batch_size=8)
+        rounded = model(input_ids=held_out).logits
+    assert stats["layers"] == 14 and stats["output_error_median"] < 0.8 * stats["output_error_nearest_median"]
+    assert (rounded - reference).norm() < 0.9 * (nearest - reference).norm(), fmt
+    with pytest.raises(ValueError, match="choose one of nearest, gptq"):
+        round_fp8_weights(model, calibration, "awq")
+    with pytest.raises(ValueError, match="no FP8Linear layers"):
+        round_fp8_weights(tiny_llama(), calibration)

@@ -54,6 +54,7 @@ def _write(tmp_path, data, name="r.yaml"):
         ({"method": "int4-lora", "precision": {"plan": "fp8"}}, r"method 'int4-lora' keeps its frozen base in an integer format"),
         ({"method": "int4-lora", "precision": {"plan": "auto"}}, r"method .int4-lora. with plan .auto. chooses among int4/int8 formats .* not \[.fp8.\]"),
         ({"training": {"activation_storage": "int8"}}, r"training\.activation_storage 'int8' applies to method 'int4-lora'; use 'none'"),
+        ({"precision": {"rounding": "awq"}}, r"precision\.rounding 'awq' applies to method 'int4-lora'; method 'full' rounds its FP8 weights by one of nearest, gptq"),
         ({"method": "int4-lora", "training": {"activation_storage": "int4"}}, r"'training\.activation_storage' is 'int4'; allowed values are none, int8, fp8, fp8-e5m2"),
         ({"training": []}, r"training must be a mapping"),
     ],

@@ -65,8 +65,9 @@ class LowPrecisionPlugin(SessionOwner):
             a :class:`PrecisionPlan`, a dict, a plan file, a folder holding ``hf_lowprec_plan.json``,
             or a format name for every Linear.
         the other keywords (checked by :class:`~hf_lowprec.training.session.LowPrecisionSession`):
-        keep, budget, formats, calibration_batches, scan_method, seed: as for
-            :class:`hf_lowprec.training.callback.LowPrecisionCallback`.
+        keep, budget, formats, calibration_batches, scan_method, fp8_rounding, seed: as for
+            :class:`hf_lowprec.training.callback.LowPrecisionCallback` (``fp8_rounding`` also calibrates on
+            ``calibration_data`` or the prepared DataLoader).
         scaler: FP8 scale policy (``dynamic``, ``delayed``, ``gradient``); ``scaler_options`` go to it.
         fp8_backend: the plugin's own FP8 layers: ``auto``, ``emulated`` or ``torchao``.
         learn_scales: train INT4/INT8 group steps (LSQ).
@@ -95,7 +96,7 @@ class LowPrecisionPlugin(SessionOwner):
                 f"{len(optimizers)} optimizers"
             )
         model, optimizer = models[0], (optimizers[0] if optimizers else None)
-        if self.plan is None and calibration_data is None:
+        if (self.plan is None or self.session.fp8_rounding != "nearest") and calibration_data is None:
             calibration_data = next((o for o in objects if isinstance(o, torch.utils.data.DataLoader)), None)
         self.convert(model, optimizer, accelerator=accelerator, calibration_data=calibration_data)
         if self.compensation and optimizer is not None:
@@ -141,12 +142,16 @@ class LowPrecisionPlugin(SessionOwner):
             raise ValueError(
                 f"{type(model).__name__} has no eligible layers (nn.Linear / nn.Embedding) to put in low precision"
             )
+        rounding = self.session.fp8_rounding
+        needs = ["plan='auto'"] if self.plan is None else []
+        needs += [f"fp8_rounding={rounding!r}"] if rounding != "nearest" else []
+        if needs and calibration_data is None:
+            raise ValueError(f"{' and '.join(needs)}: needs calibration_data= or a DataLoader among the prepared ones")
         if self.plan is None:
-            if calibration_data is None:
-                raise ValueError("plan='auto' needs calibration_data= or a DataLoader among the prepared objects")
             self.session.scan(model, calibration_data)
         before = {name: p for name, p in model.named_parameters()}
         self._convert(accelerator, model)
+        self.session.round_weights(model, calibration_data or ())
         if optimizer is not None:
             self._repoint(optimizer, model, before)
             insert_new_parameters(optimizer, model, self.session.new_params)

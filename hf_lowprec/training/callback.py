@@ -84,10 +84,10 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         keep: layer names/patterns left in high precision (format-name and ``auto`` plans).
         budget: ``auto`` only: a ``sensitivity.Budget`` or a dict of its fields.
         formats: ``auto`` only: candidate formats of the scan.
-        calibration_data: ``auto`` only: model-input batches (e.g. a DataLoader) to scan; with it the
-            plan is applied at ``on_init_end``, otherwise the first training batches are scanned at
-            ``on_train_begin``.
-        calibration_batches: how many batches the scan uses.
+        calibration_data: ``auto`` or ``fp8_rounding``: model-input batches (a list, or a DataLoader for ``auto`` alone)
+            to scan and to calibrate on; with it the plan is applied at ``on_init_end``, otherwise the first training
+            batches are scanned at ``on_train_begin``.
+        calibration_batches: how many batches the scan and the FP8 rounding use.
         scan_method: ``auto`` only: the scan's ``method``.
         scaler: FP8 scale policy by name (``dynamic``, ``delayed``, ``gradient``); ``scaler_options`` go
             to it (e.g. ``{"spike_action": "skip"}``).
@@ -97,12 +97,20 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
             fp32 master copy (the model must have such weights).
         fp8_backend: ``auto``, ``emulated`` or ``torchao`` (see :class:`hf_lowprec.modules.FP8Linear`).
         learn_scales: train INT4/INT8 group steps (LSQ).
+        fp8_rounding: ``gptq``: after the conversion, move each FP8 layer's master weight to the grid point GPTQ
+            chooses on ``calibration_data`` (:func:`hf_lowprec.ondevice.calibration.fp8.round_fp8_weights`), so every
+            step's round-to-nearest cast reproduces it; ``nearest`` (default): leave the weights as they are.
         seed: the scan's seed.
     """
 
     def __init__(self, plan="auto", *, calibration_data: Iterable[Mapping] | None = None, **options):
-        if not is_auto(plan) and calibration_data is not None:
-            raise ValueError("budget= and calibration_data= apply only to plan='auto'")
+        rounds = options.get("fp8_rounding", "nearest") != "nearest"
+        if not is_auto(plan) and not rounds and calibration_data is not None:
+            raise ValueError("budget= and calibration_data= apply only to plan='auto' (or with fp8_rounding='gptq')")
+        if rounds and calibration_data is None:
+            raise ValueError(
+                f"fp8_rounding={options['fp8_rounding']!r} needs calibration_data= (a list of a few training batches)"
+            )
         self.session = LowPrecisionSession(plan, **options)
         self.calibration_data = calibration_data
         self._plan_folder = Path(plan) if isinstance(plan, (str, os.PathLike)) and Path(plan).is_dir() else None
@@ -141,6 +149,7 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
             self._hook = model.register_load_state_dict_post_hook(_refuse_low_precision_keys)
             return
         self._convert(model, self.plan)
+        self.session.round_weights(model, self.calibration_data or ())
         if optimizer is not None:  # the user passed optimizers=(...)
             insert_new_parameters(optimizer, model, self.session.new_params)
 
@@ -188,6 +197,8 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
                 raise ValueError("plan='auto' needs training data or calibration_data= to scan")
             self.session.scan(model, train_dataloader)
         self._convert(model, self.plan)
+        if state.global_step == 0:
+            self.session.round_weights(model, self.calibration_data or ())
         if self.session.new_params and process_world()[1] > 1:
             raise ValueError(
                 "the plan adds learned INT4 steps after DDP wrapped the model, so their gradients would not be "

@@ -115,8 +115,11 @@ class LowPrecisionSession:
         learn_scales: bool = True,
         sync: bool | None = None,
         compensation: str | None = None,
+        fp8_rounding: str = "nearest",
         seed: int = 0,
     ):
+        from hf_lowprec.ondevice.calibration.fp8 import FP8_ROUNDINGS  # the calibration package imports models
+
         self.auto = is_auto(plan)
         if not self.auto and budget is not None:
             raise ValueError("budget= and calibration_data= apply only to plan='auto'")
@@ -128,12 +131,16 @@ class LowPrecisionSession:
             FormatSpec.parse(fmt)
         if compensation is not None and compensation not in COMPENSATIONS:
             raise ValueError(f"unknown compensation {compensation!r}; choose one of {', '.join(COMPENSATIONS)} or None")
+        if fp8_rounding not in FP8_ROUNDINGS:
+            raise ValueError(f"unknown fp8_rounding {fp8_rounding!r}; choose one of {', '.join(FP8_ROUNDINGS)}")
         make_policy_factory(scaler, **dict(scaler_options or {}))  # raises for unknown names/options
         self.keep, self.budget, self.formats = tuple(keep), budget, tuple(formats)
         self.calibration_batches, self.scan_method, self.seed = calibration_batches, scan_method, seed
         self.scaler, self.scaler_options = scaler, dict(scaler_options or {})
         self.fp8_backend, self.learn_scales, self.sync = fp8_backend, learn_scales, sync
         self.compensation = None if compensation == "none" else compensation
+        self.fp8_rounding = fp8_rounding
+        self.rounding: dict | None = None  # round_fp8_weights' summary once the FP8 weights were rounded
         self.plan: PrecisionPlan | None = None if self.auto else resolve_plan(plan, self.keep)
         self.report: ConversionReport | None = None
         self.coverage: dict[str, float] = {}
@@ -156,6 +163,18 @@ class LowPrecisionSession:
         return apply_plan(
             model, plan, fp8_backend=self.fp8_backend, learn_scales=self.learn_scales, policy_factory=factory
         )
+
+    def round_weights(self, model: nn.Module, batches: Iterable[Mapping]) -> None:
+        """Move the converted model's FP8 master weights to the grid points ``fp8_rounding`` chooses, calibrated on
+        the first ``calibration_batches`` of ``batches`` (their ``input_ids``); nothing for ``nearest`` or no FP8."""
+        if self.fp8_rounding == "nearest" or not any(FormatSpec.parse(r.applied).family == "fp8" for r in self.report.swapped):
+            return
+        from hf_lowprec.ondevice.calibration.fp8 import round_fp8_weights
+
+        data = [b["input_ids"] for b in islice(iter(batches), self.calibration_batches)]
+        if not data:
+            raise ValueError(f"fp8_rounding={self.fp8_rounding!r} found no calibration batches")
+        self.rounding = round_fp8_weights(model, data, self.fp8_rounding)
 
     def record(self, model: nn.Module, plan: PrecisionPlan, report: ConversionReport) -> None:
         """Keep what a conversion of ``model`` to ``plan`` did; ``ValueError`` if no layer went to low precision."""

@@ -26,7 +26,7 @@ from torch import nn
 
 from hf_lowprec.formats import FormatSpec, quantize_int
 from hf_lowprec.ondevice.calibration.awq import search_input_scale, stored_steps
-from hf_lowprec.ondevice.calibration.gptq import gptq_quantize
+from hf_lowprec.ondevice.calibration.gptq import full_precision, gptq_quantize
 from hf_lowprec.rotation import check_rotatable, rotate
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ def check_rounding(rounding: str) -> str:
 
 
 @torch.no_grad()
+@full_precision()
 def calibrate_layer(
     weight: torch.Tensor,
     hessian: torch.Tensor,

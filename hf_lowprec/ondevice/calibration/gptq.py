@@ -16,6 +16,7 @@ produces its own int4 tensor layout; no kept library quantizes to this format on
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -49,29 +50,27 @@ def _round(w: torch.Tensor, step: torch.Tensor, zero: torch.Tensor | None, qmin:
     return q, (q - (0 if zero is None else zero)) * step
 
 
-@torch.no_grad()
-def gptq_quantize(
-    weight: torch.Tensor,
-    hessian: torch.Tensor,
-    spec: FormatSpec,
-    step: torch.Tensor,
-    zero: torch.Tensor | None = None,
-    *,
-    block: int = 128,
-    percdamp: float = 0.01,
-) -> GPTQResult:
-    """GPTQ codes of ``weight [N, K]`` on the grid ``step``/``zero`` ``[N, G]`` given ``hessian [K, K]`` (``X^T X``).
+@contextmanager
+def full_precision():
+    """No autocast inside (CPU or CUDA): GPTQ's error propagation needs fp32 matmuls, also when called in a bf16 run."""
+    with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        yield
 
-    ``percdamp``: fraction of the mean Hessian diagonal added to it (numerical stability, as in the
-    paper). Inputs that never fire (zero diagonal) keep round-to-nearest codes.
+
+@torch.no_grad()
+@full_precision()
+def gptq_columns(weight: torch.Tensor, hessian: torch.Tensor, round_column, *, block: int = 128, percdamp=0.01):
+    """GPTQ's loop (Frantar et al., 2023, Algorithm 1) on any grid: ``weight [N, K]`` rounded one input column at a
+    time by ``round_column(i, values [N]) -> rounded values [N]``, each column's rounding error spread over the columns
+    not yet rounded through the inverse of ``hessian [K, K]`` (``X^T X``). Returns the rounded weight ``[N, K]``.
+
+    ``percdamp``: fraction of the mean Hessian diagonal added to it (numerical stability, as in the paper). Inputs that
+    never fire (zero diagonal) get no error from the others.
     """
     w = weight.detach().float()
     rows, cols = w.shape
     if hessian.shape != (cols, cols):
-        raise ValueError(f"gptq_quantize: Hessian {tuple(hessian.shape)} does not match a weight with {cols} inputs")
-    qmin, qmax = spec.qrange
-    col_step = _per_column(step.float(), spec.group_size, cols)
-    col_zero = _per_column(None if zero is None else zero.float(), spec.group_size, cols)
+        raise ValueError(f"GPTQ: Hessian {tuple(hessian.shape)} does not match a weight with {cols} inputs")
     h = hessian.float().clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
@@ -82,20 +81,46 @@ def gptq_quantize(
     hinv = torch.linalg.cholesky(h, upper=True)
     del h
     work = w.clone()
-    codes = torch.empty(rows, cols, dtype=torch.int8 if spec.symmetric else torch.uint8)
+    rounded = torch.empty_like(w)
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
         chunk, errors, hinv_chunk = work[:, i1:i2].clone(), torch.empty(rows, i2 - i1), hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            z = None if col_zero is None else col_zero[:, i1 + i]
-            q, deq = _round(chunk[:, i], col_step[:, i1 + i], z, qmin, qmax)
-            codes[:, i1 + i] = q
-            err = (chunk[:, i] - deq) / hinv_chunk[i, i]
+            rounded[:, i1 + i] = round_column(i1 + i, chunk[:, i])
+            err = (chunk[:, i] - rounded[:, i1 + i]) / hinv_chunk[i, i]
             chunk[:, i:] -= err[:, None] * hinv_chunk[i, i:][None, :]
             errors[:, i] = err
         work[:, i2:] -= errors @ hinv[i1:i2, i2:]
-    del work, hinv
-    deq = (codes.float() - (0 if col_zero is None else col_zero)) * col_step
+    return rounded
+
+
+@torch.no_grad()
+@full_precision()
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    spec: FormatSpec,
+    step: torch.Tensor,
+    zero: torch.Tensor | None = None,
+    *,
+    block: int = 128,
+    percdamp: float = 0.01,
+) -> GPTQResult:
+    """GPTQ codes of ``weight [N, K]`` on the integer grid ``step``/``zero`` ``[N, G]`` given ``hessian [K, K]``
+    (see :func:`gptq_columns`)."""
+    w = weight.detach().float()
+    rows, cols = w.shape
+    qmin, qmax = spec.qrange
+    col_step = _per_column(step.float(), spec.group_size, cols)
+    col_zero = _per_column(None if zero is None else zero.float(), spec.group_size, cols)
+    codes = torch.empty(rows, cols, dtype=torch.int8 if spec.symmetric else torch.uint8)
+
+    def round_column(i: int, values: torch.Tensor) -> torch.Tensor:
+        q, deq = _round(values, col_step[:, i], None if col_zero is None else col_zero[:, i], qmin, qmax)
+        codes[:, i] = q
+        return deq
+
+    deq = gptq_columns(w, hessian, round_column, block=block, percdamp=percdamp)
     _, nearest = _round(w, col_step, col_zero, qmin, qmax)
     hessian = hessian.float()
     return GPTQResult(
@@ -107,4 +132,4 @@ def gptq_quantize(
     )
 
 
-__all__ = ["GPTQResult", "gptq_quantize"]
+__all__ = ["GPTQResult", "full_precision", "gptq_columns", "gptq_quantize"]
