@@ -5,9 +5,10 @@ SmolLM2-135M-Instruct, held-out perplexity on ``EVAL_BLOCKS`` blocks of two unse
 but ``lm_head`` converted; all runs (the baseline too) under bf16 autocast with fp32 master weights, as training
 runs them. Sections (``quality`` and ``cost`` can run alone):
 
-- ``formats``: each FP8 scale granularity and INT4 format, plain and rotated; rotated runs are repeated over
-  ``ROTATION_SEEDS`` (the random signs of the rotation) and give mean and standard deviation; plain runs are
-  deterministic.
+- ``formats``: each FP8 scale granularity and INT4 format, plain and rotated, and FP8 with its master weights
+  GPTQ-rounded onto the grid (``round_fp8_weights`` on ``CALIBRATION_BATCHES`` training batches); rotated runs are
+  repeated over ``ROTATION_SEEDS`` (the random signs of the rotation) and give mean and standard deviation; the
+  others are deterministic.
 - ``fp8_error``: tensorwise FP8 with the weights, or the activations, left exact: which operand costs the perplexity.
 - ``fp8_by_projection``: one projection type in FP8 at a time.
 - ``scan``: the sensitivity scan over plain and rotated candidates, then the allocator: FP8 on >= 90% of the
@@ -37,6 +38,7 @@ from hf_lowprec import PrecisionPlan, apply_plan, revert
 from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
 from hf_lowprec.modules import FP8Linear, Int4Linear
 from hf_lowprec.ondevice import evaluate_loss
+from hf_lowprec.ondevice.calibration.fp8 import round_fp8_weights
 from hf_lowprec.sensitivity import allocate, scan
 
 EVAL_BLOCKS, CALIBRATION_BATCHES, BATCH = 16, 4, 4
@@ -86,12 +88,17 @@ def quality() -> dict:
     model, tok = load_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
     train, evals = _data(tok, CALIBRATION_BATCHES * BATCH, EVAL_BLOCKS)
 
-    def perplexity(plan=None, **options) -> float:
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def perplexity(plan=None, gptq: bool = False, **options) -> float:
         if plan is not None:
             apply_plan(model, plan, **options)
         with torch.autocast("cpu", torch.bfloat16):
+            if gptq:
+                round_fp8_weights(model, train)
             loss = evaluate_loss(model, evals, BATCH)
         revert(model)
+        model.load_state_dict(original)  # the rounding moved the weights
         return math.exp(loss)
 
     base = perplexity()
@@ -113,6 +120,8 @@ def quality() -> dict:
             with rotation_seed(seed):
                 rotated.append(perplexity(PrecisionPlan.uniform(fmt + "-rht", keep=KEEP), **learn))
         record(out["formats"], fmt + "-rht", rotated)
+        if fmt.startswith("fp8"):
+            record(out["formats"], fmt + " (gptq weights)", [perplexity(PrecisionPlan.uniform(fmt, keep=KEEP), gptq=True)])
 
     for role in ("input", "weight"):
         apply_plan(model, PrecisionPlan.uniform("fp8", keep=KEEP))
@@ -134,12 +143,12 @@ def quality() -> dict:
         plan = allocate(result, keep=KEEP, min_fp8_fraction=share * convertible)
         seconds = time.perf_counter() - start
         fractions = apply_plan(model, plan, learn_scales=False).fractions()
-        with torch.autocast("cpu", torch.bfloat16):
-            ppl = math.exp(evaluate_loss(model, evals, BATCH))
         revert(model)
         label = f"scan: {family} on {share:.0%} of convertible params"
-        record(out["scan"], label, [ppl])
+        record(out["scan"], label, [perplexity(plan, learn_scales=False)])
         out["scan"][label].update({"candidates": candidates, "fractions": fractions, "scan_seconds": seconds})
+        if family == "fp8":
+            record(out["scan"], label + " (gptq weights)", [perplexity(plan, gptq=True)])
         print(f"  plan: {', '.join(f'{k} {v:.1%}' for k, v in fractions.items())}", flush=True)
     return out
 
@@ -193,13 +202,14 @@ def plot(data: dict) -> None:
     labels = [k for k, _ in rows]
     means = [v["ratio_mean"] for _, v in rows]
     stds = [v["ratio_std"] for _, v in rows]
-    colors = ["tab:orange" if k.endswith("-rht") else "tab:green" if k.startswith("scan") else "tab:blue" for k in labels]
+    colors = ["tab:purple" if "gptq" in k else "tab:orange" if k.endswith("-rht") else "tab:green" if k.startswith("scan")
+              else "tab:blue" for k in labels]  # fmt: skip
     ax.barh(range(len(rows)), [m - 1 for m in means], xerr=stds, left=1, color=colors)
     ax.set_yticks(range(len(rows)), labels)
     ax.invert_yaxis()
     ax.axvline(1.01, color="gray", linestyle="--", linewidth=0.8)
     ax.set_xscale("log")
-    ax.set_xlabel("held-out perplexity / bf16's (log scale; dashed: 1.01x; orange: rotated, mean ± std of 3 seeds)")
+    ax.set_xlabel("held-out ppl / bf16's (log; dashed 1.01x; orange: rotated, mean ± std of 3 seeds; purple: GPTQ weights)")
     ax.set_title(f"SmolLM2-135M-Instruct, conversion only ({data['cpu_class']})")
     fig.tight_layout()
     fig.savefig(RESULTS / "outliers.png", dpi=110)
