@@ -118,7 +118,7 @@ class LowPrecisionSession:
         fp8_rounding: str = "nearest",
         seed: int = 0,
     ):
-        from hf_lowprec.ondevice.calibration.fp8 import FP8_ROUNDINGS  # the calibration package imports models
+        from hf_lowprec.ondevice.calibration.fp8 import FP8_ROUNDINGS  # hf_lowprec.ondevice imports PEFT: not at import
 
         self.auto = is_auto(plan)
         if not self.auto and budget is not None:
@@ -167,7 +167,8 @@ class LowPrecisionSession:
     def round_weights(self, model: nn.Module, batches: Iterable[Mapping]) -> None:
         """Move the converted model's FP8 master weights to the grid points ``fp8_rounding`` chooses, calibrated on
         the first ``calibration_batches`` of ``batches`` (their ``input_ids``); nothing for ``nearest`` or no FP8."""
-        if self.fp8_rounding == "nearest" or not any(FormatSpec.parse(r.applied).family == "fp8" for r in self.report.swapped):
+        has_fp8 = any(FormatSpec.parse(r.applied).family == "fp8" for r in self.report.swapped)
+        if self.fp8_rounding == "nearest" or not has_fp8:
             return
         from hf_lowprec.ondevice.calibration.fp8 import round_fp8_weights
 
