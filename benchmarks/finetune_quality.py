@@ -25,6 +25,7 @@ deviations, the gap to bf16 paired by seed. Writes benchmarks/results/finetune_q
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import time
@@ -32,7 +33,7 @@ from contextlib import nullcontext
 
 import torch
 from _train_step import train_step
-from _util import machine, write_json
+from _util import RESULTS, machine, write_json
 from ondevice import _data
 
 from hf_lowprec import PrecisionPlan, apply_plan
@@ -129,6 +130,16 @@ def summarize(per_seed: dict[str, list[dict]]) -> dict[str, dict]:
     return out
 
 
+def kept_runs(path, args) -> dict[str, list[dict]]:
+    """The per-seed runs of an earlier result file that this invocation does not rerun; ``ValueError`` if that file was
+    made with other steps, batch or seeds."""
+    old = json.loads(path.read_text())
+    settings = {"steps": args.steps, "batch": args.batch, "seeds": args.seeds}
+    if {k: old[k] for k in settings} != settings:
+        raise ValueError(f"--merge: {path} has {({k: old[k] for k in settings})}, this run {settings}")
+    return {name: r["per_seed"] for name, r in old["results"].items() if name not in (args.only or RUNS)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
@@ -136,8 +147,11 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[SEED])
     ap.add_argument("--only", nargs="*", choices=RUNS)
     ap.add_argument("--out", default="finetune_quality.json")
+    ap.add_argument("--merge", action="store_true", help="keep the --out file's other runs (same steps, batch, seeds)")
     args = ap.parse_args()
     per_seed: dict[str, list[dict]] = {}
+    if args.merge:
+        per_seed = kept_runs(RESULTS / args.out, args)
     for seed in args.seeds:
         for name in args.only or RUNS:
             r = run(name, args.steps, seed, args.batch)

@@ -290,8 +290,8 @@ def test_resuming_an_auto_run_without_its_plan_fails_before_training(tmp_path):
 
 
 def test_fp8_rounding_moves_the_master_weights_onto_their_grid_before_training(tmp_path):
-    """``fp8_rounding="gptq"``: after the conversion each FP8 weight casts to itself (but each group's largest element),
-    the logits move toward the unquantized model's, and training runs from there."""
+    """``fp8_rounding="gptq"``: after the conversion the FP8 weights changed exactly where their cast changed, the
+    logits moved toward the unquantized model's, and training runs from there."""
     from hf_lowprec.formats import E4M3, fp8_quantize_dequantize
     from hf_lowprec.modules import FP8Linear
 
@@ -301,16 +301,17 @@ def test_fp8_rounding_moves_the_master_weights_onto_their_grid_before_training(t
     ids = calibration[0]["input_ids"]
     with torch.no_grad():
         reference = model(input_ids=ids).logits
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
     nearest = copy.deepcopy(model)
     Trainer(model=nearest, args=arguments(tmp_path / "n"), callbacks=[LowPrecisionCallback("fp8")])
     callback = LowPrecisionCallback("fp8", fp8_rounding="gptq", calibration_data=calibration)
     trainer = Trainer(model=model, args=arguments(tmp_path / "g"), train_dataset=rows, callbacks=[callback])
     assert callback.session.rounding["layers"] == 2 * 7 + 1  # lm_head too: the plan keeps nothing
-    for m in model.modules():
+    cast = lambda w: fp8_quantize_dequantize(w, E4M3, "tensor", role="weight")  # noqa: E731
+    for name, m in model.named_modules():
         if isinstance(m, FP8Linear):
-            w = m.weight.detach()
-            off_grid = fp8_quantize_dequantize(w, E4M3, "tensor", role="weight") != w
-            assert (w[off_grid].abs() == w.abs().max()).all()
+            w, before = m.weight.detach(), original[f"{name}.weight"]
+            assert torch.equal(w != before, cast(w) != cast(before)) and bool((w != before).any()), name
     with torch.no_grad():
         err = (model(input_ids=ids).logits - reference).norm()
         assert err < 0.9 * (nearest(input_ids=ids).logits - reference).norm()

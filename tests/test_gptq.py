@@ -10,6 +10,7 @@ from hf_lowprec.formats import FormatSpec, dequantize_int, int_steps, quantize_i
 from hf_lowprec.modules import PackedInt4Linear
 from hf_lowprec.ondevice import prepare_int4_lora
 from hf_lowprec.ondevice.calibration import hessian_groups
+from hf_lowprec.ondevice.calibration.fp8 import gptq_fp8
 from hf_lowprec.ondevice.calibration.gptq import gptq_quantize
 
 LORA = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
@@ -89,11 +90,11 @@ def test_prepare_int4_lora_with_calibration_packs_codes_closer_to_the_model():
 
 
 @pytest.mark.parametrize("fmt,pow2", [("fp8", False), ("fp8-rowwise", True), ("fp8-block", True), ("fp8-mx", True)])
-def test_fp8_gptq_weights_are_fixed_points_of_the_layer_cast_and_lower_the_output_error(fmt, pow2):
-    """The rounded weight casts to itself under the layer's own dynamic scales (which it leaves unchanged), and its
-    output error on held-out inputs of the calibration distribution beats round-to-nearest's."""
-    from hf_lowprec.formats import E4M3, block_shape, expand_scale, fp8_amax, fp8_quantize_dequantize
-    from hf_lowprec.ondevice.calibration.fp8 import gptq_fp8
+def test_fp8_gptq_weights_cast_to_gptqs_points_and_lower_the_output_error(fmt, pow2):
+    """The layer's own cast (its dynamic scales unchanged) of the rounded weight gives points whose output error on
+    held-out inputs of the calibration distribution beats round-to-nearest's; only weights whose point changed moved,
+    and by less than a cell beyond it (they keep their place in the cell, so training moves them as before)."""
+    from hf_lowprec.formats import E4M3, block_shape, fp8_amax, fp8_quantize_dequantize
 
     spec = FormatSpec.parse(fmt)
     w = torch.randn(160, 256, generator=torch.Generator().manual_seed(3)) * 0.05
@@ -103,16 +104,17 @@ def test_fp8_gptq_weights_are_fixed_points_of_the_layer_cast_and_lower_the_outpu
     block = block_shape(spec.granularity, "weight") or (1, 1)
     torch.testing.assert_close(fp8_amax(result.weight, spec.granularity, -1, block), fp8_amax(w, spec.granularity, -1, block))
     cast = lambda t: fp8_quantize_dequantize(t, E4M3, spec.granularity, role="weight")  # noqa: E731 (pow2 as FP8Linear)
-    if pow2:  # the layer's own cast (power-of-two scales for these granularities)
-        off_grid = cast(result.weight) != result.weight
-        group_amax = fp8_amax(result.weight, spec.granularity, -1, block)
-        if spec.granularity in ("block", "mx"):
-            group_amax = expand_scale(group_amax, w.shape, block)
-        assert torch.equal(result.weight[off_grid].abs(), group_amax.expand_as(w)[off_grid])  # only the maxima are off
+    moved = result.weight != w
+    assert torch.equal(moved, cast(result.weight) != cast(w)) and 0 < moved.float().mean() < 0.8
+    off_grid = (result.weight != cast(result.weight)) | ~moved  # moved weights keep their place in the cell...
+    assert off_grid.float().mean() > 0.95  # ...rather than sitting on a grid point (but a few at a cell's edge)
     held_out = correlated_inputs(tokens=1024, k=256, seed=1)
     err = lambda q: ((held_out @ (q - w).t()).norm() / (held_out @ w.t()).norm()).item()  # noqa: E731
     assert err(cast(result.weight)) < 0.8 * err(cast(w))
     assert result.output_error < 0.8 * result.output_error_nearest
+    assert result.output_error == pytest.approx(
+        ((cast(result.weight) - w) @ hessian * (cast(result.weight) - w)).sum().item() / ((w @ hessian) * w).sum().item(), rel=1e-3
+    )  # what GPTQ chose is what the cast gives
     with torch.autocast("cpu", torch.bfloat16):  # as in a bf16 training run: the rounding still computes in fp32
         assert torch.equal(gptq_fp8(w, hessian, spec, pow2).weight, result.weight)
 
