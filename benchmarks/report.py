@@ -170,12 +170,12 @@ def claims(conv_res: dict, layers: dict | None, memory: dict | None, ondevice: d
                      "run within its target or its seeds' spread"))  # fmt: skip
     else:
         rows.append(("FP8 can replace BF16 as the training format", "not measured", "—", ""))
-    lossless = [(n, r["eval_gap_vs_bf16"]) for n, r in conv_res.items() if n.startswith("int4")]
+    lossless = [(n, r["eval_gap_vs_bf16"], r.get("eval_gap_vs_bf16_std", 0.0)) for n, r in conv_res.items() if n.startswith("int4")]
     if lossless:
-        best = min(lossless, key=lambda t: t[1])
-        figs = "; ".join(f"{n}: {pct(g)}" for n, g in lossless)
-        verdict = "holds" if best[1] <= 0.0025 else ("holds partly" if best[1] <= 0.01 else "does not hold here")
-        rows.append(("INT4 is lossless on some layers", figs + " (eval vs bf16; lossless = within 0.25%)", verdict, ""))
+        figs = "; ".join(f"{n}: {pm_pct(g, s)}" for n, g, s in lossless)
+        order = ("holds", "holds partly", "does not hold here")
+        verdict = min((verdict_within(g, s, 0.0025) for _, g, s in lossless), key=order.index)  # "some layers": the best
+        rows.append(("INT4 is lossless on some layers", figs + " (eval vs bf16; lossless = within 0.25% or the seeds' spread)", verdict, ""))
     else:
         rows.append(("INT4 is lossless on some layers", "not measured", "—", ""))
     speed = []

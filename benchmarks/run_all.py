@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
+SEEDED_SETUPS = ("bf16", "fp8 (dynamic)", "fp8-mx", "int4 everywhere, LSQ", "int4 attention only")  # x 3 seeds
 STEPS = {  # name -> arguments (sized for the 45-minute budget; each script's --help says more)
     "kernel_speed": ["kernel_speed.py", "--repeats", "3"],
     "layers": ["layers.py", "--repeat", "7"],
@@ -22,7 +23,8 @@ STEPS = {  # name -> arguments (sized for the 45-minute budget; each script's --
     "scan": ["scan.py"],
     "ondevice": ["ondevice.py", "speed", "--steps", "6", "--warmup", "2"],
     "finetune_quality": ["finetune_quality.py", "--steps", "30"],
-    "convergence": ["convergence.py", "--steps", "400"],
+    "outliers": ["outliers.py"],
+    "convergence": ["convergence.py", "--steps", "400", "--seeds", "0", "1", "2", "--only", *SEEDED_SETUPS],
 }
 
 
