@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -40,6 +41,11 @@ def reset_peak_rss() -> None:
     """Set this process's peak RSS mark (``VmHWM``) to its current RSS."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value) of per-seed figures."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def machine() -> dict:

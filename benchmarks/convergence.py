@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import time
 from contextlib import nullcontext
 
 import torch
 from _train_step import train_step
-from _util import RESULTS, machine, write_json
+from _util import RESULTS, machine, mean_std, write_json
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -157,10 +156,6 @@ def main():
             save(per_seed, args, train_stream, eval_stream)  # after every run: an interrupted sweep keeps what it measured
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
 def summarize(per_seed: dict[str, list[dict]]) -> dict[str, dict]:
     """Per setup: the first seed's loss curve, the seeds' runs (curves dropped), means and ``_std`` of the losses,
     and of the relative gaps to bf16 of the same seed."""
@@ -170,12 +165,12 @@ def summarize(per_seed: dict[str, list[dict]]) -> dict[str, dict]:
         r = {"losses": runs[0]["losses"], "seeds_done": len(runs), **{k: v for k, v in runs[0].items() if k == "plan_fractions"}}
         r["per_seed"] = [{k: v for k, v in x.items() if k != "losses"} for x in runs]
         for key in ("eval_loss", "final_train_loss", "seconds"):
-            r[key], r[f"{key}_std"] = _mean_std([x[key] for x in runs])
+            r[key], r[f"{key}_std"] = mean_std([x[key] for x in runs])
         r["finite"] = all(x["finite"] for x in runs)
         paired = list(zip(runs, base))
         if paired:
             for key, loss in (("eval_gap_vs_bf16", "eval_loss"), ("train_gap_vs_bf16", "final_train_loss")):
-                r[key], r[f"{key}_std"] = _mean_std([(x[loss] - b[loss]) / b[loss] for x, b in paired])
+                r[key], r[f"{key}_std"] = mean_std([(x[loss] - b[loss]) / b[loss] for x, b in paired])
         out[name] = r
     return out
 

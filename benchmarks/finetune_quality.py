@@ -27,13 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import time
 from contextlib import nullcontext
 
 import torch
 from _train_step import train_step
-from _util import RESULTS, machine, write_json
+from _util import RESULTS, machine, mean_std, write_json
 from ondevice import _data
 
 from hf_lowprec import PrecisionPlan, apply_plan
@@ -110,10 +109,6 @@ def run(name: str, steps: int, seed: int = SEED, batch: int = BATCH) -> dict:
             "trainable_params": sum(p.numel() for p in params), **notes}  # fmt: skip
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
 def summarize(per_seed: dict[str, list[dict]]) -> dict[str, dict]:
     """Per run: the per-seed results, and the means (with ``_std``) of the perplexities and of the gap to bf16 of
     the same seed."""
@@ -121,10 +116,10 @@ def summarize(per_seed: dict[str, list[dict]]) -> dict[str, dict]:
     for name, runs in per_seed.items():
         r = {"per_seed": runs}
         for key in ("ppl_before", "ppl_after"):
-            r[key], r[f"{key}_std"] = _mean_std([x[key] for x in runs])
+            r[key], r[f"{key}_std"] = mean_std([x[key] for x in runs])
         if "bf16" in per_seed:
             ratios = [x["ppl_after"] / b["ppl_after"] for x, b in zip(runs, per_seed["bf16"])]
-            r["ppl_after_vs_bf16"], r["ppl_after_vs_bf16_std"] = _mean_std(ratios)
+            r["ppl_after_vs_bf16"], r["ppl_after_vs_bf16_std"] = mean_std(ratios)
         r["plan_fractions"] = runs[0].get("plan_fractions", {})
         out[name] = r
     return out

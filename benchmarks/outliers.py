@@ -37,6 +37,7 @@ import hf_lowprec.rotation as rotation
 from hf_lowprec import PrecisionPlan, apply_plan, revert
 from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
 from hf_lowprec.modules import FP8Linear, Int4Linear
+from hf_lowprec.modules.kernels.autotune import time_call
 from hf_lowprec.ondevice import evaluate_loss
 from hf_lowprec.ondevice.calibration.fp8 import round_fp8_weights
 from hf_lowprec.sensitivity import allocate, scan
@@ -153,16 +154,6 @@ def quality() -> dict:
     return out
 
 
-def _median_seconds(fn) -> float:
-    fn()
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def cost() -> dict:
     """Forward+backward seconds per layer, bf16 autocast, and the ratios to the bf16 layer and to plain FP8."""
     out = {}
@@ -184,7 +175,7 @@ def cost() -> dict:
             y.float().sum().backward()
             dense.weight.grad = None
 
-        seconds = {name: _median_seconds(lambda layer=layer: step(layer)) for name, layer in layers.items()}
+        seconds = {name: time_call(lambda layer=layer: step(layer), REPEATS) for name, layer in layers.items()}
         out[label] = {name: {"seconds": s, "vs_bf16": s / seconds["bf16"],
                              "vs_unrotated": s / seconds[name.removesuffix("-rht")]} for name, s in seconds.items()}  # fmt: skip
         print(label, ", ".join(f"{name} {r['vs_bf16']:.2f}x" for name, r in out[label].items()), flush=True)

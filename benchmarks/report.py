@@ -267,7 +267,8 @@ def outliers_section(data: dict | None) -> list[str]:
             lines.append(f"| {label}{extra} | {r['ratio_mean']:.4f}x{std} |")
     for shape, row in (data.get("cost") or {}).items():
         if shape == list(data["cost"])[0]:
-            lines += ["", f"Cost, forward+backward of one layer ({st['tokens_timed']} tokens, bf16 autocast, median of "
+            lines += ["", f"Cost on the {data['cpu_class']} CPU ({data['machine']}, {data['threads']} threads), "
+                      f"forward+backward of one layer ({st['tokens_timed']} tokens, bf16 autocast, median of "
                       f"{st['repeats']}), time vs the bf16 layer / vs the same format unrotated:\n",
                       "| shape | " + " | ".join(row) + " |", "|---|" + "---|" * len(row)]  # fmt: skip
         lines.append(f"| {shape} | " + " | ".join(f"{r['vs_bf16']:.2f}x / {r['vs_unrotated']:.2f}x" for r in row.values()) + " |")

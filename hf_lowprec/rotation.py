@@ -34,8 +34,11 @@ def rotation_block(in_features: int) -> int | None:
     return block if block >= MIN_ROTATION_BLOCK else None
 
 
-def check_rotatable(in_features: int, what: str) -> int:
-    """:func:`rotation_block` or a ``ValueError`` naming ``what`` and the allowed input sizes."""
+def layer_rotation(spec, in_features: int, what: str) -> int | None:
+    """The rotation block of a layer of format ``spec`` (a ``FormatSpec``) with ``in_features`` inputs: ``None`` when
+    the format does not rotate, a ``ValueError`` naming ``what`` and the allowed input sizes when it cannot."""
+    if not spec.rotate:
+        return None
     block = rotation_block(in_features)
     if block is None:
         raise ValueError(
@@ -46,19 +49,20 @@ def check_rotatable(in_features: int, what: str) -> int:
 
 
 @functools.cache
-def _block_matrix(block: int) -> torch.Tensor:
-    """``D H_b / sqrt(b)``, fp32 ``[b, b]`` on the CPU (orthogonal)."""
+def _block_matrix(block: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``D H_b / sqrt(b)`` ``[b, b]`` (orthogonal), drawn on the CPU and kept per device and dtype: every forward of a
+    rotated layer reads it."""
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < block:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
     gen = torch.Generator().manual_seed(ROTATION_SEED)
     signs = torch.randint(0, 2, (block,), generator=gen, dtype=torch.float64) * 2 - 1
-    return (signs[:, None] * h / block**0.5).float()
+    return (signs[:, None] * h / block**0.5).to(device=device, dtype=dtype)
 
 
 def rotation_matrix(block: int, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The ``[b, b]`` block of ``R`` (see the module docstring) on ``device`` in ``dtype``."""
-    return _block_matrix(block).to(device=device, dtype=dtype)
+    return _block_matrix(block, torch.device(device or "cpu"), dtype)
 
 
 def rotate(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -81,3 +85,8 @@ def _blockwise(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """``x`` times ``blockdiag(r, r, ...)`` along the last dimension, in ``r``'s dtype, returned in ``x``'s."""
     shape, block = x.shape, r.shape[0]
     return (x.to(r.dtype).reshape(*shape[:-1], shape[-1] // block, block) @ r).reshape(shape).to(x.dtype)
+
+
+def rotated_hessian(hessian: torch.Tensor, block: int) -> torch.Tensor:
+    """``R^T H R``: the input Hessian ``X^T X`` ``[K, K]`` of a layer whose inputs are rotated to ``X R``."""
+    return rotate(rotate(hessian, block).t(), block).t()

@@ -27,6 +27,25 @@ def tiny_llama(seed: int = 0, tie: bool = False, **overrides) -> LlamaForCausalL
     return LlamaForCausalLM(LlamaConfig(**cfg))
 
 
+def on_dequant_backend(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every packed layer on the ``dequant`` backend: the exact reference, the same for every batch (the
+    int8 backend picks its outlier channels per call)."""
+    from hf_lowprec.modules import PackedLinear
+
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m.backend = "dequant"
+    return model
+
+
+@torch.no_grad()
+def randomize_adapters(model: torch.nn.Module, std: float) -> None:
+    """Non-zero LoRA ``B`` matrices (normal, ``std``), so that every adapter changes the output: a stand-in for training."""
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.normal_(std=std)
+
+
 @torch.no_grad()
 def with_loud_channels(model: torch.nn.Module, channels: int = 4, gain: float = 20.0) -> torch.nn.Module:
     """``model`` with its first ``channels`` hidden channels made ``gain``x louder at every RMSNorm output, like

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import on_dequant_backend, randomize_adapters
 from peft import LoraConfig
 from tiny_assets import save_tiny_model, tensorboard_scalars
 from transformers import TrainerCallback
 
 from hf_lowprec.export import CARD_FILE, export_model, hardware_info
-from hf_lowprec.modules import PackedLinear
 from hf_lowprec.ondevice import load_int4_lora
 
 BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -144,9 +144,7 @@ def _gradients_after_one_step(method: str, base_dir: Path, tmp_path: Path, batch
     common = {"args": args, "train_dataset": data, "data_collator": default_data_collator}
     if method == "int4-lora":
         model, _ = _adapted_model(base_dir, torch.float32)  # bf16 GEMMs round differently per batch shape
-        for m in model.modules():
-            if isinstance(m, PackedLinear):
-                m.backend = "dequant"  # the int8 backend picks its outlier channels per call, i.e. per batch
+        on_dequant_backend(model)  # the int8 backend picks its outlier channels per call, i.e. per batch
         trainer = ChunkedLossTrainer(model=model.train(), activation_storage=None, callbacks=[probe], **common)
     else:
         model, _ = load_pretrained(base_dir)
@@ -219,14 +217,9 @@ def test_compressed_tensors_export_loads_without_hf_lowprec(fmt, tmp_path):
     torch.manual_seed(0)
     plan = PrecisionPlan({"lm_head": "bf16", "*.v_proj": "int8"}, default=fmt)  # int8 layers travel dense
     model, _, _ = load_int4_lora(base_dir, LoraConfig(r=4, target_modules="all-linear"), plan, dtype=torch.float32)
+    randomize_adapters(model, std=0.05)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.05)
-        for m in model.modules():
-            if isinstance(m, PackedLinear):
-                m.backend = "dequant"  # the exact reference
-        trained = model.eval()(IDS).logits
+        trained = on_dequant_backend(model).eval()(IDS).logits  # the exact reference
     errors = export_compressed_tensors(model, tmp_path / "ct", base_model_id=BASE_ID)
     assert errors == {}  # nearest rounding with integer zero points: nothing re-quantized
     config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import markov_batches, tiny_llama
+from conftest import markov_batches, on_dequant_backend, tiny_llama
 from peft import LoraConfig, get_peft_model
 from tiny_assets import corpus_text, save_tiny_model
 from transformers import AutoModelForCausalLM
@@ -389,9 +389,7 @@ def test_a_packed_tied_head_is_the_embedding_table_too(tmp_path):
     export_int4_lora(model, tmp_path / "run")
     reloaded, _ = load_int4_model(tmp_path / "run")
     assert type(reloaded.get_base_model().get_input_embeddings()).__name__ == "TiedPackedEmbedding"
-    for m in reloaded.modules():
-        if isinstance(m, PackedLinear):
-            m.backend = "dequant"
+    on_dequant_backend(reloaded)
     export_int4_lora(model, tmp_path / "dense", merge=True, merged_dtype=torch.float32)  # the table written dense
     dense_reload = AutoModelForCausalLM.from_pretrained(tmp_path / "dense")
     with torch.no_grad():

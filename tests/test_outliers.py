@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_llama
+from conftest import on_dequant_backend, randomize_adapters, tiny_llama
 from peft import LoraConfig
 from tiny_assets import save_tiny_model
 from torch import nn
@@ -177,10 +177,7 @@ def test_plans_apply_rotation_and_report_layers_that_cannot_rotate():
         fake = int4(input_ids=ids).logits
         freeze(int4)
         assert all(m.spec.rotate for m in int4.modules() if isinstance(m, PackedLinear))
-        for m in int4.modules():
-            if isinstance(m, PackedLinear):
-                m.backend = "dequant"
-        torch.testing.assert_close(int4(input_ids=ids).logits, fake, rtol=0, atol=1e-4)
+        torch.testing.assert_close(on_dequant_backend(int4)(input_ids=ids).logits, fake, rtol=0, atol=1e-4)
 
 
 def test_rotated_int4_lora_round_trips_through_the_packed_folder_and_compressed_tensors(tmp_path):
@@ -191,14 +188,9 @@ def test_rotated_int4_lora_round_trips_through_the_packed_folder_and_compressed_
     model, _, report = load_int4_lora(base_dir, LoraConfig(r=4, target_modules="all-linear"), plan, dtype=torch.float32)
     assert {r.applied for r in report.layers if r.name.startswith("model.layers.")} == {"int4-g32-asym-rht"}
     ids = torch.randint(0, 100, (2, 16))
+    randomize_adapters(model, std=0.05)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.05)
-        for m in model.modules():
-            if isinstance(m, PackedLinear):
-                m.backend = "dequant"
-        trained = model.eval()(input_ids=ids).logits
+        trained = on_dequant_backend(model).eval()(input_ids=ids).logits
     export_int4_lora(model, tmp_path / "run")
     reloaded, _ = load_int4_model(tmp_path / "run", backend="dequant")
     with torch.no_grad():

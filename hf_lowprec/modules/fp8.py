@@ -38,7 +38,7 @@ from hf_lowprec.formats import (
 )
 from hf_lowprec.modules.embedding import like_embedding
 from hf_lowprec.modules.kernels.autotune import compute_dtype
-from hf_lowprec.rotation import check_rotatable, rotate
+from hf_lowprec.rotation import layer_rotation, rotate
 from hf_lowprec.scaling import DynamicScaling, ScalePolicy
 
 FP8_BACKENDS = ("auto", "emulated", "torchao")
@@ -201,7 +201,7 @@ class FP8Linear(nn.Linear):
             raise ValueError(f"unknown scale policy roles {sorted(policies)}; choose from input, weight, grad")
         if self.spec.granularity == "mx" and not all(p.power_of_two for p in self.scaling.values()):
             raise ValueError("fp8-mx scales are powers of two (E8M0); pass scale policies with power_of_two=True")
-        self.rotation_block = check_rotatable(in_features, f"FP8Linear({self.spec.name})") if self.spec.rotate else None
+        self.rotation_block = layer_rotation(self.spec, in_features, f"FP8Linear({self.spec.name})")
         self._torchao_config = None
 
     @classmethod

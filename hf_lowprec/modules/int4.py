@@ -23,7 +23,7 @@ from hf_lowprec.formats import FormatSpec, fake_quantize_per_token_int8, quantiz
 from hf_lowprec.modules.embedding import like_embedding
 from hf_lowprec.modules.lsq import LearnedActivationQuantizer, LearnedStepQuantizer
 from hf_lowprec.modules.packed import PackedLinear, packed_class
-from hf_lowprec.rotation import check_rotatable, rotate
+from hf_lowprec.rotation import layer_rotation, rotate
 
 INT_FAMILIES = ("int4", "int8", "nf4")
 
@@ -68,8 +68,7 @@ class Int4Linear(nn.Linear):
                 f"{self.spec.name!r}"
             )
         self.input_quantizer = LearnedActivationQuantizer("int8") if learn_activation_scales else None
-        rotated = self.spec.rotate
-        self.rotation_block = check_rotatable(in_features, f"Int4Linear({self.spec.name})") if rotated else None
+        self.rotation_block = layer_rotation(self.spec, in_features, f"Int4Linear({self.spec.name})")
         if self.weight.device.type != "meta":
             weight = self.operand(self.weight)
             self.weight_quantizer = quantizer or LearnedStepQuantizer(weight, self.spec, learn_scales)

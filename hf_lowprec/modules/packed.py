@@ -58,7 +58,7 @@ from hf_lowprec.formats import (
 from hf_lowprec.modules.kernels.autotune import fastest
 from hf_lowprec.modules.kernels.cpp import cpu_kernels
 from hf_lowprec.modules.kernels.cpu import cpu_info
-from hf_lowprec.rotation import check_rotatable, rotate, unrotate
+from hf_lowprec.rotation import layer_rotation, rotate, unrotate
 
 logger = logging.getLogger(__name__)
 
@@ -363,8 +363,7 @@ class PackedLinear(nn.Module):
         self.spec = FormatSpec.parse(spec)
         self._check_spec(self.spec)
         self.in_features, self.out_features = in_features, out_features
-        rotated = check_rotatable(in_features, f"{type(self).__name__}({self.spec.name})") if self.spec.rotate else None
-        self.rotation_block = rotated
+        self.rotation_block = layer_rotation(self.spec, in_features, f"{type(self).__name__}({self.spec.name})")
         groups = 1 if self.spec.group_size is None else -(-in_features // self.spec.group_size)
         self.register_buffer("qweight", self._empty_codes(out_features, in_features, device))
         self.register_buffer("step", torch.ones(out_features, groups, dtype=dtype, device=device))

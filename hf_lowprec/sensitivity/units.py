@@ -43,28 +43,24 @@ def _units(model: nn.Module, formats: Sequence[FormatSpec]) -> list[_Unit]:
         unit = groups.setdefault(id(module.weight), _Unit(name, [], []))
         unit.members.append((name, module))
     for unit in groups.values():
-        unit.formats = [s.name for s in formats if _can_take(unit, s)]
-        if len(unit.formats) < len(formats):
-            skipped = sorted({s.name for s in formats} - set(unit.formats))
-            logger.info("%s: skipping %s (%s)", unit.name, ", ".join(skipped), _why_not(unit))
+        unit.formats = [s.name for s in formats if not _cannot_take(unit, s)]
+        for s in formats:
+            if why := _cannot_take(unit, s):
+                logger.info("%s: skipping %s (%s)", unit.name, s.name, why)
     return list(groups.values())
 
 
-def _can_take(unit: _Unit, spec: FormatSpec) -> bool:
-    """Whether every member can run ``spec``: embeddings have no activation to quantize (``-a8``) nor input to
-    rotate (``-rht``); a rotated linear needs an input size that is a multiple of the smallest rotation block."""
+def _cannot_take(unit: _Unit, spec: FormatSpec) -> str:
+    """Why a member of ``unit`` cannot run ``spec`` (``""`` when every member can): embeddings have no activation to
+    quantize (``-a8``) nor input to rotate (``-rht``); a rotated linear's input size must be a multiple of the smallest
+    rotation block."""
     for _, module in unit.members:
-        if isinstance(module, nn.Embedding) and (spec.act_int8 or spec.rotate):
-            return False
-        if spec.rotate and not isinstance(module, nn.Embedding) and rotation_block(module.in_features) is None:
-            return False
-    return True
-
-
-def _why_not(unit: _Unit) -> str:
-    if any(isinstance(m, nn.Embedding) for _, m in unit.members):
-        return "an embedding has no activation to quantize nor input to rotate"
-    return f"its input size is not a multiple of {MIN_ROTATION_BLOCK}, so it cannot be rotated"
+        if isinstance(module, nn.Embedding):
+            if spec.act_int8 or spec.rotate:
+                return "an embedding has no activation to quantize nor input to rotate"
+        elif spec.rotate and rotation_block(module.in_features) is None:
+            return f"{module.in_features} input features are not a multiple of {MIN_ROTATION_BLOCK}: cannot rotate"
+    return ""
 
 
 def _select(units: list[_Unit], patterns: Sequence[str]) -> list[_Unit]:

@@ -27,7 +27,7 @@ from torch import nn
 from hf_lowprec.formats import FormatSpec, quantize_int
 from hf_lowprec.ondevice.calibration.awq import search_input_scale, stored_steps
 from hf_lowprec.ondevice.calibration.gptq import full_precision, gptq_quantize
-from hf_lowprec.rotation import check_rotatable, rotate
+from hf_lowprec.rotation import layer_rotation, rotate, rotated_hessian
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +70,9 @@ def calibrate_layer(
     ``step_dtype``: the dtype the packed layer stores its steps in; the codes are chosen on that grid.
     """
     w, h = weight.detach().float(), hessian.float()
-    if spec.rotate:  # the codes of W R for inputs X R, whose Hessian is R^T H R
-        block = check_rotatable(w.shape[1], f"calibrating {spec.name}")
-        w, h = rotate(w, block), rotate(rotate(h, block).t(), block).t()
+    block = layer_rotation(spec, w.shape[1], f"calibrating {spec.name}")
+    if block is not None:  # the codes of W R for inputs X R, whose Hessian is R^T H R
+        w, h = rotate(w, block), rotated_hessian(h, block)
     scale = search_input_scale(w, h, spec, step_dtype) if check_rounding(rounding).startswith("awq") else None
     s = None if scale is None else scale.scale
     scaled = w if s is None else w * s

@@ -45,7 +45,7 @@ from hf_lowprec.modules.fp8 import FP8Linear
 from hf_lowprec.ondevice.calibration import HESSIAN_BUDGET_BYTES, _HessianHooks, hessian_groups
 from hf_lowprec.ondevice.calibration.awq import relative_output_error
 from hf_lowprec.ondevice.calibration.gptq import full_precision, gptq_columns
-from hf_lowprec.rotation import rotate, unrotate
+from hf_lowprec.rotation import rotate, rotated_hessian, unrotate
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def _round_layer(layer: FP8Linear, hessian: torch.Tensor) -> FP8Rounding:
     """Round ``layer``'s master weight in place (in its rotated basis for ``-rht``); returns the rounding."""
     weight, block = layer.weight.detach().float(), layer.rotation_block
     if block is not None:  # inputs X R: Hessian R^T H R, weight W R
-        weight, hessian = rotate(weight, block), rotate(rotate(hessian, block).t(), block).t()
+        weight, hessian = rotate(weight, block), rotated_hessian(hessian, block)
     result = gptq_fp8(weight, hessian, layer.spec, layer.scaling["weight"].power_of_two)
     layer.weight.data.copy_(result.weight if block is None else unrotate(result.weight, block))
     return result
