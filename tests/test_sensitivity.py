@@ -185,6 +185,17 @@ def test_loss_budget_and_keep_force(measured):
     assert measured.allocation["solver"] == "ilp"
 
 
+def test_fractions_count_the_layers_keep_leaves_free(measured):
+    """min_fp8_fraction=1 with a kept head puts every other layer in low precision; the kept head is not counted."""
+    plan = allocate(measured, min_fp8_fraction=1.0, keep=["lm_head"])
+    kept = next(u for u in measured.layers if "lm_head" in u.names)
+    assert all(plan.layers[n].name == "bf16" for n in kept.names)
+    free = [n for u in measured.layers if u is not kept for n in u.names]
+    assert free and all(plan.layers[n].name != "bf16" for n in free)
+    plan = allocate(measured, max_loss_increase=1.0, int4_fraction=0.0, keep=["lm_head"])
+    assert all(fmt.bits > 4 for fmt in plan.layers.values())
+
+
 def test_unmeetable_budget_names_the_best_reachable_value(measured):
     with pytest.raises(ValueError, match=r"target_bits_per_param=2 cannot be met: the fewest bits per parameter reachable .* is 4\.25"):
         allocate(measured, target_bits_per_param=2.0)

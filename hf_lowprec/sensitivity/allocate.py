@@ -35,8 +35,9 @@ class Budget:
         max_loss_increase: predicted Δloss of the whole plan (sum over layers), nats/token.
         target_bits_per_param: mean stored bits per eligible weight, scales included (a layer kept
             as it is counts its own dtype: 32 for fp32, 16 for bf16).
-        min_fp8_fraction: at least this fraction of eligible parameters in FP8 or lower precision.
-        int4_fraction: at most this fraction of eligible parameters in 4-bit formats (0 forbids INT4).
+        min_fp8_fraction: at least this fraction of the free parameters (those of the scanned layers that
+            ``keep`` does not hold) in FP8 or lower precision.
+        int4_fraction: at most this fraction of the free parameters in 4-bit formats (0 forbids INT4).
 
     With ``target_bits_per_param`` or ``min_fp8_fraction`` the allocator minimizes the predicted
     Δloss; otherwise it minimizes memory within ``max_loss_increase`` and ``int4_fraction``.
@@ -82,6 +83,7 @@ class _Problem:
     fixed: np.ndarray  # rows forbidden by keep/force
     n_units: int
     total_params: float
+    free_params: float  # of the units keep does not hold: the fractions' denominator
 
 
 def _problem(result: ScanResult, keep: Sequence[str], force: Mapping[str, str]) -> _Problem:
@@ -141,6 +143,7 @@ def _problem(result: ScanResult, keep: Sequence[str], force: Mapping[str, str]) 
         fixed=np.array([i in rules and rules[i] != c for i, c in rows]),
         n_units=len(units),
         total_params=float(sum(u.params for u in units)),
+        free_params=float(sum(u.params for i, u in enumerate(units) if rules.get(i) != KEEP)) or 1.0,
     )
 
 
@@ -156,9 +159,9 @@ def _limits(p: _Problem, budget: Budget, skip: str | None = None) -> list[tuple[
     if budget.target_bits_per_param is not None and skip != "target_bits_per_param":
         out.append((p.nbytes * 8 / total, -np.inf, budget.target_bits_per_param))
     if budget.min_fp8_fraction is not None and skip != "min_fp8_fraction":
-        out.append((p.low * p.params / total, budget.min_fp8_fraction - 1e-12, np.inf))
+        out.append((p.low * p.params / p.free_params, budget.min_fp8_fraction - 1e-12, np.inf))
     if budget.int4_fraction is not None and skip != "int4_fraction":
-        out.append((p.four_bit * p.params / total, -np.inf, budget.int4_fraction + 1e-12))
+        out.append((p.four_bit * p.params / p.free_params, -np.inf, budget.int4_fraction + 1e-12))
     return out
 
 
@@ -202,14 +205,13 @@ def _solve_ilp(p: _Problem, objective: np.ndarray, limits, tiebreak: np.ndarray 
 def _solve_greedy(p: _Problem, budget: Budget) -> np.ndarray:
     """Greedy for problems too large for the ILP: start from each unit's lowest-Δloss choice, then
     repeatedly take the feasible move with the least Δloss per byte saved."""
-    total = p.total_params
     allowed = ~p.fixed
     state = np.zeros(p.n_units, dtype=int)
     for u in range(p.n_units):
         rows = np.flatnonzero((p.unit == u) & allowed)
         state[u] = rows[np.lexsort((p.nbytes[rows], p.loss[rows]))[0]]
     loss_cap = math.inf if budget.minimizes_loss or budget.max_loss_increase is None else budget.max_loss_increase
-    int4_cap = math.inf if budget.int4_fraction is None else budget.int4_fraction * total + 1e-9
+    int4_cap = math.inf if budget.int4_fraction is None else budget.int4_fraction * p.free_params + 1e-9
     while True:
         cur = state[p.unit]
         t = _totals(p, np.bincount(state, minlength=len(p.unit)).astype(float))
@@ -218,7 +220,7 @@ def _solve_greedy(p: _Problem, budget: Budget) -> np.ndarray:
         saved = p.nbytes[cur] - p.nbytes
         ok = allowed & (saved > 0)
         ok &= t["max_loss_increase"] + p.loss - p.loss[cur] <= loss_cap
-        ok &= t["int4_fraction"] * total + (p.four_bit - p.four_bit[cur]) * p.params <= int4_cap
+        ok &= t["int4_fraction"] * p.free_params + (p.four_bit - p.four_bit[cur]) * p.params <= int4_cap
         if not ok.any():
             break
         slope = np.where(ok, (p.loss - p.loss[cur]) / np.where(ok, saved, 1.0), np.inf)
@@ -234,8 +236,8 @@ def _totals(p: _Problem, x: np.ndarray) -> dict:
     return {
         "max_loss_increase": float(p.loss @ x),
         "target_bits_per_param": float(p.nbytes @ x) * 8 / total,
-        "min_fp8_fraction": float((p.low * p.params) @ x) / total,
-        "int4_fraction": float((p.four_bit * p.params) @ x) / total,
+        "min_fp8_fraction": float((p.low * p.params) @ x) / p.free_params,
+        "int4_fraction": float((p.four_bit * p.params) @ x) / p.free_params,
     }
 
 
@@ -261,8 +263,8 @@ def _violations_of(t: dict, budget: Budget, keys: Sequence[str]) -> list[str]:
 _BEST = {  # how to optimize one budget quantity alone: (objective row, sign, wording)
     "max_loss_increase": (lambda p: p.loss, 1, "lowest predicted Δloss reachable"),
     "target_bits_per_param": (lambda p: p.nbytes * 8 / p.total_params, 1, "fewest bits per parameter reachable"),
-    "min_fp8_fraction": (lambda p: p.low * p.params / p.total_params, -1, "largest FP8-or-lower fraction reachable"),
-    "int4_fraction": (lambda p: p.four_bit * p.params / p.total_params, 1, "smallest INT4 fraction reachable"),
+    "min_fp8_fraction": (lambda p: p.low * p.params / p.free_params, -1, "largest FP8-or-lower fraction reachable"),
+    "int4_fraction": (lambda p: p.four_bit * p.params / p.free_params, 1, "smallest INT4 fraction reachable"),
 }
 
 
