@@ -30,7 +30,13 @@ from hf_lowprec.export.records import hardware_info, read_run
 from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.metrics import causal_lm_loss, peak_rss_mb
 from hf_lowprec.modules.kernels.autotune import measured, resolve_dtype
-from hf_lowprec.ondevice import ChunkedLossTrainer, backend_counts, prepare_int4_lora
+from hf_lowprec.ondevice import (
+    ChunkedLossTrainer,
+    backend_counts,
+    checkpoint_weights,
+    load_int4_base,
+    prepare_int4_lora,
+)
 from hf_lowprec.recipe import Recipe
 from hf_lowprec.training.callback import LowPrecisionCallback
 
@@ -232,7 +238,7 @@ def _evaluate(model, lm, batch_size: int, autocast, label: str) -> dict:
 
 
 def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
-
+    """Load, convert, train, evaluate and export one run; its run record."""
     recipe, t = opts.recipe, opts.recipe.training
     lora = recipe.method == "int4-lora"
     compute, compute_reason = resolve_dtype(t.dtype, "cuda" if torch.cuda.is_available() else "cpu")
@@ -243,9 +249,10 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     autocast = torch.bfloat16 if bf16 and not lora else None
     figures = dict(settings.get("figures", {}))
     if "loss_base" not in figures:
-        figures["loss_base"] = _evaluate(
-            model, lm, t.per_device_train_batch_size, autocast, "evaluating the base model (held-out data)"
-        )["loss"]
+        with checkpoint_weights(model):  # an INT4 base packed while loading reads its dense weights back, one by one
+            figures["loss_base"] = _evaluate(
+                model, lm, t.per_device_train_batch_size, autocast, "evaluating the base model (held-out data)"
+            )["loss"]
     resume_from = str(run.latest_checkpoint()) if opts.resume else None
     set_seed(t.seed)  # the adapters' random init (LoRA A) comes before the Trainer seeds anything
     model, callbacks, method_info = _prepare_method(model, recipe, lm, t, resume_from)
@@ -285,25 +292,43 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     )
     figures.update(_training_figures(trainer, result, t, train_seconds, resume_from, figures["loss_base"], final))
     record = _run_record(run, opts, lm, figures, final, method_info)
-    record["compute"] = {
-        "dtype": str(compute).removeprefix("torch."),
-        "reason": compute_reason,
-        "packed_kernels": backend_counts(model),
-        "measured_choices": measured(),
-    }
+    record["compute"] = _compute_record(compute, compute_reason, model)
     _export_run(model, tokenizer, run, record, recipe, trainer.state.log_history)
     return record
 
 
-def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
-    """``(model, tokenizer, lm_data)``: the checkpoint in ``dtype`` and the data tokenized into blocks."""
+def _compute_record(compute: torch.dtype, reason: str, model) -> dict:
+    """What the run computed in and why, and which packed kernels ran (the run record's ``compute``)."""
+    return {
+        "dtype": str(compute).removeprefix("torch."),
+        "reason": reason,
+        "packed_kernels": backend_counts(model),
+        "measured_choices": measured(),
+    }
 
+
+def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
+    """``(model, tokenizer, lm_data)``: the checkpoint in ``dtype`` (for ``int4-lora`` packed while loading where it
+    can be, see :func:`~hf_lowprec.ondevice.load_int4_base`) and the data tokenized into blocks."""
     recipe, t = opts.recipe, opts.recipe.training
     with ui.step(f"reading data {opts.data or '(default corpus)'}"):
         records, data_name = read_source(opts.data, split=recipe.data.split)
     source, gguf = (opts.model, opts.gguf_file) if opts.model else default_checkpoint()
-    with ui.step(f"loading {opts.model or f'default model {DEFAULT_BASE_MODEL_ID} ({gguf})'}"):
-        model, tokenizer = load_pretrained(source, gguf_file=gguf, dtype=dtype, **opts.load_options)
+    packing = " (packing the INT4 base while reading)" if recipe.method == "int4-lora" else ""
+    with ui.step(f"loading {opts.model or f'default model {DEFAULT_BASE_MODEL_ID} ({gguf})'}{packing}"):
+        if recipe.method == "int4-lora":
+            p = recipe.precision
+            model, tokenizer, _ = load_int4_base(
+                source,
+                "auto" if p.is_auto else p.fixed_plan(),
+                dtype=dtype,
+                reads_dense=p.rounding != "nearest" or recipe.lora.init == "loftq",
+                auto_formats=p.formats,
+                gguf_file=gguf,
+                **opts.load_options,
+            )
+        else:
+            model, tokenizer = load_pretrained(source, gguf_file=gguf, dtype=dtype, **opts.load_options)
     if tokenizer is None:
         ui.fail(f"{source!r} has no tokenizer files; save the tokenizer next to the model (tokenizer.save_pretrained)")
     max_len = getattr(model.config, "max_position_embeddings", None)
@@ -474,6 +499,7 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t):
             calibration=calibration,
             **auto,
         )
+    model.__dict__.pop("hf_lowprec_dense_weights", None)  # packed: the checkpoint's files are no longer needed
     trainable = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
     record = {"adapter": {"trainable_params": trainable, "r": lora.r, "target_modules": list(lora.target_modules)}}
     if report.calibration is not None:

@@ -10,7 +10,7 @@ from peft import LoraConfig, get_peft_model
 from tiny_assets import corpus_text, save_tiny_model
 from transformers import AutoModelForCausalLM
 
-from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
+from hf_lowprec.checkpoints import DenseWeights, default_checkpoint, load_pretrained
 from hf_lowprec.export.hf_quantizer import HfLowprecConfig
 from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear, PackedLinear
 from hf_lowprec.modules.packed import compiled, int8_backend_available
@@ -18,10 +18,12 @@ from hf_lowprec.ondevice import (
     AUTO_FORMATS,
     MERGE_FILE,
     METRICS_FILE,
+    checkpoint_weights,
     chunked_causal_lm_loss,
     cross_entropy_with_grad,
     export_int4_lora,
     finetune_int4_lora,
+    load_int4_base,
     load_int4_lora,
     load_int4_model,
     prepare_int4_lora,
@@ -405,6 +407,67 @@ def test_default_plan_packs_only_large_output_heads_in_int8(monkeypatch):
     assert int4_plan(model).to_dict() == {"default": "int4-g64-asym", "layers": {"lm_head": "bf16"}}
     monkeypatch.setattr("hf_lowprec.ondevice.planning.HEAD_INT8_MIN_PARAMS", 64 * 256 - 1)  # this head's 64 x 256
     assert int4_plan(model, "int4-g32").to_dict() == {"default": "int4-g32", "layers": {"lm_head": "int8"}}
+
+
+def test_scan_of_a_base_packed_while_loading_scores_as_the_dense_scan(tmp_path):
+    """The Fisher scan of a packed model reads each layer's dense weight back and scores the formats' output errors
+    against the dense layer: the same layers, sizes and (up to the packed model's own gradients) the same scores."""
+    path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
+    dense, tok = load_pretrained(path)
+    batches = [{"input_ids": b[None], "labels": b[None]} for b in token_blocks(tok, [corpus_text(8_000)], 32)[:8]]
+    linears = [n for n, m in dense.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    formats = ("int4-g64-asym", "int8", "int4-g64-asym-rht")
+    reference = scan(dense, batches, formats, method="fisher", layers=linears)
+    packed, _ = load_pretrained(path, quantization_config=HfLowprecConfig("int4-g64-asym"))
+    assert isinstance(packed.model.layers[0].mlp.up_proj, PackedInt4Linear)
+    ours = scan(packed, batches, formats, method="fisher", layers=linears, dense_weights=DenseWeights(path))
+    assert ours.base_loss == pytest.approx(reference.base_loss, rel=1e-3)  # the packed model's own loss
+    for a, b in zip(ours.layers, reference.layers, strict=True):
+        assert (a.name, a.kind, a.params, a.bytes) == (b.name, b.kind, b.params, b.bytes)
+        for f in formats:  # ½ Σ (g·δy)²: δy against the dense output; g from the packed model (differs by a few %)
+            assert a.second_order[f] == pytest.approx(b.second_order[f], rel=0.1), (a.name, f)
+    with pytest.raises(ValueError, match="runs method 'fisher'"):
+        scan(packed, batches, formats, method="auto", dense_weights=DenseWeights(path))
+    with pytest.raises(ValueError, match="already low precision"):
+        scan(packed, batches, formats, method="fisher", layers=linears)
+
+
+def test_checkpoint_weights_give_the_dense_models_outputs_from_a_packed_one(tmp_path):
+    path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
+    ids = markov_batches(n=1, batch=2, seq=16)[0]["input_ids"]
+    dense, _ = load_pretrained(path)
+    packed, _, plan = load_int4_base(path, None, dtype=torch.float32, reads_dense=True)
+    assert isinstance(packed.model.layers[0].self_attn.q_proj, PackedInt4Linear) and plan is packed.hf_lowprec_plan
+    with torch.no_grad():
+        expected = dense(input_ids=ids).logits
+        with checkpoint_weights(packed):
+            got = packed(input_ids=ids).logits
+        after = packed(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert (after - expected).abs().max() > 1e-3  # outside the block the packed layers compute again
+
+
+def test_auto_plan_and_loftq_on_a_base_packed_while_loading_are_the_dense_path_with_that_plan(tmp_path):
+    """plan='auto' with LoftQ packs every weight as it is read, scans the packed model, reads back the layers it gives
+    int8, and starts LoRA from the checkpoint's residuals: the model of the dense path given the same plan."""
+    path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
+    calibration = token_blocks(load_pretrained(path)[1], [corpus_text(8_000)], 32)[:8]
+    torch.manual_seed(0)
+    model, _, report = load_int4_lora(path, LoraConfig(**LORA), "auto", calibration=calibration, loftq_init=True,
+                                      budget={"target_bits_per_param": 6.0}, dtype="fp32")  # fmt: skip
+    formats = {r.name: r.applied for r in report.layers}
+    assert set(formats.values()) == {"int4-g64-asym", "int8", "bf16"} and formats["lm_head"] == "bf16"
+    assert {r.reason for r in report.layers if r.applied == "int4-g64-asym"} == {"packed while loading"}
+    assert not [line for line in open("/proc/self/maps") if str(tmp_path) in line]  # read by pread, nothing mapped
+    torch.manual_seed(0)
+    dense, _ = load_pretrained(path)
+    reference, _ = prepare_int4_lora(dense, LoraConfig(**LORA), PrecisionPlan(formats), loftq_init=True)
+    got, expected = model.state_dict(), reference.state_dict()
+    assert got.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-6, msg=key)
+    base = model.get_base_model()  # the plan the export records is the scanned one, not the one packed while loading
+    assert {n: s.name for n, s in base.hf_lowprec_plan.assign(base).items()} == formats
 
 
 @pytest.mark.parametrize("rounding", ["gptq", "awq+gptq"])

@@ -468,6 +468,18 @@ class PackedLinear(nn.Module):
             return self.operand_weight(dtype)
         return self._original_basis(self.operand_weight(torch.float32)).to(dtype)
 
+    def dense_linear(self, weight: torch.Tensor) -> nn.Linear:
+        """A frozen ``nn.Linear`` of this layer's shape and bias with the dense ``weight [N, K]`` in the layer's compute
+        dtype (e.g. the checkpoint's weight, read back to score or re-plan this layer)."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"dense weight {tuple(weight.shape)} does not fit a {self.out_features}x{self.in_features} layer"
+            )
+        dense = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
+        dense.weight = nn.Parameter(weight.to(self.step.dtype), requires_grad=False)
+        dense.bias = self.bias
+        return dense
+
     def _original_basis(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight R^T`` for ``-rht`` layers (rows of the stored basis back in the input's), else ``weight``."""
         return weight if self.rotation_block is None else unrotate(weight, self.rotation_block)

@@ -31,7 +31,7 @@ from hf_lowprec.ondevice.planning import (
     resolve_target_modules,
     scan_int4_plan,
 )
-from hf_lowprec.ondevice.prepare import load_int4_lora, prepare_int4_lora
+from hf_lowprec.ondevice.prepare import checkpoint_weights, load_int4_base, load_int4_lora, prepare_int4_lora
 from hf_lowprec.ondevice.train import METRICS_FILE, FinetuneResult, backend_counts, finetune_int4_lora, peak_rss_mb
 
 
@@ -55,12 +55,14 @@ __all__ = [
     "MERGE_FILE",
     "METRICS_FILE",
     "backend_counts",
+    "checkpoint_weights",
     "chunked_causal_lm_loss",
     "cross_entropy_with_grad",
     "evaluate_loss",
     "export_int4_lora",
     "finetune_int4_lora",
     "int4_plan",
+    "load_int4_base",
     "load_int4_lora",
     "load_int4_model",
     "loftq_factors",

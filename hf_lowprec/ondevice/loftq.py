@@ -11,6 +11,7 @@ from torch import nn
 
 from hf_lowprec.convert import canonical_name
 from hf_lowprec.modules.int4 import Int4Linear
+from hf_lowprec.modules.packed import PackedInt4Linear
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +32,22 @@ def lora_scaling(config: LoraConfig) -> float:
     return config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
 
 
-def loftq_for_targets(model: nn.Module, config: LoraConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """LoftQ factors for every LoRA target that the plan put in int4 (called before ``freeze``)."""
+def loftq_for_targets(
+    model: nn.Module, config: LoraConfig, dense_weights=None
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """LoftQ factors for every LoRA target that the plan put in int4 (called before ``freeze``); a layer packed while
+    loading takes its residual against the checkpoint weight ``dense_weights("<layer>.weight")`` reads."""
     scaling = lora_scaling(config)
     out = {}
     for fqn in config.target_modules:
         module = model.get_submodule(fqn)
-        if isinstance(module, Int4Linear) and module.spec.family == "int4":
+        if not isinstance(module, (Int4Linear, PackedInt4Linear)) or module.spec.family != "int4":
+            continue
+        if isinstance(module, PackedInt4Linear):
+            if dense_weights is None:
+                raise ValueError(f"LoftQ of {fqn!r} (packed while loading) needs its checkpoint weight: dense_weights=")
+            residual = dense_weights(f"{fqn}.weight").float() - module.dequantized_weight(torch.float32)
+        else:
             residual = module.weight.detach().float() - module.quantized_weight().detach().float()
-            out[canonical_name(fqn)] = loftq_factors(residual, config.r, scaling)
+        out[canonical_name(fqn)] = loftq_factors(residual, config.r, scaling)
     return out

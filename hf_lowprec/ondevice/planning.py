@@ -72,26 +72,41 @@ def _names_a_format(text: str) -> bool:
 
 
 def scan_int4_plan(
-    model: nn.Module, calibration: torch.Tensor, budget: dict | None = None, formats: Sequence[str] = AUTO_FORMATS
+    model: nn.Module,
+    calibration: torch.Tensor,
+    budget: dict | None = None,
+    formats: Sequence[str] = AUTO_FORMATS,
+    dense_weights=None,
 ) -> PrecisionPlan:
     """A plan for the frozen base from a sensitivity scan: every Linear but the output projection gets one of
-    ``formats`` (or stays bf16) so that the predicted loss increase is least within ``budget``.
+    ``formats`` (or stays bf16) so that the predicted loss increase is least within ``budget``; the output projection
+    gets what :func:`int4_plan` gives it.
 
     Args:
         calibration: token blocks ``[n, T]``; each block runs as its own forward (Fisher scan: activation
             gradients only, so the peak memory is that of one block's forward and backward).
         budget: keyword arguments of :func:`hf_lowprec.sensitivity.allocate` (default ``AUTO_BUDGET``).
         formats: candidate formats (default ``AUTO_FORMATS``).
+        dense_weights: for a model packed while loading, the reader of its checkpoint weights (see
+            :func:`hf_lowprec.sensitivity.scan`): the scan then runs on the packed model, one dense weight at a time.
     """
     head = _output_layer_name(model)
-    linears = [n for n, m in eligible_layers(model).items() if isinstance(m, nn.Linear) and n != head]
+    linears = [n for n, m in eligible_layers(model).items() if isinstance(m, (nn.Linear, PackedLinear)) and n != head]
     batches = [{"input_ids": block[None], "labels": block[None]} for block in check_calibration(calibration)]
     result = scan(
-        model, batches, formats=tuple(formats), method="fisher", layers=linears, max_batch_tokens=calibration.shape[1]
+        model,
+        batches,
+        formats=tuple(formats),
+        method="fisher",
+        layers=linears,
+        max_batch_tokens=calibration.shape[1],
+        dense_weights=dense_weights,
     )
-    return allocate(
-        result, **(AUTO_BUDGET if budget is None else budget)
-    )  # the output projection, not scanned, stays bf16
+    plan = allocate(result, **(AUTO_BUDGET if budget is None else budget))
+    if head is None:
+        return plan
+    head_format = _head_format(model.get_output_embeddings())
+    return PrecisionPlan({**plan.layers, head: head_format}, default=plan.default, model=plan.model)
 
 
 def check_calibration(calibration: torch.Tensor) -> torch.Tensor:

@@ -9,15 +9,18 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
 from hf_lowprec.checkpoints import DenseWeights, load_pretrained
 from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eligible_layers, freeze
 from hf_lowprec.export.hf_quantizer import HfLowprecConfig, packs_on_load
+from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import swap_layers
 from hf_lowprec.modules.int4 import Int4Linear
 from hf_lowprec.modules.int4_lora import register_int4_lora
@@ -83,14 +86,19 @@ def prepare_int4_lora(
     config.target_modules = resolve_target_modules(model, config.target_modules)
     if calibration is not None:
         check_calibration(calibration)
-    plan = scan_int4_plan(model, calibration, budget, auto_formats) if auto else int4_plan(model, plan)
+    dense_weights = getattr(model, "hf_lowprec_dense_weights", None)  # set when packed while loading
+    if auto:
+        plan = scan_int4_plan(model, calibration, budget, auto_formats, dense_weights)
+    else:
+        plan = int4_plan(model, plan)
     check_quantizable(model, plan)
+    _unpack_replanned(model, plan, dense_weights)
     report = apply_plan(model, plan, learn_scales=False)
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     if calibrated:
         report.calibration = _calibrated_pack(model, calibration, rounding, config if loftq_init else None, factors)
     if loftq_init:
-        factors.update(loftq_for_targets(model, config))
+        factors.update(loftq_for_targets(model, config, dense_weights))
     _freeze_base(model, report, backend)
     peft_model = _with_adapters(model, config, factors, adapter_dtype)
     logger.info(
@@ -115,6 +123,21 @@ def _check_arguments(plan, rounding: str, calibration, budget, auto_formats, bac
     if (budget is not None or tuple(auto_formats) != AUTO_FORMATS) and not auto:
         raise ValueError("budget= and auto_formats= apply to plan='auto' (the sensitivity scan's allocation)")
     return auto, calibrated
+
+
+def _unpack_replanned(model: nn.Module, plan: PrecisionPlan, dense_weights) -> None:
+    """Put back the dense ``nn.Linear`` of every layer packed while loading that ``plan`` gives another format (an
+    ``auto`` plan's int8 or bf16 layers), its weight read by ``dense_weights``, one layer at a time."""
+    assigned = plan.assign(model)
+    stale = {
+        fqn: m
+        for fqn, m in model.named_modules()
+        if isinstance(m, PackedLinear) and assigned.get(canonical_name(fqn), m.spec).name != m.spec.name
+    }
+    if stale and dense_weights is None:
+        name = next(iter(stale))
+        raise ValueError(f"layer {name!r} is packed already and the plan gives it another format; pass a dense model")
+    swap_layers(model, lambda _, fqn, m: m.dense_linear(dense_weights(f"{fqn}.weight")) if fqn in stale else None)
 
 
 def _freeze_base(model: nn.Module, report: ConversionReport, backend: str) -> None:
@@ -256,6 +279,60 @@ def _dense_weight_source(model: nn.Module, layers: dict[str, nn.Module]):
     return dense_weight
 
 
+def load_int4_base(
+    model_id_or_path: str | os.PathLike,
+    plan: "PrecisionPlan | str | None" = None,
+    *,
+    dtype: torch.dtype,
+    reads_dense: bool = False,
+    auto_formats: Sequence[str] = AUTO_FORMATS,
+    gguf_file: str | None = None,
+    **from_pretrained_kwargs,
+) -> tuple[nn.Module, object, "PrecisionPlan | str | None"]:
+    """Load a checkpoint for :func:`prepare_int4_lora`, packed while loading where it can be: ``(model, tokenizer,
+    plan to prepare it with)``.
+
+    With a plan that packs every layer it quantizes (the default), or ``plan="auto"`` (every layer packed to nearest in
+    the first INT4 format of ``auto_formats``; the scan re-plans after), each weight is packed as it is read
+    (:class:`~hf_lowprec.export.hf_quantizer.HfLowprecConfig`): the dense model never exists whole. ``reads_dense``:
+    later steps need the dense weights (the auto scan, calibrated roundings, LoftQ); from a local folder they read
+    them back one layer at a time (``model.hf_lowprec_dense_weights``, a :class:`~hf_lowprec.checkpoints.DenseWeights`
+    to drop after preparing). A hub id with ``reads_dense``, and plans with formats that do not pack, load dense.
+    """
+    auto = is_auto(plan)
+    reads_dense = reads_dense or auto
+    on_load = (auto or packs_on_load(plan)) and (Path(model_id_or_path).exists() or not reads_dense)
+    first_int4 = next((f for f in auto_formats if FormatSpec.parse(f).family == "int4"), None) if auto else plan
+    model, tokenizer = load_pretrained(
+        model_id_or_path,
+        gguf_file=gguf_file,
+        dtype=dtype,
+        quantization_config=HfLowprecConfig(first_int4) if on_load else None,
+        **from_pretrained_kwargs,
+    )
+    if not on_load:
+        return model, tokenizer, plan
+    if reads_dense:
+        model.hf_lowprec_dense_weights = DenseWeights(model.name_or_path)
+    return model, tokenizer, plan if auto else model.hf_lowprec_plan  # resolved; its packed layers stay as they are
+
+
+@contextmanager
+def checkpoint_weights(model: nn.Module):
+    """Within the block, every layer of ``model`` packed while loading computes with its checkpoint weight, read back
+    one layer at a time (``model.hf_lowprec_dense_weights``): the unquantized model's outputs, e.g. its loss, in the
+    memory of the packed one. Without a reader, nothing changes (the model is dense already)."""
+    reader = getattr(model, "hf_lowprec_dense_weights", None)
+    packed = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, PackedLinear)] if reader else []
+    for fqn, module in packed:
+        module.forward = lambda x, fqn=fqn, m=module: F.linear(x, reader(f"{fqn}.weight").to(x.dtype), m.bias)
+    try:
+        yield model
+    finally:
+        for _, module in packed:
+            del module.forward
+
+
 def load_int4_lora(
     model_id_or_path: str | os.PathLike,
     lora_config: LoraConfig | None = None,
@@ -271,12 +348,8 @@ def load_int4_lora(
     adapter_dtype: torch.dtype = torch.float32,
     backend: str = "auto",
 ):
-    """Load a pretrained checkpoint and :func:`prepare_int4_lora` it: ``(peft_model, tokenizer, report)``.
-
-    Without LoftQ and with a plan that packs every layer it quantizes (the defaults), each weight is packed as it is
-    read (:class:`~hf_lowprec.export.hf_quantizer.HfLowprecConfig`): the dense model never exists whole. Calibrated
-    roundings then re-choose each layer's codes from its checkpoint weight, read one layer at a time. LoftQ,
-    ``plan="auto"`` and plans with formats that do not pack load the dense model first.
+    """Load a pretrained checkpoint (:func:`load_int4_base`: packed while loading where it can be) and
+    :func:`prepare_int4_lora` it: ``(peft_model, tokenizer, report)``.
 
     ``dtype``: the compute dtype, ``"auto"`` (bf16 where this CPU runs bf16 GEMMs fast, measured once per
     machine; fp32 otherwise, e.g. on AVX2), ``"bf16"``/``"fp32"`` or a torch dtype; the choice and its reason
@@ -286,17 +359,14 @@ def load_int4_lora(
     """
     dtype, reason = resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")
     logger.info(reason)
-    # calibrated codes on a base packed while loading read the dense weights back from a local folder's safetensors
-    readable = rounding == "nearest" or Path(model_id_or_path).exists()
-    on_load = not loftq_init and packs_on_load(plan) and readable
-    quantization = HfLowprecConfig(plan) if on_load else None
-    model, tokenizer = load_pretrained(
-        model_id_or_path, gguf_file=gguf_file, dtype=dtype, quantization_config=quantization
+    model, tokenizer, plan = load_int4_base(
+        model_id_or_path,
+        plan,
+        dtype=dtype,
+        reads_dense=rounding != "nearest" or loftq_init,
+        auto_formats=auto_formats,
+        gguf_file=gguf_file,
     )
-    if on_load:
-        plan = model.hf_lowprec_plan  # resolved against the model; its packed layers stay as they are
-        if rounding != "nearest":  # calibrated codes replace the nearest ones, from the checkpoint's dense weights
-            model.hf_lowprec_dense_weights = DenseWeights(model.name_or_path)
     if callable(calibration):
         calibration = calibration(tokenizer)
     peft_model, report = prepare_int4_lora(
@@ -312,5 +382,5 @@ def load_int4_lora(
         backend=backend,
     )
     report.compute = {"dtype": str(dtype).removeprefix("torch."), "reason": reason}
-    model.__dict__.pop("hf_lowprec_dense_weights", None)  # calibrated: the checkpoint's files are no longer needed
+    model.__dict__.pop("hf_lowprec_dense_weights", None)  # prepared: the checkpoint's files are no longer needed
     return peft_model, tokenizer, report

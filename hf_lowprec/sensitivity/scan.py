@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -15,11 +15,12 @@ from hf_lowprec.convert import eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import swap_layers
 from hf_lowprec.modules import LOW_PRECISION_TYPES, TiedQuantizers
+from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.plan import PrecisionPlan, resolve_plan
 from hf_lowprec.sensitivity.batches import _check_batches, _forward, _label_count, _merge
 from hf_lowprec.sensitivity.replay import Progress, _BlockReplay
 from hf_lowprec.sensitivity.results import KEEP, LayerScore, ScanResult
-from hf_lowprec.sensitivity.units import _layer_bytes, _select, _twins, _units
+from hf_lowprec.sensitivity.units import _dense_shape, _layer_bytes, _select, _twins, _Unit, _units
 
 METHODS = ("auto", "measured", "fisher")
 DEFAULT_FORMATS = ("fp8", "int4-g64")
@@ -66,6 +67,7 @@ def scan(
     layers: Sequence[str] | None = None,
     max_batch_tokens: int = 2048,
     fp8_backend: str = "auto",
+    dense_weights: Callable[[str], torch.Tensor] | None = None,
 ) -> ScanResult:
     """Score every eligible layer of ``model`` for every format in ``formats``.
 
@@ -83,14 +85,20 @@ def scan(
         max_batch_tokens: consecutive batches of one shape run as one forward up to this many
             tokens (FP8 tensorwise activation scales then span the merged batch).
         fp8_backend: passed to the FP8 layers (as in :func:`hf_lowprec.convert.apply_plan`).
+        dense_weights: for a model whose linears were packed while loading: ``reader("<layer>.weight")`` gives a
+            packed layer's checkpoint weight. Method ``fisher`` then scores the packed layers too, reading one dense
+            weight at a time: each format's output error is taken against the dense layer's output, with the loss
+            gradients of the packed model.
 
     The model is left exactly as it was (modules, parameters, gradients, train/eval mode), also when
     interrupted. Raises ``ValueError`` for a model without eligible layers, an already converted
     model, or batches without labels.
     """
     specs = _checked_formats(formats, method, max_batch_tokens, measure_top_fraction)
+    if dense_weights is not None and method != "fisher":
+        raise ValueError(f"a scan of packed layers (dense_weights=) runs method 'fisher', not {method!r}")
     names = [s.name for s in specs]
-    units = _units(model, specs)
+    units = _units(model, specs, packed=dense_weights is not None)
     if layers is not None:
         units = _select(units, [layers] if isinstance(layers, str) else layers)
     batches = _merge(_check_batches(batches), max_batch_tokens)
@@ -98,7 +106,7 @@ def scan(
     model_id = getattr(getattr(model, "config", None), "name_or_path", None) or None
     tokens = _labelled_tokens(model, batches)
     result = ScanResult(scores, tuple(names), method, tokens=tokens, seed=seed, model=model_id)
-    _run_passes(model, batches, units, scores, result, progress, measure_top_fraction, fp8_backend)
+    _run_passes(model, batches, units, scores, result, progress, measure_top_fraction, fp8_backend, dense_weights)
     return result
 
 
@@ -117,7 +125,9 @@ def _empty_score(unit) -> LayerScore:
     """A layer's score row before any pass: its name, tied members, type, parameters and bytes."""
     first = unit.members[0][1]
     tied = tuple(n for n, _ in unit.members[1:])
-    return LayerScore(unit.name, tied, type(first).__name__, first.weight.numel(), _layer_bytes(unit))
+    rows, columns, _ = _dense_shape(first)
+    kind = "Linear" if isinstance(first, PackedLinear) else type(first).__name__
+    return LayerScore(unit.name, tied, kind, rows * columns, _layer_bytes(unit))
 
 
 def _checked_formats(formats, method: str, max_batch_tokens: int, measure_top_fraction: float) -> list[FormatSpec]:
@@ -143,7 +153,9 @@ def _checked_formats(formats, method: str, max_batch_tokens: int, measure_top_fr
     return specs
 
 
-def _run_passes(model, batches, units, scores, result: ScanResult, progress, measure_top_fraction, fp8_backend) -> None:
+def _run_passes(
+    model, batches, units, scores, result: ScanResult, progress, measure_top_fraction, fp8_backend, dense_weights=None
+) -> None:
     """The passes of ``result.method`` over ``batches``, filling ``scores`` and ``result``'s base loss and seconds."""
     method, device = result.method, next(model.parameters()).device
     start = time.perf_counter()
@@ -159,7 +171,8 @@ def _run_passes(model, batches, units, scores, result: ScanResult, progress, mea
             measure = method == "auto" and measure_top_fraction > 0
             tracker = _Tracker(progress, len(batches))
             replay = _BlockReplay(model, units, hooks) if measure else None
-            base = _fisher_pass(model, batches, device, units, scores, hooks, tracker, fp8_backend, replay)
+            twins_of = _TwinSource(units, fp8_backend, dense_weights)
+            base = _fisher_pass(model, batches, device, units, scores, hooks, tracker, twins_of, replay)
             result.base_loss = base[0]
             result.seconds["fisher"] = time.perf_counter() - start
             if measure:
@@ -190,34 +203,61 @@ def _base_pass(
     return nll / sum(len(lp) for lp in logps), logps
 
 
+class _TwinSource:
+    """``twins_of(module) -> ([((unit, format), twin)], reference)``: the low-precision twins of a scanned layer and
+    the layer whose output they are compared with (``None``: the recorded output).
+
+    Twins of dense layers share their weights and are built once. A packed layer's are built when asked, from its
+    checkpoint weight read by ``dense_weights``, with that dense layer as the reference, and dropped after use: one
+    dense weight in memory at a time.
+    """
+
+    def __init__(self, units: list[_Unit], fp8_backend: str, dense_weights: Callable[[str], torch.Tensor] | None):
+        self.fp8_backend, self.dense_weights = fp8_backend, dense_weights
+        self.built: dict[int, list] = {}
+        self.packed: dict[int, tuple[_Unit, str, PackedLinear]] = {}
+        for u in units:
+            packed = [(name, m) for name, m in u.members if isinstance(m, PackedLinear)]  # one per unit: never tied
+            for name, module in packed:
+                self.packed[id(module)] = (u, name, module)
+            for f in u.formats if not packed else ():
+                for _, module, twin in _twins(u, f, fp8_backend):
+                    self.built.setdefault(id(module), []).append(((u.name, f), twin))
+
+    def __call__(self, module_id: int) -> tuple[list, nn.Module | None]:
+        if module_id not in self.packed:
+            return self.built[module_id], None
+        unit, name, module = self.packed[module_id]
+        dense = module.dense_linear(self.dense_weights(f"{name}.weight"))
+        alone = _Unit(unit.name, [(name, dense)], unit.formats)
+        return [((unit.name, f), _twins(alone, f, self.fp8_backend)[0][2]) for f in unit.formats], dense
+
+
 @torch.no_grad()
-def _accumulate_taylor_terms(record: list, grads: list, twins: dict, first: dict, second: dict) -> None:
+def _accumulate_taylor_terms(record: list, grads: list, twins_of: _TwinSource, first: dict, second: dict) -> None:
     """Add ``Σ g·δy`` and ``½ Σ (g·δy)²`` of every twin of every recorded layer; empties ``record`` and ``grads``
-    as it goes (``g``: the loss gradient at the layer's output, ``δy``: twin output minus recorded output)."""
+    as it goes (``g``: the loss gradient at the layer's output, ``δy``: twin output minus the reference output)."""
     for j, (module_id, x, out) in enumerate(record):
         g = grads[j]
         grads[j] = None  # free as we go
         if g is None:
             continue
         g = g.float().flatten()
-        for key, twin in twins[module_id]:
-            gd = twin(x).float().flatten().sub_(out.detach().float().flatten()).mul_(g)  # g * δy
+        pairs, reference = twins_of(module_id)
+        ref = (out if reference is None else reference(x)).detach().float().flatten()
+        for key, twin in pairs:
+            gd = twin(x).float().flatten().sub_(ref).mul_(g)  # g * δy
             first[key] += gd.sum().item()
             second[key] += 0.5 * torch.dot(gd, gd).item()
     record.clear()
 
 
-def _fisher_pass(model, batches, device, units, scores, hooks, tracker, fp8_backend, replay: "_BlockReplay | None"):
+def _fisher_pass(model, batches, device, units, scores, hooks, tracker, twins_of, replay: "_BlockReplay | None"):
     """One forward/backward per batch: output-space Taylor estimate for every (unit, format).
 
     The forward records each layer's input and output; after the backward (activation gradients
     only), each low-precision twin runs on the recorded input to give ``δy``, one layer at a time.
     """
-    twins: dict[int, list[tuple[tuple[str, str], nn.Module]]] = {}
-    for u in units:
-        for f in u.formats:
-            for _, module, twin in _twins(u, f, fp8_backend):
-                twins.setdefault(id(module), []).append(((u.name, f), twin))
     first = {(u.name, f): 0.0 for u in units for f in u.formats}
     second = dict(first)
     record: list[tuple[int, torch.Tensor, torch.Tensor]] = []
@@ -244,7 +284,7 @@ def _fisher_pass(model, batches, device, units, scores, hooks, tracker, fp8_back
             logps.append(torch.log_softmax(logits.detach(), -1))
             replay.next_batch()
         del logits, loss_sum
-        _accumulate_taylor_terms(record, grads, twins, first, second)
+        _accumulate_taylor_terms(record, grads, twins_of, first, second)
         tracker.step(f"fisher pass, batch {i + 1}/{len(batches)}")
     if replay is not None:
         replay.stop()

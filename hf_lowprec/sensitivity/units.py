@@ -9,11 +9,13 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from hf_lowprec.convert import eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.modules import LOW_PRECISION_TYPES, low_precision_layer
+from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.rotation import MIN_ROTATION_BLOCK, rotation_block
 from hf_lowprec.sensitivity.results import KEEP
 
@@ -27,12 +29,14 @@ class _Unit:
     formats: list[str]
 
 
-def _units(model: nn.Module, formats: Sequence[FormatSpec]) -> list[_Unit]:
-    """Eligible layers grouped by shared weight, with the formats every member can take."""
+def _units(model: nn.Module, formats: Sequence[FormatSpec], packed: bool = False) -> list[_Unit]:
+    """Eligible layers grouped by shared weight, with the formats every member can take; ``packed``: layers packed
+    while loading are scanned too (their dense weights are read from the checkpoint)."""
     layers = eligible_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no eligible layers (nn.Linear / nn.Embedding) to scan")
-    converted = [n for n, m in layers.items() if isinstance(m, LOW_PRECISION_TYPES)]
+    allowed = PackedLinear if packed else ()
+    converted = [n for n, m in layers.items() if isinstance(m, LOW_PRECISION_TYPES) and not isinstance(m, allowed)]
     if converted:
         raise ValueError(
             f"scan needs an unconverted model, but {len(converted)} layers are already low precision "
@@ -40,7 +44,8 @@ def _units(model: nn.Module, formats: Sequence[FormatSpec]) -> list[_Unit]:
         )
     groups: dict[int, _Unit] = {}
     for name, module in layers.items():
-        unit = groups.setdefault(id(module.weight), _Unit(name, [], []))
+        key = id(module) if isinstance(module, PackedLinear) else id(module.weight)
+        unit = groups.setdefault(key, _Unit(name, [], []))
         unit.members.append((name, module))
     for unit in groups.values():
         unit.formats = [s.name for s in formats if not _cannot_take(unit, s)]
@@ -83,9 +88,16 @@ def _twins(unit: _Unit, fmt: str, fp8_backend: str) -> list[tuple[str, nn.Module
     return out
 
 
+def _dense_shape(module: nn.Module) -> tuple[int, int, torch.dtype]:
+    """``(rows, columns, dtype)`` of a layer's dense weight; a packed layer's in its compute dtype."""
+    if isinstance(module, PackedLinear):
+        return module.out_features, module.in_features, module.step.dtype
+    return *module.weight.shape, module.weight.dtype
+
+
 def _layer_bytes(unit: _Unit) -> dict[str, float]:
-    w = unit.members[0][1].weight
-    out = {KEEP: float(w.numel() * w.element_size())}
+    rows, columns, dtype = _dense_shape(unit.members[0][1])
+    out = {KEEP: float(rows * columns * dtype.itemsize)}
     for f in unit.formats:
-        out[f] = float(w.numel() * FormatSpec.parse(f).bytes_per_param(w.shape[-1]))
+        out[f] = float(rows * columns * FormatSpec.parse(f).bytes_per_param(columns))
     return out
