@@ -7,6 +7,8 @@ out for evaluation), side by side in one process:
 - ``fp8``: the same with every linear but the output head in FP8 (E4M3/E5M2, tensorwise, emulated on a CPU);
 - ``fp8 (gptq)``: the same, its master weights first moved to the FP8 grid points GPTQ chooses on 16 training blocks
   (``round_fp8_weights``; the ``fp8-train`` recipe's ``rounding: gptq``);
+- ``fp8 (scan)``: the ``fp8-train`` recipe's plan: the sensitivity scan over plain/rotated/MX FP8 candidates on 16
+  training blocks, then the allocator's choice with >= 90% of the linears' parameters (``lm_head`` kept) in FP8;
 - ``auto plan``: Fisher sensitivity scan on 4 training batches, then FP8/INT4 allocation with at most
   half the parameters in INT4 (``lm_head`` kept);
 - ``int4 LoRA``: the ``int4-ondevice-lora`` recipe's model: packed INT4 base (int4-g64-asym, GPTQ
@@ -43,7 +45,9 @@ from hf_lowprec.sensitivity import allocate, scan
 
 BATCH, BLOCK, SEED, EVAL_BLOCKS = 4, 256, 0, 16  # BATCH and SEED: the defaults of --batch and --seeds
 LR_FULL, LR_LORA = 2e-5, 2e-4
-RUNS = ("bf16", "fp8", "fp8 (gptq)", "auto plan", "int4 LoRA")
+RUNS = ("bf16", "fp8", "fp8 (gptq)", "fp8 (scan)", "auto plan", "int4 LoRA")
+FP8_CANDIDATES = ("fp8", "fp8-rht", "fp8-mx", "fp8-mx-rht")  # the fp8-train recipe's scan formats
+CALIBRATION_BLOCKS = 16
 
 
 def prepare(name: str, model, train: torch.Tensor, seed: int) -> tuple[torch.nn.Module, list, float, dict]:
@@ -57,12 +61,16 @@ def prepare(name: str, model, train: torch.Tensor, seed: int) -> tuple[torch.nn.
             with torch.autocast("cpu", torch.bfloat16):
                 notes["rounding"] = round_fp8_weights(model, train[: 4 * BATCH])
         return model, list(model.parameters()), LR_FULL, notes
-    if name == "auto plan":
+    if name in ("fp8 (scan)", "auto plan"):
         t = time.perf_counter()
-        calib = [{"input_ids": train[i : i + BATCH], "labels": train[i : i + BATCH]} for i in range(0, 4 * BATCH, BATCH)]
+        calib = [{"input_ids": train[i : i + BATCH], "labels": train[i : i + BATCH]} for i in range(0, CALIBRATION_BLOCKS, BATCH)]
         with torch.autocast("cpu", torch.bfloat16):
-            result = scan(model, calib, method="fisher", seed=seed)
-        plan = allocate(result, keep=("lm_head",), int4_fraction=0.5)
+            if name == "fp8 (scan)":
+                result = scan(model, calib, formats=FP8_CANDIDATES, method="auto", seed=seed)
+                plan = allocate(result, keep=("lm_head",), min_fp8_fraction=0.9)
+            else:
+                result = scan(model, calib, method="fisher", seed=seed)
+                plan = allocate(result, keep=("lm_head",), int4_fraction=0.5)
         report = apply_plan(model, plan)
         params = list(model.parameters())  # learned INT4 steps included
         return model, params, LR_FULL, {"plan_fractions": report.fractions(), "scan_seconds": time.perf_counter() - t}

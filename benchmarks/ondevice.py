@@ -69,30 +69,33 @@ def _data(tokenizer, n_train: int, n_eval: int):
     return train, evals
 
 
-def _build(config: str, loftq: bool, rounding: str, gc: bool, budget_bits: float = 0.0, kept_format: str = "int8", backend: str = "auto"):
+def _build(config: str, loftq: bool, rounding: str, gc: bool, budget_bits: float = 0.0, kept_format: str = "int8", backend: str = "auto",
+           rotate: bool = False):  # fmt: skip
     """``(model, tokenizer, loss_fn(batch) -> loss, notes)`` for one configuration."""
     import torch
     from peft import LoraConfig, get_peft_model
 
     from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
-    from hf_lowprec.ondevice import chunked_causal_lm_loss, prepare_int4_lora
+    from hf_lowprec.ondevice import chunked_causal_lm_loss
 
     folder, gguf = default_checkpoint()
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
     hf_loss = lambda m: (lambda b: m(input_ids=b, labels=b).loss)  # noqa: E731
     torch.manual_seed(SEED)
     if config.startswith("int4-lora"):
-        from hf_lowprec.modules.kernels.autotune import compute_dtype
+        from hf_lowprec.ondevice import load_int4_lora
         from hf_lowprec.training.activations import ActivationStorage
 
-        # what load_int4_lora(dtype="auto") does, with the tokenizer first: bf16 only where this CPU runs it fast
-        base, tok = load_pretrained(folder, gguf_file=gguf, dtype=compute_dtype("cpu")[0])
-        calibrated = rounding != "nearest"
-        first_blocks = _data(tok, CALIBRATION_BLOCKS, 0)[0] if calibrated or budget_bits else None  # the first training blocks
+        scanned = bool(budget_bits) or rotate
         # budget_bits: the product's scanned plan (int4-g64-asym, the most sensitive layers kept_format); 0: every Linear int4
-        auto = {"budget": {"target_bits_per_param": budget_bits}, "auto_formats": ("int4-g64-asym",) + ((kept_format,) if kept_format != "bf16" else ())}
-        model, report = prepare_int4_lora(base, lora, "auto" if budget_bits else None, loftq_init=loftq, rounding=rounding, calibration=first_blocks,
-                                          backend=backend, **(auto if budget_bits else {}))  # fmt: skip
+        # rotate: the scan also scores int4-g64-asym-rht and chooses per layer (with budget_bits 0: every Linear one of the two)
+        int4 = ("int4-g64-asym", "int4-g64-asym-rht") if rotate else ("int4-g64-asym",)
+        budget = {"target_bits_per_param": budget_bits} if budget_bits else {"min_fp8_fraction": 1.0}
+        auto = {"budget": budget, "auto_formats": int4 + ((kept_format,) if kept_format != "bf16" and budget_bits else ())}
+        first_blocks = (lambda tok: _data(tok, CALIBRATION_BLOCKS, 0)[0]) if rounding != "nearest" or scanned else None  # the first training blocks
+        # the product's path: packed while loading, the scan, calibration and LoftQ reading the dense weights back
+        model, tok, report = load_int4_lora(folder, lora, "auto" if scanned else None, gguf_file=gguf, loftq_init=loftq, rounding=rounding,
+                                            calibration=first_blocks, backend=backend, **(auto if scanned else {}))  # fmt: skip
         storage = ActivationStorage(model, "int8") if config == "int4-lora" and not gc else None
 
         def loss_fn(b):
@@ -151,7 +154,8 @@ def child(args) -> dict:
     from hf_lowprec.ondevice import backend_counts, evaluate_loss
 
     t0 = time.perf_counter()
-    model, tok, loss_fn, notes = _build(args.config, args.loftq, args.rounding, bool(args.gc), args.budget_bits, args.kept_format, args.backend)
+    model, tok, loss_fn, notes = _build(args.config, args.loftq, args.rounding, bool(args.gc), args.budget_bits, args.kept_format, args.backend,
+                                        args.rotate)  # fmt: skip
     load_s = time.perf_counter() - t0
     rss_loaded = psutil.Process().memory_info().rss / 2**20
     steps = args.warmup + args.steps
@@ -196,7 +200,7 @@ def child(args) -> dict:
     timed_wall, timed_cpu = wall[args.warmup :], cpu[args.warmup :]
     return {
         "config": args.config, "gradient_checkpointing": bool(args.gc), "loftq": bool(args.loftq), "rounding": args.rounding,
-        "budget_bits": args.budget_bits, "kept_format": args.kept_format, "backend": args.backend, "seed": SEED,
+        "budget_bits": args.budget_bits, "kept_format": args.kept_format, "backend": args.backend, "rotate": args.rotate, "seed": SEED,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_after_load_mb": rss_loaded,
         "load_s": load_s, "step_s_median": statistics.median(timed_wall), "step_cpu_s_median": statistics.median(timed_cpu),
         "step_s": timed_wall, "losses": losses, "eval_loss_before": eval_before, "eval_loss_after": eval_after,
@@ -209,8 +213,8 @@ def child(args) -> dict:
 
 # ------------------------------------------------------------------------------------ parent
 def run_child(config: str, gc: bool, steps: int, warmup: int, eval_blocks: int = 0, loftq: bool = False, merge_eval: bool = False,
-              rounding: str = "nearest", budget_bits: float = 0.0, kept_format: str = "int8", backend: str = "auto") -> dict:  # fmt: skip
-    flags = [f for f, on in (("--loftq", loftq), ("--merge-eval", merge_eval)) if on]
+              rounding: str = "nearest", budget_bits: float = 0.0, kept_format: str = "int8", backend: str = "auto", rotate: bool = False) -> dict:  # fmt: skip
+    flags = [f for f, on in (("--loftq", loftq), ("--merge-eval", merge_eval), ("--rotate", rotate)) if on]
     flags += ["--rounding", rounding, "--budget-bits", str(budget_bits), "--kept-format", kept_format, "--backend", backend, "--seed", str(SEED)]
     cmd = [sys.executable, __file__, "child", "--config", config, "--gc", str(int(gc)), "--steps", str(steps),
            "--warmup", str(warmup), "--eval-blocks", str(eval_blocks), *flags]  # fmt: skip
@@ -315,11 +319,11 @@ def print_table(table: dict, goal: dict) -> None:
 
 
 def _quality_key(r: dict) -> str:
-    fmt = next((f for f in r.get("plan_fractions", {}) if f.startswith("int4")), None)
+    fmt = next((f.removesuffix("-rht") for f in r.get("plan_fractions", {}) if f.startswith("int4")), None)
     keep = f"+{round(100 * _kept_fraction(r['budget_bits'], r['kept_format']))}% sensitive {r['kept_format']}" if r.get("budget_bits") else ""
     backend = f" [{r['backend']} backend]" if r.get("backend", "auto") != "auto" else ""
     rounding = r.get("rounding") or ("gptq" if r.get("gptq_rounding") else "nearest")  # older runs stored a GPTQ flag
-    return (r["config"] + (f" ({fmt})" if fmt else "") + keep + (f"+{rounding}" if rounding != "nearest" else "")
+    return (r["config"] + (f" ({fmt})" if fmt else "") + ("+rht scanned" if r.get("rotate") else "") + keep + (f"+{rounding}" if rounding != "nearest" else "")
             + ("+loftq" if r["loftq"] else "") + backend + (f" [seed {r['seed']}]" if r.get("seed") else ""))  # fmt: skip
 
 
@@ -347,21 +351,22 @@ def _options(config: str) -> dict:
 def parse_variant(variant: str) -> dict:
     """``int4-lora`` options from a ``+``-joined variant name: ``loftq``, ``gptq``, ``awq``, ``dequant``, ``keepNN``
     (a scanned plan keeping NN% of the linear weights, the most sensitive, in bf16) or ``keepNN-int8`` (in int8), ``auto``
-    (the product's default scanned plan); e.g. ``keep20+awq+gptq+loftq``. No keep part: every Linear int4."""
+    (the product's default scanned plan), ``rht`` (the scan also scores ``int4-g64-asym-rht`` and picks per layer);
+    e.g. ``keep20+awq+gptq+loftq``. No keep part: every Linear int4."""
     from hf_lowprec.ondevice import AUTO_BUDGET
 
     parts = [x for x in variant.split("+") if x]  # "": every Linear int4, nearest rounding, default LoRA init
     kept = [m for m in map(re.compile(r"keep(\d+)(?:-(int8))?").fullmatch, parts) if m]
-    unknown = [x for x in parts if x not in ("loftq", "gptq", "awq", "dequant", "auto") and not any(m.string == x for m in kept)]
+    unknown = [x for x in parts if x not in ("loftq", "gptq", "awq", "dequant", "auto", "rht") and not any(m.string == x for m in kept)]
     if unknown:
-        raise SystemExit(f"--int4-variants {variant!r}: unknown part(s) {unknown}; use loftq, gptq, awq, dequant, auto, keepNN, keepNN-int8 joined by '+'")
+        raise SystemExit(f"--int4-variants {variant!r}: unknown part(s) {unknown}; use loftq, gptq, awq, dequant, auto, rht, keepNN, keepNN-int8 joined by '+'")
     rounding = "+".join(x for x in ("awq", "gptq") if x in parts) or "nearest"
     kept_format, bits = "int8", AUTO_BUDGET["target_bits_per_param"] if "auto" in parts else 0.0
     if kept:
         kept_format = kept[0][2] or "bf16"
         bits = _bits("int4-g64-asym") + int(kept[0][1]) / 100 * (_bits(kept_format) - _bits("int4-g64-asym"))
     return {"loftq": "loftq" in parts, "rounding": rounding, "budget_bits": bits, "kept_format": kept_format,
-            "backend": "dequant" if "dequant" in parts else "auto"}
+            "backend": "dequant" if "dequant" in parts else "auto", "rotate": "rht" in parts}
 
 
 def quality(args) -> None:
@@ -476,6 +481,7 @@ def main() -> None:
     p.add_argument("--kept-format", default="int8", choices=("bf16", "int8"), help="child: what the scanned plan keeps sensitive layers in")
     p.add_argument("--backend", default="auto", choices=("auto", "int8", "tiled", "dequant"), help="child: backend of the packed layers")
     p.add_argument("--int4-variants", nargs="*", default=[], help="quality: also run int4-lora with these options (see parse_variant)")
+    p.add_argument("--rotate", action="store_true", help="child: the scan also scores int4-g64-asym-rht per layer")
     p.add_argument("--merge-eval", action="store_true", help="child: also evaluate the merged, re-quantized export")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=3)
