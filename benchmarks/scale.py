@@ -8,7 +8,9 @@ a fresh process of its own, and trains LoRA (r=16, alpha 32, every linear, AdamW
 - ``int4-lora``: hf-lowprec's defaults, ``load_int4_lora(path, lora)``: every linear but the output head packed
   int4-g64-asym while loading (a head of more than 134M weights in int8, the tied embedding reading its rows),
   compute dtype chosen for this CPU, chunked loss, int8-stored activations; ``int4-lora-gc``: the same with
-  gradient checkpointing instead of the 8-bit activations;
+  gradient checkpointing instead of the 8-bit activations; ``int4-lora-recipe``: the ``int4-ondevice-lora`` recipe's
+  base (the CLI default): packed while loading, then the ``auto`` plan's scan on the packed model (16 blocks of 128
+  random tokens), int8 re-reads and LoftQ, each reading one dense weight back at a time;
 - ``fp32-lora`` / ``bf16-lora``: ``from_pretrained`` in fp32 / bf16 + PEFT (fp32 adapters), transformers' loss;
 - ``nf4-qlora`` / ``nf4-qlora-gc``: bitsandbytes NF4 (double quant, bf16 compute) + PEFT, without / with gradient
   checkpointing.
@@ -66,6 +68,8 @@ DEFAULT_SIZES = ("smollm2-135m", "smollm2-360m", "llama-3.2-1b")
 CONFIGS = {
     "int4-lora": "hf-lowprec INT4+LoRA defaults (int4-g64-asym packed on load, chunked loss, int8-stored activations)",
     "int4-lora-gc": "hf-lowprec INT4+LoRA defaults, gradient checkpointing instead of int8-stored activations",
+    "int4-lora-recipe": "hf-lowprec int4-ondevice-lora recipe's base (the CLI default): packed on load, auto plan scanned on "
+                        "the packed model (int4-g64-asym, int8 at 6.25 bits/param), LoftQ from the checkpoint's residuals",
     "fp32-lora": "fp32 LoRA (PEFT)",
     "bf16-lora": "bf16 LoRA (PEFT, fp32 adapters)",
     "nf4-qlora": "bnb NF4 QLoRA (double quant, bf16 compute)",
@@ -118,7 +122,12 @@ def _load(config: str, folder: Path):
         from hf_lowprec.ondevice import chunked_causal_lm_loss, load_int4_lora
         from hf_lowprec.training.activations import ActivationStorage
 
-        model, _, report = load_int4_lora(folder, lora)
+        options = {}
+        if config == "int4-lora-recipe":  # its scan calibrates on 4 batches of 4 x 128 tokens (random here)
+            vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+            calibration = torch.randint(0, vocab, (16, 128), generator=torch.Generator().manual_seed(1))
+            options = dict(plan="auto", loftq_init=True, calibration=calibration)
+        model, _, report = load_int4_lora(folder, lora, **options)
         model.get_base_model().config.use_cache = False
         if config.endswith("-gc"):  # checkpointing instead of 8-bit saved activations
             model.get_base_model().activation_checkpointing_enable({"use_reentrant": False})
@@ -254,7 +263,7 @@ def goals(results: list[dict]) -> dict:
     at = {r["config"]: r for r in results if r["size"] == "llama-3.2-1b"}
     peers = {c: r for c, r in at.items() if not c.startswith("int4-lora")}
     out = {}
-    for config in ("int4-lora", "int4-lora-gc"):
+    for config in ("int4-lora", "int4-lora-gc", "int4-lora-recipe"):
         ours = at.get(config)
         if ours is None:
             continue

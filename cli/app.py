@@ -152,7 +152,8 @@ ExportFormatOpt = Annotated[
     typer.Option(
         "--format",
         help="native (hf-lowprec's packed layout; resumes training), compressed-tensors (INT4 that transformers "
-        "and vLLM load without hf-lowprec) or bf16 (LoRA merged into a dense bf16 model, as --merge-into bf16).",
+        "loads without hf-lowprec, the layout vLLM reads) or bf16 (LoRA merged into a dense bf16 model, as "
+        "--merge-into bf16).",
     ),
 ]
 RoundingOpt = Annotated[

@@ -1,5 +1,5 @@
 """Export of a packed INT4 model to the compressed-tensors "pack-quantized" layout, which transformers (with the
-``compressed-tensors`` package) and vLLM load without hf-lowprec.
+``compressed-tensors`` package) loads without hf-lowprec; it is the layout vLLM reads.
 
 Layout per INT4 linear (compressed-tensors' own names): ``weight_packed`` int32 ``[N, K/8]`` (eight 4-bit codes per
 word, the first in the lowest bits, each stored as ``code + 8``), ``weight_scale`` ``[N, K/group]`` in the model
@@ -13,7 +13,8 @@ needs it. What compressed-tensors 0.20 loads correctly on CPU decides the rest:
 - ``"dequantize": true``: transformers decompresses the weights while loading (its packed path mis-sizes asymmetric
   zero points, and its dequantizing path decodes every group with the first group's scheme), so the layers come
   back as plain ``nn.Linear`` — and PEFT adapters load onto them the standard way;
-- per-channel int8 layers are written as dense weights in the model dtype (exact: code times step, one rounding).
+- per-channel int8 layers are written as dense weights in the model dtype (exact: code times step, one rounding): as
+  a second config group they would load wrong, since transformers decodes every dense layer with one group's scheme.
 
 A layer with activation-aware input scales (AWQ), a Hadamard rotation (``-rht``) or a non-integer zero point is
 re-quantized on the plain grid first (a second rounding; its error is returned).

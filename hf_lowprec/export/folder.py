@@ -193,7 +193,7 @@ def export_run(
     ``merge``: load the run's INT4 base + LoRA adapters and write them merged (re-quantized) instead;
     ``merged_dtype`` (``bf16``/``fp32``): merged into a plain dense model. ``weights_format``: ``native`` (the
     run's own files, which hf-lowprec resumes training from) or ``compressed-tensors`` (the packed INT4 layers in the
-    layout transformers and vLLM load without hf-lowprec; adapters kept in PEFT format).
+    layout transformers loads without hf-lowprec and vLLM reads; adapters kept in PEFT format).
     """
     run_dir = Path(run_dir)
     run = read_run(run_dir)
