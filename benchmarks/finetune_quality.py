@@ -5,10 +5,11 @@ out for evaluation), side by side in one process:
 
 - ``bf16``: full fine-tuning, bf16 autocast with fp32 master weights (the baseline);
 - ``fp8``: the same with every linear but the output head in FP8 (E4M3/E5M2, tensorwise, emulated on a CPU);
-- ``fp8 (gptq)``: the same, its master weights first moved to the FP8 grid points GPTQ chooses on 16 training blocks
+- ``fp8 (e4m3 grads)``: the same with the output gradients in E4M3 (one more mantissa bit, less range) instead of E5M2;
+- ``fp8 (gptq)``: the same as ``fp8``, its master weights first moved to the FP8 grid points GPTQ chooses on 16 training blocks
   (``round_fp8_weights``; the ``fp8-train`` recipe's ``rounding: gptq``);
-- ``fp8 (scan)``: the ``fp8-train`` recipe's plan: the sensitivity scan over plain/rotated/MX FP8 candidates on 16
-  training blocks, then the allocator's choice with >= 90% of the linears' parameters (``lm_head`` kept) in FP8;
+- ``fp8 (scan)``: a scanned plan: the sensitivity scan over plain/rotated/MX FP8 candidates on 16 training blocks,
+  then the allocator's choice with >= 90% of the linears' parameters (``lm_head`` kept) in FP8;
 - ``auto plan``: Fisher sensitivity scan on 4 training batches, then FP8/INT4 allocation with at most
   half the parameters in INT4 (``lm_head`` kept);
 - ``int4 LoRA``: the ``int4-ondevice-lora`` recipe's model: packed INT4 base (int4-g64-asym, GPTQ
@@ -45,7 +46,7 @@ from hf_lowprec.sensitivity import allocate, scan
 
 BATCH, BLOCK, SEED, EVAL_BLOCKS = 4, 256, 0, 16  # BATCH and SEED: the defaults of --batch and --seeds
 LR_FULL, LR_LORA = 2e-5, 2e-4
-RUNS = ("bf16", "fp8", "fp8 (gptq)", "fp8 (scan)", "auto plan", "int4 LoRA")
+RUNS = ("bf16", "fp8", "fp8 (e4m3 grads)", "fp8 (gptq)", "fp8 (scan)", "auto plan", "int4 LoRA")
 FP8_CANDIDATES = ("fp8", "fp8-rht", "fp8-mx", "fp8-mx-rht")  # the fp8-train recipe's scan formats
 CALIBRATION_BLOCKS = 16
 
@@ -54,8 +55,9 @@ def prepare(name: str, model, train: torch.Tensor, seed: int) -> tuple[torch.nn.
     """``(model, trainable parameters, learning rate, notes)`` for one run."""
     if name == "bf16":
         return model, list(model.parameters()), LR_FULL, {}
-    if name in ("fp8", "fp8 (gptq)"):
-        report = apply_plan(model, PrecisionPlan.uniform("fp8", keep=("lm_head",)))
+    if name in ("fp8", "fp8 (e4m3 grads)", "fp8 (gptq)"):
+        grads = torch.float8_e4m3fn if name == "fp8 (e4m3 grads)" else torch.float8_e5m2
+        report = apply_plan(model, PrecisionPlan.uniform("fp8", keep=("lm_head",)), grad_dtype=grads)
         notes = {"plan_fractions": report.fractions()}
         if name == "fp8 (gptq)":
             with torch.autocast("cpu", torch.bfloat16):
