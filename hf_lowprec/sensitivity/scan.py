@@ -217,10 +217,11 @@ class _TwinSource:
         self.built: dict[int, list] = {}
         self.packed: dict[int, tuple[_Unit, str, PackedLinear]] = {}
         for u in units:
-            packed = [(name, m) for name, m in u.members if isinstance(m, PackedLinear)]  # one per unit: never tied
-            for name, module in packed:
-                self.packed[id(module)] = (u, name, module)
-            for f in u.formats if not packed else ():
+            name, first = u.members[0]
+            if isinstance(first, PackedLinear):  # packed layers are never tied: one per unit
+                self.packed[id(first)] = (u, name, first)
+                continue
+            for f in u.formats:
                 for _, module, twin in _twins(u, f, fp8_backend):
                     self.built.setdefault(id(module), []).append(((u.name, f), twin))
 
