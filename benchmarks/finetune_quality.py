@@ -6,6 +6,8 @@ out for evaluation), side by side in one process:
 - ``bf16``: full fine-tuning, bf16 autocast with fp32 master weights (the baseline);
 - ``fp8``: the same with every linear but the output head in FP8 (E4M3/E5M2, tensorwise, emulated on a CPU);
 - ``fp8 (e4m3 grads)``: the same with the output gradients in E4M3 (one more mantissa bit, less range) instead of E5M2;
+- ``fp8 (exact weights)``: an analysis, not a format: ``fp8`` whose weights are not quantized (inputs and gradients
+  are), to tell how much of the gap the 3-bit-mantissa weights make;
 - ``fp8 (gptq)``: the same as ``fp8``, its master weights first moved to the FP8 grid points GPTQ chooses on 16 training blocks
   (``round_fp8_weights``; the ``fp8-train`` recipe's ``rounding: gptq``);
 - ``fp8 (scan)``: a scanned plan: the sensitivity scan over plain/rotated/MX FP8 candidates on 16 training blocks,
@@ -37,6 +39,7 @@ import torch
 from _train_step import train_step
 from _util import RESULTS, machine, mean_std, write_json
 from ondevice import _data
+from outliers import exact_operand
 
 from hf_lowprec import PrecisionPlan, apply_plan
 from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
@@ -46,7 +49,7 @@ from hf_lowprec.sensitivity import allocate, scan
 
 BATCH, BLOCK, SEED, EVAL_BLOCKS = 4, 256, 0, 16  # BATCH and SEED: the defaults of --batch and --seeds
 LR_FULL, LR_LORA = 2e-5, 2e-4
-RUNS = ("bf16", "fp8", "fp8 (e4m3 grads)", "fp8 (gptq)", "fp8 (scan)", "auto plan", "int4 LoRA")
+RUNS = ("bf16", "fp8", "fp8 (e4m3 grads)", "fp8 (exact weights)", "fp8 (gptq)", "fp8 (scan)", "auto plan", "int4 LoRA")
 FP8_CANDIDATES = ("fp8", "fp8-rht", "fp8-mx", "fp8-mx-rht")  # the fp8-train recipe's scan formats
 CALIBRATION_BLOCKS = 16
 
@@ -55,7 +58,7 @@ def prepare(name: str, model, train: torch.Tensor, seed: int) -> tuple[torch.nn.
     """``(model, trainable parameters, learning rate, notes)`` for one run."""
     if name == "bf16":
         return model, list(model.parameters()), LR_FULL, {}
-    if name in ("fp8", "fp8 (e4m3 grads)", "fp8 (gptq)"):
+    if name in ("fp8", "fp8 (e4m3 grads)", "fp8 (exact weights)", "fp8 (gptq)"):
         grads = torch.float8_e4m3fn if name == "fp8 (e4m3 grads)" else torch.float8_e5m2
         report = apply_plan(model, PrecisionPlan.uniform("fp8", keep=("lm_head",)), grad_dtype=grads)
         notes = {"plan_fractions": report.fractions()}
@@ -86,19 +89,8 @@ def prepare(name: str, model, train: torch.Tensor, seed: int) -> tuple[torch.nn.
     return peft_model, params, LR_LORA, {"plan_fractions": report.fractions(), "calibration": report.calibration, "prepare_seconds": time.perf_counter() - t}
 
 
-def run(name: str, steps: int, seed: int = SEED, batch: int = BATCH) -> dict:
-    folder, gguf = default_checkpoint()
-    torch.manual_seed(seed)
-    model, tok = load_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
-    model.config.use_cache = False
-    train, evals = _data(tok, steps * batch, EVAL_BLOCKS)
-    autocast = name != "int4 LoRA"  # the INT4 LoRA model computes in bf16 itself
-    amp = (lambda: torch.autocast("cpu", torch.bfloat16)) if autocast else nullcontext
-    with amp():
-        base_eval = evaluate_loss(model, evals, BATCH)  # the unquantized checkpoint, for reference
-    model, params, lr, notes = prepare(name, model, train, seed)
-    with amp():
-        eval_before = evaluate_loss(model, evals, BATCH)
+def train_steps(model, params, lr: float, train: torch.Tensor, steps: int, batch: int, seed: int, amp):
+    """``steps`` AdamW steps on blocks of ``train`` in the seed's order; ``(losses, seconds)``."""
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
     losses, t = [], time.perf_counter()
@@ -111,9 +103,26 @@ def run(name: str, steps: int, seed: int = SEED, batch: int = BATCH) -> dict:
                 return model(input_ids=ids, labels=ids).loss
 
         losses.append(train_step(loss_fn, opt, params))
-    seconds = time.perf_counter() - t
+    return losses, time.perf_counter() - t
+
+
+def run(name: str, steps: int, seed: int = SEED, batch: int = BATCH) -> dict:
+    folder, gguf = default_checkpoint()
+    torch.manual_seed(seed)
+    model, tok = load_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+    model.config.use_cache = False
+    train, evals = _data(tok, steps * batch, EVAL_BLOCKS)
+    autocast = name != "int4 LoRA"  # the INT4 LoRA model computes in bf16 itself
+    amp = (lambda: torch.autocast("cpu", torch.bfloat16)) if autocast else nullcontext
     with amp():
-        eval_after = evaluate_loss(model, evals, BATCH)
+        base_eval = evaluate_loss(model, evals, BATCH)  # the unquantized checkpoint, for reference
+    model, params, lr, notes = prepare(name, model, train, seed)
+    with exact_operand(model, "weight") if name == "fp8 (exact weights)" else nullcontext():
+        with amp():
+            eval_before = evaluate_loss(model, evals, BATCH)
+        losses, seconds = train_steps(model, params, lr, train, steps, batch, seed, amp)
+        with amp():
+            eval_after = evaluate_loss(model, evals, BATCH)
     return {"checkpoint_ppl": math.exp(base_eval), "ppl_before": math.exp(eval_before), "ppl_after": math.exp(eval_after),
             "eval_loss_after": eval_after, "losses": losses, "train_seconds": seconds, "lr": lr,
             "trainable_params": sum(p.numel() for p in params), **notes}  # fmt: skip
