@@ -9,8 +9,9 @@ and says "not measured" for the rest — never an estimate in place of a measure
 from __future__ import annotations
 
 import json
+import re
 
-from _util import RESULTS
+from _util import RESULTS, mean_std
 from ondevice import _quality_key, default_quality_key
 
 
@@ -306,30 +307,51 @@ def ondevice_section(ondevice: dict | None) -> list[str]:
     if quality:
         q = quality["settings"]
         lines += [f"Held-out perplexity after {q['steps']} steps of {st['batch']}x{q['block']} tokens (`ondevice.py quality`, lr 2e-4, "
-                  f"same data order), on {q['eval_blocks']} blocks of the held-out plays; goal: within 3% of bf16 LoRA. "
-                  "`merged` = after `export --merge` (LoRA folded in, re-quantized to INT4); `merged bf16` = `--merge-into bf16` (dense).\n",
-                  "| run | ppl before | ppl after | vs bf16 LoRA | merged | merged bf16 | training loss, step 1 → last 10 |",
+                  f"same data order), on {q['eval_blocks']} blocks of the held-out plays; goal: within 3% of bf16 LoRA. Rows with "
+                  "several seeds (adapter init and data order) give mean ± std, the ratio paired with bf16 LoRA's run of the same "
+                  "seed. `merged` = after `export --merge` (LoRA folded in, re-quantized to INT4); `merged bf16` = "
+                  "`--merge-into bf16` (dense); both of seed 0.\n",
+                  "| run | seeds | ppl after | vs bf16 LoRA | merged | merged bf16 | training loss, step 1 → last 10 |",
                   "|---|---|---|---|---|---|---|"]  # fmt: skip
         before_split = {_quality_key(r) for r in quality["runs"]
                         if r["config"].startswith("int4") and r.get("backend", "auto") != "dequant" and "int8_outlier_columns" not in r}
-        for name, r in quality["summary"].items():
-            vs = f"{r['ppl_after_vs_bf16_lora']:.3f}x" if r.get("ppl_after_vs_bf16_lora") else "—"
+        groups = quality_by_variant(quality["summary"])
+        for name, g in groups.items():
+            r = g["first"]
+            vs = f"{g['ratio']:.3f}x" + (f" ± {g['ratio_std']:.3f}" if g["seeds"] > 1 else "") if g["ratio"] else "—"
+            ppl = f"{g['ppl_after']:.2f}" + (f" ± {g['ppl_after_std']:.2f}" if g["seeds"] > 1 else "")
             name += " †" if name in before_split else ""
             merged = f"{r['ppl_merged']:.2f}" if r.get("ppl_merged") else "—"
             dense = f"{r['ppl_merged_dense']:.2f}" if r.get("ppl_merged_dense") else "—"
             trend = f"{r['loss_step1']:.2f} → {r['loss_last10_mean']:.2f}" + (" (rose: diverged)" if r["loss_last10_mean"] > r["loss_step1"] else "")
-            lines.append(f"| {name} | {r['ppl_before']:.2f} | {r['ppl_after']:.2f} | {vs} | {merged} | {dense} | {trend} |")
+            lines.append(f"| {name} | {g['seeds']} | {ppl} | {vs} | {merged} | {dense} | {trend} |")
         if before_split:
             lines += ["", "† measured before the int8 backend multiplied each call's loudest input channels apart (commit f94f9a2); "
                           "re-measured since: all-INT4 1.138x → 1.113x, all-INT4+LoftQ 1.097x → 1.079x, AWQ+GPTQ+LoftQ 1.103x → 1.106x, "
                           "30% int8 1.050x → 1.036x."]  # fmt: skip
-        key = default_quality_key()
-        seeds = [f"{r['ppl_after_vs_bf16_lora']:.3f}x" + name.removeprefix(key) for name, r in quality["summary"].items()
-                 if name.startswith(key) and r.get("ppl_after_vs_bf16_lora")]  # seed 0, then other seeds' rows ("[seed N]")
-        if seeds:
-            lines += ["", f"Goal: the INT4 default (`{key}`) {', '.join(seeds)} bf16 LoRA's perplexity of the same seed (≤ 1.03)."]
+        default = groups.get(default_quality_key())
+        if default and default["ratio"]:
+            lines += ["", f"Goal: the INT4 default (`{default_quality_key()}`) {default['ratio']:.3f}x ± {default['ratio_std']:.3f} "
+                          f"bf16 LoRA's perplexity over {default['seeds']} seed(s) (≤ 1.03)."]  # fmt: skip
         lines.append("")
     return lines
+
+
+def quality_by_variant(summary: dict) -> dict[str, dict]:
+    """The on-device quality rows grouped over seeds (``name [seed N]`` rows join ``name``): per variant the number of
+    seeds, mean ± std of the perplexity after training and of its ratio to bf16 LoRA's (None where no ratio), and the
+    first seed's row."""
+    rows: dict[str, list[dict]] = {}
+    for name, r in summary.items():
+        rows.setdefault(re.sub(r" \[seed \d+\]$", "", name), []).append(r)
+    out = {}
+    for name, runs in rows.items():
+        ratios = [r["ppl_after_vs_bf16_lora"] for r in runs if r.get("ppl_after_vs_bf16_lora")]
+        ratio, ratio_std = mean_std(ratios) if ratios else (None, None)
+        ppl, ppl_std = mean_std([r["ppl_after"] for r in runs])
+        out[name] = {"seeds": len(runs), "ppl_after": ppl, "ppl_after_std": ppl_std, "ratio": ratio, "ratio_std": ratio_std,
+                     "first": runs[0]}  # fmt: skip
+    return out
 
 
 def kernels_section() -> list[str]:
