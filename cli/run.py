@@ -502,6 +502,7 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t):
     model.__dict__.pop("hf_lowprec_dense_weights", None)  # packed: the checkpoint's files are no longer needed
     trainable = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
     record = {"adapter": {"trainable_params": trainable, "r": lora.r, "target_modules": list(lora.target_modules)}}
+    record["base_layers_packed_while_loading"] = sum(r.reason == "packed while loading" for r in report.layers)
     if report.calibration is not None:
         record["calibration"] = report.calibration
     return peft_model, [], record

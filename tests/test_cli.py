@@ -165,6 +165,11 @@ def test_int4_lora_run_exports_adapters(ws, lora_run):
     assert record["recipe"]["method"] == "int4-lora" and record["adapter"]["trainable_params"] > 0
     assert record["recipe"]["precision"]["rounding"] == "awq+gptq" and record["recipe"]["lora"]["init"] == "loftq"
     assert {row["format"] for row in record["plan_rows"]} == {"int4-g64-asym", "int8", "bf16"}  # the recipe's scanned plan
+    assert record["base_layers_packed_while_loading"] >= 4  # the INT4 layers: the dense model never sat in memory
+    dtype = getattr(torch, record["compute"]["dtype"])  # loss_base: the checkpoint's, its weights read back one by one
+    dense = AutoModelForCausalLM.from_pretrained(ws / "tiny-loud", dtype=dtype)
+    base = causal_lm_loss(dense, held_out(ws, AutoTokenizer.from_pretrained(ws / "tiny")).eval, default_data_collator, batch_size=2)
+    assert record["training"]["loss_base"] == pytest.approx(base["loss"], abs=1e-3)
     assert (out / "adapter" / "adapter_config.json").is_file() and {"int4", "lora"} <= set(ModelCard.load(out / CARD_FILE).data.tags)
     model, tok = load_exported(out)  # packed base + adapters, same kernels as in training
     int4 = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
