@@ -218,7 +218,9 @@ def test_merge_into_a_dense_model_reloads_with_transformers_alone_and_keeps_the_
         export_int4_lora(model, tmp_path / "x", merged_dtype=torch.bfloat16)
 
 
-def test_loftq_init_is_the_best_rank_r_correction_and_starts_closer():
+@pytest.mark.parametrize("fmt", [None, "int4-g64-asym-rht"])
+def test_loftq_init_is_the_best_rank_r_correction_and_starts_closer(fmt):
+    """Also for a rotated format, whose codes live in the rotated basis: the residual is taken in the input's."""
     ids = markov_batches(n=1, batch=2, seq=32)[0]["input_ids"]
     full = tiny_llama(2, hidden_size=128, intermediate_size=256)
     weight = full.model.layers[1].mlp.down_proj.weight.detach().clone()
@@ -226,7 +228,7 @@ def test_loftq_init_is_the_best_rank_r_correction_and_starts_closer():
         target = full(input_ids=ids).logits
     errors = {}
     for loftq in (False, True):
-        model, _ = prepare_int4_lora(tiny_llama(2, hidden_size=128, intermediate_size=256), LoraConfig(**LORA),
+        model, _ = prepare_int4_lora(tiny_llama(2, hidden_size=128, intermediate_size=256), LoraConfig(**LORA), fmt,
                                      loftq_init=loftq, backend="dequant")  # fmt: skip
         with torch.no_grad():
             errors[loftq] = ((model(input_ids=ids).logits - target).norm() / target.norm()).item()

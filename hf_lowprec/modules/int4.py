@@ -23,7 +23,7 @@ from hf_lowprec.formats import FormatSpec, fake_quantize_per_token_int8, quantiz
 from hf_lowprec.modules.embedding import like_embedding
 from hf_lowprec.modules.lsq import LearnedActivationQuantizer, LearnedStepQuantizer
 from hf_lowprec.modules.packed import PackedLinear, packed_class
-from hf_lowprec.rotation import layer_rotation, rotate
+from hf_lowprec.rotation import layer_rotation, rotate, unrotate
 
 INT_FAMILIES = ("int4", "int8", "nf4")
 
@@ -104,6 +104,12 @@ class Int4Linear(nn.Linear):
     def quantized_weight(self) -> torch.Tensor:
         """The weight as the format represents it (differentiable; ``W R`` for ``-rht`` formats)."""
         return self.weight_quantizer(self.operand(self.weight))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight the layer computes with, in its input's basis (:meth:`quantized_weight` rotated back for ``-rht``),
+        ``[N, K]``, differentiable."""
+        w = self.quantized_weight()
+        return w if self.rotation_block is None else unrotate(w, self.rotation_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.operand(x)

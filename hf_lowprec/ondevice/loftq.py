@@ -48,6 +48,6 @@ def loftq_for_targets(
                 raise ValueError(f"LoftQ of {fqn!r} (packed while loading) needs its checkpoint weight: dense_weights=")
             residual = dense_weights(f"{fqn}.weight").float() - module.dequantized_weight(torch.float32)
         else:
-            residual = module.weight.detach().float() - module.quantized_weight().detach().float()
+            residual = module.weight.detach().float() - module.dequantized_weight().detach().float()
         out[canonical_name(fqn)] = loftq_factors(residual, config.r, scaling)
     return out
