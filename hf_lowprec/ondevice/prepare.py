@@ -22,10 +22,11 @@ from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eli
 from hf_lowprec.export.hf_quantizer import HfLowprecConfig, packs_on_load
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import swap_layers
+from hf_lowprec.modules import low_precision_layer
 from hf_lowprec.modules.int4 import Int4Linear
 from hf_lowprec.modules.int4_lora import register_int4_lora
 from hf_lowprec.modules.kernels.autotune import resolve_dtype
-from hf_lowprec.modules.packed import PACKED_BACKENDS, PackedInt4Linear, PackedLinear
+from hf_lowprec.modules.packed import PACKED_BACKENDS, PackedInt4Linear, PackedLinear, packed_class
 from hf_lowprec.modules.tied_embedding import TiedPackedEmbedding, share_packed_head, tied_head_names
 from hf_lowprec.ondevice.calibration import ROUNDINGS, CalibratedCodes, calibrated_codes, check_rounding, summary
 from hf_lowprec.ondevice.loftq import loftq_factors, loftq_for_targets, lora_scaling
@@ -92,7 +93,7 @@ def prepare_int4_lora(
     else:
         plan = int4_plan(model, plan)
     check_quantizable(model, plan)
-    _unpack_replanned(model, plan, dense_weights)
+    _repack_replanned(model, plan, dense_weights)
     report = apply_plan(model, plan, learn_scales=False)
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     if calibrated:
@@ -125,19 +126,27 @@ def _check_arguments(plan, rounding: str, calibration, budget, auto_formats, bac
     return auto, calibrated
 
 
-def _unpack_replanned(model: nn.Module, plan: PrecisionPlan, dense_weights) -> None:
-    """Put back the dense ``nn.Linear`` of every layer packed while loading that ``plan`` gives another format (an
-    ``auto`` plan's int8 or bf16 layers), its weight read by ``dense_weights``, one layer at a time."""
+def _repack_replanned(model: nn.Module, plan: PrecisionPlan, dense_weights) -> None:
+    """Re-read, one layer at a time, every layer packed while loading that ``plan`` gives another format (an ``auto``
+    plan's int8, rotated or bf16 layers): packed anew from its checkpoint weight (``dense_weights``) to nearest where
+    the format packs, a dense ``nn.Linear`` otherwise. The dense model is never whole in memory."""
     assigned = plan.assign(model)
     stale = {
-        fqn: m
+        fqn: assigned[canonical_name(fqn)]
         for fqn, m in model.named_modules()
         if isinstance(m, PackedLinear) and assigned.get(canonical_name(fqn), m.spec).name != m.spec.name
     }
     if stale and dense_weights is None:
         name = next(iter(stale))
         raise ValueError(f"layer {name!r} is packed already and the plan gives it another format; pass a dense model")
-    swap_layers(model, lambda _, fqn, m: m.dense_linear(dense_weights(f"{fqn}.weight")) if fqn in stale else None)
+
+    def reread(fqn: str, layer: PackedLinear) -> nn.Module:
+        dense, spec = layer.dense_linear(dense_weights(f"{fqn}.weight")), stale[fqn]
+        if packed_class(spec) is None:
+            return dense
+        return low_precision_layer(dense, spec, {"learn_scales": False}).freeze()
+
+    swap_layers(model, lambda _, fqn, m: reread(fqn, m) if fqn in stale else None)
 
 
 def _freeze_base(model: nn.Module, report: ConversionReport, backend: str) -> None:
