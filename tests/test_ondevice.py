@@ -242,6 +242,20 @@ def test_loftq_init_is_the_best_rank_r_correction_and_starts_closer(fmt):
     assert errors[True] < errors[False]
 
 
+def test_loftq_with_calibrated_rounding_starts_from_the_calibrated_codes():
+    """GPTQ codes and LoftQ on a dense model: each adapter is the best rank-r correction of its calibrated layer."""
+    full = tiny_llama(2, hidden_size=128, intermediate_size=256)
+    weight = full.model.layers[1].mlp.down_proj.weight.detach().clone()
+    calibration = markov_batches(n=1, batch=4, seq=32)[0]["input_ids"]
+    model, report = prepare_int4_lora(full, LoraConfig(**LORA), rounding="gptq", calibration=calibration, loftq_init=True,
+                                      backend="dequant")  # fmt: skip
+    assert report.calibration["rounding"] == "gptq"
+    layer = model.get_base_model().model.layers[1].mlp.down_proj
+    residual = weight - layer.get_base_layer().dequantized_weight()
+    corrected = residual - layer.get_delta_weight("default")
+    torch.testing.assert_close(corrected.norm(), torch.linalg.svdvals(residual)[LORA["r"] :].norm(), rtol=1e-4, atol=1e-6)
+
+
 def test_bad_inputs_raise_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_int4_lora(tmp_path / "no-such-checkpoint")

@@ -96,9 +96,9 @@ def prepare_int4_lora(
     _repack_replanned(model, plan, dense_weights)
     report = apply_plan(model, plan, learn_scales=False)
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    if calibrated:
+    if calibrated:  # LoftQ factors, if asked, come from each layer's calibrated codes
         report.calibration = _calibrated_pack(model, calibration, rounding, config if loftq_init else None, factors)
-    if loftq_init:
+    elif loftq_init:
         factors.update(loftq_for_targets(model, config, dense_weights))
     _freeze_base(model, report, backend)
     peft_model = _with_adapters(model, config, factors, adapter_dtype)
