@@ -322,7 +322,8 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
                 source,
                 "auto" if p.is_auto else p.fixed_plan(),
                 dtype=dtype,
-                reads_dense=p.rounding != "nearest" or recipe.lora.init == "loftq",
+                rounding=p.rounding,
+                loftq_init=recipe.lora.init == "loftq",
                 auto_formats=p.formats,
                 gguf_file=gguf,
                 **opts.load_options,
@@ -499,7 +500,6 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t):
             calibration=calibration,
             **auto,
         )
-    model.__dict__.pop("hf_lowprec_dense_weights", None)  # packed: the checkpoint's files are no longer needed
     trainable = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
     record = {"adapter": {"trainable_params": trainable, "r": lora.r, "target_modules": list(lora.target_modules)}}
     record["base_layers_packed_while_loading"] = sum(r.reason == "packed while loading" for r in report.layers)

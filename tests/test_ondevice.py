@@ -452,7 +452,7 @@ def test_checkpoint_weights_give_the_dense_models_outputs_from_a_packed_one(tmp_
     path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
     ids = markov_batches(n=1, batch=2, seq=16)[0]["input_ids"]
     dense, _ = load_pretrained(path)
-    packed, _, plan = load_int4_base(path, None, dtype=torch.float32, reads_dense=True)
+    packed, _, plan = load_int4_base(path, None, dtype=torch.float32, loftq_init=True)
     assert isinstance(packed.model.layers[0].self_attn.q_proj, PackedInt4Linear) and plan is packed.hf_lowprec_plan
     with torch.no_grad():
         expected = dense(input_ids=ids).logits

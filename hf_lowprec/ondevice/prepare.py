@@ -87,7 +87,8 @@ def prepare_int4_lora(
     config.target_modules = resolve_target_modules(model, config.target_modules)
     if calibration is not None:
         check_calibration(calibration)
-    dense_weights = getattr(model, "hf_lowprec_dense_weights", None)  # set when packed while loading
+    # packed while loading: the checkpoint's reader, used here and then dropped (the files are no longer needed)
+    dense_weights = model.__dict__.pop("hf_lowprec_dense_weights", None)
     if auto:
         plan = scan_int4_plan(model, calibration, budget, auto_formats, dense_weights)
     else:
@@ -97,7 +98,8 @@ def prepare_int4_lora(
     report = apply_plan(model, plan, learn_scales=False)
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     if calibrated:  # LoftQ factors, if asked, come from each layer's calibrated codes
-        report.calibration = _calibrated_pack(model, calibration, rounding, config if loftq_init else None, factors)
+        loftq = config if loftq_init else None
+        report.calibration = _calibrated_pack(model, calibration, rounding, loftq, factors, dense_weights)
     elif loftq_init:
         factors.update(loftq_for_targets(model, config, dense_weights))
     _freeze_base(model, report, backend)
@@ -232,14 +234,14 @@ def _in_file(t: torch.Tensor, mapped: list[tuple[int, int]] | None) -> bool:
 
 
 def _calibrated_pack(
-    model: nn.Module, calibration: torch.Tensor, rounding: str, loftq: LoraConfig | None, factors: dict
+    model: nn.Module, calibration: torch.Tensor, rounding: str, loftq: LoraConfig | None, factors: dict, dense_weights
 ) -> dict:
     """Pack every INT4 ``Int4Linear`` with codes calibrated by ``rounding`` (LoftQ factors from their residual
-    into ``factors`` when ``loftq`` is given); returns :func:`hf_lowprec.ondevice.calibration.summary`, also logged."""
-
+    into ``factors`` when ``loftq`` is given); returns :func:`hf_lowprec.ondevice.calibration.summary`, also logged.
+    ``dense_weights`` reads the checkpoint weights of layers packed while loading."""
     layers = {n: m for n, m in model.named_modules() if _calibrates(m)}
     targets = set(loftq.target_modules) if loftq is not None else set()
-    dense_weight = _dense_weight_source(model, layers)
+    dense_weight = _dense_weight_source(layers, dense_weights)
 
     def replace(name: str, result: CalibratedCodes) -> None:
         module, weight = layers[name], dense_weight(name, layers[name])
@@ -271,10 +273,9 @@ def _calibrates(module: nn.Module) -> bool:
     return isinstance(module, (Int4Linear, PackedInt4Linear)) and module.spec.family == "int4"
 
 
-def _dense_weight_source(model: nn.Module, layers: dict[str, nn.Module]):
+def _dense_weight_source(layers: dict[str, nn.Module], reader):
     """``(fqn, layer) -> dense weight``: the layer's own, or for a layer packed while loading the checkpoint's tensor
-    (``model.hf_lowprec_dense_weights``, set by :func:`load_int4_lora`) in the layer's dtype."""
-    reader = getattr(model, "hf_lowprec_dense_weights", None)
+    (read by ``reader``, see :func:`load_int4_base`) in the layer's dtype."""
     packed = [n for n, m in layers.items() if isinstance(m, PackedInt4Linear)]
     if packed and (reader is None or any(f"{n}.weight" not in reader for n in packed)):
         raise ValueError(
@@ -293,7 +294,8 @@ def load_int4_base(
     plan: "PrecisionPlan | str | None" = None,
     *,
     dtype: torch.dtype,
-    reads_dense: bool = False,
+    rounding: str = "nearest",
+    loftq_init: bool = False,
     auto_formats: Sequence[str] = AUTO_FORMATS,
     gguf_file: str | None = None,
     **from_pretrained_kwargs,
@@ -303,13 +305,14 @@ def load_int4_base(
 
     With a plan that packs every layer it quantizes (the default), or ``plan="auto"`` (every layer packed to nearest in
     the first INT4 format of ``auto_formats``; the scan re-plans after), each weight is packed as it is read
-    (:class:`~hf_lowprec.export.hf_quantizer.HfLowprecConfig`): the dense model never exists whole. ``reads_dense``:
-    later steps need the dense weights (the auto scan, calibrated roundings, LoftQ); from a local folder they read
-    them back one layer at a time (``model.hf_lowprec_dense_weights``, a :class:`~hf_lowprec.checkpoints.DenseWeights`
-    to drop after preparing). A hub id with ``reads_dense``, and plans with formats that do not pack, load dense.
+    (:class:`~hf_lowprec.export.hf_quantizer.HfLowprecConfig`): the dense model never exists whole. The steps of
+    :func:`prepare_int4_lora` that need dense weights (the auto scan, a calibrated ``rounding``, ``loftq_init``) then
+    read them back from a local folder one layer at a time (``model.hf_lowprec_dense_weights``, a
+    :class:`~hf_lowprec.checkpoints.DenseWeights` that :func:`prepare_int4_lora` drops). A hub id with those steps, and
+    plans with formats that do not pack, load dense.
     """
     auto = is_auto(plan)
-    reads_dense = reads_dense or auto
+    reads_dense = auto or check_rounding(rounding) != "nearest" or loftq_init
     on_load = (auto or packs_on_load(plan)) and (Path(model_id_or_path).exists() or not reads_dense)
     first_int4 = next((f for f in auto_formats if FormatSpec.parse(f).family == "int4"), None) if auto else plan
     model, tokenizer = load_pretrained(
@@ -372,7 +375,8 @@ def load_int4_lora(
         model_id_or_path,
         plan,
         dtype=dtype,
-        reads_dense=rounding != "nearest" or loftq_init,
+        rounding=rounding,
+        loftq_init=loftq_init,
         auto_formats=auto_formats,
         gguf_file=gguf_file,
     )
@@ -391,5 +395,4 @@ def load_int4_lora(
         backend=backend,
     )
     report.compute = {"dtype": str(dtype).removeprefix("torch."), "reason": reason}
-    model.__dict__.pop("hf_lowprec_dense_weights", None)  # prepared: the checkpoint's files are no longer needed
     return peft_model, tokenizer, report
