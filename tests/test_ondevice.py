@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -484,6 +485,36 @@ def test_auto_plan_and_loftq_on_a_base_packed_while_loading_are_the_dense_path_w
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-6, msg=key)
     base = model.get_base_model()  # the plan the export records is the scanned one, not the one packed while loading
     assert {n: s.name for n, s in base.hf_lowprec_plan.assign(base).items()} == formats
+
+
+def test_a_hub_id_packs_while_loading_and_reads_dense_weights_back_from_its_cached_snapshot(tmp_path, monkeypatch):
+    """A hub id with plan='auto' and LoftQ loads as its local folder does (packed while loading, dense weights read
+    back from the snapshot in the Hugging Face cache), not dense; the model keeps the hub id as its name."""
+    import huggingface_hub
+
+    path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someone--tiny"
+    shutil.copytree(path, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    calibration = token_blocks(load_pretrained(path)[1], [corpus_text(8_000)], 32)[:8]
+    loaded = {}
+    for source in ("someone/tiny", path):
+        torch.manual_seed(0)
+        model, _, report = load_int4_lora(source, LoraConfig(**LORA), "auto", calibration=calibration, loftq_init=True,
+                                          budget={"target_bits_per_param": 6.0}, dtype="fp32")  # fmt: skip
+        assert {r.reason for r in report.layers if r.applied == "int4-g64-asym"} == {"packed while loading"}
+        loaded[source] = model
+    assert loaded["someone/tiny"].get_base_model().name_or_path == "someone/tiny"
+    got, expected = loaded["someone/tiny"].state_dict(), loaded[path].state_dict()
+    assert got.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0, msg=key)
+    with pytest.raises(ValueError, match="cannot load checkpoint 'someone/absent'"):
+        load_int4_lora("someone/absent", LoraConfig(**LORA), "auto", calibration=calibration, dtype="fp32")
 
 
 @pytest.mark.parametrize("rounding", ["gptq", "awq+gptq"])

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
-from hf_lowprec.checkpoints import DenseWeights, load_pretrained
+from hf_lowprec.checkpoints import DenseWeights, load_pretrained, local_checkpoint_folder, source_kwargs
 from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eligible_layers, freeze
 from hf_lowprec.export.hf_quantizer import HfLowprecConfig, packs_on_load
 from hf_lowprec.formats import FormatSpec
@@ -307,13 +307,17 @@ def load_int4_base(
     the first INT4 format of ``auto_formats``; the scan re-plans after), each weight is packed as it is read
     (:class:`~hf_lowprec.export.hf_quantizer.HfLowprecConfig`): the dense model never exists whole. The steps of
     :func:`prepare_int4_lora` that need dense weights (the auto scan, a calibrated ``rounding``, ``loftq_init``) then
-    read them back from a local folder one layer at a time (``model.hf_lowprec_dense_weights``, a
-    :class:`~hf_lowprec.checkpoints.DenseWeights` that :func:`prepare_int4_lora` drops). A hub id with those steps, and
-    plans with formats that do not pack, load dense.
+    read them back from the checkpoint's safetensors one layer at a time (``model.hf_lowprec_dense_weights``, a
+    :class:`~hf_lowprec.checkpoints.DenseWeights` that :func:`prepare_int4_lora` drops); for a hub id, from its
+    snapshot in the Hugging Face cache. Plans with formats that do not pack, and those steps on a checkpoint without
+    safetensors (``.bin`` files, a GGUF file on the Hub), load dense.
     """
     auto = is_auto(plan)
     reads_dense = auto or check_rounding(rounding) != "nearest" or loftq_init
-    on_load = (auto or packs_on_load(plan)) and (Path(model_id_or_path).exists() or not reads_dense)
+    shared = source_kwargs(from_pretrained_kwargs)
+    on_load = auto or packs_on_load(plan)
+    if on_load and reads_dense and not Path(model_id_or_path).exists():  # a hub id: are there safetensors to re-read?
+        on_load = gguf_file is None and local_checkpoint_folder(os.fspath(model_id_or_path), **shared) is not None
     first_int4 = next((f for f in auto_formats if FormatSpec.parse(f).family == "int4"), None) if auto else plan
     model, tokenizer = load_pretrained(
         model_id_or_path,
@@ -325,7 +329,7 @@ def load_int4_base(
     if not on_load:
         return model, tokenizer, plan
     if reads_dense:
-        model.hf_lowprec_dense_weights = DenseWeights(model.name_or_path)
+        model.hf_lowprec_dense_weights = DenseWeights(model.name_or_path, **shared)
     return model, tokenizer, plan if auto else model.hf_lowprec_plan  # resolved; its packed layers stay as they are
 
 
