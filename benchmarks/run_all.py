@@ -25,6 +25,8 @@ STEPS = {  # name -> arguments (sized for the 45-minute budget; each script's --
     "finetune_quality": ["finetune_quality.py", "--steps", "30"],
     "outliers": ["outliers.py"],
     "convergence": ["convergence.py", "--steps", "400", "--seeds", "0", "1", "2", "--only", *SEEDED_SETUPS],
+    "convergence_smollm2": ["convergence.py", "--arch", "smollm2-135m", "--steps", "64", "--seeds", "0", "1", "2",
+                            "--only", "bf16", "fp8 (dynamic)"],
 }
 
 

@@ -475,6 +475,8 @@ def test_auto_plan_and_loftq_on_a_base_packed_while_loading_are_the_dense_path_w
     formats = {r.name: r.applied for r in report.layers}
     assert set(formats.values()) == {"int4-g64-asym", "int8", "bf16"} and formats["lm_head"] == "bf16"
     assert {r.reason for r in report.layers if r.applied == "int4-g64-asym"} == {"packed while loading"}
+    reread = {r.reason for r in report.layers if r.applied == "int8"}
+    assert reread == {"packed while loading, then re-read from the checkpoint in this format"}
     assert not [line for line in open("/proc/self/maps") if str(tmp_path) in line]  # read by pread, nothing mapped
     torch.manual_seed(0)
     dense, _ = load_pretrained(path)

@@ -94,7 +94,7 @@ def prepare_int4_lora(
     else:
         plan = int4_plan(model, plan)
     check_quantizable(model, plan)
-    _repack_replanned(model, plan, dense_weights)
+    reread = _repack_replanned(model, plan, dense_weights)
     report = apply_plan(model, plan, learn_scales=False)
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     if calibrated:  # LoftQ factors, if asked, come from each layer's calibrated codes
@@ -102,7 +102,7 @@ def prepare_int4_lora(
         report.calibration = _calibrated_pack(model, calibration, rounding, loftq, factors, dense_weights)
     elif loftq_init:
         factors.update(loftq_for_targets(model, config, dense_weights))
-    _freeze_base(model, report, backend)
+    _freeze_base(model, report, backend, reread)
     peft_model = _with_adapters(model, config, factors, adapter_dtype)
     logger.info(
         "INT4 base: %s; LoRA on %d layers%s", report, len(config.target_modules), " (LoftQ init)" if loftq_init else ""
@@ -128,10 +128,11 @@ def _check_arguments(plan, rounding: str, calibration, budget, auto_formats, bac
     return auto, calibrated
 
 
-def _repack_replanned(model: nn.Module, plan: PrecisionPlan, dense_weights) -> None:
+def _repack_replanned(model: nn.Module, plan: PrecisionPlan, dense_weights) -> set[str]:
     """Re-read, one layer at a time, every layer packed while loading that ``plan`` gives another format (an ``auto``
     plan's int8, rotated or bf16 layers): packed anew from its checkpoint weight (``dense_weights``) to nearest where
-    the format packs, a dense ``nn.Linear`` otherwise. The dense model is never whole in memory."""
+    the format packs, a dense ``nn.Linear`` otherwise. The dense model is never whole in memory. Returns the re-read
+    layers' names."""
     assigned = plan.assign(model)
     stale = {
         fqn: assigned[canonical_name(fqn)]
@@ -149,11 +150,13 @@ def _repack_replanned(model: nn.Module, plan: PrecisionPlan, dense_weights) -> N
         return low_precision_layer(dense, spec, {"learn_scales": False}).freeze()
 
     swap_layers(model, lambda _, fqn, m: reread(fqn, m) if fqn in stale else None)
+    return {canonical_name(fqn) for fqn in stale}
 
 
-def _freeze_base(model: nn.Module, report: ConversionReport, backend: str) -> None:
-    """Pack the plan's layers, set their ``backend``, name in ``report`` the modules that now run, freeze the rest;
-    an input embedding tied to a packed output head reads the head's rows (:mod:`hf_lowprec.modules.tied_embedding`)."""
+def _freeze_base(model: nn.Module, report: ConversionReport, backend: str, reread: set[str]) -> None:
+    """Pack the plan's layers, set their ``backend``, name in ``report`` the modules that now run (and which of those
+    packed while loading were ``reread`` from the checkpoint), freeze the rest; an input embedding tied to a packed
+    output head reads the head's rows (:mod:`hf_lowprec.modules.tied_embedding`)."""
     tied = tied_head_names(model)
     freeze(model)
     layers = eligible_layers(model)
@@ -161,6 +164,8 @@ def _freeze_base(model: nn.Module, report: ConversionReport, backend: str) -> No
         if row.name not in layers:
             continue  # an embedding that reads a packed head already (packed while loading)
         row.module = type(layers[row.name]).__name__
+        if row.name in reread and row.reason == "unchanged":
+            row.reason = "packed while loading, then re-read from the checkpoint in this format"
         if isinstance(layers[row.name], PackedLinear):
             layers[row.name].backend = backend
             row.backend = backend
