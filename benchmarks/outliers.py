@@ -14,7 +14,7 @@ runs them. Sections (``quality`` and ``cost`` can run alone):
 - ``scan``: the sensitivity scan over plain and rotated candidates, then the allocator: FP8 on >= 90% of the
   convertible parameters (the rest kept), and INT4 on all of them.
 - ``cost``: forward+backward time of one layer per format on SmolLM2-135M's shapes, against the bf16 layer and the
-  plain FP8 layer, side by side in one process (median of ``REPEATS``).
+  plain FP8 layer, side by side in one process (fastest of ``REPEATS`` interleaved rounds).
 
     python benchmarks/outliers.py [quality|cost]      # writes benchmarks/results/outliers.json and outliers.png
 """
@@ -37,7 +37,7 @@ import hf_lowprec.rotation as rotation
 from hf_lowprec import PrecisionPlan, apply_plan, revert
 from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
 from hf_lowprec.modules import FP8Linear, Int4Linear
-from hf_lowprec.modules.kernels.autotune import time_call
+from hf_lowprec.modules.kernels.autotune import time_calls
 from hf_lowprec.ondevice import evaluate_loss
 from hf_lowprec.ondevice.calibration.fp8 import round_fp8_weights
 from hf_lowprec.sensitivity import allocate, scan
@@ -175,7 +175,7 @@ def cost() -> dict:
             y.float().sum().backward()
             dense.weight.grad = None
 
-        seconds = {name: time_call(lambda layer=layer: step(layer), REPEATS) for name, layer in layers.items()}
+        seconds = time_calls({name: (lambda layer=layer: step(layer)) for name, layer in layers.items()}, REPEATS)
         out[label] = {name: {"seconds": s, "vs_bf16": s / seconds["bf16"],
                              "vs_unrotated": s / seconds[name.removesuffix("-rht")]} for name, s in seconds.items()}  # fmt: skip
         print(label, ", ".join(f"{name} {r['vs_bf16']:.2f}x" for name, r in out[label].items()), flush=True)

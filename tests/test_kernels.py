@@ -1,6 +1,7 @@
 """CPU capabilities, the measured choices (compute dtype, kernels) and their per-machine cache."""
 
 import json
+import types
 
 import pytest
 import torch
@@ -41,7 +42,7 @@ def test_the_class_variable_restricts_the_capabilities(monkeypatch):
 def test_no_native_bf16_means_fp32_compute_without_timing(monkeypatch):
     monkeypatch.setattr(autotune, "cpu_info", lambda: AVX2_ONLY)
     autotune._cpu_compute_dtype.cache_clear()
-    monkeypatch.setattr(autotune, "time_call", lambda fn, repeats=3: pytest.fail("nothing to time on AVX2"))
+    monkeypatch.setattr(autotune, "time_calls", lambda calls, repeats=5: pytest.fail("nothing to time on AVX2"))
     try:
         assert autotune.compute_dtype("cpu") == (torch.float32, "compute fp32: this CPU has no native bf16 (AVX2)")
     finally:
@@ -56,8 +57,8 @@ def test_native_bf16_is_chosen_only_when_it_measures_faster(monkeypatch, tmp_pat
         autotune._cpu_compute_dtype.cache_clear()
         autotune._memory.clear()
         (tmp_path / "autotune.json").unlink(missing_ok=True)
-        timings = iter([bf16_s, 1.0])  # bf16 is timed first, then fp32
-        monkeypatch.setattr(autotune, "time_call", lambda fn, repeats=3: next(timings))
+        timings = {"bf16": bf16_s, "fp32": 1.0}
+        monkeypatch.setattr(autotune, "time_calls", lambda calls, repeats=5, t=timings: {n: t[n] for n in calls})
         dtype, reason = autotune.compute_dtype("cpu")
         assert dtype == expected and f"{1.0 / bf16_s:.2f}x fp32" in reason
     autotune._cpu_compute_dtype.cache_clear()
@@ -69,7 +70,7 @@ def test_a_choice_is_measured_once_and_cached_per_machine(monkeypatch, tmp_path)
     calls = []
     candidates = {"slow": lambda: calls.append("slow"), "fast": lambda: calls.append("fast")}
     timings = {"slow": 2.0, "fast": 1.0}
-    monkeypatch.setattr(autotune, "time_call", lambda fn, repeats=3: (fn(), timings[calls[-1]])[1])
+    monkeypatch.setattr(autotune, "time_calls", lambda cs, repeats=5: {n: (c(), timings[n])[1] for n, c in cs.items()})
     choice = autotune.fastest("probe", candidates, lambda w, s: f"{w} won")
     assert (choice.value, choice.reason, choice.seconds) == ("fast", "fast won", {"slow": 2.0, "fast": 1.0})
     assert len(calls) == 2
@@ -80,6 +81,23 @@ def test_a_choice_is_measured_once_and_cached_per_machine(monkeypatch, tmp_path)
     del candidates["fast"]  # the cached winner cannot run any more: measured again
     assert autotune.fastest("probe", candidates, lambda w, s: f"{w} won").value == "slow" and len(calls) == 3
     assert cpu_info().model in autotune.machine_key() and torch.__version__ in autotune.machine_key()
+
+
+def test_timing_takes_each_candidates_fastest_call_in_interleaved_rounds(monkeypatch):
+    """A burst of load over a candidate's first calls (here: its first three take 10 ms, on a fake clock) does not
+    decide: the rounds interleave the candidates and each keeps its fastest call."""
+    clock = [0.0]
+    monkeypatch.setattr(autotune, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    order, bursty = [], iter([0.010] * 3 + [0.001] * 10)
+
+    def call(name, seconds):
+        order.append(name)
+        clock[0] += seconds() if callable(seconds) else seconds
+
+    calls = {"bursty": lambda: call("bursty", lambda: next(bursty)), "steady": lambda: call("steady", 0.005)}
+    seconds = autotune.time_calls(calls, repeats=4)
+    assert seconds == pytest.approx({"bursty": 0.001, "steady": 0.005})
+    assert order == ["bursty", "steady"] * 5  # one warm-up each, then four interleaved rounds
 
 
 def test_resolve_dtype_names_and_errors():

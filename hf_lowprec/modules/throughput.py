@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_lowprec.formats import FormatSpec, int_steps, quantize_int
-from hf_lowprec.modules.kernels.autotune import time_call
+from hf_lowprec.modules.kernels.autotune import time_calls
 from hf_lowprec.modules.kernels.cpu import cpu_info
 from hf_lowprec.modules.packed import KERNELS, PackedInt4Linear
 
@@ -55,7 +55,7 @@ def kernel_candidates(m: int, k: int, n: int, torch_int4: bool = True) -> dict[s
 def kernel_throughput(m: int, k: int, n: int, repeats: int = 5, torch_int4: bool = True) -> dict[str, dict]:
     """``{kernel: {"seconds", "gflops", "vs_fp32"}}`` on one shape (see :func:`kernel_candidates`)."""
     flops = 2.0 * m * k * n
-    seconds = {name: time_call(call, repeats) for name, call in kernel_candidates(m, k, n, torch_int4).items()}
+    seconds = time_calls(kernel_candidates(m, k, n, torch_int4), repeats)
     fp32 = seconds["fp32"]
     return {
         name: {"seconds": round(t, 6), "gflops": round(flops / t / 1e9, 2), "vs_fp32": round(fp32 / t, 3)}
