@@ -53,7 +53,7 @@ def _model_text(conv: dict) -> str:
     if conv.get("arch", "toy") == "toy":
         return f"4-layer Llama (hidden {m['hidden_size']}, BPE vocabulary {m['vocab_size']})"
     return (f"SmolLM2-135M's architecture ({m['num_hidden_layers']} layers, hidden {m['hidden_size']}, tied embeddings; the "
-            f"BPE vocabulary of {m['vocab_size']} tokens, so {conv['params'] / 1e6:.0f}M parameters), at lr {conv['lr']:g} "
+            f"BPE vocabulary of {m['vocab_size']} tokens, so {conv['params'] / 1e6:.0f}M parameters), at lr {conv['lr']:g}; "
             f"sized to `make bench`: {conv['steps'] * conv['batch'] * conv['seq']:,} training tokens, so an early stage of "
             "training (the 4-layer model above sees 819,200),")  # fmt: skip
 

