@@ -17,7 +17,13 @@ import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
-from hf_lowprec.checkpoints import DenseWeights, load_pretrained, local_checkpoint_folder, source_kwargs
+from hf_lowprec.checkpoints import (
+    DenseWeights,
+    load_pretrained,
+    local_checkpoint_folder,
+    resolve_checkpoint,
+    source_kwargs,
+)
 from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eligible_layers, freeze
 from hf_lowprec.export.hf_quantizer import HfLowprecConfig, packs_on_load
 from hf_lowprec.formats import FormatSpec
@@ -321,8 +327,9 @@ def load_int4_base(
     reads_dense = auto or check_rounding(rounding) != "nearest" or loftq_init
     shared = source_kwargs(from_pretrained_kwargs)
     on_load = auto or packs_on_load(plan)
-    if on_load and reads_dense and not Path(model_id_or_path).exists():  # a hub id: are there safetensors to re-read?
-        on_load = gguf_file is None and local_checkpoint_folder(os.fspath(model_id_or_path), **shared) is not None
+    source, gguf = resolve_checkpoint(model_id_or_path, gguf_file)  # one clear error for a path that does not exist
+    if on_load and reads_dense and not Path(source).is_dir():  # a hub id: are there safetensors to re-read?
+        on_load = gguf is None and local_checkpoint_folder(source, **shared) is not None
     first_int4 = next((f for f in auto_formats if FormatSpec.parse(f).family == "int4"), None) if auto else plan
     model, tokenizer = load_pretrained(
         model_id_or_path,
