@@ -171,7 +171,12 @@ def _final_eval(model, eval_blocks, batch_size: int, chunk_tokens: int, progress
 
 
 def _optimizer_and_schedule(params, lr: float, weight_decay: float, steps: int, warmup_steps: int | None):
-    """AdamW over ``params`` and a linear schedule: warm-up (default ``steps // 10``, at most 10), then decay."""
+    """AdamW over ``params`` and a linear schedule: warm-up (default ``steps // 10``, at most 10), then decay.
+
+    fp32 states, by measurement (``benchmarks/adapter_optimizer.py``, 2-core AVX512-BF16 CPU, LoRA r=16 on every
+    linear of the Llama-3.2-1B shape): 8-bit states save 64 MB, 4% of the fine-tuning peak, and cost 5% (bnb) to
+    10% (torchao) of the step; their CPU update takes 7.5x (bnb) to 12.5x (torchao) fp32 AdamW's time.
+    """
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     warmup = min(10, steps // 10) if warmup_steps is None else warmup_steps
     return optimizer, get_scheduler("linear", optimizer, num_warmup_steps=warmup, num_training_steps=steps)
