@@ -2,8 +2,8 @@
 
 Each script runs in its own process (fresh memory high-water marks); a failing one is reported and
 the others still run. Measured on the 2-core reference machine (AVX512-BF16), seconds: kernel_speed 66, layers 12,
-memory 605, scan 154, ondevice 599, the two convergence sweeps about 1,650 and 1,050 (from their results);
-finetune_quality and outliers were not timed. That is over the 60-minute budget; trimming it is open work.
+memory 605, scan 154, ondevice 599, finetune_quality 575, outliers 895, the two convergence sweeps about 1,650 and
+1,050 (from their results): about 93 minutes, over the 60-minute budget; trimming it is open work.
 
     python benchmarks/run_all.py [--skip NAME ...]
 """
