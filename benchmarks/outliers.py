@@ -139,9 +139,7 @@ def quality() -> dict:
         start = time.perf_counter()
         with torch.autocast("cpu", torch.bfloat16):
             result = scan(model, calibration, formats=candidates, method="auto", seed=0)
-        kept = sum(u.params for u in result.layers if u.name in KEEP or set(u.tied) & set(KEEP))
-        convertible = 1 - kept / sum(u.params for u in result.layers)
-        plan = allocate(result, keep=KEEP, min_fp8_fraction=share * convertible)
+        plan = allocate(result, keep=KEEP, min_fp8_fraction=share)  # a share of the parameters KEEP leaves free
         seconds = time.perf_counter() - start
         fractions = apply_plan(model, plan, learn_scales=False).fractions()
         revert(model)
