@@ -27,6 +27,8 @@ import torch
 from _util import RESULTS, machine, write_json
 from scale import LORA, SIZES
 
+from hf_lowprec.training.compensation import optimizer_state_bytes
+
 SHAPES = ("smollm2-135m", "llama-3.2-1b")
 
 
@@ -45,18 +47,6 @@ def optimizers() -> dict:
 
     return {"adamw_torch": torch.optim.AdamW, "adamw_torch_8bit": AdamW8bit, "adamw_torch_4bit": AdamW4bit,
             "adamw_bnb_8bit": bnb.optim.AdamW8bit}  # fmt: skip
-
-
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor in ``optimizer``'s state, a quantized state counted by the tensors it is made of."""
-
-    def nbytes(t: torch.Tensor) -> int:
-        if hasattr(t, "__tensor_flatten__"):  # torchao's OptimState8bit/4bit: codes, scales, quantization map
-            names, _ = t.__tensor_flatten__()
-            return sum(nbytes(getattr(t, n)) for n in names)
-        return t.numel() * t.element_size()
-
-    return sum(nbytes(v) for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
 
 
 def measure(size: str, repeats: int) -> dict:
@@ -78,10 +68,10 @@ def measure(size: str, repeats: int) -> dict:
             if rep >= 2:
                 times[name].append(time.perf_counter() - t)
     base_ms = statistics.median(times["adamw_torch"]) * 1e3
-    base_bytes = state_bytes(runs["adamw_torch"][1])
+    base_bytes = optimizer_state_bytes(runs["adamw_torch"][1])
     out = {"adapter_params": sum(p.numel() for p in start), "optimizers": {}}
     for name, (_, opt) in runs.items():
-        ms, nb = statistics.median(times[name]) * 1e3, state_bytes(opt)
+        ms, nb = statistics.median(times[name]) * 1e3, optimizer_state_bytes(opt)
         out["optimizers"][name] = {"step_ms": ms, "state_mb": nb / 2**20, "time_vs_adamw": ms / base_ms,
                                    "state_saved_mb": (base_bytes - nb) / 2**20}  # fmt: skip
     scale = json.loads((RESULTS / "scale.json").read_text()) if (RESULTS / "scale.json").is_file() else {}

@@ -61,7 +61,7 @@ def _model_text(conv: dict) -> str:
 def convergence_section(conv: dict | None, title: str = "Convergence from scratch") -> tuple[list[str], dict]:
     if not conv:
         return [f"## {title}\n", "not measured\n"], {}
-    res = conv["results"]
+    res, toy = conv["results"], conv.get("arch", "toy") == "toy"
     seeds = conv.get("seeds", [conv.get("seed")])
     lines = [
         f"## {title}\n",
@@ -80,11 +80,11 @@ def convergence_section(conv: dict | None, title: str = "Convergence from scratc
     if "fp32" in res and "eval_gap_vs_bf16" in res["fp32"]:
         lines += ["", f"Noise floor: fp32 and bf16 differ by {pct(res['fp32']['eval_gap_vs_bf16'])} here — gaps of that size are the "
                   "numerics' run-to-run scatter (rounding changes the trajectory), not an effect of the format."]  # fmt: skip
-    longer = load(LONGER_RUN) if conv.get("arch", "toy") == "toy" else None
+    longer = load(LONGER_RUN) if toy else None
     if longer and longer["steps"] != conv["steps"]:
         gaps = ", ".join(f"{n} {pct(r['eval_gap_vs_bf16'])}" for n, r in longer["results"].items() if n != "bf16")
         lines += ["", f"The same sweep at {longer['steps']} steps (results/convergence_{longer['steps']}steps.json), eval gap vs bf16: {gaps}."]
-    plot = "convergence.png" if conv.get("arch", "toy") == "toy" else f"convergence_{conv['arch']}.png"
+    plot = "convergence.png" if toy else f"convergence_{conv['arch']}.png"
     lines += ["", f"![loss curves]({plot})", ""]
     return lines, res
 

@@ -248,16 +248,16 @@ def _load_by_pread(source: str, dtype: torch.dtype, from_pretrained_kwargs: dict
 
 
 class DenseWeights:
-    """``reader(name) -> tensor``: one tensor of a checkpoint's safetensors (a local folder, or a hub id's cached
-    snapshot) read by ``pread`` when asked (the scan, LoftQ and the calibrated roundings of a base packed while
-    loading read each layer's dense weight, one at a time). ``source_kwargs``: ``revision``, ``token``."""
+    """``reader(name) -> tensor``: one tensor of a local folder's safetensors (a hub id's: its cached snapshot,
+    :func:`local_checkpoint_folder`) read by ``pread`` when asked (the scan, LoftQ and the calibrated roundings of a
+    base packed while loading read each layer's dense weight, one at a time)."""
 
-    def __init__(self, source: str | os.PathLike, **source_kwargs):
-        folder = local_checkpoint_folder(os.fspath(source), **source_kwargs)
-        if folder is None:
-            raise ValueError(f"{os.fspath(source)!r} holds no safetensors to read dense weights from")
-        self.folder = folder
-        self._slices = _read_weights_by_pread(folder)
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = str(folder)
+        weights = _read_weights_by_pread(self.folder)
+        if weights is None:
+            raise ValueError(f"{self.folder!r} holds no safetensors to read dense weights from")
+        self._slices = weights
 
     def __contains__(self, name: str) -> bool:
         return name in self._slices

@@ -325,11 +325,12 @@ def load_int4_base(
     """
     auto = is_auto(plan)
     reads_dense = auto or check_rounding(rounding) != "nearest" or loftq_init
-    shared = source_kwargs(from_pretrained_kwargs)
     on_load = auto or packs_on_load(plan)
     source, gguf = resolve_checkpoint(model_id_or_path, gguf_file)  # one clear error for a path that does not exist
-    if on_load and reads_dense and not Path(source).is_dir():  # a hub id: are there safetensors to re-read?
-        on_load = gguf is None and local_checkpoint_folder(source, **shared) is not None
+    snapshot = None  # a hub id's safetensors to re-read, in the Hugging Face cache
+    if on_load and reads_dense and not Path(source).is_dir():
+        snapshot = None if gguf else local_checkpoint_folder(source, **source_kwargs(from_pretrained_kwargs))
+        on_load = snapshot is not None
     first_int4 = next((f for f in auto_formats if FormatSpec.parse(f).family == "int4"), None) if auto else plan
     model, tokenizer = load_pretrained(
         model_id_or_path,
@@ -341,7 +342,7 @@ def load_int4_base(
     if not on_load:
         return model, tokenizer, plan
     if reads_dense:
-        model.hf_lowprec_dense_weights = DenseWeights(model.name_or_path, **shared)
+        model.hf_lowprec_dense_weights = DenseWeights(snapshot or model.name_or_path)
     return model, tokenizer, plan if auto else model.hf_lowprec_plan  # resolved; its packed layers stay as they are
 
 

@@ -174,8 +174,8 @@ def _optimizer_and_schedule(params, lr: float, weight_decay: float, steps: int, 
     """AdamW over ``params`` and a linear schedule: warm-up (default ``steps // 10``, at most 10), then decay.
 
     fp32 states, by measurement (``benchmarks/adapter_optimizer.py``, 2-core AVX512-BF16 CPU, LoRA r=16 on every
-    linear of the Llama-3.2-1B shape): 8-bit states save 64 MB, 4% of the fine-tuning peak, and cost 5% (bnb) to
-    10% (torchao) of the step; their CPU update takes 7.5x (bnb) to 12.5x (torchao) fp32 AdamW's time.
+    linear of the Llama-3.2-1B shape, two runs): 8-bit states save 64 MB, 4% of the fine-tuning peak, and cost 5-8%
+    (bnb) to 10-14% (torchao) of the step; their CPU update takes 7-12x fp32 AdamW's time.
     """
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     warmup = min(10, steps // 10) if warmup_steps is None else warmup_steps
