@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow bench bench-full clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,9 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+
+bench-full: $(STAMP)
+	$(PY) benchmarks/run_all.py --full
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -234,13 +234,12 @@ def main() -> None:
         for name, rr in ratios.items():
             print(f"  {name:26s} peak RSS {rr['peak_rss_vs_b']:.3f}x  peak above imports {rr['peak_above_imports_vs_b']:.3f}x  "
                   f"state {rr['state_bytes_vs_b']:.3f}x")  # fmt: skip
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    from _util import machine, write_json  # imports torch: not before the children ran
+
     suffix = ("_quick" if args.quick else "") + ("_default_malloc" if args.allocator == "default" else "")
-    out = {"quick": args.quick, "allocator": args.allocator, "results": results, "ratios_to_b": ratios,
-           "goal": "(d) peak <= 0.55x (b) peak"}  # fmt: skip
-    tmp = RESULTS / f"memory{suffix}.json.tmp"
-    tmp.write_text(json.dumps(out, indent=2))
-    os.replace(tmp, RESULTS / f"memory{suffix}.json")
+    out = {"quick": args.quick, "allocator": args.allocator, **machine(), "threads": 1, "results": results,
+           "ratios_to_b": ratios, "goal": "(d) peak <= 0.55x (b) peak"}  # fmt: skip
+    write_json(f"memory{suffix}.json", out)
     shape = "4 layers, batch 2x128" if args.quick else "batch 4x256"
     plot(results, RESULTS / f"memory{suffix}.png", f"SmolLM2-135M architecture ({shape}), one training step, CPU, {args.allocator} allocator")
 
