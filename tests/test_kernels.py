@@ -1,12 +1,15 @@
 """CPU capabilities, the measured choices (compute dtype, kernels) and their per-machine cache."""
 
 import json
+import os
+import time
 import types
 
 import pytest
 import torch
 
 from hf_lowprec.modules.kernels import autotune
+from hf_lowprec.modules.kernels.cpp import STALE_BUILD_LOCK_S, clear_stale_build_lock
 from hf_lowprec.modules.kernels.cpu import CLASS_ENV, CpuInfo, cpu_info
 
 AVX2_ONLY = CpuInfo("an AVX2 CPU", "x86_64", ("avx2", "fma"), "AVX2")
@@ -108,3 +111,19 @@ def test_resolve_dtype_names_and_errors():
         autotune.resolve_dtype("fp16")
     with pytest.raises(ValueError, match="choose one of auto, torch.bfloat16, torch.float32"):
         autotune.resolve_dtype(torch.float16)
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(monkeypatch, tmp_path, caplog):
+    """torch's cpp_extension waits forever for a lock file left by a process killed while building; ours is cleared
+    once it is older than any build takes."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "some_kernels" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    clear_stale_build_lock("some_kernels")
+    assert lock.exists() and "waiting for another process" in caplog.text  # a build running now: waited for
+    old = time.time() - STALE_BUILD_LOCK_S - 1
+    os.utime(lock, (old, old))
+    clear_stale_build_lock("some_kernels")
+    assert not lock.exists() and "interrupted" in caplog.text
+    clear_stale_build_lock("some_kernels")  # no lock: nothing to do

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
+from pathlib import Path
 
 import torch
 
@@ -391,6 +393,9 @@ _FUNCTIONS = [
     "tiled_linear_grad_input",
 ]
 _state: dict[str, object] = {}
+# a build takes about 45 s: a lock file older than this was left by a process killed while building, and torch's
+# cpp_extension would wait for it to go away forever
+STALE_BUILD_LOCK_S = 600
 
 
 def cpu_kernels():
@@ -409,6 +414,7 @@ def _build():
     # -march=native code runs only where it was built: the CPU's flags are part of the name
     name = "hf_lowprec_cpu_kernels_" + hashlib.sha256((_SOURCE + build_tag()).encode()).hexdigest()[:12]
     logger.info("loading hf_lowprec CPU kernels (%s; built once per machine, ~45 s)", name)
+    clear_stale_build_lock(name)
     try:
         return load_inline(
             name,
@@ -425,3 +431,20 @@ def _build():
             str(e).strip().splitlines()[-1] if str(e).strip() else "",
         )
         return None
+
+
+def clear_stale_build_lock(name: str) -> None:
+    """Remove the build lock of extension ``name`` when it is older than ``STALE_BUILD_LOCK_S``; say when a fresh one
+    (another process building now) will be waited for."""
+    from torch.utils.cpp_extension import _get_build_directory  # private, but the one place the folder is named
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_BUILD_LOCK_S:
+        logger.warning("removing %s: left %.0f min ago by a kernel build that was interrupted", lock, age / 60)
+        lock.unlink(missing_ok=True)
+    else:
+        logger.warning("waiting for another process building the CPU kernels (%s, %.0f s old)", lock, age)
