@@ -263,9 +263,19 @@ class DenseWeights:
         return name in self._slices
 
     def __call__(self, name: str) -> torch.Tensor:
+        return self._slice(name)[...]
+
+    def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` (any shape) of the 2-D tensor ``name``, ``[*index.shape, columns]``, reading only those rows
+        (an embedding lookup without the table)."""
+        table = self._slice(name)
+        unique, inverse = torch.unique(index, return_inverse=True)
+        return torch.cat([table[i : i + 1] for i in unique.tolist()])[inverse]
+
+    def _slice(self, name: str):
         if name not in self._slices:
             raise ValueError(f"{self.folder!r} has no tensor {name!r}")
-        return self._slices[name][...]
+        return self._slices[name]
 
 
 def _read_weights_by_pread(source: str) -> dict | None:

@@ -16,12 +16,13 @@ import torch
 from torch import nn
 
 from hf_lowprec.formats import E5M2, FormatSpec
-from hf_lowprec.layers import canonical_name, eligible_layers, swap_layers  # noqa: F401  (re-exported)
-from hf_lowprec.modules import LOW_PRECISION_TYPES, PackedLinear, TiedQuantizers
+from hf_lowprec.layers import canonical_name, dense_view, eligible_layers, swap_layers  # noqa: F401  (re-exported)
+from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, TiedQuantizers
 from hf_lowprec.modules.embedding import like_embedding
 from hf_lowprec.modules.fp8 import FP8Linear, fp8_hardware_available
-from hf_lowprec.modules.int4 import Int4Linear
+from hf_lowprec.modules.int4 import Int4Embedding, Int4Linear
 from hf_lowprec.modules.packed import packed_class
+from hf_lowprec.modules.packed_embedding import tied_head_names
 from hf_lowprec.plan import PrecisionPlan, format_shares, resolve_plan
 from hf_lowprec.rotation import MIN_ROTATION_BLOCK, rotation_block
 
@@ -91,7 +92,7 @@ class ConversionReport:
 
 def _high_precision(module: nn.Module) -> nn.Module:
     """A plain ``nn.Linear``/``nn.Embedding`` sharing ``module``'s parameters."""
-    if isinstance(module, PackedLinear):
+    if isinstance(module, FROZEN_TYPES):
         raise ValueError(f"a frozen {type(module).__name__} has no high-precision weight left to revert to")
     if isinstance(module, nn.Embedding):
         return like_embedding(nn.Embedding, module)
@@ -155,11 +156,12 @@ class _LayerConversion:
     def __call__(self, name: str, fqn: str, module: nn.Module) -> nn.Module | None:
         requested = spec = self.assignments[name]
         reason = ""
-        if spec.rotate and not isinstance(module, nn.Embedding) and rotation_block(module.in_features) is None:
+        view = dense_view(module)
+        if spec.rotate and not isinstance(view, nn.Embedding) and rotation_block(module.in_features) is None:
             spec = replace(spec, rotate=False)
             reason = f"not rotated: {module.in_features} input features are not a multiple of {MIN_ROTATION_BLOCK}"
             logger.warning("%s: requested %s, runs %s (%s)", name, requested.name, spec.name, reason)
-        params = module.weight.numel() if hasattr(module, "weight") else module.in_features * module.out_features
+        params = view.weight.numel()
         tied = self.first_user.setdefault(id(getattr(module, "weight", module)), name)
         tied = "" if tied == name else tied
         if isinstance(module, LOW_PRECISION_TYPES) and module.spec == spec:
@@ -168,7 +170,7 @@ class _LayerConversion:
             row = LayerReport(name, requested.name, spec.name, kind, params, backend, reason or "unchanged", tied)
             self.report.layers.append(row)
             return None
-        if isinstance(module, PackedLinear):
+        if isinstance(module, FROZEN_TYPES):
             raise ValueError(
                 f"layer {name!r} is frozen packed {module.spec.name} and cannot change to {spec.name}; reload the "
                 "model to re-plan it"
@@ -222,14 +224,18 @@ def revert(model: nn.Module) -> int:
 
 @torch.no_grad()
 def freeze(model: nn.Module) -> int:
-    """Replace every ``Int4Linear`` whose format packs (int4; per-channel int8) by its frozen packed layer
-    (:func:`~hf_lowprec.modules.packed.packed_class`); returns the count."""
-    return swap_layers(model, lambda name, fqn, m: m.freeze() if _packs(m) else None)
+    """Replace every ``Int4Linear`` and ``Int4Embedding`` whose format packs (int4; per-channel int8) by its frozen
+    packed layer (:func:`~hf_lowprec.modules.packed.packed_class`); returns the count. An embedding tied to the output
+    head is left as it is, not packed a second time: it comes to read the packed head's rows
+    (:func:`~hf_lowprec.modules.packed_embedding.share_packed_head`)."""
+    tied = tied_head_names(model)
+    tied_embedding = tied[1] if tied is not None else None
+    return swap_layers(model, lambda name, fqn, m: m.freeze() if _packs(m) and fqn != tied_embedding else None)
 
 
 def _revertible(module: nn.Module) -> bool:
-    return isinstance(module, LOW_PRECISION_TYPES) and not isinstance(module, PackedLinear)
+    return isinstance(module, LOW_PRECISION_TYPES) and not isinstance(module, FROZEN_TYPES)
 
 
 def _packs(module: nn.Module) -> bool:
-    return isinstance(module, Int4Linear) and packed_class(module.spec) is not None
+    return isinstance(module, (Int4Linear, Int4Embedding)) and packed_class(module.spec) is not None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from hf_lowprec.modules import LOW_PRECISION_TYPES, PackedLinear
+from hf_lowprec.modules import LOW_PRECISION_TYPES, PackedEmbedding, PackedLinear
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector", "modules_to_save")
@@ -37,15 +37,19 @@ def eligible_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: module for name, _, module in walk_layers(model)}
 
 
+def dense_view(module: nn.Module) -> nn.Module:
+    """``module``, or for a frozen packed layer (which keeps no dense weight) a meta-device ``nn.Linear`` or
+    ``nn.Embedding`` of its shape (no memory): what parameter counts and format rules read."""
+    if isinstance(module, PackedLinear):
+        return nn.Linear(module.in_features, module.out_features, bias=False, device="meta", dtype=module.step.dtype)
+    if isinstance(module, PackedEmbedding):
+        return nn.Embedding(module.num_embeddings, module.embedding_dim, device="meta", dtype=module.table.step.dtype)
+    return module
+
+
 def dense_views(model: nn.Module) -> dict[str, nn.Module]:
-    """:func:`eligible_layers`, with each frozen packed layer (which keeps no dense weight) seen through a meta-device
-    ``nn.Linear`` of its shape (no memory): what parameter counts per format read."""
-    return {
-        name: nn.Linear(m.in_features, m.out_features, bias=False, device="meta", dtype=m.step.dtype)
-        if isinstance(m, PackedLinear)
-        else m
-        for name, m in eligible_layers(model).items()
-    }
+    """:func:`eligible_layers`, each seen through :func:`dense_view`."""
+    return {name: dense_view(m) for name, m in eligible_layers(model).items()}
 
 
 def swap_layers(model: nn.Module, make_layer) -> int:

@@ -29,7 +29,7 @@ from torch import nn
 
 from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.formats import FormatSpec
-from hf_lowprec.layers import canonical_name, dense_views, eligible_layers
+from hf_lowprec.layers import canonical_name, dense_views
 
 PLAN_KEYS = ("default", "layers", "model")
 
@@ -182,7 +182,7 @@ class PrecisionPlan:
         A weight shared by several layers (tied embeddings) counts once, with the first layer that uses it; a frozen
         packed layer counts as the dense layer it was.
         """
-        layers = dense_views(model) if isinstance(model, nn.Module) else dict(model)
+        layers = _layers_of(model)
         rows: dict[str, dict] = {}
         seen = set()
         for name, spec in self.assign(layers).items():
@@ -244,8 +244,9 @@ def _find_module(model, name: str) -> nn.Module | None:
 
 
 def _layers_of(model_or_layers) -> dict[str, nn.Module]:
+    """``{name: layer}``; a model's frozen packed layers seen as the dense layers they were (:func:`dense_views`)."""
     if isinstance(model_or_layers, nn.Module):
-        return eligible_layers(model_or_layers)
+        return dense_views(model_or_layers)
     return dict(model_or_layers)
 
 

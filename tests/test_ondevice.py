@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import markov_batches, on_dequant_backend, tiny_llama
 from peft import LoraConfig, get_peft_model
+from safetensors import safe_open
 from tiny_assets import corpus_text, save_tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -417,13 +418,62 @@ def test_a_packed_tied_head_is_the_embedding_table_too(tmp_path):
         torch.testing.assert_close(dense_logits, model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_default_plan_packs_only_large_output_heads_in_int8(monkeypatch):
+def test_default_plan_packs_only_large_output_heads_and_untied_embeddings_in_int8(monkeypatch):
     from hf_lowprec.ondevice import int4_plan
 
-    model = tiny_llama(tie=True)
-    assert int4_plan(model).to_dict() == {"default": "int4-g64-asym", "layers": {"lm_head": "bf16"}}
-    monkeypatch.setattr("hf_lowprec.ondevice.planning.HEAD_INT8_MIN_PARAMS", 64 * 256 - 1)  # this head's 64 x 256
-    assert int4_plan(model, "int4-g32").to_dict() == {"default": "int4-g32", "layers": {"lm_head": "int8"}}
+    tied, untied = tiny_llama(tie=True), tiny_llama(tie=False)
+    for model in (tied, untied):
+        assert int4_plan(model).to_dict() == {"default": "int4-g64-asym", "layers": {"lm_head": "bf16"}}
+    monkeypatch.setattr("hf_lowprec.ondevice.planning.HEAD_INT8_MIN_PARAMS", 64 * 256 - 1)  # these tables' 256 x 64
+    assert int4_plan(tied, "int4-g32").to_dict() == {"default": "int4-g32", "layers": {"lm_head": "int8"}}
+    large = {"lm_head": "int8", "model.embed_tokens": "int8"}  # untied: the embedding packs its own table
+    assert int4_plan(untied, "int4-g32").to_dict() == {"default": "int4-g32", "layers": large}
+    with pytest.raises(ValueError, match=r"packed embedding stores .* got 'int4-g32-rht'"):
+        prepare_int4_lora(untied, LoraConfig(**LORA), PrecisionPlan({"model.embed_tokens": "int4-g32-rht"}, "int4-g32"))
+
+
+UNTIED_INT8_EMBEDDING = PrecisionPlan({"model.embed_tokens": "int8", "lm_head": "bf16"}, default="int4-g64-asym")
+
+
+def test_a_packed_untied_embedding_holds_its_own_codes_and_round_trips(tmp_path):
+    """A plan that packs an untied input embedding: packed while loading as by the dense path, no dense table left,
+    each looked-up row within half an int8 step of the checkpoint's, and every export reloads the same model (the packed
+    folder with its codes; the dense and compressed-tensors folders with the dequantized table)."""
+    from hf_lowprec.export.compressed_tensors import export_compressed_tensors
+    from hf_lowprec.modules import PackedEmbedding
+
+    path = save_tiny_model(tmp_path / "tiny")
+    torch.manual_seed(0)
+    model, _, report = load_int4_lora(path, LoraConfig(**LORA), UNTIED_INT8_EMBEDDING, dtype="fp32", backend="dequant")
+    torch.manual_seed(0)
+    dense, _ = load_pretrained(path)
+    table = dense.get_input_embeddings().weight.detach().clone()
+    reference, _ = prepare_int4_lora(dense, LoraConfig(**LORA), UNTIED_INT8_EMBEDDING)
+    for m in (model, reference):
+        assert isinstance(m.get_base_model().get_input_embeddings(), PackedEmbedding)
+        assert not any("embed_tokens" in n for n, _ in m.get_base_model().named_parameters())  # no dense table left
+    got, expected = model.state_dict(), reference.state_dict()
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+    assert "base_model.model.model.embed_tokens.qweight" in got
+    row = {r.name: r for r in report.layers}["model.embed_tokens"]
+    assert (row.applied, row.module, row.reason) == ("int8", "PackedEmbedding", "packed while loading")
+    ids = torch.randint(0, table.shape[0], (2, 16))
+    rows = model.get_base_model().get_input_embeddings()(ids)
+    step = table.abs().amax(-1, keepdim=True) / 127
+    assert ((rows - table[ids]).abs() <= step[ids] / 2 + 1e-6).all()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    export_int4_lora(model, tmp_path / "run")
+    reloaded, _ = load_int4_model(tmp_path / "run")
+    assert isinstance(reloaded.get_base_model().get_input_embeddings(), PackedEmbedding)
+    export_int4_lora(model, tmp_path / "dense", merge=True, merged_dtype=torch.float32)
+    dense_reload = AutoModelForCausalLM.from_pretrained(tmp_path / "dense")  # transformers alone: a plain nn.Embedding
+    export_compressed_tensors(model, tmp_path / "ct")
+    ct_state = {k for f in (tmp_path / "ct").glob("*.safetensors") for k in safe_open(f, "pt").keys()}
+    assert "model.embed_tokens.weight" in ct_state and not any(k.startswith("model.embed_tokens.q") for k in ct_state)
+    with torch.no_grad():
+        torch.testing.assert_close(on_dequant_backend(reloaded)(input_ids=ids).logits, logits, rtol=0, atol=0)
+        torch.testing.assert_close(dense_reload(input_ids=ids).logits, logits, rtol=1e-4, atol=1e-4)
 
 
 def test_scan_of_a_base_packed_while_loading_scores_as_the_dense_scan(tmp_path):
@@ -449,11 +499,12 @@ def test_scan_of_a_base_packed_while_loading_scores_as_the_dense_scan(tmp_path):
         scan(packed, batches, formats, method="fisher", layers=linears)
 
 
-def test_checkpoint_weights_give_the_dense_models_outputs_from_a_packed_one(tmp_path):
+@pytest.mark.parametrize("plan", [None, UNTIED_INT8_EMBEDDING], ids=["default", "packed-embedding"])
+def test_checkpoint_weights_give_the_dense_models_outputs_from_a_packed_one(tmp_path, plan):
     path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
     ids = markov_batches(n=1, batch=2, seq=16)[0]["input_ids"]
     dense, _ = load_pretrained(path)
-    packed, _, plan = load_int4_base(path, None, dtype=torch.float32, loftq_init=True)
+    packed, _, plan = load_int4_base(path, plan, dtype=torch.float32, loftq_init=True)
     assert isinstance(packed.model.layers[0].self_attn.q_proj, PackedInt4Linear) and plan is packed.hf_lowprec_plan
     with torch.no_grad():
         expected = dense(input_ids=ids).logits
@@ -464,19 +515,28 @@ def test_checkpoint_weights_give_the_dense_models_outputs_from_a_packed_one(tmp_
     assert (after - expected).abs().max() > 1e-3  # outside the block the packed layers compute again
 
 
-def test_auto_plan_and_loftq_on_a_base_packed_while_loading_are_the_dense_path_with_that_plan(tmp_path):
+@pytest.mark.parametrize("large_tables", [False, True], ids=["bf16-tables", "int8-tables"])
+def test_auto_plan_and_loftq_on_a_base_packed_while_loading_are_the_dense_path_with_that_plan(
+    tmp_path, monkeypatch, large_tables
+):
     """plan='auto' with LoftQ packs every weight as it is read, scans the packed model, reads back the layers it gives
-    int8, and starts LoRA from the checkpoint's residuals: the model of the dense path given the same plan."""
+    int8, and starts LoRA from the checkpoint's residuals: the model of the dense path given the same plan. Tables
+    above the default plan's size limit (the head, the untied embedding) are packed in int8 while loading and kept."""
+    if large_tables:
+        monkeypatch.setattr("hf_lowprec.ondevice.planning.HEAD_INT8_MIN_PARAMS", 0)
+    tables = {"lm_head": "int8" if large_tables else "bf16", "model.embed_tokens": "int8" if large_tables else "bf16"}
     path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
     calibration = token_blocks(load_pretrained(path)[1], [corpus_text(8_000)], 32)[:8]
     torch.manual_seed(0)
     model, _, report = load_int4_lora(path, LoraConfig(**LORA), "auto", calibration=calibration, loftq_init=True,
                                       budget={"target_bits_per_param": 6.0}, dtype="fp32")  # fmt: skip
     formats = {r.name: r.applied for r in report.layers}
-    assert set(formats.values()) == {"int4-g64-asym", "int8", "bf16"} and formats["lm_head"] == "bf16"
+    assert {"int4-g64-asym", "int8"} <= set(formats.values()) and {n: formats[n] for n in tables} == tables
     assert {r.reason for r in report.layers if r.applied == "int4-g64-asym"} == {"packed while loading"}
-    reread = {r.reason for r in report.layers if r.applied == "int8"}
+    reread = {r.reason for r in report.layers if r.applied == "int8" and r.name not in tables}
     assert reread == {"packed while loading, then re-read from the checkpoint in this format"}
+    if large_tables:
+        assert {r.reason for r in report.layers if r.name in tables} == {"packed while loading"}
     assert not [line for line in open("/proc/self/maps") if str(tmp_path) in line]  # read by pread, nothing mapped
     torch.manual_seed(0)
     dense, _ = load_pretrained(path)

@@ -34,7 +34,7 @@ from torch import nn
 from hf_lowprec.folders import atomic_output_dir, check_output_dir
 from hf_lowprec.layers import canonical_name
 from hf_lowprec.modules.packed import PackedInt4Linear, PackedInt8Linear, PackedLinear
-from hf_lowprec.modules.tied_embedding import dense_tables
+from hf_lowprec.modules.packed_embedding import with_dense_tables
 from hf_lowprec.ondevice.export import ADAPTER_DIR, adapterless_state, adapters_naming, without_hf_quantizer
 
 QUANT_METHOD = "compressed-tensors"
@@ -118,7 +118,7 @@ def compressed_tensors_state(base: nn.Module) -> tuple[dict[str, torch.Tensor], 
     layers = _packed_by_name(base)
     spec = _int4_format(layers)
     dtype = next(p for p in base.parameters() if p.is_floating_point()).dtype
-    state, errors = adapterless_state(base) | dense_tables(base, dtype), {}  # the layout has no packed embedding
+    state, errors = with_dense_tables(adapterless_state(base), base, dtype), {}  # the layout has no packed embedding
     for name, layer in layers.items():
         for buffer in PackedLinear.BUFFERS:
             state.pop(f"{name}.{buffer}", None)

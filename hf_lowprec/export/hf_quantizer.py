@@ -35,7 +35,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import canonical_name, set_module, swap_layers
 from hf_lowprec.modules.packed import packed_class
-from hf_lowprec.modules.tied_embedding import share_packed_head, tied_head_names
+from hf_lowprec.modules.packed_embedding import PackedEmbedding, share_packed_head, tied_head_names
 from hf_lowprec.plan import PrecisionPlan, is_auto, resolve_plan
 
 logger = logging.getLogger(__name__)
@@ -146,9 +146,14 @@ class PackOnLoad(ConversionOps):
 
 
 def _pack(model: nn.Module, fqn: str, weight, spec: FormatSpec) -> None:
-    """Put in the place of ``model``'s ``nn.Linear`` ``fqn`` a packed layer of ``weight`` (its bias moves along)."""
-    packed = packed_class(spec).from_weight(weight, spec)
-    packed.bias = model.get_submodule(fqn).bias
+    """Put in the place of ``model``'s ``nn.Linear`` (its bias moves along) or ``nn.Embedding`` ``fqn`` a packed layer
+    of ``weight``."""
+    module = model.get_submodule(fqn)
+    if isinstance(module, nn.Embedding):
+        packed = PackedEmbedding.from_weight(weight, spec, module.padding_idx)
+    else:
+        packed = packed_class(spec).from_weight(weight, spec)
+        packed.bias = module.bias
     packed._is_hf_initialized = True  # transformers initialises the weights of modules without it
     set_module(model, fqn, packed)
 
@@ -186,12 +191,12 @@ def _unpacked_formats(specs) -> list[str]:
 
 
 def _packed_layers(model: nn.Module, plan: PrecisionPlan) -> dict[str, FormatSpec]:
-    """``{full module name: format}`` of the ``nn.Linear`` layers ``plan`` packs."""
+    """``{full module name: format}`` of the ``nn.Linear`` and ``nn.Embedding`` layers ``plan`` packs."""
     assigned = plan.assign(model)
     return {
         fqn: assigned[canonical_name(fqn)]
         for fqn, m in model.named_modules()
-        if isinstance(m, nn.Linear) and packed_class(assigned[canonical_name(fqn)])
+        if isinstance(m, (nn.Linear, nn.Embedding)) and packed_class(assigned[canonical_name(fqn)])
     }
 
 
@@ -204,6 +209,8 @@ def install_packed_shells(model: nn.Module, plan: PrecisionPlan) -> int:
         if fqn not in packed:
             return None
         w, spec = module.weight, packed[fqn]
+        if isinstance(module, nn.Embedding):
+            return PackedEmbedding.empty(*w.shape, spec, w.dtype, w.device, module.padding_idx)
         shape = (module.in_features, module.out_features)
         return packed_class(spec)(*shape, spec, module.bias is not None, w.dtype, w.device)
 

@@ -11,8 +11,10 @@ from hf_lowprec.formats import FormatSpec
 from hf_lowprec.modules.fp8 import FP8Embedding, FP8Linear
 from hf_lowprec.modules.int4 import Int4Embedding, Int4Linear
 from hf_lowprec.modules.packed import PackedInt4Linear, PackedInt8Linear, PackedLinear
+from hf_lowprec.modules.packed_embedding import PackedEmbedding
 
-LOW_PRECISION_TYPES = (FP8Linear, FP8Embedding, Int4Linear, Int4Embedding, PackedLinear)
+LOW_PRECISION_TYPES = (FP8Linear, FP8Embedding, Int4Linear, Int4Embedding, PackedLinear, PackedEmbedding)
+FROZEN_TYPES = (PackedLinear, PackedEmbedding)  # hold integer codes only: no weight to train or revert to
 ELIGIBLE_TYPES = (nn.Linear, nn.Embedding)
 
 
@@ -61,6 +63,7 @@ __all__ = [
     "FP8Embedding",
     "Int4Linear",
     "Int4Embedding",
+    "PackedEmbedding",
     "PackedInt4Linear",
     "PackedInt8Linear",
     "PackedLinear",

@@ -23,6 +23,7 @@ from hf_lowprec.formats import FormatSpec, fake_quantize_per_token_int8, quantiz
 from hf_lowprec.modules.embedding import like_embedding
 from hf_lowprec.modules.lsq import LearnedActivationQuantizer, LearnedStepQuantizer
 from hf_lowprec.modules.packed import PackedLinear, packed_class
+from hf_lowprec.modules.packed_embedding import PackedEmbedding, check_embedding_format
 from hf_lowprec.rotation import layer_rotation, rotate, unrotate
 
 INT_FAMILIES = ("int4", "int8", "nf4")
@@ -173,6 +174,16 @@ class Int4Embedding(nn.Embedding):
         if self.padding_idx is not None:  # nn.Embedding never updates the padding row
             rows = torch.where((unique == self.padding_idx).unsqueeze(-1), rows.detach(), rows)
         return F.embedding(inverse, rows, None, scale_grad_by_freq=self.scale_grad_by_freq)
+
+    @torch.no_grad()
+    def freeze(self) -> PackedEmbedding:
+        """A frozen :class:`PackedEmbedding` holding this table's codes (int4 formats and per-row ``int8``)."""
+        spec = check_embedding_format(self.spec)
+        weight = self.weight.detach()
+        step, zero = self.weight_quantizer.steps(weight)
+        codes = quantize_int(weight, spec, step, zero)
+        table = packed_class(spec).from_codes(codes, step, zero, spec, None, weight.dtype)
+        return PackedEmbedding(table, self.padding_idx)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, format={self.spec.name}"

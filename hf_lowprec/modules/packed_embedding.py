@@ -1,10 +1,14 @@
-"""An input embedding that reads its rows from the packed output head it is tied to: one packed table, no dense copy.
+"""Input embeddings stored as packed integer codes: no dense table in memory.
 
-Most small LLMs tie the output projection to the input embedding, and at a 128k vocabulary that one table is 263M of
-Llama-3.2-1B's 1.24B parameters: 525 MB in bf16. When a plan packs a tied head (``{"lm_head": "int8"}``: 263 MB;
-an int4 format: about 150 MB), :class:`TiedPackedEmbedding` takes the embedding's place and dequantizes the rows of
-the tokens it is given from the head's codes; the dense table is freed. Both stay frozen, as the base of LoRA
-fine-tuning is. The head alone owns (and saves) the codes; a reload rebuilds the tie (``share_packed_head``).
+At a 128k vocabulary the embedding table is 263M of Llama-3.2-1B's 1.24B parameters (525 MB in bf16) and 525M of
+Llama-3.1-8B's 8B (1.05 GB). Both kinds here dequantize, per call, only the rows of the tokens they are given, and stay
+frozen, as the base of LoRA fine-tuning is:
+
+- :class:`TiedPackedEmbedding`: most small LLMs tie the output projection to the input embedding. When a plan packs a
+  tied head (``{"lm_head": "int8"}``: 263 MB; an int4 format: about 150 MB), the embedding reads the rows of the head's
+  codes. The head alone owns (and saves) them; a reload rebuilds the tie (:func:`share_packed_head`).
+- :class:`PackedEmbedding`: an untied embedding the plan packs (``{"model.embed_tokens": "int8"}``) owns its codes,
+  in the layout of a packed linear of shape ``[vocabulary, hidden]`` (``qweight``, ``step``, ``zero``, ``input_scale``).
 """
 
 from __future__ import annotations
@@ -12,27 +16,90 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf_lowprec.layers import canonical_name, set_module
-from hf_lowprec.modules.packed import PackedLinear
+from hf_lowprec.formats import FormatSpec
+from hf_lowprec.modules.packed import PackedLinear, packed_class
 
 
-class TiedPackedEmbedding(nn.Module):
-    """``input_ids [...] -> embeddings [..., H]``: the rows of a packed ``[V, H]`` output head, in its steps' dtype."""
+class _PackedRows(nn.Module):
+    """``input_ids [...] -> embeddings [..., H]``: the rows of the packed ``[V, H]`` layer ``self.table``."""
 
-    def __init__(self, head: PackedLinear):
+    table: PackedLinear
+
+    def __init__(self, table: PackedLinear):
         super().__init__()
-        self.__dict__["head"] = head  # not a submodule: the head owns, moves and saves the codes
-        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.__dict__["table"] = table  # not a submodule: walks over the model must not see it as a linear layer
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    @property
+    def spec(self) -> FormatSpec:
+        return self.table.spec
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.head.dequantized_rows(input_ids, self.head.step.dtype)
+        return self.table.dequantized_rows(input_ids, self.table.step.dtype)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole dense table ``[V, H]`` (exports that write a dense embedding)."""
-        return self.head.dequantized_weight(dtype)
+        return self.table.dequantized_weight(dtype)
+
+
+class TiedPackedEmbedding(_PackedRows):
+    """The input embedding of a model whose packed output head ``head`` is tied to it: reads the head's rows."""
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the packed output head ({self.head.spec.name})"
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the packed output head ({self.spec.name})"
+
+
+class PackedEmbedding(_PackedRows):
+    """An untied input embedding holding its ``[V, H]`` table as packed codes: ``table``, a packed layer of that shape
+    (int4 formats; per-row ``int8``), which it owns.
+
+    Its buffers are its table's (one dictionary: the state dict, ``.to()`` and transformers' loading all reach the
+    tensors the table reads), so a state dict holds ``qweight``, ``step``, ``zero`` and ``input_scale`` as a packed
+    linear's does. Build one with :meth:`from_weight`, or :meth:`empty` (a shell to load codes into).
+    """
+
+    def __init__(self, table: PackedLinear, padding_idx: int | None = None):
+        check_embedding_format(table.spec)
+        super().__init__(table)
+        self._buffers = table._buffers
+        self.padding_idx = padding_idx  # frozen: kept for code that reads it
+
+    @classmethod
+    def empty(cls, num_embeddings: int, embedding_dim: int, spec: FormatSpec | str, dtype: torch.dtype, device=None,
+              padding_idx: int | None = None) -> "PackedEmbedding":  # fmt: skip
+        """A ``[num_embeddings, embedding_dim]`` table of zero codes in ``spec`` (steps in ``dtype``)."""
+        spec = check_embedding_format(spec)
+        return cls(packed_class(spec)(embedding_dim, num_embeddings, spec, False, dtype, device), padding_idx)
+
+    @classmethod
+    def from_weight(
+        cls, weight: torch.Tensor, spec: FormatSpec | str, padding_idx: int | None = None
+    ) -> "PackedEmbedding":
+        """Round-to-nearest codes of a dense table ``weight [V, H]``, steps in its dtype (a slice of rows at a time)."""
+        spec = check_embedding_format(spec)
+        return cls(packed_class(spec).from_weight(weight, spec), padding_idx)
+
+    def _apply(self, fn, recurse=True):
+        self.table._cache.clear()
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.table._cache.clear()
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.spec.name}, packed"
+
+
+def check_embedding_format(spec: FormatSpec | str) -> FormatSpec:
+    """``spec`` parsed, or ``ValueError`` unless a packed embedding stores it (int4 formats, per-row ``int8``; no
+    ``-a8`` or ``-rht``: an embedding has no input to quantize or rotate)."""
+    spec = FormatSpec.parse(spec)
+    if packed_class(spec) is None or spec.act_int8 or spec.rotate:
+        raise ValueError(
+            f"a packed embedding stores int4 formats (without -a8, -rht) and per-row int8, got {spec.name!r}"
+        )
+    return spec
 
 
 def tied_head_names(model: nn.Module) -> tuple[str, str] | None:
@@ -57,6 +124,8 @@ def share_packed_head(model: nn.Module, names: tuple[str, str]) -> bool:
     """Put a :class:`TiedPackedEmbedding` of the packed head ``names[0]`` in the place of the input embedding
     ``names[1]`` (from :func:`tied_head_names`, read before the head was packed) and drop transformers' record of the
     tie; returns whether the head is packed (and the embedding now reads it)."""
+    from hf_lowprec.layers import set_module  # layers imports this module's classes (hf_lowprec.modules)
+
     head_name, embedding_name = names
     head = model.get_submodule(head_name)
     if not isinstance(head, PackedLinear):
@@ -68,11 +137,17 @@ def share_packed_head(model: nn.Module, names: tuple[str, str]) -> bool:
     return True
 
 
-def dense_tables(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """``{"<embedding>.weight": dense table}`` of each :class:`TiedPackedEmbedding` of ``model`` (PEFT wrappers
-    stripped from the names): what an export in a dense-embedding layout writes in its place."""
-    return {
-        f"{canonical_name(n)}.weight": m.dequantized_weight(dtype)
-        for n, m in model.named_modules()
-        if isinstance(m, TiedPackedEmbedding)
-    }
+def with_dense_tables(state: dict, model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``state`` (``model``'s state dict, PEFT wrappers stripped from the keys) with each packed embedding written as
+    its dense ``<embedding>.weight`` in ``dtype`` and without the codes an untied one owned: what an export in a
+    dense-embedding layout writes."""
+    from hf_lowprec.layers import canonical_name
+
+    out = dict(state)
+    for fqn, module in model.named_modules():
+        if isinstance(module, _PackedRows):
+            name = canonical_name(fqn)
+            for buffer in PackedLinear.BUFFERS if isinstance(module, PackedEmbedding) else ():
+                out.pop(f"{name}.{buffer}", None)
+            out[f"{name}.weight"] = module.dequantized_weight(dtype)
+    return out

@@ -23,7 +23,7 @@ from hf_lowprec.export.hf_quantizer import quantization_config_dict
 from hf_lowprec.folders import atomic_output_dir, atomic_write_text, check_output_dir
 from hf_lowprec.modules.int4_lora import PackedLoraLinear, register_int4_lora, requantize_merged
 from hf_lowprec.modules.packed import PackedLinear
-from hf_lowprec.modules.tied_embedding import dense_tables
+from hf_lowprec.modules.packed_embedding import with_dense_tables
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 
 logger = logging.getLogger(__name__)
@@ -50,8 +50,8 @@ def _adapter_delta(module: nn.Module) -> torch.Tensor | None:
 
 def _dense_merged_state(base: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The base model's state dict as plain ``dtype`` weights: every packed layer dequantized, LoRA deltas added
-    (one rounding, to ``dtype``); an embedding that reads a packed head written dense; other tensors as they are."""
-    state = adapterless_state(base) | dense_tables(base, dtype)
+    (one rounding, to ``dtype``); packed embeddings written dense; other tensors as they are."""
+    state = with_dense_tables(adapterless_state(base), base, dtype)
     for fqn, module in base.named_modules():
         layer = module.get_base_layer() if hasattr(module, "get_base_layer") else module
         if not isinstance(layer, PackedLinear) or fqn.endswith(".base_layer"):

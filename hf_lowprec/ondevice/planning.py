@@ -12,7 +12,9 @@ from torch import nn
 
 from hf_lowprec.convert import canonical_name, eligible_layers
 from hf_lowprec.formats import FormatSpec
-from hf_lowprec.modules.packed import PackedLinear
+from hf_lowprec.layers import dense_view
+from hf_lowprec.modules.packed import PackedLinear, packed_class
+from hf_lowprec.modules.packed_embedding import check_embedding_format, tied_head_names
 from hf_lowprec.plan import PrecisionPlan, resolve_plan
 from hf_lowprec.rotation import MIN_ROTATION_BLOCK, rotation_block
 from hf_lowprec.sensitivity import allocate, scan
@@ -28,7 +30,9 @@ AUTO_BUDGET = {"target_bits_per_param": 6.25}
 ALL_LINEAR = "all-linear"
 # output heads above this many weights (a 128k vocabulary at hidden 2048: 263M) are packed in per-channel int8, not
 # kept bf16: it halves the head (and the tied embedding's table: -262 MB at Llama-3.2-1B, benchmarks/scale.py) for
-# +0.6% held-out perplexity on SmolLM2-135M (63.23 -> 63.62, INT4 base, no training; an int4 head: 73.21)
+# +0.6% held-out perplexity on SmolLM2-135M (63.23 -> 63.62, INT4 base, no training; an int4 head: 73.21). An untied
+# input embedding that large (Llama-3.1-8B, Qwen2.5-7B: 525M+) is packed in per-row int8 likewise
+# (:class:`~hf_lowprec.modules.packed_embedding.PackedEmbedding`; -525 MB at Llama-3.1-8B)
 HEAD_INT8_MIN_PARAMS = 1 << 27
 
 
@@ -45,22 +49,33 @@ def int4_plan(model: nn.Module, plan: "PrecisionPlan | str | None" = None) -> Pr
     """The plan for the frozen base: ``None`` → every Linear in ``int4-g64-asym``; a format name → every Linear
     in that format. Both keep the output projection (``lm_head``), the most sensitive layer, out of INT4: in bf16,
     or in per-channel ``int8`` when it has more than ``HEAD_INT8_MIN_PARAMS`` weights (a tied head is then also the
-    embedding's table, see :mod:`hf_lowprec.modules.tied_embedding`). Any other plan (a :class:`PrecisionPlan`, a
-    dict, a file or folder) is used exactly as given (:func:`hf_lowprec.plan.resolve_plan`; ``auto``: see
-    :func:`scan_int4_plan`).
+    embedding's table; an untied embedding that large is packed in int8 too: :func:`table_formats`). Any other plan
+    (a :class:`PrecisionPlan`, a dict, a file or folder) is used exactly as given
+    (:func:`hf_lowprec.plan.resolve_plan`; ``auto``: see :func:`scan_int4_plan`).
     """
     if plan is None or isinstance(plan, FormatSpec) or isinstance(plan, str) and _names_a_format(plan):
-        head = _output_layer_name(model)
         uniform = resolve_plan(plan or DEFAULT_FORMAT)
-        if head is None:
-            return uniform
-        return PrecisionPlan({head: _head_format(model.get_output_embeddings())}, default=uniform.default)
+        return PrecisionPlan(table_formats(model), default=uniform.default)
     return resolve_plan(plan)
 
 
-def _head_format(head: nn.Module) -> str:
-    """``int8`` for an output head of more than ``HEAD_INT8_MIN_PARAMS`` weights, else ``bf16``."""
-    return "int8" if head.in_features * head.out_features > HEAD_INT8_MIN_PARAMS else "bf16"
+def table_formats(model: nn.Module) -> dict[str, str]:
+    """``{layer: format}`` for the vocabulary tables: the output head in ``int8`` when it has more than
+    ``HEAD_INT8_MIN_PARAMS`` weights, else ``bf16``; an untied input embedding that large in ``int8`` (packed, see
+    :class:`~hf_lowprec.modules.packed_embedding.PackedEmbedding`); a smaller one is left out (it stays bf16)."""
+    formats = {}
+    head = _output_layer_name(model)
+    if head is not None:
+        out = model.get_output_embeddings()
+        formats[head] = "int8" if out.in_features * out.out_features > HEAD_INT8_MIN_PARAMS else "bf16"
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if get is not None else None
+    if embedding is not None and tied_head_names(model) is None:
+        view = dense_view(embedding)
+        name = next((canonical_name(n) for n, m in model.named_modules() if m is embedding), None)
+        if name is not None and isinstance(view, nn.Embedding) and view.weight.numel() > HEAD_INT8_MIN_PARAMS:
+            formats[name] = "int8"
+    return formats
 
 
 def _names_a_format(text: str) -> bool:
@@ -103,10 +118,7 @@ def scan_int4_plan(
         dense_weights=dense_weights,
     )
     plan = allocate(result, **(AUTO_BUDGET if budget is None else budget))
-    if head is None:
-        return plan
-    head_format = _head_format(model.get_output_embeddings())
-    return PrecisionPlan({**plan.layers, head: head_format}, default=plan.default, model=plan.model)
+    return PrecisionPlan({**plan.layers, **table_formats(model)}, default=plan.default, model=plan.model)
 
 
 def check_calibration(calibration: torch.Tensor) -> torch.Tensor:
@@ -126,11 +138,14 @@ def check_calibration(calibration: torch.Tensor) -> torch.Tensor:
 
 
 def check_quantizable(model: nn.Module, plan: PrecisionPlan) -> None:
-    """Raise ``ValueError`` if the plan packs nothing, a layer is narrower than its INT4 group, or a ``-rht`` layer's
-    input cannot be rotated."""
+    """Raise ``ValueError`` if the plan packs nothing, a layer is narrower than its INT4 group, a ``-rht`` layer's
+    input cannot be rotated, or an embedding is planned in a packed format it cannot take (``-a8``, ``-rht``)."""
     assigned = plan.assign(model)
     layers = eligible_layers(model)
     linear = (nn.Linear, PackedLinear)  # packed already when quantized on load
+    for name, spec in assigned.items():
+        if isinstance(dense_view(layers[name]), nn.Embedding) and not spec.is_high_precision and packed_class(spec):
+            check_embedding_format(spec)  # an int4 embedding without -a8 / -rht, or per-row int8
     packed = {n: s for n, s in assigned.items() if s.family == "int4" and isinstance(layers[n], linear)}
     if not packed:
         raise ValueError(

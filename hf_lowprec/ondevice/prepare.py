@@ -28,12 +28,12 @@ from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eli
 from hf_lowprec.export.hf_quantizer import HfLowprecConfig, packs_on_load
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import swap_layers
-from hf_lowprec.modules import low_precision_layer
+from hf_lowprec.modules import FROZEN_TYPES, low_precision_layer
 from hf_lowprec.modules.int4 import Int4Linear
 from hf_lowprec.modules.int4_lora import register_int4_lora
 from hf_lowprec.modules.kernels.autotune import resolve_dtype
 from hf_lowprec.modules.packed import PACKED_BACKENDS, PackedInt4Linear, PackedLinear, packed_class
-from hf_lowprec.modules.tied_embedding import TiedPackedEmbedding, share_packed_head, tied_head_names
+from hf_lowprec.modules.packed_embedding import PackedEmbedding, TiedPackedEmbedding, share_packed_head, tied_head_names
 from hf_lowprec.ondevice.calibration import ROUNDINGS, CalibratedCodes, calibrated_codes, check_rounding, summary
 from hf_lowprec.ondevice.loftq import loftq_factors, loftq_for_targets, lora_scaling
 from hf_lowprec.ondevice.planning import (
@@ -162,7 +162,8 @@ def _repack_replanned(model: nn.Module, plan: PrecisionPlan, dense_weights) -> s
 def _freeze_base(model: nn.Module, report: ConversionReport, backend: str, reread: set[str]) -> None:
     """Pack the plan's layers, set their ``backend``, name in ``report`` the modules that now run (and which of those
     packed while loading were ``reread`` from the checkpoint), freeze the rest; an input embedding tied to a packed
-    output head reads the head's rows (:mod:`hf_lowprec.modules.tied_embedding`)."""
+    output head reads the head's rows, an untied one the plan packs holds its own
+    (:mod:`~hf_lowprec.modules.packed_embedding`)."""
     tied = tied_head_names(model)
     freeze(model)
     layers = eligible_layers(model)
@@ -172,11 +173,11 @@ def _freeze_base(model: nn.Module, report: ConversionReport, backend: str, rerea
         row.module = type(layers[row.name]).__name__
         if row.name in reread and row.reason == "unchanged":
             row.reason = "packed while loading, then re-read from the checkpoint in this format"
+        if isinstance(layers[row.name], FROZEN_TYPES) and row.reason == "unchanged":
+            row.reason = "packed while loading"
         if isinstance(layers[row.name], PackedLinear):
             layers[row.name].backend = backend
             row.backend = backend
-            if row.reason == "unchanged":
-                row.reason = "packed while loading"
     if tied is not None and share_packed_head(model, tied):
         for row in report.layers:
             if row.name == canonical_name(tied[1]):
@@ -352,9 +353,12 @@ def checkpoint_weights(model: nn.Module):
     one layer at a time (``model.hf_lowprec_dense_weights``): the unquantized model's outputs, e.g. its loss, in the
     memory of the packed one. Without a reader, nothing changes (the model is dense already)."""
     reader = getattr(model, "hf_lowprec_dense_weights", None)
-    packed = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, PackedLinear)] if reader else []
+    packed = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, FROZEN_TYPES)] if reader else []
     for fqn, module in packed:
-        module.forward = lambda x, fqn=fqn, m=module: F.linear(x, reader(f"{fqn}.weight").to(x.dtype), m.bias)
+        if isinstance(module, PackedEmbedding):  # the rows looked up, not the whole table
+            module.forward = lambda ids, fqn=fqn, m=module: reader.rows(f"{fqn}.weight", ids).to(m.table.step.dtype)
+        else:
+            module.forward = lambda x, fqn=fqn, m=module: F.linear(x, reader(f"{fqn}.weight").to(x.dtype), m.bias)
     try:
         yield model
     finally:

@@ -14,7 +14,7 @@ from torch import nn
 
 from hf_lowprec.convert import eligible_layers
 from hf_lowprec.formats import FormatSpec
-from hf_lowprec.modules import LOW_PRECISION_TYPES, low_precision_layer
+from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, PackedEmbedding, low_precision_layer
 from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.rotation import MIN_ROTATION_BLOCK, rotation_block
 from hf_lowprec.sensitivity.results import KEEP
@@ -30,12 +30,13 @@ class _Unit:
 
 
 def _units(model: nn.Module, formats: Sequence[FormatSpec], packed: bool = False) -> list[_Unit]:
-    """Eligible layers grouped by shared weight, with the formats every member can take; ``packed``: layers packed
-    while loading are scanned too (their dense weights are read from the checkpoint)."""
+    """Eligible layers grouped by shared weight, with the formats every member can take; ``packed``: linears packed
+    while loading are scanned too (their dense weights are read from the checkpoint), embeddings packed while loading
+    are left out."""
     layers = eligible_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no eligible layers (nn.Linear / nn.Embedding) to scan")
-    allowed = PackedLinear if packed else ()
+    allowed = FROZEN_TYPES if packed else ()
     converted = [n for n, m in layers.items() if isinstance(m, LOW_PRECISION_TYPES) and not isinstance(m, allowed)]
     if converted:
         raise ValueError(
@@ -44,6 +45,9 @@ def _units(model: nn.Module, formats: Sequence[FormatSpec], packed: bool = False
         )
     groups: dict[int, _Unit] = {}
     for name, module in layers.items():
+        if isinstance(module, PackedEmbedding):
+            logger.info("%s: not scanned (an embedding table packed while loading stays as it is)", name)
+            continue
         key = id(module) if isinstance(module, PackedLinear) else id(module.weight)
         unit = groups.setdefault(key, _Unit(name, [], []))
         unit.members.append((name, module))
