@@ -417,6 +417,14 @@ def scale_section(scale: dict | None) -> list[str]:
                      f"{g['peak_vs_checkpoint']:.2f}x the bf16 checkpoint on disk (goal {g['peak_vs_checkpoint_goal']}), "
                      f"{g.get('peak_vs_nf4_qlora', float('nan')):.2f}x bnb NF4 QLoRA's peak (goal 0.7); step "
                      f"{g.get('step_vs_fastest_peer', float('nan')):.2f}x the fastest peer's ({g.get('fastest_peer')}; goal 1.0).\n")  # fmt: skip
+    untied = {r["config"]: r for r in scale["results"] if r["size"].endswith("-untied")}
+    if {"int4-lora", "int4-lora-bf16-embedding"} <= untied.keys():
+        packed, dense = untied["int4-lora"], untied["int4-lora-bf16-embedding"]
+        peak = {k: max(r["load_peak_rss_mb"], r["train"]["1x256"]["peak_rss_mb"]) for k, r in untied.items()}
+        lines.append(f"Untied input embedding (`{packed['size']}`, {packed['params'] / 1e6:.0f}M parameters), batch 1x256, "
+                     f"loading included: the defaults pack the table in int8, peak {peak['int4-lora']:.0f} MB against "
+                     f"{peak['int4-lora-bf16-embedding']:.0f} MB with it left bf16; step {packed['train']['1x256']['step_s_median']:.2f} "
+                     f"s against {dense['train']['1x256']['step_s_median']:.2f} s (not in the fits).\n")  # fmt: skip
     return lines + ["![scale](scale.png)", ""]
 
 

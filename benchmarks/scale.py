@@ -11,6 +11,9 @@ a fresh process of its own, and trains LoRA (r=16, alpha 32, every linear, AdamW
   gradient checkpointing instead of the 8-bit activations; ``int4-lora-recipe``: the ``int4-ondevice-lora`` recipe's
   base (the CLI default): packed while loading, then the ``auto`` plan's scan on the packed model (16 blocks of 128
   random tokens), int8 re-reads and LoftQ, each reading one dense weight back at a time;
+- ``int4-lora-bf16-embedding``: the defaults with an untied input embedding kept bf16, as before the default plan
+  packed it (``--sizes llama-3.2-1b-untied``: the 1B shape with its own embedding table, as Llama-3.1-8B has; the
+  fits and the plot leave untied sizes out);
 - ``fp32-lora`` / ``bf16-lora``: ``from_pretrained`` in fp32 / bf16 + PEFT (fp32 adapters), transformers' loss;
 - ``nf4-qlora`` / ``nf4-qlora-gc``: bitsandbytes NF4 (double quant, bf16 compute) + PEFT, without / with gradient
   checkpointing.
@@ -64,10 +67,14 @@ SIZES = {  # the shapes of the published configs (config.json of each Hub checkp
                          num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
                          rope_parameters=LLAMA3_ROPE),
 }  # fmt: skip
+UNTIED = "-untied"  # a size's shape with its own input embedding (Llama-3.1-8B, Qwen2.5-7B are untied); not in the fits
+SIZES["llama-3.2-1b" + UNTIED] = {**SIZES["llama-3.2-1b"], "tie_word_embeddings": False}
 DEFAULT_SIZES = ("smollm2-135m", "smollm2-360m", "llama-3.2-1b")
 CONFIGS = {
     "int4-lora": "hf-lowprec INT4+LoRA defaults (int4-g64-asym packed on load, chunked loss, int8-stored activations)",
     "int4-lora-gc": "hf-lowprec INT4+LoRA defaults, gradient checkpointing instead of int8-stored activations",
+    "int4-lora-bf16-embedding": "hf-lowprec INT4+LoRA defaults with an untied input embedding left bf16 (the default "
+                                "before PackedEmbedding)",
     "int4-lora-recipe": "hf-lowprec int4-ondevice-lora recipe's base (the CLI default): packed on load, auto plan scanned on "
                         "the packed model (int4-g64-asym, int8 at 6.25 bits/param), LoftQ from the checkpoint's residuals",
     "fp32-lora": "fp32 LoRA (PEFT)",
@@ -89,11 +96,12 @@ def checkpoint(work: Path, size: str) -> Path:
 
 
 def build(size: str, work: Path) -> None:
-    """Save a random-weight ``size`` checkpoint (tied embeddings, bf16) atomically into ``work / size``."""
+    """Save a random-weight ``size`` checkpoint (bf16; embeddings tied unless the size says not) atomically into
+    ``work / size``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**SIZES[size], tie_word_embeddings=True, rms_norm_eps=1e-5)
+    config = LlamaConfig(**{"tie_word_embeddings": True, **SIZES[size]}, rms_norm_eps=1e-5)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to(torch.bfloat16).to_empty(device="cpu")  # bf16 on the meta device first: a 3B model in fp32 is 13 GB
@@ -127,6 +135,10 @@ def _load(config: str, folder: Path):
             vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
             calibration = torch.randint(0, vocab, (16, 128), generator=torch.Generator().manual_seed(1))
             options = dict(plan="auto", loftq_init=True, calibration=calibration)
+        if config == "int4-lora-bf16-embedding":
+            from hf_lowprec.plan import PrecisionPlan
+
+            options = dict(plan=PrecisionPlan({"lm_head": "int8"}, default="int4-g64-asym"))
         model, _, report = load_int4_lora(folder, lora, **options)
         model.get_base_model().config.use_cache = False
         if config.endswith("-gc"):  # checkpointing instead of 8-bit saved activations
@@ -248,7 +260,7 @@ def fit(results: list[dict]) -> dict:
     over the sizes measured."""
     out = {}
     for config in sorted({r["config"] for r in results}):
-        rows = [r for r in results if r["config"] == config]
+        rows = [r for r in results if r["config"] == config and not r["size"].endswith(UNTIED)]
         if len(rows) < 2:
             continue
         for batch in rows[0]["train"]:
@@ -295,7 +307,8 @@ def plot(data: dict, path: Path) -> None:
     results = data["results"]
     fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
     for config in CONFIGS:
-        rows = sorted((r for r in results if r["config"] == config), key=lambda r: r["params"])
+        rows = [r for r in results if r["config"] == config and not r["size"].endswith(UNTIED)]
+        rows.sort(key=lambda r: r["params"])
         if not rows:
             continue
         x = [r["params"] / 1e9 for r in rows]
@@ -333,7 +346,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", nargs="?", default="sweep", choices=["sweep", "child", "build", "plot"])
     parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), choices=list(SIZES))
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=[c for c in CONFIGS if c != "int4-lora-bf16-embedding"],
+                        choices=list(CONFIGS))  # fmt: skip
     parser.add_argument("--steps", type=int, default=STEPS, help="timed steps per batch size (after one warm-up)")
     parser.add_argument("--work", default=str(cache_root() / "scale"),
                         help="where the random-weight checkpoints are saved (built once)")  # fmt: skip

@@ -381,31 +381,44 @@ def test_compiled_cross_entropy_with_grad_matches_autograd_on_two_threads(dtype)
 
 
 TIED_INT8_HEAD = PrecisionPlan({"lm_head": "int8"}, default="int4-g64-asym")
+UNTIED_INT8_EMBEDDING = PrecisionPlan({"model.embed_tokens": "int8", "lm_head": "bf16"}, default="int4-g64-asym")
+
+
+def loaded_and_prepared(path, plan: PrecisionPlan):
+    """``(model packed while loading, its report, the dense path's model, its report, the checkpoint's embedding
+    table)`` for ``plan``, after checking that both paths give the same state dict bit for bit."""
+    torch.manual_seed(0)
+    model, _, report = load_int4_lora(path, LoraConfig(**LORA), plan, dtype="fp32", backend="dequant")
+    torch.manual_seed(0)
+    dense, _ = load_pretrained(path)
+    table = dense.get_input_embeddings().weight.detach().clone()
+    reference, reference_report = prepare_int4_lora(dense, LoraConfig(**LORA), plan)
+    got, expected = model.state_dict(), reference.state_dict()
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+    return model, report, reference, reference_report, table
+
+
+def assert_int8_rows(rows: torch.Tensor, table: torch.Tensor, ids: torch.Tensor) -> None:
+    """Each looked-up row within half a per-row int8 step of the dense table's."""
+    step = table.abs().amax(-1, keepdim=True) / 127
+    assert ((rows - table[ids]).abs() <= step[ids] / 2 + 1e-6).all()
 
 
 def test_a_packed_tied_head_is_the_embedding_table_too(tmp_path):
     """A plan that packs a tied output head: the input embedding reads the head's codes (no dense table left), on
     load and after, and the export reloads the tie from the head's codes alone."""
     path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model, _, report = load_int4_lora(path, LoraConfig(**LORA), TIED_INT8_HEAD, dtype="fp32", backend="dequant")
-    torch.manual_seed(0)
-    dense, _ = load_pretrained(path)
-    table = dense.get_input_embeddings().weight.detach().clone()
-    reference, reference_report = prepare_int4_lora(dense, LoraConfig(**LORA), TIED_INT8_HEAD)
+    model, _, reference, reference_report, table = loaded_and_prepared(path, TIED_INT8_HEAD)
     for m in (model, reference):
         base = m.get_base_model()
         assert isinstance(base.lm_head, PackedInt8Linear) and type(base.get_input_embeddings()).__name__ == "TiedPackedEmbedding"
         assert not any(p.numel() == table.numel() for p in base.parameters())  # the dense table is gone
-    got, expected = model.state_dict(), reference.state_dict()
-    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
     assert {r.name: r.module for r in reference_report.layers}["model.embed_tokens"] == "TiedPackedEmbedding"
     ids = torch.randint(0, table.shape[0], (2, 16))
     head = reference.get_base_model().lm_head
     rows = reference.get_base_model().get_input_embeddings()(ids)
     torch.testing.assert_close(rows, head.dequantized_weight()[ids], rtol=0, atol=0)
-    step = table.abs().amax(-1, keepdim=True) / 127  # int8 per row: each row within half a step of the dense table
-    assert ((rows - table[ids]).abs() <= step[ids] / 2 + 1e-6).all()
+    assert_int8_rows(rows, table, ids)
     export_int4_lora(model, tmp_path / "run")
     reloaded, _ = load_int4_model(tmp_path / "run")
     assert type(reloaded.get_base_model().get_input_embeddings()).__name__ == "TiedPackedEmbedding"
@@ -432,9 +445,6 @@ def test_default_plan_packs_only_large_output_heads_and_untied_embeddings_in_int
         prepare_int4_lora(untied, LoraConfig(**LORA), PrecisionPlan({"model.embed_tokens": "int4-g32-rht"}, "int4-g32"))
 
 
-UNTIED_INT8_EMBEDDING = PrecisionPlan({"model.embed_tokens": "int8", "lm_head": "bf16"}, default="int4-g64-asym")
-
-
 def test_a_packed_untied_embedding_holds_its_own_codes_and_round_trips(tmp_path):
     """A plan that packs an untied input embedding: packed while loading as by the dense path, no dense table left,
     each looked-up row within half an int8 step of the checkpoint's, and every export reloads the same model (the packed
@@ -443,24 +453,15 @@ def test_a_packed_untied_embedding_holds_its_own_codes_and_round_trips(tmp_path)
     from hf_lowprec.modules import PackedEmbedding
 
     path = save_tiny_model(tmp_path / "tiny")
-    torch.manual_seed(0)
-    model, _, report = load_int4_lora(path, LoraConfig(**LORA), UNTIED_INT8_EMBEDDING, dtype="fp32", backend="dequant")
-    torch.manual_seed(0)
-    dense, _ = load_pretrained(path)
-    table = dense.get_input_embeddings().weight.detach().clone()
-    reference, _ = prepare_int4_lora(dense, LoraConfig(**LORA), UNTIED_INT8_EMBEDDING)
+    model, report, reference, _, table = loaded_and_prepared(path, UNTIED_INT8_EMBEDDING)
     for m in (model, reference):
         assert isinstance(m.get_base_model().get_input_embeddings(), PackedEmbedding)
         assert not any("embed_tokens" in n for n, _ in m.get_base_model().named_parameters())  # no dense table left
-    got, expected = model.state_dict(), reference.state_dict()
-    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
-    assert "base_model.model.model.embed_tokens.qweight" in got
+    assert "base_model.model.model.embed_tokens.qweight" in model.state_dict()
     row = {r.name: r for r in report.layers}["model.embed_tokens"]
     assert (row.applied, row.module, row.reason) == ("int8", "PackedEmbedding", "packed while loading")
     ids = torch.randint(0, table.shape[0], (2, 16))
-    rows = model.get_base_model().get_input_embeddings()(ids)
-    step = table.abs().amax(-1, keepdim=True) / 127
-    assert ((rows - table[ids]).abs() <= step[ids] / 2 + 1e-6).all()
+    assert_int8_rows(model.get_base_model().get_input_embeddings()(ids), table, ids)
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     export_int4_lora(model, tmp_path / "run")
