@@ -424,7 +424,8 @@ def scale_section(scale: dict | None) -> list[str]:
         lines.append(f"Untied input embedding (`{packed['size']}`, {packed['params'] / 1e6:.0f}M parameters), batch 1x256, "
                      f"loading included: the defaults pack the table in int8, peak {peak['int4-lora']:.0f} MB against "
                      f"{peak['int4-lora-bf16-embedding']:.0f} MB with it left bf16; step {packed['train']['1x256']['step_s_median']:.2f} "
-                     f"s against {dense['train']['1x256']['step_s_median']:.2f} s (not in the fits).\n")  # fmt: skip
+                     f"s against {dense['train']['1x256']['step_s_median']:.2f} s (a run of its own: compare these two rows with each "
+                     "other; not in the fits).\n")  # fmt: skip
     return lines + ["![scale](scale.png)", ""]
 
 
