@@ -599,3 +599,29 @@ def test_calibrated_rounding_of_a_base_packed_while_loading_reads_each_dense_wei
     with pytest.raises(ValueError, match="packed already and its dense weight cannot be read"):
         packed, _ = load_pretrained(path, quantization_config=HfLowprecConfig(MIXED))
         prepare_int4_lora(packed, LoraConfig(**LORA), MIXED, rounding=rounding, calibration=calibration)
+
+
+def test_a_packed_tied_table_keeps_gemmas_embedding_scale(tmp_path, monkeypatch):
+    """Gemma's embedding multiplies its rows by sqrt(hidden): the packed embedding that replaces it does too, packed
+    while loading, by the dense path and after a reload (before, its rows came out 8x too small here)."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    monkeypatch.setattr("hf_lowprec.ondevice.planning.HEAD_INT8_MIN_PARAMS", 0)  # the default plan: the head in int8
+    config = GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    dense = GemmaForCausalLM(config)
+    dense.save_pretrained(tmp_path / "gemma")
+    original = dense.get_input_embeddings()
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        expected = original(ids)
+    loaded, _, _ = load_int4_lora(tmp_path / "gemma", LoraConfig(**LORA), dtype="fp32", backend="dequant")
+    prepared, _ = prepare_int4_lora(dense, LoraConfig(**LORA))
+    export_int4_lora(loaded, tmp_path / "run")
+    reloaded, _ = load_int4_model(tmp_path / "run")
+    for model in (loaded, prepared, reloaded):
+        embedding = model.get_base_model().get_input_embeddings()
+        assert type(embedding).__name__ == "TiedPackedEmbedding" and embedding.scale == 8.0
+        assert_int8_rows(embedding(ids) / 8.0, original.weight.detach(), ids)  # the rows times Gemma's sqrt(64)
+    torch.testing.assert_close(expected / 8.0, original.weight.detach()[ids])

@@ -35,7 +35,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import canonical_name, set_module, swap_layers
 from hf_lowprec.modules.packed import packed_class
-from hf_lowprec.modules.packed_embedding import PackedEmbedding, share_packed_head, tied_head_names
+from hf_lowprec.modules.packed_embedding import PackedEmbedding, embedding_scale, share_packed_head, tied_head_names
 from hf_lowprec.plan import PrecisionPlan, is_auto, resolve_plan
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ def _pack(model: nn.Module, fqn: str, weight, spec: FormatSpec) -> None:
     of ``weight``."""
     module = model.get_submodule(fqn)
     if isinstance(module, nn.Embedding):
-        packed = PackedEmbedding.from_weight(weight, spec, module.padding_idx)
+        packed = PackedEmbedding.from_weight(weight, spec, module.padding_idx, embedding_scale(module))
     else:
         packed = packed_class(spec).from_weight(weight, spec)
         packed.bias = module.bias
@@ -210,7 +210,7 @@ def install_packed_shells(model: nn.Module, plan: PrecisionPlan) -> int:
             return None
         w, spec = module.weight, packed[fqn]
         if isinstance(module, nn.Embedding):
-            return PackedEmbedding.empty(*w.shape, spec, w.dtype, w.device, module.padding_idx)
+            return PackedEmbedding.empty(*w.shape, spec, w.dtype, w.device, module.padding_idx, embedding_scale(module))
         shape = (module.in_features, module.out_features)
         return packed_class(spec)(*shape, spec, module.bias is not None, w.dtype, w.device)
 

@@ -21,24 +21,27 @@ from hf_lowprec.modules.packed import PackedLinear, packed_class
 
 
 class _PackedRows(nn.Module):
-    """``input_ids [...] -> embeddings [..., H]``: the rows of the packed ``[V, H]`` layer ``self.table``."""
+    """``input_ids [...] -> embeddings [..., H]``: the rows of the packed ``[V, H]`` layer ``self.table``, times
+    ``scale`` when the embedding it replaces scaled them (Gemma's ``embed_scale``, see :func:`embedding_scale`)."""
 
     table: PackedLinear
 
-    def __init__(self, table: PackedLinear):
+    def __init__(self, table: PackedLinear, scale: float | None = None):
         super().__init__()
         self.__dict__["table"] = table  # not a submodule: walks over the model must not see it as a linear layer
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+        self.scale = scale
 
     @property
     def spec(self) -> FormatSpec:
         return self.table.spec
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.table.dequantized_rows(input_ids, self.table.step.dtype)
+        rows = self.table.dequantized_rows(input_ids, self.table.step.dtype)
+        return rows if self.scale is None else rows * torch.tensor(self.scale).to(rows.dtype)  # as Gemma rounds it
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The whole dense table ``[V, H]`` (exports that write a dense embedding)."""
+        """The whole dense table ``[V, H]``, unscaled (exports that write a dense embedding)."""
         return self.table.dequantized_weight(dtype)
 
 
@@ -46,7 +49,8 @@ class TiedPackedEmbedding(_PackedRows):
     """The input embedding of a model whose packed output head ``head`` is tied to it: reads the head's rows."""
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the packed output head ({self.spec.name})"
+        scaled = "" if self.scale is None else f", scale={self.scale:g}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the packed output head ({self.spec.name}){scaled}"
 
 
 class PackedEmbedding(_PackedRows):
@@ -58,26 +62,26 @@ class PackedEmbedding(_PackedRows):
     linear's does. Build one with :meth:`from_weight`, or :meth:`empty` (a shell to load codes into).
     """
 
-    def __init__(self, table: PackedLinear, padding_idx: int | None = None):
+    def __init__(self, table: PackedLinear, padding_idx: int | None = None, scale: float | None = None):
         check_embedding_format(table.spec)
-        super().__init__(table)
+        super().__init__(table, scale)
         self._buffers = table._buffers
         self.padding_idx = padding_idx  # frozen: kept for code that reads it
 
     @classmethod
     def empty(cls, num_embeddings: int, embedding_dim: int, spec: FormatSpec | str, dtype: torch.dtype, device=None,
-              padding_idx: int | None = None) -> "PackedEmbedding":  # fmt: skip
+              padding_idx: int | None = None, scale: float | None = None) -> "PackedEmbedding":  # fmt: skip
         """A ``[num_embeddings, embedding_dim]`` table of zero codes in ``spec`` (steps in ``dtype``)."""
         spec = check_embedding_format(spec)
-        return cls(packed_class(spec)(embedding_dim, num_embeddings, spec, False, dtype, device), padding_idx)
+        return cls(packed_class(spec)(embedding_dim, num_embeddings, spec, False, dtype, device), padding_idx, scale)
 
     @classmethod
     def from_weight(
-        cls, weight: torch.Tensor, spec: FormatSpec | str, padding_idx: int | None = None
+        cls, weight: torch.Tensor, spec: FormatSpec | str, padding_idx: int | None = None, scale: float | None = None
     ) -> "PackedEmbedding":
         """Round-to-nearest codes of a dense table ``weight [V, H]``, steps in its dtype (a slice of rows at a time)."""
         spec = check_embedding_format(spec)
-        return cls(packed_class(spec).from_weight(weight, spec), padding_idx)
+        return cls(packed_class(spec).from_weight(weight, spec), padding_idx, scale)
 
     def _apply(self, fn, recurse=True):
         self.table._cache.clear()
@@ -88,7 +92,8 @@ class PackedEmbedding(_PackedRows):
         return super()._load_from_state_dict(*args, **kwargs)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.spec.name}, packed"
+        scaled = "" if self.scale is None else f", scale={self.scale:g}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.spec.name}, packed{scaled}"
 
 
 def check_embedding_format(spec: FormatSpec | str) -> FormatSpec:
@@ -100,6 +105,20 @@ def check_embedding_format(spec: FormatSpec | str) -> FormatSpec:
             f"a packed embedding stores int4 formats (without -a8, -rht) and per-row int8, got {spec.name!r}"
         )
     return spec
+
+
+def embedding_scale(embedding: nn.Module) -> float | None:
+    """The factor a scaled word embedding multiplies its rows by (Gemma's ``embed_scale``, ``sqrt(hidden)``; Bart's),
+    ``None`` for a plain one. Gemma keeps it as a buffer, which is still on the meta device while transformers loads,
+    and as the Python float ``scalar_embed_scale`` read here."""
+    if isinstance(embedding, _PackedRows):
+        return embedding.scale
+    scale = getattr(embedding, "scalar_embed_scale", getattr(embedding, "embed_scale", None))
+    if torch.is_tensor(scale):
+        if scale.is_meta:
+            raise ValueError(f"cannot read the embedding scale of {type(embedding).__name__} on the meta device")
+        scale = float(scale)
+    return None if scale is None or scale == 1.0 else float(scale)
 
 
 def tied_head_names(model: nn.Module) -> tuple[str, str] | None:
@@ -130,7 +149,7 @@ def share_packed_head(model: nn.Module, names: tuple[str, str]) -> bool:
     head = model.get_submodule(head_name)
     if not isinstance(head, PackedLinear):
         return False
-    set_module(model, embedding_name, TiedPackedEmbedding(head))
+    set_module(model, embedding_name, TiedPackedEmbedding(head, embedding_scale(model.get_submodule(embedding_name))))
     tied = getattr(model, "all_tied_weights_keys", None)
     if tied is not None:  # transformers would tie lm_head.weight to an embedding weight that no longer exists
         tied.pop(f"{head_name}.weight", None)
