@@ -151,3 +151,24 @@ def test_plan_given_as_path_dict_or_format_name(tmp_path, llama):
     assert type(llama.lm_head) is nn.Linear
     with pytest.raises(ValueError, match="unknown format 'fp7'"):
         apply_plan(llama, "fp7")
+
+
+def test_a_scaled_embedding_is_refused_a_low_precision_format_and_its_tied_head_is_not():
+    """Gemma's embedding multiplies its rows by sqrt(hidden); the fake-quantized embeddings would drop that factor, so a
+    plan naming it fails with one line, while its tied output head still converts and the embedding's rows stay exact."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    config = GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = GemmaForCausalLM(config)
+    ids = torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        rows = model.get_input_embeddings()(ids)
+    for fmt in ("fp8", "int4-g32"):
+        with pytest.raises(ValueError, match=r"multiplies its rows by 8 \(embed_scale\).*keep it bf16"):
+            apply_plan(model, PrecisionPlan({"model.embed_tokens": fmt}))
+    report = apply_plan(model, PrecisionPlan({"lm_head": "int4-g32"}))
+    assert {r.name: r.applied for r in report.layers}["lm_head"] == "int4-g32"
+    with torch.no_grad():
+        torch.testing.assert_close(model.get_input_embeddings()(ids), rows, rtol=0, atol=0)

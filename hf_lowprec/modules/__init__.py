@@ -11,7 +11,7 @@ from hf_lowprec.formats import FormatSpec
 from hf_lowprec.modules.fp8 import FP8Embedding, FP8Linear
 from hf_lowprec.modules.int4 import Int4Embedding, Int4Linear
 from hf_lowprec.modules.packed import PackedInt4Linear, PackedInt8Linear, PackedLinear
-from hf_lowprec.modules.packed_embedding import PackedEmbedding
+from hf_lowprec.modules.packed_embedding import PackedEmbedding, embedding_scale
 
 LOW_PRECISION_TYPES = (FP8Linear, FP8Embedding, Int4Linear, Int4Embedding, PackedLinear, PackedEmbedding)
 FROZEN_TYPES = (PackedLinear, PackedEmbedding)  # hold integer codes only: no weight to train or revert to
@@ -23,8 +23,15 @@ def low_precision_layer(module: nn.Module, spec: FormatSpec, options: dict, quan
 
     ``options``: ``fp8_backend``, ``grad_dtype``, ``policies`` (FP8), ``learn_scales`` and
     ``learn_activation_scales`` (integer formats; the latter for ``-a8`` Linear formats only).
-    ``quantizer``: an integer-format weight quantizer to share (tied weights).
+    ``quantizer``: an integer-format weight quantizer to share (tied weights). Raises ``ValueError`` for an embedding
+    that scales its rows (Gemma's ``embed_scale``): the fake-quantized embeddings would drop the factor.
     """
+    if isinstance(module, nn.Embedding) and (scale := embedding_scale(module)) is not None:
+        raise ValueError(
+            f"{type(module).__name__} multiplies its rows by {scale:g} (embed_scale), which hf_lowprec's FP8/INT4 "
+            "embeddings do not; keep it bf16 (a tied output head may still be quantized: the embedding then reads its "
+            "packed rows, scaled)"
+        )
     if spec.family == "fp8":
         if isinstance(module, nn.Embedding):
             return FP8Embedding.from_embedding(module, spec)

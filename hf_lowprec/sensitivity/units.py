@@ -16,6 +16,7 @@ from hf_lowprec.convert import eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, PackedEmbedding, low_precision_layer
 from hf_lowprec.modules.packed import PackedLinear
+from hf_lowprec.modules.packed_embedding import embedding_scale
 from hf_lowprec.rotation import MIN_ROTATION_BLOCK, rotation_block
 from hf_lowprec.sensitivity.results import KEEP
 
@@ -67,6 +68,8 @@ def _cannot_take(unit: _Unit, spec: FormatSpec) -> str:
         if isinstance(module, nn.Embedding):
             if spec.act_int8 or spec.rotate:
                 return "an embedding has no activation to quantize nor input to rotate"
+            if embedding_scale(module) is not None:
+                return "it scales its rows (embed_scale), which the low-precision embeddings do not"
         elif spec.rotate and rotation_block(module.in_features) is None:
             return f"{module.in_features} input features are not a multiple of {MIN_ROTATION_BLOCK}: cannot rotate"
     return ""
