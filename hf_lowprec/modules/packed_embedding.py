@@ -37,8 +37,12 @@ class _PackedRows(nn.Module):
         return self.table.spec
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.table.dequantized_rows(input_ids, self.table.step.dtype)
-        return rows if self.scale is None else rows * torch.tensor(self.scale).to(rows.dtype)  # as Gemma rounds it
+        return self.scaled(self.table.dequantized_rows(input_ids, self.table.step.dtype))
+
+    def scaled(self, rows: torch.Tensor) -> torch.Tensor:
+        """Table rows ``[..., H]`` as this embedding returns them: times ``scale``, rounded to their dtype as Gemma
+        rounds it."""
+        return rows if self.scale is None else rows * torch.tensor(self.scale).to(rows.dtype)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole dense table ``[V, H]``, unscaled (exports that write a dense embedding)."""

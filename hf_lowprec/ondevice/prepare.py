@@ -356,7 +356,11 @@ def checkpoint_weights(model: nn.Module):
     packed = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, FROZEN_TYPES)] if reader else []
     for fqn, module in packed:
         if isinstance(module, PackedEmbedding):  # the rows looked up, not the whole table
-            module.forward = lambda ids, fqn=fqn, m=module: reader.rows(f"{fqn}.weight", ids).to(m.table.step.dtype)
+
+            def checkpoint_rows(ids, fqn=fqn, m=module):
+                return m.scaled(reader.rows(f"{fqn}.weight", ids).to(m.table.step.dtype))
+
+            module.forward = checkpoint_rows
         else:
             module.forward = lambda x, fqn=fqn, m=module: F.linear(x, reader(f"{fqn}.weight").to(x.dtype), m.bias)
     try:
