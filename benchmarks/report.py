@@ -233,7 +233,8 @@ def claims(conv_res: dict, layers: dict | None, memory: dict | None, ondevice: d
     scale_goals = (load("scale") or {}).get("goals", {}).get("int4-lora")
     if scale_goals is not None:
         mem.append(f"Llama-3.2-1B shape, INT4+LoRA defaults, batch 1x256, loading included: peak RSS {scale_goals['peak_rss_mb']:.0f} MB, "
-                   f"{scale_goals['peak_vs_nf4_qlora']:.2f}x bnb NF4 QLoRA (scale.py)")  # fmt: skip
+                   f"{scale_goals['peak_vs_nf4_qlora']:.2f}x bnb NF4 QLoRA (scale.py; glibc's default allocator, "
+                   f"faster here: {scale_goals['glibc_peak_rss_mb']:.0f} MB, {scale_goals['glibc_peak_vs_nf4_qlora']:.2f}x)")  # fmt: skip
     verdict = "—" if ratio is None else ("holds" if ratio <= 0.6 else ("holds partly" if ratio <= 0.8 else "does not hold here"))
     rows.append(("≥40% less memory", "; ".join(mem) or "not measured", verdict, ""))
     lines = ["## The claims, tested\n", "| claim | measured | verdict | note |", "|---|---|---|---|"]
@@ -416,7 +417,11 @@ def scale_section(scale: dict | None) -> list[str]:
         lines.append(f"Llama-3.2-1B shape, `{config}`, batch 1x256: peak {g['peak_rss_mb']:.0f} MB (goal {g['peak_rss_goal_mb']}), "
                      f"{g['peak_vs_checkpoint']:.2f}x the bf16 checkpoint on disk (goal {g['peak_vs_checkpoint_goal']}), "
                      f"{g.get('peak_vs_nf4_qlora', float('nan')):.2f}x bnb NF4 QLoRA's peak (goal 0.7); step "
-                     f"{g.get('step_vs_fastest_peer', float('nan')):.2f}x the fastest peer's ({g.get('fastest_peer')}; goal 1.0).\n")  # fmt: skip
+                     f"{g.get('step_vs_fastest_peer', float('nan')):.2f}x the fastest peer's ({g.get('fastest_peer')}; goal 1.0). "
+                     "Those pair each allocator's best figure; from one allocator: glibc's default, peak "
+                     f"{g['glibc_peak_rss_mb']:.0f} MB ({g.get('glibc_peak_vs_nf4_qlora', float('nan')):.2f}x NF4's) at that step; "
+                     f"the mmap one, step {g.get('mmap_step_vs_fastest_peer', float('nan')):.2f}x the fastest peer's "
+                     f"({g.get('mmap_fastest_peer')}) at that peak.\n")  # fmt: skip
     untied = {r["config"]: r for r in scale["results"] if r["size"].endswith("-untied")}
     if {"int4-lora", "int4-lora-bf16-embedding"} <= untied.keys():
         packed, dense = untied["int4-lora"], untied["int4-lora-bf16-embedding"]
