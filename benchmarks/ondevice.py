@@ -70,7 +70,7 @@ def _data(tokenizer, n_train: int, n_eval: int):
 
 
 def _build(config: str, loftq: bool, rounding: str, gc: bool, budget_bits: float = 0.0, kept_format: str = "int8", backend: str = "auto",
-           rotate: bool = False):  # fmt: skip
+           rotate: bool = False, int4_format: str = "int4-g64-asym"):  # fmt: skip
     """``(model, tokenizer, loss_fn(batch) -> loss, notes)`` for one configuration."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -87,14 +87,14 @@ def _build(config: str, loftq: bool, rounding: str, gc: bool, budget_bits: float
         from hf_lowprec.training.activations import ActivationStorage
 
         scanned = bool(budget_bits) or rotate
-        # budget_bits: the product's scanned plan (int4-g64-asym, the most sensitive layers kept_format); 0: every Linear int4
-        # rotate: the scan also scores int4-g64-asym-rht and chooses per layer (with budget_bits 0: every Linear one of the two)
-        int4 = ("int4-g64-asym", "int4-g64-asym-rht") if rotate else ("int4-g64-asym",)
+        # budget_bits: the product's scanned plan (int4_format, the most sensitive layers kept_format); 0: every Linear int4
+        # rotate: the scan also scores int4_format-rht and chooses per layer (with budget_bits 0: every Linear one of the two)
+        int4 = (int4_format, f"{int4_format}-rht") if rotate else (int4_format,)
         budget = {"target_bits_per_param": budget_bits} if budget_bits else {"min_fp8_fraction": 1.0}
         auto = {"budget": budget, "auto_formats": int4 + ((kept_format,) if kept_format != "bf16" and budget_bits else ())}
         first_blocks = (lambda tok: _data(tok, CALIBRATION_BLOCKS, 0)[0]) if rounding != "nearest" or scanned else None  # the first training blocks
         # the product's path: packed while loading, the scan, calibration and LoftQ reading the dense weights back
-        model, tok, report = load_int4_lora(folder, lora, "auto" if scanned else None, gguf_file=gguf, loftq_init=loftq, rounding=rounding,
+        model, tok, report = load_int4_lora(folder, lora, "auto" if scanned else int4_format, gguf_file=gguf, loftq_init=loftq, rounding=rounding,
                                             calibration=first_blocks, backend=backend, **(auto if scanned else {}))  # fmt: skip
         storage = ActivationStorage(model, "int8") if config == "int4-lora" and not gc else None
 
@@ -155,7 +155,7 @@ def child(args) -> dict:
 
     t0 = time.perf_counter()
     model, tok, loss_fn, notes = _build(args.config, args.loftq, args.rounding, bool(args.gc), args.budget_bits, args.kept_format, args.backend,
-                                        args.rotate)  # fmt: skip
+                                        args.rotate, args.int4_format)  # fmt: skip
     load_s = time.perf_counter() - t0
     rss_loaded = psutil.Process().memory_info().rss / 2**20
     steps = args.warmup + args.steps
@@ -201,6 +201,7 @@ def child(args) -> dict:
     return {
         "config": args.config, "gradient_checkpointing": bool(args.gc), "loftq": bool(args.loftq), "rounding": args.rounding,
         "budget_bits": args.budget_bits, "kept_format": args.kept_format, "backend": args.backend, "rotate": args.rotate, "seed": SEED,
+        "int4_format": args.int4_format,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_after_load_mb": rss_loaded,
         "load_s": load_s, "step_s_median": statistics.median(timed_wall), "step_cpu_s_median": statistics.median(timed_cpu),
         "step_s": timed_wall, "losses": losses, "eval_loss_before": eval_before, "eval_loss_after": eval_after,
@@ -213,9 +214,11 @@ def child(args) -> dict:
 
 # ------------------------------------------------------------------------------------ parent
 def run_child(config: str, gc: bool, steps: int, warmup: int, eval_blocks: int = 0, loftq: bool = False, merge_eval: bool = False,
-              rounding: str = "nearest", budget_bits: float = 0.0, kept_format: str = "int8", backend: str = "auto", rotate: bool = False) -> dict:  # fmt: skip
+              rounding: str = "nearest", budget_bits: float = 0.0, kept_format: str = "int8", backend: str = "auto", rotate: bool = False,
+              int4_format: str = "int4-g64-asym") -> dict:  # fmt: skip
     flags = [f for f, on in (("--loftq", loftq), ("--merge-eval", merge_eval), ("--rotate", rotate)) if on]
-    flags += ["--rounding", rounding, "--budget-bits", str(budget_bits), "--kept-format", kept_format, "--backend", backend, "--seed", str(SEED)]
+    flags += ["--rounding", rounding, "--budget-bits", str(budget_bits), "--kept-format", kept_format, "--backend", backend, "--seed", str(SEED),
+              "--int4-format", int4_format]
     cmd = [sys.executable, __file__, "child", "--config", config, "--gc", str(int(gc)), "--steps", str(steps),
            "--warmup", str(warmup), "--eval-blocks", str(eval_blocks), *flags]  # fmt: skip
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
@@ -320,7 +323,7 @@ def print_table(table: dict, goal: dict) -> None:
 
 def _quality_key(r: dict) -> str:
     fmt = next((f.removesuffix("-rht") for f in r.get("plan_fractions", {}) if f.startswith("int4")), None)
-    keep = f"+{round(100 * _kept_fraction(r['budget_bits'], r['kept_format']))}% sensitive {r['kept_format']}" if r.get("budget_bits") else ""
+    keep = f"+{round(100 * _kept_fraction(r['budget_bits'], r['kept_format'], r.get('int4_format', 'int4-g64-asym')))}% sensitive {r['kept_format']}" if r.get("budget_bits") else ""
     backend = f" [{r['backend']} backend]" if r.get("backend", "auto") != "auto" else ""
     rounding = r.get("rounding") or ("gptq" if r.get("gptq_rounding") else "nearest")  # older runs stored a GPTQ flag
     return (r["config"] + (f" ({fmt})" if fmt else "") + ("+rht scanned" if r.get("rotate") else "") + keep + (f"+{rounding}" if rounding != "nearest" else "")
@@ -333,9 +336,9 @@ def _bits(fmt: str) -> float:
     return 8 * FormatSpec.parse(fmt).bytes_per_param(576)  # SmolLM2-135M's hidden size
 
 
-def _kept_fraction(budget_bits: float, kept_format: str) -> float:
-    """The share of linear weights a plan of ``budget_bits`` bits/param can keep in ``kept_format`` (the rest int4-g64-asym)."""
-    return (budget_bits - _bits("int4-g64-asym")) / (_bits(kept_format) - _bits("int4-g64-asym"))
+def _kept_fraction(budget_bits: float, kept_format: str, int4_format: str = "int4-g64-asym") -> float:
+    """The share of linear weights a plan of ``budget_bits`` bits/param can keep in ``kept_format`` (the rest int4_format)."""
+    return (budget_bits - _bits(int4_format)) / (_bits(kept_format) - _bits(int4_format))
 
 
 def default_quality_key() -> str:
@@ -351,22 +354,25 @@ def _options(config: str) -> dict:
 def parse_variant(variant: str) -> dict:
     """``int4-lora`` options from a ``+``-joined variant name: ``loftq``, ``gptq``, ``awq``, ``dequant``, ``keepNN``
     (a scanned plan keeping NN% of the linear weights, the most sensitive, in bf16) or ``keepNN-int8`` (in int8), ``auto``
-    (the product's default scanned plan), ``rht`` (the scan also scores ``int4-g64-asym-rht`` and picks per layer);
-    e.g. ``keep20+awq+gptq+loftq``. No keep part: every Linear int4."""
+    (the product's default scanned plan), ``rht`` (the scan also scores ``int4-g64-asym-rht`` and picks per layer),
+    ``gNN`` / ``gNN-sym`` (the int4 format ``int4-gNN-asym`` / ``int4-gNN`` instead of int4-g64-asym);
+    e.g. ``keep20+awq+gptq+loftq``, ``g32+loftq``. No keep part: every Linear int4."""
     from hf_lowprec.ondevice import AUTO_BUDGET
 
     parts = [x for x in variant.split("+") if x]  # "": every Linear int4, nearest rounding, default LoRA init
     kept = [m for m in map(re.compile(r"keep(\d+)(?:-(int8))?").fullmatch, parts) if m]
-    unknown = [x for x in parts if x not in ("loftq", "gptq", "awq", "dequant", "auto", "rht") and not any(m.string == x for m in kept)]
+    group = [m for m in map(re.compile(r"g(\d+)(-sym)?").fullmatch, parts) if m]
+    int4 = f"int4-g{group[0][1]}{'' if group[0][2] else '-asym'}" if group else "int4-g64-asym"
+    unknown = [x for x in parts if x not in ("loftq", "gptq", "awq", "dequant", "auto", "rht") and not any(m.string == x for m in kept + group)]
     if unknown:
-        raise SystemExit(f"--int4-variants {variant!r}: unknown part(s) {unknown}; use loftq, gptq, awq, dequant, auto, rht, keepNN, keepNN-int8 joined by '+'")
+        raise SystemExit(f"--int4-variants {variant!r}: unknown part(s) {unknown}; use loftq, gptq, awq, dequant, auto, rht, keepNN, keepNN-int8, gNN, gNN-sym joined by '+'")
     rounding = "+".join(x for x in ("awq", "gptq") if x in parts) or "nearest"
     kept_format, bits = "int8", AUTO_BUDGET["target_bits_per_param"] if "auto" in parts else 0.0
     if kept:
         kept_format = kept[0][2] or "bf16"
-        bits = _bits("int4-g64-asym") + int(kept[0][1]) / 100 * (_bits(kept_format) - _bits("int4-g64-asym"))
+        bits = _bits(int4) + int(kept[0][1]) / 100 * (_bits(kept_format) - _bits(int4))
     return {"loftq": "loftq" in parts, "rounding": rounding, "budget_bits": bits, "kept_format": kept_format,
-            "backend": "dequant" if "dequant" in parts else "auto", "rotate": "rht" in parts}
+            "backend": "dequant" if "dequant" in parts else "auto", "rotate": "rht" in parts, "int4_format": int4}
 
 
 def quality(args) -> None:
@@ -482,6 +488,7 @@ def main() -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "int8", "tiled", "dequant"), help="child: backend of the packed layers")
     p.add_argument("--int4-variants", nargs="*", default=[], help="quality: also run int4-lora with these options (see parse_variant)")
     p.add_argument("--rotate", action="store_true", help="child: the scan also scores int4-g64-asym-rht per layer")
+    p.add_argument("--int4-format", default="int4-g64-asym", help="child: the base's int4 format")
     p.add_argument("--merge-eval", action="store_true", help="child: also evaluate the merged, re-quantized export")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=3)
