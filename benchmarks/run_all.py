@@ -1,17 +1,17 @@
-"""`make bench` (about 45 minutes) and `make bench-full` (about 95): run the CPU benchmarks in sequence, then rebuild
+"""`make bench` (52 minutes, timed) and `make bench-full` (about 95): run the CPU benchmarks in sequence, then rebuild
 results/REPORT.md.
 
 `make bench` runs what the claims table rests on, sized to a 60-minute budget on the 2-core reference machine (AMD EPYC
-Zen 5, AVX512-BF16). Measured there, seconds per step, on a quiet machine (earlier sessions) / in a run while the
-machine was about 1.6x slower (bf16 LoRA's step 5.7 CPU-seconds instead of 3.2): kernel_speed 66 / 119 (a kernel
-rebuild included), layers 12 / 23, memory about 130 / 150 (three configurations), scan 154 / 234, ondevice speed about
-470 / 470 (without its int4-lora-plain ablation), the toy convergence sweep (three setups x 3 seeds) about 560 / 660,
-the SmolLM2-135M architecture's (two setups x 3 seeds) 880-1,280 / 1,606. In all about 40 / 55 minutes; that slow run,
-with one more setup in the toy sweep and two more memory configurations, took 3,638 s. `make bench-full` (`--full`)
-reruns memory with every configuration and peer (605 on a quiet machine), ondevice with its ablation, the toy sweep
-with its int4-everywhere and fp8-mx setups (1,560), and adds the 30-step fine-tuning table (575) and outliers.py (895).
-The longer runs the report also quotes (200-step fine-tuning, 600-step convergence, scale.py, adapter_optimizer.py,
-ondevice.py quality) are started by hand: each script's docstring says how.
+Zen 5, AVX512-BF16). Timed end to end there on 2026-12-02 (a clone at 0957852, nothing else heavy running): 3,126 s,
+i.e. 52 minutes: kernel_speed 73 s (a kernel rebuild included), layers 25, memory 129 (three configurations), scan 183,
+ondevice speed 477 (without its int4-lora-plain ablation), the toy convergence sweep (three setups x 3 seeds) 653, the
+SmolLM2-135M architecture's (two setups x 3 seeds) 1,576, the report 10. On 2026-12-01, with the machine slower
+(bf16 LoRA's step 5.7 CPU-seconds instead of 3.2), the same steps took 119, 23, about 150, 234, 470, about 660 and
+1,606 s: about 55 minutes.
+`make bench-full` (`--full`) reruns memory with every configuration and peer (605 on a quiet machine), ondevice with its
+ablation, the toy sweep with its int4-everywhere and fp8-mx setups (1,560), and adds the 30-step fine-tuning table (575)
+and outliers.py (895). The longer runs the report also quotes (200-step fine-tuning, 600-step convergence, scale.py,
+adapter_optimizer.py, ondevice.py quality) are started by hand: each script's docstring says how.
 
 Each script runs in its own process (fresh memory high-water marks); a failing one is reported and the others still
 run. A step's results file holds that step's last run only, so a `make bench` after `make bench-full` drops the extra
