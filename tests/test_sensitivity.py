@@ -1,6 +1,7 @@
 """Sensitivity scan and budgeted allocation on a tiny Llama with one layer made sensitive on purpose."""
 
 import copy
+import importlib
 import itertools
 import pydoc_data.topics
 
@@ -453,3 +454,30 @@ def test_scan_of_a_sequence_classifier_scores_its_classes():
         assert result[name].measured[INT4] == pytest.approx(loss(converted) - base, rel=1e-3, abs=1e-6), name
     with pytest.raises(ValueError, match="regression labels"):
         scan(model, [{"input_ids": data[0]["input_ids"], "labels": torch.rand(16)}], method="fisher")
+
+
+@pytest.mark.parametrize("fmt", ["int4-g64-asym", "int8", "int4-g64-asym-rht", "int4-g32-a8", "fp8"])
+def test_a_packed_layers_output_errors_in_row_blocks_are_its_whole_twins(monkeypatch, fmt):
+    """The packed scan's ``g * δy``, built a few output rows at a time (``δy = x (Q(W) - W)^T`` for weight-only
+    formats), sums to the terms of the whole twin's output minus the dense layer's (fp32)."""
+    from hf_lowprec.formats import FormatSpec
+    from hf_lowprec.modules import Int4Linear
+    scan_module = importlib.import_module("hf_lowprec.sensitivity.scan")  # the package exports its function `scan`
+    from hf_lowprec.sensitivity.units import _twins, _Unit
+
+    monkeypatch.setattr(scan_module, "PACKED_ROW_BLOCK_ELEMENTS", 3 * 128)  # blocks of 3 rows; the last one of 2
+    torch.manual_seed(0)
+    dense = nn.Linear(128, 200)
+    packed = Int4Linear.from_linear(copy.deepcopy(dense), FormatSpec.parse("int4-g64-asym")).freeze()
+    source = scan_module._TwinSource([_Unit("layer", [("layer", packed)], [fmt])], "auto", lambda _: dense.weight.detach())
+    x, g = torch.randn(2, 5, 128), torch.randn(2, 5, 200)
+    with torch.no_grad():
+        pieces = [gd for key, gd in source.output_errors(id(packed), x, None, g) if key == ("layer", fmt)]
+        twin = _twins(_Unit("layer", [("layer", dense)], [fmt]), fmt, "auto")[0][2]
+        expected = ((twin(x) - dense(x)) * g).flatten()
+    assert len(pieces) == (67 if FormatSpec.parse(fmt).family != "fp8" else 1)  # 200 rows, 3 at a time
+    got = torch.cat([p.view(10, -1) for p in pieces], 1).flatten()  # blocks of output columns, token by token
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got.sum(), expected.sum(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got.dot(got), expected.dot(expected), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-5)

@@ -14,7 +14,7 @@ from torch import nn
 from hf_lowprec.convert import eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import swap_layers
-from hf_lowprec.modules import LOW_PRECISION_TYPES, TiedQuantizers
+from hf_lowprec.modules import LOW_PRECISION_TYPES, Int4Linear, TiedQuantizers
 from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.plan import PrecisionPlan, resolve_plan
 from hf_lowprec.sensitivity.batches import _check_batches, _forward, _label_count, _merge
@@ -203,13 +203,24 @@ def _base_pass(
     return nll / sum(len(lp) for lp in logps), logps
 
 
-class _TwinSource:
-    """``twins_of(module) -> ([((unit, format), twin)], reference)``: the low-precision twins of a scanned layer and
-    the layer whose output they are compared with (``None``: the recorded output).
+# output rows of a packed layer's dense weight quantized at once (x its input size: 1M elements, 4 MB in fp32), so that
+# the quantization temporaries stay small: quantizing whole 1B-size weights (16.8M elements) once per layer and batch
+# made the scan 330 of the 434 s of an auto-plan load of the Llama-3.2-1B shape, mostly page faults of their fresh
+# 67 MB fp32 copies (cProfile, 2 threads; benchmarks/scale.py int4-lora-recipe)
+PACKED_ROW_BLOCK_ELEMENTS = 1 << 20
+ROW_LOCAL_FAMILIES = ("int4", "int8", "nf4")  # per-row or per-group weight steps: a block of rows quantizes alone
 
-    Twins of dense layers share their weights and are built once. A packed layer's are built when asked, from its
-    checkpoint weight read by ``dense_weights``, with that dense layer as the reference, and dropped after use: one
-    dense weight in memory at a time.
+
+class _TwinSource:
+    """``twins_of.output_errors(module_id, x, out, g)``: ``g * δy`` (flattened, fp32) of every (unit, format) of a
+    scanned layer, where ``δy`` is the format's output minus the layer's and ``g`` the loss gradient at the output.
+
+    Twins of dense layers share their weights and are built once; ``δy`` is the twin's output minus the recorded one.
+    A packed layer's are built when asked, from its checkpoint weight read by ``dense_weights``, and dropped after
+    use: one dense weight in memory at a time. For weight-only integer formats (row-local steps) they are built
+    ``PACKED_ROW_BLOCK_ELEMENTS`` at a time and ``δy = x (Q(W) - W)^T`` is computed from the weight error itself: one
+    GEMM per format instead of two, and no cancellation between two rounded outputs (in bf16 that rounding is about
+    a third of an int8 format's ``δy``).
     """
 
     def __init__(self, units: list[_Unit], fp8_backend: str, dense_weights: Callable[[str], torch.Tensor] | None):
@@ -225,13 +236,38 @@ class _TwinSource:
                 for _, module, twin in _twins(u, f, fp8_backend):
                     self.built.setdefault(id(module), []).append(((u.name, f), twin))
 
-    def __call__(self, module_id: int) -> tuple[list, nn.Module | None]:
+    def output_errors(self, module_id: int, x: torch.Tensor, out: torch.Tensor, g: torch.Tensor):
+        """Yield ``((unit, format), g * δy)`` pieces (several per format for a packed layer: blocks of its outputs)."""
+        g = g.float()
         if module_id not in self.packed:
-            return self.built[module_id], None
+            ref = out.detach().float()
+            for key, twin in self.built[module_id]:
+                yield key, (twin(x).float() - ref).mul_(g).flatten()
+            return
         unit, name, module = self.packed[module_id]
-        dense = module.dense_linear(self.dense_weights(f"{name}.weight"))
-        alone = _Unit(unit.name, [(name, dense)], unit.formats)
-        return [((unit.name, f), _twins(alone, f, self.fp8_backend)[0][2]) for f in unit.formats], dense
+        weight = self.dense_weights(f"{name}.weight").to(module.step.dtype)
+        local = [f for f in unit.formats if FormatSpec.parse(f).family in ROW_LOCAL_FAMILIES]
+        rows = max(1, PACKED_ROW_BLOCK_ELEMENTS // module.in_features)
+        for r0 in range(0, module.out_features, rows):
+            yield from self._block_errors(unit, name, weight[r0 : r0 + rows], local, x, g[..., r0 : r0 + rows])
+        whole = [f for f in unit.formats if f not in local]  # e.g. tensorwise FP8: one scale for the whole weight
+        if whole:
+            yield from self._block_errors(unit, name, weight, whole, x, g)
+
+    def _block_errors(self, unit: _Unit, name: str, weight: torch.Tensor, formats: list[str], x, g):
+        dense = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        dense.weight = nn.Parameter(weight, requires_grad=False)
+        alone = _Unit(unit.name, [(name, dense)], formats)
+        ref = None
+        for f in formats:
+            twin = _twins(alone, f, self.fp8_backend)[0][2]
+            if isinstance(twin, Int4Linear) and twin.input_quantizer is None and not twin.spec.act_int8:  # weight-only
+                error = (twin.dequantized_weight().to(weight.dtype).float() - weight.float()).to(x.dtype)
+                dy = F.linear(x, error).float()
+            else:
+                ref = F.linear(x, weight).float() if ref is None else ref
+                dy = twin(x).float() - ref
+            yield (unit.name, f), dy.mul_(g).flatten()
 
 
 @torch.no_grad()
@@ -243,11 +279,7 @@ def _accumulate_taylor_terms(record: list, grads: list, twins_of: _TwinSource, f
         grads[j] = None  # free as we go
         if g is None:
             continue
-        g = g.float().flatten()
-        pairs, reference = twins_of(module_id)
-        ref = (out if reference is None else reference(x)).detach().float().flatten()
-        for key, twin in pairs:
-            gd = twin(x).float().flatten().sub_(ref).mul_(g)  # g * δy
+        for key, gd in twins_of.output_errors(module_id, x, out, g):
             first[key] += gd.sum().item()
             second[key] += 0.5 * torch.dot(gd, gd).item()
     record.clear()
