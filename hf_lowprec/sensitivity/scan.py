@@ -219,8 +219,8 @@ class _TwinSource:
     A packed layer's are built when asked, from its checkpoint weight read by ``dense_weights``, and dropped after
     use: one dense weight in memory at a time. For weight-only integer formats (row-local steps) they are built
     ``PACKED_ROW_BLOCK_ELEMENTS`` at a time and ``δy = x (Q(W) - W)^T`` is computed from the weight error itself: one
-    GEMM per format instead of two, and no cancellation between two rounded outputs (in bf16 that rounding is about
-    a third of an int8 format's ``δy``).
+    GEMM per format instead of two, and no cancellation between two rounded outputs (in bf16 that rounding errs by
+    30% of an int8 format's ``δy``, 2.5% of int4-g64-asym's: RMS on SmolLM2-135M's gate_proj and q_proj).
     """
 
     def __init__(self, units: list[_Unit], fp8_backend: str, dense_weights: Callable[[str], torch.Tensor] | None):
