@@ -332,7 +332,11 @@ def ondevice_section(ondevice: dict | None) -> list[str]:
                   f"same data order), on {q['eval_blocks']} blocks of the held-out plays; goal: within 3% of bf16 LoRA. Rows with "
                   "several seeds (adapter init and data order) give mean ± std, the ratio paired with bf16 LoRA's run of the same "
                   "seed. `merged` = after `export --merge` (LoRA folded in, re-quantized to INT4); `merged bf16` = "
-                  "`--merge-into bf16` (dense); both of seed 0.\n",
+                  "`--merge-into bf16` (dense); both of seed 0. The offline checkpoint's linear weights were Q4_1 (4-bit, "
+                  "asymmetric, blocks of 32) before it was dequantized: each block of 32 holds at most 16 values, so INT4 "
+                  "groups of 32 (‡ rows) line up with its blocks and fit it far better than they would a bf16 checkpoint; "
+                  "no ‡ row is evidence for that group size, and the other INT4 rows may be kinder than on a bf16 "
+                  "checkpoint too.\n",
                   "| run | seeds | ppl after | vs bf16 LoRA | merged | merged bf16 | training loss, step 1 → last 10 |",
                   "|---|---|---|---|---|---|---|"]  # fmt: skip
         before_split = {_quality_key(r) for r in quality["runs"]
@@ -342,7 +346,7 @@ def ondevice_section(ondevice: dict | None) -> list[str]:
             r = g["first"]
             vs = f"{g['ratio']:.3f}x" + (f" ± {g['ratio_std']:.3f}" if g["seeds"] > 1 else "") if g["ratio"] else "—"
             ppl = f"{g['ppl_after']:.2f}" + (f" ± {g['ppl_after_std']:.2f}" if g["seeds"] > 1 else "")
-            name += " †" if name in before_split else ""
+            name += (" †" if name in before_split else "") + (" ‡" if "-g32" in name else "")
             merged = f"{r['ppl_merged']:.2f}" if r.get("ppl_merged") else "—"
             dense = f"{r['ppl_merged_dense']:.2f}" if r.get("ppl_merged_dense") else "—"
             trend = f"{r['loss_step1']:.2f} → {r['loss_last10_mean']:.2f}" + (" (rose: diverged)" if r["loss_last10_mean"] > r["loss_step1"] else "")
