@@ -42,6 +42,8 @@ def verdict_within(gap: float, std: float, target: float) -> str:
 
 
 LONGER_RUN = "convergence_600steps"  # the same sweep run longer once: benchmarks/convergence.py --steps 600
+# the offline checkpoint's quantization block before it was dequantized (Q4_1): INT4 groups of this size line up with it
+CHECKPOINT_Q4_BLOCK = 32
 LONG_FINETUNE = "finetune_quality_200steps"  # finetune_quality.py --steps 200 --batch 1 --seeds 0 1 2 --only ...
 
 
@@ -346,7 +348,7 @@ def ondevice_section(ondevice: dict | None) -> list[str]:
             r = g["first"]
             vs = f"{g['ratio']:.3f}x" + (f" ± {g['ratio_std']:.3f}" if g["seeds"] > 1 else "") if g["ratio"] else "—"
             ppl = f"{g['ppl_after']:.2f}" + (f" ± {g['ppl_after_std']:.2f}" if g["seeds"] > 1 else "")
-            name += (" †" if name in before_split else "") + (" ‡" if "-g32" in name else "")
+            name += (" †" if name in before_split else "") + (" ‡" if f"-g{CHECKPOINT_Q4_BLOCK}" in name else "")
             merged = f"{r['ppl_merged']:.2f}" if r.get("ppl_merged") else "—"
             dense = f"{r['ppl_merged_dense']:.2f}" if r.get("ppl_merged_dense") else "—"
             trend = f"{r['loss_step1']:.2f} → {r['loss_last10_mean']:.2f}" + (" (rose: diverged)" if r["loss_last10_mean"] > r["loss_step1"] else "")

@@ -468,16 +468,19 @@ class PackedLinear(nn.Module):
             return self.operand_weight(dtype)
         return self._original_basis(self.operand_weight(torch.float32)).to(dtype)
 
-    def dense_linear(self, weight: torch.Tensor) -> nn.Linear:
+    def dense_linear(self, weight: torch.Tensor, rows: slice = slice(None)) -> nn.Linear:
         """A frozen ``nn.Linear`` of this layer's shape and bias with the dense ``weight [N, K]`` in the layer's compute
-        dtype (e.g. the checkpoint's weight, read back to score or re-plan this layer)."""
-        if tuple(weight.shape) != (self.out_features, self.in_features):
+        dtype (e.g. the checkpoint's weight, read back to score or re-plan this layer); with ``rows``, the layer of
+        those output rows only (``weight`` holds just them)."""
+        out_features = len(range(self.out_features)[rows])
+        if tuple(weight.shape) != (out_features, self.in_features):
             raise ValueError(
-                f"dense weight {tuple(weight.shape)} does not fit a {self.out_features}x{self.in_features} layer"
+                f"dense weight {tuple(weight.shape)} does not fit a {out_features}x{self.in_features} layer"
             )
-        dense = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
+        dense = nn.Linear(self.in_features, out_features, bias=False, device="meta")
         dense.weight = nn.Parameter(weight.to(self.step.dtype), requires_grad=False)
-        dense.bias = self.bias
+        whole = out_features == self.out_features
+        dense.bias = self.bias if self.bias is None or whole else nn.Parameter(self.bias[rows], requires_grad=False)
         return dense
 
     def _original_basis(self, weight: torch.Tensor) -> torch.Tensor:

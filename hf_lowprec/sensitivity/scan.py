@@ -245,27 +245,26 @@ class _TwinSource:
                 yield key, (twin(x).float() - ref).mul_(g).flatten()
             return
         unit, name, module = self.packed[module_id]
-        weight = self.dense_weights(f"{name}.weight").to(module.step.dtype)
+        weight = self.dense_weights(f"{name}.weight")
         local = [f for f in unit.formats if FormatSpec.parse(f).family in ROW_LOCAL_FAMILIES]
-        rows = max(1, PACKED_ROW_BLOCK_ELEMENTS // module.in_features)
-        for r0 in range(0, module.out_features, rows):
-            yield from self._block_errors(unit, name, weight[r0 : r0 + rows], local, x, g[..., r0 : r0 + rows])
+        step = max(1, PACKED_ROW_BLOCK_ELEMENTS // module.in_features)
+        for r0 in range(0, module.out_features, step):
+            rows = slice(r0, r0 + step)
+            yield from self._block_errors(unit, module.dense_linear(weight[rows], rows), local, x, g[..., rows])
         whole = [f for f in unit.formats if f not in local]  # e.g. tensorwise FP8: one scale for the whole weight
         if whole:
-            yield from self._block_errors(unit, name, weight, whole, x, g)
+            yield from self._block_errors(unit, module.dense_linear(weight), whole, x, g)
 
-    def _block_errors(self, unit: _Unit, name: str, weight: torch.Tensor, formats: list[str], x, g):
-        dense = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        dense.weight = nn.Parameter(weight, requires_grad=False)
-        alone = _Unit(unit.name, [(name, dense)], formats)
+    def _block_errors(self, unit: _Unit, dense: nn.Linear, formats: list[str], x, g):
+        alone = _Unit(unit.name, [(unit.members[0][0], dense)], formats)
         ref = None
         for f in formats:
             twin = _twins(alone, f, self.fp8_backend)[0][2]
             if isinstance(twin, Int4Linear) and twin.input_quantizer is None and not twin.spec.act_int8:  # weight-only
-                error = (twin.dequantized_weight().to(weight.dtype).float() - weight.float()).to(x.dtype)
-                dy = F.linear(x, error).float()
-            else:
-                ref = F.linear(x, weight).float() if ref is None else ref
+                w = dense.weight
+                dy = F.linear(x, (twin.dequantized_weight().to(w.dtype).float() - w.float()).to(x.dtype)).float()
+            else:  # the bias, if any, cancels
+                ref = dense(x).float() if ref is None else ref
                 dy = twin(x).float() - ref
             yield (unit.name, f), dy.mul_(g).flatten()
 
