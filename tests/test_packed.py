@@ -82,6 +82,20 @@ def test_int8_backend_forward_and_grad_input_match_reference(spec, dtype):
 
 
 @needs_int8
+def test_int8_forward_in_column_tiles_is_the_whole_product(monkeypatch):
+    """Output columns tiled (int32 products held a block at a time) give the same bits as one _int_mm."""
+    import hf_lowprec.modules.packed as packed_module
+
+    layer = packed("int8", k=128, n=200)
+    x = torch.randn(2, 33, 128, dtype=torch.bfloat16)
+    whole = layer.to(torch.bfloat16)
+    whole.backend = "int8"
+    expected = whole(x)
+    monkeypatch.setattr(packed_module, "INT32_TILE", 66 * 64)  # 64 columns a tile at 66 rows: 4 tiles, the last short
+    torch.testing.assert_close(whole(x), expected, rtol=0, atol=0)
+
+
+@needs_int8
 def test_int8_weight_reconstructs_dequantized_weight():
     layer = packed("int4-g64-asym", k=192, n=40)
     w8, row_step = layer.int8_weight()
@@ -89,6 +103,17 @@ def test_int8_weight_reconstructs_dequantized_weight():
     approx = w8.float() * row_step.unsqueeze(1)
     # one int8 step per row: error at most half of it per element
     assert ((approx - layer.dequantized_weight()).abs() <= row_step.unsqueeze(1) / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("spec", ["int4-g64-asym", "int4-g32", "int8"])
+def test_row_maxima_read_in_row_blocks_are_the_whole_grids(spec, monkeypatch):
+    """The int8 backend's per-row steps come from the codes a block of rows at a time, not from the whole fp32 grid."""
+    import hf_lowprec.modules.packed as packed_module
+
+    layer = packed(spec, k=192, n=40)
+    whole = layer.grid_weight().abs().amax(-1)
+    monkeypatch.setattr(packed_module, "CHUNK_ELEMENTS", 192 * 7)  # 7 rows a block: 6 blocks, the last short
+    assert torch.equal(layer._row_absmax(), whole)
 
 
 def test_int8_layer_stores_one_code_per_byte_and_multiplies_them_as_stored():

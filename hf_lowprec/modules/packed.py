@@ -71,6 +71,7 @@ COLUMN_TILE = 256
 DEQUANT_AUTOTUNE_MAX = 1 << 24  # weights above this many elements: auto never times (nor picks) dequant
 AUTOTUNE_TOKENS = 256  # rows of the probe input when auto times the backends of a layer shape
 CHUNK_ELEMENTS = 1 << 22  # weight elements quantized per slice when packing a dense weight (16 MB in fp32)
+INT32_TILE = 1 << 21  # int32 products of the int8 backend's forward held at a time (8 MB; see _int_mm_dequantized)
 OUTLIER_COLUMNS = 8  # input channels per call the int8 backend multiplies in the activation dtype (see _int8_forward)
 _INT8_MAX = 127.0
 _EPS = 1e-12
@@ -297,11 +298,29 @@ def _int8_forward(x2d: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
     w8, row_step = layer.int8_weight()
     inverse = layer.inverse_input_scale()
     xq, x_step, outliers, x_out = _int8_rows(x2d, inverse, min(layer.outlier_columns, x2d.shape[1]))
-    y = dequantize_rows(torch._int_mm(xq, w8.t()), x_step, row_step, x2d.dtype)
+    y = _int_mm_dequantized(xq, x_step, w8, row_step, x2d.dtype)
     if outliers is None:
         return y
     w_out = w8.index_select(1, outliers).float() * row_step.unsqueeze(1)  # the grid weight's columns (W diag(s))
     return y.addmm_(x_out, w_out.to(x2d.dtype).t())
+
+
+def _int_mm_dequantized(
+    xq: torch.Tensor, x_step: torch.Tensor, w8: torch.Tensor, row_step: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``(xq x_step) @ (w8 row_step)^T`` in ``dtype``: int8 ``xq [M, K]``, ``w8 [N, K]``; fp32 steps ``[M, 1]``,
+    ``[N]``. The int32 products exist ``INT32_TILE`` at a time, a block of output columns each: a wide layer's
+    whole ``[M, N]`` int32 result beside its output would cost 6 bytes per output (a 128k-vocabulary head, 65
+    tokens: 33 MB of int32 besides 17 MB of bf16 logits)."""
+    m, n = xq.shape[0], w8.shape[0]
+    cols = max(64, INT32_TILE // max(m, 1) // 64 * 64)
+    if cols >= n:
+        return dequantize_rows(torch._int_mm(xq, w8.t()), x_step, row_step, dtype)
+    y = torch.empty(m, n, dtype=dtype, device=xq.device)
+    for n0 in range(0, n, cols):
+        block = slice(n0, n0 + cols)
+        y[:, block] = dequantize_rows(torch._int_mm(xq, w8[block].t()), x_step, row_step[block], dtype)
+    return y
 
 
 def _int8_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
@@ -453,6 +472,18 @@ class PackedLinear(nn.Module):
         """``(codes - zero) * step`` as a dense ``[N, K]`` tensor: the (rotated) weight times ``input_scale``."""
         zero = None if self.zero is None else self.zero.float()
         return dequantize_int(self.codes(), self.spec, self.step.float(), zero, dtype)
+
+    def _row_absmax(self) -> torch.Tensor:
+        """``max_k |grid_weight[n, k]|`` fp32 ``[N]``, dequantized ``CHUNK_ELEMENTS`` at a time (the whole fp32 grid
+        and its absolute value: 134 MB for one 8192x2048 projection)."""
+        rows = max(1, CHUNK_ELEMENTS // self.in_features)
+        out = torch.empty(self.out_features, device=self.qweight.device)
+        for r0 in range(0, self.out_features, rows):
+            block = slice(r0, r0 + rows)
+            zero = None if self.zero is None else self.zero[block].float()
+            grid = dequantize_int(self._unpack(self.qweight[block]), self.spec, self.step[block].float(), zero)
+            out[block] = grid.abs_().amax(-1)
+        return out
 
     def operand_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``grid_weight / input_scale``, dense ``[N, K]``: the weight the backends multiply (``W R`` for ``-rht``)."""
@@ -669,7 +700,7 @@ class PackedInt4Linear(PackedLinear):
         """``(step / r [N, G], r [N])`` fp32, with ``r[n] = max_k |grid_weight[n, k]| / 127``; ``r`` is cached until
         the buffers change (it needs the whole weight), the ratio computed per call (cached, 4 bytes per group)."""
         if "row_step" not in self._cache:
-            self._cache["row_step"] = (self.grid_weight(torch.float32).abs().amax(-1) / _INT8_MAX).clamp(min=_EPS)
+            self._cache["row_step"] = (self._row_absmax() / _INT8_MAX).clamp(min=_EPS)
         row_step = self._cache["row_step"]
         return (self.step.float() / row_step.unsqueeze(-1)).contiguous(), row_step
 

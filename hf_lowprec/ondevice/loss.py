@@ -12,6 +12,7 @@ from peft import PeftModel
 from torch import nn
 
 from hf_lowprec.labels import IGNORE_INDEX
+from hf_lowprec.modules.kernels.cpp import cpu_kernels
 from hf_lowprec.modules.packed import compiled
 
 logger = logging.getLogger(__name__)
@@ -40,13 +41,26 @@ def cross_entropy_with_grad(logits: torch.Tensor, labels: torch.Tensor) -> tuple
     return loss, grad.to(logits.dtype)
 
 
+def cross_entropy_into_grad_(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of ``logits [C, V]`` against ``labels [C]`` (fp32 scalar); overwrites ``logits`` with
+    the gradient :func:`cross_entropy_with_grad` gives. One buffer instead of two: the C++ kernel
+    (``modules/kernels/cpp.py``) on CPUs where it builds, else the compiled function and a copy."""
+    ext = cpu_kernels() if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32) else None
+    if ext is not None and logits.is_contiguous():
+        return ext.cross_entropy_(logits, labels.contiguous(), IGNORE_INDEX)
+    loss, grad = compiled(cross_entropy_with_grad)(logits, labels.contiguous())
+    logits.copy_(grad)
+    return loss
+
+
 class _ChunkedLMLoss(torch.autograd.Function):
     """Summed cross-entropy of ``head(hidden)`` against ``labels``, ``chunk`` tokens at a time.
 
     The gradient w.r.t. ``hidden`` is computed chunk by chunk during the forward (the loss is a
     scalar, so it only needs rescaling later); only one chunk's ``[chunk, vocab]`` logits exist at a
-    time and nothing is recomputed. transformers computes the full fp32 logits (201 MB for 1024
-    tokens x 49k vocabulary, plus their gradient); no library offers this for an arbitrary head module.
+    time, overwritten by their gradient, and nothing is recomputed. transformers computes the full fp32
+    logits (201 MB for 1024 tokens x 49k vocabulary, plus their gradient); no library offers this for an
+    arbitrary head module.
     """
 
     @staticmethod
@@ -57,10 +71,10 @@ class _ChunkedLMLoss(torch.autograd.Function):
             with torch.enable_grad():
                 h = hidden[i : i + chunk].detach().requires_grad_(grad is not None)
                 logits = head(h)
-            loss, grad_logits = compiled(cross_entropy_with_grad)(logits.detach(), labels[i : i + chunk].contiguous())
+            grad_logits = logits.detach()  # the head saves its input, not its output: its buffer takes the gradient
+            total += cross_entropy_into_grad_(grad_logits, labels[i : i + chunk])
             if grad is not None:
                 (grad[i : i + chunk],) = torch.autograd.grad(logits, h, grad_logits)
-            total += loss
         ctx.save_for_backward(grad)
         return total
 

@@ -46,6 +46,7 @@ from hf_lowprec.ondevice.planning import (
     scan_int4_plan,
 )
 from hf_lowprec.plan import PrecisionPlan, is_auto
+from hf_lowprec.training.gated_mlp import fuse_swiglu_mlps
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +111,13 @@ def prepare_int4_lora(
         factors.update(loftq_for_targets(model, config, dense_weights))
     _freeze_base(model, report, backend, reread)
     peft_model = _with_adapters(model, config, factors, adapter_dtype)
+    fused = fuse_swiglu_mlps(model)
     logger.info(
-        "INT4 base: %s; LoRA on %d layers%s", report, len(config.target_modules), " (LoftQ init)" if loftq_init else ""
+        "INT4 base: %s; LoRA on %d layers%s; %d SwiGLU MLPs save 2 tensors for backward instead of 4",
+        report,
+        len(config.target_modules),
+        " (LoftQ init)" if loftq_init else "",
+        fused,
     )
     return peft_model, report
 

@@ -16,7 +16,9 @@ Formats:
 - ``fp8-e5m2``: E5M2, more range, 2 mantissa bits.
 
 Parameters, buffers, integer and FP8 tensors and small tensors are saved as they are; a tensor (or a
-view of it) saved by several ops (one input feeding q, k and v) is stored once. Written here because
+view of it) saved by several ops (one input feeding q, k and v) is stored once, and one that an elementwise op made
+from tensors stored already (SwiGLU's product, :mod:`~hf_lowprec.training.gated_mlp`) is not stored but rebuilt
+from them in backward (:meth:`ActivationStorage.derive`). Written here because
 torch provides only the hook mechanism; torchao's float8 training stores FP8 copies for its own
 linears only.
 
@@ -118,6 +120,18 @@ class _Packed:
         return self.codes.numel() * self.codes.element_size() + self.scale.numel() * 4
 
 
+class _Derived:
+    """A saved view ``(shape, stride, offset)`` of ``fn(*inputs)``, rebuilt from the inputs' stored copies."""
+
+    __slots__ = ("fn", "inputs", "geometry")
+
+    def __init__(self, fn, inputs: tuple[_Packed, ...], t: torch.Tensor):
+        self.fn, self.inputs, self.geometry = fn, inputs, (t.shape, t.stride(), t.storage_offset())
+
+    def unpack(self) -> torch.Tensor:
+        return self.fn(*(x.unpack() for x in self.inputs)).as_strided(*self.geometry)
+
+
 class ActivationStorage:
     """Context manager: tensors autograd saves inside it are stored in 8 bits (see the module docstring).
 
@@ -137,6 +151,7 @@ class ActivationStorage:
         tensors = () if model is None else (*model.parameters(), *model.buffers())
         self._keep = {t.untyped_storage().data_ptr() for t in tensors}
         self._cache: dict[tuple, tuple[weakref.ref, int, weakref.ref]] = {}  # view key -> (base, version, packed)
+        self._derived: dict[int, tuple[weakref.ref, int, object, tuple]] = {}  # id -> (tensor, version, fn, inputs)
         self._hooks = None
         self.original_bytes = 0
         self.stored_bytes = 0
@@ -152,6 +167,10 @@ class ActivationStorage:
         # ops often save views of one tensor (a linear's input reshaped to 2-D, once per q/k/v projection):
         # key on the viewed tensor and the view's geometry, and check the base is still the same, unchanged tensor
         base, key = view_key(t)
+        derived = self._derived.get(id(base))
+        if derived is not None and derived[0]() is base and derived[1] == base._version:
+            self.original_bytes += t.numel() * t.element_size()
+            return _Derived(derived[2], derived[3], t)
         hit = self._cache.get(key)
         if hit is not None and hit[0]() is base and hit[1] == t._version and hit[2]() is not None:
             return hit[2]()
@@ -163,16 +182,45 @@ class ActivationStorage:
         self.stored_bytes += packed.nbytes
         return packed
 
+    def derive(self, output: torch.Tensor, fn, inputs: tuple[torch.Tensor, ...]) -> bool:
+        """Register ``output = fn(*inputs)`` (a contiguous tensor just computed): when an op saves it (or a view of
+        it) later in this forward, nothing is stored and backward gets ``fn`` of the inputs' stored copies. Only
+        if every input was stored in 8 bits by this storage already (saved by the op that made ``output``);
+        returns whether it was registered."""
+        stored = []
+        for x in inputs:
+            base, key = view_key(x)
+            hit = self._cache.get(key)
+            packed = hit[2]() if hit is not None and hit[0]() is base and hit[1] == x._version else None
+            if packed is None:
+                return False
+            stored.append(packed)
+        if not output.is_contiguous():
+            return False
+        self._derived[id(output)] = (weakref.ref(output), output._version, fn, tuple(stored))
+        return True
+
+    @staticmethod
+    def active() -> "ActivationStorage | None":
+        """The innermost storage whose block is running, if any."""
+        return _ACTIVE[-1] if _ACTIVE else None
+
     @staticmethod
     def _unpack(saved):
-        return saved.unpack() if isinstance(saved, _Packed) else saved
+        return saved.unpack() if isinstance(saved, (_Packed, _Derived)) else saved
 
     def __enter__(self):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc):
+        _ACTIVE.remove(self)
         self._hooks.__exit__(*exc)
-        self._cache.clear()  # the graph keeps what it needs; the dedup table is per forward
+        self._cache.clear()  # the graph keeps what it needs; the dedup tables are per forward
+        self._derived.clear()
         return False
+
+
+_ACTIVE: list[ActivationStorage] = []  # the storages whose blocks are running, innermost last

@@ -1,5 +1,6 @@
 """Hand-written C++ CPU kernels of the packed layers: int4 -> int8 unpacking, per-row int8 quantization,
-column maxima, dequantization of int32 products, and the tiled dequantize-and-multiply of the ``tiled`` backend.
+column maxima, dequantization of int32 products, the tiled dequantize-and-multiply of the ``tiled`` backend, and
+the chunked loss's cross-entropy that writes its gradient over the logits.
 
 Why by hand: nothing in torch/torchao unpacks INT4 groups to int8 for ``torch._int_mm``, and eager torch ops
 around it make one pass over memory each (an int8 matmul is only worth it when the passes around it are
@@ -8,7 +9,9 @@ fused). Nothing multiplies by an INT4 weight both ways at training sizes either:
 0.01x and 0.03x an fp32 GEMM at 256 tokens (``benchmarks/kernel_speed.py``), and neither has a grad-input. The
 ``tiled_*`` kernels instead dequantize one cache-sized tile of the weight at a time and hand it to the fp32
 (or bf16) GEMM of the CPU's BLAS: the arithmetic runs at that GEMM's speed, which is the fastest there is on
-an AVX2 CPU, and the dense weight never exists whole.
+an AVX2 CPU, and the dense weight never exists whole. ``cross_entropy_`` exists because torch has no fused
+cross-entropy-with-gradient on CPUs: ``torch.compile`` fuses one (``ondevice/loss.py``'s fallback) but brings ~30 MB
+of compiler runtime into the process and a second ``[tokens, vocab]`` buffer for the gradient.
 
 The kernels build once per machine and CPU flags with the C++ compiler torch uses
 (``torch.utils.cpp_extension``, ~45 s, cached under ``~/.cache/torch_extensions``). :func:`cpu_kernels`
@@ -246,6 +249,84 @@ torch::Tensor dequantize(torch::Tensor acc, torch::Tensor row_step, c10::optiona
 }
 
 // ---------------------------------------------------------------------------------------------
+// exp(x) for x <= 0 within a few fp32 ulp: 2^n p(r), x = n ln2 + r, |r| <= ln2 / 2, p of degree 6 (this loop
+// vectorizes; std::exp in it would not); below -87 it gives exp(-87), a term under 1e-37 of a sum >= 1
+static inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = round_even(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// cross-entropy of the rows of logits [C, V] (bf16 or fp32) against labels [C] (ignore: no loss, zero gradient),
+// summed; the gradient softmax - onehot overwrites the logits (fp32 math, one rounding to their dtype)
+template <bool BF16>
+static double cross_entropy_impl(void* xv, const int64_t* labels, int64_t C, int64_t V, int64_t ignore) {
+  std::vector<double> row_loss(C, 0.0);
+  at::parallel_for(0, C, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(V);
+    float* f = buf.data();
+    for (int64_t c = b; c < e; ++c) {
+      load_row<BF16>(xv, c, V, f);
+      const bool valid = labels[c] != ignore;
+      float mx = -INFINITY;
+      #pragma omp simd reduction(max : mx)
+      for (int64_t v = 0; v < V; ++v) mx = std::max(mx, f[v]);
+      const float target = valid ? f[labels[c]] : 0.f;
+      float sum = 0.f;
+      #pragma omp simd reduction(+ : sum)
+      for (int64_t v = 0; v < V; ++v) {
+        f[v] = exp_nonpositive(f[v] - mx);
+        sum += f[v];
+      }
+      const float inv = valid ? 1.f / sum : 0.f;
+      if (valid) {
+        row_loss[c] = static_cast<double>(mx) + std::log(static_cast<double>(sum)) - target;
+        f[labels[c]] -= sum;  // (e - sum) / sum = softmax - 1 at the label
+      }
+      if (BF16) {
+        uint16_t* o = static_cast<uint16_t*>(xv) + c * V;
+        #pragma omp simd
+        for (int64_t v = 0; v < V; ++v) o[v] = float_to_bf16(f[v] * inv);
+      } else {
+        float* o = static_cast<float*>(xv) + c * V;
+        #pragma omp simd
+        for (int64_t v = 0; v < V; ++v) o[v] = f[v] * inv;
+      }
+    }
+  });
+  double total = 0.0;
+  for (double l : row_loss) total += l;
+  return total;
+}
+
+torch::Tensor cross_entropy_(torch::Tensor logits, torch::Tensor labels, int64_t ignore) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && labels.dim() == 1 && labels.is_contiguous());
+  TORCH_CHECK(labels.scalar_type() == torch::kLong && labels.size(0) == logits.size(0));
+  const int64_t C = logits.size(0), V = logits.size(1);
+  const int64_t* lab = labels.data_ptr<int64_t>();
+  for (int64_t c = 0; c < C; ++c)
+    TORCH_CHECK(lab[c] == ignore || (lab[c] >= 0 && lab[c] < V), "label ", lab[c], " outside [0, ", V, ")");
+  double total;
+  if (logits.scalar_type() == torch::kBFloat16) total = cross_entropy_impl<true>(logits.data_ptr(), lab, C, V, ignore);
+  else {
+    TORCH_CHECK(logits.scalar_type() == torch::kFloat);
+    total = cross_entropy_impl<false>(logits.data_ptr(), lab, C, V, ignore);
+  }
+  return torch::full({}, total, logits.options().dtype(torch::kFloat));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Tiled dequantize-and-multiply: the packed weight is dequantized one tile at a time into a per-thread
 // buffer that stays in cache and multiplied there by a single-threaded at::mm; the whole dense weight is
 // never materialized. W[n, k] = (code[n, k] - zero[n, g]) * step[n, g] * inv[k], g = k / (K / G).
@@ -389,6 +470,7 @@ _FUNCTIONS = [
     "quantize_rows",
     "column_absmax",
     "dequantize",
+    "cross_entropy_",
     "tiled_linear",
     "tiled_linear_grad_input",
 ]
