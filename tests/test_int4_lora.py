@@ -39,6 +39,34 @@ def test_forward_and_grads_equal_a_dense_reference():
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_activations_get_autograds_gradients_and_backward_keeps_the_fp32_adapters():
+    """bf16 inputs, fp32 adapters: the gradients of autograd through the casts (PEFT's way), and the tensors saved for
+    backward are the adapters themselves, not bf16 copies of them."""
+    peft, layer = packed_with_lora()
+    peft.to(torch.bfloat16)
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    a.data, b.data = a.data.float(), b.data.float()
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = peft(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert any(t is a for t in saved) and any(t is b for t in saved)
+    assert not any(t.dtype == torch.bfloat16 and t.shape in (a.shape, b.shape) for t in saved)
+    xr = x.detach().clone().requires_grad_()
+    ar, br = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    base = layer.get_base_layer()
+    x2d = xr.reshape(-1, 64)
+    delta = torch.addmm(base(x2d), torch.nn.functional.linear(x2d, ar.to(torch.bfloat16)), br.to(torch.bfloat16).t(),
+                        alpha=layer.scaling["default"])  # fmt: skip
+    delta.reshape(y.shape).backward(g)
+    torch.testing.assert_close(y, delta.reshape(y.shape).detach(), rtol=0, atol=0)
+    for ours, theirs in ((x.grad, xr.grad), (a.grad, ar.grad), (b.grad, br.grad)):
+        assert ours.dtype == theirs.dtype
+        torch.testing.assert_close(ours, theirs, rtol=0.01, atol=1e-3)
+
+
 def test_merge_requantizes_the_delta_and_reports_the_error():
     peft, layer = packed_with_lora()
     base = layer.get_base_layer()

@@ -16,8 +16,8 @@ the codes (int8 ``_int_mm`` on CPUs; see ``modules/packed.py``).
 Only the LoRA adapters train, so optimizer states exist for them only.
 
 Activation memory, which dominates at this model size, is cut by storing the tensors saved for backward
-in 8 bits (default; or gradient checkpointing), by SwiGLU MLPs that save two ``[tokens, intermediate]``
-tensors instead of four (:mod:`~hf_lowprec.training.gated_mlp`) and by a chunked loss that never materialises the
+in 8 bits (default; or gradient checkpointing), by SwiGLU MLPs and RMSNorms that save less for backward
+(:mod:`~hf_lowprec.training.fused_blocks`: two ``[tokens, intermediate]`` tensors instead of four) and by a chunked loss that never materialises the
 ``[tokens, vocab]`` fp32 logits.
 """
 

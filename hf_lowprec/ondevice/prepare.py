@@ -46,7 +46,7 @@ from hf_lowprec.ondevice.planning import (
     scan_int4_plan,
 )
 from hf_lowprec.plan import PrecisionPlan, is_auto
-from hf_lowprec.training.gated_mlp import fuse_swiglu_mlps
+from hf_lowprec.training.fused_blocks import fuse_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -111,13 +111,14 @@ def prepare_int4_lora(
         factors.update(loftq_for_targets(model, config, dense_weights))
     _freeze_base(model, report, backend, reread)
     peft_model = _with_adapters(model, config, factors, adapter_dtype)
-    fused = fuse_swiglu_mlps(model)
+    fused = fuse_blocks(model)
     logger.info(
-        "INT4 base: %s; LoRA on %d layers%s; %d SwiGLU MLPs save 2 tensors for backward instead of 4",
+        "INT4 base: %s; LoRA on %d layers%s; fused for backward: %d SwiGLU MLPs, %d RMSNorms",
         report,
         len(config.target_modules),
         " (LoftQ init)" if loftq_init else "",
-        fused,
+        fused["swiglu_mlp"],
+        fused["rms_norm"],
     )
     return peft_model, report
 

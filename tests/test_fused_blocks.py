@@ -1,5 +1,5 @@
-"""SwiGLU's product as one autograd node (training/gated_mlp.py): values and gradients against fp64 autograd, the
-product rebuilt from the 8-bit copies of its inputs under ActivationStorage, and the MLPs of a tiny Llama fused."""
+"""SwiGLU's product and RMSNorm as autograd nodes (training/fused_blocks.py): values and gradients against fp64
+autograd, outputs rebuilt from the 8-bit copies of their inputs under ActivationStorage, a tiny Llama fused."""
 
 import copy
 
@@ -10,9 +10,17 @@ from conftest import tiny_llama
 from torch import nn
 
 from hf_lowprec.modules.packed import dequantize_rows, quantize_rows
-from hf_lowprec.training import gated_mlp
+from hf_lowprec.training import fused_blocks
 from hf_lowprec.training.activations import ActivationStorage
-from hf_lowprec.training.gated_mlp import fuse_swiglu_mlps, is_swiglu_mlp, silu_mul, silu_mul_values
+from hf_lowprec.training.fused_blocks import (
+    fuse_blocks,
+    is_rms_norm,
+    is_swiglu_mlp,
+    rms_norm,
+    rms_norm_values,
+    silu_mul,
+    silu_mul_values,
+)
 
 
 def _int8_round_trip(t: torch.Tensor) -> torch.Tensor:
@@ -22,7 +30,7 @@ def _int8_round_trip(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_silu_mul_values_and_gradients_match_fp64_autograd(monkeypatch):
-    monkeypatch.setattr(gated_mlp, "_SLICE", 100)  # several row blocks of a [6, 40, 48] tensor
+    monkeypatch.setattr(fused_blocks, "_SLICE", 100)  # several row blocks of a [6, 40, 48] tensor
     gen = torch.Generator().manual_seed(0)
     gate = (torch.randn(6, 40, 48, generator=gen) * 3).requires_grad_()
     up = torch.randn(6, 40, 48, generator=gen).requires_grad_()
@@ -82,11 +90,54 @@ def test_the_product_is_saved_as_it_is_when_its_inputs_were_not_stored():
     torch.testing.assert_close(grad, exact, rtol=1e-6, atol=1e-6)
 
 
-def test_fusing_a_tiny_llamas_mlps_keeps_its_outputs_and_gradients():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_llamas_bit_for_bit_and_its_gradients_match_fp64_autograd(dtype, monkeypatch):
+    monkeypatch.setattr(fused_blocks, "_SLICE", 200)  # several row blocks of [3, 50, 64]
+    norm = tiny_llama().model.norm.to(dtype)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64, generator=gen) + 0.5)
+    x = (torch.randn(3, 50, 64, generator=gen) * 4).to(dtype).requires_grad_()
+    grad = torch.randn(3, 50, 64, generator=gen).to(dtype)
+    expected = norm(x)  # transformers' LlamaRMSNorm
+    expected.backward(grad)
+    ref_x, ref_w = x.grad.clone(), norm.weight.grad.clone()
+    x.grad, norm.weight.grad = None, None
+    got = rms_norm(x, norm.weight, norm.variance_epsilon)
+    assert torch.equal(got, expected)
+    got.backward(grad)
+    # against fp64 autograd of the same formula (no bf16 roundings in between)
+    x64, w64 = x.detach().double().requires_grad_(), norm.weight.detach().double().requires_grad_()
+    (w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).backward(grad.double())
+    if dtype == torch.float32:
+        torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(norm.weight.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)
+    # in either dtype, not much further from it than transformers' own gradients are (bf16: both round the same
+    # forward; these sums run in another order)
+    for ours, theirs, exact in ((x.grad, ref_x, x64.grad), (norm.weight.grad, ref_w, w64.grad)):
+        assert (ours.double() - exact).norm() <= 1.5 * (theirs.double() - exact).norm() + 1e-9
+
+
+def test_the_normalized_output_is_rebuilt_from_the_stored_input():
+    norm, proj = nn.RMSNorm(64), nn.Linear(64, 48)  # proj saves the norm's output for its weight gradient
+    weight = torch.rand(64) + 0.5
+    x = torch.randn(32, 64) * 3
+    grad_out = torch.randn(32, 48)
+    storage = ActivationStorage(nn.ModuleList([norm, proj]), "int8", min_numel=1)
+    with storage:
+        y = proj(rms_norm(x.requires_grad_(), weight, 1e-5))
+    y.backward(grad_out)
+    row = lambda cols: 32 * (cols + 4)  # noqa: E731  int8 codes + one fp32 step per row
+    assert storage.stored_bytes == row(64) + row(1)  # x and its rstd factors [32, 1]: the output is rebuilt
+    rebuilt = rms_norm_values(_int8_round_trip(x), weight, 1e-5)
+    torch.testing.assert_close(proj.weight.grad, grad_out.t() @ rebuilt, rtol=1e-5, atol=1e-5)
+
+
+def test_fusing_a_tiny_llama_keeps_its_outputs_and_gradients():
     model = tiny_llama(num_hidden_layers=3)
     fused = copy.deepcopy(model)
-    assert fuse_swiglu_mlps(fused) == 3
-    assert fuse_swiglu_mlps(fused) == 0  # already fused
+    assert fuse_blocks(fused) == {"swiglu_mlp": 3, "rms_norm": 7}  # 2 norms a layer and the final one
+    assert fuse_blocks(fused) == {"swiglu_mlp": 0, "rms_norm": 0}  # fused already
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     ref, got = model(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)
     assert torch.equal(ref.logits, got.logits)
@@ -110,4 +161,13 @@ def test_mlps_of_another_kind_are_not_fused(change):
                 return self.down_proj(F.dropout(self.act_fn(self.gate_proj(x)) * self.up_proj(x), 0.1))
 
         mlp.__class__ = DroppedMLP
-    assert not is_swiglu_mlp(mlp) and fuse_swiglu_mlps(mlp) == 0
+    assert not is_swiglu_mlp(mlp) and fuse_blocks(mlp)["swiglu_mlp"] == 0
+
+
+def test_norms_of_another_kind_are_not_fused():
+    """Gemma's RMSNorm scales by ``1 + weight``: another forward, left alone."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    assert is_rms_norm(tiny_llama().model.norm)
+    assert not is_rms_norm(GemmaRMSNorm(64)) and not is_rms_norm(nn.RMSNorm(64))
+    assert fuse_blocks(GemmaRMSNorm(64)) == {"swiglu_mlp": 0, "rms_norm": 0}
