@@ -122,7 +122,7 @@ def _dequantize_rows_torch(acc: torch.Tensor, row_step: torch.Tensor, dtype: tor
     return (acc.float() * row_step).to(dtype)
 
 
-def _native(*tensors: torch.Tensor):
+def native_kernels(*tensors: torch.Tensor):
     """The C++ kernels if they run for these tensors (CPU; bf16/fp32 floats), else ``None``."""
     if not all(t.device.type == "cpu" for t in tensors):
         return None
@@ -135,7 +135,7 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
     """Symmetric int8 per row of ``x [M, C]`` (times fp32 ``col_scale [C]`` first): ``(int8 [M, C], fp32 step [M,
     1])``."""
     x = x.detach().contiguous()
-    ext = _native(x)
+    ext = native_kernels(x)
     if ext is not None:
         return tuple(ext.quantize_rows(x, None if col_scale is None else col_scale.float().contiguous()))
     if col_scale is None:
@@ -146,7 +146,7 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
 def column_absmax(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``max_m |x[m, c]|`` (times ``|col_scale[c]|``) of ``x [M, C]``: fp32 ``[C]``."""
     x = x.detach().contiguous()
-    ext = _native(x)
+    ext = native_kernels(x)
     if ext is not None:
         return ext.column_absmax(x, None if col_scale is None else col_scale.float().contiguous())
     amax = compiled(_column_absmax_torch)(x)
@@ -158,7 +158,7 @@ def dequantize_rows(
 ) -> torch.Tensor:
     """``codes [M, C]`` (int32 products or int8 codes) times ``row_step [M, 1]`` (and ``col_step [C]``), in
     ``dtype``."""
-    ext = _native(codes) if dtype in (torch.bfloat16, torch.float32) else None
+    ext = native_kernels(codes) if dtype in (torch.bfloat16, torch.float32) else None
     if ext is not None:
         return ext.dequantize(codes, row_step.contiguous(), None if col_step is None else col_step.contiguous(), dtype)
     if col_step is None:
@@ -712,7 +712,7 @@ class PackedInt4Linear(PackedLinear):
         """
         ratio, row_step = self._int8_scales()
         zero = None if self.zero is None else self.zero.float().contiguous()
-        ext = _native(self.qweight)
+        ext = native_kernels(self.qweight)
         if ext is not None:
             return ext.unpack_int4_int8(self.qweight, ratio, zero, self.spec.symmetric, self.in_features), row_step
         even, odd = unpack_int4_planes(self.qweight, signed=self.spec.symmetric)

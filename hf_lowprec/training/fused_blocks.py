@@ -11,7 +11,9 @@ Under :class:`~hf_lowprec.training.activations.ActivationStorage` the product an
 stored either: the storage rebuilds them in backward from its 8-bit copies of the inputs
 (:meth:`ActivationStorage.derive`). On the Llama-3.2-1B shape these are most of a decoder layer's saved activations.
 
-Written here because Liger-Kernel's fused SwiGLU and RMSNorm are Triton (GPUs only) and torch has neither fused.
+Written here because Liger-Kernel's fused SwiGLU and RMSNorm are Triton (GPUs only) and torch has neither fused. The
+SwiGLU arithmetic runs in the C++ CPU kernels where they build (one pass; eager fp32 torch ops make eight, 4x slower
+backward at 256 x 8192), else as torch ops on row blocks.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
+from hf_lowprec.modules.packed import native_kernels
 from hf_lowprec.training.activations import ActivationStorage
 
 _SLICE = 1 << 20  # elements computed at a time: bounds the fp32 temporaries of a [tokens, features] tensor
@@ -37,8 +40,18 @@ def _row_slices(*tensors: torch.Tensor):
         yield [r[r0 : r0 + step] for r in rows]
 
 
+def _elementwise_kernels(*tensors: torch.Tensor):
+    """The C++ kernels (``modules/kernels/cpp.py``) for CPU tensors of one dtype, bf16 or fp32; else ``None``."""
+    if len({t.dtype for t in tensors}) > 1:
+        return None
+    return native_kernels(*tensors)
+
+
 def silu_mul_values(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` computed in fp32, rounded once to ``gate``'s dtype; ``gate``, ``up`` ``[..., I]``."""
+    ext = _elementwise_kernels(gate, up)
+    if ext is not None:
+        return ext.silu_mul(gate.contiguous(), up.contiguous())
     out = torch.empty_like(gate, memory_format=torch.contiguous_format)
     for g, u, o in _row_slices(gate, up, out):
         o.copy_(F.silu(g.float()).mul_(u.float()))
@@ -49,6 +62,9 @@ def silu_mul_grad(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> t
     """Gradients of :func:`silu_mul_values` w.r.t. ``(gate, up)`` given the output's ``grad``, in fp32 then each
     input's dtype: ``d_up = grad * silu(gate)``, ``d_gate = grad * up * (s + silu(gate) * (1 - s))``,
     ``s = sigmoid(gate)``. Inputs are never written (``.float()`` of an fp32 tensor is the tensor itself)."""
+    ext = _elementwise_kernels(grad, gate, up)
+    if ext is not None:
+        return tuple(ext.silu_mul_backward(grad.contiguous(), gate.contiguous(), up.contiguous()))
     d_gate = torch.empty_like(gate, memory_format=torch.contiguous_format)
     d_up = torch.empty_like(up, memory_format=torch.contiguous_format)
     for gr, g, u, dg, du in _row_slices(grad, gate, up, d_gate, d_up):
