@@ -11,9 +11,10 @@ Under :class:`~hf_lowprec.training.activations.ActivationStorage` the product an
 stored either: the storage rebuilds them in backward from its 8-bit copies of the inputs
 (:meth:`ActivationStorage.derive`). On the Llama-3.2-1B shape these are most of a decoder layer's saved activations.
 
-Written here because Liger-Kernel's fused SwiGLU and RMSNorm are Triton (GPUs only) and torch has neither fused. The
-SwiGLU arithmetic runs in the C++ CPU kernels where they build (one pass; eager fp32 torch ops make eight, 4x slower
-backward at 256 x 8192), else as torch ops on row blocks.
+Written here because Liger-Kernel's fused SwiGLU and RMSNorm are Triton (GPUs only) and torch has neither fused. Forwards
+are transformers' own torch ops, so outputs are the same bit for bit; SwiGLU's backward runs in the C++ CPU kernels
+where they build (one pass; eager fp32 torch ops make eight, 4x slower at 256 x 8192), else as torch ops on row
+blocks.
 """
 
 from __future__ import annotations
@@ -48,14 +49,10 @@ def _elementwise_kernels(*tensors: torch.Tensor):
 
 
 def silu_mul_values(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` computed in fp32, rounded once to ``gate``'s dtype; ``gate``, ``up`` ``[..., I]``."""
-    ext = _elementwise_kernels(gate, up)
-    if ext is not None:
-        return ext.silu_mul(gate.contiguous(), up.contiguous())
-    out = torch.empty_like(gate, memory_format=torch.contiguous_format)
-    for g, u, o in _row_slices(gate, up, out):
-        o.copy_(F.silu(g.float()).mul_(u.float()))
-    return out
+    """``silu(gate) * up`` (``[..., I]`` each) as transformers computes it, bit for bit: SiLU rounded to ``gate``'s
+    dtype, then the product (two passes of torch ops; a model trained with the fused MLP gives a plain transformers
+    model's outputs)."""
+    return F.silu(gate) * up
 
 
 def silu_mul_grad(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
 """Hand-written C++ CPU kernels of the packed layers: int4 -> int8 unpacking, per-row int8 quantization,
 column maxima, dequantization of int32 products, the tiled dequantize-and-multiply of the ``tiled`` backend, the
-chunked loss's cross-entropy that writes its gradient over the logits, and SwiGLU's product and its gradients.
+chunked loss's cross-entropy that writes its gradient over the logits, and the gradients of SwiGLU's product.
 
 Why by hand: nothing in torch/torchao unpacks INT4 groups to int8 for ``torch._int_mm``, and eager torch ops
 around it make one pass over memory each (an int8 matmul is only worth it when the passes around it are
@@ -11,8 +11,8 @@ fused). Nothing multiplies by an INT4 weight both ways at training sizes either:
 (or bf16) GEMM of the CPU's BLAS: the arithmetic runs at that GEMM's speed, which is the fastest there is on
 an AVX2 CPU, and the dense weight never exists whole. ``cross_entropy_`` exists because torch has no fused
 cross-entropy-with-gradient on CPUs: ``torch.compile`` fuses one (``ondevice/loss.py``'s fallback) but brings ~30 MB
-of compiler runtime into the process and a second ``[tokens, vocab]`` buffer for the gradient. ``silu_mul*``: one
-pass where eager fp32 torch ops make eight (``training/fused_blocks.py``; 4x faster backward at 256 x 8192).
+of compiler runtime into the process and a second ``[tokens, vocab]`` buffer for the gradient. ``silu_mul_backward``:
+one pass where eager fp32 torch ops make eight (``training/fused_blocks.py``; 4x faster at 256 x 8192).
 
 The kernels build once per machine and CPU flags with the C++ compiler torch uses
 (``torch.utils.cpp_extension``, ~45 s, cached under ``~/.cache/torch_extensions``). :func:`cpu_kernels`
@@ -285,18 +285,6 @@ static inline void store_value(void* p, int64_t i, float v, bool bf16) {
   else static_cast<float*>(p)[i] = v;
 }
 
-// SwiGLU's product silu(gate) * up and its gradients, elementwise in fp32 over tensors of one dtype (bf16 or fp32)
-template <bool BF16>
-static void silu_mul_impl(const void* g, const void* u, void* out, int64_t n) {
-  at::parallel_for(0, n, 1 << 14, [&](int64_t b, int64_t e) {
-    #pragma omp simd
-    for (int64_t i = b; i < e; ++i) {
-      const float x = load_value(g, i, BF16);
-      store_value(out, i, x * sigmoid(x) * load_value(u, i, BF16), BF16);
-    }
-  });
-}
-
 template <bool BF16>
 static void silu_mul_backward_impl(const void* gr, const void* g, const void* u, void* dg, void* du, int64_t n) {
   at::parallel_for(0, n, 1 << 14, [&](int64_t b, int64_t e) {
@@ -318,16 +306,8 @@ static bool check_elementwise(const std::vector<torch::Tensor>& ts) {
   return ts[0].scalar_type() == torch::kBFloat16;
 }
 
-torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
-  const bool bf16 = check_elementwise({gate, up});
-  auto out = torch::empty_like(gate);
-  if (bf16) silu_mul_impl<true>(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel());
-  else silu_mul_impl<false>(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel());
-  return out;
-}
-
 std::vector<torch::Tensor> silu_mul_backward(torch::Tensor grad, torch::Tensor gate, torch::Tensor up) {
-  const bool bf16 = check_elementwise({grad, gate, up});
+  const bool bf16 = check_elementwise({grad, gate, up});  // SwiGLU's gradients, elementwise in fp32
   auto dg = torch::empty_like(gate), du = torch::empty_like(up);
   const void *r = grad.data_ptr(), *g = gate.data_ptr(), *u = up.data_ptr();
   if (bf16) silu_mul_backward_impl<true>(r, g, u, dg.data_ptr(), du.data_ptr(), gate.numel());
@@ -538,7 +518,6 @@ _FUNCTIONS = [
     "column_absmax",
     "dequantize",
     "cross_entropy_",
-    "silu_mul",
     "silu_mul_backward",
     "tiled_linear",
     "tiled_linear_grad_input",
