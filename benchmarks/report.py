@@ -410,13 +410,15 @@ def scale_section(scale: dict | None) -> list[str]:
     lines += [f"{m['machine']} ({m['cpu_class']}), {m['threads']} threads; random-weight checkpoints of each architecture, "
               f"LoRA r={scale['lora']['r']} on every linear, {scale['steps']} timed steps after one warm-up; peak RSS from a run where "
               "glibc returns every freed block of 64 KiB or more, step times from a run with glibc's default allocator (the "
-              "other one's page faults double some step times).\n",
-              "| size | configuration | params | load s | load peak MB | peak MB 1x256 | peak MB 4x256 | step s 1x256 | step s 4x256 |",
-              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+              "other one's page faults double some step times). Rows measured on different days ran at different machine "
+              "speeds (up to 1.7x apart here): compare step times within one day only.\n",
+              "| size | configuration | params | load s | load peak MB | peak MB 1x256 | peak MB 4x256 | step s 1x256 | step s 4x256 | measured |",
+              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in sorted(scale["results"], key=lambda r: (r["params"], r["config"])):
         t1, t4 = r["train"]["1x256"], r["train"]["4x256"]
         lines.append(f"| {r['size']} | {r['config']} | {r['params'] / 1e6:.0f}M | {r['load_s']:.1f} | {r['load_peak_rss_mb']:.0f} | "
-                     f"{t1['peak_rss_mb']:.0f} | {t4['peak_rss_mb']:.0f} | {t1['step_s_median']:.2f} | {t4['step_s_median']:.2f} |")  # fmt: skip
+                     f"{t1['peak_rss_mb']:.0f} | {t4['peak_rss_mb']:.0f} | {t1['step_s_median']:.2f} | {t4['step_s_median']:.2f} | "
+                     f"{r.get('measured', 'before 2026-12-02')} |")  # fmt: skip
     fits = ", ".join(f"{c} {f['1x256']['bytes_per_param']:.2f} B/param + {f['1x256']['overhead_mb']:.0f} MB" for c, f in scale["fit"].items())
     lines += ["", f"Peak RSS (loading included, batch 1x256) against parameters, least squares over the sizes: {fits}.", ""]
     for config, g in scale.get("goals", {}).items():

@@ -345,7 +345,8 @@ def sweep(args) -> None:
     for size in args.sizes:
         folder = checkpoint(work, size)
         for config in args.configs:
-            done[(size, config)] = {**run_config(size, config, folder, args.steps), "steps": args.steps}
+            done[(size, config)] = {**run_config(size, config, folder, args.steps), "steps": args.steps,
+                                    "measured": time.strftime("%Y-%m-%d")}  # fmt: skip
             data = summary(list(done.values()))
             write_json("scale.json", data)
             plot(data, RESULTS / "scale.png")

@@ -16,9 +16,9 @@ Formats:
 - ``fp8-e5m2``: E5M2, more range, 2 mantissa bits.
 
 Parameters, buffers, integer and FP8 tensors and small tensors are saved as they are; a tensor (or a
-view of it) saved by several ops (one input feeding q, k and v) is stored once, and one that an elementwise op made
-from tensors stored already (SwiGLU's product, RMSNorm's output: :mod:`~hf_lowprec.training.fused_blocks`) is not stored but rebuilt
-from them in backward (:meth:`ActivationStorage.derive`). Written here because
+view of it) saved by several ops (one input feeding q, k and v) is stored once, and one that an elementwise op
+made from tensors stored already (SwiGLU's product, RMSNorm's output: :mod:`~hf_lowprec.training.fused_blocks`) is
+not stored but rebuilt from them in backward (:meth:`ActivationStorage.derive`). Written here because
 torch provides only the hook mechanism; torchao's float8 training stores FP8 copies for its own
 linears only.
 
@@ -123,7 +123,7 @@ class _Packed:
 class _Derived:
     """A saved view ``(shape, stride, offset)`` of ``fn(*inputs)``, rebuilt from the inputs' stored copies."""
 
-    __slots__ = ("fn", "inputs", "geometry")
+    __slots__ = ("fn", "inputs", "geometry", "__weakref__")
 
     def __init__(self, fn, inputs: tuple[_Packed, ...], t: torch.Tensor):
         self.fn, self.inputs, self.geometry = fn, inputs, (t.shape, t.stride(), t.storage_offset())
@@ -166,36 +166,35 @@ class ActivationStorage:
             return t
         # ops often save views of one tensor (a linear's input reshaped to 2-D, once per q/k/v projection):
         # key on the viewed tensor and the view's geometry, and check the base is still the same, unchanged tensor
+        stored = self._stored(t)
+        if stored is not None:
+            return stored
         base, key = view_key(t)
         derived = self._derived.get(id(base))
         if derived is not None and derived[0]() is base and derived[1] == base._version:
-            self.original_bytes += t.numel() * t.element_size()
-            return _Derived(derived[2], derived[3], t)
-        hit = self._cache.get(key)
-        if hit is not None and hit[0]() is base and hit[1] == t._version and hit[2]() is not None:
-            return hit[2]()
-        packed = _Packed(t, FORMATS[self.fmt])
+            stored = _Derived(derived[2], derived[3], t)
+        else:
+            stored = _Packed(t, FORMATS[self.fmt])
+            self.stored_bytes += stored.nbytes
         if len(self._cache) > 4096:
             self._cache = {k: v for k, v in self._cache.items() if v[0]() is not None and v[2]() is not None}
-        self._cache[key] = (weakref.ref(base), t._version, weakref.ref(packed))
+        self._cache[key] = (weakref.ref(base), t._version, weakref.ref(stored))
         self.original_bytes += t.numel() * t.element_size()
-        self.stored_bytes += packed.nbytes
-        return packed
+        return stored
+
+    def _stored(self, t: torch.Tensor) -> "_Packed | _Derived | None":
+        """What this forward stored for ``t`` (or the same view of the same unchanged tensor) already, if anything."""
+        base, key = view_key(t)
+        hit = self._cache.get(key)
+        return hit[2]() if hit is not None and hit[0]() is base and hit[1] == t._version else None
 
     def derive(self, output: torch.Tensor, fn, inputs: tuple[torch.Tensor, ...]) -> bool:
         """Register ``output = fn(*inputs)`` (a contiguous tensor just computed): when an op saves it (or a view of
         it) later in this forward, nothing is stored and backward gets ``fn`` of the inputs' stored copies. Only
         if every input was stored in 8 bits by this storage already (saved by the op that made ``output``);
         returns whether it was registered."""
-        stored = []
-        for x in inputs:
-            base, key = view_key(x)
-            hit = self._cache.get(key)
-            packed = hit[2]() if hit is not None and hit[0]() is base and hit[1] == x._version else None
-            if packed is None:
-                return False
-            stored.append(packed)
-        if not output.is_contiguous():
+        stored = [self._stored(x) for x in inputs]
+        if not output.is_contiguous() or not all(isinstance(x, _Packed) for x in stored):
             return False
         self._derived[id(output)] = (weakref.ref(output), output._version, fn, tuple(stored))
         return True
