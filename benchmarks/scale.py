@@ -7,7 +7,8 @@ a fresh process of its own, and trains LoRA (r=16, alpha 32, every linear, AdamW
 
 - ``int4-lora``: hf-lowprec's defaults, ``load_int4_lora(path, lora)``: every linear but the output head packed
   int4-g64-asym while loading (a head of more than 134M weights in int8, the tied embedding reading its rows),
-  compute dtype chosen for this CPU, chunked loss, int8-stored activations; ``int4-lora-gc``: the same with
+  compute dtype chosen for this CPU, chunked loss, int8-stored activations (SwiGLU products and RMSNorm outputs
+  rebuilt from them in backward since 2026-12-02: rows measured earlier stored them); ``int4-lora-gc``: the same with
   gradient checkpointing instead of the 8-bit activations; ``int4-lora-recipe``: the ``int4-ondevice-lora`` recipe's
   base (the CLI default): packed while loading, then the ``auto`` plan's scan on the packed model (16 blocks of 128
   random tokens), int8 re-reads and LoftQ, each reading one dense weight back at a time;
