@@ -6,11 +6,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_llama
+from conftest import needs_cpp, tiny_llama
 from torch import nn
 
 from hf_lowprec.modules.packed import dequantize_rows, quantize_rows
-from hf_lowprec.training import fused_blocks
+from hf_lowprec.training import activations, fused_blocks
 from hf_lowprec.training.activations import ActivationStorage
 from hf_lowprec.training.fused_blocks import (
     fuse_blocks,
@@ -29,15 +29,11 @@ def _int8_round_trip(t: torch.Tensor) -> torch.Tensor:
     return dequantize_rows(*quantize_rows(rows), None, t.dtype).reshape(t.shape)
 
 
-@pytest.mark.parametrize("kernel", ["C++", "torch ops"])
+@pytest.mark.parametrize("kernel", [pytest.param("C++", marks=needs_cpp), "torch ops"])
 def test_silu_mul_values_and_gradients_match_fp64_autograd(kernel, monkeypatch):
-    from hf_lowprec.modules.kernels.cpp import cpu_kernels
-
-    if kernel == "C++" and cpu_kernels() is None:
-        pytest.skip("the C++ CPU kernels do not build here")
     if kernel == "torch ops":
         monkeypatch.setattr(fused_blocks, "native_kernels", lambda *tensors: None)
-        monkeypatch.setattr(fused_blocks, "_SLICE", 100)  # several row blocks of a [6, 40, 48] tensor
+        monkeypatch.setattr(activations, "_SLICE", 100)  # several row blocks of a [6, 40, 48] tensor
     gen = torch.Generator().manual_seed(0)
     gate = (torch.randn(6, 40, 48, generator=gen) * 3).requires_grad_()
     up = torch.randn(6, 40, 48, generator=gen).requires_grad_()
@@ -96,7 +92,7 @@ def test_the_product_is_saved_as_it_is_when_its_inputs_were_not_stored():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_is_llamas_bit_for_bit_and_its_gradients_match_fp64_autograd(dtype, monkeypatch):
-    monkeypatch.setattr(fused_blocks, "_SLICE", 200)  # several row blocks of [3, 50, 64]
+    monkeypatch.setattr(activations, "_SLICE", 200)  # several row blocks of [3, 50, 64]
     norm = tiny_llama().model.norm.to(dtype)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():

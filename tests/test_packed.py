@@ -6,6 +6,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import needs_cpp
 
 from hf_lowprec.formats import pack_int4, unpack_int4_planes
 from hf_lowprec.modules import Int4Linear, PackedInt4Linear, PackedInt8Linear, PackedLinear
@@ -16,7 +17,6 @@ from hf_lowprec.modules.packed import int8_backend_available
 
 INT8_OK, _ = int8_backend_available(torch.device("cpu"))
 needs_int8 = pytest.mark.skipif(not INT8_OK, reason="this CPU has no int8 dot-product instructions")
-needs_cpp = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels cannot be built here")
 AVX2_ONLY = CpuInfo("an AVX2 CPU", "x86_64", ("avx2", "fma"), "AVX2")
 
 

@@ -12,8 +12,7 @@ from peft import PeftModel
 from torch import nn
 
 from hf_lowprec.labels import IGNORE_INDEX
-from hf_lowprec.modules.kernels.cpp import cpu_kernels
-from hf_lowprec.modules.packed import compiled
+from hf_lowprec.modules.packed import compiled, native_kernels
 
 logger = logging.getLogger(__name__)
 # most logits of one chunk (tokens x vocabulary): 128 tokens of a 49k vocabulary; at a 128k vocabulary, 65 tokens,
@@ -45,7 +44,7 @@ def cross_entropy_into_grad_(logits: torch.Tensor, labels: torch.Tensor) -> torc
     """Summed cross-entropy of ``logits [C, V]`` against ``labels [C]`` (fp32 scalar); overwrites ``logits`` with
     the gradient :func:`cross_entropy_with_grad` gives. One buffer instead of two: the C++ kernel
     (``modules/kernels/cpp.py``) on CPUs where it builds, else the compiled function and a copy."""
-    ext = cpu_kernels() if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32) else None
+    ext = native_kernels(logits)
     if ext is not None and logits.is_contiguous():
         return ext.cross_entropy_(logits, labels.contiguous(), IGNORE_INDEX)
     loss, grad = compiled(cross_entropy_with_grad)(logits, labels.contiguous())

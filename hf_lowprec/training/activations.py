@@ -46,6 +46,16 @@ _PACKED_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 logger = logging.getLogger(__name__)
 
 
+def row_blocks(*tensors: torch.Tensor):
+    """Matching blocks of rows, about ``_SLICE`` elements each, of tensors ``[..., C]`` with one row count (``C`` may
+    differ), as 2-D views (of contiguous tensors; write results into those only): bounds the temporaries of work done a
+    block at a time."""
+    rows = [t.reshape(-1, t.shape[-1]) for t in tensors]
+    step = max(1, _SLICE // rows[0].shape[1])
+    for r0 in range(0, rows[0].shape[0], step):
+        yield [r[r0 : r0 + step] for r in rows]
+
+
 def pack_fp8_rows(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [R, C]`` → ``(FP8 codes [R, C], fp32 scale [R, 1])`` with ``x ≈ codes / scale``."""
     scale = fp8_scale(fp8_amax(x, "row"), dtype)
@@ -95,24 +105,19 @@ class _Packed:
         rows = t.detach().reshape(-1, t.shape[-1])
         self.codes = torch.empty(rows.shape, dtype=code_dtype, device=rows.device)
         self.scale = torch.empty(rows.shape[0], 1, device=rows.device)
-        step = max(1, _SLICE // rows.shape[1])
-        for r0 in range(0, rows.shape[0], step):
-            part = rows[r0 : r0 + step].contiguous()
+        for part, codes, scale in row_blocks(rows, self.codes, self.scale):
             if code_dtype == torch.int8:
-                codes, scale = quantize_rows(part)
+                codes[:], scale[:] = quantize_rows(part.contiguous())
             else:
-                codes, scale = fp8_row_kernels()[0](part, code_dtype)
-            self.codes[r0 : r0 + step], self.scale[r0 : r0 + step] = codes, scale
+                codes[:], scale[:] = fp8_row_kernels()[0](part.contiguous(), code_dtype)
 
     def unpack(self) -> torch.Tensor:
         out = torch.empty(self.codes.shape, dtype=self.dtype, device=self.codes.device)
-        step = max(1, _SLICE // self.codes.shape[1])
-        for r0 in range(0, self.codes.shape[0], step):
-            codes, scale = self.codes[r0 : r0 + step], self.scale[r0 : r0 + step]
+        for codes, scale, part in row_blocks(self.codes, self.scale, out):
             if self.codes.dtype == torch.int8:
-                out[r0 : r0 + step] = dequantize_rows(codes, scale, None, self.dtype)
+                part[:] = dequantize_rows(codes, scale, None, self.dtype)
             else:
-                out[r0 : r0 + step] = fp8_row_kernels()[1](codes, scale, self.dtype)
+                part[:] = fp8_row_kernels()[1](codes, scale, self.dtype)
         return out.view(self.shape)
 
     @property

@@ -28,17 +28,7 @@ from transformers.activations import SiLUActivation
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from hf_lowprec.modules.packed import native_kernels
-from hf_lowprec.training.activations import ActivationStorage
-
-_SLICE = 1 << 20  # elements computed at a time: bounds the fp32 temporaries of a [tokens, features] tensor
-
-
-def _row_slices(*tensors: torch.Tensor):
-    """Matching row blocks of ``_SLICE`` elements of tensors of one shape ``[..., C]``, as 2-D views."""
-    rows = [t.reshape(-1, t.shape[-1]) for t in tensors]
-    step = max(1, _SLICE // rows[0].shape[1])
-    for r0 in range(0, rows[0].shape[0], step):
-        yield [r[r0 : r0 + step] for r in rows]
+from hf_lowprec.training.activations import ActivationStorage, row_blocks
 
 
 def _elementwise_kernels(*tensors: torch.Tensor):
@@ -64,7 +54,7 @@ def silu_mul_grad(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> t
         return tuple(ext.silu_mul_backward(grad.contiguous(), gate.contiguous(), up.contiguous()))
     d_gate = torch.empty_like(gate, memory_format=torch.contiguous_format)
     d_up = torch.empty_like(up, memory_format=torch.contiguous_format)
-    for gr, g, u, dg, du in _row_slices(grad, gate, up, d_gate, d_up):
+    for gr, g, u, dg, du in row_blocks(grad, gate, up, d_gate, d_up):
         gr, s = gr.float(), torch.sigmoid(g.float())
         silu = g.float() * s
         du.copy_(gr * silu)
@@ -102,7 +92,7 @@ def rms_norm_values(
     given."""
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     scales = torch.empty(*x.shape[:-1], 1, device=x.device) if rstd is None else rstd
-    for xs, o, r in _row_slices(x, out, scales):
+    for xs, o, r in row_blocks(x, out, scales):
         xf = xs.float()
         r.copy_(torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
         o.copy_(weight * (xf * r).to(x.dtype))
@@ -124,12 +114,13 @@ class _RMSNorm(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
         grad_weight = torch.zeros(weight.shape, device=weight.device) if ctx.needs_input_grad[1] else None
-        for g, xs, r, gx in _row_slices(grad, x, rstd, grad_x):
-            n = xs.float() * r
-            d = g.float() * weight.float()
+        w = weight.float()
+        for g, xs, r, gx in row_blocks(grad, x, rstd, grad_x):
+            g, n = g.float(), xs.float() * r
+            d = g * w
             gx.copy_(r * (d - n * (d * n).mean(-1, keepdim=True)))
             if grad_weight is not None:
-                grad_weight += (g.float() * n.to(x.dtype).float()).sum(0)
+                grad_weight += (g * n.to(x.dtype).float()).sum(0)
         return grad_x, None if grad_weight is None else grad_weight.to(weight.dtype), None
 
 
