@@ -3,9 +3,11 @@
 The adapters of LoRA r=16 on every linear of the SmolLM2-135M and Llama-3.2-1B shapes (``scale.py``'s configs),
 random gradients, each optimizer stepping them in this process in turn (interleaved repeats, median):
 
-- ``adamw_torch``: ``torch.optim.AdamW``, fp32 states (what ``finetune_int4_lora`` uses);
+- ``adamw_torch``: ``torch.optim.AdamW``, fp32 states;
 - ``adamw_torch_8bit`` / ``adamw_torch_4bit``: torchao's ``AdamW8bit`` / ``AdamW4bit`` (block-wise quantized
   states; transformers' ``optim`` names for the same classes);
+- ``adamw_hf_lowprec_8bit``: ``hf_lowprec.training.adamw8bit.AdamW8bit``, torchao's 8-bit states and numerics with
+  a one-pass C++ step on CPUs (what ``finetune_int4_lora`` uses);
 - ``adamw_bnb_8bit``: bitsandbytes' ``AdamW8bit`` (QLoRA's optimizer; its paged variant is not paged on a CPU).
 
 Per optimizer: the states' bytes and the median step time; ``scale.py``'s INT4+LoRA step at the same shape
@@ -45,8 +47,10 @@ def optimizers() -> dict:
     import bitsandbytes as bnb
     from torchao.optim import AdamW4bit, AdamW8bit
 
+    from hf_lowprec.training.adamw8bit import AdamW8bit as OnePassAdamW8bit
+
     return {"adamw_torch": torch.optim.AdamW, "adamw_torch_8bit": AdamW8bit, "adamw_torch_4bit": AdamW4bit,
-            "adamw_bnb_8bit": bnb.optim.AdamW8bit}  # fmt: skip
+            "adamw_bnb_8bit": bnb.optim.AdamW8bit, "adamw_hf_lowprec_8bit": OnePassAdamW8bit}  # fmt: skip
 
 
 def measure(size: str, repeats: int) -> dict:
@@ -93,7 +97,7 @@ def main() -> None:
         results[size] = measure(size, args.repeats)
         for name, r in results[size]["optimizers"].items():
             extra = f", +{r['extra_vs_int4_lora_step']:.0%} of the INT4+LoRA step" if "extra_vs_int4_lora_step" in r else ""
-            print(f"{size:13s} {name:17s} {r['step_ms']:7.1f} ms ({r['time_vs_adamw']:.1f}x){extra}, states "
+            print(f"{size:13s} {name:21s} {r['step_ms']:7.1f} ms ({r['time_vs_adamw']:.1f}x){extra}, states "
                   f"{r['state_mb']:6.1f} MB (saves {r['state_saved_mb']:5.1f})", flush=True)  # fmt: skip
     write_json("adapter_optimizer.json", {**machine(), "lora": LORA, "repeats": args.repeats, "results": results})
 

@@ -152,6 +152,7 @@ def child(args) -> dict:
     from transformers import get_scheduler
 
     from hf_lowprec.ondevice import backend_counts, evaluate_loss
+    from hf_lowprec.ondevice.train import OPTIMIZERS
 
     t0 = time.perf_counter()
     model, tok, loss_fn, notes = _build(args.config, args.loftq, args.rounding, bool(args.gc), args.budget_bits, args.kept_format, args.backend,
@@ -168,7 +169,7 @@ def child(args) -> dict:
     if args.config == "bnb-nf4":
         _unpack_bnb_cpu_weights(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR)
+    opt = OPTIMIZERS[args.optim](params, lr=LR)  # torch's and torchao's AdamW share their defaults (weight decay 0.01)
     sched = get_scheduler("linear", opt, num_warmup_steps=min(10, steps // 10), num_training_steps=steps)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(SEED))
     model.train()
@@ -200,7 +201,7 @@ def child(args) -> dict:
     timed_wall, timed_cpu = wall[args.warmup :], cpu[args.warmup :]
     return {
         "config": args.config, "gradient_checkpointing": bool(args.gc), "loftq": bool(args.loftq), "rounding": args.rounding,
-        "budget_bits": args.budget_bits, "kept_format": args.kept_format, "backend": args.backend, "rotate": args.rotate, "seed": SEED,
+        "budget_bits": args.budget_bits, "kept_format": args.kept_format, "backend": args.backend, "rotate": args.rotate, "optim": args.optim, "seed": SEED,
         "int4_format": args.int4_format,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_after_load_mb": rss_loaded,
         "load_s": load_s, "step_s_median": statistics.median(timed_wall), "step_cpu_s_median": statistics.median(timed_cpu),
@@ -215,10 +216,10 @@ def child(args) -> dict:
 # ------------------------------------------------------------------------------------ parent
 def run_child(config: str, gc: bool, steps: int, warmup: int, eval_blocks: int = 0, loftq: bool = False, merge_eval: bool = False,
               rounding: str = "nearest", budget_bits: float = 0.0, kept_format: str = "int8", backend: str = "auto", rotate: bool = False,
-              int4_format: str = "int4-g64-asym") -> dict:  # fmt: skip
+              int4_format: str = "int4-g64-asym", optim: str = "adamw_torch") -> dict:  # fmt: skip
     flags = [f for f, on in (("--loftq", loftq), ("--merge-eval", merge_eval), ("--rotate", rotate)) if on]
     flags += ["--rounding", rounding, "--budget-bits", str(budget_bits), "--kept-format", kept_format, "--backend", backend, "--seed", str(SEED),
-              "--int4-format", int4_format]
+              "--int4-format", int4_format, "--optim", optim]
     cmd = [sys.executable, __file__, "child", "--config", config, "--gc", str(int(gc)), "--steps", str(steps),
            "--warmup", str(warmup), "--eval-blocks", str(eval_blocks), *flags]  # fmt: skip
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
@@ -326,7 +327,8 @@ def _quality_key(r: dict) -> str:
     keep = f"+{round(100 * _kept_fraction(r['budget_bits'], r['kept_format'], r.get('int4_format', 'int4-g64-asym')))}% sensitive {r['kept_format']}" if r.get("budget_bits") else ""
     backend = f" [{r['backend']} backend]" if r.get("backend", "auto") != "auto" else ""
     rounding = r.get("rounding") or ("gptq" if r.get("gptq_rounding") else "nearest")  # older runs stored a GPTQ flag
-    return (r["config"] + (f" ({fmt})" if fmt else "") + ("+rht scanned" if r.get("rotate") else "") + keep + (f"+{rounding}" if rounding != "nearest" else "")
+    return (r["config"] + (f" ({fmt})" if fmt else "") + ("+rht scanned" if r.get("rotate") else "") + keep
+            + ("+8-bit adamw" if r.get("optim", "adamw_torch") != "adamw_torch" else "") + (f"+{rounding}" if rounding != "nearest" else "")
             + ("+loftq" if r["loftq"] else "") + backend + (f" [seed {r['seed']}]" if r.get("seed") else ""))  # fmt: skip
 
 
@@ -355,7 +357,8 @@ def parse_variant(variant: str) -> dict:
     """``int4-lora`` options from a ``+``-joined variant name: ``loftq``, ``gptq``, ``awq``, ``dequant``, ``keepNN``
     (a scanned plan keeping NN% of the linear weights, the most sensitive, in bf16) or ``keepNN-int8`` (in int8), ``auto``
     (the product's default scanned plan), ``rht`` (the scan also scores ``int4-g64-asym-rht`` and picks per layer),
-    ``gNN`` / ``gNN-sym`` (the int4 format ``int4-gNN-asym`` / ``int4-gNN`` instead of int4-g64-asym);
+    ``gNN`` / ``gNN-sym`` (the int4 format ``int4-gNN-asym`` / ``int4-gNN`` instead of int4-g64-asym), ``adam8`` (the
+    adapters' AdamW with 8-bit states, ``finetune_int4_lora``'s default; else fp32 states like the other configurations);
     e.g. ``keep20+awq+gptq+loftq``, ``g32+loftq``. No keep part: every Linear int4."""
     from hf_lowprec.ondevice import AUTO_BUDGET
 
@@ -363,16 +366,17 @@ def parse_variant(variant: str) -> dict:
     kept = [m for m in map(re.compile(r"keep(\d+)(?:-(int8))?").fullmatch, parts) if m]
     group = [m for m in map(re.compile(r"g(\d+)(-sym)?").fullmatch, parts) if m]
     int4 = f"int4-g{group[0][1]}{'' if group[0][2] else '-asym'}" if group else "int4-g64-asym"
-    unknown = [x for x in parts if x not in ("loftq", "gptq", "awq", "dequant", "auto", "rht") and not any(m.string == x for m in kept + group)]
+    unknown = [x for x in parts if x not in ("loftq", "gptq", "awq", "dequant", "auto", "rht", "adam8") and not any(m.string == x for m in kept + group)]
     if unknown:
-        raise SystemExit(f"--int4-variants {variant!r}: unknown part(s) {unknown}; use loftq, gptq, awq, dequant, auto, rht, keepNN, keepNN-int8, gNN, gNN-sym joined by '+'")
+        raise SystemExit(f"--int4-variants {variant!r}: unknown part(s) {unknown}; use loftq, gptq, awq, dequant, auto, rht, adam8, keepNN, keepNN-int8, gNN, gNN-sym joined by '+'")
     rounding = "+".join(x for x in ("awq", "gptq") if x in parts) or "nearest"
     kept_format, bits = "int8", AUTO_BUDGET["target_bits_per_param"] if "auto" in parts else 0.0
     if kept:
         kept_format = kept[0][2] or "bf16"
         bits = _bits(int4) + int(kept[0][1]) / 100 * (_bits(kept_format) - _bits(int4))
     return {"loftq": "loftq" in parts, "rounding": rounding, "budget_bits": bits, "kept_format": kept_format,
-            "backend": "dequant" if "dequant" in parts else "auto", "rotate": "rht" in parts, "int4_format": int4}
+            "backend": "dequant" if "dequant" in parts else "auto", "rotate": "rht" in parts, "int4_format": int4,
+            "optim": "adamw_torch_8bit" if "adam8" in parts else "adamw_torch"}
 
 
 def quality(args) -> None:
@@ -489,6 +493,7 @@ def main() -> None:
     p.add_argument("--int4-variants", nargs="*", default=[], help="quality: also run int4-lora with these options (see parse_variant)")
     p.add_argument("--rotate", action="store_true", help="child: the scan also scores int4-g64-asym-rht per layer")
     p.add_argument("--int4-format", default="int4-g64-asym", help="child: the base's int4 format")
+    p.add_argument("--optim", default="adamw_torch", choices=("adamw_torch", "adamw_torch_8bit"), help="child: the adapters' optimizer")
     p.add_argument("--merge-eval", action="store_true", help="child: also evaluate the merged, re-quantized export")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=3)

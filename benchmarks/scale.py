@@ -3,7 +3,8 @@
 Checkpoints of the SmolLM2-135M, SmolLM2-360M and Llama-3.2-1B architectures (``--sizes llama-3.2-3b`` adds the 3B)
 are built from their configs with random weights (normal, std 0.02) and saved once as bf16 safetensors under
 ``--work`` (default ``~/.cache/hf_lowprec/scale``, or ``$HF_LOWPREC_CACHE/scale``). Each configuration then loads a checkpoint as a user would, in
-a fresh process of its own, and trains LoRA (r=16, alpha 32, every linear, AdamW) on random tokens:
+a fresh process of its own, and trains LoRA (r=16, alpha 32, every linear) on random tokens with its own default
+AdamW (8-bit states for hf-lowprec and NF4 QLoRA since 2026-12-02, fp32 for the dense peers; ``_optimizer``):
 
 - ``int4-lora``: hf-lowprec's defaults, ``load_int4_lora(path, lora)``: every linear but the output head packed
   int4-g64-asym while loading (a head of more than 134M weights in int8, the tied embedding reading its rows),
@@ -165,6 +166,23 @@ def _load(config: str, folder: Path):
     return model, lambda batch: model(input_ids=batch, labels=batch).loss, {}
 
 
+def _optimizer(config: str, params: list):
+    """Each configuration's own default AdamW: 8-bit states for hf-lowprec (``finetune_int4_lora``'s default) and
+    for NF4 QLoRA (bitsandbytes' ``AdamW8bit``, QLoRA's paged optimizer without paging on a CPU), fp32 states for
+    the dense peers (transformers' default)."""
+    import torch
+
+    if config.startswith("int4-lora"):
+        from hf_lowprec.training.adamw8bit import AdamW8bit
+
+        return AdamW8bit(params, lr=1e-4, weight_decay=0.0)
+    if config.startswith("nf4-qlora"):
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=1e-4, weight_decay=0.0)
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
+
+
 def child(args) -> dict:
     """One configuration at one size, in this process."""
     import torch
@@ -177,7 +195,7 @@ def child(args) -> dict:
     load_s = time.perf_counter() - start
     load_peak, rss_loaded = proc_status_bytes("VmHWM") / 2**20, proc_status_bytes("VmRSS") / 2**20
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    optimizer = _optimizer(args.config, params)
     vocab = model.get_base_model().config.vocab_size
     gen = torch.Generator().manual_seed(0)
     model.train()
@@ -201,7 +219,8 @@ def child(args) -> dict:
         "load_s": load_s, "load_peak_rss_mb": load_peak, "rss_after_load_mb": rss_loaded, "rss_imports_mb": rss_imports,
         "train": per_batch, "peak_rss_mb": max([load_peak] + [b["peak_rss_mb"] for b in per_batch.values()]),
         "trainable_params": sum(p.numel() for p in params), "backends": backend_counts(model),
-        "threads": torch.get_num_threads(), "loadavg": os.getloadavg(), **notes,
+        "threads": torch.get_num_threads(), "loadavg": os.getloadavg(),
+        "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__name__}", **notes,
     }  # fmt: skip
 
 

@@ -364,6 +364,7 @@ def _training_arguments(run: RunFolder, t, *, bf16_autocast: bool):
         lr_scheduler_type=t.lr_scheduler_type,
         warmup_steps=t.warmup_steps,
         weight_decay=t.weight_decay,
+        optim=t.optim,
         bf16=bf16_autocast,
         activation_checkpointing=t.gradient_checkpointing,
         use_cpu=not torch.cuda.is_available(),

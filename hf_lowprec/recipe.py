@@ -43,6 +43,8 @@ PLAN_SOURCES = ("auto",)  # besides a format name or a plan file path
 DTYPES = ("auto", "fp32", "bf16")  # auto: bf16 where this CPU runs bf16 GEMMs fast (measured), else fp32
 ACTIVATION_STORAGE = ("none", "int8", "fp8", "fp8-e5m2")  # hf_lowprec.training.activations formats
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+# TrainingArguments.optim names: fp32 AdamW, or 8-bit states (torchao's; one C++ pass per step on CPUs with int4-lora)
+OPTIMIZERS = ("adamw_torch", "adamw_torch_8bit")
 LORA_INITS = ("default", "loftq")
 EXPORT_WEIGHTS = ("master", "int4-packed")
 
@@ -121,6 +123,7 @@ class TrainingSection:
     warmup_steps: int = 0
     weight_decay: float = 0.0
     lr_scheduler_type: str = field(default="cosine", metadata=_choices(*SCHEDULERS))
+    optim: str = field(default="adamw_torch", metadata=_choices(*OPTIMIZERS))
     dtype: str = field(default="auto", metadata=_choices(*DTYPES))
     gradient_checkpointing: bool = False
     activation_storage: str = field(default="none", metadata=_choices(*ACTIVATION_STORAGE))

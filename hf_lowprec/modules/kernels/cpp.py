@@ -13,6 +13,8 @@ an AVX2 CPU, and the dense weight never exists whole. ``cross_entropy_`` exists 
 cross-entropy-with-gradient on CPUs: ``torch.compile`` fuses one (``ondevice/loss.py``'s fallback) but brings ~30 MB
 of compiler runtime into the process and a second ``[tokens, vocab]`` buffer for the gradient. ``silu_mul_backward``:
 one pass where eager fp32 torch ops make eight (``training/fused_blocks.py``; 4x faster at 256 x 8192).
+``adamw8bit_``: torchao's 8-bit AdamW step in one pass per block, where its compiled CPU step takes 11x fp32 AdamW's
+time (``training/adamw8bit.py``).
 
 The kernels build once per machine and CPU flags with the C++ compiler torch uses
 (``torch.utils.cpp_extension``, ~45 s, cached under ``~/.cache/torch_extensions``). :func:`cpu_kernels`
@@ -315,6 +317,80 @@ std::vector<torch::Tensor> silu_mul_backward(torch::Tensor grad, torch::Tensor g
   return {dg, du};
 }
 
+// ---------------------------------------------------------------------------------------------
+// one AdamW step of fp32 `param` with torchao's 8-bit states (OptimState8bit: uint8 codes into a sorted 256-entry
+// qmap, one fp32 scale = block absmax per `block` elements), torchao's single_param_adam in one pass per block:
+// dequantize m and v, decay the weight, lerp m to g and v to g^2, re-quantize both (scale, branchless binary
+// search, round to the nearer code), then step with the unquantized m and v.
+// codes[i] = the index of the qmap entry nearest to x[i] (ties up), for n values: a branchless binary search over
+// the 256 sorted entries, one step at a time across all n values so that each step vectorizes (gathers from q)
+static void nearest_codes(const float* x, const float* q, int32_t* c, uint8_t* codes, int64_t n) {
+  #pragma omp simd
+  for (int64_t i = 0; i < n; ++i) c[i] = x[i] >= q[128] ? 128 : 0;
+  for (int32_t half = 64; half >= 1; half >>= 1) {
+    #pragma omp simd
+    for (int64_t i = 0; i < n; ++i) c[i] += x[i] >= q[c[i] + half] ? half : 0;
+  }
+  #pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t up = std::min(c[i] + 1, 255);
+    const float lo = q[c[i]];
+    codes[i] = static_cast<uint8_t>(x[i] - lo >= (q[up] - lo) * 0.5f ? up : c[i]);
+  }
+}
+
+void adamw8bit_(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes, torch::Tensor m_scale,
+                torch::Tensor m_qmap, torch::Tensor v_codes, torch::Tensor v_scale, torch::Tensor v_qmap, double lr,
+                double beta1, double beta2, double weight_decay, double eps, double bias_correction1,
+                double bias_correction2) {
+  for (const auto& t : {param, grad, m_scale, m_qmap, v_scale, v_qmap})
+    TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kFloat, "fp32 contiguous tensors expected");
+  TORCH_CHECK(m_codes.is_contiguous() && v_codes.is_contiguous() && m_codes.scalar_type() == torch::kByte);
+  TORCH_CHECK(grad.numel() == param.numel() && m_codes.numel() == param.numel() && v_codes.numel() == param.numel());
+  TORCH_CHECK(m_qmap.numel() == 256 && v_qmap.numel() == 256 && m_scale.numel() == v_scale.numel());
+  const int64_t blocks = m_scale.numel(), block = param.numel() / blocks;
+  TORCH_CHECK(block * blocks == param.numel(), "the states' blocks must tile the parameter");
+  float* p = param.data_ptr<float>();
+  const float* g = grad.data_ptr<float>();
+  uint8_t *mc = m_codes.data_ptr<uint8_t>(), *vc = v_codes.data_ptr<uint8_t>();
+  float *ms = m_scale.data_ptr<float>(), *vs = v_scale.data_ptr<float>();
+  const float *mq = m_qmap.data_ptr<float>(), *vq = v_qmap.data_ptr<float>();
+  const float decay = static_cast<float>(lr) * static_cast<float>(weight_decay), lr_f = static_cast<float>(lr);
+  const float w1 = static_cast<float>(1.0 - beta1), w2 = static_cast<float>(1.0 - beta2);
+  const float bc1 = static_cast<float>(bias_correction1), sqrt_bc2 = std::sqrt(static_cast<float>(bias_correction2));
+  const float eps_f = static_cast<float>(eps);
+  at::parallel_for(0, blocks, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> m(block), v(block), x(block);
+    std::vector<int32_t> c(block);
+    for (int64_t k = b; k < e; ++k) {
+      const int64_t o = k * block;
+      float m_max = 0.f, v_max = 0.f;
+      #pragma omp simd reduction(max : m_max, v_max)
+      for (int64_t i = 0; i < block; ++i) {
+        const float gi = g[o + i];
+        const float mi = mq[mc[o + i]] * ms[k], vi = vq[vc[o + i]] * vs[k];
+        m[i] = std::fma(w1, gi - mi, mi);  // torch.lerp's vectorized form for a weight below 0.5
+        v[i] = std::fma(w2, gi * gi - vi, vi);
+        m_max = std::max(m_max, std::abs(m[i]));
+        v_max = std::max(v_max, std::abs(v[i]));
+      }
+      ms[k] = m_max = std::max(m_max, 1e-12f);
+      vs[k] = v_max = std::max(v_max, 1e-12f);
+      #pragma omp simd
+      for (int64_t i = 0; i < block; ++i) x[i] = m[i] / m_max;
+      nearest_codes(x.data(), mq, c.data(), mc + o, block);
+      #pragma omp simd
+      for (int64_t i = 0; i < block; ++i) x[i] = v[i] / v_max;
+      nearest_codes(x.data(), vq, c.data(), vc + o, block);
+      #pragma omp simd
+      for (int64_t i = 0; i < block; ++i) {
+        const float pi = p[o + i] - decay * p[o + i];
+        p[o + i] = pi - lr_f * (m[i] / bc1) / (std::sqrt(v[i]) / sqrt_bc2 + eps_f);
+      }
+    }
+  });
+}
+
 // cross-entropy of the rows of logits [C, V] (bf16 or fp32) against labels [C] (ignore: no loss, zero gradient),
 // summed; the gradient softmax - onehot overwrites the logits (fp32 math, one rounding to their dtype)
 template <bool BF16>
@@ -519,6 +595,7 @@ _FUNCTIONS = [
     "dequantize",
     "cross_entropy_",
     "silu_mul_backward",
+    "adamw8bit_",
     "tiled_linear",
     "tiled_linear_grad_input",
 ]

@@ -1,0 +1,125 @@
+"""AdamW8bit: torchao's 8-bit AdamW (states, numerics, state_dict) with a one-pass C++ step on CPUs."""
+
+import io
+
+import pytest
+import torch
+import torchao.optim
+from conftest import needs_cpp, tiny_llama
+from torchao.optim.adam import single_param_adam
+from torchao.optim.subclass_8bit import OptimState8bit
+
+import hf_lowprec.training.adamw8bit as adamw8bit_module
+from hf_lowprec.training.adamw8bit import AdamW8bit
+
+# LoRA-like shapes (8-bit states: >= 4096 elements) and one small tensor torchao keeps in fp32
+SHAPES = [(16, 2048), (2048, 16), (8, 1024), (4, 100)]
+
+
+class EagerTorchaoAdamW8bit(torchao.optim.AdamW8bit):
+    """The reference: torchao's own initialisation and ``single_param_adam``, run eagerly (its step compiles it)."""
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state.update(step=torch.tensor(0.0), exp_avg=self._new_buffer(p, True),
+                                 exp_avg_sq=self._new_buffer(p, False))  # fmt: skip
+                state["step"] += 1
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                single_param_adam(p.detach(), p.grad, state["step"], m, v, None, group["lr"], *group["betas"],
+                                  group["weight_decay"], group["eps"], True, False)  # fmt: skip
+
+
+def _run(optimizers, steps: int, seed: int = 0):
+    """Step every optimizer of ``optimizers`` (each over its own copy of the same parameters) on the same gradients:
+    large ones every 5th step, so that the block scales move both ways."""
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        grads = [torch.randn(s, generator=gen) * (1e-1 if step % 5 == 0 else 1e-3) for s in SHAPES]
+        for opt in optimizers:
+            for p, g in zip(opt.param_groups[0]["params"], grads):
+                p.grad = g.clone()
+            opt.step()
+
+
+def _params(seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02) for s in SHAPES]
+
+
+def _assert_same_states(ours, ref, atol: float):
+    for p, q in zip(ours.param_groups[0]["params"], ref.param_groups[0]["params"]):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=atol)
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = ours.state[p][key], ref.state[q][key]
+            assert type(a) is type(b)
+            if isinstance(a, OptimState8bit):
+                assert torch.equal(a.codes, b.codes), key
+                torch.testing.assert_close(a.scale, b.scale, rtol=1e-6, atol=0)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)
+
+
+@needs_cpp
+def test_one_pass_step_matches_torchao_update():
+    ours = AdamW8bit(_params(), lr=1e-3, weight_decay=0.01)
+    ref = EagerTorchaoAdamW8bit(_params(), lr=1e-3, weight_decay=0.01)
+    _run([ours, ref], steps=12)
+    assert isinstance(ours.state[ours.param_groups[0]["params"][0]]["exp_avg"], OptimState8bit)
+    # the same codes and scales; the weights within fp32 rounding of a 1e-3 step (a step moves them ~1e-3)
+    _assert_same_states(ours, ref, atol=1e-7)
+    moved = (ours.param_groups[0]["params"][0] - _params()[0]).abs().max().item()
+    assert moved > 1e-3  # the comparison is over real updates
+
+
+def test_fallback_without_cpp_kernels_is_torchao_update(monkeypatch):
+    monkeypatch.setattr(adamw8bit_module, "native_kernels", lambda *tensors: None)  # as where no compiler exists
+    ours = AdamW8bit(_params(), lr=1e-3, weight_decay=0.01)
+    ref = EagerTorchaoAdamW8bit(_params(), lr=1e-3, weight_decay=0.01)
+    _run([ours, ref], steps=6)
+    _assert_same_states(ours, ref, atol=0)
+
+
+def _saved_and_loaded(state_dict: dict) -> dict:
+    """Through ``torch.save``/``torch.load(weights_only=True)``, as the Trainer's ``optimizer.pt``."""
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@needs_cpp
+def test_state_dict_moves_to_torchao_and_back():
+    ours = AdamW8bit(_params(), lr=1e-3)
+    _run([ours], steps=3)
+    theirs = torchao.optim.AdamW8bit([torch.nn.Parameter(p.detach().clone()) for p in ours.param_groups[0]["params"]])
+    theirs.load_state_dict(_saved_and_loaded(ours.state_dict()))
+    again = AdamW8bit([torch.nn.Parameter(p.detach().clone()) for p in ours.param_groups[0]["params"]])
+    again.load_state_dict(_saved_and_loaded(theirs.state_dict()))
+    assert isinstance(again.state[again.param_groups[0]["params"][0]]["exp_avg"], OptimState8bit)
+    reference = EagerTorchaoAdamW8bit([torch.nn.Parameter(p.detach().clone()) for p in ours.param_groups[0]["params"]])
+    reference.load_state_dict(_saved_and_loaded(ours.state_dict()))
+    _run([again, reference], steps=3, seed=5)  # resumed from the loaded states, both continue alike
+    _assert_same_states(again, reference, atol=1e-7)
+
+
+def test_chunked_loss_trainer_steps_torchao_8bit_with_the_one_pass_class(tmp_path):
+    from transformers import TrainingArguments
+
+    from hf_lowprec.ondevice import ChunkedLossTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_8bit", learning_rate=1e-3, use_cpu=True,
+                             report_to=[])  # fmt: skip
+    trainer = ChunkedLossTrainer(model=tiny_llama(), args=args, activation_storage=None)
+    optimizer = trainer.create_optimizer()
+    assert type(getattr(optimizer, "optimizer", optimizer)) is AdamW8bit
+
+
+def test_finetune_rejects_an_unknown_optimizer():
+    from hf_lowprec.ondevice import finetune_int4_lora
+
+    with pytest.raises(ValueError, match="optim 'sgd' is not supported; choose from adamw_torch, adamw_torch_8bit"):
+        finetune_int4_lora(tiny_llama(), None, torch.zeros(4, 8, dtype=torch.long), steps=1, optim="sgd")
