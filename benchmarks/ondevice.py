@@ -53,7 +53,7 @@ CONFIGS = {
     "int4-lora": ("hf-lowprec INT4 LoRA (int8-stored activations unless checkpointing)", False),
     "int4-lora-plain": ("hf-lowprec INT4 LoRA without int8-stored activations (ablation)", False),
 }
-INT4_DEFAULT = "auto+loftq"  # what int4-lora* runs: the int4-ondevice-lora recipe's scanned plan and LoftQ init (see parse_variant)
+INT4_DEFAULT = "auto+loftq+adam8"  # what int4-lora* runs: the int4-ondevice-lora recipe's scanned plan, LoftQ init, 8-bit AdamW (see parse_variant)
 GC_VARIANTS = {"int4-lora-plain": (False,)}  # the plain ablation with checkpointing is int4-lora+gc
 
 

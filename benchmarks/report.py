@@ -315,13 +315,14 @@ def ondevice_section(ondevice: dict | None) -> list[str]:
     ]
     for name, r in speed["table"].items():
         lines.append(f"| {'* ' if r['own_default'] else ''}{name} | {r['peak_rss_mb']:.0f} | {r['step_cpu_s']:.2f} | {r['step_s']:.2f} |")
-    plan = next((r["plan_fractions"] for r in speed.get("runs", []) if r["config"] == "int4-lora" and r.get("plan_fractions")), None)
-    if plan:
-        packed = {f: v for f, v in plan.items() if f.startswith(("int4", "int8"))}
+    run = next((r for r in speed.get("runs", []) if r["config"] == "int4-lora" and r.get("plan_fractions")), None)
+    if run:
+        packed = {f: v for f, v in run["plan_fractions"].items() if f.startswith(("int4", "int8"))}
         share = ", ".join(f"{f} {v / sum(packed.values()):.0%}" for f, v in packed.items())
+        states = "8-bit" if run.get("optim") == "adamw_torch_8bit" else "fp32 (measured before the 8-bit default)"
         lines += ["", f"The `int4-lora` rows run the `int4-ondevice-lora` recipe's defaults (`ondevice.py` `INT4_DEFAULT`): a plan "
                       f"scanned on the first training blocks ({share} of the packed linear weights; embeddings and head bf16), "
-                      "LoftQ-initialised adapters."]  # fmt: skip
+                      f"LoftQ-initialised adapters; their AdamW states {states}."]  # fmt: skip
     g = speed["goals"]
     lines += ["", f"Goals (CPU time): peak RSS of the INT4 default {g['rss_defaults_vs_fp32_defaults']:.2f}x fp32 LoRA (goal ≤ 0.40), "
               f"{g['rss_vs_bnb_equal_nogc']:.2f}x bnb NF4 at equal settings (≤ 0.9); step {g['step_vs_bnb_equal_nogc']:.2f}x bnb (≤ 0.8), "
@@ -412,11 +413,12 @@ def scale_section(scale: dict | None) -> list[str]:
               "glibc returns every freed block of 64 KiB or more, step times from a run with glibc's default allocator (the "
               "other one's page faults double some step times). Rows measured on different days ran at different machine "
               "speeds (up to 1.7x apart here): compare step times within one day only.\n",
-              "| size | configuration | params | load s | load peak MB | peak MB 1x256 | peak MB 4x256 | step s 1x256 | step s 4x256 | measured |",
-              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+              "| size | configuration | optimizer states | params | load s | load peak MB | peak MB 1x256 | peak MB 4x256 | step s 1x256 | step s 4x256 | measured |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in sorted(scale["results"], key=lambda r: (r["params"], r["config"])):
         t1, t4 = r["train"]["1x256"], r["train"]["4x256"]
-        lines.append(f"| {r['size']} | {r['config']} | {r['params'] / 1e6:.0f}M | {r['load_s']:.1f} | {r['load_peak_rss_mb']:.0f} | "
+        states = "8-bit" if "8bit" in r.get("optimizer", "") else "fp32"  # rows before 2026-12-02: torch's AdamW
+        lines.append(f"| {r['size']} | {r['config']} | {states} | {r['params'] / 1e6:.0f}M | {r['load_s']:.1f} | {r['load_peak_rss_mb']:.0f} | "
                      f"{t1['peak_rss_mb']:.0f} | {t4['peak_rss_mb']:.0f} | {t1['step_s_median']:.2f} | {t4['step_s_median']:.2f} | "
                      f"{r.get('measured', 'before 2026-12-02')} |")  # fmt: skip
     fits = ", ".join(f"{c} {f['1x256']['bytes_per_param']:.2f} B/param + {f['1x256']['overhead_mb']:.0f} MB" for c, f in scale["fit"].items())
@@ -456,7 +458,8 @@ def adapter_optimizer_section(data: dict | None) -> list[str]:
             extra = f"+{o['extra_vs_int4_lora_step']:.0%}" if "extra_vs_int4_lora_step" in o else "—"
             lines.append(f"| {size} | {name} | {o['state_mb']:.1f} | {o['state_saved_mb']:.1f} | {o['step_ms']:.0f} | "
                          f"{o['time_vs_adamw']:.1f}x | {extra} |")  # fmt: skip
-    return lines + ["", "The on-device default keeps fp32 AdamW states: 8-bit ones save a few percent of the peak for more of the step.", ""]
+    return lines + ["", "The on-device default is `adamw_hf_lowprec_8bit` (since 2026-12-02; fp32 states before): torchao's 8-bit "
+                    "states and numerics, its CPU step one C++ pass per block of 256.", ""]
 
 
 def gpu_section(gpu: dict | None) -> list[str]:

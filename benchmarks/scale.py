@@ -301,7 +301,9 @@ def goals(results: list[dict]) -> dict:
         return max(r["load_peak_rss_mb_glibc"], r["train"][batch]["peak_rss_mb_glibc"])
 
     def step_vs_fastest(ours: dict, key: str) -> tuple[float, str]:
-        fastest = min(peers.values(), key=lambda r: r["train"][batch][key])
+        """Against the fastest peer measured the same day (the machine's speed drifts between days)."""
+        same_day = [r for r in peers.values() if r.get("measured") == ours.get("measured")] or list(peers.values())
+        fastest = min(same_day, key=lambda r: r["train"][batch][key])
         return ours["train"][batch][key] / fastest["train"][batch][key], fastest["config"]
 
     out = {}
