@@ -140,7 +140,10 @@ def test_int8_layer_stores_one_code_per_byte_and_multiplies_them_as_stored():
 @needs_cpp
 @pytest.mark.parametrize("spec", ["int4-g64", "int4-g32-asym", "int4", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiled_backend_forward_and_grad_input_match_reference(spec, dtype):
+@pytest.mark.parametrize("tile_elements", [None, 400])
+def test_tiled_backend_forward_and_grad_input_match_reference(spec, dtype, tile_elements, monkeypatch):
+    if tile_elements is not None:  # tiles capped by their size, as a 128k-vocabulary head's: here 2 rows / 2 columns
+        monkeypatch.setattr("hf_lowprec.modules.packed.TILE_ELEMENTS", tile_elements)
     layer = packed(spec, k=192, n=200).to(dtype)  # 200 rows: tiles of unequal size
     layer.input_scale.copy_(2.0 ** torch.randint(-2, 3, (192,)).float())
     x, g = torch.randn(3, 11, 192, dtype=dtype), torch.randn(3, 11, 200, dtype=dtype)

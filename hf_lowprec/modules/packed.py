@@ -68,8 +68,18 @@ PACKED_BACKENDS = ("auto", "int8", "tiled", "dequant")
 # and Llama-3.2-1B shapes, benchmarks/kernel_speed.py: 5 tiles on 2 threads cost up to 25%)
 ROW_TILE = 128
 COLUMN_TILE = 256
-DEQUANT_AUTOTUNE_MAX = 1 << 24  # weights above this many elements: auto never times (nor picks) dequant
+# and at most this many weight elements per tile (each thread's scratch): a 128k-vocabulary head's grad-input takes
+# 64 columns a tile, not 256. Measured on the Llama-3.2-1B head, 65 tokens, 2 threads (AVX512-BF16 CPU): bf16 228 vs
+# 266 ms and 32 MB of scratch instead of 126; fp32 364 vs 427 ms, 63 MB instead of 251 (1 << 22: slower, 301/504 ms)
+TILE_ELEMENTS = 1 << 23
+# weights above this many elements: auto never times (nor picks) dequant, whose timing makes the dense weight (in
+# fp32, then the compute dtype: a 100 MB first-run spike at 8192x2048). It never won above 2048x2048 on either CPU class
+# (benchmarks/kernel_speed.py, Llama-3.2-1B shapes, 256 and 1024 tokens: 0.33-0.76x the fastest backend)
+DEQUANT_AUTOTUNE_MAX = 1 << 22
 AUTOTUNE_TOKENS = 256  # rows of the probe input when auto times the backends of a layer shape
+# at most this many output elements per probe: a 128k-vocabulary head is timed on 65 rows (as the chunked loss calls
+# it), not 256, whose probe output and gradient were a first-run spike of ~100 MB at the Llama-3.2-1B shape
+AUTOTUNE_OUTPUTS = 1 << 23
 CHUNK_ELEMENTS = 1 << 22  # weight elements quantized per slice when packing a dense weight (16 MB in fp32)
 INT32_TILE = 1 << 21  # int32 products of the int8 backend's forward held at a time (8 MB; see _int_mm_dequantized)
 OUTLIER_COLUMNS = 8  # input channels per call the int8 backend multiplies in the activation dtype (see _int8_forward)
@@ -235,12 +245,12 @@ def balanced_tile(size: int, most: int) -> int:
 
 
 def _tiled_forward(x2d: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
-    tile = balanced_tile(layer.out_features, ROW_TILE)
+    tile = balanced_tile(layer.out_features, min(ROW_TILE, max(2, TILE_ELEMENTS // layer.in_features)))
     return cpu_kernels().tiled_linear(x2d.contiguous(), *layer.tiled_operands(), tile)
 
 
 def _tiled_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
-    tile = balanced_tile(layer.in_features, COLUMN_TILE)
+    tile = balanced_tile(layer.in_features, min(COLUMN_TILE, max(2, TILE_ELEMENTS // layer.out_features)))
     return cpu_kernels().tiled_linear_grad_input(grad_out.contiguous(), *layer.tiled_operands(), tile)
 
 
@@ -638,15 +648,17 @@ class PackedLinear(nn.Module):
         return self.backend
 
     def _autotune(self, device: torch.device, dtype: torch.dtype, runnable: dict[str, str]):
-        """Time forward + grad-input of each runnable backend on a random ``[AUTOTUNE_TOKENS, K]`` input (made only
-        when this machine has not measured this shape yet)."""
+        """Time forward + grad-input of each runnable backend on a random ``[T, K]`` input, ``T = AUTOTUNE_TOKENS`` or
+        fewer where the output would exceed ``AUTOTUNE_OUTPUTS`` elements (made only when this machine has not
+        measured this shape yet)."""
         probe: dict[str, torch.Tensor] = {}
+        tokens = max(1, min(AUTOTUNE_TOKENS, AUTOTUNE_OUTPUTS // self.out_features))
 
         def run(backend):
             if not probe:
                 gen = torch.Generator(device).manual_seed(0)
-                probe["x"] = torch.randn(AUTOTUNE_TOKENS, self.in_features, generator=gen, device=device).to(dtype)
-                probe["g"] = torch.randn(AUTOTUNE_TOKENS, self.out_features, generator=gen, device=device).to(dtype)
+                probe["x"] = torch.randn(tokens, self.in_features, generator=gen, device=device, dtype=dtype)
+                probe["g"] = torch.randn(tokens, self.out_features, generator=gen, device=device, dtype=dtype)
             x = probe["x"].mul_(1.0)  # a new version: the int8 rows of the last call are not reused
             forward, grad_input = KERNELS[backend]
             return forward(x, self), grad_input(probe["g"], self)
