@@ -20,6 +20,10 @@ AdamW (8-bit states for hf-lowprec and NF4 QLoRA since 2026-12-02, fp32 for the 
 - ``nf4-qlora`` / ``nf4-qlora-gc``: bitsandbytes NF4 (double quant, bf16 compute) + PEFT, without / with gradient
   checkpointing.
 
+The packed layers' kernel choices are measured once per machine and kept (``~/.cache/hf_lowprec/autotune.json``):
+a configuration's first run on a machine measures them in its warm-up step, later runs read them; rows measured
+with them read (a fresh cache adds the measuring to the first run's peak: ``HF_LOWPREC_CACHE`` elsewhere shows it).
+
 Per configuration: load seconds, peak RSS while loading (``VmHWM``, imports included), then for batch 1x256 and
 4x256 one warm-up and ``--steps`` timed steps with the peak reset before each (``/proc/self/clear_refs``): peak RSS
 while training and the median step time. Each configuration runs twice: peak RSS is read where glibc serves blocks
@@ -73,7 +77,8 @@ UNTIED = "-untied"  # a size's shape with its own input embedding (Llama-3.1-8B,
 SIZES["llama-3.2-1b" + UNTIED] = {**SIZES["llama-3.2-1b"], "tie_word_embeddings": False}
 DEFAULT_SIZES = ("smollm2-135m", "smollm2-360m", "llama-3.2-1b")
 CONFIGS = {
-    "int4-lora": "hf-lowprec INT4+LoRA defaults (int4-g64-asym packed on load, chunked loss, int8-stored activations)",
+    "int4-lora": "hf-lowprec INT4+LoRA defaults (int4-g64-asym packed on load, chunked loss, int8-stored activations, "
+                 "8-bit AdamW)",
     "int4-lora-gc": "hf-lowprec INT4+LoRA defaults, gradient checkpointing instead of int8-stored activations",
     "int4-lora-bf16-embedding": "hf-lowprec INT4+LoRA defaults with an untied input embedding left bf16 (the default "
                                 "before PackedEmbedding)",
