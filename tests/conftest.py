@@ -16,7 +16,6 @@ torch.set_num_threads(1)
 os.environ["HF_LOWPREC_CACHE"] = tempfile.mkdtemp(prefix="hf_lowprec_cache_")
 
 
-
 def _cpp_kernels_build() -> bool:
     from hf_lowprec.modules.kernels.cpp import cpu_kernels
 
@@ -26,6 +25,7 @@ def _cpp_kernels_build() -> bool:
 # the C++ kernels need AVX2 and a compiler: they build on both CPU classes of these machines, so this skips only where
 # neither exists (the torch-op fallbacks are tested beside them)
 needs_cpp = pytest.mark.skipif(not _cpp_kernels_build(), reason="the C++ CPU kernels cannot be built here")
+
 
 def tiny_llama(seed: int = 0, tie: bool = False, **overrides) -> LlamaForCausalLM:
     """A 2-layer Llama (hidden 64) in fp32."""

@@ -77,8 +77,9 @@ TILE_ELEMENTS = 1 << 23
 # (benchmarks/kernel_speed.py, Llama-3.2-1B shapes, 256 and 1024 tokens: 0.33-0.76x the fastest backend)
 DEQUANT_AUTOTUNE_MAX = 1 << 22
 AUTOTUNE_TOKENS = 256  # rows of the probe input when auto times the backends of a layer shape
-# at most this many output elements per probe: a 128k-vocabulary head is timed on 65 rows (as the chunked loss calls
-# it), not 256, whose probe output and gradient were a first-run spike of ~100 MB at the Llama-3.2-1B shape
+# at most this many output elements per probe, and per chunk of the chunked loss (ondevice/loss.py's CHUNK_LOGITS): a
+# 128k-vocabulary head is timed on the 65 rows a chunk gives it, not 256, whose probe output and gradient were a
+# first-run spike of ~100 MB at the Llama-3.2-1B shape
 AUTOTUNE_OUTPUTS = 1 << 23
 CHUNK_ELEMENTS = 1 << 22  # weight elements quantized per slice when packing a dense weight (16 MB in fp32)
 INT32_TILE = 1 << 21  # int32 products of the int8 backend's forward held at a time (8 MB; see _int_mm_dequantized)
@@ -237,20 +238,22 @@ def _dequant_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.
     return torch.mm(grad_out, layer.operand_weight(grad_out.dtype))
 
 
-def balanced_tile(size: int, most: int) -> int:
-    """An even tile of at most ``most`` (about) that cuts ``size`` into a multiple of the thread count of tiles."""
+def balanced_tile(size: int, most: int, width: int) -> int:
+    """An even tile of at most ``most`` lines (about), and ``TILE_ELEMENTS`` weight elements at ``width`` per line, that
+    cuts ``size`` lines into a multiple of the thread count of tiles."""
+    most = min(most, max(2, TILE_ELEMENTS // width))
     threads = torch.get_num_threads()
     tiles = threads * -(-size // (threads * most))
     return max(2, -(-size // tiles) + (-(-size // tiles)) % 2)
 
 
 def _tiled_forward(x2d: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
-    tile = balanced_tile(layer.out_features, min(ROW_TILE, max(2, TILE_ELEMENTS // layer.in_features)))
+    tile = balanced_tile(layer.out_features, ROW_TILE, layer.in_features)
     return cpu_kernels().tiled_linear(x2d.contiguous(), *layer.tiled_operands(), tile)
 
 
 def _tiled_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
-    tile = balanced_tile(layer.in_features, min(COLUMN_TILE, max(2, TILE_ELEMENTS // layer.out_features)))
+    tile = balanced_tile(layer.in_features, COLUMN_TILE, layer.out_features)
     return cpu_kernels().tiled_linear_grad_input(grad_out.contiguous(), *layer.tiled_operands(), tile)
 
 

@@ -12,12 +12,12 @@ from peft import PeftModel
 from torch import nn
 
 from hf_lowprec.labels import IGNORE_INDEX
-from hf_lowprec.modules.packed import compiled, native_kernels
+from hf_lowprec.modules.packed import AUTOTUNE_OUTPUTS, compiled, native_kernels
 
 logger = logging.getLogger(__name__)
 # most logits of one chunk (tokens x vocabulary): 128 tokens of a 49k vocabulary; at a 128k vocabulary, 65 tokens,
 # which keeps a chunk's logits, their fp32 loss and gradient near 100 MB instead of 200 (Llama-3.2-1B, scale.py)
-CHUNK_LOGITS = 1 << 23
+CHUNK_LOGITS = AUTOTUNE_OUTPUTS  # the packed layers time a head this wide at the rows of one chunk
 
 
 def cross_entropy_with_grad(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

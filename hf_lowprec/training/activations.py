@@ -171,10 +171,10 @@ class ActivationStorage:
             return t
         # ops often save views of one tensor (a linear's input reshaped to 2-D, once per q/k/v projection):
         # key on the viewed tensor and the view's geometry, and check the base is still the same, unchanged tensor
-        stored = self._stored(t)
+        base, key = view_key(t)
+        stored = self._lookup(base, key, t._version)
         if stored is not None:
             return stored
-        base, key = view_key(t)
         derived = self._derived.get(id(base))
         if derived is not None and derived[0]() is base and derived[1] == base._version:
             stored = _Derived(derived[2], derived[3], t)
@@ -189,9 +189,11 @@ class ActivationStorage:
 
     def _stored(self, t: torch.Tensor) -> "_Packed | _Derived | None":
         """What this forward stored for ``t`` (or the same view of the same unchanged tensor) already, if anything."""
-        base, key = view_key(t)
+        return self._lookup(*view_key(t), t._version)
+
+    def _lookup(self, base: torch.Tensor, key: tuple, version: int) -> "_Packed | _Derived | None":
         hit = self._cache.get(key)
-        return hit[2]() if hit is not None and hit[0]() is base and hit[1] == t._version else None
+        return hit[2]() if hit is not None and hit[0]() is base and hit[1] == version else None
 
     def derive(self, output: torch.Tensor, fn, inputs: tuple[torch.Tensor, ...]) -> bool:
         """Register ``output = fn(*inputs)`` (a contiguous tensor just computed): when an op saves it (or a view of

@@ -54,7 +54,6 @@ class AdamW8bit(_TorchaoAdamW8bit):
 
     def _update(self, p: torch.Tensor, state: dict, group: dict) -> None:
         m, v, lr = state["exp_avg"], state["exp_avg_sq"], group["lr"]
-        lr = lr if isinstance(lr, torch.Tensor) else torch.tensor(lr, dtype=torch.float32)
         beta1, beta2 = group["betas"]
         ext = native_kernels(p, p.grad)
         one_pass = (ext is not None and not group["amsgrad"] and isinstance(m, OptimState8bit)
@@ -63,12 +62,13 @@ class AdamW8bit(_TorchaoAdamW8bit):
         if not one_pass:
             stochastic = self.bf16_stochastic_round and p.dtype is torch.bfloat16
             update = single_param_adam if p.device.type == "cpu" else _compiled_single_param_adam()
+            lr = lr if isinstance(lr, torch.Tensor) else torch.tensor(lr, dtype=torch.float32)
             with torch._dynamo.utils.disable_cache_limit():  # as torchao: one compilation per argument combination
                 update(p.detach(), p.grad, state["step"], m, v, state.get("max_exp_avg_sq"), lr, beta1, beta2,
                        group["weight_decay"], group["eps"], True, stochastic)  # fmt: skip
             return
         step = state["step"]  # the bias corrections as torchao computes them: fp32 tensor arithmetic
-        ext.adamw8bit_(p.detach(), p.grad, m.codes, m.scale, m.qmap, v.codes, v.scale, v.qmap, lr.item(),
+        ext.adamw8bit_(p.detach(), p.grad, m.codes, m.scale, m.qmap, v.codes, v.scale, v.qmap, float(lr),
                        beta1, beta2, group["weight_decay"], group["eps"], (1 - beta1**step).item(),
                        (1 - beta2**step).item())  # fmt: skip
 
