@@ -111,12 +111,12 @@ def _build(config: str, loftq: bool, rounding: str, gc: bool, budget_bits: float
     if config == "bnb-nf4":
         from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-        from hf_lowprec.checkpoints import _cache_gguf
+        from hf_lowprec.checkpoints import cache_gguf
 
         _, tok = load_pretrained(folder, gguf_file=gguf, dtype=torch.bfloat16)  # also makes the bf16 cache
         bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                  bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
-        base = AutoModelForCausalLM.from_pretrained(_cache_gguf(folder, gguf, torch.bfloat16), quantization_config=bnb, dtype=torch.bfloat16)
+        base = AutoModelForCausalLM.from_pretrained(cache_gguf(folder, gguf, torch.bfloat16), quantization_config=bnb, dtype=torch.bfloat16)
         torch.manual_seed(SEED)
         model = get_peft_model(base, lora)
         return model, tok, hf_loss(model), {}

@@ -110,7 +110,7 @@ def _gguf_cache_dir(folder: str, gguf_file: str, dtype: torch.dtype) -> Path:
     return cache_root() / "gguf" / f"{Path(gguf_file).stem}-{key}" / str(dtype).removeprefix("torch.")
 
 
-def _cache_gguf(folder: str, gguf_file: str, dtype: torch.dtype) -> Path:
+def cache_gguf(folder: str, gguf_file: str, dtype: torch.dtype) -> Path:
     """The cached plain folder of ``gguf_file`` in ``dtype``, made on first use, atomically.
 
     Each dtype has its own folder: loading a bf16 model from fp32 files reads (and keeps resident) the
@@ -129,7 +129,7 @@ def _cache_gguf(folder: str, gguf_file: str, dtype: torch.dtype) -> Path:
         del model.config.quantization_config
         model.hf_quantizer, model.is_quantized = None, False
     else:
-        source = _cache_gguf(folder, gguf_file, torch.float32)
+        source = cache_gguf(folder, gguf_file, torch.float32)
         logger.info("caching %s in %s (%s)", gguf_file, dtype, target)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(source)
@@ -179,7 +179,7 @@ def load_pretrained(
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     source, gguf = resolve_checkpoint(model_id_or_path, gguf_file)
     if gguf is not None and cache and Path(source).is_dir():
-        source, gguf = str(_cache_gguf(source, gguf, dtype)), None
+        source, gguf = str(cache_gguf(source, gguf, dtype)), None
     extra = {"gguf_file": gguf} if gguf else {}
     try:
         shared = source_kwargs(from_pretrained_kwargs)

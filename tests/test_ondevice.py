@@ -674,3 +674,22 @@ def test_a_packed_tied_table_keeps_gemmas_embedding_scale(tmp_path, monkeypatch)
         assert type(embedding).__name__ == "TiedPackedEmbedding" and embedding.scale == 8.0
         assert_int8_rows(embedding(ids) / 8.0, original.weight.detach(), ids)  # the rows times Gemma's sqrt(64)
     torch.testing.assert_close(expected / 8.0, original.weight.detach()[ids])
+
+
+@pytest.mark.slow
+def test_machine_setup_leaves_a_first_run_nothing_to_build_or_convert(monkeypatch):
+    """``make setup``'s ``python -m hf_lowprec.machine_setup``: afterwards the kernels are loaded and the default
+    checkpoint's cached folder exists in the dtype this CPU computes in, so a first finetune converts nothing."""
+    from hf_lowprec.checkpoints import _gguf_cache_dir
+    from hf_lowprec.machine_setup import prepare_machine
+    from hf_lowprec.modules.kernels.autotune import compute_dtype
+    from hf_lowprec.modules.kernels.cpp import cpu_kernels
+
+    lines = prepare_machine()
+    folder, gguf = default_checkpoint()
+    dtype = compute_dtype("cpu")[0]
+    assert (_gguf_cache_dir(folder, gguf, dtype) / "config.json").is_file()
+    assert (cpu_kernels() is not None) == torch.cpu._is_avx2_supported()
+    assert len(lines) == 3 and lines[1] == compute_dtype("cpu")[1]
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", None)  # a second call converts nothing
+    prepare_machine()

@@ -618,8 +618,11 @@ def _build():
         return None
     from torch.utils.cpp_extension import load_inline
 
-    # -march=native code runs only where it was built: the CPU's flags are part of the name
-    name = "hf_lowprec_cpu_kernels_" + hashlib.sha256((_SOURCE + build_tag()).encode()).hexdigest()[:12]
+    # -march=native code runs only where it was built: the CPU's flags are part of the name. So is the torch install
+    # it compiles against: torch's build.ninja names that install's include folders, so two virtual environments
+    # sharing one name would each see the other's build as stale and rebuild it (~45 s) on every switch
+    key = _SOURCE + build_tag() + str(Path(torch.__file__).resolve().parent)
+    name = "hf_lowprec_cpu_kernels_" + hashlib.sha256(key.encode()).hexdigest()[:12]
     logger.info("loading hf_lowprec CPU kernels (%s; built once per machine, ~45 s)", name)
     clear_stale_build_lock(name)
     try:
