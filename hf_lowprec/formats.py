@@ -407,8 +407,17 @@ class _FakeQuantizeInt(torch.autograd.Function):
     def forward(ctx, w, step, zero, spec):
         ctx.save_for_backward(w, step, zero)
         ctx.spec = spec
-        q, _, _ = _int_grid(w, spec, step, zero)
-        return _ungroup((q if zero is None else q - zero.unsqueeze(-1)) * step.unsqueeze(-1), w).to(w.dtype)
+        # _int_grid's arithmetic in place on one buffer, without its mask (backward's alone): the sensitivity scan
+        # quantizes every weight once per batch, and this takes 1.15 ms instead of 3.33 for a 1536x576 int4-g64-asym
+        # weight (2-core AVX2 CPU)
+        qmin, qmax = spec.qrange
+        out = group_view(w.float(), spec.group_size) / step.float().unsqueeze(-1)
+        if zero is not None:
+            out.add_(zero.unsqueeze(-1))
+        out.round_().clamp_(qmin, qmax)
+        if zero is not None:
+            out.sub_(zero.unsqueeze(-1))
+        return _ungroup(out.mul_(step.unsqueeze(-1)), w).to(w.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
