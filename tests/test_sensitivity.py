@@ -285,6 +285,45 @@ def test_merging_batches_does_not_change_weight_only_scores():
         assert a.predicted[INT4] == pytest.approx(b.predicted[INT4], rel=1e-4, abs=1e-9)
 
 
+
+def test_fisher_terms_match_output_gradients_taken_after_the_backward(sensitive_model):
+    """The Fisher pass adds each layer's terms inside the backward, when its output gradient arrives; the reference
+    keeps every output's gradient (``retain_grad``) and runs each twin afterwards: first order ``Σ g·δy`` and second
+    order ``½ Σ (g·δy)²`` per labelled token, ``δy`` the weight-only twin's output minus the layer's."""
+    from hf_lowprec.sensitivity.units import _twins, _Unit
+
+    model = copy.deepcopy(sensitive_model)
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+    formats = (INT4, "int8")
+    result = scan(model, batches(), formats=formats, method="fisher", layers=names, max_batch_tokens=128)
+    first = {(n, f): 0.0 for n in names for f in formats}
+    second = dict(first)
+    count = 0
+    for b in batches():
+        seen = {}
+        hooks = [model.get_submodule(n).register_forward_hook(
+            lambda m, a, out, n=n: seen.__setitem__(n, (a[0].detach(), out)) or out.retain_grad()) for n in names]  # fmt: skip
+        logits = model(input_ids=b["input_ids"]).logits[:, :-1].reshape(-1, 256)
+        labels = b["labels"][:, 1:].reshape(-1)
+        F.cross_entropy(logits.float(), labels, reduction="sum").backward()
+        model.zero_grad()
+        for h in hooks:
+            h.remove()
+        count += labels.numel()
+        with torch.no_grad():
+            for n in names:
+                x, out = seen[n]
+                for f in formats:
+                    twin = _twins(_Unit(n, [(n, model.get_submodule(n))], [f]), f, "auto")[0][2]
+                    gd = (twin(x) - out).double() * out.grad.double()
+                    first[n, f] += gd.sum().item()
+                    second[n, f] += 0.5 * (gd * gd).sum().item()
+    for layer in result.layers:
+        for f in formats:
+            assert layer.first_order[f] == pytest.approx(first[layer.name, f] / count, rel=1e-3, abs=1e-7)
+            assert layer.second_order[f] == pytest.approx(second[layer.name, f] / count, rel=1e-3, abs=1e-9)
+    assert {layer.name for layer in result.layers} == set(names)
+
 LATE_AND_EARLY = ("lm_head", "model.layers.1.mlp.down_proj", "model.layers.0.mlp.up_proj")
 
 

@@ -34,6 +34,11 @@ ALL_LINEAR = "all-linear"
 # input embedding that large (Llama-3.1-8B, Qwen2.5-7B: 525M+) is packed in per-row int8 likewise
 # (:class:`~hf_lowprec.modules.packed_embedding.PackedEmbedding`; -525 MB at Llama-3.1-8B)
 HEAD_INT8_MIN_PARAMS = 1 << 27
+# tokens per forward of plan="auto"'s scan (calibration blocks are merged up to this, one block at least): a forward
+# of few tokens spends most of its time reading and quantizing every dense weight (once per forward), while the
+# memory grows with the tokens. The make-demo scan (SmolLM2-135M packed while loading, 16 blocks of 128, fp32, 2-core
+# AVX2 CPU): 128 tokens 45 s, peak 1,057 MB; 256: 35 s, 1,356 MB (its training steps peak at 1,789); 512: 27 s, 1,990
+SCAN_BATCH_TOKENS = 256
 
 
 def _output_layer_name(model: nn.Module) -> str | None:
@@ -98,8 +103,8 @@ def scan_int4_plan(
     gets what :func:`int4_plan` gives it.
 
     Args:
-        calibration: token blocks ``[n, T]``; each block runs as its own forward (Fisher scan: activation
-            gradients only, so the peak memory is that of one block's forward and backward).
+        calibration: token blocks ``[n, T]``, merged into forwards of up to ``SCAN_BATCH_TOKENS`` tokens (one block
+            at least; Fisher scan: activation gradients only).
         budget: keyword arguments of :func:`hf_lowprec.sensitivity.allocate` (default ``AUTO_BUDGET``).
         formats: candidate formats (default ``AUTO_FORMATS``).
         dense_weights: for a model packed while loading, the reader of its checkpoint weights (see
@@ -114,7 +119,7 @@ def scan_int4_plan(
         formats=tuple(formats),
         method="fisher",
         layers=linears,
-        max_batch_tokens=calibration.shape[1],
+        max_batch_tokens=max(SCAN_BATCH_TOKENS, calibration.shape[1]),
         dense_weights=dense_weights,
     )
     plan = allocate(result, **(AUTO_BUDGET if budget is None else budget))
