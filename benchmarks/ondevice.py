@@ -44,6 +44,7 @@ BATCH, BLOCK, LR = 4, 256, 2e-4
 SEED = 0  # adapter init and data order; set by --seed
 CALIBRATION_BLOCKS = 16  # calibration blocks (x BLOCK tokens) for --rounding gptq / awq / awq+gptq
 THREADS = 2  # set by --threads
+RESULTS_FILE = "ondevice.json"  # set by --results-file (e.g. quality runs on another CPU class, kept apart)
 # name: (description, default gradient checkpointing)
 CONFIGS = {
     "fp32-lora": ("fp32 LoRA", False),
@@ -234,15 +235,15 @@ def run_child(config: str, gc: bool, steps: int, warmup: int, eval_blocks: int =
 
 
 def _load_results() -> dict:
-    path = RESULTS / "ondevice.json"
+    path = RESULTS / RESULTS_FILE
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _save(data: dict) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS / "ondevice.json.tmp"
+    tmp = RESULTS / f"{RESULTS_FILE}.tmp"
     tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(RESULTS / "ondevice.json")
+    tmp.replace(RESULTS / RESULTS_FILE)
 
 
 def speed(args) -> None:
@@ -478,6 +479,7 @@ def plot(_args) -> None:
 
 
 def main() -> None:
+    global THREADS, SEED, RESULTS_FILE
     from hf_lowprec.ondevice.calibration import ROUNDINGS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -501,9 +503,9 @@ def main() -> None:
     p.add_argument("--eval-blocks", type=int, default=16)
     p.add_argument("--threads", type=int, default=2, help="torch/OpenMP threads per configuration")
     p.add_argument("--seed", type=int, default=0, help="adapter init and data order (quality runs of another seed get their own rows)")
+    p.add_argument("--results-file", default=RESULTS_FILE, help="JSON file under results/ to merge into (quality runs on another CPU class: their own file)")
     args = p.parse_args()
-    global THREADS, SEED
-    THREADS, SEED = args.threads, args.seed
+    THREADS, SEED, RESULTS_FILE = args.threads, args.seed, args.results_file
     if args.mode == "child":
         print(MARK + json.dumps(child(args)), flush=True)
         return
