@@ -146,10 +146,18 @@ def ondevice_other_cpus(ondevice: dict | None) -> list[str]:
         if run is main:
             continue
         emulated = run.get("machine", {}).get("cpu", {}).get("restricted_to")
-        lines += [f"Speed on `{key}`" + (" (AVX2 class reproduced on an AVX-512 CPU: HF_LOWPREC_CPU_CLASS=avx2, oneDNN/MKL "
-                                          "limited to AVX2)" if emulated else "") + ":\n",
+        name = run.get("machine", {}).get("machine")
+        where = (" (AVX2 class reproduced on an AVX-512 CPU: HF_LOWPREC_CPU_CLASS=avx2, oneDNN/MKL limited to AVX2)"
+                 if emulated else f" ({name}, a CPU of this class)" if name else "")
+        lines += [f"Speed on `{key}`{where}:\n",
                   "| configuration | peak RSS MB | step s (CPU time) | step s (wall) |", "|---|---|---|---|"]  # fmt: skip
         lines += [f"| {name} | {r['peak_rss_mb']:.0f} | {r['step_cpu_s']:.2f} | {r['step_s']:.2f} |" for name, r in run["table"].items()]
+        lines.append("")
+    for path in sorted(RESULTS.glob("ondevice_quality_*.json")):  # quality runs on another CPU class
+        quality, cpu = json.loads(path.read_text())["quality"], path.stem.removeprefix("ondevice_quality_")
+        lines += [f"Quality on the {cpu} CPU ({path.name}; {quality['settings']['steps']} steps, the settings above):\n",
+                  "| run | seed | ppl before | ppl after |", "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {_quality_key(r)} | {r.get('seed', 0)} | {r['ppl_before']:.2f} | {r['ppl_after']:.2f} |" for r in quality["runs"]]
         lines.append("")
     return lines
 
