@@ -311,7 +311,7 @@ def _fisher_pass(model, batches, device, units, scores, hooks, tracker, twins_of
             logits, labels = _forward(model, batch, device)
             loss_sum = F.cross_entropy(logits, labels, reduction="sum")
             if leaves:  # runs the output hooks: every scanned output lies on a path to a leaf
-                torch.autograd.grad(loss_sum, leaves)
+                torch.autograd.grad(loss_sum, leaves, allow_unused=True)
         nll += loss_sum.item()
         count += len(labels)
         if replay is not None:  # needed only for the measured passes that follow
