@@ -69,6 +69,7 @@ EXAMPLE_NAMES = (
     "int4-g64-asym",
     "int4-g64-a8",
     "int4-g64-asym-rht",
+    "int4-g64-a8-sq",
     "nf4-g64",
 )
 _NAME_RE = re.compile(
@@ -77,6 +78,7 @@ _NAME_RE = re.compile(
     r"(?:-g(?P<group>\d+))?"
     r"(?P<asym>-asym)?"
     r"(?P<a8>-a8)?"
+    r"(?P<sq>-sq)?"
     r"(?P<rht>-rht)?$"
 )
 
@@ -95,6 +97,8 @@ class FormatSpec:
         act_int8: also fake-quantize the layer's input to int8 per token (int4/int8 only).
         rotate: quantize the input and weight in a randomized Hadamard basis of the input dimension
             (``-rht``; fp8, int4 and int8 linears; :mod:`hf_lowprec.rotation`).
+        smooth: divide the input by per-channel scales folded into the weight's columns, calibrated on the first
+            batch (``-sq``, SmoothQuant; fp8, int4 and int8 linears; :mod:`hf_lowprec.smoothing`).
     """
 
     family: str
@@ -103,6 +107,7 @@ class FormatSpec:
     symmetric: bool = True
     act_int8: bool = False
     rotate: bool = False
+    smooth: bool = False
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -130,6 +135,10 @@ class FormatSpec:
             raise ValueError(f"'-asym' applies to int4/int8 formats, not {self.family}")
         if self.rotate and self.family not in ("fp8", "int4", "int8"):
             raise ValueError(f"'-rht' (Hadamard rotation) applies to fp8/int4/int8 formats, not {self.family}")
+        if self.smooth and self.family not in ("fp8", "int4", "int8"):
+            raise ValueError(f"'-sq' (smoothing) applies to fp8/int4/int8 formats, not {self.family}")
+        if self.smooth and self.rotate:
+            raise ValueError("'-sq' and '-rht' are two outlier treatments of the same input; choose one")
         object.__setattr__(self, "name", self._canonical_name())
 
     @classmethod
@@ -144,26 +153,27 @@ class FormatSpec:
             close = difflib.get_close_matches(name, EXAMPLE_NAMES, n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise ValueError(f"unknown format {name!r}{hint}; choose one of {', '.join(EXAMPLE_NAMES)}")
-        family, fp8g, group, rotate = m["family"], m["fp8g"], m["group"], m["rht"] is not None
+        family, fp8g, group = m["family"], m["fp8g"], m["group"]
+        rotate, smooth = m["rht"] is not None, m["sq"] is not None
         if fp8g is not None and family != "fp8":
             raise ValueError(f"unknown format {name!r}: '-{fp8g}' applies to fp8 only")
         if family == "fp8":
             if group is not None:
                 raise ValueError(f"unknown format {name!r}: fp8 takes -tensorwise, -rowwise, -block or -mx, not -g")
-            return cls("fp8", FP8_GRANULARITIES[fp8g or ""], rotate=rotate)
+            return cls("fp8", FP8_GRANULARITIES[fp8g or ""], rotate=rotate, smooth=smooth)
         if family in HIGH_PRECISION:
-            if group or m["asym"] or m["a8"] or rotate:
+            if group or m["asym"] or m["a8"] or rotate or smooth:
                 raise ValueError(f"unknown format {name!r}: {family} takes no options")
             return cls(family)
         if family == "nf4":
-            if m["asym"] or m["a8"] or rotate:
+            if m["asym"] or m["a8"] or rotate or smooth:
                 raise ValueError(f"unknown format {name!r}: nf4 takes only a group size (nf4-g64)")
             return cls("nf4", "group", int(group or 64))
         gran = "group" if group else "channel"
-        return cls(family, gran, int(group) if group else None, m["asym"] is None, m["a8"] is not None, rotate)
+        return cls(family, gran, int(group) if group else None, m["asym"] is None, m["a8"] is not None, rotate, smooth)
 
     def _canonical_name(self) -> str:
-        suffix = "-rht" if self.rotate else ""
+        suffix = ("-sq" if self.smooth else "") + ("-rht" if self.rotate else "")
         if self.family == "fp8":
             return _FP8_NAMES[self.granularity] + suffix
         name = self.family

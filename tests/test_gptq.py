@@ -83,7 +83,7 @@ def test_prepare_int4_lora_with_calibration_packs_codes_closer_to_the_model():
         prepare_int4_lora(tiny_llama(), LORA, rounding="gptq", calibration=torch.rand(2, 8))
     with pytest.raises(ValueError, match="rounding 'awq' needs calibration= token blocks"):
         prepare_int4_lora(tiny_llama(), LORA, rounding="awq")
-    with pytest.raises(ValueError, match=r"calibration tokens are used by plan='auto' and by the roundings gptq, awq, awq\+gptq; this call has neither"):
+    with pytest.raises(ValueError, match=r"calibration tokens are used by plan='auto', by the roundings gptq, awq, awq\+gptq and by '-sq' layers; this call has none of them"):
         prepare_int4_lora(tiny_llama(), LORA, calibration=calibration)
     with pytest.raises(ValueError, match="unknown rounding 'rtn'; choose one of nearest, gptq, awq, awq\+gptq"):
         prepare_int4_lora(tiny_llama(), LORA, rounding="rtn")

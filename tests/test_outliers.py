@@ -1,4 +1,4 @@
-"""Outlier handling: Hadamard rotation (``-rht``) and MXFP8 (``fp8-mx``), each against a reference computed another way
+"""Outlier handling: Hadamard rotation (``-rht``), smoothing (``-sq``) and MXFP8 (``fp8-mx``), each against a reference computed another way
 (torchao's own MX cast and Hadamard matrix, fp32 math on rotated operands, dequantized copies)."""
 
 import json
@@ -11,14 +11,25 @@ from peft import LoraConfig
 from tiny_assets import save_tiny_model
 from torch import nn
 from torchao.prototype.mx_formats.mx_tensor import ScaleCalculationMode, to_dtype, to_mx
+from transformers import AutoModelForCausalLM
 
 from hf_lowprec import PrecisionPlan, apply_plan
 from hf_lowprec.convert import freeze
-from hf_lowprec.formats import E4M3, E5M2, FormatSpec, fp8_quantize_dequantize, int_steps, quantize_int
+from hf_lowprec.formats import (
+    E4M3,
+    E5M2,
+    FormatSpec,
+    dequantize_int,
+    fake_quantize_per_token_int8,
+    fp8_quantize_dequantize,
+    int_steps,
+    quantize_int,
+)
 from hf_lowprec.modules import FP8Embedding, FP8Linear, Int4Embedding, Int4Linear, PackedInt4Linear, PackedLinear
 from hf_lowprec.ondevice import export_int4_lora, load_int4_lora, load_int4_model
 from hf_lowprec.ondevice.calibration import calibrate_layer
 from hf_lowprec.rotation import rotate, rotation_block, rotation_matrix, unrotate
+from hf_lowprec.smoothing import MIN_CALIBRATION_TOKENS, InputSmoothing, smoothing_scale
 
 
 def _mx_reference(x: torch.Tensor, dtype=E4M3) -> torch.Tensor:
@@ -51,9 +62,9 @@ def test_format_names_parse_and_reject_what_does_not_apply():
     for bad, match in (("nf4-g64-rht", "nf4 takes only"), ("bf16-rht", "takes no options"), ("fp8-mx-g32", "not -g")):
         with pytest.raises(ValueError, match=match):
             FormatSpec.parse(bad)
-    with pytest.raises(ValueError, match="no input dimension to rotate"):
+    with pytest.raises(ValueError, match="no input to rotate or smooth"):
         Int4Embedding(10, 64, spec="int4-g32-rht")
-    with pytest.raises(ValueError, match="no input dimension to rotate"):
+    with pytest.raises(ValueError, match="no input to rotate or smooth"):
         FP8Embedding(10, 64, spec="fp8-rht")
     with pytest.raises(ValueError, match="divisible by 16"):
         FP8Linear(40, 8, spec="fp8-rht")
@@ -110,8 +121,6 @@ def test_rotated_int4_trains_packs_and_passes_input_gradients():
     layer = Int4Linear.from_linear(lin, spec, learn_scales=False)
     wr = rotate(lin.weight.detach(), 128)
     step, zero = int_steps(wr, spec)
-    from hf_lowprec.formats import dequantize_int
-
     q = dequantize_int(quantize_int(wr, spec, step, zero), spec, step, zero)
     reference = rotate(x, 128) @ q.t() + lin.bias.detach()
     torch.testing.assert_close(layer(x), reference, rtol=0, atol=1e-5)
@@ -207,3 +216,135 @@ def test_loading_a_base_with_a_layer_that_cannot_rotate_names_it(tmp_path):
     plan = PrecisionPlan({"lm_head": "bf16"}, default="int4-g8-rht")
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj \(136 inputs\).*without '-rht'"):
         load_int4_lora(base_dir, LoraConfig(r=4, target_modules="all-linear"), plan, dtype=torch.float32)
+
+
+def test_smoothing_scale_is_smoothquants_rounded_to_powers_of_two_and_calibrates_once():
+    torch.manual_seed(0)
+    w = torch.randn(32, 96) * 0.05
+    x = torch.randn(80, 96) * torch.logspace(-1, 2, 96)
+    amax = x.abs().amax(0)
+    s = smoothing_scale(amax, w)
+    exact = amax.sqrt() / w.abs().amax(0).sqrt()  # SmoothQuant with alpha = 0.5
+    torch.testing.assert_close(torch.log2(s), torch.round(torch.log2(exact)), rtol=0, atol=0)
+    smoothing = InputSmoothing(96)
+    assert not smoothing.calibrate(x[:MIN_CALIBRATION_TOKENS - 1], w)  # too few tokens: stays unsmoothed
+    assert torch.equal(smoothing.scale, torch.ones(96))
+    assert smoothing.calibrate(x, w) and not smoothing.calibrate(x * 100, w)  # the first batch, then fixed
+    torch.testing.assert_close(smoothing.scale, s, rtol=0, atol=0)
+    for dtype in (torch.float32, torch.bfloat16):  # powers of two: the change of basis adds no rounding
+        xd, wd = x.to(dtype), w.to(dtype)
+        assert torch.equal(smoothing.inputs(xd) * s.to(dtype), xd)
+        assert torch.equal(smoothing.weights(wd) / s.to(dtype), wd)
+
+
+def test_format_names_with_smoothing_parse_and_reject_what_does_not_apply():
+    for name in ("fp8-sq", "fp8-rowwise-sq", "int4-g64-a8-sq", "int4-g32-asym-sq", "int8-sq"):
+        assert FormatSpec.parse(name).name == name and FormatSpec.parse(name).smooth
+    for bad, match in (("fp8-sq-rht", "choose one"), ("nf4-g64-sq", "nf4 takes only"), ("bf16-sq", "no options")):
+        with pytest.raises(ValueError, match=match):
+            FormatSpec.parse(bad)
+    with pytest.raises(ValueError, match="no input to rotate or smooth"):
+        Int4Embedding(10, 64, spec="int4-g32-sq")
+    with pytest.raises(ValueError, match="cannot share its quantizer"):
+        lin = nn.Linear(64, 8)
+        Int4Linear.from_linear(lin, "int4-g32-sq", quantizer=Int4Linear.from_linear(lin, "int4-g32").weight_quantizer)
+
+
+@pytest.mark.parametrize("spec", ["fp8-sq", "fp8-rowwise-sq", "fp8-mx-sq"])
+def test_smoothed_fp8_linear_is_the_plain_layer_on_smoothed_operands(spec):
+    """``-sq`` = the same FP8 layer applied to ``x / s`` with weight ``W diag(s)``, ``s`` from the first batch."""
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 48)
+    x, g = torch.randn(96, 128), torch.randn(96, 48)
+    x[:, 5] *= 40  # an outlier channel
+    ours = FP8Linear.from_linear(lin, spec, backend="emulated")
+    xa = x.clone().requires_grad_()
+    ya = ours(xa)
+    s = smoothing_scale(x.abs().amax(0), lin.weight)
+    assert ours.smoothing.calibrated and torch.equal(ours.smoothing.scale, s) and s[5] > 1
+    plain = nn.Linear(128, 48)
+    plain.weight.data, plain.bias.data = lin.weight.detach() * s, lin.bias.detach().clone()
+    plain = FP8Linear.from_linear(plain, spec.removesuffix("-sq"), backend="emulated")
+    xb = (x / s).requires_grad_()
+    yb = plain(xb)
+    ya.backward(g)
+    yb.backward(g)
+    torch.testing.assert_close(ya, yb, rtol=0, atol=0)
+    torch.testing.assert_close(xa.grad, xb.grad / s, rtol=0, atol=0)
+    torch.testing.assert_close(lin.weight.grad, plain.weight.grad * s, rtol=0, atol=0)
+
+
+def test_smoothed_w4a8_trains_packs_reloads_and_beats_the_unsmoothed_layer_on_outlier_inputs():
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 64)
+    x = torch.randn(128, 256)
+    x[:, [3, 77, 200]] *= 50  # outlier channels, as LLM activations have
+    reference = F.linear(x, lin.weight.detach(), lin.bias.detach())
+    spec = FormatSpec.parse("int4-g64-a8-sq")
+    layer = Int4Linear.from_linear(lin, spec)  # learned steps: re-initialized for W diag(s) at calibration
+    out = layer(x)
+    s = layer.smoothing.scale
+    ws = lin.weight.detach() * s
+    step, zero = int_steps(ws, spec)
+    torch.testing.assert_close(layer.weight_quantizer.step.detach(), step, rtol=0, atol=0)
+    q = dequantize_int(quantize_int(ws, spec, step, zero), spec, step, zero)
+    expected = fake_quantize_per_token_int8(x / s) @ q.t() + lin.bias.detach()
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+    unsmoothed = Int4Linear.from_linear(nn.Linear(256, 64).requires_grad_(False), "int4-g64-a8")
+    unsmoothed.weight.data.copy_(lin.weight.detach())
+    unsmoothed.weight_quantizer.reinitialize(lin.weight.detach())
+    unsmoothed.bias.data.copy_(lin.bias.detach())
+    error = lambda y: ((y - reference).norm() / reference.norm()).item()  # noqa: E731
+    assert error(out) < 0.7 * error(unsmoothed(x))
+
+    out.sum().backward()
+    assert lin.weight.grad is not None and layer.weight_quantizer.step.grad is not None
+    packed = layer.freeze()
+    assert packed.spec.smooth and torch.equal(packed.input_scale, s)
+    torch.testing.assert_close(packed.dequantized_weight(), q / s, rtol=0, atol=1e-6)
+    packed.backend = "dequant"
+    torch.testing.assert_close(packed(x), F.linear(x, q / s, lin.bias.detach()), rtol=1e-5, atol=1e-5)
+
+    again = Int4Linear.from_linear(nn.Linear(256, 64), spec)
+    again.load_state_dict(layer.state_dict())  # reloads calibrated: a different first batch changes nothing
+    assert bool(again.smoothing.calibrated)
+    torch.testing.assert_close(again(x * 3), layer(x * 3), rtol=0, atol=0)
+
+
+def test_int4_lora_with_a_smoothed_plan_calibrates_on_the_first_batch_and_round_trips(tmp_path):
+    base_dir = save_tiny_model(tmp_path / "base", hidden_size=64, intermediate_size=128)
+    plan = PrecisionPlan({"lm_head": "bf16"}, default="int4-g32-a8-sq")
+    lora = LoraConfig(r=4, target_modules="all-linear")
+    with pytest.raises(ValueError, match="'-sq' layers needs calibration="):
+        load_int4_lora(base_dir, lora, plan, dtype=torch.float32)
+    calibration = torch.randint(0, 100, (4, 32))
+    with pytest.raises(ValueError, match="take nearest or gptq"):
+        load_int4_lora(base_dir, lora, plan, dtype=torch.float32, calibration=calibration, rounding="awq")
+
+    captured = {}
+    dense = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    q_proj = dense.model.layers[0].self_attn.q_proj
+    q_proj.register_forward_pre_hook(lambda m, a: captured.setdefault("x", a[0].detach()))
+    with torch.no_grad():
+        dense(input_ids=calibration)
+    for rounding in ("nearest", "gptq"):
+        model, _, report = load_int4_lora(
+            base_dir, lora, plan, dtype=torch.float32, calibration=calibration, rounding=rounding
+        )
+        assert {r.applied for r in report.layers if r.name.startswith("model.layers.")} == {"int4-g32-a8-sq"}
+        packed = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+        assert isinstance(packed, PackedInt4Linear) and packed.spec.smooth
+        expected = smoothing_scale(captured["x"].reshape(-1, 64).abs().amax(0), q_proj.weight)
+        assert torch.equal(packed.input_scale, expected) and not bool((expected == 1).all())
+    ids = torch.randint(0, 100, (2, 16))
+    randomize_adapters(model, std=0.05)
+    with torch.no_grad():
+        trained = on_dequant_backend(model).eval()(input_ids=ids).logits
+    export_int4_lora(model, tmp_path / "run")
+    reloaded, _ = load_int4_model(tmp_path / "run", backend="dequant")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, trained, rtol=0, atol=1e-5)
+    from hf_lowprec.export.compressed_tensors import export_compressed_tensors
+
+    errors = export_compressed_tensors(model, tmp_path / "ct")  # re-quantized without the input scales
+    assert errors and all(0 < e < 0.2 for e in errors.values())

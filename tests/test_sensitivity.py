@@ -152,6 +152,19 @@ def test_scan_scores_rotation_and_the_allocator_picks_it_where_it_pays(sensitive
     assert rotated not in result["model.embed_tokens"].predicted | result["model.embed_tokens"].measured
 
 
+def test_scan_scores_smoothed_formats_as_the_layer_calibrated_on_the_first_batch(sensitive_model):
+    """A ``-sq`` candidate calibrates its smoothing on the scan's first batch, as the converted layer does on its first
+    forward: the scan's Δloss is that of a copy converted by apply_plan and run on the same batch."""
+    smoothed = "int4-g32-a8-sq"
+    data = batches(n=1, rows=4)  # one batch: the scan regroups batches, and each consumer calibrates on its first
+    result = scan(sensitive_model, data, formats=("int4-g32-a8", smoothed), method="measured")
+    converted = copy.deepcopy(sensitive_model)
+    apply_plan(converted, PrecisionPlan({SENSITIVE: smoothed}))
+    expected = mean_loss(converted, data) - mean_loss(sensitive_model, data)
+    assert result[SENSITIVE].measured[smoothed] == pytest.approx(expected, rel=1e-3, abs=1e-6)
+    assert smoothed not in result["model.embed_tokens"].measured  # an embedding has no input to smooth
+
+
 @pytest.mark.parametrize("fmt", ["fp8", INT4])
 def test_predicted_and_measured_rank_correlation(measured, fisher, fmt):
     predicted = [u.predicted[fmt] for u in fisher.layers]
@@ -495,7 +508,7 @@ def test_scan_of_a_sequence_classifier_scores_its_classes():
         scan(model, [{"input_ids": data[0]["input_ids"], "labels": torch.rand(16)}], method="fisher")
 
 
-@pytest.mark.parametrize("fmt", ["int4-g64-asym", "int8", "int4-g64-asym-rht", "int4-g32-a8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int4-g64-asym", "int8", "int4-g64-asym-rht", "int4-g32-a8", "int4-g32-a8-sq", "fp8"])
 def test_a_packed_layers_output_errors_in_row_blocks_are_its_whole_twins(monkeypatch, fmt):
     """The packed scan's ``g * δy``, built a few output rows at a time (``δy = x (Q(W) - W)^T`` for weight-only
     formats), sums to the terms of the whole twin's output minus the dense layer's (fp32)."""
@@ -509,13 +522,14 @@ def test_a_packed_layers_output_errors_in_row_blocks_are_its_whole_twins(monkeyp
     dense = nn.Linear(128, 200)
     packed = Int4Linear.from_linear(copy.deepcopy(dense), FormatSpec.parse("int4-g64-asym")).freeze()
     source = scan_module._TwinSource([_Unit("layer", [("layer", packed)], [fmt])], "auto", lambda _: dense.weight.detach())
-    x, g = torch.randn(2, 5, 128), torch.randn(2, 5, 200)
+    x, g = torch.randn(2, 40, 128), torch.randn(2, 40, 200)  # 80 tokens: enough to calibrate '-sq' smoothing
     with torch.no_grad():
         pieces = [gd for key, gd in source.output_errors(id(packed), x, None, g) if key == ("layer", fmt)]
         twin = _twins(_Unit("layer", [("layer", dense)], [fmt]), fmt, "auto")[0][2]
         expected = ((twin(x) - dense(x)) * g).flatten()
-    assert len(pieces) == (67 if FormatSpec.parse(fmt).family != "fp8" else 1)  # 200 rows, 3 at a time
-    got = torch.cat([p.view(10, -1) for p in pieces], 1).flatten()  # blocks of output columns, token by token
+    whole = FormatSpec.parse(fmt).family == "fp8" or FormatSpec.parse(fmt).smooth  # scales that read every row
+    assert len(pieces) == (1 if whole else 67)  # 200 rows, 3 at a time
+    got = torch.cat([p.view(80, -1) for p in pieces], 1).flatten()  # blocks of output columns, token by token
     assert got.shape == expected.shape
     torch.testing.assert_close(got.sum(), expected.sum(), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got.dot(got), expected.dot(expected), rtol=1e-4, atol=1e-6)

@@ -16,7 +16,7 @@ needs it. What compressed-tensors 0.20 loads correctly on CPU decides the rest:
 - per-channel int8 layers are written as dense weights in the model dtype (exact: code times step, one rounding): as
   a second config group they would load wrong, since transformers decodes every dense layer with one group's scheme.
 
-A layer with activation-aware input scales (AWQ), a Hadamard rotation (``-rht``) or a non-integer zero point is
+A layer with input scales (AWQ, smoothing ``-sq``), a Hadamard rotation (``-rht``) or a non-integer zero point is
 re-quantized on the plain grid first (a second rounding; its error is returned).
 """
 
@@ -62,8 +62,8 @@ def _packed_by_name(base: nn.Module) -> dict[str, PackedLinear]:
 
 def _int4_format(layers: dict[str, PackedLinear]):
     """The one INT4 format of ``layers``; ``ValueError`` for none, several, or a shape compressed-tensors refuses."""
-    plain = (replace(m.spec, rotate=False) for m in layers.values() if isinstance(m, PackedInt4Linear))
-    specs = {spec.name: spec for spec in plain}  # rotated layers are written on the plain grid
+    plain = (replace(m.spec, rotate=False, smooth=False) for m in layers.values() if isinstance(m, PackedInt4Linear))
+    specs = {spec.name: spec for spec in plain}  # rotated and smoothed layers are written on the plain grid
     if not specs:
         raise ValueError("compressed-tensors export needs packed INT4 layers; this model has none (export 'bf16')")
     if len(specs) > 1:
@@ -89,7 +89,7 @@ def _on_plain_grid(layer: PackedInt4Linear) -> tuple[PackedInt4Linear, float | N
     integral_zero = layer.zero is None or bool(torch.equal(layer.zero, layer.zero.round()))
     if layer.inverse_input_scale() is None and integral_zero and layer.rotation_block is None:
         return layer, None
-    spec = replace(layer.spec, rotate=False)
+    spec = replace(layer.spec, rotate=False, smooth=False)
     plain = PackedInt4Linear(layer.in_features, layer.out_features, spec, layer.bias is not None, layer.step.dtype)
     if layer.bias is not None:
         plain.bias.data.copy_(layer.bias)

@@ -168,8 +168,8 @@ def packing_plan(model: nn.Module, plan: "dict | str | None") -> PrecisionPlan:
     dense_only = _unpacked_formats(plan.assign(model).values())
     if dense_only:
         raise ValueError(
-            f"quantize-on-load packs int4 formats and per-channel int8; the plan also has {', '.join(dense_only)}: "
-            "load the model dense and apply_plan it, or use hf_lowprec.load_int4_lora"
+            f"quantize-on-load packs int4 formats (without -sq) and per-channel int8; the plan also has "
+            f"{', '.join(dense_only)}: load the model dense and apply_plan it, or use hf_lowprec.load_int4_lora"
         )
     return plan
 
@@ -186,8 +186,9 @@ def packs_on_load(plan) -> bool:
 
 
 def _unpacked_formats(specs) -> list[str]:
-    """The low-precision formats among ``specs`` that no packed layer stores (fp8, nf4, grouped int8), by name."""
-    return sorted({s.name for s in specs if not s.is_high_precision and packed_class(s) is None})
+    """The low-precision formats among ``specs`` that cannot be packed as the weights are read, by name: those no packed
+    layer stores (fp8, nf4, grouped int8) and the smoothed ones (``-sq``: calibrated on activations)."""
+    return sorted({s.name for s in specs if not s.is_high_precision and (packed_class(s) is None or s.smooth)})
 
 
 def _packed_layers(model: nn.Module, plan: PrecisionPlan) -> dict[str, FormatSpec]:

@@ -40,6 +40,7 @@ from hf_lowprec.modules.embedding import like_embedding
 from hf_lowprec.modules.kernels.autotune import compute_dtype
 from hf_lowprec.rotation import layer_rotation, rotate
 from hf_lowprec.scaling import DynamicScaling, ScalePolicy
+from hf_lowprec.smoothing import InputSmoothing
 
 FP8_BACKENDS = ("auto", "emulated", "torchao")
 
@@ -202,6 +203,7 @@ class FP8Linear(nn.Linear):
         if self.spec.granularity == "mx" and not all(p.power_of_two for p in self.scaling.values()):
             raise ValueError("fp8-mx scales are powers of two (E8M0); pass scale policies with power_of_two=True")
         self.rotation_block = layer_rotation(self.spec, in_features, f"FP8Linear({self.spec.name})")
+        self.smoothing = InputSmoothing(in_features, device) if self.spec.smooth else None
         self._torchao_config = None
 
     @classmethod
@@ -209,6 +211,8 @@ class FP8Linear(nn.Linear):
         """Wrap an existing ``nn.Linear``, keeping its ``weight``/``bias`` Parameter objects."""
         new = cls(linear.in_features, linear.out_features, linear.bias is not None, spec=spec, device="meta", **kwargs)
         new.weight, new.bias = linear.weight, linear.bias
+        if new.smoothing is not None:
+            new.smoothing.to(linear.weight.device)
         return new
 
     @property
@@ -227,6 +231,9 @@ class FP8Linear(nn.Linear):
         weight = self.weight.to(x.dtype)
         shape = x.shape
         x2d = x.reshape(-1, shape[-1])
+        if self.smoothing is not None:
+            self.smoothing.calibrate(x2d, weight)
+            x2d, weight = self.smoothing.inputs(x2d), self.smoothing.weights(weight)
         if self.rotation_block is not None:
             x2d, weight = rotate(x2d, self.rotation_block), rotate(weight, self.rotation_block)
         if self.backend == "torchao":
@@ -287,8 +294,8 @@ class FP8Embedding(nn.Embedding):
         self.spec = FormatSpec.parse(spec)
         if self.spec.family != "fp8":
             raise ValueError(f"FP8Embedding needs an fp8 format, got {self.spec.name!r}")
-        if self.spec.rotate:
-            raise ValueError(f"an embedding has no input dimension to rotate; drop '-rht' from {self.spec.name!r}")
+        if self.spec.rotate or self.spec.smooth:
+            raise ValueError(f"an embedding has no input to rotate or smooth; drop '-rht'/'-sq' from {self.spec.name!r}")
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, spec: FormatSpec | str = "fp8-rowwise") -> "FP8Embedding":

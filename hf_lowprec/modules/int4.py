@@ -11,6 +11,9 @@ quantizer, so both read the same quantized table: pass ``quantizer=`` (``convert
 
 ``-rht`` formats quantize ``W R`` and multiply it by ``x R`` (``R`` the randomized block Hadamard rotation of
 :mod:`hf_lowprec.rotation`): the quantizer's steps belong to the rotated weight, and ``freeze()`` packs its codes.
+``-sq`` formats quantize ``W diag(s)`` and multiply it by ``x / s`` (``s`` the smoothing of
+:mod:`hf_lowprec.smoothing`, calibrated by the first forward, which also re-initializes the steps); ``freeze()`` packs
+the codes with ``s`` as the packed layer's ``input_scale``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from hf_lowprec.modules.lsq import LearnedActivationQuantizer, LearnedStepQuanti
 from hf_lowprec.modules.packed import PackedLinear, packed_class
 from hf_lowprec.modules.packed_embedding import PackedEmbedding, check_embedding_format
 from hf_lowprec.rotation import layer_rotation, rotate, unrotate
+from hf_lowprec.smoothing import InputSmoothing
 
 INT_FAMILIES = ("int4", "int8", "nf4")
 
@@ -70,8 +74,11 @@ class Int4Linear(nn.Linear):
             )
         self.input_quantizer = LearnedActivationQuantizer("int8") if learn_activation_scales else None
         self.rotation_block = layer_rotation(self.spec, in_features, f"Int4Linear({self.spec.name})")
+        self.smoothing = InputSmoothing(in_features, self.weight.device) if self.spec.smooth else None
+        if quantizer is not None and self.spec.smooth:
+            raise ValueError(f"{self.spec.name!r}: a smoothed layer cannot share its quantizer (tied weights); drop '-sq'")
         if self.weight.device.type != "meta":
-            weight = self.operand(self.weight)
+            weight = self.weight_operand(self.weight)
             self.weight_quantizer = quantizer or LearnedStepQuantizer(weight, self.spec, learn_scales)
 
     @classmethod
@@ -92,28 +99,48 @@ class Int4Linear(nn.Linear):
             learn_activation_scales=learn_activation_scales,
             device="meta",
         )
-        if new.input_quantizer is not None:
-            new.input_quantizer.to(linear.weight.device)
+        if quantizer is not None and new.spec.smooth:
+            raise ValueError(f"{new.spec.name!r}: a smoothed layer cannot share its quantizer (tied weights); drop '-sq'")
+        for part in (new.input_quantizer, new.smoothing):
+            if part is not None:
+                part.to(linear.weight.device)
         new.weight, new.bias = linear.weight, linear.bias
-        new.weight_quantizer = quantizer or LearnedStepQuantizer(new.operand(linear.weight), new.spec, learn_scales)
+        new.weight_quantizer = quantizer or LearnedStepQuantizer(new.weight_operand(linear.weight), new.spec, learn_scales)
         return new
 
-    def operand(self, t: torch.Tensor) -> torch.Tensor:
-        """``t [..., K]`` as the GEMM sees it: rotated along ``K`` for ``-rht`` formats, else ``t`` itself."""
-        return t if self.rotation_block is None else rotate(t, self.rotation_block)
+    def weight_operand(self, w: torch.Tensor) -> torch.Tensor:
+        """``w [N, K]`` as the GEMM sees it: ``W diag(s)`` for ``-sq``, ``W R`` for ``-rht``, else ``w`` itself."""
+        if self.smoothing is not None:
+            return self.smoothing.weights(w)
+        return w if self.rotation_block is None else rotate(w, self.rotation_block)
+
+    def input_operand(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., K]`` as the GEMM sees it: ``x / s`` for ``-sq``, ``x R`` for ``-rht``, else ``x`` itself."""
+        if self.smoothing is not None:
+            return self.smoothing.inputs(x)
+        return x if self.rotation_block is None else rotate(x, self.rotation_block)
 
     def quantized_weight(self) -> torch.Tensor:
-        """The weight as the format represents it (differentiable; ``W R`` for ``-rht`` formats)."""
-        return self.weight_quantizer(self.operand(self.weight))
+        """The weight as the format represents it (differentiable; :meth:`weight_operand` quantized)."""
+        return self.weight_quantizer(self.weight_operand(self.weight))
 
     def dequantized_weight(self) -> torch.Tensor:
-        """The weight the layer computes with, in its input's basis (:meth:`quantized_weight` rotated back for ``-rht``),
-        ``[N, K]``, differentiable."""
+        """The weight the layer computes with, in its input's basis (:meth:`quantized_weight` rotated back for ``-rht``,
+        divided by ``s`` for ``-sq``), ``[N, K]``, differentiable."""
         w = self.quantized_weight()
+        if self.smoothing is not None:
+            return w / self.smoothing.scale.to(w.dtype)
         return w if self.rotation_block is None else unrotate(w, self.rotation_block)
 
+    def calibrate_smoothing(self, x: torch.Tensor) -> None:
+        """``-sq``: calibrate ``s`` on input ``x [..., K]`` unless done (see :class:`InputSmoothing`), re-initializing
+        the steps for the smoothed weight; what the first forward does."""
+        if self.smoothing is not None and self.smoothing.calibrate(x, self.weight):
+            self.weight_quantizer.reinitialize(self.weight_operand(self.weight.detach()))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.operand(x)
+        self.calibrate_smoothing(x)
+        x = self.input_operand(x)
         if self.input_quantizer is not None:
             x = self.input_quantizer(x)
         elif self.spec.act_int8:
@@ -130,10 +157,11 @@ class Int4Linear(nn.Linear):
             raise ValueError(
                 f"freeze() packs int4 formats and per-channel symmetric int8 only; this layer is {self.spec.name}"
             )
-        weight = self.operand(self.weight.detach())
+        weight = self.weight_operand(self.weight.detach())
         step, zero = self.weight_quantizer.steps(weight)
         codes = quantize_int(weight, self.spec, step, zero)
-        return cls.from_codes(codes, step, zero, self.spec, self.bias, self.weight.dtype)
+        scale = None if self.smoothing is None else self.smoothing.scale
+        return cls.from_codes(codes, step, zero, self.spec, self.bias, self.weight.dtype, input_scale=scale)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, format={self.spec.name}"
@@ -149,8 +177,8 @@ class Int4Embedding(nn.Embedding):
         self.spec = _check_spec(spec, "Int4Embedding")
         if self.spec.act_int8:
             raise ValueError(f"an embedding has no activation input to quantize; drop '-a8' from {self.spec.name!r}")
-        if self.spec.rotate:
-            raise ValueError(f"an embedding has no input dimension to rotate; drop '-rht' from {self.spec.name!r}")
+        if self.spec.rotate or self.spec.smooth:
+            raise ValueError(f"an embedding has no input to rotate or smooth; drop '-rht'/'-sq' from {self.spec.name!r}")
 
     @classmethod
     def from_embedding(

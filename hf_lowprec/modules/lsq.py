@@ -46,6 +46,17 @@ class LearnedStepQuantizer(nn.Module):
             self.step = nn.Parameter(step.to(weight.device))
             self.register_buffer("zero", None if zero is None else zero.to(weight.device))
 
+    @torch.no_grad()
+    def reinitialize(self, weight: torch.Tensor) -> None:
+        """Learned steps (and zero points) re-initialized in place from ``weight [R, C]``, as at construction (the
+        weight the steps belong to changed basis, e.g. smoothing calibrated); the ``step`` Parameter stays the same
+        object, so an optimizer holding it keeps working."""
+        if self.learnable:
+            step, zero = int_steps(weight, self.spec)
+            self.step.copy_(step)
+            if zero is not None:
+                self.zero.copy_(zero)
+
     def forward(self, weight: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Quantize-dequantize ``weight`` (or only ``weight[rows]``, ``rows`` a 1-D index: ``[len(rows), C]``).
 

@@ -46,6 +46,7 @@ from hf_lowprec.ondevice.planning import (
     scan_int4_plan,
 )
 from hf_lowprec.plan import PrecisionPlan, is_auto
+from hf_lowprec.smoothing import MIN_CALIBRATION_TOKENS
 from hf_lowprec.training.fused_blocks import fuse_blocks
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,8 @@ def prepare_int4_lora(
         rounding: how the INT4 codes are chosen: ``nearest``, or calibrated on ``calibration`` tokens —
             ``gptq`` (output-preserving rounding), ``awq`` (activation-aware input scales), ``awq+gptq``
             (see :mod:`hf_lowprec.ondevice.calibration`; same formats, lower output error).
-        calibration: token blocks ``[n, T]`` for ``plan="auto"`` and the calibrated roundings.
+        calibration: token blocks ``[n, T]`` for ``plan="auto"``, the calibrated roundings and a plan's smoothed
+            (``-sq``) layers, which calibrate on the first batch.
         budget: ``plan="auto"`` only: :func:`hf_lowprec.sensitivity.allocate` keywords (default ``AUTO_BUDGET``).
         auto_formats: ``plan="auto"`` only: the formats it chooses from besides bf16 (default ``AUTO_FORMATS``).
         adapter_dtype: dtype of the adapter weights (fp32 master copies by default; they compute in the
@@ -86,10 +88,11 @@ def prepare_int4_lora(
             ``modules/packed.py``).
 
     Raises ``ValueError`` for a target that matches nothing, a plan that packs nothing, a model whose
-    layers are narrower than one INT4 group, calibration tokens missing (``auto`` plan, calibrated rounding)
-    or unused, or a budget without an ``auto`` plan.
+    layers are narrower than one INT4 group, calibration tokens missing (``auto`` plan, calibrated rounding,
+    ``-sq`` layers) or unused, or a budget without an ``auto`` plan.
     """
-    auto, calibrated = _check_arguments(plan, rounding, calibration, budget, auto_formats, backend)
+    smoothed = not is_auto(plan) and _smooths(model, plan)
+    auto, calibrated = _check_arguments(plan, rounding, calibration, budget, auto_formats, backend, smoothed)
     config = copy.deepcopy(lora_config or LoraConfig(r=16, lora_alpha=32, target_modules=ALL_LINEAR))
     config.target_modules = resolve_target_modules(model, config.target_modules)
     if calibration is not None:
@@ -103,6 +106,7 @@ def prepare_int4_lora(
     check_quantizable(model, plan)
     reread = _repack_replanned(model, plan, dense_weights)
     report = apply_plan(model, plan, learn_scales=False)
+    _calibrate_smoothing(model, calibration)
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     if calibrated:  # LoftQ factors, if asked, come from each layer's calibrated codes
         loftq = config if loftq_init else None
@@ -123,22 +127,53 @@ def prepare_int4_lora(
     return peft_model, report
 
 
-def _check_arguments(plan, rounding: str, calibration, budget, auto_formats, backend: str) -> tuple[bool, bool]:
-    """``(plan is auto, rounding is calibrated)`` after checking that the arguments of :func:`prepare_int4_lora` fit."""
+def _check_arguments(
+    plan, rounding: str, calibration, budget, auto_formats, backend: str, smoothed: bool
+) -> tuple[bool, bool]:
+    """``(plan is auto, rounding is calibrated)`` after checking that the arguments of :func:`prepare_int4_lora` fit
+    (``smoothed``: the plan has ``-sq`` layers)."""
     if backend not in PACKED_BACKENDS:
         raise ValueError(f"backend {backend!r}: choose one of {', '.join(PACKED_BACKENDS)}")
     auto, calibrated = is_auto(plan), check_rounding(rounding) != "nearest"
-    if calibration is None and (auto or calibrated):
-        raise ValueError(f"{'plan auto' if auto else f'rounding {rounding!r}'} needs calibration= token blocks [n, T]")
-    if calibration is not None and not (auto or calibrated):
+    if calibration is None and (auto or calibrated or smoothed):
+        needs = "plan auto" if auto else f"rounding {rounding!r}" if calibrated else "a plan with '-sq' layers"
+        raise ValueError(f"{needs} needs calibration= token blocks [n, T]")
+    if calibration is not None and not (auto or calibrated or smoothed):
         raise ValueError(
-            "calibration tokens are used by plan='auto' and by the roundings "
+            "calibration tokens are used by plan='auto', by the roundings "
             + ", ".join(ROUNDINGS[1:])
-            + "; this call has neither"
+            + " and by '-sq' layers; this call has none of them"
         )
+    if any(FormatSpec.parse(f).smooth for f in auto_formats):
+        raise ValueError("auto_formats: the on-device scan does not offer '-sq' formats; name them in a plan")
+    if smoothed and rounding.startswith("awq"):
+        raise ValueError(f"rounding {rounding!r} chooses its own input scales; '-sq' layers take nearest or gptq")
     if (budget is not None or tuple(auto_formats) != AUTO_FORMATS) and not auto:
         raise ValueError("budget= and auto_formats= apply to plan='auto' (the sensitivity scan's allocation)")
     return auto, calibrated
+
+
+def _smooths(model: nn.Module, plan) -> bool:
+    """Whether ``plan`` (a plan or a plan file, not ``auto``) gives a layer of ``model`` a smoothed (``-sq``) format."""
+    return any(spec.smooth for spec in int4_plan(model, plan).assign(model).values())
+
+
+@torch.no_grad()
+def _calibrate_smoothing(model: nn.Module, calibration: torch.Tensor) -> None:
+    """Run the first calibration batch through ``model`` if it has ``-sq`` layers: each calibrates its smoothing on it
+    (see :mod:`hf_lowprec.smoothing`)."""
+    if not any(getattr(m, "smoothing", None) is not None for m in model.modules()):
+        return
+    was_training = model.training
+    device = next(model.parameters()).device
+    model.eval()(input_ids=calibration[:4].to(device), use_cache=False)
+    model.train(was_training)
+    uncalibrated = [n for n, m in model.named_modules() if getattr(m, "smoothing", None) and not m.smoothing.calibrated]
+    if uncalibrated:
+        raise ValueError(
+            f"'-sq' layers {', '.join(uncalibrated[:3])} saw fewer than {MIN_CALIBRATION_TOKENS} calibration tokens; "
+            "pass longer or more token blocks"
+        )
 
 
 def _repack_replanned(model: nn.Module, plan: PrecisionPlan, dense_weights) -> set[str]:

@@ -216,6 +216,12 @@ PACKED_ROW_BLOCK_ELEMENTS = 1 << 20
 ROW_LOCAL_FAMILIES = ("int4", "int8", "nf4")  # per-row or per-group weight steps: a block of rows quantizes alone
 
 
+def _row_local(spec: FormatSpec) -> bool:
+    """Whether a block of a layer's output rows quantizes alone in ``spec`` (not with ``-sq``: its ``s`` reads every
+    row's weight)."""
+    return spec.family in ROW_LOCAL_FAMILIES and not spec.smooth
+
+
 class _TwinSource:
     """``twins_of.output_errors(module_id, x, out, g)``: ``g * δy`` (flattened, fp32) of every (unit, format) of a
     scanned layer, where ``δy`` is the format's output minus the layer's and ``g`` the loss gradient at the output.
@@ -251,7 +257,7 @@ class _TwinSource:
             return
         unit, name, module = self.packed[module_id]
         weight = self.dense_weights(f"{name}.weight")
-        local = [f for f in unit.formats if FormatSpec.parse(f).family in ROW_LOCAL_FAMILIES]
+        local = [f for f in unit.formats if _row_local(FormatSpec.parse(f))]
         step = max(1, PACKED_ROW_BLOCK_ELEMENTS // module.in_features)
         for r0 in range(0, module.out_features, step):
             rows = slice(r0, r0 + step)
@@ -266,6 +272,7 @@ class _TwinSource:
         for f in formats:
             twin = _twins(alone, f, self.fp8_backend)[0][2]
             if isinstance(twin, Int4Linear) and twin.input_quantizer is None and not twin.spec.act_int8:  # weight-only
+                twin.calibrate_smoothing(x)
                 w = dense.weight
                 dy = F.linear(x, (twin.dequantized_weight().to(w.dtype).float() - w.float()).to(x.dtype)).float()
             else:  # the bias, if any, cancels

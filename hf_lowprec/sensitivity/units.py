@@ -62,12 +62,12 @@ def _units(model: nn.Module, formats: Sequence[FormatSpec], packed: bool = False
 
 def _cannot_take(unit: _Unit, spec: FormatSpec) -> str:
     """Why a member of ``unit`` cannot run ``spec`` (``""`` when every member can): embeddings have no activation to
-    quantize (``-a8``) nor input to rotate (``-rht``); a rotated linear's input size must be a multiple of the smallest
-    rotation block."""
+    quantize (``-a8``) nor input to rotate (``-rht``) or smooth (``-sq``); a rotated linear's input size must be a
+    multiple of the smallest rotation block."""
     for _, module in unit.members:
         if isinstance(module, nn.Embedding):
-            if spec.act_int8 or spec.rotate:
-                return "an embedding has no activation to quantize nor input to rotate"
+            if spec.act_int8 or spec.rotate or spec.smooth:
+                return "an embedding has no activation to quantize nor input to rotate or smooth"
             if embedding_scale(module) is not None:
                 return "it scales its rows (embed_scale), which the low-precision embeddings do not"
         elif spec.rotate and rotation_block(module.in_features) is None:

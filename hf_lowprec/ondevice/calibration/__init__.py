@@ -64,17 +64,23 @@ def calibrate_layer(
     spec: FormatSpec,
     rounding: str,
     step_dtype: torch.dtype = torch.float32,
+    smoothing: torch.Tensor | None = None,
 ) -> CalibratedCodes:
     """Codes of ``weight [N, K]`` by ``rounding`` (not ``nearest``) given its input Hessian ``hessian [K, K]``.
 
     ``step_dtype``: the dtype the packed layer stores its steps in; the codes are chosen on that grid.
+    ``smoothing``: a ``-sq`` layer's calibrated ``s [K]`` (:mod:`hf_lowprec.smoothing`), the input scale kept as it is
+    (``gptq`` only: the ``awq`` roundings choose their own).
     """
     w, h = weight.detach().float(), hessian.float()
     block = layer_rotation(spec, w.shape[1], f"calibrating {spec.name}")
     if block is not None:  # the codes of W R for inputs X R, whose Hessian is R^T H R
         w, h = rotate(w, block), rotated_hessian(h, block)
-    scale = search_input_scale(w, h, spec, step_dtype) if check_rounding(rounding).startswith("awq") else None
-    s = None if scale is None else scale.scale
+    awq = check_rounding(rounding).startswith("awq")
+    if smoothing is not None and awq:
+        raise ValueError(f"rounding {rounding!r} chooses its own input scales; a '-sq' layer takes gptq")
+    scale = search_input_scale(w, h, spec, step_dtype) if awq else None
+    s = smoothing.float() if smoothing is not None else None if scale is None else scale.scale
     scaled = w if s is None else w * s
     step, zero = stored_steps(scaled, spec, step_dtype)
     if rounding.endswith("gptq"):
@@ -178,7 +184,9 @@ def calibrated_codes(
             for name in group:
                 module = layers[name]
                 weight = dense_weight(name, module)
-                out[name] = calibrate_layer(weight, hooks.hessians.pop(name), module.spec, rounding, weight.dtype)
+                smoothing = None if getattr(module, "smoothing", None) is None else module.smoothing.scale
+                hessian = hooks.hessians.pop(name)
+                out[name] = calibrate_layer(weight, hessian, module.spec, rounding, weight.dtype, smoothing)
                 replace(name, out[name])
                 if progress is not None:
                     progress(len(out), len(layers))

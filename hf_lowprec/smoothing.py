@@ -1,0 +1,80 @@
+"""Per-input-channel smoothing of a linear's input (SmoothQuant; Xiao et al., 2023): outlier handling for the ``-sq``
+formats.
+
+For a positive ``s [K]``, ``y = x W^T = (x / s)(W diag(s))^T``: quantizing ``x / s`` and ``W diag(s)`` in place of
+``x`` and ``W`` changes nothing in exact arithmetic, while an input channel whose activations are ``100x`` the others'
+is divided down and its weight column multiplied up, moving the quantization difficulty from the activations to the
+weights. ``s_k = max|x_k|^alpha / max|W_:,k|^(1 - alpha)`` with ``alpha = SMOOTHING_ALPHA`` (SmoothQuant's default),
+from the input of the layer's first forward of at least ``MIN_CALIBRATION_TOKENS`` tokens ("calibrated on the first
+batch"), then fixed and saved with the layer. ``s`` is rounded to powers of two, so dividing by it is exact in every
+float dtype and the change of basis adds no rounding of its own.
+
+It pays where activations are quantized to integers: on SmolLM2-135M converted without training, W4A8
+(``int4-g64-a8``) 1.590x -> 1.425x the bf16 perplexity, while FP8 (a float grid whose relative precision does not
+depend on the scale) and weight-only INT4 (where :mod:`hf_lowprec.ondevice.calibration.awq` searches its own scales)
+gain nothing (``benchmarks/outliers.py``).
+
+Written by hand: torchao's SmoothQuant (``torchao.prototype.smoothquant``) replaces the linear with its own
+inference-only int8 layer, with no backward and no FP8 or INT4 weights.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+SMOOTHING_ALPHA = 0.5
+"""Migration strength: the share of an input channel's range moved into its weight column."""
+MIN_CALIBRATION_TOKENS = 64
+"""Fewest tokens a forward needs to calibrate the smoothing (a single generated token would give a poor ``max|x|``)."""
+_EPS = 1e-5  # channel ranges below this count as this (a channel that never fired is left unscaled relative to it)
+
+
+def smoothing_scale(input_amax: torch.Tensor, weight: torch.Tensor, alpha: float = SMOOTHING_ALPHA) -> torch.Tensor:
+    """``s [K]`` (fp32 powers of two) from each input channel's ``max|x| [K]`` and ``weight [N, K]``."""
+    weight_amax = weight.detach().abs().amax(0).float().clamp(min=_EPS)
+    s = input_amax.float().clamp(min=_EPS).pow(alpha) / weight_amax.pow(1 - alpha)
+    return torch.exp2(torch.round(torch.log2(s)))
+
+
+class InputSmoothing(nn.Module):
+    """The smoothing ``s [K]`` of one linear: :meth:`inputs` gives ``x / s``, :meth:`weights` ``W diag(s)``.
+
+    Uncalibrated (``s = 1``) until :meth:`calibrate` sees a forward input of ``>= MIN_CALIBRATION_TOKENS`` tokens;
+    ``scale`` and ``calibrated`` are buffers, so a saved layer reloads calibrated.
+    """
+
+    def __init__(self, in_features: int, device=None):
+        super().__init__()
+        if device is not None and torch.device(device).type == "meta":
+            device = None  # a layer built on "meta" to wrap existing weights: made here, moved to them by .to()
+        self.register_buffer("scale", torch.ones(in_features, device=device))
+        self.register_buffer("calibrated", torch.zeros((), dtype=torch.bool, device=device))
+
+    @torch.no_grad()
+    def calibrate(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Set ``s`` from input ``x [..., K]`` and ``weight [N, K]`` unless calibrated already or ``x`` has too few
+        tokens; returns whether this call calibrated."""
+        tokens = x.numel() // x.shape[-1]
+        if bool(self.calibrated) or tokens < MIN_CALIBRATION_TOKENS:
+            return False
+        amax = x.detach().reshape(-1, x.shape[-1]).abs().amax(0)
+        self.scale.copy_(smoothing_scale(amax, weight))
+        self.calibrated.fill_(True)
+        logger.debug("smoothing calibrated on %d tokens: s in [%g, %g]", tokens, self.scale.min(), self.scale.max())
+        return True
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., K] / s`` in ``x``'s dtype (exact: ``s`` holds powers of two)."""
+        return x / self.scale.to(x.dtype)
+
+    def weights(self, w: torch.Tensor) -> torch.Tensor:
+        """``w [N, K] diag(s)`` in ``w``'s dtype (exact)."""
+        return w * self.scale.to(w.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.scale.numel()}, alpha={SMOOTHING_ALPHA}"
