@@ -474,15 +474,15 @@ def _low_precision_callback(recipe: Recipe, lm, t, resume_from: str | None):
 def _prepare_int4_lora(model, recipe: Recipe, lm, t):
     """Pack the base to INT4 and wrap it in LoRA (``hf_lowprec.ondevice``); the Trainer then trains the adapters.
 
-    Packing is deterministic (the plan scan and GPTQ calibrate on the first training batches), so a resumed run rebuilds
-    the same base and the Trainer reloads the adapters.
+    Packing is deterministic (the plan scan, GPTQ and '-sq' smoothing calibrate on the first training batches), so a
+    resumed run rebuilds the same base and the Trainer reloads the adapters.
     """
 
     p, lora = recipe.precision, recipe.lora
     targets = lora.target_modules[0] if lora.target_modules == ("all-linear",) else list(lora.target_modules)
     config = LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout, target_modules=targets)
     calibration = None
-    if p.rounding != "nearest" or p.is_auto:
+    if p.rounding != "nearest" or p.is_auto or p.fixed_plan().smooths:  # -sq layers calibrate on the first batch
         n = min(len(lm.train), p.calibration_batches * t.per_device_train_batch_size)
         tokens = torch.cat(
             [torch.as_tensor(lm.train[i]["input_ids"]) for i in range(n)]

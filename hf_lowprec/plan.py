@@ -124,6 +124,11 @@ class PrecisionPlan:
             out["model"] = self.model
         return out
 
+    @property
+    def smooths(self) -> bool:
+        """Whether a rule gives a smoothed (``-sq``) format, whose layers calibrate on their first batch."""
+        return any(spec.smooth for spec in (self.default, *self.layers.values()))
+
     def save(self, path: str | os.PathLike) -> Path:
         """Write JSON (``.json``) or YAML (anything else) atomically; returns the path."""
         path = Path(path)

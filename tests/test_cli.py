@@ -146,6 +146,21 @@ def test_qat_int4_run_exports_packed_weights_that_reproduce_the_trained_model(ws
     assert loss == pytest.approx(record["training"]["loss_final"], abs=1e-5)
 
 
+def test_int4_lora_run_with_a_smoothed_plan_calibrates_on_the_first_batches_and_reloads(ws):
+    """A fixed ``-sq`` plan: the CLI hands the first training batches to the packing, whose smoothing the export keeps."""
+    out = ws / "run-sq"
+    args = ["--recipe", "int4-ondevice-lora", "--plan", "int4-g32-a8-sq", "--rounding", "nearest", "--max-steps", "2", *FAST]
+    result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", *args, "-o", out)
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / RUN_FILE).read_text())
+    assert "int4-g32-a8-sq" in {row["format"] for row in record["plan_rows"]}
+    model, tok = load_exported(out, backend="dequant")
+    smoothed = [m for m in model.modules() if isinstance(m, PackedInt4Linear) and m.spec.smooth]
+    assert smoothed and all(bool((m.input_scale != 1).any()) for m in smoothed)
+    loss = causal_lm_loss(model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
+    assert loss == pytest.approx(record["training"]["loss_final"], abs=1e-4)
+
+
 @pytest.fixture(scope="module")
 def lora_run(ws):
     """An int4-ondevice-lora run (AWQ scales + GPTQ rounding, LoftQ init) of the tiny model with a few loud channels

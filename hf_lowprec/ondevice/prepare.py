@@ -91,7 +91,7 @@ def prepare_int4_lora(
     layers are narrower than one INT4 group, calibration tokens missing (``auto`` plan, calibrated rounding,
     ``-sq`` layers) or unused, or a budget without an ``auto`` plan.
     """
-    smoothed = not is_auto(plan) and _smooths(model, plan)
+    smoothed = not is_auto(plan) and int4_plan(model, plan).smooths
     auto, calibrated = _check_arguments(plan, rounding, calibration, budget, auto_formats, backend, smoothed)
     config = copy.deepcopy(lora_config or LoraConfig(r=16, lora_alpha=32, target_modules=ALL_LINEAR))
     config.target_modules = resolve_target_modules(model, config.target_modules)
@@ -151,11 +151,6 @@ def _check_arguments(
     if (budget is not None or tuple(auto_formats) != AUTO_FORMATS) and not auto:
         raise ValueError("budget= and auto_formats= apply to plan='auto' (the sensitivity scan's allocation)")
     return auto, calibrated
-
-
-def _smooths(model: nn.Module, plan) -> bool:
-    """Whether ``plan`` (a plan or a plan file, not ``auto``) gives a layer of ``model`` a smoothed (``-sq``) format."""
-    return any(spec.smooth for spec in int4_plan(model, plan).assign(model).values())
 
 
 @torch.no_grad()
