@@ -18,7 +18,9 @@ out for evaluation), side by side in one process:
   rounding) + LoRA r=16 on every linear; only the adapters train (10x the full fine-tuning learning rate,
   as usual for LoRA).
 
-Reports held-out perplexity before and after ``--steps`` steps and the gap to bf16. With several ``--seeds`` (the
+Reports held-out perplexity before and after ``--steps`` steps and the gap to bf16; for the full fine-tuning runs in low
+precision also that of their trained master weights served in bf16 (the layers reverted): what the training itself
+left, apart from the format's error at evaluation. With several ``--seeds`` (the
 training blocks' order; LoRA's initialization) each run is repeated per seed and the table gives means and standard
 deviations, the gap to bf16 paired by seed. Writes benchmarks/results/finetune_quality.json (or ``--out``).
 
@@ -41,7 +43,7 @@ from _util import RESULTS, machine, mean_std, write_json
 from ondevice import _data
 from outliers import exact_operand
 
-from hf_lowprec import PrecisionPlan, apply_plan
+from hf_lowprec import PrecisionPlan, apply_plan, revert
 from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
 from hf_lowprec.ondevice import evaluate_loss, prepare_int4_lora
 from hf_lowprec.ondevice.calibration.fp8 import round_fp8_weights
@@ -123,6 +125,10 @@ def run(name: str, steps: int, seed: int = SEED, batch: int = BATCH) -> dict:
         losses, seconds = train_steps(model, params, lr, train, steps, batch, seed, amp)
         with amp():
             eval_after = evaluate_loss(model, evals, BATCH)
+    if name not in ("bf16", "int4 LoRA"):  # the trained master weights, served in bf16 (the low-precision layers reverted)
+        revert(model)
+        with amp():
+            notes["ppl_after_master"] = math.exp(evaluate_loss(model, evals, BATCH))
     return {"checkpoint_ppl": math.exp(base_eval), "ppl_before": math.exp(eval_before), "ppl_after": math.exp(eval_after),
             "eval_loss_after": eval_after, "losses": losses, "train_seconds": seconds, "lr": lr,
             "trainable_params": sum(p.numel() for p in params), **notes}  # fmt: skip
@@ -139,6 +145,9 @@ def summarize(per_seed: dict[str, list[dict]]) -> dict[str, dict]:
         if "bf16" in per_seed:
             ratios = [x["ppl_after"] / b["ppl_after"] for x, b in zip(runs, per_seed["bf16"])]
             r["ppl_after_vs_bf16"], r["ppl_after_vs_bf16_std"] = mean_std(ratios)
+            if all("ppl_after_master" in x for x in runs):
+                ratios = [x["ppl_after_master"] / b["ppl_after"] for x, b in zip(runs, per_seed["bf16"])]
+                r["master_in_bf16_vs_bf16"], r["master_in_bf16_vs_bf16_std"] = mean_std(ratios)
         r["plan_fractions"] = runs[0].get("plan_fractions", {})
         out[name] = r
     return out

@@ -261,9 +261,10 @@ def finetune_quality_section(fq: dict | None, title: str = "Fine-tuning quality 
         f"SmolLM2-135M-Instruct, {fq['steps']} steps of {fq['batch']}x{fq['block']} Shakespeare tokens, {_seeds_text(seeds)} "
         f"(data order; LoRA initialization), held-out perplexity on {fq['eval_blocks']} blocks of two unseen plays. Full "
         "fine-tuning at lr 2e-5; INT4 LoRA trains only its adapters (lr 2e-4). Means ± standard deviation over the seeds; "
-        "the ratio to bf16 is paired by seed.\n",
-        "| run | ppl before | ppl after | vs bf16 | plan |",
-        "|---|---|---|---|---|",
+        "the ratio to bf16 is paired by seed. 'Weights in bf16': the run's trained master weights evaluated with its "
+        "low-precision layers reverted, against bf16's run (where measured).\n",
+        "| run | ppl before | ppl after | vs bf16 | weights in bf16 vs bf16 | plan |",
+        "|---|---|---|---|---|---|",
     ]
     for name, r in fq["results"].items():
         plan = ", ".join(f"{k} {v:.0%}" for k, v in r.get("plan_fractions", {}).items()) or "—"
@@ -271,12 +272,15 @@ def finetune_quality_section(fq: dict | None, title: str = "Fine-tuning quality 
         if r.get("ppl_after_vs_bf16_std"):
             vs += f" ± {r['ppl_after_vs_bf16_std']:.4f}"
         after = f"{r['ppl_after']:.2f}" + (f" ± {r['ppl_after_std']:.2f}" if r.get("ppl_after_std") else "")
-        lines.append(f"| {name} | {r['ppl_before']:.2f} | {after} | {vs} | {plan} |")
+        master = "—"
+        if "master_in_bf16_vs_bf16" in r:
+            master = f"{r['master_in_bf16_vs_bf16']:.4f}x ± {r['master_in_bf16_vs_bf16_std']:.4f}"
+        lines.append(f"| {name} | {r['ppl_before']:.2f} | {after} | {vs} | {master} | {plan} |")
     return lines + [""]
 
 
 def outliers_section(data: dict | None) -> list[str]:
-    lines = ["## Outlier handling: Hadamard rotation and MXFP8 scales (benchmarks/outliers.py)\n"]
+    lines = ["## Outlier handling: Hadamard rotation, smoothing and MXFP8 scales (benchmarks/outliers.py)\n"]
     quality = (data or {}).get("quality")
     if not quality:
         return lines + ["not measured\n"]
@@ -285,11 +289,12 @@ def outliers_section(data: dict | None) -> list[str]:
         f"SmolLM2-135M-Instruct converted without training (every linear but `lm_head`), held-out perplexity on "
         f"{st['eval_blocks']} blocks of 256 tokens of two unseen plays, all under bf16 autocast; ratio to the unconverted "
         f"model's {quality['baseline_ppl']:.2f} (also bf16 autocast). `-rht` rows: mean ± std over rotation seeds "
-        f"{st['rotation_seeds']}; the others are deterministic. CPU class {data['cpu_class']}.\n",
+        f"{st['rotation_seeds']}; the others are deterministic. `-sq` rows: smoothing calibrated on the first training "
+        f"batch. CPU class {data['cpu_class']}.\n",
         "| conversion | ppl vs bf16 |",
         "|---|---|",
     ]
-    for section in ("formats", "fp8_error", "fp8_by_projection", "scan"):
+    for section in ("formats", "smoothing", "fp8_error", "fp8_by_projection", "scan"):
         for label, r in quality.get(section, {}).items():
             if section == "fp8_by_projection":
                 label = f"fp8 on `{label}` only"
@@ -302,9 +307,9 @@ def outliers_section(data: dict | None) -> list[str]:
         if shape == list(data["cost"])[0]:
             lines += ["", f"Cost on the {data['cpu_class']} CPU ({data['machine']}, {data['threads']} threads), "
                       f"forward+backward of one layer ({st['tokens_timed']} tokens, bf16 autocast, median of "
-                      f"{st['repeats']}), time vs the bf16 layer / vs the same format unrotated:\n",
+                      f"{st['repeats']}), time vs the bf16 layer / vs the same format without `-rht` or `-sq`:\n",
                       "| shape | " + " | ".join(row) + " |", "|---|" + "---|" * len(row)]  # fmt: skip
-        lines.append(f"| {shape} | " + " | ".join(f"{r['vs_bf16']:.2f}x / {r['vs_unrotated']:.2f}x" for r in row.values()) + " |")
+        lines.append(f"| {shape} | " + " | ".join(f"{r['vs_bf16']:.2f}x / {r['vs_plain']:.2f}x" for r in row.values()) + " |")
     return lines + ["", "![outliers](outliers.png)", ""]
 
 
