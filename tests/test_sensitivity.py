@@ -165,6 +165,14 @@ def test_scan_scores_smoothed_formats_as_the_layer_calibrated_on_the_first_batch
     assert smoothed not in result["model.embed_tokens"].measured  # an embedding has no input to smooth
 
 
+def test_a_tied_head_no_candidate_fits_is_left_unscored():
+    """Tied embedding + head under activation-quantizing candidates only (an embedding has no input to quantize): the
+    unit has no format to score and the Fisher pass skips it instead of failing."""
+    result = scan(tiny_llama(tied=True), batches(n=1), formats=("int4-g32-a8", "int4-g32-a8-sq"), method="fisher")
+    tied = next(u for u in result.layers if "lm_head" in u.names)
+    assert not tied.predicted and all(u.predicted for u in result.layers if u is not tied)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", INT4])
 def test_predicted_and_measured_rank_correlation(measured, fisher, fmt):
     predicted = [u.predicted[fmt] for u in fisher.layers]

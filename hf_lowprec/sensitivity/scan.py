@@ -309,7 +309,7 @@ def _fisher_pass(model, batches, device, units, scores, hooks, tracker, twins_of
         return out
 
     for u in units:
-        for _, module in u.members:
+        for _, module in u.members if u.formats else ():  # a unit no candidate fits (a tied head under '-a8') has no twins
             hooks.append(module.register_forward_hook(hook))
     nll, logps, count = 0.0, [], 0
     for i, batch in enumerate(batches):
