@@ -78,3 +78,23 @@ class InputSmoothing(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.scale.numel()}, alpha={SMOOTHING_ALPHA}"
+
+
+@torch.no_grad()
+def calibrate_smoothed_layers(model: nn.Module, input_ids: torch.Tensor) -> int:
+    """Run ``input_ids [B, T]`` through ``model`` (eval mode) if it has uncalibrated ``-sq`` layers, each calibrating
+    on it; returns how many did. ``ValueError`` if one is left (fewer than ``MIN_CALIBRATION_TOKENS`` tokens)."""
+    pending = [n for n, m in model.named_modules() if isinstance(m, InputSmoothing) and not bool(m.calibrated)]
+    if not pending:
+        return 0
+    was_training = model.training
+    model.eval()(input_ids=input_ids.to(next(model.parameters()).device), use_cache=False)
+    model.train(was_training)
+    left = [n for n, m in model.named_modules() if isinstance(m, InputSmoothing) and not bool(m.calibrated)]
+    if left:
+        raise ValueError(
+            f"'-sq' layers {', '.join(n.removesuffix('.smoothing') for n in left[:3])} saw fewer than "
+            f"{MIN_CALIBRATION_TOKENS} calibration tokens; pass longer or more token blocks"
+        )
+    return len(pending)
+

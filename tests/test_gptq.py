@@ -119,7 +119,7 @@ def test_fp8_gptq_weights_cast_to_gptqs_points_and_lower_the_output_error(fmt, p
         assert torch.equal(gptq_fp8(w, hessian, spec, pow2).weight, result.weight)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "fp8-rowwise-rht"])
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-rowwise-rht", "fp8-rowwise-sq"])
 def test_round_fp8_weights_brings_an_fp8_model_closer_to_its_unquantized_outputs(fmt):
     from hf_lowprec import PrecisionPlan, apply_plan
     from hf_lowprec.ondevice.calibration.fp8 import round_fp8_weights

@@ -348,3 +348,25 @@ def test_int4_lora_with_a_smoothed_plan_calibrates_on_the_first_batch_and_round_
 
     errors = export_compressed_tensors(model, tmp_path / "ct")  # re-quantized without the input scales
     assert errors and all(0 < e < 0.2 for e in errors.values())
+
+
+def test_fp8_gptq_rounds_a_smoothed_layer_on_the_grid_its_forward_casts():
+    """``round_fp8_weights`` on a ``-sq`` layer: the output error it reports is that of the weight the layer's forward
+    then computes with (read back through identity inputs, which the cast keeps exact). With power-of-two ``s`` the FP8
+    grid of ``W diag(s)`` is ``W``'s own scaled column by column, so rounding in either basis agrees up to the range's
+    ends; the smoothed basis is the one that is right at them."""
+    from hf_lowprec.ondevice.calibration.awq import relative_output_error
+    from hf_lowprec.ondevice.calibration.fp8 import _round_layer
+
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 32, bias=False)
+    x = torch.randn(256, 128) * torch.logspace(-1, 1.5, 128)
+    layer = FP8Linear.from_linear(lin, "fp8-sq", backend="emulated")  # tensorwise: s changes the scale, so the grid
+    w = lin.weight.detach().clone()
+    with torch.no_grad():
+        layer(x)  # calibrates s
+        result = _round_layer(layer, x.t() @ x)
+        computed = layer(torch.eye(128)).t()  # column k: the weight column the forward multiplies input k by
+    assert not torch.equal(layer.weight.detach(), w)  # GPTQ moved some weights
+    error = relative_output_error(computed - w, w, x.t() @ x)
+    assert error == pytest.approx(result.output_error, rel=1e-3) and error < result.output_error_nearest

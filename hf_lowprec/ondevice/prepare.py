@@ -46,7 +46,7 @@ from hf_lowprec.ondevice.planning import (
     scan_int4_plan,
 )
 from hf_lowprec.plan import PrecisionPlan, is_auto
-from hf_lowprec.smoothing import MIN_CALIBRATION_TOKENS
+from hf_lowprec.smoothing import calibrate_smoothed_layers
 from hf_lowprec.training.fused_blocks import fuse_blocks
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,8 @@ def prepare_int4_lora(
     check_quantizable(model, plan)
     reread = _repack_replanned(model, plan, dense_weights)
     report = apply_plan(model, plan, learn_scales=False)
-    _calibrate_smoothing(model, calibration)
+    if calibration is not None:  # '-sq' layers calibrate on the first batch
+        calibrate_smoothed_layers(model, calibration[:4])
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     if calibrated:  # LoftQ factors, if asked, come from each layer's calibrated codes
         loftq = config if loftq_init else None
@@ -151,24 +152,6 @@ def _check_arguments(
     if (budget is not None or tuple(auto_formats) != AUTO_FORMATS) and not auto:
         raise ValueError("budget= and auto_formats= apply to plan='auto' (the sensitivity scan's allocation)")
     return auto, calibrated
-
-
-@torch.no_grad()
-def _calibrate_smoothing(model: nn.Module, calibration: torch.Tensor) -> None:
-    """Run the first calibration batch through ``model`` if it has ``-sq`` layers: each calibrates its smoothing on it
-    (see :mod:`hf_lowprec.smoothing`)."""
-    if not any(getattr(m, "smoothing", None) is not None for m in model.modules()):
-        return
-    was_training = model.training
-    device = next(model.parameters()).device
-    model.eval()(input_ids=calibration[:4].to(device), use_cache=False)
-    model.train(was_training)
-    uncalibrated = [n for n, m in model.named_modules() if getattr(m, "smoothing", None) and not m.smoothing.calibrated]
-    if uncalibrated:
-        raise ValueError(
-            f"'-sq' layers {', '.join(uncalibrated[:3])} saw fewer than {MIN_CALIBRATION_TOKENS} calibration tokens; "
-            "pass longer or more token blocks"
-        )
 
 
 def _repack_replanned(model: nn.Module, plan: PrecisionPlan, dense_weights) -> set[str]:

@@ -16,7 +16,8 @@ round-to-nearest ended at 1.021x ± 0.002.
 The grid is the one the layer's cast will use: the weight's own dynamic scales (tensor, row, 128x128 block or 1x32
 MX, power of two as the layer's weight policy says). Each scale group's largest element keeps its value and no other
 outgrows it, so the dynamic scale computed from the rounded weight is the one GPTQ rounded on. ``-rht``
-layers are rounded in their rotated basis and rotated back. Layers are processed a few decoder blocks at a time, each
+layers are rounded in their rotated basis and rotated back, ``-sq`` layers in their smoothed one (calibrated on the
+first batch first). Layers are processed a few decoder blocks at a time, each
 on the inputs the already-rounded ones give it (sequential, as in GPTQ).
 """
 
@@ -46,6 +47,7 @@ from hf_lowprec.ondevice.calibration import HESSIAN_BUDGET_BYTES, _HessianHooks,
 from hf_lowprec.ondevice.calibration.awq import relative_output_error
 from hf_lowprec.ondevice.calibration.gptq import full_precision, gptq_columns
 from hf_lowprec.rotation import rotate, rotated_hessian, unrotate
+from hf_lowprec.smoothing import calibrate_smoothed_layers
 
 logger = logging.getLogger(__name__)
 
@@ -121,12 +123,17 @@ def gptq_fp8(weight: torch.Tensor, hessian: torch.Tensor, spec: FormatSpec, powe
 
 @full_precision()
 def _round_layer(layer: FP8Linear, hessian: torch.Tensor) -> FP8Rounding:
-    """Round ``layer``'s master weight in place (in its rotated basis for ``-rht``); returns the rounding."""
+    """Round ``layer``'s master weight in place (in its rotated basis for ``-rht``, its smoothed one for ``-sq``);
+    returns the rounding."""
     weight, block = layer.weight.detach().float(), layer.rotation_block
     if block is not None:  # inputs X R: Hessian R^T H R, weight W R
         weight, hessian = rotate(weight, block), rotated_hessian(hessian, block)
+    s = None if layer.smoothing is None else layer.smoothing.scale.float()
+    if s is not None:  # inputs X / s: Hessian H / s s^T, weight W diag(s)
+        weight, hessian = weight * s, hessian / s[:, None] / s[None, :]
     result = gptq_fp8(weight, hessian, layer.spec, layer.scaling["weight"].power_of_two)
-    layer.weight.data.copy_(result.weight if block is None else unrotate(result.weight, block))
+    rounded = result.weight if s is None else result.weight / s
+    layer.weight.data.copy_(rounded if block is None else unrotate(rounded, block))
     return result
 
 
@@ -155,6 +162,7 @@ def round_fp8_weights(
         return {"rounding": "nearest", "layers": len(layers)}
     if torch.is_tensor(blocks):
         blocks = [blocks[i : i + batch_size] for i in range(0, len(blocks), batch_size)]
+    calibrate_smoothed_layers(model, blocks[0])  # '-sq' layers: rounded on the grid of their smoothed weight
     start, results = time.perf_counter(), {}
     was_training = model.training
     model.eval()
