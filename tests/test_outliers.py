@@ -93,23 +93,34 @@ def test_mx_linear_quantizes_every_gemm_along_its_contraction_dim():
     torch.testing.assert_close(lin.weight.grad, grad_w, rtol=1e-5, atol=1e-5)
 
 
+def outlier_case(in_features: int, tokens: int) -> tuple[nn.Linear, torch.Tensor, torch.Tensor]:
+    """A ``Linear(in_features, 48)``, inputs ``[tokens, in_features]`` with one outlier channel, output gradients."""
+    torch.manual_seed(0)
+    lin = nn.Linear(in_features, 48)
+    x, g = torch.randn(tokens, in_features), torch.randn(tokens, 48)
+    x[:, 5] *= 40
+    return lin, x, g
+
+
+def forward_backward(layer: nn.Module, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(layer(x), its gradient w.r.t. x)`` for output gradient ``g``; the layer's weight gradient accumulates."""
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    y.backward(g)
+    return y, x.grad
+
+
 @pytest.mark.parametrize("spec", ["fp8-rht", "fp8-rowwise-rht", "fp8-block-rht", "fp8-mx-rht"])
 def test_rotated_fp8_linear_is_the_plain_layer_on_rotated_operands(spec):
     """``-rht`` = the same FP8 layer applied to ``x R`` with weight ``W R``; the input gradient is rotated back."""
-    torch.manual_seed(0)
-    lin = nn.Linear(192, 48)
-    x, g = torch.randn(24, 192), torch.randn(24, 48)
-    x[:, 5] *= 40  # an outlier channel
+    lin, x, g = outlier_case(192, 24)
     ours = FP8Linear.from_linear(lin, spec, backend="emulated")
     plain = nn.Linear(192, 48)
     plain.weight.data, plain.bias.data = rotate(lin.weight.detach(), 64), lin.bias.detach().clone()
     plain = FP8Linear.from_linear(plain, spec.removesuffix("-rht"), backend="emulated")
-    xa, xb = x.clone().requires_grad_(), rotate(x, 64).requires_grad_()
-    ya, yb = ours(xa), plain(xb)
-    ya.backward(g)
-    yb.backward(g)
+    (ya, grad_a), (yb, grad_b) = forward_backward(ours, x, g), forward_backward(plain, rotate(x, 64), g)
     torch.testing.assert_close(ya, yb, rtol=0, atol=1e-5)
-    torch.testing.assert_close(xa.grad, unrotate(xb.grad, 64), rtol=0, atol=1e-5)
+    torch.testing.assert_close(grad_a, unrotate(grad_b, 64), rtol=0, atol=1e-5)
     torch.testing.assert_close(lin.weight.grad, unrotate(plain.weight.grad, 64), rtol=0, atol=1e-5)
 
 
@@ -189,13 +200,11 @@ def test_plans_apply_rotation_and_report_layers_that_cannot_rotate():
         torch.testing.assert_close(on_dequant_backend(int4)(input_ids=ids).logits, fake, rtol=0, atol=1e-4)
 
 
-def test_rotated_int4_lora_round_trips_through_the_packed_folder_and_compressed_tensors(tmp_path):
+def assert_exports_round_trip(model, tmp_path) -> None:
+    """An INT4+LoRA ``model`` (adapters randomized) reloads from its packed export with the same logits, and its
+    compressed-tensors export re-quantizes every layer with an outlier option on the plain grid (``tmp_path / "ct"``)."""
     from hf_lowprec.export.compressed_tensors import export_compressed_tensors
 
-    base_dir = save_tiny_model(tmp_path / "base", hidden_size=64, intermediate_size=128)
-    plan = PrecisionPlan({"lm_head": "bf16"}, default="int4-g32-asym-rht")
-    model, _, report = load_int4_lora(base_dir, LoraConfig(r=4, target_modules="all-linear"), plan, dtype=torch.float32)
-    assert {r.applied for r in report.layers if r.name.startswith("model.layers.")} == {"int4-g32-asym-rht"}
     ids = torch.randint(0, 100, (2, 16))
     randomize_adapters(model, std=0.05)
     with torch.no_grad():
@@ -205,7 +214,15 @@ def test_rotated_int4_lora_round_trips_through_the_packed_folder_and_compressed_
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, trained, rtol=0, atol=1e-5)
     errors = export_compressed_tensors(model, tmp_path / "ct")
-    assert errors and all(0 < e < 0.2 for e in errors.values())  # every rotated layer re-quantized on the plain grid
+    assert errors and all(0 < e < 0.2 for e in errors.values())
+
+
+def test_rotated_int4_lora_round_trips_through_the_packed_folder_and_compressed_tensors(tmp_path):
+    base_dir = save_tiny_model(tmp_path / "base", hidden_size=64, intermediate_size=128)
+    plan = PrecisionPlan({"lm_head": "bf16"}, default="int4-g32-asym-rht")
+    model, _, report = load_int4_lora(base_dir, LoraConfig(r=4, target_modules="all-linear"), plan, dtype=torch.float32)
+    assert {r.applied for r in report.layers if r.name.startswith("model.layers.")} == {"int4-g32-asym-rht"}
+    assert_exports_round_trip(model, tmp_path)
     config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     group = next(iter(config["config_groups"].values()))
     assert group["weights"]["group_size"] == 32 and group["weights"]["symmetric"] is False
@@ -253,24 +270,17 @@ def test_format_names_with_smoothing_parse_and_reject_what_does_not_apply():
 @pytest.mark.parametrize("spec", ["fp8-sq", "fp8-rowwise-sq", "fp8-mx-sq"])
 def test_smoothed_fp8_linear_is_the_plain_layer_on_smoothed_operands(spec):
     """``-sq`` = the same FP8 layer applied to ``x / s`` with weight ``W diag(s)``, ``s`` from the first batch."""
-    torch.manual_seed(0)
-    lin = nn.Linear(128, 48)
-    x, g = torch.randn(96, 128), torch.randn(96, 48)
-    x[:, 5] *= 40  # an outlier channel
+    lin, x, g = outlier_case(128, 96)
     ours = FP8Linear.from_linear(lin, spec, backend="emulated")
-    xa = x.clone().requires_grad_()
-    ya = ours(xa)
+    ya, grad_a = forward_backward(ours, x, g)
     s = smoothing_scale(x.abs().amax(0), lin.weight)
     assert ours.smoothing.calibrated and torch.equal(ours.smoothing.scale, s) and s[5] > 1
     plain = nn.Linear(128, 48)
     plain.weight.data, plain.bias.data = lin.weight.detach() * s, lin.bias.detach().clone()
     plain = FP8Linear.from_linear(plain, spec.removesuffix("-sq"), backend="emulated")
-    xb = (x / s).requires_grad_()
-    yb = plain(xb)
-    ya.backward(g)
-    yb.backward(g)
+    yb, grad_b = forward_backward(plain, x / s, g)
     torch.testing.assert_close(ya, yb, rtol=0, atol=0)
-    torch.testing.assert_close(xa.grad, xb.grad / s, rtol=0, atol=0)
+    torch.testing.assert_close(grad_a, grad_b / s, rtol=0, atol=0)
     torch.testing.assert_close(lin.weight.grad, plain.weight.grad * s, rtol=0, atol=0)
 
 
@@ -336,18 +346,7 @@ def test_int4_lora_with_a_smoothed_plan_calibrates_on_the_first_batch_and_round_
         assert isinstance(packed, PackedInt4Linear) and packed.spec.smooth
         expected = smoothing_scale(captured["x"].reshape(-1, 64).abs().amax(0), q_proj.weight)
         assert torch.equal(packed.input_scale, expected) and not bool((expected == 1).all())
-    ids = torch.randint(0, 100, (2, 16))
-    randomize_adapters(model, std=0.05)
-    with torch.no_grad():
-        trained = on_dequant_backend(model).eval()(input_ids=ids).logits
-    export_int4_lora(model, tmp_path / "run")
-    reloaded, _ = load_int4_model(tmp_path / "run", backend="dequant")
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(input_ids=ids).logits, trained, rtol=0, atol=1e-5)
-    from hf_lowprec.export.compressed_tensors import export_compressed_tensors
-
-    errors = export_compressed_tensors(model, tmp_path / "ct")  # re-quantized without the input scales
-    assert errors and all(0 < e < 0.2 for e in errors.values())
+    assert_exports_round_trip(model, tmp_path)
 
 
 def test_fp8_gptq_rounds_a_smoothed_layer_on_the_grid_its_forward_casts():
