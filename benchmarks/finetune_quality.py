@@ -4,12 +4,13 @@ SmolLM2-135M-Instruct, the same Shakespeare blocks in the same order for every r
 out for evaluation), side by side in one process:
 
 - ``bf16``: full fine-tuning, bf16 autocast with fp32 master weights (the baseline);
-- ``fp8``: the same with every linear but the output head in FP8 (E4M3/E5M2, tensorwise, emulated on a CPU);
+- ``fp8``: the same with every linear but the output head in FP8 (E4M3/E5M2, tensorwise, emulated on a CPU): the
+  ``fp8-train`` recipe;
 - ``fp8 (e4m3 grads)``: the same with the output gradients in E4M3 (one more mantissa bit, less range) instead of E5M2;
 - ``fp8 (exact weights)``: an analysis, not a format: ``fp8`` whose weights are not quantized (inputs and gradients
   are), to tell how much of the gap the 3-bit-mantissa weights make;
 - ``fp8 (gptq)``: the same as ``fp8``, its master weights first moved to the FP8 grid points GPTQ chooses on 16 training blocks
-  (``round_fp8_weights``; the ``fp8-train`` recipe's ``rounding: gptq``);
+  (``round_fp8_weights``; a recipe's ``rounding: gptq``);
 - ``fp8 (scan)``: a scanned plan: the sensitivity scan over plain/rotated/MX FP8 candidates on 16 training blocks,
   then the allocator's choice with >= 90% of the linears' parameters (``lm_head`` kept) in FP8;
 - ``auto plan``: Fisher sensitivity scan on 4 training batches, then FP8/INT4 allocation with at most

@@ -78,7 +78,8 @@ def test_help_of_the_program_and_every_command():
 
 def test_finetune_eval_export_reload_fp8(ws):
     out, pub = ws / "run-fp8", ws / "pub-fp8"
-    result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", "--recipe", "fp8-train", "--max-steps", "6", "--lr", "3e-3", *FAST, "-o", out)
+    args = ["--recipe", "fp8-train", "--rounding", "gptq", "--max-steps", "6", "--lr", "3e-3", *FAST]
+    result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", *args, "-o", out)
     assert result.exit_code == 0, result.output
     assert "Fine-tuning summary" in result.output and "fp8 64.3%" in result.output and str(out) in result.output
     record = json.loads((out / RUN_FILE).read_text())
@@ -89,7 +90,7 @@ def test_finetune_eval_export_reload_fp8(ws):
     assert record["compute"]["packed_kernels"] == {}  # full FP8 training: no packed layers
     assert all(f"step {i}/6 (" in result.output for i in range(1, 7))  # no terminal: a plain line per step
     assert record["hardware"]["cpu"]["class"] == cpu_info().cpu_class
-    rounding = record["fp8_rounding"]  # the recipe's GPTQ rounding of the FP8 master weights
+    rounding = record["fp8_rounding"]  # GPTQ rounding of the FP8 master weights
     assert rounding["rounding"] == "gptq" and rounding["output_error_median"] < rounding["output_error_nearest_median"]
     assert "rounding the FP8 weights by gptq" in result.output
 
