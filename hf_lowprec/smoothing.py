@@ -54,19 +54,28 @@ class InputSmoothing(nn.Module):
             device = None  # a layer built on "meta" to wrap existing weights: made here, moved to them by .to()
         self.register_buffer("scale", torch.ones(in_features, device=device))
         self.register_buffer("calibrated", torch.zeros((), dtype=torch.bool, device=device))
+        self._known_calibrated = False  # read from the buffer once, not on every forward (a host sync on a GPU)
 
     @torch.no_grad()
     def calibrate(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Set ``s`` from input ``x [..., K]`` and ``weight [N, K]`` unless calibrated already or ``x`` has too few
         tokens; returns whether this call calibrated."""
+        if self._known_calibrated:
+            return False
+        self._known_calibrated = bool(self.calibrated)
         tokens = x.numel() // x.shape[-1]
-        if bool(self.calibrated) or tokens < MIN_CALIBRATION_TOKENS:
+        if self._known_calibrated or tokens < MIN_CALIBRATION_TOKENS:
             return False
         amax = x.detach().reshape(-1, x.shape[-1]).abs().amax(0)
         self.scale.copy_(smoothing_scale(amax, weight))
         self.calibrated.fill_(True)
+        self._known_calibrated = True
         logger.debug("smoothing calibrated on %d tokens: s in [%g, %g]", tokens, self.scale.min(), self.scale.max())
         return True
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._known_calibrated = False  # the loaded buffer decides
+        return super()._load_from_state_dict(*args, **kwargs)
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K] / s`` in ``x``'s dtype (exact: ``s`` holds powers of two)."""
