@@ -43,6 +43,7 @@ from hf_lowprec.modules.kernels.autotune import time_calls
 from hf_lowprec.ondevice import evaluate_loss
 from hf_lowprec.ondevice.calibration.fp8 import round_fp8_weights
 from hf_lowprec.sensitivity import allocate, scan
+from hf_lowprec.smoothing import calibrate_smoothed_layers
 
 EVAL_BLOCKS, CALIBRATION_BATCHES, BATCH = 16, 4, 4
 ROTATION_SEEDS = (0, 1, 2)
@@ -99,9 +100,7 @@ def quality(parts: tuple[str, ...] = ("conversions", "smoothing")) -> dict:
         if plan is not None:
             apply_plan(model, plan, **options)
         with torch.autocast("cpu", torch.bfloat16):
-            if plan is not None and plan.smooths:  # '-sq' layers calibrate on their first batch: a training batch
-                with torch.no_grad():
-                    model(input_ids=train[:BATCH])
+            calibrate_smoothed_layers(model, train[:BATCH])  # '-sq' layers: on a training batch, not an eval one
             if gptq:
                 round_fp8_weights(model, train)
             loss = evaluate_loss(model, evals, BATCH)

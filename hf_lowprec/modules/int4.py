@@ -96,11 +96,10 @@ class Int4Linear(nn.Linear):
             linear.out_features,
             linear.bias is not None,
             spec=spec,
+            quantizer=quantizer,
             learn_activation_scales=learn_activation_scales,
             device="meta",
         )
-        if quantizer is not None and new.spec.smooth:
-            raise ValueError(f"{new.spec.name!r}: a smoothed layer cannot share its quantizer (tied weights); drop '-sq'")
         for part in (new.input_quantizer, new.smoothing):
             if part is not None:
                 part.to(linear.weight.device)

@@ -91,7 +91,8 @@ def prepare_int4_lora(
     layers are narrower than one INT4 group, calibration tokens missing (``auto`` plan, calibrated rounding,
     ``-sq`` layers) or unused, or a budget without an ``auto`` plan.
     """
-    smoothed = not is_auto(plan) and int4_plan(model, plan).smooths
+    fixed = None if is_auto(plan) else int4_plan(model, plan)
+    smoothed = fixed is not None and fixed.smooths
     auto, calibrated = _check_arguments(plan, rounding, calibration, budget, auto_formats, backend, smoothed)
     config = copy.deepcopy(lora_config or LoraConfig(r=16, lora_alpha=32, target_modules=ALL_LINEAR))
     config.target_modules = resolve_target_modules(model, config.target_modules)
@@ -99,10 +100,7 @@ def prepare_int4_lora(
         check_calibration(calibration)
     # packed while loading: the checkpoint's reader, used here and then dropped (the files are no longer needed)
     dense_weights = model.__dict__.pop("hf_lowprec_dense_weights", None)
-    if auto:
-        plan = scan_int4_plan(model, calibration, budget, auto_formats, dense_weights)
-    else:
-        plan = int4_plan(model, plan)
+    plan = scan_int4_plan(model, calibration, budget, auto_formats, dense_weights) if auto else fixed
     check_quantizable(model, plan)
     reread = _repack_replanned(model, plan, dense_weights)
     report = apply_plan(model, plan, learn_scales=False)
