@@ -279,15 +279,15 @@ class DenseWeights:
 
 
 def _read_weights_by_pread(source: str) -> dict | None:
-    """``{name: lazy safetensors slice}`` of a local folder's weights, read by ``pread`` when sliced; ``None`` if the
-    folder holds no safetensors.
+    """``{name: lazy tensor}`` of a local folder's weights (:class:`~hf_lowprec.pread_safetensors.PreadSlice`), read
+    by ``pread`` when indexed; ``None`` if the folder holds no safetensors.
 
     Why not transformers' own reading: it memory-maps the files, and every page of a weight it has read stays in
     the process's resident memory while the file is mapped (the whole load): quantizing a 1.2B checkpoint on load
     then peaks at the bf16 file's size plus the packed model. Read by ``pread``, a weight's dense copy is freed
     as soon as it is packed.
     """
-    from safetensors import safe_open
+    from hf_lowprec.pread_safetensors import read_safetensors
 
     folder = Path(source)
     index = folder / "model.safetensors.index.json"
@@ -299,8 +299,7 @@ def _read_weights_by_pread(source: str) -> dict | None:
         return None
     weights = {}
     for name in files:
-        handle = safe_open(folder / name, framework="pt", backend="pread")
-        weights.update({k: handle.get_slice(k) for k in handle.keys()})
+        weights.update(read_safetensors(folder / name))
     return weights
 
 
