@@ -20,6 +20,7 @@ from hf_lowprec.ondevice import (
     AUTO_FORMATS,
     MERGE_FILE,
     METRICS_FILE,
+    allocator,
     checkpoint_weights,
     chunked_causal_lm_loss,
     cross_entropy_with_grad,
@@ -194,6 +195,23 @@ def test_only_tensors_still_in_a_mapped_file_are_copied(tmp_path):
         before = model.model.embed_tokens.weight.data_ptr()
         _own_dense_tensors(model)
         assert (model.model.embed_tokens.weight.data_ptr() != before) == copied
+
+
+@pytest.mark.skipif(allocator._glibc() is None, reason="glibc's allocator only")
+def test_loading_returns_freed_weights_to_the_system(monkeypatch):
+    """Within ``freed_memory_returned`` a freed 16 MiB tensor leaves the resident set at once (glibc's default may
+    keep it in its heap): the load peak is the packed model plus one weight."""
+    for name in allocator.USER_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+
+    def resident_mib() -> float:
+        return next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmRSS")) / 1024
+
+    with allocator.freed_memory_returned():
+        weight = torch.ones(4 * 2**20)  # 16 MiB, every page touched
+        held = resident_mib()
+        del weight
+        assert resident_mib() < held - 12
 
 
 def test_merge_into_a_dense_model_reloads_with_transformers_alone_and_keeps_the_adapters(tmp_path):

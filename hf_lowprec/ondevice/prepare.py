@@ -9,7 +9,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -34,6 +34,7 @@ from hf_lowprec.modules.int4_lora import register_int4_lora
 from hf_lowprec.modules.kernels.autotune import resolve_dtype
 from hf_lowprec.modules.packed import PACKED_BACKENDS, PackedInt4Linear, PackedLinear, packed_class
 from hf_lowprec.modules.packed_embedding import PackedEmbedding, TiedPackedEmbedding, share_packed_head, tied_head_names
+from hf_lowprec.ondevice.allocator import freed_memory_returned
 from hf_lowprec.ondevice.calibration import ROUNDINGS, CalibratedCodes, calibrated_codes, check_rounding, summary
 from hf_lowprec.ondevice.loftq import loftq_factors, loftq_for_targets, lora_scaling
 from hf_lowprec.ondevice.planning import (
@@ -351,13 +352,14 @@ def load_int4_base(
         snapshot = None if gguf else local_checkpoint_folder(source, **source_kwargs(from_pretrained_kwargs))
         on_load = snapshot is not None
     first_int4 = next((f for f in auto_formats if FormatSpec.parse(f).family == "int4"), None) if auto else plan
-    model, tokenizer = load_pretrained(
-        model_id_or_path,
-        gguf_file=gguf_file,
-        dtype=dtype,
-        quantization_config=HfLowprecConfig(first_int4) if on_load else None,
-        **from_pretrained_kwargs,
-    )
+    with freed_memory_returned() if on_load else nullcontext():  # the load peak: packed model + one weight
+        model, tokenizer = load_pretrained(
+            model_id_or_path,
+            gguf_file=gguf_file,
+            dtype=dtype,
+            quantization_config=HfLowprecConfig(first_int4) if on_load else None,
+            **from_pretrained_kwargs,
+        )
     if not on_load:
         return model, tokenizer, plan
     if reads_dense:
