@@ -448,7 +448,8 @@ def scale_section(scale: dict | None) -> list[str]:
     lines += [f"{m['machine']} ({m['cpu_class']}), {m['threads']} threads; random-weight checkpoints of each architecture, "
               f"LoRA r={scale['lora']['r']} on every linear, {scale['steps']} timed steps after one warm-up; peak RSS from a run where "
               "glibc returns every freed block of 64 KiB or more, step times from a run with glibc's default allocator (the "
-              "other one's page faults double some step times). Rows measured on different days ran at different machine "
+              "other one's page faults double some step times; hf-lowprec's loading returns freed blocks by itself since "
+              "2026-12-02, so its load peaks are alike in both). Rows measured on different days ran at different machine "
               "speeds (up to 1.7x apart here): compare step times within one day only.\n",
               "| size | configuration | optimizer states | params | load s | load peak MB | peak MB 1x256 | peak MB 4x256 | step s 1x256 | step s 4x256 | measured |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -461,7 +462,7 @@ def scale_section(scale: dict | None) -> list[str]:
     fits = ", ".join(f"{c} {f['1x256']['bytes_per_param']:.2f} B/param + {f['1x256']['overhead_mb']:.0f} MB" for c, f in scale["fit"].items())
     lines += ["", f"Peak RSS (loading included, batch 1x256) against parameters, least squares over the sizes: {fits}.", ""]
     for config, g in scale.get("goals", {}).items():
-        lines.append(f"Llama-3.2-1B shape, `{config}`, batch 1x256: peak {g['peak_rss_mb']:.0f} MB (goal {g['peak_rss_goal_mb']}), "
+        lines.append(f"Llama-3.2-1B shape, `{config}`, batch 1x256: peak {g['peak_rss_mb']:.0f} MB (goal {g['peak_rss_goal_mb']:.0f}), "
                      f"{g['peak_vs_checkpoint']:.2f}x the bf16 checkpoint on disk (goal {g['peak_vs_checkpoint_goal']}), "
                      f"{g.get('peak_vs_nf4_qlora', float('nan')):.2f}x bnb NF4 QLoRA's peak (goal 0.7); step "
                      f"{g.get('step_vs_fastest_peer', float('nan')):.2f}x the fastest peer's ({g.get('fastest_peer')}; goal 1.0). "
