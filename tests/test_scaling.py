@@ -269,6 +269,24 @@ def test_learned_activation_quantizer_init_grid_and_gradient():
     torch.testing.assert_close(x.grad, upstream * inside)  # straight through inside the grid
 
 
+def test_learned_activation_step_initializes_once_and_a_loaded_state_decides_again():
+    """The first forward sets the step from its input, later ones keep it; a loaded state dict's ``initialized``
+    decides anew: an initialized one keeps its loaded step, an uninitialized one re-initializes on the next input."""
+    torch.manual_seed(0)
+    x1, x2, x3 = torch.randn(8, 16), 3 * torch.randn(8, 16), 5 * torch.randn(8, 16)
+    first, second = LearnedActivationQuantizer("int8"), LearnedActivationQuantizer("int8")
+    first(x1)
+    second(x2)
+    second(x1)
+    assert second.step.item() == pytest.approx(2 * x2.abs().mean().item() / math.sqrt(127), rel=1e-6)
+    second.load_state_dict(first.state_dict())
+    second(x3)
+    assert second.step.item() == first.step.item()
+    second.load_state_dict(LearnedActivationQuantizer("int8").state_dict())
+    second(x3)
+    assert second.step.item() == pytest.approx(2 * x3.abs().mean().item() / math.sqrt(127), rel=1e-6)
+
+
 def test_learned_activation_steps_wired_into_a8_layers_train_and_match_a_manual_reference():
     model = tiny_llama()
     report = apply_plan(model, "int4-g32-a8", learn_activation_scales=True)

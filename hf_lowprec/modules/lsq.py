@@ -103,13 +103,19 @@ class LearnedActivationQuantizer(nn.Module):
             raise ValueError(f"LearnedActivationQuantizer needs a symmetric int4/int8 format, not {self.spec.name}")
         self.step = nn.Parameter(torch.ones(()))
         self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
+        self._known_initialized = False  # read from the buffer once, not on every forward (a host sync on a GPU)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._known_initialized = False  # the loaded buffer decides
+        return super()._load_from_state_dict(*args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qmin, qmax = self.spec.qrange
-        if not bool(self.initialized):
+        if not self._known_initialized and not bool(self.initialized):
             with torch.no_grad():
                 self.step.copy_((2 * x.detach().abs().float().mean() / math.sqrt(qmax)).clamp(min=1e-8))
                 self.initialized.fill_(True)
+        self._known_initialized = True
         grad_scale = 1.0 / math.sqrt(x.numel() * qmax)
         scaled = self.step * grad_scale
         step = ((self.step - scaled).detach() + scaled).abs().clamp(min=1e-8)
