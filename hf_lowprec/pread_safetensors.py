@@ -64,7 +64,7 @@ class PreadSlice:
 
     def _read_scalar(self) -> torch.Tensor:
         out = torch.empty((), dtype=DTYPES[self.dtype])
-        self._pread(out.reshape(1), 0)
+        self._pread(out, 0)  # a 0-d tensor reads as one element
         return out
 
     def _read_rows(self, start: int, stop: int) -> torch.Tensor:

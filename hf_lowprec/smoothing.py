@@ -10,9 +10,10 @@ batch"), then fixed and saved with the layer. ``s`` is rounded to powers of two,
 float dtype and the change of basis adds no rounding of its own.
 
 It pays where activations are quantized to integers: on SmolLM2-135M converted without training, W4A8
-(``int4-g64-a8``) 1.590x -> 1.483x the bf16 perplexity (1.307x where the scan chooses per layer), while FP8 (a float grid whose relative precision does not
-depend on the scale) and weight-only INT4 (where :mod:`hf_lowprec.ondevice.calibration.awq` searches its own scales)
-gain nothing (``benchmarks/outliers.py``).
+(``int4-g64-a8``) 1.590x -> 1.483x the bf16 perplexity (1.307x where the scan chooses per layer), while FP8 (a float
+grid whose relative precision does not depend on the scale) and weight-only INT4 (where
+:mod:`hf_lowprec.ondevice.calibration.awq` searches its own scales) gain nothing (``benchmarks/outliers.py``;
+AVX512-BF16 AMD EPYC).
 
 Written by hand: torchao's SmoothQuant (``torchao.prototype.smoothquant``) replaces the linear with its own
 inference-only int8 layer, with no backward and no FP8 or INT4 weights.
@@ -24,6 +25,8 @@ import logging
 
 import torch
 from torch import nn
+
+from hf_lowprec.once_flags import OnceFlags
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ def smoothing_scale(input_amax: torch.Tensor, weight: torch.Tensor, alpha: float
     return torch.exp2(torch.round(torch.log2(s)))
 
 
-class InputSmoothing(nn.Module):
+class InputSmoothing(OnceFlags):
     """The smoothing ``s [K]`` of one linear: :meth:`inputs` gives ``x / s``, :meth:`weights` ``W diag(s)``.
 
     Uncalibrated (``s = 1``) until :meth:`calibrate` sees a forward input of ``>= MIN_CALIBRATION_TOKENS`` tokens;
@@ -54,28 +57,19 @@ class InputSmoothing(nn.Module):
             device = None  # a layer built on "meta" to wrap existing weights: made here, moved to them by .to()
         self.register_buffer("scale", torch.ones(in_features, device=device))
         self.register_buffer("calibrated", torch.zeros((), dtype=torch.bool, device=device))
-        self._known_calibrated = False  # read from the buffer once, not on every forward (a host sync on a GPU)
 
     @torch.no_grad()
     def calibrate(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Set ``s`` from input ``x [..., K]`` and ``weight [N, K]`` unless calibrated already or ``x`` has too few
         tokens; returns whether this call calibrated."""
-        if self._known_calibrated:
-            return False
-        self._known_calibrated = bool(self.calibrated)
         tokens = x.numel() // x.shape[-1]
-        if self._known_calibrated or tokens < MIN_CALIBRATION_TOKENS:
+        if self.flag_set("calibrated") or tokens < MIN_CALIBRATION_TOKENS:
             return False
         amax = x.detach().reshape(-1, x.shape[-1]).abs().amax(0)
         self.scale.copy_(smoothing_scale(amax, weight))
-        self.calibrated.fill_(True)
-        self._known_calibrated = True
+        self.set_flag("calibrated")
         logger.debug("smoothing calibrated on %d tokens: s in [%g, %g]", tokens, self.scale.min(), self.scale.max())
         return True
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        self._known_calibrated = False  # the loaded buffer decides
-        return super()._load_from_state_dict(*args, **kwargs)
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K] / s`` in ``x``'s dtype (exact: ``s`` holds powers of two)."""

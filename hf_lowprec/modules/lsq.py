@@ -17,6 +17,7 @@ from hf_lowprec.formats import (
     quantize_nf4,
     round_ste,
 )
+from hf_lowprec.once_flags import OnceFlags
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class LearnedStepQuantizer(nn.Module):
         return f"{self.spec.name}, learnable={self.learnable}"
 
 
-class LearnedActivationQuantizer(nn.Module):
+class LearnedActivationQuantizer(OnceFlags):
     """LSQ for activations: fake-quantize ``x`` (any shape) to a signed integer grid with one learned step.
 
     ``spec`` gives the grid (``int8``: codes -128..127, ``int4``: -8..7). The step is initialised on the
@@ -103,19 +104,13 @@ class LearnedActivationQuantizer(nn.Module):
             raise ValueError(f"LearnedActivationQuantizer needs a symmetric int4/int8 format, not {self.spec.name}")
         self.step = nn.Parameter(torch.ones(()))
         self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
-        self._known_initialized = False  # read from the buffer once, not on every forward (a host sync on a GPU)
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        self._known_initialized = False  # the loaded buffer decides
-        return super()._load_from_state_dict(*args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qmin, qmax = self.spec.qrange
-        if not self._known_initialized and not bool(self.initialized):
+        if not self.flag_set("initialized"):
             with torch.no_grad():
                 self.step.copy_((2 * x.detach().abs().float().mean() / math.sqrt(qmax)).clamp(min=1e-8))
-                self.initialized.fill_(True)
-        self._known_initialized = True
+                self.set_flag("initialized")
         grad_scale = 1.0 / math.sqrt(x.numel() * qmax)
         scaled = self.step * grad_scale
         step = ((self.step - scaled).detach() + scaled).abs().clamp(min=1e-8)
