@@ -29,7 +29,7 @@ Per configuration: load seconds, peak RSS while loading (``VmHWM``, imports incl
 while training and the median step time. Each configuration runs twice: peak RSS is read where glibc serves blocks
 of 64 KiB or more by mmap (``MALLOC_MMAP_THRESHOLD_``, so freed tensors leave RSS), times (and glibc's own peaks,
 ``*_glibc``) with glibc's default allocator, whose page faults are fewer (see ``run_config``). hf-lowprec's loading
-sets the first itself while it packs (``hf_lowprec.ondevice.allocator``, since 2026-12-02), so its ``*_glibc`` load
+sets the first itself while it packs (``hf_lowprec.allocator``, since 2026-12-02), so its ``*_glibc`` load
 peaks are the mmap ones; its training runs on glibc's defaults. The plot shows peak
 RSS and step time against parameter count, one line per configuration; a least-squares line per configuration
 gives bytes per parameter above a fixed overhead.

@@ -20,7 +20,6 @@ from hf_lowprec.ondevice import (
     AUTO_FORMATS,
     MERGE_FILE,
     METRICS_FILE,
-    allocator,
     checkpoint_weights,
     chunked_causal_lm_loss,
     cross_entropy_with_grad,
@@ -195,24 +194,6 @@ def test_only_tensors_still_in_a_mapped_file_are_copied(tmp_path):
         before = model.model.embed_tokens.weight.data_ptr()
         _own_dense_tensors(model)
         assert (model.model.embed_tokens.weight.data_ptr() != before) == copied
-
-
-@pytest.mark.skipif(allocator._glibc() is None, reason="glibc's allocator only")
-def test_loading_returns_freed_weights_to_the_system(monkeypatch):
-    """A 16 MiB tensor freed within ``freed_memory_returned`` is no longer resident after it (unmapped when freed, or
-    trimmed from the heap at the end where a free block of the heap served it): a loaded model keeps none of the
-    dense weights it was packed from."""
-    for name in allocator.USER_SETTINGS:
-        monkeypatch.delenv(name, raising=False)
-
-    def resident_mib() -> float:
-        return next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmRSS")) / 1024
-
-    with allocator.freed_memory_returned():
-        weight = torch.ones(4 * 2**20)  # 16 MiB, every page touched
-        held = resident_mib()
-        del weight
-    assert resident_mib() < held - 12
 
 
 def test_merge_into_a_dense_model_reloads_with_transformers_alone_and_keeps_the_adapters(tmp_path):

@@ -26,6 +26,7 @@ from hf_lowprec.checkpoints import (
 )
 from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eligible_layers, freeze
 from hf_lowprec.export.hf_quantizer import HfLowprecConfig, packs_on_load
+from hf_lowprec.file_pages import file_mappings, in_file_mapping
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import swap_layers
 from hf_lowprec.modules import FROZEN_TYPES, low_precision_layer
@@ -34,7 +35,7 @@ from hf_lowprec.modules.int4_lora import register_int4_lora
 from hf_lowprec.modules.kernels.autotune import resolve_dtype
 from hf_lowprec.modules.packed import PACKED_BACKENDS, PackedInt4Linear, PackedLinear, packed_class
 from hf_lowprec.modules.packed_embedding import PackedEmbedding, TiedPackedEmbedding, share_packed_head, tied_head_names
-from hf_lowprec.ondevice.allocator import freed_memory_returned
+from hf_lowprec.allocator import freed_memory_returned
 from hf_lowprec.ondevice.calibration import ROUNDINGS, CalibratedCodes, calibrated_codes, check_rounding, summary
 from hf_lowprec.ondevice.loftq import loftq_factors, loftq_for_targets, lora_scaling
 from hf_lowprec.ondevice.planning import (
@@ -231,37 +232,14 @@ def _own_dense_tensors(model: nn.Module) -> None:
     already in memory of their own (quantized on load) are left alone: copying a 128k-vocabulary embedding would
     add its size to the peak.
     """
-    mapped = _file_mappings()
+    mapped = file_mappings()
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
-            if _in_file(p, mapped):
+            if in_file_mapping(p, mapped):
                 p.data = p.data.clone()
         for name, b in module.named_buffers(recurse=False):
-            if b is not None and b.is_floating_point() and _in_file(b, mapped):
+            if b is not None and b.is_floating_point() and in_file_mapping(b, mapped):
                 module._buffers[name] = b.clone()
-
-
-def _file_mappings() -> list[tuple[int, int]] | None:
-    """``(start, end)`` addresses of this process's file-backed memory mappings (``/proc/self/maps``; ``None`` where
-    there is no such file, and every tensor then counts as mapped)."""
-    try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return None
-    ranges = []
-    for line in lines:
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[4] != "0":  # an inode: backed by a file
-            start, end = fields[0].split("-")
-            ranges.append((int(start, 16), int(end, 16)))
-    return ranges
-
-
-def _in_file(t: torch.Tensor, mapped: list[tuple[int, int]] | None) -> bool:
-    if mapped is None:
-        return True
-    address = t.untyped_storage().data_ptr()
-    return any(start <= address < end for start, end in mapped)
 
 
 def _calibrated_pack(

@@ -14,18 +14,18 @@ Written by hand: no library of the field tunes the host allocator (PyTorch's CPU
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import platform
 import sys
+import threading
 from contextlib import contextmanager
-
-logger = logging.getLogger(__name__)
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 LOAD_THRESHOLD = 64 * 1024  # bytes: blocks this large or larger are mapped on their own and unmapped when freed
 AFTER_THRESHOLD = 32 * 2**20  # bytes: glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit, where its dynamic one ends
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+_LOCK = threading.Lock()  # mallopt's setting is the process's: one depth count for all threads
+_DEPTH = [0]  # blocks of freed_memory_returned open now
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -43,15 +43,21 @@ def freed_memory_returned():
     """Within the block, glibc returns every freed block of 64 KiB or more to the system; after it, blocks below
     32 MiB are kept for reuse again (glibc's threshold once it has adapted: faster steps) and the free memory left in
     the heap is returned (``malloc_trim``). Nothing changes off glibc, or when the environment sets glibc's
-    allocator (``MALLOC_MMAP_THRESHOLD_`` and the like: the user's choice stands)."""
+    allocator (``MALLOC_MMAP_THRESHOLD_`` and the like: the user's choice stands). Blocks may nest (``load_int4_lora``
+    around ``from_pretrained``'s packing of each weight): the outermost one sets and restores."""
     libc = _glibc()
     if libc is None or any(name in os.environ for name in USER_SETTINGS):
         yield
         return
-    libc.mallopt(M_MMAP_THRESHOLD, LOAD_THRESHOLD)
+    with _LOCK:
+        _DEPTH[0] += 1
+        if _DEPTH[0] == 1:
+            libc.mallopt(M_MMAP_THRESHOLD, LOAD_THRESHOLD)
     try:
         yield
     finally:
-        libc.mallopt(M_MMAP_THRESHOLD, AFTER_THRESHOLD)
-        libc.malloc_trim(0)
-        logger.debug("loaded with glibc returning freed blocks of %d bytes or more", LOAD_THRESHOLD)
+        with _LOCK:
+            _DEPTH[0] -= 1
+            if _DEPTH[0] == 0:
+                libc.mallopt(M_MMAP_THRESHOLD, AFTER_THRESHOLD)
+                libc.malloc_trim(0)
