@@ -57,7 +57,8 @@ def swap_layers(model: nn.Module, make_layer) -> int:
     it returns a module other than the one there (``None``: keep it); returns how many were swapped. The one loop
     that replaces layers (as torchao's ``swap_linear_layers``, with the plan or a type test as the filter)."""
     count = 0
-    for name, fqn, module in list(walk_layers(model)):
+    for name, fqn in [(name, fqn) for name, fqn, _ in walk_layers(model)]:  # names only: a replaced layer is freed
+        module = model.get_submodule(fqn)  # as it is replaced (re-packing half a 1B model held every old layer)
         new = make_layer(name, fqn, module)
         if new is not None and new is not module:
             set_module(model, fqn, new)

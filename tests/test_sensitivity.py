@@ -310,7 +310,8 @@ def test_merging_batches_does_not_change_weight_only_scores():
 def test_fisher_terms_match_output_gradients_taken_after_the_backward(sensitive_model):
     """The Fisher pass adds each layer's terms inside the backward, when its output gradient arrives; the reference
     keeps every output's gradient (``retain_grad``) and runs each twin afterwards: first order ``Σ g·δy`` and second
-    order ``½ Σ (g·δy)²`` per labelled token, ``δy`` the weight-only twin's output minus the layer's."""
+    order ``½ Σ (g·δy)²`` per labelled token, ``δy`` the weight-only twin's output minus the layer's. The output head
+    is not scanned here, so the pass computes the loss in chunks of the head (the reference: whole logits)."""
     from hf_lowprec.sensitivity.units import _twins, _Unit
 
     model = copy.deepcopy(sensitive_model)

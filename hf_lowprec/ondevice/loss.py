@@ -112,7 +112,8 @@ def chunked_causal_lm_loss(
         full_labels = torch.cat((torch.full_like(targets[:, :1], IGNORE_INDEX), targets), 1)
         extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
         return model(input_ids=input_ids, attention_mask=attention_mask, labels=full_labels, **extra).loss
-    hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    no_cache = {"use_cache": False} if getattr(getattr(base, "config", None), "use_cache", None) is not None else {}
+    hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, **no_cache).last_hidden_state
     flat = targets.reshape(-1)
     chunk = max(1, min(chunk_tokens, CHUNK_LOGITS // head.out_features))  # a 128k vocabulary: 65 tokens a chunk
     total = _ChunkedLMLoss.apply(hidden[:, :-1].reshape(-1, hidden.shape[-1]), flat, head, chunk)

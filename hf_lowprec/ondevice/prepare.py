@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
+from hf_lowprec.allocator import freed_memory_returned
 from hf_lowprec.checkpoints import (
     DenseWeights,
     load_pretrained,
@@ -29,13 +30,12 @@ from hf_lowprec.export.hf_quantizer import HfLowprecConfig, packs_on_load
 from hf_lowprec.file_pages import file_mappings, in_file_mapping
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import swap_layers
-from hf_lowprec.modules import FROZEN_TYPES, low_precision_layer
+from hf_lowprec.modules import FROZEN_TYPES
 from hf_lowprec.modules.int4 import Int4Linear
 from hf_lowprec.modules.int4_lora import register_int4_lora
 from hf_lowprec.modules.kernels.autotune import resolve_dtype
 from hf_lowprec.modules.packed import PACKED_BACKENDS, PackedInt4Linear, PackedLinear, packed_class
 from hf_lowprec.modules.packed_embedding import PackedEmbedding, TiedPackedEmbedding, share_packed_head, tied_head_names
-from hf_lowprec.allocator import freed_memory_returned
 from hf_lowprec.ondevice.calibration import ROUNDINGS, CalibratedCodes, calibrated_codes, check_rounding, summary
 from hf_lowprec.ondevice.loftq import loftq_factors, loftq_for_targets, lora_scaling
 from hf_lowprec.ondevice.planning import (
@@ -170,10 +170,12 @@ def _repack_replanned(model: nn.Module, plan: PrecisionPlan, dense_weights) -> s
         raise ValueError(f"layer {name!r} is packed already and the plan gives it another format; pass a dense model")
 
     def reread(fqn: str, layer: PackedLinear) -> nn.Module:
-        dense, spec = layer.dense_linear(dense_weights(f"{fqn}.weight")), stale[fqn]
+        weight, spec = dense_weights(f"{fqn}.weight"), stale[fqn]
         if packed_class(spec) is None:
-            return dense
-        return low_precision_layer(dense, spec, {"learn_scales": False}).freeze()
+            return layer.dense_linear(weight)
+        # rounded a block of rows at a time, as on load: a fake-quantized twin frozen whole held ~430 MB of fp32 and
+        # int64 copies of a 1B-size MLP weight (the auto recipe's load peak at the Llama-3.2-1B shape, scale.py)
+        return packed_class(spec).from_weight(weight, spec, layer.bias, dtype=layer.step.dtype)
 
     swap_layers(model, lambda _, fqn, m: reread(fqn, m) if fqn in stale else None)
     return {canonical_name(fqn) for fqn in stale}

@@ -17,7 +17,7 @@ from hf_lowprec.layers import swap_layers
 from hf_lowprec.modules import LOW_PRECISION_TYPES, Int4Linear, TiedQuantizers
 from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.plan import PrecisionPlan, resolve_plan
-from hf_lowprec.sensitivity.batches import _check_batches, _forward, _label_count, _merge
+from hf_lowprec.sensitivity.batches import _check_batches, _chunked_loss, _forward, _label_count, _merge
 from hf_lowprec.sensitivity.replay import Progress, _BlockReplay
 from hf_lowprec.sensitivity.results import KEEP, LayerScore, ScanResult
 from hf_lowprec.sensitivity.units import _dense_shape, _layer_bytes, _select, _twins, _Unit, _units
@@ -311,17 +311,24 @@ def _fisher_pass(model, batches, device, units, scores, hooks, tracker, twins_of
     for u in units:
         for _, module in u.members if u.formats else ():  # a unit no candidate fits (a tied head under '-a8') has no twins
             hooks.append(module.register_forward_hook(hook))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_scanned = head is not None and any(m is head for u in units for _, m in u.members)  # (hooked: no chunks)
     nll, logps, count = 0.0, [], 0
     for i, batch in enumerate(batches):
         leaves.clear()
         with torch.enable_grad():
-            logits, labels = _forward(model, batch, device)
-            loss_sum = F.cross_entropy(logits, labels, reduction="sum")
+            # the measured passes that follow (replay) compare log-probabilities: those need the whole logits
+            chunked = None if replay is not None or head_scanned else _chunked_loss(model, batch, device)
+            if chunked is None:
+                logits, labels = _forward(model, batch, device)
+                loss_sum, tokens = F.cross_entropy(logits, labels, reduction="sum"), len(labels)
+            else:
+                logits, (loss_sum, tokens) = None, chunked
             if leaves:  # runs the output hooks: every scanned output lies on a path to a leaf
                 torch.autograd.grad(loss_sum, leaves, allow_unused=True)
         nll += loss_sum.item()
-        count += len(labels)
-        if replay is not None:  # needed only for the measured passes that follow
+        count += tokens
+        if replay is not None:
             logps.append(torch.log_softmax(logits.detach(), -1))
             replay.next_batch()
         del logits, loss_sum
