@@ -86,6 +86,9 @@ CONFIGS = {
                                 "before PackedEmbedding)",
     "int4-lora-recipe": "hf-lowprec int4-ondevice-lora recipe's base (the CLI default): packed on load, auto plan scanned on "
                         "the packed model (int4-g64-asym, int8 at 6.25 bits/param), LoftQ from the checkpoint's residuals",
+    "int4-hf-quantizer": "transformers' own from_pretrained(quantization_config=HfLowprecConfig()) + PEFT's "
+                         "get_peft_model and the model's own loss, as the NF4 QLoRA peer (no chunked loss, no 8-bit "
+                         "activations), 8-bit AdamW",
     "fp32-lora": "fp32 LoRA (PEFT)",
     "bf16-lora": "bf16 LoRA (PEFT, fp32 adapters)",
     "nf4-qlora": "bnb NF4 QLoRA (double quant, bf16 compute)",
@@ -164,11 +167,18 @@ def _load(config: str, folder: Path):
         bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                  bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
         base = AutoModelForCausalLM.from_pretrained(folder, quantization_config=bnb, dtype=torch.bfloat16)
+    elif config == "int4-hf-quantizer":
+        from hf_lowprec import HfLowprecConfig
+
+        base = AutoModelForCausalLM.from_pretrained(folder, quantization_config=HfLowprecConfig(), dtype=torch.bfloat16)
     else:
         base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32 if config == "fp32-lora" else torch.bfloat16)
     if config.endswith("-gc"):
         base.activation_checkpointing_enable({"use_reentrant": False})
     base.config.use_cache = False
+    if config == "int4-hf-quantizer":  # PEFT's "all-linear" matches nn.Linear subclasses only: the same layers by name
+        lora = LoraConfig(**{**LORA, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                         "down_proj"]})  # fmt: skip
     model = get_peft_model(base, lora)
     return model, lambda batch: model(input_ids=batch, labels=batch).loss, {}
 
@@ -179,7 +189,7 @@ def _optimizer(config: str, params: list):
     the dense peers (transformers' default)."""
     import torch
 
-    if config.startswith("int4-lora"):
+    if config.startswith("int4-"):
         from hf_lowprec.training.adamw8bit import AdamW8bit
 
         return AdamW8bit(params, lr=1e-4, weight_decay=0.0)
@@ -302,7 +312,7 @@ def goals(results: list[dict]) -> dict:
     mixes the two, both again from one allocator (``glibc_*``: default glibc; ``mmap_step_vs_fastest_peer``)."""
     batch = f"1x{BLOCK}"
     at = {r["config"]: r for r in results if r["size"] == "llama-3.2-1b"}
-    peers = {c: r for c, r in at.items() if not c.startswith("int4-lora")}
+    peers = {c: r for c, r in at.items() if not c.startswith("int4-")}
 
     def glibc_peak(r: dict) -> float:
         return max(r["load_peak_rss_mb_glibc"], r["train"][batch]["peak_rss_mb_glibc"])
