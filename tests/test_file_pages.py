@@ -1,6 +1,7 @@
 """Pages of memory-mapped checkpoints: releasing a consumed weight's pages, and quantize-on-load keeping none of them."""
 
 import mmap
+import os
 import sys
 
 import pytest
@@ -24,7 +25,7 @@ def resident_bytes(path) -> int:
     for line in open("/proc/self/smaps"):
         fields = line.split()
         if "-" in fields[0] and len(fields) >= 5:  # a mapping's first line
-            inside = len(fields) == 6 and fields[5] == str(path)
+            inside = len(fields) == 6 and fields[5] == os.path.realpath(path)
         elif inside and fields[0] == "Rss:":
             total += int(fields[1]) * 1024
     return total
@@ -48,19 +49,26 @@ def test_a_released_weight_leaves_resident_memory_and_still_reads_the_same(tmp_p
     assert release_file_bytes(tmp_path / "not-mapped", 0, 2**20) == 0
 
 
-def test_quantize_on_load_keeps_no_packed_weight_resident(tmp_path):
+@pytest.mark.parametrize("symlinked", [False, True], ids=["folder", "symlinked-files"])
+def test_quantize_on_load_keeps_no_packed_weight_resident(tmp_path, symlinked):
     """``from_pretrained(dense, quantization_config=HfLowprecConfig())`` reads through transformers' memory map: the
     pages of each packed weight leave once it is packed (before: the whole file stayed resident through the load and
-    while the dense tensors still lived in the mapping), and the model is the one the pread path loads."""
-    tiny_llama(hidden_size=256, intermediate_size=1024).to(torch.bfloat16).save_pretrained(tmp_path)
-    path = tmp_path / "model.safetensors"
-    packed = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, quantization_config=HfLowprecConfig())
+    while the dense tensors still lived in the mapping), and the model is the one the pread path loads. Also when the
+    folder holds symlinks to the files, as a Hub cache snapshot does (the mapping names the file they point to)."""
+    tiny_llama(hidden_size=256, intermediate_size=1024).to(torch.bfloat16).save_pretrained(tmp_path / "files")
+    path, folder = tmp_path / "files" / "model.safetensors", tmp_path / "files"
+    if symlinked:
+        folder = tmp_path / "snapshot"
+        folder.mkdir()
+        for file in (tmp_path / "files").iterdir():
+            (folder / file.name).symlink_to(file)
+    packed = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, quantization_config=HfLowprecConfig())
     slices = read_safetensors(path)
     dense = sum(s.nbytes for name, s in slices.items() if "proj" not in name)  # embedding, norms: in use
     packed_bytes = sum(s.nbytes for name, s in slices.items() if "proj" in name)
-    assert any(m.path == str(path) for m in file_mappings())  # the dense tensors keep the file mapped
+    assert any(m.path == os.path.realpath(path) for m in file_mappings())  # the dense tensors keep the file mapped
     assert packed_bytes > 2 * dense and resident_bytes(path) <= dense + 16 * mmap.PAGESIZE
-    reference, _ = load_pretrained(tmp_path, dtype=torch.bfloat16, quantization_config=HfLowprecConfig())
+    reference, _ = load_pretrained(folder, dtype=torch.bfloat16, quantization_config=HfLowprecConfig())
     expected = reference.state_dict()
     assert packed.state_dict().keys() == expected.keys()
     assert all(torch.equal(packed.state_dict()[k], v) for k, v in expected.items())

@@ -543,3 +543,26 @@ def test_a_packed_layers_output_errors_in_row_blocks_are_its_whole_twins(monkeyp
     torch.testing.assert_close(got.sum(), expected.sum(), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got.dot(got), expected.dot(expected), rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-5)
+
+
+def test_the_fisher_pass_chunked_loss_is_the_whole_logits_loss_or_declines():
+    """The Fisher pass's loss in chunks of the head: the summed next-token loss of whole fp32 logits and the same
+    target count on a padded batch whose padding has no labels; ``None`` (whole logits) where the two would differ."""
+    from hf_lowprec.sensitivity.batches import _chunked_loss
+
+    model = tiny_llama()
+    for p in model.parameters():  # as the scan leaves them: a trainable head is not run in chunks
+        p.requires_grad_(False)
+    ids = batches(n=1)[0]["input_ids"]
+    mask = torch.ones_like(ids)
+    mask[1, 40:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    total, count = _chunked_loss(model, {"input_ids": ids, "attention_mask": mask, "labels": labels}, "cpu")
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), reduction="sum")
+    assert total.item() == pytest.approx(expected.item(), rel=1e-5) and count == int((labels[:, 1:] != -100).sum())
+    assert _chunked_loss(model, {"input_ids": ids, "attention_mask": mask, "labels": ids}, "cpu") is None
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    assert _chunked_loss(model, {"input_ids": ids, "position_ids": positions, "labels": ids}, "cpu") is None
+    model.lm_head.weight.requires_grad_(True)
+    assert _chunked_loss(model, {"input_ids": ids, "labels": ids}, "cpu") is None

@@ -101,17 +101,17 @@ def _chunked_loss(model: nn.Module, batch: Mapping, device) -> tuple[torch.Tenso
     """``(summed next-token loss, targets)`` of a causal-LM batch through the chunked loss
     (:func:`hf_lowprec.ondevice.chunked_causal_lm_loss`: the ``[T, vocabulary]`` logits, their log-softmax and their
     gradient never exist whole: ~125 MB each in fp32 at a 128k vocabulary and 256 tokens), or ``None`` where it would
-    not score exactly what :func:`_forward` does (classification labels; a head that cannot run in chunks, which it
-    says by falling back to full logits; a padded position with a label)."""
-    from hf_lowprec.ondevice.loss import _chunkable_head  # ondevice imports the scan: imported when first needed
+    not score exactly what :func:`_forward` does (classification labels; a head that cannot run in chunks; inputs
+    besides ``input_ids`` and ``attention_mask``; a padded position with a label)."""
+    from hf_lowprec.ondevice.loss import _chunkable_head, chunked_causal_lm_loss  # ondevice imports the scan
 
     labels, mask = batch["labels"], batch.get("attention_mask")
     if not _shifts_labels(model, labels) or _chunkable_head(model) is None:
         return None
+    if set(batch) - {"input_ids", "attention_mask", "labels"}:
+        return None  # e.g. position_ids: the chunked loss runs the decoder on input_ids and attention_mask only
     if mask is not None and not (labels[:, 1:][mask[:, 1:] == 0] == IGNORE_INDEX).all():
         return None  # the chunked loss leaves padded positions out, _forward scores any label there
-    from hf_lowprec.ondevice.loss import chunked_causal_lm_loss
-
     inputs = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
     total = chunked_causal_lm_loss(model, **inputs, labels=labels.to(device), num_items_in_batch=1)
     return total, _label_count(model, batch)
