@@ -5,7 +5,8 @@ glibc's default allocator keeps freed blocks below its dynamic ``mmap`` threshol
 block is freed) in its heap, where later tensors fragment them, so the load peak depends on the order of frees.
 Measured on the Llama-3.2-1B shape (AVX512-BF16 AMD EPYC, ``benchmarks/scale.py``'s int4-lora configuration, five
 runs): load peak 1.60-1.75 GB and 1.51-1.72 GB resident after loading with glibc's defaults; 1.29 GB and 1.27 GB
-within :func:`freed_memory_returned` (the packed model plus one weight), for 6-8 s more loading (of 9 s: each
+within :func:`freed_memory_returned` (the packed model plus one weight; since 2026-12-03 around each weight's packing,
+``export/hf_quantizer.py``: 1.29-1.30 GB in 3 runs, as around the whole load), for 6-8 s more loading (of 9 s: each
 weight read lands in fresh pages). Training then peaked 1.68 GB at batch 1x256 against 1.76-1.81 GB.
 
 Written by hand: no library of the field tunes the host allocator (PyTorch's CPU allocator is plain ``malloc``).
@@ -43,8 +44,8 @@ def freed_memory_returned():
     """Within the block, glibc returns every freed block of 64 KiB or more to the system; after it, blocks below
     32 MiB are kept for reuse again (glibc's threshold once it has adapted: faster steps) and the free memory left in
     the heap is returned (``malloc_trim``). Nothing changes off glibc, or when the environment sets glibc's
-    allocator (``MALLOC_MMAP_THRESHOLD_`` and the like: the user's choice stands). Blocks may nest (``load_int4_lora``
-    around ``from_pretrained``'s packing of each weight): the outermost one sets and restores."""
+    allocator (``MALLOC_MMAP_THRESHOLD_`` and the like: the user's choice stands). Blocks may nest: the outermost one sets
+    and restores."""
     libc = _glibc()
     if libc is None or any(name in os.environ for name in USER_SETTINGS):
         yield

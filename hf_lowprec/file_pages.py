@@ -60,16 +60,19 @@ def in_file_mapping(t: torch.Tensor, mappings: list[FileMapping] | None) -> bool
     return any(m.start <= address < m.end for m in mappings)
 
 
-def release_file_bytes(path: str | os.PathLike, offset: int, nbytes: int) -> int:
+def release_file_bytes(
+    path: str | os.PathLike, offset: int, nbytes: int, mappings: list[FileMapping] | None = None
+) -> int:
     """Take the whole pages of bytes ``[offset, offset + nbytes)`` of file ``path`` out of this process's resident
-    memory, in every mapping of that file; returns how many bytes were released (0 off Linux, or when the file is not
-    mapped). Only for bytes nothing will write to: a page a private mapping had copied on write reverts to the file."""
+    memory, in every mapping of that file (of ``mappings``, default :func:`file_mappings` read now: ~2 ms, so a caller
+    releasing many tensors of files it knows to be mapped passes them once); returns how many bytes were released (0
+    off Linux, or when the file is not mapped). Only for bytes nothing will write to: a page a private mapping had
+    copied on write reverts to the file."""
     if sys.platform != "linux" or nbytes <= 0:
         return 0
-    mappings = file_mappings() or []
     target = os.path.realpath(path)
     released = 0
-    for m in mappings:
+    for m in (file_mappings() or []) if mappings is None else mappings:
         if m.path != target:
             continue
         begin = max(offset, m.offset) - m.offset + m.start  # the file range's addresses inside this mapping

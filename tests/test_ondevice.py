@@ -406,7 +406,7 @@ def test_compiled_cross_entropy_with_grad_matches_autograd_on_two_threads(dtype)
 def test_cross_entropy_into_grad_matches_fp64_autograd_and_overwrites_the_logits(dtype, kernel, monkeypatch):
     """Logits spread over +-90 (exp's range reduction and its underflow clamp), ignored rows, a vocabulary that is no
     multiple of a vector: the loss and, written over the logits, its gradient against fp64 autograd."""
-    from hf_lowprec.ondevice import loss as loss_module
+    from hf_lowprec import chunked_loss as loss_module
 
     if kernel == "compiled":
         monkeypatch.setattr(loss_module, "native_kernels", lambda *tensors: None)

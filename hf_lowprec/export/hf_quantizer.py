@@ -34,7 +34,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from hf_lowprec.allocator import freed_memory_returned
-from hf_lowprec.file_pages import release_file_bytes
+from hf_lowprec.file_pages import file_mappings, release_file_bytes
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import canonical_name, set_module, swap_layers
 from hf_lowprec.modules.packed import packed_class
@@ -90,6 +90,7 @@ class HfLowprecQuantizer(HfQuantizer):
         self.to_pack: dict[str, FormatSpec] = {}  # full module name -> format, for a dense checkpoint
         self.tied: tuple[str, str] | None = None  # (head, embedding) when the plan packs a head tied to the embedding
         self.sources: dict = {}  # checkpoint key -> where its bytes lie in a safetensors file (a PreadSlice)
+        self._mappings: list | None = None  # this process's mappings of those files, read at the first release
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         if self.pre_quantized:
@@ -114,6 +115,14 @@ class HfLowprecQuantizer(HfQuantizer):
             if isinstance(linear, nn.Linear):
                 _pack(model, fqn, linear.weight, self.to_pack[fqn])
         return model
+
+    def checkpoint_mappings(self) -> list:
+        """This process's memory mappings of the checkpoint's files: transformers maps every file before it converts
+        the first weight, so they are read from ``/proc/self/maps`` once, not once per packed weight."""
+        if self._mappings is None:
+            files = {os.path.realpath(s.path) for s in self.sources.values()}
+            self._mappings = [m for m in file_mappings() or [] if m.path in files]
+        return self._mappings
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         module_name, _, tensor = param_name.rpartition(".")
@@ -153,7 +162,7 @@ class PackOnLoad(ConversionOps):
         for key in source_patterns:  # a renamed weight's checkpoint key (a converter's are patterns: not in the index)
             source = self.quantizer.sources.get(key)
             if source is not None:  # read through transformers' memory map: its pages are not needed any more
-                release_file_bytes(source.path, source.offset, source.nbytes)
+                release_file_bytes(source.path, source.offset, source.nbytes, self.quantizer.checkpoint_mappings())
         if head != module_name:
             share_packed_head(model, tied)
         if missing_keys is not None:

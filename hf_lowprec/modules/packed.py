@@ -77,7 +77,7 @@ TILE_ELEMENTS = 1 << 23
 # (benchmarks/kernel_speed.py, Llama-3.2-1B shapes, 256 and 1024 tokens: 0.33-0.76x the fastest backend)
 DEQUANT_AUTOTUNE_MAX = 1 << 22
 AUTOTUNE_TOKENS = 256  # rows of the probe input when auto times the backends of a layer shape
-# at most this many output elements per probe, and per chunk of the chunked loss (ondevice/loss.py's CHUNK_LOGITS): a
+# at most this many output elements per probe, and per chunk of the chunked loss (chunked_loss.py's CHUNK_LOGITS): a
 # 128k-vocabulary head is timed on the 65 rows a chunk gives it, not 256, whose probe output and gradient were a
 # first-run spike of ~100 MB at the Llama-3.2-1B shape
 AUTOTUNE_OUTPUTS = 1 << 23

@@ -21,9 +21,10 @@ in 8 bits (default; or gradient checkpointing), by SwiGLU MLPs and RMSNorms that
 ``[tokens, vocab]`` fp32 logits.
 """
 
+from hf_lowprec.chunked_loss import chunked_causal_lm_loss, cross_entropy_with_grad
 from hf_lowprec.ondevice.export import ADAPTER_DIR, MERGE_DTYPES, MERGE_FILE, export_int4_lora, load_int4_model
 from hf_lowprec.ondevice.loftq import loftq_factors
-from hf_lowprec.ondevice.loss import chunked_causal_lm_loss, cross_entropy_with_grad, evaluate_loss, token_blocks
+from hf_lowprec.ondevice.loss import evaluate_loss, token_blocks
 from hf_lowprec.ondevice.planning import (
     AUTO_BUDGET,
     AUTO_FORMATS,

@@ -9,7 +9,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
-from hf_lowprec.allocator import freed_memory_returned
 from hf_lowprec.checkpoints import (
     DenseWeights,
     load_pretrained,
@@ -332,14 +331,13 @@ def load_int4_base(
         snapshot = None if gguf else local_checkpoint_folder(source, **source_kwargs(from_pretrained_kwargs))
         on_load = snapshot is not None
     first_int4 = next((f for f in auto_formats if FormatSpec.parse(f).family == "int4"), None) if auto else plan
-    with freed_memory_returned() if on_load else nullcontext():  # the load peak: packed model + one weight
-        model, tokenizer = load_pretrained(
-            model_id_or_path,
-            gguf_file=gguf_file,
-            dtype=dtype,
-            quantization_config=HfLowprecConfig(first_int4) if on_load else None,
-            **from_pretrained_kwargs,
-        )
+    model, tokenizer = load_pretrained(  # packed on load: each weight inside the lean allocator (hf_quantizer.py)
+        model_id_or_path,
+        gguf_file=gguf_file,
+        dtype=dtype,
+        quantization_config=HfLowprecConfig(first_int4) if on_load else None,
+        **from_pretrained_kwargs,
+    )
     if not on_load:
         return model, tokenizer, plan
     if reads_dense:

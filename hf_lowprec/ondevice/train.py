@@ -20,11 +20,12 @@ from peft import PeftModel
 from torch import nn
 from transformers import get_scheduler
 
+from hf_lowprec.chunked_loss import chunked_causal_lm_loss
 from hf_lowprec.folders import check_output_dir
 from hf_lowprec.metrics import peak_rss_mb
 from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.ondevice.export import export_int4_lora
-from hf_lowprec.ondevice.loss import chunked_causal_lm_loss, evaluate_loss
+from hf_lowprec.ondevice.loss import evaluate_loss
 from hf_lowprec.training.activations import ActivationStorage
 from hf_lowprec.training.adamw8bit import AdamW8bit
 

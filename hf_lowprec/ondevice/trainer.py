@@ -2,7 +2,7 @@
 
 It is what ``hf-lowprec finetune`` trains INT4+LoRA models with:
 
-- the loss never materialises the ``[tokens, vocab]`` logits (:func:`~hf_lowprec.ondevice.loss.chunked_causal_lm_loss`);
+- the loss never materialises the ``[tokens, vocab]`` logits (:func:`~hf_lowprec.chunked_loss.chunked_causal_lm_loss`);
 - the tensors autograd saves for backward are stored in 8 bits
   (:class:`~hf_lowprec.training.activations.ActivationStorage`; ``activation_storage=None`` keeps them as they are);
 - ``optim="adamw_torch_8bit"`` (torchao's 8-bit AdamW) steps in one C++ pass on CPUs, same states and numerics
@@ -20,7 +20,7 @@ import contextlib
 import torchao.optim
 from transformers import Trainer
 
-from hf_lowprec.ondevice.loss import chunked_causal_lm_loss
+from hf_lowprec.chunked_loss import chunked_causal_lm_loss
 from hf_lowprec.training.activations import FORMATS as ACTIVATION_FORMATS
 from hf_lowprec.training.activations import ActivationStorage
 from hf_lowprec.training.adamw8bit import AdamW8bit

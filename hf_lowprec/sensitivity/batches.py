@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+from hf_lowprec.chunked_loss import chunkable_head, chunked_causal_lm_loss
 from hf_lowprec.labels import IGNORE_INDEX
 
 
@@ -99,14 +100,12 @@ def _forward(model: nn.Module, batch: Mapping, device) -> tuple[torch.Tensor, to
 
 def _chunked_loss(model: nn.Module, batch: Mapping, device) -> tuple[torch.Tensor, int] | None:
     """``(summed next-token loss, targets)`` of a causal-LM batch through the chunked loss
-    (:func:`hf_lowprec.ondevice.chunked_causal_lm_loss`: the ``[T, vocabulary]`` logits, their log-softmax and their
+    (:func:`hf_lowprec.chunked_loss.chunked_causal_lm_loss`: the ``[T, vocabulary]`` logits, their log-softmax and their
     gradient never exist whole: ~125 MB each in fp32 at a 128k vocabulary and 256 tokens), or ``None`` where it would
     not score exactly what :func:`_forward` does (classification labels; a head that cannot run in chunks; inputs
     besides ``input_ids`` and ``attention_mask``; a padded position with a label)."""
-    from hf_lowprec.ondevice.loss import _chunkable_head, chunked_causal_lm_loss  # ondevice imports the scan
-
     labels, mask = batch["labels"], batch.get("attention_mask")
-    if not _shifts_labels(model, labels) or _chunkable_head(model) is None:
+    if not _shifts_labels(model, labels) or chunkable_head(model) is None:
         return None
     if set(batch) - {"input_ids", "attention_mask", "labels"}:
         return None  # e.g. position_ids: the chunked loss runs the decoder on input_ids and attention_mask only

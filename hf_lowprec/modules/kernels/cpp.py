@@ -10,7 +10,7 @@ fused). Nothing multiplies by an INT4 weight both ways at training sizes either:
 ``tiled_*`` kernels instead dequantize one cache-sized tile of the weight at a time and hand it to the fp32
 (or bf16) GEMM of the CPU's BLAS: the arithmetic runs at that GEMM's speed, which is the fastest there is on
 an AVX2 CPU, and the dense weight never exists whole. ``cross_entropy_`` exists because torch has no fused
-cross-entropy-with-gradient on CPUs: ``torch.compile`` fuses one (``ondevice/loss.py``'s fallback) but brings ~30 MB
+cross-entropy-with-gradient on CPUs: ``torch.compile`` fuses one (``chunked_loss.py``'s fallback) but brings ~30 MB
 of compiler runtime into the process and a second ``[tokens, vocab]`` buffer for the gradient. ``silu_mul_backward``:
 one pass where eager fp32 torch ops make eight (``training/fused_blocks.py``; 4x faster at 256 x 8192).
 ``adamw8bit_``: torchao's 8-bit AdamW step in one pass per block, where its compiled CPU step takes 11x fp32 AdamW's

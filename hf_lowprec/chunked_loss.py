@@ -1,0 +1,129 @@
+"""The chunked causal-LM loss: the output head and the cross-entropy run a block of tokens at a time, so the
+``[tokens, vocab]`` logits never exist whole. The INT4+LoRA training path and the sensitivity scan's Fisher pass
+use it.
+"""
+
+from __future__ import annotations
+
+import torch
+from peft import PeftModel
+from torch import nn
+
+from hf_lowprec.labels import IGNORE_INDEX
+from hf_lowprec.modules.packed import AUTOTUNE_OUTPUTS, compiled, native_kernels
+
+# most logits of one chunk (tokens x vocabulary): 128 tokens of a 49k vocabulary; at a 128k vocabulary, 65 tokens,
+# which keeps a chunk's logits, their fp32 loss and gradient near 100 MB instead of 200 (Llama-3.2-1B, scale.py)
+CHUNK_LOGITS = AUTOTUNE_OUTPUTS  # the packed layers time a head this wide at the rows of one chunk
+
+
+def cross_entropy_with_grad(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy of ``logits [C, V]`` against ``labels [C]`` (``-100`` ignored) and its gradient
+    w.r.t. the logits (``softmax - onehot``, in the logits' dtype), computed in fp32 in one fused kernel.
+
+    Hand-written because autograd's ``log_softmax`` + ``nll_loss`` make separate passes over the ``[C, V]``
+    logits forward and backward; this is one fused pass when compiled.
+    """
+    x = logits.float()
+    valid = labels != IGNORE_INDEX
+    target = torch.where(valid, labels, 0).unsqueeze(1)
+    lse = torch.logsumexp(x, -1, keepdim=True)
+    weight = valid.unsqueeze(1).float()
+    loss = ((lse - x.gather(1, target)) * weight).sum()
+    # the one-hot as a comparison, not a scatter_add: torch 2.13's inductor corrupts the heap on 2+ threads when
+    # fp32 logits (aliased by .float()) meet scatter_add with dynamic shapes; the comparison also fuses
+    onehot = torch.arange(x.shape[1], device=x.device) == target
+    grad = (torch.exp(x - lse) - onehot.float()) * weight
+    return loss, grad.to(logits.dtype)
+
+
+def cross_entropy_into_grad_(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of ``logits [C, V]`` against ``labels [C]`` (fp32 scalar); overwrites ``logits`` with
+    the gradient :func:`cross_entropy_with_grad` gives. One buffer instead of two: the C++ kernel
+    (``modules/kernels/cpp.py``) on CPUs where it builds, else the compiled function and a copy."""
+    ext = native_kernels(logits)
+    if ext is not None and logits.is_contiguous():
+        return ext.cross_entropy_(logits, labels.contiguous(), IGNORE_INDEX)
+    loss, grad = compiled(cross_entropy_with_grad)(logits, labels.contiguous())
+    logits.copy_(grad)
+    return loss
+
+
+class _ChunkedLMLoss(torch.autograd.Function):
+    """Summed cross-entropy of ``head(hidden)`` against ``labels``, ``chunk`` tokens at a time.
+
+    The gradient w.r.t. ``hidden`` is computed chunk by chunk during the forward (the loss is a
+    scalar, so it only needs rescaling later); only one chunk's ``[chunk, vocab]`` logits exist at a
+    time, overwritten by their gradient, and nothing is recomputed. transformers computes the full fp32
+    logits (201 MB for 1024 tokens x 49k vocabulary, plus their gradient); no library offers this for an
+    arbitrary head module.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, labels, head, chunk):
+        grad = torch.empty_like(hidden) if hidden.requires_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for i in range(0, hidden.shape[0], chunk):
+            with torch.enable_grad():
+                h = hidden[i : i + chunk].detach().requires_grad_(grad is not None)
+                logits = head(h)
+            grad_logits = logits.detach()  # the head saves its input, not its output: its buffer takes the gradient
+            total += cross_entropy_into_grad_(grad_logits, labels[i : i + chunk])
+            if grad is not None:
+                (grad[i : i + chunk],) = torch.autograd.grad(logits, h, grad_logits)
+        ctx.save_for_backward(grad)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_total.to(grad.dtype), None, None, None
+
+
+def chunked_causal_lm_loss(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    chunk_tokens: int = 128,
+    *,
+    labels: torch.Tensor | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Next-token cross-entropy of a causal LM (PEFT-wrapped or not), ``input_ids [B, T]``.
+
+    ``labels [B, T]`` (default ``input_ids``; ``-100`` and padded positions ignored) are shifted inside, as in
+    transformers. The loss is the mean over this batch's targets, or their sum over ``num_items_in_batch`` (the
+    targets of all the batches of one optimizer step, as the ``Trainer`` passes it for gradient accumulation).
+
+    Runs the decoder, then the output head and the loss over ``chunk_tokens`` tokens at a time, fewer where the
+    vocabulary would make a chunk's logits exceed ``CHUNK_LOGITS`` (see
+    :class:`_ChunkedLMLoss`). Falls back to the model's own loss (full logits) when the model has no
+    ``get_decoder``, scales or caps its logits, or when its output head trains.
+    """
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    targets = (input_ids if labels is None else labels)[:, 1:]
+    if attention_mask is not None:
+        targets = targets.masked_fill(attention_mask[:, 1:] == 0, IGNORE_INDEX)
+    head = chunkable_head(base)
+    if head is None:
+        full_labels = torch.cat((torch.full_like(targets[:, :1], IGNORE_INDEX), targets), 1)
+        extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
+        return model(input_ids=input_ids, attention_mask=attention_mask, labels=full_labels, **extra).loss
+    no_cache = {"use_cache": False} if getattr(getattr(base, "config", None), "use_cache", None) is not None else {}
+    hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, **no_cache).last_hidden_state
+    flat = targets.reshape(-1)
+    chunk = max(1, min(chunk_tokens, CHUNK_LOGITS // head.out_features))  # a 128k vocabulary: 65 tokens a chunk
+    total = _ChunkedLMLoss.apply(hidden[:, :-1].reshape(-1, hidden.shape[-1]), flat, head, chunk)
+    if num_items_in_batch is not None:
+        return total / num_items_in_batch
+    return total / (flat != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def chunkable_head(base: nn.Module) -> nn.Module | None:
+    """The output head when the loss may run it in chunks (frozen, its logits used as they are), else ``None``."""
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if head is None or not hasattr(base, "get_decoder") or any(p.requires_grad for p in head.parameters()):
+        return None
+    cfg = getattr(base, "config", None)
+    plain = getattr(cfg, "final_logit_softcapping", None) is None and getattr(cfg, "logit_scale", None) is None
+    return head if plain else None
