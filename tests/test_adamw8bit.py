@@ -29,8 +29,9 @@ class EagerTorchaoAdamW8bit(torchao.optim.AdamW8bit):
                                  exp_avg_sq=self._new_buffer(p, False))  # fmt: skip
                 state["step"] += 1
                 m, v = state["exp_avg"], state["exp_avg_sq"]
+                stochastic = self.bf16_stochastic_round and p.dtype is torch.bfloat16
                 single_param_adam(p.detach(), p.grad, state["step"], m, v, None, group["lr"], *group["betas"],
-                                  group["weight_decay"], group["eps"], True, False)  # fmt: skip
+                                  group["weight_decay"], group["eps"], True, stochastic)  # fmt: skip
 
 
 def _run(optimizers, steps: int, seed: int = 0):
@@ -41,13 +42,13 @@ def _run(optimizers, steps: int, seed: int = 0):
         grads = [torch.randn(s, generator=gen) * (1e-1 if step % 5 == 0 else 1e-3) for s in SHAPES]
         for opt in optimizers:
             for p, g in zip(opt.param_groups[0]["params"], grads):
-                p.grad = g.clone()
+                p.grad = g.to(p.dtype)
             opt.step()
 
 
-def _params(seed: int = 1):
+def _params(seed: int = 1, dtype: torch.dtype = torch.float32):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02) for s in SHAPES]
+    return [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(dtype)) for s in SHAPES]
 
 
 def _assert_same_states(ours, ref, atol: float):
@@ -73,6 +74,81 @@ def test_one_pass_step_matches_torchao_update():
     _assert_same_states(ours, ref, atol=1e-7)
     moved = (ours.param_groups[0]["params"][0] - _params()[0]).abs().max().item()
     assert moved > 1e-3  # the comparison is over real updates
+
+
+@needs_cpp
+def test_one_pass_step_of_bf16_weights_matches_torchao_update():
+    ours = AdamW8bit(_params(dtype=torch.bfloat16), lr=1e-3, weight_decay=0.01)
+    ref = EagerTorchaoAdamW8bit(_params(dtype=torch.bfloat16), lr=1e-3, weight_decay=0.01)
+    _run([ours, ref], steps=12)
+    # the same codes and scales; each weight the same fp32 update rounded to nearest once: equal, or one bf16 step
+    # apart where fp32 arithmetic in another order lands on the other side of a rounding boundary
+    _assert_same_states(ours, ref, atol=2e-4)
+    p, q = ours.param_groups[0]["params"][0], ref.param_groups[0]["params"][0]
+    assert p.dtype is torch.bfloat16 and (p == q).float().mean() > 0.99
+
+
+def _constant_descent(optimizer_cls, dtype: torch.dtype, stochastic: bool, steps: int = 100) -> torch.Tensor:
+    """How far weights in [1, 1.5) move in ``steps`` AdamW steps on a constant gradient, each step a tenth of a bf16
+    step there (2^-7): ``[64, 1024]`` fp32."""
+    start = 1 + torch.rand(64, 1024, generator=torch.Generator().manual_seed(0)) / 2
+    p = torch.nn.Parameter(start.to(dtype, copy=True))
+    opt = optimizer_cls([p], lr=2**-7 / 10, weight_decay=0.0, bf16_stochastic_round=stochastic)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        p.grad = torch.full_like(p, 1e-2)
+        opt.step()
+    return p.detach().float() - start.to(dtype).float()
+
+
+@needs_cpp
+def test_stochastic_rounding_keeps_updates_below_a_bf16_step():
+    fp32 = _constant_descent(AdamW8bit, torch.float32, False).mean().item()
+    assert fp32 == pytest.approx(-100 * 2**-7 / 10, rel=0.02)  # Adam's step on a constant gradient is lr
+    assert _constant_descent(AdamW8bit, torch.bfloat16, False).abs().max() == 0  # to nearest, each update is lost
+    ours = _constant_descent(AdamW8bit, torch.bfloat16, True)
+    torchao_sr = _constant_descent(EagerTorchaoAdamW8bit, torch.bfloat16, True)
+    # unbiased: the mean movement is fp32's (the rounding noise averages out over 65k weights: ~0.1%)
+    assert ours.mean().item() == pytest.approx(fp32, rel=0.01)
+    assert torchao_sr.mean().item() == pytest.approx(fp32, rel=0.01)
+    # and spread alike: a random walk of 100 roundings of a tenth of a step, sqrt(100 * 0.1 * 0.9) = 3 steps
+    assert (ours.std() / torchao_sr.std()).item() == pytest.approx(1.0, abs=0.05)
+
+
+@needs_cpp
+@pytest.mark.parametrize("optim", ["adamw_torch_8bit", "adamw_torch"])
+def test_adapter_optimizer_keeps_small_updates_of_bf16_adapters(optim):
+    from hf_lowprec.ondevice.train import adapter_optimizer
+
+    def descent(dtype):
+        return _constant_descent(lambda params, **kw: adapter_optimizer(params, optim, lr=kw["lr"]), dtype, None)
+
+    fp32 = descent(torch.float32).mean().item()
+    assert descent(torch.bfloat16).mean().item() == pytest.approx(fp32, rel=0.01)  # to nearest they would not move
+
+
+@needs_cpp
+def test_stochastic_rounding_lands_on_a_neighbour_of_the_fp32_update_whatever_the_threads():
+    params = _params(dtype=torch.bfloat16)
+    exact = AdamW8bit([torch.nn.Parameter(p.detach().float()) for p in params], lr=1e-2)
+    _run([exact], steps=1)
+    results = []
+    threads = torch.get_num_threads()
+    for n in (1, 2):
+        opt = AdamW8bit([torch.nn.Parameter(p.detach().clone()) for p in params], lr=1e-2, bf16_stochastic_round=True)
+        torch.manual_seed(3)
+        torch.set_num_threads(n)
+        try:
+            _run([opt], steps=1)
+        finally:
+            torch.set_num_threads(threads)
+        results.append(opt.param_groups[0]["params"][0].detach().float())
+    assert torch.equal(results[0], results[1])  # the random bits hash each element's index, not a thread's stream
+    bits = exact.param_groups[0]["params"][0].detach().view(torch.int32) & -65536  # the fp32 update's high 16 bits
+    toward_zero, away = bits.view(torch.float32), (bits + 65536).view(torch.float32)  # its two bf16 neighbours
+    got = results[0]
+    assert torch.all((got == toward_zero) | (got == away))
+    assert 0.05 < (got == away).float().mean() < 0.95  # both happen
 
 
 def test_fallback_without_cpp_kernels_is_torchao_update(monkeypatch):
@@ -113,9 +189,12 @@ def test_chunked_loss_trainer_steps_torchao_8bit_with_the_one_pass_class(tmp_pat
 
     args = TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch_8bit", learning_rate=1e-3, use_cpu=True,
                              report_to=[])  # fmt: skip
-    trainer = ChunkedLossTrainer(model=tiny_llama(), args=args, activation_storage=None)
-    optimizer = trainer.create_optimizer()
-    assert type(getattr(optimizer, "optimizer", optimizer)) is AdamW8bit
+    for dtype in (torch.float32, torch.bfloat16):
+        trainer = ChunkedLossTrainer(model=tiny_llama().to(dtype), args=args, activation_storage=None)
+        optimizer = trainer.create_optimizer()
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        assert type(optimizer) is AdamW8bit
+        assert optimizer.bf16_stochastic_round is (dtype is torch.bfloat16)  # bf16 weights keep their small updates
 
 
 def test_finetune_rejects_an_unknown_optimizer():

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from tiny_assets import corpus_text, save_tiny_model
 from transformers import AutoModelForCausalLM
 
+import hf_lowprec.ondevice.train as train_module
 from hf_lowprec.checkpoints import DenseWeights, default_checkpoint, load_pretrained
 from hf_lowprec.export.hf_quantizer import HfLowprecConfig
 from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear, PackedLinear
@@ -32,6 +33,7 @@ from hf_lowprec.ondevice import (
     token_blocks,
 )
 from hf_lowprec.ondevice.prepare import _own_dense_tensors
+from hf_lowprec.ondevice.train import adapter_optimizer
 from hf_lowprec.plan import PrecisionPlan
 from hf_lowprec.sensitivity import allocate, scan
 
@@ -165,6 +167,37 @@ def test_finetune_from_disk_loss_falls_and_export_reloads_identically(tmp_path):
 
     with pytest.raises(ValueError, match="already exists"):
         export_int4_lora(model, tmp_path / "run")
+
+
+def test_a_bf16_model_trains_bf16_adapters_that_follow_fp32_adapters(tmp_path, monkeypatch):
+    """adapter_dtype auto: bf16 adapters for a bf16 model (no fp32 master copies: 2 bytes a weight and a gradient),
+    stepped by an optimizer that rounds each update stochastically; their training follows fp32 adapters' on the same
+    base and data."""
+    path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128, initializer_range=0.1)
+    made = []  # the optimizers finetune_int4_lora makes (a spy: the real function runs)
+    spy = lambda *a, **kw: made.append(adapter_optimizer(*a, **kw)) or made[-1]  # noqa: E731
+    monkeypatch.setattr(train_module, "adapter_optimizer", spy)
+
+    def trained(adapter_dtype: str) -> tuple[float, float]:
+        torch.manual_seed(0)
+        options = dict(dtype=torch.bfloat16, adapter_dtype=adapter_dtype)
+        model, tokenizer, _ = load_int4_lora(path, LoraConfig(**LORA), **options)
+        params = [p for p in model.parameters() if p.requires_grad]
+        assert {p.dtype for p in params} == {torch.float32 if adapter_dtype == "fp32" else torch.bfloat16}
+        blocks = token_blocks(tokenizer, [corpus_text(20_000)], 64)
+        losses = finetune_int4_lora(model, tokenizer, blocks, steps=30, lr=1e-3, batch_size=4).losses
+        return losses[0], sum(losses[-10:]) / 10
+
+    start, fp32 = trained("fp32")
+    _, auto = trained("auto")
+    assert [opt.bf16_stochastic_round for opt in made] == [False, True]
+    assert fp32 < start - 0.2  # they learn
+    assert abs(auto - fp32) < 0.05 * (start - fp32)  # within 5% of fp32's progress
+
+
+def test_adapter_dtype_names_the_allowed_values():
+    with pytest.raises(ValueError, match="adapter_dtype 'fp16': choose one of auto, bf16, fp32"):
+        prepare_int4_lora(tiny_llama(), LoraConfig(**LORA), adapter_dtype="fp16")
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -7,10 +7,10 @@ knows, so :func:`register_int4_lora` maps ``PackedLinear`` (both classes) to ``P
 :func:`register_peft_dispatch` does it for every config PEFT wraps a packed layer with, also one read from an
 ``adapter_config.json`` by ``PeftModel.from_pretrained``.
 
-The forward keeps LoRA's numbers but not its elementwise passes: adapter weights stay fp32 (master
-copies, like PEFT's default ``autocast_adapter_dtype=True``) and are cast to the activation dtype for
-the two small matmuls, and ``scaling * (x A^T) B^T`` is added to the base output inside one ``addmm``
-instead of a separate multiply and add over the ``[tokens, out_features]`` output; backward keeps the fp32
+The forward keeps LoRA's numbers but not its elementwise passes: adapter weights (fp32 master copies, like PEFT's
+default ``autocast_adapter_dtype=True``, or bf16: ``prepare_int4_lora(adapter_dtype=...)``) are cast to the
+activation dtype for the two small matmuls, and ``scaling * (x A^T) B^T`` is added to the base output inside one
+``addmm`` instead of a separate multiply and add over the ``[tokens, out_features]`` output; backward keeps the
 adapters, not their casts (:class:`_LoraDelta`).
 """
 

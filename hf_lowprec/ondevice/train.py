@@ -28,6 +28,7 @@ from hf_lowprec.ondevice.export import export_int4_lora
 from hf_lowprec.ondevice.loss import evaluate_loss
 from hf_lowprec.training.activations import ActivationStorage
 from hf_lowprec.training.adamw8bit import AdamW8bit
+from hf_lowprec.training.compensation import CompensatedOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,27 @@ METRICS_FILE = "finetune_metrics.json"
 # ``optim`` values, under transformers' ``TrainingArguments.optim`` names: fp32 states, or torchao's 8-bit states
 # stepped in one C++ pass on CPUs (``training/adamw8bit.py``)
 OPTIMIZERS = {"adamw_torch": torch.optim.AdamW, "adamw_torch_8bit": AdamW8bit}
+
+
+def adapter_optimizer(params: list[nn.Parameter], optim: str = "adamw_torch_8bit", **kwargs) -> torch.optim.Optimizer:
+    """AdamW over the adapters, ``optim`` one of :data:`OPTIMIZERS` (``kwargs``: ``lr``, ``weight_decay``...).
+
+    bf16 adapters (no fp32 master copy) round each update stochastically, so that updates below half a bf16 step
+    are kept on average instead of lost: 8-bit states through torchao's ``bf16_stochastic_round`` (in the one-pass
+    step), fp32 states through :class:`~hf_lowprec.training.compensation.CompensatedOptimizer`.
+    """
+    _check_optim(optim)
+    bf16 = any(p.dtype is torch.bfloat16 for p in params)
+    if optim == "adamw_torch_8bit":
+        return AdamW8bit(params, bf16_stochastic_round=bf16, **kwargs)
+    if not bf16:
+        return torch.optim.AdamW(params, **kwargs)
+    return CompensatedOptimizer(torch.optim.AdamW(params, **kwargs), "stochastic")
+
+
+def _check_optim(optim: str) -> None:
+    if optim not in OPTIMIZERS:
+        raise ValueError(f"optim {optim!r} is not supported; choose from {', '.join(OPTIMIZERS)}")
 
 
 def backend_counts(model: nn.Module) -> dict[str, int]:
@@ -125,12 +147,11 @@ def finetune_int4_lora(
     result is exported there (:func:`export_int4_lora`; adapters kept, or merged with ``merge``) along with
     ``finetune_metrics.json``. Raises ``ValueError`` for an output folder that exists (unless ``overwrite``).
     """
-    if optim not in OPTIMIZERS:
-        raise ValueError(f"optim {optim!r} is not supported; choose from {', '.join(OPTIMIZERS)}")
+    _check_optim(optim)
     params = _checked_parameters(model, train_blocks, steps, batch_size, output_dir, overwrite)
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     eval_before = evaluate_loss(model, eval_blocks, batch_size, chunk_tokens) if eval_blocks is not None else None
-    optimizer, scheduler = _optimizer_and_schedule(OPTIMIZERS[optim], params, lr, weight_decay, steps, warmup_steps)
+    optimizer, scheduler = _optimizer_and_schedule(optim, params, lr, weight_decay, steps, warmup_steps)
     with _activation_memory(model, base, activation_storage, gradient_checkpointing) as storage:
         step = functools.partial(_step, model, params, optimizer, scheduler, storage, chunk_tokens, max_grad_norm)
         losses, times, train_seconds = _run_steps(step, scheduler, train_blocks, steps, batch_size, seed, progress)
@@ -180,15 +201,15 @@ def _final_eval(model, eval_blocks, batch_size: int, chunk_tokens: int, progress
     return eval_loss
 
 
-def _optimizer_and_schedule(cls, params, lr: float, weight_decay: float, steps: int, warmup_steps: int | None):
-    """Optimizer ``cls`` over ``params`` and a linear schedule: warm-up (default ``steps // 10``, at most 10), then
-    decay.
+def _optimizer_and_schedule(optim: str, params, lr: float, weight_decay: float, steps: int, warmup_steps: int | None):
+    """Optimizer ``optim`` over ``params`` (:func:`adapter_optimizer`) and a linear schedule: warm-up (default
+    ``steps // 10``, at most 10), then decay.
 
     8-bit states by default, by measurement (``benchmarks/adapter_optimizer.py``, 2-core AVX512-BF16 CPU, LoRA r=16 on
     every linear of the Llama-3.2-1B shape): they save 64 MB, 4% of the fine-tuning peak; the one-pass step takes
     2.7x fp32 AdamW's time, +1% of the training step (torchao's compiled step: 12x, +8%).
     """
-    optimizer = cls(params, lr=lr, weight_decay=weight_decay)
+    optimizer = adapter_optimizer(params, optim, lr=lr, weight_decay=weight_decay)
     warmup = min(10, steps // 10) if warmup_steps is None else warmup_steps
     return optimizer, get_scheduler("linear", optimizer, num_warmup_steps=warmup, num_training_steps=steps)
 

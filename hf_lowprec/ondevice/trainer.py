@@ -6,7 +6,9 @@ It is what ``hf-lowprec finetune`` trains INT4+LoRA models with:
 - the tensors autograd saves for backward are stored in 8 bits
   (:class:`~hf_lowprec.training.activations.ActivationStorage`; ``activation_storage=None`` keeps them as they are);
 - ``optim="adamw_torch_8bit"`` (torchao's 8-bit AdamW) steps in one C++ pass on CPUs, same states and numerics
-  (:class:`~hf_lowprec.training.adamw8bit.AdamW8bit`): 2.7x fp32 AdamW's time instead of 12x.
+  (:class:`~hf_lowprec.training.adamw8bit.AdamW8bit`): 2.7x fp32 AdamW's time instead of 12x; bf16 adapters round
+  its updates stochastically (torchao's ``bf16_stochastic_round``), as :func:`~hf_lowprec.ondevice.finetune_int4_lora`
+  does.
 
 Gradient accumulation follows transformers' convention: when the Trainer passes ``num_items_in_batch`` (the
 targets of every batch of one optimizer step), the loss is their sum over it, so ``batch 4 x accumulation 1``
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 import torchao.optim
 from transformers import Trainer
 
@@ -47,7 +50,10 @@ class ChunkedLossTrainer(Trainer):
     @staticmethod
     def get_optimizer_cls_and_kwargs(args, model=None):
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
-        return (AdamW8bit if cls is torchao.optim.AdamW8bit else cls), kwargs
+        if cls is not torchao.optim.AdamW8bit:
+            return cls, kwargs
+        trainable = [] if model is None else [p for p in model.parameters() if p.requires_grad]
+        return AdamW8bit, {**kwargs, "bf16_stochastic_round": any(p.dtype is torch.bfloat16 for p in trainable)}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.activation_storage_format is not None and self.activation_storage is None:

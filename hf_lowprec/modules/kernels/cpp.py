@@ -14,7 +14,7 @@ cross-entropy-with-gradient on CPUs: ``torch.compile`` fuses one (``chunked_loss
 of compiler runtime into the process and a second ``[tokens, vocab]`` buffer for the gradient. ``silu_mul_backward``:
 one pass where eager fp32 torch ops make eight (``training/fused_blocks.py``; 4x faster at 256 x 8192).
 ``adamw8bit_``: torchao's 8-bit AdamW step in one pass per block, where its compiled CPU step takes 11x fp32 AdamW's
-time (``training/adamw8bit.py``).
+time (``training/adamw8bit.py``); bf16 weights are rounded once, to nearest or stochastically as torchao does.
 
 The kernels build once per machine and CPU flags with the C++ compiler torch uses
 (``torch.utils.cpp_extension``, ~45 s, cached under ``~/.cache/torch_extensions``). :func:`cpu_kernels`
@@ -339,19 +339,36 @@ static void nearest_codes(const float* x, const float* q, int32_t* c, uint8_t* c
   }
 }
 
-void adamw8bit_(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes, torch::Tensor m_scale,
-                torch::Tensor m_qmap, torch::Tensor v_codes, torch::Tensor v_scale, torch::Tensor v_qmap, double lr,
-                double beta1, double beta2, double weight_decay, double eps, double bias_correction1,
-                double bias_correction2) {
-  for (const auto& t : {param, grad, m_scale, m_qmap, v_scale, v_qmap})
-    TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kFloat, "fp32 contiguous tensors expected");
-  TORCH_CHECK(m_codes.is_contiguous() && v_codes.is_contiguous() && m_codes.scalar_type() == torch::kByte);
-  TORCH_CHECK(grad.numel() == param.numel() && m_codes.numel() == param.numel() && v_codes.numel() == param.numel());
-  TORCH_CHECK(m_qmap.numel() == 256 && v_qmap.numel() == 256 && m_scale.numel() == v_scale.numel());
-  const int64_t blocks = m_scale.numel(), block = param.numel() / blocks;
-  TORCH_CHECK(block * blocks == param.numel(), "the states' blocks must tile the parameter");
-  float* p = param.data_ptr<float>();
-  const float* g = grad.data_ptr<float>();
+// lowbias32 (C. Wellons): a 32-bit integer hash whose multiplies vectorize on AVX2
+static inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// 16 random bits for element i of a stochastic rounding keyed by one draw: counter-based, so the same bits whatever
+// the thread split, and no generator state to keep
+static inline uint32_t random16(uint32_t key, uint32_t i) { return mix32(i ^ key) & 0xFFFFu; }
+
+// fp32 -> bf16 rounded away from zero with probability (low 16 bits) / 2^16, as torchao's _fp32_to_bf16_sr
+static inline uint16_t float_to_bf16_stochastic(float f, uint32_t r16) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t toward_zero = bits & 0xFFFF0000u;
+  return static_cast<uint16_t>(((bits & 0xFFFFu) > r16 ? toward_zero + 0x10000u : toward_zero) >> 16);
+}
+
+// torchao's single_param_adam on one tensor with 8-bit states (param and grad fp32, or both bf16: updated in fp32 and
+// rounded once, to nearest, or stochastically with seed >= 0)
+template <bool BF16>
+static void adamw8bit_impl(void* pv, const void* gv, torch::Tensor& m_codes, torch::Tensor& m_scale,
+                           const torch::Tensor& m_qmap, torch::Tensor& v_codes, torch::Tensor& v_scale,
+                           const torch::Tensor& v_qmap, double lr, double beta1, double beta2, double weight_decay,
+                           double eps, double bias_correction1, double bias_correction2, int64_t seed) {
+  const int64_t blocks = m_scale.numel(), block = m_codes.numel() / blocks;
   uint8_t *mc = m_codes.data_ptr<uint8_t>(), *vc = v_codes.data_ptr<uint8_t>();
   float *ms = m_scale.data_ptr<float>(), *vs = v_scale.data_ptr<float>();
   const float *mq = m_qmap.data_ptr<float>(), *vq = v_qmap.data_ptr<float>();
@@ -359,6 +376,8 @@ void adamw8bit_(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes, 
   const float w1 = static_cast<float>(1.0 - beta1), w2 = static_cast<float>(1.0 - beta2);
   const float bc1 = static_cast<float>(bias_correction1), sqrt_bc2 = std::sqrt(static_cast<float>(bias_correction2));
   const float eps_f = static_cast<float>(eps);
+  const bool stochastic = seed >= 0;
+  const uint32_t key = mix32(static_cast<uint32_t>(seed) ^ mix32(static_cast<uint32_t>(seed >> 32)));
   at::parallel_for(0, blocks, 16, [&](int64_t b, int64_t e) {
     std::vector<float> m(block), v(block), x(block);
     std::vector<int32_t> c(block);
@@ -367,7 +386,7 @@ void adamw8bit_(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes, 
       float m_max = 0.f, v_max = 0.f;
       #pragma omp simd reduction(max : m_max, v_max)
       for (int64_t i = 0; i < block; ++i) {
-        const float gi = g[o + i];
+        const float gi = load_value(gv, o + i, BF16);
         const float mi = mq[mc[o + i]] * ms[k], vi = vq[vc[o + i]] * vs[k];
         m[i] = std::fma(w1, gi - mi, mi);  // torch.lerp's vectorized form for a weight below 0.5
         v[i] = std::fma(w2, gi * gi - vi, vi);
@@ -384,11 +403,41 @@ void adamw8bit_(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes, 
       nearest_codes(x.data(), vq, c.data(), vc + o, block);
       #pragma omp simd
       for (int64_t i = 0; i < block; ++i) {
-        const float pi = p[o + i] - decay * p[o + i];
-        p[o + i] = pi - lr_f * (m[i] / bc1) / (std::sqrt(v[i]) / sqrt_bc2 + eps_f);
+        const float p0 = load_value(pv, o + i, BF16);
+        const float pi = p0 - decay * p0;
+        const float updated = pi - lr_f * (m[i] / bc1) / (std::sqrt(v[i]) / sqrt_bc2 + eps_f);
+        if (BF16 && stochastic)
+          static_cast<uint16_t*>(pv)[o + i] = float_to_bf16_stochastic(updated, random16(key, o + i));
+        else
+          store_value(pv, o + i, updated, BF16);
       }
     }
   });
+}
+
+void adamw8bit_(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes, torch::Tensor m_scale,
+                torch::Tensor m_qmap, torch::Tensor v_codes, torch::Tensor v_scale, torch::Tensor v_qmap, double lr,
+                double beta1, double beta2, double weight_decay, double eps, double bias_correction1,
+                double bias_correction2, int64_t seed) {
+  const bool bf16 = param.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(param.scalar_type() == torch::kFloat || bf16, "fp32 or bf16 parameters expected");
+  TORCH_CHECK(grad.scalar_type() == param.scalar_type(), "the gradient's dtype must be the parameter's");
+  TORCH_CHECK(seed < 0 || bf16, "stochastic rounding (seed >= 0) is for bf16 parameters");
+  TORCH_CHECK(param.is_contiguous() && grad.is_contiguous(), "contiguous parameter and gradient expected");
+  for (const auto& t : {m_scale, m_qmap, v_scale, v_qmap})
+    TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kFloat, "fp32 contiguous states expected");
+  TORCH_CHECK(m_codes.is_contiguous() && v_codes.is_contiguous() && m_codes.scalar_type() == torch::kByte);
+  TORCH_CHECK(grad.numel() == param.numel() && m_codes.numel() == param.numel() && v_codes.numel() == param.numel());
+  TORCH_CHECK(m_qmap.numel() == 256 && v_qmap.numel() == 256 && m_scale.numel() == v_scale.numel());
+  TORCH_CHECK((param.numel() / m_scale.numel()) * m_scale.numel() == param.numel(),
+              "the states' blocks must tile the parameter");
+  TORCH_CHECK(param.numel() < (int64_t(1) << 32), "at most 2^32 elements per parameter");
+  if (bf16)
+    adamw8bit_impl<true>(param.data_ptr(), grad.data_ptr(), m_codes, m_scale, m_qmap, v_codes, v_scale, v_qmap, lr,
+                         beta1, beta2, weight_decay, eps, bias_correction1, bias_correction2, seed);
+  else
+    adamw8bit_impl<false>(param.data_ptr(), grad.data_ptr(), m_codes, m_scale, m_qmap, v_codes, v_scale, v_qmap, lr,
+                          beta1, beta2, weight_decay, eps, bias_correction1, bias_correction2, seed);
 }
 
 // cross-entropy of the rows of logits [C, V] (bf16 or fp32) against labels [C] (ignore: no loss, zero gradient),
