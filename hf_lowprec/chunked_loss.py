@@ -71,6 +71,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
             total += cross_entropy_into_grad_(grad_logits, labels[i : i + chunk])
             if grad is not None:
                 (grad[i : i + chunk],) = torch.autograd.grad(logits, h, grad_logits)
+            del logits, grad_logits  # before the next chunk's head runs: two chunks' logits were the forward's peak
         ctx.save_for_backward(grad)
         return total
 

@@ -82,7 +82,7 @@ AUTOTUNE_TOKENS = 256  # rows of the probe input when auto times the backends of
 # first-run spike of ~100 MB at the Llama-3.2-1B shape
 AUTOTUNE_OUTPUTS = 1 << 23
 CHUNK_ELEMENTS = 1 << 22  # weight elements quantized per slice when packing a dense weight (16 MB in fp32)
-INT32_TILE = 1 << 21  # int32 products of the int8 backend's forward held at a time (8 MB; see _int_mm_dequantized)
+INT32_TILE = 1 << 20  # int32 products of the int8 backend's forward held at a time (4 MB; see _int_mm_dequantized)
 OUTLIER_COLUMNS = 8  # input channels per call the int8 backend multiplies in the activation dtype (see _int8_forward)
 _INT8_MAX = 127.0
 _EPS = 1e-12
@@ -314,8 +314,10 @@ def _int8_forward(x2d: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
     y = _int_mm_dequantized(xq, x_step, w8, row_step, x2d.dtype)
     if outliers is None:
         return y
-    w_out = w8.index_select(1, outliers).float() * row_step.unsqueeze(1)  # the grid weight's columns (W diag(s))
-    return y.addmm_(x_out, w_out.to(x2d.dtype).t())
+    # the grid weight's columns (W diag(s)), each product rounded once into the activation dtype: no [N, k] fp32 copies
+    # (a 128k-vocabulary head: 8 MB of them at the chunked loss's peak)
+    w_out = torch.mul(w8.index_select(1, outliers), row_step.unsqueeze(1), out=x2d.new_empty(w8.shape[0], len(outliers)))
+    return y.addmm_(x_out, w_out.t())
 
 
 def _int_mm_dequantized(
