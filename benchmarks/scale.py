@@ -24,6 +24,7 @@ The packed layers' kernel choices are measured once per machine and kept (``~/.c
 a configuration's first run on a machine measures them in its warm-up step, later runs read them; rows measured
 with them read (a fresh cache adds the measuring to the first run's peak: ``HF_LOWPREC_CACHE`` elsewhere shows it).
 
+Each configuration's process imports what its own install has: bitsandbytes only for the NF4 rows (``child_imports``).
 Per configuration: load seconds, peak RSS while loading (``VmHWM``, imports included), then for batch 1x256 and
 4x256 one warm-up and ``--steps`` timed steps with the peak reset before each (``/proc/self/clear_refs``): peak RSS
 while training and the median step time. Each configuration runs twice: peak RSS is read where glibc serves blocks
@@ -94,6 +95,7 @@ CONFIGS = {
     "nf4-qlora": "bnb NF4 QLoRA (double quant, bf16 compute)",
     "nf4-qlora-gc": "bnb NF4 QLoRA + gradient checkpointing",
 }
+NEEDS_BITSANDBYTES = ("nf4-qlora", "nf4-qlora-gc")  # the others run as an install without it (see child_imports)
 
 
 # ------------------------------------------------------------------------------------- checkpoints
@@ -200,6 +202,20 @@ def _optimizer(config: str, params: list):
     return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
 
 
+def child_imports(config: str) -> None:
+    """Make this process import what ``config``'s own install has: bitsandbytes only for the NF4 configurations.
+
+    PEFT imports bitsandbytes whenever it is installed (``peft/helpers.py``): 35 MB of imports (500 modules) in every
+    process, measured on this benchmark's environment, which has it for the NF4 peer. hf-lowprec installs it only with
+    the ``[bnb]`` extra, and the dense peers do not need it either, so their processes see it as not installed
+    (``sys.modules`` entry ``None``: imports raise ``ImportError``, ``importlib.util.find_spec`` returns ``None``).
+    Rows record whether it was importable (``bitsandbytes_importable``); rows measured before 2026-12-03 04:30 UTC
+    imported it in every configuration."""
+    if config not in NEEDS_BITSANDBYTES:
+        assert "bitsandbytes" not in sys.modules, "imported before the child could leave it out"
+        sys.modules["bitsandbytes"] = None
+
+
 def child(args) -> dict:
     """One configuration at one size, in this process."""
     import torch
@@ -237,7 +253,8 @@ def child(args) -> dict:
         "train": per_batch, "peak_rss_mb": max([load_peak] + [b["peak_rss_mb"] for b in per_batch.values()]),
         "trainable_params": sum(p.numel() for p in params), "backends": backend_counts(model),
         "threads": torch.get_num_threads(), "loadavg": os.getloadavg(),
-        "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__name__}", **notes,
+        "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__name__}",
+        "bitsandbytes_importable": sys.modules.get("bitsandbytes", False) is not None, **notes,
     }  # fmt: skip
 
 
@@ -406,6 +423,7 @@ def main() -> None:
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mode == "child":
+        child_imports(args.config)
         print(MARK + json.dumps(child(args)))
     elif args.mode == "build":
         build(args.size, Path(args.work))
