@@ -245,9 +245,13 @@ def test_cpu_kernels_match_torch_reference(spec):
             torch.testing.assert_close(ext.column_absmax(xx, scale), expected, rtol=0, atol=0)
     acc = torch.randint(-30000, 30000, (33, 40), dtype=torch.int32)
     rows, cols = torch.rand(33, 1), torch.rand(40)
-    torch.testing.assert_close(ext.dequantize(acc, rows, cols, torch.bfloat16), (acc.float() * rows * cols).bfloat16(), rtol=0, atol=0)
-    torch.testing.assert_close(ext.dequantize(acc.to(torch.int8).clamp(-127, 127), rows, None, torch.float32),
+    expected = (acc.float() * rows * cols).bfloat16()
+    torch.testing.assert_close(ext.dequantize(acc, rows, cols, torch.bfloat16, None), expected, rtol=0, atol=0)
+    torch.testing.assert_close(ext.dequantize(acc.to(torch.int8).clamp(-127, 127), rows, None, torch.float32, None),
                                acc.to(torch.int8).clamp(-127, 127).float() * rows)  # fmt: skip
+    wide = torch.full((33, 100), 7.0, dtype=torch.bfloat16)  # into a block of a wider output's columns, nothing else
+    ext.dequantize(acc, rows, cols, torch.bfloat16, wide[:, 50:90])
+    assert torch.equal(wide[:, 50:90], expected) and (wide[:, :50] == 7).all() and (wide[:, 90:] == 7).all()
 
 
 @needs_int8

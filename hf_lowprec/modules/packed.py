@@ -165,16 +165,23 @@ def column_absmax(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tor
 
 
 def dequantize_rows(
-    codes: torch.Tensor, row_step: torch.Tensor, col_step: torch.Tensor | None, dtype: torch.dtype
+    codes: torch.Tensor,
+    row_step: torch.Tensor,
+    col_step: torch.Tensor | None,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``codes [M, C]`` (int32 products or int8 codes) times ``row_step [M, 1]`` (and ``col_step [C]``), in
-    ``dtype``."""
+    ``dtype``; written into ``out`` (``[M, C]``, rows may lie apart: a block of a wider output's columns) if given."""
     ext = native_kernels(codes) if dtype in (torch.bfloat16, torch.float32) else None
     if ext is not None:
-        return ext.dequantize(codes, row_step.contiguous(), None if col_step is None else col_step.contiguous(), dtype)
+        col = None if col_step is None else col_step.contiguous()
+        return ext.dequantize(codes, row_step.contiguous(), col, dtype, out)
     if col_step is None:
-        return compiled(_dequantize_rows_torch)(codes, row_step, dtype)
-    return compiled(_dequantize_torch)(codes, row_step, col_step, dtype)
+        result = compiled(_dequantize_rows_torch)(codes, row_step, dtype)
+    else:
+        result = compiled(_dequantize_torch)(codes, row_step, col_step, dtype)
+    return result if out is None else out.copy_(result)
 
 
 _compiled: dict[object, object] = {}
@@ -334,7 +341,7 @@ def _int_mm_dequantized(
     y = torch.empty(m, n, dtype=dtype, device=xq.device)
     for n0 in range(0, n, cols):
         block = slice(n0, n0 + cols)
-        y[:, block] = dequantize_rows(torch._int_mm(xq, w8[block].t()), x_step, row_step[block], dtype)
+        dequantize_rows(torch._int_mm(xq, w8[block].t()), x_step, row_step[block], dtype, out=y[:, block])
     return y
 
 

@@ -211,19 +211,20 @@ torch::Tensor column_absmax(torch::Tensor x, c10::optional<torch::Tensor> col_sc
   return out;
 }
 
-// acc [M, C] (int32 or int8) * row [M] (* col [C]) -> bf16 or fp32
+// acc [M, C] (int32 or int8) * row [M] (* col [C]) -> bf16 or fp32 rows ld elements apart
 template <typename In, bool BF16>
-static void dequant_impl(const In* acc, const float* rs, const float* cs, void* outv, int64_t M, int64_t C) {
+static void dequant_impl(const In* acc, const float* rs, const float* cs, void* outv, int64_t M, int64_t C,
+                         int64_t ld) {
   at::parallel_for(0, M, 8, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) {
       const In* a = acc + m * C;
       const float r = rs[m];
       if (BF16) {
-        uint16_t* o = static_cast<uint16_t*>(outv) + m * C;
+        uint16_t* o = static_cast<uint16_t*>(outv) + m * ld;
         #pragma omp simd
         for (int64_t c = 0; c < C; ++c) o[c] = float_to_bf16(static_cast<float>(a[c]) * r * (cs ? cs[c] : 1.f));
       } else {
-        float* o = static_cast<float*>(outv) + m * C;
+        float* o = static_cast<float*>(outv) + m * ld;
         #pragma omp simd
         for (int64_t c = 0; c < C; ++c) o[c] = static_cast<float>(a[c]) * r * (cs ? cs[c] : 1.f);
       }
@@ -231,22 +232,26 @@ static void dequant_impl(const In* acc, const float* rs, const float* cs, void* 
   });
 }
 
+// into out when given: a [M, C] view whose rows may lie further apart (a block of columns of a wider output)
 torch::Tensor dequantize(torch::Tensor acc, torch::Tensor row_step, c10::optional<torch::Tensor> col_step,
-                         at::ScalarType dtype) {
+                         at::ScalarType dtype, c10::optional<torch::Tensor> out_arg) {
   TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && row_step.is_contiguous());
   const int64_t M = acc.size(0), C = acc.size(1);
-  auto out = torch::empty({M, C}, acc.options().dtype(dtype));
+  auto out = out_arg.has_value() ? *out_arg : torch::empty({M, C}, acc.options().dtype(dtype));
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == C && out.scalar_type() == dtype &&
+              (out.stride(1) == 1 || C == 1) && (out.stride(0) >= C || M == 1), "out: a [M, C] view of rows");
+  const int64_t ld = M == 1 ? C : out.stride(0);
   const float* cs = col_step.has_value() ? col_step->data_ptr<float>() : nullptr;
   const float* rs = row_step.data_ptr<float>();
   const bool bf16 = dtype == torch::kBFloat16;
   TORCH_CHECK(bf16 || dtype == torch::kFloat);
   if (acc.scalar_type() == torch::kInt) {
-    if (bf16) dequant_impl<int32_t, true>(acc.data_ptr<int32_t>(), rs, cs, out.data_ptr(), M, C);
-    else dequant_impl<int32_t, false>(acc.data_ptr<int32_t>(), rs, cs, out.data_ptr(), M, C);
+    if (bf16) dequant_impl<int32_t, true>(acc.data_ptr<int32_t>(), rs, cs, out.data_ptr(), M, C, ld);
+    else dequant_impl<int32_t, false>(acc.data_ptr<int32_t>(), rs, cs, out.data_ptr(), M, C, ld);
   } else {
     TORCH_CHECK(acc.scalar_type() == torch::kChar);
-    if (bf16) dequant_impl<int8_t, true>(acc.data_ptr<int8_t>(), rs, cs, out.data_ptr(), M, C);
-    else dequant_impl<int8_t, false>(acc.data_ptr<int8_t>(), rs, cs, out.data_ptr(), M, C);
+    if (bf16) dequant_impl<int8_t, true>(acc.data_ptr<int8_t>(), rs, cs, out.data_ptr(), M, C, ld);
+    else dequant_impl<int8_t, false>(acc.data_ptr<int8_t>(), rs, cs, out.data_ptr(), M, C, ld);
   }
   return out;
 }
