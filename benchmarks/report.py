@@ -449,8 +449,10 @@ def scale_section(scale: dict | None) -> list[str]:
               f"LoRA r={scale['lora']['r']} on every linear, {scale['steps']} timed steps after one warm-up; peak RSS from a run where "
               "glibc returns every freed block of 64 KiB or more, step times from a run with glibc's default allocator (the "
               "other one's page faults double some step times; hf-lowprec's loading returns freed blocks by itself since "
-              "2026-12-02, so its load peaks are alike in both). Rows measured on different days ran at different machine "
-              "speeds (up to 1.7x apart here): compare step times within one day only.\n",
+              "2026-12-02, so its load peaks are alike in both). Each configuration's process imports what its own install "
+              "has: bitsandbytes only for the NF4 rows (PEFT imports it whenever installed, 35 MB; rows marked * imported it "
+              "in every configuration). Rows measured on different days ran at different machine speeds (up to 1.7x apart "
+              "here): compare step times within one day only.\n",
               "| size | configuration | optimizer states | params | load s | load peak MB | peak MB 1x256 | peak MB 4x256 | step s 1x256 | step s 4x256 | measured |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in sorted(scale["results"], key=lambda r: (r["params"], r["config"])):
@@ -458,12 +460,12 @@ def scale_section(scale: dict | None) -> list[str]:
         states = "8-bit" if "8bit" in r.get("optimizer", "") else "fp32"  # rows before 2026-12-02: torch's AdamW
         lines.append(f"| {r['size']} | {r['config']} | {states} | {r['params'] / 1e6:.0f}M | {r['load_s']:.1f} | {r['load_peak_rss_mb']:.0f} | "
                      f"{t1['peak_rss_mb']:.0f} | {t4['peak_rss_mb']:.0f} | {t1['step_s_median']:.2f} | {t4['step_s_median']:.2f} | "
-                     f"{r.get('measured', 'before 2026-12-02')} |")  # fmt: skip
+                     f"{r.get('measured', 'before 2026-12-02')}{'' if 'bitsandbytes_importable' in r else ' *'} |")  # fmt: skip
     fits = ", ".join(f"{c} {f['1x256']['bytes_per_param']:.2f} B/param + {f['1x256']['overhead_mb']:.0f} MB" for c, f in scale["fit"].items())
     lines += ["", f"Peak RSS (loading included, batch 1x256) against parameters, least squares over the sizes: {fits}.", ""]
     for config, g in scale.get("goals", {}).items():
         lines.append(f"Llama-3.2-1B shape, `{config}`, batch 1x256: peak {g['peak_rss_mb']:.0f} MB (goal {g['peak_rss_goal_mb']:.0f}), "
-                     f"{g['peak_vs_checkpoint']:.2f}x the bf16 checkpoint on disk (goal {g['peak_vs_checkpoint_goal']}), "
+                     f"{g['peak_vs_checkpoint']:.3f}x the bf16 checkpoint on disk (goal {g['peak_vs_checkpoint_goal']}), "
                      f"{g.get('peak_vs_nf4_qlora', float('nan')):.2f}x bnb NF4 QLoRA's peak (goal 0.7); step "
                      f"{g.get('step_vs_fastest_peer', float('nan')):.2f}x the fastest peer's ({g.get('fastest_peer')}; goal 1.0). "
                      "Those pair each allocator's best figure; from one allocator: glibc's default, peak "
