@@ -64,6 +64,32 @@ def test_quantize_on_load_packs_as_apply_plan_does(tmp_path, dtype):
         torch.testing.assert_close(reloaded(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=0)
 
 
+def test_an_fp32_load_packs_a_bf16_checkpoint_as_stored_with_the_same_codes(tmp_path, monkeypatch):
+    """Loading in fp32, transformers hands each weight it packs over as the checkpoint stores it (bf16), not cast to
+    fp32 whole first (a 128k-vocabulary table: 1 GB); the codes and steps are those of the fp32 dense path, steps in
+    fp32, and the tied table's rows come out in fp32."""
+    import hf_lowprec.export.hf_quantizer as quantizer_module
+
+    tiny_llama(tie=True).to(torch.bfloat16).save_pretrained(tmp_path / "dense")
+    received = []
+    pack = quantizer_module._pack
+    spy = lambda model, fqn, w, *a: received.append(w.dtype) or pack(model, fqn, w, *a)  # noqa: E731
+    monkeypatch.setattr(quantizer_module, "_pack", spy)
+    plan = {"default": "int4-g32", "layers": {"*.v_proj": "int8"}}
+    config = HfLowprecConfig(plan)
+    packed = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32, quantization_config=config)
+    assert received and set(received) == {torch.bfloat16}  # the table and every linear as stored
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32)
+    apply_plan(reference, PrecisionPlan.from_dict(plan), learn_scales=False)
+    freeze(reference)
+    got, expected = packed.state_dict(), reference.state_dict()
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.v_proj", "lm_head"):
+        for buffer in ("qweight", "step"):
+            torch.testing.assert_close(got[f"{name}.{buffer}"], expected[f"{name}.{buffer}"], rtol=0, atol=0)
+    assert packed.lm_head.step.dtype == torch.float32 and packed.model.norm.weight.dtype == torch.float32
+    assert packed.get_input_embeddings()(torch.tensor([[1, 2]])).dtype == torch.float32
+
+
 def test_quantize_on_load_default_plan_and_a_tied_head(tmp_path):
     """No plan: every Linear in int4-g64-asym but the output head (a format name keeps it too). A plan that packs a
     tied head packs the table once, as the checkpoint's embedding arrives; the embedding then reads the head's rows,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
 from torch import nn
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
@@ -91,6 +92,7 @@ class HfLowprecQuantizer(HfQuantizer):
         self.tied: tuple[str, str] | None = None  # (head, embedding) when the plan packs a head tied to the embedding
         self.sources: dict = {}  # checkpoint key -> where its bytes lie in a safetensors file (a PreadSlice)
         self._mappings: list | None = None  # this process's mappings of those files, read at the first release
+        self.compute_dtype: torch.dtype | None = None  # the packed layers' steps: the dtype the model loads in
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         if self.pre_quantized:
@@ -105,6 +107,9 @@ class HfLowprecQuantizer(HfQuantizer):
                 self.tied, self.to_pack[tied[1]] = tied, self.to_pack[tied[0]]
                 model.all_tied_weights_keys.pop(f"{tied[0]}.weight", None)  # tied through the codes instead
             self.sources = _safetensors_index(checkpoint_files)
+            self.compute_dtype = model.dtype  # the dtype asked for: the skeleton is made in it
+            if self.compute_dtype == torch.float32:
+                _read_packed_weights_as_stored(model, self.to_pack)
             logger.info("packing %d linears while loading (%s)", len(self.to_pack), plan.format_summary(model))
         model.hf_lowprec_plan = plan
 
@@ -113,7 +118,7 @@ class HfLowprecQuantizer(HfQuantizer):
         for fqn in self.to_pack:
             linear = model.get_submodule(fqn)
             if isinstance(linear, nn.Linear):
-                _pack(model, fqn, linear.weight, self.to_pack[fqn])
+                _pack(model, fqn, linear.weight, self.to_pack[fqn], self.compute_dtype)
         return model
 
     def checkpoint_mappings(self) -> list:
@@ -158,7 +163,7 @@ class PackOnLoad(ConversionOps):
         # the packing's temporaries go back to the system: glibc otherwise fragments them between the packed codes
         # (Llama-3.2-1B shape: load peak 1.29 GB in 3 runs, against 1.29-1.67 GB in 7 without; 12 s of loading, not 6)
         with freed_memory_returned():
-            _pack(model, head, weight, self.quantizer.to_pack[module_name])
+            _pack(model, head, weight, self.quantizer.to_pack[module_name], self.quantizer.compute_dtype)
         for key in source_patterns:  # a renamed weight's checkpoint key (a converter's are patterns: not in the index)
             source = self.quantizer.sources.get(key)
             if source is not None:  # read through transformers' memory map: its pages are not needed any more
@@ -170,17 +175,32 @@ class PackOnLoad(ConversionOps):
         return {}
 
 
-def _pack(model: nn.Module, fqn: str, weight, spec: FormatSpec) -> None:
+def _pack(model: nn.Module, fqn: str, weight, spec: FormatSpec, dtype: torch.dtype | None) -> None:
     """Put in the place of ``model``'s ``nn.Linear`` (its bias moves along) or ``nn.Embedding`` ``fqn`` a packed layer
-    of ``weight``."""
+    of ``weight`` (as the checkpoint stores it), its steps in ``dtype`` (default: the weight's)."""
     module = model.get_submodule(fqn)
     if isinstance(module, nn.Embedding):
-        packed = PackedEmbedding.from_weight(weight, spec, module.padding_idx, embedding_scale(module))
+        packed = PackedEmbedding.from_weight(weight, spec, module.padding_idx, embedding_scale(module), dtype)
     else:
-        packed = packed_class(spec).from_weight(weight, spec)
+        packed = packed_class(spec).from_weight(weight, spec, dtype=dtype)
         packed.bias = module.bias
     packed._is_hf_initialized = True  # transformers initialises the weights of modules without it
     set_module(model, fqn, packed)
+
+
+def _read_packed_weights_as_stored(model: nn.Module, to_pack: dict) -> None:
+    """Have transformers hand the weights it packs over in the checkpoint's dtype, not cast to fp32 first (for a model
+    loading in fp32: the cast is exact, so the codes are the same).
+
+    Packing reads a weight a slice of rows at a time in fp32 (``from_weight``); a whole cast beforehand made an fp32
+    model's load peak a 1 GB copy of a 128k-vocabulary table (Llama-3.2-1B shape: 1.91 GB, ``benchmarks/scale.py``
+    with the AVX2 class's fp32 compute). transformers casts each checkpoint tensor to the dtype
+    of the model's dtype plan (``_get_dtype_plan``: glob patterns -> dtype, made for ``_keep_in_fp32_modules``) and
+    to the model's dtype otherwise; ``None`` there keeps the tensor's own. Written as an instance override of that
+    method because transformers offers a quantizer no say in it."""
+    keep = {f"{name}.weight": None for name in to_pack}
+    dtype_plan = model._get_dtype_plan
+    model._get_dtype_plan = lambda dtype: {**keep, **dtype_plan(dtype)}
 
 
 def _safetensors_index(checkpoint_files) -> dict:

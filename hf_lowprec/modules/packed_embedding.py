@@ -81,11 +81,17 @@ class PackedEmbedding(_PackedRows):
 
     @classmethod
     def from_weight(
-        cls, weight: torch.Tensor, spec: FormatSpec | str, padding_idx: int | None = None, scale: float | None = None
+        cls,
+        weight: torch.Tensor,
+        spec: FormatSpec | str,
+        padding_idx: int | None = None,
+        scale: float | None = None,
+        dtype: torch.dtype | None = None,
     ) -> "PackedEmbedding":
-        """Round-to-nearest codes of a dense table ``weight [V, H]``, steps in its dtype (a slice of rows at a time)."""
+        """Round-to-nearest codes of a dense table ``weight [V, H]`` (a slice of rows at a time), steps in ``dtype``
+        (default: the table's)."""
         spec = check_embedding_format(spec)
-        return cls(packed_class(spec).from_weight(weight, spec), padding_idx, scale)
+        return cls(packed_class(spec).from_weight(weight, spec, dtype=dtype), padding_idx, scale)
 
     def _apply(self, fn, recurse=True):
         self.table._cache.clear()
