@@ -182,7 +182,7 @@ def test_state_dict_moves_to_torchao_and_back():
     _assert_same_states(again, reference, atol=1e-7)
 
 
-def test_chunked_loss_trainer_steps_torchao_8bit_with_the_one_pass_class(tmp_path):
+def test_chunked_loss_trainer_steps_torchao_8bit_with_the_one_pass_class(tmp_path, caplog):
     from transformers import TrainingArguments
 
     from hf_lowprec.ondevice import ChunkedLossTrainer
@@ -195,6 +195,10 @@ def test_chunked_loss_trainer_steps_torchao_8bit_with_the_one_pass_class(tmp_pat
         optimizer = getattr(optimizer, "optimizer", optimizer)
         assert type(optimizer) is AdamW8bit
         assert optimizer.bf16_stochastic_round is (dtype is torch.bfloat16)  # bf16 weights keep their small updates
+    args = TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch", use_cpu=True, report_to=[])
+    with caplog.at_level("WARNING", logger="hf_lowprec.ondevice.trainer"):
+        ChunkedLossTrainer(model=tiny_llama().to(torch.bfloat16), args=args, activation_storage=None).create_optimizer()
+    assert "bf16 adapters with optim='adamw_torch': its updates are rounded to nearest" in caplog.text
 
 
 def test_finetune_rejects_an_unknown_optimizer():

@@ -18,6 +18,7 @@ and ``batch 1 x accumulation 4`` give the same gradients.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 import torchao.optim
@@ -27,6 +28,8 @@ from hf_lowprec.chunked_loss import chunked_causal_lm_loss
 from hf_lowprec.training.activations import FORMATS as ACTIVATION_FORMATS
 from hf_lowprec.training.activations import ActivationStorage
 from hf_lowprec.training.adamw8bit import AdamW8bit
+
+logger = logging.getLogger(__name__)
 
 
 class ChunkedLossTrainer(Trainer):
@@ -50,10 +53,17 @@ class ChunkedLossTrainer(Trainer):
     @staticmethod
     def get_optimizer_cls_and_kwargs(args, model=None):
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
-        if cls is not torchao.optim.AdamW8bit:
-            return cls, kwargs
         trainable = [] if model is None else [p for p in model.parameters() if p.requires_grad]
-        return AdamW8bit, {**kwargs, "bf16_stochastic_round": any(p.dtype is torch.bfloat16 for p in trainable)}
+        bf16 = any(p.dtype is torch.bfloat16 for p in trainable)
+        if cls is torchao.optim.AdamW8bit:
+            return AdamW8bit, {**kwargs, "bf16_stochastic_round": bf16}
+        if bf16:
+            logger.warning(
+                "bf16 adapters with optim=%r: its updates are rounded to nearest, and those below half a bf16 step "
+                "are lost; use optim='adamw_torch_8bit' (rounds them stochastically) or adapter_dtype='fp32'",
+                getattr(args.optim, "value", args.optim),
+            )
+        return cls, kwargs
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.activation_storage_format is not None and self.activation_storage is None:
