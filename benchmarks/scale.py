@@ -209,8 +209,8 @@ def child_imports(config: str) -> None:
     process, measured on this benchmark's environment, which has it for the NF4 peer. hf-lowprec installs it only with
     the ``[bnb]`` extra, and the dense peers do not need it either, so their processes see it as not installed
     (``sys.modules`` entry ``None``: imports raise ``ImportError``, ``importlib.util.find_spec`` returns ``None``).
-    Rows record whether it was importable (``bitsandbytes_importable``); rows measured before 2026-12-03 04:30 UTC
-    imported it in every configuration."""
+    Rows record whether it was importable (``bitsandbytes_importable``); rows without that key (measured before
+    2026-12-03) imported it in every configuration."""
     if config not in NEEDS_BITSANDBYTES:
         assert "bitsandbytes" not in sys.modules, "imported before the child could leave it out"
         sys.modules["bitsandbytes"] = None
