@@ -96,7 +96,7 @@ def _build(config: str, loftq: bool, rounding: str, gc: bool, budget_bits: float
         first_blocks = (lambda tok: _data(tok, CALIBRATION_BLOCKS, 0)[0]) if rounding != "nearest" or scanned else None  # the first training blocks
         # the product's path: packed while loading, the scan, calibration and LoftQ reading the dense weights back
         model, tok, report = load_int4_lora(folder, lora, "auto" if scanned else int4_format, gguf_file=gguf, loftq_init=loftq, rounding=rounding,
-                                            calibration=first_blocks, backend=backend, adapter_dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[adapter_dtype]),
+                                            calibration=first_blocks, backend=backend, adapter_dtype=adapter_dtype,
                                             **(auto if scanned else {}))  # fmt: skip
         storage = ActivationStorage(model, "int8") if config == "int4-lora" and not gc else None
 

@@ -32,7 +32,7 @@ from hf_lowprec.layers import swap_layers
 from hf_lowprec.modules import FROZEN_TYPES
 from hf_lowprec.modules.int4 import Int4Linear
 from hf_lowprec.modules.int4_lora import register_int4_lora
-from hf_lowprec.modules.kernels.autotune import resolve_dtype
+from hf_lowprec.modules.kernels.autotune import named_dtype, resolve_dtype
 from hf_lowprec.modules.packed import PACKED_BACKENDS, PackedInt4Linear, PackedLinear, packed_class
 from hf_lowprec.modules.packed_embedding import PackedEmbedding, TiedPackedEmbedding, share_packed_head, tied_head_names
 from hf_lowprec.ondevice.calibration import ROUNDINGS, CalibratedCodes, calibrated_codes, check_rounding, summary
@@ -216,19 +216,11 @@ def _freeze_base(model: nn.Module, report: ConversionReport, backend: str, rerea
 # recipe's plan, 100 steps, 3 seeds (benchmarks/ondevice.py quality, variant auto+loftq+adam8+bf16ad): held-out
 # perplexity 37.99 +- 0.04 against fp32 adapters' 37.96 +- 0.12; Llama-3.2-1B shape, batch 1x256 (benchmarks/scale.py,
 # AVX512-BF16 EPYC): peak 1,482 -> 1,460 MiB forward, 1,461 -> 1,439 backward (-2 bytes per adapter weight and gradient)
-def resolve_adapter_dtype(adapter_dtype: torch.dtype | str, model: nn.Module) -> torch.dtype:
+def resolve_adapter_dtype(adapter_dtype: torch.dtype | str | None, model: nn.Module) -> torch.dtype:
     """The adapters' dtype: ``auto`` → bf16 when ``model`` computes in bf16, else fp32; or the dtype named."""
-    names = {"auto": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
-             "float32": torch.float32}  # fmt: skip
-    if isinstance(adapter_dtype, str):
-        if adapter_dtype not in names:
-            raise ValueError(f"adapter_dtype {adapter_dtype!r}: choose one of auto, bf16, fp32")
-        adapter_dtype = names[adapter_dtype]
-    if adapter_dtype is None:
+    if adapter_dtype is None or adapter_dtype == "auto":
         return torch.bfloat16 if getattr(model, "dtype", None) is torch.bfloat16 else torch.float32
-    if adapter_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"adapter_dtype {adapter_dtype}: choose one of auto, bf16, fp32")
-    return adapter_dtype
+    return named_dtype(adapter_dtype, "adapter_dtype")
 
 
 def _with_adapters(model: nn.Module, config: LoraConfig, factors: dict, adapter_dtype: torch.dtype) -> PeftModel:

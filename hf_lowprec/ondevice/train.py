@@ -28,7 +28,7 @@ from hf_lowprec.ondevice.export import export_int4_lora
 from hf_lowprec.ondevice.loss import evaluate_loss
 from hf_lowprec.training.activations import ActivationStorage
 from hf_lowprec.training.adamw8bit import AdamW8bit
-from hf_lowprec.training.compensation import CompensatedOptimizer
+from hf_lowprec.training.compensation import make_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +45,12 @@ def adapter_optimizer(params: list[nn.Parameter], optim: str = "adamw_torch_8bit
 
     bf16 adapters (no fp32 master copy) round each update stochastically, so that updates below half a bf16 step
     are kept on average instead of lost: 8-bit states through torchao's ``bf16_stochastic_round`` (in the one-pass
-    step), fp32 states through :class:`~hf_lowprec.training.compensation.CompensatedOptimizer`.
+    step), fp32 states through :class:`~hf_lowprec.training.compensation.CompensatedOptimizer`
+    (:func:`~hf_lowprec.training.compensation.make_optimizer` builds either).
     """
     _check_optim(optim)
-    bf16 = any(p.dtype is torch.bfloat16 for p in params)
-    if optim == "adamw_torch_8bit":
-        return AdamW8bit(params, bf16_stochastic_round=bf16, **kwargs)
-    if not bf16:
-        return torch.optim.AdamW(params, **kwargs)
-    return CompensatedOptimizer(torch.optim.AdamW(params, **kwargs), "stochastic")
+    rounding = "stochastic" if any(p.dtype is torch.bfloat16 for p in params) else None
+    return make_optimizer(params, "8bit" if optim == "adamw_torch_8bit" else "fp32", rounding, **kwargs)
 
 
 def _check_optim(optim: str) -> None:

@@ -139,14 +139,21 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | str = 
     ``"bf16"``/``"fp32"``/``torch.bfloat16``/``torch.float32`` as asked."""
     if dtype is None or dtype == "auto":
         return compute_dtype(device)
+    dtype = named_dtype(dtype)
+    return dtype, f"compute {'bf16' if dtype == torch.bfloat16 else 'fp32'}: as requested"
+
+
+def named_dtype(dtype: torch.dtype | str, what: str = "dtype") -> torch.dtype:
+    """``torch.bfloat16`` or ``torch.float32`` for ``"bf16"``/``"bfloat16"``/``"fp32"``/``"float32"`` or that dtype;
+    anything else raises ``ValueError`` naming ``what`` and the allowed values (``auto`` is the caller's to resolve)."""
     named = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
     if isinstance(dtype, str):
         if dtype not in named:
-            raise ValueError(f"dtype {dtype!r}: choose one of auto, bf16, fp32")
+            raise ValueError(f"{what} {dtype!r}: choose one of auto, bf16, fp32")
         dtype = named[dtype]
     if dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"dtype {dtype}: choose one of auto, torch.bfloat16, torch.float32")
-    return dtype, f"compute {'bf16' if dtype == torch.bfloat16 else 'fp32'}: as requested"
+        raise ValueError(f"{what} {dtype}: choose one of auto, torch.bfloat16, torch.float32")
+    return dtype
 
 
 def measured() -> dict[str, dict]:
