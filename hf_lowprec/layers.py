@@ -41,9 +41,9 @@ def dense_view(module: nn.Module) -> nn.Module:
     """``module``, or for a frozen packed layer (which keeps no dense weight) a meta-device ``nn.Linear`` or
     ``nn.Embedding`` of its shape (no memory): what parameter counts and format rules read."""
     if isinstance(module, PackedLinear):
-        return nn.Linear(module.in_features, module.out_features, bias=False, device="meta", dtype=module.step.dtype)
+        return nn.Linear(module.in_features, module.out_features, bias=False, device="meta", dtype=module.dtype)
     if isinstance(module, PackedEmbedding):
-        return nn.Embedding(module.num_embeddings, module.embedding_dim, device="meta", dtype=module.table.step.dtype)
+        return nn.Embedding(module.num_embeddings, module.embedding_dim, device="meta", dtype=module.table.dtype)
     return module
 
 

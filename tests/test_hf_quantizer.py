@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 from hf_lowprec import apply_plan, freeze
 from hf_lowprec.export.hf_quantizer import HfLowprecConfig, install_packed_shells, quantization_config_dict
 from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear
+from hf_lowprec.modules.packed import BASE_STEP_DTYPE, PackedLinear, compact_steps
 from hf_lowprec.plan import PrecisionPlan
 
 PLAN = PrecisionPlan({"lm_head": "bf16", "*.v_proj": "int8"}, default="int4-g64-asym")
@@ -43,6 +44,13 @@ def test_from_pretrained_rebuilds_the_packed_model(tmp_path):
     assert sum(isinstance(m, PackedInt4Linear) for m in reloaded.modules()) == 12
 
 
+def compact_reference_steps(model) -> None:
+    """A base packed on load keeps its INT4 steps compact, whatever its dtype: so does the reference it meets."""
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            compact_steps(module)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantize_on_load_packs_as_apply_plan_does(tmp_path, dtype):
     """A dense folder loaded with ``HfLowprecConfig`` holds the same codes as loading it dense, then apply_plan + freeze,
@@ -51,6 +59,7 @@ def test_quantize_on_load_packs_as_apply_plan_does(tmp_path, dtype):
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=dtype)
     apply_plan(reference, PLAN, learn_scales=False)
     freeze(reference)
+    compact_reference_steps(reference)
     packed = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=dtype, quantization_config=HfLowprecConfig(PLAN))
     expected, got = reference.state_dict(), packed.state_dict()
     assert got.keys() == expected.keys()
@@ -66,8 +75,8 @@ def test_quantize_on_load_packs_as_apply_plan_does(tmp_path, dtype):
 
 def test_an_fp32_load_packs_a_bf16_checkpoint_as_stored_with_the_same_codes(tmp_path, monkeypatch):
     """Loading in fp32, transformers hands each weight it packs over as the checkpoint stores it (bf16), not cast to
-    fp32 whole first (a 128k-vocabulary table: 1 GB); the codes and steps are those of the fp32 dense path, steps in
-    fp32, and the tied table's rows come out in fp32."""
+    fp32 whole first (a 128k-vocabulary table: 1 GB); the codes and steps are those of the fp32 dense path (INT4 steps
+    in bf16, as a frozen base keeps them), and the tied table's rows come out in fp32."""
     import hf_lowprec.export.hf_quantizer as quantizer_module
 
     tiny_llama(tie=True).to(torch.bfloat16).save_pretrained(tmp_path / "dense")
@@ -82,11 +91,14 @@ def test_an_fp32_load_packs_a_bf16_checkpoint_as_stored_with_the_same_codes(tmp_
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32)
     apply_plan(reference, PrecisionPlan.from_dict(plan), learn_scales=False)
     freeze(reference)
+    compact_reference_steps(reference)
     got, expected = packed.state_dict(), reference.state_dict()
     for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.v_proj", "lm_head"):
         for buffer in ("qweight", "step"):
             torch.testing.assert_close(got[f"{name}.{buffer}"], expected[f"{name}.{buffer}"], rtol=0, atol=0)
-    assert packed.lm_head.step.dtype == torch.float32 and packed.model.norm.weight.dtype == torch.float32
+    assert packed.lm_head.dtype == torch.float32 and packed.model.norm.weight.dtype == torch.float32
+    assert packed.lm_head.step.dtype == BASE_STEP_DTYPE  # INT4 group steps compact whatever the compute dtype
+    assert packed.model.layers[1].self_attn.v_proj.step.dtype == torch.float32  # int8 rows keep theirs
     assert packed.get_input_embeddings()(torch.tensor([[1, 2]])).dtype == torch.float32
 
 
@@ -105,7 +117,7 @@ def test_quantize_on_load_default_plan_and_a_tied_head(tmp_path):
     assert isinstance(everything.lm_head, PackedInt4Linear)
     assert type(everything.get_input_embeddings()).__name__ == "TiedPackedEmbedding"
     table = default.get_input_embeddings().weight.detach()
-    reference = PackedInt4Linear.from_weight(table, "int4-g32")
+    reference = compact_steps(PackedInt4Linear.from_weight(table, "int4-g32"))
     torch.testing.assert_close(everything.lm_head.dequantized_weight(), reference.dequantized_weight(), rtol=0, atol=0)
     assert (everything.lm_head.dequantized_weight() - table).abs().max() < table.abs().max() / 7
     everything.save_pretrained(tmp_path / "packed")

@@ -13,7 +13,8 @@ from hf_lowprec.modules import Int4Linear, PackedInt4Linear, PackedInt8Linear, P
 from hf_lowprec.modules.kernels import autotune
 from hf_lowprec.modules.kernels.cpp import cpu_kernels
 from hf_lowprec.modules.kernels.cpu import CpuInfo
-from hf_lowprec.modules.packed import int8_backend_available
+from hf_lowprec.modules.packed import compact_steps, int8_backend_available
+from hf_lowprec.modules.packed_embedding import PackedEmbedding
 
 INT8_OK, _ = int8_backend_available(torch.device("cpu"))
 needs_int8 = pytest.mark.skipif(not INT8_OK, reason="this CPU has no int8 dot-product instructions")
@@ -346,6 +347,32 @@ def test_input_scale_survives_state_dict_dtype_casts_and_requantization():
     stats = shell.requantize_(w)  # fresh steps, same input scale
     assert torch.equal(shell.input_scale, layer.input_scale.float()) and stats["rel_error"] < 0.3
     assert rel(shell.dequantized_weight(), w) == pytest.approx(stats["rel_error"], rel=1e-4)
+
+
+def test_compact_steps_keep_int4_codes_and_compute_dtype_and_move_weights_within_the_bf16_rounding_of_a_step():
+    """A frozen base keeps INT4 steps and zero points in bf16 whatever it computes in (``compact_steps``): the codes
+    stay, a weight moves by at most ``|code - zero| x 2^-8`` of its group's fp32 step, outputs keep the layer's dtype,
+    and ``.to()`` changes that dtype (a packed embedding's rows follow it); int8 rows keep their steps."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 128)
+    layer = PackedInt4Linear.from_weight(w, "int4-g32-asym")
+    before, codes, step, zero = layer.dequantized_weight(), layer.codes(), layer.step.clone(), layer.zero.clone()
+    assert compact_steps(layer) is layer and layer.step.dtype == layer.zero.dtype == torch.bfloat16
+    assert torch.equal(layer.codes(), codes) and torch.equal(layer.zero.float(), zero) and layer.dtype == torch.float32
+    offsets = (codes.float().view(96, 4, 32) - zero.unsqueeze(-1)).abs()
+    bound = (offsets * step.unsqueeze(-1) * 2**-8).view(96, 128)
+    moved = (layer.dequantized_weight() - before).abs()
+    assert (moved <= bound + 1e-9).all() and moved.max() > 0
+    x = torch.randn(3, 128)
+    assert layer(x).dtype == torch.float32 and layer.dense_linear(w).weight.dtype == torch.float32
+    layer.to(torch.bfloat16)
+    assert layer.dtype == torch.bfloat16 and layer.dense_linear(w).weight.dtype == torch.bfloat16
+    int8 = PackedInt8Linear.from_weight(w, "int8")
+    assert compact_steps(int8).step.dtype == torch.float32
+    embedding = PackedEmbedding.from_weight(w, "int4-g32", dtype=torch.float32)
+    compact_steps(embedding.table)
+    ids = torch.tensor([[0, 5, 95]])
+    assert embedding(ids).dtype == torch.float32 and embedding.to(torch.bfloat16)(ids).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("spec", ["int4-g64-asym", "int8"])

@@ -90,7 +90,7 @@ def _on_plain_grid(layer: PackedInt4Linear) -> tuple[PackedInt4Linear, float | N
     if layer.inverse_input_scale() is None and integral_zero and layer.rotation_block is None:
         return layer, None
     spec = replace(layer.spec, rotate=False, smooth=False)
-    plain = PackedInt4Linear(layer.in_features, layer.out_features, spec, layer.bias is not None, layer.step.dtype)
+    plain = PackedInt4Linear(layer.in_features, layer.out_features, spec, layer.bias is not None, layer.dtype)
     if layer.bias is not None:
         plain.bias.data.copy_(layer.bias)
     return plain, plain.requantize_(layer.dequantized_weight(torch.float32))["rel_error"]

@@ -38,7 +38,7 @@ from hf_lowprec.allocator import freed_memory_returned
 from hf_lowprec.file_pages import file_mappings, release_file_bytes
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import canonical_name, set_module, swap_layers
-from hf_lowprec.modules.packed import packed_class
+from hf_lowprec.modules.packed import compact_steps, packed_class
 from hf_lowprec.modules.packed_embedding import PackedEmbedding, embedding_scale, share_packed_head, tied_head_names
 from hf_lowprec.plan import PrecisionPlan, is_auto, resolve_plan
 from hf_lowprec.pread_safetensors import read_safetensors
@@ -177,12 +177,14 @@ class PackOnLoad(ConversionOps):
 
 def _pack(model: nn.Module, fqn: str, weight, spec: FormatSpec, dtype: torch.dtype | None) -> None:
     """Put in the place of ``model``'s ``nn.Linear`` (its bias moves along) or ``nn.Embedding`` ``fqn`` a packed layer
-    of ``weight`` (as the checkpoint stores it), its steps in ``dtype`` (default: the weight's)."""
+    of ``weight`` (as the checkpoint stores it) computing in ``dtype`` (default: the weight's), its steps
+    a frozen base's (``compact_steps``)."""
     module = model.get_submodule(fqn)
     if isinstance(module, nn.Embedding):
         packed = PackedEmbedding.from_weight(weight, spec, module.padding_idx, embedding_scale(module), dtype)
+        compact_steps(packed.table)
     else:
-        packed = packed_class(spec).from_weight(weight, spec, dtype=dtype)
+        packed = compact_steps(packed_class(spec).from_weight(weight, spec, dtype=dtype))
         packed.bias = module.bias
     packed._is_hf_initialized = True  # transformers initialises the weights of modules without it
     set_module(model, fqn, packed)

@@ -84,6 +84,10 @@ AUTOTUNE_OUTPUTS = 1 << 23
 CHUNK_ELEMENTS = 1 << 22  # weight elements quantized per slice when packing a dense weight (16 MB in fp32)
 INT32_TILE = 1 << 20  # int32 products of the int8 backend's forward held at a time (4 MB; see _int_mm_dequantized)
 OUTLIER_COLUMNS = 8  # input channels per call the int8 backend multiplies in the activation dtype (see _int8_forward)
+# group steps and zero points of a frozen INT4 base (quantized on load, the on-device base) whatever it computes in
+# (see compact_steps): fp32 ones made an fp32 model (the AVX2 class's compute dtype) 58 MB larger at the
+# Llama-3.2-1B shape (15.2M groups)
+BASE_STEP_DTYPE = torch.bfloat16
 _INT8_MAX = 127.0
 _EPS = 1e-12
 _logged: set[tuple[str, str]] = set()
@@ -380,6 +384,8 @@ class _PackedMatmul(torch.autograd.Function):
 class PackedLinear(nn.Module):
     """Frozen linear stored as integer codes: ``qweight``, ``step`` ``[N, G]``, optional ``zero``, ``input_scale``
     fp32 ``[K]`` (ones unless activation-aware scaling chose others). Subclasses say how codes are stored.
+    ``dtype``: the dtype of the dense layer it stands for (its bias; dense twins and dequantized rows are made in it;
+    ``.to()`` changes it); the steps are kept in it too, unless :meth:`store_steps_in` chose another.
 
     Build one with :meth:`from_codes` (``Int4Linear.freeze()`` does). ``backend``: one of ``auto``,
     ``int8``, ``dequant`` (see the module docstring); a requested ``int8`` that cannot run raises.
@@ -407,6 +413,7 @@ class PackedLinear(nn.Module):
         self.rotation_block = layer_rotation(self.spec, in_features, f"{type(self).__name__}({self.spec.name})")
         groups = 1 if self.spec.group_size is None else -(-in_features // self.spec.group_size)
         self.register_buffer("qweight", self._empty_codes(out_features, in_features, device))
+        self.dtype = dtype
         self.register_buffer("step", torch.ones(out_features, groups, dtype=dtype, device=device))
         zero = None if self.spec.symmetric else torch.zeros(out_features, groups, dtype=dtype, device=device)
         self.register_buffer("zero", zero)
@@ -452,7 +459,7 @@ class PackedLinear(nn.Module):
         input_scale: torch.Tensor | None = None,
     ):
         """Store integer ``codes [N, K]`` (of ``W diag(input_scale)``, ``W R diag(input_scale)`` for ``-rht``) with
-        their ``step``/``zero`` ``[N, G]``; steps kept in ``dtype``."""
+        their ``step``/``zero`` ``[N, G]``, kept in ``dtype``, the layer's."""
         out_features, in_features = codes.shape
         new = cls(in_features, out_features, spec, bias is not None, dtype, codes.device, backend)
         new.qweight.copy_(new._store(codes))
@@ -531,7 +538,7 @@ class PackedLinear(nn.Module):
                 f"dense weight {tuple(weight.shape)} does not fit a {out_features}x{self.in_features} layer"
             )
         dense = nn.Linear(self.in_features, out_features, bias=False, device="meta")
-        dense.weight = nn.Parameter(weight.to(self.step.dtype), requires_grad=False)
+        dense.weight = nn.Parameter(weight.to(self.dtype), requires_grad=False)
         whole = out_features == self.out_features
         dense.bias = self.bias if self.bias is None or whole else nn.Parameter(self.bias[rows], requires_grad=False)
         return dense
@@ -575,8 +582,8 @@ class PackedLinear(nn.Module):
         cls, weight: torch.Tensor, spec: FormatSpec | str, bias: torch.Tensor | None = None, dtype=None,
         backend: str = "auto",
     ):
-        """Round-to-nearest codes of a dense ``weight [N, K]`` (steps from each group's range, ``int_steps``); steps
-        kept in ``dtype`` (default ``weight.dtype``). Rows are quantized a slice at a time, so the fp32 working copy
+        """Round-to-nearest codes of a dense ``weight [N, K]`` (steps from each group's range, ``int_steps``) for a
+        layer computing in ``dtype`` (default ``weight.dtype``), steps kept in it. Rows are quantized a slice at a time, so the fp32 working copy
         stays near ``CHUNK_ELEMENTS`` whatever the weight's size (a 128k-vocabulary head: 1 GB whole)."""
         out_features, in_features = weight.shape
         new = cls(in_features, out_features, spec, bias is not None, dtype or weight.dtype, weight.device, backend)
@@ -584,6 +591,15 @@ class PackedLinear(nn.Module):
         if bias is not None:
             new.bias.data.copy_(bias.detach())
         return new
+
+    @torch.no_grad()
+    def store_steps_in(self, dtype: torch.dtype) -> None:
+        """Keep ``step`` and ``zero`` in ``dtype`` (``BASE_STEP_DTYPE`` for a frozen base); the codes stay, and the
+        layer still computes in :attr:`dtype`."""
+        self.step = self.step.to(dtype)
+        if self.zero is not None:
+            self.zero = self.zero.to(dtype)
+        self._cache.clear()
 
     def _store_weight(self, weight: torch.Tensor) -> None:
         """Store ``weight diag(input_scale)`` (``weight`` dense ``[N, K]``, rotated first for ``-rht``) with fresh
@@ -691,6 +707,7 @@ class PackedLinear(nn.Module):
     # ------------------------------------------------------------------- cache invalidation
     def _apply(self, fn, recurse=True):
         self._cache.clear()
+        self.dtype = fn(torch.empty(0, dtype=self.dtype, device=self.qweight.device)).dtype  # .to(dtype), .half()
         return super()._apply(fn, recurse)
 
     def _load_from_state_dict(self, *args, **kwargs):
@@ -779,6 +796,17 @@ class PackedInt8Linear(PackedLinear):
         if "row_step" not in self._cache:
             self._cache["row_step"] = self.step.float().view(-1).contiguous()
         return self.qweight, self._cache["row_step"]
+
+
+def compact_steps(layer: PackedLinear) -> PackedLinear:
+    """``layer``, an INT4 one with its group steps and zero points kept in ``BASE_STEP_DTYPE`` (as a frozen base keeps
+    them): the kernels read them as fp32 per call, zero points are integers (exact), and a step rounds by at most
+    2^-8 of itself, so a weight moves by at most ``|code - zero| x 2^-8`` of its group's step (under 6%; rounding to
+    the grid moved it by up to 50%). int8 rows keep theirs: one step per row saves nothing, and codes up to 127 would
+    move by half a step."""
+    if isinstance(layer, PackedInt4Linear):
+        layer.store_steps_in(BASE_STEP_DTYPE)
+    return layer
 
 
 def packed_class(spec: FormatSpec | str) -> type[PackedLinear] | None:

@@ -37,7 +37,7 @@ class _PackedRows(nn.Module):
         return self.table.spec
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.scaled(self.table.dequantized_rows(input_ids, self.table.step.dtype))
+        return self.scaled(self.table.dequantized_rows(input_ids, self.table.dtype))
 
     def scaled(self, rows: torch.Tensor) -> torch.Tensor:
         """Table rows ``[..., H]`` as this embedding returns them: times ``scale``, rounded to their dtype as Gemma
@@ -75,7 +75,7 @@ class PackedEmbedding(_PackedRows):
     @classmethod
     def empty(cls, num_embeddings: int, embedding_dim: int, spec: FormatSpec | str, dtype: torch.dtype, device=None,
               padding_idx: int | None = None, scale: float | None = None) -> "PackedEmbedding":  # fmt: skip
-        """A ``[num_embeddings, embedding_dim]`` table of zero codes in ``spec`` (steps in ``dtype``)."""
+        """A ``[num_embeddings, embedding_dim]`` table of zero codes in ``spec``, its rows returned in ``dtype``."""
         spec = check_embedding_format(spec)
         return cls(packed_class(spec)(embedding_dim, num_embeddings, spec, False, dtype, device), padding_idx, scale)
 
@@ -88,14 +88,14 @@ class PackedEmbedding(_PackedRows):
         scale: float | None = None,
         dtype: torch.dtype | None = None,
     ) -> "PackedEmbedding":
-        """Round-to-nearest codes of a dense table ``weight [V, H]`` (a slice of rows at a time), steps in ``dtype``
-        (default: the table's)."""
+        """Round-to-nearest codes of a dense table ``weight [V, H]`` (a slice of rows at a time), its rows returned in
+        ``dtype`` (default: the table's)."""
         spec = check_embedding_format(spec)
         return cls(packed_class(spec).from_weight(weight, spec, dtype=dtype), padding_idx, scale)
 
     def _apply(self, fn, recurse=True):
-        self.table._cache.clear()
-        return super()._apply(fn, recurse)
+        self.table._apply(fn, recurse=False)  # the table's buffers are this module's: converted once, by the table
+        return self
 
     def _load_from_state_dict(self, *args, **kwargs):
         self.table._cache.clear()

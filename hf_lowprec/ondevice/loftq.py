@@ -11,7 +11,7 @@ from torch import nn
 
 from hf_lowprec.convert import canonical_name
 from hf_lowprec.modules.int4 import Int4Linear
-from hf_lowprec.modules.packed import PackedInt4Linear
+from hf_lowprec.modules.packed import PackedInt4Linear, compact_steps
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def loftq_for_targets(
             if dense_weights is None:
                 raise ValueError(f"LoftQ of {fqn!r} (packed while loading) needs its checkpoint weight: dense_weights=")
             residual = dense_weights(f"{fqn}.weight").float() - module.dequantized_weight(torch.float32)
-        else:
-            residual = module.weight.detach().float() - module.dequantized_weight().detach().float()
+        else:  # against the grid the frozen base will hold (steps compacted), not the fake-quantized one
+            residual = module.weight.detach().float() - compact_steps(module.freeze()).dequantized_weight(torch.float32)
         out[canonical_name(fqn)] = loftq_factors(residual, config.r, scaling)
     return out

@@ -33,7 +33,7 @@ from hf_lowprec.modules import FROZEN_TYPES
 from hf_lowprec.modules.int4 import Int4Linear
 from hf_lowprec.modules.int4_lora import register_int4_lora
 from hf_lowprec.modules.kernels.autotune import named_dtype, resolve_dtype
-from hf_lowprec.modules.packed import PACKED_BACKENDS, PackedInt4Linear, PackedLinear, packed_class
+from hf_lowprec.modules.packed import PACKED_BACKENDS, PackedInt4Linear, PackedLinear, compact_steps, packed_class
 from hf_lowprec.modules.packed_embedding import PackedEmbedding, TiedPackedEmbedding, share_packed_head, tied_head_names
 from hf_lowprec.ondevice.calibration import ROUNDINGS, CalibratedCodes, calibrated_codes, check_rounding, summary
 from hf_lowprec.ondevice.loftq import loftq_factors, loftq_for_targets, lora_scaling
@@ -178,7 +178,7 @@ def _repack_replanned(model: nn.Module, plan: PrecisionPlan, dense_weights) -> s
             return layer.dense_linear(weight)
         # rounded a block of rows at a time, as on load: a fake-quantized twin frozen whole held ~430 MB of fp32 and
         # int64 copies of a 1B-size MLP weight (the auto recipe's load peak at the Llama-3.2-1B shape, scale.py)
-        return packed_class(spec).from_weight(weight, spec, layer.bias, dtype=layer.step.dtype)
+        return packed_class(spec).from_weight(weight, spec, layer.bias, dtype=layer.dtype)
 
     swap_layers(model, lambda _, fqn, m: reread(fqn, m) if fqn in stale else None)
     return {canonical_name(fqn) for fqn in stale}
@@ -188,9 +188,13 @@ def _freeze_base(model: nn.Module, report: ConversionReport, backend: str, rerea
     """Pack the plan's layers, set their ``backend``, name in ``report`` the modules that now run (and which of those
     packed while loading were ``reread`` from the checkpoint), freeze the rest; an input embedding tied to a packed
     output head reads the head's rows, an untied one the plan packs holds its own
-    (:mod:`~hf_lowprec.modules.packed_embedding`)."""
+    (:mod:`~hf_lowprec.modules.packed_embedding`). Steps are kept as a frozen base keeps them (``compact_steps``),
+    however the base was packed."""
     tied = tied_head_names(model)
     freeze(model)
+    for module in model.modules():
+        if isinstance(module, (PackedLinear, PackedEmbedding)):
+            compact_steps(module.table if isinstance(module, PackedEmbedding) else module)
     layers = eligible_layers(model)
     for row in report.layers:  # the report was made before freezing: name the modules that now run
         if row.name not in layers:
@@ -309,7 +313,7 @@ def _dense_weight_source(layers: dict[str, nn.Module], reader):
         )
 
     def dense_weight(name: str, module: nn.Module) -> torch.Tensor:
-        return reader(f"{name}.weight").to(module.step.dtype) if isinstance(module, PackedLinear) else module.weight
+        return reader(f"{name}.weight").to(module.dtype) if isinstance(module, PackedLinear) else module.weight
 
     return dense_weight
 
@@ -371,7 +375,7 @@ def checkpoint_weights(model: nn.Module):
         if isinstance(module, PackedEmbedding):  # the rows looked up, not the whole table
 
             def checkpoint_rows(ids, fqn=fqn, m=module):
-                return m.scaled(reader.rows(f"{fqn}.weight", ids).to(m.table.step.dtype))
+                return m.scaled(reader.rows(f"{fqn}.weight", ids).to(m.table.dtype))
 
             module.forward = checkpoint_rows
         else:

@@ -98,7 +98,7 @@ def _twins(unit: _Unit, fmt: str, fp8_backend: str) -> list[tuple[str, nn.Module
 def _dense_shape(module: nn.Module) -> tuple[int, int, torch.dtype]:
     """``(rows, columns, dtype)`` of a layer's dense weight; a packed layer's in its compute dtype."""
     if isinstance(module, PackedLinear):
-        return module.out_features, module.in_features, module.step.dtype
+        return module.out_features, module.in_features, module.dtype
     return *module.weight.shape, module.weight.dtype
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from hf_lowprec.formats import FormatSpec, quantize_int
+from hf_lowprec.modules.packed import BASE_STEP_DTYPE
 from hf_lowprec.ondevice.calibration.awq import search_input_scale, stored_steps
 from hf_lowprec.ondevice.calibration.gptq import full_precision, gptq_quantize
 from hf_lowprec.rotation import layer_rotation, rotate, rotated_hessian
@@ -63,7 +64,7 @@ def calibrate_layer(
     hessian: torch.Tensor,
     spec: FormatSpec,
     rounding: str,
-    step_dtype: torch.dtype = torch.float32,
+    step_dtype: torch.dtype = BASE_STEP_DTYPE,
     smoothing: torch.Tensor | None = None,
 ) -> CalibratedCodes:
     """Codes of ``weight [N, K]`` by ``rounding`` (not ``nearest``) given its input Hessian ``hessian [K, K]``.
@@ -186,7 +187,7 @@ def calibrated_codes(
                 weight = dense_weight(name, module)
                 smoothing = None if getattr(module, "smoothing", None) is None else module.smoothing.scale
                 hessian = hooks.hessians.pop(name)
-                out[name] = calibrate_layer(weight, hessian, module.spec, rounding, weight.dtype, smoothing)
+                out[name] = calibrate_layer(weight, hessian, module.spec, rounding, smoothing=smoothing)
                 replace(name, out[name])
                 if progress is not None:
                     progress(len(out), len(layers))
