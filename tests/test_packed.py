@@ -13,7 +13,7 @@ from hf_lowprec.modules import Int4Linear, PackedInt4Linear, PackedInt8Linear, P
 from hf_lowprec.modules.kernels import autotune
 from hf_lowprec.modules.kernels.cpp import cpu_kernels
 from hf_lowprec.modules.kernels.cpu import CpuInfo
-from hf_lowprec.modules.packed import compact_steps, int8_backend_available
+from hf_lowprec.modules.packed import compact_steps, int8_backend_available, packed_class
 from hf_lowprec.modules.packed_embedding import PackedEmbedding
 
 INT8_OK, _ = int8_backend_available(torch.device("cpu"))
@@ -143,7 +143,7 @@ def test_int8_layer_stores_one_code_per_byte_and_multiplies_them_as_stored():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tile_elements", [None, 400])
 def test_tiled_backend_forward_and_grad_input_match_reference(spec, dtype, tile_elements, monkeypatch):
-    if tile_elements is not None:  # tiles capped by their size, as a 128k-vocabulary head's: here 2 rows / 2 columns
+    if tile_elements is not None:  # tiles capped by their size, as a 128k-vocabulary head's: 2 rows, grad-input included
         monkeypatch.setattr("hf_lowprec.modules.packed.TILE_ELEMENTS", tile_elements)
     layer = packed(spec, k=192, n=200).to(dtype)  # 200 rows: tiles of unequal size
     layer.input_scale.copy_(2.0 ** torch.randint(-2, 3, (192,)).float())
@@ -411,6 +411,23 @@ def test_llama_1b_shapes_every_runnable_backend_matches_the_dequantized_referenc
         # int8: dynamic int8 activations (~0.8%); bf16: one rounding of the output (2^-9 relative)
         tol = 0.02 if backend == "int8" else (1e-5 if dtype == torch.float32 else 8e-3)
         assert rel(y, y_ref) < tol and rel(gx, gx_ref) < tol, (backend, rel(y, y_ref), rel(gx, gx_ref))
+
+
+@pytest.mark.slow
+@needs_cpp
+@pytest.mark.parametrize("spec", ["int8", "int4-g64-asym"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_128k_vocabulary_head_grad_input_by_row_tiles_matches_the_dequantized_reference(spec, dtype):
+    """Llama-3.2-1B's output head (128256 x 2048) at one chunk of the chunked loss (65 tokens): its grad-input goes by
+    tiles of rows summed in fp32 (``TALL_ROW_TILE``); forward and grad-input against fp32 math."""
+    torch.manual_seed(0)
+    layer = packed_class(spec).from_weight(torch.randn(128256, 2048, dtype=dtype) * 0.02, spec)
+    x, g = torch.randn(65, 2048, dtype=dtype), torch.randn(65, 128256, dtype=dtype)
+    y, gx = run(layer, "tiled", x, g)
+    weight = layer.dequantized_weight(torch.float32)
+    y_ref, gx_ref = x.float() @ weight.T, g.float() @ weight
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    assert rel(y, y_ref) < tol and rel(gx, gx_ref) < tol, (rel(y, y_ref), rel(gx, gx_ref))
 
 
 def test_auto_never_times_the_dequant_backend_of_a_large_layer(monkeypatch):

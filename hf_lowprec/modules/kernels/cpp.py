@@ -640,6 +640,27 @@ torch::Tensor tiled_linear_grad_input(torch::Tensor g, torch::Tensor qweight, to
   });
   return out;
 }
+
+// grad_x [M, K] = g [M, N] @ W for a tall W (an output head: N >> K), parallel over tiles of `tile` weight rows: each
+// thread adds its tiles' products g[:, rows] @ W[rows] into an fp32 [M, K] of its own (a bf16 product is rounded once
+// before it is added), and g is read once; a column tile of tiled_linear_grad_input holds N x tile elements
+torch::Tensor tiled_linear_grad_input_rows(torch::Tensor g, torch::Tensor qweight, torch::Tensor step,
+                                           c10::optional<torch::Tensor> zero, c10::optional<torch::Tensor> inv,
+                                           int64_t K, int64_t gsize, bool is_signed, bool int4, int64_t tile) {
+  const int64_t N = qweight.size(0), M = g.size(0);
+  check_rows(g, N);
+  const PackedWeight w = packed_weight(qweight, step, zero, inv, K, gsize, is_signed);
+  auto partial = torch::zeros({at::get_num_threads(), M, K}, g.options().dtype(torch::kFloat));
+  for_each_tile((N + tile - 1) / tile, tile * K, K, g.options(), [&](int64_t t, torch::Tensor& scratch, float* f) {
+    const int64_t n0 = t * tile, rows = std::min(tile, N - n0);
+    auto wt = scratch.narrow(0, 0, rows * K).view({rows, K});
+    dequant(w, int4, n0, n0 + rows, 0, K, wt, f);
+    auto acc = partial[at::get_thread_num()];
+    if (g.scalar_type() == torch::kFloat) acc.addmm_(g.narrow(1, n0, rows), wt);
+    else acc.add_(at::mm(g.narrow(1, n0, rows), wt));
+  });
+  return partial.sum(0).to(g.scalar_type());
+}
 """
 
 _FUNCTIONS = [
@@ -652,6 +673,7 @@ _FUNCTIONS = [
     "adamw8bit_",
     "tiled_linear",
     "tiled_linear_grad_input",
+    "tiled_linear_grad_input_rows",
 ]
 _state: dict[str, object] = {}
 # -fno-trapping-math (no value changes: FP exceptions never trap here) lets GCC turn the loops' selects (clamps, the
