@@ -22,10 +22,11 @@ BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 IDS = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
 
 
-def _adapted_model(base_dir: Path, dtype="auto"):
+def _adapted_model(base_dir: Path, dtype="auto", adapter_dtype="auto"):
     """The tiny model with a packed INT4 base and LoRA adapters whose ``B`` is non-zero (so they change the logits)."""
     torch.manual_seed(0)  # PEFT draws A at random
-    model, tokenizer, _ = load_int4_lora(base_dir, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), dtype=dtype)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    model, tokenizer, _ = load_int4_lora(base_dir, lora, dtype=dtype, adapter_dtype=adapter_dtype)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -143,7 +144,8 @@ def _gradients_after_one_step(method: str, base_dir: Path, tmp_path: Path, batch
     probe = GradientsBeforeStep()
     common = {"args": args, "train_dataset": data, "data_collator": default_data_collator}
     if method == "int4-lora":
-        model, _ = _adapted_model(base_dir, torch.float32)  # bf16 GEMMs round differently per batch shape
+        # bf16 GEMMs round differently per batch shape, bf16 gradients once per micro-batch
+        model, _ = _adapted_model(base_dir, torch.float32, adapter_dtype="fp32")
         on_dequant_backend(model)  # the int8 backend picks its outlier channels per call, i.e. per batch
         trainer = ChunkedLossTrainer(model=model.train(), activation_storage=None, callbacks=[probe], **common)
     else:

@@ -65,7 +65,8 @@ def dequantized_twin(packed_model, seed: int = 0):
 
 @pytest.mark.parametrize("backend", ["dequant", "tiled", pytest.param("int8", marks=pytest.mark.skipif(not INT8_OK, reason="no int8 dot-product instructions"))])
 def test_input_and_lora_grads_through_int4_base_match_dequantized_reference(backend):
-    model, report = prepare_int4_lora(tiny_llama(0, hidden_size=128, intermediate_size=256), LoraConfig(**LORA), MIXED, backend=backend)
+    tiny = tiny_llama(0, hidden_size=128, intermediate_size=256)  # fp32 adapters: gradients against fp32 math
+    model, report = prepare_int4_lora(tiny, LoraConfig(**LORA), MIXED, backend=backend, adapter_dtype="fp32")
     assert report.fractions()["int4-g64-asym"] > 0.7 and report.fractions()["int8"] > 0.04
     assert sum(isinstance(m, PackedInt8Linear) for m in model.modules()) == 2
     with torch.no_grad():  # non-zero B so that every adapter (and the gradient into A) matters
@@ -169,10 +170,11 @@ def test_finetune_from_disk_loss_falls_and_export_reloads_identically(tmp_path):
         export_int4_lora(model, tmp_path / "run")
 
 
-def test_a_bf16_model_trains_bf16_adapters_that_follow_fp32_adapters(tmp_path, monkeypatch):
-    """adapter_dtype auto: bf16 adapters for a bf16 model (no fp32 master copies: 2 bytes a weight and a gradient),
-    stepped by an optimizer that rounds each update stochastically; their training follows fp32 adapters' on the same
-    base and data."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_auto_adapters_are_bf16_and_their_training_follows_fp32_adapters(tmp_path, monkeypatch, dtype):
+    """adapter_dtype auto: bf16 adapters for a bf16 or fp32 model (no fp32 master copies: 2 bytes a weight and a
+    gradient), stepped by an optimizer that rounds each update stochastically; their training follows fp32 adapters'
+    on the same base and data."""
     path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128, initializer_range=0.1)
     made = []  # the optimizers finetune_int4_lora makes (a spy: the real function runs)
     spy = lambda *a, **kw: made.append(adapter_optimizer(*a, **kw)) or made[-1]  # noqa: E731
@@ -180,7 +182,7 @@ def test_a_bf16_model_trains_bf16_adapters_that_follow_fp32_adapters(tmp_path, m
 
     def trained(adapter_dtype: str) -> tuple[float, float]:
         torch.manual_seed(0)
-        options = dict(dtype=torch.bfloat16, adapter_dtype=adapter_dtype)
+        options = dict(dtype=dtype, adapter_dtype=adapter_dtype)
         model, tokenizer, _ = load_int4_lora(path, LoraConfig(**LORA), **options)
         params = [p for p in model.parameters() if p.requires_grad]
         assert {p.dtype for p in params} == {torch.float32 if adapter_dtype == "fp32" else torch.bfloat16}

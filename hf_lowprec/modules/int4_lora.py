@@ -107,7 +107,7 @@ class PackedLoraLinear(LoraLinear):
             return
         base: PackedLinear = self.get_base_layer()
         weight = base.dequantized_weight(torch.float32)
-        delta = sum(self.get_delta_weight(n).float() for n in adapter_names)
+        delta = sum(lora_delta(self, n) for n in adapter_names)
         merged = weight + delta
         if safe_merge and not torch.isfinite(merged).all():
             raise ValueError(f"NaNs detected in the merged weights; adapters {adapter_names} seem to be broken")
@@ -129,8 +129,16 @@ class PackedLoraLinear(LoraLinear):
         while self.merged_adapters:
             name = self.merged_adapters.pop()
             if name in self.lora_A:
-                weight = weight - self.get_delta_weight(name).float()
+                weight = weight - lora_delta(self, name)
         base.requantize_(weight)
+
+
+def lora_delta(module: LoraLinear, adapter: str) -> torch.Tensor:
+    """``scaling * B A`` of ``module``'s ``adapter`` in fp32 (``[out, in]``; transposed for ``fan_in_fan_out``):
+    PEFT's ``get_delta_weight`` rounds it to the adapters' dtype, bf16 for bf16 adapters."""
+    a, b = module.lora_A[adapter].weight.float(), module.lora_B[adapter].weight.float()
+    delta = (b @ a) * module.scaling[adapter]
+    return delta.T if module.fan_in_fan_out else delta
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ from hf_lowprec.convert import canonical_name
 # also registers quant_method "hf_lowprec" with transformers: from_pretrained loads exported folders
 from hf_lowprec.export.hf_quantizer import quantization_config_dict
 from hf_lowprec.folders import atomic_output_dir, atomic_write_text, check_output_dir
-from hf_lowprec.modules.int4_lora import PackedLoraLinear, register_int4_lora, requantize_merged
+from hf_lowprec.modules.int4_lora import PackedLoraLinear, lora_delta, register_int4_lora, requantize_merged
 from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.modules.packed_embedding import with_dense_tables
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
@@ -45,7 +45,7 @@ def _adapter_delta(module: nn.Module) -> torch.Tensor | None:
     """The summed weight delta (fp32) of a LoRA layer's active adapters; ``None`` for other modules."""
     if not hasattr(module, "lora_A") or not module.active_adapters:
         return None
-    return sum(module.get_delta_weight(n).float() for n in module.active_adapters if n in module.lora_A)
+    return sum(lora_delta(module, n) for n in module.active_adapters if n in module.lora_A)
 
 
 def _dense_merged_state(base: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -84,8 +84,8 @@ def prepare_int4_lora(
         budget: ``plan="auto"`` only: :func:`hf_lowprec.sensitivity.allocate` keywords (default ``AUTO_BUDGET``).
         auto_formats: ``plan="auto"`` only: the formats it chooses from besides bf16 (default ``AUTO_FORMATS``).
         adapter_dtype: dtype of the adapter weights; they compute in the activation dtype either way. ``auto``
-            (default): bf16 when the model computes in bf16 (no fp32 master copies: the optimizer rounds each update
-            stochastically, :func:`~hf_lowprec.ondevice.train.adapter_optimizer`), else fp32; ``bf16``, ``fp32`` or
+            (default): bf16 when the model computes in bf16 or fp32 (no fp32 master copies: the optimizer rounds each
+            update stochastically, :func:`~hf_lowprec.ondevice.train.adapter_optimizer`), else fp32; ``bf16``, ``fp32`` or
             a torch dtype (:func:`resolve_adapter_dtype`).
         backend: ``auto`` (measured per shape), ``int8``, ``tiled`` or ``dequant`` for every packed layer (see
             ``modules/packed.py``).
@@ -216,14 +216,16 @@ def _freeze_base(model: nn.Module, report: ConversionReport, backend: str, rerea
     _own_dense_tensors(model)
 
 
-# bf16 adapters by default where the model computes in bf16, by measurement: SmolLM2-135M, the int4-ondevice-lora
-# recipe's plan, 100 steps, 3 seeds (benchmarks/ondevice.py quality, variant auto+loftq+adam8+bf16ad): held-out
-# perplexity 37.99 +- 0.04 against fp32 adapters' 37.96 +- 0.12; Llama-3.2-1B shape, batch 1x256 (benchmarks/scale.py,
-# AVX512-BF16 EPYC): peak 1,482 -> 1,460 MiB forward, 1,461 -> 1,439 backward (-2 bytes per adapter weight and gradient)
+# bf16 adapters by default where the model computes in bf16 or fp32, by measurement: SmolLM2-135M, the
+# int4-ondevice-lora recipe's plan, 100 steps, 3 seeds (benchmarks/ondevice.py quality, variant auto+loftq+adam8+bf16ad):
+# held-out perplexity 37.99 +- 0.04 against fp32 adapters' 37.96 +- 0.12 in bf16 compute; Llama-3.2-1B shape, batch
+# 1x256 (benchmarks/scale.py, AVX512-BF16 EPYC): peak 1,482 -> 1,460 MiB forward, 1,461 -> 1,439 backward (-2 bytes per
+# adapter weight and gradient). In fp32 compute (the AVX2 class) the adapters are cast to fp32 for their two small
+# matmuls (modules/int4_lora.py), so the only rounding is the weights' own, as in bf16 compute. fp16 compute keeps fp32.
 def resolve_adapter_dtype(adapter_dtype: torch.dtype | str | None, model: nn.Module) -> torch.dtype:
-    """The adapters' dtype: ``auto`` → bf16 when ``model`` computes in bf16, else fp32; or the dtype named."""
+    """The adapters' dtype: ``auto`` → bf16 when ``model`` computes in bf16 or fp32, else fp32; or the dtype named."""
     if adapter_dtype is None or adapter_dtype == "auto":
-        return torch.bfloat16 if getattr(model, "dtype", None) is torch.bfloat16 else torch.float32
+        return torch.bfloat16 if getattr(model, "dtype", None) in (torch.bfloat16, torch.float32) else torch.float32
     return named_dtype(adapter_dtype, "adapter_dtype")
 
 
