@@ -94,3 +94,33 @@ def test_large_tensors_are_packed_in_slices_exactly_as_whole():
             torch.testing.assert_close(back, _fp8_rows(t), rtol=0, atol=0)
         rel = ((back - t).norm(dim=1) / t.norm(dim=1)).max().item()
         assert 0 < rel < {"fp8": 0.04, "fp8-e5m2": 0.08, "int8": 0.02}[fmt], (fmt, rel)
+
+
+def test_a_view_of_stored_memory_in_another_layout_is_rebuilt_from_the_stored_copy():
+    """SDPA stores its output ``[B, H, T, D]``, laid out as ``[B, T, H, D]`` like the query transformers gives it; the
+    output projection saves the same memory again as ``[B x T, H x D]``: that view is rebuilt from the stored output,
+    not stored a second time, and the gradients stay those of 8-bit storage."""
+    torch.manual_seed(0)
+    projected = torch.randn(1, 32, 64, requires_grad=True)  # [B, T, H x D], as q_proj returns it
+    w = torch.randn(64, 8, requires_grad=True)
+
+    def attention_then_projection(copy):
+        q = projected.view(1, 32, 4, 16).transpose(1, 2)  # [B, H, T, D] over [B, T, H, D] memory
+        o = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return (copy(o).reshape(-1, 64) @ w).square().sum()  # the projection saves its [T, H x D] input
+
+    def stored(copy) -> tuple[int, torch.Tensor, torch.Tensor]:
+        storage = ActivationStorage(torch.nn.Linear(1, 1), min_numel=1)
+        with storage:
+            y = attention_then_projection(copy)
+        projected.grad = w.grad = None
+        y.backward()
+        return storage.stored_bytes, projected.grad.clone(), w.grad.clone()
+
+    viewed = stored(lambda o: o.transpose(1, 2).reshape(1, 32, 64))
+    assert viewed[1].shape == projected.shape
+    computed = stored(lambda o: o.transpose(1, 2).reshape(1, 32, 64) * 1.0)  # new memory: stored on its own
+    assert computed[0] - viewed[0] == 32 * 64 + 32 * 4  # the [32, 64] int8 codes and their fp32 row scales
+    exact = torch.autograd.grad(attention_then_projection(lambda o: o.transpose(1, 2).reshape(1, 32, 64)), (projected, w))
+    for got, ref in zip(viewed[1:], exact):
+        assert ((got - ref).norm() / ref.norm()).item() < 0.03
