@@ -156,9 +156,18 @@ def ondevice_other_cpus(ondevice: dict | None) -> list[str]:
         lines.append("")
     for path in sorted(RESULTS.glob("ondevice_quality_*.json")):  # quality runs on another CPU class
         quality, cpu = json.loads(path.read_text())["quality"], path.stem.removeprefix("ondevice_quality_")
-        lines += [f"Quality on the {cpu} CPU ({path.name}; {quality['settings']['steps']} steps, the settings above):\n",
+        cpu = (f"{cpu.removesuffix('-emulated')} class reproduced on an AVX-512 CPU (HF_LOWPREC_CPU_CLASS=avx2: fp32 compute)"
+               if cpu.endswith("-emulated") else f"{cpu} CPU")  # fmt: skip
+        lines += [f"Quality on the {cpu} ({path.name}; {quality['settings']['steps']} steps, the settings above):\n",
                   "| run | seed | ppl before | ppl after |", "|---|---|---|---|"]  # fmt: skip
         lines += [f"| {_quality_key(r)} | {r.get('seed', 0)} | {r['ppl_before']:.2f} | {r['ppl_after']:.2f} |" for r in quality["runs"]]
+        groups: dict[str, list[float]] = {}
+        for r in quality["runs"]:
+            groups.setdefault(re.sub(r" \[seed \d+\]$", "", _quality_key(r)), []).append(r["ppl_after"])
+        for name, ppls in groups.items():
+            if len(ppls) > 1:
+                mean, std = mean_std(ppls)
+                lines.append(f"| {name} | mean of {len(ppls)} | | {mean:.2f} ± {std:.2f} |")
         lines.append("")
     return lines
 

@@ -71,11 +71,13 @@ COLUMN_TILE = 256
 # and at most this many weight elements per tile (each thread's scratch): wider layers take narrower tiles
 TILE_ELEMENTS = 1 << 23
 # the grad-input of a weight whose COLUMN_TILE columns exceed TILE_ELEMENTS (a 128k-vocabulary head) goes by tiles of
-# this many rows, each thread summing its tiles' products in fp32. Llama-3.2-1B head, 65 tokens, 2 threads, against
-# column tiles (64 columns): bf16 66 vs 128 ms (AVX512-BF16 EPYC), fp32 193 vs 276 ms (AVX2 class emulated on it);
-# scratch per thread 1 vs 16 MB in bf16, 2 vs 32 MB in fp32 (512 rows: the same times). Row tiles lost on square and
-# wide layers (down_proj 2048x8192 at 256 tokens: bf16 18.0 vs 12.5 ms, fp32 50.9 vs 43.4)
-TALL_ROW_TILE = 256
+# this many rows per dtype, each thread summing its tiles' products in fp32. Llama-3.2-1B head, 65 tokens, 2 threads,
+# against column tiles (64 columns): bf16 66 vs 128 ms (AVX512-BF16 EPYC), fp32 193 vs 276 ms (AVX2 class emulated on
+# it); scratch per thread 2 vs 16 MB in bf16, 2 vs 32 MB in fp32. With glibc mapping every block of 64 KiB or more
+# (MALLOC_MMAP_THRESHOLD_=65536, the memory benchmarks' setting) fewer, larger bf16 tiles win (the GEMM's own buffers:
+# 256 rows 0.17-0.21 s, 512 0.12-0.16, 1024 0.10-0.12) and fp32 keeps 256 (0.23 s; 512 0.25). Row tiles lost on square
+# and wide layers (down_proj 2048x8192 at 256 tokens: bf16 18.0 vs 12.5 ms, fp32 50.9 vs 43.4)
+TALL_ROW_TILE = {torch.bfloat16: 512, torch.float32: 256}
 # weights above this many elements: auto never times (nor picks) dequant, whose timing makes the dense weight (in
 # fp32, then the compute dtype: a 100 MB first-run spike at 8192x2048). It never won above 2048x2048 on either CPU class
 # (benchmarks/kernel_speed.py, Llama-3.2-1B shapes, 256 and 1024 tokens: 0.33-0.76x the fastest backend)
@@ -269,7 +271,7 @@ def _tiled_forward(x2d: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
 
 def _tiled_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
     if layer.out_features * COLUMN_TILE > TILE_ELEMENTS:  # a tall weight (an output head): tiles of rows
-        tile = balanced_tile(layer.out_features, TALL_ROW_TILE, layer.in_features)
+        tile = balanced_tile(layer.out_features, TALL_ROW_TILE[grad_out.dtype], layer.in_features)
         return cpu_kernels().tiled_linear_grad_input_rows(grad_out.contiguous(), *layer.tiled_operands(), tile)
     tile = balanced_tile(layer.in_features, COLUMN_TILE, layer.out_features)
     return cpu_kernels().tiled_linear_grad_input(grad_out.contiguous(), *layer.tiled_operands(), tile)

@@ -221,7 +221,8 @@ def _freeze_base(model: nn.Module, report: ConversionReport, backend: str, rerea
 # held-out perplexity 37.99 +- 0.04 against fp32 adapters' 37.96 +- 0.12 in bf16 compute; Llama-3.2-1B shape, batch
 # 1x256 (benchmarks/scale.py, AVX512-BF16 EPYC): peak 1,482 -> 1,460 MiB forward, 1,461 -> 1,439 backward (-2 bytes per
 # adapter weight and gradient). In fp32 compute (the AVX2 class) the adapters are cast to fp32 for their two small
-# matmuls (modules/int4_lora.py), so the only rounding is the weights' own, as in bf16 compute. fp16 compute keeps fp32.
+# matmuls (modules/int4_lora.py): 37.92 +- 0.11 against fp32 adapters' 37.93 +- 0.12, same runs, HF_LOWPREC_CPU_CLASS=avx2
+# (results/ondevice_quality_AVX2-emulated.json); 21.5 MiB of weights (and of gradients) less at 1B. fp16 compute: fp32.
 def resolve_adapter_dtype(adapter_dtype: torch.dtype | str | None, model: nn.Module) -> torch.dtype:
     """The adapters' dtype: ``auto`` → bf16 when ``model`` computes in bf16 or fp32, else fp32; or the dtype named."""
     if adapter_dtype is None or adapter_dtype == "auto":
