@@ -182,7 +182,7 @@ def _pack(model: nn.Module, fqn: str, weight, spec: FormatSpec, dtype: torch.dty
     module = model.get_submodule(fqn)
     if isinstance(module, nn.Embedding):
         packed = PackedEmbedding.from_weight(weight, spec, module.padding_idx, embedding_scale(module), dtype)
-        compact_steps(packed.table)
+        compact_steps(packed)
     else:
         packed = compact_steps(packed_class(spec).from_weight(weight, spec, dtype=dtype))
         packed.bias = module.bias

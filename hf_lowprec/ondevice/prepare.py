@@ -194,7 +194,7 @@ def _freeze_base(model: nn.Module, report: ConversionReport, backend: str, rerea
     freeze(model)
     for module in model.modules():
         if isinstance(module, (PackedLinear, PackedEmbedding)):
-            compact_steps(module.table if isinstance(module, PackedEmbedding) else module)
+            compact_steps(module)
     layers = eligible_layers(model)
     for row in report.layers:  # the report was made before freezing: name the modules that now run
         if row.name not in layers:
