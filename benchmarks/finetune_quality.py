@@ -4,15 +4,16 @@ SmolLM2-135M-Instruct, the same Shakespeare blocks in the same order for every r
 out for evaluation), side by side in one process:
 
 - ``bf16``: full fine-tuning, bf16 autocast with fp32 master weights (the baseline);
-- ``fp8``: the same with every linear but the output head in FP8 (E4M3/E5M2, tensorwise, emulated on a CPU): the
-  ``fp8-train`` recipe;
+- ``fp8``: the same with every linear but the output head in FP8 (E4M3/E5M2, tensorwise, emulated on a CPU; the
+  ``fp8-train`` recipe's plan until 2026-12-03);
 - ``fp8 (e4m3 grads)``: the same with the output gradients in E4M3 (one more mantissa bit, less range) instead of E5M2;
 - ``fp8 (exact weights)``: an analysis, not a format: ``fp8`` whose weights are not quantized (inputs and gradients
   are), to tell how much of the gap the 3-bit-mantissa weights make;
 - ``fp8 (gptq)``: the same as ``fp8``, its master weights first moved to the FP8 grid points GPTQ chooses on 16 training blocks
   (``round_fp8_weights``; a recipe's ``rounding: gptq``);
-- ``fp8 (scan)``: a scanned plan: the sensitivity scan over plain/rotated/MX FP8 candidates on 16 training blocks,
-  then the allocator's choice with >= 90% of the linears' parameters (``lm_head`` kept) in FP8;
+- ``fp8 (scan)``: the ``fp8-train`` recipe's plan, read from the recipe: the sensitivity scan over its candidates
+  (plain/rotated/MX FP8) on its calibration batches of the training blocks, then the allocator's choice under its
+  budget (>= 90% of the linears' parameters, ``lm_head`` kept, in FP8);
 - ``auto plan``: Fisher sensitivity scan on 4 training batches, then FP8/INT4 allocation with at most
   half the parameters in INT4 (``lm_head`` kept);
 - ``int4 LoRA``: the ``int4-ondevice-lora`` recipe's model: packed INT4 base (int4-g64-asym, GPTQ
@@ -48,13 +49,19 @@ from hf_lowprec import PrecisionPlan, apply_plan, revert
 from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
 from hf_lowprec.ondevice import evaluate_loss, prepare_int4_lora
 from hf_lowprec.ondevice.calibration.fp8 import round_fp8_weights
+from hf_lowprec.recipe import load_recipe
 from hf_lowprec.sensitivity import allocate, scan
 
 BATCH, BLOCK, SEED, EVAL_BLOCKS = 4, 256, 0, 16  # BATCH and SEED: the defaults of --batch and --seeds
 LR_FULL, LR_LORA = 2e-5, 2e-4
 RUNS = ("bf16", "fp8", "fp8 (e4m3 grads)", "fp8 (exact weights)", "fp8 (gptq)", "fp8 (scan)", "auto plan", "int4 LoRA")
-FP8_CANDIDATES = ("fp8", "fp8-rht", "fp8-mx", "fp8-mx-rht")  # the fp8-train recipe's scan formats
-CALIBRATION_BLOCKS = 16
+FP8_RECIPE = load_recipe("fp8-train")
+CALIBRATION_BLOCKS = 16  # the auto plan's
+
+
+def lm_batches(blocks: torch.Tensor, size: int, count: int) -> list[dict]:
+    """The first ``count`` batches of ``size`` token blocks ``[N, T]``, as causal-LM inputs with their labels."""
+    return [{"input_ids": b, "labels": b} for b in blocks[: size * count].split(size)]
 
 
 def prepare(name: str, model, train: torch.Tensor, seed: int) -> tuple[torch.nn.Module, list, float, dict]:
@@ -71,13 +78,14 @@ def prepare(name: str, model, train: torch.Tensor, seed: int) -> tuple[torch.nn.
         return model, list(model.parameters()), LR_FULL, notes
     if name in ("fp8 (scan)", "auto plan"):
         t = time.perf_counter()
-        calib = [{"input_ids": train[i : i + BATCH], "labels": train[i : i + BATCH]} for i in range(0, CALIBRATION_BLOCKS, BATCH)]
         with torch.autocast("cpu", torch.bfloat16):
             if name == "fp8 (scan)":
-                result = scan(model, calib, formats=FP8_CANDIDATES, method="auto", seed=seed)
-                plan = allocate(result, keep=("lm_head",), min_fp8_fraction=0.9)
+                p = FP8_RECIPE.precision
+                calib = lm_batches(train, FP8_RECIPE.training.per_device_train_batch_size, p.calibration_batches)
+                result = scan(model, calib, formats=p.formats, method=p.scan_method, seed=seed)
+                plan = allocate(result, keep=p.keep, **p.budget)
             else:
-                result = scan(model, calib, method="fisher", seed=seed)
+                result = scan(model, lm_batches(train, BATCH, CALIBRATION_BLOCKS // BATCH), method="fisher", seed=seed)
                 plan = allocate(result, keep=("lm_head",), int4_fraction=0.5)
         report = apply_plan(model, plan)
         params = list(model.parameters())  # learned INT4 steps included

@@ -11,8 +11,9 @@ runs them. Sections (``quality``, ``smoothing`` and ``cost`` can run alone):
   others are deterministic.
 - ``fp8_error``: tensorwise FP8 with the weights, or the activations, left exact: which operand costs the perplexity.
 - ``fp8_by_projection``: one projection type in FP8 at a time.
-- ``scan``: the sensitivity scan over plain and rotated candidates, then the allocator: FP8 on >= 90% of the
-  convertible parameters (the rest kept), and INT4 on all of them.
+- ``scan``: the sensitivity scan over plain and rotated candidates, then the allocator: the ``fp8-train`` recipe's
+  plan (its candidates and budget: FP8 on >= 90% of the convertible parameters, the rest kept), and INT4 on all of
+  them.
 - ``smoothing``: ``SMOOTHED_FORMATS`` smoothed (``-sq``, calibrated on the first training batch; ``formats`` has them
   plain), and the scan choosing per layer between W4A8 plain and smoothed.
 - ``cost``: forward+backward time of one layer per format on SmolLM2-135M's shapes, against the bf16 layer and the
@@ -42,6 +43,7 @@ from hf_lowprec.modules import FP8Linear, Int4Linear
 from hf_lowprec.modules.kernels.autotune import time_calls
 from hf_lowprec.ondevice import evaluate_loss
 from hf_lowprec.ondevice.calibration.fp8 import round_fp8_weights
+from hf_lowprec.recipe import load_recipe
 from hf_lowprec.sensitivity import allocate, scan
 from hf_lowprec.smoothing import calibrate_smoothed_layers
 
@@ -167,7 +169,8 @@ def quality(parts: tuple[str, ...] = ("conversions", "smoothing")) -> dict:
     for proj in PROJECTIONS:
         record(out["fp8_by_projection"], proj, [perplexity(PrecisionPlan({f"*.{proj}": "fp8"}))])
 
-    for family, candidates, share in (("fp8", ("fp8", "fp8-rht", "fp8-mx", "fp8-mx-rht"), 0.9),
+    fp8 = load_recipe("fp8-train").precision  # the recipe's candidates and budget
+    for family, candidates, share in (("fp8", fp8.formats, fp8.budget["min_fp8_fraction"]),
                                       ("int4", ("int4-g64-asym", "int4-g64-asym-rht"), 1.0)):  # fmt: skip
         plan = scan_plan(out["scan"], family, candidates, share)
         if family == "fp8":

@@ -257,10 +257,12 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     set_seed(t.seed)  # the adapters' random init (LoRA A) comes before the Trainer seeds anything
     model, callbacks, method_info = _prepare_method(model, recipe, lm, t, resume_from)
     stopper = StopOnInterrupt()
-    rounds = not lora and recipe.precision.rounding != "nearest" and not resume_from
-    rounding = recipe.precision.rounding
-    rounding_step = ui.step(f"rounding the FP8 weights by {rounding}") if rounds else contextlib.nullcontext()
-    with rounding_step:  # the callback converts the model (and rounds its FP8 weights) as the Trainer is built
+    p, conversion = recipe.precision, []
+    if not lora and not resume_from:  # a resumed run reads its plan and rounded weights from the checkpoint
+        conversion += [f"scanning {p.calibration_batches} batches for the plan"] if p.is_auto else []
+        conversion += [f"rounding the FP8 weights by {p.rounding}"] if p.rounding != "nearest" else []
+    conversion_step = ui.step(", then ".join(conversion)) if conversion else contextlib.nullcontext()
+    with conversion_step:  # the callback scans, converts the model and rounds its FP8 weights as the Trainer is built
         trainer = _trainer(
             recipe,
             model=model,

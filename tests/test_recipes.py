@@ -5,6 +5,7 @@ import yaml
 from conftest import tiny_llama
 
 from hf_lowprec import apply_plan
+from hf_lowprec.formats import FormatSpec
 from hf_lowprec.recipe import Recipe, list_recipes, load_recipe
 
 REQUIRED = {"fp8-train", "auto-mixed", "int4-ondevice-lora", "qat-int4"}
@@ -16,7 +17,9 @@ def test_builtin_recipes_load_and_round_trip():
     for r in recipes.values():
         assert r.description and r.summary and len(r.summary) < len(r.description)
         assert Recipe.from_dict(yaml.safe_load(r.to_yaml()), "again") == r
-    assert recipes["fp8-train"].method == "full" and recipes["fp8-train"].precision.plan == "fp8"
+    fp8 = recipes["fp8-train"]
+    assert fp8.method == "full" and fp8.precision.is_auto and fp8.precision.budget == {"min_fp8_fraction": 0.9}
+    assert {FormatSpec.parse(f).family for f in fp8.precision.formats} == {"fp8"}
     assert recipes["auto-mixed"].precision.is_auto and recipes["auto-mixed"].precision.budget
     assert recipes["int4-ondevice-lora"].method == "int4-lora"
     assert recipes["qat-int4"].export.weights == "int4-packed"
