@@ -50,7 +50,7 @@ def verdict_within(gap: float, std: float, target: float) -> str:
     return "holds partly" if gap <= 4 * target else "does not hold here"
 
 
-LONGER_RUN = "convergence_600steps"  # the same sweep run longer once: benchmarks/convergence.py --steps 600
+LONGER_RUN = "convergence_600steps"  # convergence.py --steps 600 --seeds 0 1 2 --only fp32 bf16 "fp8 (dynamic)" --out ...
 # the offline checkpoint's quantization block before it was dequantized (Q4_1): INT4 groups of this size line up with it
 CHECKPOINT_Q4_BLOCK = 32
 LONG_FINETUNE = "finetune_quality_200steps"  # finetune_quality.py --steps 200 --batch 1 --seeds 0 1 2 --only ...
@@ -94,8 +94,11 @@ def convergence_section(conv: dict | None, title: str = "Convergence from scratc
                   "numerics' run-to-run scatter (rounding changes the trajectory), not an effect of the format."]  # fmt: skip
     longer = load(LONGER_RUN) if toy else None
     if longer and longer["steps"] != conv["steps"]:
-        gaps = ", ".join(f"{n} {pct(r['eval_gap_vs_bf16'])}" for n, r in longer["results"].items() if n != "bf16")
-        lines += ["", f"The same sweep at {longer['steps']} steps (results/convergence_{longer['steps']}steps.json), eval gap vs bf16: {gaps}."]
+        gaps = ", ".join(f"{n} {pm_pct(r['eval_gap_vs_bf16'], r.get('eval_gap_vs_bf16_std'))}"
+                         for n, r in longer["results"].items() if n != "bf16")  # fmt: skip
+        seeds = _seeds_text(longer.get("seeds", [longer.get("seed", 0)]))
+        lines += ["", f"The same sweep at {longer['steps']} steps, {seeds} (results/convergence_{longer['steps']}steps.json), "
+                  f"eval gap vs bf16 paired by seed: {gaps}."]  # fmt: skip
     plot = "convergence.png" if toy else f"convergence_{conv['arch']}.png"
     lines += ["", f"![loss curves]({plot})", ""]
     return lines, res
