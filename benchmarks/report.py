@@ -239,7 +239,9 @@ def claims(conv_res: dict, layers: dict | None, memory: dict | None, ondevice: d
         verdict = max(verdicts, key=order.index)
         rows.append(("FP8 can replace BF16 as the training format", text, verdict,
                      "from scratch: all linears but the output head in FP8 E4M3/E5M2, tensorwise dynamic scales; "
-                     "fine-tuning: the fp8-train recipe; 'holds' needs every run within its target or its seeds' spread"))  # fmt: skip
+                     "fine-tuning: the fp8-train recipe, judged on what it exports (master weights; a model served with "
+                     "its FP8 plan is further off, as the figure says); 'holds' needs every run within its target or its "
+                     "seeds' spread"))  # fmt: skip
     else:
         rows.append(("FP8 can replace BF16 as the training format", "not measured", "—", ""))
     lossless = [(n, r["eval_gap_vs_bf16"], r.get("eval_gap_vs_bf16_std", 0.0)) for n, r in conv_res.items() if n.startswith("int4")]
