@@ -14,8 +14,8 @@ out for evaluation), side by side in one process:
 - ``fp8 (scan)``: the ``fp8-train`` recipe's plan, read from the recipe: the sensitivity scan over its candidates
   (plain/rotated/MX FP8) on its calibration batches of the training blocks, then the allocator's choice under its
   budget (>= 90% of the linears' parameters, ``lm_head`` kept, in FP8);
-- ``auto plan``: Fisher sensitivity scan on 4 training batches, then FP8/INT4 allocation with at most
-  half the parameters in INT4 (``lm_head`` kept);
+- ``auto plan``: the ``auto-mixed`` recipe's plan, read from the recipe as for ``fp8 (scan)``: FP8/INT4 per layer
+  within its predicted loss budget (until 2026-12-03: a Fisher scan and INT4 on half the parameters);
 - ``int4 LoRA``: the ``int4-ondevice-lora`` recipe's model: packed INT4 base (int4-g64-asym, GPTQ
   rounding) + LoRA r=16 on every linear; only the adapters train (10x the full fine-tuning learning rate,
   as usual for LoRA).
@@ -55,8 +55,7 @@ from hf_lowprec.sensitivity import allocate, scan
 BATCH, BLOCK, SEED, EVAL_BLOCKS = 4, 256, 0, 16  # BATCH and SEED: the defaults of --batch and --seeds
 LR_FULL, LR_LORA = 2e-5, 2e-4
 RUNS = ("bf16", "fp8", "fp8 (e4m3 grads)", "fp8 (exact weights)", "fp8 (gptq)", "fp8 (scan)", "auto plan", "int4 LoRA")
-FP8_RECIPE = load_recipe("fp8-train")
-CALIBRATION_BLOCKS = 16  # the auto plan's
+SCANNED = {"fp8 (scan)": load_recipe("fp8-train"), "auto plan": load_recipe("auto-mixed")}  # runs whose recipe scans
 
 
 def lm_batches(blocks: torch.Tensor, size: int, count: int) -> list[dict]:
@@ -76,17 +75,14 @@ def prepare(name: str, model, train: torch.Tensor, seed: int) -> tuple[torch.nn.
             with torch.autocast("cpu", torch.bfloat16):
                 notes["rounding"] = round_fp8_weights(model, train[: 4 * BATCH])
         return model, list(model.parameters()), LR_FULL, notes
-    if name in ("fp8 (scan)", "auto plan"):
+    if name in SCANNED:
         t = time.perf_counter()
+        recipe = SCANNED[name]
+        p = recipe.precision
+        calib = lm_batches(train, recipe.training.per_device_train_batch_size, p.calibration_batches)
         with torch.autocast("cpu", torch.bfloat16):
-            if name == "fp8 (scan)":
-                p = FP8_RECIPE.precision
-                calib = lm_batches(train, FP8_RECIPE.training.per_device_train_batch_size, p.calibration_batches)
-                result = scan(model, calib, formats=p.formats, method=p.scan_method, seed=seed)
-                plan = allocate(result, keep=p.keep, **p.budget)
-            else:
-                result = scan(model, lm_batches(train, BATCH, CALIBRATION_BLOCKS // BATCH), method="fisher", seed=seed)
-                plan = allocate(result, keep=("lm_head",), int4_fraction=0.5)
+            result = scan(model, calib, formats=p.formats, method=p.scan_method, seed=seed)
+        plan = allocate(result, keep=p.keep, **p.budget)
         report = apply_plan(model, plan)
         params = list(model.parameters())  # learned INT4 steps included
         return model, params, LR_FULL, {"plan_fractions": report.fractions(), "scan_seconds": time.perf_counter() - t}
