@@ -287,17 +287,20 @@ def scan_cmd(
     lm_model, calib, held_out = _scan_batches(
         model, gguf_file, data, (batches, batch_size, block_size), text_column, loading
     )
+    format_names = [f.strip() for f in formats.split(",") if f.strip()]
+    kept = [k.strip() for k in keep.split(",") if k.strip()]
+    sensitivity.check_budget(lm_model, format_names, budget_args or None, keep=kept)  # before minutes of scanning
     with ui.counted(f"scanning ({method}, {len(calib)} batches)", total=1, unit="steps") as advance:
         result = sensitivity.scan(
             lm_model,
             calib,
-            formats=[f.strip() for f in formats.split(",") if f.strip()],
+            formats=format_names,
             method=method,
             seed=seed,
             progress=lambda done, total, _: advance.set(done, total),
         )
     with ui.step("allocating formats under the budget"):
-        plan = sensitivity.allocate(result, keep=[k.strip() for k in keep.split(",") if k.strip()], **budget_args)
+        plan = sensitivity.allocate(result, keep=kept, **budget_args)
     with ui.step(f"measuring the plan on {len(held_out)} held-out batches"):
         measured = sensitivity.measure_plan(lm_model, plan, held_out)
     plan.save(out)

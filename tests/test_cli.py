@@ -259,6 +259,19 @@ def test_scan_writes_a_plan_that_fits_the_model(ws):
     PrecisionPlan.load(out).validate(AutoModelForCausalLM.from_pretrained(ws / "tiny"))
     assert out.with_suffix(".png").stat().st_size > 1000 and "measured Δloss" in result.output
     assert one_error_line(cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--budget", "bits=4", "--out", out))
+    # a budget no plan can meet fails before the scan (the fp32 head kept: 32 bits for its share of the parameters)
+    unmeetable = one_error_line(cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--budget", "target_bits_per_param=4", "--out", out))
+    assert "target_bits_per_param=4 cannot be met: the fewest bits per parameter reachable" in unmeetable
+    assert "scanning" not in unmeetable
+
+
+def test_every_builtin_full_recipe_trains_the_tiny_model(ws):
+    """The scanned recipes' budgets can be met on a model with fp32 master weights and its head kept."""
+    for recipe in ("auto-mixed", "fp8-train", "qat-int4"):
+        out = ws / f"run-{recipe}"
+        result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", "--recipe", recipe, "--max-steps", "2", *FAST, "-o", out)
+        assert result.exit_code == 0, result.output
+        assert (out / PLAN_FILE).exists() and "Fine-tuning summary" in result.output
 
 
 def test_bad_inputs_fail_with_one_line(ws, tmp_path):

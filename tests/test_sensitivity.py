@@ -14,8 +14,18 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_lowprec.convert import apply_plan
+from hf_lowprec.modules import LOW_PRECISION_TYPES
 from hf_lowprec.plan import PrecisionPlan
-from hf_lowprec.sensitivity import Budget, LayerScore, ScanResult, allocate, measure_plan, predict_plan, scan
+from hf_lowprec.sensitivity import (
+    Budget,
+    LayerScore,
+    ScanResult,
+    allocate,
+    check_budget,
+    measure_plan,
+    predict_plan,
+    scan,
+)
 
 SENSITIVE = "model.layers.0.mlp.down_proj"
 INT4 = "int4-g64"
@@ -228,6 +238,23 @@ def test_unmeetable_budget_names_the_best_reachable_value(measured):
     allocate(measured, target_bits_per_param=12, keep=["lm_head", "*norm*"])  # the issue's example: norms are never scanned
     with pytest.raises(ValueError, match="was not scanned"):
         allocate(measured, target_bits_per_param=8, force={"lm_head": "nf4-g64"})
+
+
+def test_check_budget_raises_before_a_scan_what_allocate_raises_after_it(sensitive_model, measured):
+    """The fp32 tiny Llama keeps lm_head at 32 bits: a bits budget below what that allows fails before any scan,
+    with allocate's message (the fewest bits reachable is the same: scores do not change a plan's size)."""
+    formats = list(measured.formats)
+    with pytest.raises(ValueError) as after_scan:
+        allocate(measured, target_bits_per_param=6.0, keep=["lm_head"])
+    with pytest.raises(ValueError) as before_scan:
+        check_budget(sensitive_model, formats, {"target_bits_per_param": 6.0}, keep=["lm_head"])
+    assert "target_bits_per_param=6 cannot be met" in str(before_scan.value) and str(before_scan.value) == str(after_scan.value)
+    with pytest.raises(ValueError, match=r"target_bits_per_param=2 cannot be met: the fewest bits .* is 4\.25"):
+        check_budget(sensitive_model, formats, Budget(target_bits_per_param=2.0))
+    check_budget(sensitive_model, formats, {"target_bits_per_param": 6.0})  # reachable with the head converted
+    check_budget(sensitive_model, formats, {"max_loss_increase": 1e-9}, keep=["lm_head"])  # a loss budget: keep all
+    check_budget(sensitive_model, formats, None)
+    assert all(not isinstance(m, tuple(LOW_PRECISION_TYPES)) for m in sensitive_model.modules())  # left as it was
 
 
 def test_bad_inputs_give_clear_errors():

@@ -24,13 +24,13 @@ new ``nn.Linear`` objects behind.) Measured Δloss includes the first-order effe
 data's gradient; the Fisher estimate keeps that term for the same reason.
 
 :func:`allocate` turns a :class:`ScanResult` and a :class:`Budget` into an explicit
-:class:`~hf_lowprec.plan.PrecisionPlan` by solving a multiple-choice knapsack; :func:`measure_plan`
-measures a whole plan's Δloss on held-out batches.
+:class:`~hf_lowprec.plan.PrecisionPlan` by solving a multiple-choice knapsack (:func:`check_budget` tells before a
+scan whether its budget can be met at all); :func:`measure_plan` measures a whole plan's Δloss on held-out batches.
 
 Layers that share one weight (tied input/output embeddings) are scored and allocated as one unit.
 """
 
-from hf_lowprec.sensitivity.allocate import Budget, allocate, predict_plan
+from hf_lowprec.sensitivity.allocate import Budget, allocate, check_budget, predict_plan
 from hf_lowprec.sensitivity.results import KEEP, LayerScore, ScanResult
 from hf_lowprec.sensitivity.scan import DEFAULT_FORMATS, METHODS, measure_plan, scan
 
@@ -42,6 +42,7 @@ __all__ = [
     "METHODS",
     "ScanResult",
     "allocate",
+    "check_budget",
     "measure_plan",
     "predict_plan",
     "scan",

@@ -1,5 +1,6 @@
 """Budgeted allocation: :func:`allocate` turns a :class:`ScanResult` and a :class:`Budget` into an explicit
-:class:`~hf_lowprec.plan.PrecisionPlan` (a multiple-choice knapsack, ILP or greedy); :func:`predict_plan`.
+:class:`~hf_lowprec.plan.PrecisionPlan` (a multiple-choice knapsack, ILP or greedy); :func:`predict_plan`;
+:func:`check_budget` before a scan.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.plan import PrecisionPlan, resolve_plan
 from hf_lowprec.sensitivity.results import KEEP, ScanResult
+from hf_lowprec.sensitivity.units import _units, unscored
 
 logger = logging.getLogger(__name__)
 
@@ -355,6 +357,25 @@ def allocate(
     if failed:
         raise _unmeetable(p, budget, failed)
     return _record(result, p, x, budget, keep, force, "ilp" if use_ilp else "greedy")
+
+
+def check_budget(
+    model: nn.Module, formats: Sequence[str], budget: Budget | Mapping | None, *, keep: Sequence[str] = ()
+) -> None:
+    """Raise the ``ValueError`` :func:`allocate` would raise after a scan of ``model`` over ``formats`` when no choice
+    of formats meets the budget's size and share limits (bits per parameter, FP8 and INT4 fractions): before the
+    minutes a scan takes. A loss budget is always met (by keeping every layer); ``None`` is one."""
+    if budget is None:
+        return
+    scores = []
+    for unit in _units(model, [FormatSpec.parse(f) for f in formats]):
+        scores.append(unscored(unit))
+        scores[-1].predicted = dict.fromkeys(unit.formats, 0.0)  # every choice costs nothing: only the limits bind
+    result = ScanResult(scores, tuple(formats), "none")
+    if isinstance(budget, Mapping):
+        allocate(result, keep=keep, **budget)
+    else:
+        allocate(result, budget, keep=keep)
 
 
 def _budget_of(result: ScanResult, budget: Budget | None, budget_kwargs: dict) -> Budget:

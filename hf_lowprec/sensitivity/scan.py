@@ -19,8 +19,8 @@ from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.plan import PrecisionPlan, resolve_plan
 from hf_lowprec.sensitivity.batches import _check_batches, _chunked_loss, _forward, _label_count, _merge
 from hf_lowprec.sensitivity.replay import Progress, _BlockReplay
-from hf_lowprec.sensitivity.results import KEEP, LayerScore, ScanResult
-from hf_lowprec.sensitivity.units import _dense_shape, _layer_bytes, _select, _twins, _Unit, _units
+from hf_lowprec.sensitivity.results import KEEP, ScanResult
+from hf_lowprec.sensitivity.units import _select, _twins, _Unit, _units, unscored
 
 METHODS = ("auto", "measured", "fisher")
 DEFAULT_FORMATS = ("fp8", "int4-g64")
@@ -107,7 +107,7 @@ def scan(
     if layers is not None:
         units = _select(units, [layers] if isinstance(layers, str) else layers)
     batches = _merge(_check_batches(batches), max_batch_tokens)
-    scores = [_empty_score(u) for u in units]
+    scores = [unscored(u) for u in units]
     model_id = getattr(getattr(model, "config", None), "name_or_path", None) or None
     tokens = _labelled_tokens(model, batches)
     result = ScanResult(scores, tuple(names), method, tokens=tokens, seed=seed, model=model_id)
@@ -124,15 +124,6 @@ def _labelled_tokens(model: nn.Module, batches: list[Mapping]) -> int:
             "length 1)"
         )
     return tokens
-
-
-def _empty_score(unit) -> LayerScore:
-    """A layer's score row before any pass: its name, tied members, type, parameters and bytes."""
-    first = unit.members[0][1]
-    tied = tuple(n for n, _ in unit.members[1:])
-    rows, columns, _ = _dense_shape(first)
-    kind = "Linear" if isinstance(first, PackedLinear) else type(first).__name__
-    return LayerScore(unit.name, tied, kind, rows * columns, _layer_bytes(unit))
 
 
 def _checked_formats(formats, method: str, max_batch_tokens: int, measure_top_fraction: float) -> list[FormatSpec]:

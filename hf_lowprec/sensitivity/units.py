@@ -18,7 +18,7 @@ from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, PackedEmbeddin
 from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.modules.packed_embedding import embedding_scale
 from hf_lowprec.rotation import MIN_ROTATION_BLOCK, rotation_block
-from hf_lowprec.sensitivity.results import KEEP
+from hf_lowprec.sensitivity.results import KEEP, LayerScore
 
 logger = logging.getLogger(__name__)
 
@@ -108,3 +108,12 @@ def _layer_bytes(unit: _Unit) -> dict[str, float]:
     for f in unit.formats:
         out[f] = float(rows * columns * FormatSpec.parse(f).bytes_per_param(columns))
     return out
+
+
+def unscored(unit: _Unit) -> LayerScore:
+    """A unit's score row before any pass: its name, tied members, type, parameters and bytes."""
+    first = unit.members[0][1]
+    tied = tuple(n for n, _ in unit.members[1:])
+    rows, columns, _ = _dense_shape(first)
+    kind = "Linear" if isinstance(first, PackedLinear) else type(first).__name__
+    return LayerScore(unit.name, tied, kind, rows * columns, _layer_bytes(unit))

@@ -77,6 +77,7 @@ def scan_plan(model: nn.Module, batches: Iterable[Mapping], options) -> tuple[Pr
     ``sensitivity.Budget``, a dict of its fields, or None), ``keep`` and ``seed``. Random streams are left
     as they were; under several processes every rank gets rank 0's plan.
     """
+    sensitivity.check_budget(model, options.formats, options.budget, keep=options.keep)  # not after minutes of scan
     start = time.perf_counter()
     was_training = model.training
     with _preserved_rng():
