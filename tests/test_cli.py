@@ -1,8 +1,8 @@
 """The hf-lowprec command line, end to end on a tiny local model and a local text file."""
 
 import json
-import re
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from hf_lowprec.data import prepare_lm_data, read_source
 from hf_lowprec.export import CARD_FILE, RUN_FILE, load_exported
+from hf_lowprec.export.folder import LEARNED_STATE_FILE
 from hf_lowprec.metrics import causal_lm_loss
 from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear
 from hf_lowprec.modules.kernels.cpp import cpu_kernels
@@ -263,6 +264,24 @@ def test_scan_writes_a_plan_that_fits_the_model(ws):
     unmeetable = one_error_line(cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--budget", "target_bits_per_param=4", "--out", out))
     assert "target_bits_per_param=4 cannot be met: the fewest bits per parameter reachable" in unmeetable
     assert "scanning" not in unmeetable
+
+
+def test_a_master_export_keeps_what_int4_layers_learned(ws, tmp_path):
+    """Full training with INT4 layers (learned steps), exported as master weights: the plan re-applied on load computes
+    as the trained model did (the steps come back from the export, not fresh from the weights)."""
+    recipe = tmp_path / "int4-master.yaml"
+    recipe.write_text("method: full\nprecision: {plan: int4-g64, keep: [lm_head]}\nexport: {weights: master}\n")
+    out = ws / "run-int4-master"
+    result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", "--recipe", recipe, "--max-steps", "8", "--lr", "3e-3", *FAST, "-o", out)
+    assert result.exit_code == 0, result.output
+    assert (out / LEARNED_STATE_FILE).exists()
+    model, tok = load_exported(out, apply_plan_numerics=True)
+    loss = causal_lm_loss(model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
+    assert loss == pytest.approx(json.loads((out / RUN_FILE).read_text())["training"]["loss_final"], abs=1e-6)
+    (out / LEARNED_STATE_FILE).unlink()  # without it the steps start again from the weights: another model
+    model, _ = load_exported(out, apply_plan_numerics=True)
+    fresh = causal_lm_loss(model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
+    assert abs(fresh - loss) > 1e-4
 
 
 def test_every_builtin_full_recipe_trains_the_tiny_model(ws):

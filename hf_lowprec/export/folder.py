@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import shutil
 from collections.abc import Mapping
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import snapshot_download
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hf_lowprec.checkpoints import load_pretrained
@@ -20,11 +22,14 @@ from hf_lowprec.export.compressed_tensors import write_compressed_tensors
 from hf_lowprec.export.hf_quantizer import quantization_config_dict
 from hf_lowprec.export.records import CARD_FILE, RUN_ONLY, plan_record, read_run, write_record
 from hf_lowprec.folders import atomic_output_dir
-from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear
+from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, PackedInt4Linear, PackedInt8Linear
 from hf_lowprec.ondevice import ADAPTER_DIR, MERGE_DTYPES, MERGE_FILE, export_int4_lora, load_int4_model
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 
+logger = logging.getLogger(__name__)
+
 EXPORT_WEIGHTS = ("master", "int4-packed")
+LEARNED_STATE_FILE = "hf_lowprec_learned_state.safetensors"  # a master export's INT4 steps and smoothing scales
 EXPORT_FORMATS = ("native", "compressed-tensors")  # export_run: the run's own files, or compressed-tensors
 
 
@@ -43,7 +48,8 @@ def export_model(
 ) -> Path:
     """Write ``model`` (its plan applied) as a publishable folder at ``out``, atomically; returns ``out``.
 
-    ``weights``: ``master`` (plain high-precision weights; FP8/INT4 layers reverted on a copy) or
+    ``weights``: ``master`` (plain high-precision weights; FP8/INT4 layers reverted on a copy, what they learned
+    besides their weights, INT4 steps and smoothing scales, in ``LEARNED_STATE_FILE``) or
     ``int4-packed`` (INT4 layers frozen to packed codes on a copy, other layers as master weights;
     ``config.json`` gets ``quant_method: hf_lowprec`` so ``from_pretrained`` rebuilds them after
     ``import hf_lowprec``). A PEFT model from ``finetune.prepare_int4_lora`` is saved by
@@ -66,8 +72,11 @@ def export_model(
         raise ValueError("merge applies to LoRA adapters; this model has none")
     with atomic_output_dir(out, overwrite) as tmp:
         copy_ = copy.deepcopy(model)
+        learned = _learned_state(copy_) if weights == "master" else {}
         run["export"] = _export_weights(copy_, weights)
         copy_.save_pretrained(tmp)
+        if learned:
+            save_file(learned, tmp / LEARNED_STATE_FILE)
         if weights == "int4-packed":
             _mark_packed(copy_.config, plan, tmp)
         del copy_
@@ -76,6 +85,19 @@ def export_model(
         (tmp / PLAN_FILE).write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
         write_record(tmp, run, repo_id, extra_files)
     return Path(out)
+
+
+def _learned_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What the low-precision layers learned or calibrated besides their weights (INT4 steps, smoothing scales),
+    ``{state-dict key: tensor}``: a master export keeps it next to the weights, so the plan re-applied on load
+    (``load_exported(apply_plan_numerics=True)``) computes as the trained model did rather than from fresh steps."""
+    state = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LOW_PRECISION_TYPES) and not isinstance(module, FROZEN_TYPES):
+            prefix = f"{name}." if name else ""
+            learned = {k: v for k, v in module.state_dict().items() if k not in ("weight", "bias")}
+            state.update({prefix + k: v.detach().clone().contiguous() for k, v in learned.items()})
+    return state
 
 
 def _export_weights(model: nn.Module, weights: str) -> dict:
@@ -258,10 +280,11 @@ def load_exported(
     """``(model, tokenizer)`` of an exported folder or Hub repo.
 
     ``master`` exports load as plain ``transformers`` models (fp32 unless ``dtype``); with
-    ``apply_plan_numerics`` the plan is re-applied so the model computes with its training-time FP8/INT4
-    numerics. ``int4-packed`` exports load through ``finetune.load_int4_model`` (transformers with the
-    ``hf_lowprec`` quantizer; a PEFT model when the folder holds adapters), their packed layers computing
-    with ``backend`` (``auto``: int8 kernels where the CPU has them; ``dequant``: exactly the codes' values).
+    ``apply_plan_numerics`` the plan is re-applied, with the layers' learned INT4 steps and smoothing scales, so the
+    model computes with its training-time FP8/INT4 numerics. ``int4-packed`` exports load through
+    ``finetune.load_int4_model`` (transformers with the ``hf_lowprec`` quantizer; a PEFT model when the folder holds
+    adapters), their packed layers computing with ``backend`` (``auto``: int8 kernels where the CPU has them;
+    ``dequant``: exactly the codes' values).
     """
     folder = Path(path_or_repo)
     if not folder.is_dir():
@@ -277,4 +300,10 @@ def load_exported(
     model, tokenizer = load_pretrained(folder, dtype=dtype or torch.float32)
     if apply_plan_numerics:
         apply_plan(model, PrecisionPlan.load(folder / PLAN_FILE))
+        if (folder / LEARNED_STATE_FILE).is_file():  # the trained layers' INT4 steps, smoothing scales
+            learned, own = load_file(folder / LEARNED_STATE_FILE), model.state_dict()
+            model.load_state_dict({k: v for k, v in learned.items() if k in own}, strict=False)
+            left = sorted(set(learned) - set(own))
+            if left:  # e.g. training telemetry, or a delayed scaling's amax history the re-applied layers do not keep
+                logger.info("%s: left out %d entries the layers lack (%s, ...)", LEARNED_STATE_FILE, len(left), left[0])
     return model, tokenizer
