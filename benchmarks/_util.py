@@ -14,6 +14,11 @@ from hf_lowprec.modules.kernels.cpu import cpu_info
 RESULTS = Path(__file__).parent / "results"
 
 
+def lm_batches(blocks: torch.Tensor, size: int, count: int) -> list[dict]:
+    """The first ``count`` batches of ``size`` token blocks ``[N, T]``, as causal-LM inputs with their labels."""
+    return [{"input_ids": b, "labels": b} for b in blocks[: size * count].split(size)]
+
+
 def saved_tensor_bytes(fn) -> int:
     """Bytes of the distinct tensor storages autograd saves for backward while ``fn()`` runs forward."""
     seen: dict[int, int] = {}

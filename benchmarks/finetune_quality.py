@@ -41,7 +41,7 @@ from contextlib import nullcontext
 
 import torch
 from _train_step import train_step
-from _util import RESULTS, machine, mean_std, write_json
+from _util import RESULTS, lm_batches, machine, mean_std, write_json
 from ondevice import _data
 from outliers import exact_operand
 
@@ -56,11 +56,6 @@ BATCH, BLOCK, SEED, EVAL_BLOCKS = 4, 256, 0, 16  # BATCH and SEED: the defaults 
 LR_FULL, LR_LORA = 2e-5, 2e-4
 RUNS = ("bf16", "fp8", "fp8 (e4m3 grads)", "fp8 (exact weights)", "fp8 (gptq)", "fp8 (scan)", "auto plan", "int4 LoRA")
 SCANNED = {"fp8 (scan)": load_recipe("fp8-train"), "auto plan": load_recipe("auto-mixed")}  # runs whose recipe scans
-
-
-def lm_batches(blocks: torch.Tensor, size: int, count: int) -> list[dict]:
-    """The first ``count`` batches of ``size`` token blocks ``[N, T]``, as causal-LM inputs with their labels."""
-    return [{"input_ids": b, "labels": b} for b in blocks[: size * count].split(size)]
 
 
 def prepare(name: str, model, train: torch.Tensor, seed: int) -> tuple[torch.nn.Module, list, float, dict]:

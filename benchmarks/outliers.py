@@ -32,7 +32,7 @@ import time
 from contextlib import contextmanager
 
 import torch
-from _util import RESULTS, machine, write_json
+from _util import RESULTS, lm_batches, machine, write_json
 from ondevice import _data
 
 import hf_lowprec.modules.fp8 as fp8_module
@@ -121,7 +121,7 @@ def quality(parts: tuple[str, ...] = ("conversions", "smoothing")) -> dict:
         std = f" ± {section[label]['ratio_std']:.4f}" if len(ratios) > 1 else ""
         print(f"{label:<28} {section[label]['ratio_mean']:.4f}x{std}", flush=True)
 
-    calibration = [{"input_ids": train[i : i + BATCH], "labels": train[i : i + BATCH]} for i in range(0, len(train), BATCH)]
+    calibration = lm_batches(train, BATCH, CALIBRATION_BATCHES)
 
     def scan_plan(section: dict, family: str, candidates: tuple[str, ...], share: float):
         """The scan over ``candidates`` and the allocator's plan with ``share`` of the convertible parameters in them,

@@ -96,6 +96,7 @@ def _learned_state(model: nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(module, LOW_PRECISION_TYPES) and not isinstance(module, FROZEN_TYPES):
             prefix = f"{name}." if name else ""
             learned = {k: v for k, v in module.state_dict().items() if k not in ("weight", "bias")}
+            # cloned: a tied head and embedding share one quantizer, and safetensors refuses shared storage
             state.update({prefix + k: v.detach().clone().contiguous() for k, v in learned.items()})
     return state
 

@@ -809,10 +809,10 @@ class PackedInt8Linear(PackedLinear):
 
 def compact_steps(layer: nn.Module) -> nn.Module:
     """``layer`` (a packed linear, or a packed embedding: its table), an INT4 one with its group steps and zero points
-    kept in ``BASE_STEP_DTYPE`` (as a frozen base keeps them): the kernels read them as fp32 per call, zero points are integers (exact), and a step rounds by at most
-    2^-8 of itself, so a weight moves by at most ``|code - zero| x 2^-8`` of its group's step (under 6%; rounding to
-    the grid moved it by up to 50%). int8 rows keep theirs: one step per row saves nothing, and codes up to 127 would
-    move by half a step."""
+    kept in ``BASE_STEP_DTYPE`` (as a frozen base keeps them): the kernels read them as fp32 per call, zero points are
+    integers (exact), and a step rounds by at most 2^-8 of itself, so a weight moves by at most ``|code - zero| x
+    2^-8`` of its group's step (under 6%; rounding to the grid moved it by up to 50%). int8 rows keep theirs: one step
+    per row saves nothing, and codes up to 127 would move by half a step."""
     table = getattr(layer, "table", layer)  # packed embeddings (modules/packed_embedding.py) read a packed table
     if isinstance(table, PackedInt4Linear):
         table.store_steps_in(BASE_STEP_DTYPE)

@@ -317,7 +317,7 @@ def predict_plan(result: ScanResult, plan: "PrecisionPlan | Mapping") -> dict:
 
 def allocate(
     result: ScanResult,
-    budget: Budget | None = None,
+    budget: Budget | Mapping[str, float] | None = None,
     *,
     keep: Sequence[str] = (),
     force: Mapping[str, str] | None = None,
@@ -329,8 +329,8 @@ def allocate(
     Args:
         result: a :class:`ScanResult`; each choice costs its measured Δloss if measured, else its
             prediction (negative values count as 0).
-        budget: a :class:`Budget`, or its fields as keyword arguments. Neither: Δloss ≤ 1% of the
-            calibration loss.
+        budget: a :class:`Budget`, or its fields as a mapping (a recipe's ``budget:``) or as keyword arguments.
+            None of them: Δloss ≤ 1% of the calibration loss.
         keep: names or globs of layers to leave as they are (a tied twin follows its unit); an
             exact name that is no scanned layer raises, a glob that matches none is logged.
         force: ``{name or glob: format}`` fixing a layer's format (a scanned format or ``bf16``).
@@ -360,7 +360,7 @@ def allocate(
 
 
 def check_budget(
-    model: nn.Module, formats: Sequence[str], budget: Budget | Mapping | None, *, keep: Sequence[str] = ()
+    model: nn.Module, formats: Sequence[str], budget: Budget | Mapping[str, float] | None, *, keep: Sequence[str] = ()
 ) -> None:
     """Raise the ``ValueError`` :func:`allocate` would raise after a scan of ``model`` over ``formats`` when no choice
     of formats meets the budget's size and share limits (bits per parameter, FP8 and INT4 fractions): before the
@@ -371,17 +371,16 @@ def check_budget(
     for unit in _units(model, [FormatSpec.parse(f) for f in formats]):
         scores.append(unscored(unit))
         scores[-1].predicted = dict.fromkeys(unit.formats, 0.0)  # every choice costs nothing: only the limits bind
-    result = ScanResult(scores, tuple(formats), "none")
-    if isinstance(budget, Mapping):
-        allocate(result, keep=keep, **budget)
-    else:
-        allocate(result, budget, keep=keep)
+    allocate(ScanResult(scores, tuple(formats), "none"), budget, keep=keep)
 
 
-def _budget_of(result: ScanResult, budget: Budget | None, budget_kwargs: dict) -> Budget:
-    """The :class:`Budget` of an :func:`allocate` call: given, from keywords, or Δloss ≤ 1% of the calibration loss."""
+def _budget_of(result: ScanResult, budget: Budget | Mapping | None, budget_kwargs: dict) -> Budget:
+    """The :class:`Budget` of an :func:`allocate` call: given, from a mapping or keywords, or Δloss ≤ 1% of the
+    calibration loss."""
     if budget is not None and budget_kwargs:
         raise ValueError("pass either a Budget or budget keyword arguments, not both")
+    if isinstance(budget, Mapping):  # {field: value}, checked as keywords are
+        budget, budget_kwargs = None, dict(budget)
     if budget is not None:
         return budget
     if budget_kwargs:

@@ -86,10 +86,7 @@ def scan_plan(model: nn.Module, batches: Iterable[Mapping], options) -> tuple[Pr
             raise ValueError("plan='auto' found no calibration batches to scan")
         result = sensitivity.scan(model, data, formats=options.formats, method=options.scan_method, seed=options.seed)
     model.train(was_training)
-    if isinstance(options.budget, Mapping):
-        plan = sensitivity.allocate(result, keep=options.keep, **options.budget)
-    else:
-        plan = sensitivity.allocate(result, budget=options.budget, keep=options.keep)
+    plan = sensitivity.allocate(result, options.budget, keep=options.keep)
     return _same_on_all_ranks(plan), time.perf_counter() - start
 
 
