@@ -71,7 +71,7 @@ def _data(tokenizer, n_train: int, n_eval: int):
 
 
 def _build(config: str, loftq: bool, rounding: str, gc: bool, budget_bits: float = 0.0, kept_format: str = "int8", backend: str = "auto",
-           rotate: bool = False, int4_format: str = "int4-g64-asym", adapter_dtype: str = "fp32"):  # fmt: skip
+           rotate: bool = False, int4_format: str = "int4-g64-asym", adapter_dtype: str = "fp32", learn_steps: bool = False):  # fmt: skip
     """``(model, tokenizer, loss_fn(batch) -> loss, notes)`` for one configuration."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -96,7 +96,7 @@ def _build(config: str, loftq: bool, rounding: str, gc: bool, budget_bits: float
         first_blocks = (lambda tok: _data(tok, CALIBRATION_BLOCKS, 0)[0]) if rounding != "nearest" or scanned else None  # the first training blocks
         # the product's path: packed while loading, the scan, calibration and LoftQ reading the dense weights back
         model, tok, report = load_int4_lora(folder, lora, "auto" if scanned else int4_format, gguf_file=gguf, loftq_init=loftq, rounding=rounding,
-                                            calibration=first_blocks, backend=backend, adapter_dtype=adapter_dtype,
+                                            calibration=first_blocks, backend=backend, adapter_dtype=adapter_dtype, learn_steps=learn_steps,
                                             **(auto if scanned else {}))  # fmt: skip
         storage = ActivationStorage(model, "int8") if config == "int4-lora" and not gc else None
 
@@ -154,11 +154,12 @@ def child(args) -> dict:
     from transformers import get_scheduler
 
     from hf_lowprec.ondevice import backend_counts, evaluate_loss
+    from hf_lowprec.ondevice.learned_steps import learned_steps
     from hf_lowprec.ondevice.train import OPTIMIZERS, adapter_optimizer
 
     t0 = time.perf_counter()
     model, tok, loss_fn, notes = _build(args.config, args.loftq, args.rounding, bool(args.gc), args.budget_bits, args.kept_format, args.backend,
-                                        args.rotate, args.int4_format, args.adapter_dtype)  # fmt: skip
+                                        args.rotate, args.int4_format, args.adapter_dtype, args.learn_steps)  # fmt: skip
     load_s = time.perf_counter() - t0
     rss_loaded = psutil.Process().memory_info().rss / 2**20
     steps = args.warmup + args.steps
@@ -172,7 +173,7 @@ def child(args) -> dict:
         _unpack_bnb_cpu_weights(model)
     params = [p for p in model.parameters() if p.requires_grad]
     # torch's and torchao's AdamW share their defaults (weight decay 0.01); the peers' optimizers as PEFT users make them
-    opt = adapter_optimizer(params, args.optim, lr=LR) if args.config.startswith("int4-lora") else OPTIMIZERS[args.optim](params, lr=LR)
+    opt = adapter_optimizer(params, args.optim, learned_steps(model), lr=LR) if args.config.startswith("int4-lora") else OPTIMIZERS[args.optim](params, lr=LR)
     sched = get_scheduler("linear", opt, num_warmup_steps=min(10, steps // 10), num_training_steps=steps)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(SEED))
     model.train()
@@ -205,7 +206,7 @@ def child(args) -> dict:
     return {
         "config": args.config, "gradient_checkpointing": bool(args.gc), "loftq": bool(args.loftq), "rounding": args.rounding,
         "budget_bits": args.budget_bits, "kept_format": args.kept_format, "backend": args.backend, "rotate": args.rotate, "optim": args.optim, "seed": SEED,
-        "int4_format": args.int4_format, "adapter_dtype": args.adapter_dtype,
+        "int4_format": args.int4_format, "adapter_dtype": args.adapter_dtype, "learn_steps": args.learn_steps,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_after_load_mb": rss_loaded,
         "load_s": load_s, "step_s_median": statistics.median(timed_wall), "step_cpu_s_median": statistics.median(timed_cpu),
         "step_s": timed_wall, "losses": losses, "eval_loss_before": eval_before, "eval_loss_after": eval_after,
@@ -219,8 +220,8 @@ def child(args) -> dict:
 # ------------------------------------------------------------------------------------ parent
 def run_child(config: str, gc: bool, steps: int, warmup: int, eval_blocks: int = 0, loftq: bool = False, merge_eval: bool = False,
               rounding: str = "nearest", budget_bits: float = 0.0, kept_format: str = "int8", backend: str = "auto", rotate: bool = False,
-              int4_format: str = "int4-g64-asym", optim: str = "adamw_torch", adapter_dtype: str = "fp32") -> dict:  # fmt: skip
-    flags = [f for f, on in (("--loftq", loftq), ("--merge-eval", merge_eval), ("--rotate", rotate)) if on]
+              int4_format: str = "int4-g64-asym", optim: str = "adamw_torch", adapter_dtype: str = "fp32", learn_steps: bool = False) -> dict:  # fmt: skip
+    flags = [f for f, on in (("--loftq", loftq), ("--merge-eval", merge_eval), ("--rotate", rotate), ("--learn-steps", learn_steps)) if on]
     flags += ["--rounding", rounding, "--budget-bits", str(budget_bits), "--kept-format", kept_format, "--backend", backend, "--seed", str(SEED),
               "--int4-format", int4_format, "--optim", optim, "--adapter-dtype", adapter_dtype]
     cmd = [sys.executable, __file__, "child", "--config", config, "--gc", str(int(gc)), "--steps", str(steps),
@@ -332,7 +333,7 @@ def _quality_key(r: dict) -> str:
     rounding = r.get("rounding") or ("gptq" if r.get("gptq_rounding") else "nearest")  # older runs stored a GPTQ flag
     return (r["config"] + (f" ({fmt})" if fmt else "") + ("+rht scanned" if r.get("rotate") else "") + keep
             + ("+8-bit adamw" if r.get("optim", "adamw_torch") != "adamw_torch" else "") + ("+bf16 adapters" if r.get("adapter_dtype", "fp32") == "bf16" else "") + (f"+{rounding}" if rounding != "nearest" else "")
-            + ("+loftq" if r["loftq"] else "") + backend + (f" [seed {r['seed']}]" if r.get("seed") else ""))  # fmt: skip
+            + ("+loftq" if r["loftq"] else "") + ("+learned steps" if r.get("learn_steps") else "") + backend + (f" [seed {r['seed']}]" if r.get("seed") else ""))  # fmt: skip
 
 
 def _bits(fmt: str) -> float:
@@ -362,7 +363,8 @@ def parse_variant(variant: str) -> dict:
     (the product's default scanned plan), ``rht`` (the scan also scores ``int4-g64-asym-rht`` and picks per layer),
     ``gNN`` / ``gNN-sym`` (the int4 format ``int4-gNN-asym`` / ``int4-gNN`` instead of int4-g64-asym), ``adam8`` (the
     adapters' AdamW with 8-bit states, ``finetune_int4_lora``'s default; else fp32 states like the other configurations),
-    ``bf16ad`` (bf16 adapter weights, their updates rounded stochastically; else fp32);
+    ``bf16ad`` (bf16 adapter weights, their updates rounded stochastically; else fp32), ``steps`` (the base learns its
+    steps and zero points, ``learn_steps=True``);
     e.g. ``keep20+awq+gptq+loftq``, ``g32+loftq``. No keep part: every Linear int4."""
     from hf_lowprec.ondevice import AUTO_BUDGET
 
@@ -370,9 +372,9 @@ def parse_variant(variant: str) -> dict:
     kept = [m for m in map(re.compile(r"keep(\d+)(?:-(int8))?").fullmatch, parts) if m]
     group = [m for m in map(re.compile(r"g(\d+)(-sym)?").fullmatch, parts) if m]
     int4 = f"int4-g{group[0][1]}{'' if group[0][2] else '-asym'}" if group else "int4-g64-asym"
-    unknown = [x for x in parts if x not in ("loftq", "gptq", "awq", "dequant", "auto", "rht", "adam8", "bf16ad") and not any(m.string == x for m in kept + group)]
+    unknown = [x for x in parts if x not in ("loftq", "gptq", "awq", "dequant", "auto", "rht", "adam8", "bf16ad", "steps") and not any(m.string == x for m in kept + group)]
     if unknown:
-        raise SystemExit(f"--int4-variants {variant!r}: unknown part(s) {unknown}; use loftq, gptq, awq, dequant, auto, rht, adam8, bf16ad, keepNN, keepNN-int8, gNN, gNN-sym joined by '+'")
+        raise SystemExit(f"--int4-variants {variant!r}: unknown part(s) {unknown}; use loftq, gptq, awq, dequant, auto, rht, adam8, bf16ad, steps, keepNN, keepNN-int8, gNN, gNN-sym joined by '+'")
     rounding = "+".join(x for x in ("awq", "gptq") if x in parts) or "nearest"
     kept_format, bits = "int8", AUTO_BUDGET["target_bits_per_param"] if "auto" in parts else 0.0
     if kept:
@@ -380,7 +382,8 @@ def parse_variant(variant: str) -> dict:
         bits = _bits(int4) + int(kept[0][1]) / 100 * (_bits(kept_format) - _bits(int4))
     return {"loftq": "loftq" in parts, "rounding": rounding, "budget_bits": bits, "kept_format": kept_format,
             "backend": "dequant" if "dequant" in parts else "auto", "rotate": "rht" in parts, "int4_format": int4,
-            "optim": "adamw_torch_8bit" if "adam8" in parts else "adamw_torch", "adapter_dtype": "bf16" if "bf16ad" in parts else "fp32"}
+            "optim": "adamw_torch_8bit" if "adam8" in parts else "adamw_torch", "adapter_dtype": "bf16" if "bf16ad" in parts else "fp32",
+            "learn_steps": "steps" in parts}
 
 
 def quality(args) -> None:
@@ -501,6 +504,7 @@ def main() -> None:
     p.add_argument("--optim", default="adamw_torch", choices=("adamw_torch", "adamw_torch_8bit"), help="child: the adapters' optimizer")
     p.add_argument("--adapter-dtype", default="fp32", choices=("fp32", "bf16"), help="child: int4-lora's adapter weights (bf16: stochastically rounded updates)")
     p.add_argument("--merge-eval", action="store_true", help="child: also evaluate the merged, re-quantized export")
+    p.add_argument("--learn-steps", action="store_true", help="child: the INT4 base learns its steps and zero points")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)

@@ -86,7 +86,8 @@ def _int4_format(layers: dict[str, PackedLinear]):
 def _on_plain_grid(layer: PackedInt4Linear) -> tuple[PackedInt4Linear, float | None]:
     """``layer``, or a copy re-quantized without input scales and with integer zero points; the relative weight
     error of that second rounding (``None`` when none was needed)."""
-    integral_zero = layer.zero is None or bool(torch.equal(layer.zero, layer.zero.round()))
+    zero = layer.effective_zero()  # learned steps' zero points (modules/packed.py) need not be integers
+    integral_zero = zero is None or bool(torch.equal(zero, zero.round()))
     if layer.inverse_input_scale() is None and integral_zero and layer.rotation_block is None:
         return layer, None
     spec = replace(layer.spec, rotate=False, smooth=False)
@@ -100,7 +101,7 @@ def _int4_tensors(layer: PackedInt4Linear, dtype: torch.dtype) -> dict[str, torc
     """compressed-tensors' tensors of one INT4 layer (see the module docstring)."""
     codes = layer.codes().to(torch.int32)
     out = {
-        "weight_scale": layer.step.to(dtype).contiguous(),
+        "weight_scale": layer.effective_step().to(dtype).contiguous(),
         "weight_shape": torch.tensor([layer.out_features, layer.in_features], dtype=torch.int64),
     }
     if layer.zero is None:

@@ -30,6 +30,12 @@ A ``-rht`` format stores the codes of ``W R`` (``R`` the randomized block Hadama
 :mod:`hf_lowprec.rotation`) and rotates every input first, ``y = (x R)(W R)^T``; the codes, steps, scales and the
 backends all live in the rotated basis, and :meth:`PackedLinear.dequantized_weight` rotates back.
 
+Learned steps (PEQA, arXiv:2305.14152, with its zero points): :meth:`PackedLinear.learn_steps` gives a layer a
+trainable gain ``[N, G]`` multiplying its steps and, asymmetric, a shift ``[N, G]`` added to its zero points; the codes
+stay frozen, and both gradients come from one weight-gradient GEMM per call (:func:`_learned_grads`). A state dict holds
+the steps and zero points with them folded in, so exports and loaders see a plain packed layer (whose zero points need
+not be integers any more).
+
 ``backend="auto"`` times the backends this CPU and layer shape can run, once per machine, shape and dtype
 (:mod:`hf_lowprec.modules.kernels.autotune`), and runs the fastest; the choice and its measured reason are
 logged once and readable as ``layer.last_backend``.
@@ -49,6 +55,7 @@ from torch import nn
 from hf_lowprec.formats import (
     FormatSpec,
     dequantize_int,
+    group_view,
     int_steps,
     pack_int4,
     quantize_int,
@@ -374,17 +381,49 @@ KERNELS = {
 """backend -> (forward(x2d, layer), grad_input(grad_out, layer)); none computes a weight gradient."""
 
 
+def _learned_grads(grad_out: torch.Tensor, x2d: torch.Tensor, layer: "PackedLinear", shift: bool):
+    """``(dL/dgain, dL/dshift or None)``, fp32 ``[N, G]``, of the operand weight
+    ``W[n, k] = (codes - zero - shift) step gain / input_scale[k]`` from the weight gradient ``G = grad_out^T x``:
+    ``dL/dgain = sum_{k in g} G W / gain``, ``dL/dshift = -step gain sum_{k in g} G / input_scale``. ``G`` is made
+    ``CHUNK_ELEMENTS`` rows at a time (``grad_out [T, N]``, ``x2d [T, K]`` as the backends see them: divided by
+    ``input_scale``, rotated for ``-rht``)."""
+    rows = max(1, CHUNK_ELEMENTS // layer.in_features)
+    inverse = layer.inverse_input_scale()
+    step, zero = layer.step.float(), layer.effective_zero()
+    gain = torch.empty(layer.step.shape, device=x2d.device)
+    shifted = torch.empty(layer.step.shape, device=x2d.device) if shift else None
+    for r0 in range(0, layer.out_features, rows):
+        block = slice(r0, r0 + rows)
+        grad_w = torch.mm(grad_out[:, block].t(), x2d).float()
+        if inverse is not None:
+            grad_w.mul_(inverse)
+        if shift:
+            shifted[block] = group_view(grad_w, layer.spec.group_size).sum(-1)
+        codes = layer._unpack(layer.qweight[block])
+        grid = dequantize_int(codes, layer.spec, step[block], None if zero is None else zero[block])
+        gain[block] = group_view(grad_w.mul_(grid), layer.spec.group_size).sum(-1)
+    return gain, None if not shift else shifted.mul_(-layer.effective_step())
+
+
 class _PackedMatmul(torch.autograd.Function):
-    """``y = x @ W^T`` and ``grad_x = grad_y @ W`` by one backend's kernels (:data:`KERNELS`)."""
+    """``y = x @ W^T`` and ``grad_x = grad_y @ W`` by one backend's kernels (:data:`KERNELS`); with a trainable step
+    ``gain`` (:meth:`PackedLinear.learn_steps`) also its gradient."""
 
     @staticmethod
-    def forward(ctx, x2d, layer: "PackedLinear", backend: str):
+    def forward(ctx, x2d, gain, shift, layer: "PackedLinear", backend: str):
         ctx.layer, ctx.backend = layer, backend
+        learned = any(p is not None and p.requires_grad for p in (gain, shift))
+        ctx.save_for_backward(x2d if learned else None)
         return KERNELS[backend][0](x2d, layer)
 
     @staticmethod
     def backward(ctx, grad_out):
-        return KERNELS[ctx.backend][1](grad_out, ctx.layer), None, None
+        (x2d,) = ctx.saved_tensors
+        grad_x = KERNELS[ctx.backend][1](grad_out, ctx.layer) if ctx.needs_input_grad[0] else None
+        grads = (None, None)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            grads = _learned_grads(grad_out, x2d, ctx.layer, ctx.needs_input_grad[2])
+        return grad_x, grads[0] if ctx.needs_input_grad[1] else None, grads[1], None, None
 
 
 # ------------------------------------------------------------------------------------ module
@@ -399,7 +438,8 @@ class PackedLinear(nn.Module):
     Build one with :meth:`from_codes` (``Int4Linear.freeze()`` does). ``backend``: one of ``auto``,
     ``int8``, ``dequant`` (see the module docstring); a requested ``int8`` that cannot run raises.
     ``outlier_columns``: input channels per call that the int8 backend multiplies in the activation dtype
-    (default ``OUTLIER_COLUMNS``; 0: every channel in int8).
+    (default ``OUTLIER_COLUMNS``; 0: every channel in int8). ``step_gain``: ``None``, or the trainable fp32 ``[N, G]``
+    gain and ``zero_shift`` ``None`` or the trainable fp32 ``[N, G]`` shift of :meth:`learn_steps`.
     """
 
     BUFFERS = ("qweight", "step", "zero", "input_scale")  # what a state dict holds for the weight
@@ -427,6 +467,8 @@ class PackedLinear(nn.Module):
         zero = None if self.spec.symmetric else torch.zeros(out_features, groups, dtype=dtype, device=device)
         self.register_buffer("zero", zero)
         self.register_buffer("input_scale", torch.ones(in_features, device=device))
+        self.register_parameter("step_gain", None)
+        self.register_parameter("zero_shift", None)
         self.bias = (
             nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
@@ -505,15 +547,43 @@ class PackedLinear(nn.Module):
         """Whether this layer's shape allows the int8 and tiled backends (and why not)."""
         return True, ""
 
+    # ------------------------------------------------------------------------------- steps
+    def learn_steps(self) -> list[nn.Parameter]:
+        """Make the group steps and zero points trainable: a gain ``[N, G]`` fp32 (ones) multiplying ``step`` and, for
+        an asymmetric format, a shift ``[N, G]`` fp32 (zeros) added to ``zero``, in every backend; the codes stay
+        frozen. Returns them (a second call returns the same ones)."""
+        if self.step_gain is None:
+            self.step_gain = nn.Parameter(torch.ones(self.step.shape, device=self.step.device))
+            if self.zero is not None:
+                self.zero_shift = nn.Parameter(torch.zeros(self.step.shape, device=self.step.device))
+            self._cache.clear()
+        return [p for p in (self.step_gain, self.zero_shift) if p is not None]
+
+    def effective_step(self) -> torch.Tensor:
+        """``step x step_gain`` fp32 ``[N, G]`` (``step`` without a gain): the steps the layer computes with."""
+        step = self.step.float()
+        return step if self.step_gain is None else step * self.step_gain.detach()
+
+    def effective_zero(self) -> torch.Tensor | None:
+        """``zero + zero_shift`` fp32 ``[N, G]`` (``zero`` without a shift; ``None`` when symmetric)."""
+        if self.zero is None:
+            return None
+        zero = self.zero.float()
+        return zero if self.zero_shift is None else zero + self.zero_shift.detach()
+
     # ------------------------------------------------------------------------------- weights
     def grid_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``(codes - zero) * step`` as a dense ``[N, K]`` tensor: the (rotated) weight times ``input_scale``."""
-        zero = None if self.zero is None else self.zero.float()
-        return dequantize_int(self.codes(), self.spec, self.step.float(), zero, dtype)
+        return dequantize_int(self.codes(), self.spec, self.effective_step(), self.effective_zero(), dtype)
 
     def _row_absmax(self) -> torch.Tensor:
         """``max_k |grid_weight[n, k]|`` fp32 ``[N]``, dequantized ``CHUNK_ELEMENTS`` at a time (the whole fp32 grid
         and its absolute value: 134 MB for one 8192x2048 projection)."""
+        if self.step_gain is not None:  # steps that change every optimizer step: per call, from [N, G] numbers
+            low, high = self._group_code_range()
+            zero = self.effective_zero()
+            reach = high.abs().maximum(low.abs()) if zero is None else (high - zero).abs().maximum((low - zero).abs())
+            return (self.effective_step().abs() * reach).amax(-1)
         rows = max(1, CHUNK_ELEMENTS // self.in_features)
         out = torch.empty(self.out_features, device=self.qweight.device)
         for r0 in range(0, self.out_features, rows):
@@ -522,6 +592,19 @@ class PackedLinear(nn.Module):
             grid = dequantize_int(self._unpack(self.qweight[block]), self.spec, self.step[block].float(), zero)
             out[block] = grid.abs_().amax(-1)
         return out
+
+    def _group_code_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(min, max)`` of each group's codes, fp32 ``[N, G]``, cached: with the step and zero point they give the
+        group's largest ``|grid_weight|``, whatever those are (a last partial group's padding counts as code 0)."""
+        if "code_range" not in self._cache:
+            rows = max(1, CHUNK_ELEMENTS // self.in_features)
+            low, high = (torch.empty(self.step.shape, device=self.qweight.device) for _ in range(2))
+            for r0 in range(0, self.out_features, rows):
+                block = slice(r0, r0 + rows)
+                grouped = group_view(self._unpack(self.qweight[block]).float(), self.spec.group_size)
+                low[block], high[block] = grouped.amin(-1), grouped.amax(-1)
+            self._cache["code_range"] = (low, high)
+        return self._cache["code_range"]
 
     def operand_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``grid_weight / input_scale``, dense ``[N, K]``: the weight the backends multiply (``W R`` for ``-rht``)."""
@@ -560,8 +643,9 @@ class PackedLinear(nn.Module):
         """Rows ``index`` (any shape) of :meth:`dequantized_weight`, ``[*index.shape, K]`` in ``dtype``, dequantized
         from their codes alone: what an input embedding tied to this (output head) layer reads per token."""
         flat = index.reshape(-1)
-        zero = None if self.zero is None else self.zero[flat].float()
-        rows = dequantize_int(self._unpack(self.qweight[flat]), self.spec, self.step[flat].float(), zero)
+        zero = self.effective_zero()
+        zero = None if zero is None else zero[flat]
+        rows = dequantize_int(self._unpack(self.qweight[flat]), self.spec, self.effective_step()[flat], zero)
         inverse = self.inverse_input_scale()
         rows = self._original_basis(rows if inverse is None else rows * inverse)
         return rows.to(dtype).view(*index.shape, self.in_features)
@@ -578,10 +662,10 @@ class PackedLinear(nn.Module):
         signed, int4)``: the arguments of the C++ ``tiled_*`` kernels. Steps and zero points are converted on every
         call (``[N, G]``: 1/64 of the codes): kept, their fp32 copies would add 8 bytes per group, 116 MB on a
         1.2B-parameter model."""
-        zero = None if self.zero is None else self.zero.float().contiguous()
+        zero = None if self.zero is None else self.effective_zero().contiguous()
         group = self.spec.group_size or self.in_features
         int4 = isinstance(self, PackedInt4Linear)
-        step = self.step.float().contiguous()
+        step = self.effective_step().contiguous()
         inverse = self.inverse_input_scale()
         return self.qweight.view(torch.uint8), step, zero, inverse, self.in_features, group, self.spec.symmetric, int4
 
@@ -624,6 +708,10 @@ class PackedLinear(nn.Module):
             self.step[part] = step
             if zero is not None:
                 self.zero[part] = zero
+        if self.step_gain is not None:  # fresh steps and zero points: nothing learned applies to them
+            self.step_gain.data.fill_(1.0)
+        if self.zero_shift is not None:
+            self.zero_shift.data.zero_()
         self._cache.clear()
 
     @torch.no_grad()
@@ -710,7 +798,8 @@ class PackedLinear(nn.Module):
         if self.rotation_block is not None:
             x2d = rotate(x2d, self.rotation_block)
         self.last_backend = self.resolve_backend(x)
-        out = _PackedMatmul.apply(x2d, self, self.last_backend).reshape(*shape[:-1], self.out_features)
+        out = _PackedMatmul.apply(x2d, self.step_gain, self.zero_shift, self, self.last_backend)
+        out = out.reshape(*shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     # ------------------------------------------------------------------- cache invalidation
@@ -719,9 +808,25 @@ class PackedLinear(nn.Module):
         self.dtype = fn(torch.empty(0, dtype=self.dtype, device=self.qweight.device)).dtype  # .to(dtype), .half()
         return super()._apply(fn, recurse)
 
-    def _load_from_state_dict(self, *args, **kwargs):
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """Steps and zero points are saved with the learned gain and shift folded in (rounded to their dtype: in bf16
+        a step by at most 2^-9 of itself, a zero point by at most 2^-5 of a step), and no gain or shift: a plain packed
+        layer for every loader."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.step_gain is not None:
+            del destination[prefix + "step_gain"]
+            destination[prefix + "step"] = self.effective_step().to(self.step.dtype)
+        if self.zero_shift is not None:
+            del destination[prefix + "zero_shift"]
+            destination[prefix + "zero"] = self.effective_zero().to(self.zero.dtype)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors):
         self._cache.clear()
-        return super()._load_from_state_dict(*args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors)
+        for name, start in (("step_gain", 1.0), ("zero_shift", 0.0)):  # saved folded (above): start again from them
+            if getattr(self, name) is not None and prefix + name not in state_dict:
+                missing_keys.remove(prefix + name)
+                getattr(self, name).data.fill_(start)
 
     def extra_repr(self) -> str:
         shape = f"in_features={self.in_features}, out_features={self.out_features}"
@@ -749,10 +854,13 @@ class PackedInt4Linear(PackedLinear):
     def _int8_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(step / r [N, G], r [N])`` fp32, with ``r[n] = max_k |grid_weight[n, k]| / 127``; ``r`` is cached until
         the buffers change (it needs the whole weight), the ratio computed per call (cached, 4 bytes per group)."""
-        if "row_step" not in self._cache:
-            self._cache["row_step"] = (self._row_absmax() / _INT8_MAX).clamp(min=_EPS)
-        row_step = self._cache["row_step"]
-        return (self.step.float() / row_step.unsqueeze(-1)).contiguous(), row_step
+        if "row_step" in self._cache:
+            row_step = self._cache["row_step"]
+        else:
+            row_step = (self._row_absmax() / _INT8_MAX).clamp(min=_EPS)
+            if self.step_gain is None:  # learned steps change every optimizer step (and are cheap to redo)
+                self._cache["row_step"] = row_step
+        return (self.effective_step() / row_step.unsqueeze(-1)).contiguous(), row_step
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``, unpacked from the codes on every
@@ -761,7 +869,7 @@ class PackedInt4Linear(PackedLinear):
         Needs ``K`` even and a multiple of the group size (see :meth:`kernel_shape_supported`).
         """
         ratio, row_step = self._int8_scales()
-        zero = None if self.zero is None else self.zero.float().contiguous()
+        zero = None if self.zero is None else self.effective_zero().contiguous()
         ext = native_kernels(self.qweight)
         if ext is not None:
             return ext.unpack_int4_int8(self.qweight, ratio, zero, self.spec.symmetric, self.in_features), row_step
@@ -802,6 +910,8 @@ class PackedInt8Linear(PackedLinear):
         return qweight
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.step_gain is not None:
+            return self.qweight, self.effective_step().view(-1).contiguous()
         if "row_step" not in self._cache:
             self._cache["row_step"] = self.step.float().view(-1).contiguous()
         return self.qweight, self._cache["row_step"]

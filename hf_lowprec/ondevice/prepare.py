@@ -36,6 +36,7 @@ from hf_lowprec.modules.kernels.autotune import named_dtype, resolve_dtype
 from hf_lowprec.modules.packed import PACKED_BACKENDS, PackedInt4Linear, PackedLinear, compact_steps, packed_class
 from hf_lowprec.modules.packed_embedding import PackedEmbedding, TiedPackedEmbedding, share_packed_head, tied_head_names
 from hf_lowprec.ondevice.calibration import ROUNDINGS, CalibratedCodes, calibrated_codes, check_rounding, summary
+from hf_lowprec.ondevice.learned_steps import learn_base_steps
 from hf_lowprec.ondevice.loftq import loftq_factors, loftq_for_targets, lora_scaling
 from hf_lowprec.ondevice.planning import (
     ALL_LINEAR,
@@ -65,6 +66,7 @@ def prepare_int4_lora(
     auto_formats: Sequence[str] = AUTO_FORMATS,
     adapter_dtype: torch.dtype | str = "auto",
     backend: str = "auto",
+    learn_steps: bool = False,
 ) -> tuple[PeftModel, ConversionReport]:
     """Pack ``model``'s base linears into INT4 (per ``plan``) and wrap them in LoRA: ``(peft_model, report)``.
 
@@ -89,6 +91,8 @@ def prepare_int4_lora(
             a torch dtype (:func:`resolve_adapter_dtype`).
         backend: ``auto`` (measured per shape), ``int8``, ``tiled`` or ``dequant`` for every packed layer (see
             ``modules/packed.py``).
+        learn_steps: the packed layers' group steps train with the adapters (a gain per group, fp32; the codes stay
+            frozen: :mod:`~hf_lowprec.ondevice.learned_steps`); costs a weight-gradient GEMM per packed layer and step.
 
     Raises ``ValueError`` for a target that matches nothing, a plan that packs nothing, a model whose
     layers are narrower than one INT4 group, calibration tokens missing (``auto`` plan, calibrated rounding,
@@ -118,10 +122,13 @@ def prepare_int4_lora(
         factors.update(loftq_for_targets(model, config, dense_weights))
     _freeze_base(model, report, backend, reread)
     peft_model = _with_adapters(model, config, factors, adapter_dtype)
+    learned = learn_base_steps(model) if learn_steps else []
+    groups = sum(p.numel() for n, p in model.named_parameters() if n.endswith("step_gain"))
     fused = fuse_blocks(model)
     logger.info(
-        "INT4 base: %s; LoRA (%s) on %d layers%s; fused for backward: %d SwiGLU MLPs, %d RMSNorms",
+        "INT4 base: %s%s; LoRA (%s) on %d layers%s; fused for backward: %d SwiGLU MLPs, %d RMSNorms",
         report,
+        f"; steps and zero points learned ({groups:,} groups)" if learned else "",
         str(adapter_dtype).removeprefix("torch."),
         len(config.target_modules),
         " (LoftQ init)" if loftq_init else "",
@@ -404,6 +411,7 @@ def load_int4_lora(
     auto_formats: Sequence[str] = AUTO_FORMATS,
     adapter_dtype: torch.dtype | str = "auto",
     backend: str = "auto",
+    learn_steps: bool = False,
 ):
     """Load a pretrained checkpoint (:func:`load_int4_base`: packed while loading where it can be) and
     :func:`prepare_int4_lora` it: ``(peft_model, tokenizer, report)``.
@@ -438,6 +446,7 @@ def load_int4_lora(
         auto_formats=auto_formats,
         adapter_dtype=adapter_dtype,
         backend=backend,
+        learn_steps=learn_steps,
     )
     report.compute = {"dtype": str(dtype).removeprefix("torch."), "reason": reason}
     return peft_model, tokenizer, report

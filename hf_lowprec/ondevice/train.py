@@ -11,7 +11,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from hf_lowprec.folders import check_output_dir
 from hf_lowprec.metrics import peak_rss_mb
 from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.ondevice.export import export_int4_lora
+from hf_lowprec.ondevice.learned_steps import give_learned_steps_their_group, learned_steps
 from hf_lowprec.ondevice.loss import evaluate_loss
 from hf_lowprec.training.activations import ActivationStorage
 from hf_lowprec.training.adamw8bit import AdamW8bit
@@ -40,8 +41,12 @@ METRICS_FILE = "finetune_metrics.json"
 OPTIMIZERS = {"adamw_torch": torch.optim.AdamW, "adamw_torch_8bit": AdamW8bit}
 
 
-def adapter_optimizer(params: list[nn.Parameter], optim: str = "adamw_torch_8bit", **kwargs) -> torch.optim.Optimizer:
+def adapter_optimizer(
+    params: list[nn.Parameter], optim: str = "adamw_torch_8bit", learned: Sequence[nn.Parameter] = (), **kwargs
+) -> torch.optim.Optimizer:
     """AdamW over the adapters, ``optim`` one of :data:`OPTIMIZERS` (``kwargs``: ``lr``, ``weight_decay``...).
+    ``learned``: the base's learned steps among ``params``, put in a group of their own
+    (:func:`~hf_lowprec.ondevice.learned_steps.give_learned_steps_their_group`).
 
     bf16 adapters (no fp32 master copy) round each update stochastically, so that updates below half a bf16 step
     are kept on average instead of lost: 8-bit states through torchao's ``bf16_stochastic_round`` (in the one-pass
@@ -50,7 +55,9 @@ def adapter_optimizer(params: list[nn.Parameter], optim: str = "adamw_torch_8bit
     """
     _check_optim(optim)
     rounding = "stochastic" if any(p.dtype is torch.bfloat16 for p in params) else None
-    return make_optimizer(params, "8bit" if optim == "adamw_torch_8bit" else "fp32", rounding, **kwargs)
+    optimizer = make_optimizer(params, "8bit" if optim == "adamw_torch_8bit" else "fp32", rounding, **kwargs)
+    give_learned_steps_their_group(optimizer, list(learned))
+    return optimizer
 
 
 def _check_optim(optim: str) -> None:
@@ -131,7 +138,8 @@ def finetune_int4_lora(
 ) -> FinetuneResult:
     """Train the LoRA adapters of ``model`` (from :func:`prepare_int4_lora`) on ``train_blocks [n, T]``.
 
-    AdamW on the trainable parameters, linear warm-up (default ``steps // 10``, ≤ 10) and decay, clipping.
+    AdamW on the trainable parameters (the base's steps and zero points, if it learns them, at their own rate:
+    :mod:`~hf_lowprec.ondevice.learned_steps`), linear warm-up (default ``steps // 10``, ≤ 10) and decay, clipping.
     ``optim``: ``adamw_torch_8bit`` (default; 8-bit states, 2 bytes per adapter parameter instead of 8) or
     ``adamw_torch`` (fp32 states).
 
@@ -148,7 +156,8 @@ def finetune_int4_lora(
     params = _checked_parameters(model, train_blocks, steps, batch_size, output_dir, overwrite)
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     eval_before = evaluate_loss(model, eval_blocks, batch_size, chunk_tokens) if eval_blocks is not None else None
-    optimizer, scheduler = _optimizer_and_schedule(optim, params, lr, weight_decay, steps, warmup_steps)
+    learned = learned_steps(model)
+    optimizer, scheduler = _optimizer_and_schedule(optim, params, learned, lr, weight_decay, steps, warmup_steps)
     with _activation_memory(model, base, activation_storage, gradient_checkpointing) as storage:
         step = functools.partial(_step, model, params, optimizer, scheduler, storage, chunk_tokens, max_grad_norm)
         losses, times, train_seconds = _run_steps(step, scheduler, train_blocks, steps, batch_size, seed, progress)
@@ -198,15 +207,18 @@ def _final_eval(model, eval_blocks, batch_size: int, chunk_tokens: int, progress
     return eval_loss
 
 
-def _optimizer_and_schedule(optim: str, params, lr: float, weight_decay: float, steps: int, warmup_steps: int | None):
-    """Optimizer ``optim`` over ``params`` (:func:`adapter_optimizer`) and a linear schedule: warm-up (default
+def _optimizer_and_schedule(
+    optim: str, params, learned, lr: float, weight_decay: float, steps: int, warmup_steps: int | None
+):
+    """Optimizer ``optim`` over ``params`` (:func:`adapter_optimizer`; ``learned``: the learned steps among them) and a
+    linear schedule: warm-up (default
     ``steps // 10``, at most 10), then decay.
 
     8-bit states by default, by measurement (``benchmarks/adapter_optimizer.py``, 2-core AVX512-BF16 CPU, LoRA r=16 on
     every linear of the Llama-3.2-1B shape): they save 64 MB, 4% of the fine-tuning peak; the one-pass step takes
     2.7x fp32 AdamW's time, +1% of the training step (torchao's compiled step: 12x, +8%).
     """
-    optimizer = adapter_optimizer(params, optim, lr=lr, weight_decay=weight_decay)
+    optimizer = adapter_optimizer(params, optim, learned, lr=lr, weight_decay=weight_decay)
     warmup = min(10, steps // 10) if warmup_steps is None else warmup_steps
     return optimizer, get_scheduler("linear", optimizer, num_warmup_steps=warmup, num_training_steps=steps)
 

@@ -10,6 +10,10 @@ It is what ``hf-lowprec finetune`` trains INT4+LoRA models with:
   its updates stochastically (torchao's ``bf16_stochastic_round``), as :func:`~hf_lowprec.ondevice.finetune_int4_lora`
   does.
 
+A base that learns its steps (``prepare_int4_lora(..., learn_steps=True)``) trains its step gains and zero shifts in a
+parameter group of their own (:mod:`~hf_lowprec.ondevice.learned_steps`); checkpoints hold them beside the adapters
+(``LEARNED_STEPS_FILE``), and a resumed run reads them back.
+
 Gradient accumulation follows transformers' convention: when the Trainer passes ``num_items_in_batch`` (the
 targets of every batch of one optimizer step), the loss is their sum over it, so ``batch 4 x accumulation 1``
 and ``batch 1 x accumulation 4`` give the same gradients.
@@ -19,17 +23,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import torch
 import torchao.optim
+from safetensors.torch import load_file, save_file
 from transformers import Trainer
 
 from hf_lowprec.chunked_loss import chunked_causal_lm_loss
+from hf_lowprec.ondevice.learned_steps import give_learned_steps_their_group, learned_steps
 from hf_lowprec.training.activations import FORMATS as ACTIVATION_FORMATS
 from hf_lowprec.training.activations import ActivationStorage
 from hf_lowprec.training.adamw8bit import AdamW8bit
 
 logger = logging.getLogger(__name__)
+
+LEARNED_STEPS_FILE = "hf_lowprec_learned_steps.safetensors"  # a checkpoint's step gains and zero shifts, by name
 
 
 class ChunkedLossTrainer(Trainer):
@@ -64,6 +73,35 @@ class ChunkedLossTrainer(Trainer):
                 getattr(args.optim, "value", args.optim),
             )
         return cls, kwargs
+
+    def _learned_steps(self) -> dict[str, torch.nn.Parameter]:
+        learned = {id(p) for p in learned_steps(self.model)}
+        return {n: p for n, p in self.model.named_parameters() if id(p) in learned}
+
+    def create_optimizer(self):
+        optimizer = super().create_optimizer()
+        give_learned_steps_their_group(optimizer, list(self._learned_steps().values()))
+        return optimizer
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        super()._save(output_dir, state_dict)  # a PEFT model: the adapters only
+        learned = self._learned_steps()
+        if learned:
+            path = os.path.join(output_dir or self.args.output_dir, LEARNED_STEPS_FILE)
+            save_file({n: p.detach().contiguous() for n, p in learned.items()}, path)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        learned = self._learned_steps()
+        path = os.path.join(resume_from_checkpoint, LEARNED_STEPS_FILE)
+        if learned and not os.path.exists(path):
+            raise FileNotFoundError(
+                f"{resume_from_checkpoint} has no {LEARNED_STEPS_FILE}: it was not saved by a run that learned the "
+                "base's steps; resume it with the settings it was trained with"
+            )
+        with torch.no_grad():
+            for name, saved in (load_file(path) if learned else {}).items():
+                learned[name].copy_(saved)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.activation_storage_format is not None and self.activation_storage is None:

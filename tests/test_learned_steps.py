@@ -1,0 +1,198 @@
+"""Learned steps of a frozen packed base (``PackedLinear.learn_steps``): the gain's gradient against autograd through
+the dequantized weight, every backend computing with the gained steps, and state dicts holding them folded."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import needs_cpp
+
+from hf_lowprec.formats import FormatSpec, dequantize_int
+from hf_lowprec.modules import Int4Linear, PackedInt4Linear, PackedLinear
+from hf_lowprec.modules.packed import int8_backend_available, packed_class
+from hf_lowprec.rotation import unrotate
+
+needs_int8 = pytest.mark.skipif(not int8_backend_available(torch.device("cpu"))[0], reason="no int8 dot products here")
+BACKENDS = ["dequant", pytest.param("tiled", marks=needs_cpp), pytest.param("int8", marks=needs_int8)]
+
+
+def learning(spec: str, seed: int = 0) -> PackedLinear:
+    """A packed 96x128 layer whose learned step gain (and zero shift, asymmetric) are away from their start (as after
+    some optimizer steps)."""
+    torch.manual_seed(seed)
+    layer = Int4Linear.from_linear(torch.nn.Linear(128, 96), spec, learn_scales=False).freeze()
+    with torch.no_grad():
+        learned = layer.learn_steps()
+        learned[0].mul_(1 + 0.2 * torch.rand(layer.step.shape) - 0.1)
+        if len(learned) > 1:
+            learned[1].add_(torch.rand(layer.step.shape) - 0.5)
+    assert len(learned) == (1 if layer.zero is None else 2)
+    return layer
+
+
+def reference_weight(layer: PackedLinear, gain: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
+    """The weight ``[N, K]`` the codes stand for at steps ``step x gain`` and zero points ``zero + shift``, by torch
+    ops autograd can follow."""
+    zero = None if layer.zero is None else layer.zero.float() + shift
+    grid = dequantize_int(layer.codes(), layer.spec, layer.step.float() * gain, zero)
+    weight = grid / layer.input_scale
+    return weight if layer.rotation_block is None else unrotate(weight, layer.rotation_block)
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("spec", ["int4-g64-asym", "int4-g32", "int4-g64-asym-rht", "int8"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_learned_gradients_and_outputs_match_autograd_through_the_dequantized_weight(spec, backend):
+    layer = learning(spec)
+    layer.backend = backend
+    x = torch.randn(3, 21, 128, requires_grad=True)
+    g = torch.randn(3, 21, 96)
+    layer(x).backward(g)
+    gain = layer.step_gain.detach().clone().requires_grad_()
+    shift = None if layer.zero_shift is None else layer.zero_shift.detach().clone().requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    y_ref = F.linear(x_ref, reference_weight(layer, gain, shift), layer.bias)
+    y_ref.backward(g)
+    y = layer(x.detach())
+    tol = 0.02 if backend == "int8" else 1e-5  # the int8 backend re-rounds inputs and weight to int8 per row
+    assert rel(y, y_ref) < tol and rel(x.grad, x_ref.grad) < max(tol, 0.025 * (backend == "int8"))
+    # the learned gradients come from the exact weight gradient whatever the backend's forward
+    assert rel(layer.step_gain.grad, gain.grad) < 1e-5
+    assert layer.step_gain.grad.abs().min() > 0  # every group's step gets a gradient
+    if shift is not None:
+        assert rel(layer.zero_shift.grad, shift.grad) < 1e-5 and layer.zero_shift.grad.abs().min() > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_optimizer_step_on_the_gain_changes_what_every_backend_computes(backend):
+    layer = learning("int4-g64-asym")
+    layer.backend = backend
+    x = torch.randn(17, 128)
+    before = layer(x).detach()
+    opt = torch.optim.SGD([layer.step_gain], lr=1.0)
+    layer.step_gain.grad = -0.5 * layer.step_gain.detach()  # every step x 1.5: outputs (less the bias) too
+    opt.step()
+    after = layer(x).detach()
+    bias = layer.bias.detach()
+    assert rel(after - bias, 1.5 * (before - bias)) < (0.02 if backend == "int8" else 1e-5)
+
+
+@pytest.mark.parametrize("spec", ["int4-g64-asym", "int8"])
+def test_state_dicts_hold_steps_and_zero_points_with_what_was_learned_folded_in(spec):
+    layer = learning(spec)
+    state = layer.state_dict()
+    assert "step_gain" not in state and "zero_shift" not in state
+    assert torch.equal(state["step"], layer.effective_step().to(layer.step.dtype))
+    if layer.zero is not None:
+        assert torch.equal(state["zero"], layer.effective_zero().to(layer.zero.dtype))
+        assert not torch.equal(state["zero"], state["zero"].round())  # zero points off the integers now
+    x = torch.randn(5, 128)
+    cls = packed_class(FormatSpec.parse(spec))
+    plain = cls(128, 96, spec, bias=True, dtype=torch.float32)
+    plain.load_state_dict(state)  # a loader that knows nothing of learned steps
+    learner = cls(128, 96, spec, bias=True, dtype=torch.float32)
+    learner.learn_steps()
+    learner.load_state_dict(state)  # strict: the folded steps stand for the gain, which restarts at one
+    for other in (plain, learner):
+        other.backend = layer.backend = "dequant"
+        assert torch.equal(other(x), layer(x))
+    assert torch.equal(learner.step_gain, torch.ones_like(learner.step_gain))
+    if learner.zero_shift is not None:
+        assert torch.equal(learner.zero_shift, torch.zeros_like(learner.zero_shift))
+
+
+def test_requantizing_restarts_the_gain_with_the_fresh_steps():
+    layer = learning("int4-g64-asym")
+    dense = torch.randn(96, 128) * 0.05
+    layer.requantize_(dense)
+    fresh = PackedInt4Linear.from_weight(dense, "int4-g64-asym", dtype=torch.float32)
+    assert torch.equal(layer.step_gain, torch.ones_like(layer.step_gain)) and not layer.zero_shift.any()
+    assert torch.equal(layer.dequantized_weight(), fresh.dequantized_weight())
+
+
+# ------------------------------------------------------------------------------------------ on-device training
+LORA = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
+
+
+def prepared(path, learn_steps: bool = True):
+    from peft import LoraConfig
+
+    from hf_lowprec.ondevice import load_int4_lora
+
+    torch.manual_seed(0)
+    return load_int4_lora(path, LoraConfig(**LORA), "int4-g64-asym", dtype=torch.float32, learn_steps=learn_steps)
+
+
+def test_a_base_that_learns_its_steps_trains_them_at_their_rate_and_exports_them(tmp_path, monkeypatch):
+    from tiny_assets import corpus_text, save_tiny_model
+
+    import hf_lowprec.ondevice.train as train_module
+    from hf_lowprec.ondevice import export_int4_lora, finetune_int4_lora, load_int4_model, token_blocks
+    from hf_lowprec.ondevice.learned_steps import STEP_GAIN_LR_SCALE, learned_steps
+
+    path = save_tiny_model(tmp_path / "tiny", initializer_range=0.1)
+    model, tokenizer, _ = prepared(path)
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    gains = [m.step_gain for m in packed]
+    assert len(learned_steps(model)) == 2 * len(packed) == 28  # int4-g64-asym: a gain and a zero shift each
+    made = []  # the optimizer finetune_int4_lora makes (a spy: the real function runs)
+    real = train_module.adapter_optimizer
+    monkeypatch.setattr(train_module, "adapter_optimizer", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+    blocks = token_blocks(tokenizer, [corpus_text(20_000)], 64)
+    finetune_int4_lora(model, tokenizer, blocks[:-4], steps=12, lr=1e-2, batch_size=4, output_dir=tmp_path / "run")
+    adapters, learned = made[0].param_groups
+    assert {id(p) for p in learned["params"]} == {id(p) for p in learned_steps(model)}
+    assert learned["weight_decay"] == 0.0 and learned["initial_lr"] == STEP_GAIN_LR_SCALE * adapters["initial_lr"]
+    assert all((g - 1).abs().max() > 1e-3 for g in gains) and all(m.zero_shift.abs().max() > 1e-3 for m in packed)
+
+    ids = blocks[-4:]
+    reloaded, _ = load_int4_model(tmp_path / "run")  # a plain packed base: steps and zero points folded
+    assert not any(isinstance(p, torch.nn.Parameter) and p.requires_grad for p in reloaded.parameters())
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+        again = reloaded(input_ids=ids).logits
+        for m in packed:  # the steps as packed, nothing learned
+            m.step_gain.fill_(1.0)
+            m.zero_shift.zero_()
+        unlearned = model(input_ids=ids).logits
+    # the export differs from the trained model only by the steps' and zero points' rounding to bf16
+    assert rel(again, trained) < 0.05 * rel(unlearned, trained)
+    export_int4_lora(model, tmp_path / "merged", merge=True)  # merging re-quantizes: fresh steps, gains back at one
+    assert all(torch.equal(g, torch.ones_like(g)) for g in gains)
+
+
+def test_the_trainer_checkpoints_the_learned_steps_and_a_resumed_run_reads_them(tmp_path):
+    import datasets
+    from tiny_assets import save_tiny_model
+    from transformers import TrainingArguments, default_data_collator
+
+    from hf_lowprec import ChunkedLossTrainer
+    from hf_lowprec.ondevice.learned_steps import STEP_GAIN_LR_SCALE, learned_steps
+    from hf_lowprec.ondevice.trainer import LEARNED_STEPS_FILE
+
+    path = save_tiny_model(tmp_path / "tiny", initializer_range=0.1)
+    rows = torch.randint(3, 300, (16, 16), generator=torch.Generator().manual_seed(3)).tolist()
+    data = datasets.Dataset.from_dict({"input_ids": rows, "labels": rows})
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=4, save_steps=2, learning_rate=1e-2, per_device_train_batch_size=4,
+        report_to="none", use_cpu=True, disable_tqdm=True,
+    )
+
+    def trainer(learn_steps: bool = True):
+        model, _, _ = prepared(path, learn_steps)
+        return ChunkedLossTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator)
+
+    first = trainer()
+    first.train()
+    adapters, learned = first.optimizer.param_groups
+    assert learned["weight_decay"] == 0.0 and learned["initial_lr"] == STEP_GAIN_LR_SCALE * adapters["initial_lr"]
+    final = [p.detach().clone() for p in learned_steps(first.model)]
+    assert (tmp_path / "out" / "checkpoint-4" / LEARNED_STEPS_FILE).exists()
+    resumed = trainer()
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))  # at max_steps: loads, trains nothing
+    assert all(torch.equal(a, b) for a, b in zip(learned_steps(resumed.model), final)) and (final[0] != 1).any()
+    (tmp_path / "out" / "checkpoint-4" / LEARNED_STEPS_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match="settings it was trained with"):
+        trainer().train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))
