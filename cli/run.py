@@ -37,6 +37,7 @@ from hf_lowprec.ondevice import (
     load_int4_base,
     prepare_int4_lora,
 )
+from hf_lowprec.ondevice.learned_steps import fold_learned_steps, learned_steps
 from hf_lowprec.recipe import Recipe
 from hf_lowprec.training.callback import LowPrecisionCallback
 
@@ -289,6 +290,7 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
             f"{str(run.latest_checkpoint())!r}; run the same command with --resume to continue",
             code=ui.EXIT_INTERRUPTED,
         )
+    fold_learned_steps(model)  # an INT4 base's learned steps, rounded as its export will hold them
     final = _evaluate(
         model, lm, t.per_device_train_batch_size, autocast, "evaluating the trained model (held-out data)"
     )
@@ -493,7 +495,8 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t):
     scanned = f", plan by a sensitivity scan on {calibration.numel()} tokens" if p.is_auto else ""
     rounding = f", {p.rounding} rounding" if p.rounding != "nearest" else ""
     auto = {"budget": dict(p.budget) or None, "auto_formats": p.formats} if p.is_auto else {}
-    with ui.step(f"packing the base to INT4{scanned}{rounding} and adding LoRA adapters (r={lora.r})"):
+    learns = ", its steps and zero points learned with them" if p.learn_steps else ""
+    with ui.step(f"packing the base to INT4{scanned}{rounding} and adding LoRA adapters (r={lora.r}){learns}"):
         peft_model, report = prepare_int4_lora(
             model,
             config,
@@ -501,10 +504,13 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t):
             loftq_init=lora.init == "loftq",
             rounding=p.rounding,
             calibration=calibration,
+            learn_steps=p.learn_steps,
             **auto,
         )
     trainable = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
-    record = {"adapter": {"trainable_params": trainable, "r": lora.r, "target_modules": list(lora.target_modules)}}
+    learned = sum(q.numel() for q in learned_steps(peft_model))
+    adapter = {"trainable_params": trainable, "r": lora.r, "target_modules": list(lora.target_modules)}
+    record = {"adapter": {**adapter, "learned_steps": learned} if learned else adapter}
     record["base_layers_packed_while_loading"] = sum(r.reason == "packed while loading" for r in report.layers)
     if report.calibration is not None:
         record["calibration"] = report.calibration

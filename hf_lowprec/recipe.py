@@ -69,6 +69,8 @@ class PrecisionSection:
             ``int4-lora``: the frozen base's INT4 codes: ``nearest``, ``gptq``, ``awq``, ``awq+gptq`` (lower output
             error; see ``hf_lowprec.ondevice.calibration``). ``full``: ``nearest`` or ``gptq``, which first moves each
             FP8 layer's master weight to the grid point GPTQ chooses (``hf_lowprec.ondevice.calibration.fp8``).
+        learn_steps: ``int4-lora`` only: the frozen base's group steps and zero points train with the adapters (its
+            codes stay frozen; ``hf_lowprec.ondevice.learned_steps``).
     """
 
     plan: str = "fp8"
@@ -78,6 +80,7 @@ class PrecisionSection:
     calibration_batches: int = 4
     scan_method: str = field(default="auto", metadata=_choices("auto", "fisher", "measured"))
     rounding: str = field(default="nearest", metadata=_choices(*ROUNDINGS))
+    learn_steps: bool = False
 
     def __post_init__(self):
         for fmt in self.formats:
@@ -233,6 +236,11 @@ class Recipe:
             raise ValueError(
                 f"precision.rounding {self.precision.rounding!r} applies to method 'int4-lora'; method 'full' rounds "
                 f"its FP8 weights by one of {', '.join(FP8_ROUNDINGS)}"
+            )
+        if self.method == "full" and self.precision.learn_steps:
+            raise ValueError(
+                "precision.learn_steps applies to method 'int4-lora' (a frozen INT4 base); method 'full' trains its "
+                "INT4 layers' steps already"
             )
         floating = [f for f in self.precision.formats if FormatSpec.parse(f).family not in ("int4", "int8")]
         if self.method == "int4-lora" and self.precision.is_auto and floating:

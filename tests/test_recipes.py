@@ -60,6 +60,7 @@ def _write(tmp_path, data, name="r.yaml"):
         ({"precision": {"rounding": "awq"}}, r"precision\.rounding 'awq' applies to method 'int4-lora'; method 'full' rounds its FP8 weights by one of nearest, gptq"),
         ({"method": "int4-lora", "training": {"activation_storage": "int4"}}, r"'training\.activation_storage' is 'int4'; allowed values are none, int8, fp8, fp8-e5m2"),
         ({"training": []}, r"training must be a mapping"),
+        ({"precision": {"learn_steps": True}}, r"precision\.learn_steps applies to method 'int4-lora' \(a frozen INT4 base\)"),
     ],
 )
 def test_bad_recipe_files_name_key_file_and_allowed_values(tmp_path, data, expected):

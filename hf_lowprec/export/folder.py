@@ -180,6 +180,11 @@ def _export_lora(
             "folder": f"{ADAPTER_DIR}/",
             "note": "load_exported applies them; `hf-lowprec export --merge` folds them into the INT4 base",
         }
+        if run["adapter"].get("learned_steps"):
+            run["adapter"]["note"] += (
+                "; they were trained with this base's learned steps and zero points and belong with it, not with the "
+                "original checkpoint"
+            )
     with atomic_output_dir(out, overwrite) as tmp:
         export_int4_lora(
             model,

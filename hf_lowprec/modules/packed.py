@@ -571,6 +571,19 @@ class PackedLinear(nn.Module):
         zero = self.zero.float()
         return zero if self.zero_shift is None else zero + self.zero_shift.detach()
 
+    @torch.no_grad()
+    def fold_learned_steps(self) -> None:
+        """Store the learned steps and zero points in ``step`` and ``zero`` (rounded to their dtype), the gain back at
+        one and the shift at zero: the layer then computes exactly what its state dict holds (no-op without them)."""
+        if self.step_gain is None:
+            return
+        self.step.copy_(self.effective_step().to(self.step.dtype))
+        if self.zero_shift is not None:
+            self.zero.copy_(self.effective_zero().to(self.zero.dtype))
+            self.zero_shift.zero_()
+        self.step_gain.fill_(1.0)
+        self._cache.clear()
+
     # ------------------------------------------------------------------------------- weights
     def grid_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``(codes - zero) * step`` as a dense ``[N, K]`` tensor: the (rotated) weight times ``input_scale``."""

@@ -32,6 +32,15 @@ def learned_steps(model: nn.Module) -> list[nn.Parameter]:
             if p is not None and p.requires_grad]  # fmt: skip
 
 
+def fold_learned_steps(model: nn.Module) -> None:
+    """Round what ``model``'s packed linears learned into their stored steps and zero points
+    (:meth:`~hf_lowprec.modules.packed.PackedLinear.fold_learned_steps`), so that the model evaluated after training is
+    the one its export holds."""
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m.fold_learned_steps()
+
+
 def give_learned_steps_their_group(optimizer: torch.optim.Optimizer, learned: list[nn.Parameter]) -> None:
     """Move ``learned`` (:func:`learned_steps`) out of ``optimizer``'s parameter groups into one of their own: the first
     group's options, the learning rate ``STEP_GAIN_LR_SCALE`` times its, no weight decay. Call before the first step

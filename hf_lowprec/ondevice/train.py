@@ -25,7 +25,7 @@ from hf_lowprec.folders import check_output_dir
 from hf_lowprec.metrics import peak_rss_mb
 from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.ondevice.export import export_int4_lora
-from hf_lowprec.ondevice.learned_steps import give_learned_steps_their_group, learned_steps
+from hf_lowprec.ondevice.learned_steps import fold_learned_steps, give_learned_steps_their_group, learned_steps
 from hf_lowprec.ondevice.loss import evaluate_loss
 from hf_lowprec.training.activations import ActivationStorage
 from hf_lowprec.training.adamw8bit import AdamW8bit
@@ -162,6 +162,7 @@ def finetune_int4_lora(
         step = functools.partial(_step, model, params, optimizer, scheduler, storage, chunk_tokens, max_grad_norm)
         losses, times, train_seconds = _run_steps(step, scheduler, train_blocks, steps, batch_size, seed, progress)
     model.eval()
+    fold_learned_steps(model)  # what the export will hold, evaluated
     eval_after = _final_eval(model, eval_blocks, batch_size, chunk_tokens, progress, steps, losses[-1])
     result = FinetuneResult(
         steps=steps,
