@@ -154,7 +154,7 @@ def child(args) -> dict:
     from transformers import get_scheduler
 
     from hf_lowprec.ondevice import backend_counts, evaluate_loss
-    from hf_lowprec.ondevice.learned_steps import learned_steps
+    from hf_lowprec.ondevice.learned_steps import fold_learned_steps, learned_steps
     from hf_lowprec.ondevice.train import OPTIMIZERS, adapter_optimizer
 
     t0 = time.perf_counter()
@@ -185,6 +185,7 @@ def child(args) -> dict:
         wall.append(time.perf_counter() - w)
         cpu.append(time.process_time() - c)
         losses.append(loss)
+    fold_learned_steps(model)  # learned steps rounded as an export holds them (as finetune_int4_lora does)
     eval_after = evaluate_loss(model, evals, BATCH) if args.eval_blocks else None
     if args.merge_eval:  # the honest cost of merging LoRA into the INT4 base (re-quantization)
         import tempfile
