@@ -13,6 +13,8 @@ AdamW (8-bit states for hf-lowprec and NF4 QLoRA since 2026-12-02, fp32 for the 
   gradient checkpointing instead of the 8-bit activations; ``int4-lora-recipe``: the ``int4-ondevice-lora`` recipe's
   base (the CLI default): packed while loading, then the ``auto`` plan's scan on the packed model (16 blocks of 128
   random tokens), int8 re-reads and LoftQ, each reading one dense weight back at a time;
+- ``int4-lora-steps``: the defaults with the base learning its steps and zero points (``learn_steps=True``: an fp32
+  gain and shift per group of 64, their gradients and 8-bit AdamW states);
 - ``int4-lora-bf16-embedding``: the defaults with an untied input embedding kept bf16, as before the default plan
   packed it (``--sizes llama-3.2-1b-untied``: the 1B shape with its own embedding table, as Llama-3.1-8B has; the
   fits and the plot leave untied sizes out);
@@ -83,6 +85,7 @@ CONFIGS = {
     "int4-lora": "hf-lowprec INT4+LoRA defaults (int4-g64-asym packed on load, chunked loss, int8-stored activations, "
                  "8-bit AdamW)",
     "int4-lora-gc": "hf-lowprec INT4+LoRA defaults, gradient checkpointing instead of int8-stored activations",
+    "int4-lora-steps": "hf-lowprec INT4+LoRA defaults, the base learning its steps and zero points (learn_steps=True)",
     "int4-lora-bf16-embedding": "hf-lowprec INT4+LoRA defaults with an untied input embedding left bf16 (the default "
                                 "before PackedEmbedding)",
     "int4-lora-recipe": "hf-lowprec int4-ondevice-lora recipe's base (the CLI default): packed on load, auto plan scanned on "
@@ -153,6 +156,8 @@ def _load(config: str, folder: Path):
             from hf_lowprec.plan import PrecisionPlan
 
             options = dict(plan=PrecisionPlan({"lm_head": "int8"}, default="int4-g64-asym"))
+        if config == "int4-lora-steps":
+            options = dict(learn_steps=True)
         model, _, report = load_int4_lora(folder, lora, **options)
         model.get_base_model().config.use_cache = False
         if config.endswith("-gc"):  # checkpointing instead of 8-bit saved activations
