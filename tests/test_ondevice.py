@@ -114,6 +114,27 @@ def test_auto_plan_packs_what_the_scan_allocates_within_the_bit_budget():
         prepare_int4_lora(tiny_llama(0), LoraConfig(**LORA), budget={"target_bits_per_param": 5})
 
 
+def test_an_unmeetable_budget_fails_before_the_scan_with_the_allocators_message(tmp_path, monkeypatch):
+    """Both paths (a dense model; one packed while loading, whose scan reads dense weights back) check the budget
+    first: 4 bits/param is below int4-g64-asym's 4.5 whatever the scan finds."""
+    import hf_lowprec.ondevice.planning as planning
+
+    calibration = markov_batches(n=1, batch=4, seq=32)[0]["input_ids"]
+    budget = {"target_bits_per_param": 4.0}
+    result = scan(tiny_llama(0), [{"input_ids": b[None], "labels": b[None]} for b in calibration], formats=AUTO_FORMATS,
+                  method="fisher", layers=["model.layers.0.mlp.down_proj"])  # fmt: skip
+    with pytest.raises(ValueError) as after_a_scan:  # what allocate says once a scan has run
+        allocate(result, budget)
+    monkeypatch.setattr(planning, "scan", lambda *a, **k: pytest.fail("scanned before checking the budget"))
+    with pytest.raises(ValueError) as dense:
+        prepare_int4_lora(tiny_llama(0), LoraConfig(**LORA), "auto", calibration=calibration, budget=budget)
+    path = save_tiny_model(tmp_path / "tiny")
+    with pytest.raises(ValueError) as packed:
+        load_int4_lora(path, LoraConfig(**LORA), "auto", calibration=calibration, budget=budget, dtype=torch.float32)
+    assert "the fewest bits per parameter reachable (and keep/force) is 4.5" in str(after_a_scan.value)
+    assert str(dense.value) == str(packed.value) == str(after_a_scan.value)
+
+
 def test_chunked_loss_equals_transformers_loss_and_grads():
     model = tiny_llama(1)
     ids = markov_batches(n=1, batch=3, seq=32)[0]["input_ids"]

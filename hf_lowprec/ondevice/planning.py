@@ -17,7 +17,7 @@ from hf_lowprec.modules.packed import PackedLinear, packed_class
 from hf_lowprec.modules.packed_embedding import check_embedding_format, tied_head_names
 from hf_lowprec.plan import PrecisionPlan, resolve_plan
 from hf_lowprec.rotation import MIN_ROTATION_BLOCK, rotation_block
-from hf_lowprec.sensitivity import allocate, scan
+from hf_lowprec.sensitivity import allocate, check_budget, scan
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +112,8 @@ def scan_int4_plan(
     """
     head = _output_layer_name(model)
     linears = [n for n, m in eligible_layers(model).items() if isinstance(m, (nn.Linear, PackedLinear)) and n != head]
+    budget = AUTO_BUDGET if budget is None else budget
+    check_budget(model, formats, budget, layers=linears, packed=dense_weights is not None)  # not after the scan
     batches = [{"input_ids": block[None], "labels": block[None]} for block in check_calibration(calibration)]
     result = scan(
         model,
@@ -122,7 +124,7 @@ def scan_int4_plan(
         max_batch_tokens=max(SCAN_BATCH_TOKENS, calibration.shape[1]),
         dense_weights=dense_weights,
     )
-    plan = allocate(result, **(AUTO_BUDGET if budget is None else budget))
+    plan = allocate(result, budget)
     return PrecisionPlan({**plan.layers, **table_formats(model)}, default=plan.default, model=plan.model)
 
 

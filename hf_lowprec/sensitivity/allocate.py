@@ -18,7 +18,7 @@ from torch import nn
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.plan import PrecisionPlan, resolve_plan
 from hf_lowprec.sensitivity.results import KEEP, ScanResult
-from hf_lowprec.sensitivity.units import _units, unscored
+from hf_lowprec.sensitivity.units import _select, _units, unscored
 
 logger = logging.getLogger(__name__)
 
@@ -360,15 +360,23 @@ def allocate(
 
 
 def check_budget(
-    model: nn.Module, formats: Sequence[str], budget: Budget | Mapping[str, float] | None, *, keep: Sequence[str] = ()
+    model: nn.Module,
+    formats: Sequence[str],
+    budget: Budget | Mapping[str, float] | None,
+    *,
+    keep: Sequence[str] = (),
+    layers: Sequence[str] | None = None,
+    packed: bool = False,
 ) -> None:
     """Raise the ``ValueError`` :func:`allocate` would raise after a scan of ``model`` over ``formats`` when no choice
     of formats meets the budget's size and share limits (bits per parameter, FP8 and INT4 fractions): before the
-    minutes a scan takes. A loss budget is always met (by keeping every layer); ``None`` is one."""
+    minutes a scan takes. A loss budget is always met (by keeping every layer); ``None`` is one. ``layers``,
+    ``packed``: as the scan will be given them (its ``layers``; ``dense_weights`` given)."""
     if budget is None:
         return
     scores = []
-    for unit in _units(model, [FormatSpec.parse(f) for f in formats]):
+    units = _units(model, [FormatSpec.parse(f) for f in formats], packed=packed)
+    for unit in units if layers is None else _select(units, layers):
         scores.append(unscored(unit))
         scores[-1].predicted = dict.fromkeys(unit.formats, 0.0)  # every choice costs nothing: only the limits bind
     allocate(ScanResult(scores, tuple(formats), "none"), budget, keep=keep)
