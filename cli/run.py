@@ -508,7 +508,7 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t):
             **auto,
         )
     trainable = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)
-    learned = sum(q.numel() for q in learned_steps(peft_model))
+    learned = sum(q.numel() for params in learned_steps(peft_model).values() for q in params)
     adapter = {"trainable_params": trainable, "r": lora.r, "target_modules": list(lora.target_modules)}
     record = {"adapter": {**adapter, "learned_steps": learned} if learned else adapter}
     record["base_layers_packed_while_loading"] = sum(r.reason == "packed while loading" for r in report.layers)

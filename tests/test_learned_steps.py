@@ -130,22 +130,24 @@ def test_a_base_that_learns_its_steps_trains_them_at_their_rate_and_exports_them
 
     import hf_lowprec.ondevice.train as train_module
     from hf_lowprec.ondevice import export_int4_lora, finetune_int4_lora, load_int4_model, token_blocks
-    from hf_lowprec.ondevice.learned_steps import STEP_GAIN_LR_SCALE, learned_steps
+    from hf_lowprec.ondevice.learned_steps import LR_SCALES, learned_steps
 
     path = save_tiny_model(tmp_path / "tiny", initializer_range=0.1)
     model, tokenizer, _ = prepared(path)
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     gains = [m.step_gain for m in packed]
-    assert len(learned_steps(model)) == 2 * len(packed) == 28  # int4-g64-asym: a gain and a zero shift each
+    learned = learned_steps(model)
+    assert len(learned["step_gain"]) == len(learned["zero_shift"]) == len(packed) == 14  # int4-g64-asym: both
     made = []  # the optimizer finetune_int4_lora makes (a spy: the real function runs)
     real = train_module.adapter_optimizer
     monkeypatch.setattr(train_module, "adapter_optimizer", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
     blocks = token_blocks(tokenizer, [corpus_text(20_000)], 64)
     unlearned_grid = [m.dequantized_weight() for m in packed]
     finetune_int4_lora(model, tokenizer, blocks[:-4], steps=12, lr=1e-2, batch_size=4, output_dir=tmp_path / "run")
-    adapters, learned = made[0].param_groups
-    assert {id(p) for p in learned["params"]} == {id(p) for p in learned_steps(model)}
-    assert learned["weight_decay"] == 0.0 and learned["initial_lr"] == STEP_GAIN_LR_SCALE * adapters["initial_lr"]
+    adapters, *groups = made[0].param_groups
+    assert [[id(p) for p in g["params"]] for g in groups] == [[id(p) for p in learned[k]] for k in LR_SCALES]
+    rates = [(0.0, scale * adapters["initial_lr"]) for scale in LR_SCALES.values()]  # no weight decay
+    assert [(g["weight_decay"], g["initial_lr"]) for g in groups] == rates
     learned_grid = [m.dequantized_weight() for m in packed]
     assert all(rel(w, u) > 1e-3 for w, u in zip(learned_grid, unlearned_grid))  # the steps and zero points moved
 
@@ -165,7 +167,7 @@ def test_the_trainer_checkpoints_the_learned_steps_and_a_resumed_run_reads_them(
     from transformers import TrainingArguments, default_data_collator
 
     from hf_lowprec import ChunkedLossTrainer
-    from hf_lowprec.ondevice.learned_steps import STEP_GAIN_LR_SCALE, learned_steps
+    from hf_lowprec.ondevice.learned_steps import LR_SCALES, learned_steps
     from hf_lowprec.ondevice.trainer import LEARNED_STEPS_FILE
 
     path = save_tiny_model(tmp_path / "tiny", initializer_range=0.1)
@@ -182,13 +184,15 @@ def test_the_trainer_checkpoints_the_learned_steps_and_a_resumed_run_reads_them(
 
     first = trainer()
     first.train()
-    adapters, learned = first.optimizer.param_groups
-    assert learned["weight_decay"] == 0.0 and learned["initial_lr"] == STEP_GAIN_LR_SCALE * adapters["initial_lr"]
-    final = [p.detach().clone() for p in learned_steps(first.model)]
+    adapters, *groups = first.optimizer.param_groups
+    rates = [(0.0, scale * adapters["initial_lr"]) for scale in LR_SCALES.values()]  # no weight decay
+    assert [(g["weight_decay"], g["initial_lr"]) for g in groups] == rates
+    final = [p.detach().clone() for p in learned_steps(first.model)["step_gain"]]
     assert (tmp_path / "out" / "checkpoint-4" / LEARNED_STEPS_FILE).exists()
     resumed = trainer()
     resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))  # at max_steps: loads, trains nothing
-    assert all(torch.equal(a, b) for a, b in zip(learned_steps(resumed.model), final)) and (final[0] != 1).any()
+    assert (final[0] != 1).any()
+    assert all(torch.equal(a, b) for a, b in zip(learned_steps(resumed.model)["step_gain"], final))
     (tmp_path / "out" / "checkpoint-4" / LEARNED_STEPS_FILE).unlink()
     with pytest.raises(FileNotFoundError, match="settings it was trained with"):
         trainer().train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))

@@ -3,21 +3,25 @@ adapters (PEQA, arXiv:2305.14152, which learns the steps; here the zero points t
 group (:meth:`~hf_lowprec.modules.packed.PackedLinear.learn_steps`); the INT4 codes stay frozen and the export holds
 the steps and zero points with them folded in.
 
-They train with their own learning rate, ``STEP_GAIN_LR_SCALE`` times the adapters', without weight decay (which
-would pull a gain towards zero, not towards one).
+They train with their own learning rates, ``LR_SCALES`` times the adapters', without weight decay (which would pull a
+gain towards zero, not towards one).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from hf_lowprec.modules.packed import PackedLinear
 
-# the gains' learning rate over the adapters' (AdamW: a gain moves by about lr per step, i.e. 0.1% of its step at the
-# adapters' usual 2e-4): SmolLM2-135M, every linear int4-g64-asym, LoftQ, 100 steps of 4x256 tokens, seed 0 (prototype
-# of this module): 5x: held-out perplexity 37.38 against 40.17 without learned steps, bf16 LoRA 37.24
-STEP_GAIN_LR_SCALE = 5.0
+# learning rates over the adapters' (AdamW moves a parameter by about lr per step). A gain of 1 + 1e-3 moves a weight
+# by up to 15 x 1e-3 of its step (|code - zero| <= 15), a zero shift of 1e-3 by 1e-3 of it: the shifts take a 10x
+# rate. SmolLM2-135M, every linear int4-g64-asym, LoftQ, 100 steps of 4x256 tokens, seed 0, held-out perplexity (bf16
+# LoRA 37.24; no learned steps 40.17): gains and shifts at 5x / 50x the adapters' 2e-4 37.38 (a prototype of this
+# module), 5x / 5x 38.15, gains alone at 5x 38.26
+LR_SCALES = {"step_gain": 5.0, "zero_shift": 50.0}
 
 
 def learn_base_steps(model: nn.Module) -> list[nn.Parameter]:
@@ -26,10 +30,16 @@ def learn_base_steps(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in model.modules() if isinstance(m, PackedLinear) for p in m.learn_steps()]
 
 
-def learned_steps(model: nn.Module) -> list[nn.Parameter]:
-    """The trainable step gains and zero shifts of ``model``'s packed linears (none unless they learn their steps)."""
-    return [p for m in model.modules() if isinstance(m, PackedLinear) for p in (m.step_gain, m.zero_shift)
-            if p is not None and p.requires_grad]  # fmt: skip
+def learned_steps(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """The trainable step gains and zero shifts of ``model``'s packed linears by kind (``step_gain``, ``zero_shift``;
+    empty lists unless they learn their steps)."""
+    out: dict[str, list[nn.Parameter]] = {kind: [] for kind in LR_SCALES}
+    for m in model.modules():
+        for kind in LR_SCALES if isinstance(m, PackedLinear) else ():
+            p = getattr(m, kind)
+            if p is not None and p.requires_grad:
+                out[kind].append(p)
+    return out
 
 
 def fold_learned_steps(model: nn.Module) -> None:
@@ -41,17 +51,19 @@ def fold_learned_steps(model: nn.Module) -> None:
             m.fold_learned_steps()
 
 
-def give_learned_steps_their_group(optimizer: torch.optim.Optimizer, learned: list[nn.Parameter]) -> None:
-    """Move ``learned`` (:func:`learned_steps`) out of ``optimizer``'s parameter groups into one of their own: the first
-    group's options, the learning rate ``STEP_GAIN_LR_SCALE`` times its, no weight decay. Call before the first step
-    (and before a learning rate scheduler is made, which then scales both groups alike)."""
-    if not learned:
+def give_learned_steps_their_groups(optimizer: torch.optim.Optimizer, learned: Mapping[str, list]) -> None:
+    """Move ``learned`` (:func:`learned_steps`) out of ``optimizer``'s parameter groups into a group per kind: the
+    first group's options, the learning rate ``LR_SCALES[kind]`` times its, no weight decay. Call before the first
+    step (and before a learning rate scheduler is made, which then scales every group alike)."""
+    ids = {id(p) for params in learned.values() for p in params}
+    if not ids:
         return
-    ids = {id(p) for p in learned}
     first = optimizer.param_groups[0]
     for group in optimizer.param_groups:
         group["params"] = [p for p in group["params"] if id(p) not in ids]
     optimizer.param_groups = [g for g in optimizer.param_groups if g["params"]]
     options = {k: v for k, v in first.items() if k != "params"}
-    group = {**options, "params": learned, "lr": first["lr"] * STEP_GAIN_LR_SCALE, "weight_decay": 0.0}
-    optimizer.add_param_group(group)
+    for kind, params in learned.items():
+        if params:
+            lr = first["lr"] * LR_SCALES[kind]
+            optimizer.add_param_group({**options, "params": params, "lr": lr, "weight_decay": 0.0})

@@ -11,7 +11,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from hf_lowprec.folders import check_output_dir
 from hf_lowprec.metrics import peak_rss_mb
 from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.ondevice.export import export_int4_lora
-from hf_lowprec.ondevice.learned_steps import fold_learned_steps, give_learned_steps_their_group, learned_steps
+from hf_lowprec.ondevice.learned_steps import fold_learned_steps, give_learned_steps_their_groups, learned_steps
 from hf_lowprec.ondevice.loss import evaluate_loss
 from hf_lowprec.training.activations import ActivationStorage
 from hf_lowprec.training.adamw8bit import AdamW8bit
@@ -42,11 +42,14 @@ OPTIMIZERS = {"adamw_torch": torch.optim.AdamW, "adamw_torch_8bit": AdamW8bit}
 
 
 def adapter_optimizer(
-    params: list[nn.Parameter], optim: str = "adamw_torch_8bit", learned: Sequence[nn.Parameter] = (), **kwargs
+    params: list[nn.Parameter],
+    optim: str = "adamw_torch_8bit",
+    learned: Mapping[str, list[nn.Parameter]] | None = None,
+    **kwargs,
 ) -> torch.optim.Optimizer:
     """AdamW over the adapters, ``optim`` one of :data:`OPTIMIZERS` (``kwargs``: ``lr``, ``weight_decay``...).
-    ``learned``: the base's learned steps among ``params``, put in a group of their own
-    (:func:`~hf_lowprec.ondevice.learned_steps.give_learned_steps_their_group`).
+    ``learned``: the base's learned steps among ``params`` (:func:`~hf_lowprec.ondevice.learned_steps.learned_steps`),
+    put in groups of their own (:func:`~hf_lowprec.ondevice.learned_steps.give_learned_steps_their_groups`).
 
     bf16 adapters (no fp32 master copy) round each update stochastically, so that updates below half a bf16 step
     are kept on average instead of lost: 8-bit states through torchao's ``bf16_stochastic_round`` (in the one-pass
@@ -56,7 +59,7 @@ def adapter_optimizer(
     _check_optim(optim)
     rounding = "stochastic" if any(p.dtype is torch.bfloat16 for p in params) else None
     optimizer = make_optimizer(params, "8bit" if optim == "adamw_torch_8bit" else "fp32", rounding, **kwargs)
-    give_learned_steps_their_group(optimizer, list(learned))
+    give_learned_steps_their_groups(optimizer, learned or {})
     return optimizer
 
 

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Trainer
 
 from hf_lowprec.chunked_loss import chunked_causal_lm_loss
-from hf_lowprec.ondevice.learned_steps import give_learned_steps_their_group, learned_steps
+from hf_lowprec.ondevice.learned_steps import give_learned_steps_their_groups, learned_steps
 from hf_lowprec.training.activations import FORMATS as ACTIVATION_FORMATS
 from hf_lowprec.training.activations import ActivationStorage
 from hf_lowprec.training.adamw8bit import AdamW8bit
@@ -75,12 +75,12 @@ class ChunkedLossTrainer(Trainer):
         return cls, kwargs
 
     def _learned_steps(self) -> dict[str, torch.nn.Parameter]:
-        learned = {id(p) for p in learned_steps(self.model)}
+        learned = {id(p) for params in learned_steps(self.model).values() for p in params}
         return {n: p for n, p in self.model.named_parameters() if id(p) in learned}
 
     def create_optimizer(self):
         optimizer = super().create_optimizer()
-        give_learned_steps_their_group(optimizer, list(self._learned_steps().values()))
+        give_learned_steps_their_groups(optimizer, learned_steps(self.model))
         return optimizer
 
     def _save(self, output_dir: str | None = None, state_dict=None):
