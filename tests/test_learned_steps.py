@@ -4,7 +4,7 @@ the dequantized weight, every backend computing with the gained steps, and state
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import needs_cpp
+from conftest import needs_cpp, on_dequant_backend
 
 from hf_lowprec.formats import FormatSpec, dequantize_int
 from hf_lowprec.modules import Int4Linear, PackedInt4Linear, PackedLinear
@@ -155,8 +155,9 @@ def test_a_base_that_learns_its_steps_trains_them_at_their_rate_and_exports_them
     ids = blocks[-4:]
     reloaded, _ = load_int4_model(tmp_path / "run")  # a plain packed base: steps and zero points folded
     assert not any(p.requires_grad for p in reloaded.parameters())
-    with torch.no_grad():
-        assert torch.equal(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    with torch.no_grad():  # on one backend (the trained model ran exact kernels, auto may pick int8 for the reload)
+        again, trained = on_dequant_backend(reloaded)(input_ids=ids), on_dequant_backend(model)(input_ids=ids)
+        assert torch.equal(again.logits, trained.logits)
     export_int4_lora(model, tmp_path / "merged", merge=True)  # merging re-quantizes: fresh steps, gains back at one
     assert all(torch.equal(g, torch.ones_like(g)) for g in gains)
 
@@ -209,3 +210,14 @@ def test_folding_keeps_what_the_layer_computes_up_to_the_steps_rounding_and_rest
     assert 0 < rel(layer(x).detach(), before) < 5e-3  # bf16 steps and zero points: a step moves by <= 2^-9 of itself
     state = layer.state_dict()
     assert torch.equal(state["step"], layer.step) and torch.equal(state["zero"], layer.zero)
+
+
+@needs_int8
+def test_auto_runs_exact_kernels_for_a_layer_that_learns_its_steps():
+    layer = learning("int4-g64-asym")
+    x = torch.randn(64, 128)
+    layer(x)
+    assert layer.last_backend in ("tiled", "dequant")  # never int8 (its per-token rounding), whichever is faster here
+    plain = Int4Linear.from_linear(torch.nn.Linear(128, 96), "int4-g64-asym", learn_scales=False).freeze()
+    plain(x)
+    assert plain.last_backend in plain.runnable_backends(x)
