@@ -12,8 +12,8 @@ peak RSS (``ru_maxrss``, loading included) is its own.
 Configurations (``speed`` runs each with and without gradient checkpointing = "equal settings"; its
 own default is marked): fp32 LoRA, bf16 LoRA with PEFT's fp32 adapters and with bf16 adapters, bnb NF4
 QLoRA (double quant, bf16 compute), hf-lowprec INT4 LoRA (``INT4_DEFAULT``: the int4-ondevice-lora recipe's
-scanned plan, int4-g64-asym with the most sensitive half of the linear weights in int8, lm_head kept; LoftQ;
-chunked loss; int8-stored activations unless checkpointing). Peers compute their loss the way
+base, every linear but lm_head int4-g64-asym with its steps and zero points learned; LoftQ; chunked loss; int8-stored
+activations unless checkpointing). Peers compute their loss the way
 transformers does (full logits). ``--int4-variants`` name other INT4 settings (see ``parse_variant``).
 
 Writes benchmarks/results/ondevice.json and ondevice.png.
@@ -54,7 +54,9 @@ CONFIGS = {
     "int4-lora": ("hf-lowprec INT4 LoRA (int8-stored activations unless checkpointing)", False),
     "int4-lora-plain": ("hf-lowprec INT4 LoRA without int8-stored activations (ablation)", False),
 }
-INT4_DEFAULT = "auto+loftq+adam8"  # what int4-lora* runs: the int4-ondevice-lora recipe's scanned plan, LoftQ init, 8-bit AdamW (see parse_variant)
+# what int4-lora* runs: the int4-ondevice-lora recipe's base (every linear int4-g64-asym, its steps and zero points learned),
+# LoftQ init, 8-bit AdamW (see parse_variant); until 2026-12-03 "auto+loftq+adam8" (a scanned plan, half int8)
+INT4_DEFAULT = "loftq+adam8+steps"
 GC_VARIANTS = {"int4-lora-plain": (False,)}  # the plain ablation with checkpointing is int4-lora+gc
 
 
@@ -413,8 +415,8 @@ def quality(args) -> None:
 
 
 def demo(args) -> None:
-    """The INT4 default (``INT4_DEFAULT``) through the Python API, timed end to end in this process: load, scan and
-    pack, train, evaluate, export."""
+    """The INT4 default (``INT4_DEFAULT``) through the Python API, timed end to end in this process: load and pack
+    (and scan, for a scanned plan), train, evaluate, export."""
     import tempfile
 
     import torch
@@ -426,9 +428,11 @@ def demo(args) -> None:
     t0 = time.perf_counter()
     folder, gguf = default_checkpoint()
     options = parse_variant(INT4_DEFAULT)
-    model, tok, report = load_int4_lora(folder, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"), "auto", gguf_file=gguf,
-                                        calibration=lambda t: _data(t, CALIBRATION_BLOCKS, 0)[0], loftq_init=options["loftq"],
-                                        budget={"target_bits_per_param": options["budget_bits"]})  # fmt: skip
+    scanned = {"calibration": lambda t: _data(t, CALIBRATION_BLOCKS, 0)[0], "budget": {"target_bits_per_param": options["budget_bits"]}}
+    model, tok, report = load_int4_lora(folder, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"),
+                                        "auto" if options["budget_bits"] else options["int4_format"], gguf_file=gguf,
+                                        loftq_init=options["loftq"], learn_steps=options["learn_steps"],
+                                        **(scanned if options["budget_bits"] else {}))  # fmt: skip
     train, evals = _data(tok, args.steps * BATCH, args.eval_blocks)
     t_load = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as out:

@@ -11,10 +11,9 @@ AdamW (8-bit states for hf-lowprec and NF4 QLoRA since 2026-12-02, fp32 for the 
   compute dtype chosen for this CPU, chunked loss, int8-stored activations (SwiGLU products and RMSNorm outputs
   rebuilt from them in backward since 2026-12-02: rows measured earlier stored them); ``int4-lora-gc``: the same with
   gradient checkpointing instead of the 8-bit activations; ``int4-lora-recipe``: the ``int4-ondevice-lora`` recipe's
-  base (the CLI default): packed while loading, then the ``auto`` plan's scan on the packed model (16 blocks of 128
-  random tokens), int8 re-reads and LoftQ, each reading one dense weight back at a time;
-- ``int4-lora-steps``: the defaults with the base learning its steps and zero points (``learn_steps=True``: an fp32
-  gain and shift per group of 64, their gradients and 8-bit AdamW states);
+  base (the CLI default): the defaults with LoftQ (each dense weight read back at a time) and the base learning its
+  steps and zero points (``learn_steps=True``: an fp32 gain and shift per group of 64, their gradients and 8-bit AdamW
+  states; exact kernels); until 2026-12-03 the recipe scanned an int4/int8 plan at 6.25 bits/param instead;
 - ``int4-lora-bf16-embedding``: the defaults with an untied input embedding kept bf16, as before the default plan
   packed it (``--sizes llama-3.2-1b-untied``: the 1B shape with its own embedding table, as Llama-3.1-8B has; the
   fits and the plot leave untied sizes out);
@@ -85,11 +84,10 @@ CONFIGS = {
     "int4-lora": "hf-lowprec INT4+LoRA defaults (int4-g64-asym packed on load, chunked loss, int8-stored activations, "
                  "8-bit AdamW)",
     "int4-lora-gc": "hf-lowprec INT4+LoRA defaults, gradient checkpointing instead of int8-stored activations",
-    "int4-lora-steps": "hf-lowprec INT4+LoRA defaults, the base learning its steps and zero points (learn_steps=True)",
     "int4-lora-bf16-embedding": "hf-lowprec INT4+LoRA defaults with an untied input embedding left bf16 (the default "
                                 "before PackedEmbedding)",
-    "int4-lora-recipe": "hf-lowprec int4-ondevice-lora recipe's base (the CLI default): packed on load, auto plan scanned on "
-                        "the packed model (int4-g64-asym, int8 at 6.25 bits/param), LoftQ from the checkpoint's residuals",
+    "int4-lora-recipe": "hf-lowprec int4-ondevice-lora recipe's base (the CLI default): packed on load, LoftQ from the "
+                        "checkpoint's residuals, the base learning its steps and zero points",
     "int4-hf-quantizer": "transformers' own from_pretrained(quantization_config=HfLowprecConfig()) + PEFT's "
                          "get_peft_model and the model's own loss, as the NF4 QLoRA peer (no chunked loss, no 8-bit "
                          "activations), 8-bit AdamW",
@@ -148,16 +146,12 @@ def _load(config: str, folder: Path):
         from hf_lowprec.training.activations import ActivationStorage
 
         options = {}
-        if config == "int4-lora-recipe":  # its scan calibrates on 4 batches of 4 x 128 tokens (random here)
-            vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-            calibration = torch.randint(0, vocab, (16, 128), generator=torch.Generator().manual_seed(1))
-            options = dict(plan="auto", loftq_init=True, calibration=calibration)
+        if config == "int4-lora-recipe":
+            options = dict(loftq_init=True, learn_steps=True)
         if config == "int4-lora-bf16-embedding":
             from hf_lowprec.plan import PrecisionPlan
 
             options = dict(plan=PrecisionPlan({"lm_head": "int8"}, default="int4-g64-asym"))
-        if config == "int4-lora-steps":
-            options = dict(learn_steps=True)
         model, _, report = load_int4_lora(folder, lora, **options)
         model.get_base_model().config.use_cache = False
         if config.endswith("-gc"):  # checkpointing instead of 8-bit saved activations

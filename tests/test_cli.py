@@ -23,7 +23,7 @@ from hf_lowprec.data import prepare_lm_data, read_source
 from hf_lowprec.export import CARD_FILE, RUN_FILE, load_exported
 from hf_lowprec.export.folder import LEARNED_STATE_FILE
 from hf_lowprec.metrics import causal_lm_loss
-from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear
+from hf_lowprec.modules import PackedInt4Linear
 from hf_lowprec.modules.kernels.cpp import cpu_kernels
 from hf_lowprec.modules.kernels.cpu import cpu_info
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
@@ -185,8 +185,8 @@ def test_int4_lora_run_that_learns_the_base_steps_exports_what_it_evaluated(ws):
 
 @pytest.fixture(scope="module")
 def lora_run(ws):
-    """An int4-ondevice-lora run (AWQ scales + GPTQ rounding, LoftQ init) of the tiny model with a few loud channels
-    (so that AWQ scales some inputs): ``(folder, CLI result)``, made once."""
+    """An int4-ondevice-lora run (AWQ scales + GPTQ rounding, LoftQ init, learned steps) of the tiny model with a few
+    loud channels (so that AWQ scales some inputs): ``(folder, CLI result)``, made once."""
     out, loud = ws / "run-lora", ws / "tiny-loud"
     with_loud_channels(AutoModelForCausalLM.from_pretrained(ws / "tiny")).save_pretrained(loud)
     AutoTokenizer.from_pretrained(ws / "tiny").save_pretrained(loud)
@@ -201,18 +201,19 @@ def test_int4_lora_run_exports_adapters(ws, lora_run):
     record = json.loads((out / RUN_FILE).read_text())
     assert record["recipe"]["method"] == "int4-lora" and record["adapter"]["trainable_params"] > 0
     assert record["recipe"]["precision"]["rounding"] == "awq+gptq" and record["recipe"]["lora"]["init"] == "loftq"
-    assert {row["format"] for row in record["plan_rows"]} == {"int4-g64-asym", "int8", "bf16"}  # the recipe's scanned plan
+    assert {row["format"] for row in record["plan_rows"]} == {"int4-g64-asym", "bf16"}  # the recipe's plan: the head kept
+    assert record["adapter"]["learned_steps"] > 0  # the recipe learns the base's steps and zero points
     assert record["base_layers_packed_while_loading"] >= 4  # the INT4 layers: the dense model never sat in memory
     dtype = getattr(torch, record["compute"]["dtype"])  # loss_base: the checkpoint's, its weights read back one by one
     dense = AutoModelForCausalLM.from_pretrained(ws / "tiny-loud", dtype=dtype)
     base = causal_lm_loss(dense, held_out(ws, AutoTokenizer.from_pretrained(ws / "tiny")).eval, default_data_collator, batch_size=2)
     assert record["training"]["loss_base"] == pytest.approx(base["loss"], abs=1e-3)
     assert (out / "adapter" / "adapter_config.json").is_file() and {"int4", "lora"} <= set(ModelCard.load(out / CARD_FILE).data.tags)
-    model, tok = load_exported(out)  # packed base + adapters, same kernels as in training
+    model, tok = load_exported(out, backend="dequant")  # packed base + adapters; exact kernels, as trained (learned steps)
     int4 = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
-    assert int4 >= 4 and int4 + sum(isinstance(m, PackedInt8Linear) for m in model.modules()) == 14
+    assert int4 == 14
     kernels = record["compute"]["packed_kernels"]  # every packed layer ran a measured or the only runnable kernel
-    assert sum(kernels.values()) == 14 and set(kernels) <= {"int8", "tiled", "dequant"}
+    assert sum(kernels.values()) == 14 and set(kernels) <= {"tiled", "dequant"}  # exact ones: the base learns its steps
     stats = record["calibration"]  # AWQ + GPTQ on the INT4 layers
     assert stats["rounding"] == "awq+gptq" and stats["layers"] == int4 and stats["output_error_median"] < stats["output_error_nearest_median"]
     assert any(bool((m.input_scale != 1).any()) for m in model.modules() if isinstance(m, PackedInt4Linear))  # AWQ scales reloaded
