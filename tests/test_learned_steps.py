@@ -221,3 +221,21 @@ def test_auto_runs_exact_kernels_for_a_layer_that_learns_its_steps():
     plain = Int4Linear.from_linear(torch.nn.Linear(128, 96), "int4-g64-asym", learn_scales=False).freeze()
     plain(x)
     assert plain.last_backend in plain.runnable_backends(x)
+
+
+def test_only_int4_layers_learn_their_steps(tmp_path):
+    from peft import LoraConfig
+    from tiny_assets import save_tiny_model
+
+    from hf_lowprec.ondevice import load_int4_lora
+    from hf_lowprec.ondevice.learned_steps import learned_steps
+    from hf_lowprec.plan import PrecisionPlan
+
+    plan = PrecisionPlan({"lm_head": "int8", "*.v_proj": "int8"}, default="int4-g64-asym")
+    path = save_tiny_model(tmp_path / "tiny")
+    model, _, _ = load_int4_lora(path, LoraConfig(**LORA), plan, learn_steps=True, dtype=torch.float32)
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    int4 = [m for m in packed if isinstance(m, PackedInt4Linear)]
+    assert len(packed) == 15 and len(int4) == 12  # 2 v_proj and the head in int8
+    assert {id(p) for p in learned_steps(model)["step_gain"]} == {id(m.step_gain) for m in int4}
+    assert all(m.step_gain is None for m in packed if m not in int4)

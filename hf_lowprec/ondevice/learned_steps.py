@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from hf_lowprec.modules.packed import PackedLinear
+from hf_lowprec.modules.packed import PackedInt4Linear, PackedLinear
 
 # learning rates over the adapters' (AdamW moves a parameter by about lr per step). A gain of 1 + 1e-3 moves a weight
 # by up to 15 x 1e-3 of its step (|code - zero| <= 15), a zero shift of 1e-3 by 1e-3 of it: the shifts take a 10x
@@ -25,9 +25,11 @@ LR_SCALES = {"step_gain": 5.0, "zero_shift": 50.0}
 
 
 def learn_base_steps(model: nn.Module) -> list[nn.Parameter]:
-    """Make the steps and zero points of every packed linear of ``model`` trainable; returns the new parameters
-    (gains and shifts, ``[N, G]`` fp32 each)."""
-    return [p for m in model.modules() if isinstance(m, PackedLinear) for p in m.learn_steps()]
+    """Make the steps and zero points of every packed INT4 linear of ``model`` trainable; returns the new parameters
+    (gains and shifts, ``[N, G]`` fp32 each). int8 layers keep theirs: 255 levels leave a step little to learn, and a
+    large output head's (Llama-3.2-1B: 263M weights, called once per chunk of the loss) would cost a weight-gradient
+    pass over the whole head per chunk: 3x the step time and 0.6 GB more at 1x256 when it learned them too."""
+    return [p for m in model.modules() if isinstance(m, PackedInt4Linear) for p in m.learn_steps()]
 
 
 def learned_steps(model: nn.Module) -> dict[str, list[nn.Parameter]]:
