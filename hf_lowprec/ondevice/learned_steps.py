@@ -35,13 +35,8 @@ def learn_base_steps(model: nn.Module) -> list[nn.Parameter]:
 def learned_steps(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     """The trainable step gains and zero shifts of ``model``'s packed linears by kind (``step_gain``, ``zero_shift``;
     empty lists unless they learn their steps)."""
-    out: dict[str, list[nn.Parameter]] = {kind: [] for kind in LR_SCALES}
-    for m in model.modules():
-        for kind in LR_SCALES if isinstance(m, PackedLinear) else ():
-            p = getattr(m, kind)
-            if p is not None and p.requires_grad:
-                out[kind].append(p)
-    return out
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    return {kind: [p for m in packed if (p := getattr(m, kind)) is not None and p.requires_grad] for kind in LR_SCALES}
 
 
 def fold_learned_steps(model: nn.Module) -> None:

@@ -122,13 +122,12 @@ def prepare_int4_lora(
         factors.update(loftq_for_targets(model, config, dense_weights))
     _freeze_base(model, report, backend, reread)
     peft_model = _with_adapters(model, config, factors, adapter_dtype)
-    learned = learn_base_steps(model) if learn_steps else []
-    groups = sum(p.numel() for n, p in model.named_parameters() if n.endswith("step_gain"))
+    learned = learn_base_steps(model) if learn_steps else []  # a gain (and, asymmetric, a shift) per group
     fused = fuse_blocks(model)
     logger.info(
         "INT4 base: %s%s; LoRA (%s) on %d layers%s; fused for backward: %d SwiGLU MLPs, %d RMSNorms",
         report,
-        f"; steps and zero points learned ({groups:,} groups)" if learned else "",
+        f"; steps and zero points learned ({sum(p.numel() for p in learned):,} numbers)" if learned else "",
         str(adapter_dtype).removeprefix("torch."),
         len(config.target_modules),
         " (LoftQ init)" if loftq_init else "",
