@@ -34,6 +34,7 @@ deviations, the gap to bf16 paired by seed. Writes benchmarks/results/finetune_q
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import time
@@ -45,8 +46,9 @@ from _util import RESULTS, lm_batches, machine, mean_std, write_json
 from ondevice import _data
 from outliers import exact_operand
 
-from hf_lowprec import PrecisionPlan, apply_plan, revert
+from hf_lowprec import PrecisionPlan, apply_plan, freeze, revert
 from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
+from hf_lowprec.modules.int4 import Int4Linear
 from hf_lowprec.ondevice import evaluate_loss, prepare_int4_lora
 from hf_lowprec.ondevice.calibration.fp8 import round_fp8_weights
 from hf_lowprec.recipe import load_recipe
@@ -125,8 +127,15 @@ def run(name: str, steps: int, seed: int = SEED, batch: int = BATCH) -> dict:
         losses, seconds = train_steps(model, params, lr, train, steps, batch, seed, amp)
         with amp():
             eval_after = evaluate_loss(model, evals, BATCH)
-    if name not in ("bf16", "int4 LoRA"):  # the trained master weights, served in bf16 (the low-precision layers reverted)
-        revert(model)
+    if name not in ("bf16", "int4 LoRA"):
+        if any(isinstance(m, Int4Linear) for m in model.modules()):  # what export 'int4-packed' writes
+            packed = copy.deepcopy(model)
+            freeze(packed)  # INT4 layers as their packed codes ...
+            revert(packed)  # ... the others with their master weights
+            with amp():
+                notes["ppl_after_int4_packed"] = math.exp(evaluate_loss(packed, evals, BATCH))
+            del packed
+        revert(model)  # the trained master weights, served in bf16 (the low-precision layers reverted)
         with amp():
             notes["ppl_after_master"] = math.exp(evaluate_loss(model, evals, BATCH))
     return {"checkpoint_ppl": math.exp(base_eval), "ppl_before": math.exp(eval_before), "ppl_after": math.exp(eval_after),
@@ -148,6 +157,9 @@ def summarize(per_seed: dict[str, list[dict]]) -> dict[str, dict]:
             if all("ppl_after_master" in x for x in runs):
                 ratios = [x["ppl_after_master"] / b["ppl_after"] for x, b in zip(runs, per_seed["bf16"])]
                 r["master_in_bf16_vs_bf16"], r["master_in_bf16_vs_bf16_std"] = mean_std(ratios)
+            if all("ppl_after_int4_packed" in x for x in runs):
+                ratios = [x["ppl_after_int4_packed"] / b["ppl_after"] for x, b in zip(runs, per_seed["bf16"])]
+                r["int4_packed_vs_bf16"], r["int4_packed_vs_bf16_std"] = mean_std(ratios)
         r["plan_fractions"] = runs[0].get("plan_fractions", {})
         out[name] = r
     return out

@@ -239,3 +239,24 @@ def test_only_int4_layers_learn_their_steps(tmp_path):
     assert len(packed) == 15 and len(int4) == 12  # 2 v_proj and the head in int8
     assert {id(p) for p in learned_steps(model)["step_gain"]} == {id(m.step_gain) for m in int4}
     assert all(m.step_gain is None for m in packed if m not in int4)
+
+
+@needs_cpp
+@pytest.mark.parametrize("spec", ["int4-g64-asym", "int4-g32", "int4-g64-asym-sq"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpp_group_sums_match_torch_ops(spec, dtype):
+    from hf_lowprec.modules.kernels.cpp import cpu_kernels
+    from hf_lowprec.modules.packed import _learned_sums_torch
+
+    torch.manual_seed(0)
+    dense = Int4Linear.from_linear(torch.nn.Linear(256, 200), spec, learn_scales=False)
+    dense(torch.randn(64, 256) * torch.linspace(0.1, 4, 256))  # -sq: calibrates the smoothing
+    layer = dense.freeze().to(dtype)
+    inverse, size = layer.inverse_input_scale(), layer.spec.group_size
+    assert (inverse is not None) == spec.endswith("-sq")
+    g, x = torch.randn(45, 200, dtype=dtype), torch.randn(45, 256, dtype=dtype)
+    codes = layer.qweight.view(torch.uint8)
+    sums, products = cpu_kernels().learned_step_sums(g, x, codes, inverse, size, layer.spec.symmetric, 64)
+    ref_products, ref_sums = _learned_sums_torch(g, x, layer, inverse, True, size)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: G is rounded to bf16 by either GEMM, summed in its own order
+    assert rel(sums, ref_sums) < tol and rel(products, ref_products) < tol

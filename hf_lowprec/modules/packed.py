@@ -385,13 +385,34 @@ def _learned_grads(grad_out: torch.Tensor, x2d: torch.Tensor, layer: "PackedLine
     """``(dL/dgain, dL/dshift or None)``, fp32 ``[N, G]``, of the operand weight
     ``W[n, k] = (codes - zero - shift) step gain / input_scale[k]`` from the weight gradient ``G = grad_out^T x``
     divided by ``input_scale``: with ``S = sum_{k in g} G`` and ``C = sum_{k in g} G codes``,
-    ``dL/dgain = step (C - (zero + shift) S)`` and ``dL/dshift = -step gain S``. ``G`` is made ``CHUNK_ELEMENTS`` rows
-    at a time (``grad_out [T, N]``, ``x2d [T, K]`` as the backends see them: divided by ``input_scale``, rotated for
-    ``-rht``)."""
+    ``dL/dgain = step (C - (zero + shift) S)`` and ``dL/dshift = -step gain S`` (``grad_out [T, N]``, ``x2d [T, K]`` as
+    the backends see them: divided by ``input_scale``, rotated for ``-rht``). ``S`` and ``C`` come from the C++
+    ``learned_step_sums`` (a tile of ``G`` per thread, reduced against the packed codes in one pass), else torch ops."""
+    inverse, zero = layer.inverse_input_scale(), layer.effective_zero()
+    size = layer.spec.group_size or layer.in_features
+    ext = cpu_kernels() if x2d.device.type == "cpu" and isinstance(layer, PackedInt4Linear) else None
+    if ext is not None and grad_out.dtype == x2d.dtype and size % 2 == 0 and layer.in_features % size == 0:
+        tile = balanced_tile(layer.out_features, ROW_TILE, layer.in_features)
+        sums, gain = ext.learned_step_sums(
+            grad_out.contiguous(), x2d.contiguous(), layer.qweight.view(torch.uint8), inverse, size,
+            layer.spec.symmetric, tile,
+        )
+        if zero is None:
+            sums = None
+    else:
+        gain, sums = _learned_sums_torch(grad_out, x2d, layer, inverse, zero is not None, size)
+    if sums is not None:
+        gain.sub_(zero * sums)
+    gain.mul_(layer.step.float())
+    return gain, sums.mul_(-layer.effective_step()) if shift else None
+
+
+def _learned_sums_torch(grad_out, x2d, layer: "PackedLinear", inverse, with_sums: bool, size: int):
+    """``(C, S or None)`` of :func:`_learned_grads` by torch ops, ``CHUNK_ELEMENTS`` weight elements at a time: where
+    the C++ kernel does not run (int8 layers, no kernels, mixed dtypes)."""
     rows = max(1, CHUNK_ELEMENTS // layer.in_features)
-    inverse, zero, size = layer.inverse_input_scale(), layer.effective_zero(), layer.spec.group_size
     gain = torch.empty(layer.step.shape, device=x2d.device)
-    sums = None if zero is None else torch.empty(layer.step.shape, device=x2d.device)
+    sums = torch.empty(layer.step.shape, device=x2d.device) if with_sums else None
     for r0 in range(0, layer.out_features, rows):
         block = slice(r0, r0 + rows)
         grad_w = torch.mm(grad_out[:, block].t(), x2d).float()
@@ -401,10 +422,7 @@ def _learned_grads(grad_out: torch.Tensor, x2d: torch.Tensor, layer: "PackedLine
             sums[block] = group_view(grad_w, size).sum(-1)
         codes = layer._unpack(layer.qweight[block]).float()  # fp32 first: a uint8 operand makes mul_ 30x slower
         gain[block] = group_view(grad_w.mul_(codes), size).sum(-1)
-    if sums is not None:
-        gain.sub_(zero * sums)
-    gain.mul_(layer.step.float())
-    return gain, sums.mul_(-layer.effective_step()) if shift else None
+    return gain, sums
 
 
 class _PackedMatmul(torch.autograd.Function):

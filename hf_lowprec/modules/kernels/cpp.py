@@ -1,6 +1,7 @@
 """Hand-written C++ CPU kernels of the packed layers: int4 -> int8 unpacking, per-row int8 quantization,
 column maxima, dequantization of int32 products, the tiled dequantize-and-multiply of the ``tiled`` backend, the
-chunked loss's cross-entropy that writes its gradient over the logits, and the gradients of SwiGLU's product.
+chunked loss's cross-entropy that writes its gradient over the logits, the gradients of SwiGLU's product, and the
+per-group weight-gradient sums of learned INT4 steps.
 
 Why by hand: nothing in torch/torchao unpacks INT4 groups to int8 for ``torch._int_mm``, and eager torch ops
 around it make one pass over memory each (an int8 matmul is only worth it when the passes around it are
@@ -13,7 +14,9 @@ an AVX2 CPU, and the dense weight never exists whole. ``cross_entropy_`` exists 
 cross-entropy-with-gradient on CPUs: ``torch.compile`` fuses one (``chunked_loss.py``'s fallback) but brings ~30 MB
 of compiler runtime into the process and a second ``[tokens, vocab]`` buffer for the gradient. ``silu_mul_backward``:
 one pass where eager fp32 torch ops make eight (``training/fused_blocks.py``; 4x faster at 256 x 8192).
-``adamw8bit_``: torchao's 8-bit AdamW step in one pass per block, where its compiled CPU step takes 11x fp32 AdamW's
+``learned_step_sums``: the gradient of a packed layer's learned steps needs only per-group sums of its weight
+gradient, plain and times the codes; torch ops make that gradient whole in fp32, unpack the codes and pass over it
+~6 times (``packed.py``'s ``_learned_grads``). ``adamw8bit_``: torchao's 8-bit AdamW step in one pass per block, where its compiled CPU step takes 11x fp32 AdamW's
 time (``training/adamw8bit.py``); bf16 weights are rounded once, to nearest or stochastically as torchao does.
 
 The kernels build once per machine and CPU flags with the C++ compiler torch uses
@@ -667,6 +670,62 @@ torch::Tensor tiled_linear_grad_input_rows(torch::Tensor g, torch::Tensor qweigh
   });
   return partial.sum(0).to(g.scalar_type());
 }
+// per-group sums of the weight gradient G = g^T x (g [M, N], x [M, K]) that learned INT4 steps need (packed.py's
+// _learned_grads): S[n, j] = sum_{k in group j} G[n, k] inv[k] and C[n, j] = the same sum of G[n, k] inv[k] code[n, k],
+// fp32 [N, groups] each. Parallel over tiles of `tile` weight rows: each thread's BLAS makes its tile of G
+// (single-threaded, cache-resident) and one pass reduces it against the packed codes; G never exists whole
+std::vector<torch::Tensor> learned_step_sums(torch::Tensor g, torch::Tensor x, torch::Tensor qweight,
+                                             c10::optional<torch::Tensor> inv, int64_t gsize, bool is_signed,
+                                             int64_t tile) {
+  const int64_t N = qweight.size(0), K = x.size(1), H = qweight.size(1);
+  check_rows(g, N);
+  check_rows(x, K);
+  TORCH_CHECK(g.scalar_type() == x.scalar_type() && qweight.is_contiguous() && H * 2 == K && gsize % 2 == 0 &&
+              K % gsize == 0, "learned_step_sums: int4 codes [N, K/2] with an even group size dividing K");
+  const int64_t G = K / gsize;
+  auto S = torch::empty({N, G}, g.options().dtype(torch::kFloat));
+  auto C = torch::empty({N, G}, g.options().dtype(torch::kFloat));
+  const bool bf16 = g.scalar_type() == torch::kBFloat16;
+  const float* iv = inv.has_value() ? inv->data_ptr<float>() : nullptr;
+  const uint8_t* qw = qweight.data_ptr<uint8_t>();
+  float* s_out = S.data_ptr<float>();
+  float* c_out = C.data_ptr<float>();
+  const float offset = is_signed ? 8.f : 0.f;  // a signed code is its nibble xor 8, minus 8
+  const int xor_mask = is_signed ? 8 : 0;
+  for_each_tile((N + tile - 1) / tile, tile * K, K, g.options(), [&](int64_t t, torch::Tensor& scratch, float* f) {
+    const int64_t n0 = t * tile, rows = std::min(tile, N - n0);
+    auto gw = scratch.narrow(0, 0, rows * K).view({rows, K});
+    at::mm_out(gw, g.narrow(1, n0, rows).t(), x);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (bf16) {
+        const uint16_t* src = static_cast<const uint16_t*>(gw.data_ptr()) + r * K;
+        #pragma omp simd
+        for (int64_t k = 0; k < K; ++k) f[k] = bf16_to_float(src[k]);
+      } else {
+        std::memcpy(f, gw.data_ptr<float>() + r * K, K * sizeof(float));
+      }
+      if (iv) {
+        #pragma omp simd
+        for (int64_t k = 0; k < K; ++k) f[k] *= iv[k];
+      }
+      const uint8_t* codes = qw + (n0 + r) * H;
+      for (int64_t j = 0; j < G; ++j) {
+        const float* fg = f + j * gsize;
+        const uint8_t* cg = codes + j * gsize / 2;
+        float s = 0.f, c = 0.f;
+        #pragma omp simd reduction(+ : s, c)
+        for (int64_t i = 0; i < gsize / 2; ++i) {
+          const float lo = static_cast<float>((cg[i] & 15) ^ xor_mask), hi = static_cast<float>((cg[i] >> 4) ^ xor_mask);
+          s += fg[2 * i] + fg[2 * i + 1];
+          c += fg[2 * i] * lo + fg[2 * i + 1] * hi;
+        }
+        s_out[(n0 + r) * G + j] = s;
+        c_out[(n0 + r) * G + j] = c - offset * s;
+      }
+    }
+  });
+  return {S, C};
+}
 """
 
 _FUNCTIONS = [
@@ -680,6 +739,7 @@ _FUNCTIONS = [
     "tiled_linear",
     "tiled_linear_grad_input",
     "tiled_linear_grad_input_rows",
+    "learned_step_sums",
 ]
 _state: dict[str, object] = {}
 # -fno-trapping-math (no value changes: FP exceptions never trap here) lets GCC turn the loops' selects (clamps, the
