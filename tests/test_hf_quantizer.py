@@ -15,9 +15,14 @@ PLAN = PrecisionPlan({"lm_head": "bf16", "*.v_proj": "int8"}, default="int4-g64-
 
 
 def test_config_round_trips_the_plan_and_names_a_bad_one():
-    entry = quantization_config_dict(PLAN)
-    assert entry == {"quant_method": "hf_lowprec", "plan": PLAN.to_dict()}
+    model = tiny_llama()
+    apply_plan(model, PLAN)
+    freeze(model)
+    entry = quantization_config_dict(PLAN, model)
+    assert entry == {"quant_method": "hf_lowprec", "plan": PLAN.to_dict(), "exact_kernels": False}
     assert HfLowprecConfig(**{k: v for k, v in entry.items() if k != "quant_method"}).to_dict() == entry
+    next(m for m in model.modules() if isinstance(m, PackedInt4Linear)).learn_steps()  # steps fit to exact kernels
+    assert quantization_config_dict(PLAN, model)["exact_kernels"] is True
     with pytest.raises(ValueError, match="quantization_config.plan: unknown plan key"):
         HfLowprecConfig({"defaults": "int4"})
 
@@ -34,7 +39,7 @@ def test_from_pretrained_rebuilds_the_packed_model(tmp_path):
     model = tiny_llama()
     apply_plan(model, PLAN, learn_scales=False)
     freeze(model)
-    model.config.quantization_config = quantization_config_dict(PLAN)
+    model.config.quantization_config = quantization_config_dict(PLAN, model)
     model.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)  # transformers alone: the quantizer is registered on import
     ids = torch.randint(0, 256, (2, 16))
@@ -65,7 +70,7 @@ def test_quantize_on_load_packs_as_apply_plan_does(tmp_path, dtype):
     assert got.keys() == expected.keys()
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
-    assert packed.config.quantization_config.to_dict() == quantization_config_dict(PLAN)
+    assert packed.config.quantization_config.to_dict() == quantization_config_dict(PLAN, reference)
     packed.save_pretrained(tmp_path / "packed")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "packed")
     ids = torch.randint(0, 256, (2, 16))

@@ -155,7 +155,11 @@ def test_a_base_that_learns_its_steps_trains_them_at_their_rate_and_exports_them
     ids = blocks[-4:]
     reloaded, _ = load_int4_model(tmp_path / "run")  # a plain packed base: steps and zero points folded
     assert not any(p.requires_grad for p in reloaded.parameters())
-    with torch.no_grad():  # on one backend (the trained model ran exact kernels, auto may pick int8 for the reload)
+    reloaded_packed = [m for m in reloaded.modules() if isinstance(m, PackedLinear)]
+    assert len(reloaded_packed) == 14 and all(m.exact_kernels for m in reloaded_packed)  # the folder's config says so
+    with torch.no_grad():
+        reloaded(input_ids=ids)  # backend auto: the exact kernels the steps were learned with, never int8
+        assert all(m.last_backend in ("tiled", "dequant") for m in reloaded_packed)
         again, trained = on_dequant_backend(reloaded)(input_ids=ids), on_dequant_backend(model)(input_ids=ids)
         assert torch.equal(again.logits, trained.logits)
     export_int4_lora(model, tmp_path / "merged", merge=True)  # merging re-quantizes: fresh steps, gains back at one
@@ -246,7 +250,7 @@ def test_only_int4_layers_learn_their_steps(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cpp_group_sums_match_torch_ops(spec, dtype):
     from hf_lowprec.modules.kernels.cpp import cpu_kernels
-    from hf_lowprec.modules.packed import _learned_sums_torch
+    from hf_lowprec.modules.packed import _learned_grads, _learned_sums_torch
 
     torch.manual_seed(0)
     dense = Int4Linear.from_linear(torch.nn.Linear(256, 200), spec, learn_scales=False)
@@ -260,3 +264,7 @@ def test_the_cpp_group_sums_match_torch_ops(spec, dtype):
     ref_products, ref_sums = _learned_sums_torch(g, x, layer, inverse, True, size)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: G is rounded to bf16 by either GEMM, summed in its own order
     assert rel(sums, ref_sums) < tol and rel(products, ref_products) < tol
+    layer.learn_steps()
+    with torch.enable_grad():  # as in a backward that recomputes under grad mode: inputs that require grad
+        gain, _ = _learned_grads(g, x.clone().requires_grad_(), layer, layer.zero is not None)
+    assert torch.equal(gain, _learned_grads(g, x, layer, layer.zero is not None)[0])

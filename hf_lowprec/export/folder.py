@@ -78,7 +78,7 @@ def export_model(
         if learned:
             save_file(learned, tmp / LEARNED_STATE_FILE)
         if weights == "int4-packed":
-            _mark_packed(copy_.config, plan, tmp)
+            _mark_packed(copy_, plan, tmp)
         del copy_
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -124,11 +124,11 @@ def _export_weights(model: nn.Module, weights: str) -> dict:
     }
 
 
-def _mark_packed(config, plan: PrecisionPlan, folder: Path) -> None:
+def _mark_packed(model: nn.Module, plan: PrecisionPlan, folder: Path) -> None:
     """``config.json`` with ``quantization_config`` so transformers rebuilds the packed layers
     (hf_lowprec.export.hf_quantizer)."""
-    config = copy.deepcopy(config)
-    config.quantization_config = quantization_config_dict(plan)
+    config = copy.deepcopy(model.config)
+    config.quantization_config = quantization_config_dict(plan, model)
     config.save_pretrained(folder)
 
 

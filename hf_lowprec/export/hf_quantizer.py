@@ -38,7 +38,7 @@ from hf_lowprec.allocator import freed_memory_returned
 from hf_lowprec.file_pages import file_mappings, release_file_bytes
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import canonical_name, set_module, swap_layers
-from hf_lowprec.modules.packed import compact_steps, packed_class
+from hf_lowprec.modules.packed import PackedLinear, compact_steps, packed_class
 from hf_lowprec.modules.packed_embedding import PackedEmbedding, embedding_scale, share_packed_head, tied_head_names
 from hf_lowprec.plan import PrecisionPlan, is_auto, resolve_plan
 from hf_lowprec.pread_safetensors import read_safetensors
@@ -55,14 +55,20 @@ class HfLowprecConfig(QuantizationConfigMixin):
     dense checkpoint, what to pack while loading: ``None`` (every Linear in ``int4-g64-asym`` but the output head,
     as :func:`hf_lowprec.ondevice.int4_plan`), a format name, a :class:`PrecisionPlan`, its dict, or a plan file. Only
     formats that pack (int4; per-channel ``int8``) and high precision can be applied while loading.
+
+    ``exact_kernels``: in a packed folder's ``config.json``, that its steps were learned with exact kernels
+    (``learn_steps``): its packed layers' ``backend="auto"`` then never picks ``int8``.
     """
 
-    def __init__(self, plan: "PrecisionPlan | dict | str | os.PathLike | None" = None, **kwargs):
+    def __init__(
+        self, plan: "PrecisionPlan | dict | str | os.PathLike | None" = None, exact_kernels: bool = False, **kwargs
+    ):
         self.quant_method = QUANT_METHOD
         self.plan = _plan_argument(plan)
+        self.exact_kernels = bool(exact_kernels)
 
     def to_dict(self) -> dict:
-        return {"quant_method": QUANT_METHOD, "plan": self.plan}
+        return {"quant_method": QUANT_METHOD, "plan": self.plan, "exact_kernels": self.exact_kernels}
 
 
 def _plan_argument(plan) -> "dict | str | None":
@@ -97,7 +103,7 @@ class HfLowprecQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         if self.pre_quantized:
             plan = PrecisionPlan.from_dict(self.quantization_config.plan)
-            install_packed_shells(model, plan)
+            install_packed_shells(model, plan, self.quantization_config.exact_kernels)
         else:
             plan = packing_plan(model, self.quantization_config.plan)
             self.quantization_config.plan = plan.to_dict()  # the folder's config.json says what was packed
@@ -258,9 +264,9 @@ def _packed_layers(model: nn.Module, plan: PrecisionPlan) -> dict[str, FormatSpe
     }
 
 
-def install_packed_shells(model: nn.Module, plan: PrecisionPlan) -> int:
+def install_packed_shells(model: nn.Module, plan: PrecisionPlan, exact_kernels: bool = False) -> int:
     """Replace each ``nn.Linear`` the plan puts in a packed format (int4; per-channel int8) by an empty packed
-    layer of that format (same device/dtype)."""
+    layer of that format (same device/dtype; ``exact_kernels`` as :class:`HfLowprecConfig` says)."""
     packed = _packed_layers(model, plan)
 
     def shell(name: str, fqn: str, module: nn.Module) -> nn.Module | None:
@@ -270,7 +276,9 @@ def install_packed_shells(model: nn.Module, plan: PrecisionPlan) -> int:
         if isinstance(module, nn.Embedding):
             return PackedEmbedding.empty(*w.shape, spec, w.dtype, w.device, module.padding_idx, embedding_scale(module))
         shape = (module.in_features, module.out_features)
-        return packed_class(spec)(*shape, spec, module.bias is not None, w.dtype, w.device)
+        layer = packed_class(spec)(*shape, spec, module.bias is not None, w.dtype, w.device)
+        layer.exact_kernels = exact_kernels
+        return layer
 
     tied = tied_head_names(model)
     count = swap_layers(model, shell)
@@ -279,9 +287,10 @@ def install_packed_shells(model: nn.Module, plan: PrecisionPlan) -> int:
     return count
 
 
-def quantization_config_dict(plan: PrecisionPlan) -> dict:
-    """The ``quantization_config`` entry for ``config.json`` of a packed folder made with ``plan``."""
-    return HfLowprecConfig(plan.to_dict()).to_dict()
+def quantization_config_dict(plan: PrecisionPlan, model: nn.Module) -> dict:
+    """The ``quantization_config`` entry for ``config.json`` of a packed folder made with ``plan`` from ``model``."""
+    exact = any(isinstance(m, PackedLinear) and m.exact_kernels for m in model.modules())
+    return HfLowprecConfig(plan.to_dict(), exact_kernels=exact).to_dict()
 
 
 def register() -> None:

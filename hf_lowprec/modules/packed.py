@@ -393,8 +393,8 @@ def _learned_grads(grad_out: torch.Tensor, x2d: torch.Tensor, layer: "PackedLine
     ext = cpu_kernels() if x2d.device.type == "cpu" and isinstance(layer, PackedInt4Linear) else None
     if ext is not None and grad_out.dtype == x2d.dtype and size % 2 == 0 and layer.in_features % size == 0:
         tile = balanced_tile(layer.out_features, ROW_TILE, layer.in_features)
-        sums, gain = ext.learned_step_sums(
-            grad_out.contiguous(), x2d.contiguous(), layer.qweight.view(torch.uint8), inverse, size,
+        sums, gain = ext.learned_step_sums(  # detached: its GEMM writes into scratch (an out= op autograd refuses)
+            grad_out.detach().contiguous(), x2d.detach().contiguous(), layer.qweight.view(torch.uint8), inverse, size,
             layer.spec.symmetric, tile,
         )
         if zero is None:
@@ -460,6 +460,8 @@ class PackedLinear(nn.Module):
     ``outlier_columns``: input channels per call that the int8 backend multiplies in the activation dtype
     (default ``OUTLIER_COLUMNS``; 0: every channel in int8). ``step_gain``: ``None``, or the trainable fp32 ``[N, G]``
     gain and ``zero_shift`` ``None`` or the trainable fp32 ``[N, G]`` shift of :meth:`learn_steps`.
+    ``exact_kernels``: ``auto`` never picks ``int8`` (set by :meth:`learn_steps`, and on loading a folder whose steps
+    were learned: steps fit to exact kernels lose 0.5-1% of perplexity under int8's re-rounding).
     """
 
     BUFFERS = ("qweight", "step", "zero", "input_scale")  # what a state dict holds for the weight
@@ -495,6 +497,7 @@ class PackedLinear(nn.Module):
         self.backend = backend
         self.last_backend: str | None = None
         self.outlier_columns = OUTLIER_COLUMNS
+        self.exact_kernels = False
         self._cache: dict[str, torch.Tensor | None] = {}
 
     @classmethod
@@ -576,6 +579,7 @@ class PackedLinear(nn.Module):
             self.step_gain = nn.Parameter(torch.ones(self.step.shape, device=self.step.device))
             if self.zero is not None:
                 self.zero_shift = nn.Parameter(torch.zeros(self.step.shape, device=self.step.device))
+            self.exact_kernels = True
             self._cache.clear()
         return [p for p in (self.step_gain, self.zero_shift) if p is not None]
 
@@ -786,7 +790,7 @@ class PackedLinear(nn.Module):
             key = ("auto", x.device.type, x.dtype)  # resolved once per layer, device, dtype (dropped on .to())
             if key not in self._cache:
                 runnable = self.runnable_backends(x)
-                if self.step_gain is not None and len(runnable) > 1:
+                if self.exact_kernels and len(runnable) > 1:
                     # learned steps: exact kernels only (tiled, dequant), not int8, whose per-token int8 activations
                     # add noise the steps cannot fit. SmolLM2-135M, every linear int4-g64-asym + LoftQ + learned steps,
                     # 100 steps of 4x256, seed 0, held-out perplexity trained and evaluated on int8 38.05, on dequant

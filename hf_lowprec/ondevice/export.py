@@ -132,7 +132,7 @@ def export_int4_lora(
         config.dtype = str(merged_dtype).removeprefix("torch.")
     else:
         state, errors = _packed_base_state(base, merge)
-        config.quantization_config = quantization_config_dict(plan)
+        config.quantization_config = quantization_config_dict(plan, base)
     with atomic_output_dir(out_dir, overwrite) as tmp, without_hf_quantizer(base):
         base.save_pretrained(tmp, state_dict=state)
         config.save_pretrained(tmp)  # base.config stays untouched
