@@ -268,3 +268,16 @@ def test_the_cpp_group_sums_match_torch_ops(spec, dtype):
     with torch.enable_grad():  # as in a backward that recomputes under grad mode: inputs that require grad
         gain, _ = _learned_grads(g, x.clone().requires_grad_(), layer, layer.zero is not None)
     assert torch.equal(gain, _learned_grads(g, x, layer, layer.zero is not None)[0])
+
+
+def test_auto_times_a_learning_layer_apart_and_never_picks_int8():
+    from hf_lowprec.modules.kernels import autotune
+
+    layer = learning("int4-g64-asym")
+    x = torch.randn(4, 128)
+    exact = {name for name in layer.runnable_backends(x) if name != "int8"}
+    chosen = layer.resolve_backend(x)
+    assert chosen in exact
+    if len(exact) > 1:  # measured without int8, under a key of its own (an int8-capable CPU times int8 for the others)
+        entry = autotune.measured()["packed:PackedInt4Linear:int4-g64-asym:96x128:float32:exact"]
+        assert entry["value"] == chosen and set(entry["seconds"]) == exact

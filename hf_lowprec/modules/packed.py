@@ -832,7 +832,7 @@ class PackedLinear(nn.Module):
             return forward(x, self), grad_input(probe["g"], self)
 
         key = f"packed:{type(self).__name__}:{self.spec.name}:{self.out_features}x{self.in_features}:{str(dtype)[6:]}"
-        key += "" if "int8" in runnable else ":exact"  # timed without int8 (learned steps): kept apart
+        key += ":exact" if self.exact_kernels else ""  # timed without int8 (learned steps): kept apart
         return fastest(key, {name: (lambda name=name: run(name)) for name in runnable}, _backend_reason)
 
     # ------------------------------------------------------------------------------- compute

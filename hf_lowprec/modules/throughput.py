@@ -1,8 +1,9 @@
 """Throughput of each CPU kernel on one linear shape, as GFLOP/s and as a ratio to the fp32 GEMM.
 
 What ``hf-lowprec env`` prints and ``benchmarks/kernel_speed.py`` records per shape: the dense GEMMs (fp32, bf16,
-int8 ``torch._int_mm``), torch's own weight-only int4/int8 CPU kernels, and the packed layers' backends,
-forward (``y = x W^T``) and grad-input (``g W``) timed separately, one after the other in one process.
+int8 ``torch._int_mm``), torch's own weight-only int4/int8 CPU kernels, the packed layers' backends,
+forward (``y = x W^T``) and grad-input (``g W``) timed separately, and the gradient of learned steps (a weight-gradient
+GEMM reduced to per-group sums: the C++ kernel, and torch ops), one after the other in one process.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from hf_lowprec.formats import FormatSpec, int_steps, quantize_int
 from hf_lowprec.modules.kernels.autotune import time_calls
 from hf_lowprec.modules.kernels.cpu import cpu_info
-from hf_lowprec.modules.packed import KERNELS, PackedInt4Linear
+from hf_lowprec.modules.packed import KERNELS, PackedInt4Linear, _learned_grads, _learned_sums_torch
 
 SPEC = "int4-g64-asym"
 
@@ -44,6 +45,10 @@ def kernel_candidates(m: int, k: int, n: int, torch_int4: bool = True) -> dict[s
         calls["torch int4pack_mm"] = lambda: torch._weight_int4pack_mm_for_cpu(x, packed, spec.group_size, scales_zeros)
         w8, row = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)
         calls["torch int8pack_mm"] = lambda: torch._weight_int8pack_mm(x, w8, row)
+    learning = PackedInt4Linear.from_codes(quantize_int(w, spec, step, zero), step, zero, spec, None, torch.float32)
+    learning.learn_steps()  # the weight-gradient GEMM and per-group sums its learned steps take per call
+    calls["learned steps/grad"] = lambda: _learned_grads(g, x, learning, True)
+    calls["learned steps/grad torch ops"] = lambda: _learned_sums_torch(g, x, learning, None, True, spec.group_size)
     for backend in layer.runnable_backends(x):
         forward, grad_input = KERNELS[backend]
         # a new version of x per call, as in training: the int8 backend's rows of the last call are not reused
