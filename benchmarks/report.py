@@ -221,8 +221,8 @@ def claims(conv_res: dict, layers: dict | None, memory: dict | None, ondevice: d
             else:
                 verdicts.append(verdict_within(ratio - 1, rstd, 0.005))
                 text += f"{ratio:.4f}x ± {rstd:.4f} bf16's (target ≤ 1.005x)"
-            others = "; ".join(f"{n} {r['ppl_after_vs_bf16']:.4f}x" + (f" (exported {r['master_in_bf16_vs_bf16']:.4f}x)"
-                               if "master_in_bf16_vs_bf16" in r else "")
+            others = "; ".join(f"{n} {r['ppl_after_vs_bf16']:.4f}x" + (f" (exported {exported(r):.4f}x)"
+                               if exported(r) else "")
                                for n, r in runs.items() if r is not recipe and n != "bf16")  # fmt: skip
             text += f" (other runs served as trained: {others})"
         quality = (load("outliers") or {}).get("quality") or {}
@@ -297,15 +297,19 @@ def finetune_quality_section(fq: dict | None, title: str = "Fine-tuning quality 
         return lines + ["not measured\n"]
     seeds = fq.get("seeds", [fq.get("seed")])
     master_measured = any("master_in_bf16_vs_bf16" in r for r in fq["results"].values())
+    packed_measured = any("int4_packed_vs_bf16" in r for r in fq["results"].values())
     lines += [
         f"SmolLM2-135M-Instruct, {fq['steps']} steps of {fq['batch']}x{fq['block']} Shakespeare tokens, {_seeds_text(seeds)} "
         f"(data order; LoRA initialization), held-out perplexity on {fq['eval_blocks']} blocks of two unseen plays. Full "
         "fine-tuning at lr 2e-5; INT4 LoRA trains only its adapters (lr 2e-4). Means ± standard deviation over the seeds; "
         "the ratio to bf16 is paired by seed." + (" 'Weights in bf16': the run's trained master weights evaluated with "
         "its low-precision layers reverted (what the fp8-train recipe exports), against bf16's run." if master_measured else "")
+        + (" 'INT4 packed': its INT4 layers as their packed codes, the others' master weights (what the auto-mixed "
+           "recipe exports)." if packed_measured else "")
         + "\n",
-        "| run | ppl before | ppl after | vs bf16 |" + (" weights in bf16 vs bf16 |" if master_measured else "") + " plan |",
-        "|---|---|---|---|" + ("---|" if master_measured else "") + "---|",
+        "| run | ppl before | ppl after | vs bf16 |" + (" weights in bf16 vs bf16 |" if master_measured else "")
+        + (" INT4 packed vs bf16 |" if packed_measured else "") + " plan |",
+        "|---|---|---|---|" + ("---|" if master_measured else "") + ("---|" if packed_measured else "") + "---|",
     ]
     for name, r in fq["results"].items():
         plan = ", ".join(f"{k} {v:.0%}" for k, v in r.get("plan_fractions", {}).items()) or "—"
@@ -317,8 +321,17 @@ def finetune_quality_section(fq: dict | None, title: str = "Fine-tuning quality 
         if master_measured:
             master = " — |" if "master_in_bf16_vs_bf16" not in r else \
                 f" {r['master_in_bf16_vs_bf16']:.4f}x ± {r['master_in_bf16_vs_bf16_std']:.4f} |"
+        if packed_measured:
+            master += " — |" if "int4_packed_vs_bf16" not in r else \
+                f" {r['int4_packed_vs_bf16']:.4f}x ± {r['int4_packed_vs_bf16_std']:.4f} |"
         lines.append(f"| {name} | {r['ppl_before']:.2f} | {after} | {vs} |{master} {plan} |")
     return lines + [""]
+
+
+def exported(run: dict) -> float | None:
+    """A full fine-tuning run's ratio to bf16 as its recipe exports it: INT4 layers packed and the rest master weights
+    (export ``auto`` with INT4 layers in the plan), else master weights; ``None`` when not measured."""
+    return run.get("int4_packed_vs_bf16", run.get("master_in_bf16_vs_bf16"))
 
 
 def outliers_section(data: dict | None) -> list[str]:

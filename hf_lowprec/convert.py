@@ -230,12 +230,13 @@ def freeze(model: nn.Module) -> int:
     (:func:`~hf_lowprec.modules.packed_embedding.share_packed_head`)."""
     tied = tied_head_names(model)
     tied_embedding = tied[1] if tied is not None else None
-    return swap_layers(model, lambda name, fqn, m: m.freeze() if _packs(m) and fqn != tied_embedding else None)
+    return swap_layers(model, lambda name, fqn, m: m.freeze() if packs_when_frozen(m) and fqn != tied_embedding else None)
 
 
 def _revertible(module: nn.Module) -> bool:
     return isinstance(module, LOW_PRECISION_TYPES) and not isinstance(module, FROZEN_TYPES)
 
 
-def _packs(module: nn.Module) -> bool:
+def packs_when_frozen(module: nn.Module) -> bool:
+    """Whether :func:`freeze` packs ``module`` (an ``Int4Linear``/``Int4Embedding`` of a format that packs)."""
     return isinstance(module, (Int4Linear, Int4Embedding)) and packed_class(module.spec) is not None

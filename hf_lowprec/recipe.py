@@ -46,7 +46,7 @@ SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 # TrainingArguments.optim names: fp32 AdamW, or 8-bit states (torchao's; one C++ pass per step on CPUs with int4-lora)
 OPTIMIZERS = ("adamw_torch", "adamw_torch_8bit")
 LORA_INITS = ("default", "loftq")
-EXPORT_WEIGHTS = ("master", "int4-packed")
+EXPORT_WEIGHTS = ("master", "int4-packed", "auto")  # hf_lowprec.export.folder.export_model says what each writes
 
 
 def _choices(*values: str) -> dict:
@@ -201,7 +201,8 @@ class DataSection:
 
 @dataclass(frozen=True)
 class ExportSection:
-    """What ``export`` writes: ``master`` (high-precision weights + plan) or ``int4-packed`` (real INT4 codes)."""
+    """What ``export`` writes: ``master`` (high-precision weights + plan), ``int4-packed`` (real INT4 codes, other
+    layers' master weights) or ``auto`` (``int4-packed`` when the plan has INT4 layers, else ``master``)."""
 
     weights: str = field(default="master", metadata=_choices(*EXPORT_WEIGHTS))
     merge_lora: bool = False

@@ -18,6 +18,7 @@ from hf_lowprec.checkpoints import load_pretrained
 from hf_lowprec.export import (
     CARD_FILE,
     PLAN_FILE,
+    RUN_FILE,
     export_model,
     export_run,
     hardware_info,
@@ -36,10 +37,10 @@ def base_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("base") / "tiny")
 
 
-def _trained(base_dir, fmt: str, steps: int = 3):
-    """The tiny model with ``fmt`` on every linear but the head, trained a few AdamW steps."""
+def _trained(base_dir, fmt: str | PrecisionPlan, steps: int = 3):
+    """The tiny model with ``fmt`` on every linear but the head (or with plan ``fmt``), trained a few AdamW steps."""
     model, tok = load_pretrained(base_dir)
-    apply_plan(model, PrecisionPlan.uniform(fmt, keep=("lm_head",)))
+    apply_plan(model, fmt if isinstance(fmt, PrecisionPlan) else PrecisionPlan.uniform(fmt, keep=("lm_head",)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0)
     for _ in range(steps):
@@ -107,6 +108,27 @@ def test_qat_int4_export_is_real_packed_int4_and_reloads_the_same_logits(base_di
         torch.testing.assert_close(loaded(IDS).logits, model(IDS).logits, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match=r"needs int4 \(or per-channel int8\) layers"):
         export_model(_trained(base_dir, "fp8", 0)[0], tok, tmp_path / "none", _run_record(), weights="int4-packed")
+
+
+def test_auto_export_packs_the_int4_layers_of_a_mixed_plan_and_writes_master_weights_without_them(base_dir, tmp_path):
+    mixed = PrecisionPlan({"lm_head": "bf16", "*.mlp.*": "int4-g64"}, default="fp8")
+    model, tok = _trained(base_dir, mixed)
+    out = export_model(model, tok, tmp_path / "mixed", _run_record(), weights="auto")
+    assert json.loads((out / RUN_FILE).read_text())["export"]["weights"] == "int4-packed"
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert isinstance(loaded.model.layers[0].mlp.up_proj, PackedInt4Linear)
+    assert type(loaded.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # FP8 layers: their master weights
+    reference = copy.deepcopy(model)
+    freeze(reference)  # INT4 layers as trained, as codes ...
+    revert(reference)  # ... the FP8 ones back to plain layers
+    for m in list(reference.modules()) + list(loaded.modules()):
+        if isinstance(m, PackedInt4Linear):
+            m.backend = "dequant"
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, reference(IDS).logits)
+    fp8, _ = _trained(base_dir, "fp8", 0)
+    out = export_model(fp8, tok, tmp_path / "fp8", _run_record(), weights="auto")
+    assert json.loads((out / RUN_FILE).read_text())["export"]["weights"] == "master"
 
 
 def test_model_card_metadata_and_body(base_dir, tmp_path):

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hf_lowprec.checkpoints import load_pretrained
-from hf_lowprec.convert import apply_plan, freeze, revert
+from hf_lowprec.convert import apply_plan, freeze, packs_when_frozen, revert
 from hf_lowprec.export.card import render_model_card
 from hf_lowprec.export.compressed_tensors import write_compressed_tensors
 from hf_lowprec.export.hf_quantizer import quantization_config_dict
@@ -25,10 +25,10 @@ from hf_lowprec.folders import atomic_output_dir
 from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, PackedInt4Linear, PackedInt8Linear
 from hf_lowprec.ondevice import ADAPTER_DIR, MERGE_DTYPES, MERGE_FILE, export_int4_lora, load_int4_model
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
+from hf_lowprec.recipe import EXPORT_WEIGHTS
 
 logger = logging.getLogger(__name__)
 
-EXPORT_WEIGHTS = ("master", "int4-packed")
 LEARNED_STATE_FILE = "hf_lowprec_learned_state.safetensors"  # a master export's INT4 steps and smoothing scales
 EXPORT_FORMATS = ("native", "compressed-tensors")  # export_run: the run's own files, or compressed-tensors
 
@@ -49,10 +49,14 @@ def export_model(
     """Write ``model`` (its plan applied) as a publishable folder at ``out``, atomically; returns ``out``.
 
     ``weights``: ``master`` (plain high-precision weights; FP8/INT4 layers reverted on a copy, what they learned
-    besides their weights, INT4 steps and smoothing scales, in ``LEARNED_STATE_FILE``) or
+    besides their weights, INT4 steps and smoothing scales, in ``LEARNED_STATE_FILE``),
     ``int4-packed`` (INT4 layers frozen to packed codes on a copy, other layers as master weights;
     ``config.json`` gets ``quant_method: hf_lowprec`` so ``from_pretrained`` rebuilds them after
-    ``import hf_lowprec``). A PEFT model from ``finetune.prepare_int4_lora`` is saved by
+    ``import hf_lowprec``), or ``auto``: ``int4-packed`` when the plan put layers in INT4, else ``master`` (the run
+    record says which). A trained INT4 layer's master weight is not what it learned: its forward saw the
+    quantized weight, and its updates, far below an INT4 step, barely move the codes while its learned steps
+    adapt the grid (SmolLM2-135M, the auto-mixed recipe's plan, 200 steps, 3 seeds: served as trained 1.027x bf16's
+    perplexity, ``int4-packed`` 1.021x, ``master`` 1.051x; ``benchmarks/finetune_quality.py``). A PEFT model from ``finetune.prepare_int4_lora`` is saved by
     ``finetune.export_int4_lora``: packed base + adapters, or with ``merge`` the adapters merged and re-quantized
     (``merged_dtype`` ``bf16``/``fp32``: merged into a plain dense model instead).
     ``run``: the run record (see the module docstring); its ``plan``/``layers``/``export`` are filled in here.
@@ -62,6 +66,9 @@ def export_model(
         raise ValueError(f"export weights {weights!r}: choose one of {', '.join(EXPORT_WEIGHTS)}")
     peft = getattr(model, "peft_config", None) is not None
     base = model.get_base_model() if peft else model
+    if weights == "auto":
+        weights = "int4-packed" if any(packs_when_frozen(m) for m in base.modules()) else "master"
+        logger.info("export weights auto: %s", weights)
     plan = getattr(base, "hf_lowprec_plan", None) or PrecisionPlan()
     run = dict(run)
     run["plan"] = plan.to_dict()

@@ -16,7 +16,8 @@ of compiler runtime into the process and a second ``[tokens, vocab]`` buffer for
 one pass where eager fp32 torch ops make eight (``training/fused_blocks.py``; 4x faster at 256 x 8192).
 ``learned_step_sums``: the gradient of a packed layer's learned steps needs only per-group sums of its weight
 gradient, plain and times the codes; torch ops make that gradient whole in fp32, unpack the codes and pass over it
-~6 times (``packed.py``'s ``_learned_grads``). ``adamw8bit_``: torchao's 8-bit AdamW step in one pass per block, where its compiled CPU step takes 11x fp32 AdamW's
+~6 times (``packed.py``'s ``_learned_grads``; 2.1-3.5x slower at Llama-3.2-1B shapes, ``benchmarks/kernel_speed.py``).
+``adamw8bit_``: torchao's 8-bit AdamW step in one pass per block, where its compiled CPU step takes 11x fp32 AdamW's
 time (``training/adamw8bit.py``); bf16 weights are rounded once, to nearest or stochastically as torchao does.
 
 The kernels build once per machine and CPU flags with the C++ compiler torch uses
@@ -670,6 +671,7 @@ torch::Tensor tiled_linear_grad_input_rows(torch::Tensor g, torch::Tensor qweigh
   });
   return partial.sum(0).to(g.scalar_type());
 }
+
 // per-group sums of the weight gradient G = g^T x (g [M, N], x [M, K]) that learned INT4 steps need (packed.py's
 // _learned_grads): S[n, j] = sum_{k in group j} G[n, k] inv[k] and C[n, j] = the same sum of G[n, k] inv[k] code[n, k],
 // fp32 [N, groups] each. Parallel over tiles of `tile` weight rows: each thread's BLAS makes its tile of G
