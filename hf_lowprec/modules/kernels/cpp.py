@@ -16,7 +16,8 @@ of compiler runtime into the process and a second ``[tokens, vocab]`` buffer for
 one pass where eager fp32 torch ops make eight (``training/fused_blocks.py``; 4x faster at 256 x 8192).
 ``learned_step_sums``: the gradient of a packed layer's learned steps needs only per-group sums of its weight
 gradient, plain and times the codes; torch ops make that gradient whole in fp32, unpack the codes and pass over it
-~6 times (``packed.py``'s ``_learned_grads``; 2.1-3.5x slower at Llama-3.2-1B shapes, ``benchmarks/kernel_speed.py``).
+~6 times (``packed.py``'s ``_learned_grads``): at Llama-3.2-1B shapes and 256 tokens in fp32 they take 1.0-1.7x this
+kernel's time (``benchmarks/kernel_speed.py``); in bf16 the 1B recipe's step went from 7.94 to 4.20 s (``scale.py``).
 ``adamw8bit_``: torchao's 8-bit AdamW step in one pass per block, where its compiled CPU step takes 11x fp32 AdamW's
 time (``training/adamw8bit.py``); bf16 weights are rounded once, to nearest or stochastically as torchao does.
 
@@ -693,33 +694,40 @@ std::vector<torch::Tensor> learned_step_sums(torch::Tensor g, torch::Tensor x, t
   float* s_out = S.data_ptr<float>();
   float* c_out = C.data_ptr<float>();
   const float offset = is_signed ? 8.f : 0.f;  // a signed code is its nibble xor 8, minus 8
-  const int xor_mask = is_signed ? 8 : 0;
-  for_each_tile((N + tile - 1) / tile, tile * K, K, g.options(), [&](int64_t t, torch::Tensor& scratch, float* f) {
+  const uint8_t xor_mask = is_signed ? 8 : 0;
+  // scratch floats: a row of G in fp32 (when it must be converted or scaled), then the row's codes as floats
+  for_each_tile((N + tile - 1) / tile, tile * K, 2 * K, g.options(), [&](int64_t t, torch::Tensor& scratch, float* f) {
     const int64_t n0 = t * tile, rows = std::min(tile, N - n0);
     auto gw = scratch.narrow(0, 0, rows * K).view({rows, K});
     at::mm_out(gw, g.narrow(1, n0, rows).t(), x);
+    float* codes = f + K;
     for (int64_t r = 0; r < rows; ++r) {
+      const float* row = f;
       if (bf16) {
         const uint16_t* src = static_cast<const uint16_t*>(gw.data_ptr()) + r * K;
         #pragma omp simd
-        for (int64_t k = 0; k < K; ++k) f[k] = bf16_to_float(src[k]);
-      } else {
-        std::memcpy(f, gw.data_ptr<float>() + r * K, K * sizeof(float));
-      }
-      if (iv) {
+        for (int64_t k = 0; k < K; ++k) f[k] = bf16_to_float(src[k]) * (iv ? iv[k] : 1.f);
+      } else if (iv) {
+        const float* src = gw.data_ptr<float>() + r * K;
         #pragma omp simd
-        for (int64_t k = 0; k < K; ++k) f[k] *= iv[k];
+        for (int64_t k = 0; k < K; ++k) f[k] = src[k] * iv[k];
+      } else {
+        row = gw.data_ptr<float>() + r * K;
       }
-      const uint8_t* codes = qw + (n0 + r) * H;
+      const uint8_t* packed = qw + (n0 + r) * H;
+      #pragma omp simd
+      for (int64_t i = 0; i < H; ++i) {
+        codes[2 * i] = static_cast<float>((packed[i] & 15) ^ xor_mask);
+        codes[2 * i + 1] = static_cast<float>((packed[i] >> 4) ^ xor_mask);
+      }
       for (int64_t j = 0; j < G; ++j) {
-        const float* fg = f + j * gsize;
-        const uint8_t* cg = codes + j * gsize / 2;
+        const float* fg = row + j * gsize;
+        const float* cg = codes + j * gsize;
         float s = 0.f, c = 0.f;
         #pragma omp simd reduction(+ : s, c)
-        for (int64_t i = 0; i < gsize / 2; ++i) {
-          const float lo = static_cast<float>((cg[i] & 15) ^ xor_mask), hi = static_cast<float>((cg[i] >> 4) ^ xor_mask);
-          s += fg[2 * i] + fg[2 * i + 1];
-          c += fg[2 * i] * lo + fg[2 * i + 1] * hi;
+        for (int64_t k = 0; k < gsize; ++k) {
+          s += fg[k];
+          c += fg[k] * cg[k];
         }
         s_out[(n0 + r) * G + j] = s;
         c_out[(n0 + r) * G + j] = c - offset * s;
