@@ -124,3 +124,31 @@ def test_a_view_of_stored_memory_in_another_layout_is_rebuilt_from_the_stored_co
     exact = torch.autograd.grad(attention_then_projection(lambda o: o.transpose(1, 2).reshape(1, 32, 64)), (projected, w))
     for got, ref in zip(viewed[1:], exact):
         assert ((got - ref).norm() / ref.norm()).item() < 0.03
+
+
+def test_a_tensor_saved_by_several_ops_is_rebuilt_once_for_all_of_them(monkeypatch):
+    """q, k and v's projections (and their adapters) save one input: backward rebuilds its 8-bit copy once, shares it,
+    and drops it after the last reader; walked again (retain_graph), the graph rebuilds it for each reader."""
+    from hf_lowprec.training import activations
+
+    rebuilt = []
+    real = activations._Packed.unpack
+    monkeypatch.setattr(activations._Packed, "unpack", lambda self: rebuilt.append(self) or real(self))
+    torch.manual_seed(0)
+    x = torch.randn(16, 64)
+    weights = [torch.randn(32, 64, requires_grad=True) for _ in range(3)]
+    storage = ActivationStorage(fmt="int8", min_numel=1)
+    with storage:
+        loss = sum((F.linear(x, w) * scale).sum() for w, scale in zip(weights, (1, 2, 3)))  # each saves x
+    assert storage.stored_bytes == 16 * 64 + 16 * 4  # stored once
+    loss.backward(retain_graph=True)
+    assert len(rebuilt) == 1 and rebuilt[0].rebuilt is None  # one rebuild, released after the third reader
+    copy = real(rebuilt[0])  # the int8 round trip of x
+    assert not torch.equal(copy, x)
+    first = [w.grad.clone() for w in weights]
+    for scale, got in zip((1, 2, 3), first):
+        torch.testing.assert_close(got, torch.full((32, 16), float(scale)) @ copy, rtol=1e-5, atol=1e-5)
+    for w in weights:
+        w.grad = None
+    loss.backward()
+    assert len(rebuilt) == 1 + 3 and all(torch.equal(w.grad, g) for w, g in zip(weights, first))  # once per reader

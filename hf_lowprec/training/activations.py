@@ -95,12 +95,34 @@ def fp8_row_kernels():
     return pack, unpack
 
 
-class _Packed:
+class _Stored:
+    """What a saved tensor became. :meth:`take` rebuilds it once for every op that saved it (``uses``; q, k and v's
+    projections, their LoRA adapters and a packed base learning its steps all save one input): the rebuilt tensor is
+    kept until the last of them has taken it, then dropped. A graph walked again (``retain_graph``) rebuilds it for
+    each reader."""
+
+    __slots__ = ("uses", "rebuilt")
+
+    def __init__(self):
+        self.uses, self.rebuilt = 1, None
+
+    def take(self) -> torch.Tensor:
+        out = self.rebuilt if self.rebuilt is not None else self.unpack()
+        self.uses -= 1
+        self.rebuilt = out if self.uses > 0 else None
+        return out
+
+    def unpack(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _Packed(_Stored):
     """An 8-bit copy of a saved tensor: codes ``[R, C]``, row scales ``[R, 1]`` fp32, original shape and dtype."""
 
     __slots__ = ("codes", "scale", "shape", "dtype", "__weakref__")
 
     def __init__(self, t: torch.Tensor, code_dtype: torch.dtype):
+        super().__init__()
         self.shape, self.dtype = t.shape, t.dtype
         rows = t.detach().reshape(-1, t.shape[-1])
         self.codes = torch.empty(rows.shape, dtype=code_dtype, device=rows.device)
@@ -125,19 +147,20 @@ class _Packed:
         return self.codes.numel() * self.codes.element_size() + self.scale.numel() * 4
 
 
-class _Derived:
+class _Derived(_Stored):
     """A saved view ``(shape, stride, offset)`` of ``fn(*inputs)``, rebuilt from the inputs' stored copies."""
 
     __slots__ = ("fn", "inputs", "geometry", "__weakref__")
 
     def __init__(self, fn, inputs: tuple[_Packed, ...], t: torch.Tensor):
+        super().__init__()
         self.fn, self.inputs, self.geometry = fn, inputs, (t.shape, t.stride(), t.storage_offset())
 
     def unpack(self) -> torch.Tensor:
         return self.fn(*(x.unpack() for x in self.inputs)).as_strided(*self.geometry)
 
 
-class _Alias:
+class _Alias(_Stored):
     """A saved view of memory that another saved view stored already, rebuilt from that copy: attention's output,
     stored by SDPA as ``[B, H, T, D]`` over ``[B, T, H, D]`` memory and saved again by the output projection as
     ``[B x T, H x D]`` (Llama-3.2-1B: 0.5 MB a layer per 256 tokens in int8)."""
@@ -145,6 +168,7 @@ class _Alias:
     __slots__ = ("stored", "memory", "geometry", "__weakref__")
 
     def __init__(self, stored: _Packed, memory: tuple, t: torch.Tensor):
+        super().__init__()
         self.stored, self.memory, self.geometry = stored, memory, (t.shape, t.stride())
 
     def unpack(self) -> torch.Tensor:
@@ -197,6 +221,7 @@ class ActivationStorage:
         base, key = view_key(t)
         stored = self._lookup(base, key, t._version)
         if stored is not None:
+            stored.uses += 1
             return stored
         derived = self._derived.get(id(base))
         span = (id(base), t.storage_offset(), t.numel(), t.dtype) if _covers_its_span(t) else None
@@ -248,7 +273,7 @@ class ActivationStorage:
 
     @staticmethod
     def _unpack(saved):
-        return saved.unpack() if isinstance(saved, (_Packed, _Derived, _Alias)) else saved
+        return saved.take() if isinstance(saved, _Stored) else saved
 
     def __enter__(self):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
