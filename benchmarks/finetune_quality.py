@@ -51,7 +51,7 @@ from outliers import exact_operand
 
 from hf_lowprec import PrecisionPlan, apply_plan, freeze, revert
 from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
-from hf_lowprec.modules.int4 import Int4Linear
+from hf_lowprec.convert import packs_when_frozen
 from hf_lowprec.ondevice import evaluate_loss, prepare_int4_lora
 from hf_lowprec.ondevice.calibration.fp8 import round_fp8_weights
 from hf_lowprec.recipe import load_recipe
@@ -103,10 +103,12 @@ def train_steps(model, params, lr: float, train: torch.Tensor, steps: int, batch
                 step_lr_scale: float = 1.0):
     """``steps`` AdamW steps on blocks of ``train`` in the seed's order, the INT4 layers' learned steps at
     ``step_lr_scale`` times ``lr``; ``(losses, seconds)``."""
-    learned = {id(p) for n, p in model.named_parameters() if n.endswith("weight_quantizer.step")}
-    groups = [{"params": [p for p in params if id(p) not in learned or step_lr_scale == 1.0]}]
+    faster = set()
     if step_lr_scale != 1.0:
-        groups.append({"params": [p for p in params if id(p) in learned], "lr": lr * step_lr_scale})
+        faster = {id(p) for n, p in model.named_parameters() if n.endswith("weight_quantizer.step")}
+    groups = [{"params": [p for p in params if id(p) not in faster]}]
+    if faster:
+        groups.append({"params": [p for p in params if id(p) in faster], "lr": lr * step_lr_scale})
     opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
     losses, t = [], time.perf_counter()
@@ -140,7 +142,7 @@ def run(name: str, steps: int, seed: int = SEED, batch: int = BATCH) -> dict:
         with amp():
             eval_after = evaluate_loss(model, evals, BATCH)
     if name not in ("bf16", "int4 LoRA"):
-        if any(isinstance(m, Int4Linear) for m in model.modules()):  # what export 'int4-packed' writes
+        if any(packs_when_frozen(m) for m in model.modules()):  # what export 'int4-packed' writes
             packed = copy.deepcopy(model)
             freeze(packed)  # INT4 layers as their packed codes ...
             revert(packed)  # ... the others with their master weights

@@ -261,7 +261,7 @@ def test_the_cpp_group_sums_match_torch_ops(spec, dtype):
     g, x = torch.randn(45, 200, dtype=dtype), torch.randn(45, 256, dtype=dtype)
     codes = layer.qweight.view(torch.uint8)
     sums, products = cpu_kernels().learned_step_sums(g, x, codes, inverse, size, layer.spec.symmetric, 64)
-    ref_products, ref_sums = _learned_sums_torch(g, x, layer, inverse, True, size)
+    ref_sums, ref_products = _learned_sums_torch(g, x, layer, inverse, True, size)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: G is rounded to bf16 by either GEMM, summed in its own order
     assert rel(sums, ref_sums) < tol and rel(products, ref_products) < tol
     layer.learn_steps()

@@ -400,7 +400,7 @@ def _learned_grads(grad_out: torch.Tensor, x2d: torch.Tensor, layer: "PackedLine
         if zero is None:
             sums = None
     else:
-        gain, sums = _learned_sums_torch(grad_out, x2d, layer, inverse, zero is not None, size)
+        sums, gain = _learned_sums_torch(grad_out, x2d, layer, inverse, zero is not None, size)
     if sums is not None:
         gain.sub_(zero * sums)
     gain.mul_(layer.step.float())
@@ -408,7 +408,7 @@ def _learned_grads(grad_out: torch.Tensor, x2d: torch.Tensor, layer: "PackedLine
 
 
 def _learned_sums_torch(grad_out, x2d, layer: "PackedLinear", inverse, with_sums: bool, size: int):
-    """``(C, S or None)`` of :func:`_learned_grads` by torch ops, ``CHUNK_ELEMENTS`` weight elements at a time: where
+    """``(S or None, C)`` of :func:`_learned_grads` (the C++ kernel's order) by torch ops, ``CHUNK_ELEMENTS`` weight elements at a time: where
     the C++ kernel does not run (int8 layers, no kernels, mixed dtypes)."""
     rows = max(1, CHUNK_ELEMENTS // layer.in_features)
     gain = torch.empty(layer.step.shape, device=x2d.device)
@@ -422,7 +422,7 @@ def _learned_sums_torch(grad_out, x2d, layer: "PackedLinear", inverse, with_sums
             sums[block] = group_view(grad_w, size).sum(-1)
         codes = layer._unpack(layer.qweight[block]).float()  # fp32 first: a uint8 operand makes mul_ 30x slower
         gain[block] = group_view(grad_w.mul_(codes), size).sum(-1)
-    return gain, sums
+    return sums, gain
 
 
 class _PackedMatmul(torch.autograd.Function):

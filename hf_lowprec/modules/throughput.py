@@ -37,15 +37,15 @@ def kernel_candidates(m: int, k: int, n: int, torch_int4: bool = True) -> dict[s
         calls["int8 _int_mm"] = lambda: torch._int_mm(a8, b8)
     spec = FormatSpec.parse(SPEC)
     step, zero = int_steps(w, spec)
-    layer = PackedInt4Linear.from_codes(quantize_int(w, spec, step, zero), step, zero, spec, None, torch.float32)
+    codes = quantize_int(w, spec, step, zero)
+    layer = PackedInt4Linear.from_codes(codes, step, zero, spec, None, torch.float32)
     if torch_int4:
-        codes = quantize_int(w, spec, step, zero).to(torch.int32)
-        packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         scales_zeros = torch.stack([step, (8 - zero) * step], -1).transpose(0, 1).contiguous()  # [G, N, 2]
         calls["torch int4pack_mm"] = lambda: torch._weight_int4pack_mm_for_cpu(x, packed, spec.group_size, scales_zeros)
         w8, row = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)
         calls["torch int8pack_mm"] = lambda: torch._weight_int8pack_mm(x, w8, row)
-    learning = PackedInt4Linear.from_codes(quantize_int(w, spec, step, zero), step, zero, spec, None, torch.float32)
+    learning = PackedInt4Linear.from_codes(codes, step, zero, spec, None, torch.float32)
     learning.learn_steps()  # the weight-gradient GEMM and per-group sums its learned steps take per call
     calls["learned steps/grad"] = lambda: _learned_grads(g, x, learning, True)
     calls["learned steps/grad torch ops"] = lambda: _learned_sums_torch(g, x, learning, None, True, spec.group_size)

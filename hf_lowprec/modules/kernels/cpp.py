@@ -17,7 +17,8 @@ one pass where eager fp32 torch ops make eight (``training/fused_blocks.py``; 4x
 ``learned_step_sums``: the gradient of a packed layer's learned steps needs only per-group sums of its weight
 gradient, plain and times the codes; torch ops make that gradient whole in fp32, unpack the codes and pass over it
 ~6 times (``packed.py``'s ``_learned_grads``): at Llama-3.2-1B shapes and 256 tokens in fp32 they take 1.0-1.7x this
-kernel's time (``benchmarks/kernel_speed.py``); in bf16 the 1B recipe's step went from 7.94 to 4.20 s (``scale.py``).
+kernel's time (``benchmarks/kernel_speed.py``); in bf16 the 1B recipe's step went from 7.94 to 4.20 s (``scale.py``;
+both on a 2-core AVX512-BF16 EPYC).
 ``adamw8bit_``: torchao's 8-bit AdamW step in one pass per block, where its compiled CPU step takes 11x fp32 AdamW's
 time (``training/adamw8bit.py``); bf16 weights are rounded once, to nearest or stochastically as torchao does.
 
