@@ -45,7 +45,7 @@ def test_the_class_variable_restricts_the_capabilities(monkeypatch):
 def test_no_native_bf16_means_fp32_compute_without_timing(monkeypatch):
     monkeypatch.setattr(autotune, "cpu_info", lambda: AVX2_ONLY)
     autotune._cpu_compute_dtype.cache_clear()
-    monkeypatch.setattr(autotune, "time_calls", lambda calls, repeats=5: pytest.fail("nothing to time on AVX2"))
+    monkeypatch.setattr(autotune, "time_calls", lambda calls, **kw: pytest.fail("nothing to time on AVX2"))
     try:
         assert autotune.compute_dtype("cpu") == (torch.float32, "compute fp32: this CPU has no native bf16 (AVX2)")
     finally:
@@ -60,10 +60,18 @@ def test_native_bf16_is_chosen_only_when_it_measures_faster(monkeypatch, tmp_pat
         autotune._cpu_compute_dtype.cache_clear()
         autotune._memory.clear()
         (tmp_path / "autotune.json").unlink(missing_ok=True)
-        timings = {"bf16": bf16_s, "fp32": 1.0}
-        monkeypatch.setattr(autotune, "time_calls", lambda calls, repeats=5, t=timings: {n: t[n] for n in calls})
+        timings, probed = {"bf16": bf16_s, "fp32": 1.0}, []
+
+        def fake_timing(calls, t=timings, clock=None, **kw):  # records how the probe was timed
+            probed.append((torch.get_num_threads(), clock))
+            return {n: t[n] for n in calls}
+
+        monkeypatch.setattr(autotune, "time_calls", fake_timing)
+        threads = torch.get_num_threads()
         dtype, reason = autotune.compute_dtype("cpu")
         assert dtype == expected and f"{1.0 / bf16_s:.2f}x fp32" in reason
+        # on one thread's CPU time (another process's load cannot decide it), the thread count restored after
+        assert probed == [(1, time.thread_time)] and torch.get_num_threads() == threads
     autotune._cpu_compute_dtype.cache_clear()
 
 
@@ -73,7 +81,7 @@ def test_a_choice_is_measured_once_and_cached_per_machine(monkeypatch, tmp_path)
     calls = []
     candidates = {"slow": lambda: calls.append("slow"), "fast": lambda: calls.append("fast")}
     timings = {"slow": 2.0, "fast": 1.0}
-    monkeypatch.setattr(autotune, "time_calls", lambda cs, repeats=5: {n: (c(), timings[n])[1] for n, c in cs.items()})
+    monkeypatch.setattr(autotune, "time_calls", lambda cs, **kw: {n: (c(), timings[n])[1] for n, c in cs.items()})
     choice = autotune.fastest("probe", candidates, lambda w, s: f"{w} won")
     assert (choice.value, choice.reason, choice.seconds) == ("fast", "fast won", {"slow": 2.0, "fast": 1.0})
     assert len(calls) == 2

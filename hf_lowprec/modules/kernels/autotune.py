@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -30,6 +31,9 @@ logger = logging.getLogger(__name__)
 CACHE_ENV = "HF_LOWPREC_CACHE"
 BF16_MIN_SPEEDUP = 1.2  # bf16 compute only where its GEMM beats fp32 by this much (it also rounds more)
 DTYPE_PROBE_SHAPE = (128, 512, 512)  # M, K, N: small enough that an emulated bf16 GEMM takes < 0.1 s
+# the dtype probe's cache entry; "1-thread cpu time": measured since 2026-12-03 on one thread's CPU time (earlier
+# wall-clock entries, which another process's load could decide, are measured again)
+DTYPE_KEY = "compute-dtype:1-thread cpu time"
 _lock = threading.Lock()
 _memory: dict[str, dict] = {}
 
@@ -58,29 +62,47 @@ def cache_path() -> Path:
     return Path(root) / "autotune.json"
 
 
-def time_calls(calls: dict[str, Callable[[], object]], repeats: int = 5) -> dict[str, float]:
+def time_calls(
+    calls: dict[str, Callable[[], object]], repeats: int = 5, clock: Callable[[], float] | None = None
+) -> dict[str, float]:
     """``{name: seconds}``: the fastest of ``repeats`` calls of each of ``calls``, taken in interleaved rounds after
-    one warm-up call each.
+    one warm-up call each, on ``clock`` (wall time, ``time.perf_counter``, unless given).
 
     Interleaved, and the fastest rather than the median: load from another process slows the calls it overlaps,
     not one candidate's whole measurement. Timed one candidate after the other (medians of 3), this CPU once cached
     bf16 GEMMs at 1.14x fp32 (so fp32 compute) where they run 3x, a 2-thread job having run beside the probe.
     """
+    clock = clock or time.perf_counter
     for call in calls.values():
         call()
     best = dict.fromkeys(calls, float("inf"))
     for _ in range(repeats):
         for name, call in calls.items():
-            start = time.perf_counter()
+            start = clock()
             call()
-            best[name] = min(best[name], time.perf_counter() - start)
+            best[name] = min(best[name], clock() - start)
     return best
 
 
+@contextmanager
+def one_thread():
+    """torch's intra-op threads set to one for the block (restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def fastest(
-    key: str, candidates: dict[str, Callable[[], object]], why: Callable[[str, dict[str, float]], str]
+    key: str,
+    candidates: dict[str, Callable[[], object]],
+    why: Callable[[str, dict[str, float]], str],
+    clock: Callable[[], float] | None = None,
 ) -> Choice:
-    """The candidate of ``candidates`` (``{name: call}``) that runs fastest, measured once per machine and ``key``.
+    """The candidate of ``candidates`` (``{name: call}``) that runs fastest on ``clock`` (:func:`time_calls`),
+    measured once per machine and ``key``.
 
     ``why(winner, seconds)`` words the reason. A cached winner that is no longer a candidate is measured again.
     """
@@ -88,7 +110,7 @@ def fastest(
     if cached is not None and cached["value"] in candidates:
         return Choice(cached["value"], cached["reason"], cached["seconds"])
     with torch.no_grad():
-        seconds = time_calls(candidates)
+        seconds = time_calls(candidates, clock=clock)
     winner = min(seconds, key=seconds.get)
     choice = Choice(winner, why(winner, seconds), {k: round(v, 6) for k, v in seconds.items()})
     _store(key, choice)
@@ -119,7 +141,12 @@ def _cpu_compute_dtype() -> tuple[torch.dtype, str]:
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
     xb, wb = x.bfloat16(), w.bfloat16()
-    choice = fastest("compute-dtype", {"bf16": lambda: F.linear(xb, wb), "fp32": lambda: F.linear(x, w)}, _dtype_reason)
+    candidates = {"bf16": lambda: F.linear(xb, wb), "fp32": lambda: F.linear(x, w)}
+    # a property of the cores' instructions, so timed on one thread's CPU time: a 2-thread GEMM this small waits at
+    # its barrier for a thread another process holds off the core, so that a 2-core AMX Xeon beside a 2-thread job
+    # measured both dtypes at its scheduler's 8 ms (bf16 1.07x fp32, so fp32 compute) where one thread measures 3.1x
+    with one_thread():
+        choice = fastest(DTYPE_KEY, candidates, _dtype_reason, clock=time.thread_time)
     return (torch.bfloat16 if _bf16_wins(choice.seconds) else torch.float32), choice.reason
 
 
