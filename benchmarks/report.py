@@ -494,9 +494,11 @@ def kernels_section() -> list[str]:
     return lines
 
 
-def scale_section(scale: dict | None) -> list[str]:
-    """Load and training memory and step time per model size and configuration (benchmarks/scale.py)."""
-    lines = ["## Fine-tuning at real sizes (benchmarks/scale.py)\n"]
+def scale_section(scale: dict | None, stem: str = "scale") -> list[str]:
+    """Load and training memory and step time per model size and configuration (benchmarks/scale.py; ``stem``: the
+    results file, ``scale-<class>`` for a CPU class other than the main one's)."""
+    lines = ["## Fine-tuning at real sizes (benchmarks/scale.py)\n" if stem == "scale" else
+             f"## Fine-tuning at real sizes on the {scale['machine']['cpu_class']} CPU class (benchmarks/scale.py, results/{stem}.json)\n"]  # fmt: skip
     if not scale:
         return lines + ["not measured: run `python benchmarks/scale.py` (about 40 minutes on 2 cores; not part of `make bench`)\n"]
     m = scale["machine"]
@@ -536,7 +538,7 @@ def scale_section(scale: dict | None) -> list[str]:
                      f"{peak['int4-lora-bf16-embedding']:.0f} MB with it left bf16; step {packed['train']['1x256']['step_s_median']:.2f} "
                      f"s against {dense['train']['1x256']['step_s_median']:.2f} s (a run of its own: compare these two rows with each "
                      "other; not in the fits).\n")  # fmt: skip
-    return lines + ["![scale](scale.png)", ""]
+    return lines + [f"![scale]({stem}.png)", ""]
 
 
 def adapter_optimizer_section(data: dict | None) -> list[str]:
@@ -587,6 +589,8 @@ def main():
     out += outliers_section(load("outliers"))
     out += ondevice_section(ondevice)
     out += scale_section(load("scale"))
+    for path in sorted(RESULTS.glob("scale-*.json")):  # the other CPU classes'
+        out += scale_section(load(path.stem), path.stem)
     out += adapter_optimizer_section(load("adapter_optimizer"))
     out += kernels_section()
     out += gpu_section(gpu)

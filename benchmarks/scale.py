@@ -38,7 +38,9 @@ gives bytes per parameter above a fixed overhead.
 
     python benchmarks/scale.py [--sizes smollm2-135m smollm2-360m llama-3.2-1b] [--configs ...] [--steps 2]
 
-Writes benchmarks/results/scale.json and scale.png (after every run, so an interrupted sweep keeps what it measured).
+Writes benchmarks/results/scale.json and scale.png (after every run, so an interrupted sweep keeps what it measured);
+on a CPU of another class than the one scale.json was measured on, ``scale-<class>.json`` and ``.png`` instead
+(``results_stem``), so the classes' rows never mix.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ import time
 from pathlib import Path
 
 from _train_step import train_step
-from _util import RESULTS, machine, proc_status_bytes, reset_peak_rss, write_json
+from _util import RESULTS, cpu_info, machine, proc_status_bytes, reset_peak_rss, write_json
 
 from hf_lowprec.checkpoints import cache_root
 
@@ -391,10 +393,19 @@ def plot(data: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def results_stem() -> str:
+    """``scale`` where scale.json is missing or was measured on a CPU of this class, else ``scale-<this class>``."""
+    main = RESULTS / "scale.json"
+    if not main.is_file() or json.loads(main.read_text())["machine"]["cpu_class"] == cpu_info().cpu_class:
+        return "scale"
+    return f"scale-{cpu_info().cpu_class}"
+
+
 def sweep(args) -> None:
     work = Path(args.work).expanduser()
     work.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "scale.json"
+    stem = results_stem()
+    path = RESULTS / f"{stem}.json"
     old = json.loads(path.read_text()) if path.is_file() else {}
     done = {(r["size"], r["config"]): r for r in old.get("results", [])}  # earlier runs of other sizes/configs
     for size in args.sizes:
@@ -403,8 +414,8 @@ def sweep(args) -> None:
             done[(size, config)] = {**run_config(size, config, folder, args.steps), "steps": args.steps,
                                     "measured": time.strftime("%Y-%m-%d")}  # fmt: skip
             data = summary(list(done.values()))
-            write_json("scale.json", data)
-            plot(data, RESULTS / "scale.png")
+            write_json(f"{stem}.json", data)
+            plot(data, RESULTS / f"{stem}.png")
     print(json.dumps({"fit": data["fit"], "goals": data["goals"]}, indent=1))
 
 
@@ -426,14 +437,15 @@ def main() -> None:
         print(MARK + json.dumps(child(args)))
     elif args.mode == "build":
         build(args.size, Path(args.work))
-    elif args.mode == "plot":  # fits, goals and plot again from the runs in scale.json
-        old = json.loads((RESULTS / "scale.json").read_text())
+    elif args.mode == "plot":  # fits, goals and plot again from the runs in this CPU class's scale json
+        stem = results_stem()
+        old = json.loads((RESULTS / f"{stem}.json").read_text())
         for r in old["results"]:  # runs before the count read the checkpoint
             folder = Path(args.work) / r["size"]
             r["params"] = checkpoint_params(folder) if folder.is_dir() else r["params"]
         data = {**summary(old["results"]), "machine": old["machine"], "steps": old["steps"]}
-        write_json("scale.json", data)
-        plot(data, RESULTS / "scale.png")
+        write_json(f"{stem}.json", data)
+        plot(data, RESULTS / f"{stem}.png")
     else:
         sweep(args)
 
