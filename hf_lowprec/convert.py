@@ -217,8 +217,9 @@ def _note(module: nn.Module) -> str:
 def revert(model: nn.Module) -> int:
     """Put plain ``nn.Linear``/``nn.Embedding`` back for every converted (non-frozen) layer; returns the count."""
     count = swap_layers(model, lambda name, fqn, m: _high_precision(m) if _revertible(m) else None)
-    if hasattr(model, "hf_lowprec_plan"):
-        del model.hf_lowprec_plan
+    for m in model.modules():  # the model's own, or the one a wrapper (a PeftModel) forwards attributes to
+        if "hf_lowprec_plan" in vars(m):
+            del m.hf_lowprec_plan
     return count
 
 

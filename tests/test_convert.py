@@ -54,6 +54,16 @@ def test_apply_plan_is_idempotent_and_revertible(llama):
     assert not hasattr(llama, "hf_lowprec_plan")
 
 
+def test_revert_through_a_peft_wrapper(llama):
+    """A PeftModel forwards attribute reads to the model it wraps: revert finds the plan there, not on the wrapper."""
+    apply_plan(llama, PrecisionPlan({"*.mlp.*": "int4-g64"}, default="fp8"))
+    peft_model = get_peft_model(llama, LoraConfig(r=4, target_modules=["q_proj"]))
+    assert hasattr(peft_model, "hf_lowprec_plan")
+    assert revert(peft_model) == 15  # the LoRA-wrapped q_proj's base layers among them
+    assert not hasattr(peft_model, "hf_lowprec_plan") and not hasattr(llama, "hf_lowprec_plan")
+    assert not any(isinstance(m, (FP8Linear, Int4Linear)) for m in llama.modules())
+
+
 def test_replanning_a_converted_layer_changes_its_format(llama):
     apply_plan(llama, "fp8")
     apply_plan(llama, PrecisionPlan({"lm_head": "int4-g32"}))
