@@ -281,3 +281,18 @@ def test_auto_times_a_learning_layer_apart_and_never_picks_int8():
     if len(exact) > 1:  # measured without int8, under a key of its own (an int8-capable CPU times int8 for the others)
         entry = autotune.measured()["packed:PackedInt4Linear:int4-g64-asym:96x128:float32:exact"]
         assert entry["value"] == chosen and set(entry["seconds"]) == exact
+
+
+@pytest.mark.parametrize("spec", ["int4-g64-asym", "int4-g32"])
+def test_a_bf16_gradient_of_an_fp32_input_takes_the_torch_path_in_fp32(spec):
+    """Under autocast a packed fp32 layer can get a bf16 output gradient: the learned-step gradients are those of the
+    gradient widened to fp32 (the C++ kernel wants one dtype; torch's GEMM refused the mix)."""
+    from hf_lowprec.modules.packed import _learned_grads
+
+    layer = learning(spec)
+    g, x = torch.randn(45, 96, dtype=torch.bfloat16), torch.randn(45, 128)
+    gain, shift = _learned_grads(g, x, layer, layer.zero is not None)
+    ref_gain, ref_shift = _learned_grads(g.float(), x, layer, layer.zero is not None)
+    assert rel(gain, ref_gain) < 1e-5 and (shift is None) == (ref_shift is None) == (layer.zero is None)
+    if shift is not None:
+        assert rel(shift, ref_shift) < 1e-5

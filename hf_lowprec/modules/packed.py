@@ -413,9 +413,11 @@ def _learned_sums_torch(grad_out, x2d, layer: "PackedLinear", inverse, with_sums
     rows = max(1, CHUNK_ELEMENTS // layer.in_features)
     gain = torch.empty(layer.step.shape, device=x2d.device)
     sums = torch.empty(layer.step.shape, device=x2d.device) if with_sums else None
+    dtype = torch.promote_types(grad_out.dtype, x2d.dtype)  # autocast: a bf16 gradient of an fp32 input
+    x2d = x2d.to(dtype)
     for r0 in range(0, layer.out_features, rows):
         block = slice(r0, r0 + rows)
-        grad_w = torch.mm(grad_out[:, block].t(), x2d).float()
+        grad_w = torch.mm(grad_out[:, block].t().to(dtype), x2d).float()
         if inverse is not None:
             grad_w.mul_(inverse)
         if sums is not None:
