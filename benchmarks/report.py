@@ -559,6 +559,33 @@ def adapter_optimizer_section(data: dict | None) -> list[str]:
                     "states and numerics, its CPU step one C++ pass per block of 256.", ""]
 
 
+def int4_training_section(data: dict | None) -> list[str]:
+    """How the auto plan's INT4 layers train in full fine-tuning (benchmarks/int4_in_full_finetuning.py)."""
+    lines = ["## INT4 layers in full fine-tuning: an ablation (benchmarks/int4_in_full_finetuning.py)\n"]
+    if not data:
+        return lines + ["not measured\n"]
+    m, runs = data["machine"], data["runs"]
+    bf16 = {r["seed"]: r["ppl_after"] for r in runs if r["variant"] == "bf16"}
+    lines += [f"{m['machine']} ({m['cpu_class']}), {m['threads']} threads. SmolLM2-135M-Instruct, the auto-mixed recipe's "
+              "scanned plan, full fine-tuning 200 steps of 1x256 tokens at lr 2e-5, one seed (exploratory: a figure here "
+              "is not evidence for a claim); only the training of the plan's INT4 layers changes. 'As trained': the FP8 "
+              "layers in FP8; 'exported': what the recipe exports, the INT4 layers' packed codes and the FP8 layers' master "
+              "weights.\n",
+              "| variant | plan | ppl as trained | vs bf16 | ppl exported | vs bf16 | train loss, last 10 |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
+
+    def vs(ppl, seed):
+        return f"{ppl / bf16[seed]:.4f}x" if ppl is not None and seed in bf16 else "—"
+
+    for r in runs:
+        plan = ", ".join(f"{k} {v:.0%}" for k, v in sorted(r["plan_fractions"].items())) or "—"
+        exported_ppl = r.get("ppl_exported")
+        lines.append(f"| {r['variant']} | {plan} | {r['ppl_after']:.2f} | {vs(r['ppl_after'], r['seed'])} | "
+                     f"{'—' if exported_ppl is None else f'{exported_ppl:.2f}'} | {vs(exported_ppl, r['seed'])} | "
+                     f"{r['loss_last10']:.3f} |")  # fmt: skip
+    return lines + [""]
+
+
 def gpu_section(gpu: dict | None) -> list[str]:
     lines = ["## GPU column\n"]
     if not gpu:
@@ -586,6 +613,7 @@ def main():
     out += memory_section(memory)
     out += finetune_quality_section(fq)
     out += finetune_quality_section(load(LONG_FINETUNE), "Longer fine-tuning, several seeds")
+    out += int4_training_section(load("int4_in_full_finetuning"))
     out += outliers_section(load("outliers"))
     out += ondevice_section(ondevice)
     out += scale_section(load("scale"))
