@@ -52,11 +52,11 @@ def test_two_processes_follow_the_single_process_curve(runs, mode):
     a few ulps. Step 1 is compared at 1e-5 (20 ulps of a loss near 5.5; measured <= 5e-7); later steps
     at 2e-3, which admits a rare FP8 code flip caused by those ulps (seen at 1.5e-4 when the
     references used different thread counts) but not unsynchronised scales. Weights after training
-    must be bit-identical across ranks, and the two runs' weights within 5% of how far training moved
-    each tensor (norms): a code flip moves a few elements, which AdamW's first steps can push a whole
-    step apart (an AMX Xeon: the embedding 1.8% of its update, 89 elements up to 3.4e-3 apart; an
-    EPYC: every weight within 1e-5), unsynchronised scales move every tensor (21-25% on the Xeon with
-    ``--no-sync``). The learned INT4 steps are held to the same (Xeon: 0.5%).
+    must be bit-identical across ranks, and the two runs' weights (learned INT4 steps included) apart
+    by at most 7% of how far training moved them (norms over the model): a code flip moves a few
+    elements, which AdamW's first steps can push a whole step apart. Measured on an AMX Xeon: 0.6%
+    (plugin), 2.8% (trainer, as the AVX2 class: fp32 compute); with ``--no-sync`` 16.6% and 18.3%;
+    an EPYC: every weight within 1e-5.
     """
     one = json.loads((runs[1] / mode / "losses.json").read_text())
     two = json.loads((runs[2] / mode / "losses.json").read_text())
@@ -74,11 +74,12 @@ def test_two_processes_follow_the_single_process_curve(runs, mode):
     assert r0.keys() == r1.keys() == ref.keys()
     if mode != "trainer-auto":  # the fixed plan has INT4 layers: their learned steps trained and stayed in sync
         assert any(k.endswith("weight_quantizer.step") for k in r0)
-    init = initial_state(r0.keys())
     for k in r0:
         assert (r0[k] - r1[k]).abs().max().item() == 0.0, k
-        moved = (ref[k] - init[k]).norm().item()  # the two runs apart, against how far training moved the tensor
-        assert (r0[k] - ref[k]).norm().item() <= 0.05 * moved, (k, (r0[k] - ref[k]).norm().item(), moved)
+    init = initial_state(r0.keys())  # the two runs apart, against how far training moved the weights (all of them)
+    apart = sum((r0[k] - ref[k]).pow(2).sum().item() for k in r0) ** 0.5
+    moved = sum((ref[k] - init[k]).pow(2).sum().item() for k in r0) ** 0.5
+    assert apart <= 0.07 * moved, (apart, moved)
 
 
 def initial_state(keys) -> dict:
