@@ -519,7 +519,8 @@ def scale_section(scale: dict | None, stem: str = "scale") -> list[str]:
                      f"{t1['peak_rss_mb']:.0f} | {t4['peak_rss_mb']:.0f} | {t1['step_s_median']:.2f} | {t4['step_s_median']:.2f} | "
                      f"{r.get('measured', 'before 2026-12-02')}{'' if 'bitsandbytes_importable' in r else ' *'} |")  # fmt: skip
     fits = ", ".join(f"{c} {f['1x256']['bytes_per_param']:.2f} B/param + {f['1x256']['overhead_mb']:.0f} MB" for c, f in scale["fit"].items())
-    lines += ["", f"Peak RSS (loading included, batch 1x256) against parameters, least squares over the sizes: {fits}.", ""]
+    lines += ["", f"Peak RSS (loading included, batch 1x256) against parameters, least squares over the sizes: {fits}." if fits
+              else "One size measured: no fit of peak RSS against parameters.", ""]  # fmt: skip
     for config, g in scale.get("goals", {}).items():
         lines.append(f"Llama-3.2-1B shape, `{config}`, batch 1x256: peak {g['peak_rss_mb']:.0f} MB (goal {g['peak_rss_goal_mb']:.0f}), "
                      f"{g['peak_vs_checkpoint']:.3f}x the bf16 checkpoint on disk (goal {g['peak_vs_checkpoint_goal']}), "
