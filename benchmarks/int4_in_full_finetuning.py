@@ -50,17 +50,21 @@ def amp():
     return torch.autocast("cpu", torch.bfloat16)
 
 
-def scanned_plan(model, train: torch.Tensor, seed: int, int4_format: str | None, work: Path) -> PrecisionPlan:
-    """The auto-mixed recipe's plan for this seed (its formats, or fp8 + ``int4_format``), scanned once and kept."""
-    path = work / f"plan_seed{seed}_{int4_format or 'recipe'}.json"
+def scanned_plan(
+    model, train: torch.Tensor, seed: int, int4_format: str | None, budget: float | None, work: Path
+) -> PrecisionPlan:
+    """The auto-mixed recipe's plan for this seed (its formats, or fp8 + ``int4_format``; its loss budget, or
+    ``budget`` nats/token), scanned once and kept."""
+    p = SCANNED["auto plan"].precision
+    limits = dict(p.budget) if budget is None else {**p.budget, "max_loss_increase": budget}
+    path = work / f"plan_seed{seed}_{int4_format or 'recipe'}{'' if budget is None else f'_budget{budget}'}.json"
     if not path.is_file():
-        p = SCANNED["auto plan"].precision
         calib = lm_batches(train, SCANNED["auto plan"].training.per_device_train_batch_size, p.calibration_batches)
         with amp():
             result = scan(model, calib, formats=p.formats if int4_format is None else ["fp8", int4_format],
                           method=p.scan_method, seed=seed)  # fmt: skip
         work.mkdir(parents=True, exist_ok=True)
-        allocate(result, keep=p.keep, **p.budget).save(path)
+        allocate(result, keep=p.keep, **limits).save(path)
     return PrecisionPlan.load(path)
 
 
@@ -102,7 +106,7 @@ def prepare(variant: str, model, plan: PrecisionPlan):
     return model, [g for g in groups if g["params"]], report
 
 
-def run(variant: str, seed: int, steps: int, int4_format: str | None, work: Path) -> dict:
+def run(variant: str, seed: int, steps: int, int4_format: str | None, budget: float | None, work: Path) -> dict:
     torch.manual_seed(seed)
     folder, gguf = default_checkpoint()
     model, tok = load_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
@@ -111,7 +115,7 @@ def run(variant: str, seed: int, steps: int, int4_format: str | None, work: Path
     if variant == "bf16":
         groups, report = [{"params": list(model.parameters())}], None
     else:
-        model, groups, report = prepare(variant, model, scanned_plan(model, train, seed, int4_format, work))
+        model, groups, report = prepare(variant, model, scanned_plan(model, train, seed, int4_format, budget, work))
     with amp():
         before = math.exp(evaluate_loss(model, evals, BATCH))
     opt = torch.optim.AdamW(groups, lr=LR_FULL, weight_decay=0.0)
@@ -135,8 +139,8 @@ def run(variant: str, seed: int, steps: int, int4_format: str | None, work: Path
     revert(model)  # ... the FP8 layers' master weights: what the recipe's export (weights: auto) writes
     with amp():
         exported = math.exp(evaluate_loss(model, evals, BATCH))
-    return {"variant": variant, "seed": seed, "int4_format": int4_format, "steps": steps, "ppl_before": before,
-            "ppl_after": after, "ppl_exported": exported, "train_seconds": seconds,
+    return {"variant": variant, "seed": seed, "int4_format": int4_format, "max_loss_increase": budget, "steps": steps,
+            "ppl_before": before, "ppl_after": after, "ppl_exported": exported, "train_seconds": seconds,
             "plan_fractions": report.fractions() if report else {}, "loss_last10": sum(losses[-10:]) / 10}  # fmt: skip
 
 
@@ -146,9 +150,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--int4-format", default=None, help="scan fp8 + this INT4 format (default: the recipe's)")
+    ap.add_argument("--max-loss-increase", type=float, default=None, help="the allocator's budget (nats/token)")
     ap.add_argument("--work", default=str(cache_root() / "int4_in_full_finetuning"), help="where plans are kept")
     args = ap.parse_args()
-    row = run(args.variant, args.seed, args.steps, args.int4_format, Path(args.work))
+    row = run(args.variant, args.seed, args.steps, args.int4_format, args.max_loss_increase, Path(args.work))
     print(json.dumps(row), flush=True)
     path = RESULTS / "int4_in_full_finetuning.json"
     data = json.loads(path.read_text()) if path.is_file() else {"machine": machine(), "runs": []}

@@ -581,7 +581,8 @@ def int4_training_section(data: dict | None) -> list[str]:
     for r in runs:
         plan = ", ".join(f"{k} {v:.0%}" for k, v in sorted(r["plan_fractions"].items())) or "—"
         exported_ppl = r.get("ppl_exported")
-        lines.append(f"| {r['variant']} | {plan} | {r['ppl_after']:.2f} | {vs(r['ppl_after'], r['seed'])} | "
+        budget = f" (loss budget {r['max_loss_increase']})" if r.get("max_loss_increase") is not None else ""
+        lines.append(f"| {r['variant']}{budget} | {plan} | {r['ppl_after']:.2f} | {vs(r['ppl_after'], r['seed'])} | "
                      f"{'—' if exported_ppl is None else f'{exported_ppl:.2f}'} | {vs(exported_ppl, r['seed'])} | "
                      f"{r['loss_last10']:.3f} |")  # fmt: skip
     return lines + [""]
