@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 from _train_step import train_step
-from _util import RESULTS, lm_batches, machine
+from _util import RESULTS, lm_batches, machine, write_json
 from finetune_quality import BATCH, EVAL_BLOCKS, LR_FULL, SCANNED
 from ondevice import _data
 
@@ -55,11 +55,12 @@ def scanned_plan(
 ) -> PrecisionPlan:
     """The auto-mixed recipe's plan for this seed (its formats, or fp8 + ``int4_format``; its loss budget, or
     ``budget`` nats/token), scanned once and kept."""
-    p = SCANNED["auto plan"].precision
+    recipe = SCANNED["auto plan"]
+    p = recipe.precision
     limits = dict(p.budget) if budget is None else {**p.budget, "max_loss_increase": budget}
     path = work / f"plan_seed{seed}_{int4_format or 'recipe'}{'' if budget is None else f'_budget{budget}'}.json"
     if not path.is_file():
-        calib = lm_batches(train, SCANNED["auto plan"].training.per_device_train_batch_size, p.calibration_batches)
+        calib = lm_batches(train, recipe.training.per_device_train_batch_size, p.calibration_batches)
         with amp():
             result = scan(model, calib, formats=p.formats if int4_format is None else ["fp8", int4_format],
                           method=p.scan_method, seed=seed)  # fmt: skip
@@ -158,9 +159,7 @@ def main() -> None:
     path = RESULTS / "int4_in_full_finetuning.json"
     data = json.loads(path.read_text()) if path.is_file() else {"machine": machine(), "runs": []}
     data["runs"].append(row)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
+    write_json(path.name, data)
 
 
 if __name__ == "__main__":

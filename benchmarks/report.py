@@ -497,11 +497,12 @@ def kernels_section() -> list[str]:
 def scale_section(scale: dict | None, stem: str = "scale") -> list[str]:
     """Load and training memory and step time per model size and configuration (benchmarks/scale.py; ``stem``: the
     results file, ``scale-<class>`` for a CPU class other than the main one's)."""
-    lines = ["## Fine-tuning at real sizes (benchmarks/scale.py)\n" if stem == "scale" else
-             f"## Fine-tuning at real sizes on the {scale['machine']['cpu_class']} CPU class (benchmarks/scale.py, results/{stem}.json)\n"]  # fmt: skip
     if not scale:
-        return lines + ["not measured: run `python benchmarks/scale.py` (about 40 minutes on 2 cores; not part of `make bench`)\n"]
+        return ["## Fine-tuning at real sizes (benchmarks/scale.py)\n",
+                "not measured: run `python benchmarks/scale.py` (about 40 minutes on 2 cores; not part of `make bench`)\n"]  # fmt: skip
     m = scale["machine"]
+    lines = ["## Fine-tuning at real sizes (benchmarks/scale.py)\n" if stem == "scale" else
+             f"## Fine-tuning at real sizes on the {m['cpu_class']} CPU class (benchmarks/scale.py, results/{stem}.json)\n"]  # fmt: skip
     lines += [f"{m['machine']} ({m['cpu_class']}), {m['threads']} threads; random-weight checkpoints of each architecture, "
               f"LoRA r={scale['lora']['r']} on every linear, {scale['steps']} timed steps after one warm-up; peak RSS from a run where "
               "glibc returns every freed block of 64 KiB or more, step times from a run with glibc's default allocator (the "

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import tiny_llama
+from distributed_worker import PLAN
 from safetensors.torch import load_file
 
 from hf_lowprec.formats import FormatSpec, int_steps
@@ -85,7 +86,7 @@ def test_two_processes_follow_the_single_process_curve(runs, mode):
 def initial_state(keys) -> dict:
     """The worker's tensors before training: the tiny Llama's weights, and the INT4 layers' first learned steps."""
     init = tiny_llama().state_dict()
-    step_format = FormatSpec.parse("int4-g64")  # distributed_worker.PLAN's INT4 format
+    step_format = FormatSpec.parse(PLAN["layers"]["*.mlp.down_proj"])  # the worker's INT4 layers
     for k in keys:
         if k.endswith(".weight_quantizer.step"):
             init[k] = int_steps(init[k.removesuffix("_quantizer.step")], step_format)[0]
