@@ -41,6 +41,7 @@ from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.ondevice import evaluate_loss
 from hf_lowprec.ondevice.learned_steps import fold_learned_steps, learn_base_steps
 from hf_lowprec.sensitivity import allocate, scan
+from hf_lowprec.sensitivity.results import SCORES
 
 VARIANTS = ("bf16", "qat", "frozen", "frozen-steps", "frozen-steps-lora", "keep-frozen")
 LR_LORA, LR_GAIN, LR_SHIFT = 2e-4, 1e-3, 1e-2  # the on-device recipe's rates (adapters; ondevice.learned_steps)
@@ -51,14 +52,16 @@ def amp():
 
 
 def scanned_plan(
-    model, train: torch.Tensor, seed: int, int4_format: str | None, budget: float | None, work: Path
+    model, train: torch.Tensor, seed: int, int4_format: str | None, budget: float | None, score: str | None, work: Path
 ) -> PrecisionPlan:
     """The auto-mixed recipe's plan for this seed (its formats, or fp8 + ``int4_format``; its loss budget, or
-    ``budget`` nats/token), scanned once and kept."""
+    ``budget`` nats/token, of its score or ``score``), scanned once and kept."""
     recipe = SCANNED["auto plan"]
     p = recipe.precision
-    limits = dict(p.budget) if budget is None else {**p.budget, "max_loss_increase": budget}
-    path = work / f"plan_seed{seed}_{int4_format or 'recipe'}{'' if budget is None else f'_budget{budget}'}.json"
+    limits = dict(p.budget) | ({} if budget is None else {"max_loss_increase": budget})
+    limits |= {} if score is None else {"score": score}
+    path = work / (f"plan_seed{seed}_{int4_format or 'recipe'}{'' if budget is None else f'_budget{budget}'}"
+                   f"{'' if score is None else f'_{score}'}.json")  # fmt: skip
     if not path.is_file():
         calib = lm_batches(train, recipe.training.per_device_train_batch_size, p.calibration_batches)
         with amp():
@@ -107,7 +110,9 @@ def prepare(variant: str, model, plan: PrecisionPlan):
     return model, [g for g in groups if g["params"]], report
 
 
-def run(variant: str, seed: int, steps: int, int4_format: str | None, budget: float | None, work: Path) -> dict:
+def run(
+    variant: str, seed: int, steps: int, int4_format: str | None, budget: float | None, score: str | None, work: Path
+) -> dict:
     torch.manual_seed(seed)
     folder, gguf = default_checkpoint()
     model, tok = load_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
@@ -116,7 +121,8 @@ def run(variant: str, seed: int, steps: int, int4_format: str | None, budget: fl
     if variant == "bf16":
         groups, report = [{"params": list(model.parameters())}], None
     else:
-        model, groups, report = prepare(variant, model, scanned_plan(model, train, seed, int4_format, budget, work))
+        plan = scanned_plan(model, train, seed, int4_format, budget, score, work)
+        model, groups, report = prepare(variant, model, plan)
     with amp():
         before = math.exp(evaluate_loss(model, evals, BATCH))
     opt = torch.optim.AdamW(groups, lr=LR_FULL, weight_decay=0.0)
@@ -140,8 +146,9 @@ def run(variant: str, seed: int, steps: int, int4_format: str | None, budget: fl
     revert(model)  # ... the FP8 layers' master weights: what the recipe's export (weights: auto) writes
     with amp():
         exported = math.exp(evaluate_loss(model, evals, BATCH))
-    return {"variant": variant, "seed": seed, "int4_format": int4_format, "max_loss_increase": budget, "steps": steps,
-            "ppl_before": before, "ppl_after": after, "ppl_exported": exported, "train_seconds": seconds,
+    return {"variant": variant, "seed": seed, "int4_format": int4_format, "max_loss_increase": budget, "score": score,
+            "steps": steps, "ppl_before": before, "ppl_after": after, "ppl_exported": exported,
+            "train_seconds": seconds,
             "plan_fractions": report.fractions() if report else {}, "loss_last10": sum(losses[-10:]) / 10}  # fmt: skip
 
 
@@ -152,9 +159,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--int4-format", default=None, help="scan fp8 + this INT4 format (default: the recipe's)")
     ap.add_argument("--max-loss-increase", type=float, default=None, help="the allocator's budget (nats/token)")
+    ap.add_argument("--score", default=None, choices=SCORES, help="the allocator's score (default: the recipe's)")
     ap.add_argument("--work", default=str(cache_root() / "int4_in_full_finetuning"), help="where plans are kept")
     args = ap.parse_args()
-    row = run(args.variant, args.seed, args.steps, args.int4_format, args.max_loss_increase, Path(args.work))
+    row = run(args.variant, args.seed, args.steps, args.int4_format, args.max_loss_increase, args.score,
+              Path(args.work))  # fmt: skip
     print(json.dumps(row), flush=True)
     path = RESULTS / "int4_in_full_finetuning.json"
     data = json.loads(path.read_text()) if path.is_file() else {"machine": machine(), "runs": []}

@@ -67,7 +67,8 @@ BudgetOpt = Annotated[
     typer.Option(
         "--budget",
         help="Allocation budget as key=value[,key=value]: target_bits_per_param, max_loss_increase, "
-        "min_fp8_fraction, int4_fraction. Default: predicted Δloss ≤ 1% of the calibration loss.",
+        "min_fp8_fraction, int4_fraction; score=conversion|after-training (which Δloss counts). Default: predicted "
+        "Δloss ≤ 1% of the calibration loss.",
     ),
 ]
 ScanBatchesOpt = Annotated[
@@ -360,7 +361,7 @@ def _print_scan(result, plan_rows: list[dict], measured: dict, files: str) -> No
         ui.key_values(
             "Plan",
             {
-                "budget": ", ".join(f"{k}={v:g}" for k, v in alloc.get("budget", {}).items()),
+                "budget": ", ".join(f"{k}={v}" for k, v in alloc.get("budget", {}).items()),
                 "bits per parameter": f"{alloc.get('bits_per_param', float('nan')):.2f}",
                 "predicted Δloss (calibration)": f"{alloc.get('predicted_delta_loss', float('nan')):.4f}",
                 "measured Δloss (held-out)": f"{measured['delta_loss']:.4f} (loss {measured['base_loss']:.4f} → "
@@ -380,6 +381,9 @@ def _parse_budget(text: str | None) -> dict:
         key, sep, value = part.partition("=")
         if not sep:
             ui.fail(f"--budget {text!r}: write key=value pairs, e.g. target_bits_per_param=6")
+        if key.strip() == "score":  # the one field that names a choice (Budget checks it)
+            out["score"] = value.strip()
+            continue
         try:
             out[key.strip()] = float(value)
         except ValueError:

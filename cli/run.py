@@ -463,8 +463,7 @@ def _low_precision_callback(recipe: Recipe, lm, t, resume_from: str | None):
         return LowPrecisionCallback(plan=resume_from, seed=t.seed)
     options = {"seed": t.seed, "calibration_batches": p.calibration_batches}
     if p.is_auto:
-        budget = dict(p.budget) or None
-        options.update(plan="auto", keep=p.keep, budget=budget, formats=p.formats, scan_method=p.scan_method)
+        options.update(plan="auto", keep=p.keep, budget=p.auto_budget(), formats=p.formats, scan_method=p.scan_method)
     else:
         options["plan"] = p.fixed_plan()
     if p.rounding != "nearest" and not resume_from:
@@ -494,7 +493,7 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t):
         calibration = tokens[: len(tokens) // t.block_size * t.block_size].view(-1, t.block_size)
     scanned = f", plan by a sensitivity scan on {calibration.numel()} tokens" if p.is_auto else ""
     rounding = f", {p.rounding} rounding" if p.rounding != "nearest" else ""
-    auto = {"budget": dict(p.budget) or None, "auto_formats": p.formats} if p.is_auto else {}
+    auto = {"budget": p.auto_budget(), "auto_formats": p.formats} if p.is_auto else {}
     learns = ", its steps and zero points learned with them" if p.learn_steps else ""
     with ui.step(f"packing the base to INT4{scanned}{rounding} and adding LoRA adapters (r={lora.r}){learns}"):
         peft_model, report = prepare_int4_lora(

@@ -35,6 +35,7 @@ from hf_lowprec.formats import FormatSpec
 from hf_lowprec.ondevice.calibration import ROUNDINGS
 from hf_lowprec.ondevice.calibration.fp8 import FP8_ROUNDINGS
 from hf_lowprec.plan import AUTO, PrecisionPlan, resolve_plan
+from hf_lowprec.sensitivity.results import CONVERSION, SCORES
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,9 @@ class PrecisionSection:
         keep: layer names/patterns left in high precision (plain format plans only).
         formats: candidate formats of the ``auto`` scan.
         budget: ``auto`` budget, passed to ``sensitivity.allocate`` (e.g. ``{target_bits_per_param: 6}``).
+        score: which Δloss the ``auto`` budget counts: ``conversion`` (the model converted as it is) or
+            ``after-training`` (the curvature term a format leaves once training has taken the first-order one; see
+            ``sensitivity.LayerScore.score``).
         calibration_batches: batches the ``auto`` scan measures on, and calibrated rounding calibrates on.
         scan_method: ``auto`` scan method.
         rounding: how the weights are rounded, calibrated on the first ``calibration_batches`` training batches.
@@ -77,6 +81,7 @@ class PrecisionSection:
     keep: tuple[str, ...] = ("lm_head",)
     formats: tuple[str, ...] = ("fp8", "int4-g64")
     budget: Mapping[str, float] = field(default_factory=dict)
+    score: str = field(default=CONVERSION, metadata=_choices(*SCORES))
     calibration_batches: int = 4
     scan_method: str = field(default="auto", metadata=_choices("auto", "fisher", "measured"))
     rounding: str = field(default="nearest", metadata=_choices(*ROUNDINGS))
@@ -96,6 +101,12 @@ class PrecisionSection:
     @property
     def is_auto(self) -> bool:
         return self.plan == AUTO
+
+    def auto_budget(self) -> dict | None:
+        """The ``auto`` allocation's budget: ``budget`` with ``score``; None for the allocator's default (Δloss ≤ 1%
+        of the calibration loss, at conversion)."""
+        budget = dict(self.budget) | ({} if self.score == CONVERSION else {"score": self.score})
+        return budget or None
 
     @property
     def is_file(self) -> bool:

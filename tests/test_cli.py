@@ -270,13 +270,16 @@ def test_eval_accuracy_of_a_classifier(ws, tmp_path):
 
 def test_scan_writes_a_plan_that_fits_the_model(ws):
     out = ws / "scan" / "plan.json"
-    result = cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--block-size", "32", "--batches", "2", "--budget", "target_bits_per_param=12", "--out", out)
+    result = cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--block-size", "32", "--batches", "2", "--budget", "target_bits_per_param=12,score=after-training", "--out", out)
     assert result.exit_code == 0, result.output
+    assert "score=after-training" in result.output
     from hf_lowprec.plan import PrecisionPlan
 
     PrecisionPlan.load(out).validate(AutoModelForCausalLM.from_pretrained(ws / "tiny"))
     assert out.with_suffix(".png").stat().st_size > 1000 and "measured Δloss" in result.output
     assert one_error_line(cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--budget", "bits=4", "--out", out))
+    wrong_score = one_error_line(cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--budget", "score=trained", "--out", out))
+    assert "budget score must be one of conversion, after-training, got 'trained'" in wrong_score
     # a budget no plan can meet fails before the scan (the fp32 head kept: 32 bits for its share of the parameters)
     unmeetable = one_error_line(cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--budget", "target_bits_per_param=4", "--out", out))
     assert "target_bits_per_param=4 cannot be met: the fewest bits per parameter reachable" in unmeetable

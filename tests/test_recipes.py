@@ -53,6 +53,7 @@ def _write(tmp_path, data, name="r.yaml"):
         ({"precision": {"plan": "int3"}}, r"precision: 'plan' must be 'auto', a plan file .* or a format: unknown format 'int3'.*choose one of"),
         ({"precision": {"keep": [1, 2]}}, r"'precision\.keep' must be a list of strings"),
         ({"precision": {"budget": {"target_bits_per_param": "many"}}}, r"'precision\.budget\.target_bits_per_param' must be a number"),
+        ({"precision": {"score": "trained"}}, r"'precision\.score' is 'trained'; allowed values are conversion, after-training"),
         ({"training": {"max_steps": 0}}, r"training: 'max_steps' must be >= 1"),
         ({"method": "int4-lora", "precision": {"plan": "fp8"}}, r"method 'int4-lora' keeps its frozen base in an integer format"),
         ({"method": "int4-lora", "precision": {"plan": "auto"}}, r"method .int4-lora. with plan .auto. chooses among int4/int8 formats .* not \[.fp8.\]"),

@@ -254,6 +254,9 @@ def test_check_budget_raises_before_a_scan_what_allocate_raises_after_it(sensiti
     check_budget(sensitive_model, formats, {"target_bits_per_param": 6.0})  # reachable with the head converted
     check_budget(sensitive_model, formats, {"max_loss_increase": 1e-9}, keep=["lm_head"])  # a loss budget: keep all
     check_budget(sensitive_model, formats, None)
+    check_budget(sensitive_model, formats, {"score": "after-training"})  # the default budget, scored after training
+    with pytest.raises(ValueError, match="budget score must be one of"):
+        check_budget(sensitive_model, formats, {"score": "trained"})
     assert all(not isinstance(m, tuple(LOW_PRECISION_TYPES)) for m in sensitive_model.modules())  # left as it was
 
 
@@ -493,6 +496,37 @@ def test_ilp_is_optimal_and_greedy_is_feasible(budget):
     allocate(result, budget, solver="greedy")
     greedy = result.allocation["predicted_delta_loss"] if budget.minimizes_loss else result.allocation["bits_per_param"]
     assert greedy >= best - 1e-12
+
+
+def test_the_after_training_score_leaves_out_the_first_order_term(sensitive_model, fisher, measured):
+    """A layer whose INT4 noise happens to point down the calibration gradient converts for free but keeps its
+    curvature cost once training has taken that gradient: the conversion score puts it in INT4 under a tight loss
+    budget, the after-training score puts the layer with the lower curvature there instead."""
+    def unit(name, first, second):
+        return LayerScore(name, params=1000, bytes={"bf16": 2000.0, INT4: 530.0}, predicted={INT4: first + second},
+                          first_order={INT4: first}, second_order={INT4: second})  # fmt: skip
+
+    result = ScanResult([unit("lucky", -0.02, 0.01), unit("steady", 0.001, 0.004)], (INT4,), "fisher", base_loss=3.0)
+    assert [result["lucky"].score(INT4), result["steady"].score(INT4)] == pytest.approx([-0.01, 0.005])
+    chosen = {n: f.name for n, f in allocate(result, max_loss_increase=0.005).layers.items()}
+    assert chosen == {"lucky": INT4, "steady": INT4}  # at conversion: 0 (counted) + 0.005
+    plan = allocate(result, max_loss_increase=0.005, score="after-training")
+    assert {n: f.name for n, f in plan.layers.items()} == {"lucky": "bf16", "steady": INT4}
+    assert result.allocation["budget"] == {"max_loss_increase": 0.005, "score": "after-training"}
+    assert result.allocation["predicted_delta_loss"] == pytest.approx(0.004)
+    assert predict_plan(result, plan, "after-training")["predicted_delta_loss"] == pytest.approx(0.004)
+    assert "Δloss (after-training)" in result.format_table()
+    # a real scan: the Taylor pass's curvature term; what the measured pass adds beyond the first-order term
+    layer = fisher[SENSITIVE]
+    assert layer.score(INT4, "after-training") == layer.second_order[INT4] != layer.score(INT4)
+    auto = scan(sensitive_model, batches(), method="auto", measure_top_fraction=0.1)
+    top = next(u for u in auto.layers if u.measured)
+    fmt = next(iter(top.measured))
+    assert top.score(fmt, "after-training") == pytest.approx(top.measured[fmt] - top.first_order[fmt])
+    with pytest.raises(ValueError, match="needs the scan's Taylor terms.*method 'auto' or 'fisher'"):
+        allocate(measured, max_loss_increase=0.01, score="after-training")
+    with pytest.raises(ValueError, match="budget score must be one of conversion, after-training, got 'trained'"):
+        Budget(max_loss_increase=0.01, score="trained")
 
 
 def test_save_load_table_and_heatmap(measured, tmp_path):

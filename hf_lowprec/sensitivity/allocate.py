@@ -17,7 +17,7 @@ from torch import nn
 
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.plan import PrecisionPlan, resolve_plan
-from hf_lowprec.sensitivity.results import KEEP, ScanResult
+from hf_lowprec.sensitivity.results import CONVERSION, KEEP, SCORES, ScanResult
 from hf_lowprec.sensitivity.units import _select, _units, unscored
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,9 @@ class Budget:
         min_fp8_fraction: at least this fraction of the free parameters (those of the scanned layers that
             ``keep`` does not hold) in FP8 or lower precision.
         int4_fraction: at most this fraction of the free parameters in 4-bit formats (0 forbids INT4).
+        score: which Δloss each choice costs (:meth:`~hf_lowprec.sensitivity.LayerScore.score`): ``conversion``
+            (the model converted as it is) or ``after-training`` (its curvature term: what a format leaves once
+            training has taken the calibration gradient's first-order term; needs a scan with Taylor terms).
 
     With ``target_bits_per_param`` or ``min_fp8_fraction`` the allocator minimizes the predicted
     Δloss; otherwise it minimizes memory within ``max_loss_increase`` and ``int4_fraction``.
@@ -49,9 +52,11 @@ class Budget:
     target_bits_per_param: float | None = None
     min_fp8_fraction: float | None = None
     int4_fraction: float | None = None
+    score: str = CONVERSION
 
     def __post_init__(self):
-        values = asdict(self)
+        _check_score(self.score)
+        values = {k: v for k, v in asdict(self).items() if k in _CONSTRAINTS}
         if all(v is None for v in values.values()):
             raise ValueError(f"a Budget needs at least one of {', '.join(values)}")
         for key, v in values.items():
@@ -71,6 +76,11 @@ class Budget:
         return self.target_bits_per_param is not None or self.min_fp8_fraction is not None
 
 
+def _check_score(score) -> None:
+    if score not in SCORES:
+        raise ValueError(f"budget score must be one of {', '.join(SCORES)}, got {score!r}")
+
+
 @dataclass
 class _Problem:
     """The multiple-choice knapsack: one row per (unit, choice)."""
@@ -88,7 +98,7 @@ class _Problem:
     free_params: float  # of the units keep does not hold: the fractions' denominator
 
 
-def _problem(result: ScanResult, keep: Sequence[str], force: Mapping[str, str]) -> _Problem:
+def _problem(result: ScanResult, keep: Sequence[str], force: Mapping[str, str], score: str = CONVERSION) -> _Problem:
     units = [u for u in result.layers]
     if not units:
         raise ValueError(
@@ -129,7 +139,8 @@ def _problem(result: ScanResult, keep: Sequence[str], force: Mapping[str, str]) 
                 )
             rules[i] = name
     rows = [(i, c) for i, u in enumerate(units) for c in [KEEP, *u.formats]]
-    negative = sum(1 for i, c in rows if units[i].score(c) < 0)
+    loss = [units[i].score(c, score) for i, c in rows]
+    negative = sum(1 for v in loss if v < 0)
     if negative:
         logger.info(
             "%d (layer, format) scores are negative (quantizing lowered the calibration loss); counted as 0", negative
@@ -137,7 +148,7 @@ def _problem(result: ScanResult, keep: Sequence[str], force: Mapping[str, str]) 
     return _Problem(
         unit=np.array([i for i, _ in rows]),
         choice=[c for _, c in rows],
-        loss=np.array([max(units[i].score(c), 0.0) for i, c in rows]),
+        loss=np.maximum(np.array(loss), 0.0),
         nbytes=np.array([units[i].bytes[c] for i, c in rows]),
         params=np.array([float(units[i].params) for i, _ in rows]),
         low=np.array([0.0 if c == KEEP else 1.0 for _, c in rows]),
@@ -272,7 +283,7 @@ _BEST = {  # how to optimize one budget quantity alone: (objective row, sign, wo
 
 def _unmeetable(p: _Problem, budget: Budget, failed: list[str]) -> ValueError:
     """The error for a budget that cannot be met, naming the best reachable value of a failing constraint."""
-    given = {k: v for k, v in asdict(budget).items() if v is not None}
+    given = {k: v for k, v in asdict(budget).items() if v is not None and k in _CONSTRAINTS}
     for key in failed or list(given):
         row, sign, wording = _BEST[key]
         x = _solve_ilp(p, sign * row(p), _limits(p, budget, skip=key))
@@ -286,8 +297,8 @@ def _unmeetable(p: _Problem, budget: Budget, failed: list[str]) -> ValueError:
     return ValueError(f"budget {given} cannot be met by any combination of the scanned formats with keep/force")
 
 
-def predict_plan(result: ScanResult, plan: "PrecisionPlan | Mapping") -> dict:
-    """Predicted Δloss (sum of per-layer scores, negatives as 0), bits per parameter and format
+def predict_plan(result: ScanResult, plan: "PrecisionPlan | Mapping", score: str = CONVERSION) -> dict:
+    """Predicted Δloss (sum of per-layer ``score``\ s, negatives as 0), bits per parameter and format
     fractions of any ``plan`` over the scanned layers (e.g. a hand-written one, to compare with
     :func:`allocate`'s). Raises ``ValueError`` if the plan gives tied layers different formats or
     a format the scan did not score."""
@@ -309,7 +320,7 @@ def predict_plan(result: ScanResult, plan: "PrecisionPlan | Mapping") -> dict:
             raise ValueError(
                 f"plan puts {u.name!r} in {fmt}, which the scan did not score; scanned: {', '.join(result.formats)}"
             )
-        loss += max(u.score(fmt), 0.0)
+        loss += max(u.score(fmt, score), 0.0)
         nbytes += u.bytes[fmt]
         fractions[fmt] = fractions.get(fmt, 0.0) + u.params / total
     return {"predicted_delta_loss": loss, "bits_per_param": nbytes * 8 / total, "fractions": fractions}
@@ -327,8 +338,8 @@ def allocate(
     """Choose a format per layer under ``budget``; returns a plan naming every scanned layer.
 
     Args:
-        result: a :class:`ScanResult`; each choice costs its measured Δloss if measured, else its
-            prediction (negative values count as 0).
+        result: a :class:`ScanResult`; each choice costs its Δloss of the budget's ``score`` (negative values count
+            as 0).
         budget: a :class:`Budget`, or its fields as a mapping (a recipe's ``budget:``) or as keyword arguments.
             None of them: Δloss ≤ 1% of the calibration loss.
         keep: names or globs of layers to leave as they are (a tied twin follows its unit); an
@@ -344,7 +355,7 @@ def allocate(
     if isinstance(keep, str):
         keep = (keep,)
     budget = _budget_of(result, budget, budget_kwargs)
-    p = _problem(result, keep, force or {})
+    p = _problem(result, keep, force or {}, budget.score)
     use_ilp = solver == "ilp" or (solver == "auto" and len(p.unit) <= ILP_MAX_VARIABLES)
     if use_ilp:
         primary, second = (p.loss, p.nbytes) if budget.minimizes_loss else (p.nbytes, p.loss)
@@ -372,13 +383,17 @@ def check_budget(
     of formats meets the budget's size and share limits (bits per parameter, FP8 and INT4 fractions): before the
     minutes a scan takes. A loss budget is always met (by keeping every layer); ``None`` is one. ``layers``,
     ``packed``: as the scan will be given them (its ``layers``; ``dense_weights`` given)."""
+    if isinstance(budget, Mapping) and not set(budget) - {"score"}:  # the default budget, a loss one
+        _check_score(budget.get("score", CONVERSION))
+        return
     if budget is None:
         return
     scores = []
     units = _units(model, [FormatSpec.parse(f) for f in formats], packed=packed)
     for unit in units if layers is None else _select(units, layers):
         scores.append(unscored(unit))
-        scores[-1].predicted = dict.fromkeys(unit.formats, 0.0)  # every choice costs nothing: only the limits bind
+        for terms in ("predicted", "first_order", "second_order"):  # every choice costs nothing: only the limits bind
+            setattr(scores[-1], terms, dict.fromkeys(unit.formats, 0.0))
     allocate(ScanResult(scores, tuple(formats), "none"), budget, keep=keep)
 
 
@@ -391,14 +406,15 @@ def _budget_of(result: ScanResult, budget: Budget | Mapping | None, budget_kwarg
         budget, budget_kwargs = None, dict(budget)
     if budget is not None:
         return budget
-    if budget_kwargs:
-        unknown = sorted(set(budget_kwargs) - set(_CONSTRAINTS))
+    if set(budget_kwargs) - {"score"}:
+        unknown = sorted(set(budget_kwargs) - set(_CONSTRAINTS) - {"score"})
         if unknown:
-            raise ValueError(f"unknown budget argument(s) {unknown}; choose from {', '.join(_CONSTRAINTS)}")
+            raise ValueError(f"unknown budget argument(s) {unknown}; choose from {', '.join(_CONSTRAINTS)}, score")
         return Budget(**budget_kwargs)
+    _check_score(budget_kwargs.get("score", CONVERSION))
     if not math.isfinite(result.base_loss):
         raise ValueError("the scan has no calibration loss to derive a default budget from; pass a budget")
-    budget = Budget(max_loss_increase=DEFAULT_RELATIVE_LOSS_INCREASE * result.base_loss)
+    budget = Budget(max_loss_increase=DEFAULT_RELATIVE_LOSS_INCREASE * result.base_loss, **budget_kwargs)
     logger.info("no budget given: max_loss_increase = %.4g (1%% of the calibration loss)", budget.max_loss_increase)
     return budget
 

@@ -16,6 +16,10 @@ from hf_lowprec.plan import PrecisionPlan
 
 KEEP = "bf16"
 """Label of the high-precision choice: the layer stays as it is (plans write it as ``bf16``)."""
+CONVERSION, AFTER_TRAINING = "conversion", "after-training"
+SCORES = (CONVERSION, AFTER_TRAINING)
+"""What a choice's Δloss counts (:meth:`LayerScore.score`): the loss of converting the model as it is, or what remains
+after training, its curvature term."""
 
 # ------------------------------------------------------------------------------------ results
 
@@ -56,12 +60,26 @@ class LayerScore:
         """Low-precision formats this unit can take (those it has a score for)."""
         return [f for f in self.bytes if f != KEEP]
 
-    def score(self, fmt: str) -> float:
-        """Δloss of ``fmt``: measured when available, else predicted; 0 for ``bf16`` (may be negative:
-        quantizing moved the calibration loss down; :func:`allocate` counts that as 0)."""
+    def score(self, fmt: str, kind: str = CONVERSION) -> float:
+        """Δloss of ``fmt`` (0 for ``bf16``), nats/token.
+
+        ``conversion``: measured when available, else predicted: the model converted as it is (may be negative:
+        quantizing moved the calibration loss down; :func:`allocate` counts that as 0).
+        ``after-training``: without the first-order term ``gᵀδy``, measured minus it, else ``second_order``. Training
+        moves the model to where the calibration gradient ``g`` vanishes, in any format, so that term is not the
+        format's to pay or to keep: quantization noise that happens to point down the gradient (INT4 lowering the
+        calibration loss of an instruct model on unseen text) is no lasting gain, its curvature cost is.
+        """
         if fmt == KEEP:
             return 0.0
-        return self.measured[fmt] if fmt in self.measured else self.predicted[fmt]
+        if kind == CONVERSION:
+            return self.measured[fmt] if fmt in self.measured else self.predicted[fmt]
+        if fmt not in self.first_order:
+            raise ValueError(
+                f"score {AFTER_TRAINING!r} needs the scan's Taylor terms, which {self.name!r} has none of in {fmt}: "
+                "scan with method 'auto' or 'fisher'"
+            )
+        return self.measured[fmt] - self.first_order[fmt] if fmt in self.measured else self.second_order[fmt]
 
 
 @dataclass
@@ -95,10 +113,15 @@ class ScanResult:
                 return unit
         raise KeyError(f"{name!r} is not a scanned layer")
 
+    @property
+    def score_kind(self) -> str:
+        """The score the last allocation counted (``SCORES``; ``conversion`` before any): what tables show."""
+        return (self.allocation or {}).get("budget", {}).get("score", CONVERSION)
+
     def ranking(self, fmt: str) -> list[str]:
-        """Unit names, most sensitive to ``fmt`` first (by :meth:`LayerScore.score`)."""
+        """Unit names, most sensitive to ``fmt`` first (by :meth:`LayerScore.score` of :attr:`score_kind`)."""
         units = [u for u in self.layers if fmt in u.bytes]
-        return [u.name for u in sorted(units, key=lambda u: -u.score(fmt))]
+        return [u.name for u in sorted(units, key=lambda u: -u.score(fmt, self.score_kind))]
 
     def chosen(self) -> dict[str, str]:
         """``{unit name: format}`` of the last allocation (empty if none)."""
@@ -113,7 +136,7 @@ class ScanResult:
         for u in self.layers:
             row = {"layer": u.name, "tied": ", ".join(u.tied), "params": u.params}
             for f in self.formats:
-                row[f] = u.score(f) if f in u.bytes else None
+                row[f] = u.score(f, self.score_kind) if f in u.bytes else None
             row["measured"] = bool(u.measured)
             row["chosen"] = chosen.get(u.name)
             out.append(row)
@@ -133,8 +156,8 @@ class ScanResult:
                 cells += f"{'n/a':>14}" if v is None else f"{v:>13.3e}{mark}"
             lines.append(f"{name:<{width}}{u.params:>12,}{cells}{row['chosen'] or '':>11}")
         lines.append(
-            f"Δloss in nats/token over {self.tokens} tokens (base loss {self.base_loss:.4f}); * measured, else "
-            "predicted; +t tied weights"
+            f"Δloss ({self.score_kind}) in nats/token over {self.tokens} tokens (base loss {self.base_loss:.4f}); "
+            "* measured, else predicted; +t tied weights"
         )
         return "\n".join(lines)
 
@@ -198,7 +221,7 @@ class ScanResult:
         for i, u in enumerate(self.layers):
             for j, f in enumerate(fmts):
                 if f in u.bytes:
-                    values[i, j] = u.score(f)
+                    values[i, j] = u.score(f, self.score_kind)
         positive = values[np.isfinite(values) & (values > 0)]
         floor = positive.min() if positive.size else 1e-12
         shown = np.log10(np.where(np.isfinite(values), np.maximum(values, floor), np.nan))
@@ -222,7 +245,8 @@ class ScanResult:
                         Rectangle((j - 0.45, i - 0.4), 0.9, 0.8, fill=False, edgecolor="deepskyblue", linewidth=1.5)
                     )
         ax.set_title(
-            title or f"{self.model or 'model'}: per-layer Δloss ({self.method}); dots measured, boxes chosen",
+            title or f"{self.model or 'model'}: per-layer Δloss ({self.method}, {self.score_kind}); dots measured, "
+            "boxes chosen",
             fontsize=8,
         )
         fig.tight_layout()
