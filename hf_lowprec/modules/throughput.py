@@ -1,8 +1,8 @@
 """Throughput of each CPU kernel on one linear shape, as GFLOP/s and as a ratio to the fp32 GEMM.
 
 What ``hf-lowprec env`` prints and ``benchmarks/kernel_speed.py`` records per shape: the dense GEMMs (fp32, bf16,
-int8 ``torch._int_mm``), torch's own weight-only int4/int8 CPU kernels, the packed layers' backends,
-forward (``y = x W^T``) and grad-input (``g W``) timed separately, and the gradient of learned steps (a weight-gradient
+int8 ``torch._int_mm``), torch's own weight-only int4/int8 CPU kernels, the packed layers' backends on fp32 and on bf16
+inputs, forward (``y = x W^T``) and grad-input (``g W``) timed separately, and the gradient of learned steps (a weight-gradient
 GEMM reduced to per-group sums: the C++ kernel, and torch ops), one after the other in one process.
 """
 
@@ -49,11 +49,14 @@ def kernel_candidates(m: int, k: int, n: int, torch_int4: bool = True) -> dict[s
     learning.learn_steps()  # the weight-gradient GEMM and per-group sums its learned steps take per call
     calls["learned steps/grad"] = lambda: _learned_grads(g, x, learning, True)
     calls["learned steps/grad torch ops"] = lambda: _learned_sums_torch(g, x, learning, None, True, spec.group_size)
-    for backend in layer.runnable_backends(x):
-        forward, grad_input = KERNELS[backend]
-        # a new version of x per call, as in training: the int8 backend's rows of the last call are not reused
-        calls[f"packed {backend}"] = lambda forward=forward: forward(x.mul_(1.0), layer)
-        calls[f"packed {backend}/grad"] = lambda grad_input=grad_input: grad_input(g, layer)
+    # fp32 inputs, and bf16 ones (the compute dtype where bf16 GEMMs are fast: dtype="auto" measures that per CPU)
+    layer_bf16, gb = PackedInt4Linear.from_codes(codes, step, zero, spec, None, torch.bfloat16), g.bfloat16()
+    for dtype, packed_layer, xd, gd in (("", layer, x, g), (" bf16", layer_bf16, xb, gb)):
+        for backend in packed_layer.runnable_backends(xd):
+            forward, grad_input = KERNELS[backend]
+            # a new version of x per call, as in training: the int8 backend's rows of the last call are not reused
+            calls[f"packed {backend}{dtype}"] = lambda f=forward, p=packed_layer, xd=xd: f(xd.mul_(1.0), p)
+            calls[f"packed {backend}{dtype}/grad"] = lambda f=grad_input, p=packed_layer, gd=gd: f(gd, p)
     return calls
 
 
