@@ -2,8 +2,8 @@
 
 What ``hf-lowprec env`` prints and ``benchmarks/kernel_speed.py`` records per shape: the dense GEMMs (fp32, bf16,
 int8 ``torch._int_mm``), torch's own weight-only int4/int8 CPU kernels, the packed layers' backends on fp32 and on bf16
-inputs, forward (``y = x W^T``) and grad-input (``g W``) timed separately, and the gradient of learned steps (a weight-gradient
-GEMM reduced to per-group sums: the C++ kernel, and torch ops), one after the other in one process.
+inputs, forward (``y = x W^T``) and grad-input (``g W``) timed separately, and the gradient of learned steps (a
+weight-gradient GEMM reduced to per-group sums: the C++ kernel, and torch ops), one after the other in one process.
 """
 
 from __future__ import annotations
