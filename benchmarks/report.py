@@ -569,23 +569,35 @@ def int4_training_section(data: dict | None) -> list[str]:
     m, runs = data["machine"], data["runs"]
     bf16 = {r["seed"]: r["ppl_after"] for r in runs if r["variant"] == "bf16"}
     lines += [f"{m['machine']} ({m['cpu_class']}), {m['threads']} threads. SmolLM2-135M-Instruct, the auto-mixed recipe's "
-              "scanned plan, full fine-tuning 200 steps of 1x256 tokens at lr 2e-5, one seed (exploratory: a figure here "
-              "is not evidence for a claim); only the training of the plan's INT4 layers changes. 'As trained': the FP8 "
+              "scanned plan (its loss budget and score, or the ones named), full fine-tuning 200 steps of 1x256 tokens at "
+              "lr 2e-5, one seed per row; only the training of the plan's INT4 layers changes. 'As trained': the FP8 "
               "layers in FP8; 'exported': what the recipe exports, the INT4 layers' packed codes and the FP8 layers' master "
-              "weights.\n",
-              "| variant | plan | ppl as trained | vs bf16 | ppl exported | vs bf16 | train loss, last 10 |",
-              "|---|---|---|---|---|---|---|"]  # fmt: skip
+              "weights. Each seed's plan comes from its own scan.\n",
+              "| variant | seed | plan | ppl as trained | vs bf16 | ppl exported | vs bf16 | train loss, last 10 |",
+              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
 
     def vs(ppl, seed):
         return f"{ppl / bf16[seed]:.4f}x" if ppl is not None and seed in bf16 else "—"
 
+    def label(r):
+        named = [f"loss budget {r['max_loss_increase']}" if r.get("max_loss_increase") is not None else "",
+                 f"scored {r['score']}" if r.get("score") else "", r.get("int4_format") or ""]  # fmt: skip
+        named = ", ".join(n for n in named if n)
+        return r["variant"] + (f" ({named})" if named else "")
+
+    groups: dict[str, list[float]] = {}
     for r in runs:
         plan = ", ".join(f"{k} {v:.0%}" for k, v in sorted(r["plan_fractions"].items())) or "—"
         exported_ppl = r.get("ppl_exported")
-        budget = f" (loss budget {r['max_loss_increase']})" if r.get("max_loss_increase") is not None else ""
-        lines.append(f"| {r['variant']}{budget} | {plan} | {r['ppl_after']:.2f} | {vs(r['ppl_after'], r['seed'])} | "
+        lines.append(f"| {label(r)} | {r['seed']} | {plan} | {r['ppl_after']:.2f} | {vs(r['ppl_after'], r['seed'])} | "
                      f"{'—' if exported_ppl is None else f'{exported_ppl:.2f}'} | {vs(exported_ppl, r['seed'])} | "
                      f"{r['loss_last10']:.3f} |")  # fmt: skip
+        if exported_ppl is not None and r["seed"] in bf16 and r["variant"] != "bf16":
+            groups.setdefault(label(r), []).append(exported_ppl / bf16[r["seed"]])
+    for name, ratios in groups.items():
+        if len(ratios) > 1:
+            mean, std = mean_std(ratios)
+            lines.append(f"\n{name}, exported vs bf16 over {len(ratios)} seeds: {mean:.4f}x ± {std:.4f}")
     return lines + [""]
 
 

@@ -98,7 +98,7 @@ class _Problem:
     free_params: float  # of the units keep does not hold: the fractions' denominator
 
 
-def _problem(result: ScanResult, keep: Sequence[str], force: Mapping[str, str], score: str = CONVERSION) -> _Problem:
+def _problem(result: ScanResult, keep: Sequence[str], force: Mapping[str, str], score: str) -> _Problem:
     units = [u for u in result.layers]
     if not units:
         raise ValueError(
@@ -298,7 +298,7 @@ def _unmeetable(p: _Problem, budget: Budget, failed: list[str]) -> ValueError:
 
 
 def predict_plan(result: ScanResult, plan: "PrecisionPlan | Mapping", score: str = CONVERSION) -> dict:
-    """Predicted Δloss (sum of per-layer ``score``\ s, negatives as 0), bits per parameter and format
+    """Predicted Δloss (the sum of per-layer scores of kind ``score``, negatives as 0), bits per parameter and format
     fractions of any ``plan`` over the scanned layers (e.g. a hand-written one, to compare with
     :func:`allocate`'s). Raises ``ValueError`` if the plan gives tied layers different formats or
     a format the scan did not score."""
