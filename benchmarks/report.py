@@ -305,7 +305,9 @@ def finetune_quality_section(fq: dict | None, title: str = "Fine-tuning quality 
         "the ratio to bf16 is paired by seed." + (" 'Weights in bf16': the run's trained master weights evaluated with "
         "its low-precision layers reverted (what the fp8-train recipe exports), against bf16's run." if master_measured else "")
         + (" 'INT4 packed': its INT4 layers as their packed codes, the others' master weights (what the auto-mixed "
-           "recipe exports)." if packed_measured else "")
+           "recipe exports). The 'auto plan' rows are the auto-mixed recipe before 2026-12-03 (its budget scored at "
+           "conversion); the current recipe (scored after training) is measured in the INT4 section below."
+           if packed_measured else "")
         + "\n",
         "| run | ppl before | ppl after | vs bf16 |" + (" weights in bf16 vs bf16 |" if master_measured else "")
         + (" INT4 packed vs bf16 |" if packed_measured else "") + " plan |",
