@@ -64,8 +64,7 @@ class PrecisionSection:
         keep: layer names/patterns left in high precision (plain format plans only).
         formats: candidate formats of the ``auto`` scan.
         budget: ``auto`` budget, passed to ``sensitivity.allocate`` (e.g. ``{target_bits_per_param: 6}``).
-        score: which Δloss the ``auto`` budget counts: ``conversion`` (the model converted as it is) or
-            ``after-training`` (the curvature term a format leaves once training has taken the first-order one; see
+        score: which Δloss the ``auto`` budget counts: ``conversion`` or ``after-training`` (see
             ``sensitivity.LayerScore.score``).
         calibration_batches: batches the ``auto`` scan measures on, and calibrated rounding calibrates on.
         scan_method: ``auto`` scan method.

@@ -23,10 +23,8 @@ exactly as they were afterwards, also after an interrupt. (``apply_plan`` + ``re
 new ``nn.Linear`` objects behind.) Measured Δloss includes the first-order effect of the calibration
 data's gradient; the Fisher estimate keeps that term for the same reason.
 
-What a choice costs the allocator is the budget's ``score``: ``conversion`` (the measured Δloss, else the Taylor
-estimate: the model converted as it is) or ``after-training`` (without the first-order term ``gᵀδy``: training takes
-the calibration gradient in any format, so quantization noise that happens to point down it is no lasting gain; the
-curvature term is what stays, see :meth:`LayerScore.score`).
+What a choice costs the allocator is the budget's ``score``: ``conversion`` (the model converted as it is) or
+``after-training`` (the curvature term only; why: :meth:`LayerScore.score`).
 
 :func:`allocate` turns a :class:`ScanResult` and a :class:`Budget` into an explicit
 :class:`~hf_lowprec.plan.PrecisionPlan` by solving a multiple-choice knapsack (:func:`check_budget` tells before a

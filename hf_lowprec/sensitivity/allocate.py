@@ -40,9 +40,8 @@ class Budget:
         min_fp8_fraction: at least this fraction of the free parameters (those of the scanned layers that
             ``keep`` does not hold) in FP8 or lower precision.
         int4_fraction: at most this fraction of the free parameters in 4-bit formats (0 forbids INT4).
-        score: which Δloss each choice costs (:meth:`~hf_lowprec.sensitivity.LayerScore.score`): ``conversion``
-            (the model converted as it is) or ``after-training`` (its curvature term: what a format leaves once
-            training has taken the calibration gradient's first-order term; needs a scan with Taylor terms).
+        score: which Δloss each choice costs, ``conversion`` or ``after-training`` (the curvature term only; needs a
+            scan with Taylor terms): see :meth:`~hf_lowprec.sensitivity.LayerScore.score`.
 
     With ``target_bits_per_param`` or ``min_fp8_fraction`` the allocator minimizes the predicted
     Δloss; otherwise it minimizes memory within ``max_loss_increase`` and ``int4_fraction``.

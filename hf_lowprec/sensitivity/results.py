@@ -18,8 +18,7 @@ KEEP = "bf16"
 """Label of the high-precision choice: the layer stays as it is (plans write it as ``bf16``)."""
 CONVERSION, AFTER_TRAINING = "conversion", "after-training"
 SCORES = (CONVERSION, AFTER_TRAINING)
-"""What a choice's Δloss counts (:meth:`LayerScore.score`): the loss of converting the model as it is, or what remains
-after training, its curvature term."""
+"""What a choice's Δloss counts (:meth:`LayerScore.score`)."""
 
 # ------------------------------------------------------------------------------------ results
 
