@@ -96,6 +96,42 @@ def test_int8_forward_in_column_tiles_is_the_whole_product(monkeypatch):
     torch.testing.assert_close(whole(x), expected, rtol=0, atol=0)
 
 
+def test_int8_grad_input_in_row_tiles_is_the_whole_product(monkeypatch):
+    """Rows of the grad-input tiled (int32 products held a block at a time) give the same bits as one _int_mm."""
+    import hf_lowprec.modules.packed as packed_module
+
+    layer = packed("int4-g64-asym", k=192, n=40).to(torch.bfloat16)
+    grad_out = torch.randn(67, 40, dtype=torch.bfloat16)
+    expected = packed_module._int8_grad_input(grad_out, layer)
+    monkeypatch.setattr(packed_module, "INT32_TILE", 192 * 20)  # 20 rows a tile: 4 tiles, the last short
+    torch.testing.assert_close(packed_module._int8_grad_input(grad_out, layer), expected, rtol=0, atol=0)
+
+
+def test_layers_sharing_the_scratch_buffers_match_their_own_unpacked_weights():
+    """Layers of different shapes unpack into one reused buffer per kind: each forward and grad-input still
+    equals the product with its own freshly unpacked int8 weight, computed here with fp32 matmuls."""
+    import hf_lowprec.modules.packed as packed_module
+
+    torch.manual_seed(0)
+    big, small = packed("int4-g64-asym", k=192, n=96), packed("int4-g32", k=128, n=40)
+    big.outlier_columns = small.outlier_columns = 0  # every input channel through the int8 rows
+    for layer, k in ((big, 192), (small, 128), (big, 192)):  # big again: its buffer now holds small's codes first
+        x = torch.randn(9, k)
+        w8, r = layer.int8_weight()  # a tensor of its own
+        xq, x_step = packed_module.quantize_rows(x)
+        expected = (xq.float() @ w8.float().t()) * x_step * r
+        y = packed_module._int8_forward(x, layer)
+        torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-6)
+        grad_out = torch.randn(9, layer.out_features)
+        gq, g_step = packed_module.quantize_rows(grad_out, r)
+        torch.testing.assert_close(
+            packed_module._int8_grad_input(grad_out, layer), (gq.float() @ w8.float()) * g_step, rtol=1e-6, atol=1e-6
+        )
+    shared, _ = big.int8_weight(reuse_buffer=True)
+    again, _ = small.int8_weight(reuse_buffer=True)
+    assert shared.untyped_storage().data_ptr() == again.untyped_storage().data_ptr()
+
+
 @needs_int8
 def test_int8_weight_reconstructs_dequantized_weight():
     layer = packed("int4-g64-asym", k=192, n=40)
@@ -233,7 +269,12 @@ def test_cpu_kernels_match_torch_reference(spec):
     if zero is not None:
         expected = expected - zero.unsqueeze(-1)
     expected = torch.round(expected * ratio.unsqueeze(-1)).view(40, 192).to(torch.int8)
-    assert torch.equal(ext.unpack_int4_int8(layer.qweight, ratio, zero, layer.spec.symmetric, 192), expected)
+    assert torch.equal(ext.unpack_int4_int8(layer.qweight, ratio, zero, layer.spec.symmetric, 192, None), expected)
+    into = torch.full((40, 192), 99, dtype=torch.int8)
+    written = ext.unpack_int4_int8(layer.qweight, ratio, zero, layer.spec.symmetric, 192, into)
+    assert written.data_ptr() == into.data_ptr() and torch.equal(into, expected)
+    with pytest.raises(RuntimeError, match="contiguous int8"):
+        ext.unpack_int4_int8(layer.qweight, ratio, zero, layer.spec.symmetric, 192, into[:, :96])
     x = torch.randn(33, 192, dtype=torch.bfloat16)
     col = torch.rand(192) + 0.5
     for scale in (None, col):

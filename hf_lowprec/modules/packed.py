@@ -7,8 +7,8 @@ LoRA adapters. A precision plan puts most layers in INT4 and may keep the sensit
 run the same three backends (:data:`KERNELS`):
 
 - ``int8`` (CPUs with int8 dot products: VNNI, AMX): the weight is an int8 matrix with one step per row
-  (int8 codes as stored; INT4 codes unpacked per call, each row rescaled to one step
-  ``r[n] = max|W[n]| / 127``); activations and output gradients are quantized dynamically to int8 per
+  (int8 codes as stored; INT4 codes unpacked per call into a reused buffer, ``kernels/scratch.py``, each row
+  rescaled to one step ``r[n] = max|W[n]| / 127``); activations and output gradients are quantized dynamically to int8 per
   row (token), the few loudest input channels of each call excepted (multiplied in the activation
   dtype, see ``_int8_forward``); ``torch._int_mm`` multiplies with int32 accumulation, and C++ kernels
   (``kernels/cpp.py``) unpack, quantize and dequantize around it. About 0.8% relative error against the
@@ -65,6 +65,7 @@ from hf_lowprec.formats import (
 from hf_lowprec.modules.kernels.autotune import fastest
 from hf_lowprec.modules.kernels.cpp import cpu_kernels
 from hf_lowprec.modules.kernels.cpu import cpu_info
+from hf_lowprec.modules.kernels.scratch import scratch
 from hf_lowprec.rotation import layer_rotation, rotate, unrotate
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ AUTOTUNE_TOKENS = 256  # rows of the probe input when auto times the backends of
 # first-run spike of ~100 MB at the Llama-3.2-1B shape
 AUTOTUNE_OUTPUTS = 1 << 23
 CHUNK_ELEMENTS = 1 << 22  # weight elements quantized per slice when packing a dense weight (16 MB in fp32)
-INT32_TILE = 1 << 20  # int32 products of the int8 backend's forward held at a time (4 MB; see _int_mm_dequantized)
+INT32_TILE = 1 << 20  # int32 products of the int8 backend held at a time (4 MB; see _int_mm_dequantized)
 OUTLIER_COLUMNS = 8  # input channels per call the int8 backend multiplies in the activation dtype (see _int8_forward)
 # group steps and zero points of a frozen INT4 base (quantized on load, the on-device base) whatever it computes in
 # (see compact_steps): fp32 ones made an fp32 model (the AVX2 class's compute dtype) 58 MB larger at the
@@ -335,7 +336,7 @@ def _int8_forward(x2d: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
     its rms); one of them would set the token's int8 step for all others. The grad-input needs no such split:
     output gradients have no such channels.
     """
-    w8, row_step = layer.int8_weight()
+    w8, row_step = layer.int8_weight(reuse_buffer=True)
     inverse = layer.inverse_input_scale()
     xq, x_step, outliers, x_out = _int8_rows(x2d, inverse, min(layer.outlier_columns, x2d.shape[1]))
     y = _int_mm_dequantized(xq, x_step, w8, row_step, x2d.dtype)
@@ -351,26 +352,37 @@ def _int_mm_dequantized(
     xq: torch.Tensor, x_step: torch.Tensor, w8: torch.Tensor, row_step: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """``(xq x_step) @ (w8 row_step)^T`` in ``dtype``: int8 ``xq [M, K]``, ``w8 [N, K]``; fp32 steps ``[M, 1]``,
-    ``[N]``. The int32 products exist ``INT32_TILE`` at a time, a block of output columns each: a wide layer's
-    whole ``[M, N]`` int32 result beside its output would cost 6 bytes per output (a 128k-vocabulary head, 65
-    tokens: 33 MB of int32 besides 17 MB of bf16 logits)."""
+    ``[N]``. The int32 products exist ``INT32_TILE`` at a time, a block of output columns each, in a reused scratch
+    buffer (``kernels/scratch.py``): a wide layer's whole ``[M, N]`` int32 result beside its output would cost 6
+    bytes per output (a 128k-vocabulary head, 65 tokens: 33 MB of int32 besides 17 MB of bf16 logits)."""
     m, n = xq.shape[0], w8.shape[0]
-    cols = max(64, INT32_TILE // max(m, 1) // 64 * 64)
-    if cols >= n:
-        return dequantize_rows(torch._int_mm(xq, w8.t()), x_step, row_step, dtype)
+    cols = min(n, max(64, INT32_TILE // max(m, 1) // 64 * 64))
     y = torch.empty(m, n, dtype=dtype, device=xq.device)
     for n0 in range(0, n, cols):
         block = slice(n0, n0 + cols)
-        dequantize_rows(torch._int_mm(xq, w8[block].t()), x_step, row_step[block], dtype, out=y[:, block])
+        products = scratch("int32 products", (m, min(cols, n - n0)), torch.int32, xq.device)
+        torch._int_mm(xq, w8[block].t(), out=products)
+        dequantize_rows(products, x_step, row_step[block], dtype, out=y[:, block])
     return y
 
 
 def _int8_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
-    w8, row_step = layer.int8_weight()
+    """``grad_out @ W`` through ``torch._int_mm``, its int32 products ``INT32_TILE`` at a time (blocks of rows) in
+    a reused scratch buffer."""
+    w8, row_step = layer.int8_weight(reuse_buffer=True)
     # grad_x[m, k] = sum_n g[m, n] r[n] w8[n, k] / s[k]: the per-row weight step r[n] lies on the
     # summed dimension, so it is folded into the gradient before that is quantized per row
     gq, g_step = quantize_rows(grad_out, row_step)
-    return dequantize_rows(torch._int_mm(gq, w8), g_step, layer.inverse_input_scale(), grad_out.dtype)
+    m, k = gq.shape[0], w8.shape[1]
+    rows = max(1, INT32_TILE // k)
+    inverse = layer.inverse_input_scale()
+    grad_x = torch.empty(m, k, dtype=grad_out.dtype, device=grad_out.device)
+    for m0 in range(0, m, rows):
+        block = slice(m0, m0 + rows)
+        products = scratch("int32 products", (min(rows, m - m0), k), torch.int32, gq.device)
+        torch._int_mm(gq[block], w8, out=products)
+        dequantize_rows(products, g_step[block], inverse, grad_out.dtype, out=grad_x[block])
+    return grad_x
 
 
 KERNELS = {
@@ -564,8 +576,10 @@ class PackedLinear(nn.Module):
         """The integer codes ``[N, K]`` (int8 when symmetric, else non-negative uint8)."""
         return self._unpack(self.qweight)
 
-    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``."""
+    def int8_weight(self, reuse_buffer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``. ``reuse_buffer``: codes unpacked
+        per call land in this thread's scratch buffer (``kernels/scratch.py``), valid until the next such call: for
+        kernels that use ``w8`` before they return."""
         raise NotImplementedError
 
     def kernel_shape_supported(self) -> tuple[bool, str]:
@@ -908,24 +922,28 @@ class PackedInt4Linear(PackedLinear):
                 self._cache["row_step"] = row_step
         return (self.effective_step() / row_step.unsqueeze(-1)).contiguous(), row_step
 
-    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def int8_weight(self, reuse_buffer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``, unpacked from the codes on every
-        call.
+        call (into the scratch buffer with ``reuse_buffer``, see :meth:`PackedLinear.int8_weight`).
 
         Needs ``K`` even and a multiple of the group size (see :meth:`kernel_shape_supported`).
         """
         ratio, row_step = self._int8_scales()
         zero = None if self.zero is None else self.effective_zero().contiguous()
+        into = None
+        if reuse_buffer:
+            into = scratch("int8 weight", (self.out_features, self.in_features), torch.int8, self.qweight.device)
         ext = native_kernels(self.qweight)
         if ext is not None:
-            return ext.unpack_int4_int8(self.qweight, ratio, zero, self.spec.symmetric, self.in_features), row_step
+            w8 = ext.unpack_int4_int8(self.qweight, ratio, zero, self.spec.symmetric, self.in_features, into)
+            return w8, row_step
         even, odd = unpack_int4_planes(self.qweight, signed=self.spec.symmetric)
         n, groups = ratio.shape
         codes = torch.stack((even, odd), -1).view(n, groups, -1).float()
         if zero is not None:
             codes = codes - zero.unsqueeze(-1)
-        w8 = torch.round(codes * ratio.unsqueeze(-1)).clamp(-_INT8_MAX, _INT8_MAX).to(torch.int8)
-        return w8.view(n, self.in_features), row_step
+        w8 = torch.round(codes * ratio.unsqueeze(-1)).clamp(-_INT8_MAX, _INT8_MAX).view(n, self.in_features)
+        return (w8.to(torch.int8) if into is None else into.copy_(w8)), row_step
 
     def kernel_shape_supported(self) -> tuple[bool, str]:
         k, g = self.in_features, self.spec.group_size
@@ -955,7 +973,8 @@ class PackedInt8Linear(PackedLinear):
     def _unpack(self, qweight: torch.Tensor) -> torch.Tensor:
         return qweight
 
-    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def int8_weight(self, reuse_buffer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored codes themselves (``reuse_buffer`` changes nothing: nothing is unpacked)."""
         if self.step_gain is not None:
             return self.qweight, self.effective_step().view(-1).contiguous()
         if "row_step" not in self._cache:

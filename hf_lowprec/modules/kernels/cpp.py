@@ -60,13 +60,16 @@ static inline void group_table(int8_t* table, float ratio, float zero, bool is_s
   }
 }
 
+// into_ (optional): a contiguous int8 [N, K] tensor to write (a reused scratch buffer), else a new one
 torch::Tensor unpack_int4_int8(torch::Tensor qweight, torch::Tensor ratio, c10::optional<torch::Tensor> zero,
-                               bool is_signed, int64_t K) {
+                               bool is_signed, int64_t K, c10::optional<torch::Tensor> into_) {
   TORCH_CHECK(qweight.is_contiguous() && ratio.is_contiguous() && ratio.scalar_type() == torch::kFloat);
   const int64_t N = qweight.size(0), H = qweight.size(1), G = ratio.size(1);
   TORCH_CHECK(K % G == 0 && (K / G) % 2 == 0, "group size must divide K and be even");
   const int64_t gbytes = K / G / 2;  // packed bytes per group
-  auto out = torch::empty({N, K}, qweight.options().dtype(torch::kInt8));
+  auto out = into_.has_value() ? *into_ : torch::empty({N, K}, qweight.options().dtype(torch::kInt8));
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == torch::kChar && out.size(0) == N && out.size(1) == K,
+              "unpack_int4_int8: into must be a contiguous int8 [N, K] tensor");
   const uint8_t* qw = qweight.data_ptr<uint8_t>();
   const float* ra = ratio.data_ptr<float>();
   const float* ze = zero.has_value() ? zero->data_ptr<float>() : nullptr;

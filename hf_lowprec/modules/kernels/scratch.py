@@ -1,0 +1,43 @@
+"""Scratch buffers the int8 backend's kernels reuse from call to call: the unpacked int8 weight and the int32 products.
+
+A packed layer's int8 backend unpacks its whole INT4 weight to int8 on every forward and grad-input and multiplies
+into int32: at the Llama-3.2-1B shape and 256 tokens that is 2.7 GB of fresh tensors per training step, up to 16 MB
+each, all dead as soon as the layer returns. glibc serves them either from its heap, where they fragment it (training
+peak 1.82 GB, ``benchmarks/scale.py``'s int4-lora probe, AMX Xeon), or, with a low ``MALLOC_MMAP_THRESHOLD_``, from
+fresh pages that fault in on every call (1.47 GB, but the step took 4.3 s instead of 2.35 s). One buffer per kind and
+thread, grown to the largest layer's need and kept, removes that traffic: the memory it holds is the largest weight
+in int8 (``N x K`` bytes: 16 MB at the 1B shape) plus one block of int32 products.
+
+Written by hand: PyTorch's CPU allocator is plain ``malloc`` (no caching allocator as on CUDA), and no library of the
+field offers a reusable workspace for CPU kernels.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+_local = threading.local()  # autograd may run a backward on another thread than its forward: buffers per thread
+
+
+def scratch(kind: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A contiguous tensor of ``shape`` and ``dtype`` on this thread's buffer ``kind``, its contents undefined, valid
+    until the next call for ``kind`` on this thread: what a kernel writes and reads before it returns, never a result.
+
+    The buffer grows to the largest request and stays allocated (:func:`release_scratch` frees them). Buffers made in
+    inference mode are kept apart (an inference tensor cannot be written outside it)."""
+    buffers = _local.__dict__.setdefault("buffers", {})
+    key = (kind, dtype, torch.device(device), torch.is_inference_mode_enabled())
+    numel = math.prod(shape)
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffers.pop(key, None)  # the old one freed before the larger one is made
+        buffer = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel].view(shape)
+
+
+def release_scratch() -> None:
+    """Free this thread's scratch buffers (they are made again, at the size needed, by the next call)."""
+    _local.__dict__.pop("buffers", None)
