@@ -8,8 +8,8 @@ run the same three backends (:data:`KERNELS`):
 
 - ``int8`` (CPUs with int8 dot products: VNNI, AMX): the weight is an int8 matrix with one step per row
   (int8 codes as stored; INT4 codes unpacked per call into a reused buffer, ``kernels/scratch.py``, each row
-  rescaled to one step ``r[n] = max|W[n]| / 127``); activations and output gradients are quantized dynamically to int8 per
-  row (token), the few loudest input channels of each call excepted (multiplied in the activation
+  rescaled to one step ``r[n] = max|W[n]| / 127``); activations and output gradients are quantized dynamically to
+  int8 per row (token), the few loudest input channels of each call excepted (multiplied in the activation
   dtype, see ``_int8_forward``); ``torch._int_mm`` multiplies with int32 accumulation, and C++ kernels
   (``kernels/cpp.py``) unpack, quantize and dequantize around it. About 0.8% relative error against the
   dequantized fp32 reference (forward and grad-input alike).
