@@ -179,10 +179,7 @@ def _load(config: str, folder: Path):
     if config.endswith("-gc"):
         base.activation_checkpointing_enable({"use_reentrant": False})
     base.config.use_cache = False
-    if config == "int4-hf-quantizer":  # PEFT's "all-linear" matches nn.Linear subclasses only: the same layers by name
-        lora = LoraConfig(**{**LORA, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                         "down_proj"]})  # fmt: skip
-    model = get_peft_model(base, lora)
+    model = get_peft_model(base, lora)  # "all-linear" includes packed layers (hf_lowprec.modules.int4_lora)
     return model, lambda batch: model(input_ids=batch, labels=batch).loss, {}
 
 

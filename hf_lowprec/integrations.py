@@ -5,7 +5,8 @@ Two registrations make the ecosystem's own loaders understand hf-lowprec folders
 - transformers: ``quant_method: hf_lowprec`` (:mod:`hf_lowprec.export.hf_quantizer`), so
   ``AutoModelForCausalLM.from_pretrained(folder)`` rebuilds packed INT4 layers instead of random ones;
 - PEFT: packed layers wrap in :class:`~hf_lowprec.modules.int4_lora.PackedLoraLinear`, so
-  ``PeftModel.from_pretrained(base, adapter_folder)`` loads adapters onto a packed base.
+  ``PeftModel.from_pretrained(base, adapter_folder)`` loads adapters onto a packed base, and
+  ``target_modules="all-linear"`` includes packed layers.
 
 Importing transformers' model code and PEFT costs seconds, which ``import hf_lowprec`` should not pay for a user who
 needs neither. So each registration runs as soon as its library is imported: at once when it already is, otherwise

@@ -169,3 +169,25 @@ def test_packs_on_load_says_which_plans_load_packed():
     assert packs_on_load(None) and packs_on_load(PLAN) and packs_on_load("int4-g32") and packs_on_load(PLAN.to_dict())
     assert not packs_on_load("auto") and not packs_on_load("fp8") and not packs_on_load("int8-g128")
     assert not packs_on_load(PrecisionPlan({"*.v_proj": "nf4-g64"}, default="int4-g64"))
+
+
+def test_peft_all_linear_wraps_the_packed_layers_but_the_head(tmp_path):
+    """``get_peft_model(model, LoraConfig(target_modules="all-linear"))`` on a model packed on load wraps every packed
+    layer (PEFT itself matches ``nn.Linear`` only), not the output head, packed or not: the same layers as
+    ``load_int4_lora``'s own reading of ``all-linear``; a second adapter nests nothing."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_lowprec.modules.int4_lora import PackedLoraLinear
+    from hf_lowprec.ondevice.planning import resolve_target_modules
+
+    tiny_llama(tie=False).save_pretrained(tmp_path / "dense")
+    for plan in (PLAN.to_dict(), {"default": "int4-g32"}):  # a bf16 head; a packed one
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", quantization_config=HfLowprecConfig(plan))
+        expected = set(resolve_target_modules(model, "all-linear"))
+        assert len(expected) == 14 and not any(isinstance(m, torch.nn.Linear) for m in model.model.modules())
+        peft_model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+        wrapped = {n for n, m in model.named_modules() if isinstance(m, PackedLoraLinear)}
+        assert wrapped == expected and not isinstance(model.lm_head, PackedLoraLinear)
+        peft_model.add_adapter("second", LoraConfig(r=2, target_modules="all-linear"))
+        assert {n for n, m in model.named_modules() if isinstance(m, PackedLoraLinear)} == expected
+        assert all("second" in model.get_submodule(n).lora_A for n in expected)

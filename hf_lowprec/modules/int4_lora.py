@@ -5,7 +5,8 @@ PEFT picks a LoRA layer by the type of the layer it wraps; a packed linear is no
 knows, so :func:`register_int4_lora` maps ``PackedLinear`` (both classes) to ``PackedLoraLinear`` in a
 ``LoraConfig`` through PEFT's custom-module API (``LoraConfig._register_custom_module``), and
 :func:`register_peft_dispatch` does it for every config PEFT wraps a packed layer with, also one read from an
-``adapter_config.json`` by ``PeftModel.from_pretrained``.
+``adapter_config.json`` by ``PeftModel.from_pretrained``, and makes ``target_modules="all-linear"`` include packed
+layers (PEFT matches ``nn.Linear`` and ``Conv1D`` only).
 
 The forward keeps LoRA's numbers but not its elementwise passes: adapter weights (fp32 master copies, like PEFT's
 default ``autocast_adapter_dtype=True``, or bf16: ``prepare_int4_lora(adapter_dtype=...)``) are cast to the
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from peft import LoraConfig
 from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.model import LoraModel
+from peft.tuners import tuners_utils
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 
 from hf_lowprec.modules.packed import PackedLinear
@@ -177,3 +179,32 @@ def register_peft_dispatch() -> None:
 
     create_new_module.hf_lowprec_dispatch = True
     LoraModel._create_new_module = staticmethod(create_new_module)
+    _include_packed_in_all_linear()
+
+
+def _include_packed_in_all_linear() -> None:
+    """Wrap PEFT's ``all-linear`` expansion (``tuners_utils._maybe_include_all_linear_layers``, which LoRA's tuner
+    looks up in its module) to add the packed layers, the output head excepted as PEFT excepts it (a model loaded with
+    ``HfLowprecConfig`` has no ``nn.Linear`` left to match). Layers already wrapped by an adapter PEFT finds itself."""
+    include = tuners_utils._maybe_include_all_linear_layers
+    if getattr(include, "hf_lowprec_dispatch", False):
+        return
+
+    def include_all_linear(peft_config, model):
+        targets = getattr(peft_config, "target_modules", None)
+        wants_all = isinstance(targets, str) and targets.lower() == tuners_utils.INCLUDE_LINEAR_LAYERS_SHORTHAND
+        peft_config = include(peft_config, model)
+        if not wants_all:
+            return peft_config
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        wrapped = {id(m) for t in model.modules() if isinstance(t, BaseTunerLayer) for m in t.modules()}
+        packed = {
+            name
+            for name, module in model.named_modules()
+            if isinstance(module, PackedLinear) and module is not head and id(module) not in wrapped
+        }
+        peft_config.target_modules = set(peft_config.target_modules) | packed
+        return peft_config
+
+    include_all_linear.hf_lowprec_dispatch = True
+    tuners_utils._maybe_include_all_linear_layers = include_all_linear
