@@ -23,9 +23,9 @@ import warnings
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig
+from peft.tuners import tuners_utils
 from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.model import LoraModel
-from peft.tuners import tuners_utils
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 
 from hf_lowprec.modules.packed import PackedLinear
