@@ -2,11 +2,14 @@
 
 A packed layer's int8 backend unpacks its whole INT4 weight to int8 on every forward and grad-input and multiplies
 into int32: at the Llama-3.2-1B shape and 256 tokens that is 2.7 GB of fresh tensors per training step, up to 16 MB
-each, all dead as soon as the layer returns. glibc serves them either from its heap, where they fragment it (training
-peak 1.82 GB, ``benchmarks/scale.py``'s int4-lora probe, AMX Xeon), or, with a low ``MALLOC_MMAP_THRESHOLD_``, from
-fresh pages that fault in on every call (1.47 GB, but the step took 4.3 s instead of 2.35 s). One buffer per kind and
-thread, grown to the largest layer's need and kept, removes that traffic: the memory it holds is the largest weight
-in int8 (``N x K`` bytes: 16 MB at the 1B shape) plus one block of int32 products.
+each, all dead as soon as the layer returns. glibc serves them either from its heap, where they fragment it, or, with
+a low ``MALLOC_MMAP_THRESHOLD_``, from fresh pages that fault in on every call. One buffer per kind and thread, grown
+to the largest layer's need and kept, removes that traffic; it holds the largest weight in int8 (``N x K`` bytes:
+16 MB at the 1B shape) and one block of int32 products (at most 4 MB, ``packed.INT32_TILE``). On the 1B shape
+(``benchmarks/scale.py``, AMX Xeon) the step with the mmap allocator went from 4.66 to 3.98 s at 1x256 and glibc's
+training peak from 1763 to 1746 MB; the peak read with the mmap allocator stayed 1434-1435 MB. The whole grad-input
+product in one buffer instead (one ``_int_mm`` call, no row blocks) measured the same step times within the machine's
+noise and higher peaks: 1439 MB at 1x256, 1847 against 1818 MB (glibc: 2792 against 2619) at 4x256.
 
 Written by hand: PyTorch's CPU allocator is plain ``malloc`` (no caching allocator as on CUDA), and no library of the
 field offers a reusable workspace for CPU kernels.
