@@ -133,6 +133,22 @@ def test_layers_sharing_the_scratch_buffers_match_their_own_unpacked_weights():
     assert shared.untyped_storage().data_ptr() == again.untyped_storage().data_ptr()
 
 
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_outlier_weight_columns_kernel_is_torchs_gather(dtype):
+    """The C++ gather of the outlier channels' weight columns equals torch's ``index_select`` times the row steps,
+    rounded once into ``dtype``, bit for bit; a column out of range is refused."""
+    import hf_lowprec.modules.packed as packed_module
+
+    w8 = torch.randint(-127, 128, (1000, 192), dtype=torch.int8)
+    row_step = torch.rand(1000) / 100
+    columns = torch.tensor([191, 0, 64, 7, 64])
+    expected = (w8.index_select(1, columns).float() * row_step.unsqueeze(1)).to(dtype)
+    assert torch.equal(packed_module.weight_columns(w8, columns, row_step, dtype), expected)
+    with pytest.raises(RuntimeError, match="column out of range"):
+        packed_module.weight_columns(w8, torch.tensor([192]), row_step, dtype)
+
+
 @needs_int8
 def test_int8_weight_reconstructs_dequantized_weight():
     layer = packed("int4-g64-asym", k=192, n=40)
