@@ -145,6 +145,9 @@ def test_outlier_weight_columns_kernel_is_torchs_gather(dtype):
     columns = torch.tensor([191, 0, 64, 7, 64])
     expected = (w8.index_select(1, columns).float() * row_step.unsqueeze(1)).to(dtype)
     assert torch.equal(packed_module.weight_columns(w8, columns, row_step, dtype), expected)
+    wide = torch.randint(-127, 128, (1000, 384), dtype=torch.int8)
+    wide[:, ::2] = w8  # a strided view: torch's gather
+    assert torch.equal(packed_module.weight_columns(wide[:, ::2], columns, row_step, dtype), expected)
     with pytest.raises(RuntimeError, match="column out of range"):
         packed_module.weight_columns(w8, torch.tensor([192]), row_step, dtype)
 
