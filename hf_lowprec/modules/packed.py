@@ -363,23 +363,30 @@ def _int_mm_dequantized(
     xq: torch.Tensor, x_step: torch.Tensor, w8: torch.Tensor, row_step: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """``(xq x_step) @ (w8 row_step)^T`` in ``dtype``: int8 ``xq [M, K]``, ``w8 [N, K]``; fp32 steps ``[M, 1]``,
-    ``[N]``. The int32 products exist ``INT32_TILE`` at a time, a block of output columns each, in a reused scratch
-    buffer (``kernels/scratch.py``): a wide layer's whole ``[M, N]`` int32 result beside its output would cost 6
-    bytes per output (a 128k-vocabulary head, 65 tokens: 33 MB of int32 besides 17 MB of bf16 logits)."""
+    ``[N]``. The int32 products exist ``INT32_TILE`` at a time, a block of output columns each (``_int_mm_into``): a
+    wide layer's whole ``[M, N]`` int32 result beside its output would cost 6 bytes per output (a 128k-vocabulary
+    head, 65 tokens: 33 MB of int32 besides 17 MB of bf16 logits)."""
     m, n = xq.shape[0], w8.shape[0]
     cols = min(n, max(64, INT32_TILE // max(m, 1) // 64 * 64))
     y = torch.empty(m, n, dtype=dtype, device=xq.device)
     for n0 in range(0, n, cols):
         block = slice(n0, n0 + cols)
-        products = scratch("int32 products", (m, min(cols, n - n0)), torch.int32, xq.device)
-        torch._int_mm(xq, w8[block].t(), out=products)
-        dequantize_rows(products, x_step, row_step[block], dtype, out=y[:, block])
+        _int_mm_into(xq, w8[block].t(), x_step, row_step[block], y[:, block])
     return y
 
 
+def _int_mm_into(
+    a: torch.Tensor, b: torch.Tensor, row_step: torch.Tensor, col_step: torch.Tensor | None, out: torch.Tensor
+) -> None:
+    """``out = (a @ b) * row_step (* col_step)`` in ``out``'s dtype: int8 ``a [M, K]``, ``b [K, C]``, the int32
+    products in this thread's scratch buffer (``kernels/scratch.py``)."""
+    products = scratch("int32 products", (a.shape[0], b.shape[1]), torch.int32, a.device)
+    dequantize_rows(torch._int_mm(a, b, out=products), row_step, col_step, out.dtype, out=out)
+
+
 def _int8_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
-    """``grad_out @ W`` through ``torch._int_mm``, its int32 products ``INT32_TILE`` at a time (blocks of rows) in
-    a reused scratch buffer."""
+    """``grad_out @ W`` through ``torch._int_mm``, its int32 products ``INT32_TILE`` at a time (blocks of rows,
+    ``_int_mm_into``)."""
     w8, row_step = layer.int8_weight(reuse_buffer=True)
     # grad_x[m, k] = sum_n g[m, n] r[n] w8[n, k] / s[k]: the per-row weight step r[n] lies on the
     # summed dimension, so it is folded into the gradient before that is quantized per row
@@ -390,9 +397,7 @@ def _int8_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Ten
     grad_x = torch.empty(m, k, dtype=grad_out.dtype, device=grad_out.device)
     for m0 in range(0, m, rows):
         block = slice(m0, m0 + rows)
-        products = scratch("int32 products", (min(rows, m - m0), k), torch.int32, gq.device)
-        torch._int_mm(gq[block], w8, out=products)
-        dequantize_rows(products, g_step[block], inverse, grad_out.dtype, out=grad_x[block])
+        _int_mm_into(gq[block], w8, g_step[block], inverse, grad_x[block])
     return grad_x
 
 
