@@ -304,7 +304,7 @@ static inline void store_value(void* p, int64_t i, float v, bool bf16) {
 // ---------------------------------------------------------------------------------------------
 // out[n, j] = w8[n, columns[j]] * row_step[n] in out's dtype (bf16 or fp32), rounded once: the int8 weight's columns
 // of the int8 backend's outlier channels. torch's index_select along dim 1 took 2.5x this kernel's time (a 128k x 2048
-// head, 8 columns: 18.8 vs 7.4 ms; packed.py's weight_columns)
+// head, 8 columns: 18.8 vs 7.4 ms on a 2-core AMX Xeon; packed.py's weight_columns)
 void gather_columns(torch::Tensor w8, torch::Tensor columns, torch::Tensor row_step, torch::Tensor out) {
   TORCH_CHECK(w8.is_contiguous() && w8.scalar_type() == torch::kChar && w8.dim() == 2, "w8: contiguous int8 [N, K]");
   const int64_t N = w8.size(0), K = w8.size(1), C = columns.numel();
