@@ -97,6 +97,9 @@ AUTOTUNE_TOKENS = 256  # rows of the probe input when auto times the backends of
 AUTOTUNE_OUTPUTS = 1 << 23
 CHUNK_ELEMENTS = 1 << 22  # weight elements quantized per slice when packing a dense weight (16 MB in fp32)
 INT32_TILE = 1 << 20  # int32 products of the int8 backend held at a time (4 MB; see _int_mm_dequantized)
+# the int8 backend multiplies through the AMX tile kernels where they run (amx_kernels); False: through torch._int_mm
+# (benchmarks compare the two in one process)
+USE_AMX = True
 OUTLIER_COLUMNS = 8  # input channels per call the int8 backend multiplies in the activation dtype (see _int8_forward)
 # group steps and zero points of a frozen INT4 base (quantized on load, the on-device base) whatever it computes in
 # (see compact_steps): fp32 ones made an fp32 model (the AVX2 class's compute dtype) 58 MB larger at the
@@ -336,13 +339,33 @@ def _int8_forward(x2d: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
     its rms); one of them would set the token's int8 step for all others. The grad-input needs no such split:
     output gradients have no such channels.
     """
-    w8, row_step = layer.int8_weight(reuse_buffer=True)
     inverse = layer.inverse_input_scale()
     xq, x_step, outliers, x_out = _int8_rows(x2d, inverse, min(layer.outlier_columns, x2d.shape[1]))
-    y = _int_mm_dequantized(xq, x_step, w8, row_step, x2d.dtype)
-    if outliers is None:
-        return y
-    return y.addmm_(x_out, weight_columns(w8, outliers, row_step, x2d.dtype).t())
+    amx = amx_kernels(layer)
+    if amx is not None:  # the weight unpacked tile by tile inside the kernel (kernels/amx.py)
+        weight, ratio, zero, row_step = layer.tile_operands()
+        y = torch.empty(x2d.shape[0], layer.out_features, dtype=x2d.dtype, device=x2d.device)
+        amx.amx_linear(xq, x_step.view(-1), weight, ratio, zero, layer.spec.symmetric, row_step, y)
+        columns = None if outliers is None else layer.int8_columns(outliers, row_step, x2d.dtype)
+    else:
+        w8, row_step = layer.int8_weight(reuse_buffer=True)
+        y = _int_mm_dequantized(xq, x_step, w8, row_step, x2d.dtype)
+        columns = None if outliers is None else weight_columns(w8, outliers, row_step, x2d.dtype)
+    return y if outliers is None else y.addmm_(x_out, columns.t())
+
+
+def amx_kernels(layer: "PackedLinear"):
+    """The CPU kernels where their AMX tile kernels multiply by ``layer``'s weight (``kernels/amx.py``), else
+    ``None``: a CPU with AMX-INT8 (not restricted away by ``HF_LOWPREC_CPU_CLASS``) whose OS grants the tile state,
+    ``in_features`` and ``out_features`` multiples of 64, INT4 groups of a multiple of 32 codes. Elsewhere the int8
+    backend multiplies through ``torch._int_mm``: the same int32 sums, so the same results."""
+    if not USE_AMX or not cpu_info().has("amx_int8") or layer.qweight.device.type != "cpu":
+        return None
+    ext = cpu_kernels()
+    if ext is None or not ext.amx_ready() or layer.in_features % 64 or layer.out_features % 64:
+        return None
+    group = layer.spec.group_size or layer.in_features
+    return ext if isinstance(layer, PackedInt8Linear) or group % 32 == 0 else None
 
 
 def weight_columns(w8: torch.Tensor, columns: torch.Tensor, row_step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -385,16 +408,23 @@ def _int_mm_into(
 
 
 def _int8_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
-    """``grad_out @ W`` through ``torch._int_mm``, its int32 products ``INT32_TILE`` at a time (blocks of rows,
-    ``_int_mm_into``)."""
-    w8, row_step = layer.int8_weight(reuse_buffer=True)
+    """``grad_out @ W``: through the AMX tile kernels where they run (``amx_kernels``), else ``torch._int_mm`` with its
+    int32 products ``INT32_TILE`` at a time (blocks of rows, ``_int_mm_into``)."""
+    amx = amx_kernels(layer)
+    if amx is not None:
+        weight, ratio, zero, row_step = layer.tile_operands()
+    else:
+        w8, row_step = layer.int8_weight(reuse_buffer=True)
     # grad_x[m, k] = sum_n g[m, n] r[n] w8[n, k] / s[k]: the per-row weight step r[n] lies on the
     # summed dimension, so it is folded into the gradient before that is quantized per row
     gq, g_step = quantize_rows(grad_out, row_step)
-    m, k = gq.shape[0], w8.shape[1]
-    rows = max(1, INT32_TILE // k)
+    m, k = gq.shape[0], layer.in_features
     inverse = layer.inverse_input_scale()
     grad_x = torch.empty(m, k, dtype=grad_out.dtype, device=grad_out.device)
+    if amx is not None:
+        amx.amx_linear_grad_input(gq, g_step.view(-1), weight, ratio, zero, layer.spec.symmetric, inverse, k, grad_x)
+        return grad_x
+    rows = max(1, INT32_TILE // k)
     for m0 in range(0, m, rows):
         block = slice(m0, m0 + rows)
         _int_mm_into(gq[block], w8, g_step[block], inverse, grad_x[block])
@@ -596,6 +626,17 @@ class PackedLinear(nn.Module):
         """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``. ``reuse_buffer``: codes unpacked
         per call land in this thread's scratch buffer (``kernels/scratch.py``), valid until the next such call: for
         kernels that use ``w8`` before they return."""
+        raise NotImplementedError
+
+    def tile_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """``(weight, ratio, zero, r)``: what the AMX tile kernels read to make :meth:`int8_weight`'s ``w8`` tile by
+        tile (``kernels/amx.py``): the stored codes, per-group fp32 ``ratio``/``zero`` ``[N, G]`` turning INT4 codes
+        into ``w8`` (``None`` for stored int8 codes), and ``r [N]`` fp32."""
+        raise NotImplementedError
+
+    def int8_columns(self, columns: torch.Tensor, row_step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``w8[:, columns] * row_step[:, None]`` in ``dtype`` (``[N, k]``, :func:`weight_columns`) read from the stored
+        codes, without unpacking the rest."""
         raise NotImplementedError
 
     def kernel_shape_supported(self) -> tuple[bool, str]:
@@ -961,6 +1002,20 @@ class PackedInt4Linear(PackedLinear):
         w8 = torch.round(codes * ratio.unsqueeze(-1)).clamp(-_INT8_MAX, _INT8_MAX).view(n, self.in_features)
         return (w8.to(torch.int8) if into is None else into.copy_(w8)), row_step
 
+    def tile_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        ratio, row_step = self._int8_scales()
+        zero = None if self.zero is None else self.effective_zero().contiguous()
+        return self.qweight, ratio, zero, row_step
+
+    def int8_columns(self, columns: torch.Tensor, row_step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        weight, ratio, zero, _ = self.tile_operands()
+        out = torch.empty(self.out_features, len(columns), dtype=dtype, device=weight.device)
+        ext = native_kernels(weight, out)
+        if ext is None:
+            return weight_columns(self.int8_weight()[0], columns, row_step, dtype)
+        ext.int4_columns(weight, ratio, zero, self.spec.symmetric, self.in_features, columns.contiguous(), row_step, out)
+        return out
+
     def kernel_shape_supported(self) -> tuple[bool, str]:
         k, g = self.in_features, self.spec.group_size
         if k % 2:
@@ -988,6 +1043,12 @@ class PackedInt8Linear(PackedLinear):
 
     def _unpack(self, qweight: torch.Tensor) -> torch.Tensor:
         return qweight
+
+    def tile_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        return self.qweight, None, None, self.int8_weight()[1]
+
+    def int8_columns(self, columns: torch.Tensor, row_step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return weight_columns(self.qweight, columns, row_step, dtype)
 
     def int8_weight(self, reuse_buffer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored codes themselves (``reuse_buffer`` changes nothing: nothing is unpacked)."""

@@ -1,7 +1,8 @@
 """Hand-written C++ CPU kernels of the packed layers: int4 -> int8 unpacking, the outlier channels' weight columns,
 per-row int8 quantization, column maxima, dequantization of int32 products, the tiled dequantize-and-multiply of the
 ``tiled`` backend, the chunked loss's cross-entropy that writes its gradient over the logits, the gradients of
-SwiGLU's product, and the per-group weight-gradient sums of learned INT4 steps.
+SwiGLU's product, and the per-group weight-gradient sums of learned INT4 steps. The AMX tile kernels of the int8
+backend (``amx.py``) build into the same extension.
 
 Why by hand: nothing in torch/torchao unpacks INT4 groups to int8 for ``torch._int_mm``, and eager torch ops
 around it make one pass over memory each (an int8 matmul is only worth it when the passes around it are
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from hf_lowprec.modules.kernels.amx import AMX_FUNCTIONS, AMX_SOURCE
 from hf_lowprec.modules.kernels.cpu import build_tag
 
 logger = logging.getLogger(__name__)
@@ -325,6 +327,41 @@ void gather_columns(torch::Tensor w8, torch::Tensor columns, torch::Tensor row_s
       const int8_t* row = w + n * K;
       for (int64_t j = 0; j < C; ++j) store_value(o, n * C + j, static_cast<float>(row[col[j]]) * rs[n], bf16);
     }
+  });
+}
+
+// gather_columns of an INT4 weight's int8 values (unpack_int4_int8's), read from the packed codes: where the AMX
+// kernels multiply without ever unpacking the whole weight (amx.py)
+void int4_columns(torch::Tensor qweight, torch::Tensor ratio, c10::optional<torch::Tensor> zero, bool is_signed,
+                  int64_t K, torch::Tensor columns, torch::Tensor row_step, torch::Tensor out) {
+  TORCH_CHECK(qweight.is_contiguous() && qweight.scalar_type() == torch::kByte && qweight.size(1) * 2 >= K,
+              "qweight: contiguous uint8 [N, K / 2]");
+  TORCH_CHECK(ratio.is_contiguous() && ratio.scalar_type() == torch::kFloat, "ratio: contiguous fp32 [N, G]");
+  const int64_t N = qweight.size(0), H = qweight.size(1), G = ratio.size(1), C = columns.numel(), group = K / G;
+  TORCH_CHECK(columns.is_contiguous() && columns.scalar_type() == torch::kLong, "columns: contiguous int64 [k]");
+  TORCH_CHECK(row_step.is_contiguous() && row_step.scalar_type() == torch::kFloat && row_step.numel() == N,
+              "row_step: contiguous fp32 [N]");
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == N && out.size(1) == C &&
+              (out.scalar_type() == torch::kBFloat16 || out.scalar_type() == torch::kFloat),
+              "out: contiguous bf16 or fp32 [N, k]");
+  const int64_t* col = columns.data_ptr<int64_t>();
+  for (int64_t j = 0; j < C; ++j) TORCH_CHECK(col[j] >= 0 && col[j] < K, "int4_columns: column out of range");
+  const uint8_t* qw = qweight.data_ptr<uint8_t>();
+  const float* ra = ratio.data_ptr<float>();
+  const float* ze = zero.has_value() ? zero->data_ptr<float>() : nullptr;
+  const float* rs = row_step.data_ptr<float>();
+  void* o = out.data_ptr();
+  const bool bf16 = out.scalar_type() == torch::kBFloat16;
+  at::parallel_for(0, N, 1024, [&](int64_t b, int64_t e) {
+    for (int64_t n = b; n < e; ++n)
+      for (int64_t j = 0; j < C; ++j) {
+        const int64_t k = col[j], g = n * G + k / group;
+        const int v = (qw[n * H + k / 2] >> (4 * (k & 1))) & 0x0F;
+        const int code = is_signed ? (v < 8 ? v : v - 16) : v;
+        float x = std::nearbyint((static_cast<float>(code) - (ze ? ze[g] : 0.f)) * ra[g]);
+        x = std::max(-127.f, std::min(127.f, x));
+        store_value(o, n * C + j, x * rs[n], bf16);
+      }
   });
 }
 
@@ -767,11 +804,12 @@ std::vector<torch::Tensor> learned_step_sums(torch::Tensor g, torch::Tensor x, t
   });
   return {S, C};
 }
-"""
+""" + AMX_SOURCE
 
 _FUNCTIONS = [
     "unpack_int4_int8",
     "gather_columns",
+    "int4_columns",
     "quantize_rows",
     "column_absmax",
     "dequantize",
@@ -782,6 +820,7 @@ _FUNCTIONS = [
     "tiled_linear_grad_input",
     "tiled_linear_grad_input_rows",
     "learned_step_sums",
+    *AMX_FUNCTIONS,
 ]
 _state: dict[str, object] = {}
 # -fno-trapping-math (no value changes: FP exceptions never trap here) lets GCC turn the loops' selects (clamps, the
