@@ -62,6 +62,8 @@ def test_env_prints_the_cpu_the_dtype_choice_and_measured_throughput():
     cpu = cpu_info()
     assert cpu.cpu_class in result.output and "compute " in result.output
     packed = ("packed dequant",) + (("packed tiled",) if cpu_kernels() else ())
+    if cpu.has("amx_int8") and cpu_kernels() and cpu_kernels().amx_ready():  # the int8 backend with and without AMX
+        packed += ("packed int8", "packed int8 _int_mm")
     for kernel in ("fp32", "bf16", *packed, *(f"{k} bf16" for k in packed)):  # packed backends on fp32 and bf16 inputs
         assert f"│ {kernel} " in result.output, kernel  # a row of the throughput table
     assert "Llama-3.2-1B" in result.output and "GFLOP/s" in result.output

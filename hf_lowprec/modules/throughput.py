@@ -2,8 +2,9 @@
 
 What ``hf-lowprec env`` prints and ``benchmarks/kernel_speed.py`` records per shape: the dense GEMMs (fp32, bf16,
 int8 ``torch._int_mm``), torch's own weight-only int4/int8 CPU kernels, the packed layers' backends on fp32 and on bf16
-inputs, forward (``y = x W^T``) and grad-input (``g W``) timed separately, and the gradient of learned steps (a
-weight-gradient GEMM reduced to per-group sums: the C++ kernel, and torch ops), one after the other in one process.
+inputs (the int8 backend also through ``torch._int_mm`` where it runs AMX tile kernels), forward (``y = x W^T``) and
+grad-input (``g W``) timed separately, and the gradient of learned steps (a weight-gradient GEMM reduced to per-group
+sums: the C++ kernel, and torch ops), one after the other in one process.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_lowprec.formats import FormatSpec, int_steps, quantize_int
+from hf_lowprec.modules import packed as packed_module
 from hf_lowprec.modules.kernels.autotune import time_calls
 from hf_lowprec.modules.kernels.cpu import cpu_info
 from hf_lowprec.modules.packed import KERNELS, PackedInt4Linear, _learned_grads, _learned_sums_torch
@@ -57,7 +59,20 @@ def kernel_candidates(m: int, k: int, n: int, torch_int4: bool = True) -> dict[s
             # a new version of x per call, as in training: the int8 backend's rows of the last call are not reused
             calls[f"packed {backend}{dtype}"] = lambda f=forward, p=packed_layer, xd=xd: f(xd.mul_(1.0), p)
             calls[f"packed {backend}{dtype}/grad"] = lambda f=grad_input, p=packed_layer, gd=gd: f(gd, p)
+            if backend == "int8" and packed_module.amx_kernels(packed_layer) is not None:  # and without the AMX kernels
+                name = f"packed int8 _int_mm{dtype}"
+                calls[name] = lambda f=forward, p=packed_layer, x=xd: _int_mm_path(f, x.mul_(1.0), p)
+                calls[f"{name}/grad"] = lambda f=grad_input, p=packed_layer, g=gd: _int_mm_path(f, g, p)
     return calls
+
+
+def _int_mm_path(kernel: Callable, *args):
+    """``kernel(*args)`` with the int8 backend multiplying through ``torch._int_mm`` (``packed.USE_AMX`` off)."""
+    use_amx, packed_module.USE_AMX = packed_module.USE_AMX, False
+    try:
+        return kernel(*args)
+    finally:
+        packed_module.USE_AMX = use_amx
 
 
 def kernel_throughput(m: int, k: int, n: int, repeats: int = 5, torch_int4: bool = True) -> dict[str, dict]:

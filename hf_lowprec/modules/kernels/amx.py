@@ -40,17 +40,32 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
-// tiles 0-3: C (2 x 2 blocks of 16 x 16 int32), 4-5: A (16 rows x 64 bytes), 6-7: B; all 16 rows of 64 bytes
-static inline void configure_tiles() {
+// tiles 0-3: C (2 x 2 blocks of 16 x 16 int32), 4-5: A (rows x 64 bytes), 6-7: B (16 x 64 bytes). A block of
+// fewer than 32 rows (the last) takes `top` rows in tiles 0, 1, 4 and `bottom` in 2, 3, 5 (0: those unused): tile
+// loads then read no row past the input's end
+static inline void configure_tiles(int top = 16, int bottom = 16) {
   alignas(64) TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette = 1;
+  const int rows[8] = {top, top, bottom, bottom, top, bottom, 16, 16};
   for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
+    cfg.rows[t] = static_cast<uint8_t>(rows[t]);
+    cfg.colsb[t] = rows[t] ? 64 : 0;
   }
   _tile_loadconfig(&cfg);
 }
+
+// tiles for the block of `rows` rows starting at m0 (< 32 only for the last): configured for it, and back after
+struct RowBlock {
+  int64_t rows;
+  bool two;  // rows past the first 16: tiles 2, 3, 5 in use
+  RowBlock(int64_t m0, int64_t M) : rows(std::min<int64_t>(32, M - m0)), two(rows > 16) {
+    if (rows < 32) configure_tiles(two ? 16 : static_cast<int>(rows), two ? static_cast<int>(rows - 16) : 0);
+  }
+  ~RowBlock() {
+    if (rows < 32) configure_tiles();
+  }
+};
 
 // group_table's 16 values, vectorized (the same fp32 operations, so the same values)
 static inline __m128i group_table16(float ratio, float zero, bool is_signed) {
@@ -175,15 +190,6 @@ static WeightRows weight_rows(const torch::Tensor& weight, const c10::optional<t
   return w;
 }
 
-// a [M, C] int8 with rows padded by zeros to a multiple of 32 (pad's storage) where M is not one
-static const int8_t* rows_of_32(const torch::Tensor& a, std::vector<int8_t>& pad) {
-  const int64_t M = a.size(0), C = a.size(1), MP = (M + 31) / 32 * 32;
-  if (MP == M) return a.data_ptr<int8_t>();
-  pad.assign(MP * C, 0);
-  std::memcpy(pad.data(), a.data_ptr<int8_t>(), M * C);
-  return pad.data();
-}
-
 static bool check_out(const torch::Tensor& out, int64_t M, int64_t C) {
   TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == C && out.stride(1) == 1 &&
               (out.scalar_type() == torch::kBFloat16 || out.scalar_type() == torch::kFloat),
@@ -196,15 +202,14 @@ void amx_linear(torch::Tensor xq, torch::Tensor x_step, torch::Tensor weight, c1
                 c10::optional<torch::Tensor> zero, bool is_signed, torch::Tensor row_step, torch::Tensor out) {
   TORCH_CHECK(amx_ready(), "AMX tile state not granted by the kernel");
   TORCH_CHECK(xq.is_contiguous() && xq.scalar_type() == torch::kChar, "xq: contiguous int8 [M, K]");
-  const int64_t M = xq.size(0), K = xq.size(1), N = weight.size(0), MP = (M + 31) / 32 * 32;
+  const int64_t M = xq.size(0), K = xq.size(1), N = weight.size(0);
   TORCH_CHECK(K % 64 == 0 && N % 64 == 0, "AMX kernels: K and N multiples of 64");
   const WeightRows w = weight_rows(weight, ratio, zero, is_signed, K);
   const bool bf16 = check_out(out, M, N);
   const float *xs = x_step.data_ptr<float>(), *rs = row_step.data_ptr<float>();
   const int64_t ld = out.stride(0);
   void* o = out.data_ptr();
-  std::vector<int8_t> pad;
-  const int8_t* A = rows_of_32(xq, pad);
+  const int8_t* A = xq.data_ptr<int8_t>();
   at::parallel_for(0, N / 32, 1, [&](int64_t b, int64_t e) {
     configure_tiles();
     // this block of 32 weight rows as tiles: [K / 64][2 (16 rows each)][1 KB]
@@ -214,28 +219,34 @@ void amx_linear(torch::Tensor xq, torch::Tensor x_step, torch::Tensor weight, c1
       const int64_t n0 = nb * 32;
       for (int64_t kc = 0; kc < K / 64; ++kc)
         for (int h = 0; h < 2; ++h) forward_tile(w, n0 + 16 * h, kc * 64, B + (kc * 2 + h) * 1024);
-      for (int64_t m0 = 0; m0 < MP; m0 += 32) {
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const RowBlock block(m0, M);
         _tile_zero(0);
         _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        if (block.two) {
+          _tile_zero(2);
+          _tile_zero(3);
+        }
         for (int64_t kc = 0; kc < K / 64; ++kc) {
           _tile_loadd(4, A + m0 * K + kc * 64, K);
-          _tile_loadd(5, A + (m0 + 16) * K + kc * 64, K);
           _tile_loadd(6, B + kc * 2048, 64);
           _tile_loadd(7, B + kc * 2048 + 1024, 64);
           _tile_dpbssd(0, 4, 6);
           _tile_dpbssd(1, 4, 7);
-          _tile_dpbssd(2, 5, 6);
-          _tile_dpbssd(3, 5, 7);
+          if (block.two) {
+            _tile_loadd(5, A + (m0 + 16) * K + kc * 64, K);
+            _tile_dpbssd(2, 5, 6);
+            _tile_dpbssd(3, 5, 7);
+          }
         }
         _tile_stored(0, C[0], 64);
         _tile_stored(1, C[1], 64);
-        _tile_stored(2, C[2], 64);
-        _tile_stored(3, C[3], 64);
-        for (int t = 0; t < 4; ++t) {
+        if (block.two) {
+          _tile_stored(2, C[2], 64);
+          _tile_stored(3, C[3], 64);
+        }
+        for (int t = 0; t < (block.two ? 4 : 2); ++t) {
           const int64_t mt = m0 + (t / 2) * 16;
-          if (mt >= M) continue;
           store_products(C[t], 16, std::min<int64_t>(16, M - mt), 16, xs, rs, o, ld, mt, n0 + (t % 2) * 16, bf16);
         }
       }
@@ -251,7 +262,7 @@ void amx_linear_grad_input(torch::Tensor gq, torch::Tensor g_step, torch::Tensor
                            c10::optional<torch::Tensor> col_step, int64_t K, torch::Tensor out) {
   TORCH_CHECK(amx_ready(), "AMX tile state not granted by the kernel");
   TORCH_CHECK(gq.is_contiguous() && gq.scalar_type() == torch::kChar, "gq: contiguous int8 [M, N]");
-  const int64_t M = gq.size(0), N = gq.size(1), MP = (M + 31) / 32 * 32;
+  const int64_t M = gq.size(0), N = gq.size(1);
   TORCH_CHECK(K % 64 == 0 && N % 64 == 0 && weight.size(0) == N, "AMX kernels: K and N multiples of 64");
   const WeightRows w = weight_rows(weight, ratio, zero, is_signed, K);
   const bool bf16 = check_out(out, M, K);
@@ -259,47 +270,57 @@ void amx_linear_grad_input(torch::Tensor gq, torch::Tensor g_step, torch::Tensor
   const float* cs = col_step.has_value() ? col_step->data_ptr<float>() : nullptr;
   const int64_t ld = out.stride(0);
   void* o = out.data_ptr();
-  std::vector<int8_t> pad;
-  const int8_t* A = rows_of_32(gq, pad);
+  const int8_t* A = gq.data_ptr<int8_t>();
   const int64_t NC = std::min<int64_t>(N, 2048);  // weight rows in tiles at a time (128 KB)
   at::parallel_for(0, K / 64, 1, [&](int64_t b, int64_t e) {
     configure_tiles();
     int8_t* B = static_cast<int8_t*>(std::aligned_alloc(64, NC * 64));  // [NC / 64][4 (16 k each)][1 KB]
-    int32_t* acc = static_cast<int32_t*>(std::aligned_alloc(64, MP * 64 * 4));  // [MP][64] int32 sums
+    // [M rounded up to 32][64] int32 sums of this block of output columns, carried between blocks of weight rows
+    int32_t* acc = static_cast<int32_t*>(std::aligned_alloc(64, (M + 31) / 32 * 32 * 64 * 4));
     for (int64_t kb = b; kb < e; ++kb) {
       const int64_t k0 = kb * 64;
       for (int64_t c0 = 0; c0 < N; c0 += NC) {
         const int64_t blocks = std::min(NC, N - c0) / 64;
         for (int64_t i = 0; i < blocks; ++i) grad_input_tiles(w, c0 + i * 64, k0, B + i * 4096);
-        for (int64_t m0 = 0; m0 < MP; m0 += 32)
+        for (int64_t m0 = 0; m0 < M; m0 += 32) {
+          const RowBlock block(m0, M);
           for (int p = 0; p < 2; ++p) {  // output columns k0 + 32p .. + 31: tiles 2p and 2p + 1 of each block
             int32_t* cb = acc + m0 * 64 + p * 32;
             if (c0 == 0) {
               _tile_zero(0);
               _tile_zero(1);
-              _tile_zero(2);
-              _tile_zero(3);
+              if (block.two) {
+                _tile_zero(2);
+                _tile_zero(3);
+              }
             } else {
               _tile_loadd(0, cb, 256);
               _tile_loadd(1, cb + 16, 256);
-              _tile_loadd(2, cb + 16 * 64, 256);
-              _tile_loadd(3, cb + 16 * 64 + 16, 256);
+              if (block.two) {
+                _tile_loadd(2, cb + 16 * 64, 256);
+                _tile_loadd(3, cb + 16 * 64 + 16, 256);
+              }
             }
             for (int64_t i = 0; i < blocks; ++i) {
               _tile_loadd(4, A + m0 * N + c0 + i * 64, N);
-              _tile_loadd(5, A + (m0 + 16) * N + c0 + i * 64, N);
               _tile_loadd(6, B + i * 4096 + 2 * p * 1024, 64);
               _tile_loadd(7, B + i * 4096 + (2 * p + 1) * 1024, 64);
               _tile_dpbssd(0, 4, 6);
               _tile_dpbssd(1, 4, 7);
-              _tile_dpbssd(2, 5, 6);
-              _tile_dpbssd(3, 5, 7);
+              if (block.two) {
+                _tile_loadd(5, A + (m0 + 16) * N + c0 + i * 64, N);
+                _tile_dpbssd(2, 5, 6);
+                _tile_dpbssd(3, 5, 7);
+              }
             }
             _tile_stored(0, cb, 256);
             _tile_stored(1, cb + 16, 256);
-            _tile_stored(2, cb + 16 * 64, 256);
-            _tile_stored(3, cb + 16 * 64 + 16, 256);
+            if (block.two) {
+              _tile_stored(2, cb + 16 * 64, 256);
+              _tile_stored(3, cb + 16 * 64 + 16, 256);
+            }
           }
+        }
       }
       store_products(acc, 64, M, 64, gs, cs, o, ld, 0, k0, bf16);
     }
