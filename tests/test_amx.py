@@ -94,3 +94,24 @@ def test_int4_columns_read_from_the_codes_are_the_unpacked_weights_columns(spec,
     assert torch.equal(layer.int8_columns(columns, row_step, dtype), expected)
     with pytest.raises(RuntimeError, match="column out of range"):
         layer.int8_columns(torch.tensor([192]), row_step, dtype)
+
+
+@pytest.mark.slow
+@needs_cpp
+def test_the_kernels_build_for_an_avx2_cpu_without_the_amx_ones(tmp_path):
+    """A machine this suite develops on may have AMX; CI's may be AVX2 only. The same source compiled for an AVX2
+    target (Haswell) must build, and its AMX functions must say they cannot run (~30 s of compiling)."""
+    from torch.utils.cpp_extension import load_inline
+
+    from hf_lowprec.modules.kernels import cpp
+
+    flags = ["-march=haswell" if flag == "-march=native" else flag for flag in cpp._CFLAGS]
+    haswell = load_inline(
+        "hf_lowprec_haswell_build_check",
+        cpp_sources=cpp._SOURCE,
+        functions=cpp._FUNCTIONS,
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(tmp_path),
+    )
+    assert haswell.amx_ready() is False

@@ -9,10 +9,10 @@ weight rows straight into tile layout (16 KB-256 KB, in cache) and multiplies th
 sums, dequantized with the same fp32 operations as ``cpp.py``'s ``dequantize``: results are bit-identical to the
 ``torch._int_mm`` path (``tests/test_amx.py``).
 
-Measured on a 2-core AMX Xeon (2026-12-04, ``/tmp``-probe of the Llama-3.2-1B shapes, bf16 out, int4-g64-asym):
-at 256 rows the forward of 2048 -> 8192 takes 2.7 ms where unpack + ``_int_mm`` + dequantize took 6.0 and a bf16
-GEMM 4.3; the grad-input 3.8 vs 6.5 and 4.3; 8192 -> 2048: forward 2.5 vs 5.4 (bf16 4.2), grad-input 3.4 vs 8.0
-(bf16 4.4).
+Measured on a 2-core AMX Xeon (2026-12-04, the kernels alone, bf16 out, int4-g64-asym, 256 rows): the forward of
+2048 -> 8192 takes 2.7 ms where unpack + ``_int_mm`` + dequantize took 6.0 and a bf16 GEMM 4.3; the grad-input 3.8
+vs 6.5 and 4.3; 8192 -> 2048: forward 2.5 vs 5.4 (bf16 4.2), grad-input 3.4 vs 8.0 (bf16 4.4). The whole layer
+(input quantization and outlier channels included) is in ``benchmarks/results/kernels-AMX.json``.
 
 The kernels build only where the compiler targets AMX (``-march=native`` on such a CPU); elsewhere
 ``amx_ready()`` is false and the int8 backend keeps ``torch._int_mm``. Linux grants a process the AMX tile state
