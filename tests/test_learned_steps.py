@@ -246,7 +246,7 @@ def test_only_int4_layers_learn_their_steps(tmp_path):
 
 
 @needs_cpp
-@pytest.mark.parametrize("spec", ["int4-g64-asym", "int4-g32", "int4-g64-asym-sq"])
+@pytest.mark.parametrize("spec", ["int4-g64-asym", "int4-g32", "int4-g16", "int4-g64-asym-sq"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cpp_group_sums_match_torch_ops(spec, dtype):
     from hf_lowprec.modules.kernels.cpp import cpu_kernels

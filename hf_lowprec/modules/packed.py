@@ -86,6 +86,10 @@ TILE_ELEMENTS = 1 << 23
 # 256 rows 0.17-0.21 s, 512 0.12-0.16, 1024 0.10-0.12) and fp32 keeps 256 (0.23 s; 512 0.25). Row tiles lost on square
 # and wide layers (down_proj 2048x8192 at 256 tokens: bf16 18.0 vs 12.5 ms, fp32 50.9 vs 43.4)
 TALL_ROW_TILE = {torch.bfloat16: 512, torch.float32: 256}
+# rows of the weight gradient per tile of the C++ learned_step_sums: its bf16 GEMM runs faster on taller tiles (each
+# thread's scratch: 8 MB at 8192 columns). 2-core AMX Xeon, 256 tokens, 2048 -> 8192: 128 rows 7.3 ms, 256 6.3, 512
+# 5.7, 1024 5.2; 8192 -> 2048: 6.2, 5.0, 4.6, 4.5. fp32 (the AVX2 class) not re-measured: ROW_TILE
+LEARNED_SUMS_TILE = {torch.bfloat16: 512, torch.float32: ROW_TILE}
 # weights above this many elements: auto never times (nor picks) dequant, whose timing makes the dense weight (in
 # fp32, then the compute dtype: a 100 MB first-run spike at 8192x2048). It never won above 2048x2048 on either CPU class
 # (benchmarks/kernel_speed.py, Llama-3.2-1B shapes, 256 and 1024 tokens: 0.33-0.76x the fastest backend)
@@ -450,7 +454,7 @@ def _learned_grads(grad_out: torch.Tensor, x2d: torch.Tensor, layer: "PackedLine
     size = layer.spec.group_size or layer.in_features
     ext = cpu_kernels() if x2d.device.type == "cpu" and isinstance(layer, PackedInt4Linear) else None
     if ext is not None and grad_out.dtype == x2d.dtype and size % 2 == 0 and layer.in_features % size == 0:
-        tile = balanced_tile(layer.out_features, ROW_TILE, layer.in_features)
+        tile = balanced_tile(layer.out_features, LEARNED_SUMS_TILE[x2d.dtype], layer.in_features)
         sums, gain = ext.learned_step_sums(  # detached: its GEMM writes into scratch (an out= op autograd refuses)
             grad_out.detach().contiguous(), x2d.detach().contiguous(), layer.qweight.view(torch.uint8), inverse, size,
             layer.spec.symmetric, tile,

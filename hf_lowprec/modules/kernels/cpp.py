@@ -304,12 +304,10 @@ static inline void store_value(void* p, int64_t i, float v, bool bf16) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// out[n, j] = w8[n, columns[j]] * row_step[n] in out's dtype (bf16 or fp32), rounded once: the int8 weight's columns
-// of the int8 backend's outlier channels. torch's index_select along dim 1 took 2.5x this kernel's time (a 128k x 2048
-// head, 8 columns: 18.8 vs 7.4 ms on a 2-core AMX Xeon; packed.py's weight_columns)
-void gather_columns(torch::Tensor w8, torch::Tensor columns, torch::Tensor row_step, torch::Tensor out) {
-  TORCH_CHECK(w8.is_contiguous() && w8.scalar_type() == torch::kChar && w8.dim() == 2, "w8: contiguous int8 [N, K]");
-  const int64_t N = w8.size(0), K = w8.size(1), C = columns.numel();
+// the operands of a column gather (gather_columns, int4_columns) of an [N, K] weight: checked, the columns returned
+static const int64_t* checked_columns(const char* kernel, int64_t N, int64_t K, const torch::Tensor& columns,
+                                      const torch::Tensor& row_step, const torch::Tensor& out) {
+  const int64_t C = columns.numel();
   TORCH_CHECK(columns.is_contiguous() && columns.scalar_type() == torch::kLong, "columns: contiguous int64 [k]");
   TORCH_CHECK(row_step.is_contiguous() && row_step.scalar_type() == torch::kFloat && row_step.numel() == N,
               "row_step: contiguous fp32 [N]");
@@ -317,7 +315,17 @@ void gather_columns(torch::Tensor w8, torch::Tensor columns, torch::Tensor row_s
               (out.scalar_type() == torch::kBFloat16 || out.scalar_type() == torch::kFloat),
               "out: contiguous bf16 or fp32 [N, k]");
   const int64_t* col = columns.data_ptr<int64_t>();
-  for (int64_t j = 0; j < C; ++j) TORCH_CHECK(col[j] >= 0 && col[j] < K, "gather_columns: column out of range");
+  for (int64_t j = 0; j < C; ++j) TORCH_CHECK(col[j] >= 0 && col[j] < K, kernel, ": column out of range");
+  return col;
+}
+
+// out[n, j] = w8[n, columns[j]] * row_step[n] in out's dtype (bf16 or fp32), rounded once: the int8 weight's columns
+// of the int8 backend's outlier channels. torch's index_select along dim 1 took 2.5x this kernel's time (a 128k x 2048
+// head, 8 columns: 18.8 vs 7.4 ms on a 2-core AMX Xeon; packed.py's weight_columns)
+void gather_columns(torch::Tensor w8, torch::Tensor columns, torch::Tensor row_step, torch::Tensor out) {
+  TORCH_CHECK(w8.is_contiguous() && w8.scalar_type() == torch::kChar && w8.dim() == 2, "w8: contiguous int8 [N, K]");
+  const int64_t N = w8.size(0), K = w8.size(1), C = columns.numel();
+  const int64_t* col = checked_columns("gather_columns", N, K, columns, row_step, out);
   const int8_t* w = w8.data_ptr<int8_t>();
   const float* rs = row_step.data_ptr<float>();
   void* o = out.data_ptr();
@@ -338,14 +346,7 @@ void int4_columns(torch::Tensor qweight, torch::Tensor ratio, c10::optional<torc
               "qweight: contiguous uint8 [N, K / 2]");
   TORCH_CHECK(ratio.is_contiguous() && ratio.scalar_type() == torch::kFloat, "ratio: contiguous fp32 [N, G]");
   const int64_t N = qweight.size(0), H = qweight.size(1), G = ratio.size(1), C = columns.numel(), group = K / G;
-  TORCH_CHECK(columns.is_contiguous() && columns.scalar_type() == torch::kLong, "columns: contiguous int64 [k]");
-  TORCH_CHECK(row_step.is_contiguous() && row_step.scalar_type() == torch::kFloat && row_step.numel() == N,
-              "row_step: contiguous fp32 [N]");
-  TORCH_CHECK(out.is_contiguous() && out.size(0) == N && out.size(1) == C &&
-              (out.scalar_type() == torch::kBFloat16 || out.scalar_type() == torch::kFloat),
-              "out: contiguous bf16 or fp32 [N, k]");
-  const int64_t* col = columns.data_ptr<int64_t>();
-  for (int64_t j = 0; j < C; ++j) TORCH_CHECK(col[j] >= 0 && col[j] < K, "int4_columns: column out of range");
+  const int64_t* col = checked_columns("int4_columns", N, K, columns, row_step, out);
   const uint8_t* qw = qweight.data_ptr<uint8_t>();
   const float* ra = ratio.data_ptr<float>();
   const float* ze = zero.has_value() ? zero->data_ptr<float>() : nullptr;
@@ -757,32 +758,75 @@ std::vector<torch::Tensor> learned_step_sums(torch::Tensor g, torch::Tensor x, t
   auto S = torch::empty({N, G}, g.options().dtype(torch::kFloat));
   auto C = torch::empty({N, G}, g.options().dtype(torch::kFloat));
   const bool bf16 = g.scalar_type() == torch::kBFloat16;
+  const auto gt = g.t().contiguous();
   const float* iv = inv.has_value() ? inv->data_ptr<float>() : nullptr;
   const uint8_t* qw = qweight.data_ptr<uint8_t>();
   float* s_out = S.data_ptr<float>();
   float* c_out = C.data_ptr<float>();
   const float offset = is_signed ? 8.f : 0.f;  // a signed code is its nibble xor 8, minus 8
   const uint8_t xor_mask = is_signed ? 8 : 0;
-  // scratch floats: a row of G in fp32 (when it must be converted or scaled), then the row's codes as floats
+  // inv of the even and of the odd columns: a bf16 row of G is read as uint32 pairs, (k = 2i, 2i + 1) a word
+  std::vector<float> inv_pairs(K, 1.f);
+  for (int64_t i = 0; iv && i < H; ++i) inv_pairs[i] = iv[2 * i], inv_pairs[H + i] = iv[2 * i + 1];
+  const float* inv_even = inv_pairs.data();
+  const float* inv_odd = inv_pairs.data() + H;
+  // scratch floats (fp32 g): a row of G scaled by inv, then the row's codes as floats
   for_each_tile((N + tile - 1) / tile, tile * K, 2 * K, g.options(), [&](int64_t t, torch::Tensor& scratch, float* f) {
     const int64_t n0 = t * tile, rows = std::min(tile, N - n0);
     auto gw = scratch.narrow(0, 0, rows * K).view({rows, K});
-    at::mm_out(gw, g.narrow(1, n0, rows).t(), x);
-    float* codes = f + K;
+    at::mm_out(gw, gt.narrow(0, n0, rows), x);
     for (int64_t r = 0; r < rows; ++r) {
-      const float* row = f;
-      if (bf16) {
-        const uint16_t* src = static_cast<const uint16_t*>(gw.data_ptr()) + r * K;
-        #pragma omp simd
-        for (int64_t k = 0; k < K; ++k) f[k] = bf16_to_float(src[k]) * (iv ? iv[k] : 1.f);
-      } else if (iv) {
-        const float* src = gw.data_ptr<float>() + r * K;
-        #pragma omp simd
-        for (int64_t k = 0; k < K; ++k) f[k] = src[k] * iv[k];
-      } else {
-        row = gw.data_ptr<float>() + r * K;
-      }
       const uint8_t* packed = qw + (n0 + r) * H;
+      float* s_row = s_out + (n0 + r) * G;
+      float* c_row = c_out + (n0 + r) * G;
+      if (bf16) {
+        // one pass over the bf16 row and its codes, two columns a word: the pass that first widened the row and the
+        // codes into fp32 arrays took as long as the GEMM (2048 -> 8192 at 256 tokens, 2-core AMX Xeon)
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(gw.data_ptr()) + r * K);
+        for (int64_t j = 0; j < G; ++j) {
+          int64_t i = j * gsize / 2;
+          const int64_t end = i + gsize / 2;
+          float s = 0.f, c = 0.f;
+#if defined(__AVX512BW__)
+          // 16 words a step; GCC's vectorized loop spent more on each group's reduction set-up than on its 32 words
+          __m512 s16 = _mm512_setzero_ps(), c16 = _mm512_setzero_ps();
+          const __m512i low4 = _mm512_set1_epi32(15), flip = _mm512_set1_epi32(xor_mask);
+          const __m512i high16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+          for (; i + 16 <= end; i += 16) {
+            const __m512i w = _mm512_loadu_si512(words + i);
+            const __m512 lo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), _mm512_loadu_ps(inv_even + i));
+            const __m512 hi = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(w, high16)), _mm512_loadu_ps(inv_odd + i));
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + i)));
+            const __m512 code_lo = _mm512_cvtepi32_ps(_mm512_xor_si512(_mm512_and_si512(b, low4), flip));
+            const __m512 code_hi = _mm512_cvtepi32_ps(_mm512_xor_si512(_mm512_srli_epi32(b, 4), flip));
+            s16 = _mm512_add_ps(s16, _mm512_add_ps(lo, hi));
+            c16 = _mm512_fmadd_ps(lo, code_lo, _mm512_fmadd_ps(hi, code_hi, c16));
+          }
+          s = _mm512_reduce_add_ps(s16);
+          c = _mm512_reduce_add_ps(c16);
+#endif
+          for (; i < end; ++i) {
+            const uint32_t lo_bits = words[i] << 16, hi_bits = words[i] & 0xFFFF0000u;
+            float lo, hi;
+            std::memcpy(&lo, &lo_bits, 4);
+            std::memcpy(&hi, &hi_bits, 4);
+            lo *= inv_even[i];
+            hi *= inv_odd[i];
+            s += lo + hi;
+            c += lo * static_cast<float>((packed[i] & 15) ^ xor_mask) + hi * static_cast<float>((packed[i] >> 4) ^ xor_mask);
+          }
+          s_row[j] = s;
+          c_row[j] = c - offset * s;
+        }
+        continue;
+      }
+      const float* row = gw.data_ptr<float>() + r * K;
+      if (iv) {
+        #pragma omp simd
+        for (int64_t k = 0; k < K; ++k) f[k] = row[k] * iv[k];
+        row = f;
+      }
+      float* codes = f + K;
       #pragma omp simd
       for (int64_t i = 0; i < H; ++i) {
         codes[2 * i] = static_cast<float>((packed[i] & 15) ^ xor_mask);
@@ -797,8 +841,8 @@ std::vector<torch::Tensor> learned_step_sums(torch::Tensor g, torch::Tensor x, t
           s += fg[k];
           c += fg[k] * cg[k];
         }
-        s_out[(n0 + r) * G + j] = s;
-        c_out[(n0 + r) * G + j] = c - offset * s;
+        s_row[j] = s;
+        c_row[j] = c - offset * s;
       }
     }
   });
