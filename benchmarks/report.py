@@ -505,7 +505,9 @@ def scale_section(scale: dict | None, stem: str = "scale") -> list[str]:
     m = scale["machine"]
     lines = ["## Fine-tuning at real sizes (benchmarks/scale.py)\n" if stem == "scale" else
              f"## Fine-tuning at real sizes on the {m['cpu_class']} CPU class (benchmarks/scale.py, results/{stem}.json)\n"]  # fmt: skip
-    lines += [f"{m['machine']} ({m['cpu_class']}), {m['threads']} threads; random-weight checkpoints of each architecture, "
+    where = (f"{m['cpu_class']} class reproduced on the AVX-512 {m['machine']} (HF_LOWPREC_CPU_CLASS=avx2, oneDNN/MKL "
+             "limited to AVX2: fp32 compute)" if m["cpu"].get("restricted_to") else f"{m['machine']} ({m['cpu_class']})")
+    lines += [f"{where}, {m['threads']} threads; random-weight checkpoints of each architecture, "
               f"LoRA r={scale['lora']['r']} on every linear, {scale['steps']} timed steps after one warm-up; peak RSS from a run where "
               "glibc returns every freed block of 64 KiB or more, step times from a run with glibc's default allocator (the "
               "other one's page faults double some step times; hf-lowprec's loading returns freed blocks by itself since "
