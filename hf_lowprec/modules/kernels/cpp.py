@@ -770,6 +770,10 @@ std::vector<torch::Tensor> learned_step_sums(torch::Tensor g, torch::Tensor x, t
   for (int64_t i = 0; iv && i < H; ++i) inv_pairs[i] = iv[2 * i], inv_pairs[H + i] = iv[2 * i + 1];
   const float* inv_even = inv_pairs.data();
   const float* inv_odd = inv_pairs.data() + H;
+#if defined(__AVX512BW__)
+  const __m512i low4 = _mm512_set1_epi32(15), flip = _mm512_set1_epi32(xor_mask);
+  const __m512i high16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+#endif
   // scratch floats (fp32 g): a row of G scaled by inv, then the row's codes as floats
   for_each_tile((N + tile - 1) / tile, tile * K, 2 * K, g.options(), [&](int64_t t, torch::Tensor& scratch, float* f) {
     const int64_t n0 = t * tile, rows = std::min(tile, N - n0);
@@ -790,8 +794,6 @@ std::vector<torch::Tensor> learned_step_sums(torch::Tensor g, torch::Tensor x, t
 #if defined(__AVX512BW__)
           // 16 words a step; GCC's vectorized loop spent more on each group's reduction set-up than on its 32 words
           __m512 s16 = _mm512_setzero_ps(), c16 = _mm512_setzero_ps();
-          const __m512i low4 = _mm512_set1_epi32(15), flip = _mm512_set1_epi32(xor_mask);
-          const __m512i high16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
           for (; i + 16 <= end; i += 16) {
             const __m512i w = _mm512_loadu_si512(words + i);
             const __m512 lo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), _mm512_loadu_ps(inv_even + i));
