@@ -6,12 +6,14 @@ calls, so a model whose base linears are packed still passes correct gradients t
 LoRA adapters. A precision plan puts most layers in INT4 and may keep the sensitive ones in int8; both
 run the same three backends (:data:`KERNELS`):
 
-- ``int8`` (CPUs with int8 dot products: VNNI, AMX): the weight is an int8 matrix with one step per row
-  (int8 codes as stored; INT4 codes unpacked per call into a reused buffer, ``kernels/scratch.py``, each row
-  rescaled to one step ``r[n] = max|W[n]| / 127``); activations and output gradients are quantized dynamically to
-  int8 per row (token), the few loudest input channels of each call excepted (multiplied in the activation
-  dtype, see ``_int8_forward``); ``torch._int_mm`` multiplies with int32 accumulation, and C++ kernels
-  (``kernels/cpp.py``) unpack, quantize and dequantize around it. About 0.8% relative error against the
+- ``int8`` (CPUs with int8 dot products: VNNI, AMX; AVX2 CPUs through 16-bit multiply-adds): the weight is an
+  int8 matrix with one step per row (int8 codes as stored; INT4 codes unpacked, each row rescaled to one step
+  ``r[n] = max|W[n]| / 127``); activations and output gradients are quantized dynamically to int8 per row (token),
+  the few loudest input channels of each call excepted (multiplied in the activation dtype, see
+  ``_int8_forward``); the products are summed exactly in int32, by tile kernels that unpack the weight a block at a
+  time (AMX, ``kernels/amx.py``; AVX2, ``kernels/avx2_int8.py``) or by ``torch._int_mm`` on the weight unpacked
+  whole into a reused buffer (``kernels/scratch.py``), with C++ kernels (``kernels/cpp.py``) unpacking, quantizing
+  and dequantizing around it: the same sums, the same results. About 0.8% relative error against the
   dequantized fp32 reference (forward and grad-input alike).
 - ``tiled`` (any x86-64 CPU with AVX2): C++ dequantizes one cache-sized tile of the weight at a time into the
   activation dtype and multiplies it with the BLAS GEMM; exact up to the GEMM's rounding, and the dense
@@ -101,9 +103,9 @@ AUTOTUNE_TOKENS = 256  # rows of the probe input when auto times the backends of
 AUTOTUNE_OUTPUTS = 1 << 23
 CHUNK_ELEMENTS = 1 << 22  # weight elements quantized per slice when packing a dense weight (16 MB in fp32)
 INT32_TILE = 1 << 20  # int32 products of the int8 backend held at a time (4 MB; see _int_mm_dequantized)
-# the int8 backend multiplies through the AMX tile kernels where they run (amx_kernels); False: through torch._int_mm
-# (benchmarks compare the two in one process)
-USE_AMX = True
+# the int8 backend multiplies through its tile kernels where they run (int8_tile_kernels); False: through
+# torch._int_mm (benchmarks compare the two in one process)
+USE_TILE_KERNELS = True
 OUTLIER_COLUMNS = 8  # input channels per call the int8 backend multiplies in the activation dtype (see _int8_forward)
 # group steps and zero points of a frozen INT4 base (quantized on load, the on-device base) whatever it computes in
 # (see compact_steps): fp32 ones made an fp32 model (the AVX2 class's compute dtype) 58 MB larger at the
@@ -237,15 +239,23 @@ def _can_compile() -> bool:
 _COMPILE = _can_compile()
 
 
-def int8_backend_available(device: torch.device) -> tuple[bool, str]:
-    """Whether the ``int8`` backend can run on ``device`` with int8 dot products in hardware, and why (not)."""
+def int8_backend_available(device: torch.device, layer: "PackedLinear | None" = None) -> tuple[bool, str]:
+    """Whether the ``int8`` backend can run on ``device`` (for ``layer``'s shape, where given) at int8 speed, and why
+    (not): with int8 dot products in hardware, or on an AVX2 CPU through the AVX2 int8 kernels, which tile most
+    shapes (``avx2_int8_tileable``; ``torch._int_mm`` is emulated there, 35x slower than an fp32 GEMM)."""
     if device.type != "cpu":
         return False, f"{device.type}: the int8 path is written for CPUs"
     if not hasattr(torch, "_int_mm"):
         return False, "this torch has no torch._int_mm"
-    if not cpu_info().int8_dot:
-        return False, f"this CPU has no int8 dot-product instructions ({cpu_info().cpu_class}: no VNNI/AMX)"
-    return True, "CPU with int8 dot products"
+    if cpu_info().int8_dot:
+        return True, "CPU with int8 dot products"
+    no_dot = f"this CPU has no int8 dot-product instructions ({cpu_info().cpu_class}: no VNNI/AMX)"
+    if cpu_kernels() is None:
+        return False, f"{no_dot} and the C++ CPU kernels could not be built here (see the log)"
+    if layer is not None and not avx2_int8_tileable(layer):
+        return False, f"{no_dot} and the AVX2 int8 kernels need in_features a multiple of 32, out_features of 16 " \
+            "and INT4 groups of a multiple of 32 codes"
+    return True, "AVX2 int8 kernels (16-bit multiply-adds; this CPU has no int8 dot products)"
 
 
 def tiled_backend_available(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
@@ -345,11 +355,11 @@ def _int8_forward(x2d: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
     """
     inverse = layer.inverse_input_scale()
     xq, x_step, outliers, x_out = _int8_rows(x2d, inverse, min(layer.outlier_columns, x2d.shape[1]))
-    amx = amx_kernels(layer)
-    if amx is not None:  # the weight unpacked tile by tile inside the kernel (kernels/amx.py)
+    kernels = int8_tile_kernels(layer)
+    if kernels is not None:  # the weight unpacked tile by tile inside the kernel
         weight, ratio, zero, row_step = layer.tile_operands()
         y = torch.empty(x2d.shape[0], layer.out_features, dtype=x2d.dtype, device=x2d.device)
-        amx.amx_linear(xq, x_step.view(-1), weight, ratio, zero, layer.spec.symmetric, row_step, y)
+        kernels[0](xq, x_step.view(-1), weight, ratio, zero, layer.spec.symmetric, row_step, y)
         columns = None if outliers is None else layer.int8_columns(outliers, row_step, x2d.dtype)
     else:
         w8, row_step = layer.int8_weight(reuse_buffer=True)
@@ -358,18 +368,38 @@ def _int8_forward(x2d: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
     return y if outliers is None else y.addmm_(x_out, columns.t())
 
 
-def amx_kernels(layer: "PackedLinear"):
-    """The CPU kernels where their AMX tile kernels multiply by ``layer``'s weight (``kernels/amx.py``), else
-    ``None``: a CPU with AMX-INT8 (not restricted away by ``HF_LOWPREC_CPU_CLASS``) whose OS grants the tile state,
-    ``in_features`` and ``out_features`` multiples of 64, INT4 groups of a multiple of 32 codes. Elsewhere the int8
-    backend multiplies through ``torch._int_mm``: the same int32 sums, so the same results."""
-    if not USE_AMX or not cpu_info().has("amx_int8") or layer.qweight.device.type != "cpu":
+def int8_tile_kernels(layer: "PackedLinear"):
+    """``(forward, grad_input)``: the C++ kernels that multiply by ``layer``'s weight unpacked tile by tile, with the
+    signatures of ``amx_linear`` and ``amx_linear_grad_input``, or ``None``: the int8 backend multiplies through
+    ``torch._int_mm``. Both sum the same int8 products exactly in int32, so give the same results.
+
+    - AMX tiles (``kernels/amx.py``): a CPU with AMX-INT8 (not restricted away by ``HF_LOWPREC_CPU_CLASS``) whose OS
+      grants the tile state; ``in_features`` and ``out_features`` multiples of 64, INT4 groups of 32 codes or more;
+    - 16-bit multiply-adds (``kernels/avx2_int8.py``): a CPU without int8 dot products, where ``torch._int_mm`` is
+      emulated; shapes of :func:`avx2_int8_tileable`.
+    """
+    if not USE_TILE_KERNELS or layer.qweight.device.type != "cpu":
         return None
     ext = cpu_kernels()
-    if ext is None or not ext.amx_ready() or layer.in_features % 64 or layer.out_features % 64:
+    if ext is None:
         return None
+    if cpu_info().has("amx_int8") and ext.amx_ready() and _tileable(layer, 64, 64):
+        return ext.amx_linear, ext.amx_linear_grad_input
+    if not cpu_info().int8_dot and avx2_int8_tileable(layer):
+        return ext.avx2_int8_linear, ext.avx2_int8_linear_grad_input
+    return None
+
+
+def avx2_int8_tileable(layer: "PackedLinear") -> bool:
+    """Whether the AVX2 int8 kernels take ``layer``'s shape: ``in_features`` a multiple of 32, ``out_features`` of
+    16, INT4 groups of a multiple of 32 codes."""
+    return _tileable(layer, 32, 16)
+
+
+def _tileable(layer: "PackedLinear", k_multiple: int, n_multiple: int) -> bool:
     group = layer.spec.group_size or layer.in_features
-    return ext if isinstance(layer, PackedInt8Linear) or group % 32 == 0 else None
+    groups = isinstance(layer, PackedInt8Linear) or group % 32 == 0
+    return groups and layer.in_features % k_multiple == 0 and layer.out_features % n_multiple == 0
 
 
 def weight_columns(w8: torch.Tensor, columns: torch.Tensor, row_step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -412,10 +442,10 @@ def _int_mm_into(
 
 
 def _int8_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
-    """``grad_out @ W``: through the AMX tile kernels where they run (``amx_kernels``), else ``torch._int_mm`` with its
-    int32 products ``INT32_TILE`` at a time (blocks of rows, ``_int_mm_into``)."""
-    amx = amx_kernels(layer)
-    if amx is not None:
+    """``grad_out @ W``: through the tile kernels where they run (``int8_tile_kernels``), else ``torch._int_mm`` with
+    its int32 products ``INT32_TILE`` at a time (blocks of rows, ``_int_mm_into``)."""
+    kernels = int8_tile_kernels(layer)
+    if kernels is not None:
         weight, ratio, zero, row_step = layer.tile_operands()
     else:
         w8, row_step = layer.int8_weight(reuse_buffer=True)
@@ -425,8 +455,8 @@ def _int8_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Ten
     m, k = gq.shape[0], layer.in_features
     inverse = layer.inverse_input_scale()
     grad_x = torch.empty(m, k, dtype=grad_out.dtype, device=grad_out.device)
-    if amx is not None:
-        amx.amx_linear_grad_input(gq, g_step.view(-1), weight, ratio, zero, layer.spec.symmetric, inverse, k, grad_x)
+    if kernels is not None:
+        kernels[1](gq, g_step.view(-1), weight, ratio, zero, layer.spec.symmetric, inverse, k, grad_x)
         return grad_x
     rows = max(1, INT32_TILE // k)
     for m0 in range(0, m, rows):
@@ -633,9 +663,9 @@ class PackedLinear(nn.Module):
         raise NotImplementedError
 
     def tile_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-        """``(weight, ratio, zero, r)``: what the AMX tile kernels read to make :meth:`int8_weight`'s ``w8`` tile by
-        tile (``kernels/amx.py``): the stored codes, per-group fp32 ``ratio``/``zero`` ``[N, G]`` turning INT4 codes
-        into ``w8`` (``None`` for stored int8 codes), and ``r [N]`` fp32."""
+        """``(weight, ratio, zero, r)``: what the tile kernels (:func:`int8_tile_kernels`) read to make
+        :meth:`int8_weight`'s ``w8`` tile by tile: the stored codes, per-group fp32 ``ratio``/``zero`` ``[N, G]`` turning
+        INT4 codes into ``w8`` (``None`` for stored int8 codes), and ``r [N]`` fp32."""
         raise NotImplementedError
 
     def int8_columns(self, columns: torch.Tensor, row_step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -849,7 +879,7 @@ class PackedLinear(nn.Module):
         shape_ok, shape_reason = self.kernel_shape_supported()
         out = {}
         for name, (ok, reason) in (
-            ("int8", int8_backend_available(x.device)),
+            ("int8", int8_backend_available(x.device, self)),
             ("tiled", tiled_backend_available(x.device, x.dtype)),
         ):
             out[name] = (ok, reason) if shape_ok else (False, shape_reason)

@@ -59,7 +59,8 @@ def kernel_candidates(m: int, k: int, n: int, torch_int4: bool = True) -> dict[s
             # a new version of x per call, as in training: the int8 backend's rows of the last call are not reused
             calls[f"packed {backend}{dtype}"] = lambda f=forward, p=packed_layer, xd=xd: f(xd.mul_(1.0), p)
             calls[f"packed {backend}{dtype}/grad"] = lambda f=grad_input, p=packed_layer, gd=gd: f(gd, p)
-            if backend == "int8" and packed_module.amx_kernels(packed_layer) is not None:  # and without the AMX kernels
+            # and without the tile kernels, where torch._int_mm runs at int8 speed (not emulated)
+            if backend == "int8" and cpu_info().int8_dot and packed_module.int8_tile_kernels(packed_layer) is not None:
                 name = f"packed int8 _int_mm{dtype}"
                 calls[name] = lambda f=forward, p=packed_layer, x=xd: _int_mm_path(f, x.mul_(1.0), p)
                 calls[f"{name}/grad"] = lambda f=grad_input, p=packed_layer, g=gd: _int_mm_path(f, g, p)
@@ -67,12 +68,12 @@ def kernel_candidates(m: int, k: int, n: int, torch_int4: bool = True) -> dict[s
 
 
 def _int_mm_path(kernel: Callable, *args):
-    """``kernel(*args)`` with the int8 backend multiplying through ``torch._int_mm`` (``packed.USE_AMX`` off)."""
-    use_amx, packed_module.USE_AMX = packed_module.USE_AMX, False
+    """``kernel(*args)`` with the int8 backend multiplying through ``torch._int_mm`` (``USE_TILE_KERNELS`` off)."""
+    tiles, packed_module.USE_TILE_KERNELS = packed_module.USE_TILE_KERNELS, False
     try:
         return kernel(*args)
     finally:
-        packed_module.USE_AMX = use_amx
+        packed_module.USE_TILE_KERNELS = tiles
 
 
 def kernel_throughput(m: int, k: int, n: int, repeats: int = 5, torch_int4: bool = True) -> dict[str, dict]:

@@ -7,7 +7,7 @@ AMX's tile layout on every call, and an INT4 weight first has to be unpacked to 
 weight rows straight into tile layout (16 KB-256 KB, in cache) and multiplies them by the rows with the
 ``TDPBSSD`` instruction; the int32 products are dequantized as each tile finishes. The products are exact int32
 sums, dequantized with the same fp32 operations as ``cpp.py``'s ``dequantize``: results are bit-identical to the
-``torch._int_mm`` path (``tests/test_amx.py``).
+``torch._int_mm`` path (``tests/test_int8_tile_kernels.py``).
 
 Measured on a 2-core AMX Xeon (2026-12-04, the kernels alone, bf16 out, int4-g64-asym, 256 rows): the forward of
 2048 -> 8192 takes 2.7 ms where unpack + ``_int_mm`` + dequantize took 6.0 and a bf16 GEMM 4.3; the grad-input 3.8
@@ -149,29 +149,6 @@ static inline void grad_input_tiles(const WeightRows& w, int64_t n0, int64_t k0,
   }
 }
 
-// out[m0 + i, c0 + j] = acc[i, j] * row_step[m0 + i] (* col_step[c0 + j]), as dequantize rounds it
-template <bool BF16>
-static inline void store_products_as(const int32_t* acc, int64_t acc_ld, int64_t rows, int64_t cols, const float* rs,
-                                     const float* cs, void* out, int64_t ld, int64_t m0, int64_t c0) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const float r = rs[m0 + i];
-    const int32_t* a = acc + i * acc_ld;
-    if (BF16) {
-      uint16_t* dst = static_cast<uint16_t*>(out) + (m0 + i) * ld + c0;
-      for (int64_t j = 0; j < cols; ++j) dst[j] = float_to_bf16(static_cast<float>(a[j]) * r * (cs ? cs[c0 + j] : 1.f));
-    } else {
-      float* dst = static_cast<float*>(out) + (m0 + i) * ld + c0;
-      for (int64_t j = 0; j < cols; ++j) dst[j] = static_cast<float>(a[j]) * r * (cs ? cs[c0 + j] : 1.f);
-    }
-  }
-}
-
-static inline void store_products(const int32_t* acc, int64_t acc_ld, int64_t rows, int64_t cols, const float* rs,
-                                  const float* cs, void* out, int64_t ld, int64_t m0, int64_t c0, bool bf16) {
-  if (bf16) store_products_as<true>(acc, acc_ld, rows, cols, rs, cs, out, ld, m0, c0);
-  else store_products_as<false>(acc, acc_ld, rows, cols, rs, cs, out, ld, m0, c0);
-}
-
 static WeightRows weight_rows(const torch::Tensor& weight, const c10::optional<torch::Tensor>& ratio,
                               const c10::optional<torch::Tensor>& zero, bool is_signed, int64_t K) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight: contiguous [N, K / 2] uint8 or [N, K] int8");
@@ -188,13 +165,6 @@ static WeightRows weight_rows(const torch::Tensor& weight, const c10::optional<t
     TORCH_CHECK(weight.scalar_type() == torch::kChar && weight.size(1) == K, "int8 weight: int8 [N, K]");
   }
   return w;
-}
-
-static bool check_out(const torch::Tensor& out, int64_t M, int64_t C) {
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == C && out.stride(1) == 1 &&
-              (out.scalar_type() == torch::kBFloat16 || out.scalar_type() == torch::kFloat),
-              "out: bf16 or fp32 [M, C] rows");
-  return out.scalar_type() == torch::kBFloat16;
 }
 
 // out [M, N] = (xq [M, K] int8 * x_step [M]) @ (w8 [N, K] * row_step [N])^T; K and N multiples of 64

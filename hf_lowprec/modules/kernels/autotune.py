@@ -54,9 +54,10 @@ def machine_key() -> str:
     """The key measurements are cached under: CPU model and flags, torch version, intra-op threads."""
     cpu = cpu_info()
     # "timing 2": choices timed by the interleaved rounds of time_calls (earlier ones are measured again); "kernels 2":
-    # the int8 backend multiplies through AMX tiles where it can (kernels/amx.py; earlier choices timed torch._int_mm)
+    # the int8 backend multiplies through AMX tiles where it can (kernels/amx.py; earlier choices timed torch._int_mm);
+    # "kernels 3": it runs on AVX2 CPUs too (kernels/avx2_int8.py; earlier choices there never timed it)
     threads = torch.get_num_threads()
-    return f"{cpu.model}|{','.join(cpu.flags)}|torch {torch.__version__}|{threads} threads|timing 2|kernels 2"
+    return f"{cpu.model}|{','.join(cpu.flags)}|torch {torch.__version__}|{threads} threads|timing 2|kernels 3"
 
 
 def cache_path() -> Path:

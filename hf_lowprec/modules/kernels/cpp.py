@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from hf_lowprec.modules.kernels.amx import AMX_FUNCTIONS, AMX_SOURCE
+from hf_lowprec.modules.kernels.avx2_int8 import AVX2_INT8_FUNCTIONS, AVX2_INT8_SOURCE
 from hf_lowprec.modules.kernels.cpu import build_tag
 
 logger = logging.getLogger(__name__)
@@ -850,7 +851,40 @@ std::vector<torch::Tensor> learned_step_sums(torch::Tensor g, torch::Tensor x, t
   });
   return {S, C};
 }
-""" + AMX_SOURCE
+
+// ---------------------------------------------------------------------------------------------
+// the int8 backend's tile kernels (avx2_int8.py, amx.py): int32 sums dequantized into the output
+// out[m0 + i, c0 + j] = acc[i, j] * row_step[m0 + i] (* col_step[c0 + j]), as dequantize rounds it
+template <bool BF16>
+static inline void store_products_as(const int32_t* acc, int64_t acc_ld, int64_t rows, int64_t cols, const float* rs,
+                                     const float* cs, void* out, int64_t ld, int64_t m0, int64_t c0) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float r = rs[m0 + i];
+    const int32_t* a = acc + i * acc_ld;
+    if (BF16) {
+      uint16_t* dst = static_cast<uint16_t*>(out) + (m0 + i) * ld + c0;
+      for (int64_t j = 0; j < cols; ++j) dst[j] = float_to_bf16(static_cast<float>(a[j]) * r * (cs ? cs[c0 + j] : 1.f));
+    } else {
+      float* dst = static_cast<float*>(out) + (m0 + i) * ld + c0;
+      for (int64_t j = 0; j < cols; ++j) dst[j] = static_cast<float>(a[j]) * r * (cs ? cs[c0 + j] : 1.f);
+    }
+  }
+}
+
+static inline void store_products(const int32_t* acc, int64_t acc_ld, int64_t rows, int64_t cols, const float* rs,
+                                  const float* cs, void* out, int64_t ld, int64_t m0, int64_t c0, bool bf16) {
+  if (bf16) store_products_as<true>(acc, acc_ld, rows, cols, rs, cs, out, ld, m0, c0);
+  else store_products_as<false>(acc, acc_ld, rows, cols, rs, cs, out, ld, m0, c0);
+}
+
+static bool check_out(const torch::Tensor& out, int64_t M, int64_t C) {
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == C && out.stride(1) == 1 &&
+              (out.scalar_type() == torch::kBFloat16 || out.scalar_type() == torch::kFloat),
+              "out: bf16 or fp32 [M, C] rows");
+  return out.scalar_type() == torch::kBFloat16;
+}
+
+""" + AVX2_INT8_SOURCE + AMX_SOURCE
 
 _FUNCTIONS = [
     "unpack_int4_int8",
@@ -866,6 +900,7 @@ _FUNCTIONS = [
     "tiled_linear_grad_input",
     "tiled_linear_grad_input_rows",
     "learned_step_sums",
+    *AVX2_INT8_FUNCTIONS,
     *AMX_FUNCTIONS,
 ]
 _state: dict[str, object] = {}
