@@ -3,8 +3,8 @@
 Kernels: dense fp32 / bf16 / int8 ``torch._int_mm`` (where the CPU has int8 dot products), torch's weight-only
 ``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm``, and the packed INT4 layer's backends (forward and
 grad-input), all in this process one after the other (``hf_lowprec.modules.throughput``). Results go to
-``results/kernels-<CPU class>[-<tokens>tok].json`` and ``.png``, so each CPU class (and token count other than 256)
-keeps its own file.
+``results/kernels-<CPU class>[-<tokens>tok][-emulated].json`` and ``.png``, so each CPU class (and token count other
+than 256, and a class reproduced on a larger CPU with ``HF_LOWPREC_CPU_CLASS``) keeps its own file.
 
     python benchmarks/kernel_speed.py [--tokens 256] [--repeats 5]
 
@@ -69,6 +69,7 @@ def main():
         print(name, "  ".join(f"{kernel} {r['vs_fp32']:.2f}x" for kernel, r in results[name].items()), flush=True)
     emulation = {v: os.environ[v] for v in EMULATION_ENV if v in os.environ}
     stem = f"kernels-{cpu_info().cpu_class}" + ("" if args.tokens == 256 else f"-{args.tokens}tok")
+    stem += "-emulated" if cpu_info().restricted_to else ""  # never over a real CPU of the class's file
     write_json(f"{stem}.json", {"tokens": args.tokens, "machine": machine(), "emulated_by": emulation or None, "shapes": SHAPES,
                                 "results": results})  # fmt: skip
     plot(results, RESULTS / f"{stem}.png")

@@ -39,8 +39,9 @@ gives bytes per parameter above a fixed overhead.
     python benchmarks/scale.py [--sizes smollm2-135m smollm2-360m llama-3.2-1b] [--configs ...] [--steps 2]
 
 Writes benchmarks/results/scale.json and scale.png (after every run, so an interrupted sweep keeps what it measured);
-on a CPU of another class than the one scale.json was measured on, ``scale-<class>.json`` and ``.png`` instead
-(``results_stem``), so the classes' rows never mix.
+on a CPU of another class than the one scale.json was measured on, ``scale-<class>.json`` and ``.png`` instead, and
+``scale-<class>-emulated`` where ``HF_LOWPREC_CPU_CLASS`` reproduces a class on a larger CPU (``results_stem``), so the
+classes' rows, and real and reproduced ones, never mix.
 """
 
 from __future__ import annotations
@@ -391,7 +392,10 @@ def plot(data: dict, path: Path) -> None:
 
 
 def results_stem() -> str:
-    """``scale`` where scale.json is missing or was measured on a CPU of this class, else ``scale-<this class>``."""
+    """``scale`` where scale.json is missing or was measured on a CPU of this class, else ``scale-<this class>``;
+    ``scale-<class>-emulated`` for a class reproduced on a larger CPU (``HF_LOWPREC_CPU_CLASS``)."""
+    if cpu_info().restricted_to:
+        return f"scale-{cpu_info().cpu_class}-emulated"
     main = RESULTS / "scale.json"
     if not main.is_file() or json.loads(main.read_text())["machine"]["cpu_class"] == cpu_info().cpu_class:
         return "scale"
