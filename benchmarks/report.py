@@ -526,13 +526,16 @@ def scale_section(scale: dict | None, stem: str = "scale") -> list[str]:
     fits = ", ".join(f"{c} {f['1x256']['bytes_per_param']:.2f} B/param + {f['1x256']['overhead_mb']:.0f} MB" for c, f in scale["fit"].items())
     lines += ["", f"Peak RSS (loading included, batch 1x256) against parameters, least squares over the sizes: {fits}." if fits
               else "One size measured: no fit of peak RSS against parameters.", ""]  # fmt: skip
+    def vs_nf4(ratio: float | None, goal: str = " (goal 0.7)") -> str:
+        return "NF4 QLoRA not measured here" if ratio is None else f"{ratio:.2f}x bnb NF4 QLoRA's peak{goal}"
+
     for config, g in scale.get("goals", {}).items():
         lines.append(f"Llama-3.2-1B shape, `{config}`, batch 1x256: peak {g['peak_rss_mb']:.0f} MB (goal {g['peak_rss_goal_mb']:.0f}), "
                      f"{g['peak_vs_checkpoint']:.3f}x the bf16 checkpoint on disk (goal {g['peak_vs_checkpoint_goal']}), "
-                     f"{g.get('peak_vs_nf4_qlora', float('nan')):.2f}x bnb NF4 QLoRA's peak (goal 0.7); step "
+                     f"{vs_nf4(g.get('peak_vs_nf4_qlora'))}; step "
                      f"{g.get('step_vs_fastest_peer', float('nan')):.2f}x the fastest peer's ({g.get('fastest_peer')}; goal 1.0). "
                      "Those pair each allocator's best figure; from one allocator: glibc's default, peak "
-                     f"{g['glibc_peak_rss_mb']:.0f} MB ({g.get('glibc_peak_vs_nf4_qlora', float('nan')):.2f}x NF4's) at that step; "
+                     f"{g['glibc_peak_rss_mb']:.0f} MB ({vs_nf4(g.get('glibc_peak_vs_nf4_qlora'), '')}) at that step; "
                      f"the mmap one, step {g.get('mmap_step_vs_fastest_peer', float('nan')):.2f}x the fastest peer's "
                      f"({g.get('mmap_fastest_peer')}) at that peak.\n")  # fmt: skip
     untied = {r["config"]: r for r in scale["results"] if r["size"].endswith("-untied")}

@@ -77,14 +77,8 @@ static inline __m128i group_table16(float ratio, float zero, bool is_signed) {
   return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(x));
 }
 
-// the weight's int8 values w8[n, k0 .. k0 + 63] in one register: INT4 codes (two a byte, group tables from
-// ratio [N, G] and zero [N, G]; groups of 32 codes or more) or stored int8 codes (ratio null)
-struct WeightRows {
-  const uint8_t* data;
-  int64_t row_bytes, G, group;
-  const float *ratio, *zero;
-  bool is_signed;
-
+// the weight's int8 values w8[n, k0 .. k0 + 63] in one register (groups of 32 codes or more)
+struct WeightRows : PackedRows {
   inline __m512i load64(int64_t n, int64_t k0) const {
     const uint8_t* row = data + n * row_bytes;
     if (!ratio) return _mm512_loadu_si512(row + k0);
@@ -149,24 +143,6 @@ static inline void grad_input_tiles(const WeightRows& w, int64_t n0, int64_t k0,
   }
 }
 
-static WeightRows weight_rows(const torch::Tensor& weight, const c10::optional<torch::Tensor>& ratio,
-                              const c10::optional<torch::Tensor>& zero, bool is_signed, int64_t K) {
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight: contiguous [N, K / 2] uint8 or [N, K] int8");
-  WeightRows w{static_cast<const uint8_t*>(weight.data_ptr()), weight.size(1), 1, K, nullptr, nullptr, is_signed};
-  if (ratio.has_value()) {
-    TORCH_CHECK(weight.scalar_type() == torch::kByte && weight.size(1) * 2 == K, "INT4 weight: uint8 [N, K / 2]");
-    TORCH_CHECK(ratio->is_contiguous() && ratio->scalar_type() == torch::kFloat, "ratio: contiguous fp32 [N, G]");
-    w.G = ratio->size(1);
-    w.group = K / w.G;
-    TORCH_CHECK(w.group * w.G == K && w.group % 32 == 0, "AMX kernels: groups of a multiple of 32 codes");
-    w.ratio = ratio->data_ptr<float>();
-    w.zero = zero.has_value() ? zero->data_ptr<float>() : nullptr;
-  } else {
-    TORCH_CHECK(weight.scalar_type() == torch::kChar && weight.size(1) == K, "int8 weight: int8 [N, K]");
-  }
-  return w;
-}
-
 // out [M, N] = (xq [M, K] int8 * x_step [M]) @ (w8 [N, K] * row_step [N])^T; K and N multiples of 64
 void amx_linear(torch::Tensor xq, torch::Tensor x_step, torch::Tensor weight, c10::optional<torch::Tensor> ratio,
                 c10::optional<torch::Tensor> zero, bool is_signed, torch::Tensor row_step, torch::Tensor out) {
@@ -174,7 +150,7 @@ void amx_linear(torch::Tensor xq, torch::Tensor x_step, torch::Tensor weight, c1
   TORCH_CHECK(xq.is_contiguous() && xq.scalar_type() == torch::kChar, "xq: contiguous int8 [M, K]");
   const int64_t M = xq.size(0), K = xq.size(1), N = weight.size(0);
   TORCH_CHECK(K % 64 == 0 && N % 64 == 0, "AMX kernels: K and N multiples of 64");
-  const WeightRows w = weight_rows(weight, ratio, zero, is_signed, K);
+  const WeightRows w{packed_rows(weight, ratio, zero, is_signed, K, "AMX kernels")};
   const bool bf16 = check_out(out, M, N);
   const float *xs = x_step.data_ptr<float>(), *rs = row_step.data_ptr<float>();
   const int64_t ld = out.stride(0);
@@ -234,7 +210,7 @@ void amx_linear_grad_input(torch::Tensor gq, torch::Tensor g_step, torch::Tensor
   TORCH_CHECK(gq.is_contiguous() && gq.scalar_type() == torch::kChar, "gq: contiguous int8 [M, N]");
   const int64_t M = gq.size(0), N = gq.size(1);
   TORCH_CHECK(K % 64 == 0 && N % 64 == 0 && weight.size(0) == N, "AMX kernels: K and N multiples of 64");
-  const WeightRows w = weight_rows(weight, ratio, zero, is_signed, K);
+  const WeightRows w{packed_rows(weight, ratio, zero, is_signed, K, "AMX kernels")};
   const bool bf16 = check_out(out, M, K);
   const float* gs = g_step.data_ptr<float>();
   const float* cs = col_step.has_value() ? col_step->data_ptr<float>() : nullptr;

@@ -39,14 +39,8 @@ static inline __m128i group_table16_avx2(float ratio, float zero, bool is_signed
   return _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
 }
 
-// the weight's int8 values w8[n, k], 32 at a time as int16: INT4 codes (two a byte, group tables from ratio [N, G]
-// and zero [N, G]; groups of a multiple of 32 codes) or stored int8 codes (ratio null)
-struct Int16Rows {
-  const uint8_t* data;
-  int64_t row_bytes, G, group;
-  const float *ratio, *zero;
-  bool is_signed;
-
+// the weight's int8 values w8[n, k], 32 at a time as int16 (groups of a multiple of 32 codes)
+struct Int16Rows : PackedRows {
   // w8[n, k0 .. k0 + 15] in a, w8[n, k0 + 16 .. k0 + 31] in b (k0 a multiple of 32)
   inline void load32(int64_t n, int64_t k0, __m256i& a, __m256i& b) const {
     const uint8_t* row = data + n * row_bytes;
@@ -68,24 +62,6 @@ struct Int16Rows {
     b = _mm256_cvtepi8_epi16(second);
   }
 };
-
-static Int16Rows int16_rows(const torch::Tensor& weight, const c10::optional<torch::Tensor>& ratio,
-                            const c10::optional<torch::Tensor>& zero, bool is_signed, int64_t K) {
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight: contiguous [N, K / 2] uint8 or [N, K] int8");
-  Int16Rows w{static_cast<const uint8_t*>(weight.data_ptr()), weight.size(1), 1, K, nullptr, nullptr, is_signed};
-  if (ratio.has_value()) {
-    TORCH_CHECK(weight.scalar_type() == torch::kByte && weight.size(1) * 2 == K, "INT4 weight: uint8 [N, K / 2]");
-    TORCH_CHECK(ratio->is_contiguous() && ratio->scalar_type() == torch::kFloat, "ratio: contiguous fp32 [N, G]");
-    w.G = ratio->size(1);
-    w.group = K / w.G;
-    TORCH_CHECK(w.group * w.G == K && w.group % 32 == 0, "AVX2 int8 kernels: groups of a multiple of 32 codes");
-    w.ratio = ratio->data_ptr<float>();
-    w.zero = zero.has_value() ? zero->data_ptr<float>() : nullptr;
-  } else {
-    TORCH_CHECK(weight.scalar_type() == torch::kChar && weight.size(1) == K, "int8 weight: int8 [N, K]");
-  }
-  return w;
-}
 
 // 8 x 8 transpose of 32-bit words: r[i] word j -> r[j] word i
 static inline void transpose8x8_epi32(__m256i* r) {
@@ -216,7 +192,7 @@ void avx2_int8_linear(torch::Tensor xq, torch::Tensor x_step, torch::Tensor weig
   TORCH_CHECK(xq.is_contiguous() && xq.scalar_type() == torch::kChar, "xq: contiguous int8 [M, K]");
   const int64_t M = xq.size(0), K = xq.size(1), N = weight.size(0);
   TORCH_CHECK(K % 32 == 0 && N % 16 == 0, "AVX2 int8 kernels: K a multiple of 32, N of 16");
-  const Int16Rows w = int16_rows(weight, ratio, zero, is_signed, K);
+  const Int16Rows w{packed_rows(weight, ratio, zero, is_signed, K, "AVX2 int8 kernels")};
   const bool bf16 = check_out(out, M, N);
   const int8_t* A = xq.data_ptr<int8_t>();
   const float *xs = x_step.data_ptr<float>(), *rs = row_step.data_ptr<float>();
@@ -243,7 +219,7 @@ void avx2_int8_linear_grad_input(torch::Tensor gq, torch::Tensor g_step, torch::
   TORCH_CHECK(gq.is_contiguous() && gq.scalar_type() == torch::kChar, "gq: contiguous int8 [M, N]");
   const int64_t M = gq.size(0), N = gq.size(1);
   TORCH_CHECK(K % 32 == 0 && N % 16 == 0 && weight.size(0) == N, "AVX2 int8 kernels: K a multiple of 32, N of 16");
-  const Int16Rows w = int16_rows(weight, ratio, zero, is_signed, K);
+  const Int16Rows w{packed_rows(weight, ratio, zero, is_signed, K, "AVX2 int8 kernels")};
   const bool bf16 = check_out(out, M, K);
   const int8_t* A = gq.data_ptr<int8_t>();
   const float* gs = g_step.data_ptr<float>();

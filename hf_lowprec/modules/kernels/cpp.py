@@ -877,6 +877,34 @@ static inline void store_products(const int32_t* acc, int64_t acc_ld, int64_t ro
   else store_products_as<false>(acc, acc_ld, rows, cols, rs, cs, out, ld, m0, c0);
 }
 
+// a packed layer's weight rows as the tile kernels read them: INT4 codes (two a byte) with per-group fp32 ratio
+// [N, G] and zero [N, G] turning a code into its int8 value (group_table), or stored int8 codes (ratio null)
+struct PackedRows {
+  const uint8_t* data;
+  int64_t row_bytes, G, group;
+  const float *ratio, *zero;
+  bool is_signed;
+};
+
+static PackedRows packed_rows(const torch::Tensor& weight, const c10::optional<torch::Tensor>& ratio,
+                              const c10::optional<torch::Tensor>& zero, bool is_signed, int64_t K,
+                              const char* kernels) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight: contiguous [N, K / 2] uint8 or [N, K] int8");
+  PackedRows w{static_cast<const uint8_t*>(weight.data_ptr()), weight.size(1), 1, K, nullptr, nullptr, is_signed};
+  if (ratio.has_value()) {
+    TORCH_CHECK(weight.scalar_type() == torch::kByte && weight.size(1) * 2 == K, "INT4 weight: uint8 [N, K / 2]");
+    TORCH_CHECK(ratio->is_contiguous() && ratio->scalar_type() == torch::kFloat, "ratio: contiguous fp32 [N, G]");
+    w.G = ratio->size(1);
+    w.group = K / w.G;
+    TORCH_CHECK(w.group * w.G == K && w.group % 32 == 0, kernels, ": groups of a multiple of 32 codes");
+    w.ratio = ratio->data_ptr<float>();
+    w.zero = zero.has_value() ? zero->data_ptr<float>() : nullptr;
+  } else {
+    TORCH_CHECK(weight.scalar_type() == torch::kChar && weight.size(1) == K, "int8 weight: int8 [N, K]");
+  }
+  return w;
+}
+
 static bool check_out(const torch::Tensor& out, int64_t M, int64_t C) {
   TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == C && out.stride(1) == 1 &&
               (out.scalar_type() == torch::kBFloat16 || out.scalar_type() == torch::kFloat),
