@@ -1,23 +1,32 @@
 """AVX2 kernels of the int8 backend for CPUs without int8 dot products: a packed layer's int8 weight (INT4 codes
 unpacked, or stored int8 codes) multiplied by int8 rows, both ways, with 16-bit multiply-adds (``VPMADDWD``).
 
-Why by hand: on an AVX2 CPU (no VNNI, no AMX) ``torch._int_mm`` runs oneDNN's reference code, 35x slower than an fp32
-GEMM (``ENVIRONMENT.md``: 1.8 against 63 GFLOP/s), so the int8 backend could not run there and the ``tiled`` backend
-(dequantize a tile to fp32, multiply with the BLAS) was the only fast path: at best the fp32 GEMM's speed plus the
+Why by hand: on an AVX2 CPU (no VNNI, no AMX) ``torch._int_mm`` is 35x slower than an fp32 GEMM (``ENVIRONMENT.md``:
+1.8 against 63 GFLOP/s) and, where oneDNN's AVX2 int8 GEMM runs it (``ONEDNN_MAX_CPU_ISA=AVX2`` on an AMX Xeon), not
+exact: its 16-bit pair sums saturate. So the int8 backend could not run there, and the ``tiled`` backend (dequantize
+a tile to fp32, multiply with the BLAS) was the only fast path: at best the fp32 GEMM's speed, less the
 dequantization. ``VPMADDWD`` multiplies 16 int16 pairs and adds each pair into 8 int32 lanes, 16 multiply-adds an
 instruction where an fp32 FMA makes 8; with the add that accumulates them, 2 instructions per 16 against 1 per 8,
 but on 3-4 vector ports instead of 2. ``VPMADDUBSW`` (u8 x s8) would not be faster: signed x signed int8 needs
 a sign-moving instruction per product vector, and its 16-bit pair sums saturate.
 
-Numerics: the int32 sums are the exact sums ``torch._int_mm`` makes, dequantized with the same fp32 operations
-(``store_products``): results are bit-identical to the ``torch._int_mm`` path (``tests/test_avx2_int8.py``).
+Numerics: the int32 sums are exact, dequantized with the same fp32 operations as the ``torch._int_mm`` path
+(``store_products``): results are bit-identical to that path where ``torch._int_mm`` is exact
+(``tests/test_int8_tile_kernels.py``), so to the int8 backend on VNNI and AMX CPUs.
+
+Measured on the AVX2 class emulated on a 2-core AMX Xeon (its AVX2 instructions, MKL capped to AVX2; 2026-12-04,
+``benchmarks/results/kernels-AVX2-emulated.json``, 256 rows, int4-g64-asym): the whole int8 layer at Llama-3.2-1B's
+shapes runs at 0.99-1.21x the fp32 GEMM's throughput forward and 1.14-1.28x for the grad-input, the tiled one at
+0.87-1.04x; the kernels alone at 2048 -> 8192: forward 31-35 ms, grad-input 33-37, the fp32 GEMM 40-42 (probes
+minutes apart).
 
 Blocking (each thread: a block of 64 output columns; its int32 sums ``[M, 64]`` in memory between chunks of the
 reduction): the weight's int8 values of 64 columns x 512 reduction steps are unpacked into a panel of int16 pairs
 ``[256][64]`` (64 KB, in L2), and a 4-row x 16-column block of sums is held in 8 registers while the panel's pairs
 are multiplied by the rows' pairs, broadcast. The rows' int8 values of a panel's reduction steps are converted to int16
 per panel (``M`` KB a thread; the whole rows in int16 once per call cost the 1B shape's 128k-vocabulary head 17 MB at
-its peak).
+its peak). GCC 12 keeps the 8 sums in registers but adds a register move per sum and pair step (the disassembly):
+about 20 of the 24 multiply-adds per cycle the Intel core's ports allow are reached.
 """
 
 AVX2_INT8_SOURCE = r"""
