@@ -195,6 +195,29 @@ struct MaddScratch {
   }
 };
 
+// out [M, C] = (A [M, R] int8 * row_step [M]) . W (* col_step [C]): the weight's int16 pairs of output columns
+// c0 .. c0 + cols - 1 and reduction steps r0 .. r0 + width - 1 made into a panel by pack(c0, cols, r0, width, panel);
+// each thread a block of 64 output columns at a time, its sums carried between panels of 512 reduction steps
+template <typename Pack>
+static void madd_product(const int8_t* A, int64_t M, int64_t R, int64_t C, Pack pack, const float* row_step,
+                         const float* col_step, const torch::Tensor& out) {
+  const bool bf16 = check_out(out, M, C);
+  const int64_t ld = out.stride(0);
+  void* o = out.data_ptr();
+  at::parallel_for(0, (C + PANEL_COLUMNS - 1) / PANEL_COLUMNS, 1, [&](int64_t b, int64_t e) {
+    MaddScratch scratch(M);
+    for (int64_t cb = b; cb < e; ++cb) {
+      const int64_t c0 = cb * PANEL_COLUMNS, cols = std::min(PANEL_COLUMNS, C - c0);
+      for (int64_t r0 = 0; r0 < R; r0 += 2 * PANEL_PAIRS) {
+        const int64_t width = std::min(2 * PANEL_PAIRS, R - r0);
+        pack(c0, cols, r0, width, scratch.panel);
+        madd_panel(A + r0, R, M, scratch.panel, width / 2, cols, scratch.sums, r0 > 0, scratch.a16);
+      }
+      store_products(scratch.sums, PANEL_COLUMNS, M, cols, row_step, col_step, o, ld, 0, c0, bf16);
+    }
+  });
+}
+
 // out [M, N] = (xq [M, K] int8 * x_step [M]) @ (w8 [N, K] * row_step [N])^T; K a multiple of 32, N of 16
 void avx2_int8_linear(torch::Tensor xq, torch::Tensor x_step, torch::Tensor weight, c10::optional<torch::Tensor> ratio,
                       c10::optional<torch::Tensor> zero, bool is_signed, torch::Tensor row_step, torch::Tensor out) {
@@ -202,23 +225,10 @@ void avx2_int8_linear(torch::Tensor xq, torch::Tensor x_step, torch::Tensor weig
   const int64_t M = xq.size(0), K = xq.size(1), N = weight.size(0);
   TORCH_CHECK(K % 32 == 0 && N % 16 == 0, "AVX2 int8 kernels: K a multiple of 32, N of 16");
   const Int16Rows w{packed_rows(weight, ratio, zero, is_signed, K, "AVX2 int8 kernels")};
-  const bool bf16 = check_out(out, M, N);
-  const int8_t* A = xq.data_ptr<int8_t>();
-  const float *xs = x_step.data_ptr<float>(), *rs = row_step.data_ptr<float>();
-  const int64_t ld = out.stride(0);
-  void* o = out.data_ptr();
-  at::parallel_for(0, (N + PANEL_COLUMNS - 1) / PANEL_COLUMNS, 1, [&](int64_t b, int64_t e) {
-    MaddScratch scratch(M);
-    for (int64_t nb = b; nb < e; ++nb) {
-      const int64_t n0 = nb * PANEL_COLUMNS, cols = std::min(PANEL_COLUMNS, N - n0);
-      for (int64_t k0 = 0; k0 < K; k0 += 2 * PANEL_PAIRS) {
-        const int64_t kw = std::min(2 * PANEL_PAIRS, K - k0);
-        forward_panel(w, n0, cols, k0, kw, scratch.panel);
-        madd_panel(A + k0, K, M, scratch.panel, kw / 2, cols, scratch.sums, k0 > 0, scratch.a16);
-      }
-      store_products(scratch.sums, PANEL_COLUMNS, M, cols, xs, rs, o, ld, 0, n0, bf16);
-    }
-  });
+  auto pack = [&](int64_t n0, int64_t cols, int64_t k0, int64_t width, int32_t* panel) {
+    forward_panel(w, n0, cols, k0, width, panel);
+  };
+  madd_product(xq.data_ptr<int8_t>(), M, K, N, pack, x_step.data_ptr<float>(), row_step.data_ptr<float>(), out);
 }
 
 // out [M, K] = (gq [M, N] int8 * g_step [M]) @ w8 [N, K] (* col_step [K]); K a multiple of 32, N of 16
@@ -229,24 +239,11 @@ void avx2_int8_linear_grad_input(torch::Tensor gq, torch::Tensor g_step, torch::
   const int64_t M = gq.size(0), N = gq.size(1);
   TORCH_CHECK(K % 32 == 0 && N % 16 == 0 && weight.size(0) == N, "AVX2 int8 kernels: K a multiple of 32, N of 16");
   const Int16Rows w{packed_rows(weight, ratio, zero, is_signed, K, "AVX2 int8 kernels")};
-  const bool bf16 = check_out(out, M, K);
-  const int8_t* A = gq.data_ptr<int8_t>();
-  const float* gs = g_step.data_ptr<float>();
+  auto pack = [&](int64_t k0, int64_t cols, int64_t n0, int64_t width, int32_t* panel) {
+    grad_input_panel(w, n0, width / 2, k0, cols, panel);
+  };
   const float* cs = col_step.has_value() ? col_step->data_ptr<float>() : nullptr;
-  const int64_t ld = out.stride(0);
-  void* o = out.data_ptr();
-  at::parallel_for(0, (K + PANEL_COLUMNS - 1) / PANEL_COLUMNS, 1, [&](int64_t b, int64_t e) {
-    MaddScratch scratch(M);
-    for (int64_t kb = b; kb < e; ++kb) {
-      const int64_t k0 = kb * PANEL_COLUMNS, cols = std::min(PANEL_COLUMNS, K - k0);
-      for (int64_t n0 = 0; n0 < N; n0 += 2 * PANEL_PAIRS) {
-        const int64_t pairs = std::min(PANEL_PAIRS, (N - n0) / 2);
-        grad_input_panel(w, n0, pairs, k0, cols, scratch.panel);
-        madd_panel(A + n0, N, M, scratch.panel, pairs, cols, scratch.sums, n0 > 0, scratch.a16);
-      }
-      store_products(scratch.sums, PANEL_COLUMNS, M, cols, gs, cs, o, ld, 0, k0, bf16);
-    }
-  });
+  madd_product(gq.data_ptr<int8_t>(), M, N, K, pack, g_step.data_ptr<float>(), cs, out);
 }
 """
 
