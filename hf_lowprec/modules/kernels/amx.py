@@ -67,16 +67,6 @@ struct RowBlock {
   }
 };
 
-// group_table's 16 values, vectorized (the same fp32 operations, so the same values)
-static inline __m128i group_table16(float ratio, float zero, bool is_signed) {
-  const __m512 codes = is_signed ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1)
-                                 : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 x = _mm512_mul_ps(_mm512_sub_ps(codes, _mm512_set1_ps(zero)), _mm512_set1_ps(ratio));
-  x = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
-  return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(x));
-}
-
 // the weight's int8 values w8[n, k0 .. k0 + 63] in one register (groups of 32 codes or more)
 struct WeightRows : PackedRows {
   inline __m512i load64(int64_t n, int64_t k0) const {

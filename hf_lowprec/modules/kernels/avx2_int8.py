@@ -33,21 +33,6 @@ AVX2_INT8_SOURCE = r"""
 // ---------------------------------------------------------------------------------------------
 // AVX2 int8 backend (avx2_int8.py)
 
-// group_table's 16 values (the same fp32 operations, so the same values)
-static inline __m128i group_table16_avx2(float ratio, float zero, bool is_signed) {
-  const __m256 c0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256 c1 = is_signed ? _mm256_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1)
-                              : _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
-  const __m256 z = _mm256_set1_ps(zero), r = _mm256_set1_ps(ratio);
-  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
-  auto values = [&](__m256 c) {
-    __m256 x = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(c, z), r), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(x, lo), hi));
-  };
-  const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(values(c0), values(c1)), 0xD8);  // int16, in order
-  return _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
-}
-
 // the weight's int8 values w8[n, k], 32 at a time as int16 (groups of a multiple of 32 codes)
 struct Int16Rows : PackedRows {
   // w8[n, k0 .. k0 + 15] in a, w8[n, k0 + 16 .. k0 + 31] in b (k0 a multiple of 32)
@@ -59,7 +44,7 @@ struct Int16Rows : PackedRows {
       second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0 + 16));
     } else {
       const int64_t g = n * G + k0 / group;
-      const __m128i lut = group_table16_avx2(ratio[g], zero ? zero[g] : 0.f, is_signed);
+      const __m128i lut = group_table16(ratio[g], zero ? zero[g] : 0.f, is_signed);
       const __m128i mask = _mm_set1_epi8(0x0F);
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0 / 2));
       const __m128i low = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, mask));

@@ -52,15 +52,30 @@ _SOURCE = r"""
 
 // ---------------------------------------------------------------------------------------------
 // packed int4 (byte i: element 2i in the low nibble, 2i+1 in the high nibble) -> int8, per row n and
-// group g: w8 = round((code - zero) * ratio[n, g]); the 16 possible values of a group are a table
-// looked up with one byte shuffle per 32 input bytes.
-static inline void group_table(int8_t* table, float ratio, float zero, bool is_signed) {
-  for (int v = 0; v < 16; ++v) {
-    int code = is_signed ? (v < 8 ? v : v - 16) : v;
-    float x = std::nearbyint((static_cast<float>(code) - zero) * ratio);
-    x = std::max(-127.f, std::min(127.f, x));
-    table[v] = static_cast<int8_t>(x);
-  }
+// group g: w8 = clamp(round_half_even((code - zero) * ratio[n, g]), -127, 127); the 16 possible values of a group
+// (byte v: code v, or v - 16 for signed codes v >= 8) are a table looked up with one byte shuffle per 16 or 32
+// codes. Shared by unpack_int4_int8 and the int8 tile kernels (avx2_int8.py, amx.py), so all make the same w8.
+static inline __m128i group_table16(float ratio, float zero, bool is_signed) {
+#if defined(__AVX512F__)
+  const __m512 codes = is_signed ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1)
+                                 : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 x = _mm512_mul_ps(_mm512_sub_ps(codes, _mm512_set1_ps(zero)), _mm512_set1_ps(ratio));
+  x = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
+  return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(x));
+#else
+  const __m256 c0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 c1 = is_signed ? _mm256_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1)
+                              : _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
+  const __m256 z = _mm256_set1_ps(zero), r = _mm256_set1_ps(ratio);
+  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  auto values = [&](__m256 c) {
+    __m256 x = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(c, z), r), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(x, lo), hi));
+  };
+  const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(values(c0), values(c1)), 0xD8);  // int16, in order
+  return _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+#endif
 }
 
 // into_ (optional): a contiguous int8 [N, K] tensor to write (a reused scratch buffer), else a new one
@@ -78,15 +93,15 @@ torch::Tensor unpack_int4_int8(torch::Tensor qweight, torch::Tensor ratio, c10::
   const float* ze = zero.has_value() ? zero->data_ptr<float>() : nullptr;
   int8_t* o = out.data_ptr<int8_t>();
   at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
-    alignas(32) int8_t table[32];
+    alignas(16) int8_t table[16];
     const __m256i mask = _mm256_set1_epi8(0x0F);
     for (int64_t n = b; n < e; ++n) {
       const uint8_t* row = qw + n * H;
       int8_t* orow = o + n * K;
       for (int64_t g = 0; g < G; ++g) {
-        group_table(table, ra[n * G + g], ze ? ze[n * G + g] : 0.f, is_signed);
-        std::memcpy(table + 16, table, 16);
-        const __m256i lut = _mm256_load_si256(reinterpret_cast<const __m256i*>(table));
+        const __m128i values = group_table16(ra[n * G + g], ze ? ze[n * G + g] : 0.f, is_signed);
+        _mm_store_si128(reinterpret_cast<__m128i*>(table), values);  // for the group's last bytes, one at a time
+        const __m256i lut = _mm256_broadcastsi128_si256(values);
         const uint8_t* src = row + g * gbytes;
         int8_t* dst = orow + g * gbytes * 2;
         int64_t i = 0;
@@ -878,7 +893,7 @@ static inline void store_products(const int32_t* acc, int64_t acc_ld, int64_t ro
 }
 
 // a packed layer's weight rows as the tile kernels read them: INT4 codes (two a byte) with per-group fp32 ratio
-// [N, G] and zero [N, G] turning a code into its int8 value (group_table), or stored int8 codes (ratio null)
+// [N, G] and zero [N, G] turning a code into its int8 value (group_table16), or stored int8 codes (ratio null)
 struct PackedRows {
   const uint8_t* data;
   int64_t row_bytes, G, group;
