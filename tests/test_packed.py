@@ -105,6 +105,45 @@ def test_int8_grad_input_in_row_tiles_is_the_whole_product(monkeypatch):
     torch.testing.assert_close(packed_module._int8_grad_input(grad_out, layer), expected, rtol=0, atol=0)
 
 
+@needs_int8
+@pytest.mark.parametrize("spec", ["int4-g32-asym", "int4-g64", "int4"])
+def test_int8_weight_unpacked_in_blocks_gives_the_whole_products(monkeypatch, spec):
+    """An INT4 weight unpacked a block at a time (rows forward, whole groups of columns for the grad-input, the last
+    block short) gives the same bits as the weight unpacked whole, both ways."""
+    import hf_lowprec.modules.packed as packed_module
+
+    layer = packed(spec, k=192, n=200).to(torch.bfloat16)
+    x, grad_out = torch.randn(66, 192, dtype=torch.bfloat16), torch.randn(66, 200, dtype=torch.bfloat16)
+    monkeypatch.setattr(packed_module, "USE_TILE_KERNELS", False)  # the torch._int_mm path, whatever the CPU
+    expected = packed_module._int8_forward(x.clone(), layer), packed_module._int8_grad_input(grad_out, layer)
+    # 64 weight rows a block forward (200 = 3 x 64 + 8); 64 columns (one or two groups, per-row groups: all 192)
+    monkeypatch.setattr(packed_module, "WEIGHT_TILE", 64 * 192)
+    assert packed_module._weight_block(layer, 192, 64) == 64
+    got = packed_module._int8_forward(x.clone(), layer), packed_module._int8_grad_input(grad_out, layer)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["C++", "torch"])
+def test_int8_weight_blocks_are_slices_of_the_whole(monkeypatch, native):
+    """``int8_weight(rows, columns)`` unpacks exactly that block of the whole int8 weight (C++ kernel and torch ops),
+    into the scratch buffer on request; columns that split a group are refused."""
+    import hf_lowprec.modules.packed as packed_module
+
+    if native and cpu_kernels() is None:
+        pytest.skip("the C++ kernels do not build here")
+    if not native:
+        monkeypatch.setattr(packed_module, "native_kernels", lambda *tensors: None)
+    for spec in ("int4-g32-asym", "int4-g64"):
+        layer = packed(spec, k=192, n=40)
+        whole, r = layer.int8_weight()
+        rows, columns = slice(8, 29), slice(64, 192)
+        block, r_block = layer.int8_weight(rows=rows, columns=columns, reuse_buffer=True)
+        assert block.shape == (21, 128) and torch.equal(block, whole[rows, columns]) and torch.equal(r_block, r)
+        with pytest.raises(ValueError, match="split its groups of"):
+            layer.int8_weight(columns=slice(16, 96))
+
+
 # only the int8 backend's torch._int_mm path reads the scratch buffers, and torch._int_mm sums exactly only where int8
 # dot products exist (oneDNN's AVX2 int8 GEMM saturates 16-bit pair sums: seen with ONEDNN_MAX_CPU_ISA=AVX2)
 @pytest.mark.skipif(not cpu_info().int8_dot, reason="torch._int_mm is emulated here (no int8 dot products)")
@@ -183,7 +222,8 @@ def test_int8_layer_stores_one_code_per_byte_and_multiplies_them_as_stored():
     torch.testing.assert_close(layer.step.view(-1), step)
     assert ((layer.dequantized_weight() - dense.weight).abs() <= step.unsqueeze(1) / 2 + 1e-7).all()
     w8, row_step = layer.int8_weight()
-    assert w8 is layer.qweight and torch.equal(row_step, layer.step.view(-1))  # no re-quantization on the int8 path
+    assert w8._base is layer.qweight and w8.shape == layer.qweight.shape  # the stored codes: a view, no copy
+    assert torch.equal(row_step, layer.step.view(-1))  # no re-quantization on the int8 path
     stats = layer.requantize_(dense.weight.detach() * 2)
     assert torch.equal(layer.qweight, w8) and stats["rel_error"] < 0.01  # scaling the weight scales only the steps
     other = PackedInt8Linear(192, 40, "int8", bias=True, dtype=torch.float32)
@@ -265,7 +305,8 @@ def test_state_dict_roundtrip_gives_identical_outputs():
 
 
 @needs_cpp
-@pytest.mark.parametrize("spec", ["int4-g64", "int4-g32-asym", "int4"])
+# groups of 32 bytes (g64; per row: 96), 16 (g32), 32 + 16 (g96), 16 + an 8-byte tail (g48): each unpacking step
+@pytest.mark.parametrize("spec", ["int4-g64", "int4-g32-asym", "int4", "int4-g96", "int4-g48-asym"])
 def test_cpu_kernels_match_torch_reference(spec):
     from hf_lowprec.modules import packed as P
 

@@ -49,6 +49,7 @@ pass no gradient to their input; nothing in torch/torchao multiplies a gradient 
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 
 import torch
@@ -103,6 +104,10 @@ AUTOTUNE_TOKENS = 256  # rows of the probe input when auto times the backends of
 AUTOTUNE_OUTPUTS = 1 << 23
 CHUNK_ELEMENTS = 1 << 22  # weight elements quantized per slice when packing a dense weight (16 MB in fp32)
 INT32_TILE = 1 << 20  # int32 products of the int8 backend held at a time (4 MB; see _int_mm_dequantized)
+# int8 values of an INT4 weight the int8 backend's torch._int_mm path unpacks at a time (2 MB): a block of rows
+# forward, of whole groups of columns for the grad-input. The whole weight at once held the largest one (16 MB at the
+# Llama-3.2-1B shape) in the scratch buffer all step, peaks included (see _weight_block)
+WEIGHT_TILE = 1 << 21
 # the int8 backend multiplies through its tile kernels where they run (int8_tile_kernels); False: through
 # torch._int_mm (benchmarks compare the two in one process)
 USE_TILE_KERNELS = True
@@ -360,12 +365,12 @@ def _int8_forward(x2d: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
         weight, ratio, zero, row_step = layer.tile_operands()
         y = torch.empty(x2d.shape[0], layer.out_features, dtype=x2d.dtype, device=x2d.device)
         kernels[0](xq, x_step.view(-1), weight, ratio, zero, layer.spec.symmetric, row_step, y)
-        columns = None if outliers is None else layer.int8_columns(outliers, row_step, x2d.dtype)
     else:
-        w8, row_step = layer.int8_weight(reuse_buffer=True)
-        y = _int_mm_dequantized(xq, x_step, w8, row_step, x2d.dtype)
-        columns = None if outliers is None else weight_columns(w8, outliers, row_step, x2d.dtype)
-    return y if outliers is None else y.addmm_(x_out, columns.t())
+        row_step = layer.int8_row_step()
+        y = _int_mm_dequantized(xq, x_step, layer, row_step, x2d.dtype)
+    if outliers is None:
+        return y
+    return y.addmm_(x_out, layer.int8_columns(outliers, row_step, x2d.dtype).t())
 
 
 def int8_tile_kernels(layer: "PackedLinear"):
@@ -417,19 +422,33 @@ def weight_columns(w8: torch.Tensor, columns: torch.Tensor, row_step: torch.Tens
 
 
 def _int_mm_dequantized(
-    xq: torch.Tensor, x_step: torch.Tensor, w8: torch.Tensor, row_step: torch.Tensor, dtype: torch.dtype
+    xq: torch.Tensor, x_step: torch.Tensor, layer: "PackedLinear", row_step: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``(xq x_step) @ (w8 row_step)^T`` in ``dtype``: int8 ``xq [M, K]``, ``w8 [N, K]``; fp32 steps ``[M, 1]``,
-    ``[N]``. The int32 products exist ``INT32_TILE`` at a time, a block of output columns each (``_int_mm_into``): a
-    wide layer's whole ``[M, N]`` int32 result beside its output would cost 6 bytes per output (a 128k-vocabulary
-    head, 65 tokens: 33 MB of int32 besides 17 MB of bf16 logits)."""
-    m, n = xq.shape[0], w8.shape[0]
-    cols = min(n, max(64, INT32_TILE // max(m, 1) // 64 * 64))
+    """``(xq x_step) @ (w8 row_step)^T`` in ``dtype``: int8 ``xq [M, K]``, ``layer``'s int8 weight ``w8 [N, K]``; fp32
+    steps ``[M, 1]``, ``[N]``. A block of output columns at a time: its int32 products ``INT32_TILE`` at most
+    (``_int_mm_into``; a wide layer's whole ``[M, N]`` int32 result beside its output would cost 6 bytes per output: a
+    128k-vocabulary head, 65 tokens, 33 MB of int32 besides 17 MB of bf16 logits), its weight rows ``WEIGHT_TILE``
+    (``_weight_block``)."""
+    m, n, k = xq.shape[0], layer.out_features, layer.in_features
+    cols = min(n, max(64, INT32_TILE // max(m, 1) // 64 * 64), _weight_block(layer, k, 64))
     y = torch.empty(m, n, dtype=dtype, device=xq.device)
     for n0 in range(0, n, cols):
         block = slice(n0, n0 + cols)
-        _int_mm_into(xq, w8[block].t(), x_step, row_step[block], y[:, block])
+        w8, _ = layer.int8_weight(rows=block, reuse_buffer=True)
+        _int_mm_into(xq, w8.t(), x_step, row_step[block], y[:, block])
     return y
+
+
+def _weight_block(layer: "PackedLinear", length: int, unit: int) -> int:
+    """How many rows (or columns) of ``length`` int8 values the torch._int_mm path takes of ``layer``'s weight at a
+    time: all of them where it stores int8 codes (views: nothing is unpacked), else multiples of ``unit`` filling
+    ``WEIGHT_TILE``. Measured on an AVX512-BF16 EPYC (2026-12-04): at Llama-3.2-1B's shapes and 256 rows
+    ``torch._int_mm`` takes the same time in blocks of 2 MB as whole within 2%, except the 8192 -> 2048 projection's
+    forward (256-row blocks: 15.0 against 12.5 ms); the 1B step at 1x256 kept its time (3.27/3.32 against 3.58/3.23 s,
+    runs interleaved) and its peak fell from 1,426 to 1,412 MB (mmap allocator, as ``benchmarks/scale.py`` reads it)."""
+    if isinstance(layer, PackedInt8Linear):
+        return 1 << 62
+    return max(unit, WEIGHT_TILE // length // unit * unit)
 
 
 def _int_mm_into(
@@ -442,13 +461,14 @@ def _int_mm_into(
 
 
 def _int8_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
-    """``grad_out @ W``: through the tile kernels where they run (``int8_tile_kernels``), else ``torch._int_mm`` with
-    its int32 products ``INT32_TILE`` at a time (blocks of rows, ``_int_mm_into``)."""
+    """``grad_out @ W``: through the tile kernels where they run (``int8_tile_kernels``), else ``torch._int_mm``, a
+    block of ``WEIGHT_TILE`` weight columns at a time (``_weight_block``), their int32 products ``INT32_TILE`` at a
+    time (blocks of rows, ``_int_mm_into``)."""
     kernels = int8_tile_kernels(layer)
     if kernels is not None:
         weight, ratio, zero, row_step = layer.tile_operands()
     else:
-        w8, row_step = layer.int8_weight(reuse_buffer=True)
+        row_step = layer.int8_row_step()
     # grad_x[m, k] = sum_n g[m, n] r[n] w8[n, k] / s[k]: the per-row weight step r[n] lies on the
     # summed dimension, so it is folded into the gradient before that is quantized per row
     gq, g_step = quantize_rows(grad_out, row_step)
@@ -458,10 +478,15 @@ def _int8_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Ten
     if kernels is not None:
         kernels[1](gq, g_step.view(-1), weight, ratio, zero, layer.spec.symmetric, inverse, k, grad_x)
         return grad_x
-    rows = max(1, INT32_TILE // k)
-    for m0 in range(0, m, rows):
-        block = slice(m0, m0 + rows)
-        _int_mm_into(gq[block], w8, g_step[block], inverse, grad_x[block])
+    group = layer.spec.group_size or k
+    cols = min(k, _weight_block(layer, layer.out_features, math.lcm(64, group)))  # whole groups of columns
+    rows = max(1, INT32_TILE // cols)
+    for k0 in range(0, k, cols):
+        span = slice(k0, k0 + cols)
+        w8, _ = layer.int8_weight(columns=span, reuse_buffer=True)
+        for m0 in range(0, m, rows):
+            block = slice(m0, m0 + rows)
+            _int_mm_into(gq[block], w8, g_step[block], None if inverse is None else inverse[span], grad_x[block, span])
     return grad_x
 
 
@@ -656,10 +681,16 @@ class PackedLinear(nn.Module):
         """The integer codes ``[N, K]`` (int8 when symmetric, else non-negative uint8)."""
         return self._unpack(self.qweight)
 
-    def int8_weight(self, reuse_buffer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``. ``reuse_buffer``: codes unpacked
-        per call land in this thread's scratch buffer (``kernels/scratch.py``), valid until the next such call: for
-        kernels that use ``w8`` before they return."""
+    def int8_weight(
+        self, rows: slice = slice(None), columns: slice = slice(None), reuse_buffer: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w8[rows, columns] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8`` (``w8 [N, K]``; ``columns``
+        in whole groups). ``reuse_buffer``: codes unpacked per call land in this thread's scratch buffer
+        (``kernels/scratch.py``), valid until the next such call: for kernels that use ``w8`` before they return."""
+        raise NotImplementedError
+
+    def int8_row_step(self) -> torch.Tensor:
+        """:meth:`int8_weight`'s ``r [N]`` fp32, without the weight."""
         raise NotImplementedError
 
     def tile_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
@@ -1013,28 +1044,39 @@ class PackedInt4Linear(PackedLinear):
                 self._cache["row_step"] = row_step
         return (self.effective_step() / row_step.unsqueeze(-1)).contiguous(), row_step
 
-    def int8_weight(self, reuse_buffer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``, unpacked from the codes on every
-        call (into the scratch buffer with ``reuse_buffer``, see :meth:`PackedLinear.int8_weight`).
+    def int8_weight(
+        self, rows: slice = slice(None), columns: slice = slice(None), reuse_buffer: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w8[rows, columns] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``, unpacked from the codes on
+        every call (into the scratch buffer with ``reuse_buffer``, see :meth:`PackedLinear.int8_weight`).
 
         Needs ``K`` even and a multiple of the group size (see :meth:`kernel_shape_supported`).
         """
         ratio, row_step = self._int8_scales()
-        zero = None if self.zero is None else self.effective_zero().contiguous()
+        zero = self.effective_zero()
+        k0, k1, _ = columns.indices(self.in_features)
+        group = self.spec.group_size or self.in_features
+        if k0 % group or k1 % group:
+            raise ValueError(f"columns {k0}:{k1} of the int8 weight split its groups of {group}")
+        groups = slice(k0 // group, k1 // group)
+        qweight, ratio = self.qweight[rows, k0 // 2 : k1 // 2], ratio[rows, groups]
+        zero = None if zero is None else zero[rows, groups]
         into = None
         if reuse_buffer:
-            into = scratch("int8 weight", (self.out_features, self.in_features), torch.int8, self.qweight.device)
+            into = scratch("int8 weight", (qweight.shape[0], k1 - k0), torch.int8, self.qweight.device)
         ext = native_kernels(self.qweight)
         if ext is not None:
-            w8 = ext.unpack_int4_int8(self.qweight, ratio, zero, self.spec.symmetric, self.in_features, into)
-            return w8, row_step
-        even, odd = unpack_int4_planes(self.qweight, signed=self.spec.symmetric)
+            return ext.unpack_int4_int8(qweight, ratio, zero, self.spec.symmetric, k1 - k0, into), row_step
+        even, odd = unpack_int4_planes(qweight, signed=self.spec.symmetric)
         n, groups = ratio.shape
         codes = torch.stack((even, odd), -1).view(n, groups, -1).float()
         if zero is not None:
             codes = codes - zero.unsqueeze(-1)
-        w8 = torch.round(codes * ratio.unsqueeze(-1)).clamp(-_INT8_MAX, _INT8_MAX).view(n, self.in_features)
+        w8 = torch.round(codes * ratio.unsqueeze(-1)).clamp(-_INT8_MAX, _INT8_MAX).view(n, k1 - k0)
         return (w8.to(torch.int8) if into is None else into.copy_(w8)), row_step
+
+    def int8_row_step(self) -> torch.Tensor:
+        return self._int8_scales()[1]
 
     def tile_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         ratio, row_step = self._int8_scales()
@@ -1079,18 +1121,23 @@ class PackedInt8Linear(PackedLinear):
         return qweight
 
     def tile_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-        return self.qweight, None, None, self.int8_weight()[1]
+        return self.qweight, None, None, self.int8_row_step()
 
     def int8_columns(self, columns: torch.Tensor, row_step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return weight_columns(self.qweight, columns, row_step, dtype)
 
-    def int8_weight(self, reuse_buffer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored codes themselves (``reuse_buffer`` changes nothing: nothing is unpacked)."""
+    def int8_weight(
+        self, rows: slice = slice(None), columns: slice = slice(None), reuse_buffer: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored codes themselves, a view (``reuse_buffer`` changes nothing: nothing is unpacked)."""
+        return self.qweight[rows, columns], self.int8_row_step()
+
+    def int8_row_step(self) -> torch.Tensor:
         if self.step_gain is not None:
-            return self.qweight, self.effective_step().view(-1).contiguous()
+            return self.effective_step().view(-1).contiguous()
         if "row_step" not in self._cache:
             self._cache["row_step"] = self.step.float().view(-1).contiguous()
-        return self.qweight, self._cache["row_step"]
+        return self._cache["row_step"]
 
 
 def compact_steps(layer: nn.Module) -> nn.Module:

@@ -78,12 +78,17 @@ static inline __m128i group_table16(float ratio, float zero, bool is_signed) {
 #endif
 }
 
+// qweight [N, K / 2], ratio and zero [N, G]: rows may lie apart (a block of a weight's columns: whole groups);
 // into_ (optional): a contiguous int8 [N, K] tensor to write (a reused scratch buffer), else a new one
 torch::Tensor unpack_int4_int8(torch::Tensor qweight, torch::Tensor ratio, c10::optional<torch::Tensor> zero,
                                bool is_signed, int64_t K, c10::optional<torch::Tensor> into_) {
-  TORCH_CHECK(qweight.is_contiguous() && ratio.is_contiguous() && ratio.scalar_type() == torch::kFloat);
-  const int64_t N = qweight.size(0), H = qweight.size(1), G = ratio.size(1);
-  TORCH_CHECK(K % G == 0 && (K / G) % 2 == 0, "group size must divide K and be even");
+  TORCH_CHECK(qweight.stride(1) == 1 && ratio.stride(1) == 1 && ratio.scalar_type() == torch::kFloat &&
+              (!zero.has_value() || (zero->stride(1) == 1 && zero->scalar_type() == torch::kFloat)),
+              "unpack_int4_int8: rows of packed codes and fp32 ratio/zero, each row contiguous");
+  const int64_t N = qweight.size(0), H = qweight.stride(0), G = ratio.size(1), RS = ratio.stride(0);
+  const int64_t ZS = zero.has_value() ? zero->stride(0) : 0;
+  TORCH_CHECK(qweight.size(1) * 2 == K && K % G == 0 && (K / G) % 2 == 0,
+              "unpack_int4_int8: K / 2 bytes a row, a group size that divides K and is even");
   const int64_t gbytes = K / G / 2;  // packed bytes per group
   auto out = into_.has_value() ? *into_ : torch::empty({N, K}, qweight.options().dtype(torch::kInt8));
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == torch::kChar && out.size(0) == N && out.size(1) == K,
@@ -99,7 +104,7 @@ torch::Tensor unpack_int4_int8(torch::Tensor qweight, torch::Tensor ratio, c10::
       const uint8_t* row = qw + n * H;
       int8_t* orow = o + n * K;
       for (int64_t g = 0; g < G; ++g) {
-        const __m128i values = group_table16(ra[n * G + g], ze ? ze[n * G + g] : 0.f, is_signed);
+        const __m128i values = group_table16(ra[n * RS + g], ze ? ze[n * ZS + g] : 0.f, is_signed);
         _mm_store_si128(reinterpret_cast<__m128i*>(table), values);  // for the group's last bytes, one at a time
         const __m256i lut = _mm256_broadcastsi128_si256(values);
         const uint8_t* src = row + g * gbytes;
@@ -113,6 +118,14 @@ torch::Tensor unpack_int4_int8(torch::Tensor qweight, torch::Tensor ratio, c10::
           __m256i c = _mm256_unpackhi_epi8(lo, hi);  // bytes 8-15 | 24-31
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * i), _mm256_permute2x128_si256(a, c, 0x20));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * i + 32), _mm256_permute2x128_si256(a, c, 0x31));
+        }
+        for (; i + 16 <= gbytes; i += 16) {  // groups of 32 codes
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+          const __m128i low4 = _mm256_castsi256_si128(mask);
+          const __m128i lo = _mm_shuffle_epi8(values, _mm_and_si128(bytes, low4));
+          const __m128i hi = _mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i), _mm_unpacklo_epi8(lo, hi));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i + 16), _mm_unpackhi_epi8(lo, hi));
         }
         for (; i < gbytes; ++i) {
           dst[2 * i] = table[src[i] & 0x0F];
