@@ -130,9 +130,9 @@ def test_int4_columns_read_from_the_codes_are_the_unpacked_weights_columns(spec,
     w8, row_step = layer.int8_weight()
     columns = torch.tensor([191, 0, 64, 7, 64, 33])
     expected = packed_module.weight_columns(w8, columns, row_step, dtype)
-    assert torch.equal(layer.int8_columns(columns, row_step, dtype), expected)
+    assert torch.equal(layer.int8_columns(columns, layer.tile_operands(), dtype), expected)
     with pytest.raises(RuntimeError, match="column out of range"):
-        layer.int8_columns(torch.tensor([192]), row_step, dtype)
+        layer.int8_columns(torch.tensor([192]), layer.tile_operands(), dtype)
 
 
 @pytest.mark.slow

@@ -126,8 +126,8 @@ def test_int8_weight_unpacked_in_blocks_gives_the_whole_products(monkeypatch, sp
 
 @pytest.mark.parametrize("native", [True, False], ids=["C++", "torch"])
 def test_int8_weight_blocks_are_slices_of_the_whole(monkeypatch, native):
-    """``int8_weight(rows, columns)`` unpacks exactly that block of the whole int8 weight (C++ kernel and torch ops),
-    into the scratch buffer on request; columns that split a group are refused."""
+    """``int8_block`` unpacks exactly that block of the whole int8 weight (C++ kernel and torch ops), into the scratch
+    buffer or a tensor of its own; columns that split a group are refused."""
     import hf_lowprec.modules.packed as packed_module
 
     if native and cpu_kernels() is None:
@@ -136,12 +136,13 @@ def test_int8_weight_blocks_are_slices_of_the_whole(monkeypatch, native):
         monkeypatch.setattr(packed_module, "native_kernels", lambda *tensors: None)
     for spec in ("int4-g32-asym", "int4-g64"):
         layer = packed(spec, k=192, n=40)
-        whole, r = layer.int8_weight()
+        whole, _ = layer.int8_weight()
         rows, columns = slice(8, 29), slice(64, 192)
-        block, r_block = layer.int8_weight(rows=rows, columns=columns, reuse_buffer=True)
-        assert block.shape == (21, 128) and torch.equal(block, whole[rows, columns]) and torch.equal(r_block, r)
+        for scratch_ok in (True, False):
+            block = packed_module.int8_block(layer, layer.tile_operands(), rows, columns, scratch_ok)
+            assert block.shape == (21, 128) and torch.equal(block, whole[rows, columns])
         with pytest.raises(ValueError, match="split its groups of"):
-            layer.int8_weight(columns=slice(16, 96))
+            packed_module.int8_block(layer, layer.tile_operands(), columns=slice(16, 96))
 
 
 # only the int8 backend's torch._int_mm path reads the scratch buffers, and torch._int_mm sums exactly only where int8
@@ -222,8 +223,7 @@ def test_int8_layer_stores_one_code_per_byte_and_multiplies_them_as_stored():
     torch.testing.assert_close(layer.step.view(-1), step)
     assert ((layer.dequantized_weight() - dense.weight).abs() <= step.unsqueeze(1) / 2 + 1e-7).all()
     w8, row_step = layer.int8_weight()
-    assert w8._base is layer.qweight and w8.shape == layer.qweight.shape  # the stored codes: a view, no copy
-    assert torch.equal(row_step, layer.step.view(-1))  # no re-quantization on the int8 path
+    assert w8 is layer.qweight and torch.equal(row_step, layer.step.view(-1))  # no re-quantization on the int8 path
     stats = layer.requantize_(dense.weight.detach() * 2)
     assert torch.equal(layer.qweight, w8) and stats["rel_error"] < 0.01  # scaling the weight scales only the steps
     other = PackedInt8Linear(192, 40, "int8", bias=True, dtype=torch.float32)

@@ -360,17 +360,17 @@ def _int8_forward(x2d: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
     """
     inverse = layer.inverse_input_scale()
     xq, x_step, outliers, x_out = _int8_rows(x2d, inverse, min(layer.outlier_columns, x2d.shape[1]))
+    operands = layer.tile_operands()  # once per call: an INT4 layer's fp32 ratio and zero are made per call
     kernels = int8_tile_kernels(layer)
     if kernels is not None:  # the weight unpacked tile by tile inside the kernel
-        weight, ratio, zero, row_step = layer.tile_operands()
+        weight, ratio, zero, row_step = operands
         y = torch.empty(x2d.shape[0], layer.out_features, dtype=x2d.dtype, device=x2d.device)
         kernels[0](xq, x_step.view(-1), weight, ratio, zero, layer.spec.symmetric, row_step, y)
     else:
-        row_step = layer.int8_row_step()
-        y = _int_mm_dequantized(xq, x_step, layer, row_step, x2d.dtype)
+        y = _int_mm_dequantized(xq, x_step, layer, operands, x2d.dtype)
     if outliers is None:
         return y
-    return y.addmm_(x_out, layer.int8_columns(outliers, row_step, x2d.dtype).t())
+    return y.addmm_(x_out, layer.int8_columns(outliers, operands, x2d.dtype).t())
 
 
 def int8_tile_kernels(layer: "PackedLinear"):
@@ -422,21 +422,51 @@ def weight_columns(w8: torch.Tensor, columns: torch.Tensor, row_step: torch.Tens
 
 
 def _int_mm_dequantized(
-    xq: torch.Tensor, x_step: torch.Tensor, layer: "PackedLinear", row_step: torch.Tensor, dtype: torch.dtype
+    xq: torch.Tensor, x_step: torch.Tensor, layer: "PackedLinear", operands: tuple, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``(xq x_step) @ (w8 row_step)^T`` in ``dtype``: int8 ``xq [M, K]``, ``layer``'s int8 weight ``w8 [N, K]``; fp32
-    steps ``[M, 1]``, ``[N]``. A block of output columns at a time: its int32 products ``INT32_TILE`` at most
+    """``(xq x_step) @ (w8 row_step)^T`` in ``dtype``: int8 ``xq [M, K]``, ``layer``'s int8 weight ``w8 [N, K]`` (from
+    its ``tile_operands()``, which end with ``row_step``); fp32 steps ``[M, 1]``, ``[N]``. A block of output columns at a time: its int32 products ``INT32_TILE`` at most
     (``_int_mm_into``; a wide layer's whole ``[M, N]`` int32 result beside its output would cost 6 bytes per output: a
     128k-vocabulary head, 65 tokens, 33 MB of int32 besides 17 MB of bf16 logits), its weight rows ``WEIGHT_TILE``
     (``_weight_block``)."""
     m, n, k = xq.shape[0], layer.out_features, layer.in_features
     cols = min(n, max(64, INT32_TILE // max(m, 1) // 64 * 64), _weight_block(layer, k, 64))
+    row_step = operands[3]
     y = torch.empty(m, n, dtype=dtype, device=xq.device)
     for n0 in range(0, n, cols):
         block = slice(n0, n0 + cols)
-        w8, _ = layer.int8_weight(rows=block, reuse_buffer=True)
+        w8 = int8_block(layer, operands, rows=block)
         _int_mm_into(xq, w8.t(), x_step, row_step[block], y[:, block])
     return y
+
+
+def int8_block(
+    layer: "PackedLinear", operands: tuple, rows: slice = slice(None), columns: slice = slice(None), scratch_ok=True
+) -> torch.Tensor:
+    """``w8[rows, columns]``: a block of ``layer``'s int8 weight (``columns`` in whole groups) from its
+    ``tile_operands()``: a view of stored int8 codes, else INT4 codes unpacked into this thread's scratch buffer
+    (``scratch_ok``; valid until the next such call: for kernels that use it before they return) or a new tensor."""
+    weight, ratio, zero, _ = operands
+    if ratio is None:
+        return weight[rows, columns]
+    k0, k1, _ = columns.indices(layer.in_features)
+    group = layer.spec.group_size or layer.in_features
+    if k0 % group or k1 % group:
+        raise ValueError(f"columns {k0}:{k1} of the int8 weight split its groups of {group}")
+    groups = slice(k0 // group, k1 // group)
+    weight, ratio = weight[rows, k0 // 2 : k1 // 2], ratio[rows, groups]
+    zero = None if zero is None else zero[rows, groups]
+    n, k = weight.shape[0], k1 - k0
+    into = scratch("int8 weight", (n, k), torch.int8, weight.device) if scratch_ok else None
+    ext = native_kernels(weight)
+    if ext is not None:
+        return ext.unpack_int4_int8(weight, ratio, zero, layer.spec.symmetric, k, into)
+    even, odd = unpack_int4_planes(weight, signed=layer.spec.symmetric)
+    codes = torch.stack((even, odd), -1).view(n, ratio.shape[1], -1).float()
+    if zero is not None:
+        codes = codes - zero.unsqueeze(-1)
+    w8 = torch.round(codes * ratio.unsqueeze(-1)).clamp(-_INT8_MAX, _INT8_MAX).view(n, k)
+    return w8.to(torch.int8) if into is None else into.copy_(w8)
 
 
 def _weight_block(layer: "PackedLinear", length: int, unit: int) -> int:
@@ -465,10 +495,7 @@ def _int8_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Ten
     block of ``WEIGHT_TILE`` weight columns at a time (``_weight_block``), their int32 products ``INT32_TILE`` at a
     time (blocks of rows, ``_int_mm_into``)."""
     kernels = int8_tile_kernels(layer)
-    if kernels is not None:
-        weight, ratio, zero, row_step = layer.tile_operands()
-    else:
-        row_step = layer.int8_row_step()
+    weight, ratio, zero, row_step = operands = layer.tile_operands()
     # grad_x[m, k] = sum_n g[m, n] r[n] w8[n, k] / s[k]: the per-row weight step r[n] lies on the
     # summed dimension, so it is folded into the gradient before that is quantized per row
     gq, g_step = quantize_rows(grad_out, row_step)
@@ -483,7 +510,7 @@ def _int8_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Ten
     rows = max(1, INT32_TILE // cols)
     for k0 in range(0, k, cols):
         span = slice(k0, k0 + cols)
-        w8, _ = layer.int8_weight(columns=span, reuse_buffer=True)
+        w8 = int8_block(layer, operands, columns=span)
         for m0 in range(0, m, rows):
             block = slice(m0, m0 + rows)
             _int_mm_into(gq[block], w8, g_step[block], None if inverse is None else inverse[span], grad_x[block, span])
@@ -681,16 +708,10 @@ class PackedLinear(nn.Module):
         """The integer codes ``[N, K]`` (int8 when symmetric, else non-negative uint8)."""
         return self._unpack(self.qweight)
 
-    def int8_weight(
-        self, rows: slice = slice(None), columns: slice = slice(None), reuse_buffer: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w8[rows, columns] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8`` (``w8 [N, K]``; ``columns``
-        in whole groups). ``reuse_buffer``: codes unpacked per call land in this thread's scratch buffer
-        (``kernels/scratch.py``), valid until the next such call: for kernels that use ``w8`` before they return."""
-        raise NotImplementedError
-
-    def int8_row_step(self) -> torch.Tensor:
-        """:meth:`int8_weight`'s ``r [N]`` fp32, without the weight."""
+    def int8_weight(self, reuse_buffer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``. ``reuse_buffer``: codes unpacked
+        per call land in this thread's scratch buffer (``kernels/scratch.py``), valid until the next such call: for
+        kernels that use ``w8`` before they return. (The int8 backend takes it a block at a time: :func:`int8_block`.)"""
         raise NotImplementedError
 
     def tile_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
@@ -699,9 +720,9 @@ class PackedLinear(nn.Module):
         INT4 codes into ``w8`` (``None`` for stored int8 codes), and ``r [N]`` fp32."""
         raise NotImplementedError
 
-    def int8_columns(self, columns: torch.Tensor, row_step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def int8_columns(self, columns: torch.Tensor, operands: tuple, dtype: torch.dtype) -> torch.Tensor:
         """``w8[:, columns] * row_step[:, None]`` in ``dtype`` (``[N, k]``, :func:`weight_columns`) read from the stored
-        codes, without unpacking the rest."""
+        codes (``operands``: :meth:`tile_operands`, which end with ``row_step``), without unpacking the rest."""
         raise NotImplementedError
 
     def kernel_shape_supported(self) -> tuple[bool, str]:
@@ -1044,51 +1065,23 @@ class PackedInt4Linear(PackedLinear):
                 self._cache["row_step"] = row_step
         return (self.effective_step() / row_step.unsqueeze(-1)).contiguous(), row_step
 
-    def int8_weight(
-        self, rows: slice = slice(None), columns: slice = slice(None), reuse_buffer: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w8[rows, columns] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``, unpacked from the codes on
-        every call (into the scratch buffer with ``reuse_buffer``, see :meth:`PackedLinear.int8_weight`).
-
-        Needs ``K`` even and a multiple of the group size (see :meth:`kernel_shape_supported`).
-        """
-        ratio, row_step = self._int8_scales()
-        zero = self.effective_zero()
-        k0, k1, _ = columns.indices(self.in_features)
-        group = self.spec.group_size or self.in_features
-        if k0 % group or k1 % group:
-            raise ValueError(f"columns {k0}:{k1} of the int8 weight split its groups of {group}")
-        groups = slice(k0 // group, k1 // group)
-        qweight, ratio = self.qweight[rows, k0 // 2 : k1 // 2], ratio[rows, groups]
-        zero = None if zero is None else zero[rows, groups]
-        into = None
-        if reuse_buffer:
-            into = scratch("int8 weight", (qweight.shape[0], k1 - k0), torch.int8, self.qweight.device)
-        ext = native_kernels(self.qweight)
-        if ext is not None:
-            return ext.unpack_int4_int8(qweight, ratio, zero, self.spec.symmetric, k1 - k0, into), row_step
-        even, odd = unpack_int4_planes(qweight, signed=self.spec.symmetric)
-        n, groups = ratio.shape
-        codes = torch.stack((even, odd), -1).view(n, groups, -1).float()
-        if zero is not None:
-            codes = codes - zero.unsqueeze(-1)
-        w8 = torch.round(codes * ratio.unsqueeze(-1)).clamp(-_INT8_MAX, _INT8_MAX).view(n, k1 - k0)
-        return (w8.to(torch.int8) if into is None else into.copy_(w8)), row_step
-
-    def int8_row_step(self) -> torch.Tensor:
-        return self._int8_scales()[1]
+    def int8_weight(self, reuse_buffer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unpacked from the codes on every call (see :meth:`PackedLinear.int8_weight`). Needs ``K`` even and a multiple
+        of the group size (see :meth:`kernel_shape_supported`)."""
+        operands = self.tile_operands()
+        return int8_block(self, operands, scratch_ok=reuse_buffer), operands[3]
 
     def tile_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         ratio, row_step = self._int8_scales()
         zero = None if self.zero is None else self.effective_zero().contiguous()
         return self.qweight, ratio, zero, row_step
 
-    def int8_columns(self, columns: torch.Tensor, row_step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        weight, ratio, zero, _ = self.tile_operands()
+    def int8_columns(self, columns: torch.Tensor, operands: tuple, dtype: torch.dtype) -> torch.Tensor:
+        weight, ratio, zero, row_step = operands
         out = torch.empty(self.out_features, len(columns), dtype=dtype, device=weight.device)
         ext = native_kernels(weight, out)
         if ext is None:
-            return weight_columns(self.int8_weight()[0], columns, row_step, dtype)
+            return weight_columns(int8_block(self, operands, scratch_ok=False), columns, row_step, dtype)
         ext.int4_columns(weight, ratio, zero, self.spec.symmetric, self.in_features, columns.contiguous(), row_step, out)
         return out
 
@@ -1121,23 +1114,18 @@ class PackedInt8Linear(PackedLinear):
         return qweight
 
     def tile_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-        return self.qweight, None, None, self.int8_row_step()
+        return self.qweight, None, None, self.int8_weight()[1]
 
-    def int8_columns(self, columns: torch.Tensor, row_step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return weight_columns(self.qweight, columns, row_step, dtype)
+    def int8_columns(self, columns: torch.Tensor, operands: tuple, dtype: torch.dtype) -> torch.Tensor:
+        return weight_columns(self.qweight, columns, operands[3], dtype)
 
-    def int8_weight(
-        self, rows: slice = slice(None), columns: slice = slice(None), reuse_buffer: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored codes themselves, a view (``reuse_buffer`` changes nothing: nothing is unpacked)."""
-        return self.qweight[rows, columns], self.int8_row_step()
-
-    def int8_row_step(self) -> torch.Tensor:
+    def int8_weight(self, reuse_buffer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored codes themselves (``reuse_buffer`` changes nothing: nothing is unpacked)."""
         if self.step_gain is not None:
-            return self.effective_step().view(-1).contiguous()
+            return self.qweight, self.effective_step().view(-1).contiguous()
         if "row_step" not in self._cache:
             self._cache["row_step"] = self.step.float().view(-1).contiguous()
-        return self._cache["row_step"]
+        return self.qweight, self._cache["row_step"]
 
 
 def compact_steps(layer: nn.Module) -> nn.Module:
