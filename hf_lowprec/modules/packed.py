@@ -425,10 +425,10 @@ def _int_mm_dequantized(
     xq: torch.Tensor, x_step: torch.Tensor, layer: "PackedLinear", operands: tuple, dtype: torch.dtype
 ) -> torch.Tensor:
     """``(xq x_step) @ (w8 row_step)^T`` in ``dtype``: int8 ``xq [M, K]``, ``layer``'s int8 weight ``w8 [N, K]`` (from
-    its ``tile_operands()``, which end with ``row_step``); fp32 steps ``[M, 1]``, ``[N]``. A block of output columns at a time: its int32 products ``INT32_TILE`` at most
-    (``_int_mm_into``; a wide layer's whole ``[M, N]`` int32 result beside its output would cost 6 bytes per output: a
-    128k-vocabulary head, 65 tokens, 33 MB of int32 besides 17 MB of bf16 logits), its weight rows ``WEIGHT_TILE``
-    (``_weight_block``)."""
+    its ``tile_operands()``, which end with ``row_step``); fp32 steps ``[M, 1]``, ``[N]``. A block of output columns at
+    a time: its int32 products ``INT32_TILE`` at most (``_int_mm_into``; a wide layer's whole ``[M, N]`` int32 result
+    beside its output would cost 6 bytes per output: a 128k-vocabulary head, 65 tokens, 33 MB of int32 besides 17 MB
+    of bf16 logits), its weight rows ``WEIGHT_TILE`` (``_weight_block``)."""
     m, n, k = xq.shape[0], layer.out_features, layer.in_features
     cols = min(n, max(64, INT32_TILE // max(m, 1) // 64 * 64), _weight_block(layer, k, 64))
     row_step = operands[3]
@@ -441,7 +441,11 @@ def _int_mm_dequantized(
 
 
 def int8_block(
-    layer: "PackedLinear", operands: tuple, rows: slice = slice(None), columns: slice = slice(None), scratch_ok=True
+    layer: "PackedLinear",
+    operands: tuple,
+    rows: slice = slice(None),
+    columns: slice = slice(None),
+    scratch_ok: bool = True,
 ) -> torch.Tensor:
     """``w8[rows, columns]``: a block of ``layer``'s int8 weight (``columns`` in whole groups) from its
     ``tile_operands()``: a view of stored int8 codes, else INT4 codes unpacked into this thread's scratch buffer
@@ -474,8 +478,8 @@ def _weight_block(layer: "PackedLinear", length: int, unit: int) -> int:
     time: all of them where it stores int8 codes (views: nothing is unpacked), else multiples of ``unit`` filling
     ``WEIGHT_TILE``. Measured on an AVX512-BF16 EPYC (2026-12-04): at Llama-3.2-1B's shapes and 256 rows
     ``torch._int_mm`` takes the same time in blocks of 2 MB as whole within 2%, except the 8192 -> 2048 projection's
-    forward (256-row blocks: 15.0 against 12.5 ms); the 1B step at 1x256 kept its time (3.27/3.32 against 3.58/3.23 s,
-    runs interleaved) and its peak fell from 1,426 to 1,412 MB (mmap allocator, as ``benchmarks/scale.py`` reads it)."""
+    forward (256-row blocks: 15.0 against 12.5 ms); the 1B step at 1x256 (``benchmarks/scale.py``) peaked at 1,411 MB
+    against 1,426 with the whole weight unpacked, its step within the machine's run-to-run spread."""
     if isinstance(layer, PackedInt8Linear):
         return 1 << 62
     return max(unit, WEIGHT_TILE // length // unit * unit)
@@ -711,7 +715,7 @@ class PackedLinear(nn.Module):
     def int8_weight(self, reuse_buffer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``. ``reuse_buffer``: codes unpacked
         per call land in this thread's scratch buffer (``kernels/scratch.py``), valid until the next such call: for
-        kernels that use ``w8`` before they return. (The int8 backend takes it a block at a time: :func:`int8_block`.)"""
+        kernels that use ``w8`` before they return. (The int8 backend unpacks a block at a time: :func:`int8_block`.)"""
         raise NotImplementedError
 
     def tile_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
