@@ -2,8 +2,8 @@
 multiplied by int8 rows, both ways, without the weight ever existing whole as int8.
 
 Why by hand: ``torch._int_mm`` (oneDNN) takes the int8 weight as a plain ``[K, N]`` matrix and reorders it into
-AMX's tile layout on every call, and an INT4 weight first has to be unpacked to int8 whole (``cpp.py``'s
-``unpack_int4_int8``: 16 MB for one 8192 x 2048 projection). Here each thread unpacks the codes of a block of
+AMX's tile layout on every call, and an INT4 weight first has to be unpacked to int8 (``cpp.py``'s
+``unpack_int4_int8``, 2 MB blocks at a time: ``packed.WEIGHT_TILE``). Here each thread unpacks the codes of a block of
 weight rows straight into tile layout (16 KB-256 KB, in cache) and multiplies them by the rows with the
 ``TDPBSSD`` instruction; the int32 products are dequantized as each tile finishes. The products are exact int32
 sums, dequantized with the same fp32 operations as ``cpp.py``'s ``dequantize``: results are bit-identical to the
