@@ -6,7 +6,7 @@ tensors per training step, all dead as soon as the layer returns. glibc serves t
 fragment it, or, with a low ``MALLOC_MMAP_THRESHOLD_``, from fresh pages that fault in on every call. One buffer per
 kind and thread, grown to the largest request and kept, removes that traffic; it holds one block of the weight in int8
 (``packed.WEIGHT_TILE``, 2 MB: a buffer for the whole largest weight, 16 MB at the 1B shape, raised that step's peak
-by 14 MB on an AVX512-BF16 EPYC) and one block of int32 products (at most 4 MB, ``packed.INT32_TILE``). On the 1B shape
+by 14 MB on an AVX512-BF16 EPYC) and one block of int32 products (at most 2 MB, ``packed.INT32_TILE``). On the 1B shape
 (``benchmarks/scale.py``, AMX Xeon) the step with the mmap allocator went from 4.66 to 3.98 s at 1x256 and glibc's
 training peak from 1763 to 1746 MB; the peak read with the mmap allocator stayed 1434-1435 MB. The whole grad-input
 product in one buffer instead (one ``_int_mm`` call, no row blocks) measured the same step times within the machine's
