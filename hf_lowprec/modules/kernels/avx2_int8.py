@@ -45,12 +45,7 @@ struct Int16Rows : PackedRows {
     } else {
       const int64_t g = n * G + k0 / group;
       const __m128i lut = group_table16(ratio[g], zero ? zero[g] : 0.f, is_signed);
-      const __m128i mask = _mm_set1_epi8(0x0F);
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0 / 2));
-      const __m128i low = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, mask));
-      const __m128i high = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
-      first = _mm_unpacklo_epi8(low, high);  // element 2i from the low nibble of byte i
-      second = _mm_unpackhi_epi8(low, high);
+      lookup_codes16(lut, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0 / 2)), first, second);
     }
     a = _mm256_cvtepi8_epi16(first);
     b = _mm256_cvtepi8_epi16(second);

@@ -78,6 +78,16 @@ static inline __m128i group_table16(float ratio, float zero, bool is_signed) {
 #endif
 }
 
+// 16 bytes of packed codes -> their 32 int8 values through a group's table (group_table16): codes 0-15 in first,
+// 16-31 in second
+static inline void lookup_codes16(__m128i lut, __m128i bytes, __m128i& first, __m128i& second) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, mask));
+  const __m128i high = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+  first = _mm_unpacklo_epi8(low, high);  // element 2i from the low nibble of byte i
+  second = _mm_unpackhi_epi8(low, high);
+}
+
 // qweight [N, K / 2], ratio and zero [N, G]: rows may lie apart (a block of a weight's columns: whole groups);
 // into_ (optional): a contiguous int8 [N, K] tensor to write (a reused scratch buffer), else a new one
 torch::Tensor unpack_int4_int8(torch::Tensor qweight, torch::Tensor ratio, c10::optional<torch::Tensor> zero,
@@ -120,12 +130,10 @@ torch::Tensor unpack_int4_int8(torch::Tensor qweight, torch::Tensor ratio, c10::
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * i + 32), _mm256_permute2x128_si256(a, c, 0x31));
         }
         for (; i + 16 <= gbytes; i += 16) {  // groups of 32 codes
-          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-          const __m128i low4 = _mm256_castsi256_si128(mask);
-          const __m128i lo = _mm_shuffle_epi8(values, _mm_and_si128(bytes, low4));
-          const __m128i hi = _mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i), _mm_unpacklo_epi8(lo, hi));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i + 16), _mm_unpackhi_epi8(lo, hi));
+          __m128i first, second;
+          lookup_codes16(values, _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)), first, second);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i), first);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i + 16), second);
         }
         for (; i < gbytes; ++i) {
           dst[2 * i] = table[src[i] & 0x0F];
