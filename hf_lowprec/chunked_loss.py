@@ -10,7 +10,7 @@ from peft import PeftModel
 from torch import nn
 
 from hf_lowprec.labels import IGNORE_INDEX
-from hf_lowprec.modules.packed import AUTOTUNE_OUTPUTS, compiled, native_kernels
+from hf_lowprec.modules.packed import AUTOTUNE_OUTPUTS, compiled, consumable_gradient, native_kernels
 
 # most logits of one chunk (tokens x vocabulary): 128 tokens of a 49k vocabulary; at a 128k vocabulary, 65 tokens,
 # which keeps a chunk's logits, their fp32 loss and gradient near 100 MB instead of 200 (Llama-3.2-1B, scale.py)
@@ -70,7 +70,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
             grad_logits = logits.detach()  # the head saves its input, not its output: its buffer takes the gradient
             total += cross_entropy_into_grad_(grad_logits, labels[i : i + chunk])
             if grad is not None:
-                (grad[i : i + chunk],) = torch.autograd.grad(logits, h, grad_logits)
+                with consumable_gradient(grad_logits):  # dropped after: a packed head quantizes it in place
+                    (grad[i : i + chunk],) = torch.autograd.grad(logits, h, grad_logits)
             del logits, grad_logits  # before the next chunk's head runs: two chunks' logits were the forward's peak
         ctx.save_for_backward(grad)
         return total

@@ -509,6 +509,45 @@ def assert_int8_rows(rows: torch.Tensor, table: torch.Tensor, ids: torch.Tensor)
     assert ((rows - table[ids]).abs() <= step[ids] / 2 + 1e-6).all()
 
 
+@needs_cpp
+def test_the_chunked_loss_gives_a_packed_head_its_logits_gradient_to_quantize_in_place(tmp_path, monkeypatch):
+    """The chunked loss hands an int8 head's grad-input each chunk's logits gradient to overwrite with its int8 codes
+    (``consumable_gradient``): the same loss and adapter gradients, bit for bit, as a head quantizing a copy."""
+    import contextlib
+
+    import hf_lowprec.chunked_loss as chunked_loss
+    import hf_lowprec.modules.packed as packed_module
+
+    path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128, tie_word_embeddings=True)
+    model, _, _ = load_int4_lora(path, LoraConfig(**LORA), TIED_INT8_HEAD, dtype="bf16", backend="dequant")
+    head = model.get_base_model().lm_head
+    head.backend = "int8"
+    ids = torch.randint(0, head.out_features, (2, 48), generator=torch.Generator().manual_seed(0))
+    in_place = []  # per grad-input quantization (the forward's pass no in_place)
+    quantize_rows = packed_module.quantize_rows
+
+    def recording_quantize_rows(*args, **kwargs):
+        if "in_place" in kwargs:
+            in_place.append(kwargs["in_place"])
+        return quantize_rows(*args, **kwargs)
+
+    monkeypatch.setattr(packed_module, "quantize_rows", recording_quantize_rows)
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = chunked_causal_lm_loss(model, ids, chunk_tokens=40)  # 94 predicted tokens: 3 chunks
+        loss.backward()
+        return loss, [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+    loss, grads = loss_and_grads()
+    assert in_place == [True] * 3
+    monkeypatch.setattr(chunked_loss, "consumable_gradient", lambda grad: contextlib.nullcontext())
+    in_place.clear()
+    expected_loss, expected_grads = loss_and_grads()
+    assert in_place == [False] * 3 and torch.equal(loss, expected_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
+
+
 def test_a_packed_tied_head_is_the_embedding_table_too(tmp_path):
     """A plan that packs a tied output head: the input embedding reads the head's codes (no dense table left), on
     load and after, and the export reloads the tie from the head's codes alone."""

@@ -105,6 +105,27 @@ def test_int8_grad_input_in_row_tiles_is_the_whole_product(monkeypatch):
     torch.testing.assert_close(packed_module._int8_grad_input(grad_out, layer), expected, rtol=0, atol=0)
 
 
+@needs_cpp
+@pytest.mark.parametrize("spec", ["int8", "int4-g64-asym"])
+def test_a_consumable_gradient_is_quantized_in_place_into_the_same_grad_input(spec):
+    """Handed a gradient its caller gives up (``consumable_gradient``: the chunked loss's logits gradient), the int8
+    grad-input writes the gradient's int8 codes over it instead of into a new tensor, through autograd's views of
+    it: the same bits as from a gradient it must keep."""
+    from hf_lowprec.modules.packed import consumable_gradient
+
+    layer = packed(spec, k=192, n=48, bias=False).to(torch.bfloat16)
+    layer.backend = "int8"
+    x = torch.randn(3, 7, 192, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(3, 7, 48, dtype=torch.bfloat16)
+    kept = g.clone()
+    (expected,) = torch.autograd.grad(layer(x), x, kept)
+    given = g.clone()
+    with consumable_gradient(given):
+        (got,) = torch.autograd.grad(layer(x), x, given)
+    assert torch.equal(got, expected)
+    assert torch.equal(kept, g) and not torch.equal(given, g)  # only the consumable one was overwritten
+
+
 @needs_int8
 @pytest.mark.parametrize("spec", ["int4-g32-asym", "int4-g64", "int4"])
 def test_int8_weight_unpacked_in_blocks_gives_the_whole_products(monkeypatch, spec):
@@ -328,9 +349,14 @@ def test_cpu_kernels_match_torch_reference(spec):
     x = torch.randn(33, 192, dtype=torch.bfloat16)
     col = torch.rand(192) + 0.5
     for scale in (None, col):
-        q, step = ext.quantize_rows(x, scale)
+        q, step = ext.quantize_rows(x, scale, False)
         q_ref, step_ref = P._quantize_rows_torch(x.float() * (1 if scale is None else scale))
         assert (q.int() - q_ref.int()).abs().max() <= 1 and torch.allclose(step, step_ref)
+        for xx in (x.clone(), x.float()):  # in place: the codes overwrite the input's first bytes, rows in order
+            expected = ext.quantize_rows(xx, scale, False)
+            q, step = ext.quantize_rows(xx, scale, True)
+            assert q.data_ptr() == xx.data_ptr() and q.shape == xx.shape
+            assert torch.equal(q, expected[0]) and torch.equal(step, expected[1])
     for scale in (None, col):
         for xx in (x, x.float()):
             expected = xx.float().abs().amax(0) * (1 if scale is None else scale)

@@ -48,8 +48,10 @@ pass no gradient to their input; nothing in torch/torchao multiplies a gradient 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import threading
 import weakref
 
 import torch
@@ -177,13 +179,15 @@ def native_kernels(*tensors: torch.Tensor):
     return cpu_kernels()
 
 
-def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(
+    x: torch.Tensor, col_scale: torch.Tensor | None = None, in_place: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per row of ``x [M, C]`` (times fp32 ``col_scale [C]`` first): ``(int8 [M, C], fp32 step [M,
-    1])``."""
+    1])``. ``in_place``: the codes may overwrite ``x`` (they do where the C++ kernels run; ``x`` is then garbage)."""
     x = x.detach().contiguous()
     ext = native_kernels(x)
     if ext is not None:
-        return tuple(ext.quantize_rows(x, None if col_scale is None else col_scale.float().contiguous()))
+        return tuple(ext.quantize_rows(x, None if col_scale is None else col_scale.float().contiguous(), in_place))
     if col_scale is None:
         return compiled(_quantize_rows_torch)(x)
     return compiled(_quantize_scaled_rows_torch)(x, col_scale)
@@ -497,6 +501,27 @@ def _int_mm_into(
     dequantize_rows(torch._int_mm(a, b, out=products), row_step, col_step, out.dtype, out=out)
 
 
+_consumable = threading.local()  # autograd runs a CPU backward on the thread that called it
+
+
+@contextlib.contextmanager
+def consumable_gradient(grad: torch.Tensor):
+    """Within: a packed layer's int8 grad-input handed ``grad`` (its memory, in any of autograd's views of it)
+    quantizes it in place, its int8 codes overwriting it, instead of into a new tensor. For a caller that owns ``grad``
+    and reads it no more: the chunked loss's logits gradient (8.3 MB a chunk at a 128k vocabulary, at the peak of the
+    Llama-3.2-1B step)."""
+    previous = getattr(_consumable, "key", None)
+    _consumable.key = (grad.data_ptr(), grad.numel(), grad.dtype)
+    try:
+        yield
+    finally:
+        _consumable.key = previous
+
+
+def _is_consumable(grad: torch.Tensor) -> bool:
+    return grad.is_contiguous() and getattr(_consumable, "key", None) == (grad.data_ptr(), grad.numel(), grad.dtype)
+
+
 def _int8_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
     """``grad_out @ W``: through the tile kernels where they run (``int8_tile_kernels``), else ``torch._int_mm``, a
     block of ``WEIGHT_TILE`` weight columns at a time (``_weight_block``), their int32 products ``INT32_TILE`` at a
@@ -505,7 +530,7 @@ def _int8_grad_input(grad_out: torch.Tensor, layer: "PackedLinear") -> torch.Ten
     weight, ratio, zero, row_step = operands = layer.tile_operands()
     # grad_x[m, k] = sum_n g[m, n] r[n] w8[n, k] / s[k]: the per-row weight step r[n] lies on the
     # summed dimension, so it is folded into the gradient before that is quantized per row
-    gq, g_step = quantize_rows(grad_out, row_step)
+    gq, g_step = quantize_rows(grad_out, row_step, in_place=_is_consumable(grad_out))
     m, k = gq.shape[0], layer.in_features
     inverse = layer.inverse_input_scale()
     grad_x = torch.empty(m, k, dtype=grad_out.dtype, device=grad_out.device)
@@ -592,10 +617,10 @@ class _PackedMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (x2d,) = ctx.saved_tensors
-        grad_x = KERNELS[ctx.backend][1](grad_out, ctx.layer) if ctx.needs_input_grad[0] else None
         grads = (None, None)
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # first: the grad-input may consume grad_out
             grads = _learned_grads(grad_out, x2d, ctx.layer, ctx.needs_input_grad[2])
+        grad_x = KERNELS[ctx.backend][1](grad_out, ctx.layer) if ctx.needs_input_grad[0] else None
         return grad_x, grads[0] if ctx.needs_input_grad[1] else None, grads[1], None, None
 
 

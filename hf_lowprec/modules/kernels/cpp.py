@@ -179,10 +179,13 @@ static inline void load_row(const void* xv, int64_t m, int64_t C, float* f) {
   }
 }
 
-// symmetric int8 per row of x [M, C] (times col_scale [C]): codes and fp32 steps [M, 1]
+// symmetric int8 per row of x [M, C] (times col_scale [C]): codes and fp32 steps [M, 1]. In place (q: x's own
+// memory), rows go in order on one thread: row m is loaded whole before its codes, bytes [m C, (m + 1) C), overwrite
+// only rows already read (they end where row m of 2- or 4-byte elements ends, or before)
 template <bool BF16>
-static void quantize_rows_impl(const void* xv, const float* cs, int8_t* q, float* step, int64_t M, int64_t C) {
-  at::parallel_for(0, M, 8, [&](int64_t b, int64_t e) {
+static void quantize_rows_impl(const void* xv, const float* cs, int8_t* q, float* step, int64_t M, int64_t C,
+                               bool in_place) {
+  auto rows = [&](int64_t b, int64_t e) {
     std::vector<float> buf(C);
     float* f = buf.data();
     for (int64_t m = b; m < e; ++m) {
@@ -201,20 +204,26 @@ static void quantize_rows_impl(const void* xv, const float* cs, int8_t* q, float
       for (int64_t c = 0; c < C; ++c) qr[c] = static_cast<int8_t>(static_cast<int32_t>(round_even(f[c] * inv)));
       step[m] = amax / 127.f;
     }
-  });
+  };
+  if (in_place)
+    rows(0, M);
+  else
+    at::parallel_for(0, M, 8, rows);
 }
 
-std::vector<torch::Tensor> quantize_rows(torch::Tensor x, c10::optional<torch::Tensor> col_scale) {
+// in_place: the codes overwrite x (a view of its first M * C bytes is returned; x's values are gone)
+std::vector<torch::Tensor> quantize_rows(torch::Tensor x, c10::optional<torch::Tensor> col_scale, bool in_place) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous());
   const int64_t M = x.size(0), C = x.size(1);
-  auto q = torch::empty({M, C}, x.options().dtype(torch::kInt8));
+  auto q = in_place ? x.view(torch::kInt8).view({-1}).slice(0, 0, M * C).view({M, C})
+                    : torch::empty({M, C}, x.options().dtype(torch::kInt8));
   auto step = torch::empty({M, 1}, x.options().dtype(torch::kFloat));
   const float* cs = col_scale.has_value() ? col_scale->data_ptr<float>() : nullptr;
   if (x.scalar_type() == torch::kBFloat16)
-    quantize_rows_impl<true>(x.data_ptr(), cs, q.data_ptr<int8_t>(), step.data_ptr<float>(), M, C);
+    quantize_rows_impl<true>(x.data_ptr(), cs, q.data_ptr<int8_t>(), step.data_ptr<float>(), M, C, in_place);
   else {
     TORCH_CHECK(x.scalar_type() == torch::kFloat);
-    quantize_rows_impl<false>(x.data_ptr(), cs, q.data_ptr<int8_t>(), step.data_ptr<float>(), M, C);
+    quantize_rows_impl<false>(x.data_ptr(), cs, q.data_ptr<int8_t>(), step.data_ptr<float>(), M, C, in_place);
   }
   return {q, step};
 }
