@@ -55,7 +55,6 @@ def test_parameters_and_fp8_tensors_are_saved_as_they_are():
     # FP8Linear (tensorwise) saves its input and weight as FP8 itself: 1 byte per element
     big = [t for t in seen if t.numel() >= 16 * 32]
     assert big and all(t.dtype == E4M3 for t in big)
-    del seen
 
 
 def test_tiny_llama_gradients_with_fp8_activations_stay_close():
@@ -152,3 +151,23 @@ def test_a_tensor_saved_by_several_ops_is_rebuilt_once_for_all_of_them(monkeypat
         w.grad = None
     loss.backward()
     assert len(rebuilt) == 1 + 3 and all(torch.equal(w.grad, g) for w, g in zip(weights, first))  # once per reader
+
+
+def test_only_a_tensor_rebuilt_for_one_reader_is_that_readers_to_overwrite():
+    """``reader_owns``: a copy rebuilt for one backward alone is its to overwrite; one shared by several readers (q,
+    k and v's input) is no reader's, and a second walk of the graph rebuilds it for each reader alone."""
+    from hf_lowprec.training import activations
+
+    class Rebuilt(activations._Stored):
+        def unpack(self):
+            return torch.zeros(4)
+
+    single = Rebuilt()
+    assert ActivationStorage.reader_owns(single.take())
+    shared = Rebuilt()
+    shared.uses = 3
+    first = [shared.take() for _ in range(3)]
+    assert first[0] is first[1] is first[2] and not ActivationStorage.reader_owns(first[0])
+    again = shared.take()  # retain_graph: walked again
+    assert again is not first[0] and ActivationStorage.reader_owns(again)
+    assert not ActivationStorage.reader_owns(torch.zeros(4))  # saved as it was: the forward's own tensor

@@ -99,7 +99,7 @@ class _Stored:
     """What a saved tensor became. :meth:`take` rebuilds it once for every op that saved it (``uses``; q, k and v's
     projections, their LoRA adapters and a packed base learning its steps all save one input): the rebuilt tensor is
     kept until the last of them has taken it, then dropped. A graph walked again (``retain_graph``) rebuilds it for
-    each reader."""
+    each reader. A tensor rebuilt for one reader alone is marked so (:meth:`ActivationStorage.reader_owns`)."""
 
     __slots__ = ("uses", "rebuilt")
 
@@ -107,9 +107,11 @@ class _Stored:
         self.uses, self.rebuilt = 1, None
 
     def take(self) -> torch.Tensor:
-        out = self.rebuilt if self.rebuilt is not None else self.unpack()
+        fresh = self.rebuilt is None
+        out = self.unpack() if fresh else self.rebuilt
         self.uses -= 1
         self.rebuilt = out if self.uses > 0 else None
+        _HANDED_OUT[out.data_ptr()] = (weakref.ref(out.untyped_storage()), fresh and self.rebuilt is None)
         return out
 
     def unpack(self) -> torch.Tensor:
@@ -272,10 +274,19 @@ class ActivationStorage:
         return _ACTIVE[-1] if _ACTIVE else None
 
     @staticmethod
+    def reader_owns(t: torch.Tensor) -> bool:
+        """Whether saved tensor ``t``, as a backward got it, was rebuilt for that backward alone: nothing else refers
+        to it, and the backward may overwrite it (SwiGLU's writes its gradients over the rebuilt inputs). Known by its
+        storage: autograd hands a backward a new tensor object over the memory the storage rebuilt."""
+        storage, owned = _HANDED_OUT.get(t.data_ptr(), (None, False))
+        return owned and storage() is t.untyped_storage()
+
+    @staticmethod
     def _unpack(saved):
         return saved.take() if isinstance(saved, _Stored) else saved
 
     def __enter__(self):
+        _HANDED_OUT.clear()  # what earlier backwards handed out (the memory of most of it freed since)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         _ACTIVE.append(self)
@@ -291,3 +302,5 @@ class ActivationStorage:
 
 
 _ACTIVE: list[ActivationStorage] = []  # the storages whose blocks are running, innermost last
+# data_ptr -> (the storage of the tensor last rebuilt at that address, whether it went to one reader alone)
+_HANDED_OUT: dict[int, tuple[weakref.ref, bool]] = {}

@@ -45,13 +45,16 @@ def silu_mul_values(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def silu_mul_grad(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_mul_grad(
+    grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, in_place: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`silu_mul_values` w.r.t. ``(gate, up)`` given the output's ``grad``, in fp32 then each
     input's dtype: ``d_up = grad * silu(gate)``, ``d_gate = grad * up * (s + silu(gate) * (1 - s))``,
-    ``s = sigmoid(gate)``. Inputs are never written (``.float()`` of an fp32 tensor is the tensor itself)."""
+    ``s = sigmoid(gate)``. ``in_place``: the gradients may overwrite ``gate`` and ``up`` (they do where the C++
+    kernels run); else inputs are never written (``.float()`` of an fp32 tensor is the tensor itself)."""
     ext = _elementwise_kernels(grad, gate, up)
     if ext is not None:
-        return tuple(ext.silu_mul_backward(grad.contiguous(), gate.contiguous(), up.contiguous()))
+        return tuple(ext.silu_mul_backward(grad.contiguous(), gate.contiguous(), up.contiguous(), in_place))
     d_gate = torch.empty_like(gate, memory_format=torch.contiguous_format)
     d_up = torch.empty_like(up, memory_format=torch.contiguous_format)
     for gr, g, u, dg, du in row_blocks(grad, gate, up, d_gate, d_up):
@@ -70,8 +73,8 @@ class _SiLUMul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        gate, up = ctx.saved_tensors
-        return silu_mul_grad(grad, gate, up)
+        gate, up = ctx.saved_tensors  # copies rebuilt from 8-bit storage for this backward alone take the gradients
+        return silu_mul_grad(grad, gate, up, ActivationStorage.reader_owns(gate) and ActivationStorage.reader_owns(up))
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -412,15 +412,16 @@ void int4_columns(torch::Tensor qweight, torch::Tensor ratio, c10::optional<torc
   });
 }
 
+// element i is read whole before it is written: dg and du may be g and u themselves
 template <bool BF16>
 static void silu_mul_backward_impl(const void* gr, const void* g, const void* u, void* dg, void* du, int64_t n) {
   at::parallel_for(0, n, 1 << 14, [&](int64_t b, int64_t e) {
     #pragma omp simd
     for (int64_t i = b; i < e; ++i) {
-      const float x = load_value(g, i, BF16), d = load_value(gr, i, BF16);
+      const float x = load_value(g, i, BF16), d = load_value(gr, i, BF16), y = load_value(u, i, BF16);
       const float s = sigmoid(x), silu = x * s;
       store_value(du, i, d * silu, BF16);
-      store_value(dg, i, d * load_value(u, i, BF16) * (s + silu * (1.f - s)), BF16);
+      store_value(dg, i, d * y * (s + silu * (1.f - s)), BF16);
     }
   });
 }
@@ -433,9 +434,10 @@ static bool check_elementwise(const std::vector<torch::Tensor>& ts) {
   return ts[0].scalar_type() == torch::kBFloat16;
 }
 
-std::vector<torch::Tensor> silu_mul_backward(torch::Tensor grad, torch::Tensor gate, torch::Tensor up) {
+// in_place: the gradients overwrite gate and up (returned as them)
+std::vector<torch::Tensor> silu_mul_backward(torch::Tensor grad, torch::Tensor gate, torch::Tensor up, bool in_place) {
   const bool bf16 = check_elementwise({grad, gate, up});  // SwiGLU's gradients, elementwise in fp32
-  auto dg = torch::empty_like(gate), du = torch::empty_like(up);
+  auto dg = in_place ? gate : torch::empty_like(gate), du = in_place ? up : torch::empty_like(up);
   const void *r = grad.data_ptr(), *g = gate.data_ptr(), *u = up.data_ptr();
   if (bf16) silu_mul_backward_impl<true>(r, g, u, dg.data_ptr(), du.data_ptr(), gate.numel());
   else silu_mul_backward_impl<false>(r, g, u, dg.data_ptr(), du.data_ptr(), gate.numel());
