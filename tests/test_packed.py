@@ -229,7 +229,7 @@ def test_row_maxima_read_in_row_blocks_are_the_whole_grids(spec, monkeypatch):
 
     layer = packed(spec, k=192, n=40)
     whole = layer.grid_weight().abs().amax(-1)
-    monkeypatch.setattr(packed_module, "CHUNK_ELEMENTS", 192 * 7)  # 7 rows a block: 6 blocks, the last short
+    monkeypatch.setattr(packed_module, "ROW_MAX_ELEMENTS", 192 * 7)  # 7 rows a block: 6 blocks, the last short
     assert torch.equal(layer._row_absmax(), whole)
 
 

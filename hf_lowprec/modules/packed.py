@@ -105,6 +105,10 @@ AUTOTUNE_TOKENS = 256  # rows of the probe input when auto times the backends of
 # first-run spike of ~100 MB at the Llama-3.2-1B shape
 AUTOTUNE_OUTPUTS = 1 << 23
 CHUNK_ELEMENTS = 1 << 22  # weight elements quantized per slice when packing a dense weight (16 MB in fp32)
+# weight elements dequantized at a time for an INT4 layer's row maxima (the int8 backend's row steps), made at the
+# layer's first call: in the first forward, on top of the activations saved so far. 4 MB in fp32: with CHUNK_ELEMENTS
+# the first 1B step (scale.py's warm-up) peaked in the last layer's forward, ~20 MB over the later steps' peak
+ROW_MAX_ELEMENTS = 1 << 20
 # int32 products of the int8 backend held at a time (2 MB; see _int_mm_dequantized). At 4 MB the 1B step's peak (in
 # the chunked loss) was 2 MB higher and a 128k-vocabulary head's forward at 65 rows 1.5% faster (78.3 against 79.5
 # ms; AVX512-BF16 EPYC, 2026-12-04)
@@ -805,14 +809,14 @@ class PackedLinear(nn.Module):
         return dequantize_int(self.codes(), self.spec, self.effective_step(), self.effective_zero(), dtype)
 
     def _row_absmax(self) -> torch.Tensor:
-        """``max_k |grid_weight[n, k]|`` fp32 ``[N]``, dequantized ``CHUNK_ELEMENTS`` at a time (the whole fp32 grid
+        """``max_k |grid_weight[n, k]|`` fp32 ``[N]``, dequantized ``ROW_MAX_ELEMENTS`` at a time (the whole fp32 grid
         and its absolute value: 134 MB for one 8192x2048 projection)."""
         if self.step_gain is not None:  # steps that change every optimizer step: per call, from [N, G] numbers
             low, high = self._group_code_range()
             zero = self.effective_zero()
             reach = high.abs().maximum(low.abs()) if zero is None else (high - zero).abs().maximum((low - zero).abs())
             return (self.effective_step().abs() * reach).amax(-1)
-        rows = max(1, CHUNK_ELEMENTS // self.in_features)
+        rows = max(1, ROW_MAX_ELEMENTS // self.in_features)
         out = torch.empty(self.out_features, device=self.qweight.device)
         for r0 in range(0, self.out_features, rows):
             block = slice(r0, r0 + rows)
