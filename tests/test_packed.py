@@ -188,8 +188,8 @@ def test_layers_sharing_the_scratch_buffers_match_their_own_unpacked_weights(mon
         torch.testing.assert_close(
             packed_module._int8_grad_input(grad_out, layer), (gq.float() @ w8.float()) * g_step, rtol=1e-6, atol=1e-6
         )
-    shared, _ = big.int8_weight(reuse_buffer=True)
-    again, _ = small.int8_weight(reuse_buffer=True)
+    shared = packed_module.int8_block(big, big.tile_operands())
+    again = packed_module.int8_block(small, small.tile_operands())
     assert shared.untyped_storage().data_ptr() == again.untyped_storage().data_ptr()
 
 

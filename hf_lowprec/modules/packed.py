@@ -744,10 +744,9 @@ class PackedLinear(nn.Module):
         """The integer codes ``[N, K]`` (int8 when symmetric, else non-negative uint8)."""
         return self._unpack(self.qweight)
 
-    def int8_weight(self, reuse_buffer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``. ``reuse_buffer``: codes unpacked
-        per call land in this thread's scratch buffer (``kernels/scratch.py``), valid until the next such call: for
-        kernels that use ``w8`` before they return. (The int8 backend unpacks a block at a time: :func:`int8_block`.)"""
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``, whole (the int8 backend unpacks a
+        block at a time: :func:`int8_block`)."""
         raise NotImplementedError
 
     def tile_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
@@ -1101,11 +1100,11 @@ class PackedInt4Linear(PackedLinear):
                 self._cache["row_step"] = row_step
         return (self.effective_step() / row_step.unsqueeze(-1)).contiguous(), row_step
 
-    def int8_weight(self, reuse_buffer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unpacked from the codes on every call (see :meth:`PackedLinear.int8_weight`). Needs ``K`` even and a multiple
-        of the group size (see :meth:`kernel_shape_supported`)."""
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unpacked from the codes on every call into a tensor of its own (see :meth:`PackedLinear.int8_weight`).
+        Needs ``K`` even and a multiple of the group size (see :meth:`kernel_shape_supported`)."""
         operands = self.tile_operands()
-        return int8_block(self, operands, scratch_ok=reuse_buffer), operands[3]
+        return int8_block(self, operands, scratch_ok=False), operands[3]
 
     def tile_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         ratio, row_step = self._int8_scales()
@@ -1155,8 +1154,8 @@ class PackedInt8Linear(PackedLinear):
     def int8_columns(self, columns: torch.Tensor, operands: tuple, dtype: torch.dtype) -> torch.Tensor:
         return weight_columns(self.qweight, columns, operands[3], dtype)
 
-    def int8_weight(self, reuse_buffer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored codes themselves (``reuse_buffer`` changes nothing: nothing is unpacked)."""
+    def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored codes themselves (nothing is unpacked)."""
         if self.step_gain is not None:
             return self.qweight, self.effective_step().view(-1).contiguous()
         if "row_step" not in self._cache:

@@ -111,7 +111,8 @@ class _Stored:
         out = self.unpack() if fresh else self.rebuilt
         self.uses -= 1
         self.rebuilt = out if self.uses > 0 else None
-        _HANDED_OUT[out.data_ptr()] = (weakref.ref(out.untyped_storage()), fresh and self.rebuilt is None)
+        if fresh and self.rebuilt is None:
+            _HANDED_OUT[out.data_ptr()] = weakref.ref(out.untyped_storage())
         return out
 
     def unpack(self) -> torch.Tensor:
@@ -278,8 +279,8 @@ class ActivationStorage:
         """Whether saved tensor ``t``, as a backward got it, was rebuilt for that backward alone: nothing else refers
         to it, and the backward may overwrite it (SwiGLU's writes its gradients over the rebuilt inputs). Known by its
         storage: autograd hands a backward a new tensor object over the memory the storage rebuilt."""
-        storage, owned = _HANDED_OUT.get(t.data_ptr(), (None, False))
-        return owned and storage() is t.untyped_storage()
+        storage = _HANDED_OUT.get(t.data_ptr())
+        return storage is not None and storage() is t.untyped_storage()
 
     @staticmethod
     def _unpack(saved):
@@ -302,5 +303,6 @@ class ActivationStorage:
 
 
 _ACTIVE: list[ActivationStorage] = []  # the storages whose blocks are running, innermost last
-# data_ptr -> (the storage of the tensor last rebuilt at that address, whether it went to one reader alone)
-_HANDED_OUT: dict[int, tuple[weakref.ref, bool]] = {}
+# data_ptr -> the storage of a tensor rebuilt there for one reader alone (a later tensor at that address, shared or
+# saved as it was, has another storage)
+_HANDED_OUT: dict[int, weakref.ref] = {}
