@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow bench bench-full clean
+.PHONY: setup demo test test-slow test-avx2-emulated bench bench-full clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,14 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# the AVX2 class on a larger x86 CPU: hf-lowprec's choices and kernels (built for x86-64-v3), torch's dispatch, the
+# code inductor compiles (its AVX2 code built -march=native on an AVX-512 CPU computes wrong sums) and oneDNN/MKL
+AVX2_EMULATION := HF_LOWPREC_CPU_CLASS=avx2 ATEN_CPU_CAPABILITY=avx2 TORCHINDUCTOR_CPP_MARCH=x86-64-v3 \
+	ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+
+test-avx2-emulated: $(STAMP)
+	$(AVX2_EMULATION) $(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py

@@ -33,7 +33,8 @@ SHAPES = {  # name -> (in_features K, out_features N)
     "Llama-1B gate/up 2048->8192": (2048, 8192),
     "Llama-1B down 8192->2048": (8192, 2048),
 }
-EMULATION_ENV = ("HF_LOWPREC_CPU_CLASS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+EMULATION_ENV = ("HF_LOWPREC_CPU_CLASS", "ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CPP_MARCH", "ONEDNN_MAX_CPU_ISA",
+                 "MKL_ENABLE_INSTRUCTIONS")
 
 
 def plot(results: dict, path) -> None:

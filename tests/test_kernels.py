@@ -42,6 +42,24 @@ def test_the_class_variable_restricts_the_capabilities(monkeypatch):
         cpu_info.cache_clear()
 
 
+def test_the_kernels_are_built_for_the_class_in_use(monkeypatch):
+    """AVX-512 code in the built kernels exactly where the class has AVX-512: under ``HF_LOWPREC_CPU_CLASS=avx2`` on a
+    larger CPU the kernels' AVX2 branches are the ones built and run, as on an AVX2 CPU."""
+    from hf_lowprec.modules.kernels.cpp import cpu_kernels, target_flags
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels do not build here")
+    assert kernels.built_with_avx512() == cpu_info().has("avx512f")
+    monkeypatch.setenv(CLASS_ENV, "avx2")
+    cpu_info.cache_clear()
+    try:
+        assert target_flags() == ["-march=x86-64-v3", "-mtune=native"]
+    finally:
+        monkeypatch.undo()
+        cpu_info.cache_clear()
+
+
 def test_no_native_bf16_means_fp32_compute_without_timing(monkeypatch):
     monkeypatch.setattr(autotune, "cpu_info", lambda: AVX2_ONLY)
     autotune._cpu_compute_dtype.cache_clear()

@@ -39,7 +39,7 @@ import torch
 
 from hf_lowprec.modules.kernels.amx import AMX_FUNCTIONS, AMX_SOURCE
 from hf_lowprec.modules.kernels.avx2_int8 import AVX2_INT8_FUNCTIONS, AVX2_INT8_SOURCE
-from hf_lowprec.modules.kernels.cpu import build_tag
+from hf_lowprec.modules.kernels.cpu import build_tag, cpu_info
 
 logger = logging.getLogger(__name__)
 
@@ -959,9 +959,19 @@ static bool check_out(const torch::Tensor& out, int64_t M, int64_t C) {
   return out.scalar_type() == torch::kBFloat16;
 }
 
+// whether this build's AVX-512 branches exist (the target the compiler was given: target_flags())
+bool built_with_avx512() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 """ + AVX2_INT8_SOURCE + AMX_SOURCE
 
 _FUNCTIONS = [
+    "built_with_avx512",
     "unpack_int4_int8",
     "gather_columns",
     "int4_columns",
@@ -983,10 +993,20 @@ _state: dict[str, object] = {}
 # sigmoid's sign choice) into vector blends on AVX2, where without it they stay branches and the loops scalar (GCC 12,
 # -fopt-info-vec: "control flow in loop"; AVX-512 has mask registers for them): silu_mul_backward at 512x1536, 2-core
 # AVX2 CPU, 3.8 -> 0.46 ms; cross_entropy_ of 170x49152 logits 23 -> 8.4 ms
-_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
+_CFLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
 # a build takes about 45 s: a lock file older than this was left by a process killed while building, and torch's
 # cpp_extension would wait for it to go away forever
 STALE_BUILD_LOCK_S = 600
+
+
+def target_flags() -> list[str]:
+    """The compiler's target: this CPU (``-march=native``), or, where ``HF_LOWPREC_CPU_CLASS=avx2`` restricts a
+    larger CPU, the AVX2 class itself (``x86-64-v3``: AVX2, FMA, F16C, BMI2; tuned for this CPU). The kernels'
+    ``#if defined(__AVX512...)`` branches are then left out as on an AVX2 CPU, and their AVX2 branches are the ones
+    that run (built ``-march=native``, the emulation ran this CPU's AVX-512 code)."""
+    if cpu_info().restricted_to == "avx2":
+        return ["-march=x86-64-v3", "-mtune=native"]
+    return ["-march=native"]
 
 
 def cpu_kernels():
@@ -1002,10 +1022,11 @@ def _build():
         return None
     from torch.utils.cpp_extension import load_inline
 
-    # -march=native code runs only where it was built: the CPU's flags are part of the name. So is the torch install
-    # it compiles against: torch's build.ninja names that install's include folders, so two virtual environments
-    # sharing one name would each see the other's build as stale and rebuild it (~45 s) on every switch
-    key = _SOURCE + " ".join(_CFLAGS) + build_tag() + str(Path(torch.__file__).resolve().parent)
+    # -march=native code runs only where it was built: the CPU's flags and the target are part of the name. So is the
+    # torch install it compiles against: torch's build.ninja names that install's include folders, so two virtual
+    # environments sharing one name would each see the other's build as stale and rebuild it (~45 s) on every switch
+    cflags = _CFLAGS + target_flags()
+    key = _SOURCE + " ".join(cflags) + build_tag() + str(Path(torch.__file__).resolve().parent)
     name = "hf_lowprec_cpu_kernels_" + hashlib.sha256(key.encode()).hexdigest()[:12]
     logger.info("loading hf_lowprec CPU kernels (%s; built once per machine, ~45 s)", name)
     clear_stale_build_lock(name)
@@ -1015,7 +1036,7 @@ def _build():
             cpp_sources=_SOURCE,
             functions=_FUNCTIONS,
             verbose=False,
-            extra_cflags=_CFLAGS,
+            extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
         )
     except Exception as e:  # no compiler, no headers, a build error: say so, run the slower path
