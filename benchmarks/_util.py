@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -53,11 +54,18 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+# the variables that reproduce a CPU class on a larger CPU (``make test-avx2-emulated``), recorded with each result
+EMULATION_ENV = ("HF_LOWPREC_CPU_CLASS", "ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CPP_MARCH", "ONEDNN_MAX_CPU_ISA",
+                 "MKL_ENABLE_INSTRUCTIONS")  # fmt: skip
+
+
 def machine() -> dict:
-    """The CPU a result was measured on (model, class, flags), threads and torch version."""
+    """The CPU a result was measured on (model, class, flags), threads, torch version and, where a class is reproduced
+    on a larger CPU, the variables that did it (``emulated_by``)."""
     cpu = cpu_info()
+    emulation = {v: os.environ[v] for v in EMULATION_ENV if v in os.environ}
     return {"machine": cpu.model, "cpu_class": cpu.cpu_class, "cpu": cpu.to_dict(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__}  # fmt: skip
+            "torch": torch.__version__, "emulated_by": emulation or None}  # fmt: skip
 
 
 def write_json(name: str, data: dict) -> Path:

@@ -33,8 +33,6 @@ SHAPES = {  # name -> (in_features K, out_features N)
     "Llama-1B gate/up 2048->8192": (2048, 8192),
     "Llama-1B down 8192->2048": (8192, 2048),
 }
-EMULATION_ENV = ("HF_LOWPREC_CPU_CLASS", "ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CPP_MARCH", "ONEDNN_MAX_CPU_ISA",
-                 "MKL_ENABLE_INSTRUCTIONS")
 
 
 def plot(results: dict, path) -> None:
@@ -68,10 +66,9 @@ def main():
     for name, (k, n) in SHAPES.items():
         results[name] = kernel_throughput(args.tokens, k, n, args.repeats)
         print(name, "  ".join(f"{kernel} {r['vs_fp32']:.2f}x" for kernel, r in results[name].items()), flush=True)
-    emulation = {v: os.environ[v] for v in EMULATION_ENV if v in os.environ}
     stem = f"kernels-{cpu_info().cpu_class}" + ("" if args.tokens == 256 else f"-{args.tokens}tok")
     stem += "-emulated" if cpu_info().restricted_to else ""  # never over a real CPU of the class's file
-    write_json(f"{stem}.json", {"tokens": args.tokens, "machine": machine(), "emulated_by": emulation or None, "shapes": SHAPES,
+    write_json(f"{stem}.json", {"tokens": args.tokens, "machine": machine(), "shapes": SHAPES,
                                 "results": results})  # fmt: skip
     plot(results, RESULTS / f"{stem}.png")
     print(f"wrote results/{stem}.json and .png")

@@ -485,8 +485,9 @@ def kernels_section() -> list[str]:
         return lines + ["not measured\n"]
     for path in files:
         k = json.loads(path.read_text())
-        m, emulated = k["machine"], k.get("emulated_by")
-        how = f"; reproduced on an AVX-512 CPU with {', '.join(f'{a}={b}' for a, b in emulated.items())}" if emulated else ""
+        m = k["machine"]
+        m.setdefault("emulated_by", k.get("emulated_by"))  # a top-level key in files written before 2026-12-04
+        how = f"; reproduced on an AVX-512 CPU with {reproduced_by(m)}" if m["emulated_by"] else ""
         kernels = list(next(iter(k["results"].values())))
         lines += [f"**{m['cpu_class']}** ({m['machine']}, {m['threads']} threads, {k['tokens']} tokens{how}): throughput / fp32 GEMM\n",
                   "| shape | " + " | ".join(kernels) + " |", "|---|" + "---|" * len(kernels)]  # fmt: skip
@@ -494,6 +495,15 @@ def kernels_section() -> list[str]:
             lines.append(f"| {shape} | " + " | ".join(f"{r[x]['vs_fp32']:.2f}" if x in r else "" for x in kernels) + " |")
         lines += ["", f"![kernels]({path.stem}.png)", ""]
     return lines
+
+
+def reproduced_by(machine: dict) -> str:
+    """The variables that reproduced a result's CPU class on a larger CPU (recorded since 2026-12-04; before that,
+    scale.py's runs set the three named here)."""
+    env = machine.get("emulated_by")
+    if not env:
+        return "HF_LOWPREC_CPU_CLASS=avx2, oneDNN/MKL limited to AVX2"
+    return ", ".join(f"{name}={value}" for name, value in env.items())
 
 
 def scale_section(scale: dict | None, stem: str = "scale") -> list[str]:
@@ -505,8 +515,8 @@ def scale_section(scale: dict | None, stem: str = "scale") -> list[str]:
     m = scale["machine"]
     lines = ["## Fine-tuning at real sizes (benchmarks/scale.py)\n" if stem == "scale" else
              f"## Fine-tuning at real sizes on the {m['cpu_class']} CPU class (benchmarks/scale.py, results/{stem}.json)\n"]  # fmt: skip
-    where = (f"{m['cpu_class']} class reproduced on the AVX-512 {m['machine']} (HF_LOWPREC_CPU_CLASS=avx2, oneDNN/MKL "
-             "limited to AVX2: fp32 compute)" if m["cpu"].get("restricted_to") else f"{m['machine']} ({m['cpu_class']})")
+    where = (f"{m['cpu_class']} class reproduced on the AVX-512 {m['machine']} ({reproduced_by(m)}: fp32 compute)"
+             if m["cpu"].get("restricted_to") else f"{m['machine']} ({m['cpu_class']})")
     lines += [f"{where}, {m['threads']} threads; random-weight checkpoints of each architecture, "
               f"LoRA r={scale['lora']['r']} on every linear, {scale['steps']} timed steps after one warm-up; peak RSS from a run where "
               "glibc returns every freed block of 64 KiB or more, step times from a run with glibc's default allocator (the "
