@@ -87,6 +87,8 @@ CONFIGS = {
     "int4-lora": "hf-lowprec INT4+LoRA defaults (int4-g64-asym packed on load, chunked loss, int8-stored activations, "
                  "8-bit AdamW)",
     "int4-lora-gc": "hf-lowprec INT4+LoRA defaults, gradient checkpointing instead of int8-stored activations",
+    "int4-lora-returned": "hf-lowprec INT4+LoRA defaults, glibc's heap returning freed memory at each decoder block's "
+                          "boundary (return_freed_memory=True)",
     "int4-lora-bf16-embedding": "hf-lowprec INT4+LoRA defaults with an untied input embedding left bf16 (the default "
                                 "before PackedEmbedding)",
     "int4-lora-recipe": "hf-lowprec int4-ondevice-lora recipe's base (the CLI default): packed on load, LoftQ from the "
@@ -145,6 +147,7 @@ def _load(config: str, folder: Path):
     if config.startswith("int4-lora"):
         import contextlib
 
+        from hf_lowprec.allocator import freed_memory_returned_per_block
         from hf_lowprec.ondevice import chunked_causal_lm_loss, load_int4_lora
         from hf_lowprec.training.activations import ActivationStorage
 
@@ -160,8 +163,10 @@ def _load(config: str, folder: Path):
         if config.endswith("-gc"):  # checkpointing instead of 8-bit saved activations
             model.get_base_model().activation_checkpointing_enable({"use_reentrant": False})
         storage = contextlib.nullcontext() if config.endswith("-gc") else ActivationStorage(model, "int8")
+        returned = freed_memory_returned_per_block(model) if config.endswith("-returned") else contextlib.nullcontext()
+        returned.__enter__()  # its hooks stay while loss_fn (which holds it) lives: forward and backward of every step
 
-        def loss_fn(batch):
+        def loss_fn(batch, returned=returned):
             with storage:
                 return chunked_causal_lm_loss(model, batch)
 

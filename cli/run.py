@@ -518,11 +518,12 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t):
 
 def _trainer(recipe: Recipe, **kwargs) -> Trainer:
     """``Trainer`` for full training; for ``int4-lora`` the library's :class:`ChunkedLossTrainer` (chunked loss, saved
-    activations in the recipe's ``training.activation_storage``)."""
+    activations in the recipe's ``training.activation_storage``, ``training.return_freed_memory``)."""
     if recipe.method != "int4-lora":
         return Trainer(**kwargs)
-    storage = recipe.training.activation_storage
-    return ChunkedLossTrainer(activation_storage=None if storage == "none" else storage, **kwargs)
+    t = recipe.training
+    storage = None if t.activation_storage == "none" else t.activation_storage
+    return ChunkedLossTrainer(activation_storage=storage, return_freed_memory=t.return_freed_memory, **kwargs)
 
 
 def export_trained(model, tokenizer, out: Path, record: dict, recipe: Recipe, extra: dict) -> None:

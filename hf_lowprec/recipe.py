@@ -121,7 +121,7 @@ class PrecisionSection:
 @dataclass(frozen=True)
 class TrainingSection:
     """Optimisation settings under ``transformers.TrainingArguments``' own names; ``block_size``, ``dtype`` (the
-    compute dtype), ``activation_storage`` and ``eval_blocks`` are hf-lowprec's."""
+    compute dtype), ``activation_storage``, ``return_freed_memory`` and ``eval_blocks`` are hf-lowprec's."""
 
     RENAMED: typing.ClassVar[dict[str, str]] = {  # earlier names, still read (with a deprecation message)
         "batch_size": "per_device_train_batch_size",
@@ -140,6 +140,7 @@ class TrainingSection:
     dtype: str = field(default="auto", metadata=_choices(*DTYPES))
     gradient_checkpointing: bool = False
     activation_storage: str = field(default="none", metadata=_choices(*ACTIVATION_STORAGE))
+    return_freed_memory: bool = False  # glibc's heap returns freed memory per decoder block (int4-lora)
     save_steps: int = 20
     logging_steps: int = 5
     eval_blocks: int = 8
@@ -243,6 +244,8 @@ class Recipe:
                 f"training.activation_storage {self.training.activation_storage!r} applies to method 'int4-lora'; "
                 "use 'none'"
             )
+        if self.training.return_freed_memory and self.method != "int4-lora":
+            raise ValueError("training.return_freed_memory applies to method 'int4-lora'; use false")
         if self.method == "full" and self.precision.rounding not in FP8_ROUNDINGS:
             raise ValueError(
                 f"precision.rounding {self.precision.rounding!r} applies to method 'int4-lora'; method 'full' rounds "

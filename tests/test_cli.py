@@ -464,11 +464,12 @@ def test_export_formats_compressed_tensors_and_bf16(ws, lora_run, tmp_path):
 
 def test_recipe_keys_as_key_value_arguments(ws, tmp_path):
     out = tmp_path / "kv"
-    result = cli("finetune", ws / "tiny", "training.max_steps=2", "lora.r=4", "training.logging_steps=1", "--data",
-                 ws / "corpus.txt", *FAST, "-o", out)  # fmt: skip
+    result = cli("finetune", ws / "tiny", "training.max_steps=2", "lora.r=4", "training.logging_steps=1",
+                 "training.return_freed_memory=true", "--data", ws / "corpus.txt", *FAST, "-o", out)  # fmt: skip
     assert result.exit_code == 0, result.output
     record = json.loads((out / RUN_FILE).read_text())
     assert record["training"]["steps"] == 2 and record["recipe"]["lora"]["r"] == 4 and record["adapter"]["r"] == 4
+    assert record["recipe"]["training"]["return_freed_memory"] is True
     bad = cli("finetune", ws / "tiny", "training.max_step=2", "-o", tmp_path / "bad")
     assert "unknown recipe key 'training.max_step' (did you mean 'max_steps'?)" in one_error_line(bad)
     assert "key=value with a dotted key" in one_error_line(cli("finetune", ws / "tiny", "oops", "-o", tmp_path / "bad"))

@@ -218,6 +218,64 @@ def test_auto_adapters_are_bf16_and_their_training_follows_fp32_adapters(tmp_pat
     assert abs(auto - fp32) < 0.05 * (start - fp32)  # within 5% of fp32's progress
 
 
+@pytest.fixture
+def counted_trims(monkeypatch) -> list[int]:
+    """glibc's ``malloc_trim`` calls made through :mod:`hf_lowprec.allocator` (each runs), with glibc's defaults."""
+    from hf_lowprec import allocator
+
+    libc = allocator._glibc()
+    if libc is None:
+        pytest.skip("glibc's allocator only")
+    for name in allocator.USER_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    trims = []
+
+    class CountedTrims:
+        def __getattr__(self, name):
+            return getattr(libc, name)
+
+        def malloc_trim(self, pad):
+            trims.append(pad)
+            return libc.malloc_trim(pad)
+
+    monkeypatch.setattr(allocator, "_glibc", CountedTrims)
+    return trims
+
+
+def test_returning_freed_memory_per_block_changes_no_loss(tmp_path, counted_trims):
+    """``return_freed_memory=True``: the heap's free memory is returned after each block's forward and as its backward
+    begins (2 x 2 blocks a step), with the same losses as without, and the hooks gone after training."""
+    from hf_lowprec.allocator import decoder_blocks
+
+    path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
+
+    def losses(returned: bool) -> tuple[list[float], int]:
+        torch.manual_seed(0)
+        model, tokenizer, _ = load_int4_lora(path, LoraConfig(**LORA))
+        blocks = token_blocks(tokenizer, [corpus_text(5_000)], 32)
+        counted_trims.clear()  # loading returns freed memory once at its end
+        result = finetune_int4_lora(model, tokenizer, blocks, steps=3, batch_size=2, return_freed_memory=returned)
+        assert not any(block._forward_hooks for block in decoder_blocks(model))
+        return result.losses, len(counted_trims)
+
+    (kept, kept_trims), (returned, returned_trims) = losses(False), losses(True)
+    assert kept == returned and (kept_trims, returned_trims) == (0, 3 * 2 * 2)
+
+
+def test_the_trainer_returns_freed_memory_per_block_in_its_training_steps(tmp_path, counted_trims):
+    """``ChunkedLossTrainer(return_freed_memory=True)``: forward and backward of each of its steps (2 x 2 blocks)."""
+    from transformers import TrainingArguments
+
+    from hf_lowprec.ondevice import ChunkedLossTrainer
+
+    model = get_peft_model(tiny_llama(), LoraConfig(**LORA))
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 100, (8, 16))]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, use_cpu=True,
+                             report_to=[], save_strategy="no", disable_tqdm=True)  # fmt: skip
+    ChunkedLossTrainer(model=model, args=args, train_dataset=data, return_freed_memory=True).train()
+    assert len(counted_trims) == 3 * 2 * 2
+
+
 def test_adapter_dtype_names_the_allowed_values():
     with pytest.raises(ValueError, match="adapter_dtype 'fp16': choose one of auto, bf16, fp32"):
         prepare_int4_lora(tiny_llama(), LoraConfig(**LORA), adapter_dtype="fp16")

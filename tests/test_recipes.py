@@ -58,6 +58,7 @@ def _write(tmp_path, data, name="r.yaml"):
         ({"method": "int4-lora", "precision": {"plan": "fp8"}}, r"method 'int4-lora' keeps its frozen base in an integer format"),
         ({"method": "int4-lora", "precision": {"plan": "auto"}}, r"method .int4-lora. with plan .auto. chooses among int4/int8 formats .* not \[.fp8.\]"),
         ({"training": {"activation_storage": "int8"}}, r"training\.activation_storage 'int8' applies to method 'int4-lora'; use 'none'"),
+        ({"training": {"return_freed_memory": True}}, r"training\.return_freed_memory applies to method 'int4-lora'; use false"),
         ({"precision": {"rounding": "awq"}}, r"precision\.rounding 'awq' applies to method 'int4-lora'; method 'full' rounds its FP8 weights by one of nearest, gptq"),
         ({"method": "int4-lora", "training": {"activation_storage": "int4"}}, r"'training\.activation_storage' is 'int4'; allowed values are none, int8, fp8, fp8-e5m2"),
         ({"training": []}, r"training must be a mapping"),
@@ -108,7 +109,7 @@ def test_keys_are_the_libraries_names_and_old_names_still_read(caplog):
 
     from hf_lowprec.recipe import LoraSection, Recipe, TrainingSection
 
-    ours = {"block_size", "dtype", "activation_storage", "eval_blocks", "gradient_checkpointing"}
+    ours = {"block_size", "dtype", "activation_storage", "return_freed_memory", "eval_blocks", "gradient_checkpointing"}
     training_args = {f.name for f in dc.fields(TrainingArguments)} | {"gradient_checkpointing"}
     assert {f.name for f in dc.fields(TrainingSection)} - ours <= training_args
     assert {f.name for f in dc.fields(LoraSection)} - {"init"} <= {f.name for f in dc.fields(LoraConfig)}
