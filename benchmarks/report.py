@@ -521,17 +521,23 @@ def scale_section(scale: dict | None, stem: str = "scale") -> list[str]:
               f"LoRA r={scale['lora']['r']} on every linear, {scale['steps']} timed steps after one warm-up; peak RSS from a run where "
               "glibc returns every freed block of 64 KiB or more, step times from a run with glibc's default allocator (the "
               "other one's page faults double some step times; hf-lowprec's loading returns freed blocks by itself since "
-              "2026-12-02, so its load peaks are alike in both). Each configuration's process imports what its own install "
+              "2026-12-02, so its load peaks are alike in both; the glibc peaks are that run's own, and the only ones "
+              "`int4-lora-returned` changes: it leaves an allocator set by the environment as it is). Each configuration's "
+              "process imports what its own install "
               "has: bitsandbytes only for the NF4 rows (PEFT imports it whenever installed, 35 MB; rows marked * imported it "
               "in every configuration). Rows measured on different days ran at different machine speeds (up to 1.7x apart "
               "here): compare step times within one day only.\n",
-              "| size | configuration | optimizer states | params | load s | load peak MB | peak MB 1x256 | peak MB 4x256 | step s 1x256 | step s 4x256 | measured |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+              "| size | configuration | optimizer states | params | load s | load peak MB | peak MB 1x256 | peak MB 4x256 | glibc peak MB 1x256 | glibc peak MB 4x256 | step s 1x256 | step s 4x256 | measured |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    def glibc(batch: dict) -> str:  # the step-time run's own peak (rows before 2026-12-02 have none)
+        return f"{batch['peak_rss_mb_glibc']:.0f}" if "peak_rss_mb_glibc" in batch else ""
+
     for r in sorted(scale["results"], key=lambda r: (r["params"], r["config"])):
         t1, t4 = r["train"]["1x256"], r["train"]["4x256"]
         states = "8-bit" if "8bit" in r.get("optimizer", "") else "fp32"  # rows before 2026-12-02: torch's AdamW
         lines.append(f"| {r['size']} | {r['config']} | {states} | {r['params'] / 1e6:.0f}M | {r['load_s']:.1f} | {r['load_peak_rss_mb']:.0f} | "
-                     f"{t1['peak_rss_mb']:.0f} | {t4['peak_rss_mb']:.0f} | {t1['step_s_median']:.2f} | {t4['step_s_median']:.2f} | "
+                     f"{t1['peak_rss_mb']:.0f} | {t4['peak_rss_mb']:.0f} | {glibc(t1)} | {glibc(t4)} | "
+                     f"{t1['step_s_median']:.2f} | {t4['step_s_median']:.2f} | "
                      f"{r.get('measured', 'before 2026-12-02')}{'' if 'bitsandbytes_importable' in r else ' *'} |")  # fmt: skip
     fits = ", ".join(f"{c} {f['1x256']['bytes_per_param']:.2f} B/param + {f['1x256']['overhead_mb']:.0f} MB" for c, f in scale["fit"].items())
     lines += ["", f"Peak RSS (loading included, batch 1x256) against parameters, least squares over the sizes: {fits}." if fits

@@ -345,7 +345,7 @@ def goals(results: list[dict]) -> dict:
         return ours["train"][batch][key] / fastest["train"][batch][key], fastest["config"]
 
     out = {}
-    for config in ("int4-lora", "int4-lora-gc", "int4-lora-recipe"):
+    for config in ("int4-lora", "int4-lora-gc", "int4-lora-returned", "int4-lora-recipe"):
         ours = at.get(config)
         if ours is None:
             continue

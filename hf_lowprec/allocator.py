@@ -13,8 +13,9 @@ Training keeps the heap too: blocks below 32 MiB are reused (fast), but the hole
 ones stay resident, so glibc's peak runs 190-540 MB over the live tensors' on that shape (1.59-1.94 GB at 1x256,
 against 1.40 GB where every freed block of 64 KiB or more is unmapped, which costs 1.4x the step in page faults).
 :func:`freed_memory_returned_per_block` returns the holes (``malloc_trim``) at each decoder block's boundary, forward
-and backward: 1,418-1,433 MB in three runs against 1,593-1,669 alternating with them, for 1.15x the step (3.63 against
-3.17 s; 5 ms a trim, the rest re-faulting the pages reused), AVX512-BF16 EPYC.
+and backward: at 1x256 1,418-1,433 MB in three runs against 1,593-1,669 alternating with them, for 1.15x the step (5 ms
+a trim, the rest re-faulting the pages reused); in ``benchmarks/scale.py`` (``int4-lora-returned``) 1,422 MiB against
+1,599 at 1.14x the step, and at 4x256 1,845 against 2,607 at 1.08x (AVX512-BF16 EPYC).
 
 Written by hand: no library of the field tunes the host allocator (PyTorch's CPU allocator is plain ``malloc``).
 """
