@@ -488,6 +488,8 @@ def kernels_section() -> list[str]:
         m = k["machine"]
         m.setdefault("emulated_by", k.get("emulated_by"))  # a top-level key in files written before 2026-12-04
         how = f"; reproduced on an AVX-512 CPU with {reproduced_by(m)}" if m["emulated_by"] else ""
+        if m["emulated_by"] and "TORCHINDUCTOR_CPP_MARCH" not in m["emulated_by"]:  # before 2026-12-04's evening
+            how += "; hf-lowprec's kernels then built -march=native, so with that CPU's AVX-512 code"
         kernels = list(next(iter(k["results"].values())))
         lines += [f"**{m['cpu_class']}** ({m['machine']}, {m['threads']} threads, {k['tokens']} tokens{how}): throughput / fp32 GEMM\n",
                   "| shape | " + " | ".join(kernels) + " |", "|---|" + "---|" * len(kernels)]  # fmt: skip
