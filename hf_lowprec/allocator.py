@@ -32,6 +32,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from hf_lowprec.layers import decoder_blocks
+
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 LOAD_THRESHOLD = 64 * 1024  # bytes: blocks this large or larger are mapped on their own and unmapped when freed
 AFTER_THRESHOLD = 32 * 2**20  # bytes: glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit, where its dynamic one ends
@@ -75,23 +77,16 @@ def freed_memory_returned():
                 libc.malloc_trim(0)
 
 
-def decoder_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a transformers model (a PEFT model's too): the modules whose class its
-    ``_no_split_modules`` names (``LlamaDecoderLayer``...), as Accelerate finds them."""
-    names = {name for module in model.modules() for name in (getattr(module, "_no_split_modules", None) or ())}
-    return [module for module in model.modules() if type(module).__name__ in names]
-
-
 @contextmanager
 def freed_memory_returned_per_block(model: nn.Module):
     """Within the block, glibc returns the free memory of its heap (``malloc_trim``) as each decoder block of ``model``
     ends its forward and as its backward begins: the holes a block's freed tensors leave are not resident while the
     next block runs. Nothing changes off glibc, or when the environment sets glibc's allocator. Raises ``ValueError``
-    for a model without decoder blocks (:func:`decoder_blocks`)."""
+    for a model without decoder blocks (:func:`~hf_lowprec.layers.decoder_blocks`)."""
     blocks = decoder_blocks(model)
     if not blocks:
-        raise ValueError(f"{type(model).__name__} names no decoder blocks (its _no_split_modules): returning freed "
-                         "memory per block needs a transformers model")  # fmt: skip
+        raise ValueError(f"{type(model).__name__} names no decoder blocks (no nn.ModuleList of layers): returning "
+                         "freed memory per block needs a transformers model")  # fmt: skip
     libc = _glibc()
     if libc is None or any(name in os.environ for name in USER_SETTINGS):
         yield

@@ -37,6 +37,14 @@ def eligible_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: module for name, _, module in walk_layers(model)}
 
 
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks in order: the outermost children of its ``nn.ModuleList``s (a transformers model's
+    decoder layers, a PEFT model's too)."""
+    lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    named = [(f"{n}.{i}" if n else str(i), b) for n in lists for i, b in enumerate(model.get_submodule(n))]
+    return [b for n, b in named if not any(n.startswith(o + ".") for o, _ in named)]
+
+
 def dense_view(module: nn.Module) -> nn.Module:
     """``module``, or for a frozen packed layer (which keeps no dense weight) a meta-device ``nn.Linear`` or
     ``nn.Embedding`` of its shape (no memory): what parameter counts and format rules read."""

@@ -105,7 +105,6 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    _no_split_modules = ["Block"]
 
     def __init__(self):
         super().__init__()

@@ -245,7 +245,7 @@ def counted_trims(monkeypatch) -> list[int]:
 def test_returning_freed_memory_per_block_changes_no_loss(tmp_path, counted_trims):
     """``return_freed_memory=True``: the heap's free memory is returned after each block's forward and as its backward
     begins (2 x 2 blocks a step), with the same losses as without, and the hooks gone after training."""
-    from hf_lowprec.allocator import decoder_blocks
+    from hf_lowprec.layers import decoder_blocks
 
     path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
 

@@ -11,13 +11,14 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from hf_lowprec.layers import decoder_blocks
 from hf_lowprec.sensitivity.units import _Unit
 
 Progress = Callable[[int, int, str], None]
 
 
 class _BlockReplay:
-    """Outputs of the model's blocks (outermost children of its ``nn.ModuleList``s: decoder layers)
+    """Outputs of the model's blocks (:func:`~hf_lowprec.layers.decoder_blocks`: its decoder layers)
     recorded in the unquantized pass, so that a measured pass for one layer replays the blocks that
     finished before the layer first runs — their inputs are unchanged — instead of computing them.
 
@@ -27,9 +28,7 @@ class _BlockReplay:
     """
 
     def __init__(self, model: nn.Module, units: list[_Unit], hooks: list):
-        lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
-        named = [(f"{n}.{i}" if n else str(i), b) for n in lists for i, b in enumerate(model.get_submodule(n))]
-        self.blocks = [b for n, b in named if not any(n.startswith(o + ".") for o, _ in named)]
+        self.blocks = decoder_blocks(model)
         self.outputs: list[list] = [[] for _ in self.blocks]
         self.calls = [0] * len(self.blocks)
         self.end: list[int | None] = [None] * len(self.blocks)
