@@ -23,7 +23,7 @@ from hf_lowprec.cli import ui
 from peft import LoraConfig
 from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments, set_seed
 
-from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
+from hf_lowprec.checkpoints import default_checkpoint, has_tokenizer, load_pretrained, resolve_checkpoint
 from hf_lowprec.data import collated_batches, prepare_lm_data, read_source
 from hf_lowprec.export.folder import export_model
 from hf_lowprec.export.records import hardware_info, read_run
@@ -246,7 +246,7 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     ui.err.print(compute_reason, soft_wrap=True)
     bf16 = compute == torch.bfloat16
     # full training keeps fp32 master weights under bf16 autocast; the frozen INT4 base computes in the compute dtype
-    model, tokenizer, lm = _load_model_and_data(opts, torch.bfloat16 if lora and bf16 else torch.float32)
+    model, tokenizer, lm, base_plan = _load_model_and_data(opts, torch.bfloat16 if lora and bf16 else torch.float32)
     autocast = torch.bfloat16 if bf16 and not lora else None
     figures = dict(settings.get("figures", {}))
     if "loss_base" not in figures:
@@ -256,7 +256,7 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
             )["loss"]
     resume_from = str(run.latest_checkpoint()) if opts.resume else None
     set_seed(t.seed)  # the adapters' random init (LoRA A) comes before the Trainer seeds anything
-    model, callbacks, method_info = _prepare_method(model, recipe, lm, t, resume_from)
+    model, callbacks, method_info = _prepare_method(model, recipe, lm, t, resume_from, base_plan)
     stopper = StopOnInterrupt()
     p, conversion = recipe.precision, []
     if not lora and not resume_from:  # a resumed run reads its plan and rounded weights from the checkpoint
@@ -312,19 +312,23 @@ def _compute_record(compute: torch.dtype, reason: str, model) -> dict:
 
 
 def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
-    """``(model, tokenizer, lm_data)``: the checkpoint in ``dtype`` (for ``int4-lora`` packed while loading where it
-    can be, see :func:`~hf_lowprec.ondevice.load_int4_base`) and the data tokenized into blocks."""
+    """``(model, tokenizer, lm_data, base_plan)``: the checkpoint in ``dtype`` (for ``int4-lora`` packed while loading
+    where it can be, see :func:`~hf_lowprec.ondevice.load_int4_base`, with the plan to prepare it with; else ``None``)
+    and the data tokenized into blocks."""
     recipe, t = opts.recipe, opts.recipe.training
     with ui.step(f"reading data {opts.data or '(default corpus)'}"):
         records, data_name = read_source(opts.data, split=recipe.data.split)
     source, gguf = (opts.model, opts.gguf_file) if opts.model else default_checkpoint()
+    if not has_tokenizer(*resolve_checkpoint(source, gguf)):  # before the minutes a large checkpoint takes to load
+        ui.fail(f"{source!r} has no tokenizer files; save the tokenizer next to the model (tokenizer.save_pretrained)")
     packing = " (packing the INT4 base while reading)" if recipe.method == "int4-lora" else ""
+    base_plan = None
     with ui.step(f"loading {opts.model or f'default model {DEFAULT_BASE_MODEL_ID} ({gguf})'}{packing}"):
         if recipe.method == "int4-lora":
             p = recipe.precision
-            model, tokenizer, _ = load_int4_base(
+            model, tokenizer, base_plan = load_int4_base(
                 source,
-                "auto" if p.is_auto else p.fixed_plan(),
+                p.int4_base_plan(),
                 dtype=dtype,
                 rounding=p.rounding,
                 loftq_init=recipe.lora.init == "loftq",
@@ -334,8 +338,6 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
             )
         else:
             model, tokenizer = load_pretrained(source, gguf_file=gguf, dtype=dtype, **opts.load_options)
-    if tokenizer is None:
-        ui.fail(f"{source!r} has no tokenizer files; save the tokenizer next to the model (tokenizer.save_pretrained)")
     max_len = getattr(model.config, "max_position_embeddings", None)
     if max_len is not None and t.block_size > max_len:
         ui.fail(f"block size {t.block_size} exceeds the model's max_position_embeddings {max_len}; lower --block-size")
@@ -352,7 +354,7 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
             messages_column=recipe.data.messages_column,
             train_on=recipe.data.train_on,
         )
-    return model, tokenizer, lm
+    return model, tokenizer, lm, base_plan
 
 
 def _training_arguments(run: RunFolder, t, *, bf16_autocast: bool):
@@ -448,11 +450,12 @@ def _base_model_id(model: str | None) -> str | None:
     return None if Path(model).exists() else model
 
 
-def _prepare_method(model, recipe: Recipe, lm, t, resume_from: str | None):
-    """``(model to train, extra callbacks, record fields)`` for the recipe's method."""
+def _prepare_method(model, recipe: Recipe, lm, t, resume_from: str | None, base_plan):
+    """``(model to train, extra callbacks, record fields)`` for the recipe's method (``int4-lora``: its base prepared
+    with ``base_plan``, the plan :func:`~hf_lowprec.ondevice.load_int4_base` returned)."""
     if recipe.method == "full":
         return model, [_low_precision_callback(recipe, lm, t, resume_from)], {}
-    return _prepare_int4_lora(model, recipe, lm, t)
+    return _prepare_int4_lora(model, recipe, lm, t, base_plan)
 
 
 def _low_precision_callback(recipe: Recipe, lm, t, resume_from: str | None):
@@ -474,7 +477,7 @@ def _low_precision_callback(recipe: Recipe, lm, t, resume_from: str | None):
     return LowPrecisionCallback(**options)
 
 
-def _prepare_int4_lora(model, recipe: Recipe, lm, t):
+def _prepare_int4_lora(model, recipe: Recipe, lm, t, base_plan):
     """Pack the base to INT4 and wrap it in LoRA (``hf_lowprec.ondevice``); the Trainer then trains the adapters.
 
     Packing is deterministic (the plan scan, GPTQ and '-sq' smoothing calibrate on the first training batches), so a
@@ -499,7 +502,7 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t):
         peft_model, report = prepare_int4_lora(
             model,
             config,
-            "auto" if p.is_auto else p.fixed_plan(),
+            base_plan,
             loftq_init=lora.init == "loftq",
             rounding=p.rounding,
             calibration=calibration,

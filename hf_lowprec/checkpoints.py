@@ -183,7 +183,7 @@ def load_pretrained(
     extra = {"gguf_file": gguf} if gguf else {}
     try:
         shared = source_kwargs(from_pretrained_kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(source, **extra, **shared) if _has_tokenizer(source, gguf) else None
+        tokenizer = AutoTokenizer.from_pretrained(source, **extra, **shared) if has_tokenizer(source, gguf) else None
         model = None
         if quantization_config is not None:
             from_pretrained_kwargs["quantization_config"] = quantization_config
@@ -265,6 +265,13 @@ class DenseWeights:
     def __call__(self, name: str) -> torch.Tensor:
         return self._slice(name)[...]
 
+    def shape(self, name: str) -> list[int]:
+        return self._slice(name).get_shape()
+
+    def row_block(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of tensor ``name``, reading only those."""
+        return self._slice(name)[start:stop]
+
     def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
         """Rows ``index`` (any shape) of the 2-D tensor ``name``, ``[*index.shape, columns]``, reading only those rows
         (an embedding lookup without the table)."""
@@ -303,7 +310,7 @@ def _read_weights_by_pread(source: str) -> dict | None:
     return weights
 
 
-def _has_tokenizer(source: str, gguf_file: str | None) -> bool:
+def has_tokenizer(source: str, gguf_file: str | None) -> bool:
     """A hub id or a GGUF file always carries one; a local folder needs tokenizer files."""
     if gguf_file is not None or not Path(source).is_dir():
         return True

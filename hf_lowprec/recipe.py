@@ -61,7 +61,9 @@ class PrecisionSection:
     Attributes:
         plan: a format name for every eligible Linear (``fp8``, ``int4-g64``, ...), ``auto`` (sensitivity
             scan + budgeted allocation), or the path of a plan file (JSON/YAML).
-        keep: layer names/patterns left in high precision (plain format plans only).
+        keep: layer names/patterns left in high precision (plain format plans only). ``int4-lora`` keeps only the
+            output head out of INT4, by size (:func:`hf_lowprec.ondevice.int4_plan`: per-channel int8 above 134M
+            weights, else bf16); other kept layers there belong in a plan file.
         formats: candidate formats of the ``auto`` scan.
         budget: ``auto`` budget, passed to ``sensitivity.allocate`` (e.g. ``{target_bits_per_param: 6}``).
         score: which Δloss the ``auto`` budget counts: ``conversion`` or ``after-training`` (see
@@ -116,6 +118,11 @@ class PrecisionSection:
         if self.is_auto:
             raise ValueError("precision.plan 'auto' has no fixed plan; it is found by a sensitivity scan")
         return resolve_plan(self.plan, keep=() if self.is_file else self.keep)  # a file names its kept layers itself
+
+    def int4_base_plan(self) -> PrecisionPlan | str:
+        """``int4-lora``'s plan for the frozen base: ``auto``, a plan file's plan, or the format name, which
+        :func:`hf_lowprec.ondevice.int4_plan` resolves against the model (the output head in int8 or bf16 by size)."""
+        return self.fixed_plan() if self.is_file else self.plan
 
 
 @dataclass(frozen=True)
@@ -238,6 +245,12 @@ class Recipe:
         if self.method == "int4-lora" and fixed_format and FormatSpec.parse(self.precision.plan).family == "fp8":
             raise ValueError(
                 f"method 'int4-lora' keeps its frozen base in an integer format, not {self.precision.plan!r}"
+            )
+        other_kept = [k for k in self.precision.keep if k != "lm_head"]
+        if self.method == "int4-lora" and not self.precision.is_file and other_kept:
+            raise ValueError(
+                f"precision.keep {other_kept}: method 'int4-lora' keeps only the output head out of INT4 (int8 or "
+                "bf16 by its size); name other high-precision layers in a plan file (precision.plan: plan.yaml)"
             )
         if self.training.activation_storage != "none" and self.method != "int4-lora":
             raise ValueError(

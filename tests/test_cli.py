@@ -23,7 +23,7 @@ from hf_lowprec.data import prepare_lm_data, read_source
 from hf_lowprec.export import CARD_FILE, RUN_FILE, load_exported
 from hf_lowprec.export.folder import LEARNED_STATE_FILE
 from hf_lowprec.metrics import causal_lm_loss
-from hf_lowprec.modules import PackedInt4Linear
+from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear
 from hf_lowprec.modules.kernels.cpp import cpu_kernels
 from hf_lowprec.modules.kernels.cpu import cpu_info
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
@@ -184,6 +184,31 @@ def test_int4_lora_run_that_learns_the_base_steps_exports_what_it_evaluated(ws):
     model, tok = load_exported(out, backend="dequant")
     loss = causal_lm_loss(model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
     assert loss == pytest.approx(record["training"]["loss_final"], abs=1e-4)
+
+
+def test_int4_lora_run_packs_a_large_output_head_in_int8_as_the_library_does(ws, monkeypatch):
+    """The recipe's format-name plan leaves the output head to the library's rule (``int4_plan``): per-channel int8
+    above ``HEAD_INT8_MIN_PARAMS`` weights (a 128k vocabulary's 263M), not the bf16 its ``keep: [lm_head]`` would
+    give it (525 MB with its tied embedding at Llama-3.2-1B); the export reloads what the run evaluated."""
+    monkeypatch.setattr("hf_lowprec.ondevice.planning.HEAD_INT8_MIN_PARAMS", 0)  # this tiny head counts as large
+    out = ws / "run-int8-head"
+    args = ["--recipe", "int4-ondevice-lora", "--max-steps", "2", *FAST, "precision.learn_steps=false"]
+    result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", "-o", out, *args)
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / RUN_FILE).read_text())
+    assert {row["format"] for row in record["plan_rows"]} == {"int4-g64-asym", "int8"}
+    model, tok = load_exported(out)  # the kernels the run measured for its layers (the int8 head's may be the int8 GEMM)
+    assert isinstance(model.get_output_embeddings(), PackedInt8Linear)
+    loss = causal_lm_loss(model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
+    assert loss == pytest.approx(record["training"]["loss_final"], abs=1e-4)
+
+
+def test_a_model_folder_without_tokenizer_fails_before_loading(ws, tmp_path):
+    AutoModelForCausalLM.from_pretrained(ws / "tiny").save_pretrained(tmp_path / "no-tokenizer")
+    result = cli("finetune", tmp_path / "no-tokenizer", "--data", ws / "corpus.txt", "-o", tmp_path / "run", *FAST)
+    text = one_error_line(result)
+    assert "has no tokenizer files; save the tokenizer next to the model" in text and "loading" not in text
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,14 @@ from conftest import markov_batches, needs_cpp, on_dequant_backend, tiny_llama
 from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
 from tiny_assets import corpus_text, save_tiny_model
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, default_data_collator
 
+import hf_lowprec.chunked_loss as chunked_loss
 import hf_lowprec.ondevice.train as train_module
 from hf_lowprec.checkpoints import DenseWeights, default_checkpoint, load_pretrained
 from hf_lowprec.export.hf_quantizer import HfLowprecConfig
+from hf_lowprec.labels import IGNORE_INDEX
+from hf_lowprec.metrics import causal_lm_loss
 from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear, PackedLinear
 from hf_lowprec.modules.packed import compiled, int8_backend_available
 from hf_lowprec.ondevice import (
@@ -545,6 +548,7 @@ def test_cross_entropy_into_grad_matches_fp64_autograd_and_overwrites_the_logits
 
 TIED_INT8_HEAD = PrecisionPlan({"lm_head": "int8"}, default="int4-g64-asym")
 UNTIED_INT8_EMBEDDING = PrecisionPlan({"model.embed_tokens": "int8", "lm_head": "bf16"}, default="int4-g64-asym")
+INT8_HEAD = PrecisionPlan({"lm_head": "int8"}, default="int4-g64-asym")
 
 
 def loaded_and_prepared(path, plan: PrecisionPlan):
@@ -702,9 +706,40 @@ def test_scan_of_a_base_packed_while_loading_scores_as_the_dense_scan(tmp_path):
         scan(packed, batches, formats, method="fisher", layers=linears)
 
 
-@pytest.mark.parametrize("plan", [None, UNTIED_INT8_EMBEDDING], ids=["default", "packed-embedding"])
-def test_checkpoint_weights_give_the_dense_models_outputs_from_a_packed_one(tmp_path, plan):
+@pytest.mark.parametrize("head", ["int8", "bf16"])
+def test_causal_lm_loss_runs_a_frozen_head_in_chunks_and_equals_the_full_logits_loss(tmp_path, monkeypatch, head):
+    """Evaluation reads a frozen head (packed or not) a chunk of tokens at a time: the summed fp32 cross-entropy of the
+    full logits, masked targets and padded positions left out."""
     path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
+    plan = PrecisionPlan({"lm_head": head}, default="int4-g64-asym")
+    model, _, _ = load_int4_lora(path, LoraConfig(**LORA), plan, dtype="fp32")
+    ids = markov_batches(n=1, batch=3, seq=24)[0]["input_ids"]
+    labels = ids.clone()
+    labels[0, 5:9] = IGNORE_INDEX
+    mask = torch.ones_like(ids)
+    mask[2, 20:] = 0  # a padded tail
+    rows = [{"input_ids": i, "attention_mask": m, "labels": lab} for i, m, lab in zip(ids, mask, labels)]
+    chunks = []
+    chunked = chunked_loss._ChunkedLMLoss.apply
+    monkeypatch.setattr(chunked_loss._ChunkedLMLoss, "apply", lambda *a: chunks.append(a[1].numel()) or chunked(*a))
+    got = causal_lm_loss(model, rows, default_data_collator, batch_size=2)
+    targets = labels[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    keep = targets != IGNORE_INDEX
+    expected = torch.nn.functional.cross_entropy(logits[keep], targets[keep], reduction="sum") / keep.sum()
+    assert chunks == [2 * 23, 23] and got["tokens"] == int(keep.sum()) == 3 * 23 - 4 - 4
+    assert got["loss"] == pytest.approx(expected.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "plan, tied",
+    [(None, False), (UNTIED_INT8_EMBEDDING, False), (INT8_HEAD, True)],
+    ids=["default", "packed-embedding", "tied-int8-head"],  # the last: the checkpoint holds the embedding's table only
+)
+def test_checkpoint_weights_give_the_dense_models_outputs_from_a_packed_one(tmp_path, monkeypatch, plan, tied):
+    monkeypatch.setattr("hf_lowprec.ondevice.prepare.CHECKPOINT_READ_ROWS", 7)  # weights read in blocks, the last short
+    path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128, tie_word_embeddings=tied)
     ids = markov_batches(n=1, batch=2, seq=16)[0]["input_ids"]
     dense, _ = load_pretrained(path)
     packed, _, plan = load_int4_base(path, plan, dtype=torch.float32, loftq_init=True)

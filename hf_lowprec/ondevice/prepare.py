@@ -52,6 +52,7 @@ from hf_lowprec.smoothing import calibrate_smoothed_layers
 from hf_lowprec.training.fused_blocks import fuse_blocks
 
 logger = logging.getLogger(__name__)
+CHECKPOINT_READ_ROWS = 8192  # output rows of a checkpoint weight read at once (checkpoint_weights): 32 MB at 2048
 
 
 def prepare_int4_lora(
@@ -379,21 +380,37 @@ def checkpoint_weights(model: nn.Module):
     one layer at a time (``model.hf_lowprec_dense_weights``): the unquantized model's outputs, e.g. its loss, in the
     memory of the packed one. Without a reader, nothing changes (the model is dense already)."""
     reader = getattr(model, "hf_lowprec_dense_weights", None)
-    packed = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, FROZEN_TYPES)] if reader else []
+    tables = (PackedEmbedding, TiedPackedEmbedding)
+    packed = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, (*FROZEN_TYPES, *tables))] if reader else []
+    tied = tied_head_names(model)  # a tied head's checkpoint tensor is the embedding's (Llama-3.2, SmolLM2)
+    stored = {} if tied is None or f"{tied[0]}.weight" in reader else {tied[0]: tied[1]}
     for fqn, module in packed:
-        if isinstance(module, PackedEmbedding):  # the rows looked up, not the whole table
+        name = f"{stored.get(fqn, fqn)}.weight"
+        if isinstance(module, tables):  # the rows looked up, not the whole table
 
-            def checkpoint_rows(ids, fqn=fqn, m=module):
-                return m.scaled(reader.rows(f"{fqn}.weight", ids).to(m.table.dtype))
+            def checkpoint_rows(ids, name=name, m=module):
+                return m.scaled(reader.rows(name, ids).to(m.table.dtype))
 
             module.forward = checkpoint_rows
         else:
-            module.forward = lambda x, fqn=fqn, m=module: F.linear(x, reader(f"{fqn}.weight").to(x.dtype), m.bias)
+            module.forward = lambda x, name=name, m=module: _checkpoint_linear(reader, name, x, m.bias)
     try:
         yield model
     finally:
         for _, module in packed:
             del module.forward
+
+
+def _checkpoint_linear(reader, name: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` of ``x`` with the checkpoint's weight ``name``, read ``CHECKPOINT_READ_ROWS`` output rows at a
+    time: read whole, a 128k-vocabulary head's weight alone would add 525 MB (bf16) to the packed model's memory."""
+    out_features = reader.shape(name)[0]
+    y = x.new_empty(*x.shape[:-1], out_features)
+    for start in range(0, out_features, CHECKPOINT_READ_ROWS):
+        stop = min(start + CHECKPOINT_READ_ROWS, out_features)
+        block_bias = None if bias is None else bias[start:stop]
+        y[..., start:stop] = F.linear(x, reader.row_block(name, start, stop).to(x.dtype), block_bias)
+    return y
 
 
 def load_int4_lora(
