@@ -753,6 +753,18 @@ def test_checkpoint_weights_give_the_dense_models_outputs_from_a_packed_one(tmp_
     assert (after - expected).abs().max() > 1e-3  # outside the block the packed layers compute again
 
 
+def test_checkpoint_weights_leave_a_dense_model_alone(tmp_path):
+    """A model loaded dense (no checkpoint reader; here a tied one, whose head has no tensor of its own) computes as
+    it does: the block changes nothing."""
+    dense, _ = load_pretrained(save_tiny_model(tmp_path / "tiny", tie_word_embeddings=True))
+    ids = markov_batches(n=1, batch=2, seq=16)[0]["input_ids"]
+    with torch.no_grad():
+        expected = dense(input_ids=ids).logits
+        with checkpoint_weights(dense):
+            got = dense(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("large_tables", [False, True], ids=["bf16-tables", "int8-tables"])
 def test_auto_plan_and_loftq_on_a_base_packed_while_loading_are_the_dense_path_with_that_plan(
     tmp_path, monkeypatch, large_tables

@@ -382,7 +382,7 @@ def checkpoint_weights(model: nn.Module):
     reader = getattr(model, "hf_lowprec_dense_weights", None)
     tables = (PackedEmbedding, TiedPackedEmbedding)
     packed = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, (*FROZEN_TYPES, *tables))] if reader else []
-    tied = tied_head_names(model)  # a tied head's checkpoint tensor is the embedding's (Llama-3.2, SmolLM2)
+    tied = tied_head_names(model) if reader else None  # a tied head's checkpoint tensor is the embedding's
     stored = {} if tied is None or f"{tied[0]}.weight" in reader else {tied[0]: tied[1]}
     for fqn, module in packed:
         name = f"{stored.get(fqn, fqn)}.weight"
