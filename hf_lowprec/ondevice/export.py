@@ -15,6 +15,7 @@ import torch
 from peft import LoraConfig, PeftModel
 from torch import nn
 
+from hf_lowprec.allocator import freed_memory_returned
 from hf_lowprec.checkpoints import TOKENIZER_FILES
 from hf_lowprec.convert import canonical_name
 
@@ -125,14 +126,15 @@ def export_int4_lora(
     dense = merged_dtype is not None
     config = copy.deepcopy(base.config)
     config.use_cache = True
-    if dense:
-        state, errors = _dense_merged_state(base, merged_dtype), []
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.dtype = str(merged_dtype).removeprefix("torch.")
-    else:
-        state, errors = _packed_base_state(base, merge)
-        config.quantization_config = quantization_config_dict(plan, base)
+    with freed_memory_returned() if merge else contextlib.nullcontext():  # each layer's fp32 copies leave no holes
+        if dense:
+            state, errors = _dense_merged_state(base, merged_dtype), []
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            config.dtype = str(merged_dtype).removeprefix("torch.")
+        else:
+            state, errors = _packed_base_state(base, merge)
+            config.quantization_config = quantization_config_dict(plan, base)
     with atomic_output_dir(out_dir, overwrite) as tmp, without_hf_quantizer(base):
         base.save_pretrained(tmp, state_dict=state)
         config.save_pretrained(tmp)  # base.config stays untouched
