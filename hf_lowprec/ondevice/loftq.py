@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 # exact one on the random-weight 1B shape, whose white residual is its worst case (measured by hand, this commit)
 EXACT_SVD_MAX_DIM = 1024
 LOWRANK_OVERSAMPLE, LOWRANK_ITERATIONS = 10, 4
+RESIDUAL_ROWS = 512  # rows of a checkpoint weight read and dequantized at once (16 MB of fp32 at 8192 columns)
 
 
 @torch.no_grad()
@@ -47,6 +48,18 @@ def loftq_factors(residual: torch.Tensor, rank: int, scaling: float) -> tuple[to
         vh = v.T
     root = s[:rank].sqrt() / math.sqrt(scaling)
     return (root.unsqueeze(1) * vh[:rank]).contiguous(), (u[:, :rank] * root).contiguous()
+
+
+def _checkpoint_residual(layer: PackedInt4Linear, dense_weights, name: str) -> torch.Tensor:
+    """``checkpoint weight - dequantized layer``, fp32 ``[N, K]``, built ``RESIDUAL_ROWS`` rows at a time: whole, the
+    checkpoint's copy, its fp32 cast and the dequantized weight were 160 MB at once for a 1B-size MLP weight."""
+    out_features, _ = dense_weights.shape(name)
+    residual = torch.empty(out_features, layer.in_features)
+    for start in range(0, out_features, RESIDUAL_ROWS):
+        rows = torch.arange(start, min(start + RESIDUAL_ROWS, out_features))
+        block = dense_weights.row_block(name, start, start + len(rows)).float()
+        residual[start : start + len(rows)] = block.sub_(layer.dequantized_rows(rows, torch.float32))
+    return residual
 
 
 def lora_scaling(config: LoraConfig) -> float:
@@ -73,7 +86,7 @@ def loftq_for_targets(
                     raise ValueError(
                         f"LoftQ of {fqn!r} (packed while loading) needs its checkpoint weight: dense_weights="
                     )
-                residual = dense_weights(f"{fqn}.weight").float().sub_(module.dequantized_weight(torch.float32))
+                residual = _checkpoint_residual(module, dense_weights, f"{fqn}.weight")
             else:  # against the grid the frozen base will hold (steps compacted), not the fake-quantized one
                 grid = compact_steps(module.freeze()).dequantized_weight(torch.float32)
                 residual = module.weight.detach().float() - grid
