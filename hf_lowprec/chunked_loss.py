@@ -122,9 +122,12 @@ def chunked_causal_lm_loss(
 
 
 def chunkable_head(base: nn.Module) -> nn.Module | None:
-    """The output head when the loss may run it in chunks (frozen, its logits used as they are), else ``None``."""
+    """The output head when the loss may run it in chunks (frozen, or under ``torch.no_grad``: its weight gradient is
+    the one thing the chunks do not give; its logits used as they are), else ``None``."""
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if head is None or not hasattr(base, "get_decoder") or any(p.requires_grad for p in head.parameters()):
+    if head is None or not hasattr(base, "get_decoder"):
+        return None
+    if torch.is_grad_enabled() and any(p.requires_grad for p in head.parameters()):
         return None
     cfg = getattr(base, "config", None)
     plain = getattr(cfg, "final_logit_softcapping", None) is None and getattr(cfg, "logit_scale", None) is None

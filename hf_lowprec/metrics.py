@@ -70,9 +70,10 @@ def causal_lm_loss(
 
 
 def _summed_loss(model: nn.Module, batch: dict, targets: torch.Tensor) -> float:
-    """Summed cross-entropy of one batch's next-token ``targets [B, T-1]``: by the chunked loss where the model's
-    output head is frozen (:mod:`hf_lowprec.chunked_loss`; the ``[tokens, vocab]`` logits never exist whole: at a 128k
-    vocabulary, batch 4x128, 263 MB each in fp32, and the loss made three such copies), else from the full logits."""
+    """Summed cross-entropy of one batch's next-token ``targets [B, T-1]`` (under ``torch.no_grad``): by the chunked
+    loss where the model allows it (:func:`~hf_lowprec.chunked_loss.chunkable_head`; the ``[tokens, vocab]`` logits
+    never exist whole: at a 128k vocabulary, batch 4x128, 263 MB each in fp32, and the loss made three such copies),
+    else from the full logits."""
     from peft import PeftModel
 
     from hf_lowprec.chunked_loss import chunkable_head, chunked_causal_lm_loss  # imports peft: only when evaluating

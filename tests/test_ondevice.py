@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, default_data_collator
 import hf_lowprec.chunked_loss as chunked_loss
 import hf_lowprec.ondevice.train as train_module
 from hf_lowprec.checkpoints import DenseWeights, default_checkpoint, load_pretrained
+from hf_lowprec.chunked_loss import chunkable_head
 from hf_lowprec.export.hf_quantizer import HfLowprecConfig
 from hf_lowprec.labels import IGNORE_INDEX
 from hf_lowprec.metrics import causal_lm_loss
@@ -548,7 +549,6 @@ def test_cross_entropy_into_grad_matches_fp64_autograd_and_overwrites_the_logits
 
 TIED_INT8_HEAD = PrecisionPlan({"lm_head": "int8"}, default="int4-g64-asym")
 UNTIED_INT8_EMBEDDING = PrecisionPlan({"model.embed_tokens": "int8", "lm_head": "bf16"}, default="int4-g64-asym")
-INT8_HEAD = PrecisionPlan({"lm_head": "int8"}, default="int4-g64-asym")
 
 
 def loaded_and_prepared(path, plan: PrecisionPlan):
@@ -706,13 +706,18 @@ def test_scan_of_a_base_packed_while_loading_scores_as_the_dense_scan(tmp_path):
         scan(packed, batches, formats, method="fisher", layers=linears)
 
 
-@pytest.mark.parametrize("head", ["int8", "bf16"])
-def test_causal_lm_loss_runs_a_frozen_head_in_chunks_and_equals_the_full_logits_loss(tmp_path, monkeypatch, head):
-    """Evaluation reads a frozen head (packed or not) a chunk of tokens at a time: the summed fp32 cross-entropy of the
-    full logits, masked targets and padded positions left out."""
+@pytest.mark.parametrize("head", ["int8", "bf16", "trainable"])
+def test_causal_lm_loss_runs_the_head_in_chunks_and_equals_the_full_logits_loss(tmp_path, monkeypatch, head):
+    """Evaluation reads the head (packed, frozen or, with no gradient to take, trainable) a chunk of tokens at a time:
+    the summed fp32 cross-entropy of the full logits, masked targets and padded positions left out."""
     path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
-    plan = PrecisionPlan({"lm_head": head}, default="int4-g64-asym")
-    model, _, _ = load_int4_lora(path, LoraConfig(**LORA), plan, dtype="fp32")
+    if head == "trainable":  # a dense model in training: its head runs whole while gradients are taken
+        model, _ = load_pretrained(path)
+        assert chunkable_head(model) is None and chunkable_head(model.requires_grad_(False)) is model.lm_head
+        model.requires_grad_(True)
+    else:
+        plan = PrecisionPlan({"lm_head": head}, default="int4-g64-asym")
+        model, _, _ = load_int4_lora(path, LoraConfig(**LORA), plan, dtype="fp32")
     ids = markov_batches(n=1, batch=3, seq=24)[0]["input_ids"]
     labels = ids.clone()
     labels[0, 5:9] = IGNORE_INDEX
@@ -734,7 +739,7 @@ def test_causal_lm_loss_runs_a_frozen_head_in_chunks_and_equals_the_full_logits_
 
 @pytest.mark.parametrize(
     "plan, tied",
-    [(None, False), (UNTIED_INT8_EMBEDDING, False), (INT8_HEAD, True)],
+    [(None, False), (UNTIED_INT8_EMBEDDING, False), (TIED_INT8_HEAD, True)],
     ids=["default", "packed-embedding", "tied-int8-head"],  # the last: the checkpoint holds the embedding's table only
 )
 def test_checkpoint_weights_give_the_dense_models_outputs_from_a_packed_one(tmp_path, monkeypatch, plan, tied):
