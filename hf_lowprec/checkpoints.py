@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -265,12 +266,14 @@ class DenseWeights:
     def __call__(self, name: str) -> torch.Tensor:
         return self._slice(name)[...]
 
-    def shape(self, name: str) -> list[int]:
-        return self._slice(name).get_shape()
-
-    def row_block(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` of tensor ``name``, reading only those."""
-        return self._slice(name)[start:stop]
+    def row_blocks(self, name: str, rows: int) -> Iterator[tuple[slice, torch.Tensor]]:
+        """``(row slice, its rows)`` of tensor ``name``, ``rows`` rows at a time (the last block may be short), each
+        read when it is reached: a large weight's dense copy never exists whole."""
+        table = self._slice(name)
+        total = table.get_shape()[0]
+        for start in range(0, total, rows):
+            block = slice(start, min(start + rows, total))
+            yield block, table[block]
 
     def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
         """Rows ``index`` (any shape) of the 2-D tensor ``name``, ``[*index.shape, columns]``, reading only those rows

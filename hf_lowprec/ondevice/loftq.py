@@ -53,12 +53,10 @@ def loftq_factors(residual: torch.Tensor, rank: int, scaling: float) -> tuple[to
 def _checkpoint_residual(layer: PackedInt4Linear, dense_weights, name: str) -> torch.Tensor:
     """``checkpoint weight - dequantized layer``, fp32 ``[N, K]``, built ``RESIDUAL_ROWS`` rows at a time: whole, the
     checkpoint's copy, its fp32 cast and the dequantized weight were 160 MB at once for a 1B-size MLP weight."""
-    out_features, _ = dense_weights.shape(name)
-    residual = torch.empty(out_features, layer.in_features)
-    for start in range(0, out_features, RESIDUAL_ROWS):
-        rows = torch.arange(start, min(start + RESIDUAL_ROWS, out_features))
-        block = dense_weights.row_block(name, start, start + len(rows)).float()
-        residual[start : start + len(rows)] = block.sub_(layer.dequantized_rows(rows, torch.float32))
+    residual = torch.empty(layer.out_features, layer.in_features)
+    for rows, weight in dense_weights.row_blocks(name, RESIDUAL_ROWS):
+        index = torch.arange(rows.start, rows.stop)
+        residual[rows] = weight.float().sub_(layer.dequantized_rows(index, torch.float32))
     return residual
 
 

@@ -393,7 +393,7 @@ def checkpoint_weights(model: nn.Module):
 
             module.forward = checkpoint_rows
         else:
-            module.forward = lambda x, name=name, m=module: _checkpoint_linear(reader, name, x, m.bias)
+            module.forward = lambda x, name=name, m=module: _checkpoint_linear(reader, name, x, m.out_features, m.bias)
     try:
         yield model
     finally:
@@ -401,15 +401,12 @@ def checkpoint_weights(model: nn.Module):
             del module.forward
 
 
-def _checkpoint_linear(reader, name: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _checkpoint_linear(reader, name: str, x: torch.Tensor, out_features: int, bias: torch.Tensor | None):
     """``F.linear`` of ``x`` with the checkpoint's weight ``name``, read ``CHECKPOINT_READ_ROWS`` output rows at a
     time: read whole, a 128k-vocabulary head's weight alone would add 525 MB (bf16) to the packed model's memory."""
-    out_features = reader.shape(name)[0]
     y = x.new_empty(*x.shape[:-1], out_features)
-    for start in range(0, out_features, CHECKPOINT_READ_ROWS):
-        stop = min(start + CHECKPOINT_READ_ROWS, out_features)
-        block_bias = None if bias is None else bias[start:stop]
-        y[..., start:stop] = F.linear(x, reader.row_block(name, start, stop).to(x.dtype), block_bias)
+    for rows, weight in reader.row_blocks(name, CHECKPOINT_READ_ROWS):
+        y[..., rows] = F.linear(x, weight.to(x.dtype), None if bias is None else bias[rows])
     return y
 
 
