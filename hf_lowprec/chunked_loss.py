@@ -114,11 +114,22 @@ def chunked_causal_lm_loss(
     no_cache = {"use_cache": False} if getattr(getattr(base, "config", None), "use_cache", None) is not None else {}
     hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, **no_cache).last_hidden_state
     flat = targets.reshape(-1)
-    chunk = max(1, min(chunk_tokens, CHUNK_LOGITS // head.out_features))  # a 128k vocabulary: 65 tokens a chunk
-    total = _ChunkedLMLoss.apply(hidden[:, :-1].reshape(-1, hidden.shape[-1]), flat, head, chunk)
+    total = summed_chunked_loss(hidden[:, :-1].reshape(-1, hidden.shape[-1]), flat, head, chunk_tokens)
     if num_items_in_batch is not None:
         return total / num_items_in_batch
     return total / (flat != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def chunk_rows(head: nn.Module, chunk_tokens: int = 128) -> int:
+    """Tokens per chunk of ``head``'s logits: ``chunk_tokens``, fewer where a chunk's logits would exceed
+    ``CHUNK_LOGITS`` elements (a 128k vocabulary: 65 tokens a chunk)."""
+    return max(1, min(chunk_tokens, CHUNK_LOGITS // head.out_features))
+
+
+def summed_chunked_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module, chunk_tokens: int = 128):
+    """Summed cross-entropy (fp32 scalar, differentiable w.r.t. ``hidden``) of ``head(hidden [N, H])`` against
+    ``labels [N]`` (``-100`` ignored), :func:`chunk_rows` tokens at a time (:class:`_ChunkedLMLoss`)."""
+    return _ChunkedLMLoss.apply(hidden, labels, head, chunk_rows(head, chunk_tokens))
 
 
 def chunkable_head(base: nn.Module) -> nn.Module | None:

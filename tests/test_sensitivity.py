@@ -594,7 +594,7 @@ def test_a_packed_layers_output_errors_in_row_blocks_are_its_whole_twins(monkeyp
     source = scan_module._TwinSource([_Unit("layer", [("layer", packed)], [fmt])], "auto", lambda _: dense.weight.detach())
     x, g = torch.randn(2, 40, 128), torch.randn(2, 40, 200)  # 80 tokens: enough to calibrate '-sq' smoothing
     with torch.no_grad():
-        pieces = [gd for key, gd in source.output_errors(id(packed), x, None, g) if key == ("layer", fmt)]
+        pieces = [gd for key, gd in source.output_errors(packed, x, g) if key == ("layer", fmt)]
         twin = _twins(_Unit("layer", [("layer", dense)], [fmt]), fmt, "auto")[0][2]
         expected = ((twin(x) - dense(x)) * g).flatten()
     whole = FormatSpec.parse(fmt).family == "fp8" or FormatSpec.parse(fmt).smooth  # scales that read every row
@@ -606,10 +606,11 @@ def test_a_packed_layers_output_errors_in_row_blocks_are_its_whole_twins(monkeyp
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-5)
 
 
-def test_the_fisher_pass_chunked_loss_is_the_whole_logits_loss_or_declines():
-    """The Fisher pass's loss in chunks of the head: the summed next-token loss of whole fp32 logits and the same
-    target count on a padded batch whose padding has no labels; ``None`` (whole logits) where the two would differ."""
-    from hf_lowprec.sensitivity.batches import _chunked_loss
+def test_decoder_rows_under_the_head_are_the_whole_logits_rows_or_declined():
+    """The rows the scan runs the head on in chunks: the head on them gives exactly the logits (and labels) of the
+    whole-logits path, on a padded batch whose padding is labelled too; ``None`` where the head's output is not the
+    logits the model scores (inputs the decoder call would drop, a trainable head under gradients)."""
+    from hf_lowprec.sensitivity.batches import _decoder_rows, _forward
 
     model = tiny_llama()
     for p in model.parameters():  # as the scan leaves them: a trainable head is not run in chunks
@@ -617,13 +618,56 @@ def test_the_fisher_pass_chunked_loss_is_the_whole_logits_loss_or_declines():
     ids = batches(n=1)[0]["input_ids"]
     mask = torch.ones_like(ids)
     mask[1, 40:] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-    total, count = _chunked_loss(model, {"input_ids": ids, "attention_mask": mask, "labels": labels}, "cpu")
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-    expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), reduction="sum")
-    assert total.item() == pytest.approx(expected.item(), rel=1e-5) and count == int((labels[:, 1:] != -100).sum())
-    assert _chunked_loss(model, {"input_ids": ids, "attention_mask": mask, "labels": ids}, "cpu") is None
+    labels = ids.clone()
+    labels[0, 10:20] = -100
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    with torch.no_grad():
+        hidden, rows_labels = _decoder_rows(model, batch, "cpu")
+        logits, expected_labels = _forward(model, batch, "cpu")
+        torch.testing.assert_close(model.lm_head(hidden).float(), logits, rtol=1e-6, atol=1e-6)
+    assert torch.equal(rows_labels, expected_labels) and len(rows_labels) == 2 * 63 - 10
     positions = torch.arange(ids.shape[1]).expand_as(ids)
-    assert _chunked_loss(model, {"input_ids": ids, "position_ids": positions, "labels": ids}, "cpu") is None
+    assert _decoder_rows(model, {"input_ids": ids, "position_ids": positions, "labels": ids}, "cpu") is None
     model.lm_head.weight.requires_grad_(True)
-    assert _chunked_loss(model, {"input_ids": ids, "labels": ids}, "cpu") is None
+    assert _decoder_rows(model, {"input_ids": ids, "labels": ids}, "cpu") is None
+
+
+def _with_positions(batch_list: list[dict]) -> list[dict]:
+    """The same batches with explicit ``position_ids`` (the default ones): the scan then takes its whole-logits path."""
+    return [{**b, "position_ids": torch.arange(b["input_ids"].shape[1]).expand_as(b["input_ids"])} for b in batch_list]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_scan_scores_the_same_with_the_head_in_chunks_as_with_whole_logits(tied):
+    """Every score of an ``auto`` scan that measures every pair (the head among them: its twin runs once on all rows)
+    and of a ``measured`` one, from decoder outputs with the head applied a chunk at a time, equals the scan of the
+    same batches through whole fp32 logits and kept log-probabilities (explicit ``position_ids`` take that path)."""
+    model = trained_llama(steps=60)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    data = batches(n=3, rows=4, seed=5)
+    for method in ("auto", "measured"):
+        options = {"formats": ("fp8", INT4), "method": method, "measure_top_fraction": 1.0, "max_batch_tokens": 256}
+        chunked, whole = scan(model, data, **options), scan(model, _with_positions(data), **options)
+        assert chunked.base_loss == pytest.approx(whole.base_loss, rel=1e-5)
+        assert "lm_head" in [n for s in chunked.layers for n in s.names]
+        for a, b in zip(chunked.layers, whole.layers):
+            for kind in ("measured", "kl") + (("predicted",) if method == "auto" else ()):
+                got, expected = getattr(a, kind), getattr(b, kind)
+                assert got.keys() == expected.keys() and got
+                for fmt in got:
+                    assert got[fmt] == pytest.approx(expected[fmt], rel=1e-3, abs=1e-6), (a.name, kind, fmt)
+
+
+def test_measure_plan_with_the_head_in_chunks_equals_whole_logits():
+    """``measure_plan`` (the head swapped for its FP8 layer: it runs once on all rows) gives the losses and KL of the
+    whole-logits path; the unchanged model's KL is exactly zero."""
+    model = trained_llama(steps=60)
+    data = batches(n=2, rows=4, seed=6)
+    plan = {"default": INT4, "layers": {"lm_head": "fp8"}}
+    chunked, whole = measure_plan(model, plan, data), measure_plan(model, plan, _with_positions(data))
+    for key in ("base_loss", "plan_loss", "delta_loss", "kl"):
+        assert chunked[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-7), key
+    assert chunked["tokens"] == whole["tokens"] and chunked["kl"] > 1e-4
+    unchanged = measure_plan(model, {"default": "bf16"}, data)
+    assert unchanged["kl"] == 0.0 and unchanged["delta_loss"] == 0.0

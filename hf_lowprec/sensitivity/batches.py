@@ -1,5 +1,5 @@
 """Calibration batches of a scan: validated, merged up to a token budget, and run through the model as
-``(logits, labels)`` of the predicted tokens.
+``(logits, labels)`` of the predicted tokens, or as the decoder's output there where the head can run in chunks.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from hf_lowprec.chunked_loss import chunkable_head, chunked_causal_lm_loss
+from hf_lowprec.chunked_loss import chunkable_head
 from hf_lowprec.labels import IGNORE_INDEX
 
 
@@ -75,6 +75,15 @@ def _label_count(model: nn.Module, batch: Mapping) -> int:
     return int(((labels[:, 1:] if _shifts_labels(model, labels) else labels) != IGNORE_INDEX).sum())
 
 
+def _inputs(model: nn.Module, batch: Mapping, device) -> dict:
+    """The model's inputs of ``batch`` (all but ``labels``) on ``device``, without a KV cache (less memory, and blocks
+    can be replayed)."""
+    inputs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items() if k != "labels"}
+    if getattr(getattr(model, "config", None), "use_cache", None) is not None:
+        inputs.setdefault("use_cache", False)
+    return inputs
+
+
 def _forward(model: nn.Module, batch: Mapping, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logits at label positions [T, C] fp32, labels [T])`` of one batch.
 
@@ -82,10 +91,7 @@ def _forward(model: nn.Module, batch: Mapping, device) -> tuple[torch.Tensor, to
     classification: one row per labelled token. Sequence classification (logits ``[B, C]``,
     labels ``[B]``): one row per sequence.
     """
-    inputs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items() if k != "labels"}
-    if getattr(getattr(model, "config", None), "use_cache", None) is not None:
-        inputs.setdefault("use_cache", False)  # no KV cache: less memory, and blocks can be replayed
-    logits = model(**inputs).logits
+    logits = model(**_inputs(model, batch, device)).logits
     labels = batch["labels"].to(device)
     if _shifts_labels(model, labels):
         logits, labels = logits[:, :-1], labels[:, 1:]
@@ -98,19 +104,18 @@ def _forward(model: nn.Module, batch: Mapping, device) -> tuple[torch.Tensor, to
     return logits[valid].float(), labels[valid]
 
 
-def _chunked_loss(model: nn.Module, batch: Mapping, device) -> tuple[torch.Tensor, int] | None:
-    """``(summed next-token loss, targets)`` of a causal-LM batch through the chunked loss
-    (:func:`hf_lowprec.chunked_loss.chunked_causal_lm_loss`: the ``[T, vocabulary]`` logits, their log-softmax and their
-    gradient never exist whole: ~125 MB each in fp32 at a 128k vocabulary and 256 tokens), or ``None`` where it would
-    not score exactly what :func:`_forward` does (classification labels; a head that cannot run in chunks; inputs
-    besides ``input_ids`` and ``attention_mask``; a padded position with a label)."""
-    labels, mask = batch["labels"], batch.get("attention_mask")
+def _decoder_rows(model: nn.Module, batch: Mapping, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(decoder output [T, H], labels [T])`` at the rows whose head output :func:`_forward` returns as logits, for a
+    causal LM whose logits are its head's output (:func:`hf_lowprec.chunked_loss.chunkable_head`) and a batch of
+    ``input_ids``, ``attention_mask`` and ``labels``; else ``None``. The head can then run a chunk of tokens at a
+    time: the ``[T, vocabulary]`` logits, fp32 in :func:`_forward` (403 MB at 2048 tokens and a 49k vocabulary),
+    never exist whole."""
+    labels = batch["labels"]
     if not _shifts_labels(model, labels) or chunkable_head(model) is None:
         return None
     if set(batch) - {"input_ids", "attention_mask", "labels"}:
-        return None  # e.g. position_ids: the chunked loss runs the decoder on input_ids and attention_mask only
-    if mask is not None and not (labels[:, 1:][mask[:, 1:] == 0] == IGNORE_INDEX).all():
-        return None  # the chunked loss leaves padded positions out, _forward scores any label there
-    inputs = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
-    total = chunked_causal_lm_loss(model, **inputs, labels=labels.to(device), num_items_in_batch=1)
-    return total, _label_count(model, batch)
+        return None  # e.g. position_ids: the decoder runs here on input_ids and attention_mask only
+    hidden = model.get_decoder()(**_inputs(model, batch, device)).last_hidden_state[:, :-1]
+    labels = labels.to(device)[:, 1:]
+    valid = labels != IGNORE_INDEX
+    return hidden[valid], labels[valid]

@@ -11,19 +11,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_lowprec.chunked_loss import chunk_rows, chunkable_head, cross_entropy_with_grad, summed_chunked_loss
 from hf_lowprec.convert import eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import swap_layers
 from hf_lowprec.modules import LOW_PRECISION_TYPES, Int4Linear, TiedQuantizers
 from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.plan import PrecisionPlan, resolve_plan
-from hf_lowprec.sensitivity.batches import _check_batches, _chunked_loss, _forward, _label_count, _merge
+from hf_lowprec.sensitivity.batches import _check_batches, _decoder_rows, _forward, _label_count, _merge
+from hf_lowprec.sensitivity.reference import BaseOutputs, base_loss, loss_and_kl
 from hf_lowprec.sensitivity.replay import Progress, _BlockReplay
 from hf_lowprec.sensitivity.results import KEEP, ScanResult
 from hf_lowprec.sensitivity.units import _select, _twins, _Unit, _units, unscored
+from hf_lowprec.training.activations import row_blocks
 
 METHODS = ("auto", "measured", "fisher")
 DEFAULT_FORMATS = ("fp8", "int4-g64")
+# tokens a forward of the scan runs at most (merged batches): its Fisher pass keeps every block's activations for the
+# backward. The fp8-train recipe's scan of SmolLM2-135M in fp32 (4 batches of 4x256, 2-core AVX512-BF16 EPYC): 2048
+# tokens a forward peaked at 6,531 MB, 1024 at 4,268, in 403 and 400 s (the measured passes, 84% of it, run every
+# token either way)
+MAX_BATCH_TOKENS = 1024
 
 
 @contextmanager
@@ -70,7 +78,7 @@ def scan(
     seed: int = 0,
     measure_top_fraction: float = 0.05,
     layers: Sequence[str] | None = None,
-    max_batch_tokens: int = 2048,
+    max_batch_tokens: int = MAX_BATCH_TOKENS,
     fp8_backend: str = "auto",
     dense_weights: Callable[[str], torch.Tensor] | None = None,
 ) -> ScanResult:
@@ -181,22 +189,18 @@ def _run_passes(
 
 
 @torch.no_grad()
-def _base_pass(
-    model, batches, device, tracker, replay: "_BlockReplay | None" = None
-) -> tuple[float, list[torch.Tensor]]:
-    """Mean loss of the unquantized model and its log-probabilities per batch (for KL)."""
-    nll, logps = 0.0, []
+def _base_pass(model, batches, device, tracker, replay: "_BlockReplay | None" = None) -> tuple[float, BaseOutputs]:
+    """Mean loss of the unquantized model and its outputs per batch (what the measured passes compare with)."""
+    nll, count, base = 0.0, 0, BaseOutputs()
     for i, batch in enumerate(batches):
-        logits, labels = _forward(model, batch, device)
-        logp = torch.log_softmax(logits, -1)
-        nll -= logp.gather(1, labels[:, None]).sum().item()
-        logps.append(logp)
+        loss_sum, tokens = base_loss(model, batch, device, base)
+        nll, count = nll + loss_sum, count + tokens
         if replay is not None:
             replay.next_batch()
         tracker.step(f"unquantized pass, batch {i + 1}/{len(batches)}")
     if replay is not None:
         replay.stop()
-    return nll / sum(len(lp) for lp in logps), logps
+    return nll / count, base
 
 
 # output rows of a packed layer's dense weight quantized at once (x its input size: 1M elements, 4 MB in fp32), so that
@@ -214,10 +218,12 @@ def _row_local(spec: FormatSpec) -> bool:
 
 
 class _TwinSource:
-    """``twins_of.output_errors(module_id, x, out, g)``: ``g * δy`` (flattened, fp32) of every (unit, format) of a
-    scanned layer, where ``δy`` is the format's output minus the layer's and ``g`` the loss gradient at the output.
+    """``twins_of.output_errors(module, x, g)``: ``g * δy`` (flattened, fp32) of every (unit, format) of a scanned
+    layer, where ``δy`` is the format's output minus the layer's and ``g`` the loss gradient at the output.
 
-    Twins of dense layers share their weights and are built once; ``δy`` is the twin's output minus the recorded one.
+    Twins of dense layers share their weights and are built once; ``δy`` is the twin's output minus the layer's,
+    recomputed from its input when the gradient arrives (keeping every scanned layer's output from the forward until
+    then held 1.26 GB: SmolLM2-135M in fp32, forwards of 2048 tokens).
     A packed layer's are built when asked, from its checkpoint weight read by ``dense_weights``, and dropped after
     use: one dense weight in memory at a time. For weight-only integer formats (row-local steps) they are built
     ``PACKED_ROW_BLOCK_ELEMENTS`` at a time and ``δy = x (Q(W) - W)^T`` is computed from the weight error itself: one
@@ -238,15 +244,17 @@ class _TwinSource:
                 for _, module, twin in _twins(u, f, fp8_backend):
                     self.built.setdefault(id(module), []).append(((u.name, f), twin))
 
-    def output_errors(self, module_id: int, x: torch.Tensor, out: torch.Tensor, g: torch.Tensor):
-        """Yield ``((unit, format), g * δy)`` pieces (several per format for a packed layer: blocks of its outputs)."""
-        g = g.float()
-        if module_id not in self.packed:
-            ref = out.detach().float()
-            for key, twin in self.built[module_id]:
-                yield key, (twin(x).float() - ref).mul_(g).flatten()
+    def output_errors(self, module: nn.Module, x: torch.Tensor, g: torch.Tensor):
+        """Yield ``((unit, format), g * δy)`` pieces: blocks of rows (tokens), or of a packed layer's outputs."""
+        if id(module) not in self.packed:
+            out = module.forward(x)  # forward, not __call__: the scan's hook on it does not run again
+            for key, twin in self.built[id(module)]:
+                y = twin(x)
+                for y_rows, out_rows, g_rows in row_blocks(y, out, g):  # fp32 a block at a time: a 49k-vocabulary
+                    yield key, (y_rows.float() - out_rows.float()).mul_(g_rows.float()).flatten()  # head's: 403 MB
             return
-        unit, name, module = self.packed[module_id]
+        g = g.float()
+        unit, name, module = self.packed[id(module)]
         weight = self.dense_weights(f"{name}.weight")
         local = [f for f in unit.formats if _row_local(FormatSpec.parse(f))]
         step = max(1, PACKED_ROW_BLOCK_ELEMENTS // module.in_features)
@@ -285,8 +293,8 @@ def _fisher_pass(model, batches, device, units, scores, hooks, tracker, twins_of
     leaves: list[torch.Tensor] = []
 
     @torch.no_grad()
-    def add_terms(module_id: int, x: torch.Tensor, out: torch.Tensor | None, g: torch.Tensor) -> None:
-        for key, gd in twins_of.output_errors(module_id, x, out, g):
+    def add_terms(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> None:
+        for key, gd in twins_of.output_errors(module, x, g):
             first[key] += gd.sum().item()
             second[key] += 0.5 * torch.dot(gd, gd).item()
 
@@ -294,35 +302,27 @@ def _fisher_pass(model, batches, device, units, scores, hooks, tracker, twins_of
         if not out.requires_grad:  # the parameters are frozen here: make the output a leaf so gradients reach it
             out = out.detach().requires_grad_(True)
             leaves.append(out)
-        reference = None if id(module) in twins_of.packed else out.detach()  # packed layers recompute theirs
         x = args[0].detach()
-        out.register_hook(lambda g, m=id(module): add_terms(m, x, reference, g))
+        out.register_hook(lambda g, m=module: add_terms(m, x, g))
         return out
 
     for u in units:
         for _, module in u.members if u.formats else ():  # a unit no candidate fits (a tied head under '-a8') has no twins
             hooks.append(module.register_forward_hook(hook))
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_scanned = head is not None and any(m is head for u in units for _, m in u.members)  # (hooked: no chunks)
-    nll, logps, count = 0.0, [], 0
+    head = chunkable_head(model)  # the parameters are frozen: any plain head
+    head_scanned = head is not None and any(m is head for u in units for _, m in u.members)
+    nll, count, base = 0.0, 0, BaseOutputs()
     for i, batch in enumerate(batches):
         leaves.clear()
-        with torch.enable_grad():
-            # the measured passes that follow (replay) compare log-probabilities: those need the whole logits
-            chunked = None if replay is not None or head_scanned else _chunked_loss(model, batch, device)
-            if chunked is None:
-                logits, labels = _forward(model, batch, device)
-                loss_sum, tokens = F.cross_entropy(logits, labels, reduction="sum"), len(labels)
-            else:
-                logits, (loss_sum, tokens) = None, chunked
-            if leaves:  # runs the output hooks: every scanned output lies on a path to a leaf
-                torch.autograd.grad(loss_sum, leaves, allow_unused=True)
-        nll += loss_sum.item()
-        count += tokens
+        loss_sum, tokens, hidden, logits = _loss_backward(model, batch, device, head if head_scanned else None, leaves)
+        nll, count = nll + loss_sum, count + tokens
+        if replay is not None and hidden is None:
+            base.keep_logits(logits)
+        elif replay is not None:
+            base.keep_hidden(hidden, head)
         if replay is not None:
-            logps.append(torch.log_softmax(logits.detach(), -1))
             replay.next_batch()
-        del logits, loss_sum
+        del hidden, logits
         tracker.step(f"fisher pass, batch {i + 1}/{len(batches)}")
     leaves.clear()
     if replay is not None:
@@ -335,7 +335,44 @@ def _fisher_pass(model, batches, device, units, scores, hooks, tracker, twins_of
             s.first_order[f] = first[u.name, f] / count
             s.second_order[f] = second[u.name, f] / count
             s.predicted[f] = s.first_order[f] + s.second_order[f]
-    return nll / count, logps
+    return nll / count, base
+
+
+def _loss_backward(model, batch, device, scanned_head: nn.Module | None, leaves: list[torch.Tensor]):
+    """The loss of one batch and its gradient w.r.t. ``leaves`` (which runs the scanned outputs' hooks):
+    ``(summed loss, labelled positions, decoder output [T, H] or None, logits [T, V] or None)``, the latter two as
+    :func:`~hf_lowprec.sensitivity.reference.BaseOutputs` keeps them. The head runs in chunks where it can; a scanned
+    ``scanned_head`` once on every row (its hook's twins scale their activations over them all), the loss and its
+    gradient then in chunks."""
+    with torch.enable_grad():
+        rows = _decoder_rows(model, batch, device)
+        hidden, outputs, grads = None, None, None
+        if rows is None:
+            logits, labels = _forward(model, batch, device)
+            loss_sum = F.cross_entropy(logits, labels, reduction="sum")
+        else:
+            (hidden, labels), logits = rows, None
+            if scanned_head is None:
+                loss_sum = summed_chunked_loss(hidden, labels, chunkable_head(model))
+            else:
+                outputs = scanned_head(hidden)
+                loss_sum, grads = _chunked_loss_and_grad(outputs.detach(), labels, chunk_rows(scanned_head))
+        if leaves:  # every scanned output lies on a path to a leaf
+            if outputs is None:
+                torch.autograd.grad(loss_sum, leaves, allow_unused=True)
+            else:
+                torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
+    return loss_sum.item(), len(labels), None if hidden is None else hidden.detach(), logits
+
+
+def _chunked_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(summed cross-entropy, its gradient w.r.t. logits [T, V] in their dtype)``, computed ``step`` tokens at a time
+    (fp32 per chunk: no whole fp32 copy of the logits)."""
+    grads, total = torch.empty_like(logits), torch.zeros((), dtype=torch.float32, device=logits.device)
+    for i in range(0, len(labels), step):
+        loss, grads[i : i + step] = cross_entropy_with_grad(logits[i : i + step], labels[i : i + step])
+        total += loss
+    return total, grads
 
 
 def _boundary_pairs(units, scores, fraction: float) -> list[tuple[int, str]]:
@@ -358,16 +395,17 @@ def _boundary_pairs(units, scores, fraction: float) -> list[tuple[int, str]]:
 @torch.no_grad()
 def _measure(model, batches, device, units, pairs, scores, base, hooks, tracker, fp8_backend, replay: _BlockReplay):
     """Measured Δloss and KL for each (unit index, format) in ``pairs``, one at a time."""
-    base_loss, base_logps = base
+    base_loss, outputs = base
     for i, fmt in pairs:
         unit, s = units[i], scores[i]
         handles = [
             module.register_forward_hook(_replace_output(twin)) for _, module, twin in _twins(unit, fmt, fp8_backend)
         ]
         hooks.extend(handles)
+        head_whole = any(m is outputs.head for _, m in unit.members)
         try:
             with replay.replaying(replay.skippable(unit)):
-                nll, kl, count = _loss_and_kl(model, batches, device, base_logps, replay)
+                nll, kl, count = _loss_and_kl(model, batches, device, outputs, replay, head_whole)
         finally:
             for h in handles:
                 h.remove()
@@ -377,17 +415,17 @@ def _measure(model, batches, device, units, pairs, scores, base, hooks, tracker,
         tracker.step(f"measured {unit.name} in {fmt}")
 
 
-def _loss_and_kl(model, batches, device, base_logps, replay: "_BlockReplay | None" = None) -> tuple[float, float, int]:
-    """Summed next-token loss, summed KL(base ‖ model) and token count over ``batches``."""
+def _loss_and_kl(
+    model, batches, device, base: BaseOutputs, replay: "_BlockReplay | None" = None, head_whole: bool = False
+) -> tuple[float, float, int]:
+    """Summed next-token loss, summed KL(base ‖ model) and token count over ``batches``
+    (:func:`~hf_lowprec.sensitivity.reference.loss_and_kl`)."""
     nll, kl, count = 0.0, 0.0, 0
-    for b, (batch, base_logp) in enumerate(zip(batches, base_logps)):
+    for b, (batch, reference) in enumerate(zip(batches, base.batches)):
         if replay is not None:
             replay.batch = b
-        logits, labels = _forward(model, batch, device)
-        logp = torch.log_softmax(logits, -1)
-        nll -= logp.gather(1, labels[:, None]).sum().item()
-        kl += F.kl_div(logp, base_logp, reduction="sum", log_target=True).item()
-        count += len(labels)
+        batch_nll, batch_kl, tokens = loss_and_kl(model, batch, device, reference, base, head_whole)
+        nll, kl, count = nll + batch_nll, kl + batch_kl, count + tokens
     return nll, kl, count
 
 
@@ -428,10 +466,10 @@ def measure_plan(
         return shared.build(name, module, assignment[name], {"fp8_backend": fp8_backend, "learn_scales": False})
 
     with _scanning(model, 0), torch.no_grad():
-        base_loss, base_logps = _base_pass(model, batches, device, _Tracker(None, 0))
+        base_loss, base = _base_pass(model, batches, device, _Tracker(None, 0))
         try:
             swap_layers(model, twin)  # the layers apply_plan would install, sharing the weights
-            nll, kl, count = _loss_and_kl(model, batches, device, base_logps)
+            nll, kl, count = _loss_and_kl(model, batches, device, base)
         finally:
             swap_layers(model, lambda name, fqn, module: originals.get(fqn))
     plan_loss = nll / count
