@@ -38,6 +38,17 @@ def tiny_llama(seed: int = 0, tie: bool = False, **overrides) -> LlamaForCausalL
     return LlamaForCausalLM(LlamaConfig(**cfg))
 
 
+def autocast_states(module: torch.nn.Module) -> tuple[list, object]:
+    """``(states, handle)``: each forward of ``module`` appends ``(autocast on, its dtype)`` on the CPU to ``states``
+    until ``handle.remove()``."""
+    states = []
+
+    def record(mod, args):
+        states.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+
+    return states, module.register_forward_pre_hook(record)
+
+
 def on_dequant_backend(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` with every packed layer on the ``dequant`` backend: the exact reference, the same for every batch (the
     int8 backend picks its outlier channels per call)."""

@@ -4,7 +4,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from conftest import lm_batches, tiny_llama
+from conftest import autocast_states, lm_batches, tiny_llama
 from torch import nn
 from torchao.float8.float8_linear import Float8Linear
 
@@ -194,3 +194,16 @@ def test_fp8_rounding_calibrates_on_the_prepared_dataloader():
     assert plugin.session.rounding["layers"] == 15
     for (name, a), b in zip(model.named_parameters(), by_hand.parameters()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+def test_auto_plan_scans_under_the_accelerators_autocast(mixed_precision):
+    """The scan computes as the training steps will: under ``accelerator.autocast()`` (bf16 on a CPU), or without."""
+    accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision)
+    model = tiny_llama()
+    states, handle = autocast_states(model.model)  # the decoder: the scan's chunked passes call it, not the model
+    LowPrecisionPlugin(calibration_batches=1, scan_method="fisher").prepare(
+        accelerator, model, calibration_data=lm_batches(1, batch=4)
+    )
+    handle.remove()
+    assert states and set(states) == {(mixed_precision == "bf16", torch.bfloat16)}

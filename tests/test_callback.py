@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from conftest import cls_batches, lm_batches, tiny_bert, tiny_llama
+from conftest import autocast_states, cls_batches, lm_batches, tiny_bert, tiny_llama
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_lowprec.modules import LOW_PRECISION_TYPES
@@ -317,3 +317,15 @@ def test_fp8_rounding_moves_the_master_weights_onto_their_grid_before_training(t
         assert err < 0.9 * (nearest(input_ids=ids).logits - reference).norm()
     trainer.train()
     assert all(torch.isfinite(torch.tensor(v)) for v in losses(trainer).values())
+
+@pytest.mark.parametrize("mixed", [{}, {"bf16": True}, {"fp16": True}])
+def test_auto_plan_scans_under_the_trainers_autocast(tmp_path, mixed):
+    """The scan at the Trainer's init computes as its steps will: bf16 autocast with ``bf16=True``; fp32 otherwise, also
+    with ``fp16=True``, which Accelerate runs in fp32 on a CPU."""
+    model = tiny_llama()
+    states, handle = autocast_states(model.model)  # the decoder: the scan's chunked passes call it, not the model
+    calibration = [{"input_ids": r["input_ids"][None], "labels": r["labels"][None]} for r in lm_rows(1)[:2]]
+    Trainer(model=model, args=arguments(tmp_path, **mixed), train_dataset=lm_rows(1),
+            callbacks=[LowPrecisionCallback(calibration_data=calibration, scan_method="fisher")])  # fmt: skip
+    handle.remove()
+    assert states and set(states) == {(bool(mixed.get("bf16")), torch.bfloat16)}

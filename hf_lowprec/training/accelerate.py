@@ -24,6 +24,7 @@ ranks (``sync``), so every rank quantizes with the same scales.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Mapping
 
@@ -148,7 +149,8 @@ class LowPrecisionPlugin(SessionOwner):
         if needs and calibration_data is None:
             raise ValueError(f"{' and '.join(needs)}: needs calibration_data= or a DataLoader among the prepared ones")
         if self.plan is None:
-            self.session.scan(model, calibration_data)
+            computing = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
+            self.session.scan(model, calibration_data, computing)  # as training computes: its autocast, if any
         before = {name: p for name, p in model.named_parameters()}
         self._convert(accelerator, model)
         self.session.round_weights(model, calibration_data or ())

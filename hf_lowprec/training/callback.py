@@ -44,7 +44,7 @@ from hf_lowprec.plan import PLAN_FILE, PrecisionPlan, is_auto
 from hf_lowprec.scaling import TELEMETRY_PREFIX
 from hf_lowprec.training.compensation import CompensatedOptimizer
 from hf_lowprec.training.new_parameters import insert_new_parameters, orphaned_parameters
-from hf_lowprec.training.session import LowPrecisionSession, SessionOwner, process_world
+from hf_lowprec.training.session import LowPrecisionSession, SessionOwner, process_world, trainer_autocast
 from hf_lowprec.training.telemetry import skip_step_if_requested
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,8 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         formats: ``auto`` only: candidate formats of the scan.
         calibration_data: ``auto`` or ``fp8_rounding``: model-input batches (a list, or a DataLoader for ``auto`` alone)
             to scan and to calibrate on; with it the plan is applied at ``on_init_end``, otherwise the first training
-            batches are scanned at ``on_train_begin``.
+            batches are scanned at ``on_train_begin``. The scan computes as the Trainer's steps will: under bf16
+            autocast with ``bf16=True``, as Accelerate runs it.
         calibration_batches: how many batches the scan and the FP8 rounding use.
         scan_method: ``auto`` only: the scan's ``method``.
         scaler: FP8 scale policy by name (``dynamic``, ``delayed``, ``gradient``); ``scaler_options`` go
@@ -143,7 +144,7 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
             if resume and (Path(resume) / PLAN_FILE).is_file():
                 self.plan = PrecisionPlan.load(Path(resume) / PLAN_FILE)
             elif self.calibration_data is not None:
-                self.session.scan(model, self.calibration_data)
+                self.session.scan(model, self.calibration_data, trainer_autocast(args))
         if self.plan is None:
             # a checkpoint written with INT4 layers must not load silently into an unconverted model
             self._hook = model.register_load_state_dict_post_hook(_refuse_low_precision_keys)
@@ -195,7 +196,7 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         if self.plan is None:
             if train_dataloader is None:
                 raise ValueError("plan='auto' needs training data or calibration_data= to scan")
-            self.session.scan(model, train_dataloader)
+            self.session.scan(model, train_dataloader, trainer_autocast(args))
         self._convert(model, self.plan)
         if state.global_step == 0:
             self.session.round_weights(model, self.calibration_data or ())

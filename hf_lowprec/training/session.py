@@ -70,17 +70,31 @@ def _same_on_all_ranks(plan: PrecisionPlan) -> PrecisionPlan:
     return PrecisionPlan.from_dict(box[0])
 
 
-def scan_plan(model: nn.Module, batches: Iterable[Mapping], options) -> tuple[PrecisionPlan, float]:
+def trainer_autocast(args):
+    """The autocast a ``Trainer`` with ``TrainingArguments`` ``args`` computes under, as Accelerate decides it: bf16 on
+    any device, fp16 off CPUs (on a CPU, Accelerate runs ``fp16=True`` in fp32); else none."""
+    device = args.device.type
+    if getattr(args, "bf16", False):
+        return torch.autocast(device, torch.bfloat16)
+    if getattr(args, "fp16", False) and device != "cpu":
+        return torch.autocast(device, torch.float16)
+    return contextlib.nullcontext()
+
+
+def scan_plan(
+    model: nn.Module, batches: Iterable[Mapping], options, computing=contextlib.nullcontext()
+) -> tuple[PrecisionPlan, float]:
     """Scan the first ``options.calibration_batches`` batches, allocate under ``options.budget``; ``(plan, seconds)``.
 
     ``options`` carries ``calibration_batches``, ``formats``, ``scan_method``, ``budget`` (a
-    ``sensitivity.Budget``, a dict of its fields, or None), ``keep`` and ``seed``. Random streams are left
-    as they were; under several processes every rank gets rank 0's plan.
+    ``sensitivity.Budget``, a dict of its fields, or None), ``keep`` and ``seed``. ``computing``: the context training
+    computes in (its autocast, if any), which the scan then computes in too. Random streams are left as they were;
+    under several processes every rank gets rank 0's plan.
     """
     sensitivity.check_budget(model, options.formats, options.budget, keep=options.keep)  # not after minutes of scan
     start = time.perf_counter()
     was_training = model.training
-    with _preserved_rng():
+    with _preserved_rng(), computing:
         data = list(islice(iter(batches), options.calibration_batches))
         if not data:
             raise ValueError("plan='auto' found no calibration batches to scan")
@@ -147,9 +161,10 @@ class LowPrecisionSession:
         self.model: nn.Module | None = None
         self.new_params: list[nn.Parameter] = []
 
-    def scan(self, model: nn.Module, batches: Iterable[Mapping]) -> PrecisionPlan:
-        """Find the plan by a scan of ``batches`` (``plan="auto"``); it becomes :attr:`plan`."""
-        self.plan, self.scan_seconds = scan_plan(model, batches, self)
+    def scan(self, model: nn.Module, batches: Iterable[Mapping], computing=contextlib.nullcontext()) -> PrecisionPlan:
+        """Find the plan by a scan of ``batches`` (``plan="auto"``) in ``computing``, the context training computes in
+        (its autocast, if any); the plan becomes :attr:`plan`."""
+        self.plan, self.scan_seconds = scan_plan(model, batches, self, computing)
         return self.plan
 
     def apply(self, model: nn.Module, plan: PrecisionPlan, world: int) -> ConversionReport:
