@@ -25,9 +25,11 @@ def peak_rss_mb() -> float:
 
 
 def _autocast(dtype: torch.dtype | None, device: torch.device):
+    """Autocast to ``dtype`` for one evaluation batch, without its cache of weight casts: it would keep a ``dtype`` copy
+    of every trainable fp32 weight (also under ``torch.no_grad``) for a batch that uses each weight once."""
     if dtype is None or dtype == torch.float32:
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=False)
 
 
 @torch.no_grad()

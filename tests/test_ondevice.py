@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import markov_batches, needs_cpp, on_dequant_backend, tiny_llama
+from conftest import autocast_states, markov_batches, needs_cpp, on_dequant_backend, tiny_llama
 from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
 from tiny_assets import corpus_text, save_tiny_model
@@ -735,6 +735,23 @@ def test_causal_lm_loss_runs_the_head_in_chunks_and_equals_the_full_logits_loss(
     expected = torch.nn.functional.cross_entropy(logits[keep], targets[keep], reduction="sum") / keep.sum()
     assert chunks == [2 * 23, 23] and got["tokens"] == int(keep.sum()) == 3 * 23 - 4 - 4
     assert got["loss"] == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_evaluation_under_autocast_keeps_no_bf16_copy_of_the_trainable_weights(tmp_path):
+    """A full-training model (fp32 weights that require grad) evaluated under bf16 autocast: its forwards run with
+    autocast's weight-cast cache off (it would hold a bf16 copy of every weight through the batch, also under
+    ``torch.no_grad``), and the loss is the one of the same batches under a plain ``torch.autocast``."""
+    model, _ = load_pretrained(save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128))
+    ids = markov_batches(n=1, batch=4, seq=24)[0]["input_ids"]
+    rows = [{"input_ids": i, "labels": i} for i in ids]
+    states, handle = autocast_states(model.model)
+    model.model.register_forward_pre_hook(lambda module, args: states.append(torch.is_autocast_cache_enabled()))
+    got = causal_lm_loss(model, rows, default_data_collator, batch_size=2, autocast_dtype=torch.bfloat16)
+    handle.remove()
+    assert states == [(True, torch.bfloat16), False] * 2
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        expected = model(input_ids=ids, labels=ids).loss.item()
+    assert got["loss"] == pytest.approx(expected, rel=1e-4)
 
 
 @pytest.mark.parametrize(
