@@ -370,6 +370,24 @@ def outliers_section(data: dict | None) -> list[str]:
     return lines + ["", "![outliers](outliers.png)", ""]
 
 
+def scan_cost_section(data: dict | None) -> list[str]:
+    """The fp8-train recipe's scan: peak memory, time and plan quality by compute and forward size (scan_cost.py)."""
+    lines = ["## What the fp8-train recipe's scan costs (benchmarks/scan_cost.py)\n"]
+    if not data:
+        return lines + ["not measured\n"]
+    lines += [f"{data['machine']} ({data['cpu_class']}), {data['threads']} threads. {data['model']}, the recipe's candidates "
+              f"and budget, {data['calibration']}; each scan in a fresh process (peak RSS: the whole process's). The "
+              "plan converts the model without training; held-out perplexity under bf16 autocast over the unconverted "
+              "model's. One value per calibration set.\n",
+              "| scan computes in, tokens per forward | peak RSS MB | scan s | converted ppl ratio |", "|---|---|---|---|"]  # fmt: skip
+    for config, runs in data["runs"].items():
+        cells = [", ".join(f"{r[key]:{fmt}}" for r in runs) for key, fmt in
+                 (("peak_rss_mb", ","), ("scan_s", ".0f"), ("ppl_ratio", ".4f"))]  # fmt: skip
+        lines.append(f"| {config} | {' | '.join(cells)} |")
+    return lines + ["", "The callback and the Accelerate plugin scan under the run's autocast (bf16 for the recipe), with "
+                    "forwards of up to 2048 tokens.", ""]
+
+
 def ondevice_section(ondevice: dict | None) -> list[str]:
     lines = ["## On-device INT4 + LoRA fine-tuning (benchmarks/ondevice.py)\n"]
     speed = ondevice_speed(ondevice)
@@ -655,6 +673,7 @@ def main():
     out += finetune_quality_section(load(LONG_FINETUNE), "Longer fine-tuning, several seeds")
     out += int4_training_section(load("int4_in_full_finetuning"))
     out += outliers_section(load("outliers"))
+    out += scan_cost_section(load("scan_cost"))
     out += ondevice_section(ondevice)
     out += scale_section(load("scale"))
     for path in sorted(RESULTS.glob("scale-*.json")):  # the other CPU classes'

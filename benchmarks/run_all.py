@@ -11,7 +11,8 @@ SmolLM2-135M architecture's (two setups x 3 seeds) 1,576, the report 10. On 2026
 `make bench-full` (`--full`) reruns memory with every configuration and peer (605 on a quiet machine), ondevice with its
 ablation, the toy sweep with its int4-everywhere and fp8-mx setups (1,560), and adds the 30-step fine-tuning table (575)
 and outliers.py (895). The longer runs the report also quotes (200-step fine-tuning, 600-step convergence, scale.py,
-adapter_optimizer.py, ondevice.py quality) are started by hand: each script's docstring says how.
+adapter_optimizer.py, ondevice.py quality,
+scan_cost.py) are started by hand: each script's docstring says how.
 
 Each script runs in its own process (fresh memory high-water marks); a failing one is reported and the others still
 run. A step's results file holds that step's last run only, so a `make bench` after `make bench-full` drops the extra

@@ -29,10 +29,10 @@ METHODS = ("auto", "measured", "fisher")
 DEFAULT_FORMATS = ("fp8", "int4-g64")
 # tokens a forward of the scan runs at most (merged batches): fewer forwards, and FP8 tensorwise activation scales over
 # more tokens; the Fisher pass keeps every block's activations for its backward. The fp8-train recipe's scan of
-# SmolLM2-135M (4 batches of 4x256, fp32 weights under bf16 autocast; benchmarks/outliers.py's scan section, two sets of
-# calibration batches; 2-core AVX512-BF16 EPYC): 2048 tokens a forward peaked at 5,149 and 4,928 MB, 1024 at 3,592 and
-# 3,747, in the same time, but the plans of 1024 converted the model at 1.0001x and 0.9970x bf16's held-out perplexity
-# against 0.9984x and 0.9927x
+# SmolLM2-135M (benchmarks/scan_cost.py: 4 batches of 4x256, fp32 weights under bf16 autocast, two sets of calibration
+# batches, 2-core AVX512-BF16 EPYC): 2048 tokens a forward peaked at 4,947 and 4,920 MB in 237 and 231 s, 1024 at 3,586
+# and 3,537 MB in 325 and 281 s, and the plans of 1024 converted the model at 1.0001x and 0.9970x bf16's held-out
+# perplexity against 0.9984x and 0.9927x
 MAX_BATCH_TOKENS = 2048
 
 
