@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_lowprec.chunked_loss import chunk_rows, chunkable_head, cross_entropy_with_grad, summed_chunked_loss
+from hf_lowprec.chunked_loss import chunk_rows, chunkable_head, cross_entropy_into_grad_, summed_chunked_loss
 from hf_lowprec.convert import eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import swap_layers
@@ -318,11 +318,11 @@ def _fisher_pass(model, batches, device, units, scores, hooks, tracker, twins_of
         leaves.clear()
         loss_sum, tokens, hidden, logits = _loss_backward(model, batch, device, head if head_scanned else None, leaves)
         nll, count = nll + loss_sum, count + tokens
-        if replay is not None and hidden is None:
-            base.keep_logits(logits)
-        elif replay is not None:
-            base.keep_hidden(hidden, head)
         if replay is not None:
+            if hidden is None:
+                base.keep_logits(logits)
+            else:
+                base.keep_hidden(hidden, head)
             replay.next_batch()
         del hidden, logits
         tracker.step(f"fisher pass, batch {i + 1}/{len(batches)}")
@@ -358,7 +358,8 @@ def _loss_backward(model, batch, device, scanned_head: nn.Module | None, leaves:
                 loss_sum = summed_chunked_loss(hidden, labels, chunkable_head(model))
             else:
                 outputs = scanned_head(hidden)
-                loss_sum, grads = _chunked_loss_and_grad(outputs.detach(), labels, chunk_rows(scanned_head))
+                grads = outputs.detach()  # a linear keeps its input, not its output: this buffer takes its gradient
+                loss_sum = _chunked_loss_into_grad_(grads, labels, chunk_rows(scanned_head))
         if leaves:  # every scanned output lies on a path to a leaf
             if outputs is None:
                 torch.autograd.grad(loss_sum, leaves, allow_unused=True)
@@ -367,14 +368,14 @@ def _loss_backward(model, batch, device, scanned_head: nn.Module | None, leaves:
     return loss_sum.item(), len(labels), None if hidden is None else hidden.detach(), logits
 
 
-def _chunked_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(summed cross-entropy, its gradient w.r.t. logits [T, V] in their dtype)``, computed ``step`` tokens at a time
-    (fp32 per chunk: no whole fp32 copy of the logits)."""
-    grads, total = torch.empty_like(logits), torch.zeros((), dtype=torch.float32, device=logits.device)
+def _chunked_loss_into_grad_(logits: torch.Tensor, labels: torch.Tensor, step: int) -> torch.Tensor:
+    """Summed cross-entropy (fp32 scalar) of ``logits [T, V]`` against ``labels [T]``, ``step`` tokens at a time, each
+    chunk overwritten with its gradient (:func:`~hf_lowprec.chunked_loss.cross_entropy_into_grad_`, as the chunked
+    loss does): no fp32 copy of the whole logits, no second buffer."""
+    total = torch.zeros((), dtype=torch.float32, device=logits.device)
     for i in range(0, len(labels), step):
-        loss, grads[i : i + step] = cross_entropy_with_grad(logits[i : i + step], labels[i : i + step])
-        total += loss
-    return total, grads
+        total += cross_entropy_into_grad_(logits[i : i + step], labels[i : i + step])
+    return total
 
 
 def _boundary_pairs(units, scores, fraction: float) -> list[tuple[int, str]]:
