@@ -57,16 +57,22 @@ def _run(target: str) -> None:
 
 class _PostImportHook(importlib.abc.MetaPathFinder):
     """Finds nothing itself: for the modules of :data:`REGISTRATIONS` it returns the spec the other finders give,
-    with a loader that runs the registration once the module has executed."""
+    with a loader that runs the registration once the module has executed. A registration stays pending until its
+    module executes: ``importlib.util.find_spec("peft")`` alone (transformers' ``is_peft_available()`` probes so,
+    inside ``from_pretrained``) imports nothing, and the import that follows must still register."""
 
     def __init__(self, pending: dict[str, str]):
         self.pending = pending
+        self.resolving: set[str] = set()  # modules whose spec is being found by the other finders
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in self.pending:
+        if fullname not in self.pending or fullname in self.resolving:
             return None
-        registration = self.pending.pop(fullname)  # popped first: find_spec below must not find this hook again
-        spec = importlib.util.find_spec(fullname)
+        self.resolving.add(fullname)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self.resolving.discard(fullname)
         if spec is None or spec.loader is None:
             return spec
         execute = spec.loader.exec_module
@@ -74,7 +80,9 @@ class _PostImportHook(importlib.abc.MetaPathFinder):
         def execute_then_register(module):
             with quiet_imports():
                 execute(module)
-            _run(registration)
+            registration = self.pending.pop(fullname, None)
+            if registration is not None:
+                _run(registration)
 
         spec.loader.exec_module = execute_then_register
         return spec

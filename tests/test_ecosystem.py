@@ -87,6 +87,19 @@ def test_card_snippets_reload_the_trained_model_in_a_fresh_interpreter(exported,
     assert (base_logits - trained_logits).abs().max() > 1e-2  # the adapters were applied, not dropped
 
 
+def test_adapters_load_when_peft_is_imported_after_the_model(exported, tmp_path):
+    """The notebook order: the packed base loads first (``from_pretrained`` probes for PEFT with ``find_spec`` without
+    importing it), PEFT is imported afterwards; its LoRA dispatch must still know the packed layers."""
+    folder, trained_logits = exported
+    code = (
+        "import hf_lowprec\nfrom transformers import AutoModelForCausalLM\n"
+        f"base = AutoModelForCausalLM.from_pretrained({str(folder)!r})\n"
+        "import sys\nassert 'peft' not in sys.modules\n"
+        f"from peft import PeftModel\nmodel = PeftModel.from_pretrained(base, {str(folder)!r}, subfolder='adapter')\n"
+    )
+    torch.testing.assert_close(_run_snippet(code, tmp_path), trained_logits, rtol=0, atol=1e-5)
+
+
 def test_adapters_name_the_hub_base_model_and_the_card_follows_the_adapter_convention(exported):
     import json
 
