@@ -91,8 +91,10 @@ class PrecisionPlan:
             )
         unknown = sorted(set(data) - set(PLAN_KEYS))
         if unknown:
+            example = '{"default": "fp8", "layers": {"lm_head": "bf16"}}'
             raise ValueError(
-                f"{where}unknown plan key(s) {', '.join(map(repr, unknown))}; allowed keys are {', '.join(PLAN_KEYS)}"
+                f"{where}unknown plan key(s) {', '.join(map(repr, unknown))}; allowed keys are {', '.join(PLAN_KEYS)} "
+                f"(layer rules go under 'layers', e.g. {example})"
             )
         layers = data.get("layers") or {}
         if not isinstance(layers, Mapping):
