@@ -2,8 +2,9 @@
 
 A run writes into ``<output-dir>.incomplete/`` (Trainer checkpoints and ``run_settings.json``) and
 publishes ``<output-dir>`` in one rename when it finishes, so ``<output-dir>`` is never half-written.
-Ctrl-C finishes the current step, saves a checkpoint there and exits with status 130; the same
-command with ``--resume`` continues from it. A second Ctrl-C aborts at once.
+Ctrl-C (or SIGTERM, as sent by ``timeout``, docker stop, Slurm and Kubernetes) finishes the current step,
+saves a checkpoint there and exits with status 130 (143); the same command with ``--resume`` continues from
+the newest complete checkpoint. A second signal aborts at once.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArgu
 from hf_lowprec.checkpoints import default_checkpoint, has_tokenizer, load_pretrained, resolve_checkpoint
 from hf_lowprec.data import collated_batches, prepare_lm_data, read_source
 from hf_lowprec.export.folder import export_model
-from hf_lowprec.export.records import hardware_info, read_run
+from hf_lowprec.export.records import RUN_FILE, hardware_info, read_run
 from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.metrics import causal_lm_loss, peak_rss_mb
 from hf_lowprec.modules.kernels.autotune import measured, resolve_dtype
@@ -38,13 +39,23 @@ from hf_lowprec.ondevice import (
     prepare_int4_lora,
 )
 from hf_lowprec.ondevice.learned_steps import fold_learned_steps, learned_steps
+from hf_lowprec.plan import PLAN_FILE
 from hf_lowprec.recipe import Recipe
-from hf_lowprec.training.callback import LowPrecisionCallback
+from hf_lowprec.training.callback import STATE_FILE, LowPrecisionCallback
 
 SETTINGS_FILE = "run_settings.json"
 LOSS_CURVE = "loss_curve.png"
 PLAN_SNAPSHOT = "plan.json"
 TRACKER_DIR = "runs"  # where transformers' TensorBoard callback writes under output_dir
+TRAINER_STATE = "trainer_state.json"  # the Trainer writes it after the weights, optimizer and RNG states
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "adapter_model.safetensors",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.bin",
+)
 
 
 # ---------------------------------------------------------------------------------- folders
@@ -62,70 +73,147 @@ class RunFolder:
     def checkpoints(self) -> Path:
         return self.work / "checkpoints"
 
+    def checkpoint_folders(self) -> list[Path]:
+        """Every ``checkpoint-<step>`` folder, newest first (complete or not)."""
+        found = [p for p in self.checkpoints.glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and p.is_dir()]
+        return sorted(found, key=_checkpoint_step, reverse=True)
+
+    def is_complete(self, checkpoint: Path) -> bool:
+        """Whether the Trainer (and the low-precision callback) finished writing ``checkpoint``: a kill while it is
+        written leaves it without ``trainer_state.json`` (written after the weights, optimizer and RNG states) or,
+        for method ``full``, without the callback's plan and state files (written after that)."""
+        try:
+            json.loads((checkpoint / TRAINER_STATE).read_text())
+        except (OSError, ValueError):
+            return False
+        needed = (PLAN_FILE, STATE_FILE) if self.settings().get("recipe", {}).get("method") == "full" else ()
+        return any((checkpoint / f).is_file() for f in WEIGHT_FILES) and all((checkpoint / f).is_file() for f in needed)
+
     def latest_checkpoint(self) -> Path | None:
-        found = [p for p in self.checkpoints.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()]
-        return max(found, key=lambda p: int(p.name.split("-")[-1]), default=None)
+        """The newest complete checkpoint (``None`` when there is none)."""
+        return next((p for p in self.checkpoint_folders() if self.is_complete(p)), None)
+
+    def drop_partial_checkpoints(self) -> list[Path]:
+        """Remove the checkpoints newer than :meth:`latest_checkpoint` that a kill left half-written (the run saves
+        them again; left there, the Trainer's checkpoint rotation would count them); the removed folders."""
+        latest = self.latest_checkpoint()
+        newest_kept = -1 if latest is None else _checkpoint_step(latest)
+        partial = [p for p in self.checkpoint_folders() if _checkpoint_step(p) > newest_kept]
+        for p in partial:
+            shutil.rmtree(p)
+        return partial
 
     def settings(self) -> dict:
         path = self.work / SETTINGS_FILE
         return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def _checkpoint_step(checkpoint: Path) -> int:
+    return int(checkpoint.name.split("-")[-1])
+
+
 def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool) -> RunFolder:
-    """Check the output folder before anything heavy runs (never touches ``out`` itself)."""
+    """Check the output folder before anything heavy runs (never touches ``out`` itself). ``--overwrite`` replaces
+    only an empty folder or an hf-lowprec run or export (one holding ``hf_lowprec_run.json``)."""
     run = RunFolder(Path(out))
     if run.out.exists() and not run.out.is_dir():
         ui.fail(f"output {str(run.out)!r} exists and is not a folder")
     if resume:
         if run.latest_checkpoint() is None:
-            ui.fail(f"--resume: no interrupted run to resume (no checkpoint under {str(run.checkpoints)!r})")
+            partial = " (only a half-written one, from a kill while it was saved)" if run.checkpoint_folders() else ""
+            ui.fail(
+                f"--resume: no interrupted run to resume (no complete checkpoint under {str(run.checkpoints)!r}"
+                f"{partial}); pass --overwrite to start over"
+            )
         return run
-    if run.out.is_dir() and any(run.out.iterdir()) and not overwrite:
-        ui.fail(
-            f"output folder {str(run.out)!r} already exists; pass --overwrite to replace it (it is replaced only "
-            "when the new run finishes)"
-        )
+    if run.out.is_dir() and any(run.out.iterdir()):
+        if not overwrite:
+            ui.fail(
+                f"output folder {str(run.out)!r} already exists; pass --overwrite to replace it (it is replaced only "
+                "when the new run finishes)"
+            )
+        if not (run.out / RUN_FILE).is_file():
+            ui.fail(
+                f"--overwrite: {str(run.out)!r} is not an hf-lowprec run or export folder (no {RUN_FILE}), so it is "
+                "not replaced; choose another --output-dir, or empty or remove that folder yourself"
+            )
     if run.work.exists():
         if not overwrite:
             ui.fail(
                 f"an interrupted run is in {str(run.work)!r}; pass --resume to continue it or --overwrite to start over"
+            )
+        if not run.work.is_dir() or not _is_work_folder(run.work):
+            ui.fail(
+                f"--overwrite: {str(run.work)!r} is not an interrupted hf-lowprec run (no {SETTINGS_FILE} or "
+                "checkpoints), so it is not removed; choose another --output-dir, or remove that folder yourself"
             )
         shutil.rmtree(run.work)
     run.work.mkdir(parents=True)
     return run
 
 
+def _is_work_folder(folder: Path) -> bool:
+    """An empty folder or one a run trains in (its settings file or its checkpoints)."""
+    return not any(folder.iterdir()) or (folder / SETTINGS_FILE).is_file() or (folder / "checkpoints").is_dir()
+
+
 def check_same_run(run: RunFolder, current: dict) -> None:
-    """``--resume`` must continue the same model, data and recipe as the interrupted run."""
-    saved = run.settings()
-    for key in ("model", "gguf_file", "data", "recipe"):
-        if key in saved and saved[key] != current[key]:
-            ui.fail(
-                f"--resume: {key} differs from the interrupted run's (see {str(run.work / SETTINGS_FILE)!r}); "
-                "pass the same options, or --overwrite to start over"
-            )
+    """``--resume`` must continue the same model, data and recipe as the interrupted run; the error names what
+    differs (dotted keys, saved -> now)."""
+    saved, current = run.settings(), json.loads(json.dumps(current))  # compared as JSON holds them (tuples: lists)
+    keys = [k for k in ("model", "gguf_file", "data", "recipe") if k in saved]
+    changes = [change for k in keys for change in _differences(k, saved[k], current[k])]
+    if changes:
+        shown = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3 else "")
+        ui.fail(
+            f"--resume: the options differ from the interrupted run's: {_shorten(shown, 300)} (see "
+            f"{str(run.work / SETTINGS_FILE)!r}); pass the same options, or --overwrite to start over"
+        )
+
+
+def _differences(path: str, old, new) -> list[str]:
+    """``'a.b: old -> new'`` for every leaf where two JSON values differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = [*old, *(k for k in new if k not in old)]
+        return [d for k in keys for d in _differences(f"{path}.{k}", old.get(k), new.get(k))]
+    return [] if old == new else [f"{path}: {_shorten(json.dumps(old), 60)} -> {_shorten(json.dumps(new), 60)}"]
+
+
+def _shorten(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 # ---------------------------------------------------------------------------- trainer hooks
 class StopOnInterrupt(TrainerCallback):
-    """First Ctrl-C: finish the step, save a checkpoint, stop training. Second Ctrl-C: abort."""
+    """First Ctrl-C or SIGTERM: finish the step, save a checkpoint, stop training (``signum`` tells which came, for
+    the exit status 128 + signum). A second one: abort."""
+
+    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
     def __init__(self):
         self.requested = False
+        self.signum = signal.SIGINT
 
     @contextlib.contextmanager
     def installed(self):
-        previous = signal.signal(signal.SIGINT, self._handle)
+        previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         try:
             yield self
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + int(self.signum)  # 130 after Ctrl-C, 143 after SIGTERM, as a shell reports a signal's kill
 
     def _handle(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
-        ui.err.print("[yellow]interrupt: finishing this step and saving a checkpoint (Ctrl-C again to abort)[/]")
+        self.requested, self.signum = True, signum
+        name = self.SIGNALS.get(signum, f"signal {signum}")
+        message = f"interrupt ({name}): finishing this step and saving a checkpoint ({name} again to abort)"
+        ui.err.print(f"[yellow]{message}[/]", soft_wrap=True)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.requested:
@@ -244,6 +332,13 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     lora = recipe.method == "int4-lora"
     compute, compute_reason = resolve_dtype(t.dtype, "cuda" if torch.cuda.is_available() else "cpu")
     ui.err.print(compute_reason, soft_wrap=True)
+    p = recipe.precision
+    if p.is_file and p.keep:  # the recipe's keep serves format-name and auto plans; a file names its kept layers
+        ui.err.print(
+            f"precision.keep {list(p.keep)} does not apply to the plan file {p.plan!r}: the layers it does not name "
+            f"take its default, {p.fixed_plan().default.name}",
+            soft_wrap=True,
+        )
     bf16 = compute == torch.bfloat16
     # full training keeps fp32 master weights under bf16 autocast; the frozen INT4 base computes in the compute dtype
     model, tokenizer, lm, base_plan = _load_model_and_data(opts, torch.bfloat16 if lora and bf16 else torch.float32)
@@ -254,11 +349,11 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
             figures["loss_base"] = _evaluate(
                 model, lm, t.per_device_train_batch_size, autocast, "evaluating the base model (held-out data)"
             )["loss"]
-    resume_from = str(run.latest_checkpoint()) if opts.resume else None
+    resume_from = _resume_checkpoint(run) if opts.resume else None
     set_seed(t.seed)  # the adapters' random init (LoRA A) comes before the Trainer seeds anything
     model, callbacks, method_info = _prepare_method(model, recipe, lm, t, resume_from, base_plan)
     stopper = StopOnInterrupt()
-    p, conversion = recipe.precision, []
+    conversion = []
     if not lora and not resume_from:  # a resumed run reads its plan and rounded weights from the checkpoint
         conversion += [f"scanning {p.calibration_batches} batches for the plan"] if p.is_auto else []
         conversion += [f"rounding the FP8 weights by {p.rounding}"] if p.rounding != "nearest" else []
@@ -288,7 +383,7 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
         ui.fail(
             f"interrupted at step {trainer.state.global_step}/{t.max_steps}; checkpoint saved in "
             f"{str(run.latest_checkpoint())!r}; run the same command with --resume to continue",
-            code=ui.EXIT_INTERRUPTED,
+            code=stopper.exit_code,
         )
     fold_learned_steps(model)  # an INT4 base's learned steps, rounded as its export will hold them
     final = _evaluate(
@@ -299,6 +394,15 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     record["compute"] = _compute_record(compute, compute_reason, model)
     _export_run(model, tokenizer, run, record, recipe, trainer.state.log_history)
     return record
+
+
+def _resume_checkpoint(run: RunFolder) -> str:
+    """The newest complete checkpoint, said on stderr; newer half-written ones (a kill while saving) are removed."""
+    for partial in run.drop_partial_checkpoints():
+        ui.err.print(f"skipping {partial.name}: it was only partly written (killed while saving); removed it")
+    checkpoint = run.latest_checkpoint()
+    ui.err.print(f"resuming from {checkpoint.name} (step {_checkpoint_step(checkpoint)}) in {str(run.checkpoints)!r}")
+    return str(checkpoint)
 
 
 def _compute_record(compute: torch.dtype, reason: str, model) -> dict:

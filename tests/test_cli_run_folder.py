@@ -1,0 +1,205 @@
+"""The finetune run folder: resuming after a kill (SIGTERM, a half-written checkpoint), what --overwrite may replace,
+and what --resume says when the options changed."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from hf_lowprec.cli import run as run_module
+from hf_lowprec.cli.app import app
+from tiny_assets import corpus_text, save_tiny_model
+from typer.testing import CliRunner
+
+from hf_lowprec.export import RUN_FILE
+from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
+
+# a tiny model, short blocks, a checkpoint after every step
+QUICK = ["--block-size", "32", "--batch-size", "2", "--eval-blocks", "2", "--dtype", "fp32", "--save-steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli_run_folder")
+    save_tiny_model(d / "tiny")
+    (d / "corpus.txt").write_text(corpus_text(20_000))
+    return d
+
+
+def cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def one_error_line(result):
+    text = result.output.strip()
+    assert result.exit_code == 2, text
+    assert "Traceback" not in text and text.count("error:") == 1, text
+    return text
+
+
+def finetune_args(ws, out, recipe="int4-ondevice-lora", steps=3):
+    return ["finetune", ws / "tiny", "--data", ws / "corpus.txt", "--recipe", recipe, "--max-steps", steps, *QUICK,
+            "-o", out]  # fmt: skip
+
+
+def interrupt_at_step_2(monkeypatch):
+    """In this process: every checkpoint kept (no rotation) and a SIGTERM arriving during step 2."""
+    make_args = run_module._training_arguments
+
+    def keep_all(*args, **kwargs):
+        targs = make_args(*args, **kwargs)
+        targs.save_total_limit = None
+        return targs
+
+    step_end = run_module.StopOnInterrupt.on_step_end
+
+    def terminated_at_2(self, args, state, control, **kwargs):
+        if state.global_step == 2 and not self.requested:
+            self._handle(signal.SIGTERM, None)
+        return step_end(self, args, state, control, **kwargs)
+
+    monkeypatch.setattr(run_module, "_training_arguments", keep_all)
+    monkeypatch.setattr(run_module.StopOnInterrupt, "on_step_end", terminated_at_2)
+
+
+def cut_as_a_kill_leaves_it(checkpoint, keep):
+    """``checkpoint`` as a kill while it is written leaves it: only the files in ``keep``, the last one cut short."""
+    for f in checkpoint.iterdir():
+        if f.name not in keep:
+            f.unlink()
+    last = checkpoint / keep[-1]
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(
+    "recipe, kept",
+    [
+        # the Trainer died writing the optimizer state: no trainer_state.json yet
+        ("int4-ondevice-lora", ["adapter_config.json", "adapter_model.safetensors", "optimizer.pt"]),
+        # died after trainer_state.json, writing the low-precision callback's state (saved last, in on_save)
+        ("fp8-train", ["config.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth",
+                       "trainer_state.json", "hf_lowprec_plan.json"]),
+    ],
+)  # fmt: skip
+def test_resume_skips_a_half_written_checkpoint(ws, tmp_path, monkeypatch, recipe, kept):
+    out = tmp_path / "run"
+    args = finetune_args(ws, out, recipe)
+    with monkeypatch.context() as patched:
+        interrupt_at_step_2(patched)
+        stopped = cli(*args)
+    assert stopped.exit_code == 143, stopped.output[-2000:]
+    checkpoints = tmp_path / "run.incomplete" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    cut_as_a_kill_leaves_it(checkpoints / "checkpoint-2", kept)
+    assert run_module.RunFolder(out).latest_checkpoint() == checkpoints / "checkpoint-1"
+
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    resumed = cli(*args, "--resume")
+    assert resumed.exit_code == 0, resumed.output[-3000:]
+    assert "skipping checkpoint-2" in resumed.output and "resuming from checkpoint-1 (step 1)" in resumed.output
+    record = json.loads((out / RUN_FILE).read_text())
+    assert record["training"]["resumed_from_step"] == 1 and record["training"]["steps"] == 3
+    assert not (tmp_path / "run.incomplete").exists()
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # handlers put back
+
+
+def test_resume_with_only_a_half_written_checkpoint_says_so(ws, tmp_path):
+    checkpoint = tmp_path / "run.incomplete" / "checkpoints" / "checkpoint-1"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "adapter_model.safetensors").write_bytes(b"\0" * 10)
+    text = one_error_line(cli(*finetune_args(ws, tmp_path / "run"), "--resume"))
+    assert "no complete checkpoint" in text and "half-written" in text
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_143(ws, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hf_lowprec.cli.app", *map(str, finetune_args(ws, out, "qat-int4", steps=40))]
+    cmd[cmd.index("--save-steps") + 1] = "1000"  # only the checkpoint the signal asks for
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
+    deadline = time.time() + 120
+    while not any(line.startswith("step ") for line in lines) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert any(line.startswith("step ") for line in lines), "".join(lines)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143
+    reader.join(timeout=10)
+    stderr = "".join(lines)
+    assert "SIGTERM" in stderr and "checkpoint saved" in stderr and "--resume" in stderr and "Traceback" not in stderr
+    run = run_module.RunFolder(out)
+    checkpoints = run.checkpoint_folders()
+    assert len(checkpoints) == 1 and run.is_complete(checkpoints[0]) and not out.exists()
+    stopped_at = int(checkpoints[0].name.split("-")[1])
+    assert 0 < stopped_at < 40
+
+    resumed = cli(*cmd[3:], "--resume")  # the same command, in this process
+    assert resumed.exit_code == 0, resumed.output[-2000:]
+    assert f"resuming from checkpoint-{stopped_at}" in resumed.output
+    record = json.loads((out / RUN_FILE).read_text())
+    assert record["training"]["resumed_from_step"] == stopped_at and record["training"]["steps"] == 40
+
+
+def test_overwrite_replaces_only_empty_folders_and_runs(ws, tmp_path):
+    mine = tmp_path / "userdir"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("precious")
+    args = finetune_args(ws, mine, "fp8-train", steps=1)
+    text = one_error_line(cli(*args, "--overwrite"))
+    assert "--overwrite" in text and str(mine) in text and "not an hf-lowprec run" in text
+    assert (mine / "notes.txt").read_text() == "precious" and (mine / "sub").is_dir()
+    assert not (tmp_path / "userdir.incomplete").exists()
+
+    stray = tmp_path / "other.incomplete"  # a folder of the user's that happens to have a work folder's name
+    stray.mkdir()
+    (stray / "notes.txt").write_text("precious")
+    text = one_error_line(cli(*finetune_args(ws, tmp_path / "other", "fp8-train", steps=1), "--overwrite"))
+    assert str(stray) in text and "not an interrupted hf-lowprec run" in text
+    assert (stray / "notes.txt").read_text() == "precious"
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    first = cli(*finetune_args(ws, empty, "fp8-train", steps=1), "--overwrite")
+    assert first.exit_code == 0, first.output[-2000:]
+    assert (empty / RUN_FILE).is_file()
+    (empty / "stale.txt").write_text("from the old run")
+    again = cli(*finetune_args(ws, empty, "fp8-train", steps=1), "--overwrite")  # a run folder: replaced
+    assert again.exit_code == 0, again.output[-2000:]
+    assert (empty / RUN_FILE).is_file() and not (empty / "stale.txt").exists()
+
+
+def test_resume_names_the_options_that_changed(ws, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    with monkeypatch.context() as patched:
+        interrupt_at_step_2(patched)
+        assert cli(*finetune_args(ws, out, "fp8-train")).exit_code == 143
+    changed = finetune_args(ws, out, "fp8-train", steps=5)
+    text = one_error_line(cli(*changed, "--learning-rate", "0.5", "--resume"))
+    assert "recipe.training.max_steps: 3 -> 5" in text and "recipe.training.learning_rate:" in text and "-> 0.5" in text
+    assert "run_settings.json" in text and "--overwrite" in text
+    settings = json.loads((tmp_path / "run.incomplete" / "run_settings.json").read_text())
+    training = settings["recipe"]["training"]
+    training.update({k: "changed" for k in list(training)[:10]})  # many differences: the line stays short
+    (tmp_path / "run.incomplete" / "run_settings.json").write_text(json.dumps(settings))
+    line = one_error_line(cli(*changed, "--resume")).splitlines()[-1]
+    assert line.startswith("error: --resume") and "more" in line and len(line) < 600, line
+    shutil.rmtree(tmp_path / "run.incomplete")
+
+
+def test_a_plan_file_says_the_recipes_keep_does_not_apply(ws, tmp_path):
+    """The recipe's ``keep: [lm_head]`` serves format-name and auto plans; a plan file's unnamed layers take its
+    default, and the run says so instead of recording a keep it did not apply."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"default": "int4-g64-asym"}))
+    result = cli(*finetune_args(ws, tmp_path / "run", steps=1), "--plan", plan)
+    assert result.exit_code == 0, result.output
+    assert "precision.keep ['lm_head'] does not apply to the plan file" in result.output
+    assert "take its default, int4-g64-asym" in result.output
+    assert PrecisionPlan.load(tmp_path / "run" / PLAN_FILE).resolve("lm_head").name == "int4-g64-asym"
