@@ -195,7 +195,7 @@ def test_resume_names_the_options_that_changed(ws, tmp_path, monkeypatch):
 
 def test_a_plan_file_says_the_recipes_keep_does_not_apply(ws, tmp_path):
     """The recipe's ``keep: [lm_head]`` serves format-name and auto plans; a plan file's unnamed layers take its
-    default, and the run says so instead of recording a keep it did not apply."""
+    default, and the run says so (the recipe in its record still lists the keep)."""
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"default": "int4-g64-asym"}))
     result = cli(*finetune_args(ws, tmp_path / "run", steps=1), "--plan", plan)
