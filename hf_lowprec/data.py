@@ -16,6 +16,7 @@ was never trained on.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,7 +57,8 @@ def default_corpus() -> tuple[datasets.Dataset, str]:
 
 
 def load_records(source: str | Path, *, split: str = "train", config: str | None = None) -> datasets.Dataset:
-    """Rows of a local data file/folder or a Hub dataset (``split`` of it)."""
+    """Rows of a local data file/folder or a Hub dataset (``split`` of it; a single file, or a folder of files not
+    named by split, holds one split: ``train``)."""
     path = Path(source)
     if path.is_dir() and (files := _split_files(path)):
         if split not in files:
@@ -70,10 +72,12 @@ def load_records(source: str | Path, *, split: str = "train", config: str | None
             raise ValueError(
                 f"data folder {str(path)!r} must hold files of one kind ({', '.join(FILE_BUILDERS)}); found {found}"
             )
+        _check_train_split(f"data folder {str(path)!r}", split)
         return _load_files(builders.pop(), [str(p) for p in files], str(path))
     if path.suffix in FILE_BUILDERS:
         if not path.is_file():
             raise ValueError(f"data file {str(path)!r} does not exist")
+        _check_train_split(f"data file {str(path)!r}", split)
         return _load_files(FILE_BUILDERS[path.suffix], [str(path)], str(path))
     if path.exists() or path.suffix or str(source).startswith((".", "/", "~")):
         raise ValueError(
@@ -83,9 +87,30 @@ def load_records(source: str | Path, *, split: str = "train", config: str | None
         ds = datasets.load_dataset(str(source), config, split=split)
     except Exception as e:  # datasets raises many types (network, missing split, script errors)
         raise ValueError(
-            f"could not load dataset {str(source)!r} (split {split!r}) through datasets: {str(e).splitlines()[0]}"
+            f"could not load dataset {str(source)!r} (split {split!r}) through datasets: {_first_line(e)}"
         ) from None
     return ds
+
+
+def _check_train_split(what: str, split: str) -> None:
+    """A single file, or a folder of files not named by split, holds one split: ``train``."""
+    if split != "train":
+        more = "/".join(SPLIT_NAMES)
+        raise ValueError(f"{what} has no split {split!r}; its splits are train (a folder of {more} files holds more)")
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message, else of the exceptions it was raised from (datasets wraps the cause in
+    "An error occurred while generating the dataset"), else its type's name."""
+    seen, first, cause = set(), None, e
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        lines = str(cause).strip().splitlines()
+        if lines and not lines[0].startswith("An error occurred while generating the dataset"):
+            return lines[0]
+        first = first or (lines[0] if lines else None)
+        cause = cause.__cause__ or cause.__context__
+    return first or type(e).__name__
 
 
 SPLIT_NAMES = ("train", "validation", "test")  # a data folder of files named by split holds those splits
@@ -112,7 +137,7 @@ def default_eval_split(source: str | Path) -> str:
         try:
             splits = datasets.get_dataset_split_names(str(source))
         except Exception as e:  # offline, unknown dataset: load_records reports it on the real load
-            logger.info("split names of %s unavailable (%s); evaluating on train", source, str(e).splitlines()[0])
+            logger.info("split names of %s unavailable (%s); evaluating on train", source, _first_line(e))
             return "train"
     return next((s for s in EVAL_SPLITS if s in splits), "train")
 
@@ -121,8 +146,47 @@ def _load_files(builder: str, files: list[str], name: str) -> datasets.Dataset:
     options = {"keep_linebreaks": True} if builder == "text" else {}
     try:
         return datasets.load_dataset(builder, data_files=files, split="train", **options)
-    except Exception as e:  # malformed json/csv/parquet
-        raise ValueError(f"could not read data {name!r} as {builder}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # empty or malformed json/csv/parquet
+        raise ValueError(f"could not read data {name!r} as {builder}: {_read_error(builder, files, e)}") from None
+
+
+def _read_error(builder: str, files: list[str], e: Exception) -> str:
+    """Why datasets could not read ``files``, in one line: an empty file, the first line of a JSON file that does not
+    parse, else the innermost message datasets kept."""
+    for f in files:
+        size = Path(f).stat().st_size
+        if size == 0 or (size < 65536 and builder in ("text", "json") and not Path(f).read_bytes().strip()):
+            return f"{f!r} is empty" if len(files) > 1 else "the file is empty"
+    if builder == "json":
+        for f in files:
+            if (where := _json_error(Path(f))) is not None:
+                return where if len(files) == 1 else f"{f}: {where}"
+    return _first_line(e)
+
+
+def _json_error(path: Path) -> str | None:
+    """``"line N: <error> ..."`` of the first line of JSON-lines file ``path`` that does not parse (of the whole file
+    when it is one JSON document over several lines); ``None`` when it parses (the error was elsewhere)."""
+    with path.open(encoding="utf-8", errors="replace") as f:
+        first = True
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except ValueError as err:
+                if not (first and line.lstrip()[:1] in ("[", "{")):
+                    return f"line {number}: {err.msg} (column {err.colno}): {line.strip()[:60]!r}"
+                break  # a document over several lines, e.g. a JSON array: parse it whole
+            first = False
+        else:
+            return None
+        f.seek(0)
+        try:
+            json.load(f)
+        except ValueError as err:
+            return f"line {err.lineno}: {err.msg} (column {err.colno})" if hasattr(err, "lineno") else str(err)
+    return None
 
 
 @dataclass(frozen=True)

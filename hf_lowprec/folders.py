@@ -19,13 +19,36 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the mode open() would
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600; give the file the mode open() would
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def current_umask() -> int:
+    """The process umask (read from ``/proc`` where it can be: setting it to read it back races with threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+def plain_modes(root: str | os.PathLike) -> None:
+    """Give ``root`` and everything under it the modes ``mkdir``/``open`` give under the umask (0755/0644 under 022):
+    ``mkdtemp`` makes 0700 folders, ``mkstemp`` and safetensors 0600 files. Executable files stay executable."""
+    umask = current_umask()
+    root = Path(root)
+    for path in [root, *root.rglob("*")]:
+        if path.is_symlink():
+            continue
+        executable = path.is_dir() or path.stat().st_mode & 0o111
+        os.chmod(path, (0o777 if executable else 0o666) & ~umask)
 
 
 def check_output_dir(out: str | os.PathLike, overwrite: bool) -> None:
@@ -34,12 +57,13 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"output {str(out)!r} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"output folder {str(out)!r} already exists; pass --overwrite (overwrite=True) to replace it")
+        raise ValueError(f"output folder {str(out)!r} already exists; pass --overwrite to replace it")
 
 
 @contextlib.contextmanager
 def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield an empty temporary sibling of ``out``; on success it replaces ``out`` in one rename.
+    """Yield an empty temporary sibling of ``out``; on success it replaces ``out`` in one rename, with the modes a
+    plain ``mkdir``/``open`` would have given (:func:`plain_modes`).
 
     Raises ``ValueError`` if ``out`` exists (and is not empty) without ``overwrite``. On any error the
     temporary folder is removed and ``out`` is left exactly as it was.
@@ -50,6 +74,7 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial"))
     try:
         yield tmp
+        plain_modes(tmp)
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

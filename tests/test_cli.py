@@ -15,6 +15,7 @@ import torch
 from conftest import with_loud_channels
 from hf_lowprec.cli.app import app
 from huggingface_hub import ModelCard
+from safetensors import safe_open
 from tiny_assets import HubStandIn, corpus_text, save_tiny_model, tensorboard_scalars, validate_card_metadata
 from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_collator
 from typer.testing import CliRunner
@@ -257,6 +258,7 @@ def test_export_merge_folds_lora_into_the_int4_base(ws, lora_run, tmp_path):
     result = cli("export", out, "--out", merged, "--merge")
     assert result.exit_code == 0, result.output
     assert "merge error" in result.output and not (merged / "adapter").exists()
+    assert "(merging LoRA into an int4 base)" in " ".join(result.output.split())
     merged_model, _ = load_exported(merged)
     merged_loss = causal_lm_loss(merged_model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
     assert merged_loss == pytest.approx(loss, abs=0.05)  # a second rounding: close to, not equal to, the trained model
@@ -312,6 +314,11 @@ def test_scan_writes_a_plan_that_fits_the_model(ws):
     unmeetable = one_error_line(cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--budget", "target_bits_per_param=4", "--out", out))
     assert "target_bits_per_param=4 cannot be met: the fewest bits per parameter reachable" in unmeetable
     assert "scanning" not in unmeetable
+    # the default budget (1% of the calibration loss) is printed to 4 significant digits, not as 0.10789930555555556
+    default = cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--block-size", "32", "--batches", "1", "--out", ws / "scan" / "default.json")
+    assert default.exit_code == 0, default.output
+    budget = re.search(r"max_loss_increase=([0-9.e+-]+)", default.output).group(1)
+    assert len(budget.replace(".", "").lstrip("0")) <= 4, budget
 
 
 def test_a_master_export_keeps_what_int4_layers_learned(ws, tmp_path):
@@ -358,16 +365,111 @@ def test_bad_inputs_fail_with_one_line(ws, tmp_path):
     (tmp_path / "full-run").mkdir()
     (tmp_path / "full-run" / RUN_FILE).write_text(json.dumps({"recipe": {"method": "full"}}))
     assert "has no LoRA adapters to merge" in one_error_line(cli("export", tmp_path / "full-run", "--out", tmp_path / "e", "--merge"))
+    for into in ("bf16", "int4"):  # --merge-into without --merge is not silently ignored
+        alone = one_error_line(cli("export", tmp_path / "full-run", "--out", tmp_path / "e", "--merge-into", into))
+        assert f"--merge-into {into} applies with --merge: add --merge" in alone
+    assert not (tmp_path / "e").exists()
 
     existing = tmp_path / "existing"
     existing.mkdir()
     (existing / "mine.txt").write_text("keep me")
     args = ["finetune", ws / "tiny", "--data", ws / "corpus.txt", "--recipe", "fp8-train", "--max-steps", "1", *FAST, "-o", existing]
-    assert "already exists; pass --overwrite" in one_error_line(cli(*args))
+    refused = one_error_line(cli(*args))
+    assert "already exists; pass --overwrite to replace it" in refused and "overwrite=True" not in refused
     assert [p.name for p in existing.iterdir()] == ["mine.txt"]
-    result = cli(*args, "--overwrite")
-    assert result.exit_code == 0, result.output
-    assert not (existing / "mine.txt").exists() and (existing / RUN_FILE).exists()
+    assert "is not an hf-lowprec run or export folder" in one_error_line(cli(*args, "--overwrite"))  # not a run: kept
+    assert [p.name for p in existing.iterdir()] == ["mine.txt"]
+
+
+def test_empty_or_malformed_data_and_a_split_a_file_lacks_fail_with_one_line(ws, tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"text": "a b c"}\n{not json\n')
+    args = ["finetune", ws / "tiny", "--max-steps", "2", *FAST, "-o", tmp_path / "run"]
+    for name in ("empty.jsonl", "empty.txt"):  # an empty file crashed the error formatter (IndexError, exit 1)
+        assert f"could not read data '{tmp_path / name}'" in one_error_line(cli(*args, "--data", tmp_path / name))
+        assert "the file is empty" in one_error_line(cli(*args, "--data", tmp_path / name))
+    assert "as json: line 2: Expecting property name" in one_error_line(cli(*args, "--data", tmp_path / "bad.jsonl"))
+    assert not (tmp_path / "run").exists() and not (tmp_path / "run.incomplete").exists()
+
+    # a single file has one split, train: another is an error, not the training rows under the other's name
+    evaluate = ["eval", ws / "tiny", "--data", ws / "corpus.txt", "--block-size", "32", "--max-sequences", "2"]
+    for split in ("bogus", "validation"):
+        text = one_error_line(cli(*evaluate, "--split", split))
+        assert f"has no split '{split}'; its splits are train" in " ".join(text.split()) and "perplexity" not in text
+    default = cli(*evaluate)
+    assert default.exit_code == 0 and "(train split)" in default.output, default.output
+
+
+@pytest.fixture(scope="module")
+def full_runs(ws):
+    """Full-training runs (no LoRA) made under umask 022: ``{"fp8-train": folder, "qat-int4": folder}``."""
+    runs, umask = {}, os.umask(0o022)
+    try:
+        for recipe in ("fp8-train", "qat-int4"):
+            runs[recipe] = ws / f"full-{recipe}"
+            result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", "--recipe", recipe, "--max-steps", "2", "--lr", "3e-3", *FAST, "-o", runs[recipe])
+            assert result.exit_code == 0, result.output
+    finally:
+        os.umask(umask)
+    return runs
+
+
+def test_full_runs_export_dense_bf16_and_name_their_formats(ws, full_runs, tmp_path):
+    """``--format bf16`` on a full run: master weights cast (fp8-train), packed INT4 layers dequantized (qat-int4), a
+    model plain transformers loads with the loss the run's weights give; a format a run lacks names those it has."""
+    fp8, qat = full_runs["fp8-train"], full_runs["qat-int4"]
+    wrong = one_error_line(cli("export", fp8, "--out", tmp_path / "ct", "--format", "compressed-tensors"))
+    assert "--format compressed-tensors does not apply" in wrong and "choose one of native, bf16" in " ".join(wrong.split())
+    merge = one_error_line(cli("export", fp8, "--out", tmp_path / "m", "--merge"))
+    assert "has no LoRA adapters to merge" in merge and "its export formats are native, bf16" in " ".join(merge.split())
+    tok = AutoTokenizer.from_pretrained(ws / "tiny")
+    for run, backend in ((fp8, "auto"), (qat, "dequant")):
+        dense = tmp_path / f"{run.name}-bf16"
+        result = cli("export", run, "--out", dense, "--format", "bf16")
+        assert result.exit_code == 0, result.output
+        assert "(dense bf16 weights)" in result.output and "merging" not in result.output and "--merge" not in result.output
+        config = json.loads((dense / "config.json").read_text())
+        assert "quantization_config" not in config and config["dtype"] == "bfloat16"
+        assert json.loads((dense / RUN_FILE).read_text())["export"]["weights"] == "dense"
+        with safe_open(dense / "model.safetensors", "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+        plain = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+        assert not any(isinstance(m, (PackedInt4Linear, PackedInt8Linear)) for m in plain.modules())
+        trained, _ = load_exported(run, backend=backend)  # master weights (fp8-train), packed codes (qat-int4)
+        blocks = held_out(ws, tok).eval
+        expected = causal_lm_loss(trained, blocks, default_data_collator, batch_size=2)["loss"]
+        assert causal_lm_loss(plain, blocks, default_data_collator, batch_size=2)["loss"] == pytest.approx(expected, abs=0.02)
+        card = (dense / CARD_FILE).read_text()
+        assert validate_card_metadata(card) == []
+        # the card describes what the folder holds: no master weights, no plan to re-apply
+        assert "dequantized" in card if run is qat else "master weights cast to bf16" in card
+        assert "apply_plan_numerics" not in card and not (dense / PLAN_FILE).exists()
+    assert cli("export", qat, "--out", tmp_path / "qat-ct", "--format", "compressed-tensors").exit_code == 0
+
+
+def test_runs_and_exports_get_the_modes_of_the_umask(full_runs, tmp_path):
+    """Folders 0755 and files 0644 under umask 022, as mkdir and open give: not mkdtemp's 0700 or safetensors' 0600,
+    also where --overwrite replaces a folder."""
+
+    def modes(folder):
+        return {p.relative_to(folder.parent).as_posix(): oct(p.stat().st_mode & 0o777) for p in [folder, *folder.rglob("*")]}
+
+    def wrong(folder):
+        return {name: mode for name, mode in modes(folder).items() if mode != ("0o755" if (folder.parent / name).is_dir() else "0o644")}
+
+    run = full_runs["qat-int4"]
+    assert (run / "model.safetensors").is_file() and wrong(run) == {}
+    umask = os.umask(0o022)
+    try:
+        pub = tmp_path / "pub"
+        assert cli("export", run, "--out", pub).exit_code == 0
+        assert wrong(pub) == {}
+        result = cli("export", run, "--out", pub, "--format", "bf16", "--overwrite")  # replaces the folder
+        assert result.exit_code == 0, result.output
+        assert wrong(pub) == {} and json.loads((pub / RUN_FILE).read_text())["export"]["weights"] == "dense"
+    finally:
+        os.umask(umask)
 
 
 def test_ctrl_c_leaves_a_resumable_checkpoint(ws, tmp_path):

@@ -132,6 +132,43 @@ def test_clear_errors_for_missing_files_and_columns(tmp_path, tok):
         read_source(tmp_path / "broken.jsonl")
 
 
+def test_empty_and_malformed_files_say_why_they_cannot_be_read(tmp_path):
+    """datasets raises an empty StopIteration for an empty JSON-lines file and wraps the cause of others in "An error
+    occurred while generating the dataset": the message gives the cause, on one line."""
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    (tmp_path / "bad.jsonl").write_text('{"text": "a b c"}\n{not json\n{"text": "d"}\n')
+    (tmp_path / "bad.json").write_text('[\n  {"text": "a"},\n  {"text": oops}\n]\n')
+    for name in ("empty.jsonl", "empty.txt", "blank.jsonl"):
+        with pytest.raises(ValueError, match=rf"could not read data '.*{name}' as (json|text): the file is empty$"):
+            read_source(tmp_path / name)
+    with pytest.raises(ValueError) as bad:
+        read_source(tmp_path / "bad.jsonl")
+    assert str(bad.value).endswith("as json: line 2: Expecting property name enclosed in double quotes (column 2): '{not json'")
+    with pytest.raises(ValueError, match=r"as json: line 3: Expecting value \(column 12\)$"):
+        read_source(tmp_path / "bad.json")  # one JSON document over several lines: its line and column
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "a.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "folder" / "b.jsonl").write_text('{"text": "b"}\n{"text": \n')
+    with pytest.raises(ValueError, match=r"could not read data '.*folder' as json: .*b\.jsonl: line 2: Expecting value"):
+        read_source(tmp_path / "folder")
+
+
+def test_a_single_file_holds_only_the_train_split(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in ROWS))
+    assert len(load_records(path, split="train")) == len(ROWS)
+    for split in ("validation", "bogus"):
+        with pytest.raises(ValueError, match=rf"data file '.*rows\.jsonl' has no split '{split}'; its splits are train"):
+            load_records(path, split=split)
+    (tmp_path / "folder").mkdir()  # files not named by split: one train split too
+    (tmp_path / "folder" / "part-1.jsonl").write_text(path.read_text())
+    with pytest.raises(ValueError, match=r"data folder '.*folder' has no split 'test'; its splits are train"):
+        load_records(tmp_path / "folder", split="test")
+    assert data.default_eval_split(path) == "train" and data.default_eval_split(tmp_path / "folder") == "train"
+
+
 def test_hub_dataset_names_go_through_datasets(monkeypatch):
     # this machine cannot reach the Hub: offline mode makes datasets answer at once, through the same code path
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)

@@ -201,10 +201,13 @@ def test_push_uploads_every_file_and_never_leaks_the_token(base_dir, tmp_path, m
     assert url.startswith(hub.endpoint) and pr_url.endswith("/discussions/1") and hub.pull_requests == ["me/tiny-int4"]
     assert hub.pr_files["refs/pr/1"] == hub.files["me/tiny-int4"]
     assert hub.repos["me/tiny-int4"]["visibility"] == "private"
-    assert hub.validated and hub.validated[-1] == (out / CARD_FILE).read_text()  # the client sent the card for validation
+    card = render_model_card(json.loads((out / RUN_FILE).read_text()), "me/tiny-int4").content
+    assert hub.validated and hub.validated[-1] == card  # the client sent the card for validation
     local = {p.name: p.read_bytes() for p in out.iterdir()}
-    assert hub.files["me/tiny-int4"] == local  # every file, byte for byte (the card re-rendered for the repo id first)
-    assert b'load_exported("me/tiny-int4")' in local[CARD_FILE]
+    uploaded = hub.files["me/tiny-int4"]
+    assert set(uploaded) == set(local) and all(uploaded[n] == local[n] for n in local if n != CARD_FILE)  # byte for byte
+    assert uploaded[CARD_FILE] == card.encode() and b'load_exported("me/tiny-int4")' in uploaded[CARD_FILE]
+    assert b"me/tiny-int4" not in local[CARD_FILE]  # the card is rendered for the repo in the upload only
     # every repo request carried the token in its header (huggingface_hub also fetches its public
     # /api/agent-harnesses registry, without credentials)
     repo_requests = [r for r in hub.requests if r["path"] != "/api/agent-harnesses"]
@@ -220,10 +223,47 @@ def test_push_errors_are_one_line_and_token_free(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     monkeypatch.setattr("huggingface_hub.constants.HF_TOKEN_PATH", str(tmp_path / "hf_home" / "token"))
     (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "config.json").write_text("{}")  # a model folder
     with pytest.raises(ValueError, match="no Hugging Face token found"):
         push(tmp_path / "f", "me/x")
     with HubStandIn() as hub:
         monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
         with pytest.raises(ValueError) as info:
             push(tmp_path / "f", "bad repo id with spaces", token=TOKEN)
-    assert "push to 'bad repo id with spaces' failed" in str(info.value) and TOKEN not in str(info.value)
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+        with pytest.raises(ValueError) as unreachable:
+            push(tmp_path / "f", "me/x", token=TOKEN)
+    assert "repo id 'bad repo id with spaces': Repo id must use alphanumeric chars" in str(info.value) and TOKEN not in str(info.value)
+    assert "push to 'me/x' failed" in str(unreachable.value) and TOKEN not in str(unreachable.value)
+    assert len(str(unreachable.value).splitlines()) == 1
+
+
+def test_a_failed_push_leaves_the_folder_byte_identical(base_dir, tmp_path, monkeypatch):
+    """The card is re-rendered for the repo id in the upload only: an invalid repo id fails before any request, an
+    unreachable Hub after, and neither (nor a successful push) touches a byte of the folder."""
+    model, tok = _trained(base_dir, "fp8", 1)
+    out = export_model(model, tok, tmp_path / "pub", _run_record())
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*")}
+    with HubStandIn() as hub:
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        with pytest.raises(ValueError, match=r"'bad repo id'.*Repo id must use alphanumeric chars"):
+            push(out, "bad repo id", token=TOKEN)
+        assert hub.requests == []  # validated before anything was sent
+        assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*")} == before
+        push(out, "me/pub", token=TOKEN)
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+        with pytest.raises(ValueError, match=r"push to 'someone/model' failed"):
+            push(out, "someone/model", token=TOKEN)
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*")} == before
+    assert b'from_pretrained("me/pub")' in hub.files["me/pub"][CARD_FILE]
+
+
+def test_push_refuses_a_folder_that_is_not_an_export(tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"text": "hello"}\n')
+    with HubStandIn() as hub:
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        with pytest.raises(ValueError, match=r"'.*data' is not an hf-lowprec run or export folder \(no hf_lowprec_run\.json or config\.json\)"):
+            push(data, "me/data", token=TOKEN)
+    assert hub.requests == [] and hub.files == {}

@@ -65,7 +65,9 @@ def _int4_format(layers: dict[str, PackedLinear]):
     plain = (replace(m.spec, rotate=False, smooth=False) for m in layers.values() if isinstance(m, PackedInt4Linear))
     specs = {spec.name: spec for spec in plain}  # rotated and smoothed layers are written on the plain grid
     if not specs:
-        raise ValueError("compressed-tensors export needs packed INT4 layers; this model has none (export 'bf16')")
+        raise ValueError(
+            "compressed-tensors export needs packed INT4 layers; this model has none (export 'native' or 'bf16')"
+        )
     if len(specs) > 1:
         raise ValueError(
             f"compressed-tensors export takes one INT4 format per model, this one has {', '.join(sorted(specs))}; "

@@ -24,13 +24,15 @@ from hf_lowprec.export.records import CARD_FILE, RUN_ONLY, plan_record, read_run
 from hf_lowprec.folders import atomic_output_dir
 from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, PackedInt4Linear, PackedInt8Linear
 from hf_lowprec.ondevice import ADAPTER_DIR, MERGE_DTYPES, MERGE_FILE, export_int4_lora, load_int4_model
+from hf_lowprec.ondevice.export import dense_merged_state, without_hf_quantizer
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 from hf_lowprec.recipe import EXPORT_WEIGHTS
 
 logger = logging.getLogger(__name__)
 
 LEARNED_STATE_FILE = "hf_lowprec_learned_state.safetensors"  # a master export's INT4 steps and smoothing scales
-EXPORT_FORMATS = ("native", "compressed-tensors")  # export_run: the run's own files, or compressed-tensors
+# export_run: the run's own files, the packed INT4 layers as compressed-tensors, or a dense bf16 model
+EXPORT_FORMATS = ("native", "compressed-tensors", "bf16")
 
 
 def export_model(
@@ -227,20 +229,35 @@ def export_run(
 
     ``merge``: load the run's INT4 base + LoRA adapters and write them merged (re-quantized) instead;
     ``merged_dtype`` (``bf16``/``fp32``): merged into a plain dense model. ``weights_format``: ``native`` (the
-    run's own files, which hf-lowprec resumes training from) or ``compressed-tensors`` (the packed INT4 layers in the
-    layout transformers loads without hf-lowprec and vLLM reads; adapters kept in PEFT format).
+    run's own files, which hf-lowprec resumes training from), ``compressed-tensors`` (the packed INT4 layers in the
+    layout transformers loads without hf-lowprec and vLLM reads; adapters kept in PEFT format) or ``bf16`` (a dense
+    bf16 model transformers loads alone: LoRA adapters merged in, packed layers dequantized, master weights cast);
+    :func:`run_formats` says which apply to a run.
     """
     run_dir = Path(run_dir)
     run = read_run(run_dir)
     if weights_format not in EXPORT_FORMATS:
         raise ValueError(f"export format {weights_format!r}: choose one of {', '.join(EXPORT_FORMATS)}")
+    formats = run_formats(run)
+    if weights_format not in formats:
+        held = run.get("export", {}).get("description", "no export record")
+        raise ValueError(
+            f"export format {weights_format!r} does not apply to {str(run_dir)!r} ({held}); choose one of "
+            f"{', '.join(formats)}"
+        )
+    if merge and weights_format != "native":
+        raise ValueError(f"--merge applies to the native format; format {weights_format!r} chooses the weights itself")
     if weights_format == "compressed-tensors":
         return _export_compressed_tensors(run_dir, Path(out), run, overwrite, repo_id)
+    if weights_format == "bf16" and not run.get("adapter"):
+        return _export_dense(run_dir, Path(out), run, overwrite, repo_id)
+    if weights_format == "bf16":  # LoRA merged into a dense bf16 model
+        merge, merged_dtype = True, "bf16"
     if merge:
         if not run.get("adapter"):
             raise ValueError(
                 f"--merge: {str(run_dir)!r} has no LoRA adapters to merge (recipe method "
-                f"{run.get('recipe', {}).get('method')!r})"
+                f"{run.get('recipe', {}).get('method')!r}); its export formats are {', '.join(formats)}"
             )
         model, tokenizer = load_exported(run_dir)
         return export_model(
@@ -261,6 +278,51 @@ def export_run(
             (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
         render_model_card(run, repo_id).save(tmp / CARD_FILE)
     return Path(out)
+
+
+def run_formats(run: Mapping) -> tuple[str, ...]:
+    """The :data:`EXPORT_FORMATS` that apply to the run or export whose record is ``run``: ``native`` always,
+    ``compressed-tensors`` to packed INT4 weights, ``bf16`` to packed or high-precision weights."""
+    weights = run.get("export", {}).get("weights")
+    if weights == "int4-packed":
+        return EXPORT_FORMATS
+    return ("native", "bf16") if weights in ("master", "dense") else ("native",)
+
+
+def _export_dense(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id: str | None) -> Path:
+    """A full run as a plain dense bf16 model that transformers loads alone: packed layers dequantized (their learned
+    steps applied), the other weights (master weights) cast to bf16; with the record and card."""
+    model, tokenizer = load_exported(run_dir)
+    dtype = MERGE_DTYPES["bf16"]
+    state, cast = dense_merged_state(model, dtype), {}
+    for key, tensor in state.items():
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            storage = (tensor.data_ptr(), tensor.shape)  # a tied head and embedding stay one tensor
+            if storage not in cast:
+                cast[storage] = tensor.to(dtype)
+            state[key] = cast[storage]
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = "bfloat16"
+    n4 = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
+    n8 = sum(isinstance(m, PackedInt8Linear) for m in model.modules())
+    weights = f"{n4} packed INT4" + (f" and {n8} int8" if n8 else "") + " layers dequantized, the other weights"
+    weights = weights if n4 + n8 else "the high-precision master weights"
+    run["export"] = {
+        "weights": "dense",
+        "loader": "transformers",
+        "library_name": "transformers",
+        "dtype": "bfloat16",
+        "description": f"a dense bf16 model: {weights} cast to bf16",
+    }
+    with atomic_output_dir(out, overwrite) as tmp, without_hf_quantizer(model):
+        model.save_pretrained(tmp, state_dict=state)
+        config.save_pretrained(tmp)  # model.config stays untouched
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        write_record(tmp, run, repo_id, None)
+    return out
 
 
 def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id: str | None) -> Path:

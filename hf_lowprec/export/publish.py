@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from huggingface_hub import HfApi, get_token
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from hf_lowprec.export.card import render_model_card
 from hf_lowprec.export.records import CARD_FILE, RUN_FILE, read_run
-from hf_lowprec.folders import atomic_write_text
+
+MODEL_CONFIG = "config.json"
 
 
 def push(
@@ -17,27 +23,58 @@ def push(
 ) -> str:
     """Create ``repo_id`` (if needed) and upload ``folder``; returns the commit or pull-request URL.
 
-    The token comes from ``token``, else the usual places (``HF_TOKEN``, ``hf auth login``); it is sent
-    only in request headers, never logged or written. The card's loading snippet is re-rendered for ``repo_id``.
+    ``folder``: an hf-lowprec run or export folder (or a plain model folder with ``config.json``). The token comes
+    from ``token``, else the usual places (``HF_TOKEN``, ``hf auth login``); it is sent only in request headers,
+    never logged or written. The card's loading snippets are re-rendered for ``repo_id`` in the upload only:
+    ``folder`` itself is never written.
     """
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"{str(folder)!r} is not a folder to push")
+    if not (folder / RUN_FILE).is_file() and not (folder / MODEL_CONFIG).is_file():
+        raise ValueError(
+            f"{str(folder)!r} is not an hf-lowprec run or export folder (no {RUN_FILE} or {MODEL_CONFIG}); "
+            "push the folder `hf-lowprec export` wrote"
+        )
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise ValueError(f"repo id {repo_id!r}: {str(e).strip().splitlines()[0]}") from None
     token = token or get_token()
     if not token:
         raise ValueError("no Hugging Face token found: set HF_TOKEN or run `hf auth login`")
-    if (folder / RUN_FILE).is_file():
-        atomic_write_text(folder / CARD_FILE, render_model_card(read_run(folder), repo_id).content)
+    card = render_model_card(read_run(folder), repo_id).content if (folder / RUN_FILE).is_file() else None
     api = HfApi(token=token)
     try:
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        info = api.upload_folder(
-            folder_path=folder,
-            repo_id=repo_id,
-            create_pr=create_pr,
-            commit_message="Upload model trained with hf-lowprec",
-        )
+        with _staged(folder, card) as upload:
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            info = api.upload_folder(
+                folder_path=upload,
+                repo_id=repo_id,
+                create_pr=create_pr,
+                commit_message="Upload model trained with hf-lowprec",
+            )
     except Exception as e:  # huggingface_hub raises HTTP, validation and connection errors
         message = str(e).replace(token, "***").strip().splitlines()
         raise ValueError(f"push to {repo_id!r} failed: {message[0] if message else type(e).__name__}") from None
     return info.pr_url or info.commit_url
+
+
+@contextlib.contextmanager
+def _staged(folder: Path, card: str | None) -> Iterator[Path]:
+    """``folder`` as it is uploaded: a temporary folder of links to its files (no bytes copied) with ``card`` as its
+    README.md; ``folder`` as it is when ``card`` is ``None``."""
+    if card is None:
+        yield folder
+        return
+    stage = Path(tempfile.mkdtemp(prefix="hf-lowprec-push-"))
+    try:
+        for path in folder.rglob("*"):
+            target = stage / path.relative_to(folder)
+            if path.is_file() and path != folder / CARD_FILE:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.symlink(path.resolve(), target)
+        (stage / CARD_FILE).write_bytes(card.encode())
+        yield stage
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)

@@ -49,7 +49,7 @@ def _adapter_delta(module: nn.Module) -> torch.Tensor | None:
     return sum(lora_delta(module, n) for n in module.active_adapters if n in module.lora_A)
 
 
-def _dense_merged_state(base: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def dense_merged_state(base: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The base model's state dict as plain ``dtype`` weights: every packed layer dequantized, LoRA deltas added
     (one rounding, to ``dtype``); packed embeddings written dense; other tensors as they are."""
     state = with_dense_tables(adapterless_state(base), base, dtype)
@@ -128,7 +128,7 @@ def export_int4_lora(
     config.use_cache = True
     with freed_memory_returned() if merge else contextlib.nullcontext():  # each layer's fp32 copies leave no holes
         if dense:
-            state, errors = _dense_merged_state(base, merged_dtype), []
+            state, errors = dense_merged_state(base, merged_dtype), []
             if hasattr(config, "quantization_config"):
                 del config.quantization_config
             config.dtype = str(merged_dtype).removeprefix("torch.")
