@@ -123,7 +123,11 @@ PlanOpt = Annotated[
 ]
 OutputDirOpt = Annotated[Optional[Path], typer.Option("--output-dir", "-o", help="Run folder (default runs/<recipe>).")]
 OverwriteOpt = Annotated[
-    bool, typer.Option("--overwrite", help="Replace an existing output folder (only once the new run finishes).")
+    bool,
+    typer.Option(
+        "--overwrite",
+        help="Replace an existing output folder, an hf-lowprec run or an empty one (only once the new run finishes).",
+    ),
 ]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last checkpoint.")]
 DtypeOpt = Annotated[
@@ -632,7 +636,9 @@ def export_cmd(
             show_default=False,
         ),
     ] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out folder.")] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an existing --out folder (an hf-lowprec export or empty).")
+    ] = False,
     repo_id: Annotated[
         Optional[str], typer.Option("--repo-id", help="Hub repo id to show in the card's loading snippets.")
     ] = None,
@@ -640,8 +646,13 @@ def export_cmd(
 ):
     """Write a publishable folder from a run: weights, precision plan and model card."""
     from hf_lowprec.export.folder import EXPORT_FORMATS, export_run, run_formats
-    from hf_lowprec.export.records import read_run
+    from hf_lowprec.export.records import RUN_FILE, read_run
 
+    if overwrite and Path(out).is_dir() and any(Path(out).iterdir()) and not (Path(out) / RUN_FILE).is_file():
+        ui.fail(
+            f"--overwrite: {str(out)!r} is not an hf-lowprec export (no {RUN_FILE}), so it is not replaced; choose "
+            "another --out, or empty or remove that folder yourself"
+        )
     if merge_into is not None and merge_into not in ("int4", "bf16", "fp32"):
         ui.fail(f"--merge-into {merge_into!r}: choose one of int4, bf16, fp32")
     if weights_format not in EXPORT_FORMATS:

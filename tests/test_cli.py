@@ -379,6 +379,9 @@ def test_bad_inputs_fail_with_one_line(ws, tmp_path):
     assert [p.name for p in existing.iterdir()] == ["mine.txt"]
     assert "is not an hf-lowprec run or export folder" in one_error_line(cli(*args, "--overwrite"))  # not a run: kept
     assert [p.name for p in existing.iterdir()] == ["mine.txt"]
+    export = ["export", tmp_path / "full-run", "--out", existing, "--overwrite"]
+    assert "is not an hf-lowprec export" in one_error_line(cli(*export))  # export --overwrite: the same rule
+    assert [p.name for p in existing.iterdir()] == ["mine.txt"]
 
 
 def test_empty_or_malformed_data_and_a_split_a_file_lacks_fail_with_one_line(ws, tmp_path):
