@@ -152,7 +152,10 @@ class FormatSpec:
         if m is None:
             close = difflib.get_close_matches(name, EXAMPLE_NAMES, n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise ValueError(f"unknown format {name!r}{hint}; choose one of {', '.join(EXAMPLE_NAMES)}")
+            raise ValueError(
+                f"unknown format {name!r}{hint}; choose one of {', '.join(EXAMPLE_NAMES)}, or combine: any group size, "
+                "'-asym' for zero points, '-rht' or '-sq' on fp8/int4/int8 (fp8-mx-rht, int4-g128-asym, fp8-sq)"
+            )
         family, fp8g, group = m["family"], m["fp8g"], m["group"]
         rotate, smooth = m["rht"] is not None, m["sq"] is not None
         if fp8g is not None and family != "fp8":

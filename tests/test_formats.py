@@ -1,5 +1,7 @@
 """Format numerics against analytic bounds and independent references."""
 
+import re
+
 import bitsandbytes.functional as bnbf
 import pytest
 import torch
@@ -135,3 +137,12 @@ def test_unknown_format_names_raise_one_line_value_error(bad):
         FormatSpec.parse(bad)
     assert "\n" not in str(e.value)
     assert repr(bad) in str(e.value) or "group size" in str(e.value)
+
+
+def test_the_unknown_format_error_offers_only_names_that_parse():
+    """Every name the error lists or gives as an example of a combination is a format."""
+    with pytest.raises(ValueError) as e:
+        FormatSpec.parse("fp7")
+    offered = re.findall(r"\b(?:fp|bf|int|nf)\d+(?:-[a-z0-9]+)*", str(e.value).split("; ", 1)[1])
+    assert {"fp8-mx-rht", "int4-g128-asym", "fp8-sq", "int4-g64-a8-sq"} <= set(offered)
+    assert all(FormatSpec.parse(name).name == name for name in offered), offered
