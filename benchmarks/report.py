@@ -370,6 +370,31 @@ def outliers_section(data: dict | None) -> list[str]:
     return lines + ["", "![outliers](outliers.png)", ""]
 
 
+def scan_section(data: dict | None) -> list[str]:
+    """The sensitivity scan's predictions against measured losses, and its plans against hand-written ones (scan.py)."""
+    lines = ["## Does the sensitivity scan rank layers right? (benchmarks/scan.py)\n"]
+    if not data:
+        return lines + ["not measured\n"]
+    m, rho = data["machine"], data["spearman"]
+    lines += [f"{m.get('machine', '?')} ({m.get('cpu_class', '?')}), {m['threads']} threads. {data['model']}, "
+              f"{data['calibration']}; {data['units']} layers. Peak RSS {data['peak_rss_mb']:,} MB.\n",
+              "Spearman rank correlation of the scan's predicted Δloss with each layer's measured Δloss (the layer "
+              "alone in the format, the rest unquantized): "
+              + "; ".join(f"{f} {rho[f]['spearman_predicted_vs_measured_delta_loss']:.3f}" for f in data["formats"])
+              + f"; the `auto` method's measured pairs {rho['auto_measured_pairs']['spearman_predicted_vs_measured_delta_loss']:.3f}.\n",
+              "| scan method | wall s | CPU s |", "|---|---|---|"]  # fmt: skip
+    for name, r in data["methods"].items():
+        run = r["repeats"][0] if "repeats" in r else r
+        extra = f" ({r['pairs']} pairs, measured one by one: {r['s_per_pair']} s each)" if name == "measured" else ""
+        lines.append(f"| {name}{extra} | {run['wall_s']} | {run['cpu_s']} |")
+    lines += ["", "Plans measured on held-out text (Δloss over the unquantized model's, nats/token):\n",
+              "| plan | bits/param | held-out Δloss | formats |", "|---|---|---|---|"]  # fmt: skip
+    for name, r in data["plans"].items():
+        shares = ", ".join(f"{f} {v:.0%}" for f, v in r["fractions"].items())
+        lines.append(f"| {name} | {r['bits_per_param']:.2f} | {r['held_out_delta_loss']:.4f} | {shares} |")
+    return lines + [""]
+
+
 def scan_cost_section(data: dict | None) -> list[str]:
     """The fp8-train recipe's scan: peak memory, time and plan quality by compute and forward size (scan_cost.py)."""
     lines = ["## What the fp8-train recipe's scan costs (benchmarks/scan_cost.py)\n"]
@@ -673,6 +698,7 @@ def main():
     out += finetune_quality_section(load(LONG_FINETUNE), "Longer fine-tuning, several seeds")
     out += int4_training_section(load("int4_in_full_finetuning"))
     out += outliers_section(load("outliers"))
+    out += scan_section(load("scan"))
     out += scan_cost_section(load("scan_cost"))
     out += ondevice_section(ondevice)
     out += scale_section(load("scale"))
