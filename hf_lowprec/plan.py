@@ -114,7 +114,7 @@ class PrecisionPlan:
         try:
             data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         except (json.JSONDecodeError, yaml.YAMLError) as e:
-            first = str(e).splitlines()[0]
+            first = describe_yaml_error(e) if isinstance(e, yaml.YAMLError) else str(e).splitlines()[0]
             raise ValueError(
                 f"plan file {str(path)!r} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {first}"
             ) from None
@@ -224,6 +224,16 @@ class PrecisionPlan:
                 f"{r['format']:<16}{r['layers']:>8}{r['params']:>14,}{r['fraction']:>10.1%}{r['bytes'] / 1e6:>10.2f}"
             )
         return "\n".join(lines)
+
+
+def describe_yaml_error(e: yaml.YAMLError) -> str:
+    """One line for a YAML parse error: where (1-based line and column) and what, e.g. ``line 1, column 26:
+    expected ',' or ']', but got '<stream end>' (while parsing a flow sequence)``."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+    if mark is None or problem is None:
+        return str(e).splitlines()[0]
+    context = getattr(e, "context", None)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
 
 
 def format_shares(counts: Iterable[tuple[str, int]]) -> dict[str, float]:

@@ -34,7 +34,7 @@ from hf_lowprec.data import TRAIN_ON
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.ondevice.calibration import ROUNDINGS
 from hf_lowprec.ondevice.calibration.fp8 import FP8_ROUNDINGS
-from hf_lowprec.plan import AUTO, PrecisionPlan, resolve_plan
+from hf_lowprec.plan import AUTO, PrecisionPlan, describe_yaml_error, resolve_plan
 from hf_lowprec.sensitivity.results import CONVERSION, SCORES
 
 logger = logging.getLogger(__name__)
@@ -455,7 +455,7 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ValueError(f"recipe {source!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise ValueError(f"recipe {source!r} is not valid YAML: {describe_yaml_error(e)}") from None
     if not isinstance(data, Mapping):
         raise ValueError(
             f"recipe {source!r} must be a YAML mapping with keys "

@@ -41,7 +41,7 @@ def test_save_load_round_trip(tmp_path, suffix):
     "text,suffix,match",
     [
         ('{"layers": {"lm_head": "fp8"', ".json", "not valid JSON"),
-        ("layers: [unclosed", ".yaml", "not valid YAML"),
+        ("layers: [unclosed", ".yaml", "not valid YAML: line 1, column 18: expected ',' or ']'"),
         ('{"layer": {}}', ".json", "unknown plan key.*'layer'.*allowed keys are default, layers, model"),
         ('{"layers": ["lm_head"]}', ".json", "'layers' must map layer names to formats"),
         ('{"layers": {"lm_head": "int3"}}', ".json", "plan entry 'lm_head': unknown format 'int3'.*choose one of"),

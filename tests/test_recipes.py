@@ -74,8 +74,10 @@ def test_bad_recipe_files_name_key_file_and_allowed_values(tmp_path, data, expec
 
 
 def test_malformed_yaml_unknown_name_and_missing_file(tmp_path):
-    with pytest.raises(ValueError, match=r"recipe '.*bad\.yaml' is not valid YAML"):
+    with pytest.raises(ValueError, match=r"recipe '.*bad\.yaml' is not valid YAML: line 2, column 1: expected ','"):
         load_recipe(_write(tmp_path, "training: {max_steps: 3\n", "bad.yaml"))
+    with pytest.raises(ValueError, match=r"is not valid YAML: line 3, column 2: .*\(while parsing a block mapping\)$"):
+        load_recipe(_write(tmp_path, "lora:\n  r: 8\n lora_alpha: 16\n", "indent.yaml"))  # where, not only what
     with pytest.raises(ValueError, match=r"must be a YAML mapping"):
         load_recipe(_write(tmp_path, "- a\n- b\n", "list.yaml"))
     with pytest.raises(ValueError, match=r"unknown recipe 'fp9-train'; built-in recipes are auto-mixed, fp8-train, int4-ondevice-lora, qat-int4"):
