@@ -78,6 +78,29 @@ def test_tiny_llama_gradients_with_fp8_activations_stay_close():
         assert storage.stored_bytes < 0.6 * storage.original_bytes  # 1 byte + row scales vs bf16/fp32
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_a_padded_batch_keeps_its_attention_mask_and_finite_gradients(fmt):
+    """Padding makes SDPA save an additive mask holding -inf; 8 bits cannot hold it (its copy came back NaN and so did
+    every gradient). Such a tensor is saved as it is: the gradients stay finite and close to those without storage."""
+    torch.manual_seed(0)
+    batch = text_batches(1, batch=4, seq=64)[0]
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    batch["attention_mask"][1:, 40:] = 0  # three rows padded on the right
+    batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    model = tiny_llama().to(torch.bfloat16)
+    model(**batch).loss.backward()
+    ref = {n: p.grad.float().clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    storage = ActivationStorage(model, fmt, min_numel=1024)
+    with storage:
+        loss = model(**batch).loss
+    loss.backward()
+    for n, p in model.named_parameters():
+        assert torch.isfinite(p.grad).all(), n
+        assert F.cosine_similarity(p.grad.float().flatten(), ref[n].flatten(), dim=0) > 0.98, n
+    assert 0 < storage.stored_bytes < storage.original_bytes
+
+
 def test_bad_storage_format():
     with pytest.raises(ValueError, match="choose one of int8, fp8, fp8-e5m2"):
         ActivationStorage(fmt="bf16")

@@ -133,7 +133,11 @@ class GradientsBeforeStep(TrainerCallback):
         self.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _gradients_after_one_step(method: str, base_dir: Path, tmp_path: Path, batch: int, accumulation: int) -> dict:
+def _gradients_after_one_step(
+    method: str, base_dir: Path, tmp_path: Path, batch: int, accumulation: int, padded_labels: str | None = None
+) -> dict:
+    """``padded_labels``: ``None`` (no padding), ``"tokens"`` (the last 5 positions of rows 1-3 padded, their labels
+    the pad tokens) or ``"ignored"`` (the same padding, labels -100 there)."""
     import datasets
     from transformers import Trainer, TrainingArguments, default_data_collator
 
@@ -141,10 +145,17 @@ def _gradients_after_one_step(method: str, base_dir: Path, tmp_path: Path, batch
     from hf_lowprec.checkpoints import load_pretrained
 
     g = torch.Generator().manual_seed(3)
-    rows = torch.randint(3, 300, (4, 16), generator=g).tolist()
-    data = datasets.Dataset.from_dict({"input_ids": rows, "labels": rows})
+    rows = torch.randint(3, 300, (4, 16), generator=g)
+    columns = {"input_ids": rows.tolist(), "labels": rows.tolist()}
+    if padded_labels:
+        mask = torch.ones_like(rows)
+        mask[1:, 11:] = 0
+        pads = rows.masked_fill(mask == 0, 2)
+        labels = pads if padded_labels == "tokens" else pads.masked_fill(mask == 0, -100)
+        columns = {"input_ids": pads.tolist(), "attention_mask": mask.tolist(), "labels": labels.tolist()}
+    data = datasets.Dataset.from_dict(columns)
     args = TrainingArguments(
-        output_dir=str(tmp_path / f"{batch}x{accumulation}"),
+        output_dir=str(tmp_path / f"{batch}x{accumulation}{padded_labels or ''}"),
         max_steps=1,
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=accumulation,
@@ -177,6 +188,18 @@ def test_gradient_accumulation_gives_the_gradients_of_one_large_batch(method, tm
     assert large and large.keys() == accumulated.keys()
     for name, grad in large.items():
         torch.testing.assert_close(accumulated[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_padded_positions_are_no_targets_for_the_loss_or_its_count(tmp_path):
+    """Pads labelled with their tokens (``labels = input_ids``, as most collators make them) train exactly as pads
+    labelled -100: the chunked loss leaves padded positions out, and so must the Trainer's count of targets (it
+    divided by a count with the pads in: each batch's gradients shrank by its padding fraction)."""
+    base_dir = save_tiny_model(tmp_path / "base")
+    tokens = _gradients_after_one_step("int4-lora", base_dir, tmp_path, batch=2, accumulation=2, padded_labels="tokens")
+    ignored = _gradients_after_one_step("int4-lora", base_dir, tmp_path, batch=2, accumulation=2, padded_labels="ignored")
+    assert tokens and tokens.keys() == ignored.keys()
+    for name, grad in ignored.items():
+        torch.testing.assert_close(tokens[name], grad, rtol=1e-5, atol=1e-8, msg=name)
 
 
 def test_telemetry_reaches_the_experiment_trackers(tmp_path):

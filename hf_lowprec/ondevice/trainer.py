@@ -18,7 +18,8 @@ parameter group of their own (:mod:`~hf_lowprec.ondevice.learned_steps`); checkp
 
 Gradient accumulation follows transformers' convention: when the Trainer passes ``num_items_in_batch`` (the
 targets of every batch of one optimizer step), the loss is their sum over it, so ``batch 4 x accumulation 1``
-and ``batch 1 x accumulation 4`` give the same gradients.
+and ``batch 1 x accumulation 4`` give the same gradients. Padded positions (``attention_mask`` 0) are no targets,
+whatever their labels say: the loss and that count both leave them out.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Mapping
 
 import torch
 import torchao.optim
@@ -34,6 +36,7 @@ from transformers import Trainer
 
 from hf_lowprec.allocator import freed_memory_returned_per_block
 from hf_lowprec.chunked_loss import chunked_causal_lm_loss
+from hf_lowprec.labels import IGNORE_INDEX
 from hf_lowprec.ondevice.learned_steps import give_learned_steps_their_groups, learned_steps
 from hf_lowprec.training.activations import FORMATS as ACTIVATION_FORMATS
 from hf_lowprec.training.activations import ActivationStorage
@@ -115,6 +118,11 @@ class ChunkedLossTrainer(Trainer):
             for name, saved in (load_file(path) if learned else {}).items():
                 learned[name].copy_(saved)
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The Trainer's batches, padded positions' labels set to ``-100``: the loss ignores them, so the count of
+        targets the Trainer divides by (``num_items_in_batch``) must not include them."""
+        return super().get_batch_samples(map(_padding_ignored, epoch_iterator), num_batches, device)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         returned = freed_memory_returned_per_block(model) if self.return_freed_memory else contextlib.nullcontext()
         with returned:  # forward and backward both
@@ -135,3 +143,11 @@ class ChunkedLossTrainer(Trainer):
         if num_items_in_batch is not None and self.args.average_tokens_across_devices:
             loss = loss * self.accelerator.num_processes  # num_items_in_batch counts every process's targets
         return (loss, None) if return_outputs else loss
+
+
+def _padding_ignored(batch):
+    """``batch`` with ``labels`` set to ``-100`` where ``attention_mask`` is 0 (a new tensor; the rest as it is)."""
+    if not isinstance(batch, Mapping) or "labels" not in batch or batch.get("attention_mask") is None:
+        return batch
+    labels = batch["labels"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+    return {**batch, "labels": labels}

@@ -136,6 +136,11 @@ class _Packed(_Stored):
             else:
                 codes[:], scale[:] = fp8_row_kernels()[0](part.contiguous(), code_dtype)
 
+    def represents_its_tensor(self) -> bool:
+        """False when a row held an infinity (int8 step or FP8 scale non-finite or zero): 8 bits cannot hold it. An
+        additive attention mask of ``-inf`` (which SDPA saves) is such a tensor; its copy would come back NaN."""
+        return not bool((~torch.isfinite(self.scale) | (self.scale == 0)).any())
+
     def unpack(self) -> torch.Tensor:
         out = torch.empty(self.codes.shape, dtype=self.dtype, device=self.codes.device)
         for codes, scale, part in row_blocks(self.codes, self.scale, out):
@@ -223,6 +228,8 @@ class ActivationStorage:
         # key on the viewed tensor and the view's geometry, and check the base is still the same, unchanged tensor
         base, key = view_key(t)
         stored = self._lookup(base, key, t._version)
+        if isinstance(stored, torch.Tensor):  # kept as it is by an earlier save of this view
+            return stored
         if stored is not None:
             stored.uses += 1
             return stored
@@ -234,6 +241,8 @@ class ActivationStorage:
             stored = self._alias(base, span, t)
         if stored is None:
             stored = _Packed(t, FORMATS[self.fmt])
+            if not stored.represents_its_tensor():
+                stored, span = t, None  # saved as it is (and so again, from the cache, by the next op saving it)
             self.stored_bytes += stored.nbytes
             if span is not None:  # other views of this memory are rebuilt from this copy
                 self._spans[span] = (weakref.ref(base), t._version, weakref.ref(stored), (t.shape, t.stride()))
