@@ -22,11 +22,11 @@ BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 IDS = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
 
 
-def _adapted_model(base_dir: Path, dtype="auto", adapter_dtype="auto"):
+def _adapted_model(base_dir: Path, dtype="auto", adapter_dtype="auto", plan=None):
     """The tiny model with a packed INT4 base and LoRA adapters whose ``B`` is non-zero (so they change the logits)."""
     torch.manual_seed(0)  # PEFT draws A at random
     lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
-    model, tokenizer, _ = load_int4_lora(base_dir, lora, dtype=dtype, adapter_dtype=adapter_dtype)
+    model, tokenizer, _ = load_int4_lora(base_dir, lora, plan=plan, dtype=dtype, adapter_dtype=adapter_dtype)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -98,6 +98,24 @@ def test_adapters_load_when_peft_is_imported_after_the_model(exported, tmp_path)
         f"from peft import PeftModel\nmodel = PeftModel.from_pretrained(base, {str(folder)!r}, subfolder='adapter')\n"
     )
     torch.testing.assert_close(_run_snippet(code, tmp_path), trained_logits, rtol=0, atol=1e-5)
+
+
+def test_a_plan_keeping_layers_dense_reloads_to_the_trained_logits(tmp_path):
+    """A plan may keep some Linear layers in bf16; PEFT wraps those in its own LoRA layer, which computes in the
+    adapters' dtype and reloads them in fp32 (``autocast_adapter_dtype``). Trained with bf16 adapters there, the
+    reloaded model computed other logits (SmolLM2-135M: up to 2.1 apart); they train in fp32, as they reload."""
+    base_dir = save_tiny_model(tmp_path / "base" / "tiny")
+    plan = {"default": "int4-g64-asym", "layers": {"model.layers.0.self_attn.v_proj": "bf16", "lm_head": "bf16"}}
+    model, tokenizer = _adapted_model(base_dir, dtype=torch.bfloat16, plan=plan)
+    dense = model.base_model.model.model.layers[0].self_attn.v_proj
+    assert type(dense.get_base_layer()) is torch.nn.Linear and dense.lora_A["default"].weight.dtype == torch.float32
+    with torch.no_grad():
+        trained = model(IDS).logits
+    out = export_model(model, tokenizer, tmp_path / "run", _record(), repo_id="me/tiny-int4")
+    card = (out / CARD_FILE).read_text()
+    peft_snippet = next(s for s in _card_snippets(card) if "PeftModel.from_pretrained" in s)
+    torch.testing.assert_close(_run_snippet(peft_snippet.replace("me/tiny-int4", str(out)), tmp_path), trained,
+                               rtol=0, atol=1e-5)  # fmt: skip
 
 
 def test_adapters_name_the_hub_base_model_and_the_card_follows_the_adapter_convention(exported):

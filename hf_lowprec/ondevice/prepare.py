@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from hf_lowprec.checkpoints import (
@@ -248,6 +249,12 @@ def _with_adapters(model: nn.Module, config: LoraConfig, factors: dict, adapter_
     for p in peft_model.parameters():
         if p.requires_grad:
             p.data = p.data.to(adapter_dtype)
+    for module in peft_model.modules():
+        # a layer the plan keeps dense gets PEFT's own LoRA layer, which computes in its adapters' dtype and which
+        # PEFT reloads in fp32 (autocast_adapter_dtype): there the adapters train in fp32, as they will reload
+        if isinstance(module, LoraLayer) and not isinstance(module.get_base_layer(), PackedLinear):
+            for p in (*module.lora_A.parameters(), *module.lora_B.parameters()):
+                p.data = p.data.float()
     return peft_model
 
 
