@@ -155,8 +155,11 @@ def check_quantizable(model: nn.Module, plan: PrecisionPlan) -> None:
             check_embedding_format(spec)  # an int4 embedding without -a8 / -rht, or per-row int8
     packed = {n: s for n, s in assigned.items() if s.family == "int4" and isinstance(layers[n], linear)}
     if not packed:
+        unpackable = sorted({s.name for s in assigned.values() if not s.is_high_precision and not packed_class(s)})
+        why = f" ({', '.join(unpackable)} cannot be packed: an INT4 base takes int4-* and int8 formats)"
         raise ValueError(
-            f"plan {plan.to_dict()} puts no Linear layer of this model in int4; nothing to pack into an INT4 base"
+            f"plan {plan.to_dict()} puts no Linear layer of this model in int4{why if unpackable else ''}; nothing to "
+            "pack into an INT4 base"
         )
     narrow = [
         f"{n} ({layers[n].in_features} inputs)"
