@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from cli_invoke import cli, one_error_line
 from conftest import with_loud_channels
 from hf_lowprec.cli.app import app
 from huggingface_hub import ModelCard
@@ -41,20 +42,9 @@ def ws(tmp_path_factory):
     return d
 
 
-def cli(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
 def held_out(ws, tokenizer, blocks=4):
     """The held-out blocks finetune evaluates on (same data, same split rule)."""
     return prepare_lm_data(*read_source(ws / "corpus.txt"), tokenizer, 32, train_sequences=1, eval_sequences=blocks)
-
-
-def one_error_line(result):
-    text = result.output.strip()
-    assert result.exit_code == 2, text
-    assert "Traceback" not in text and text.count("error:") == 1, text
-    return text
 
 
 def test_env_prints_the_cpu_the_dtype_choice_and_measured_throughput():

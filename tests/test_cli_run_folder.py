@@ -11,10 +11,9 @@ import threading
 import time
 
 import pytest
+from cli_invoke import cli, one_error_line
 from hf_lowprec.cli import run as run_module
-from hf_lowprec.cli.app import app
 from tiny_assets import corpus_text, save_tiny_model
-from typer.testing import CliRunner
 
 from hf_lowprec.export import RUN_FILE
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
@@ -29,17 +28,6 @@ def ws(tmp_path_factory):
     save_tiny_model(d / "tiny")
     (d / "corpus.txt").write_text(corpus_text(20_000))
     return d
-
-
-def cli(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def one_error_line(result):
-    text = result.output.strip()
-    assert result.exit_code == 2, text
-    assert "Traceback" not in text and text.count("error:") == 1, text
-    return text
 
 
 def finetune_args(ws, out, recipe="int4-ondevice-lora", steps=3):

@@ -1,0 +1,17 @@
+"""The ``hf-lowprec`` command run in this process, as the CLI tests run it."""
+
+from hf_lowprec.cli.app import app
+from typer.testing import CliRunner
+
+
+def cli(*args):
+    """``hf-lowprec ARGS...`` (any objects, as strings); typer's ``Result``."""
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def one_error_line(result):
+    """The output of a run that failed as bad input must: exit status 2, one ``error:`` line, no traceback."""
+    text = result.output.strip()
+    assert result.exit_code == 2, text
+    assert "Traceback" not in text and text.count("error:") == 1, text
+    return text
