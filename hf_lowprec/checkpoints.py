@@ -105,12 +105,22 @@ def resolve_checkpoint(model_id_or_path: str | os.PathLike, gguf_file: str | Non
     return name, gguf_file
 
 
+GGUF_KEY_BYTES = 1 << 20  # bytes read from each end of a GGUF file for its cache key
+
+
 def _gguf_cache_dir(folder: str, gguf_file: str, dtype: torch.dtype) -> Path:
-    """One cache folder per GGUF file version (path, size, modification time) and dtype."""
+    """One cache folder per GGUF file content and dtype. The key is the file's size and its first and last MiB (its
+    metadata and tensor index come first): a copy of the file, such as every virtualenv's install of the same model
+    package, shares one folder, where a key of path and modification time made a new ~0.3 GB folder per install."""
     src = Path(folder) / gguf_file
-    stat = src.stat()
-    key = hashlib.sha256(f"{src.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_root() / "gguf" / f"{Path(gguf_file).stem}-{key}" / str(dtype).removeprefix("torch.")
+    size = src.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(src, "rb") as f:
+        digest.update(f.read(GGUF_KEY_BYTES))
+        f.seek(max(0, size - GGUF_KEY_BYTES))
+        digest.update(f.read(GGUF_KEY_BYTES))
+    name = f"{Path(gguf_file).stem}-{digest.hexdigest()[:16]}"
+    return cache_root() / "gguf" / name / str(dtype).removeprefix("torch.")
 
 
 def cache_gguf(folder: str, gguf_file: str, dtype: torch.dtype) -> Path:

@@ -901,6 +901,23 @@ def test_a_packed_tied_table_keeps_gemmas_embedding_scale(tmp_path, monkeypatch)
     torch.testing.assert_close(expected / 8.0, original.weight.detach()[ids])
 
 
+def test_a_gguf_files_cache_folder_follows_its_content_not_its_path(tmp_path):
+    """Every virtualenv installs the default model's GGUF file anew (another path, another modification time): one
+    cache folder of its dequantized copy serves them all; another file's content gets its own."""
+    from hf_lowprec.checkpoints import _gguf_cache_dir
+
+    data = torch.randint(0, 256, (3 << 20,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8).numpy()
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "m.gguf").write_bytes(data.tobytes())
+    changed = data.copy()
+    changed[-1] ^= 1  # the tensor data's last byte
+    (tmp_path / "c" / "m.gguf").write_bytes(changed.tobytes())
+    a, b, c = (_gguf_cache_dir(str(tmp_path / n), "m.gguf", torch.bfloat16) for n in ("a", "b", "c"))
+    assert a == b and a != c and a.name == "bfloat16" and a.parent.name.startswith("m-")
+    assert _gguf_cache_dir(str(tmp_path / "a"), "m.gguf", torch.float32) == a.parent / "float32"
+
+
 @pytest.mark.slow
 def test_machine_setup_leaves_a_first_run_nothing_to_build_or_convert(monkeypatch):
     """``make setup``'s ``python -m hf_lowprec.machine_setup``: afterwards the kernels are loaded and the default
