@@ -329,3 +329,18 @@ def test_auto_plan_scans_under_the_trainers_autocast(tmp_path, mixed):
             callbacks=[LowPrecisionCallback(calibration_data=calibration, scan_method="fisher")])  # fmt: skip
     handle.remove()
     assert states and set(states) == {(bool(mixed.get("bf16")), torch.bfloat16)}
+
+
+@pytest.mark.parametrize("disable_tqdm", [False, True])
+def test_the_auto_scan_shows_its_progress_as_the_trainer_does(tmp_path, capsys, disable_tqdm):
+    """The scan takes minutes on a CPU before the Trainer's bar moves: it shows a bar of its own (the passes done and
+    the layer being measured), and none when the Trainer's are off."""
+    calibration = [{"input_ids": r["input_ids"][None], "labels": r["labels"][None]} for r in lm_rows(1)[:2]]
+    callback = LowPrecisionCallback(calibration_data=calibration)
+    Trainer(model=tiny_llama(), args=arguments(tmp_path, disable_tqdm=disable_tqdm), train_dataset=lm_rows(1),
+            callbacks=[callback])  # fmt: skip
+    err = capsys.readouterr().err
+    assert callback.plan is not None
+    assert ("hf-lowprec sensitivity scan" in err) != disable_tqdm, err[-500:]
+    if not disable_tqdm:
+        assert "measured" in err or "fisher" in err, err[-500:]

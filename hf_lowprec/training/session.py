@@ -82,13 +82,14 @@ def trainer_autocast(args):
 
 
 def scan_plan(
-    model: nn.Module, batches: Iterable[Mapping], options, computing=contextlib.nullcontext()
+    model: nn.Module, batches: Iterable[Mapping], options, computing=contextlib.nullcontext(), progress=None
 ) -> tuple[PrecisionPlan, float]:
     """Scan the first ``options.calibration_batches`` batches, allocate under ``options.budget``; ``(plan, seconds)``.
 
     ``options`` carries ``calibration_batches``, ``formats``, ``scan_method``, ``budget`` (a
     ``sensitivity.Budget``, a dict of its fields, or None), ``keep`` and ``seed``. ``computing``: the context training
-    computes in (its autocast, if any), which the scan then computes in too. Random streams are left as they were;
+    computes in (its autocast, if any), which the scan then computes in too. ``progress``: the scan's
+    ``progress(done, total, description)``. Random streams are left as they were;
     under several processes every rank gets rank 0's plan.
     """
     sensitivity.check_budget(model, options.formats, options.budget, keep=options.keep)  # not after minutes of scan
@@ -98,7 +99,9 @@ def scan_plan(
         data = list(islice(iter(batches), options.calibration_batches))
         if not data:
             raise ValueError("plan='auto' found no calibration batches to scan")
-        result = sensitivity.scan(model, data, formats=options.formats, method=options.scan_method, seed=options.seed)
+        result = sensitivity.scan(
+            model, data, formats=options.formats, method=options.scan_method, seed=options.seed, progress=progress
+        )
     model.train(was_training)
     plan = sensitivity.allocate(result, options.budget, keep=options.keep)
     return _same_on_all_ranks(plan), time.perf_counter() - start
@@ -161,10 +164,12 @@ class LowPrecisionSession:
         self.model: nn.Module | None = None
         self.new_params: list[nn.Parameter] = []
 
-    def scan(self, model: nn.Module, batches: Iterable[Mapping], computing=contextlib.nullcontext()) -> PrecisionPlan:
+    def scan(
+        self, model: nn.Module, batches: Iterable[Mapping], computing=contextlib.nullcontext(), progress=None
+    ) -> PrecisionPlan:
         """Find the plan by a scan of ``batches`` (``plan="auto"``) in ``computing``, the context training computes in
-        (its autocast, if any); the plan becomes :attr:`plan`."""
-        self.plan, self.scan_seconds = scan_plan(model, batches, self, computing)
+        (its autocast, if any), reporting to ``progress`` (see :func:`scan_plan`); the plan becomes :attr:`plan`."""
+        self.plan, self.scan_seconds = scan_plan(model, batches, self, computing, progress)
         return self.plan
 
     def apply(self, model: nn.Module, plan: PrecisionPlan, world: int) -> ConversionReport:
