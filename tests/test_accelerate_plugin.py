@@ -207,3 +207,13 @@ def test_auto_plan_scans_under_the_accelerators_autocast(mixed_precision):
     )
     handle.remove()
     assert states and set(states) == {(mixed_precision == "bf16", torch.bfloat16)}
+
+
+def test_the_auto_scan_shows_its_progress_on_the_main_process(capsys):
+    """The scan takes minutes on a CPU before the loop's first step: the plugin shows a bar (passes done, the layer
+    being measured) on the local main process."""
+    accelerator = Accelerator(cpu=True)
+    plugin = LowPrecisionPlugin(calibration_batches=1)
+    plugin.prepare(accelerator, tiny_llama(), calibration_data=lm_batches(1, batch=4))
+    err = capsys.readouterr().err
+    assert "hf-lowprec sensitivity scan" in err and "measured" in err, err[-500:]

@@ -35,7 +35,7 @@ from hf_lowprec.convert import canonical_name, eligible_layers
 from hf_lowprec.plan import PrecisionPlan
 from hf_lowprec.training.compensation import CompensatedOptimizer
 from hf_lowprec.training.new_parameters import insert_new_parameters, orphaned_parameters
-from hf_lowprec.training.session import LowPrecisionSession, SessionOwner, process_world
+from hf_lowprec.training.session import LowPrecisionSession, SessionOwner, process_world, scan_progress
 from hf_lowprec.training.telemetry import skip_step_if_requested
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,9 @@ class LowPrecisionPlugin(SessionOwner):
             raise ValueError(f"{' and '.join(needs)}: needs calibration_data= or a DataLoader among the prepared ones")
         if self.plan is None:
             computing = accelerator.autocast() if accelerator is not None else contextlib.nullcontext()
-            self.session.scan(model, calibration_data, computing)  # as training computes: its autocast, if any
+            show = accelerator is None or accelerator.is_local_main_process
+            with scan_progress(show) as progress:  # as training computes: its autocast, if any
+                self.session.scan(model, calibration_data, computing, progress)
         before = {name: p for name, p in model.named_parameters()}
         self._convert(accelerator, model)
         self.session.round_weights(model, calibration_data or ())

@@ -24,7 +24,6 @@ training logs under ``lowprec/`` (see :data:`TELEMETRY_KEYS`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -38,7 +37,6 @@ from transformers import TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_callback import CallbackHandler, ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-from transformers.utils.logging import tqdm
 
 from hf_lowprec.convert import eligible_layers
 from hf_lowprec.modules import LOW_PRECISION_TYPES
@@ -46,7 +44,13 @@ from hf_lowprec.plan import PLAN_FILE, PrecisionPlan, is_auto
 from hf_lowprec.scaling import TELEMETRY_PREFIX
 from hf_lowprec.training.compensation import CompensatedOptimizer
 from hf_lowprec.training.new_parameters import insert_new_parameters, orphaned_parameters
-from hf_lowprec.training.session import LowPrecisionSession, SessionOwner, process_world, trainer_autocast
+from hf_lowprec.training.session import (
+    LowPrecisionSession,
+    SessionOwner,
+    process_world,
+    scan_progress,
+    trainer_autocast,
+)
 from hf_lowprec.training.telemetry import skip_step_if_requested
 
 logger = logging.getLogger(__name__)
@@ -73,25 +77,6 @@ def low_precision_state(model: nn.Module) -> dict[str, torch.Tensor]:
                     value = value.full_tensor() if hasattr(value, "full_tensor") else value
                     out[f"{fqn}.{key}"] = value.detach().clone().contiguous().cpu()
     return out
-
-
-@contextlib.contextmanager
-def _scan_progress(args):
-    """A progress bar for the ``auto`` scan (minutes on a CPU, before the Trainer's own bar moves), on the main process
-    unless ``args.disable_tqdm``; yields the scan's ``progress(done, total, description)`` or ``None``."""
-    if args.disable_tqdm or process_world()[0] != 0:
-        yield None
-        return
-    bar = tqdm(desc="hf-lowprec sensitivity scan", unit="pass")
-
-    def progress(done: int, total: int, description: str) -> None:
-        bar.total, bar.n = total, done
-        bar.set_postfix_str(description, refresh=True)
-
-    try:
-        yield progress
-    finally:
-        bar.close()
 
 
 # ---------------------------------------------------------------------------------- the callback
@@ -165,7 +150,7 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
             if resume and (Path(resume) / PLAN_FILE).is_file():
                 self.plan = PrecisionPlan.load(Path(resume) / PLAN_FILE)
             elif self.calibration_data is not None:
-                with _scan_progress(args) as progress:
+                with scan_progress(not args.disable_tqdm) as progress:
                     self.session.scan(model, self.calibration_data, trainer_autocast(args), progress)
         if self.plan is None:
             # a checkpoint written with INT4 layers must not load silently into an unconverted model
@@ -218,7 +203,7 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         if self.plan is None:
             if train_dataloader is None:
                 raise ValueError("plan='auto' needs training data or calibration_data= to scan")
-            with _scan_progress(args) as progress:
+            with scan_progress(not args.disable_tqdm) as progress:
                 self.session.scan(model, train_dataloader, trainer_autocast(args), progress)
         self._convert(model, self.plan)
         if state.global_step == 0:

@@ -16,6 +16,7 @@ from itertools import islice
 import numpy as np
 import torch
 from torch import nn
+from transformers.utils.logging import tqdm
 
 from hf_lowprec import sensitivity
 from hf_lowprec.convert import ConversionReport, apply_plan, eligible_layers
@@ -79,6 +80,25 @@ def trainer_autocast(args):
     if getattr(args, "fp16", False) and device != "cpu":
         return torch.autocast(device, torch.float16)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def scan_progress(show: bool):
+    """A progress bar for an ``auto`` scan (minutes on a CPU, before training's own progress moves), on the main
+    process when ``show``; yields the scan's ``progress(done, total, description)``, or ``None`` without a bar."""
+    if not show or process_world()[0] != 0:
+        yield None
+        return
+    bar = tqdm(desc="hf-lowprec sensitivity scan", unit="pass")
+
+    def progress(done: int, total: int, description: str) -> None:
+        bar.total, bar.n = total, done
+        bar.set_postfix_str(description, refresh=True)
+
+    try:
+        yield progress
+    finally:
+        bar.close()
 
 
 def scan_plan(
