@@ -465,7 +465,10 @@ def test_runs_and_exports_get_the_modes_of_the_umask(full_runs, tmp_path):
         os.umask(umask)
 
 
-def test_ctrl_c_leaves_a_resumable_checkpoint(ws, tmp_path):
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_interrupt_leaves_a_resumable_checkpoint(ws, tmp_path, signum, status):
+    """Ctrl-C, or SIGTERM (timeout, Slurm, Kubernetes): the step finishes, a checkpoint is saved, the exit status is a
+    shell's for that signal, and --resume continues one loss curve."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "hf_lowprec.cli.app", "finetune", str(ws / "tiny"), "--data", str(ws / "corpus.txt"),
            "--recipe", "qat-int4", "--max-steps", "40", *FAST, "-o", str(out)]  # fmt: skip
@@ -478,11 +481,12 @@ def test_ctrl_c_leaves_a_resumable_checkpoint(ws, tmp_path):
     while not any(line.startswith("step ") for line in lines) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
     assert any(line.startswith("step ") for line in lines), "".join(lines)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=120) == 130
+    proc.send_signal(signum)
+    assert proc.wait(timeout=120) == status
     reader.join(timeout=10)
     stderr = "".join(lines)
     assert "checkpoint saved" in stderr and "--resume" in stderr and "Traceback" not in stderr
+    assert ("interrupt (SIGTERM)" in stderr) == (signum == signal.SIGTERM), stderr
     checkpoints = list((tmp_path / "run.incomplete" / "checkpoints").glob("checkpoint-*"))
     assert len(checkpoints) == 1 and not out.exists()
     stopped_at = int(checkpoints[0].name.split("-")[1])
