@@ -293,6 +293,7 @@ def test_scan_writes_a_plan_that_fits_the_model(ws):
     result = cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--block-size", "32", "--batches", "2", "--budget", "target_bits_per_param=12,score=after-training", "--out", out)
     assert result.exit_code == 0, result.output
     assert "score=after-training" in result.output
+    assert "kept (fp32)" in result.output  # the plan table: the fp32 head left as it is, 4 bytes a weight
     from hf_lowprec.plan import PrecisionPlan
 
     PrecisionPlan.load(out).validate(AutoModelForCausalLM.from_pretrained(ws / "tiny"))
