@@ -645,14 +645,13 @@ def export_cmd(
     weights_format: ExportFormatOpt = "native",
 ):
     """Write a publishable folder from a run: weights, precision plan and model card."""
-    from hf_lowprec.export.folder import EXPORT_FORMATS, export_run, run_formats
-    from hf_lowprec.export.records import RUN_FILE, read_run
+    from hf_lowprec.cli.run import refuse_to_replace_a_foreign_folder
 
-    if overwrite and Path(out).is_dir() and any(Path(out).iterdir()) and not (Path(out) / RUN_FILE).is_file():
-        ui.fail(
-            f"--overwrite: {str(out)!r} is not an hf-lowprec export (no {RUN_FILE}), so it is not replaced; choose "
-            "another --out, or empty or remove that folder yourself"
-        )
+    from hf_lowprec.export.folder import EXPORT_FORMATS, export_run, run_formats
+    from hf_lowprec.export.records import read_run
+
+    if overwrite:
+        refuse_to_replace_a_foreign_folder(Path(out), "export", "--out")
     if merge_into is not None and merge_into not in ("int4", "bf16", "fp32"):
         ui.fail(f"--merge-into {merge_into!r}: choose one of int4, bf16, fp32")
     if weights_format not in EXPORT_FORMATS:

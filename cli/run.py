@@ -132,11 +132,7 @@ def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool) -> RunFol
                 f"output folder {str(run.out)!r} already exists; pass --overwrite to replace it (it is replaced only "
                 "when the new run finishes)"
             )
-        if not (run.out / RUN_FILE).is_file():
-            ui.fail(
-                f"--overwrite: {str(run.out)!r} is not an hf-lowprec run or export folder (no {RUN_FILE}), so it is "
-                "not replaced; choose another --output-dir, or empty or remove that folder yourself"
-            )
+        refuse_to_replace_a_foreign_folder(run.out, "run or export folder", "--output-dir")
     if run.work.exists():
         if not overwrite:
             ui.fail(
@@ -150,6 +146,16 @@ def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool) -> RunFol
         shutil.rmtree(run.work)
     run.work.mkdir(parents=True)
     return run
+
+
+def refuse_to_replace_a_foreign_folder(folder: Path, what: str, option: str) -> None:
+    """``--overwrite`` replaces an empty folder or an hf-lowprec one (holding ``hf_lowprec_run.json``), nothing else:
+    fail naming ``folder`` (``what`` it should have been, the ``option`` that chose it) otherwise."""
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / RUN_FILE).is_file():
+        ui.fail(
+            f"--overwrite: {str(folder)!r} is not an hf-lowprec {what} (no {RUN_FILE}), so it is not replaced; choose "
+            f"another {option}, or empty or remove that folder yourself"
+        )
 
 
 def _is_work_folder(folder: Path) -> bool:

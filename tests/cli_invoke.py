@@ -1,7 +1,17 @@
 """The ``hf-lowprec`` command run in this process, as the CLI tests run it."""
 
+from pathlib import Path
+
 from hf_lowprec.cli.app import app
+from tiny_assets import corpus_text, save_tiny_model
 from typer.testing import CliRunner
+
+
+def workspace(folder: Path, corpus_chars: int) -> Path:
+    """``folder`` with a tiny model (``tiny/``) and a text corpus of ``corpus_chars`` characters (``corpus.txt``)."""
+    save_tiny_model(folder / "tiny")
+    (folder / "corpus.txt").write_text(corpus_text(corpus_chars))
+    return folder
 
 
 def cli(*args):

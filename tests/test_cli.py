@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from cli_invoke import cli, one_error_line
+from cli_invoke import cli, one_error_line, workspace
 from conftest import with_loud_channels
 from hf_lowprec.cli.app import app
 from huggingface_hub import ModelCard
@@ -36,10 +36,7 @@ FAST = ["--block-size", "32", "--batch-size", "2", "--eval-blocks", "4", "--dtyp
 
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory):
-    d = tmp_path_factory.mktemp("cli")
-    save_tiny_model(d / "tiny")
-    (d / "corpus.txt").write_text(corpus_text(60_000))
-    return d
+    return workspace(tmp_path_factory.mktemp("cli"), 60_000)
 
 
 def held_out(ws, tokenizer, blocks=4):

@@ -6,9 +6,8 @@ import shutil
 import signal
 
 import pytest
-from cli_invoke import cli, one_error_line
+from cli_invoke import cli, one_error_line, workspace
 from hf_lowprec.cli import run as run_module
-from tiny_assets import corpus_text, save_tiny_model
 
 from hf_lowprec.export import RUN_FILE
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
@@ -19,10 +18,7 @@ QUICK = ["--block-size", "32", "--batch-size", "2", "--eval-blocks", "2", "--dty
 
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory):
-    d = tmp_path_factory.mktemp("cli_run_folder")
-    save_tiny_model(d / "tiny")
-    (d / "corpus.txt").write_text(corpus_text(20_000))
-    return d
+    return workspace(tmp_path_factory.mktemp("cli_run_folder"), 20_000)
 
 
 def finetune_args(ws, out, recipe="int4-ondevice-lora", steps=3):
