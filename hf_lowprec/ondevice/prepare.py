@@ -246,15 +246,17 @@ def _with_adapters(model: nn.Module, config: LoraConfig, factors: dict, adapter_
             a, b = factors[canonical_name(name)]
             module.lora_A["default"].weight.data.copy_(a)
             module.lora_B["default"].weight.data.copy_(b)
+    # a layer the plan keeps dense gets PEFT's own LoRA layer, which computes in its adapters' dtype and which PEFT
+    # reloads in fp32 (autocast_adapter_dtype): there the adapters train in fp32, as they will reload
+    on_dense = {
+        id(p)
+        for m in peft_model.modules()
+        if isinstance(m, LoraLayer) and not isinstance(m.get_base_layer(), PackedLinear)
+        for p in (*m.lora_A.parameters(), *m.lora_B.parameters())
+    }
     for p in peft_model.parameters():
         if p.requires_grad:
-            p.data = p.data.to(adapter_dtype)
-    for module in peft_model.modules():
-        # a layer the plan keeps dense gets PEFT's own LoRA layer, which computes in its adapters' dtype and which
-        # PEFT reloads in fp32 (autocast_adapter_dtype): there the adapters train in fp32, as they will reload
-        if isinstance(module, LoraLayer) and not isinstance(module.get_base_layer(), PackedLinear):
-            for p in (*module.lora_A.parameters(), *module.lora_B.parameters()):
-                p.data = p.data.float()
+            p.data = p.data.to(torch.float32 if id(p) in on_dense else adapter_dtype)
     return peft_model
 
 
