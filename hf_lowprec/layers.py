@@ -37,6 +37,16 @@ def eligible_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: module for name, _, module in walk_layers(model)}
 
 
+def output_head_name(model: nn.Module) -> str | None:
+    """Canonical name of the model's output projection (``get_output_embeddings()``, e.g. ``lm_head``), if it has
+    one."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    if head is None:
+        return None
+    return next((canonical_name(n) for n, m in model.named_modules() if m is head), None)
+
+
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks in order: the outermost children of its ``nn.ModuleList``s (a transformers model's
     decoder layers, a PEFT model's too)."""

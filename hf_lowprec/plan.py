@@ -276,6 +276,20 @@ def is_auto(plan) -> bool:
     return isinstance(plan, str) and plan == AUTO
 
 
+def names_a_format(plan) -> bool:
+    """True for a ``plan=`` argument that is a format name (``"fp8"``, ``"int4-g64"``) or a :class:`FormatSpec`:
+    every ``nn.Linear`` in that one format."""
+    if isinstance(plan, FormatSpec):
+        return True
+    if not isinstance(plan, str):
+        return False
+    try:
+        FormatSpec.parse(plan)
+        return True
+    except ValueError:
+        return False
+
+
 def resolve_plan(plan, keep: tuple[str, ...] = ()) -> PrecisionPlan:
     """The one reading of a ``plan=`` argument (``"auto"`` aside: callers check :func:`is_auto` first).
 

@@ -86,6 +86,24 @@ def test_llama_trains_with_default_callback(tmp_path):
     curve = list(losses(trainer).values())
     assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3 - 0.1, curve
     assert PrecisionPlan.load(tmp_path / PLAN_FILE) == cb.plan  # next to the final model
+    assert cb.plan.to_dict()["layers"]["lm_head"] == "bf16"  # the default keep: the scan's allocation leaves the output head out
+
+
+def test_a_format_plan_leaves_the_output_head_unless_keep_says_otherwise(tmp_path):
+    """A format name without ``keep=`` converts every Linear but the output head (``get_output_embeddings()``), as the
+    CLI's recipes and torchtitan's FP8 recipe do; ``keep=()`` converts the head too; a classifier has no output head
+    by that definition and is converted whole."""
+    from hf_lowprec.modules import FP8Linear
+
+    kept, converted, classifier = tiny_llama(tie=True), tiny_llama(), tiny_bert()
+    callbacks = [LowPrecisionCallback("fp8"), LowPrecisionCallback("fp8", keep=()), LowPrecisionCallback("fp8")]
+    for i, (model, callback) in enumerate(zip((kept, converted, classifier), callbacks)):
+        Trainer(model=model, args=arguments(tmp_path / str(i)), callbacks=[callback])
+    assert callbacks[0].plan.to_dict()["layers"] == {"lm_head": "bf16"}
+    assert type(kept.lm_head) is torch.nn.Linear and kept.lm_head.weight is kept.model.embed_tokens.weight
+    assert isinstance(kept.model.layers[0].mlp.down_proj, FP8Linear)
+    assert isinstance(converted.lm_head, FP8Linear)
+    assert isinstance(classifier.classifier, FP8Linear) and callbacks[2].plan.to_dict()["layers"] == {}
 
 
 def test_bert_classifier_trains_with_default_callback(tmp_path):
@@ -306,7 +324,7 @@ def test_fp8_rounding_moves_the_master_weights_onto_their_grid_before_training(t
     Trainer(model=nearest, args=arguments(tmp_path / "n"), callbacks=[LowPrecisionCallback("fp8")])
     callback = LowPrecisionCallback("fp8", fp8_rounding="gptq", calibration_data=calibration)
     trainer = Trainer(model=model, args=arguments(tmp_path / "g"), train_dataset=rows, callbacks=[callback])
-    assert callback.session.rounding["layers"] == 2 * 7 + 1  # lm_head too: the plan keeps nothing
+    assert callback.session.rounding["layers"] == 2 * 7  # the default keep leaves lm_head in high precision
     cast = lambda w: fp8_quantize_dequantize(w, E4M3, "tensor", role="weight")  # noqa: E731
     for name, m in model.named_modules():
         if isinstance(m, FP8Linear):

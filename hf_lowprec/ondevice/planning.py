@@ -11,11 +11,10 @@ import torch
 from torch import nn
 
 from hf_lowprec.convert import canonical_name, eligible_layers
-from hf_lowprec.formats import FormatSpec
-from hf_lowprec.layers import dense_view
+from hf_lowprec.layers import dense_view, output_head_name
 from hf_lowprec.modules.packed import PackedLinear, packed_class
 from hf_lowprec.modules.packed_embedding import check_embedding_format, tied_head_names
-from hf_lowprec.plan import PrecisionPlan, resolve_plan
+from hf_lowprec.plan import PrecisionPlan, names_a_format, resolve_plan
 from hf_lowprec.rotation import MIN_ROTATION_BLOCK, rotation_block
 from hf_lowprec.sensitivity import allocate, check_budget, scan
 
@@ -41,15 +40,6 @@ HEAD_INT8_MIN_PARAMS = 1 << 27
 SCAN_BATCH_TOKENS = 256
 
 
-def _output_layer_name(model: nn.Module) -> str | None:
-    """Canonical name of the model's output projection (``lm_head``), if it has one."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if get is not None else None
-    if head is None:
-        return None
-    return next((canonical_name(n) for n, m in model.named_modules() if m is head), None)
-
-
 def int4_plan(model: nn.Module, plan: "PrecisionPlan | str | None" = None) -> PrecisionPlan:
     """The plan for the frozen base: ``None`` → every Linear in ``int4-g64-asym``; a format name → every Linear
     in that format. Both keep the output projection (``lm_head``), the most sensitive layer, out of INT4: in bf16,
@@ -58,7 +48,7 @@ def int4_plan(model: nn.Module, plan: "PrecisionPlan | str | None" = None) -> Pr
     (a :class:`PrecisionPlan`, a dict, a file or folder) is used exactly as given
     (:func:`hf_lowprec.plan.resolve_plan`; ``auto``: see :func:`scan_int4_plan`).
     """
-    if plan is None or isinstance(plan, FormatSpec) or isinstance(plan, str) and _names_a_format(plan):
+    if plan is None or names_a_format(plan):
         uniform = resolve_plan(plan or DEFAULT_FORMAT)
         return PrecisionPlan(table_formats(model), default=uniform.default)
     return resolve_plan(plan)
@@ -69,7 +59,7 @@ def table_formats(model: nn.Module) -> dict[str, str]:
     ``HEAD_INT8_MIN_PARAMS`` weights, else ``bf16``; an untied input embedding that large in ``int8`` (packed, see
     :class:`~hf_lowprec.modules.packed_embedding.PackedEmbedding`); a smaller one is left out (it stays bf16)."""
     formats = {}
-    head = _output_layer_name(model)
+    head = output_head_name(model)
     if head is not None:
         out = model.get_output_embeddings()
         formats[head] = "int8" if out.in_features * out.out_features > HEAD_INT8_MIN_PARAMS else "bf16"
@@ -81,14 +71,6 @@ def table_formats(model: nn.Module) -> dict[str, str]:
         if name is not None and isinstance(view, nn.Embedding) and view.weight.numel() > HEAD_INT8_MIN_PARAMS:
             formats[name] = "int8"
     return formats
-
-
-def _names_a_format(text: str) -> bool:
-    try:
-        FormatSpec.parse(text)
-        return True
-    except ValueError:
-        return False
 
 
 def scan_int4_plan(
@@ -110,7 +92,7 @@ def scan_int4_plan(
         dense_weights: for a model packed while loading, the reader of its checkpoint weights (see
             :func:`hf_lowprec.sensitivity.scan`): the scan then runs on the packed model, one dense weight at a time.
     """
-    head = _output_layer_name(model)
+    head = output_head_name(model)
     linears = [n for n, m in eligible_layers(model).items() if isinstance(m, (nn.Linear, PackedLinear)) and n != head]
     budget = AUTO_BUDGET if budget is None else budget
     check_budget(model, formats, budget, layers=linears, packed=dense_weights is not None)  # not after the scan
@@ -194,7 +176,7 @@ def resolve_target_modules(model: nn.Module, target_modules) -> list[str]:
     """
     linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, (nn.Linear, PackedLinear))}
     names = sorted({canonical_name(f).rsplit(".", 1)[-1] for f in linears})
-    head = _output_layer_name(model)
+    head = output_head_name(model)
     if target_modules is None:
         raise ValueError(f"LoraConfig.target_modules is required here; e.g. 'all-linear' or some of {names}")
     if isinstance(target_modules, str):

@@ -171,7 +171,7 @@ class LowPrecisionPlugin(SessionOwner):
 
     def _convert(self, accelerator, model: nn.Module) -> None:
         """Our layers for the plan, minus the FP8 layers handed to Accelerate's torchao backend."""
-        plan = self.plan
+        plan = self.session.bind(model)
         fp8 = getattr(accelerator, "fp8_enabled", False)
         handler = getattr(accelerator, "ao_recipe_handler", None) if fp8 else None
         if fp8 and handler is None:

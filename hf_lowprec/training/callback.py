@@ -87,7 +87,8 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         plan: ``"auto"`` (sensitivity scan + budgeted allocation), a :class:`PrecisionPlan`, a dict, a
             ``.json``/``.yaml`` plan file, a folder holding ``hf_lowprec_plan.json`` (a checkpoint:
             pass it to resume an ``auto`` run), or a format name for every Linear (``"fp8"``, ``"int4-g64"``).
-        keep: layer names/patterns left in high precision (format-name and ``auto`` plans).
+        keep: layer names/patterns left in high precision (format-name and ``auto`` plans); default: the model's
+            output head (``get_output_embeddings()``, e.g. ``lm_head``), as the CLI's recipes; ``()`` keeps none.
         budget: ``auto`` only: a ``sensitivity.Budget`` or a dict of its fields.
         formats: ``auto`` only: candidate formats of the scan.
         calibration_data: ``auto`` or ``fp8_rounding``: model-input batches (a list, or a DataLoader for ``auto`` alone)
@@ -124,7 +125,8 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         self._hook = None
         self._optimizer = None
 
-    def _convert(self, model: nn.Module, plan: PrecisionPlan) -> None:
+    def _convert(self, model: nn.Module) -> None:
+        plan = self.session.bind(model)
         self.session.record(model, plan, self.session.apply(model, plan, process_world()[1]))
 
     # ------------------------------------------------------------------------------ events
@@ -156,7 +158,7 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
             # a checkpoint written with INT4 layers must not load silently into an unconverted model
             self._hook = model.register_load_state_dict_post_hook(_refuse_low_precision_keys)
             return
-        self._convert(model, self.plan)
+        self._convert(model)
         self.session.round_weights(model, self.calibration_data or ())
         if optimizer is not None:  # the user passed optimizers=(...)
             insert_new_parameters(optimizer, model, self.session.new_params)
@@ -169,7 +171,9 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         if model is not None and getattr(model, "hf_lowprec_plan", None) is None:
             self._convert_late(args, state, model, optimizer, train_dataloader)
         elif self.report is None and model is not None:  # a callback restored from trainer_state.json
-            self._convert(model, model.hf_lowprec_plan if self.plan is None else self.plan)
+            if self.plan is None:
+                self.plan = model.hf_lowprec_plan
+            self._convert(model)
         if self.compensation and optimizer is not None:
             self._compensate(optimizer)
         if state.global_step > 0:
@@ -205,7 +209,7 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
                 raise ValueError("plan='auto' needs training data or calibration_data= to scan")
             with scan_progress(not args.disable_tqdm) as progress:
                 self.session.scan(model, train_dataloader, trainer_autocast(args), progress)
-        self._convert(model, self.plan)
+        self._convert(model)
         if state.global_step == 0:
             self.session.round_weights(model, self.calibration_data or ())
         if self.session.new_params and process_world()[1] > 1:
@@ -340,7 +344,7 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         return {
             "args": {
                 "plan": self.plan.to_dict() if self.plan is not None else "auto",
-                "keep": list(self.session.keep) if self.plan is None else [],
+                "keep": (None if self.session.keep is None else list(self.session.keep)) if self.plan is None else [],
                 "calibration_batches": self.session.calibration_batches,
                 "scaler": self.session.scaler,
                 "scaler_options": self.session.scaler_options,

@@ -10,7 +10,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import islice
 
 import numpy as np
@@ -21,8 +21,9 @@ from transformers.utils.logging import tqdm
 from hf_lowprec import sensitivity
 from hf_lowprec.convert import ConversionReport, apply_plan, eligible_layers
 from hf_lowprec.formats import FormatSpec
+from hf_lowprec.layers import output_head_name
 from hf_lowprec.modules.fp8 import FP8_BACKENDS
-from hf_lowprec.plan import PrecisionPlan, format_shares, is_auto, resolve_plan
+from hf_lowprec.plan import PrecisionPlan, format_shares, is_auto, names_a_format, resolve_plan
 from hf_lowprec.scaling import TELEMETRY_PREFIX, make_policy_factory
 from hf_lowprec.training.compensation import METHODS as COMPENSATIONS
 from hf_lowprec.training.new_parameters import align_new_parameters
@@ -107,12 +108,14 @@ def scan_plan(
     """Scan the first ``options.calibration_batches`` batches, allocate under ``options.budget``; ``(plan, seconds)``.
 
     ``options`` carries ``calibration_batches``, ``formats``, ``scan_method``, ``budget`` (a
-    ``sensitivity.Budget``, a dict of its fields, or None), ``keep`` and ``seed``. ``computing``: the context training
+    ``sensitivity.Budget``, a dict of its fields, or None), ``seed`` and ``kept(model)``, the layers kept out of the
+    allocation. ``computing``: the context training
     computes in (its autocast, if any), which the scan then computes in too. ``progress``: the scan's
     ``progress(done, total, description)``. Random streams are left as they were;
     under several processes every rank gets rank 0's plan.
     """
-    sensitivity.check_budget(model, options.formats, options.budget, keep=options.keep)  # not after minutes of scan
+    keep = options.kept(model)
+    sensitivity.check_budget(model, options.formats, options.budget, keep=keep)  # not after minutes of scan
     start = time.perf_counter()
     was_training = model.training
     with _preserved_rng(), computing:
@@ -123,7 +126,7 @@ def scan_plan(
             model, data, formats=options.formats, method=options.scan_method, seed=options.seed, progress=progress
         )
     model.train(was_training)
-    plan = sensitivity.allocate(result, options.budget, keep=options.keep)
+    plan = sensitivity.allocate(result, options.budget, keep=keep)
     return _same_on_all_ranks(plan), time.perf_counter() - start
 
 
@@ -139,7 +142,7 @@ class LowPrecisionSession:
         self,
         plan="auto",
         *,
-        keep: tuple[str, ...] = (),
+        keep: Sequence[str] | None = None,
         budget=None,
         formats=("fp8", "int4-g64"),
         calibration_batches: int = 4,
@@ -169,20 +172,38 @@ class LowPrecisionSession:
         if fp8_rounding not in FP8_ROUNDINGS:
             raise ValueError(f"unknown fp8_rounding {fp8_rounding!r}; choose one of {', '.join(FP8_ROUNDINGS)}")
         make_policy_factory(scaler, **dict(scaler_options or {}))  # raises for unknown names/options
-        self.keep, self.budget, self.formats = tuple(keep), budget, tuple(formats)
+        self.keep = None if keep is None else tuple(keep)
+        self.budget, self.formats = budget, tuple(formats)
         self.calibration_batches, self.scan_method, self.seed = calibration_batches, scan_method, seed
         self.scaler, self.scaler_options = scaler, dict(scaler_options or {})
         self.fp8_backend, self.learn_scales, self.sync = fp8_backend, learn_scales, sync
         self.compensation = None if compensation == "none" else compensation
         self.fp8_rounding = fp8_rounding
         self.rounding: dict | None = None  # round_fp8_weights' summary once the FP8 weights were rounded
-        self.plan: PrecisionPlan | None = None if self.auto else resolve_plan(plan, self.keep)
+        self.plan: PrecisionPlan | None = None if self.auto else resolve_plan(plan, self.keep or ())
+        # a format name without keep= keeps the output head of the model it meets (bind)
+        self._keeps_head = keep is None and names_a_format(plan)
         self.report: ConversionReport | None = None
         self.coverage: dict[str, float] = {}
         self.scan_seconds = 0.0
         self.steps_skipped = 0
         self.model: nn.Module | None = None
         self.new_params: list[nn.Parameter] = []
+
+    def kept(self, model: nn.Module) -> tuple[str, ...]:
+        """The layers ``keep`` leaves in high precision; by default (``keep=None``) ``model``'s output head."""
+        if self.keep is not None:
+            return self.keep
+        head = output_head_name(model)
+        return () if head is None or head not in eligible_layers(model) else (head,)
+
+    def bind(self, model: nn.Module) -> PrecisionPlan | None:
+        """:attr:`plan` for ``model``: a format-name plan given without ``keep`` leaves ``model``'s output head in
+        high precision (as torchtitan's and Accelerate's FP8 recipes do); the plan is then fixed."""
+        if self._keeps_head:
+            self.plan = PrecisionPlan.uniform(self.plan.default, keep=self.kept(model))
+            self._keeps_head = False
+        return self.plan
 
     def scan(
         self, model: nn.Module, batches: Iterable[Mapping], computing=contextlib.nullcontext(), progress=None
