@@ -123,6 +123,20 @@ def _gguf_cache_dir(folder: str, gguf_file: str, dtype: torch.dtype) -> Path:
     return cache_root() / "gguf" / name / str(dtype).removeprefix("torch.")
 
 
+def _remove_other_copies(kept: Path) -> list[Path]:
+    """Remove the cache folders of other files of ``kept``'s GGUF file name (``<stem>-<16 hex digits>`` beside it):
+    another version of that file, or the folders a key of path and modification time left (one per install, ~0.8 GB
+    each for the default model). One copy per file name bounds the cache; returns what was removed."""
+    stem = kept.name.rsplit("-", 1)[0]
+    pattern = re.compile(re.escape(stem) + r"-[0-9a-f]{16}")
+    removed = [p for p in kept.parent.iterdir() if p != kept and p.is_dir() and pattern.fullmatch(p.name)]
+    for folder in removed:
+        shutil.rmtree(folder, ignore_errors=True)
+    if removed:
+        logger.info("removed %d older cached copies of %s from %s", len(removed), stem, kept.parent)
+    return removed
+
+
 def cache_gguf(folder: str, gguf_file: str, dtype: torch.dtype) -> Path:
     """The cached plain folder of ``gguf_file`` in ``dtype``, made on first use, atomically.
 
@@ -156,6 +170,7 @@ def cache_gguf(folder: str, gguf_file: str, dtype: torch.dtype) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _remove_other_copies(target.parent)
     return target
 
 

@@ -3,6 +3,7 @@
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -916,6 +917,35 @@ def test_a_gguf_files_cache_folder_follows_its_content_not_its_path(tmp_path):
     a, b, c = (_gguf_cache_dir(str(tmp_path / n), "m.gguf", torch.bfloat16) for n in ("a", "b", "c"))
     assert a == b and a != c and a.name == "bfloat16" and a.parent.name.startswith("m-")
     assert _gguf_cache_dir(str(tmp_path / "a"), "m.gguf", torch.float32) == a.parent / "float32"
+
+
+def test_a_new_cache_folder_removes_the_other_copies_of_its_file_name_only(tmp_path):
+    """Older copies of the same GGUF file name go (another version of the file, or the path-and-time keys of before);
+    other files' folders and anything not named like a cache folder stay."""
+    from hf_lowprec.checkpoints import _remove_other_copies
+
+    names = ["m.Q4-0123456789abcdef", "m.Q4-fedcba9876543210", "m.Q4-aaaaaaaaaaaaaaaa", "other-0123456789abcdef",
+             "m.Q4-notes", "m.Q4-0123456789abcdef0"]  # fmt: skip
+    for name in names:
+        (tmp_path / name / "float32").mkdir(parents=True)
+    removed = _remove_other_copies(tmp_path / names[0])
+    assert sorted(p.name for p in removed) == sorted(names[1:3])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names[0], *names[3:]])
+
+
+@pytest.mark.slow
+def test_caching_the_default_checkpoint_removes_a_stale_copy(tmp_path, monkeypatch):
+    """The real conversion: a folder the old path-and-time key left for the same file goes once the new one exists."""
+    from hf_lowprec.checkpoints import _gguf_cache_dir, cache_gguf
+
+    monkeypatch.setenv("HF_LOWPREC_CACHE", str(tmp_path))
+    folder, gguf = default_checkpoint()
+    stale = tmp_path / "gguf" / f"{Path(gguf).stem}-0123456789abcdef" / "float32"
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")
+    target = cache_gguf(folder, gguf, torch.float32)
+    assert target == _gguf_cache_dir(folder, gguf, torch.float32) and (target / "config.json").is_file()
+    assert [p.name for p in (tmp_path / "gguf").iterdir()] == [target.parent.name]
 
 
 @pytest.mark.slow
