@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from hf_lowprec.cli import ui
+
+if TYPE_CHECKING:
+    import torch
 
 app = typer.Typer(
     name="hf-lowprec",
@@ -264,6 +267,15 @@ def env_cmd(
 
 
 # -------------------------------------------------------------------------------------- scan
+def _recipe_for(plan) -> str:
+    """The ``--recipe`` option a scanned plan trains with: none (the INT4 base + LoRA default) when every low-precision
+    format of it packs, else full training (``auto-mixed``), which runs FP8 and the rest."""
+    from hf_lowprec.modules.packed import packed_class
+
+    specs = [plan.default, *plan.layers.values()]
+    return "" if all(s.is_high_precision or packed_class(s) for s in specs) else "--recipe auto-mixed "
+
+
 @app.command("scan")
 @ui.guarded
 def scan_cmd(
@@ -313,7 +325,7 @@ def scan_cmd(
     heatmap = result.save_heatmap(out.with_suffix(".png"))
     scores = result.save(out.with_name(out.stem + ".scores.json"))
     _print_scan(result, plan.summary(lm_model), measured, f"{out} (plan), {heatmap} (heat map), {scores} (scores)")
-    ui.out.print(f"train with it: hf-lowprec finetune {model + ' ' if model else ''}--plan {out}")
+    ui.out.print(f"train with it: hf-lowprec finetune {model + ' ' if model else ''}{_recipe_for(plan)}--plan {out}")
 
 
 def _scan_batches(model, gguf_file, data, sizes: tuple[int, int, int], text_column, loading: dict):
@@ -487,6 +499,7 @@ def _print_summary(record: dict, out: Path) -> None:
         "loss, base model": f"{f['loss_base']:.4f} (perplexity {f['perplexity_base']:.2f})",
         "loss, plan applied, before training": f"{f['loss_start']:.4f}",
         "loss, after training": f"{f['loss_final']:.4f} (perplexity {f['perplexity_final']:.2f})",
+        "losses computed with": record["eval"][0]["computed"],
         "steps": f"{f['steps']}" + (f" (resumed from {f['resumed_from_step']})" if "resumed_from_step" in f else ""),
         "time": f"{f['train_seconds']:.1f} s ({f['seconds_per_step']:.2f} s/step, {f['tokens_per_second']:,.0f} "
         "tokens/s)",
@@ -521,10 +534,17 @@ def eval_cmd(
     max_sequences: Annotated[
         Optional[int], typer.Option("--max-sequences", min=1, help="Evaluate at most this many sequences/rows.")
     ] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 4,
+    batch_size: Annotated[
+        Optional[int],
+        typer.Option("--batch-size", min=1, help="Default 4; --plan-numerics: the run's (FP8 scales span a batch)."),
+    ] = None,
     plan_numerics: Annotated[
         bool,
-        typer.Option("--plan-numerics", help="Re-apply an export's precision plan (training-time FP8/INT4 numerics)."),
+        typer.Option(
+            "--plan-numerics",
+            help="Re-apply an export's precision plan and compute as its run evaluated (FP8/INT4 layers, the run's "
+            "autocast and batch size): the run's reported loss on the same data.",
+        ),
     ] = False,
     text_column: TextColOpt = None,
     messages_column: MsgColOpt = None,
@@ -546,12 +566,13 @@ def eval_cmd(
         lm_model, tokenizer, kind = _load_for_eval(model, gguf_file, task, plan_numerics, loading)
     if tokenizer is None:
         ui.fail(f"{model!r} has no tokenizer files")
+    autocast, batch_size = _eval_numerics(model, plan_numerics, batch_size)
     columns = {"text_column": text_column, "max_rows": max_sequences}
     if kind == "classification":
         rows = _eval_classification(lm_model, tokenizer, records, data, block_size, batch_size, columns, label_column)
     else:
         columns["messages_column"] = messages_column
-        rows = _eval_causal_lm(lm_model, tokenizer, records, data, block_size, batch_size, columns)
+        rows = _eval_causal_lm(lm_model, tokenizer, records, data, block_size, batch_size, columns, autocast)
     ui.out.print(ui.key_values("Evaluation", {"model": model, "data": data, **{k: str(v) for k, v in rows}}))
 
 
@@ -571,8 +592,21 @@ def _eval_classification(model, tokenizer, records, data: str, max_length: int, 
     return [("accuracy", f"{result['accuracy']:.4f}"), ("rows", result["rows"])]
 
 
-def _eval_causal_lm(model, tokenizer, records, data: str, block_size: int, batch_size: int, columns):
-    """``[(name, value)]``: perplexity and loss over blocks of ``block_size`` tokens."""
+def _eval_numerics(model: str, plan_numerics: bool, batch_size: int | None) -> tuple[torch.dtype | None, int]:
+    """``(autocast dtype or None, batch size)`` of an evaluation: with ``--plan-numerics``, as the export's run
+    evaluated (said on stderr; a given ``--batch-size`` wins), else no autocast and batch 4."""
+    from hf_lowprec.export.records import evaluation_numerics, read_run
+
+    if not plan_numerics:
+        return None, batch_size or 4
+    autocast, run_batch, computed = evaluation_numerics(read_run(Path(model)))
+    given = f" (--batch-size {batch_size})" if batch_size else ""
+    ui.err.print(f"computing as the run evaluated: {computed}{given}")
+    return autocast, batch_size or run_batch
+
+
+def _eval_causal_lm(model, tokenizer, records, data: str, block_size: int, batch_size: int, columns, autocast=None):
+    """``[(name, value)]``: perplexity and loss over blocks of ``block_size`` tokens (under ``autocast``, a dtype)."""
     from hf_lowprec.data import prepare_lm_data
     from hf_lowprec.metrics import causal_lm_loss
 
@@ -580,7 +614,9 @@ def _eval_causal_lm(model, tokenizer, records, data: str, block_size: int, batch
     with ui.step(f"tokenizing into sequences of {block_size} tokens"):
         lm = prepare_lm_data(records, data, tokenizer, block_size, eval_sequences=max_rows, eval_only=True, **columns)
     with ui.counted("evaluating", total=len(lm.eval), unit="sequences") as advance:
-        result = causal_lm_loss(model, lm.eval, lm.collator, batch_size=batch_size, on_batch=advance)
+        result = causal_lm_loss(
+            model, lm.eval, lm.collator, batch_size=batch_size, autocast_dtype=autocast, on_batch=advance
+        )
     return [
         ("perplexity", f"{result['perplexity']:.4f}"),
         ("loss (nats/token)", f"{result['loss']:.4f}"),

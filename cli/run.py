@@ -27,7 +27,7 @@ from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArgu
 from hf_lowprec.checkpoints import default_checkpoint, has_tokenizer, load_pretrained, resolve_checkpoint
 from hf_lowprec.data import collated_batches, prepare_lm_data, read_source
 from hf_lowprec.export.folder import export_model
-from hf_lowprec.export.records import RUN_FILE, hardware_info, read_run
+from hf_lowprec.export.records import RUN_FILE, evaluation_numerics, hardware_info, read_run
 from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.metrics import causal_lm_loss, peak_rss_mb
 from hf_lowprec.modules.kernels.autotune import measured, resolve_dtype
@@ -396,8 +396,8 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
         model, lm, t.per_device_train_batch_size, autocast, "evaluating the trained model (held-out data)"
     )
     figures.update(_training_figures(trainer, result, t, train_seconds, resume_from, figures["loss_base"], final))
-    record = _run_record(run, opts, lm, figures, final, method_info)
-    record["compute"] = _compute_record(compute, compute_reason, model)
+    compute_record = _compute_record(compute, compute_reason, model)
+    record = _run_record(run, opts, lm, figures, final, {**method_info, "compute": compute_record})
     _export_run(model, tokenizer, run, record, recipe, trainer.state.log_history)
     return record
 
@@ -520,6 +520,7 @@ def _training_figures(trainer, result, t, train_seconds: float, resume_from, los
 def _run_record(run: RunFolder, opts: FinetuneOptions, lm, figures: dict, final: dict, method_info: dict) -> dict:
     """The run record written next to the weights (see ``hf_lowprec.export.records``)."""
     dataset = Path(lm.source).name if Path(lm.source).exists() else lm.source  # a local file by name only, not its path
+    computed = evaluation_numerics({"recipe": opts.recipe.to_dict(), **method_info})[2]
     return {
         "name": run.out.name,
         "base_model": _base_model_id(opts.model),
@@ -529,8 +530,8 @@ def _run_record(run: RunFolder, opts: FinetuneOptions, lm, figures: dict, final:
         "data_kind": lm.kind,
         "training": figures,
         "eval": [
-            {"dataset": dataset, "split": "held-out", "metric": "perplexity", "value": round(final["perplexity"], 4)},
-            {"dataset": dataset, "split": "held-out", "metric": "loss", "value": round(final["loss"], 4)},
+            {"dataset": dataset, "split": "held-out", "metric": m, "value": round(final[m], 4), "computed": computed}
+            for m in ("perplexity", "loss")
         ],
         "hardware": hardware_info(),
         **method_info,

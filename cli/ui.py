@@ -6,6 +6,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -25,8 +26,21 @@ from rich.progress import (
 )
 from rich.table import Table
 
-out = Console(highlight=False)  # results: tables, summaries
-err = Console(stderr=True, highlight=False)  # progress, warnings, errors
+PIPED_WIDTH = 160  # columns of output that goes to a file or a CI log, unless $COLUMNS says otherwise
+
+
+def _console(stderr: bool) -> Console:
+    """rich's console on stdout or stderr. Piped to a file or a CI log, rich would wrap at 80 columns, breaking the
+    paths and commands printed across lines and squeezing tables: there it takes ``PIPED_WIDTH`` columns and leaves
+    long lines whole."""
+    stream = sys.stderr if stderr else sys.stdout
+    piped = not (hasattr(stream, "isatty") and stream.isatty())
+    width = int(os.environ.get("COLUMNS", PIPED_WIDTH)) if piped else None
+    return Console(stderr=stderr, highlight=False, soft_wrap=piped, width=width)
+
+
+out = _console(stderr=False)  # results: tables, summaries
+err = _console(stderr=True)  # progress, warnings, errors
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from typer.testing import CliRunner
 from hf_lowprec.data import prepare_lm_data, read_source
 from hf_lowprec.export import CARD_FILE, RUN_FILE, load_exported
 from hf_lowprec.export.folder import LEARNED_STATE_FILE
+from hf_lowprec.export.records import evaluation_numerics
 from hf_lowprec.metrics import causal_lm_loss
 from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear
 from hf_lowprec.modules.kernels.cpp import cpu_kernels
@@ -309,6 +311,23 @@ def test_scan_writes_a_plan_that_fits_the_model(ws):
     assert len(budget.replace(".", "").lstrip("0")) <= 4, budget
 
 
+def test_scan_suggests_the_recipe_its_plan_trains_with(ws):
+    """The command ``scan`` ends with runs as printed, one line however long: the INT4 base + LoRA default for a plan of
+    int4/int8 layers, full training (``auto-mixed``) for one with FP8 layers, which the INT4 base refuses."""
+    base = ("--data", ws / "corpus.txt", "--block-size", "32", "--batches", "1")
+    for formats, recipe in (("int4-g32-asym,int8", ""), ("fp8", "--recipe auto-mixed ")):
+        out = ws / "scan" / f"{formats.split(',')[0]}-suggested.json"
+        result = cli("scan", ws / "tiny", *base, "--formats", formats, "--budget", "max_loss_increase=10", "--out", out)
+        assert result.exit_code == 0, result.output
+        suggested = result.output.strip().splitlines()[-1]
+        assert suggested == f"train with it: hf-lowprec finetune {ws / 'tiny'} {recipe}--plan {out}"
+        command = shlex.split(suggested.removeprefix("train with it: hf-lowprec "))
+        run = cli(*command, "--data", ws / "corpus.txt", "--max-steps", "2", *FAST, "-o", out.with_suffix(""))
+        assert run.exit_code == 0, run.output
+    refused = one_error_line(cli("finetune", ws / "tiny", "--plan", out, "--data", ws / "corpus.txt", "-o", ws / "x"))
+    assert "in fp8, which no packed layer stores" in refused and "--recipe auto-mixed" in refused
+
+
 def test_a_master_export_keeps_what_int4_layers_learned(ws, tmp_path):
     """Full training with INT4 layers (learned steps), exported as master weights: the plan re-applied on load computes
     as the trained model did (the steps come back from the export, not fresh from the weights)."""
@@ -325,6 +344,34 @@ def test_a_master_export_keeps_what_int4_layers_learned(ws, tmp_path):
     model, _ = load_exported(out, apply_plan_numerics=True)
     fresh = causal_lm_loss(model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
     assert abs(fresh - loss) > 1e-4
+
+
+def test_an_fp8_runs_reported_loss_comes_back_from_its_export(ws, tmp_path):
+    """Full FP8 training under bf16 autocast reports its held-out loss computed as it trained (the plan's FP8 layers,
+    bf16 autocast, its batch size: tensorwise scales span a batch), says so in the summary and the card, and ``eval
+    --plan-numerics`` of the export computes that way, so the figure comes back from the published folder."""
+    recipe = tmp_path / "fp8-master.yaml"
+    recipe.write_text("method: full\nprecision: {plan: fp8, keep: [lm_head]}\nexport: {weights: master}\n")
+    out = ws / "run-fp8-bf16"
+    fast_bf16 = [*FAST[:-4], "--dtype", "bf16", *FAST[-2:]]
+    result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", "--recipe", recipe, "--max-steps", "6", "--lr", "3e-3", *fast_bf16, "-o", out)
+    assert result.exit_code == 0, result.output
+    assert "losses computed with │ the plan's numerics, bf16 autocast, batch 2 │" in " ".join(result.output.split())
+    record = json.loads((out / RUN_FILE).read_text())
+    autocast, batch, computed = evaluation_numerics(record)
+    assert (autocast, batch) == (torch.bfloat16, 2) and f"| {computed} |" in (out / CARD_FILE).read_text()
+    model, tok = load_exported(out, apply_plan_numerics=True)
+    blocks = held_out(ws, tok).eval
+    again = causal_lm_loss(model, blocks, default_data_collator, batch_size=batch, autocast_dtype=autocast)["loss"]
+    assert again == pytest.approx(record["training"]["loss_final"], abs=1e-6)
+    plain = causal_lm_loss(model, blocks, default_data_collator, batch_size=batch)["loss"]
+    assert abs(plain - again) > 1e-4  # bf16 autocast is part of the figure
+
+    evaluated = cli("eval", out, "--data", ws / "corpus.txt", "--block-size", "32", "--max-sequences", "4", "--plan-numerics")
+    assert "computing as the run evaluated: the plan's numerics, bf16 autocast, batch 2" in evaluated.output
+    rows = prepare_lm_data(*read_source(ws / "corpus.txt"), tok, 32, eval_sequences=4, eval_only=True).eval
+    expected = causal_lm_loss(model, rows, default_data_collator, batch_size=2, autocast_dtype=torch.bfloat16)["loss"]
+    assert f"loss (nats/token) │ {expected:.4f} │" in " ".join(evaluated.output.split())
 
 
 def test_every_builtin_full_recipe_trains_the_tiny_model(ws):

@@ -136,7 +136,7 @@ def test_quantize_on_load_default_plan_and_a_tied_head(tmp_path):
     "plan, message",
     [
         ("auto", "plan 'auto' needs calibration tokens"),
-        ({"default": "int4-g64", "layers": {"*.v_proj": "fp8"}}, r"packs int4 formats \(without -sq\) and per-channel int8; the plan also has fp8"),
+        ({"default": "int4-g64", "layers": {"*.v_proj": "fp8"}}, r"2 Linear layers .* in fp8, which no packed layer stores"),
         ({"default": "int4-g64", "layers": {"*.v_proj": "int4-g64-sq"}}, "the plan also has int4-g64-sq"),  # calibrated on activations
         ("int4-g999x", "plan must be 'auto', a plan file or folder, or a format name"),
     ],

@@ -410,8 +410,11 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
         prepare_int4_lora(tiny_llama(hidden_size=32, intermediate_size=48), LoraConfig(r=4, target_modules="all-linear"))
     with pytest.raises(ValueError, match="puts no Linear layer of this model in int4"):
         prepare_int4_lora(tiny_llama(), LoraConfig(r=4, target_modules="all-linear"), plan="bf16")
-    with pytest.raises(ValueError, match=r"in int4 \(nf4-g64 cannot be packed: an INT4 base takes int4-\* and int8"):
+    with pytest.raises(ValueError, match=r"14 Linear layers .* in nf4-g64, which no packed layer stores"):
         prepare_int4_lora(tiny_llama(), LoraConfig(r=4, target_modules="all-linear"), plan="nf4-g64")
+    mixed = {"default": "int4-g32", "layers": {"lm_head": "bf16", "*.mlp.*": "fp8"}}  # what `scan` writes by default
+    with pytest.raises(ValueError, match=r"6 Linear layers \(e.g. model.layers.0.mlp.down_proj\) in fp8, .*auto-mixed"):
+        prepare_int4_lora(tiny_llama(), LoraConfig(r=4, target_modules="all-linear"), plan=mixed)
     with pytest.raises(ValueError, match="not supported on a packed base"):
         prepare_int4_lora(tiny_llama(), LoraConfig(r=4, target_modules="all-linear", use_dora=True))
     with pytest.raises(ValueError, match="not a packed INT4 folder"):

@@ -23,6 +23,19 @@ CARD_FILE = "README.md"
 RUN_ONLY = ("checkpoints", "log_history.json")
 
 
+def evaluation_numerics(record: Mapping) -> tuple[torch.dtype | None, int, str]:
+    """How a run computed its held-out loss: ``(autocast dtype or None, batch size, description)``. Full training
+    evaluates with its plan's low-precision layers in place, under bf16 autocast where it trained in bf16; tensorwise
+    FP8 scales span the whole batch, so the batch size is part of the figure too."""
+    recipe = record.get("recipe", {})
+    batch = recipe.get("training", {}).get("per_device_train_batch_size", 4)
+    dtype = record.get("compute", {}).get("dtype", "float32")
+    if recipe.get("method") != "full":
+        return None, batch, f"the packed base in {dtype}, batch {batch}"
+    autocast = torch.bfloat16 if dtype == "bfloat16" else None
+    return autocast, batch, f"the plan's numerics{', bf16 autocast' if autocast else ''}, batch {batch}"
+
+
 def hardware_info() -> dict:
     """What the run ran on: device, its name, CPU cores and capabilities, torch version, whether FP8 tensor cores
     exist."""

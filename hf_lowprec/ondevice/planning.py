@@ -135,13 +135,21 @@ def check_quantizable(model: nn.Module, plan: PrecisionPlan) -> None:
     for name, spec in assigned.items():
         if isinstance(dense_view(layers[name]), nn.Embedding) and not spec.is_high_precision and packed_class(spec):
             check_embedding_format(spec)  # an int4 embedding without -a8 / -rht, or per-row int8
+    dense_only = sorted(
+        n for n, s in assigned.items() if isinstance(layers[n], linear) and not (s.is_high_precision or packed_class(s))
+    )
+    if dense_only:
+        formats = sorted({assigned[n].name for n in dense_only})
+        raise ValueError(
+            f"plan puts {len(dense_only)} Linear layers (e.g. {dense_only[0]}) in {', '.join(formats)}, which no "
+            "packed layer stores: a frozen INT4 base takes int4-* and int8 formats or keeps layers in high precision. "
+            "Train such a plan in full (apply_plan on the dense model; hf-lowprec finetune --recipe auto-mixed), or "
+            "scan for the INT4 base with formats int4-g64-asym,int8"
+        )
     packed = {n: s for n, s in assigned.items() if s.family == "int4" and isinstance(layers[n], linear)}
     if not packed:
-        unpackable = sorted({s.name for s in assigned.values() if not s.is_high_precision and not packed_class(s)})
-        why = f" ({', '.join(unpackable)} cannot be packed: an INT4 base takes int4-* and int8 formats)"
         raise ValueError(
-            f"plan {plan.to_dict()} puts no Linear layer of this model in int4{why if unpackable else ''}; nothing to "
-            "pack into an INT4 base"
+            f"plan {plan.to_dict()} puts no Linear layer of this model in int4; nothing to pack into an INT4 base"
         )
     narrow = [
         f"{n} ({layers[n].in_features} inputs)"
