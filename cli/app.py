@@ -486,8 +486,10 @@ def _model_and_key_values(model: str | None, items: list[str]) -> tuple[str | No
 
 
 def _print_summary(record: dict, out: Path) -> None:
+    from hf_lowprec.plan import row_label
+
     f = record["training"]
-    fractions = ", ".join(f"{r['format']} {100 * r['fraction']:.1f}%" for r in record["plan_rows"])
+    fractions = ", ".join(f"{row_label(r)} {100 * r['fraction']:.1f}%" for r in record["plan_rows"])
     mem = f"{f['peak_rss_mb']:,.0f} MB peak RSS" + (
         f", {f['peak_gpu_mb']:,.0f} MB peak GPU" if "peak_gpu_mb" in f else ""
     )

@@ -206,19 +206,15 @@ def key_values(title: str, items: Mapping[str, object]) -> Table:
 def plan_rows_table(rows: list[dict], title: str = "Precision plan") -> Table:
     """``PrecisionPlan.summary`` rows as a table. A high-precision row (``bf16``/``fp32``: layers left as they are)
     reads ``kept (<dtype>)``, the dtype its weights are stored in, which its MB count."""
+    from hf_lowprec.plan import row_label  # torch: not at import (--help stays fast)
+
     return table(
         title,
         ("format", "layers", "parameters", "share", "weight MB"),
         [
-            (_row_label(r), r["layers"], f"{r['params']:,}", f"{100 * r['fraction']:.1f}%", f"{r['bytes'] / 1e6:.2f}")
+            (row_label(r), r["layers"], f"{r['params']:,}", f"{100 * r['fraction']:.1f}%", f"{r['bytes'] / 1e6:.2f}")
             for r in rows
         ],
         numeric=(1, 2, 3, 4),
     )
 
-
-def _row_label(row: dict) -> str:
-    if row["format"] not in ("bf16", "fp32") or not row["params"]:
-        return row["format"]
-    stored = {2: "bf16", 4: "fp32"}.get(round(row["bytes"] / row["params"]), f"{row['bytes'] / row['params']:.1f} B")
-    return f"kept ({stored})"

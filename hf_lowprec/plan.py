@@ -236,6 +236,15 @@ def describe_yaml_error(e: yaml.YAMLError) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
 
 
+def row_label(row: Mapping) -> str:
+    """A :meth:`PrecisionPlan.summary` row's name for people: its format, or for a high-precision row (layers left as
+    they are) ``kept (<dtype>)``, the dtype its weights are stored in, which its bytes count."""
+    if row["format"] not in ("bf16", "fp32") or not row["params"]:
+        return row["format"]
+    stored = {2: "bf16", 4: "fp32"}.get(round(row["bytes"] / row["params"]), f"{row['bytes'] / row['params']:.1f} B")
+    return f"kept ({stored})"
+
+
 def format_shares(counts: Iterable[tuple[str, int]]) -> dict[str, float]:
     """Fraction of the total per format from ``(format, parameters)`` pairs (all 0 when the total is 0); the one
     count behind the plan summary, the conversion report and the training coverage."""

@@ -359,7 +359,10 @@ def test_an_fp8_runs_reported_loss_comes_back_from_its_export(ws, tmp_path):
     assert "losses computed with │ the plan's numerics, bf16 autocast, batch 2 │" in " ".join(result.output.split())
     record = json.loads((out / RUN_FILE).read_text())
     autocast, batch, computed = evaluation_numerics(record)
-    assert (autocast, batch) == (torch.bfloat16, 2) and f"| {computed} |" in (out / CARD_FILE).read_text()
+    card = (out / CARD_FILE).read_text()
+    assert (autocast, batch) == (torch.bfloat16, 2) and f"| {computed} |" in card
+    assert "| kept (fp32) | 2 |" in card and "plan │ fp8 64.3%, kept (fp32) 35.7%" in " ".join(result.output.split())
+    assert json.loads((out / "config.json").read_text())["use_cache"] is True  # training turned it off
     model, tok = load_exported(out, apply_plan_numerics=True)
     blocks = held_out(ws, tok).eval
     again = causal_lm_loss(model, blocks, default_data_collator, batch_size=batch, autocast_dtype=autocast)["loss"]

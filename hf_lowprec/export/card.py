@@ -9,7 +9,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from hf_lowprec import __version__
 from hf_lowprec.assets import shipped_folder
-from hf_lowprec.plan import PLAN_FILE
+from hf_lowprec.plan import PLAN_FILE, row_label
 
 TEMPLATE = "model_card.md.jinja"
 TASK_TYPES = {"perplexity": "text-generation", "loss": "text-generation", "accuracy": "text-classification"}
@@ -69,7 +69,8 @@ def render_model_card(run: Mapping, repo_id: str | None = None) -> ModelCard:
         eval_results=_eval_results(run, model_name) or None,
     )
     template = shipped_folder("model_cards").joinpath(TEMPLATE).read_text()
-    fractions = ", ".join(f"{100 * r['fraction']:.1f}% {r['format']}" for r in run.get("plan_rows", []))
+    plan_rows = [{**r, "label": row_label(r)} for r in run.get("plan_rows", [])]
+    fractions = ", ".join(f"{100 * r['fraction']:.1f}% {r['label']}" for r in plan_rows)
     return ModelCard.from_template(
         card_data,
         template_str=template,
@@ -85,8 +86,8 @@ def render_model_card(run: Mapping, repo_id: str | None = None) -> ModelCard:
         adapter=run.get("adapter"),
         plan_file=PLAN_FILE,
         plan_sentence=f"Share of the eligible parameters (Linear/Embedding weights) per training format: {fractions}. "
-        "`bf16` marks layers left in the model's own dtype.",
-        plan_rows=run.get("plan_rows", []),
+        "`kept` marks layers left as they were, with the dtype their trained weights are stored in.",
+        plan_rows=plan_rows,
         layers=run.get("layers", []),
         dataset=run.get("dataset", "unknown"),
         data_kind=run.get("data_kind", "text"),

@@ -83,6 +83,8 @@ def export_model(
         copy_ = copy.deepcopy(model)
         learned = _learned_state(copy_) if weights == "master" else {}
         run["export"] = _export_weights(copy_, weights)
+        if getattr(copy_.config, "use_cache", None) is not None:
+            copy_.config.use_cache = True  # training turned the KV cache off; generation wants it
         copy_.save_pretrained(tmp)
         if learned:
             save_file(learned, tmp / LEARNED_STATE_FILE)
@@ -305,6 +307,7 @@ def _export_dense(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = "bfloat16"
+    config.use_cache = True  # training turned the KV cache off; generation wants it
     n4 = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
     n8 = sum(isinstance(m, PackedInt8Linear) for m in model.modules())
     weights = f"{n4} packed INT4" + (f" and {n8} int8" if n8 else "") + " layers dequantized, the other weights"
