@@ -615,6 +615,8 @@ def test_export_formats_compressed_tensors_and_bf16(ws, lora_run, tmp_path):
     assert result.exit_code == 0, result.output
     record = json.loads((ct / RUN_FILE).read_text())
     assert record["export"]["loader"] == "compressed-tensors" and record["export"]["requantized_layers"]  # AWQ layers
+    int8 = sum(f == "int8" for f in json.loads((out / PLAN_FILE).read_text())["layers"].values())
+    assert ("int8 layers as dense weights" in record["export"]["description"]) == (int8 > 0), record["export"]
     assert json.loads((ct / "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
     tok = AutoTokenizer.from_pretrained(out)
     blocks = torch.stack([torch.as_tensor(r["input_ids"]) for r in held_out(ws, tok).eval])

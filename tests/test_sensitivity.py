@@ -249,6 +249,9 @@ def test_check_budget_raises_before_a_scan_what_allocate_raises_after_it(sensiti
     with pytest.raises(ValueError) as before_scan:
         check_budget(sensitive_model, formats, {"target_bits_per_param": 6.0}, keep=["lm_head"])
     assert "target_bits_per_param=6 cannot be met" in str(before_scan.value) and str(before_scan.value) == str(after_scan.value)
+    with pytest.raises(ValueError) as with_loss:  # a loss limit is unknown before the scan: the message names none
+        check_budget(sensitive_model, formats, {"target_bits_per_param": 6.0, "max_loss_increase": 1e-3}, keep=["lm_head"])
+    assert str(with_loss.value) == str(before_scan.value)
     with pytest.raises(ValueError, match=r"target_bits_per_param=2 cannot be met: the fewest bits .* is 4\.25"):
         check_budget(sensitive_model, formats, Budget(target_bits_per_param=2.0))
     check_budget(sensitive_model, formats, {"target_bits_per_param": 6.0})  # reachable with the head converted

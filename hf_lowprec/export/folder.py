@@ -331,6 +331,8 @@ def _export_dense(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id:
 def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id: str | None) -> Path:
     """The run's packed model (and adapters) in the compressed-tensors layout, with its record and card."""
     model, tokenizer = load_exported(run_dir)
+    n4 = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
+    n8 = sum(isinstance(m, PackedInt8Linear) for m in model.modules())
     with atomic_output_dir(out, overwrite) as tmp:
         errors = write_compressed_tensors(model, tmp, tokenizer=tokenizer, base_model_id=run.get("base_model"))
         run["export"] = {
@@ -338,7 +340,8 @@ def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: b
             "loader": "compressed-tensors",
             "library_name": "peft" if run.get("adapter") else "transformers",
             "dtype": _dtype_name(model),
-            "description": f"{_packed_layers(model)}; int8 layers as dense weights",
+            "description": f"{n4} layers as packed INT4 codes (two per byte)"
+            + (f"; {n8} int8 layers as dense weights" if n8 else ""),
             "requantized_layers": errors,
         }
         if run.get("adapter"):

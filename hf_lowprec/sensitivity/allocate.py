@@ -10,7 +10,7 @@ import fnmatch
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 from torch import nn
@@ -387,6 +387,11 @@ def check_budget(
         return
     if budget is None:
         return
+    budget = _budget_of(None, budget, {})  # checked as allocate checks it
+    if budget.max_loss_increase is not None:  # met by keeping layers; unknown before the scan: the size limits alone
+        if all(getattr(budget, k) is None for k in _CONSTRAINTS if k != "max_loss_increase"):
+            return
+        budget = replace(budget, max_loss_increase=None)
     scores = []
     units = _units(model, [FormatSpec.parse(f) for f in formats], packed=packed)
     for unit in units if layers is None else _select(units, layers):
