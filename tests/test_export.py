@@ -267,3 +267,21 @@ def test_push_refuses_a_folder_that_is_not_an_export(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=r"'.*data' is not an hf-lowprec run or export folder \(no hf_lowprec_run\.json or config\.json\)"):
             push(data, "me/data", token=TOKEN)
     assert hub.requests == [] and hub.files == {}
+
+
+def test_the_per_layer_record_counts_a_tied_head_once():
+    """A head tied to the embedding has no parameters of its own: its row says so, and the rows add up to the model's
+    eligible parameters, as the plan summary counts them (the card's per-layer table reads these rows)."""
+    from conftest import tiny_llama
+
+    from hf_lowprec.export.records import plan_record
+
+    model = tiny_llama(tie=True)
+    plan = PrecisionPlan({"lm_head": "bf16", "model.embed_tokens": "bf16"}, default="fp8")
+    apply_plan(model, plan)
+    layers, rows = plan_record(model, plan)
+    head = next(r for r in layers if r["name"] == "lm_head")
+    assert head["params"] == 0 and head["tied_to"] == "model.embed_tokens"
+    assert sum(r["params"] for r in layers) == sum(r["params"] for r in rows)
+    card = render_model_card({"layers": layers, "plan_rows": rows}).content
+    assert "| `lm_head` | bf16 | tied to `model.embed_tokens` |" in card

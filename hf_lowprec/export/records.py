@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from hf_lowprec.export.card import render_model_card
-from hf_lowprec.layers import dense_views
+from hf_lowprec.layers import canonical_name, dense_views
 from hf_lowprec.modules.kernels.cpu import cpu_info
+from hf_lowprec.modules.packed_embedding import tied_head_names
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan  # noqa: F401  (re-exported: the folder's file names)
 
 RUN_FILE = "hf_lowprec_run.json"
@@ -63,10 +64,16 @@ def hardware_info() -> dict:
 # ------------------------------------------------------------------------------ plan records
 def plan_record(model: nn.Module, plan: PrecisionPlan) -> tuple[list[dict], list[dict]]:
     """``(per-layer [{name, format, params}], PrecisionPlan.summary rows)`` of ``plan`` on ``model`` (frozen packed
-    layers counted as the dense layers they were)."""
+    layers counted as the dense layers they were). An output head tied to the input embedding holds no parameters of
+    its own: its row has ``params`` 0 and ``tied_to``, the embedding's name, so the rows add up to the model's."""
     layers = dense_views(model)
+    tied = tied_head_names(model)
+    head, embedding = (canonical_name(n) for n in tied) if tied else (None, None)
     per_layer = [
-        {"name": n, "format": spec.name, "params": layers[n].weight.numel()} for n, spec in plan.assign(layers).items()
+        {"name": n, "format": spec.name, "params": 0, "tied_to": embedding}
+        if n == head
+        else {"name": n, "format": spec.name, "params": layers[n].weight.numel()}
+        for n, spec in plan.assign(layers).items()
     ]
     return per_layer, plan.summary(layers)
 
