@@ -512,8 +512,9 @@ def _training_figures(trainer, result, t, train_seconds: float, resume_from, los
         "tokens_per_second": round(tokens / max(train_seconds, 1e-9), 1),
         **peak_memory(),
     }
-    if resume_from:
-        figures["resumed_from_step"] = resumed_at
+    if resume_from:  # the Trainer's training_loss averages this session's steps only
+        steps = f"{resumed_at + 1}-{trainer.state.global_step}"
+        figures.update(resumed_from_step=resumed_at, train_loss_over_steps=steps)
     return figures
 
 

@@ -83,6 +83,7 @@ def test_resume_skips_a_half_written_checkpoint(ws, tmp_path, monkeypatch, recip
     assert "skipping checkpoint-2" in resumed.output and "resuming from checkpoint-1 (step 1)" in resumed.output
     record = json.loads((out / RUN_FILE).read_text())
     assert record["training"]["resumed_from_step"] == 1 and record["training"]["steps"] == 3
+    assert record["training"]["train_loss_over_steps"] == "2-3"  # the Trainer averages the resumed session only
     assert not (tmp_path / "run.incomplete").exists()
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # handlers put back
 
