@@ -7,6 +7,7 @@ once instead of after the seconds it takes to import torch, transformers and pef
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -485,6 +486,18 @@ def _model_and_key_values(model: str | None, items: list[str]) -> tuple[str | No
     return model, out
 
 
+def _budget_row(recipe: dict) -> dict:
+    """The summary's ``budget`` row of a scanned plan (full training, ``plan: auto``): what the allocation met; a
+    ``score: after-training`` budget bounds the predicted loss after training, not at conversion."""
+    precision = recipe.get("precision", {})
+    if recipe.get("method") != "full" or precision.get("plan") != "auto" or not precision.get("budget"):
+        return {}
+    budget = ", ".join(f"{k}={v}" for k, v in precision["budget"].items())
+    if precision.get("score") == "after-training":
+        budget += " (the loss predicted after training, scored by curvature: not the loss at conversion)"
+    return {"budget": budget}
+
+
 def _print_summary(record: dict, out: Path) -> None:
     from hf_lowprec.plan import row_label
 
@@ -498,8 +511,9 @@ def _print_summary(record: dict, out: Path) -> None:
         "recipe": f"{record['recipe']['name']} ({record['recipe']['method']})",
         "data": f"{record['dataset']} ({record['data_kind']})",
         "plan": fractions,
+        **_budget_row(record["recipe"]),
         "loss, base model": f"{f['loss_base']:.4f} (perplexity {f['perplexity_base']:.2f})",
-        "loss, plan applied, before training": f"{f['loss_start']:.4f}",
+        "loss, plan applied, before training": f"{f['loss_start']:.4f} (perplexity {math.exp(f['loss_start']):.2f})",
         "loss, after training": f"{f['loss_final']:.4f} (perplexity {f['perplexity_final']:.2f})",
         "losses computed with": record["eval"][0]["computed"],
         "steps": f"{f['steps']}" + (f" (resumed from {f['resumed_from_step']})" if "resumed_from_step" in f else ""),

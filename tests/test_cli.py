@@ -384,6 +384,8 @@ def test_every_builtin_full_recipe_trains_the_tiny_model(ws):
         result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", "--recipe", recipe, "--max-steps", "2", *FAST, "-o", out)
         assert result.exit_code == 0, result.output
         assert (out / PLAN_FILE).exists() and "Fine-tuning summary" in result.output
+        if recipe == "auto-mixed":  # what the allocation met, and that it is not the loss at conversion
+            assert "budget │ max_loss_increase=0.05 (the loss predicted after training" in " ".join(result.output.split())
 
 
 def test_bad_inputs_fail_with_one_line(ws, tmp_path):
