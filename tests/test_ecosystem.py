@@ -4,6 +4,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import torch
 from conftest import on_dequant_backend, randomize_adapters
 from peft import LoraConfig
+from safetensors.torch import load_file, save_file
 from tiny_assets import save_tiny_model, tensorboard_scalars
 from transformers import TrainerCallback
 
@@ -85,6 +87,37 @@ def test_card_snippets_reload_the_trained_model_in_a_fresh_interpreter(exported,
     # the same packed codes and adapters, the same kernels (the autotune cache is shared): the same numbers
     torch.testing.assert_close(adapted_logits, trained_logits, rtol=0, atol=1e-5)
     assert (base_logits - trained_logits).abs().max() > 1e-2  # the adapters were applied, not dropped
+
+
+LOAD_BASE = """
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({folder!r})
+"""
+
+
+def test_a_packed_folder_fails_loudly_without_hf_lowprec_and_loads_quietly_with_it(exported, tmp_path):
+    """transformers without ``import hf_lowprec`` knows no packed layers: the one-byte ``weight`` each packed layer's
+    state holds makes it stop at that shape, where it would otherwise start those layers from random weights. With
+    the import the same folder loads with nothing unexpected; a folder written before the guards loads as well."""
+    folder, trained_logits = exported
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    plain = subprocess.run([sys.executable, "-c", LOAD_BASE.format(folder=str(folder))], env=env, capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+    assert plain.returncode != 0 and "mismatch" in plain.stderr and ".weight" in plain.stderr, plain.stderr[-2000:]
+    quiet = subprocess.run([sys.executable, "-c", "import hf_lowprec\n" + LOAD_BASE.format(folder=str(folder))],
+                           env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert quiet.returncode == 0 and "UNEXPECTED" not in quiet.stderr, quiet.stderr[-2000:]
+
+    older = tmp_path / "older"
+    shutil.copytree(folder, older)
+    weights = load_file(older / "model.safetensors")
+    unguarded = {k: v for k, v in weights.items() if not (k.endswith(".weight") and v.dtype == torch.uint8)}
+    assert len(weights) - len(unguarded) == 14  # every packed linear but the int8 head: 2 layers x 7
+    save_file(unguarded, older / "model.safetensors", metadata={"format": "pt"})
+    snippet = "import hf_lowprec\n" + LOAD_BASE.format(folder=str(older))
+    snippet += f"from peft import PeftModel\nmodel = PeftModel.from_pretrained(model, {str(older)!r}, subfolder='adapter')\n"
+    torch.testing.assert_close(_run_snippet(snippet, tmp_path), trained_logits, rtol=0, atol=0)
 
 
 def test_adapters_load_when_peft_is_imported_after_the_model(exported, tmp_path):

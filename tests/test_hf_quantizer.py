@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import tiny_llama
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from hf_lowprec import apply_plan, freeze
@@ -72,6 +73,9 @@ def test_quantize_on_load_packs_as_apply_plan_does(tmp_path, dtype):
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
     assert packed.config.quantization_config.to_dict() == quantization_config_dict(PLAN, reference)
     packed.save_pretrained(tmp_path / "packed")
+    saved = load_file(tmp_path / "packed" / "model.safetensors")
+    guards = {k for k, v in saved.items() if k.endswith(".weight") and v.shape == (1,)}  # with_load_guards
+    assert guards == {f"{n}.weight" for n, m in packed.named_modules() if isinstance(m, PackedLinear)} != set()
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "packed")
     ids = torch.randint(0, 256, (2, 16))
     with torch.no_grad():

@@ -19,7 +19,7 @@ from hf_lowprec.checkpoints import load_pretrained
 from hf_lowprec.convert import apply_plan, freeze, packs_when_frozen, revert
 from hf_lowprec.export.card import render_model_card
 from hf_lowprec.export.compressed_tensors import write_compressed_tensors
-from hf_lowprec.export.hf_quantizer import quantization_config_dict
+from hf_lowprec.export.hf_quantizer import quantization_config_dict, with_load_guards
 from hf_lowprec.export.records import CARD_FILE, RUN_ONLY, plan_record, read_run, write_record
 from hf_lowprec.folders import atomic_output_dir
 from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, PackedInt4Linear, PackedInt8Linear
@@ -85,7 +85,8 @@ def export_model(
         run["export"] = _export_weights(copy_, weights)
         if getattr(copy_.config, "use_cache", None) is not None:
             copy_.config.use_cache = True  # training turned the KV cache off; generation wants it
-        copy_.save_pretrained(tmp)
+        packed = weights == "int4-packed"
+        copy_.save_pretrained(tmp, state_dict=with_load_guards(copy_, copy_.state_dict()) if packed else None)
         if learned:
             save_file(learned, tmp / LEARNED_STATE_FILE)
         if weights == "int4-packed":

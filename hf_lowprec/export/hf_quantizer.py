@@ -9,8 +9,9 @@ tensors for the packed layers and, in ``config.json``::
 Importing ``hf_lowprec`` registers this method with transformers (``register_quantization_config`` /
 ``register_quantizer``; see :mod:`hf_lowprec.integrations`), so ``AutoModelForCausalLM.from_pretrained(folder)``
 builds the model with empty packed layers where the plan says ``int4`` (or per-channel ``int8``) and loads the
-codes into them. Without ``import hf_lowprec`` transformers warns "Unknown quantization type" and the packed layers
-come back randomly initialised: always import hf_lowprec (or use ``load_int4_model``).
+codes into them. Without ``import hf_lowprec`` transformers warns "Unknown quantization type" and would start the
+packed layers from random weights; the one-byte ``weight`` each packed layer also stores (:func:`with_load_guards`)
+makes it stop with a size-mismatch error instead. Folders written before those guards load as well.
 
 A dense checkpoint is packed as it loads::
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 import torch
 from torch import nn
@@ -46,6 +48,7 @@ from hf_lowprec.pread_safetensors import read_safetensors
 logger = logging.getLogger(__name__)
 
 QUANT_METHOD = "hf_lowprec"
+LOAD_GUARD = "weight"  # a one-byte tensor under this name per packed layer in a packed folder: see with_load_guards
 
 
 class HfLowprecConfig(QuantizationConfigMixin):
@@ -104,6 +107,8 @@ class HfLowprecQuantizer(HfQuantizer):
         if self.pre_quantized:
             plan = PrecisionPlan.from_dict(self.quantization_config.plan)
             install_packed_shells(model, plan, self.quantization_config.exact_kernels)
+            guards = {rf"(^|\.){re.escape(key)}$" for key in with_load_guards(model, {})}  # expected: skipped quietly
+            model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | guards
         else:
             plan = packing_plan(model, self.quantization_config.plan)
             self.quantization_config.plan = plan.to_dict()  # the folder's config.json says what was packed
@@ -144,6 +149,10 @@ class HfLowprecQuantizer(HfQuantizer):
 
     def is_serializable(self) -> bool:
         return True
+
+    def get_state_dict_and_metadata(self, model):
+        """``save_pretrained``'s state dict: the model's, with the load guards (:func:`with_load_guards`)."""
+        return with_load_guards(model, model.state_dict()), {}
 
     @property
     def is_trainable(self) -> bool:
@@ -285,6 +294,15 @@ def install_packed_shells(model: nn.Module, plan: PrecisionPlan, exact_kernels: 
     if tied is not None:
         share_packed_head(model, tied)  # a packed folder holds a tied table once, as the head's codes
     return count
+
+
+def with_load_guards(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (a packed folder's tensors, keys without PEFT's wrappers) plus a one-byte ``<layer>.weight`` for each
+    packed linear of ``model``. transformers without ``import hf_lowprec`` knows no packed layers and would start them
+    from random weights with a warning; this tensor's shape makes it stop with a size-mismatch error instead. With the
+    import, the loader skips these keys (they are in no model's state dict)."""
+    names = {canonical_name(n) for n, m in model.named_modules() if isinstance(m, PackedLinear)}
+    return {**state, **{f"{name}.{LOAD_GUARD}": torch.zeros(1, dtype=torch.uint8) for name in sorted(names)}}
 
 
 def quantization_config_dict(plan: PrecisionPlan, model: nn.Module) -> dict:

@@ -20,7 +20,7 @@ from hf_lowprec.checkpoints import TOKENIZER_FILES
 from hf_lowprec.convert import canonical_name
 
 # also registers quant_method "hf_lowprec" with transformers: from_pretrained loads exported folders
-from hf_lowprec.export.hf_quantizer import quantization_config_dict
+from hf_lowprec.export.hf_quantizer import quantization_config_dict, with_load_guards
 from hf_lowprec.folders import atomic_output_dir, atomic_write_text, check_output_dir
 from hf_lowprec.modules.int4_lora import PackedLoraLinear, lora_delta, register_int4_lora, requantize_merged
 from hf_lowprec.modules.packed import PackedLinear
@@ -134,6 +134,7 @@ def export_int4_lora(
             config.dtype = str(merged_dtype).removeprefix("torch.")
         else:
             state, errors = _packed_base_state(base, merge)
+            state = with_load_guards(base, state)
             config.quantization_config = quantization_config_dict(plan, base)
     with atomic_output_dir(out_dir, overwrite) as tmp, without_hf_quantizer(base):
         base.save_pretrained(tmp, state_dict=state)
