@@ -163,6 +163,19 @@ def test_adapters_name_the_hub_base_model_and_the_card_follows_the_adapter_conve
     assert data.library_name == "peft" and data.base_model == BASE_ID
 
 
+def test_an_export_does_not_look_the_base_model_up_on_the_hub(tmp_path):
+    """PEFT's adapter save looks the base's config up on the Hub to see whether the vocabulary was resized (a network
+    call, two warnings offline); hf-lowprec never resizes it, so its exports skip the lookup."""
+    import warnings
+
+    model, tokenizer = _adapted_model(save_tiny_model(tmp_path / "base"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        export_model(model, tokenizer, tmp_path / "run", _record(), repo_id="me/tiny-int4")
+    lookups = [str(w.message) for w in caught if "config file" in str(w.message) or "fetch remote" in str(w.message)]
+    assert lookups == [] and (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+
+
 def test_import_registers_without_importing_transformers_or_peft():
     code = (
         "import sys, hf_lowprec\n"

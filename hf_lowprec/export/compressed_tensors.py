@@ -35,7 +35,7 @@ from hf_lowprec.folders import atomic_output_dir, check_output_dir
 from hf_lowprec.layers import canonical_name
 from hf_lowprec.modules.packed import PackedInt4Linear, PackedInt8Linear, PackedLinear
 from hf_lowprec.modules.packed_embedding import with_dense_tables
-from hf_lowprec.ondevice.export import ADAPTER_DIR, adapterless_state, adapters_naming, without_hf_quantizer
+from hf_lowprec.ondevice.export import adapterless_state, save_adapters, without_hf_quantizer
 
 QUANT_METHOD = "compressed-tensors"
 CT_FORMAT = "pack-quantized"
@@ -198,8 +198,7 @@ def write_compressed_tensors(model: nn.Module, folder: Path, *, tokenizer=None, 
         base.save_pretrained(folder, state_dict=state)
     config.save_pretrained(folder)
     if peft:
-        with adapters_naming(model, base_model_id):
-            model.save_pretrained(folder / ADAPTER_DIR)
+        save_adapters(model, folder, base_model_id)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     return errors

@@ -140,8 +140,7 @@ def export_int4_lora(
         base.save_pretrained(tmp, state_dict=state)
         config.save_pretrained(tmp)  # base.config stays untouched
         if not merge:
-            with adapters_naming(model, base_model_id):
-                model.save_pretrained(tmp / ADAPTER_DIR)
+            save_adapters(model, tmp, base_model_id)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if not dense:
@@ -184,16 +183,17 @@ def _write_merge_errors(folder: Path, errors: list[dict]) -> None:
     )
 
 
-@contextlib.contextmanager
-def adapters_naming(model: PeftModel, base_model_id: str | None):
-    """Set every adapter config's ``base_model_name_or_path`` to ``base_model_id`` (or the base's own Hub id, never a
-    local path) while inside."""
+def save_adapters(model: PeftModel, folder: Path, base_model_id: str | None) -> None:
+    """The adapters, PEFT's way, into ``folder/ADAPTER_DIR``; each adapter config names ``base_model_id`` as its base
+    (or the base's own Hub id, never a local path). ``save_embedding_layers=False``: the base's vocabulary is the
+    checkpoint's (hf-lowprec never resizes it), so PEFT need not look the base's config up on the Hub, which offline
+    printed two warnings per export."""
     saved = {name: config.base_model_name_or_path for name, config in model.peft_config.items()}
     for config in model.peft_config.values():
         own = config.base_model_name_or_path
         config.base_model_name_or_path = base_model_id or (None if own is None or Path(own).exists() else own)
     try:
-        yield
+        model.save_pretrained(folder / ADAPTER_DIR, save_embedding_layers=False)
     finally:
         for name, config in model.peft_config.items():
             config.base_model_name_or_path = saved[name]
