@@ -516,6 +516,12 @@ def _print_summary(record: dict, out: Path) -> None:
         "loss, plan applied, before training": f"{f['loss_start']:.4f} (perplexity {math.exp(f['loss_start']):.2f})",
         "loss, after training": f"{f['loss_final']:.4f} (perplexity {f['perplexity_final']:.2f})",
         "losses computed with": record["eval"][0]["computed"],
+        **(
+            {"loss, exported weights": f"{f['loss_exported_weights']:.4f} (perplexity "
+             f"{f['perplexity_exported_weights']:.2f}): as plain transformers loads them, fp32 without the plan"}
+            if "loss_exported_weights" in f
+            else {}
+        ),
         "steps": f"{f['steps']}" + (f" (resumed from {f['resumed_from_step']})" if "resumed_from_step" in f else ""),
         "time": f"{f['train_seconds']:.1f} s ({f['seconds_per_step']:.2f} s/step, {f['tokens_per_second']:,.0f} "
         "tokens/s)",

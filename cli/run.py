@@ -10,6 +10,7 @@ the newest complete checkpoint. A second signal aborts at once.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import shutil
@@ -25,6 +26,7 @@ from peft import LoraConfig
 from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from hf_lowprec.checkpoints import default_checkpoint, has_tokenizer, load_pretrained, resolve_checkpoint
+from hf_lowprec.convert import packs_when_frozen, revert
 from hf_lowprec.data import collated_batches, prepare_lm_data, read_source
 from hf_lowprec.export.folder import export_model
 from hf_lowprec.export.records import RUN_FILE, evaluation_numerics, hardware_info, read_run
@@ -396,10 +398,24 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
         model, lm, t.per_device_train_batch_size, autocast, "evaluating the trained model (held-out data)"
     )
     figures.update(_training_figures(trainer, result, t, train_seconds, resume_from, figures["loss_base"], final))
+    master = None if lora else _master_weights_loss(model, lm, t.per_device_train_batch_size, recipe)
+    if master is not None:
+        figures.update(loss_exported_weights=master["loss"], perplexity_exported_weights=master["perplexity"])
     compute_record = _compute_record(compute, compute_reason, model)
     record = _run_record(run, opts, lm, figures, final, {**method_info, "compute": compute_record})
     _export_run(model, tokenizer, run, record, recipe, trainer.state.log_history)
     return record
+
+
+def _master_weights_loss(model, lm, batch_size: int, recipe: Recipe) -> dict | None:
+    """The held-out loss of what a master-weights export holds, computed as plain transformers loads it (fp32, the
+    plan's layers reverted to ``nn.Linear``): the card's first snippet. ``None`` when the export packs INT4 layers."""
+    weights = recipe.export.weights
+    if weights == "int4-packed" or weights == "auto" and any(packs_when_frozen(m) for m in model.modules()):
+        return None
+    plain = copy.deepcopy(model)
+    revert(plain)
+    return _evaluate(plain, lm, batch_size, None, "evaluating the exported master weights as transformers loads them")
 
 
 def _resume_checkpoint(run: RunFolder) -> str:
@@ -522,6 +538,9 @@ def _run_record(run: RunFolder, opts: FinetuneOptions, lm, figures: dict, final:
     """The run record written next to the weights (see ``hf_lowprec.export.records``)."""
     dataset = Path(lm.source).name if Path(lm.source).exists() else lm.source  # a local file by name only, not its path
     computed = evaluation_numerics({"recipe": opts.recipe.to_dict(), **method_info})[2]
+    batch = opts.recipe.training.per_device_train_batch_size
+    exported = {m: figures[key] for m in ("perplexity", "loss") if (key := f"{m}_exported_weights") in figures}
+    plain = f"the exported master weights in fp32 without the plan (plain transformers), batch {batch}"
     return {
         "name": run.out.name,
         "base_model": _base_model_id(opts.model),
@@ -531,8 +550,10 @@ def _run_record(run: RunFolder, opts: FinetuneOptions, lm, figures: dict, final:
         "data_kind": lm.kind,
         "training": figures,
         "eval": [
-            {"dataset": dataset, "split": "held-out", "metric": m, "value": round(final[m], 4), "computed": computed}
-            for m in ("perplexity", "loss")
+            *({"dataset": dataset, "split": "held-out", "metric": m, "value": round(final[m], 4), "computed": computed}
+              for m in ("perplexity", "loss")),
+            *({"dataset": dataset, "split": "held-out", "metric": m, "value": round(v, 4), "computed": plain}
+              for m, v in exported.items()),
         ],
         "hardware": hardware_info(),
         **method_info,

@@ -369,6 +369,13 @@ def test_an_fp8_runs_reported_loss_comes_back_from_its_export(ws, tmp_path):
     assert again == pytest.approx(record["training"]["loss_final"], abs=1e-6)
     plain = causal_lm_loss(model, blocks, default_data_collator, batch_size=batch)["loss"]
     assert abs(plain - again) > 1e-4  # bf16 autocast is part of the figure
+    # what the card's first snippet loads, plain transformers in fp32, has its own figure in the record and card
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    as_loaded = causal_lm_loss(loaded, blocks, default_data_collator, batch_size=batch)["loss"]
+    assert as_loaded == pytest.approx(record["training"]["loss_exported_weights"], abs=1e-6)
+    rows = {r["computed"].split(" (")[0]: r["value"] for r in record["eval"] if r["metric"] == "loss"}
+    assert rows == {computed.split(" (")[0]: round(again, 4), "the exported master weights in fp32 without the plan": round(as_loaded, 4)}
+    assert "loss, exported weights │" in " ".join(result.output.split())
 
     evaluated = cli("eval", out, "--data", ws / "corpus.txt", "--block-size", "32", "--max-sequences", "4", "--plan-numerics")
     assert "computing as the run evaluated: the plan's numerics, bf16 autocast, batch 2" in evaluated.output

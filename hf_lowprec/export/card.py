@@ -42,6 +42,7 @@ def _eval_results(run: Mapping, model_name: str) -> list[EvalResult]:
                 dataset_name=row["dataset"],
                 dataset_split=row.get("split"),
                 metric_type=row["metric"],
+                metric_name=f"{row['metric']} ({row['computed']})" if row.get("computed") else None,
                 metric_value=row["value"],
             )
         )
