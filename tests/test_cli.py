@@ -303,6 +303,7 @@ def test_scan_writes_a_plan_that_fits_the_model(ws):
     # a budget no plan can meet fails before the scan (the fp32 head kept: 32 bits for its share of the parameters)
     unmeetable = one_error_line(cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--budget", "target_bits_per_param=4", "--out", out))
     assert "target_bits_per_param=4 cannot be met: the fewest bits per parameter reachable" in unmeetable
+    assert "a kept layer counts the bits of its weights' dtype: 32 in an fp32-loaded model" in " ".join(unmeetable.split())
     assert "scanning" not in unmeetable
     # the default budget (1% of the calibration loss) is printed to 4 significant digits, not as 0.10789930555555556
     default = cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--block-size", "32", "--batches", "1", "--out", ws / "scan" / "default.json")

@@ -289,9 +289,10 @@ def _unmeetable(p: _Problem, budget: Budget, failed: list[str]) -> ValueError:
         if x is None:
             continue
         others = ", ".join(f"{k}={v:g}" for k, v in given.items() if k != key)
+        kept = " (a kept layer counts the bits of its weights' dtype: 32 in an fp32-loaded model)"
         return ValueError(
             f"budget {key}={given[key]:g} cannot be met: the {wording}{' with ' + others if others else ''} "
-            f"(and keep/force) is {float(row(p) @ x):.6g}"
+            f"(and keep/force) is {float(row(p) @ x):.6g}{kept if key == 'target_bits_per_param' else ''}"
         )
     return ValueError(f"budget {given} cannot be met by any combination of the scanned formats with keep/force")
 
