@@ -60,7 +60,9 @@ def _run_snippet(code: str, tmp_path: Path) -> torch.Tensor:
         "\nimport torch\n"
         f"with torch.no_grad():\n    torch.save(model(torch.load({str(tmp_path / 'ids.pt')!r})).logits, {str(out)!r})\n"
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # one thread, as conftest sets for this process: the same autotune key, so the same cached kernel choices (with
+    # two threads the child measured its own and could pick another backend: bf16 logits 0.006 apart, seen under AVX2)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", code + epilogue], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out)
