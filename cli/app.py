@@ -70,9 +70,11 @@ BudgetOpt = Annotated[
     Optional[str],
     typer.Option(
         "--budget",
-        help="Allocation budget as key=value[,key=value]: target_bits_per_param, max_loss_increase, "
-        "min_fp8_fraction, int4_fraction; score=conversion|after-training (which Δloss counts). Default: predicted "
-        "Δloss ≤ 1% of the calibration loss.",
+        help="Allocation budget as key=value[,key=value]: target_bits_per_param (mean stored bits per weight; a kept "
+        "layer counts its dtype's), max_loss_increase (predicted Δloss, nats/token), min_fp8_fraction (at least this "
+        "share in FP8 or lower) and int4_fraction (at most this share in 4 bits), both shares of the layers --keep "
+        "leaves free; score=conversion|after-training (which Δloss counts). Default: predicted Δloss ≤ 1% of the "
+        "calibration loss.",
     ),
 ]
 ScanBatchesOpt = Annotated[
