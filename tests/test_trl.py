@@ -3,6 +3,8 @@ base loaded the transformers way plus ``peft_config=``, and ``LowPrecisionCallba
 
 from __future__ import annotations
 
+import math
+
 import datasets
 import pytest
 import torch
@@ -82,3 +84,20 @@ def test_sft_trainer_with_the_callback_trains_in_fp8(tmp_path):
     logged = trainer.state.log_history[0]
     assert "mean_token_accuracy" in logged
     assert logged["lowprec/params_fp8"] == pytest.approx(callback.coverage["params_fp8"])
+
+
+def test_sft_trainer_batches_feed_an_auto_plans_scan(tmp_path):
+    """``plan="auto"`` scans SFTTrainer's own first batches (its collator's ``input_ids``/``labels``/padding) at
+    ``on_train_begin``, keeps the output head, and the converted model trains."""
+    base_dir = save_tiny_model(tmp_path / "base")
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    callback = LowPrecisionCallback("auto", budget={"int4_fraction": 0.3})
+    trainer = trl.SFTTrainer(
+        model=model, args=_config(tmp_path / "out", max_steps=4, learning_rate=3e-3), train_dataset=_chats(),
+        processing_class=AutoTokenizer.from_pretrained(base_dir), callbacks=[callback],
+    )  # fmt: skip
+    trainer.train()
+    formats = callback.plan.to_dict()["layers"]
+    assert callback.scan_seconds > 0 and formats["lm_head"] == "bf16"
+    assert {"fp8", "int4-g64"} <= set(formats.values()) and callback.coverage["params_int4-g64"] <= 0.3
+    assert all(math.isfinite(loss) for loss in _losses(trainer))
