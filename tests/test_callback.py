@@ -3,6 +3,7 @@
 import copy
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -87,6 +88,25 @@ def test_llama_trains_with_default_callback(tmp_path):
     assert sum(curve[-3:]) / 3 < sum(curve[:3]) / 3 - 0.1, curve
     assert PrecisionPlan.load(tmp_path / PLAN_FILE) == cb.plan  # next to the final model
     assert cb.plan.to_dict()["layers"]["lm_head"] == "bf16"  # the default keep: the scan's allocation leaves the output head out
+
+
+def test_resuming_under_another_plan_names_the_checkpoints_plan_to_pass(tmp_path):
+    """A checkpoint trained with the head in FP8 (``keep=()``, or the default before it kept the head), resumed with a
+    plan that keeps it: one error naming both plans and the argument that continues with the checkpoint's."""
+    args = dict(max_steps=2, save_strategy="steps", save_steps=2)
+    Trainer(model=tiny_llama(), args=arguments(tmp_path, **args), train_dataset=lm_rows(),
+            callbacks=[LowPrecisionCallback("fp8", keep=())]).train()  # fmt: skip
+    checkpoint = str(tmp_path / "checkpoint-2")
+    args["max_steps"] = 3
+    other = Trainer(model=tiny_llama(), args=arguments(tmp_path, **args), train_dataset=lm_rows(),
+                    callbacks=[LowPrecisionCallback("fp8")])  # fmt: skip
+    hint = re.escape(f"To continue with the checkpoint's plan, pass LowPrecisionCallback(plan={checkpoint!r})")
+    with pytest.raises(ValueError, match=f"another plan: .*{hint}"):
+        other.train(resume_from_checkpoint=checkpoint)
+    same = Trainer(model=tiny_llama(), args=arguments(tmp_path, **args), train_dataset=lm_rows(),
+                   callbacks=[LowPrecisionCallback(checkpoint)])  # fmt: skip
+    same.train(resume_from_checkpoint=checkpoint)
+    assert same.state.global_step == 3
 
 
 def test_a_format_plan_leaves_the_output_head_unless_keep_says_otherwise(tmp_path):

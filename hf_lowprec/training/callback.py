@@ -255,7 +255,8 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         if saved_plan.to_dict() != self.plan.to_dict():
             raise ValueError(
                 f"checkpoint {str(folder)!r} was trained with another plan: {saved_plan.to_dict()}; this run uses "
-                f"{self.plan.to_dict()}"
+                f"{self.plan.to_dict()}. To continue with the checkpoint's plan, pass "
+                f"LowPrecisionCallback(plan={str(folder)!r})"
             )
         tensors = load_file(str(folder / STATE_FILE))
         expected = low_precision_state(model)
