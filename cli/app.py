@@ -273,10 +273,9 @@ def env_cmd(
 def _recipe_for(plan) -> str:
     """The ``--recipe`` option a scanned plan trains with: none (the INT4 base + LoRA default) when every low-precision
     format of it packs, else full training (``auto-mixed``), which runs FP8 and the rest."""
-    from hf_lowprec.modules.packed import packed_class
+    from hf_lowprec.ondevice.planning import base_holds
 
-    specs = [plan.default, *plan.layers.values()]
-    return "" if all(s.is_high_precision or packed_class(s) for s in specs) else "--recipe auto-mixed "
+    return "" if all(base_holds(s) for s in (plan.default, *plan.layers.values())) else "--recipe auto-mixed "
 
 
 @app.command("scan")

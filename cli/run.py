@@ -26,9 +26,9 @@ from peft import LoraConfig
 from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from hf_lowprec.checkpoints import default_checkpoint, has_tokenizer, load_pretrained, resolve_checkpoint
-from hf_lowprec.convert import packs_when_frozen, revert
+from hf_lowprec.convert import revert
 from hf_lowprec.data import collated_batches, prepare_lm_data, read_source
-from hf_lowprec.export.folder import export_model
+from hf_lowprec.export.folder import export_model, resolved_weights
 from hf_lowprec.export.records import RUN_FILE, evaluation_numerics, hardware_info, read_run
 from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.metrics import causal_lm_loss, peak_rss_mb
@@ -410,8 +410,7 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
 def _master_weights_loss(model, lm, batch_size: int, recipe: Recipe) -> dict | None:
     """The held-out loss of what a master-weights export holds, computed as plain transformers loads it (fp32, the
     plan's layers reverted to ``nn.Linear``): the card's first snippet. ``None`` when the export packs INT4 layers."""
-    weights = recipe.export.weights
-    if weights == "int4-packed" or weights == "auto" and any(packs_when_frozen(m) for m in model.modules()):
+    if resolved_weights(model, recipe.export.weights) != "master":
         return None
     plain = copy.deepcopy(model)
     revert(plain)
@@ -537,7 +536,8 @@ def _training_figures(trainer, result, t, train_seconds: float, resume_from, los
 def _run_record(run: RunFolder, opts: FinetuneOptions, lm, figures: dict, final: dict, method_info: dict) -> dict:
     """The run record written next to the weights (see ``hf_lowprec.export.records``)."""
     dataset = Path(lm.source).name if Path(lm.source).exists() else lm.source  # a local file by name only, not its path
-    computed = evaluation_numerics({"recipe": opts.recipe.to_dict(), **method_info})[2]
+    recipe = opts.recipe.to_dict()
+    computed = evaluation_numerics({"recipe": recipe, **method_info})[2]
     batch = opts.recipe.training.per_device_train_batch_size
     exported = {m: figures[key] for m in ("perplexity", "loss") if (key := f"{m}_exported_weights") in figures}
     plain = f"the exported master weights in fp32 without the plan (plain transformers), batch {batch}"
@@ -545,7 +545,7 @@ def _run_record(run: RunFolder, opts: FinetuneOptions, lm, figures: dict, final:
         "name": run.out.name,
         "base_model": _base_model_id(opts.model),
         "base_model_path": Path(opts.model).name if opts.model and Path(opts.model).exists() else None,
-        "recipe": opts.recipe.to_dict(),
+        "recipe": recipe,
         "dataset": dataset,
         "data_kind": lm.kind,
         "training": figures,

@@ -69,7 +69,7 @@ def export_model(
     peft = getattr(model, "peft_config", None) is not None
     base = model.get_base_model() if peft else model
     if weights == "auto":
-        weights = "int4-packed" if any(packs_when_frozen(m) for m in base.modules()) else "master"
+        weights = resolved_weights(base, weights)
         logger.info("export weights auto: %s", weights)
     plan = getattr(base, "hf_lowprec_plan", None) or PrecisionPlan()
     run = dict(run)
@@ -144,10 +144,23 @@ def _mark_packed(model: nn.Module, plan: PrecisionPlan, folder: Path) -> None:
     config.save_pretrained(folder)
 
 
+def resolved_weights(model: nn.Module, weights: str) -> str:
+    """What an export of ``model`` with ``weights`` writes: ``auto`` is ``int4-packed`` when a layer packs when frozen
+    (INT4, per-channel int8), else ``master``; the others as they are."""
+    if weights != "auto":
+        return weights
+    return "int4-packed" if any(packs_when_frozen(m) for m in model.modules()) else "master"
+
+
+def _packed_counts(model: nn.Module) -> tuple[int, int]:
+    """``(packed INT4 linears, packed int8 linears)`` of ``model``."""
+    n4 = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
+    return n4, sum(isinstance(m, PackedInt8Linear) for m in model.modules())
+
+
 def _packed_layers(model: nn.Module) -> str:
     """``"N layers as packed INT4 codes (two per byte)[, M as int8 codes]"`` for ``model``'s packed layers."""
-    n4 = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
-    n8 = sum(isinstance(m, PackedInt8Linear) for m in model.modules())
+    n4, n8 = _packed_counts(model)
     return f"{n4} layers as packed INT4 codes (two per byte)" + (f", {n8} as int8 codes" if n8 else "")
 
 
@@ -309,8 +322,7 @@ def _export_dense(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id:
         del config.quantization_config
     config.dtype = "bfloat16"
     config.use_cache = True  # training turned the KV cache off; generation wants it
-    n4 = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
-    n8 = sum(isinstance(m, PackedInt8Linear) for m in model.modules())
+    n4, n8 = _packed_counts(model)
     weights = f"{n4} packed INT4" + (f" and {n8} int8" if n8 else "") + " layers dequantized, the other weights"
     weights = weights if n4 + n8 else "the high-precision master weights"
     run["export"] = {
@@ -332,8 +344,7 @@ def _export_dense(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id:
 def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id: str | None) -> Path:
     """The run's packed model (and adapters) in the compressed-tensors layout, with its record and card."""
     model, tokenizer = load_exported(run_dir)
-    n4 = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
-    n8 = sum(isinstance(m, PackedInt8Linear) for m in model.modules())
+    n4, n8 = _packed_counts(model)
     with atomic_output_dir(out, overwrite) as tmp:
         errors = write_compressed_tensors(model, tmp, tokenizer=tokenizer, base_model_id=run.get("base_model"))
         run["export"] = {

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from hf_lowprec.convert import canonical_name, eligible_layers
+from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import dense_view, output_head_name
 from hf_lowprec.modules.packed import PackedLinear, packed_class
 from hf_lowprec.modules.packed_embedding import check_embedding_format, tied_head_names
@@ -126,6 +127,12 @@ def check_calibration(calibration: torch.Tensor) -> torch.Tensor:
     return calibration
 
 
+def base_holds(spec: FormatSpec) -> bool:
+    """Whether a frozen INT4 base can hold a layer planned in ``spec``: packed (int4-*, per-channel int8) or left in
+    high precision; FP8, NF4 and grouped int8 would run emulated and export dense."""
+    return spec.is_high_precision or packed_class(spec) is not None
+
+
 def check_quantizable(model: nn.Module, plan: PrecisionPlan) -> None:
     """Raise ``ValueError`` if the plan packs nothing, a layer is narrower than its INT4 group, a ``-rht`` layer's
     input cannot be rotated, or an embedding is planned in a packed format it cannot take (``-a8``, ``-rht``)."""
@@ -136,7 +143,7 @@ def check_quantizable(model: nn.Module, plan: PrecisionPlan) -> None:
         if isinstance(dense_view(layers[name]), nn.Embedding) and not spec.is_high_precision and packed_class(spec):
             check_embedding_format(spec)  # an int4 embedding without -a8 / -rht, or per-row int8
     dense_only = sorted(
-        n for n, s in assigned.items() if isinstance(layers[n], linear) and not (s.is_high_precision or packed_class(s))
+        n for n, s in assigned.items() if isinstance(layers[n], linear) and not base_holds(s)
     )
     if dense_only:
         formats = sorted({assigned[n].name for n in dense_only})
