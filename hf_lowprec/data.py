@@ -21,12 +21,16 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import datasets
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, default_data_collator
 
 from hf_lowprec.checkpoints import shakespeare_files
 from hf_lowprec.labels import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from hf_lowprec.recipe import Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -419,6 +423,26 @@ def prepare_lm_data(
         return datasets.Dataset.from_dict({"input_ids": seqs, "labels": [list(s) for s in labels]})
 
     return LMData(as_dataset(train, train_labels), as_dataset(held, held_labels), cols.kind, name, block_size, collator)
+
+
+def prepare_run_data(
+    records: datasets.Dataset, name: str, tokenizer: PreTrainedTokenizerBase, recipe: Recipe
+) -> LMData:
+    """``records`` tokenized as ``hf-lowprec finetune`` tokenizes them under ``recipe``: its block size, columns,
+    held-out fraction and number of held-out blocks, so ``eval`` meets the very rows a run evaluated on."""
+    t, d = recipe.training, recipe.data
+    return prepare_lm_data(
+        records,
+        name,
+        tokenizer,
+        t.block_size,
+        train_sequences=t.max_steps * t.per_device_train_batch_size * t.gradient_accumulation_steps,
+        eval_sequences=t.eval_blocks,
+        eval_fraction=d.eval_fraction,
+        text_column=d.text_column,
+        messages_column=d.messages_column,
+        train_on=d.train_on,
+    )
 
 
 def prepare_classification_data(

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_colla
 from typer.testing import CliRunner
 
 from hf_lowprec.data import prepare_lm_data, read_source
-from hf_lowprec.export import CARD_FILE, RUN_FILE, load_exported
+from hf_lowprec.export import CARD_FILE, RUN_FILE, export_model, load_exported
 from hf_lowprec.export.folder import LEARNED_STATE_FILE
 from hf_lowprec.export.records import evaluation_numerics
 from hf_lowprec.metrics import causal_lm_loss
@@ -383,6 +383,32 @@ def test_an_fp8_runs_reported_loss_comes_back_from_its_export(ws, tmp_path):
     rows = prepare_lm_data(*read_source(ws / "corpus.txt"), tok, 32, eval_sequences=4, eval_only=True).eval
     expected = causal_lm_loss(model, rows, default_data_collator, batch_size=2, autocast_dtype=torch.bfloat16)["loss"]
     assert f"loss (nats/token) │ {expected:.4f} │" in " ".join(evaluated.output.split())
+    # --held-out: the run's own blocks of its data, so both reported figures come back from the command line
+    for numerics, key in (["--plan-numerics"], "loss_final"), ([], "loss_exported_weights"):
+        evaluated = " ".join(cli("eval", out, "--data", ws / "corpus.txt", "--held-out", *numerics).output.split())
+        assert f"loss (nats/token) │ {record['training'][key]:.4f} │" in evaluated
+        assert f"the run's held-out rows: {len(blocks)} sequences" in evaluated
+
+
+def test_eval_without_data_needs_a_run_that_names_its_data(ws, tmp_path):
+    """``eval RUN`` alone means the run's held-out rows: it needs the run's recipe and, unless the run trained on the
+    offline corpus, its data again; each missing piece is one line naming the option."""
+    out = ws / "run-heldout"
+    assert cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", "--max-steps", "1", *FAST, "-o", out).exit_code == 0
+    assert "trained on 'corpus.txt', which its record names only; pass it again: --data" in one_error_line(cli("eval", out))
+    clash = one_error_line(cli("eval", out, "--data", ws / "corpus.txt", "--held-out", "--block-size", "16"))
+    assert clash.startswith("error: --block-size: the held-out rows are a causal-LM run's own")
+    not_a_run = one_error_line(cli("eval", ws / "tiny", "--held-out", "--data", ws / "corpus.txt"))
+    assert not_a_run.endswith("is not an hf-lowprec run or export folder (no hf_lowprec_run.json), so it has no held-out rows to evaluate: pass --data <file, folder or Hub name> without --held-out")
+    assert one_error_line(cli("eval", ws / "tiny")).endswith("to evaluate: pass --data <file, folder or Hub name>")
+    exported = tmp_path / "api-export"  # written by the Python API: a record without a recipe
+    model, tok = load_exported(out)
+    export_model(model, tok, exported, {})
+    assert "was not written by `hf-lowprec finetune` (its record holds no recipe)" in one_error_line(cli("eval", exported))
+    # the int4-lora run's reported figure comes back too (the packed base, fp32, no plan to apply)
+    record = json.loads((out / RUN_FILE).read_text())
+    evaluated = " ".join(cli("eval", out, "--data", ws / "corpus.txt", "--held-out").output.split())
+    assert f"loss (nats/token) │ {record['training']['loss_final']:.4f} │" in evaluated
 
 
 def test_every_builtin_full_recipe_trains_the_tiny_model(ws):
@@ -572,6 +598,10 @@ def test_default_demo_on_the_offline_checkpoint(tmp_path):
     assert record["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and record["dataset"] == "shakespeare"
     assert record["recipe"]["name"] == "int4-ondevice-lora" and record["training"]["steps"] == 3
     assert validate_card_metadata((out / CARD_FILE).read_text()) == []
+    assert f"next: hf-lowprec eval {out} (the loss above again)" in proc.stdout
+    again = subprocess.run([sys.executable, "-m", "hf_lowprec.cli.app", "eval", str(out)], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"loss (nats/token) │ {record['training']['loss_final']:.4f} │" in " ".join(again.stdout.split())
 
 
 def test_int4_lora_trainer_stores_what_backward_needs_in_int8(tmp_path):
