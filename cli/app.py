@@ -292,6 +292,9 @@ def scan_cmd(
     block_size: Annotated[int, typer.Option("--block-size", min=8)] = 256,
     keep: KeepOpt = "lm_head",
     out: PlanOutOpt = Path("plan.json"),
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an existing --out plan (and its heat map and scores).")
+    ] = False,
     seed: int = 0,
     text_column: TextColOpt = None,
     revision: RevisionOpt = None,
@@ -302,6 +305,9 @@ def scan_cmd(
 
     if out.suffix not in (".json", ".yaml", ".yml"):
         ui.fail(f"--out {str(out)!r}: a plan file ends in .json, .yaml or .yml")
+    written = (out, out.with_suffix(".png"), out.with_name(out.stem + ".scores.json"))
+    if not overwrite and (existing := [str(p) for p in written if p.exists()]):
+        ui.fail(f"--out: {', '.join(existing)} already exist(s); pass --overwrite to replace, or choose another --out")
     budget_args = _parse_budget(budget)
     loading = load_options(revision, trust_remote_code)
     lm_model, calib, held_out = _scan_batches(
@@ -324,8 +330,8 @@ def scan_cmd(
     with ui.step(f"measuring the plan on {len(held_out)} held-out batches"):
         measured = sensitivity.measure_plan(lm_model, plan, held_out)
     plan.save(out)
-    heatmap = result.save_heatmap(out.with_suffix(".png"))
-    scores = result.save(out.with_name(out.stem + ".scores.json"))
+    heatmap = result.save_heatmap(written[1])
+    scores = result.save(written[2])
     _print_scan(result, plan.summary(lm_model), measured, f"{out} (plan), {heatmap} (heat map), {scores} (scores)")
     ui.out.print(f"train with it: hf-lowprec finetune {model + ' ' if model else ''}{_recipe_for(plan)}--plan {out}")
 
@@ -777,6 +783,8 @@ def export_cmd(
     from hf_lowprec.export.folder import EXPORT_FORMATS, export_run, run_formats
     from hf_lowprec.export.records import read_run
 
+    if Path(out).is_dir() and any(Path(out).iterdir()) and not overwrite:
+        ui.fail(f"output folder {str(out)!r} already exists; pass --overwrite to replace it")
     if overwrite:
         refuse_to_replace_a_foreign_folder(Path(out), "export", "--out")
     if merge_into is not None and merge_into not in ("int4", "bf16", "fp32"):

@@ -4,9 +4,11 @@ file and a rename, a folder through a temporary sibling renamed into place, and 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,13 +53,25 @@ def plain_modes(root: str | os.PathLike) -> None:
         os.chmod(path, (0o777 if executable else 0o666) & ~umask)
 
 
+RUN_FILE = "hf_lowprec_run.json"  # the run record every hf-lowprec run and export folder holds
+MODEL_MARKERS = ("config.json", RUN_FILE)  # a folder holding one is a model's: overwrite may replace it
+
+
 def check_output_dir(out: str | os.PathLike, overwrite: bool) -> None:
-    """``ValueError`` unless ``out`` is free to write: absent, an empty folder, or any folder with ``overwrite``."""
+    """``ValueError`` unless ``out`` is free to write: absent, an empty folder, or with ``overwrite`` a model folder
+    (one holding a :data:`MODEL_MARKERS` file): a folder of other files is never replaced."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"output {str(out)!r} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"output folder {str(out)!r} already exists; pass --overwrite to replace it")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise ValueError(f"output folder {str(out)!r} already exists; pass overwrite=True to replace it")
+    if not any((out / marker).is_file() for marker in MODEL_MARKERS):
+        raise ValueError(
+            f"output folder {str(out)!r} holds no {' or '.join(MODEL_MARKERS)}, so it is not a model folder and "
+            "overwrite=True does not replace it; choose another folder, or empty or remove that one yourself"
+        )
 
 
 @contextlib.contextmanager
@@ -69,9 +83,10 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
     temporary folder is removed and ``out`` is left exactly as it was.
     """
     out = Path(out)
-    check_output_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial"))
+    sweep_leftovers(out)
+    check_output_dir(out, overwrite)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.{os.getpid()}-", suffix=".partial"))
     try:
         yield tmp
         plain_modes(tmp)
@@ -79,6 +94,41 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def sweep_leftovers(out: Path) -> None:
+    """Clear what writers of ``out`` killed mid-write left beside it (a kill skips every ``except``/``finally``): their
+    ``.<name>.<pid>-*.partial`` folders (removed), and an ``.<name>.old-<pid>`` folder, which is ``out`` itself when
+    the kill came between :func:`replace_dir`'s two renames (put back) and else a copy left to delete. Only the
+    leftovers of processes no longer running are touched; unnamed ones (older versions) once an hour has passed."""
+    for path in out.parent.glob(f".{glob.escape(out.name)}.*"):
+        rest = path.name[len(out.name) + 2 :]
+        if rest.endswith(".partial"):
+            pid = rest.split("-", 1)[0]
+        elif rest.startswith("old-"):
+            pid = rest[4:]
+        else:
+            continue
+        if not _left_by_a_gone_process(path, pid):
+            continue
+        if rest.startswith("old-") and not out.exists():
+            os.replace(path, out)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _left_by_a_gone_process(path: Path, pid: str) -> bool:
+    """Whether process ``pid`` (a decimal string; anything else: an unnamed writer) is gone. An unnamed writer counts
+    as gone once ``path`` has not changed for an hour."""
+    if not pid.isdigit():
+        return time.time() - path.stat().st_mtime > 3600
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
 
 
 def replace_dir(src: Path, dst: Path) -> None:

@@ -297,6 +297,12 @@ def test_scan_writes_a_plan_that_fits_the_model(ws):
 
     PrecisionPlan.load(out).validate(AutoModelForCausalLM.from_pretrained(ws / "tiny"))
     assert out.with_suffix(".png").stat().st_size > 1000 and "measured Δloss" in result.output
+    # a second scan to the same --out replaces nothing unasked (a hand-edited plan there is the user's)
+    before = out.read_bytes()
+    again = one_error_line(cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--out", out))
+    assert again == f"error: --out: {out}, {out.with_suffix('.png')}, {out.with_name('plan.scores.json')} already exist(s); pass --overwrite to replace, or choose another --out"
+    assert out.read_bytes() == before
+    out = out.with_name("errors.json")
     assert one_error_line(cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--budget", "bits=4", "--out", out))
     wrong_score = one_error_line(cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--budget", "score=trained", "--out", out))
     assert "budget score must be one of conversion, after-training, got 'trained'" in wrong_score
@@ -456,6 +462,10 @@ def test_bad_inputs_fail_with_one_line(ws, tmp_path):
     export = ["export", tmp_path / "full-run", "--out", existing, "--overwrite"]
     assert "is not an hf-lowprec export" in one_error_line(cli(*export))  # export --overwrite: the same rule
     assert [p.name for p in existing.iterdir()] == ["mine.txt"]
+    assert "already exists; pass --overwrite to replace it" in one_error_line(cli(*export[:-1]))
+    into_itself = one_error_line(cli("export", tmp_path / "full-run", "--out", tmp_path / "full-run", "--overwrite"))
+    assert "is the run folder" in into_itself and "itself, inside it or around it" in into_itself
+    assert [p.name for p in (tmp_path / "full-run").iterdir()] == [RUN_FILE]
 
 
 def test_empty_or_malformed_data_and_a_split_a_file_lacks_fail_with_one_line(ws, tmp_path):

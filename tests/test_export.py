@@ -2,7 +2,10 @@
 
 import copy
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -167,7 +170,11 @@ def test_atomic_output_dir_refuses_and_never_half_writes(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("old")
-    with pytest.raises(ValueError, match="already exists; pass --overwrite"):
+    with pytest.raises(ValueError, match="holds no config.json or hf_lowprec_run.json, so it is not a model folder"):
+        with atomic_output_dir(out, overwrite=True):  # a folder of someone's files: never replaced
+            pass
+    (out / "config.json").write_text("{}")  # a model folder: overwrite=True may replace it
+    with pytest.raises(ValueError, match="already exists; pass overwrite=True to replace it"):
         with atomic_output_dir(out):
             pass
     with pytest.raises(RuntimeError):
@@ -180,6 +187,47 @@ def test_atomic_output_dir_refuses_and_never_half_writes(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["new.txt"] and [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
+KILLED_WRITER = """
+import sys, time
+from pathlib import Path
+from hf_lowprec.folders import atomic_output_dir
+out = Path(sys.argv[1])
+if sys.argv[2] == "writing":
+    with atomic_output_dir(out, overwrite=True) as tmp:
+        (tmp / "config.json").write_text("{}")
+        print("ready", flush=True)
+        time.sleep(60)
+else:  # killed between replace_dir's two renames: the old folder moved aside, the new one not yet in place
+    import os
+    os.replace(out, out.with_name(f".{out.name}.old-{os.getpid()}"))
+    print("ready", flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("moment", ["writing", "between-renames"])
+def test_what_a_killed_writer_leaves_is_cleared_by_the_next_one(tmp_path, moment):
+    """SIGKILL runs no cleanup: the next writer of the same folder removes the dead one's partial folder, and puts the
+    previous folder back where the kill left it moved aside; the live writers' leftovers are not touched."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text('{"old": 1}')
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(out), moment], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "ready"
+    writer.kill()
+    writer.wait()
+    leftover = [p.name for p in tmp_path.iterdir() if p.name != "out"]
+    killed = f".out.{writer.pid}-" if moment == "writing" else f".out.old-{writer.pid}"
+    assert len(leftover) == 1 and leftover[0].startswith(killed)  # what the kill left
+    alive = tmp_path / f".out.{os.getpid()}-live.partial"  # a writer still running (this process)
+    alive.mkdir()
+    with pytest.raises(ValueError, match="already exists"):  # refused, yet the dead writer's leftovers are cleared
+        with atomic_output_dir(out):
+            pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", alive.name])
+    assert json.loads((out / "config.json").read_text()) == {"old": 1}
+
+
 def test_export_run_copies_publishable_files_only(base_dir, tmp_path):
     model, tok = _trained(base_dir, "fp8", 1)
     run = export_model(model, tok, tmp_path / "run", _run_record(), extra_files={"log_history.json": "[]", "recipe.yaml": "name: x\n"})
@@ -189,6 +237,11 @@ def test_export_run_copies_publishable_files_only(base_dir, tmp_path):
     assert 'from_pretrained("me/pub")' in (out / CARD_FILE).read_text()
     with pytest.raises(ValueError, match="not an hf-lowprec run or export folder"):
         export_run(base_dir, tmp_path / "x")
+    files = sorted(p.name for p in run.rglob("*"))
+    for into in (run, run / "sub", tmp_path):  # itself, inside it, around it: it would replace what it reads
+        with pytest.raises(ValueError, match="is the run folder .* itself, inside it or around it"):
+            export_run(run, into, overwrite=True, weights_format="bf16")
+    assert sorted(p.name for p in run.rglob("*")) == files
 
 
 def test_push_uploads_every_file_and_never_leaks_the_token(base_dir, tmp_path, monkeypatch, capsys):

@@ -252,6 +252,12 @@ def export_run(
     """
     run_dir = Path(run_dir)
     run = read_run(run_dir)
+    source, target = run_dir.resolve(), Path(out).resolve()
+    if target == source or target.is_relative_to(source) or source.is_relative_to(target):
+        raise ValueError(
+            f"export out {str(out)!r} is the run folder {str(run_dir)!r} itself, inside it or around it: the export "
+            "would replace what it reads; choose a folder of its own"
+        )
     if weights_format not in EXPORT_FORMATS:
         raise ValueError(f"export format {weights_format!r}: choose one of {', '.join(EXPORT_FORMATS)}")
     formats = run_formats(run)

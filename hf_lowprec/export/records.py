@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from hf_lowprec.export.card import render_model_card
+from hf_lowprec.folders import RUN_FILE
 from hf_lowprec.layers import canonical_name, dense_views
 from hf_lowprec.modules.kernels.cpu import cpu_info
 from hf_lowprec.modules.packed_embedding import tied_head_names
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan  # noqa: F401  (re-exported: the folder's file names)
 
-RUN_FILE = "hf_lowprec_run.json"
 CARD_FILE = "README.md"
 # files a run folder holds that an export does not publish
 RUN_ONLY = ("checkpoints", "log_history.json")
