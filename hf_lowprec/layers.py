@@ -37,6 +37,20 @@ def eligible_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: module for name, _, module in walk_layers(model)}
 
 
+def unconverted_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """``{canonical name: module}`` of the layers outside PEFT adapters that multiply by a 2-D weight but are no
+    ``nn.Linear``/``nn.Embedding`` (transformers' ``Conv1D`` in GPT-2, whose weight is ``[in, out]``): hf-lowprec
+    converts none of them, so a plan cannot put them in a low-precision format."""
+    found = {}
+    for fqn, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if any(p in ADAPTER_PARTS for p in fqn.split(".")) or _is_eligible(module) or next(module.children(), None):
+            continue
+        if isinstance(weight, nn.Parameter) and weight.dim() == 2:
+            found[canonical_name(fqn)] = module
+    return found
+
+
 def output_head_name(model: nn.Module) -> str | None:
     """Canonical name of the model's output projection (``get_output_embeddings()``, e.g. ``lm_head``), if it has
     one."""

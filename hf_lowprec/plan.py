@@ -29,7 +29,7 @@ from torch import nn
 
 from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.formats import FormatSpec
-from hf_lowprec.layers import canonical_name, dense_views
+from hf_lowprec.layers import canonical_name, dense_views, unconverted_layers
 
 PLAN_KEYS = ("default", "layers", "model")
 
@@ -180,7 +180,9 @@ class PrecisionPlan:
         """Raise ``ValueError`` if the plan does not fit ``model`` (see :meth:`assign`)."""
         if not _layers_of(model):
             raise ValueError(f"{type(model).__name__} has no eligible layers (nn.Linear / nn.Embedding) to quantize")
-        self.assign(model)
+        assigned = self.assign(model)
+        if isinstance(model, nn.Module) and any(not spec.is_high_precision for spec in assigned.values()):
+            check_convertible(model)
 
     # ---------------------------------------------------------------------------------- reports
     def summary(self, model: "nn.Module | Mapping[str, nn.Module]") -> list[dict]:
@@ -234,6 +236,22 @@ def describe_yaml_error(e: yaml.YAMLError) -> str:
         return str(e).splitlines()[0]
     context = getattr(e, "context", None)
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
+
+
+def check_convertible(model: nn.Module) -> None:
+    """``ValueError`` if ``model`` multiplies by weights hf-lowprec cannot convert (:func:`unconverted_layers`, e.g.
+    GPT-2's ``Conv1D``): a low-precision plan or scan would leave them in their dtype while naming a format."""
+    other = unconverted_layers(model)
+    if not other:
+        return
+    kinds = "/".join(sorted({type(m).__name__ for m in other.values()}))
+    matrices = {id(m.weight): m.weight.numel() for m in [*other.values(), *_layers_of(model).values()]}  # tied: once
+    share = sum(m.weight.numel() for m in other.values()) / sum(matrices.values())
+    raise ValueError(
+        f"{type(model).__name__} multiplies {share:.0%} of its matrix weights in {len(other)} {kinds} layers (e.g. "
+        f"{next(iter(other))!r}), which hf-lowprec does not convert (it converts nn.Linear and nn.Embedding): they "
+        "would train in their own dtype under a low-precision plan, so this architecture is not supported"
+    )
 
 
 def row_label(row: Mapping) -> str:

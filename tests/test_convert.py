@@ -18,7 +18,7 @@ from hf_lowprec import (
     revert,
 )
 from hf_lowprec.convert import eligible_layers
-from hf_lowprec.modules import PackedLinear
+from hf_lowprec.modules import LOW_PRECISION_TYPES, PackedLinear
 
 
 def test_swap_keeps_parameter_objects_so_an_earlier_optimizer_still_trains_them(llama):
@@ -150,6 +150,25 @@ def test_model_without_eligible_layers_is_refused():
     model = nn.Sequential(nn.LayerNorm(8), nn.ReLU())
     with pytest.raises(ValueError, match="Sequential has no eligible layers"):
         apply_plan(model, "fp8")
+
+
+def test_a_model_of_layers_hf_lowprec_cannot_convert_is_refused_not_half_converted():
+    """GPT-2 multiplies in transformers' ``Conv1D`` (weight ``[in, out]``), which is no ``nn.Linear``: a low-precision
+    plan or scan is refused naming them, instead of converting the head alone while reporting the plan's format."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_lowprec import sensitivity
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32))
+    refusal = r"GPT2LMHeadModel multiplies 89% of its matrix weights in 8 Conv1D layers \(e.g. 'transformer.h.0.attn.c_attn'\), which hf-lowprec does not convert"
+    for plan in ("fp8", "int4-g32", PrecisionPlan({"lm_head": "fp8"}, default="bf16")):
+        with pytest.raises(ValueError, match=refusal):
+            apply_plan(gpt2, plan)
+    assert not any(isinstance(m, LOW_PRECISION_TYPES) for m in gpt2.modules())
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(ValueError, match=refusal):
+        sensitivity.scan(gpt2, [{"input_ids": ids, "labels": ids}], formats=("fp8",))
+    apply_plan(gpt2, "bf16")  # a plan of high-precision formats only names what the layers are
 
 
 def test_plan_given_as_path_dict_or_format_name(tmp_path, llama):

@@ -17,7 +17,7 @@ from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import swap_layers
 from hf_lowprec.modules import LOW_PRECISION_TYPES, Int4Linear, TiedQuantizers
 from hf_lowprec.modules.packed import PackedLinear
-from hf_lowprec.plan import PrecisionPlan, resolve_plan
+from hf_lowprec.plan import PrecisionPlan, check_convertible, resolve_plan
 from hf_lowprec.sensitivity.batches import _check_batches, _decoder_rows, _forward, _label_count, _merge
 from hf_lowprec.sensitivity.reference import BaseOutputs, base_loss, loss_and_kl
 from hf_lowprec.sensitivity.replay import Progress, _BlockReplay
@@ -110,6 +110,7 @@ def scan(
     model, or batches without labels.
     """
     specs = _checked_formats(formats, method, max_batch_tokens, measure_top_fraction)
+    check_convertible(model)
     if dense_weights is not None and method != "fisher":
         raise ValueError(f"a scan of packed layers (dense_weights=) runs method 'fisher', not {method!r}")
     names = [s.name for s in specs]
