@@ -323,6 +323,27 @@ def test_push_refuses_a_folder_that_is_not_an_export(tmp_path, monkeypatch):
     assert hub.requests == [] and hub.files == {}
 
 
+def test_the_record_and_card_name_the_format_a_layer_runs_not_the_one_it_could_not():
+    """``fp8-rht`` on layers whose width no rotation block divides runs plain ``fp8`` (the log says so): the per-layer
+    record, the plan rows and the card say ``fp8``, with the planned format beside it."""
+    from conftest import tiny_llama
+
+    from hf_lowprec.export.records import plan_record
+
+    model = tiny_llama(hidden_size=64, intermediate_size=100)  # down_proj: 100 input features, no rotation block
+    plan = PrecisionPlan({"lm_head": "bf16"}, default="fp8-rht")
+    report = apply_plan(model, plan)
+    fallen = {r.name for r in report.not_applied}
+    assert fallen == {f"model.layers.{i}.mlp.down_proj" for i in range(2)}
+    layers, rows = plan_record(model, plan)
+    by_name = {r["name"]: r for r in layers}
+    assert all(by_name[n]["format"] == "fp8" and by_name[n]["planned"] == "fp8-rht" for n in fallen)
+    assert by_name["model.layers.0.mlp.up_proj"]["format"] == "fp8-rht" and "planned" not in by_name["model.layers.0.mlp.up_proj"]
+    assert {r["format"]: r["layers"] for r in rows} == {"fp8-rht": 12, "fp8": 2, "bf16": 2}
+    card = render_model_card({"layers": layers, "plan_rows": rows}).content
+    assert "| `model.layers.0.mlp.down_proj` | fp8 (planned fp8-rht: could not run it) |" in card
+
+
 def test_the_per_layer_record_counts_a_tied_head_once():
     """A head tied to the embedding has no parameters of its own: its row says so, and the rows add up to the model's
     eligible parameters, as the plan summary counts them (the card's per-layer table reads these rows)."""

@@ -14,7 +14,8 @@ from torch import nn
 
 from hf_lowprec.export.card import render_model_card
 from hf_lowprec.folders import RUN_FILE
-from hf_lowprec.layers import canonical_name, dense_views
+from hf_lowprec.layers import canonical_name, dense_views, eligible_layers
+from hf_lowprec.modules import LOW_PRECISION_TYPES
 from hf_lowprec.modules.kernels.cpu import cpu_info
 from hf_lowprec.modules.packed_embedding import tied_head_names
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan  # noqa: F401  (re-exported: the folder's file names)
@@ -63,19 +64,23 @@ def hardware_info() -> dict:
 
 # ------------------------------------------------------------------------------ plan records
 def plan_record(model: nn.Module, plan: PrecisionPlan) -> tuple[list[dict], list[dict]]:
-    """``(per-layer [{name, format, params}], PrecisionPlan.summary rows)`` of ``plan`` on ``model`` (frozen packed
-    layers counted as the dense layers they were). An output head tied to the input embedding holds no parameters of
-    its own: its row has ``params`` 0 and ``tied_to``, the embedding's name, so the rows add up to the model's."""
+    """``(per-layer [{name, format, params}], PrecisionPlan.summary rows)`` of what ``model``'s layers run under
+    ``plan`` (frozen packed layers counted as the dense layers they were). A layer that could not run its planned
+    format (a ``-rht`` one whose width no rotation block divides) is recorded in the format it runs, with
+    ``planned``. An output head tied to the input embedding holds no parameters of its own: its row has ``params`` 0
+    and ``tied_to``, the embedding's name, so the rows add up to the model's."""
     layers = dense_views(model)
+    live = eligible_layers(model)
+    ran = {n: live[n].spec if isinstance(live[n], LOW_PRECISION_TYPES) else s for n, s in plan.assign(layers).items()}
     tied = tied_head_names(model)
     head, embedding = (canonical_name(n) for n in tied) if tied else (None, None)
-    per_layer = [
-        {"name": n, "format": spec.name, "params": 0, "tied_to": embedding}
-        if n == head
-        else {"name": n, "format": spec.name, "params": layers[n].weight.numel()}
-        for n, spec in plan.assign(layers).items()
-    ]
-    return per_layer, plan.summary(layers)
+    per_layer = []
+    for (name, spec), planned in zip(ran.items(), plan.assign(layers).values()):
+        row = {"name": name, "format": spec.name, "params": 0 if name == head else layers[name].weight.numel()}
+        row.update({"tied_to": embedding} if name == head else {})
+        row.update({"planned": planned.name} if planned != spec else {})
+        per_layer.append(row)
+    return per_layer, PrecisionPlan({n: s.name for n, s in ran.items()}).summary(layers)
 
 
 def read_run(folder: str | os.PathLike) -> dict:
