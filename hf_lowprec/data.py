@@ -392,6 +392,12 @@ def prepare_lm_data(
     if len(ds) == 0:
         raise ValueError(f"data {name!r} has no rows")
     cols = detect_columns(ds, name, text_column, messages_column)
+    if cols.kind == "text" and train_on != "all":
+        raise ValueError(
+            f"train_on {train_on!r} needs chat or instruction rows (a {'/'.join(MESSAGE_COLUMNS)} column, or "
+            f"{'/'.join(PROMPT_COLUMNS)} with {'/'.join(RESPONSE_COLUMNS)}); data {name!r} is plain text, where every "
+            "token is a target: use train_on 'all'"
+        )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if eval_only:

@@ -212,6 +212,9 @@ def test_sharegpt_rows_and_completion_only_labels(tmp_path, tok):
         prepare_lm_data(datasets.Dataset.from_dict({"messages": [[{"from": "robot", "value": "x"}]]}), "bad", tok, 64)
     with pytest.raises(ValueError, match="train_on 'prompts': choose one of all, completions"):
         prepare_lm_data(records, name, tok, 64, train_on="prompts")
+    text = datasets.Dataset.from_dict({"text": [corpus_text(2000)] * 4})  # every token a target: nothing to leave out
+    with pytest.raises(ValueError, match="train_on 'completions' needs chat or instruction rows .* data 'plain' is plain text"):
+        prepare_lm_data(text, "plain", tok, 64, train_on="completions")
 
 
 def test_text_is_tokenized_in_batch_calls_and_only_as_far_as_needed(tok):
