@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import json
+import logging
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -30,6 +31,8 @@ from torch import nn
 from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import canonical_name, dense_views, unconverted_layers
+
+logger = logging.getLogger(__name__)
 
 PLAN_KEYS = ("default", "layers", "model")
 
@@ -48,7 +51,8 @@ class PrecisionPlan:
     Attributes:
         layers: ordered rules, ``{pattern: format}``; values may be names such as ``"int4-g64"``.
         default: format of every ``nn.Linear`` no rule names (``bf16``: left as it is).
-        model: optional name of the model the plan was made for (informational; checked by ``validate``).
+        model: optional name of the model the plan was made for (informational: ``validate`` warns when it applies
+            the plan to a model of another name).
     """
 
     layers: Mapping[str, FormatSpec] = field(default_factory=dict)
@@ -126,6 +130,12 @@ class PrecisionPlan:
             out["model"] = self.model
         return out
 
+    def brief(self, shown: int = 3) -> str:
+        """The plan in one short line for messages: its default and its first ``shown`` rules."""
+        rules = ", ".join(f"{k}: {v.name}" for k, v in list(self.layers.items())[:shown])
+        more = f", and {len(self.layers) - shown} more" if len(self.layers) > shown else ""
+        return f"(default {self.default.name}; rules {rules or 'none'}{more})"
+
     @property
     def smooths(self) -> bool:
         """Whether a rule gives a smoothed (``-sq``) format, whose layers calibrate on their first batch."""
@@ -183,6 +193,10 @@ class PrecisionPlan:
         assigned = self.assign(model)
         if isinstance(model, nn.Module) and any(not spec.is_high_precision for spec in assigned.values()):
             check_convertible(model)
+        applied_to = getattr(getattr(model, "config", None), "name_or_path", None)
+        if self.model and applied_to and Path(self.model).name != Path(applied_to).name:
+            made_for = self.model
+            logger.warning("the plan was made for %r and is applied to %r (its layer names fit)", made_for, applied_to)
 
     # ---------------------------------------------------------------------------------- reports
     def summary(self, model: "nn.Module | Mapping[str, nn.Module]") -> list[dict]:

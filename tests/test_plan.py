@@ -116,3 +116,25 @@ def test_resolve_plan_reads_every_kind_of_plan_argument(tmp_path):
         resolve_plan(tmp_path)
     with pytest.raises(ValueError, match="got int"):
         resolve_plan(3)
+
+
+def test_a_plan_in_a_message_is_one_short_line():
+    """Errors name a plan by its default and first rules, not its whole dict (hundreds of entries on a real model)."""
+    plan = PrecisionPlan({f"model.layers.{i}.mlp.down_proj": "int8" for i in range(30)}, default="int4-g64")
+    assert plan.brief() == (
+        "(default int4-g64; rules model.layers.0.mlp.down_proj: int8, model.layers.1.mlp.down_proj: int8, "
+        "model.layers.2.mlp.down_proj: int8, and 27 more)"
+    )
+    assert PrecisionPlan(default="fp8").brief() == "(default fp8; rules none)"
+
+
+def test_a_plan_made_for_another_model_says_so(caplog):
+    from conftest import tiny_llama
+
+    model = tiny_llama()
+    model.config.name_or_path = "/models/other-model"
+    PrecisionPlan({"lm_head": "bf16"}, default="fp8", model="me/tiny").validate(model)
+    assert "the plan was made for 'me/tiny' and is applied to '/models/other-model'" in caplog.text
+    caplog.clear()
+    PrecisionPlan(default="fp8", model="/elsewhere/other-model").validate(model)  # the same model, moved: no word
+    assert caplog.text == ""

@@ -236,6 +236,8 @@ def test_unmeetable_budget_names_the_best_reachable_value(measured):
     with pytest.raises(ValueError, match="'lm_haed' is not a scanned layer; close matches: lm_head"):
         allocate(measured, target_bits_per_param=8, keep=["lm_haed"])
     allocate(measured, target_bits_per_param=12, keep=["lm_head", "*norm*"])  # the example: norms are never scanned
+    with pytest.raises(ValueError, match=r"keep \['\*'\] covers every scanned layer \(\d+\), which leaves nothing to allocate"):
+        allocate(measured, max_loss_increase=1.0, keep=["*"])  # a plan of kept layers only: nothing to train with
     with pytest.raises(ValueError, match="was not scanned"):
         allocate(measured, target_bits_per_param=8, force={"lm_head": "nf4-g64"})
 

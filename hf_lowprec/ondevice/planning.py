@@ -156,7 +156,7 @@ def check_quantizable(model: nn.Module, plan: PrecisionPlan) -> None:
     packed = {n: s for n, s in assigned.items() if s.family == "int4" and isinstance(layers[n], linear)}
     if not packed:
         raise ValueError(
-            f"plan {plan.to_dict()} puts no Linear layer of this model in int4; nothing to pack into an INT4 base"
+            f"plan {plan.brief()} puts no Linear layer of this model in int4; nothing to pack into an INT4 base"
         )
     narrow = [
         f"{n} ({layers[n].in_features} inputs)"

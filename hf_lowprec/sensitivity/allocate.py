@@ -121,6 +121,11 @@ def _problem(result: ScanResult, keep: Sequence[str], force: Mapping[str, str], 
     for pattern in keep:
         for i in match(pattern, "keep"):
             rules[i] = KEEP
+    if keep and len(rules) == len(units):
+        raise ValueError(
+            f"keep {list(keep)} covers every scanned layer ({len(units)}), which leaves nothing to allocate; keep "
+            "fewer layers (the default keeps the output head)"
+        )
     for pattern, fmt in (force or {}).items():
         spec = FormatSpec.parse(fmt)
         name = KEEP if spec.is_high_precision else spec.name
