@@ -468,6 +468,12 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
         ui.fail(f"block size {t.block_size} exceeds the model's max_position_embeddings {max_len}; lower --block-size")
     with ui.step(f"tokenizing {data_name} into sequences of {t.block_size} tokens"):
         lm = prepare_run_data(records, data_name, tokenizer, recipe)
+    if len(lm.eval) < t.eval_blocks:
+        asked = t.eval_blocks
+        ui.err.print(f"held-out data: {len(lm.eval)} sequences (eval_blocks {asked}: the held-out rows hold no more)")
+    if len(lm.train) < t.per_device_train_batch_size:
+        batch, rows = t.per_device_train_batch_size, len(lm.train)
+        ui.err.print(f"training data: {rows} sequences, fewer than a batch of {batch}: each step trains on those")
     return model, tokenizer, lm, base_plan
 
 
@@ -504,7 +510,8 @@ def _training_figures(trainer, result, t, train_seconds: float, resume_from, los
     """Losses, speed and memory of the finished training (steps of a resumed run counted from its checkpoint)."""
     resumed_at = int(resume_from.rsplit("-", 1)[-1]) if resume_from else 0
     steps_run = trainer.state.global_step - resumed_at
-    tokens = steps_run * t.per_device_train_batch_size * t.gradient_accumulation_steps * t.block_size
+    per_step = min(len(trainer.train_dataset), t.per_device_train_batch_size * t.gradient_accumulation_steps)
+    tokens = steps_run * per_step * t.block_size  # data smaller than a batch: each step has all of it
     figures = {
         "loss_final": final["loss"],
         "perplexity_base": math.exp(loss_base),

@@ -417,6 +417,23 @@ def test_eval_without_data_needs_a_run_that_names_its_data(ws, tmp_path):
     assert f"loss (nats/token) │ {record['training']['loss_final']:.4f} │" in evaluated
 
 
+def test_small_data_is_said_and_counted_as_it_trains(ws, tmp_path):
+    """Data smaller than a batch, or than the held-out blocks asked for: the run says so, and tokens/s counts what
+    each step had."""
+    few = tmp_path / "few.txt"
+    few.write_text((ws / "corpus.txt").read_text()[:3000])
+    out = tmp_path / "run"
+    result = cli("finetune", ws / "tiny", "--data", few, "--max-steps", "2", *FAST[:2], "--batch-size", "64", "--eval-blocks", "500", *FAST[6:], "-o", out)
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / RUN_FILE).read_text())
+    output = " ".join(result.output.split())
+    rows = re.search(r"training data: (\d+) sequences, fewer than a batch of 64: each step trains on those", output)
+    assert rows and re.search(r"held-out data: \d+ sequences \(eval_blocks 500: the held-out rows hold no more\)", output)
+    t = record["training"]
+    counted = t["tokens_per_second"] * t["train_seconds"]  # train_seconds is rounded to 0.1 s: roughly the tokens
+    assert abs(counted - 2 * int(rows.group(1)) * 32) < abs(counted - 2 * 64 * 32)  # what ran, not the nominal batch
+
+
 def test_every_builtin_full_recipe_trains_the_tiny_model(ws):
     """The scanned recipes' budgets can be met on a model with fp32 master weights and its head kept."""
     for recipe in ("auto-mixed", "fp8-train", "qat-int4"):
