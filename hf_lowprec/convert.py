@@ -19,7 +19,7 @@ from hf_lowprec.formats import E5M2, FormatSpec
 from hf_lowprec.layers import canonical_name, dense_view, eligible_layers, swap_layers  # noqa: F401  (re-exported)
 from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, TiedQuantizers
 from hf_lowprec.modules.embedding import like_embedding
-from hf_lowprec.modules.fp8 import FP8Linear, fp8_hardware_available
+from hf_lowprec.modules.fp8 import FP8Linear
 from hf_lowprec.modules.int4 import Int4Embedding, Int4Linear
 from hf_lowprec.modules.packed import packed_class
 from hf_lowprec.modules.packed_embedding import tied_head_names
@@ -207,10 +207,7 @@ def _backend(module: nn.Module) -> str:
 def _note(module: nn.Module) -> str:
     """Say when an FP8 layer runs emulated numerics rather than FP8 tensor cores."""
     if isinstance(module, FP8Linear) and module.backend == "emulated":
-        dev = module.weight.device
-        if not fp8_hardware_available(dev):
-            return f"FP8 numerics emulated: {dev.type} has no FP8 tensor cores"
-        return f"FP8 numerics emulated: torchao's kernels do not cover {module.spec.name} or its scale policies"
+        return f"FP8 numerics emulated: {module.torchao_blocker() or 'as asked (fp8_backend emulated)'}"
     return ""
 
 

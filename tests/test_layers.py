@@ -62,6 +62,19 @@ def test_fp8_linear_torchao_backend_is_torchaos_layer():
         assert torch.equal(a, b)
 
 
+def test_fp8_auto_backend_leaves_torchao_where_scaled_mm_cannot_run(monkeypatch):
+    """On an FP8 GPU, ``auto`` runs torchao's kernels only for shapes ``torch._scaled_mm`` takes (both weight
+    dimensions divisible by 16) and tensor/row scales; elsewhere the layer is emulated and its report says why."""
+    monkeypatch.setattr("hf_lowprec.modules.fp8.fp8_hardware_available", lambda device: True)  # an H100's answer
+    even, odd = FP8Linear.from_linear(nn.Linear(128, 64), "fp8"), FP8Linear.from_linear(nn.Linear(100, 72), "fp8")
+    assert (even.backend, even.torchao_blocker()) == ("torchao", None)
+    assert odd.backend == "emulated"
+    assert odd.torchao_blocker() == "torch._scaled_mm needs weight dimensions divisible by 16, not 72x100"
+    block = FP8Linear.from_linear(nn.Linear(128, 64), "fp8-block")
+    assert block.backend == "emulated" and block.torchao_blocker() == "torchao's kernels do not cover fp8-block"
+    assert FP8Linear.from_linear(nn.Linear(100, 72), "fp8", backend="emulated").torchao_blocker() is not None
+
+
 def _fp8_roundtrip(t, dtype, gran, dim=-1):
     s = fp8_scale(fp8_amax(t, gran, dim), dtype, power_of_two=gran != "tensor")
     return dequantize_fp8(quantize_fp8(t, s, dtype), s)

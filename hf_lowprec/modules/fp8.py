@@ -220,10 +220,19 @@ class FP8Linear(nn.Linear):
         """The backend in use for the weight's current device (``emulated`` or ``torchao``)."""
         if self.requested_backend != "auto":
             return self.requested_backend
-        if self.spec.granularity in ("tensor", "row") and fp8_hardware_available(self.weight.device):
-            if all(type(p) is DynamicScaling for p in self.scaling.values()):
-                return "torchao"
-        return "emulated"
+        return "torchao" if self.torchao_blocker() is None else "emulated"
+
+    def torchao_blocker(self) -> str | None:
+        """Why torchao's FP8 kernels cannot run this layer on its weight's device (``None``: they can)."""
+        if not fp8_hardware_available(self.weight.device):
+            return f"{self.weight.device.type} has no FP8 tensor cores"
+        if self.spec.granularity not in ("tensor", "row"):
+            return f"torchao's kernels do not cover {self.spec.name}"
+        if not all(type(p) is DynamicScaling for p in self.scaling.values()):
+            return "torchao's kernels do not cover its scale policies"
+        if self.in_features % 16 or self.out_features % 16:  # torch._scaled_mm's rule for both weight dimensions
+            return f"torch._scaled_mm needs weight dimensions divisible by 16, not {self.out_features}x{self.in_features}"
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
@@ -264,7 +273,8 @@ class FP8Linear(nn.Linear):
             else:
                 raise ValueError(f"backend='torchao' supports fp8 and fp8-rowwise, not {self.spec.name}")
             emulate = not fp8_hardware_available(self.weight.device) and self.weight.device.type == "cuda"
-            mm = ScaledMMConfig(emulate, False, False, False)
+            # pad_inner_dim: the weight gradient's inner dimension is the token count, which need not divide by 16
+            mm = ScaledMMConfig(emulate, False, False, True)
             self._torchao_config = (LinearMMConfig(mm, mm, mm), config)
         mm_config, config = self._torchao_config
         return matmul_with_hp_or_float8_args.apply(x2d, weight.t(), mm_config, config)
