@@ -726,7 +726,7 @@ def _load_for_eval(model: str, gguf_file: str | None, task: str, plan_numerics: 
     keywords (--revision, --trust-remote-code)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-    from hf_lowprec.checkpoints import load_pretrained, resolve_checkpoint
+    from hf_lowprec.checkpoints import cannot_load, load_pretrained, resolve_checkpoint
     from hf_lowprec.export.folder import load_exported
     from hf_lowprec.export.records import RUN_FILE
 
@@ -737,7 +737,10 @@ def _load_for_eval(model: str, gguf_file: str | None, task: str, plan_numerics: 
         ui.fail("--plan-numerics applies to hf-lowprec export folders only")
     source, gguf = resolve_checkpoint(model, gguf_file)
     if task == "auto":
-        config = AutoConfig.from_pretrained(source, **({"gguf_file": gguf} if gguf else {}), **loading)
+        try:
+            config = AutoConfig.from_pretrained(source, **({"gguf_file": gguf} if gguf else {}), **loading)
+        except OSError as e:  # not on the Hub, or the Hub unreachable: said in one line, naming the missing folder
+            raise cannot_load(source, e) from None
         archs = getattr(config, "architectures", None) or []
         task = "classification" if any(a.endswith("ForSequenceClassification") for a in archs) else "causal-lm"
     if task == "classification":

@@ -7,6 +7,7 @@ GGUF checkpoints are dequantized by transformers on every load (~18 s for SmolLM
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib.util
 import json
@@ -68,7 +69,9 @@ def shakespeare_files() -> list[Path]:
     return files
 
 
-def _is_hub_id(name: str) -> bool:
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` can be a hub repo id (``gpt2``, ``org/model``); an absolute path, ``./x``, ``../x`` or
+    ``a/b/c`` cannot, so a missing folder of that form is a mistyped local path, not something to fetch."""
     return bool(_HUB_ID.match(name)) and not name.startswith((".", "~")) and ".." not in name
 
 
@@ -100,9 +103,21 @@ def resolve_checkpoint(model_id_or_path: str | os.PathLike, gguf_file: str | Non
                 "or a .gguf file"
             )
         return str(path), gguf_file
-    if not _is_hub_id(name):
-        raise ValueError(f"checkpoint path {name!r} does not exist (and is not a hub id such as 'org/model')")
+    refuse_a_missing_local_path(name, "checkpoint path")
     return name, gguf_file
+
+
+def refuse_a_missing_local_path(name: str, what: str) -> None:
+    """``ValueError`` for a ``name`` that is no local path and cannot be a hub id either (``./x``, ``/x``, ``a/b/c``),
+    or reads as one but names a missing entry of an existing local folder (``runs/typo`` beside ``./runs``): a
+    mistyped path, which the Hub would only answer after its retries, and without naming the folder."""
+    path = Path(name).expanduser()
+    if not is_hub_id(name):
+        raise ValueError(f"{what} {name!r} does not exist (and is not a hub id such as 'org/model')")
+    if "/" in name and path.parent.is_dir():
+        near = difflib.get_close_matches(path.name, [p.name for p in path.parent.iterdir()], n=3)
+        hint = f"; close matches there: {', '.join(near)}" if near else ""
+        raise ValueError(f"{what} {name!r} does not exist (the folder {str(path.parent)!r} does{hint})")
 
 
 GGUF_KEY_BYTES = 1 << 20  # bytes read from each end of a GGUF file for its cache key
@@ -247,10 +262,31 @@ def local_checkpoint_folder(source: str, *, revision: str | None = None, token=N
     return str(folder) if any(Path(folder).glob("model*.safetensors")) else None
 
 
-def cannot_load(source: str, error: OSError) -> ValueError:
-    """The one-line error of a checkpoint that cannot be read: its name and the first line of the cause."""
+def cannot_load(source: str, error: Exception) -> ValueError:
+    """The one-line error of a checkpoint that cannot be read: its name and the first line of the cause. A name with
+    no local folder behind it was tried on the Hub: the error says so first (a mistyped local path reads as a hub id,
+    and the Hub's own message, e.g. that it could not be reached, does not name the folder that is missing)."""
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return ValueError(f"cannot load checkpoint {source!r}: {first}")
+    if Path(source).expanduser().exists():
+        return ValueError(f"cannot load checkpoint {source!r}: {first}")
+    hub = "the Hub could not be reached" if _hub_unreachable(error) else "the Hub answered"
+    return ValueError(f"cannot load checkpoint {source!r}: no local folder {source!r} here, and {hub}: {first}")
+
+
+def _hub_unreachable(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) says the Hub could not be reached: no connection, or
+    offline mode without the files in the cache."""
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, (LocalEntryNotFoundError, OfflineModeIsEnabled, ConnectionError, TimeoutError)):
+            return True
+        if type(seen).__name__ in ("ConnectError", "ConnectTimeout", "ReadTimeout", "ConnectionError"):  # httpx...
+            return True
+        seen = seen.__cause__ or seen.__context__
+    text = str(error)
+    return "couldn't connect" in text or "outgoing traffic has been disabled" in text
 
 
 def _load_by_pread(source: str, dtype: torch.dtype, from_pretrained_kwargs: dict):

@@ -35,6 +35,7 @@ from hf_lowprec.formats import FormatSpec
 from hf_lowprec.ondevice.calibration import ROUNDINGS
 from hf_lowprec.ondevice.calibration.fp8 import FP8_ROUNDINGS
 from hf_lowprec.plan import AUTO, PrecisionPlan, describe_yaml_error, resolve_plan
+from hf_lowprec.sensitivity.allocate import budget_from
 from hf_lowprec.sensitivity.results import CONVERSION, SCORES
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,8 @@ class PrecisionSection:
                 raise ValueError(f"'plan' must be 'auto', a plan file (.json/.yaml) or a format: {e}") from None
         if self.calibration_batches < 1:
             raise ValueError(f"'calibration_batches' must be >= 1, got {self.calibration_batches}")
+        if self.budget:  # checked whatever the plan: a fixed plan's recipe keeps it for --plan auto
+            budget_from(self.auto_budget())
 
     @property
     def is_auto(self) -> bool:
@@ -170,6 +173,11 @@ class TrainingSection:
                 raise ValueError(f"{key!r} must be >= 1, got {getattr(self, key)}")
         if self.learning_rate <= 0:
             raise ValueError(f"'learning_rate' must be > 0, got {self.learning_rate}")
+        for key in ("warmup_steps", "weight_decay"):  # else transformers/torch reject them after the model loads
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key!r} must be >= 0, got {getattr(self, key)}")
+        if not 0 <= self.seed < 2**32:  # numpy's seed range (transformers.set_seed)
+            raise ValueError(f"'seed' must be in [0, 2**32), got {self.seed}")
         allowed = _tracker_names()
         unknown = [t for t in self.trackers if t not in allowed]
         if unknown:
@@ -200,6 +208,14 @@ class LoraSection:
     lora_dropout: float = 0.0
     target_modules: tuple[str, ...] = ("all-linear",)
     init: str = field(default="default", metadata=_choices(*LORA_INITS))
+
+    def __post_init__(self):  # checked here, not by PEFT/PyTorch after the model has loaded
+        if self.r < 1:
+            raise ValueError(f"'r' must be >= 1, got {self.r}")
+        if self.lora_alpha <= 0:
+            raise ValueError(f"'lora_alpha' must be > 0, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"'lora_dropout' must be in [0, 1), got {self.lora_dropout}")
 
 
 @dataclass(frozen=True)
@@ -365,7 +381,11 @@ def _build(cls, data, prefix: str, source: str):
     try:
         return cls(**kwargs)
     except ValueError as e:
-        raise ValueError(f"{where}: {prefix.rstrip('.') + ': ' if prefix else ''}{e}") from None
+        text = str(e)
+        own = text.split("'")[1] if text.startswith("'") else None
+        if prefix and own in fields:  # a section's check names its key as the recipe spells it: 'training.seed'
+            raise ValueError(f"{where}: '{prefix}{text[1:]}") from None
+        raise ValueError(f"{where}: {prefix.rstrip('.') + ': ' if prefix else ''}{text}") from None
 
 
 def _close_match(key: str, allowed) -> str:

@@ -16,6 +16,7 @@ from hf_lowprec.training.callback import STATE_FILE, TELEMETRY_KEYS, LowPrecisio
 from hf_lowprec.training.new_parameters import orphaned_parameters
 
 MIXED_PLAN = {"default": "fp8", "layers": {"*.mlp.*": "int4-g64", "lm_head": "bf16"}}
+AUTO_ONLY = r"plan='auto' \(the sensitivity scan\),"  # budget=, formats=, scan_method= with a fixed plan
 
 
 def lm_rows(batches: int = 4, batch: int = 8, seed: int = 1) -> list[dict]:
@@ -295,7 +296,13 @@ def test_model_without_eligible_layers_fails_at_init(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(plan="fp8", budget={"target_bits_per_param": 8}), "apply only to plan='auto'"),
+        (dict(plan="fp8", budget={"target_bits_per_param": 8}), rf"^budget= applies only to {AUTO_ONLY} not to plan="),
+        (dict(plan="fp8", formats=["int4-g64"]), rf"^formats= applies only to {AUTO_ONLY} not to plan='fp8': drop it"),
+        (dict(plan=MIXED_PLAN, scan_method="fisher"), r"^scan_method= applies only to plan='auto' .*to a fixed plan"),
+        (dict(plan="fp8", budget={}, formats=("fp8",)), r"^budget=, formats= apply only to plan='auto' .*drop them or"),
+        (dict(scan_method="magic"), r"^unknown scan_method 'magic'; choose one of auto, measured, fisher$"),
+        (dict(plan="fp8", keep=["lm_head", 3]), r"^keep= takes a string or a list of strings, got \['lm_head', 3\]$"),
+        (dict(plan="fp8", calibration_data=[{}]), r"^calibration_data= applies only to plan='auto' \(or with fp8_"),
         (dict(plan="int3"), "unknown format"),
         (dict(plan="fp8", scaler="delayed-ish"), "unknown scaler"),
         (dict(plan="fp8", scaler="dynamic", scaler_options={"spike_action": "skip"}), "unknown options"),
@@ -307,8 +314,33 @@ def test_model_without_eligible_layers_fails_at_init(tmp_path):
     ],
 )
 def test_incompatible_options_fail_on_construction(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as info:
         LowPrecisionCallback(**kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_the_plugin_checks_its_options_as_the_callback_does():
+    from hf_lowprec.training.accelerate import LowPrecisionPlugin
+
+    with pytest.raises(ValueError, match=r"^formats= applies only to plan='auto' .*not to plan='int4-g64'"):
+        LowPrecisionPlugin("int4-g64", formats=["int4-g64"])  # was accepted and ignored
+    with pytest.raises(ValueError, match=r"^scan_method= applies only to plan='auto'"):
+        LowPrecisionPlugin("fp8", scan_method="fisher")
+
+
+def test_keep_takes_one_name_as_a_string_as_peft_target_modules_does(tmp_path):
+    """``keep="lm_head"`` is one layer name, not the names 'l', 'm', ... (callback and plugin alike)."""
+    from hf_lowprec.training.accelerate import LowPrecisionPlugin
+
+    model, callback = tiny_llama(), LowPrecisionCallback("fp8", keep="lm_head")
+    Trainer(model=model, args=arguments(tmp_path), callbacks=[callback])
+    assert callback.plan.to_dict()["layers"] == {"lm_head": "bf16"} and type(model.lm_head) is torch.nn.Linear
+    plugin = LowPrecisionPlugin("fp8", keep="*.mlp.*")
+    plugin.convert(model := tiny_llama())
+    assert plugin.plan.to_dict()["layers"] == {"*.mlp.*": "bf16"}
+    assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear and type(model.lm_head) is not torch.nn.Linear
+    auto = LowPrecisionCallback(keep="lm_head", formats="fp8")  # plan='auto': a string for formats= too
+    assert (auto.session.keep, auto.session.formats) == (("lm_head",), ("fp8",))
 
 
 def test_compensation_on_fp32_weights_fails_at_init(tmp_path):

@@ -421,7 +421,7 @@ def test_small_data_is_said_and_counted_as_it_trains(ws, tmp_path):
     """Data smaller than a batch, or than the held-out blocks asked for: the run says so, and tokens/s counts what
     each step had."""
     few = tmp_path / "few.txt"
-    few.write_text((ws / "corpus.txt").read_text()[:3000])
+    few.write_text((ws / "corpus.txt").read_text()[:1000])
     out = tmp_path / "run"
     result = cli("finetune", ws / "tiny", "--data", few, "--max-steps", "2", *FAST[:2], "--batch-size", "64", "--eval-blocks", "500", *FAST[6:], "-o", out)
     assert result.exit_code == 0, result.output
@@ -660,7 +660,7 @@ def test_report_to_sends_trainer_and_lowprec_values_to_tensorboard_in_the_run_fo
     scalars = tensorboard_scalars(out / "runs")
     assert "train/loss" in scalars and any(tag.startswith("train/lowprec/") for tag in scalars), sorted(scalars)
     bad = cli("finetune", ws / "tiny", "--report-to", "tensorbored", "-o", ws / "run-bad")
-    assert bad.exit_code != 0 and "'report_to' tensorbored: choose from none, all" in one_error_line(bad)
+    assert bad.exit_code != 0 and "'training.report_to' tensorbored: choose from none, all" in one_error_line(bad)
 
 
 CT_HELD_OUT_LOSS = """

@@ -421,6 +421,39 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
         load_int4_model(save_tiny_model(tmp_path / "plain"))
 
 
+def test_bad_token_blocks_are_refused_before_any_forward():
+    """finetune_int4_lora checks its blocks first: an empty, 1-D, float or out-of-vocabulary block tensor (train or
+    eval) gets one line naming the argument, what it got and what it takes, not a reshape/index error of PyTorch's,
+    and before the model computes anything (eval_blocks are evaluated before training)."""
+    from conftest import VOCAB
+
+    model, _ = prepare_int4_lora(tiny_llama(), LoraConfig(r=4, target_modules="all-linear"))
+    forwards = []
+    model.get_input_embeddings().register_forward_pre_hook(lambda *_: forwards.append(1))
+    good = torch.randint(0, VOCAB, (8, 16))
+    stray, negative = torch.full((8, 16), 5), torch.full((8, 16), 5)  # one id past the vocabulary; one below 0
+    stray[3, 7], negative[0, 0] = VOCAB + 7, -1
+    takes = r"must be a LongTensor \[n_blocks >= 1, block_size >= 2\] of token ids \(see token_blocks\)"
+    cases = [
+        (dict(train_blocks=good[:0]), rf"^train_blocks {takes}, got shape \[0, 16\]$"),
+        (dict(train_blocks=good[0]), rf"^train_blocks {takes}, got shape \[16\]$"),
+        (dict(train_blocks=good.float()), rf"^train_blocks {takes}, got dtype torch.float32$"),
+        (dict(train_blocks=good.tolist()), rf"^train_blocks {takes}, got list$"),
+        (dict(train_blocks=stray), rf"^train_blocks holds token ids from 5 to {VOCAB + 7}; the model's vocabulary takes"
+                                   rf" ids in \[0, {VOCAB}\)"),
+        (dict(train_blocks=negative), rf"^train_blocks holds token ids from -1 to 5; .* in \[0, {VOCAB}\)"),
+        (dict(train_blocks=good, eval_blocks=stray), rf"^eval_blocks holds token ids from 5 to {VOCAB + 7}"),
+        (dict(train_blocks=good, eval_blocks=good[:, :1]), rf"^eval_blocks {takes}, got shape \[8, 1\]$"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message) as info:
+            finetune_int4_lora(model, None, steps=1, batch_size=2, **kwargs)
+        assert "\n" not in str(info.value)
+    assert forwards == []
+    assert len(finetune_int4_lora(model, None, good, steps=1, batch_size=2, eval_blocks=good[:2]).losses) == 1
+    assert forwards  # the hook sees the model compute once the blocks are right
+
+
 def test_default_checkpoint_names_the_install_command(monkeypatch):
     import importlib.util
 

@@ -50,11 +50,23 @@ def _write(tmp_path, data, name="r.yaml"):
         ({"training": {"dtype": "fp16"}}, r"'training\.dtype' is 'fp16'; allowed values are auto, fp32, bf16"),
         ({"method": "qlora"}, r"'method' is 'qlora'; allowed values are full, int4-lora"),
         ({"precision": {"rounding": "rtn"}}, r"'precision\.rounding' is 'rtn'; allowed values are nearest, gptq, awq, awq\+gptq"),
-        ({"precision": {"plan": "int3"}}, r"precision: 'plan' must be 'auto', a plan file .* or a format: unknown format 'int3'.*choose one of"),
+        ({"precision": {"plan": "int3"}}, r"'precision\.plan' must be 'auto', a plan file .* or a format: unknown format 'int3'.*choose one of"),
         ({"precision": {"keep": [1, 2]}}, r"'precision\.keep' must be a list of strings"),
         ({"precision": {"budget": {"target_bits_per_param": "many"}}}, r"'precision\.budget\.target_bits_per_param' must be a number"),
         ({"precision": {"score": "trained"}}, r"'precision\.score' is 'trained'; allowed values are conversion, after-training"),
-        ({"training": {"max_steps": 0}}, r"training: 'max_steps' must be >= 1"),
+        # a fixed plan's recipe keeps a budget for --plan auto: a misspelt key is caught then too
+        ({"method": "int4-lora", "precision": {"plan": "int4-g64-asym", "budget": {"target_bits": 6.25}}}, r"precision: unknown budget argument\(s\) \['target_bits'\]; choose from max_loss_increase"),
+        ({"training": {"max_steps": 0}}, r"'training\.max_steps' must be >= 1, got 0"),
+        # checked at load, not by transformers/PyTorch/PEFT after the model has loaded (or under their own names)
+        ({"training": {"warmup_steps": -3}}, r"'training\.warmup_steps' must be >= 0, got -3"),
+        ({"training": {"weight_decay": -0.1}}, r"'training\.weight_decay' must be >= 0, got -0\.1"),
+        ({"training": {"learning_rate": 0}}, r"'training\.learning_rate' must be > 0, got 0"),
+        ({"training": {"seed": -1}}, r"'training\.seed' must be in \[0, 2\*\*32\), got -1"),
+        ({"lora": {"lora_dropout": 1.5}}, r"'lora\.lora_dropout' must be in \[0, 1\), got 1\.5"),
+        ({"lora": {"lora_dropout": -0.1}}, r"'lora\.lora_dropout' must be in \[0, 1\), got -0\.1"),
+        ({"lora": {"r": 0}}, r"'lora\.r' must be >= 1, got 0"),
+        ({"lora": {"lora_alpha": -8}}, r"'lora\.lora_alpha' must be > 0, got -8"),
+        ({"data": {"eval_fraction": 1.0}}, r"'data\.eval_fraction' must be in \[0, 1\), got 1\.0"),
         ({"method": "int4-lora", "precision": {"plan": "fp8"}}, r"method 'int4-lora' keeps its frozen base in an integer format"),
         ({"method": "int4-lora", "precision": {"plan": "auto"}}, r"method .int4-lora. with plan .auto. chooses among int4/int8 formats .* not \[.fp8.\]"),
         ({"method": "int4-lora", "precision": {"plan": "int4-g64", "keep": ["lm_head", "*.mlp.*"]}}, r"precision\.keep \['\*\.mlp\.\*'\]: method 'int4-lora' keeps only the output head out of INT4 \(int8 or bf16 by its size\); name other"),
@@ -102,6 +114,8 @@ def test_overrides_replace_values_and_are_checked_like_files():
         base.with_overrides({"training.dtype": "fp16"})
     with pytest.raises(ValueError, match=r"unknown format 'int3'"):
         base.with_overrides({"precision.plan": "int3"})
+    with pytest.raises(ValueError, match=r"'lora\.lora_dropout' must be in \[0, 1\), got 1\.0$"):
+        base.with_overrides({"lora.dropout": 1.0})  # an old name: the error names the key as it is now
 
 
 def test_keys_are_the_libraries_names_and_old_names_still_read(caplog):

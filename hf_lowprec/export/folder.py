@@ -385,9 +385,18 @@ def load_exported(
     adapters), their packed layers computing with ``backend`` (``auto``: int8 kernels where the CPU has them;
     ``dequant``: exactly the codes' values).
     """
-    folder = Path(path_or_repo)
+    from hf_lowprec.checkpoints import cannot_load, refuse_a_missing_local_path
+
+    name = os.fspath(path_or_repo)
+    folder = Path(name).expanduser()
+    if folder.is_file():
+        raise ValueError(f"{name!r} is a file; pass an exported folder or a Hub repo id")
     if not folder.is_dir():
-        folder = Path(snapshot_download(str(path_or_repo)))
+        refuse_a_missing_local_path(name, "export folder")
+        try:
+            folder = Path(snapshot_download(name))
+        except (OSError, ValueError) as e:  # not found, gated, unreachable (OSErrors); a refused repo id (ValueError)
+            raise cannot_load(name, e) from e
     run = read_run(folder)
     if run.get("export", {}).get("weights") == "int4-packed":
         if apply_plan_numerics:

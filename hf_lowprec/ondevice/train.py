@@ -162,7 +162,7 @@ def finetune_int4_lora(
     ``finetune_metrics.json``. Raises ``ValueError`` for an output folder that exists (unless ``overwrite``).
     """
     _check_optim(optim)
-    params = _checked_parameters(model, train_blocks, steps, batch_size, output_dir, overwrite)
+    params = _checked_parameters(model, train_blocks, steps, batch_size, output_dir, overwrite, eval_blocks)
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     eval_before = evaluate_loss(model, eval_blocks, batch_size, chunk_tokens) if eval_blocks is not None else None
     learned = learned_steps(model)
@@ -240,12 +240,40 @@ def _plan_fractions(base: nn.Module) -> dict[str, float]:
     return {r["format"]: r["fraction"] for r in plan.summary(base)} if plan is not None else {}
 
 
-def _checked_parameters(model: nn.Module, train_blocks, steps: int, batch_size: int, output_dir, overwrite: bool):
+def _vocab_size(model: nn.Module) -> int | None:
+    """Rows of ``model``'s input embedding (the token ids it can look up); None where it has none."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return getattr(embeddings, "num_embeddings", None)
+
+
+def _check_blocks(blocks, name: str, vocab: int | None) -> None:
+    """``ValueError`` (one line, naming ``name``) unless ``blocks`` is a non-empty int64 ``[n, T >= 2]`` tensor of ids
+    the model's embedding holds, as :func:`~hf_lowprec.ondevice.loss.token_blocks` returns."""
+    expected = f"{name} must be a LongTensor [n_blocks >= 1, block_size >= 2] of token ids (see token_blocks)"
+    if not isinstance(blocks, torch.Tensor):
+        raise ValueError(f"{expected}, got {type(blocks).__name__}")
+    if blocks.dim() != 2 or blocks.shape[0] < 1 or blocks.shape[1] < 2:
+        raise ValueError(f"{expected}, got shape {list(blocks.shape)}")
+    if blocks.dtype != torch.long:
+        raise ValueError(f"{expected}, got dtype {blocks.dtype}")
+    low, high = int(blocks.min()), int(blocks.max())
+    if vocab is not None and (low < 0 or high >= vocab):
+        raise ValueError(
+            f"{name} holds token ids from {low} to {high}; the model's vocabulary takes ids in [0, {vocab}) "
+            "(blocks tokenized by another tokenizer?)"
+        )
+
+
+def _checked_parameters(
+    model: nn.Module, train_blocks, steps: int, batch_size: int, output_dir, overwrite: bool, eval_blocks=None
+):
     """The parameters that train (the adapters), after checking the arguments of :func:`finetune_int4_lora`."""
     if steps < 1 or batch_size < 1:
         raise ValueError(f"steps and batch_size must be positive, got steps={steps}, batch_size={batch_size}")
-    if not isinstance(train_blocks, torch.Tensor) or train_blocks.dim() != 2 or train_blocks.shape[1] < 2:
-        raise ValueError("train_blocks must be a LongTensor [n_blocks, block_size >= 2] (see token_blocks)")
+    vocab = _vocab_size(model)
+    _check_blocks(train_blocks, "train_blocks", vocab)
+    if eval_blocks is not None:
+        _check_blocks(eval_blocks, "eval_blocks", vocab)
     if output_dir is not None:
         check_output_dir(Path(output_dir), overwrite)
     params = [p for p in model.parameters() if p.requires_grad]

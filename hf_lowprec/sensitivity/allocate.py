@@ -407,6 +407,15 @@ def check_budget(
     allocate(ScanResult(scores, tuple(formats), "none"), budget, keep=keep)
 
 
+def budget_from(values: Mapping) -> Budget:
+    """The :class:`Budget` of ``{field: value}`` (a recipe's, the CLI's ``--budget``); ``ValueError`` naming unknown
+    keys and the allowed ones."""
+    unknown = sorted(set(values) - set(_CONSTRAINTS) - {"score"})
+    if unknown:
+        raise ValueError(f"unknown budget argument(s) {unknown}; choose from {', '.join(_CONSTRAINTS)}, score")
+    return Budget(**values)
+
+
 def _budget_of(result: ScanResult, budget: Budget | Mapping | None, budget_kwargs: dict) -> Budget:
     """The :class:`Budget` of an :func:`allocate` call: given, from a mapping or keywords, or Δloss ≤ 1% of the
     calibration loss."""
@@ -417,10 +426,7 @@ def _budget_of(result: ScanResult, budget: Budget | Mapping | None, budget_kwarg
     if budget is not None:
         return budget
     if set(budget_kwargs) - {"score"}:
-        unknown = sorted(set(budget_kwargs) - set(_CONSTRAINTS) - {"score"})
-        if unknown:
-            raise ValueError(f"unknown budget argument(s) {unknown}; choose from {', '.join(_CONSTRAINTS)}, score")
-        return Budget(**budget_kwargs)
+        return budget_from(budget_kwargs)
     _check_score(budget_kwargs.get("score", CONVERSION))
     if not math.isfinite(result.base_loss):
         raise ValueError("the scan has no calibration loss to derive a default budget from; pass a budget")

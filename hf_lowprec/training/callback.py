@@ -114,7 +114,10 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
     def __init__(self, plan="auto", *, calibration_data: Iterable[Mapping] | None = None, **options):
         rounds = options.get("fp8_rounding", "nearest") != "nearest"
         if not is_auto(plan) and not rounds and calibration_data is not None:
-            raise ValueError("budget= and calibration_data= apply only to plan='auto' (or with fp8_rounding='gptq')")
+            fixed = f"plan={plan!r}" if isinstance(plan, str) else "a fixed plan"
+            raise ValueError(
+                f"calibration_data= applies only to plan='auto' (or with fp8_rounding='gptq'), not to {fixed}"
+            )
         if rounds and calibration_data is None:
             raise ValueError(
                 f"fp8_rounding={options['fp8_rounding']!r} needs calibration_data= (a list of a few training batches)"

@@ -130,6 +130,16 @@ def scan_plan(
     return _same_on_all_ranks(plan), time.perf_counter() - start
 
 
+def _string_tuple(value: str | Iterable[str] | None, argument: str) -> tuple[str, ...] | None:
+    """``value`` as a tuple of strings: a single string is one name (as PEFT's ``target_modules`` takes one)."""
+    if value is None or isinstance(value, str):
+        return value if value is None else (value,)
+    items = tuple(value) if isinstance(value, Iterable) and not isinstance(value, Mapping) else None
+    if items is None or not all(isinstance(v, str) for v in items):
+        raise ValueError(f"{argument}= takes a string or a list of strings, got {value!r}")
+    return items
+
+
 class LowPrecisionSession:
     """Options, plan, conversion and telemetry of one training run (see the module docstring).
 
@@ -142,11 +152,11 @@ class LowPrecisionSession:
         self,
         plan="auto",
         *,
-        keep: Sequence[str] | None = None,
+        keep: str | Sequence[str] | None = None,
         budget=None,
-        formats=("fp8", "int4-g64"),
+        formats: str | Sequence[str] | None = None,
         calibration_batches: int = 4,
-        scan_method: str = "auto",
+        scan_method: str | None = None,
         scaler: str = "dynamic",
         scaler_options: Mapping | None = None,
         fp8_backend: str = "auto",
@@ -159,8 +169,19 @@ class LowPrecisionSession:
         from hf_lowprec.ondevice.calibration.fp8 import FP8_ROUNDINGS  # hf_lowprec.ondevice imports PEFT: not at import
 
         self.auto = is_auto(plan)
-        if not self.auto and budget is not None:
-            raise ValueError("budget= and calibration_data= apply only to plan='auto'")
+        auto_only = {"budget": budget, "formats": formats, "scan_method": scan_method}
+        given = [f"{name}=" for name, value in auto_only.items() if value is not None]
+        if not self.auto and given:
+            fixed = f"plan={plan!r}" if isinstance(plan, str) else "a fixed plan"
+            raise ValueError(
+                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to plan='auto' (the sensitivity "
+                f"scan), not to {fixed}: drop {'it' if len(given) == 1 else 'them'} or pass plan='auto'"
+            )
+        keep = _string_tuple(keep, "keep")
+        formats = sensitivity.DEFAULT_FORMATS if formats is None else _string_tuple(formats, "formats")
+        scan_method = "auto" if scan_method is None else scan_method
+        if scan_method not in sensitivity.METHODS:
+            raise ValueError(f"unknown scan_method {scan_method!r}; choose one of {', '.join(sensitivity.METHODS)}")
         if calibration_batches < 1:
             raise ValueError(f"calibration_batches must be >= 1, got {calibration_batches}")
         if fp8_backend not in FP8_BACKENDS:
@@ -172,7 +193,7 @@ class LowPrecisionSession:
         if fp8_rounding not in FP8_ROUNDINGS:
             raise ValueError(f"unknown fp8_rounding {fp8_rounding!r}; choose one of {', '.join(FP8_ROUNDINGS)}")
         make_policy_factory(scaler, **dict(scaler_options or {}))  # raises for unknown names/options
-        self.keep = None if keep is None else tuple(keep)
+        self.keep = keep
         self.budget, self.formats = budget, tuple(formats)
         self.calibration_batches, self.scan_method, self.seed = calibration_batches, scan_method, seed
         self.scaler, self.scaler_options = scaler, dict(scaler_options or {})
@@ -239,9 +260,7 @@ class LowPrecisionSession:
     def record(self, model: nn.Module, plan: PrecisionPlan, report: ConversionReport) -> None:
         """Keep what a conversion of ``model`` to ``plan`` did; ``ValueError`` if no layer went to low precision."""
         if not report.swapped:
-            raise ValueError(f"the plan puts no layer of {type(model).__name__} in low precision: {plan.to_dict()}")
-        for r in report.not_applied:
-            logger.warning("%s: requested %s, runs %s (%s)", r.name, r.requested, r.applied, r.reason)
+            raise ValueError(f"the plan {plan.brief()} puts no layer of {type(model).__name__} in low precision")
         self.plan, self.model, self.report = plan, model, report
         self.new_params = align_new_parameters(model, report.new_parameters.values())
         self.coverage = coverage(model, report)

@@ -1,0 +1,102 @@
+"""Checkpoint and export loading: a mistyped local path is named as a missing folder, not as a bad or unreachable
+hub repo id."""
+
+import huggingface_hub
+import pytest
+from huggingface_hub.errors import LocalEntryNotFoundError
+from tiny_assets import save_tiny_model
+
+import hf_lowprec.export.folder as folder_module
+from hf_lowprec.checkpoints import is_hub_id, load_pretrained
+from hf_lowprec.export import load_exported
+
+
+@pytest.fixture
+def offline_here(tmp_path, monkeypatch):
+    """A working folder without 'runs/', the Hub offline and an empty Hub cache: nothing can be fetched."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return tmp_path
+
+
+def test_is_hub_id_tells_a_repo_id_from_a_local_path():
+    assert is_hub_id("gpt2") and is_hub_id("org/model-1.5B") and is_hub_id("runs/typo")
+    for path in ("/tmp/run", "./run", "../run", "~/run", "runs/a/b", "a..b", "run/"):
+        assert not is_hub_id(path), path
+
+
+@pytest.mark.parametrize("path", ["/no/such/export", "./runs/typo", "../typo", "runs/typo/export"])
+def test_load_exported_names_a_missing_local_folder_without_asking_the_hub(offline_here, monkeypatch, path):
+    asked = []
+    monkeypatch.setattr(folder_module, "snapshot_download", lambda *a, **kw: asked.append(a))
+    with pytest.raises(ValueError) as info:
+        load_exported(path)
+    assert str(info.value) == f"export folder {path!r} does not exist (and is not a hub id such as 'org/model')"
+    assert asked == []  # before: an HFValidationError about the repo id's format, from the Hub client
+
+
+def test_load_exported_of_a_file_says_it_is_a_file(offline_here):
+    (offline_here / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"^'notes\.txt' is a file; pass an exported folder or a Hub repo id$"):
+        load_exported("notes.txt")
+
+
+def test_load_exported_of_a_possible_hub_id_says_no_local_folder_and_why_the_hub_failed(offline_here, monkeypatch):
+    with pytest.raises(ValueError) as offline:  # huggingface_hub's own offline error
+        load_exported("runs/typo")
+    expected = ("cannot load checkpoint 'runs/typo': no local folder 'runs/typo' here, and the Hub could not be "
+                "reached: ")
+    assert str(offline.value).startswith(expected) and "\n" not in str(offline.value)
+
+    def unreachable(*args, **kwargs):  # what snapshot_download raises without a network
+        raise LocalEntryNotFoundError("Got: ConnectError: [Errno -2] Name or service not known\nAn error happened ...")
+
+    monkeypatch.setattr(folder_module, "snapshot_download", unreachable)
+    with pytest.raises(ValueError) as no_network:
+        load_exported("runs/typo")
+    assert str(no_network.value) == expected + "Got: ConnectError: [Errno -2] Name or service not known"
+
+    def not_found(*args, **kwargs):
+        raise OSError("404 Client Error. Repository Not Found for url: https://huggingface.co/api/models/runs/typo")
+
+    monkeypatch.setattr(folder_module, "snapshot_download", not_found)
+    with pytest.raises(ValueError, match=r"^cannot load checkpoint 'runs/typo': no local folder 'runs/typo' here, and "
+                       r"the Hub answered: 404 Client Error\. Repository Not Found"):  # fmt: skip
+        load_exported("runs/typo")
+
+
+def test_load_pretrained_of_a_missing_folder_says_there_is_none_here(offline_here):
+    """``hf-lowprec finetune runs/typo``: 'runs/typo' could be a hub id, so it is tried there; the error says first
+    that no such local folder exists (it used to give only the Hub's connection error)."""
+    with pytest.raises(ValueError) as info:
+        load_pretrained("runs/typo")
+    message = str(info.value)
+    assert message.startswith(
+        "cannot load checkpoint 'runs/typo': no local folder 'runs/typo' here, and the Hub could not be reached: "
+    )
+    assert "\n" not in message
+    with pytest.raises(ValueError, match=r"^checkpoint path '\./runs/typo' does not exist \(and is not a hub id"):
+        load_pretrained("./runs/typo")
+
+
+def test_a_local_folder_that_fails_to_load_keeps_the_plain_message(offline_here):
+    path = save_tiny_model(offline_here / "runs" / "broken")
+    for weights in path.glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(ValueError, match=r"^cannot load checkpoint 'runs/broken': ") as info:
+        load_pretrained("runs/broken")
+    assert "no local folder" not in str(info.value)
+
+
+def test_a_missing_entry_of_an_existing_local_folder_is_a_local_typo_not_a_hub_id(offline_here, monkeypatch):
+    """``runs/run-fp9`` beside a ``runs/`` folder: refused at once, naming the folder and its close entries, before
+    any Hub request (which retries for seconds without a network)."""
+    (offline_here / "runs" / "run-fp8").mkdir(parents=True)
+    asked = []
+    monkeypatch.setattr(folder_module, "snapshot_download", lambda *a, **kw: asked.append(a))
+    with pytest.raises(ValueError, match=r"^checkpoint path 'runs/run-fp9' does not exist \(the folder 'runs' does; close matches there: run-fp8\)$"):
+        load_pretrained("runs/run-fp9")
+    with pytest.raises(ValueError, match=r"^export folder 'runs/run-fp9' does not exist \(the folder 'runs' does"):
+        load_exported("runs/run-fp9")
+    assert asked == []
