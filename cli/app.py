@@ -163,9 +163,10 @@ ExportFormatOpt = Annotated[
     typer.Option(
         "--format",
         help="native (the run's own weights; hf-lowprec resumes training from them), compressed-tensors (INT4 "
-        "runs: the packed layers as transformers loads them without hf-lowprec, the layout vLLM reads) or bf16 (a "
+        "runs: the packed layers as transformers loads them without hf-lowprec, the layout vLLM reads), bf16 (a "
         "dense bf16 model: LoRA merged in, as --merge --merge-into bf16; full runs: packed layers dequantized, "
-        "master weights cast).",
+        "master weights cast) or gguf (INT4 runs of Llama-architecture models: model.gguf with the trained codes "
+        "in Q4_1 blocks, and adapter.gguf, for llama.cpp and Ollama).",
     ),
 ]
 RoundingOpt = Annotated[

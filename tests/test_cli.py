@@ -699,8 +699,11 @@ def test_export_formats_compressed_tensors_and_bf16(ws, lora_run, tmp_path):
     dense = cli("export", out, "--out", tmp_path / "bf16", "--format", "bf16")
     assert dense.exit_code == 0, dense.output
     assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
-    bad = cli("export", out, "--out", tmp_path / "x", "--format", "gguf")
-    assert "choose one of native, compressed-tensors, bf16" in one_error_line(bad)
+    bad = cli("export", out, "--out", tmp_path / "x", "--format", "gguf")  # AWQ-scaled codes: no GGUF block holds them
+    assert "int4-g64-asym codes of an activation-scaled (AWQ) weight, which GGUF's blocks cannot hold" in one_error_line(bad)
+    assert not (tmp_path / "x").exists()
+    bad = cli("export", out, "--out", tmp_path / "x", "--format", "onnx")
+    assert "choose one of native, compressed-tensors, bf16, gguf" in one_error_line(bad)
 
 
 def test_recipe_keys_as_key_value_arguments(ws, tmp_path):

@@ -27,8 +27,10 @@ def _tags(run: Mapping) -> list[str]:
         tags.append("qat")
     if recipe.get("method") == "int4-lora":
         tags += ["lora", "peft"]
-    if run.get("export", {}).get("weights") == "int4-packed":
+    if run.get("export", {}).get("weights") in ("int4-packed", "gguf"):
         tags.append("4-bit")
+    if run.get("export", {}).get("weights") == "gguf":
+        tags.append("gguf")
     return tags
 
 

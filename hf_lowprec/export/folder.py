@@ -19,6 +19,7 @@ from hf_lowprec.checkpoints import load_pretrained
 from hf_lowprec.convert import apply_plan, freeze, packs_when_frozen, revert
 from hf_lowprec.export.card import render_model_card
 from hf_lowprec.export.compressed_tensors import write_compressed_tensors
+from hf_lowprec.export.gguf import ADAPTER_FILE, export_gguf
 from hf_lowprec.export.hf_quantizer import quantization_config_dict, with_load_guards
 from hf_lowprec.export.records import CARD_FILE, RUN_ONLY, plan_record, read_run, write_record
 from hf_lowprec.folders import atomic_output_dir
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 LEARNED_STATE_FILE = "hf_lowprec_learned_state.safetensors"  # a master export's INT4 steps and smoothing scales
 # export_run: the run's own files, the packed INT4 layers as compressed-tensors, or a dense bf16 model
-EXPORT_FORMATS = ("native", "compressed-tensors", "bf16")
+EXPORT_FORMATS = ("native", "compressed-tensors", "bf16", "gguf")
 
 
 def export_model(
@@ -271,6 +272,8 @@ def export_run(
         raise ValueError(f"--merge applies to the native format; format {weights_format!r} chooses the weights itself")
     if weights_format == "compressed-tensors":
         return _export_compressed_tensors(run_dir, Path(out), run, overwrite, repo_id)
+    if weights_format == "gguf":
+        return _export_gguf(run_dir, Path(out), run, overwrite, repo_id)
     if weights_format == "bf16" and not run.get("adapter"):
         return _export_dense(run_dir, Path(out), run, overwrite, repo_id)
     if weights_format == "bf16":  # LoRA merged into a dense bf16 model
@@ -304,7 +307,7 @@ def export_run(
 
 def run_formats(run: Mapping) -> tuple[str, ...]:
     """The :data:`EXPORT_FORMATS` that apply to the run or export whose record is ``run``: ``native`` always,
-    ``compressed-tensors`` to packed INT4 weights, ``bf16`` to packed or high-precision weights."""
+    ``compressed-tensors`` and ``gguf`` to packed INT4 weights, ``bf16`` to packed or high-precision weights."""
     weights = run.get("export", {}).get("weights")
     if weights == "int4-packed":
         return EXPORT_FORMATS
@@ -368,6 +371,28 @@ def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: b
     return out
 
 
+def _export_gguf(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id: str | None) -> Path:
+    """The run's packed model as llama.cpp's ``model.gguf`` (and its adapters as ``adapter.gguf``), with its record
+    and card (:mod:`hf_lowprec.export.gguf`)."""
+    model, tokenizer = load_exported(run_dir, backend="dequant")  # read, not run: no kernel timing
+    with atomic_output_dir(out, overwrite) as tmp:
+        written = export_gguf(model, tokenizer, tmp, run.get("name") or run_dir.name)
+        kinds = ", ".join(f"{count} {kind}" for kind, count in written["tensor_types"].items())
+        run["export"] = {
+            "weights": "gguf",
+            "loader": "llama.cpp",
+            "library_name": "gguf",
+            "dtype": _dtype_name(model),
+            "description": f"{kinds} tensors: the INT4 codes as trained, in Q4_1 blocks whose scales round to fp16 "
+            f"(at most {written['max_scale_error']:.2g} of a step)",
+            "files": written["files"],
+        }
+        if run.get("adapter"):
+            run["adapter"] = {**run["adapter"], "folder": ADAPTER_FILE, "note": "llama.cpp's LoRA adapter file"}
+        write_record(tmp, run, repo_id, None)
+    return out
+
+
 # -------------------------------------------------------------------------------------- load
 def load_exported(
     path_or_repo: str | os.PathLike,
@@ -398,6 +423,11 @@ def load_exported(
         except (OSError, ValueError) as e:  # not found, gated, unreachable (OSErrors); a refused repo id (ValueError)
             raise cannot_load(name, e) from e
     run = read_run(folder)
+    if run.get("export", {}).get("weights") == "gguf":
+        raise ValueError(
+            f"{name!r} is a GGUF export, which llama.cpp runs (llama-cli -m model.gguf --lora adapter.gguf); load or "
+            "evaluate the run folder it was exported from"
+        )
     if run.get("export", {}).get("weights") == "int4-packed":
         if apply_plan_numerics:
             raise ValueError(

@@ -1,0 +1,278 @@
+"""GGUF export for llama.cpp (and what runs on it: Ollama, LM Studio): a trained INT4 base + LoRA run as the two
+files llama.cpp takes, ``llama-cli -m model.gguf --lora adapter.gguf``.
+
+- ``model.gguf``: the frozen base. Each packed INT4 layer's codes go into ``Q4_1`` blocks as they are: an
+  asymmetric INT4 group ``w = step * (code - zero)`` of 32, 64 or 128 weights is one, two or four ``Q4_1`` blocks
+  ``w = d * q + m`` with ``q = code``, ``d = step``, ``m = -step * zero`` (a symmetric code ``c`` in [-8, 7]: ``q =
+  c + 8``, ``m = -8 * step``), the learned steps and zero points included; only ``d`` and ``m`` round, to fp16. A
+  packed int8 layer (one step per row) is ``Q8_0`` blocks of its codes with the row's step. Layers kept dense are
+  stored in their dtype (bf16, or fp32 as f32); norms in f32.
+- ``adapter.gguf``: the LoRA adapters as llama.cpp's LoRA adapter file (``A [r, in]``, ``B [out, r]`` in f32,
+  ``alpha``), applied at load with llama.cpp's ``scale = alpha / r``, PEFT's.
+
+Llama-architecture models with a byte-level BPE tokenizer (SmolLM2, Llama 3, TinyLlama's BPE successors, ...).
+The rows of the query and key projections are reordered as llama.cpp's rotary embedding reads them (its converter's
+``permute``), codes, steps and LoRA ``B`` alike. Written here because llama.cpp's converter reads dense checkpoints
+and re-quantizes them, which would lose what the trained codes, steps and adapters hold; ``gguf`` (llama.cpp's
+Python package) writes the file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from torch import nn
+
+from hf_lowprec.layers import ADAPTER_PARTS, canonical_name, eligible_layers
+from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear, PackedLinear
+from hf_lowprec.modules.packed_embedding import PackedEmbedding, TiedPackedEmbedding, tied_head_names
+
+logger = logging.getLogger(__name__)
+
+MODEL_FILE, ADAPTER_FILE = "model.gguf", "adapter.gguf"
+BLOCK = 32  # weights per Q4_1 / Q8_0 block
+# tokenizer.json pre-tokenizers as llama.cpp names them (tokenizer.ggml.pre); others get "default", with a warning
+PRE_TOKENIZERS = {
+    (("ByteLevel", True),): "gpt-2",
+    (("Digits", True), ("ByteLevel", False)): "smollm",
+}
+
+
+def export_gguf(model: nn.Module, tokenizer, folder: Path, name: str) -> dict:
+    """Write ``model.gguf`` (and ``adapter.gguf`` for a PEFT model) into ``folder``; returns what was written:
+    ``{"files", "tensor_types", "max_scale_error"}`` (the largest error of a block's ``d``/``m`` after their rounding
+    to fp16, relative to its ``d``)."""
+    peft = getattr(model, "peft_config", None) is not None
+    base = model.get_base_model() if peft else model
+    config = base.config
+    _check_supported(base, model if peft else None)
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    tied = tied_head_names(base)
+    head, embedding = (canonical_name(n) for n in tied) if tied else (None, None)
+    layers = eligible_layers(base)
+    packed = {n: m for n, m in layers.items() if isinstance(m, (PackedLinear, PackedEmbedding, TiedPackedEmbedding))}
+    writer = gguf.GGUFWriter(folder / MODEL_FILE, "llama")
+    _write_metadata(writer, config, name)
+    _write_tokenizer(writer, tokenizer)
+    types: dict[str, int] = {}
+    for key, tensor in _dense_weights(base, packed, head):
+        kind = gguf.GGMLQuantizationType.BF16 if tensor.dtype == torch.bfloat16 and tensor.dim() > 1 else None
+        _add(writer, names.get_name(key, try_suffixes=(".weight",)), _rotary(tensor.float(), key, heads), kind, types)
+    errors = [0.0]
+    for layer_name, module in packed.items():
+        if isinstance(module, PackedEmbedding):
+            raise ValueError(f"{layer_name}: a packed embedding table of its own has no GGUF export; keep it dense")
+        if isinstance(module, TiedPackedEmbedding):
+            continue  # it reads the tied head's codes, written below as the table
+        blocks, kind, error = _packed_blocks(module, _rotary_order(layer_name, module.out_features, heads))
+        stored = embedding if layer_name == head else layer_name  # a tied head: GGUF keeps one table, token_embd
+        writer.add_tensor(names.get_name(f"{stored}.weight", try_suffixes=(".weight",)), blocks, raw_dtype=kind)
+        types[kind.name] = types.get(kind.name, 0) + 1
+        errors.append(error)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    _finish(writer)
+    files = [MODEL_FILE]
+    if peft:
+        _write_adapter(model, folder / ADAPTER_FILE, names, heads, name)
+        files.append(ADAPTER_FILE)
+    return {"files": files, "tensor_types": types, "max_scale_error": max(errors)}
+
+
+def _dense_weights(base: nn.Module, packed: dict, head: str | None):
+    """``(key, tensor)`` of the weights stored dense: every ``.weight`` of the state dict (PEFT wrappers stripped,
+    adapters left out) but the packed layers' and a tied head's."""
+    for key, tensor in base.state_dict().items():
+        key = canonical_name(key)
+        module = key.rsplit(".", 1)[0]
+        if any(part in ADAPTER_PARTS for part in key.split(".")) or module in packed or module == head:
+            continue
+        if not key.endswith(".weight"):
+            raise ValueError(f"{key}: GGUF's llama layout has no place for it (a bias?)")
+        yield key, tensor
+
+
+def _check_supported(base: nn.Module, peft_model) -> None:
+    """``ValueError`` naming what this export cannot write: another architecture, rope scaling, LoRA variants, codes
+    of a rotated or rescaled weight, groups that are not whole blocks."""
+    config = base.config
+    if config.model_type != "llama":
+        raise ValueError(
+            f"GGUF export writes Llama-architecture models (model_type 'llama'), not {config.model_type!r}; export "
+            "--format bf16 and convert that with llama.cpp's convert_hf_to_gguf.py"
+        )
+    if (rope := _rope(config)).get("rope_type", "default") != "default":
+        raise ValueError(
+            f"GGUF export does not write rope scaling ({rope['rope_type']}) yet; export --format bf16 and convert that "
+            "with llama.cpp's convert_hf_to_gguf.py"
+        )
+    if peft_model is not None:
+        for adapter in peft_model.peft_config.values():
+            if getattr(adapter, "use_dora", False) or getattr(adapter, "use_rslora", False):
+                raise ValueError("GGUF adapters hold plain LoRA (scale alpha / r): not DoRA or rsLoRA")
+    for name, module in eligible_layers(base).items():
+        if not isinstance(module, PackedLinear):
+            continue
+        spec = module.spec
+        if spec.rotate or not torch.all(module.input_scale == 1):
+            kind = "a rotated (-rht)" if spec.rotate else "an activation-scaled (AWQ)"
+            raise ValueError(f"{name}: {spec.name} codes of {kind} weight, which GGUF's blocks cannot hold")
+        if spec.family == "int4" and (spec.group_size or module.in_features) % BLOCK or module.in_features % BLOCK:
+            shape = f"{spec.name} groups of a {module.in_features}-input layer"
+            raise ValueError(f"{name}: {shape} are not whole {BLOCK}-weight blocks")
+
+
+def _rotary_order(module_name: str, rows: int, heads: dict[str, int]) -> torch.Tensor | None:
+    """The row order llama.cpp reads a query/key projection of ``rows`` rows in (its converter's ``permute``: the two
+    rotary halves of each head interleaved), else ``None``."""
+    n = heads.get(module_name.rsplit(".", 1)[-1])
+    if n is None:
+        return None
+    return torch.arange(rows).reshape(n, 2, rows // n // 2).transpose(1, 2).reshape(-1)
+
+
+def _rotary(tensor: torch.Tensor, key: str, heads: dict[str, int]) -> torch.Tensor:
+    order = _rotary_order(key.rsplit(".", 1)[0], tensor.shape[0], heads)
+    return tensor if order is None else tensor[order]
+
+
+def _add(writer, name: str, tensor: torch.Tensor, kind, types: dict) -> None:
+    """A dense tensor: bf16 as ``BF16``, everything else as ``F32``."""
+    if kind == gguf.GGMLQuantizationType.BF16:
+        data = tensor.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        writer.add_tensor(name, data, raw_shape=tuple(tensor.shape), raw_dtype=kind)
+    else:
+        kind = gguf.GGMLQuantizationType.F32
+        writer.add_tensor(name, tensor.numpy().astype(np.float32))
+    types[kind.name] = types.get(kind.name, 0) + 1
+
+
+def _packed_blocks(layer: PackedLinear, order) -> tuple[np.ndarray, gguf.GGMLQuantizationType, float]:
+    """``(uint8 [N, K / 32 * bytes per block], its GGML type, largest fp16 rounding of d and m relative to d)`` of a
+    packed layer's codes, its rows in ``order`` (``None``: as they are)."""
+    codes = layer.codes().to(torch.int32)
+    step = layer.effective_step().float()
+    zero = layer.effective_zero()
+    if order is not None:
+        codes, step, zero = codes[order], step[order], None if zero is None else zero[order]
+    n, k = codes.shape
+    per_block = k // BLOCK
+    if isinstance(layer, PackedInt8Linear):  # one step per row: every block of the row has it as d
+        d = step.reshape(n, 1).expand(n, per_block)
+        d16 = d.half()
+        payload = codes.to(torch.int8).reshape(n, per_block, BLOCK).numpy().view(np.uint8)
+        head = d16.numpy().reshape(n, per_block, 1).view(np.uint8).reshape(n, per_block, 2)
+        blocks = np.concatenate([head, payload], axis=-1).reshape(n, -1)
+        return blocks, gguf.GGMLQuantizationType.Q8_0, _rounding(d, d16, d)
+    assert isinstance(layer, PackedInt4Linear)
+    repeat = (layer.spec.group_size or k) // BLOCK
+    d = step.repeat_interleave(repeat, dim=1)
+    if zero is None:  # symmetric codes in [-8, 7]
+        q, m = codes + 8, -8 * d
+    else:
+        q, m = codes, -d * zero.float().repeat_interleave(repeat, dim=1)
+    d16, m16 = d.half(), m.half()
+    q = q.to(torch.uint8).reshape(n, per_block, 2, BLOCK // 2)
+    nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).numpy()  # byte j: weight j low, weight j + 16 high (block_q4_1)
+    head = np.concatenate([d16.numpy()[..., None].view(np.uint8), m16.numpy()[..., None].view(np.uint8)], axis=-1)
+    blocks = np.concatenate([head.reshape(n, per_block, 4), nibbles], axis=-1).reshape(n, -1)
+    return blocks, gguf.GGMLQuantizationType.Q4_1, max(_rounding(d, d16, d), _rounding(m, m16, d))
+
+
+def _rounding(value: torch.Tensor, rounded: torch.Tensor, step: torch.Tensor) -> float:
+    """Largest ``|rounded - value|`` in units of the block's ``step``."""
+    return float(((rounded.float() - value).abs() / step.abs().clamp_min(1e-30)).max())
+
+
+def _rope(config) -> dict:
+    """The config's rotary embedding parameters (``rope_parameters`` in transformers 5, ``rope_scaling`` before)."""
+    return dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+
+
+def _write_metadata(writer, config, name: str) -> None:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_name(name)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(float(_rope(config).get("rope_theta", getattr(config, "rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _write_tokenizer(writer, tokenizer) -> None:
+    """A byte-level BPE tokenizer as llama.cpp's ``gpt2`` model: tokens, their types, merges, special ids, chat
+    template (``gguf.SpecialVocab`` reads those from the saved tokenizer, as llama.cpp's converter does)."""
+    with tempfile.TemporaryDirectory() as saved:
+        tokenizer.save_pretrained(saved)
+        spec = json.loads((Path(saved) / "tokenizer.json").read_text())
+        if spec["model"]["type"] != "BPE" or "ByteLevel" not in json.dumps(spec.get("pre_tokenizer")):
+            raise ValueError("GGUF export writes byte-level BPE tokenizers (GPT-2 style); this one is not")
+        vocab = tokenizer.get_vocab()
+        tokens = sorted(vocab, key=vocab.get)
+        special = set(tokenizer.all_special_tokens)
+        added = {t.content for t in tokenizer.added_tokens_decoder.values()}
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(_pre_tokenizer(spec.get("pre_tokenizer")))
+        writer.add_token_list(tokens)
+        kinds = gguf.TokenType
+        writer.add_token_types(
+            [kinds.CONTROL if t in special else kinds.USER_DEFINED if t in added else kinds.NORMAL for t in tokens]
+        )
+        gguf.SpecialVocab(saved, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer)
+
+
+def _pre_tokenizer(pre: dict | None) -> str:
+    """llama.cpp's name for a tokenizer.json ``pre_tokenizer`` (``default`` where none is known: llama.cpp then
+    splits text its own default way, which may differ from the tokenizer's on digits or contractions)."""
+    steps = pre.get("pretokenizers", [pre]) if pre else []
+    known = ("ByteLevel", "Digits")
+    key = tuple((s["type"], s.get("individual_digits", s.get("use_regex", False))) for s in steps if s["type"] in known)
+    name = PRE_TOKENIZERS.get(key)
+    if name is None:
+        logger.warning("GGUF export: pre-tokenizer %s has no llama.cpp name here; writing 'default'", json.dumps(pre))
+    return name or "default"
+
+
+def _write_adapter(model, path: Path, names, heads: dict[str, int], name: str) -> None:
+    """llama.cpp's LoRA adapter file: per adapted layer ``<tensor>.lora_a`` ``[r, in]`` and ``.lora_b`` ``[out, r]``
+    (f32), and ``adapter.lora.alpha``."""
+    from peft.tuners.lora import LoraLayer
+
+    config = next(iter(model.peft_config.values()))
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name(name)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(config.lora_alpha))
+    for fqn, module in model.named_modules():
+        if not isinstance(module, LoraLayer) or "default" not in module.lora_A:
+            continue
+        layer = canonical_name(fqn)
+        if module.r["default"] and module.scaling["default"] != config.lora_alpha / module.r["default"]:
+            raise ValueError(f"{layer}: its LoRA scale is not alpha / r (a per-layer rank or alpha pattern)")
+        a = module.lora_A["default"].weight.detach().float()
+        b = module.lora_B["default"].weight.detach().float()
+        b = _rotary(b, f"{layer}.weight", heads)
+        out = names.get_name(f"{layer}.weight", try_suffixes=(".weight",))
+        writer.add_tensor(f"{out}.lora_a", a.numpy())
+        writer.add_tensor(f"{out}.lora_b", b.numpy())
+    _finish(writer)
+
+
+def _finish(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

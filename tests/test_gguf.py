@@ -1,0 +1,116 @@
+"""GGUF export: the packed INT4 base as Q4_1 blocks holding the trained codes, the LoRA adapters as llama.cpp's adapter
+file; checked against gguf's own decoder, transformers' GGUF loader and the PEFT adapters, computed independently."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from cli_invoke import cli, one_error_line
+from peft import LoraConfig
+from tiny_assets import save_tiny_model
+from transformers import AutoModelForCausalLM
+
+from hf_lowprec import load_int4_lora
+from hf_lowprec.export import RUN_FILE
+from hf_lowprec.export.gguf import ADAPTER_FILE, MODEL_FILE, export_gguf
+from hf_lowprec.modules import PackedLinear
+
+HEADS = {"q_proj": 4, "k_proj": 2}  # the tiny model's query and key heads
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny INT4 + LoRA model as training leaves it: learned steps and zero points moved, adapters non-zero."""
+    folder = save_tiny_model(tmp_path_factory.mktemp("gguf") / "tiny")
+    torch.manual_seed(0)
+    model, tokenizer, _ = load_int4_lora(str(folder), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), learn_steps=True, backend="dequant", dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+            elif "step_gain" in name:
+                p.uniform_(0.9, 1.1)
+            elif "zero_shift" in name:
+                p.uniform_(-0.3, 0.3)
+    out = tmp_path_factory.mktemp("gguf-out")
+    return model, tokenizer, out, export_gguf(model, tokenizer, out, "tiny")
+
+
+def llama_cpp_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter's ``permute`` of a query/key projection, as it writes it (rows regrouped per head)."""
+    return tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, *tensor.shape[1:]).swapaxes(1, 2).reshape(tensor.shape)
+
+
+def test_the_q4_1_blocks_decode_to_the_trained_weights(trained):
+    model, _, out, written = trained
+    reader = gguf.GGUFReader(out / MODEL_FILE)
+    stored = {t.name: t for t in reader.tensors}
+    packed = {n.removeprefix("base_model.model.").replace(".base_layer", ""): m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
+    assert written["tensor_types"]["Q4_1"] == len(packed) == 14
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    for name, layer in packed.items():
+        tensor = stored[names.get_name(f"{name}.weight", try_suffixes=(".weight",))]
+        assert tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1
+        decoded = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
+        expected = layer.dequantized_weight(torch.float32).detach()  # the learned steps and zero points applied
+        kind = name.rsplit(".", 1)[-1]
+        if kind in HEADS:
+            expected = llama_cpp_rows(expected, HEADS[kind])
+        step = layer.effective_step().detach().float().max()
+        assert (decoded - expected).abs().max() <= 0.01 * step, name  # d and m rounded to fp16, nothing else
+    assert 0 < written["max_scale_error"] < 0.01
+
+
+def test_transformers_reads_the_gguf_base_as_the_packed_base_computes(trained):
+    model, tokenizer, out, _ = trained
+    ids = torch.tensor([[1, 5, 9, 22, 40, 77, 100, 3]])
+    with torch.no_grad(), model.disable_adapter():
+        base = model(input_ids=ids).logits.float()
+    loaded = AutoModelForCausalLM.from_pretrained(out, gguf_file=MODEL_FILE, dtype=torch.float32)
+    with torch.no_grad():
+        again = loaded(input_ids=ids).logits
+    assert (again - base).abs().max() <= 2e-3 * base.abs().max()  # fp16 block scales; the rotary order undone
+    assert loaded.config.num_key_value_heads == 2 and loaded.config.vocab_size == len(tokenizer)
+
+
+def test_the_adapter_file_holds_the_peft_adapters_in_llama_cpp_order(trained):
+    model, _, out, _ = trained
+    reader = gguf.GGUFReader(out / ADAPTER_FILE)
+    fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith(("adapter.", "general.type"))}
+    assert fields == {"general.type": "adapter", "adapter.type": "lora", "adapter.lora.alpha": 8.0}
+    stored = {t.name: torch.from_numpy(np.array(t.data)).reshape(*reversed([int(d) for d in t.shape])) for t in reader.tensors}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    checked = 0
+    for fqn, module in model.named_modules():
+        if not fqn.endswith(("proj",)) or not hasattr(module, "lora_A"):
+            continue
+        name = fqn.removeprefix("base_model.model.")
+        key = names.get_name(f"{name}.weight", try_suffixes=(".weight",))
+        a, b = module.lora_A["default"].weight.detach(), module.lora_B["default"].weight.detach()
+        kind = name.rsplit(".", 1)[-1]
+        if kind in HEADS:
+            b = llama_cpp_rows(b, HEADS[kind])
+        assert torch.equal(stored[f"{key}.lora_a"], a) and torch.equal(stored[f"{key}.lora_b"], b), name
+        checked += 1
+    assert checked == 14
+
+
+def test_the_cli_exports_a_run_to_gguf_and_refuses_what_gguf_cannot_hold(tmp_path):
+    tiny = save_tiny_model(tmp_path / "tiny")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(f"line {i} of the little corpus." for i in range(400)))
+    fast = ["--block-size", "32", "--batch-size", "2", "--eval-blocks", "2", "--max-steps", "2"]
+    assert cli("finetune", tiny, "--data", corpus, *fast, "-o", tmp_path / "run").exit_code == 0
+    result = cli("export", tmp_path / "run", "--out", tmp_path / "gguf", "--format", "gguf")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == sorted(["README.md", RUN_FILE, MODEL_FILE, ADAPTER_FILE])
+    card = (tmp_path / "gguf" / "README.md").read_text()
+    assert "llama-cli -m model.gguf --lora adapter.gguf" in card and "ADAPTER ./adapter.gguf" in card
+    assert "library_name: gguf" in card and "PeftModel" not in card
+    refused = one_error_line(cli("eval", tmp_path / "gguf", "--data", corpus))
+    assert "is a GGUF export, which llama.cpp runs" in refused
+    # rope scaling (Llama 3's), another architecture: one line each, nothing written
+    scaled = save_tiny_model(tmp_path / "scaled", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    assert cli("finetune", scaled, "--data", corpus, *fast, "-o", tmp_path / "run-scaled").exit_code == 0
+    no_rope = one_error_line(cli("export", tmp_path / "run-scaled", "--out", tmp_path / "gguf2", "--format", "gguf"))
+    assert "GGUF export does not write rope scaling (llama3) yet" in no_rope and not (tmp_path / "gguf2").exists()
