@@ -114,3 +114,29 @@ def test_the_cli_exports_a_run_to_gguf_and_refuses_what_gguf_cannot_hold(tmp_pat
     assert cli("finetune", scaled, "--data", corpus, *fast, "-o", tmp_path / "run-scaled").exit_code == 0
     no_rope = one_error_line(cli("export", tmp_path / "run-scaled", "--out", tmp_path / "gguf2", "--format", "gguf"))
     assert "GGUF export does not write rope scaling (llama3) yet" in no_rope and not (tmp_path / "gguf2").exists()
+
+
+def test_int8_layers_and_a_tied_packed_head_are_q8_0_blocks_of_their_codes(tmp_path):
+    """Per-channel int8 layers (a plan's sensitive ones; the head of a large vocabulary) keep their codes as Q8_0
+    blocks with the row's step; a packed head tied to the embedding is stored once, as llama.cpp's token table."""
+    from hf_lowprec.plan import PrecisionPlan
+
+    folder = save_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
+    plan = PrecisionPlan({"lm_head": "int8", "*.down_proj": "int8"}, default="int4-g64-asym")
+    model, tokenizer, _ = load_int4_lora(str(folder), LoraConfig(r=4, target_modules="all-linear"), plan=plan, backend="dequant", dtype=torch.float32)
+    written = export_gguf(model, tokenizer, tmp_path, "tied")
+    assert written["tensor_types"] == {"F32": 5, "Q4_1": 12, "Q8_0": 3}  # norms; 12 INT4 linears; 2 down_proj + the table
+    stored = {t.name: t for t in gguf.GGUFReader(tmp_path / MODEL_FILE).tensors}
+    assert "output.weight" not in stored  # llama.cpp reads the head from token_embd
+    layers = {"token_embd.weight": model.base_model.model.lm_head, "blk.1.ffn_down.weight": model.base_model.model.model.layers[1].mlp.down_proj.base_layer}
+    for key, layer in layers.items():
+        assert stored[key].tensor_type == gguf.GGMLQuantizationType.Q8_0
+        decoded = torch.from_numpy(gguf.quants.dequantize(stored[key].data, stored[key].tensor_type).copy())
+        expected = (layer.base_layer if hasattr(layer, "base_layer") else layer).dequantized_weight(torch.float32).detach()
+        assert (decoded - expected).abs().max() <= 1e-3 * expected.abs().max(), key  # the row step in fp16
+    ids = torch.tensor([[1, 5, 9, 22, 40, 77, 100, 3]])
+    with torch.no_grad(), model.disable_adapter():
+        base = model(input_ids=ids).logits.float()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=MODEL_FILE, dtype=torch.float32)
+    with torch.no_grad():
+        assert (loaded(input_ids=ids).logits - base).abs().max() <= 2e-3 * base.abs().max()
