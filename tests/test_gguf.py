@@ -109,11 +109,27 @@ def test_the_cli_exports_a_run_to_gguf_and_refuses_what_gguf_cannot_hold(tmp_pat
     assert "library_name: gguf" in card and "PeftModel" not in card
     refused = one_error_line(cli("eval", tmp_path / "gguf", "--data", corpus))
     assert "is a GGUF export, which llama.cpp runs" in refused
-    # rope scaling (Llama 3's), another architecture: one line each, nothing written
-    scaled = save_tiny_model(tmp_path / "scaled", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    # a rope scaling llama.cpp's llama layout has no place for here: one line, nothing written
+    scaled = save_tiny_model(tmp_path / "scaled", rope_scaling={"rope_type": "linear", "factor": 2.0})
     assert cli("finetune", scaled, "--data", corpus, *fast, "-o", tmp_path / "run-scaled").exit_code == 0
     no_rope = one_error_line(cli("export", tmp_path / "run-scaled", "--out", tmp_path / "gguf2", "--format", "gguf"))
-    assert "GGUF export does not write rope scaling (llama3) yet" in no_rope and not (tmp_path / "gguf2").exists()
+    assert "GGUF export writes no rope scaling but Llama 3's, not 'linear'" in no_rope and not (tmp_path / "gguf2").exists()
+
+
+def test_llama3_rope_scaling_goes_in_as_the_divisors_transformers_applies(tmp_path):
+    """Llama 3.x checkpoints scale their rotary frequencies; llama.cpp reads the divisors from ``rope_freqs``, which
+    must be the ratio of transformers' default frequencies to its llama3 ones."""
+    from transformers.modeling_rope_utils import _compute_llama3_parameters
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    folder = save_tiny_model(tmp_path / "llama3", rope_scaling=rope)
+    model, tokenizer, _ = load_int4_lora(str(folder), LoraConfig(r=4, target_modules="all-linear"), backend="dequant", dtype=torch.float32)
+    export_gguf(model, tokenizer, tmp_path, "llama3")
+    stored = {t.name: t for t in gguf.GGUFReader(tmp_path / MODEL_FILE).tensors}
+    factors = torch.from_numpy(np.array(stored["rope_freqs.weight"].data))
+    scaled, _ = _compute_llama3_parameters(model.config, "cpu")
+    plain = 1.0 / (model.config.rope_parameters["rope_theta"] ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    assert torch.allclose(factors, plain / scaled, rtol=1e-5) and factors.max() == 8.0 and factors.min() < 8.0
 
 
 def test_int8_layers_and_a_tied_packed_head_are_q8_0_blocks_of_their_codes(tmp_path):

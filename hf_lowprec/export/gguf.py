@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import tempfile
 from pathlib import Path
 
@@ -76,6 +77,8 @@ def export_gguf(model: nn.Module, tokenizer, folder: Path, name: str) -> dict:
         writer.add_tensor(names.get_name(f"{stored}.weight", try_suffixes=(".weight",)), blocks, raw_dtype=kind)
         types[kind.name] = types.get(kind.name, 0) + 1
         errors.append(error)
+    if (factors := _llama3_rope_factors(config)) is not None:
+        _add(writer, gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors, None, types)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
     _finish(writer)
     files = [MODEL_FILE]
@@ -107,10 +110,10 @@ def _check_supported(base: nn.Module, peft_model) -> None:
             f"GGUF export writes Llama-architecture models (model_type 'llama'), not {config.model_type!r}; export "
             "--format bf16 and convert that with llama.cpp's convert_hf_to_gguf.py"
         )
-    if (rope := _rope(config)).get("rope_type", "default") != "default":
+    if (rope := _rope(config)).get("rope_type", "default") not in ("default", "llama3"):
         raise ValueError(
-            f"GGUF export does not write rope scaling ({rope['rope_type']}) yet; export --format bf16 and convert that "
-            "with llama.cpp's convert_hf_to_gguf.py"
+            f"GGUF export writes no rope scaling but Llama 3's, not {rope['rope_type']!r}; export --format bf16 and "
+            "convert that with llama.cpp's convert_hf_to_gguf.py"
         )
     if peft_model is not None:
         for adapter in peft_model.peft_config.values():
@@ -193,6 +196,24 @@ def _rounding(value: torch.Tensor, rounded: torch.Tensor, step: torch.Tensor) ->
 def _rope(config) -> dict:
     """The config's rotary embedding parameters (``rope_parameters`` in transformers 5, ``rope_scaling`` before)."""
     return dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+
+
+def _llama3_rope_factors(config) -> torch.Tensor | None:
+    """Llama 3's rotary scaling as llama.cpp reads it, one divisor per rotary frequency (``rope_freqs``; transformers'
+    ``_compute_llama3_parameters``: long wavelengths slowed by ``factor``, short ones kept, a smooth blend between);
+    ``None`` without that scaling."""
+    rope = _rope(config)
+    if rope.get("rope_type") != "llama3":
+        return None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    context = rope["original_max_position_embeddings"]
+    wavelength = 2 * math.pi * theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    smooth = (context / wavelength - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    factors = torch.where(wavelength < context / high, 1.0, torch.where(wavelength > context / low, factor, blended))
+    return factors.float()
 
 
 def _write_metadata(writer, config, name: str) -> None:
