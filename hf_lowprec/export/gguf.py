@@ -10,7 +10,7 @@ files llama.cpp takes, ``llama-cli -m model.gguf --lora adapter.gguf``.
 - ``adapter.gguf``: the LoRA adapters as llama.cpp's LoRA adapter file (``A [r, in]``, ``B [out, r]`` in f32,
   ``alpha``), applied at load with llama.cpp's ``scale = alpha / r``, PEFT's.
 
-Llama-architecture models with a byte-level BPE tokenizer (SmolLM2, Llama 3, TinyLlama's BPE successors, ...).
+Llama-architecture models with a byte-level BPE tokenizer (SmolLM2, Llama 3.x, ...), Llama 3's rope scaling included.
 The rows of the query and key projections are reordered as llama.cpp's rotary embedding reads them (its converter's
 ``permute``), codes, steps and LoRA ``B`` alike. Written here because llama.cpp's converter reads dense checkpoints
 and re-quantizes them, which would lose what the trained codes, steps and adapters hold; ``gguf`` (llama.cpp's
