@@ -156,3 +156,16 @@ def test_int8_layers_and_a_tied_packed_head_are_q8_0_blocks_of_their_codes(tmp_p
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=MODEL_FILE, dtype=torch.float32)
     with torch.no_grad():
         assert (loaded(input_ids=ids).logits - base).abs().max() <= 2e-3 * base.abs().max()
+
+
+def test_blocks_made_a_few_rows_at_a_time_are_the_blocks_made_whole(trained, monkeypatch):
+    """A large head is turned into blocks in row chunks (bounded memory); chunk edges change no byte, in the rotary
+    row order too."""
+    import hf_lowprec.export.gguf as gguf_export
+
+    model = trained[0]
+    q_proj = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    order = gguf_export._rotary_order("model.layers.0.self_attn.q_proj", q_proj.out_features, HEADS)
+    whole = gguf_export._packed_blocks(q_proj, order)[0]
+    monkeypatch.setattr(gguf_export, "CHUNK_ROWS", 5)  # 64 rows: 13 chunks, the last one short
+    assert np.array_equal(gguf_export._packed_blocks(q_proj, order)[0], whole)

@@ -31,13 +31,14 @@ import torch
 from torch import nn
 
 from hf_lowprec.layers import ADAPTER_PARTS, canonical_name, eligible_layers
-from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear, PackedLinear
+from hf_lowprec.modules import PackedInt8Linear, PackedLinear
 from hf_lowprec.modules.packed_embedding import PackedEmbedding, TiedPackedEmbedding, tied_head_names
 
 logger = logging.getLogger(__name__)
 
 MODEL_FILE, ADAPTER_FILE = "model.gguf", "adapter.gguf"
 BLOCK = 32  # weights per Q4_1 / Q8_0 block
+CHUNK_ROWS = 4096  # rows of a packed layer turned into blocks at a time
 # tokenizer.json pre-tokenizers as llama.cpp names them (tokenizer.ggml.pre); others get "default", with a warning
 PRE_TOKENIZERS = {
     (("ByteLevel", True),): "gpt-2",
@@ -59,7 +60,7 @@ def export_gguf(model: nn.Module, tokenizer, folder: Path, name: str) -> dict:
     head, embedding = (canonical_name(n) for n in tied) if tied else (None, None)
     layers = eligible_layers(base)
     packed = {n: m for n, m in layers.items() if isinstance(m, (PackedLinear, PackedEmbedding, TiedPackedEmbedding))}
-    writer = gguf.GGUFWriter(folder / MODEL_FILE, "llama")
+    writer = gguf.GGUFWriter(folder / MODEL_FILE, "llama", use_temp_file=True)  # each tensor leaves memory as added
     _write_metadata(writer, config, name)
     _write_tokenizer(writer, tokenizer)
     types: dict[str, int] = {}
@@ -158,34 +159,51 @@ def _add(writer, name: str, tensor: torch.Tensor, kind, types: dict) -> None:
 
 def _packed_blocks(layer: PackedLinear, order) -> tuple[np.ndarray, gguf.GGMLQuantizationType, float]:
     """``(uint8 [N, K / 32 * bytes per block], its GGML type, largest fp16 rounding of d and m relative to d)`` of a
-    packed layer's codes, its rows in ``order`` (``None``: as they are)."""
-    codes = layer.codes().to(torch.int32)
-    step = layer.effective_step().float()
-    zero = layer.effective_zero()
-    if order is not None:
-        codes, step, zero = codes[order], step[order], None if zero is None else zero[order]
+    packed layer's codes, its rows in ``order`` (``None``: as they are), made :data:`CHUNK_ROWS` rows at a time (a
+    128k-row head's int32 temporaries whole would be gigabytes)."""
+    kind = gguf.GGMLQuantizationType.Q8_0 if isinstance(layer, PackedInt8Linear) else gguf.GGMLQuantizationType.Q4_1
+    n, k = layer.out_features, layer.in_features
+    out = np.empty((n, k // BLOCK * gguf.GGML_QUANT_SIZES[kind][1]), dtype=np.uint8)
+    order = torch.arange(n) if order is None else order
+    step, zero, error = layer.effective_step().float(), layer.effective_zero(), 0.0
+    for start in range(0, n, CHUNK_ROWS):
+        rows = order[start : start + CHUNK_ROWS]
+        codes = layer.codes(rows).to(torch.int16)
+        if kind == gguf.GGMLQuantizationType.Q8_0:
+            blocks, chunk_error = _q8_0_blocks(codes, step[rows])
+        else:
+            group = layer.spec.group_size or k
+            blocks, chunk_error = _q4_1_blocks(codes, step[rows], None if zero is None else zero[rows].float(), group)
+        out[start : start + len(rows)] = blocks
+        error = max(error, chunk_error)
+    return out, kind, error
+
+
+def _q8_0_blocks(codes: torch.Tensor, step: torch.Tensor) -> tuple[np.ndarray, float]:
+    """Q8_0 blocks (fp16 ``d``, 32 int8 codes) of int8 ``codes [n, K]`` with one ``step [n, 1]`` per row."""
     n, k = codes.shape
-    per_block = k // BLOCK
-    if isinstance(layer, PackedInt8Linear):  # one step per row: every block of the row has it as d
-        d = step.reshape(n, 1).expand(n, per_block)
-        d16 = d.half()
-        payload = codes.to(torch.int8).reshape(n, per_block, BLOCK).numpy().view(np.uint8)
-        head = d16.numpy().reshape(n, per_block, 1).view(np.uint8).reshape(n, per_block, 2)
-        blocks = np.concatenate([head, payload], axis=-1).reshape(n, -1)
-        return blocks, gguf.GGMLQuantizationType.Q8_0, _rounding(d, d16, d)
-    assert isinstance(layer, PackedInt4Linear)
-    repeat = (layer.spec.group_size or k) // BLOCK
-    d = step.repeat_interleave(repeat, dim=1)
+    d = step.reshape(n, 1).expand(n, k // BLOCK)
+    d16 = d.half()
+    payload = codes.to(torch.int8).reshape(n, k // BLOCK, BLOCK).numpy().view(np.uint8)
+    head = d16.contiguous().numpy().view(np.uint8).reshape(n, k // BLOCK, 2)
+    return np.concatenate([head, payload], axis=-1).reshape(n, -1), _rounding(d, d16, d)
+
+
+def _q4_1_blocks(codes: torch.Tensor, step: torch.Tensor, zero: torch.Tensor | None, group: int):
+    """Q4_1 blocks (fp16 ``d``, fp16 ``m``, 32 nibbles) of INT4 ``codes [n, K]`` with ``step``/``zero`` ``[n, G]`` per
+    group of ``group`` weights; and the largest fp16 rounding of ``d``/``m`` relative to ``d``."""
+    n, k = codes.shape
+    d = step.repeat_interleave(group // BLOCK, dim=1)
     if zero is None:  # symmetric codes in [-8, 7]
         q, m = codes + 8, -8 * d
     else:
-        q, m = codes, -d * zero.float().repeat_interleave(repeat, dim=1)
+        q, m = codes, -d * zero.repeat_interleave(group // BLOCK, dim=1)
     d16, m16 = d.half(), m.half()
-    q = q.to(torch.uint8).reshape(n, per_block, 2, BLOCK // 2)
+    q = q.to(torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
     nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).numpy()  # byte j: weight j low, weight j + 16 high (block_q4_1)
     head = np.concatenate([d16.numpy()[..., None].view(np.uint8), m16.numpy()[..., None].view(np.uint8)], axis=-1)
-    blocks = np.concatenate([head.reshape(n, per_block, 4), nibbles], axis=-1).reshape(n, -1)
-    return blocks, gguf.GGMLQuantizationType.Q4_1, max(_rounding(d, d16, d), _rounding(m, m16, d))
+    blocks = np.concatenate([head.reshape(n, k // BLOCK, 4), nibbles], axis=-1).reshape(n, -1)
+    return blocks, max(_rounding(d, d16, d), _rounding(m, m16, d))
 
 
 def _rounding(value: torch.Tensor, rounded: torch.Tensor, step: torch.Tensor) -> float:

@@ -740,9 +740,10 @@ class PackedLinear(nn.Module):
         """The integer codes ``[n, K]`` of stored rows ``qweight [n, ...]`` (int8 when symmetric, else uint8)."""
         raise NotImplementedError
 
-    def codes(self) -> torch.Tensor:
-        """The integer codes ``[N, K]`` (int8 when symmetric, else non-negative uint8)."""
-        return self._unpack(self.qweight)
+    def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The integer codes ``[N, K]`` (int8 when symmetric, else non-negative uint8); of output rows ``rows`` (an
+        index) only, ``[len(rows), K]``."""
+        return self._unpack(self.qweight if rows is None else self.qweight[rows])
 
     def int8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w8 [N, K] int8, r [N] fp32)`` with ``grid_weight ≈ r[:, None] * w8``, whole (the int8 backend unpacks a
