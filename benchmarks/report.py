@@ -629,6 +629,27 @@ def adapter_optimizer_section(data: dict | None) -> list[str]:
                     "states and numerics, its CPU step one C++ pass per block of 256.", ""]
 
 
+def gguf_section(data: dict | None) -> list[str]:
+    """A GGUF export run by llama.cpp against the run's own model (benchmarks/gguf_llamacpp.py)."""
+    lines = ["## The GGUF export in llama.cpp (benchmarks/gguf_llamacpp.py)\n"]
+    if not data:
+        return lines + ["not measured (needs a Python with llama-cpp-python)\n"]
+    m = data["machine"]
+    return lines + [
+        f"{m['machine']} ({m['cpu_class']}), {m['threads']} threads, llama-cpp-python {data['llama_cpp_python']}; {data['what']}. "
+        "Mean held-out loss (nats/token):\n",
+        "| model | loss |", "|---|---|",
+        f"| before training | {data['loss_before_training']:.4f} |",
+        f"| hf-lowprec, the run's model (fp32, exact kernels) | {data['loss_hf_lowprec']:.4f} |",
+        f"| llama.cpp, model.gguf + adapter.gguf | {data['loss_llama_cpp']:.4f} |",
+        f"| hf-lowprec without the adapters | {data['loss_hf_lowprec_without_adapters']:.4f} |",
+        f"| llama.cpp, model.gguf alone | {data['loss_llama_cpp_without_adapter']:.4f} |",
+        "", f"First block: top-1 agreement {data['first_block_top1_agreement']:.1%}, largest logit difference "
+        f"{data['first_block_max_abs_logit_diff']:.2f} of {data['first_block_logit_scale']:.1f} (llama.cpp rounds activations "
+        "to 8 bits for its Q4_1 products).", "",
+    ]  # fmt: skip
+
+
 def int4_training_section(data: dict | None) -> list[str]:
     """How the auto plan's INT4 layers train in full fine-tuning (benchmarks/int4_in_full_finetuning.py)."""
     lines = ["## INT4 layers in full fine-tuning: an ablation (benchmarks/int4_in_full_finetuning.py)\n"]
@@ -705,6 +726,7 @@ def main():
     for path in sorted(RESULTS.glob("scale-*.json")):  # the other CPU classes'
         out += scale_section(load(path.stem), path.stem)
     out += adapter_optimizer_section(load("adapter_optimizer"))
+    out += gguf_section(load("gguf_llamacpp"))
     out += kernels_section()
     out += gpu_section(gpu)
     path = RESULTS / "REPORT.md"
