@@ -169,3 +169,28 @@ def test_blocks_made_a_few_rows_at_a_time_are_the_blocks_made_whole(trained, mon
     whole = gguf_export._packed_blocks(q_proj, order)[0]
     monkeypatch.setattr(gguf_export, "CHUNK_ROWS", 5)  # 64 rows: 13 chunks, the last one short
     assert np.array_equal(gguf_export._packed_blocks(q_proj, order)[0], whole)
+
+
+@pytest.mark.slow
+def test_the_demo_run_as_gguf_reads_back_with_its_tokenizer_and_weights(tmp_path):
+    """The README's demo (SmolLM2-135M-Instruct, 2 steps) exported to GGUF: transformers' GGUF reader rebuilds its
+    tokenizer (49,152 tokens, merges, special tokens, chat template) and its packed base from model.gguf."""
+    from transformers import AutoTokenizer
+
+    from hf_lowprec.data import default_corpus
+    from hf_lowprec.export import load_exported
+
+    run, out = tmp_path / "demo", tmp_path / "gguf"
+    assert cli("finetune", "--output-dir", run, "--max-steps", "2", "--eval-blocks", "2").exit_code == 0
+    assert cli("export", run, "--out", out, "--format", "gguf").exit_code == 0
+    model, tokenizer = load_exported(run, dtype=torch.float32, backend="dequant")
+    again = AutoTokenizer.from_pretrained(out, gguf_file=MODEL_FILE)
+    text = default_corpus()[0]["text"][0][20_000:24_000]  # prose, verse, numbers, contractions, newlines
+    assert again(text)["input_ids"] == tokenizer(text)["input_ids"] and len(again) == len(tokenizer) == 49152
+    assert again.eos_token == tokenizer.eos_token and again.chat_template == tokenizer.chat_template
+    ids = torch.tensor([tokenizer(text)["input_ids"][:64]])
+    with torch.no_grad(), model.disable_adapter():
+        base = model(input_ids=ids).logits
+    loaded = AutoModelForCausalLM.from_pretrained(out, gguf_file=MODEL_FILE, dtype=torch.float32)
+    with torch.no_grad():
+        assert (loaded(input_ids=ids).logits - base).abs().max() <= 2e-3 * base.abs().max()
