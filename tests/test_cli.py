@@ -402,6 +402,10 @@ def test_eval_without_data_needs_a_run_that_names_its_data(ws, tmp_path):
     out = ws / "run-heldout"
     assert cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", "--max-steps", "1", *FAST, "-o", out).exit_code == 0
     assert "trained on 'corpus.txt', which its record names only; pass it again: --data" in one_error_line(cli("eval", out))
+    other = tmp_path / "other.txt"
+    other.write_text((ws / "corpus.txt").read_text())
+    refused = one_error_line(cli("eval", out, "--data", other, "--held-out"))
+    assert f"--held-out: '{out}' trained on 'corpus.txt', not '{other}'; its held-out rows are that data's" in refused
     clash = one_error_line(cli("eval", out, "--data", ws / "corpus.txt", "--held-out", "--block-size", "16"))
     assert clash.startswith("error: --block-size: the held-out rows are a causal-LM run's own")
     not_a_run = one_error_line(cli("eval", ws / "tiny", "--held-out", "--data", ws / "corpus.txt"))
@@ -441,6 +445,9 @@ def test_every_builtin_full_recipe_trains_the_tiny_model(ws):
         result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", "--recipe", recipe, "--max-steps", "2", *FAST, "-o", out)
         assert result.exit_code == 0, result.output
         assert (out / PLAN_FILE).exists() and "Fine-tuning summary" in result.output
+        master = json.loads((out / RUN_FILE).read_text())["export"]["weights"] == "master"
+        again = f"next: hf-lowprec eval {out} --data <the same data> --held-out{' --plan-numerics' if master else ''} (the loss above again)"
+        assert again in " ".join(result.output.split())  # packed INT4 exports compute with their codes: no flag
         if recipe == "auto-mixed":  # what the allocation met, and that it is not the loss at conversion
             assert "budget │ max_loss_increase=0.05 (the loss predicted after training" in " ".join(result.output.split())
 

@@ -100,15 +100,17 @@ def test_the_cli_exports_a_run_to_gguf_and_refuses_what_gguf_cannot_hold(tmp_pat
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(" ".join(f"line {i} of the little corpus." for i in range(400)))
     fast = ["--block-size", "32", "--batch-size", "2", "--eval-blocks", "2", "--max-steps", "2"]
-    assert cli("finetune", tiny, "--data", corpus, *fast, "-o", tmp_path / "run").exit_code == 0
+    assert cli("finetune", tiny, "--data", corpus, *fast[:-1], "6", "-o", tmp_path / "run").exit_code == 0  # a logged loss: a curve
     result = cli("export", tmp_path / "run", "--out", tmp_path / "gguf", "--format", "gguf")
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == sorted(["README.md", RUN_FILE, MODEL_FILE, ADAPTER_FILE])
+    assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == sorted(["README.md", RUN_FILE, MODEL_FILE, ADAPTER_FILE, "loss_curve.png"])
     card = (tmp_path / "gguf" / "README.md").read_text()
-    assert "llama-cli -m model.gguf --lora adapter.gguf" in card and "ADAPTER ./adapter.gguf" in card
-    assert "library_name: gguf" in card and "PeftModel" not in card
+    assert "llama-completion -m model.gguf --lora adapter.gguf -no-cnv -p" in card and "ADAPTER ./adapter.gguf" in card
+    assert "library_name: gguf" in card and "PeftModel" not in card and "](loss_curve.png)" in card
     refused = one_error_line(cli("eval", tmp_path / "gguf", "--data", corpus))
     assert "is a GGUF export, which llama.cpp runs" in refused
+    base_only = cli("eval", tmp_path / "gguf" / MODEL_FILE, "--data", corpus, "--block-size", "32", "--max-sequences", "2")
+    assert base_only.exit_code == 0 and "note: adapter.gguf beside model.gguf is not applied" in " ".join(base_only.output.split())
     # a rope scaling llama.cpp's llama layout has no place for here: one line, nothing written
     scaled = save_tiny_model(tmp_path / "scaled", rope_scaling={"rope_type": "linear", "factor": 2.0})
     assert cli("finetune", scaled, "--data", corpus, *fast, "-o", tmp_path / "run-scaled").exit_code == 0
@@ -194,3 +196,21 @@ def test_the_demo_run_as_gguf_reads_back_with_its_tokenizer_and_weights(tmp_path
     loaded = AutoModelForCausalLM.from_pretrained(out, gguf_file=MODEL_FILE, dtype=torch.float32)
     with torch.no_grad():
         assert (loaded(input_ids=ids).logits - base).abs().max() <= 2e-3 * base.abs().max()
+
+
+def test_token_types_and_the_pre_tokenizer_are_as_llama_cpp_needs_them(trained):
+    """Every token tokenizer.json marks special is a control token (llama.cpp warns of control-looking tokens
+    otherwise); the pre-tokenizer name keeps llama.cpp's decoding of spaces as the tokenizer's."""
+    from hf_lowprec.export.gguf import _pre_tokenizer
+
+    _, tokenizer, out, _ = trained
+    fields = gguf.GGUFReader(out / MODEL_FILE).fields
+    tokens, kinds = fields["tokenizer.ggml.tokens"].contents(), fields["tokenizer.ggml.token_type"].contents()
+    control = {t for t, k in zip(tokens, kinds) if k == gguf.TokenType.CONTROL}
+    assert control == {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}  # <|im_end|> is neither bos, eos nor pad
+    byte_level, digits_apart = {"type": "ByteLevel", "use_regex": True}, {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, {"type": "ByteLevel", "use_regex": False}]}
+    assert _pre_tokenizer(digits_apart, ["a", "12"], cleans_spaces=True) == "smollm"
+    assert _pre_tokenizer(byte_level, ["a", "Ġ1"], cleans_spaces=False) == "gpt-2"  # digits in longer tokens: GPT-2's split
+    assert _pre_tokenizer(byte_level, ["a", "1", "Â¹"], cleans_spaces=False) == "smollm"  # digits one by one, spaces kept
+    assert _pre_tokenizer(byte_level, ["a", "1"], cleans_spaces=True) == "gpt-2"
+    assert _pre_tokenizer({"type": "Metaspace"}, ["a"], cleans_spaces=False) == "default"

@@ -295,6 +295,7 @@ def export_run(
             merged_dtype=merged_dtype,
             overwrite=overwrite,
             repo_id=repo_id,
+            extra_files=_run_images(run_dir, run),
         )
     with atomic_output_dir(out, overwrite) as tmp:
         for item in run_dir.iterdir():
@@ -303,6 +304,12 @@ def export_run(
             (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
         render_model_card(run, repo_id).save(tmp / CARD_FILE)
     return Path(out)
+
+
+def _run_images(run_dir: Path, run: Mapping) -> dict[str, bytes]:
+    """The run's loss-curve PNG, which the card shows, for an export made from the run folder."""
+    curve = run.get("loss_curve")
+    return {curve: (run_dir / curve).read_bytes()} if curve and (run_dir / curve).is_file() else {}
 
 
 def run_formats(run: Mapping) -> tuple[str, ...]:
@@ -346,7 +353,7 @@ def _export_dense(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id:
         config.save_pretrained(tmp)  # model.config stays untouched
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        write_record(tmp, run, repo_id, None)
+        write_record(tmp, run, repo_id, _run_images(run_dir, run))
     return out
 
 
@@ -367,7 +374,7 @@ def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: b
         }
         if run.get("adapter"):
             run["adapter"] = {**run["adapter"], "note": "PEFT loads them onto the decompressed base"}
-        write_record(tmp, run, repo_id, None)
+        write_record(tmp, run, repo_id, _run_images(run_dir, run))
     return out
 
 
@@ -389,7 +396,7 @@ def _export_gguf(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id: 
         }
         if run.get("adapter"):
             run["adapter"] = {**run["adapter"], "folder": ADAPTER_FILE, "note": "llama.cpp's LoRA adapter file"}
-        write_record(tmp, run, repo_id, None)
+        write_record(tmp, run, repo_id, _run_images(run_dir, run))
     return out
 
 

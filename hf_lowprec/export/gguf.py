@@ -260,10 +260,12 @@ def _write_tokenizer(writer, tokenizer) -> None:
             raise ValueError("GGUF export writes byte-level BPE tokenizers (GPT-2 style); this one is not")
         vocab = tokenizer.get_vocab()
         tokens = sorted(vocab, key=vocab.get)
-        special = set(tokenizer.all_special_tokens)
-        added = {t.content for t in tokenizer.added_tokens_decoder.values()}
+        added = tokenizer.added_tokens_decoder.values()  # every token tokenizer.json marks special is a control one
+        special = {t.content for t in added if t.special} | set(tokenizer.all_special_tokens)
+        added = {t.content for t in added}
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre(_pre_tokenizer(spec.get("pre_tokenizer")))
+        cleans = tokenizer.clean_up_tokenization_spaces
+        writer.add_tokenizer_pre(_pre_tokenizer(spec.get("pre_tokenizer"), tokens, cleans))
         writer.add_token_list(tokens)
         kinds = gguf.TokenType
         writer.add_token_types(
@@ -272,13 +274,21 @@ def _write_tokenizer(writer, tokenizer) -> None:
         gguf.SpecialVocab(saved, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer)
 
 
-def _pre_tokenizer(pre: dict | None) -> str:
+def _pre_tokenizer(pre: dict | None, tokens: list[str], cleans_spaces: bool) -> str:
     """llama.cpp's name for a tokenizer.json ``pre_tokenizer`` (``default`` where none is known: llama.cpp then
-    splits text its own default way, which may differ from the tokenizer's on digits or contractions)."""
+    splits text its own default way, which may differ from the tokenizer's on digits or contractions).
+
+    llama.cpp's ``gpt-2`` type also drops the space before punctuation when it turns tokens back into text; a
+    tokenizer that keeps it (``clean_up_tokenization_spaces`` false) and holds digits one by one only (so splitting
+    them apart first changes no token: SmolLM2's, once transformers has read it from a GGUF) is written as ``smollm``,
+    GPT-2's split with digits apart and the spaces kept."""
     steps = pre.get("pretokenizers", [pre]) if pre else []
     known = ("ByteLevel", "Digits")
     key = tuple((s["type"], s.get("individual_digits", s.get("use_regex", False))) for s in steps if s["type"] in known)
     name = PRE_TOKENIZERS.get(key)
+    digits = set("0123456789")  # byte-level tokens spell ASCII digits as themselves
+    if name == "gpt-2" and not cleans_spaces and not any(len(t) > 1 and digits & set(t) for t in tokens):
+        name = "smollm"
     if name is None:
         logger.warning("GGUF export: pre-tokenizer %s has no llama.cpp name here; writing 'default'", json.dumps(pre))
     return name or "default"
