@@ -15,7 +15,7 @@ from huggingface_hub import snapshot_download
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from hf_lowprec.checkpoints import load_pretrained
+from hf_lowprec.checkpoints import cannot_load, load_pretrained, refuse_a_missing_local_path
 from hf_lowprec.convert import apply_plan, freeze, packs_when_frozen, revert
 from hf_lowprec.export.card import render_model_card
 from hf_lowprec.export.compressed_tensors import write_compressed_tensors
@@ -417,8 +417,6 @@ def load_exported(
     adapters), their packed layers computing with ``backend`` (``auto``: int8 kernels where the CPU has them;
     ``dequant``: exactly the codes' values).
     """
-    from hf_lowprec.checkpoints import cannot_load, refuse_a_missing_local_path
-
     name = os.fspath(path_or_repo)
     folder = Path(name).expanduser()
     if folder.is_file():

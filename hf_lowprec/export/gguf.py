@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import gguf
@@ -53,30 +54,28 @@ def export_gguf(model: nn.Module, tokenizer, folder: Path, name: str) -> dict:
     peft = getattr(model, "peft_config", None) is not None
     base = model.get_base_model() if peft else model
     config = base.config
-    _check_supported(base, model if peft else None)
+    layers = eligible_layers(base)
+    _check_supported(base, model if peft else None, layers)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
     tied = tied_head_names(base)
     head, embedding = (canonical_name(n) for n in tied) if tied else (None, None)
-    layers = eligible_layers(base)
-    packed = {n: m for n, m in layers.items() if isinstance(m, (PackedLinear, PackedEmbedding, TiedPackedEmbedding))}
+    packed = {n: m for n, m in layers.items() if isinstance(m, (PackedLinear, TiedPackedEmbedding))}
     writer = gguf.GGUFWriter(folder / MODEL_FILE, "llama", use_temp_file=True)  # each tensor leaves memory as added
     _write_metadata(writer, config, name)
     _write_tokenizer(writer, tokenizer)
-    types: dict[str, int] = {}
+    types: Counter[str] = Counter()
     for key, tensor in _dense_weights(base, packed, head):
         kind = gguf.GGMLQuantizationType.BF16 if tensor.dtype == torch.bfloat16 and tensor.dim() > 1 else None
         _add(writer, names.get_name(key, try_suffixes=(".weight",)), _rotary(tensor.float(), key, heads), kind, types)
     errors = [0.0]
     for layer_name, module in packed.items():
-        if isinstance(module, PackedEmbedding):
-            raise ValueError(f"{layer_name}: a packed embedding table of its own has no GGUF export; keep it dense")
         if isinstance(module, TiedPackedEmbedding):
             continue  # it reads the tied head's codes, written below as the table
         blocks, kind, error = _packed_blocks(module, _rotary_order(layer_name, module.out_features, heads))
         stored = embedding if layer_name == head else layer_name  # a tied head: GGUF keeps one table, token_embd
         writer.add_tensor(names.get_name(f"{stored}.weight", try_suffixes=(".weight",)), blocks, raw_dtype=kind)
-        types[kind.name] = types.get(kind.name, 0) + 1
+        types[kind.name] += 1
         errors.append(error)
     if (factors := _llama3_rope_factors(config)) is not None:
         _add(writer, gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors, None, types)
@@ -86,7 +85,7 @@ def export_gguf(model: nn.Module, tokenizer, folder: Path, name: str) -> dict:
     if peft:
         _write_adapter(model, folder / ADAPTER_FILE, names, heads, name)
         files.append(ADAPTER_FILE)
-    return {"files": files, "tensor_types": types, "max_scale_error": max(errors)}
+    return {"files": files, "tensor_types": dict(types), "max_scale_error": max(errors)}
 
 
 def _dense_weights(base: nn.Module, packed: dict, head: str | None):
@@ -102,9 +101,9 @@ def _dense_weights(base: nn.Module, packed: dict, head: str | None):
         yield key, tensor
 
 
-def _check_supported(base: nn.Module, peft_model) -> None:
-    """``ValueError`` naming what this export cannot write: another architecture, rope scaling, LoRA variants, codes
-    of a rotated or rescaled weight, groups that are not whole blocks."""
+def _check_supported(base: nn.Module, peft_model, layers: dict[str, nn.Module]) -> None:
+    """``ValueError`` naming what this export cannot write: another architecture, rope scaling, LoRA variants, a packed
+    embedding table of its own, codes of a rotated or rescaled weight, groups that are not whole blocks."""
     config = base.config
     if config.model_type != "llama":
         raise ValueError(
@@ -120,7 +119,9 @@ def _check_supported(base: nn.Module, peft_model) -> None:
         for adapter in peft_model.peft_config.values():
             if getattr(adapter, "use_dora", False) or getattr(adapter, "use_rslora", False):
                 raise ValueError("GGUF adapters hold plain LoRA (scale alpha / r): not DoRA or rsLoRA")
-    for name, module in eligible_layers(base).items():
+    for name, module in layers.items():
+        if isinstance(module, PackedEmbedding):
+            raise ValueError(f"{name}: a packed embedding table of its own has no GGUF export; keep it dense")
         if not isinstance(module, PackedLinear):
             continue
         spec = module.spec
@@ -146,7 +147,7 @@ def _rotary(tensor: torch.Tensor, key: str, heads: dict[str, int]) -> torch.Tens
     return tensor if order is None else tensor[order]
 
 
-def _add(writer, name: str, tensor: torch.Tensor, kind, types: dict) -> None:
+def _add(writer, name: str, tensor: torch.Tensor, kind, types: Counter) -> None:
     """A dense tensor: bf16 as ``BF16``, everything else as ``F32``."""
     if kind == gguf.GGMLQuantizationType.BF16:
         data = tensor.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
@@ -154,7 +155,7 @@ def _add(writer, name: str, tensor: torch.Tensor, kind, types: dict) -> None:
     else:
         kind = gguf.GGMLQuantizationType.F32
         writer.add_tensor(name, tensor.numpy().astype(np.float32))
-    types[kind.name] = types.get(kind.name, 0) + 1
+    types[kind.name] += 1
 
 
 def _packed_blocks(layer: PackedLinear, order) -> tuple[np.ndarray, gguf.GGMLQuantizationType, float]:
@@ -211,6 +212,10 @@ def _rounding(value: torch.Tensor, rounded: torch.Tensor, step: torch.Tensor) ->
     return float(((rounded.float() - value).abs() / step.abs().clamp_min(1e-30)).max())
 
 
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _rope(config) -> dict:
     """The config's rotary embedding parameters (``rope_parameters`` in transformers 5, ``rope_scaling`` before)."""
     return dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
@@ -223,7 +228,7 @@ def _llama3_rope_factors(config) -> torch.Tensor | None:
     rope = _rope(config)
     if rope.get("rope_type") != "llama3":
         return None
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = _head_dim(config)
     theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
     factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
     context = rope["original_max_position_embeddings"]
@@ -235,7 +240,6 @@ def _llama3_rope_factors(config) -> torch.Tensor | None:
 
 
 def _write_metadata(writer, config, name: str) -> None:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_name(name)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -245,7 +249,7 @@ def _write_metadata(writer, config, name: str) -> None:
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(float(_rope(config).get("rope_theta", getattr(config, "rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(_head_dim(config))
     writer.add_vocab_size(config.vocab_size)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -260,9 +264,9 @@ def _write_tokenizer(writer, tokenizer) -> None:
             raise ValueError("GGUF export writes byte-level BPE tokenizers (GPT-2 style); this one is not")
         vocab = tokenizer.get_vocab()
         tokens = sorted(vocab, key=vocab.get)
-        added = tokenizer.added_tokens_decoder.values()  # every token tokenizer.json marks special is a control one
-        special = {t.content for t in added if t.special} | set(tokenizer.all_special_tokens)
-        added = {t.content for t in added}
+        added_tokens = tokenizer.added_tokens_decoder.values()  # each one tokenizer.json marks special: a control one
+        special = {t.content for t in added_tokens if t.special} | set(tokenizer.all_special_tokens)
+        added = {t.content for t in added_tokens}
         writer.add_tokenizer_model("gpt2")
         cleans = tokenizer.clean_up_tokenization_spaces
         writer.add_tokenizer_pre(_pre_tokenizer(spec.get("pre_tokenizer"), tokens, cleans))

@@ -71,14 +71,15 @@ def plan_record(model: nn.Module, plan: PrecisionPlan) -> tuple[list[dict], list
     and ``tied_to``, the embedding's name, so the rows add up to the model's."""
     layers = dense_views(model)
     live = eligible_layers(model)
-    ran = {n: live[n].spec if isinstance(live[n], LOW_PRECISION_TYPES) else s for n, s in plan.assign(layers).items()}
+    assigned = plan.assign(layers)
+    ran = {n: live[n].spec if isinstance(live[n], LOW_PRECISION_TYPES) else s for n, s in assigned.items()}
     tied = tied_head_names(model)
     head, embedding = (canonical_name(n) for n in tied) if tied else (None, None)
     per_layer = []
-    for (name, spec), planned in zip(ran.items(), plan.assign(layers).values()):
+    for name, spec in ran.items():
         row = {"name": name, "format": spec.name, "params": 0 if name == head else layers[name].weight.numel()}
         row.update({"tied_to": embedding} if name == head else {})
-        row.update({"planned": planned.name} if planned != spec else {})
+        row.update({"planned": assigned[name].name} if assigned[name] != spec else {})
         per_layer.append(row)
     return per_layer, PrecisionPlan({n: s.name for n, s in ran.items()}).summary(layers)
 
