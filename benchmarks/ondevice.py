@@ -173,6 +173,9 @@ def child(args) -> dict:
     eval_before = evaluate_loss(model, evals, BATCH) if args.eval_blocks else None
     if args.config == "bnb-nf4":
         _unpack_bnb_cpu_weights(model)
+    if args.frozen_lora:  # the adapters keep their initial values (LoftQ's, or B = 0)
+        for name, p in model.named_parameters():
+            p.requires_grad_(p.requires_grad and "lora_" not in name)
     params = [p for p in model.parameters() if p.requires_grad]
     # torch's and torchao's AdamW share their defaults (weight decay 0.01); the peers' optimizers as PEFT users make them
     opt = adapter_optimizer(params, args.optim, learned_steps(model), lr=LR) if args.config.startswith("int4-lora") else OPTIMIZERS[args.optim](params, lr=LR)
@@ -189,6 +192,9 @@ def child(args) -> dict:
         losses.append(loss)
     fold_learned_steps(model)  # learned steps rounded as an export holds them (as finetune_int4_lora does)
     eval_after = evaluate_loss(model, evals, BATCH) if args.eval_blocks else None
+    if args.eval_blocks and args.config.startswith("int4-lora"):  # what the trained base (its learned steps) does alone
+        with model.disable_adapter():
+            notes["eval_loss_after_without_adapters"] = evaluate_loss(model, evals, BATCH)
     if args.merge_eval:  # the honest cost of merging LoRA into the INT4 base (re-quantization)
         import tempfile
 
@@ -209,7 +215,7 @@ def child(args) -> dict:
     return {
         "config": args.config, "gradient_checkpointing": bool(args.gc), "loftq": bool(args.loftq), "rounding": args.rounding,
         "budget_bits": args.budget_bits, "kept_format": args.kept_format, "backend": args.backend, "rotate": args.rotate, "optim": args.optim, "seed": SEED,
-        "int4_format": args.int4_format, "adapter_dtype": args.adapter_dtype, "learn_steps": args.learn_steps,
+        "int4_format": args.int4_format, "adapter_dtype": args.adapter_dtype, "learn_steps": args.learn_steps, "frozen_lora": args.frozen_lora,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_after_load_mb": rss_loaded,
         "load_s": load_s, "step_s_median": statistics.median(timed_wall), "step_cpu_s_median": statistics.median(timed_cpu),
         "step_s": timed_wall, "losses": losses, "eval_loss_before": eval_before, "eval_loss_after": eval_after,
@@ -223,8 +229,9 @@ def child(args) -> dict:
 # ------------------------------------------------------------------------------------ parent
 def run_child(config: str, gc: bool, steps: int, warmup: int, eval_blocks: int = 0, loftq: bool = False, merge_eval: bool = False,
               rounding: str = "nearest", budget_bits: float = 0.0, kept_format: str = "int8", backend: str = "auto", rotate: bool = False,
-              int4_format: str = "int4-g64-asym", optim: str = "adamw_torch", adapter_dtype: str = "fp32", learn_steps: bool = False) -> dict:  # fmt: skip
-    flags = [f for f, on in (("--loftq", loftq), ("--merge-eval", merge_eval), ("--rotate", rotate), ("--learn-steps", learn_steps)) if on]
+              int4_format: str = "int4-g64-asym", optim: str = "adamw_torch", adapter_dtype: str = "fp32", learn_steps: bool = False, frozen_lora: bool = False) -> dict:  # fmt: skip
+    flags = [f for f, on in (("--loftq", loftq), ("--merge-eval", merge_eval), ("--rotate", rotate), ("--learn-steps", learn_steps),
+                             ("--frozen-lora", frozen_lora)) if on]  # fmt: skip
     flags += ["--rounding", rounding, "--budget-bits", str(budget_bits), "--kept-format", kept_format, "--backend", backend, "--seed", str(SEED),
               "--int4-format", int4_format, "--optim", optim, "--adapter-dtype", adapter_dtype]
     cmd = [sys.executable, __file__, "child", "--config", config, "--gc", str(int(gc)), "--steps", str(steps),
@@ -336,7 +343,7 @@ def _quality_key(r: dict) -> str:
     rounding = r.get("rounding") or ("gptq" if r.get("gptq_rounding") else "nearest")  # older runs stored a GPTQ flag
     return (r["config"] + (f" ({fmt})" if fmt else "") + ("+rht scanned" if r.get("rotate") else "") + keep
             + ("+8-bit adamw" if r.get("optim", "adamw_torch") != "adamw_torch" else "") + ("+bf16 adapters" if r.get("adapter_dtype", "fp32") == "bf16" else "") + (f"+{rounding}" if rounding != "nearest" else "")
-            + ("+loftq" if r["loftq"] else "") + ("+learned steps" if r.get("learn_steps") else "") + backend + (f" [seed {r['seed']}]" if r.get("seed") else ""))  # fmt: skip
+            + ("+loftq" if r["loftq"] else "") + ("+learned steps" if r.get("learn_steps") else "") + ("+frozen adapters" if r.get("frozen_lora") else "") + backend + (f" [seed {r['seed']}]" if r.get("seed") else ""))  # fmt: skip
 
 
 def _bits(fmt: str) -> float:
@@ -367,7 +374,8 @@ def parse_variant(variant: str) -> dict:
     ``gNN`` / ``gNN-sym`` (the int4 format ``int4-gNN-asym`` / ``int4-gNN`` instead of int4-g64-asym), ``adam8`` (the
     adapters' AdamW with 8-bit states, ``finetune_int4_lora``'s default; else fp32 states like the other configurations),
     ``bf16ad`` (bf16 adapter weights, their updates rounded stochastically; else fp32), ``steps`` (the base learns its
-    steps and zero points, ``learn_steps=True``);
+    steps and zero points, ``learn_steps=True``), ``frozenlora`` (the adapters keep their initial values: with ``steps``,
+    only the steps and zero points train);
     e.g. ``keep20+awq+gptq+loftq``, ``g32+loftq``. No keep part: every Linear int4."""
     from hf_lowprec.ondevice import AUTO_BUDGET
 
@@ -375,9 +383,9 @@ def parse_variant(variant: str) -> dict:
     kept = [m for m in map(re.compile(r"keep(\d+)(?:-(int8))?").fullmatch, parts) if m]
     group = [m for m in map(re.compile(r"g(\d+)(-sym)?").fullmatch, parts) if m]
     int4 = f"int4-g{group[0][1]}{'' if group[0][2] else '-asym'}" if group else "int4-g64-asym"
-    unknown = [x for x in parts if x not in ("loftq", "gptq", "awq", "dequant", "auto", "rht", "adam8", "bf16ad", "steps") and not any(m.string == x for m in kept + group)]
+    unknown = [x for x in parts if x not in ("loftq", "gptq", "awq", "dequant", "auto", "rht", "adam8", "bf16ad", "steps", "frozenlora") and not any(m.string == x for m in kept + group)]
     if unknown:
-        raise SystemExit(f"--int4-variants {variant!r}: unknown part(s) {unknown}; use loftq, gptq, awq, dequant, auto, rht, adam8, bf16ad, steps, keepNN, keepNN-int8, gNN, gNN-sym joined by '+'")
+        raise SystemExit(f"--int4-variants {variant!r}: unknown part(s) {unknown}; use loftq, gptq, awq, dequant, auto, rht, adam8, bf16ad, steps, frozenlora, keepNN, keepNN-int8, gNN, gNN-sym joined by '+'")
     rounding = "+".join(x for x in ("awq", "gptq") if x in parts) or "nearest"
     kept_format, bits = "int8", AUTO_BUDGET["target_bits_per_param"] if "auto" in parts else 0.0
     if kept:
@@ -386,7 +394,7 @@ def parse_variant(variant: str) -> dict:
     return {"loftq": "loftq" in parts, "rounding": rounding, "budget_bits": bits, "kept_format": kept_format,
             "backend": "dequant" if "dequant" in parts else "auto", "rotate": "rht" in parts, "int4_format": int4,
             "optim": "adamw_torch_8bit" if "adam8" in parts else "adamw_torch", "adapter_dtype": "bf16" if "bf16ad" in parts else "fp32",
-            "learn_steps": "steps" in parts}
+            "learn_steps": "steps" in parts, "frozen_lora": "frozenlora" in parts}
 
 
 def quality(args) -> None:
@@ -403,6 +411,7 @@ def quality(args) -> None:
         ref = refs.get(r.get("seed", 0))
         summary[_quality_key(r)] = {
             "ppl_before": r["ppl_before"], "ppl_after": r["ppl_after"], "ppl_merged": r.get("ppl_merged"),
+            "ppl_after_without_adapters": math.exp(r["eval_loss_after_without_adapters"]) if "eval_loss_after_without_adapters" in r else None,
             "ppl_merged_dense": r.get("ppl_merged_dense"),
             "merge_summary": r.get("merge_summary"), "loss_step1": r["losses"][0],
             "loss_last10_mean": statistics.mean(r["losses"][-10:]),
@@ -510,6 +519,7 @@ def main() -> None:
     p.add_argument("--adapter-dtype", default="fp32", choices=("fp32", "bf16"), help="child: int4-lora's adapter weights (bf16: stochastically rounded updates)")
     p.add_argument("--merge-eval", action="store_true", help="child: also evaluate the merged, re-quantized export")
     p.add_argument("--learn-steps", action="store_true", help="child: the INT4 base learns its steps and zero points")
+    p.add_argument("--frozen-lora", action="store_true", help="child: the adapters keep their initial values")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)

@@ -384,18 +384,79 @@ def test_loftq_factors_of_a_wide_layer_are_randomized_yet_near_the_best_and_leav
     assert torch.equal(again[0], a) and torch.equal(again[1], b)
 
 
-def test_loftq_with_calibrated_rounding_starts_from_the_calibrated_codes():
-    """GPTQ codes and LoftQ on a dense model: each adapter is the best rank-r correction of its calibrated layer."""
+def _output_error(err: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
+    """``tr(E H E^T)``: the squared output error of a weight error ``E [N, K]`` over inputs with ``X^T X = H``."""
+    return ((err @ hessian) * err).sum()
+
+
+def _best_output_error(residual: torch.Tensor, hessian: torch.Tensor, r: int) -> torch.Tensor:
+    """The least ``tr((R - L) H (R - L)^T)`` over rank-``r`` ``L``, by another route than the factors': the tail of the
+    singular values of ``R H^1/2`` with the symmetric root from ``eigh`` (``H`` damped as GPTQ damps it)."""
+    h = hessian.double().clone()
+    h.diagonal().add_(0.01 * torch.diag(h).mean())
+    values, vectors = torch.linalg.eigh(h)
+    root = vectors @ torch.diag(values.clamp(min=0).sqrt()) @ vectors.T
+    return (torch.linalg.svdvals(residual.double() @ root)[r:] ** 2).sum().float()
+
+
+def test_loftq_factors_under_a_hessian_minimise_the_output_error():
+    """With the inputs' Hessian the correction is the best rank-r one for the layer's output (not for the weight):
+    its output error is the optimum computed another way, below plain LoftQ's, whose weight error is the lower one."""
+    from hf_lowprec.ondevice.loftq import loftq_factors
+
+    gen = torch.Generator().manual_seed(0)
+    n, k, r = 96, 128, 8
+    residual = torch.randn(n, k, generator=gen) * 0.01
+    x = torch.randn(512, k, generator=gen) * torch.logspace(1, -1, k)  # loud and quiet inputs, as in an LLM
+    hessian = x.T @ x
+    weighted, plain = (loftq_factors(residual, r, 2.0, h) for h in (hessian, None))
+    errors = {name: residual - 2.0 * b @ a for name, (a, b) in (("weighted", weighted), ("plain", plain))}
+    best = _best_output_error(residual, hessian, r)
+    damped = hessian + 0.01 * torch.diag(hessian).mean() * torch.eye(k)
+    torch.testing.assert_close(_output_error(errors["weighted"], damped), best, rtol=1e-4, atol=0)
+    assert _output_error(errors["weighted"], hessian) < 0.9 * _output_error(errors["plain"], hessian)
+    assert errors["plain"].norm() < errors["weighted"].norm()
+    assert weighted[0].shape == (r, k) and weighted[1].shape == (n, r)
+
+
+@pytest.mark.parametrize("rounding", ["gptq", "awq"])
+def test_loftq_with_calibrated_rounding_corrects_the_output_on_the_calibration_tokens(rounding, monkeypatch):
+    """Calibrated codes and LoftQ on a dense model: each adapter is the best rank-r correction of its calibrated layer
+    for the layer's output on the calibration tokens. The Hessian it was given is that layer's ``X^T X`` as the
+    calibration pass saw it (the layers fake-quantized by the plan; one pass for all layers of this small model),
+    gathered here again by a hook on a copy converted the same way."""
+    import copy
+
+    import hf_lowprec.ondevice.prepare as prepare_module
+    from hf_lowprec.convert import apply_plan
+    from hf_lowprec.ondevice.planning import int4_plan
+
     full = tiny_llama(2, hidden_size=128, intermediate_size=256)
     weight = full.model.layers[1].mlp.down_proj.weight.detach().clone()
     calibration = markov_batches(n=1, batch=4, seq=32)[0]["input_ids"]
-    model, report = prepare_int4_lora(full, LoraConfig(**LORA), rounding="gptq", calibration=calibration, loftq_init=True,
+    fake_quantized = copy.deepcopy(full)
+    apply_plan(fake_quantized, int4_plan(fake_quantized, None), learn_scales=False)
+    inputs = []
+    fake_quantized.model.layers[1].mlp.down_proj.register_forward_pre_hook(
+        lambda _, args: inputs.append(args[0].detach().reshape(-1, 256).float()))  # fmt: skip
+    with torch.no_grad():
+        fake_quantized(input_ids=calibration)
+    hessian = inputs[0].T @ inputs[0]
+    given = []
+    real = prepare_module.loftq_factors
+    monkeypatch.setattr(prepare_module, "loftq_factors", lambda res, *a: given.append((res, a[-1])) or real(res, *a))
+    model, report = prepare_int4_lora(full, LoraConfig(**LORA), rounding=rounding, calibration=calibration, loftq_init=True,
                                       backend="dequant")  # fmt: skip
-    assert report.calibration["rounding"] == "gptq"
+    assert report.calibration["rounding"] == rounding
     layer = model.get_base_model().model.layers[1].mlp.down_proj
     residual = weight - layer.get_base_layer().dequantized_weight()
+    torch.testing.assert_close(next(h for res, h in given if torch.equal(res, residual)), hessian, rtol=1e-4, atol=1e-4)
     corrected = residual - layer.get_delta_weight("default")
-    torch.testing.assert_close(corrected.norm(), torch.linalg.svdvals(residual)[LORA["r"] :].norm(), rtol=1e-4, atol=1e-6)
+    damped = hessian + 0.01 * torch.diag(hessian).mean() * torch.eye(256)
+    best = _best_output_error(residual, hessian, LORA["r"])
+    torch.testing.assert_close(_output_error(corrected, damped), best, rtol=1e-3, atol=0)
+    plain = torch.linalg.svdvals(residual)[LORA["r"] :].norm()  # plain LoftQ's weight error, Eckart-Young
+    assert corrected.norm() > plain  # it spent its rank on what the inputs reach, not on the largest weight error
 
 
 def test_bad_inputs_raise_clear_errors(tmp_path):

@@ -285,19 +285,20 @@ def _calibrated_pack(
     model: nn.Module, calibration: torch.Tensor, rounding: str, loftq: LoraConfig | None, factors: dict, dense_weights
 ) -> dict:
     """Pack every INT4 ``Int4Linear`` with codes calibrated by ``rounding`` (LoftQ factors from their residual
-    into ``factors`` when ``loftq`` is given); returns :func:`hf_lowprec.ondevice.calibration.summary`, also logged.
+    into ``factors`` when ``loftq`` is given, minimising the output error on the calibration tokens); returns
+    :func:`hf_lowprec.ondevice.calibration.summary`, also logged.
     ``dense_weights`` reads the checkpoint weights of layers packed while loading."""
     layers = {n: m for n, m in model.named_modules() if _calibrates(m)}
     targets = set(loftq.target_modules) if loftq is not None else set()
     dense_weight = _dense_weight_source(layers, dense_weights)
 
-    def replace(name: str, result: CalibratedCodes) -> None:
+    def replace(name: str, result: CalibratedCodes, hessian: torch.Tensor) -> None:
         module, weight = layers[name], dense_weight(name, layers[name])
         grid = (result.codes, result.step, result.zero, module.spec)
         packed = PackedInt4Linear.from_codes(*grid, module.bias, weight.dtype, input_scale=result.input_scale)
         if name in targets:
             residual = weight.detach().float() - packed.dequantized_weight(torch.float32)
-            factors[canonical_name(name)] = loftq_factors(residual, loftq.r, lora_scaling(loftq))
+            factors[canonical_name(name)] = loftq_factors(residual, loftq.r, lora_scaling(loftq), hessian)
         swap_layers(model, lambda _, fqn, module: packed if fqn == name else None)  # this layer, as it is calibrated
 
     start = time.perf_counter()

@@ -163,8 +163,9 @@ def calibrated_codes(
     nearest, while loading) is calibrated from its checkpoint weight, read one at a time.
 
     Layers are handled in groups that fit ``budget_bytes`` of Hessians: one calibration pass per
-    group, then each layer's codes are computed and ``replace(fqn, result)`` swaps it (so later groups
-    see quantized inputs). ``progress(done, total)`` after each layer. Returns the results by name.
+    group, then each layer's codes are computed and ``replace(fqn, result, hessian)`` swaps it (so later groups
+    see quantized inputs; ``hessian [K, K]``: the layer's ``X^T X`` on the calibration tokens). ``progress(done,
+    total)`` after each layer. Returns the results by name.
     """
     if check_rounding(rounding) == "nearest":
         raise ValueError(
@@ -188,7 +189,7 @@ def calibrated_codes(
                 smoothing = None if getattr(module, "smoothing", None) is None else module.smoothing.scale
                 hessian = hooks.hessians.pop(name)
                 out[name] = calibrate_layer(weight, hessian, module.spec, rounding, smoothing=smoothing)
-                replace(name, out[name])
+                replace(name, out[name], hessian)
                 if progress is not None:
                     progress(len(out), len(layers))
     finally:

@@ -57,6 +57,16 @@ def full_precision():
         yield
 
 
+def damped_cholesky(hessian: torch.Tensor, percdamp: float = 0.01) -> torch.Tensor:
+    """Lower Cholesky factor ``C`` of ``hessian [K, K]`` damped as GPTQ damps it (inputs that never fired get a unit
+    diagonal, then every diagonal entry ``percdamp`` of the mean), fp32."""
+    h = hessian.float().clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    h.diagonal().add_(percdamp * torch.diag(h).mean())
+    return torch.linalg.cholesky(h)
+
+
 @torch.no_grad()
 @full_precision()
 def gptq_columns(weight: torch.Tensor, hessian: torch.Tensor, round_column, *, block: int = 128, percdamp=0.01):
@@ -71,12 +81,8 @@ def gptq_columns(weight: torch.Tensor, hessian: torch.Tensor, round_column, *, b
     rows, cols = w.shape
     if hessian.shape != (cols, cols):
         raise ValueError(f"GPTQ: Hessian {tuple(hessian.shape)} does not match a weight with {cols} inputs")
-    h = hessian.float().clone()
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1.0
-    h.diagonal().add_(percdamp * torch.diag(h).mean())
     # each step replaces h, so at most two [K, K] matrices exist besides the Hessian (268 MB each at K = 8192)
-    h = torch.linalg.cholesky(h)
+    h = damped_cholesky(hessian, percdamp)
     h = torch.cholesky_inverse(h)
     hinv = torch.linalg.cholesky(h, upper=True)
     del h
@@ -132,4 +138,4 @@ def gptq_quantize(
     )
 
 
-__all__ = ["GPTQResult", "full_precision", "gptq_columns", "gptq_quantize"]
+__all__ = ["GPTQResult", "damped_cholesky", "full_precision", "gptq_columns", "gptq_quantize"]
