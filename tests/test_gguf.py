@@ -215,3 +215,26 @@ def test_token_types_and_the_pre_tokenizer_are_as_llama_cpp_needs_them(trained):
     assert _pre_tokenizer(byte_level, ["a", "1", "Â¹"], cleans_spaces=False) == "smollm"  # digits one by one, spaces kept
     assert _pre_tokenizer(byte_level, ["a", "1"], cleans_spaces=True) == "gpt-2"
     assert _pre_tokenizer({"type": "Metaspace"}, ["a"], cleans_spaces=False) == "default"
+
+
+def test_llama_3s_pre_tokenizer_is_llama_cpps_llama_bpe():
+    """Llama 3's split as the tokenizers library serialises it (the pattern transformers converts tiktoken files with)
+    is llama.cpp's llama-bpe; another split regex, or digits split otherwise, is no named type."""
+    import inspect
+    import json
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from hf_lowprec.export.gguf import _pre_tokenizer
+
+    def serialised(pattern: str) -> dict:
+        tokenizer = Tokenizer(models.BPE())
+        split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        return json.loads(tokenizer.to_str())["pre_tokenizer"]
+
+    llama3 = inspect.signature(TikTokenConverter.__init__).parameters["pattern"].default
+    assert _pre_tokenizer(serialised(llama3), ["a"], cleans_spaces=True) == "llama-bpe"
+    single_digits = llama3.replace(r"\p{N}{1,3}", r"\p{N}")  # Qwen2's split: a llama.cpp qwen2 model, not llama
+    assert _pre_tokenizer(serialised(single_digits), ["a"], cleans_spaces=True) == "default"

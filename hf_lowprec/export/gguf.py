@@ -40,10 +40,13 @@ logger = logging.getLogger(__name__)
 MODEL_FILE, ADAPTER_FILE = "model.gguf", "adapter.gguf"
 BLOCK = 32  # weights per Q4_1 / Q8_0 block
 CHUNK_ROWS = 4096  # rows of a packed layer turned into blocks at a time
+# Llama 3's split (its tiktoken pattern, as transformers' TikTokenConverter writes it): llama.cpp's llama-bpe type
+LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 # tokenizer.json pre-tokenizers as llama.cpp names them (tokenizer.ggml.pre); others get "default", with a warning
 PRE_TOKENIZERS = {
     (("ByteLevel", True),): "gpt-2",
     (("Digits", True), ("ByteLevel", False)): "smollm",
+    (("Split", LLAMA3_SPLIT), ("ByteLevel", False)): "llama-bpe",
 }
 
 
@@ -287,8 +290,7 @@ def _pre_tokenizer(pre: dict | None, tokens: list[str], cleans_spaces: bool) -> 
     them apart first changes no token: SmolLM2's, once transformers has read it from a GGUF) is written as ``smollm``,
     GPT-2's split with digits apart and the spaces kept."""
     steps = pre.get("pretokenizers", [pre]) if pre else []
-    known = ("ByteLevel", "Digits")
-    key = tuple((s["type"], s.get("individual_digits", s.get("use_regex", False))) for s in steps if s["type"] in known)
+    key = tuple(_pre_tokenizer_step(s) for s in steps)
     name = PRE_TOKENIZERS.get(key)
     digits = set("0123456789")  # byte-level tokens spell ASCII digits as themselves
     if name == "gpt-2" and not cleans_spaces and not any(len(t) > 1 and digits & set(t) for t in tokens):
@@ -296,6 +298,13 @@ def _pre_tokenizer(pre: dict | None, tokens: list[str], cleans_spaces: bool) -> 
     if name is None:
         logger.warning("GGUF export: pre-tokenizer %s has no llama.cpp name here; writing 'default'", json.dumps(pre))
     return name or "default"
+
+
+def _pre_tokenizer_step(step: dict) -> tuple:
+    """A tokenizer.json pre-tokenizer step as ``PRE_TOKENIZERS`` keys it: its type and what decides its split."""
+    if step["type"] == "Split":
+        return "Split", step["pattern"].get("Regex")
+    return step["type"], step.get("individual_digits", step.get("use_regex", False))
 
 
 def _write_adapter(model, path: Path, names, heads: dict[str, int], name: str) -> None:
