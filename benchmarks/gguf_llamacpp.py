@@ -7,7 +7,10 @@ SmolLM2-135M-Instruct on the offline Shakespeare corpus for ``--steps`` steps; t
 of hf-lowprec, and its wheel builds llama.cpp from source, about 10 minutes on 2 cores) evaluates the held-out blocks
 with and without the adapter; hf-lowprec's model (fp32, exact dequantized kernels) evaluates the same blocks. Reported:
 mean loss (nats/token) of each and of the model before training, the largest logit difference and the top-1 agreement
-on the first block (llama.cpp rounds activations to 8 bits for its Q4_1 products: close, not equal).
+on the first block (llama.cpp rounds activations to 8 bits for its Q4_1 products: close, not equal). Then llama.cpp
+tokenizes text from its vocabulary alone (``tokenizer.ggml.pre`` decides how it splits): held-out passages and a
+line of numbers and contractions, against transformers' tokenizer, for the run's SmolLM2 export and for a tiny
+Llama exported with a BPE vocabulary trained on Llama 3's split (the split of Llama 3's own tokenizer.json).
 
     python -m venv /tmp/llcpp && /tmp/llcpp/bin/pip install llama-cpp-python
     .venv/bin/python benchmarks/gguf_llamacpp.py --llama-python /tmp/llcpp/bin/python   # results/gguf_llamacpp.json
@@ -46,6 +49,73 @@ for ids in blocks:
 np.save(sys.argv[4], first)
 print(json.dumps({"loss": float(np.mean(losses)), "llama_cpp": __import__("llama_cpp").__version__}))
 """
+
+LLAMA_CPP_TOKENIZE = """
+import json, sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)
+texts = json.loads(open(sys.argv[2]).read())
+print(json.dumps([llm.tokenize(t.encode(), add_bos=False, special=False) for t in texts]))
+"""
+# digits in runs of 1-7, contractions in both cases, punctuation runs and blank lines: where the splits differ
+SPLIT_PROBE = "In 1623, 45 copies cost 3.14159 or 1000000 marks; I'LL pay 7, she'd say: \"isn't it?\" -- 2024!\n\n  Exit."
+
+
+def llama_cpp_tokens(llama_python: str, gguf_file: Path, texts: list[str], work: Path) -> list[list[int]]:
+    """llama.cpp's ids of ``texts`` (no BOS, special tokens as text) from ``gguf_file``'s vocabulary."""
+    (work / "texts.json").write_text(json.dumps(texts))
+    done = subprocess.run([llama_python, "-c", LLAMA_CPP_TOKENIZE, str(gguf_file), str(work / "texts.json")],
+                          check=True, capture_output=True, text=True)  # fmt: skip
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def token_agreement(tokenizer, theirs: list[list[int]], texts: list[str]) -> dict:
+    """How transformers' ids of ``texts`` compare with llama.cpp's: texts tokenized identically, tokens, and the
+    first differing text's pieces (transformers', llama.cpp's) around the first difference."""
+    ours = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    same = [a == b for a, b in zip(ours, theirs)]
+    result = {"texts": len(texts), "identical_texts": sum(same), "tokens": sum(map(len, ours))}
+    if not all(same):
+        a, b = next((a, b) for a, b, ok in zip(ours, theirs, same) if not ok)
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        result["first_difference"] = [tokenizer.convert_ids_to_tokens(ids[at : at + 4]) for ids in (a, b)]
+    return result
+
+
+def llama3_split_export(texts: list[str], work: Path) -> tuple[Path, object]:
+    """A tiny Llama whose BPE vocabulary (2,048 tokens) was trained on ``texts`` with Llama 3's split and its merge
+    rules (``ignore_merges``, as Llama 3's tokenizer.json), exported to GGUF: ``(model.gguf, tokenizer)``."""
+    import inspect
+
+    from peft import LoraConfig
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from hf_lowprec import load_int4_lora
+    from hf_lowprec.export.gguf import MODEL_FILE, export_gguf
+
+    split = inspect.signature(TikTokenConverter.__init__).parameters["pattern"].default  # Llama 3's tiktoken pattern
+    bpe = Tokenizer(models.BPE(ignore_merges=True))
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
+    bpe.decoder = decoders.ByteLevel()
+    special = ["<|begin_of_text|>", "<|end_of_text|>"]
+    trainer = trainers.BpeTrainer(vocab_size=2048, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    numbers = " ".join(str(n) for n in range(0, 3000, 7))  # often enough that digit groups become tokens
+    bpe.train_from_iterator(texts + [numbers] * 50, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=special[0], eos_token=special[1])
+    folder = work / "llama3-split"
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tokenizer), bos_token_id=0, eos_token_id=1)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    model, tokenizer, _ = load_int4_lora(str(folder), LoraConfig(r=4, target_modules="all-linear"), dtype=torch.float32)
+    (work / "llama3-gguf").mkdir()
+    export_gguf(model, tokenizer, work / "llama3-gguf", "llama3-split")
+    return work / "llama3-gguf" / MODEL_FILE, tokenizer
 
 
 def main() -> None:
@@ -87,6 +157,14 @@ def main() -> None:
             runs[adapter] = json.loads(done.stdout.strip().splitlines()[-1])
         theirs = np.load(Path(work) / "adapter.npy")
         sizes = {p.name: p.stat().st_size for p in out.iterdir() if p.suffix == ".gguf"}
+        texts = [tokenizer.decode(ids) for ids in blocks] + [SPLIT_PROBE]
+        tokens = {"smollm2 export": token_agreement(tokenizer, llama_cpp_tokens(args.llama_python, out / "model.gguf", texts, Path(work)), texts)}
+        llama3_file, llama3_tokenizer = llama3_split_export(list(records["text"]), Path(work))
+        tokens["llama 3 split export"] = token_agreement(
+            llama3_tokenizer, llama_cpp_tokens(args.llama_python, llama3_file, texts, Path(work)), texts
+        )
+        for name, found in tokens.items():
+            found["tokenizer.ggml.pre"] = gguf_pre(out / "model.gguf" if name.startswith("smollm2") else llama3_file)
     result = {
         "machine": machine(),
         "what": f"SmolLM2-135M-Instruct, recipe int4-ondevice-lora, {args.steps} steps; {len(blocks)} held-out blocks "
@@ -102,10 +180,18 @@ def main() -> None:
         "first_block_logit_scale": float(np.abs(first).max()),
         "first_block_top1_agreement": float((theirs.argmax(-1) == first.argmax(-1)).mean()),
         "file_bytes": sizes,
+        "tokenization_llama_cpp_vs_transformers": tokens,
     }
     path = write_json("gguf_llamacpp.json", result)
     print(json.dumps(result, indent=2))
     print(f"wrote {path}")
+
+
+def gguf_pre(path: Path) -> str:
+    """The ``tokenizer.ggml.pre`` a GGUF file names."""
+    import gguf
+
+    return gguf.GGUFReader(path).fields["tokenizer.ggml.pre"].contents()
 
 
 if __name__ == "__main__":

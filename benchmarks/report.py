@@ -647,7 +647,19 @@ def gguf_section(data: dict | None) -> list[str]:
         "", f"First block: top-1 agreement {data['first_block_top1_agreement']:.1%}, largest logit difference "
         f"{data['first_block_max_abs_logit_diff']:.2f} of {data['first_block_logit_scale']:.1f} (llama.cpp rounds activations "
         "to 8 bits for its Q4_1 products).", "",
-    ]  # fmt: skip
+    ] + tokenization_rows(data.get("tokenization_llama_cpp_vs_transformers"))  # fmt: skip
+
+
+def tokenization_rows(found: dict | None) -> list[str]:
+    """llama.cpp's tokenization from a GGUF file's vocabulary against transformers' tokenizer, per export."""
+    if not found:
+        return []
+    lines = ["llama.cpp tokenizing text from the GGUF file's vocabulary alone, against transformers' tokenizer "
+             "(held-out passages and a line of numbers and contractions):\n",
+             "| export | tokenizer.ggml.pre | texts tokenized identically | tokens |", "|---|---|---|---|"]  # fmt: skip
+    for name, f in found.items():
+        lines.append(f"| {name} | {f['tokenizer.ggml.pre']} | {f['identical_texts']} of {f['texts']} | {f['tokens']:,} |")
+    return lines + [""]
 
 
 def int4_training_section(data: dict | None) -> list[str]:
