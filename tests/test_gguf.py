@@ -161,6 +161,32 @@ def test_int8_layers_and_a_tied_packed_head_are_q8_0_blocks_of_their_codes(tmp_p
         assert (loaded(input_ids=ids).logits - base).abs().max() <= 2e-3 * base.abs().max()
 
 
+@pytest.mark.parametrize("table_format, block_type", [("int8", "Q8_0"), ("int4-g32-asym", "Q4_1")])
+def test_a_packed_untied_embedding_is_the_token_table_in_its_codes(tmp_path, table_format, block_type):
+    """An untied embedding packed while loading (Llama-3.1-8B's 128k-row table) is written as its codes' blocks, its
+    rows in their order: they decode to its dequantized table, and transformers' GGUF loader computes the logits."""
+    from hf_lowprec.plan import PrecisionPlan
+
+    folder = save_tiny_model(tmp_path / "untied")
+    plan = PrecisionPlan({"model.embed_tokens": table_format}, default="int4-g64-asym")
+    model, tokenizer, _ = load_int4_lora(str(folder), LoraConfig(r=4, target_modules="all-linear"), plan=plan, backend="dequant", dtype=torch.float32)
+    embedding = model.get_base_model().get_input_embeddings()
+    assert type(embedding).__name__ == "PackedEmbedding"
+    export_gguf(model, tokenizer, tmp_path, "untied")
+    stored = {t.name: t for t in gguf.GGUFReader(tmp_path / MODEL_FILE).tensors}
+    table = stored["token_embd.weight"]
+    assert table.tensor_type == getattr(gguf.GGMLQuantizationType, block_type) and "output.weight" in stored
+    decoded = torch.from_numpy(gguf.quants.dequantize(table.data, table.tensor_type).copy())
+    expected = embedding.dequantized_weight(torch.float32)
+    assert (decoded - expected).abs().max() <= 2e-3 * expected.abs().max()  # d and m rounded to fp16
+    ids = torch.tensor([[1, 5, 9, 22, 40, 77, 100, 3]])
+    with torch.no_grad(), model.disable_adapter():
+        base = model(input_ids=ids).logits.float()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=MODEL_FILE, dtype=torch.float32)
+    with torch.no_grad():
+        assert (loaded(input_ids=ids).logits - base).abs().max() <= 2e-3 * base.abs().max()
+
+
 def test_blocks_made_a_few_rows_at_a_time_are_the_blocks_made_whole(trained, monkeypatch):
     """A large head is turned into blocks in row chunks (bounded memory); chunk edges change no byte, in the rotary
     row order too."""

@@ -5,8 +5,9 @@ files llama.cpp takes, ``llama-cli -m model.gguf --lora adapter.gguf``.
   asymmetric INT4 group ``w = step * (code - zero)`` of 32, 64 or 128 weights is one, two or four ``Q4_1`` blocks
   ``w = d * q + m`` with ``q = code``, ``d = step``, ``m = -step * zero`` (a symmetric code ``c`` in [-8, 7]: ``q =
   c + 8``, ``m = -8 * step``), the learned steps and zero points included; only ``d`` and ``m`` round, to fp16. A
-  packed int8 layer (one step per row) is ``Q8_0`` blocks of its codes with the row's step. Layers kept dense are
-  stored in their dtype (bf16, or fp32 as f32); norms in f32.
+  packed int8 layer (one step per row) is ``Q8_0`` blocks of its codes with the row's step. A packed embedding is the
+  token table in its codes' blocks (a tied head's, or an untied table's own). Layers kept dense are stored in their
+  dtype (bf16, or fp32 as f32); norms in f32.
 - ``adapter.gguf``: the LoRA adapters as llama.cpp's LoRA adapter file (``A [r, in]``, ``B [out, r]`` in f32,
   ``alpha``), applied at load with llama.cpp's ``scale = alpha / r``, PEFT's.
 
@@ -63,7 +64,7 @@ def export_gguf(model: nn.Module, tokenizer, folder: Path, name: str) -> dict:
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
     tied = tied_head_names(base)
     head, embedding = (canonical_name(n) for n in tied) if tied else (None, None)
-    packed = {n: m for n, m in layers.items() if isinstance(m, (PackedLinear, TiedPackedEmbedding))}
+    packed = {n: m for n, m in layers.items() if isinstance(m, (PackedLinear, PackedEmbedding, TiedPackedEmbedding))}
     writer = gguf.GGUFWriter(folder / MODEL_FILE, "llama", use_temp_file=True)  # each tensor leaves memory as added
     _write_metadata(writer, config, name)
     _write_tokenizer(writer, tokenizer)
@@ -75,6 +76,8 @@ def export_gguf(model: nn.Module, tokenizer, folder: Path, name: str) -> dict:
     for layer_name, module in packed.items():
         if isinstance(module, TiedPackedEmbedding):
             continue  # it reads the tied head's codes, written below as the table
+        if isinstance(module, PackedEmbedding):
+            module = module.table  # an untied embedding's own codes: the token table's blocks, rows as they are
         blocks, kind, error = _packed_blocks(module, _rotary_order(layer_name, module.out_features, heads))
         stored = embedding if layer_name == head else layer_name  # a tied head: GGUF keeps one table, token_embd
         writer.add_tensor(names.get_name(f"{stored}.weight", try_suffixes=(".weight",)), blocks, raw_dtype=kind)
@@ -105,8 +108,8 @@ def _dense_weights(base: nn.Module, packed: dict, head: str | None):
 
 
 def _check_supported(base: nn.Module, peft_model, layers: dict[str, nn.Module]) -> None:
-    """``ValueError`` naming what this export cannot write: another architecture, rope scaling, LoRA variants, a packed
-    embedding table of its own, codes of a rotated or rescaled weight, groups that are not whole blocks."""
+    """``ValueError`` naming what this export cannot write: another architecture, rope scaling, LoRA variants, a scaled
+    packed embedding, codes of a rotated or rescaled weight, groups that are not whole blocks."""
     config = base.config
     if config.model_type != "llama":
         raise ValueError(
@@ -124,7 +127,9 @@ def _check_supported(base: nn.Module, peft_model, layers: dict[str, nn.Module]) 
                 raise ValueError("GGUF adapters hold plain LoRA (scale alpha / r): not DoRA or rsLoRA")
     for name, module in layers.items():
         if isinstance(module, PackedEmbedding):
-            raise ValueError(f"{name}: a packed embedding table of its own has no GGUF export; keep it dense")
+            if module.scale is not None:
+                raise ValueError(f"{name}: a scaled embedding (x{module.scale:g}) has no place in GGUF's llama layout")
+            module = module.table  # its codes become the token table's blocks
         if not isinstance(module, PackedLinear):
             continue
         spec = module.spec
