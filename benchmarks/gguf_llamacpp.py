@@ -14,6 +14,10 @@ Llama exported with a BPE vocabulary trained on Llama 3's split (the split of Ll
 
     python -m venv /tmp/llcpp && /tmp/llcpp/bin/pip install llama-cpp-python
     .venv/bin/python benchmarks/gguf_llamacpp.py --llama-python /tmp/llcpp/bin/python   # results/gguf_llamacpp.json
+
+``--shape llama-3.2-1b`` instead exports ``scale.py``'s random-weight checkpoint of that shape (GQA, Llama 3's rope
+scaling, a tied 128k-row head packed in int8) as load_int4_lora's defaults pack it, with a byte-level vocabulary of
+its size, and compares llama.cpp's logits on one block of random tokens with hf-lowprec's (the ``real_shape`` entry).
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import torch
-from _util import machine, write_json
+from _util import RESULTS, machine, write_json
 
 LLAMA_CPP = """
 import json, sys
@@ -118,11 +123,77 @@ def llama3_split_export(texts: list[str], work: Path) -> tuple[Path, object]:
     return work / "llama3-gguf" / MODEL_FILE, tokenizer
 
 
+def byte_level_vocabulary(size: int):
+    """A byte-level BPE tokenizer of exactly ``size`` tokens (a random-weight checkpoint has none): the 256 byte
+    symbols, then pairs of them, then pairs followed by a symbol, each with the merge that makes it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab, merges = {s: i for i, s in enumerate(symbols)}, []
+    pairs = [(a, b) for a in symbols for b in symbols]
+    for left, right in pairs + [(a + b, c) for a, b in pairs for c in symbols]:
+        if len(vocab) == size - 1:  # one left for the end-of-text token
+            break
+        vocab[left + right] = len(vocab)
+        merges.append((left, right))
+    bpe = Tokenizer(models.BPE(vocab, merges))
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|end_of_text|>")
+
+
+def real_shape_check(shape: str, llama_python: str, work: Path) -> dict:
+    """llama.cpp's logits against hf-lowprec's (fp32, exact kernels) on one block of 128 random tokens, for the
+    base ``load_int4_lora`` packs from ``scale.py``'s random-weight ``shape`` checkpoint and its GGUF export."""
+    from peft import LoraConfig
+    from scale import checkpoint
+
+    from hf_lowprec import load_int4_lora
+    from hf_lowprec.checkpoints import cache_root
+    from hf_lowprec.export.gguf import MODEL_FILE, export_gguf
+
+    folder = checkpoint(cache_root() / "scale", shape)
+    model, _, report = load_int4_lora(str(folder), LoraConfig(r=16, target_modules="all-linear"), backend="dequant", dtype=torch.float32)
+    tokenizer = byte_level_vocabulary(model.config.vocab_size)
+    written = export_gguf(model, tokenizer, work, shape)
+    ids = torch.randint(0, model.config.vocab_size, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad(), model.disable_adapter():
+        ours = model(input_ids=torch.tensor([ids])).logits[0].double().numpy()
+    (work / "blocks.json").write_text(json.dumps([ids]))
+    subprocess.run([llama_python, "-c", LLAMA_CPP, str(work), "none", str(work / "blocks.json"), str(work / "real.npy")],
+                   check=True, capture_output=True, text=True)  # fmt: skip
+    theirs = np.load(work / "real.npy")
+    centered = [x - x.mean(-1, keepdims=True) for x in (ours, theirs)]
+    return {
+        "shape": shape,
+        "what": f"{shape} random-weight checkpoint (scale.py), packed as load_int4_lora's defaults; one block of 128 "
+        "random tokens, no adapters",
+        "layers_per_format": dict(Counter(r.applied for r in report.layers)),
+        "tensor_types": written["tensor_types"],
+        "model_gguf_bytes": (work / MODEL_FILE).stat().st_size,
+        "max_abs_logit_diff": float(np.abs(theirs - ours).max()),
+        "logit_scale": float(np.abs(ours).max()),
+        "relative_rms_diff": float(np.sqrt(((theirs - ours) ** 2).mean() / (centered[0] ** 2).mean())),
+        "logit_correlation": float(np.corrcoef(centered[0].ravel(), centered[1].ravel())[0, 1]),
+        "top1_agreement": float((theirs.argmax(-1) == ours.argmax(-1)).mean()),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--llama-python", required=True, help="a Python with llama-cpp-python installed")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--shape", help="instead: the export of scale.py's random-weight checkpoint of this shape "
+                        "(e.g. llama-3.2-1b) against llama.cpp, recorded as real_shape")  # fmt: skip
     args = parser.parse_args()
+    if args.shape:
+        with tempfile.TemporaryDirectory() as work:
+            found = {"machine": machine(), **real_shape_check(args.shape, args.llama_python, Path(work))}
+        path = RESULTS / "gguf_llamacpp.json"
+        result = {**(json.loads(path.read_text()) if path.is_file() else {}), "real_shape": found}
+        print(json.dumps(found, indent=2))
+        print(f"wrote {write_json(path.name, result)}")
+        return
     from hf_lowprec.data import prepare_run_data, read_source
     from hf_lowprec.export import load_exported
     from hf_lowprec.export.records import read_run

@@ -647,7 +647,21 @@ def gguf_section(data: dict | None) -> list[str]:
         "", f"First block: top-1 agreement {data['first_block_top1_agreement']:.1%}, largest logit difference "
         f"{data['first_block_max_abs_logit_diff']:.2f} of {data['first_block_logit_scale']:.1f} (llama.cpp rounds activations "
         "to 8 bits for its Q4_1 products).", "",
-    ] + tokenization_rows(data.get("tokenization_llama_cpp_vs_transformers"))  # fmt: skip
+    ] + tokenization_rows(data.get("tokenization_llama_cpp_vs_transformers")) + real_shape_rows(data.get("real_shape"))  # fmt: skip
+
+
+def real_shape_rows(found: dict | None) -> list[str]:
+    """llama.cpp's logits against hf-lowprec's on a real-size export (``gguf_llamacpp.py --shape``)."""
+    if not found:
+        return []
+    m = found["machine"]
+    return [
+        f"At a real size ({m['machine']}, {m['cpu_class']}): {found['what']}. model.gguf {found['model_gguf_bytes'] / 1e6:,.0f} MB "
+        f"({', '.join(f'{n} {k}' for k, n in found['tensor_types'].items())} tensors). llama.cpp's logits against hf-lowprec's: "
+        f"correlation {found['logit_correlation']:.4f}, RMS difference {found['relative_rms_diff']:.1%} of the logits' spread, "
+        f"largest {found['max_abs_logit_diff']:.2f} of {found['logit_scale']:.2f}, top-1 agreement {found['top1_agreement']:.1%} "
+        "(random weights: small logit differences, so 8-bit activations move more of the top-1).", "",
+    ]  # fmt: skip
 
 
 def tokenization_rows(found: dict | None) -> list[str]:
