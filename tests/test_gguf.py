@@ -61,15 +61,21 @@ def test_the_q4_1_blocks_decode_to_the_trained_weights(trained):
     assert 0 < written["max_scale_error"] < 0.01
 
 
-def test_transformers_reads_the_gguf_base_as_the_packed_base_computes(trained):
-    model, tokenizer, out, _ = trained
+def assert_transformers_computes_the_packed_base(model, folder):
+    """transformers' GGUF loader reads ``folder``'s model.gguf into logits within fp16 block scales of the packed base's
+    (the adapters off); returns the loaded model."""
     ids = torch.tensor([[1, 5, 9, 22, 40, 77, 100, 3]])
     with torch.no_grad(), model.disable_adapter():
         base = model(input_ids=ids).logits.float()
-    loaded = AutoModelForCausalLM.from_pretrained(out, gguf_file=MODEL_FILE, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=MODEL_FILE, dtype=torch.float32)
     with torch.no_grad():
-        again = loaded(input_ids=ids).logits
-    assert (again - base).abs().max() <= 2e-3 * base.abs().max()  # fp16 block scales; the rotary order undone
+        assert (loaded(input_ids=ids).logits - base).abs().max() <= 2e-3 * base.abs().max()
+    return loaded
+
+
+def test_transformers_reads_the_gguf_base_as_the_packed_base_computes(trained):
+    model, tokenizer, out, _ = trained
+    loaded = assert_transformers_computes_the_packed_base(model, out)  # the rotary order undone
     assert loaded.config.num_key_value_heads == 2 and loaded.config.vocab_size == len(tokenizer)
 
 
@@ -153,12 +159,7 @@ def test_int8_layers_and_a_tied_packed_head_are_q8_0_blocks_of_their_codes(tmp_p
         decoded = torch.from_numpy(gguf.quants.dequantize(stored[key].data, stored[key].tensor_type).copy())
         expected = (layer.base_layer if hasattr(layer, "base_layer") else layer).dequantized_weight(torch.float32).detach()
         assert (decoded - expected).abs().max() <= 1e-3 * expected.abs().max(), key  # the row step in fp16
-    ids = torch.tensor([[1, 5, 9, 22, 40, 77, 100, 3]])
-    with torch.no_grad(), model.disable_adapter():
-        base = model(input_ids=ids).logits.float()
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=MODEL_FILE, dtype=torch.float32)
-    with torch.no_grad():
-        assert (loaded(input_ids=ids).logits - base).abs().max() <= 2e-3 * base.abs().max()
+    assert_transformers_computes_the_packed_base(model, tmp_path)
 
 
 @pytest.mark.parametrize("table_format, block_type", [("int8", "Q8_0"), ("int4-g32-asym", "Q4_1")])
@@ -179,12 +180,7 @@ def test_a_packed_untied_embedding_is_the_token_table_in_its_codes(tmp_path, tab
     decoded = torch.from_numpy(gguf.quants.dequantize(table.data, table.tensor_type).copy())
     expected = embedding.dequantized_weight(torch.float32)
     assert (decoded - expected).abs().max() <= 2e-3 * expected.abs().max()  # d and m rounded to fp16
-    ids = torch.tensor([[1, 5, 9, 22, 40, 77, 100, 3]])
-    with torch.no_grad(), model.disable_adapter():
-        base = model(input_ids=ids).logits.float()
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=MODEL_FILE, dtype=torch.float32)
-    with torch.no_grad():
-        assert (loaded(input_ids=ids).logits - base).abs().max() <= 2e-3 * base.abs().max()
+    assert_transformers_computes_the_packed_base(model, tmp_path)
 
 
 def test_blocks_made_a_few_rows_at_a_time_are_the_blocks_made_whole(trained, monkeypatch):
