@@ -707,7 +707,9 @@ def test_export_formats_compressed_tensors_and_bf16(ws, lora_run, tmp_path):
     assert dense.exit_code == 0, dense.output
     assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
     bad = cli("export", out, "--out", tmp_path / "x", "--format", "gguf")  # AWQ-scaled codes: no GGUF block holds them
-    assert "int4-g64-asym codes of an activation-scaled (AWQ) weight, which GGUF's blocks cannot hold" in one_error_line(bad)
+    refused = one_error_line(bad)
+    assert "int4-g64-asym codes of an activation-scaled (AWQ) weight, which GGUF's blocks cannot hold" in refused
+    assert "export --format bf16 and convert that with llama.cpp's convert_hf_to_gguf.py" in refused
     assert not (tmp_path / "x").exists()
     bad = cli("export", out, "--out", tmp_path / "x", "--format", "onnx")
     assert "choose one of native, compressed-tensors, bf16, gguf" in one_error_line(bad)

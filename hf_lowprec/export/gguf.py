@@ -135,7 +135,10 @@ def _check_supported(base: nn.Module, peft_model, layers: dict[str, nn.Module]) 
         spec = module.spec
         if spec.rotate or not torch.all(module.input_scale == 1):
             kind = "a rotated (-rht)" if spec.rotate else "an activation-scaled (AWQ)"
-            raise ValueError(f"{name}: {spec.name} codes of {kind} weight, which GGUF's blocks cannot hold")
+            raise ValueError(
+                f"{name}: {spec.name} codes of {kind} weight, which GGUF's blocks cannot hold; export --format bf16 "
+                "and convert that with llama.cpp's convert_hf_to_gguf.py, or train with rounding nearest or gptq"
+            )
         if spec.family == "int4" and (spec.group_size or module.in_features) % BLOCK or module.in_features % BLOCK:
             shape = f"{spec.name} groups of a {module.in_features}-input layer"
             raise ValueError(f"{name}: {shape} are not whole {BLOCK}-weight blocks")
