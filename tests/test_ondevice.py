@@ -1,6 +1,7 @@
 """On-device INT4 + LoRA fine-tuning: gradients through the packed base, training from disk, export/reload, errors."""
 
 import json
+import logging
 import math
 import shutil
 from pathlib import Path
@@ -954,13 +955,17 @@ def test_a_hub_id_packs_while_loading_and_reads_dense_weights_back_from_its_cach
 
 
 @pytest.mark.parametrize("rounding", ["gptq", "awq+gptq"])
-def test_calibrated_rounding_of_a_base_packed_while_loading_reads_each_dense_weight_back(tmp_path, rounding):
+def test_calibrated_rounding_of_a_base_packed_while_loading_reads_each_dense_weight_back(tmp_path, rounding, caplog):
     """Calibrated codes need the dense weights: a base packed while loading reads them back from the checkpoint, one
-    layer at a time, and gets the calibration of the dense path (the same layers, output errors within rounding)."""
+    layer at a time, and gets the calibration of the dense path (the same layers, output errors within rounding). Its
+    progress is logged (at 1B it takes minutes)."""
     path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
     calibration = token_blocks(load_pretrained(path)[1], [corpus_text(8_000)], 32)[:8]
     options = dict(rounding=rounding, calibration=calibration, dtype="fp32")
-    model, _, report = load_int4_lora(path, LoraConfig(**LORA), MIXED, **options)
+    with caplog.at_level(logging.INFO, logger="hf_lowprec.ondevice.prepare"):
+        model, _, report = load_int4_lora(path, LoraConfig(**LORA), MIXED, **options)
+    done = [m.split(": ", 1)[1].split(" layers")[0] for m in caplog.messages if "layers calibrated" in m]
+    assert done == [f"{i} of 12" for i in range(1, 13)] and all(m.startswith(rounding) for m in caplog.messages if "layers calibrated" in m)
     assert {r.reason for r in report.layers if r.module.startswith("Packed")} == {"packed while loading"}
     assert not hasattr(model.get_base_model(), "hf_lowprec_dense_weights")  # the reader is dropped after calibrating
     dense, _ = load_pretrained(path)

@@ -302,7 +302,12 @@ def _calibrated_pack(
         swap_layers(model, lambda _, fqn, module: packed if fqn == name else None)  # this layer, as it is calibrated
 
     start = time.perf_counter()
-    codes = calibrated_codes(model, layers, calibration, replace, rounding, dense_weight=dense_weight)
+
+    def progress(done: int, total: int) -> None:  # a 1B model's calibration takes minutes: a line per tenth
+        if done == total or done % max(1, total // 10) == 0:
+            logger.info("%s: %d of %d layers calibrated (%.0f s)", rounding, done, total, time.perf_counter() - start)
+
+    codes = calibrated_codes(model, layers, calibration, replace, rounding, progress=progress, dense_weight=dense_weight)
     stats = {"rounding": rounding, **summary(codes)}
     stats["seconds"] = time.perf_counter() - start
     logger.info(
