@@ -636,6 +636,7 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t, base_plan):
             rounding=p.rounding,
             calibration=calibration,
             learn_steps=p.learn_steps,
+            progress=lambda done, total: ui.err.print(f"  {p.rounding}: {done} of {total} layers calibrated"),
             **auto,
         )
     trainable = sum(q.numel() for q in peft_model.parameters() if q.requires_grad)

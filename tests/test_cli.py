@@ -219,6 +219,7 @@ def test_int4_lora_run_exports_adapters(ws, lora_run):
     record = json.loads((out / RUN_FILE).read_text())
     assert record["recipe"]["method"] == "int4-lora" and record["adapter"]["trainable_params"] > 0
     assert record["recipe"]["precision"]["rounding"] == "awq+gptq" and record["recipe"]["lora"]["init"] == "loftq"
+    assert "awq+gptq: 14 of 14 layers calibrated" in result.output  # the calibration's progress, a line per tenth
     assert {row["format"] for row in record["plan_rows"]} == {"int4-g64-asym", "bf16"}  # the recipe's plan: the head kept
     assert record["adapter"]["learned_steps"] > 0  # the recipe learns the base's steps and zero points
     assert record["base_layers_packed_while_loading"] >= 4  # the INT4 layers: the dense model never sat in memory

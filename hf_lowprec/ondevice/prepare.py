@@ -8,7 +8,7 @@ import copy
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -69,6 +69,7 @@ def prepare_int4_lora(
     adapter_dtype: torch.dtype | str = "auto",
     backend: str = "auto",
     learn_steps: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[PeftModel, ConversionReport]:
     """Pack ``model``'s base linears into INT4 (per ``plan``) and wrap them in LoRA: ``(peft_model, report)``.
 
@@ -95,6 +96,8 @@ def prepare_int4_lora(
             ``modules/packed.py``).
         learn_steps: the packed layers' group steps train with the adapters (a gain per group, fp32; the codes stay
             frozen: :mod:`~hf_lowprec.ondevice.learned_steps`); costs a weight-gradient GEMM per packed layer and step.
+        progress: ``progress(done, total)`` after each tenth of the layers a calibrated rounding has coded (also
+            logged at INFO): at a billion parameters that takes minutes.
 
     Raises ``ValueError`` for a target that matches nothing, a plan that packs nothing, a model whose
     layers are narrower than one INT4 group, calibration tokens missing (``auto`` plan, calibrated rounding,
@@ -119,7 +122,7 @@ def prepare_int4_lora(
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     if calibrated:  # LoftQ factors, if asked, come from each layer's calibrated codes
         loftq = config if loftq_init else None
-        report.calibration = _calibrated_pack(model, calibration, rounding, loftq, factors, dense_weights)
+        report.calibration = _calibrated_pack(model, calibration, rounding, loftq, factors, dense_weights, progress)
     elif loftq_init:
         factors.update(loftq_for_targets(model, config, dense_weights))
     _freeze_base(model, report, backend, reread)
@@ -282,12 +285,19 @@ def _own_dense_tensors(model: nn.Module) -> None:
 
 
 def _calibrated_pack(
-    model: nn.Module, calibration: torch.Tensor, rounding: str, loftq: LoraConfig | None, factors: dict, dense_weights
+    model: nn.Module,
+    calibration: torch.Tensor,
+    rounding: str,
+    loftq: LoraConfig | None,
+    factors: dict,
+    dense_weights,
+    report_progress: Callable[[int, int], None] | None = None,
 ) -> dict:
     """Pack every INT4 ``Int4Linear`` with codes calibrated by ``rounding`` (LoftQ factors from their residual
     into ``factors`` when ``loftq`` is given, minimising the output error on the calibration tokens); returns
     :func:`hf_lowprec.ondevice.calibration.summary`, also logged.
-    ``dense_weights`` reads the checkpoint weights of layers packed while loading."""
+    ``dense_weights`` reads the checkpoint weights of layers packed while loading; ``report_progress(done, total)``
+    after each tenth of the layers, when that is logged."""
     layers = {n: m for n, m in model.named_modules() if _calibrates(m)}
     targets = set(loftq.target_modules) if loftq is not None else set()
     dense_weight = _dense_weight_source(layers, dense_weights)
@@ -306,6 +316,8 @@ def _calibrated_pack(
     def progress(done: int, total: int) -> None:  # a 1B model's calibration takes minutes: a line per tenth
         if done == total or done % max(1, total // 10) == 0:
             logger.info("%s: %d of %d layers calibrated (%.0f s)", rounding, done, total, time.perf_counter() - start)
+            if report_progress is not None:
+                report_progress(done, total)
 
     codes = calibrated_codes(model, layers, calibration, replace, rounding, progress=progress, dense_weight=dense_weight)
     stats = {"rounding": rounding, **summary(codes)}
