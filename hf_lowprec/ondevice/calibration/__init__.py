@@ -18,6 +18,7 @@ exist at once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -40,10 +41,11 @@ HESSIAN_BUDGET_BYTES = 128 * 2**20  # fp32 Hessians alive at once (a 1536-input 
 class CalibratedCodes:
     """Codes ``[N, K]`` (int8 symmetric / uint8 asymmetric) of ``W diag(input_scale)``, their grid
     ``step``/``zero`` ``[N, G]`` fp32, the ``input_scale [K]`` (``None``: not scaled) and its ``alpha``,
-    and the calibration output error ``tr(E H E^T) / tr(W H W^T)`` of the result and of round-to-nearest."""
+    and the calibration output error ``tr(E H E^T) / tr(W H W^T)`` of the result and of round-to-nearest.
+    :func:`calibrated_codes` returns them with ``codes``, ``step`` and ``zero`` dropped (``None``) once packed."""
 
-    codes: torch.Tensor
-    step: torch.Tensor
+    codes: torch.Tensor | None
+    step: torch.Tensor | None
     zero: torch.Tensor | None
     input_scale: torch.Tensor | None
     alpha: float | None
@@ -165,7 +167,8 @@ def calibrated_codes(
     Layers are handled in groups that fit ``budget_bytes`` of Hessians: one calibration pass per
     group, then each layer's codes are computed and ``replace(fqn, result, hessian)`` swaps it (so later groups
     see quantized inputs; ``hessian [K, K]``: the layer's ``X^T X`` on the calibration tokens). ``progress(done,
-    total)`` after each layer. Returns the results by name.
+    total)`` after each layer. Returns the results by name without their codes and grids, which ``replace`` has
+    packed (kept, they would be a byte per weight: a gigabyte at 1B); nor does it keep the layers it replaced.
     """
     if check_rounding(rounding) == "nearest":
         raise ValueError(
@@ -175,23 +178,26 @@ def calibrated_codes(
     model.eval()
     device = next(model.parameters()).device
     out: dict[str, CalibratedCodes] = {}
+    pending, total = dict(layers), len(layers)  # a layer leaves once replaced: the old module can be freed
     try:
         for group in hessian_groups({n: m.in_features for n, m in layers.items()}, budget_bytes):
-            hooks = _HessianHooks({n: layers[n] for n in group})
+            hooks = _HessianHooks({n: pending[n] for n in group})
             try:
                 for i in range(0, len(blocks), batch_size):
                     hooks.run(model, blocks[i : i + batch_size].to(device))
             finally:
                 hooks.remove()
             for name in group:
-                module = layers[name]
+                module = pending.pop(name)
                 weight = dense_weight(name, module)
                 smoothing = None if getattr(module, "smoothing", None) is None else module.smoothing.scale
                 hessian = hooks.hessians.pop(name)
-                out[name] = calibrate_layer(weight, hessian, module.spec, rounding, smoothing=smoothing)
-                replace(name, out[name], hessian)
+                result = calibrate_layer(weight, hessian, module.spec, rounding, smoothing=smoothing)
+                del module, weight
+                replace(name, result, hessian)
+                out[name] = dataclasses.replace(result, codes=None, step=None, zero=None)
                 if progress is not None:
-                    progress(len(out), len(layers))
+                    progress(len(out), total)
     finally:
         model.train(was_training)
     return out
