@@ -18,6 +18,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
+from hf_lowprec.allocator import freed_memory_returned
 from hf_lowprec.checkpoints import (
     DenseWeights,
     load_pretrained,
@@ -320,7 +321,10 @@ def _calibrated_pack(
             if report_progress is not None:
                 report_progress(done, total)
 
-    codes = calibrated_codes(model, layers, calibration, replace, rounding, progress=progress, dense_weight=dense_weight)
+    with freed_memory_returned():  # each layer's dense weight and GPTQ/LoftQ temporaries leave no holes in the heap
+        codes = calibrated_codes(
+            model, layers, calibration, replace, rounding, progress=progress, dense_weight=dense_weight
+        )
     stats = {"rounding": rounding, **summary(codes)}
     stats["seconds"] = time.perf_counter() - start
     logger.info(
