@@ -64,7 +64,9 @@ def export_gguf(model: nn.Module, tokenizer, folder: Path, name: str) -> dict:
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
     tied = tied_head_names(base)
     head, embedding = (canonical_name(n) for n in tied) if tied else (None, None)
-    packed = {n: m for n, m in layers.items() if isinstance(m, (PackedLinear, PackedEmbedding, TiedPackedEmbedding))}
+    # an untied packed embedding's own codes are the token table's blocks, rows as they are
+    packed = {n: m.table if isinstance(m, PackedEmbedding) else m for n, m in layers.items()
+              if isinstance(m, (PackedLinear, PackedEmbedding, TiedPackedEmbedding))}  # fmt: skip
     writer = gguf.GGUFWriter(folder / MODEL_FILE, "llama", use_temp_file=True)  # each tensor leaves memory as added
     _write_metadata(writer, config, name)
     _write_tokenizer(writer, tokenizer)
@@ -76,8 +78,6 @@ def export_gguf(model: nn.Module, tokenizer, folder: Path, name: str) -> dict:
     for layer_name, module in packed.items():
         if isinstance(module, TiedPackedEmbedding):
             continue  # it reads the tied head's codes, written below as the table
-        if isinstance(module, PackedEmbedding):
-            module = module.table  # an untied embedding's own codes: the token table's blocks, rows as they are
         blocks, kind, error = _packed_blocks(module, _rotary_order(layer_name, module.out_features, heads))
         stored = embedding if layer_name == head else layer_name  # a tied head: GGUF keeps one table, token_embd
         writer.add_tensor(names.get_name(f"{stored}.weight", try_suffixes=(".weight",)), blocks, raw_dtype=kind)

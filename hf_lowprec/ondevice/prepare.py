@@ -303,9 +303,8 @@ def _calibrated_pack(
     targets = set(loftq.target_modules) if loftq is not None else set()
     dense_weight = _dense_weight_source(layers, dense_weights)
 
-    def replace(name: str, result: CalibratedCodes, hessian: torch.Tensor) -> None:
+    def replace(name: str, result: CalibratedCodes, hessian: torch.Tensor, weight: torch.Tensor) -> None:
         module = layers.pop(name)  # not kept once replaced: the packed base would be held twice
-        weight = dense_weight(name, module)
         grid = (result.codes, result.step, result.zero, module.spec)
         packed = PackedInt4Linear.from_codes(*grid, module.bias, weight.dtype, input_scale=result.input_scale)
         if name in targets:

@@ -165,8 +165,9 @@ def calibrated_codes(
     nearest, while loading) is calibrated from its checkpoint weight, read one at a time.
 
     Layers are handled in groups that fit ``budget_bytes`` of Hessians: one calibration pass per
-    group, then each layer's codes are computed and ``replace(fqn, result, hessian)`` swaps it (so later groups
-    see quantized inputs; ``hessian [K, K]``: the layer's ``X^T X`` on the calibration tokens). ``progress(done,
+    group, then each layer's codes are computed and ``replace(fqn, result, hessian, weight)`` swaps it (so later groups
+    see quantized inputs; ``hessian [K, K]``: the layer's ``X^T X`` on the calibration tokens; ``weight``: the dense
+    weight calibrated, read once). ``progress(done,
     total)`` after each layer. Returns the results by name without their codes and grids, which ``replace`` has
     packed (kept, they would be a byte per weight: a gigabyte at 1B); nor does it keep the layers it replaced.
     """
@@ -193,8 +194,9 @@ def calibrated_codes(
                 smoothing = None if getattr(module, "smoothing", None) is None else module.smoothing.scale
                 hessian = hooks.hessians.pop(name)
                 result = calibrate_layer(weight, hessian, module.spec, rounding, smoothing=smoothing)
-                del module, weight
-                replace(name, result, hessian)
+                del module
+                replace(name, result, hessian, weight)
+                del weight
                 out[name] = dataclasses.replace(result, codes=None, step=None, zero=None)
                 if progress is not None:
                     progress(len(out), total)
