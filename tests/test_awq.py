@@ -8,7 +8,6 @@ from hf_lowprec.formats import FormatSpec, dequantize_int
 from hf_lowprec.ondevice.calibration import calibrate_layer
 from hf_lowprec.ondevice.calibration.awq import (
     power_of_two_scales,
-    relative_output_error,
     round_to_nearest,
     search_input_scale,
 )
@@ -30,6 +29,12 @@ def weight(seed: int = 2) -> torch.Tensor:
     return torch.randn(64, 128, generator=torch.Generator().manual_seed(seed)) * 0.05
 
 
+def calibration_error(err: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> float:
+    """The relative output error on the calibration inputs themselves, ``|X E^T|^2 / |X W^T|^2``: the reference for
+    the Hessian form ``tr(E H E^T) / tr(W H W^T)`` the code computes."""
+    return float((x.double() @ err.double().T).square().sum() / (x.double() @ w.double().T).square().sum())
+
+
 def held_out_error(effective: torch.Tensor, w: torch.Tensor) -> float:
     x = outlier_inputs(seed=1)  # the calibration sample is seed 0
     return ((x @ (effective - w).T).norm() / (x @ w.T).norm()).item()
@@ -48,7 +53,7 @@ def test_search_lowers_the_output_error_where_a_few_channels_dominate():
     assert 0 < found.alpha <= 1 and found.output_error < 0.6 * found.output_error_unscaled
     s = found.scale
     effective = round_to_nearest(w * s, SPEC) / s
-    assert found.output_error == pytest.approx(relative_output_error(effective - w, w, x.T @ x), rel=1e-5)
+    assert found.output_error == pytest.approx(calibration_error(effective - w, w, x), rel=1e-5)
     assert held_out_error(effective, w) < 0.8 * held_out_error(round_to_nearest(w, SPEC), w)  # a norm: 0.8^2 = 0.64
     assert s[:4].min() > s[4:].median()  # the loud channels (x[:, :4] 20x louder) get the finer steps
 
@@ -69,7 +74,7 @@ def test_calibrated_codes_pack_the_scaled_weight(rounding, held_out_ratio):
     assert (result.input_scale is None) == (rounding == "gptq")
     s = 1.0 if result.input_scale is None else result.input_scale
     effective = dequantize_int(result.codes, SPEC, result.step, result.zero) / s
-    assert result.output_error == pytest.approx(relative_output_error(effective - w, w, x.T @ x), rel=1e-4)
+    assert result.output_error == pytest.approx(calibration_error(effective - w, w, x), rel=1e-4)
     assert result.output_error < 0.8 * result.output_error_nearest
     assert held_out_error(effective, w) < held_out_ratio * held_out_error(round_to_nearest(w, SPEC), w)
 

@@ -21,6 +21,7 @@ backward), and cannot be combined with GPTQ rounding; AutoAWQ is CUDA-only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,9 +42,14 @@ class InputScale:
     output_error_unscaled: float
 
 
-def relative_output_error(err: torch.Tensor, weight: torch.Tensor, hessian: torch.Tensor) -> float:
-    """``tr(E H E^T) / tr(W H W^T)`` for a weight error ``err [N, K]`` and input Hessian ``hessian [K, K]``."""
-    return float(((err @ hessian) * err).sum() / ((weight @ hessian) * weight).sum().clamp(min=1e-30))
+def output_error(weight: torch.Tensor, hessian: torch.Tensor) -> Callable[[torch.Tensor], float]:
+    """``error(E) = tr(E H E^T) / tr(W H W^T)``, the relative output error of a weight error ``E [N, K]`` of
+    ``weight [N, K]`` under the input Hessian ``hessian [K, K]``; the weight's term computed once (a search compares
+    many E)."""
+    h = hessian.float()
+    energy = lambda m: ((m @ h) * m).sum()  # noqa: E731
+    norm = energy(weight.float()).clamp(min=1e-30)
+    return lambda err: float(energy(err) / norm)
 
 
 def stored_steps(
@@ -89,11 +95,12 @@ def search_input_scale(
     rms = torch.diag(h).clamp(min=0).sqrt()
     live = rms > 0
     rms = rms.clamp(min=float(rms[live].min()) if live.any() else 1.0)
-    unscaled = relative_output_error(round_to_nearest(w, spec, step_dtype) - w, w, h)
+    error = output_error(w, h)
+    unscaled = error(round_to_nearest(w, spec, step_dtype) - w)
     best = InputScale(torch.ones_like(rms), 0.0, unscaled, unscaled)
     for alpha in alphas:
         s = power_of_two_scales(rms, alpha)
-        err = relative_output_error(round_to_nearest(w * s, spec, step_dtype) / s - w, w, h)
+        err = error(round_to_nearest(w * s, spec, step_dtype) / s - w)
         if err < best.output_error:
             best = InputScale(s, alpha, err, unscaled)
     return best
@@ -102,8 +109,8 @@ def search_input_scale(
 __all__ = [
     "ALPHAS",
     "InputScale",
+    "output_error",
     "power_of_two_scales",
-    "relative_output_error",
     "round_to_nearest",
     "search_input_scale",
     "stored_steps",

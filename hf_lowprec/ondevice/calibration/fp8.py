@@ -44,7 +44,7 @@ from hf_lowprec.formats import (
 )
 from hf_lowprec.modules.fp8 import FP8Linear
 from hf_lowprec.ondevice.calibration import HESSIAN_BUDGET_BYTES, _HessianHooks, hessian_groups
-from hf_lowprec.ondevice.calibration.awq import relative_output_error
+from hf_lowprec.ondevice.calibration.awq import output_error
 from hf_lowprec.ondevice.calibration.gptq import full_precision, gptq_columns
 from hf_lowprec.rotation import rotate, rotated_hessian, unrotate
 from hf_lowprec.smoothing import calibrate_smoothed_layers
@@ -105,7 +105,6 @@ def gptq_fp8(weight: torch.Tensor, hessian: torch.Tensor, spec: FormatSpec, powe
         return torch.where(pinned[:, i], nearest[:, i], rounded)
 
     rounded = gptq_columns(w, hessian, round_column)
-    hessian = hessian.float()
     # where GPTQ moved a weight to another grid point: that point plus the weight's offset inside its own cell (in
     # cells, the grid is finer below each power of two); a value beyond its group's amax stays at the amax, which
     # casts to the same point; where the cast would still not give GPTQ's point (a cell edge), the point itself
@@ -114,11 +113,8 @@ def gptq_fp8(weight: torch.Tensor, hessian: torch.Tensor, spec: FormatSpec, powe
     shifted, snapped = (torch.maximum(torch.minimum(t, amax), -amax) for t in (shifted, rounded))
     shifted = torch.where(to_grid(shifted, scale) == rounded, shifted, snapped)
     stored = torch.where(pinned | (rounded == nearest), w, shifted)
-    return FP8Rounding(
-        stored,
-        relative_output_error(rounded - w, w, hessian),
-        relative_output_error(nearest - w, w, hessian),
-    )
+    error = output_error(w, hessian)
+    return FP8Rounding(stored, error(rounded - w), error(nearest - w))
 
 
 @full_precision()

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_lowprec.formats import FormatSpec
-from hf_lowprec.ondevice.calibration.awq import relative_output_error
+from hf_lowprec.formats import FormatSpec, dequantize_int, quantize_int
+from hf_lowprec.ondevice.calibration.awq import output_error
 
 
 @dataclass
@@ -35,13 +35,6 @@ class GPTQResult:
     zero: torch.Tensor | None
     output_error: float
     output_error_nearest: float
-
-
-def _per_column(t: torch.Tensor | None, group: int | None, cols: int) -> torch.Tensor | None:
-    """``[N, G]`` per-group values → ``[N, K]`` per-column."""
-    if t is None:
-        return None
-    return t.repeat_interleave(group or cols, dim=1)[:, :cols]
 
 
 def _round(w: torch.Tensor, step: torch.Tensor, zero: torch.Tensor | None, qmin: int, qmax: int):
@@ -72,13 +65,13 @@ def damped_cholesky(hessian: torch.Tensor, percdamp: float = 0.01) -> torch.Tens
 def gptq_columns(weight: torch.Tensor, hessian: torch.Tensor, round_column, *, block: int = 128, percdamp=0.01):
     """GPTQ's loop (Frantar et al., 2023, Algorithm 1) on any grid: ``weight [N, K]`` rounded one input column at a
     time by ``round_column(i, values [N]) -> rounded values [N]``, each column's rounding error spread over the columns
-    not yet rounded through the inverse of ``hessian [K, K]`` (``X^T X``). Returns the rounded weight ``[N, K]``.
+    not yet rounded through the inverse of ``hessian [K, K]`` (``X^T X``). Returns the rounded weight ``[N, K]`` (a
+    transposed view).
 
     ``percdamp``: fraction of the mean Hessian diagonal added to it (numerical stability, as in the paper). Inputs that
     never fire (zero diagonal) get no error from the others.
     """
-    w = weight.detach().float()
-    rows, cols = w.shape
+    rows, cols = weight.shape
     if hessian.shape != (cols, cols):
         raise ValueError(f"GPTQ: Hessian {tuple(hessian.shape)} does not match a weight with {cols} inputs")
     # each step replaces h, so at most two [K, K] matrices exist besides the Hessian (268 MB each at K = 8192)
@@ -86,18 +79,20 @@ def gptq_columns(weight: torch.Tensor, hessian: torch.Tensor, round_column, *, b
     h = torch.cholesky_inverse(h)
     hinv = torch.linalg.cholesky(h, upper=True)
     del h
-    work = w.clone()
-    rounded = torch.empty_like(w)
+    # the weight transposed, so that each input column is one contiguous row: the loop reads and updates a column per
+    # step, which in [N, K] order touches a cache line per element (2-core EPYC, the 1B shape's 8192x2048 gate_proj:
+    # this function 2.5 s -> 0.5 s; its 2048x8192 down_proj 9.2 s -> 6.8 s, most of it now the three factorizations)
+    work = weight.detach().float().T.contiguous()
+    rounded = torch.empty_like(work)
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
-        chunk, errors, hinv_chunk = work[:, i1:i2].clone(), torch.empty(rows, i2 - i1), hinv[i1:i2, i1:i2]
+        chunk, hinv_chunk, errors = work[i1:i2], hinv[i1:i2, i1:i2], torch.empty(i2 - i1, rows)
         for i in range(i2 - i1):
-            rounded[:, i1 + i] = round_column(i1 + i, chunk[:, i])
-            err = (chunk[:, i] - rounded[:, i1 + i]) / hinv_chunk[i, i]
-            chunk[:, i:] -= err[:, None] * hinv_chunk[i, i:][None, :]
-            errors[:, i] = err
-        work[:, i2:] -= errors @ hinv[i1:i2, i2:]
-    return rounded
+            rounded[i1 + i] = round_column(i1 + i, chunk[i])
+            torch.div(chunk[i] - rounded[i1 + i], hinv_chunk[i, i], out=errors[i])
+            chunk[i + 1 :].addr_(hinv_chunk[i, i + 1 :], errors[i], alpha=-1)
+        work[i2:].addmm_(hinv[i1:i2, i2:].T, errors, alpha=-1)
+    return rounded.T
 
 
 @torch.no_grad()
@@ -117,25 +112,21 @@ def gptq_quantize(
     w = weight.detach().float()
     rows, cols = w.shape
     qmin, qmax = spec.qrange
-    col_step = _per_column(step.float(), spec.group_size, cols)
-    col_zero = _per_column(None if zero is None else zero.float(), spec.group_size, cols)
-    codes = torch.empty(rows, cols, dtype=torch.int8 if spec.symmetric else torch.uint8)
+    group = spec.group_size or cols
+    step_t = step.float().T.contiguous()  # [G, N]: a column's steps are one contiguous row
+    zero_t = None if zero is None else zero.float().T.contiguous()
+    codes_t = torch.empty(cols, rows, dtype=torch.int8 if spec.symmetric else torch.uint8)
 
     def round_column(i: int, values: torch.Tensor) -> torch.Tensor:
-        q, deq = _round(values, col_step[:, i], None if col_zero is None else col_zero[:, i], qmin, qmax)
-        codes[:, i] = q
+        q, deq = _round(values, step_t[i // group], None if zero_t is None else zero_t[i // group], qmin, qmax)
+        codes_t[i] = q
         return deq
 
     deq = gptq_columns(w, hessian, round_column, block=block, percdamp=percdamp)
-    _, nearest = _round(w, col_step, col_zero, qmin, qmax)
-    hessian = hessian.float()
-    return GPTQResult(
-        codes,
-        step.float(),
-        None if zero is None else zero.float(),
-        relative_output_error(deq - w, w, hessian),
-        relative_output_error(nearest - w, w, hessian),
-    )
+    codes = codes_t.T.contiguous()
+    nearest = dequantize_int(quantize_int(w, spec, step, zero), spec, step, zero)
+    error = output_error(w, hessian)
+    return GPTQResult(codes, step.float(), None if zero is None else zero.float(), error(deq - w), error(nearest - w))
 
 
 __all__ = ["GPTQResult", "damped_cholesky", "full_precision", "gptq_columns", "gptq_quantize"]
