@@ -30,6 +30,7 @@ from hf_lowprec.export import (
     render_model_card,
 )
 from hf_lowprec.folders import atomic_output_dir
+from hf_lowprec.modules.kernels.cpu import cpu_info
 from hf_lowprec.plan import PrecisionPlan
 
 TOKEN = "hf_standinSECRETtoken1234567890"
@@ -156,6 +157,8 @@ def test_model_card_metadata_and_body(base_dir, tmp_path):
     assert re.search(r"\| int4-g64 \| 14 \| 73,728 \| 64\.3% \|", body)  # the plan table with fractions
     assert "`model.layers.1.mlp.down_proj` | int4-g64" in body and "`lm_head` | bf16" in body  # per-layer list
     assert "name: qat-int4" in body and "peak rss mb | 512" in body and "cpu cores" in body
+    cpu = cpu_info()
+    assert f"class: {cpu.cpu_class}, flags: {' '.join(cpu.flags)}" in body and "{'" not in body  # not a Python dict
     assert "| shakespeare | perplexity | 66.7 |" in body
 
 

@@ -113,6 +113,7 @@ def test_the_cli_exports_a_run_to_gguf_and_refuses_what_gguf_cannot_hold(tmp_pat
     card = (tmp_path / "gguf" / "README.md").read_text()
     assert "llama-completion -m model.gguf --lora adapter.gguf -no-cnv -p" in card and "ADAPTER ./adapter.gguf" in card
     assert "library_name: gguf" in card and "PeftModel" not in card and "](loss_curve.png)" in card
+    assert "llama.cpp computes `model.gguf` with its own" in " ".join(card.split())  # whose evaluation the table is
     assert validate_card_metadata(card) == []  # what the Hub checks when the folder is pushed
     refused = one_error_line(cli("eval", tmp_path / "gguf", "--data", corpus))
     assert "is a GGUF export, which llama.cpp runs" in refused

@@ -115,9 +115,16 @@ def _limitations(run: Mapping) -> str:
 
 
 def _rows(figures: Mapping) -> list[tuple[str, str]]:
-    out = []
-    for key, value in figures.items():
-        if isinstance(value, float):
-            value = f"{value:.4g}"
-        out.append((key.replace("_", " "), str(value)))
-    return out
+    return [(key.replace("_", " "), _cell(value)) for key, value in figures.items()]
+
+
+def _cell(value) -> str:
+    """A record's value as one line of the card: floats to 4 figures, a mapping (the CPU's) as ``key: value`` pairs,
+    a list space-separated."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, Mapping):
+        return ", ".join(f"{k.replace('_', ' ')}: {_cell(v)}" for k, v in value.items() if v is not None)
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value))
+    return str(value)
