@@ -75,6 +75,10 @@ def test_calibrated_codes_pack_the_scaled_weight(rounding, held_out_ratio):
     s = 1.0 if result.input_scale is None else result.input_scale
     effective = dequantize_int(result.codes, SPEC, result.step, result.zero) / s
     assert result.output_error == pytest.approx(calibration_error(effective - w, w, x), rel=1e-4)
+    from_inputs = calibrate_layer(w, x.T @ x, SPEC, rounding, inputs=x)  # errors from X, not H: the same choice
+    assert torch.equal(from_inputs.codes, result.codes) and from_inputs.alpha == result.alpha
+    assert from_inputs.output_error == pytest.approx(result.output_error, rel=1e-4)
+    assert from_inputs.output_error_nearest == pytest.approx(result.output_error_nearest, rel=1e-4)
     assert result.output_error < 0.8 * result.output_error_nearest
     assert held_out_error(effective, w) < held_out_ratio * held_out_error(round_to_nearest(w, SPEC), w)
 

@@ -9,7 +9,7 @@ from peft import LoraConfig
 from hf_lowprec.formats import FormatSpec, dequantize_int, int_steps, quantize_int
 from hf_lowprec.modules import PackedInt4Linear
 from hf_lowprec.ondevice import prepare_int4_lora
-from hf_lowprec.ondevice.calibration import hessian_groups
+from hf_lowprec.ondevice.calibration import _HessianHooks, hessian_groups
 from hf_lowprec.ondevice.calibration.fp8 import gptq_fp8
 from hf_lowprec.ondevice.calibration.gptq import gptq_quantize
 
@@ -91,6 +91,23 @@ def test_hessian_groups_respect_the_budget_and_keep_order():
     assert hessian_groups(sizes, budget_bytes=1) == [["a"], ["b"], ["c"], ["d"]]  # one layer always fits
 
 
+@pytest.mark.parametrize("tokens", [32, 64])
+def test_calibration_keeps_the_inputs_of_layers_at_least_twice_as_wide_as_the_tokens(tokens):
+    """Their ``X`` is kept beside ``H``: its ``X^T X`` is the Hessian (the output errors are computed from it)."""
+    model = tiny_llama(hidden_size=64, intermediate_size=128)
+    layers = {n: m for n, m in model.named_modules() if n.endswith(("q_proj", "down_proj"))}  # 64 and 128 inputs
+    hooks = _HessianHooks(layers, tokens)
+    ids = torch.randint(0, model.config.vocab_size, (tokens // 16, 16), generator=torch.Generator().manual_seed(0))
+    hooks.run(model, ids)
+    hooks.remove()
+    assert set(hooks.inputs) == {n for n, m in layers.items() if 2 * tokens <= m.in_features}
+    assert {layers[n].in_features for n in hooks.inputs} == ({64, 128} if tokens == 32 else {128})
+    for name, chunks in hooks.inputs.items():
+        x = torch.cat(chunks)
+        assert x.shape == (tokens, layers[name].in_features)
+        torch.testing.assert_close(x.T @ x, hooks.hessians[name], rtol=1e-5, atol=1e-5)
+
+
 def test_prepare_int4_lora_with_calibration_packs_codes_closer_to_the_model():
     ids = markov_batches(n=2, batch=4, seq=32)
     calibration, held_out = ids[0]["input_ids"], ids[1]["input_ids"]
@@ -149,15 +166,22 @@ def test_fp8_gptq_weights_cast_to_gptqs_points_and_lower_the_output_error(fmt, p
     )  # what GPTQ chose is what the cast gives
     with torch.autocast("cpu", torch.bfloat16):  # as in a bf16 training run: the rounding still computes in fp32
         assert torch.equal(gptq_fp8(w, hessian, spec, pow2).weight, result.weight)
+    from_inputs = gptq_fp8(w, hessian, spec, pow2, inputs=x)  # errors from X rather than H: the same rounding
+    assert torch.equal(from_inputs.weight, result.weight)
+    assert from_inputs.output_error == pytest.approx(result.output_error, rel=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "fp8-rowwise-rht", "fp8-rowwise-sq"])
-def test_round_fp8_weights_brings_an_fp8_model_closer_to_its_unquantized_outputs(fmt):
+@pytest.mark.parametrize(
+    "fmt, rows", [("fp8", 32), ("fp8-rowwise-rht", 32), ("fp8-rowwise-sq", 32), ("fp8-rowwise-rht", 4)]
+)
+def test_round_fp8_weights_brings_an_fp8_model_closer_to_its_unquantized_outputs(fmt, rows):
+    """With 32 rows of 32 calibration tokens every layer keeps its Hessian only; with 4 rows (128 tokens), the
+    256-input down_proj keeps its inputs too and its output errors come from them (``_HessianHooks``)."""
     from hf_lowprec import PrecisionPlan, apply_plan
     from hf_lowprec.ondevice.calibration.fp8 import round_fp8_weights
 
     model = with_loud_channels(tiny_llama(hidden_size=128, intermediate_size=256))
-    calibration = torch.cat([b["input_ids"] for b in markov_batches(n=4)])
+    calibration = torch.cat([b["input_ids"] for b in markov_batches(n=4)])[:rows]
     held_out = torch.cat([b["input_ids"] for b in markov_batches(n=1, seed=9)])
     with torch.no_grad():
         reference = model(input_ids=held_out).logits

@@ -174,6 +174,9 @@ def test_gptq_on_a_rotated_layer_beats_nearest_on_the_layer_output():
     err = lambda layer: ((layer.dequantized_weight() @ x.t()).t() - ref).norm() ** 2 / ref.norm() ** 2  # noqa: E731
     assert err(packed) < 0.8 * err(nearest)
     assert err(packed).item() == pytest.approx(result.output_error, rel=1e-3)
+    from_inputs = calibrate_layer(w, x.t() @ x, spec, "gptq", inputs=x)  # X rotated as H is
+    assert torch.equal(from_inputs.codes, result.codes)
+    assert from_inputs.output_error == pytest.approx(result.output_error, rel=1e-3)
 
 
 def test_plans_apply_rotation_and_report_layers_that_cannot_rotate():

@@ -34,7 +34,8 @@ from hf_lowprec.rotation import layer_rotation, rotate, rotated_hessian
 logger = logging.getLogger(__name__)
 
 ROUNDINGS = ("nearest", "gptq", "awq", "awq+gptq")
-HESSIAN_BUDGET_BYTES = 128 * 2**20  # fp32 Hessians alive at once (a 1536-input layer needs 9.4 MB)
+HESSIAN_BUDGET_BYTES = 128 * 2**20  # fp32 Hessians alive at once (a 1536-input layer needs 9.4 MB; kept inputs add
+# at most half as much again: _HessianHooks)
 
 
 @dataclass
@@ -68,27 +69,33 @@ def calibrate_layer(
     rounding: str,
     step_dtype: torch.dtype = BASE_STEP_DTYPE,
     smoothing: torch.Tensor | None = None,
+    inputs: torch.Tensor | None = None,
 ) -> CalibratedCodes:
     """Codes of ``weight [N, K]`` by ``rounding`` (not ``nearest``) given its input Hessian ``hessian [K, K]``.
 
     ``step_dtype``: the dtype the packed layer stores its steps in; the codes are chosen on that grid.
     ``smoothing``: a ``-sq`` layer's calibrated ``s [K]`` (:mod:`hf_lowprec.smoothing`), the input scale kept as it is
     (``gptq`` only: the ``awq`` roundings choose their own).
+    ``inputs``: the calibration inputs ``X [T, K]`` (``hessian = X^T X``) where they are fewer than the inputs' width:
+    the output errors are computed from them, at a fraction of the cost.
     """
     w, h = weight.detach().float(), hessian.float()
     block = layer_rotation(spec, w.shape[1], f"calibrating {spec.name}")
     if block is not None:  # the codes of W R for inputs X R, whose Hessian is R^T H R
         w, h = rotate(w, block), rotated_hessian(h, block)
+        inputs = None if inputs is None else rotate(inputs.float(), block)
     awq = check_rounding(rounding).startswith("awq")
     if smoothing is not None and awq:
         raise ValueError(f"rounding {rounding!r} chooses its own input scales; a '-sq' layer takes gptq")
-    scale = search_input_scale(w, h, spec, step_dtype) if awq else None
+    scale = search_input_scale(w, h, spec, step_dtype, inputs=inputs) if awq else None
     s = smoothing.float() if smoothing is not None else None if scale is None else scale.scale
     scaled = w if s is None else w * s
     step, zero = stored_steps(scaled, spec, step_dtype)
     if rounding.endswith("gptq"):
         # the output error is the same in scaled coordinates (W s, H / s s^T) as in the layer's own
-        result = gptq_quantize(scaled, h if s is None else h / s[:, None] / s[None, :], spec, step, zero)
+        if s is not None:
+            h, inputs = h / s[:, None] / s[None, :], None if inputs is None else inputs / s
+        result = gptq_quantize(scaled, h, spec, step, zero, inputs=inputs)
         codes, error, nearest = result.codes, result.output_error, result.output_error_nearest
     else:  # awq: the search already measured its round-to-nearest codes
         codes, error = quantize_int(scaled, spec, step, zero), scale.output_error
@@ -102,11 +109,14 @@ class _GroupDone(Exception):
 
 
 class _HessianHooks:
-    """Forward pre-hooks accumulating ``X^T X`` (fp32 ``[K, K]``) of each listed Linear's input;
-    :meth:`run` stops the forward as soon as all of them have run."""
+    """Forward pre-hooks accumulating ``X^T X`` (fp32 ``[K, K]``) of each listed Linear's input, and keeping ``X``
+    itself (fp32 ``[T, K]``) where the ``tokens`` of the calibration are at most half its width ``K`` (a fraction of
+    the output errors' cost, at most half the Hessian's memory); :meth:`run` stops the forward as soon as all of them
+    have run."""
 
-    def __init__(self, modules: dict[str, nn.Module]):
+    def __init__(self, modules: dict[str, nn.Module], tokens: int):
         self.hessians = {name: torch.zeros(m.in_features, m.in_features) for name, m in modules.items()}
+        self.inputs: dict[str, list[torch.Tensor]] = {n: [] for n, m in modules.items() if 2 * tokens <= m.in_features}
         self._seen: set[str] = set()
         self._handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in modules.items()]
 
@@ -114,6 +124,8 @@ class _HessianHooks:
         def hook(module, args):
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
             self.hessians[name].addmm_(x.T, x)
+            if name in self.inputs:
+                self.inputs[name].append(x.clone() if x.data_ptr() == args[0].data_ptr() else x)  # not a view: kept
             self._seen.add(name)
             if len(self._seen) == len(self.hessians):
                 raise _GroupDone
@@ -182,7 +194,7 @@ def calibrated_codes(
     pending, total = dict(layers), len(layers)  # a layer leaves once replaced: the old module can be freed
     try:
         for group in hessian_groups({n: m.in_features for n, m in layers.items()}, budget_bytes):
-            hooks = _HessianHooks({n: pending[n] for n in group})
+            hooks = _HessianHooks({n: pending[n] for n in group}, blocks.numel())
             try:
                 for i in range(0, len(blocks), batch_size):
                     hooks.run(model, blocks[i : i + batch_size].to(device))
@@ -192,8 +204,10 @@ def calibrated_codes(
                 module = pending.pop(name)
                 weight = dense_weight(name, module)
                 smoothing = None if getattr(module, "smoothing", None) is None else module.smoothing.scale
-                hessian = hooks.hessians.pop(name)
-                result = calibrate_layer(weight, hessian, module.spec, rounding, smoothing=smoothing)
+                hessian, inputs = hooks.hessians.pop(name), hooks.inputs.pop(name, None)
+                inputs = None if inputs is None else torch.cat(inputs)
+                result = calibrate_layer(weight, hessian, module.spec, rounding, smoothing=smoothing, inputs=inputs)
+                del inputs
                 del module
                 replace(name, result, hessian, weight)
                 del weight

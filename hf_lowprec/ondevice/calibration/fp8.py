@@ -83,8 +83,15 @@ def _cell(scaled: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 @full_precision()
-def gptq_fp8(weight: torch.Tensor, hessian: torch.Tensor, spec: FormatSpec, power_of_two: bool) -> FP8Rounding:
-    """GPTQ rounding of ``weight [N, K]`` onto its E4M3 grid given ``hessian [K, K]`` (``X^T X`` of the layer's input).
+def gptq_fp8(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    spec: FormatSpec,
+    power_of_two: bool,
+    inputs: torch.Tensor | None = None,
+) -> FP8Rounding:
+    """GPTQ rounding of ``weight [N, K]`` onto its E4M3 grid given ``hessian [K, K]`` (``X^T X`` of the layer's input;
+    the output errors computed from those ``inputs [T, K]`` when given).
 
     The returned weight casts to GPTQ's choice under the layer's own dynamic scales, which equal ``weight``'s (each
     scale group keeps its largest magnitude); it differs from ``weight`` only where that choice is not the nearest
@@ -113,21 +120,23 @@ def gptq_fp8(weight: torch.Tensor, hessian: torch.Tensor, spec: FormatSpec, powe
     shifted, snapped = (torch.maximum(torch.minimum(t, amax), -amax) for t in (shifted, rounded))
     shifted = torch.where(to_grid(shifted, scale) == rounded, shifted, snapped)
     stored = torch.where(pinned | (rounded == nearest), w, shifted)
-    error = output_error(w, hessian)
+    error = output_error(w, hessian, inputs)
     return FP8Rounding(stored, error(rounded - w), error(nearest - w))
 
 
 @full_precision()
-def _round_layer(layer: FP8Linear, hessian: torch.Tensor) -> FP8Rounding:
+def _round_layer(layer: FP8Linear, hessian: torch.Tensor, inputs: torch.Tensor | None = None) -> FP8Rounding:
     """Round ``layer``'s master weight in place (in its rotated basis for ``-rht``, its smoothed one for ``-sq``);
-    returns the rounding."""
+    returns the rounding. ``inputs [T, K]``: the calibration inputs behind ``hessian``, where kept."""
     weight, block = layer.weight.detach().float(), layer.rotation_block
     if block is not None:  # inputs X R: Hessian R^T H R, weight W R
         weight, hessian = rotate(weight, block), rotated_hessian(hessian, block)
+        inputs = None if inputs is None else rotate(inputs, block)
     s = None if layer.smoothing is None else layer.smoothing.scale.float()
     if s is not None:  # inputs X / s: Hessian H / s s^T, weight W diag(s)
         weight, hessian = weight * s, hessian / s[:, None] / s[None, :]
-    result = gptq_fp8(weight, hessian, layer.spec, layer.scaling["weight"].power_of_two)
+        inputs = None if inputs is None else inputs / s
+    result = gptq_fp8(weight, hessian, layer.spec, layer.scaling["weight"].power_of_two, inputs)
     rounded = result.weight if s is None else result.weight / s
     layer.weight.data.copy_(rounded if block is None else unrotate(rounded, block))
     return result
@@ -165,14 +174,16 @@ def round_fp8_weights(
     device = next(model.parameters()).device
     try:
         for group in hessian_groups({n: m.in_features for n, m in layers.items()}, budget_bytes):
-            hooks = _HessianHooks({n: layers[n] for n in group})
+            hooks = _HessianHooks({n: layers[n] for n in group}, sum(b.numel() for b in blocks))
             try:
                 for batch in blocks:
                     hooks.run(model, batch.to(device))
             finally:
                 hooks.remove()
             for name in group:
-                results[name] = _round_layer(layers[name], hooks.hessians.pop(name))
+                inputs = hooks.inputs.pop(name, None)
+                inputs = None if inputs is None else torch.cat(inputs)
+                results[name] = _round_layer(layers[name], hooks.hessians.pop(name), inputs)
     finally:
         model.train(was_training)
     stats = {

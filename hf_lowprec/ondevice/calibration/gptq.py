@@ -106,9 +106,11 @@ def gptq_quantize(
     *,
     block: int = 128,
     percdamp: float = 0.01,
+    inputs: torch.Tensor | None = None,
 ) -> GPTQResult:
     """GPTQ codes of ``weight [N, K]`` on the integer grid ``step``/``zero`` ``[N, G]`` given ``hessian [K, K]``
-    (see :func:`gptq_columns`)."""
+    (see :func:`gptq_columns`); the output errors computed from the calibration ``inputs [T, K]`` when given
+    (:func:`~hf_lowprec.ondevice.calibration.awq.output_error`)."""
     w = weight.detach().float()
     rows, cols = w.shape
     qmin, qmax = spec.qrange
@@ -125,7 +127,7 @@ def gptq_quantize(
     deq = gptq_columns(w, hessian, round_column, block=block, percdamp=percdamp)
     codes = codes_t.T.contiguous()
     nearest = dequantize_int(quantize_int(w, spec, step, zero), spec, step, zero)
-    error = output_error(w, hessian)
+    error = output_error(w, hessian, inputs)
     return GPTQResult(codes, step.float(), None if zero is None else zero.float(), error(deq - w), error(nearest - w))
 
 
