@@ -9,9 +9,9 @@ from peft import LoraConfig
 from hf_lowprec.formats import FormatSpec, dequantize_int, int_steps, quantize_int
 from hf_lowprec.modules import PackedInt4Linear
 from hf_lowprec.ondevice import prepare_int4_lora
-from hf_lowprec.ondevice.calibration import _HessianHooks, hessian_groups
 from hf_lowprec.ondevice.calibration.fp8 import gptq_fp8
 from hf_lowprec.ondevice.calibration.gptq import gptq_quantize
+from hf_lowprec.ondevice.calibration.passes import _HessianHooks, calibration_passes, decoder_blocks, hessian_groups
 
 LORA = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
 
@@ -98,7 +98,7 @@ def test_calibration_keeps_the_inputs_of_layers_at_least_twice_as_wide_as_the_to
     layers = {n: m for n, m in model.named_modules() if n.endswith(("q_proj", "down_proj"))}  # 64 and 128 inputs
     hooks = _HessianHooks(layers, tokens)
     ids = torch.randint(0, model.config.vocab_size, (tokens // 16, 16), generator=torch.Generator().manual_seed(0))
-    hooks.run(model, ids)
+    hooks.run(lambda: model(input_ids=ids))
     hooks.remove()
     assert set(hooks.inputs) == {n for n, m in layers.items() if 2 * tokens <= m.in_features}
     assert {layers[n].in_features for n in hooks.inputs} == ({64, 128} if tokens == 32 else {128})
@@ -106,6 +106,79 @@ def test_calibration_keeps_the_inputs_of_layers_at_least_twice_as_wide_as_the_to
         x = torch.cat(chunks)
         assert x.shape == (tokens, layers[name].in_features)
         torch.testing.assert_close(x.T @ x, hooks.hessians[name], rtol=1e-5, atol=1e-5)
+
+
+def tiny_qwen2_with_sliding_window():
+    """Two Qwen2 blocks, the second attending over a window of 4 tokens: the blocks get different attention masks."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, use_sliding_window=True,
+                         sliding_window=4, layer_types=["full_attention", "sliding_attention"])  # fmt: skip
+    return Qwen2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("make_model", [lambda: tiny_llama().eval(), tiny_qwen2_with_sliding_window])
+def test_block_by_block_passes_gather_the_hessians_of_whole_model_passes(make_model):
+    """Groups inside decoder blocks from each block's kept inputs and own arguments (the sliding-window block its own
+    mask), the output head (outside the blocks) by a whole-model pass: the Hessians of whole-model passes."""
+    model = make_model()
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    ids = torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    batches = [ids[:2], ids[2:]]
+    whole = _HessianHooks(layers, tokens=ids.numel())
+    for batch in batches:
+        whole.run(lambda batch=batch: model(input_ids=batch))
+    whole.remove()
+    assert decoder_blocks(model) == ("model.layers", model.model.layers)
+    gathered = {}
+    with torch.no_grad():
+        for group, hooks in calibration_passes(model, dict(layers), batches, budget_bytes=4 * 64 * 64 * 3):
+            assert len(group) <= 3 or all(layers[n].in_features > 64 for n in group)
+            gathered.update({name: hooks.pop(name) for name in group})
+    assert list(gathered) == list(layers) and list(layers)[-1] == "lm_head"  # model order, the head last
+    for name, (hessian, inputs) in gathered.items():
+        torch.testing.assert_close(hessian, whole.hessians[name], rtol=1e-5, atol=1e-4, msg=name)
+        assert (inputs is None) == (name not in whole.inputs), name  # kept for the 128-input down_proj only
+        if inputs is not None:
+            torch.testing.assert_close(inputs, torch.cat(whole.inputs[name]), rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_later_blocks_are_calibrated_on_what_the_rounded_earlier_ones_give():
+    """The consumer changes each layer once it has its Hessian (here: halves its weight); block 1's Hessians are those
+    of a whole-model pass through the changed block 0 (sequential calibration), not through the original one."""
+    import copy
+
+    model = tiny_llama().eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in changed.model.layers[0].modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.mul_(0.5)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers.1." in n}
+    whole = _HessianHooks({n: changed.get_submodule(n) for n in layers}, tokens=ids.numel())
+    whole.run(lambda: changed(input_ids=ids))
+    whole.remove()
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    unchanged = _hessian_of(model, "model.layers.1.self_attn.q_proj", ids)
+    gathered = {}
+    with torch.no_grad():
+        for group, hooks in calibration_passes(model, dict(layers), [ids]):
+            for name in group:
+                gathered[name] = hooks.pop(name)[0]
+                layers[name].weight.mul_(0.5)
+    for name in whole.hessians:
+        torch.testing.assert_close(gathered[name], whole.hessians[name], rtol=1e-5, atol=1e-4, msg=name)
+    assert not torch.allclose(gathered["model.layers.1.self_attn.q_proj"], unchanged, rtol=0.01)  # the change shows
+
+
+def _hessian_of(model, name: str, ids: torch.Tensor) -> torch.Tensor:
+    hooks = _HessianHooks({name: model.get_submodule(name)}, tokens=ids.numel())
+    hooks.run(lambda: model(input_ids=ids))
+    hooks.remove()
+    return hooks.hessians[name]
 
 
 def test_prepare_int4_lora_with_calibration_packs_codes_closer_to_the_model():

@@ -424,8 +424,8 @@ def test_loftq_factors_under_a_hessian_minimise_the_output_error():
 def test_loftq_with_calibrated_rounding_corrects_the_output_on_the_calibration_tokens(rounding, monkeypatch):
     """Calibrated codes and LoftQ on a dense model: each adapter is the best rank-r correction of its calibrated layer
     for the layer's output on the calibration tokens. The Hessian it was given is that layer's ``X^T X`` as the
-    calibration pass saw it (the layers fake-quantized by the plan; one pass for all layers of this small model),
-    gathered here again by a hook on a copy converted the same way."""
+    calibration pass saw it (the layers fake-quantized by the plan; one pass for all layers of the first block, whose
+    down_proj this checks), gathered here again by a hook on a copy converted the same way."""
     import copy
 
     import hf_lowprec.ondevice.prepare as prepare_module
@@ -433,12 +433,12 @@ def test_loftq_with_calibrated_rounding_corrects_the_output_on_the_calibration_t
     from hf_lowprec.ondevice.planning import int4_plan
 
     full = tiny_llama(2, hidden_size=128, intermediate_size=256)
-    weight = full.model.layers[1].mlp.down_proj.weight.detach().clone()
+    weight = full.model.layers[0].mlp.down_proj.weight.detach().clone()
     calibration = markov_batches(n=1, batch=4, seq=32)[0]["input_ids"]
     fake_quantized = copy.deepcopy(full)
     apply_plan(fake_quantized, int4_plan(fake_quantized, None), learn_scales=False)
     inputs = []
-    fake_quantized.model.layers[1].mlp.down_proj.register_forward_pre_hook(
+    fake_quantized.model.layers[0].mlp.down_proj.register_forward_pre_hook(
         lambda _, args: inputs.append(args[0].detach().reshape(-1, 256).float()))  # fmt: skip
     with torch.no_grad():
         fake_quantized(input_ids=calibration)
@@ -449,7 +449,7 @@ def test_loftq_with_calibrated_rounding_corrects_the_output_on_the_calibration_t
     model, report = prepare_int4_lora(full, LoraConfig(**LORA), rounding=rounding, calibration=calibration, loftq_init=True,
                                       backend="dequant")  # fmt: skip
     assert report.calibration["rounding"] == rounding
-    layer = model.get_base_model().model.layers[1].mlp.down_proj
+    layer = model.get_base_model().model.layers[0].mlp.down_proj
     residual = weight - layer.get_base_layer().dequantized_weight()
     torch.testing.assert_close(next(h for res, h in given if torch.equal(res, residual)), hessian, rtol=1e-4, atol=1e-4)
     corrected = residual - layer.get_delta_weight("default")

@@ -29,13 +29,12 @@ from hf_lowprec.formats import FormatSpec, quantize_int
 from hf_lowprec.modules.packed import BASE_STEP_DTYPE
 from hf_lowprec.ondevice.calibration.awq import search_input_scale, stored_steps
 from hf_lowprec.ondevice.calibration.gptq import full_precision, gptq_quantize
+from hf_lowprec.ondevice.calibration.passes import HESSIAN_BUDGET_BYTES, calibration_passes, hessian_groups
 from hf_lowprec.rotation import layer_rotation, rotate, rotated_hessian
 
 logger = logging.getLogger(__name__)
 
 ROUNDINGS = ("nearest", "gptq", "awq", "awq+gptq")
-HESSIAN_BUDGET_BYTES = 128 * 2**20  # fp32 Hessians alive at once (a 1536-input layer needs 9.4 MB; kept inputs add
-# at most half as much again: _HessianHooks)
 
 
 @dataclass
@@ -104,60 +103,6 @@ def calibrate_layer(
     return CalibratedCodes(codes, step, zero, s, None if scale is None else scale.alpha, error, nearest)
 
 
-class _GroupDone(Exception):
-    """Raised inside the forward once every layer of the group has seen its input: the rest is not needed."""
-
-
-class _HessianHooks:
-    """Forward pre-hooks accumulating ``X^T X`` (fp32 ``[K, K]``) of each listed Linear's input, and keeping ``X``
-    itself (fp32 ``[T, K]``) where the ``tokens`` of the calibration are at most half its width ``K`` (a fraction of
-    the output errors' cost, at most half the Hessian's memory); :meth:`run` stops the forward as soon as all of them
-    have run."""
-
-    def __init__(self, modules: dict[str, nn.Module], tokens: int):
-        self.hessians = {name: torch.zeros(m.in_features, m.in_features) for name, m in modules.items()}
-        self.inputs: dict[str, list[torch.Tensor]] = {n: [] for n, m in modules.items() if 2 * tokens <= m.in_features}
-        self._seen: set[str] = set()
-        self._handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in modules.items()]
-
-    def _hook(self, name: str):
-        def hook(module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            self.hessians[name].addmm_(x.T, x)
-            if name in self.inputs:
-                self.inputs[name].append(x.clone() if x.data_ptr() == args[0].data_ptr() else x)  # not a view: kept
-            self._seen.add(name)
-            if len(self._seen) == len(self.hessians):
-                raise _GroupDone
-
-        return hook
-
-    def run(self, model: nn.Module, input_ids: torch.Tensor) -> None:
-        self._seen.clear()
-        try:
-            model(input_ids=input_ids, use_cache=False)
-        except _GroupDone:
-            pass
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-
-def hessian_groups(sizes: dict[str, int], budget_bytes: int = HESSIAN_BUDGET_BYTES) -> list[list[str]]:
-    """Consecutive layer names (model order) split so each group's ``K^2`` fp32 Hessians fit ``budget_bytes``."""
-    groups: list[list[str]] = [[]]
-    used = 0
-    for name, k in sizes.items():
-        need = 4 * k * k
-        if groups[-1] and used + need > budget_bytes:
-            groups.append([])
-            used = 0
-        groups[-1].append(name)
-        used += need
-    return groups
-
-
 @torch.no_grad()
 def calibrated_codes(
     model: nn.Module,
@@ -176,12 +121,13 @@ def calibrated_codes(
     ``dense_weight(fqn, module)``: the weight to calibrate (default the layer's own); a layer packed already (round to
     nearest, while loading) is calibrated from its checkpoint weight, read one at a time.
 
-    Layers are handled in groups that fit ``budget_bytes`` of Hessians: one calibration pass per
-    group, then each layer's codes are computed and ``replace(fqn, result, hessian, weight)`` swaps it (so later groups
-    see quantized inputs; ``hessian [K, K]``: the layer's ``X^T X`` on the calibration tokens; ``weight``: the dense
-    weight calibrated, read once). ``progress(done,
-    total)`` after each layer. Returns the results by name without their codes and grids, which ``replace`` has
-    packed (kept, they would be a byte per weight: a gigabyte at 1B); nor does it keep the layers it replaced.
+    Layers are handled in groups that fit ``budget_bytes`` of Hessians: one calibration pass per group, ``batch_size``
+    blocks at a time, a decoder block at a time (:func:`~hf_lowprec.ondevice.calibration.passes.calibration_passes`),
+    then each layer's codes are computed and ``replace(fqn, result, hessian, weight)`` swaps it (so later groups see
+    quantized inputs; ``hessian [K, K]``: the layer's ``X^T X`` on the calibration tokens; ``weight``: the dense weight
+    calibrated, read once). ``progress(done, total)`` after each layer. Returns the results by name without their codes
+    and grids, which ``replace`` has packed (kept, they would be a byte per weight: a gigabyte at 1B); nor does it keep
+    the layers it replaced.
     """
     if check_rounding(rounding) == "nearest":
         raise ValueError(
@@ -190,25 +136,18 @@ def calibrated_codes(
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    batches = [blocks[i : i + batch_size].to(device) for i in range(0, len(blocks), batch_size)]
     out: dict[str, CalibratedCodes] = {}
     pending, total = dict(layers), len(layers)  # a layer leaves once replaced: the old module can be freed
     try:
-        for group in hessian_groups({n: m.in_features for n, m in layers.items()}, budget_bytes):
-            hooks = _HessianHooks({n: pending[n] for n in group}, blocks.numel())
-            try:
-                for i in range(0, len(blocks), batch_size):
-                    hooks.run(model, blocks[i : i + batch_size].to(device))
-            finally:
-                hooks.remove()
+        for group, hooks in calibration_passes(model, pending, batches, budget_bytes):
             for name in group:
                 module = pending.pop(name)
                 weight = dense_weight(name, module)
                 smoothing = None if getattr(module, "smoothing", None) is None else module.smoothing.scale
-                hessian, inputs = hooks.hessians.pop(name), hooks.inputs.pop(name, None)
-                inputs = None if inputs is None else torch.cat(inputs)
+                hessian, inputs = hooks.pop(name)
                 result = calibrate_layer(weight, hessian, module.spec, rounding, smoothing=smoothing, inputs=inputs)
-                del inputs
-                del module
+                del module, inputs
                 replace(name, result, hessian, weight)
                 del weight
                 out[name] = dataclasses.replace(result, codes=None, step=None, zero=None)

@@ -43,9 +43,9 @@ from hf_lowprec.formats import (
     fp8_scale,
 )
 from hf_lowprec.modules.fp8 import FP8Linear
-from hf_lowprec.ondevice.calibration import HESSIAN_BUDGET_BYTES, _HessianHooks, hessian_groups
 from hf_lowprec.ondevice.calibration.awq import output_error
 from hf_lowprec.ondevice.calibration.gptq import full_precision, gptq_columns
+from hf_lowprec.ondevice.calibration.passes import HESSIAN_BUDGET_BYTES, calibration_passes
 from hf_lowprec.rotation import rotate, rotated_hessian, unrotate
 from hf_lowprec.smoothing import calibrate_smoothed_layers
 
@@ -173,17 +173,9 @@ def round_fp8_weights(
     model.eval()
     device = next(model.parameters()).device
     try:
-        for group in hessian_groups({n: m.in_features for n, m in layers.items()}, budget_bytes):
-            hooks = _HessianHooks({n: layers[n] for n in group}, sum(b.numel() for b in blocks))
-            try:
-                for batch in blocks:
-                    hooks.run(model, batch.to(device))
-            finally:
-                hooks.remove()
+        for group, hooks in calibration_passes(model, layers, [b.to(device) for b in blocks], budget_bytes):
             for name in group:
-                inputs = hooks.inputs.pop(name, None)
-                inputs = None if inputs is None else torch.cat(inputs)
-                results[name] = _round_layer(layers[name], hooks.hessians.pop(name), inputs)
+                results[name] = _round_layer(layers[name], *hooks.pop(name))
     finally:
         model.train(was_training)
     stats = {
