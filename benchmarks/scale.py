@@ -14,6 +14,8 @@ AdamW (8-bit states for hf-lowprec and NF4 QLoRA since 2026-12-02, fp32 for the 
   base (the CLI default): the defaults with LoftQ (each dense weight read back at a time) and the base learning its
   steps and zero points (``learn_steps=True``: an fp32 gain and shift per group of 64, their gradients and 8-bit AdamW
   states; exact kernels); until 2026-12-03 the recipe scanned an int4/int8 plan at 6.25 bits/param instead;
+  ``int4-lora-recipe-gptq`` (opt-in: ``--configs int4-lora-recipe-gptq``): that base with GPTQ rounding
+  (``rounding="gptq"``) calibrated on 4x256 random tokens, the LoftQ factors minimising each layer's output error;
 - ``int4-lora-bf16-embedding``: the defaults with an untied input embedding kept bf16, as before the default plan
   packed it (``--sizes llama-3.2-1b-untied``: the 1B shape with its own embedding table, as Llama-3.1-8B has; the
   fits and the plot leave untied sizes out);
@@ -65,6 +67,7 @@ MARK = "@@RESULT@@"
 BLOCK = 256
 BATCHES = (1, 4)
 STEPS = 2  # timed steps per batch size (--steps)
+CALIBRATION_BLOCKS = 4  # the recipe's calibration_batches at batch 1
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192, "rope_theta": 500000.0}  # fmt: skip
@@ -93,6 +96,9 @@ CONFIGS = {
                                 "before PackedEmbedding)",
     "int4-lora-recipe": "hf-lowprec int4-ondevice-lora recipe's base (the CLI default): packed on load, LoftQ from the "
                         "checkpoint's residuals, the base learning its steps and zero points",
+    "int4-lora-recipe-gptq": "the int4-ondevice-lora recipe's base with GPTQ rounding (--rounding gptq), calibrated on "
+                             f"{CALIBRATION_BLOCKS}x{BLOCK} random tokens, its LoftQ factors minimising each layer's "
+                             "output error (CLoQ); not in the default sweep",
     "int4-hf-quantizer": "transformers' own from_pretrained(quantization_config=HfLowprecConfig()) + PEFT's "
                          "get_peft_model and the model's own loss, as the NF4 QLoRA peer (no chunked loss, no 8-bit "
                          "activations), 8-bit AdamW",
@@ -101,6 +107,7 @@ CONFIGS = {
     "nf4-qlora": "bnb NF4 QLoRA (double quant, bf16 compute)",
     "nf4-qlora-gc": "bnb NF4 QLoRA + gradient checkpointing",
 }
+OPT_IN = ("int4-lora-bf16-embedding", "int4-lora-recipe-gptq")  # measured when named (--configs): minutes at 1B
 NEEDS_BITSANDBYTES = ("nf4-qlora", "nf4-qlora-gc")  # the others run as an install without it (see child_imports)
 
 
@@ -152,8 +159,12 @@ def _load(config: str, folder: Path):
         from hf_lowprec.training.activations import ActivationStorage
 
         options = {}
-        if config == "int4-lora-recipe":
+        if config.startswith("int4-lora-recipe"):
             options = dict(loftq_init=True, learn_steps=True)
+        if config == "int4-lora-recipe-gptq":
+            vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+            tokens = torch.randint(0, vocab, (CALIBRATION_BLOCKS, BLOCK), generator=torch.Generator().manual_seed(1))
+            options.update(rounding="gptq", calibration=tokens)
         if config == "int4-lora-bf16-embedding":
             from hf_lowprec.plan import PrecisionPlan
 
@@ -429,8 +440,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", nargs="?", default="sweep", choices=["sweep", "child", "build", "plot"])
     parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), choices=list(SIZES))
-    parser.add_argument("--configs", nargs="+", default=[c for c in CONFIGS if c != "int4-lora-bf16-embedding"],
-                        choices=list(CONFIGS))  # fmt: skip
+    parser.add_argument("--configs", nargs="+", default=[c for c in CONFIGS if c not in OPT_IN], choices=list(CONFIGS))
     parser.add_argument("--steps", type=int, default=STEPS, help="timed steps per batch size (after one warm-up)")
     parser.add_argument("--work", default=str(cache_root() / "scale"),
                         help="where the random-weight checkpoints are saved (built once)")  # fmt: skip
