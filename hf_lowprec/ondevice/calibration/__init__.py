@@ -10,10 +10,10 @@
 - ``awq+gptq``: both, GPTQ on the scaled weight with the correspondingly scaled Hessian.
 
 All use each layer's own format and grid, so the results pack into
-:class:`~hf_lowprec.modules.packed.PackedInt4Linear` like any other. Layers are processed a few
-decoder blocks at a time and packed as they go: later layers are calibrated on the inputs the
-already-quantized ones give them (sequential, as in GPTQ), and only a bounded number of input Hessians
-exist at once.
+:class:`~hf_lowprec.modules.packed.PackedInt4Linear` like any other. Layers are processed a decoder
+block at a time (:mod:`~hf_lowprec.ondevice.calibration.passes`) and packed as they go: later layers are calibrated
+on the inputs the already-quantized ones give them (sequential, as in GPTQ), and only a bounded number of input
+Hessians exist at once.
 """
 
 from __future__ import annotations

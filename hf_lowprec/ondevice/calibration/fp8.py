@@ -17,8 +17,9 @@ The grid is the one the layer's cast will use: the weight's own dynamic scales (
 MX, power of two as the layer's weight policy says). Each scale group's largest element keeps its value and no other
 outgrows it, so the dynamic scale computed from the rounded weight is the one GPTQ rounded on. ``-rht``
 layers are rounded in their rotated basis and rotated back, ``-sq`` layers in their smoothed one (calibrated on the
-first batch first). Layers are processed a few decoder blocks at a time, each
-on the inputs the already-rounded ones give it (sequential, as in GPTQ).
+first batch first). Layers are processed a decoder block at a time
+(:mod:`~hf_lowprec.ondevice.calibration.passes`), each on the inputs the already-rounded ones give it (sequential, as
+in GPTQ).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ columns not yet quantized, weighted by the inverse of the layer's input Hessian 
 
 The grid is the layer's own format (:func:`~hf_lowprec.formats.int_steps` of the original weight,
 "static groups"), so the result packs into :class:`~hf_lowprec.modules.packed.PackedInt4Linear`
-unchanged and loads like any other export. :mod:`hf_lowprec.ondevice.calibration` runs it over a model, a few
-decoder blocks at a time (sequential GPTQ).
+unchanged and loads like any other export. :mod:`hf_lowprec.ondevice.calibration` runs it over a model, a decoder
+block at a time (sequential GPTQ).
 
 Written here because torchao's GPTQ (``torchao.prototype.gptq``, 0.18) runs on CUDA only and
 produces its own int4 tensor layout; no kept library quantizes to this format on a CPU.

@@ -88,7 +88,6 @@ def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     """``(fqn, blocks)``: the model's decoder blocks, the ``nn.ModuleList`` of modules of one type holding the most
     parameters (``model.layers`` of a transformers causal LM); ``None`` when it has none."""
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len({type(c) for c in m}) == 1]
-    lists = [(n, m) for n, m in lists if len(m)]
     return max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()), default=None)
 
 
@@ -134,6 +133,7 @@ class _BlockInputs:
         self.kwargs[index] = []
 
 
+@torch.no_grad()
 def calibration_passes(
     model: nn.Module,
     layers: dict[str, nn.Module],
