@@ -87,7 +87,7 @@ def hessian_groups(sizes: dict[str, int], budget_bytes: int = HESSIAN_BUDGET_BYT
 def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     """``(fqn, blocks)``: the model's decoder blocks, the ``nn.ModuleList`` of modules of one type holding the most
     parameters (``model.layers`` of a transformers causal LM); ``None`` when it has none."""
-    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len({type(c) for c in m}) == 1]
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(set(map(type, m))) == 1]
     return max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()), default=None)
 
 
