@@ -133,28 +133,22 @@ def calibrated_codes(
         raise ValueError(
             "calibrated_codes: rounding 'nearest' needs no calibration; pack the layers with Int4Linear.freeze()"
         )
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    batches = [blocks[i : i + batch_size].to(device) for i in range(0, len(blocks), batch_size)]
+    batches = [blocks[i : i + batch_size] for i in range(0, len(blocks), batch_size)]
     out: dict[str, CalibratedCodes] = {}
     pending, total = dict(layers), len(layers)  # a layer leaves once replaced: the old module can be freed
-    try:
-        for group, hooks in calibration_passes(model, pending, batches, budget_bytes):
-            for name in group:
-                module = pending.pop(name)
-                weight = dense_weight(name, module)
-                smoothing = None if getattr(module, "smoothing", None) is None else module.smoothing.scale
-                hessian, inputs = hooks.pop(name)
-                result = calibrate_layer(weight, hessian, module.spec, rounding, smoothing=smoothing, inputs=inputs)
-                del module, inputs
-                replace(name, result, hessian, weight)
-                del weight
-                out[name] = dataclasses.replace(result, codes=None, step=None, zero=None)
-                if progress is not None:
-                    progress(len(out), total)
-    finally:
-        model.train(was_training)
+    for group, hooks in calibration_passes(model, pending, batches, budget_bytes):
+        for name in group:
+            module = pending.pop(name)
+            weight = dense_weight(name, module)
+            smoothing = None if getattr(module, "smoothing", None) is None else module.smoothing.scale
+            hessian, inputs = hooks.pop(name)
+            result = calibrate_layer(weight, hessian, module.spec, rounding, smoothing=smoothing, inputs=inputs)
+            del module, inputs
+            replace(name, result, hessian, weight)
+            del weight
+            out[name] = dataclasses.replace(result, codes=None, step=None, zero=None)
+            if progress is not None:
+                progress(len(out), total)
     return out
 
 

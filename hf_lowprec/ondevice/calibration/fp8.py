@@ -170,15 +170,9 @@ def round_fp8_weights(
         blocks = [blocks[i : i + batch_size] for i in range(0, len(blocks), batch_size)]
     calibrate_smoothed_layers(model, blocks[0])  # '-sq' layers: rounded on the grid of their smoothed weight
     start, results = time.perf_counter(), {}
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    try:
-        for group, hooks in calibration_passes(model, layers, [b.to(device) for b in blocks], budget_bytes):
-            for name in group:
-                results[name] = _round_layer(layers[name], *hooks.pop(name))
-    finally:
-        model.train(was_training)
+    for group, hooks in calibration_passes(model, layers, blocks, budget_bytes):
+        for name in group:
+            results[name] = _round_layer(layers[name], *hooks.pop(name))
     stats = {
         "rounding": rounding,
         "layers": len(results),

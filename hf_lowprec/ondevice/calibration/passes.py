@@ -133,6 +133,17 @@ class _BlockInputs:
         self.kwargs[index] = []
 
 
+def _gathered(modules: dict[str, nn.Module], tokens: int, forwards) -> _HessianHooks:
+    """The Hessians (and kept inputs) of ``modules`` over ``forwards`` (callables, one per batch), hooks removed."""
+    hooks = _HessianHooks(modules, tokens)
+    try:
+        for forward in forwards:
+            hooks.run(forward)
+    finally:
+        hooks.remove()
+    return hooks
+
+
 @torch.no_grad()
 def calibration_passes(
     model: nn.Module,
@@ -145,8 +156,11 @@ def calibration_passes(
 
     The caller rounds and replaces the group's layers before asking for the next group: later groups see the
     replaced layers' outputs. Layers inside the decoder blocks go block by block from each block's kept inputs;
-    the others (and every layer of a model without decoder blocks) by whole-model passes, after them.
+    the others (and every layer of a model without decoder blocks) by whole-model passes, after them. The model runs
+    in eval mode on its own device meanwhile (its mode restored after).
     """
+    device = next(model.parameters()).device
+    batches = [b.to(device) for b in batches]
     tokens = sum(b.numel() for b in batches)
     found = decoder_blocks(model)
     prefix, blocks = (f"{found[0]}.", found[1]) if found else ("", [])
@@ -155,30 +169,25 @@ def calibration_passes(
         index = name.removeprefix(prefix).split(".", 1)[0] if found and name.startswith(prefix) else None
         block_of[name] = int(index) if index is not None and index.isdigit() else None
     inside = [n for n in layers if block_of[n] is not None]
-    if inside:
-        cache, last = _BlockInputs(model, blocks, batches), max(block_of[n] for n in inside)
-        for index in range(last + 1):
-            in_block = {n: layers[n].in_features for n in inside if block_of[n] == index}
-            for group in hessian_groups(in_block, budget_bytes) if in_block else []:
-                hooks = _HessianHooks({n: layers[n] for n in group}, tokens)
-                try:
-                    for b in range(len(batches)):
-                        hooks.run(lambda b=b: cache.forward(index, b))
-                finally:
-                    hooks.remove()
-                yield group, hooks
-            if index < last:
-                cache.advance(index)
-        del cache
-    outside = {n: layers[n].in_features for n in layers if block_of[n] is None}
-    for group in hessian_groups(outside, budget_bytes) if outside else []:
-        hooks = _HessianHooks({n: layers[n] for n in group}, tokens)
-        try:
-            for ids in batches:
-                hooks.run(lambda ids=ids: model(input_ids=ids, use_cache=False))
-        finally:
-            hooks.remove()
-        yield group, hooks
+    was_training = model.training
+    model.eval()
+    try:
+        if inside:
+            cache, last = _BlockInputs(model, blocks, batches), max(block_of[n] for n in inside)
+            for index in range(last + 1):
+                in_block = {n: layers[n].in_features for n in inside if block_of[n] == index}
+                for group in hessian_groups(in_block, budget_bytes) if in_block else []:
+                    forwards = [lambda b=b: cache.forward(index, b) for b in range(len(batches))]
+                    yield group, _gathered({n: layers[n] for n in group}, tokens, forwards)
+                if index < last:
+                    cache.advance(index)
+            del cache
+        outside = {n: layers[n].in_features for n in layers if block_of[n] is None}
+        for group in hessian_groups(outside, budget_bytes) if outside else []:
+            forwards = [lambda ids=ids: model(input_ids=ids, use_cache=False) for ids in batches]
+            yield group, _gathered({n: layers[n] for n in group}, tokens, forwards)
+    finally:
+        model.train(was_training)
 
 
 __all__ = ["HESSIAN_BUDGET_BYTES", "calibration_passes", "decoder_blocks", "hessian_groups"]
