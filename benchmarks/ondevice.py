@@ -73,7 +73,7 @@ def _data(tokenizer, n_train: int, n_eval: int):
 
 
 def _build(config: str, loftq: bool, rounding: str, gc: bool, budget_bits: float = 0.0, kept_format: str = "int8", backend: str = "auto",
-           rotate: bool = False, int4_format: str = "int4-g64-asym", adapter_dtype: str = "fp32", learn_steps: bool = False):  # fmt: skip
+           rotate: bool = False, int4_format: str = "int4-g64-asym", adapter_dtype: str = "fp32", learn_steps: bool | str = False):  # fmt: skip
     """``(model, tokenizer, loss_fn(batch) -> loss, notes)`` for one configuration."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -229,9 +229,10 @@ def child(args) -> dict:
 # ------------------------------------------------------------------------------------ parent
 def run_child(config: str, gc: bool, steps: int, warmup: int, eval_blocks: int = 0, loftq: bool = False, merge_eval: bool = False,
               rounding: str = "nearest", budget_bits: float = 0.0, kept_format: str = "int8", backend: str = "auto", rotate: bool = False,
-              int4_format: str = "int4-g64-asym", optim: str = "adamw_torch", adapter_dtype: str = "fp32", learn_steps: bool = False, frozen_lora: bool = False) -> dict:  # fmt: skip
-    flags = [f for f, on in (("--loftq", loftq), ("--merge-eval", merge_eval), ("--rotate", rotate), ("--learn-steps", learn_steps),
+              int4_format: str = "int4-g64-asym", optim: str = "adamw_torch", adapter_dtype: str = "fp32", learn_steps: bool | str = False, frozen_lora: bool = False) -> dict:  # fmt: skip
+    flags = [f for f, on in (("--loftq", loftq), ("--merge-eval", merge_eval), ("--rotate", rotate), ("--learn-steps", learn_steps is True),
                              ("--frozen-lora", frozen_lora)) if on]  # fmt: skip
+    flags += ["--learn-steps", learn_steps] if learn_steps == "zero_points" else []
     flags += ["--rounding", rounding, "--budget-bits", str(budget_bits), "--kept-format", kept_format, "--backend", backend, "--seed", str(SEED),
               "--int4-format", int4_format, "--optim", optim, "--adapter-dtype", adapter_dtype]
     cmd = [sys.executable, __file__, "child", "--config", config, "--gc", str(int(gc)), "--steps", str(steps),
@@ -343,7 +344,7 @@ def _quality_key(r: dict) -> str:
     rounding = r.get("rounding") or ("gptq" if r.get("gptq_rounding") else "nearest")  # older runs stored a GPTQ flag
     return (r["config"] + (f" ({fmt})" if fmt else "") + ("+rht scanned" if r.get("rotate") else "") + keep
             + ("+8-bit adamw" if r.get("optim", "adamw_torch") != "adamw_torch" else "") + ("+bf16 adapters" if r.get("adapter_dtype", "fp32") == "bf16" else "") + (f"+{rounding}" if rounding != "nearest" else "")
-            + ("+loftq" if r["loftq"] else "") + ("+learned steps" if r.get("learn_steps") else "") + ("+frozen adapters" if r.get("frozen_lora") else "") + backend + (f" [seed {r['seed']}]" if r.get("seed") else ""))  # fmt: skip
+            + ("+loftq" if r["loftq"] else "") + {True: "+learned steps", "zero_points": "+learned zero points"}.get(r.get("learn_steps"), "") + ("+frozen adapters" if r.get("frozen_lora") else "") + backend + (f" [seed {r['seed']}]" if r.get("seed") else ""))  # fmt: skip
 
 
 def _bits(fmt: str) -> float:
@@ -368,13 +369,15 @@ def _options(config: str) -> dict:
 
 
 def parse_variant(variant: str) -> dict:
-    """``int4-lora`` options from a ``+``-joined variant name: ``loftq``, ``gptq``, ``awq``, ``dequant``, ``keepNN``
+    """``int4-lora`` options from a ``+``-joined variant name: ``loftq``, ``gptq``, ``awq``, ``dequant`` or ``int8``
+    (that backend for every packed layer), ``keepNN``
     (a scanned plan keeping NN% of the linear weights, the most sensitive, in bf16) or ``keepNN-int8`` (in int8), ``auto``
     (the product's default scanned plan), ``rht`` (the scan also scores ``int4-g64-asym-rht`` and picks per layer),
     ``gNN`` / ``gNN-sym`` (the int4 format ``int4-gNN-asym`` / ``int4-gNN`` instead of int4-g64-asym), ``adam8`` (the
     adapters' AdamW with 8-bit states, ``finetune_int4_lora``'s default; else fp32 states like the other configurations),
     ``bf16ad`` (bf16 adapter weights, their updates rounded stochastically; else fp32), ``steps`` (the base learns its
-    steps and zero points, ``learn_steps=True``), ``frozenlora`` (the adapters keep their initial values: with ``steps``,
+    steps and zero points, ``learn_steps=True``), ``zeros`` (its zero points alone, ``learn_steps="zero_points"``),
+    ``frozenlora`` (the adapters keep their initial values: with ``steps``,
     only the steps and zero points train);
     e.g. ``keep20+awq+gptq+loftq``, ``g32+loftq``. No keep part: every Linear int4."""
     from hf_lowprec.ondevice import AUTO_BUDGET
@@ -383,18 +386,18 @@ def parse_variant(variant: str) -> dict:
     kept = [m for m in map(re.compile(r"keep(\d+)(?:-(int8))?").fullmatch, parts) if m]
     group = [m for m in map(re.compile(r"g(\d+)(-sym)?").fullmatch, parts) if m]
     int4 = f"int4-g{group[0][1]}{'' if group[0][2] else '-asym'}" if group else "int4-g64-asym"
-    unknown = [x for x in parts if x not in ("loftq", "gptq", "awq", "dequant", "auto", "rht", "adam8", "bf16ad", "steps", "frozenlora") and not any(m.string == x for m in kept + group)]
+    unknown = [x for x in parts if x not in ("loftq", "gptq", "awq", "dequant", "int8", "auto", "rht", "adam8", "bf16ad", "steps", "zeros", "frozenlora") and not any(m.string == x for m in kept + group)]
     if unknown:
-        raise SystemExit(f"--int4-variants {variant!r}: unknown part(s) {unknown}; use loftq, gptq, awq, dequant, auto, rht, adam8, bf16ad, steps, frozenlora, keepNN, keepNN-int8, gNN, gNN-sym joined by '+'")
+        raise SystemExit(f"--int4-variants {variant!r}: unknown part(s) {unknown}; use loftq, gptq, awq, dequant, int8, auto, rht, adam8, bf16ad, steps, zeros, frozenlora, keepNN, keepNN-int8, gNN, gNN-sym joined by '+'")
     rounding = "+".join(x for x in ("awq", "gptq") if x in parts) or "nearest"
     kept_format, bits = "int8", AUTO_BUDGET["target_bits_per_param"] if "auto" in parts else 0.0
     if kept:
         kept_format = kept[0][2] or "bf16"
         bits = _bits(int4) + int(kept[0][1]) / 100 * (_bits(kept_format) - _bits(int4))
     return {"loftq": "loftq" in parts, "rounding": rounding, "budget_bits": bits, "kept_format": kept_format,
-            "backend": "dequant" if "dequant" in parts else "auto", "rotate": "rht" in parts, "int4_format": int4,
+            "backend": next((b for b in ("dequant", "int8") if b in parts), "auto"), "rotate": "rht" in parts, "int4_format": int4,
             "optim": "adamw_torch_8bit" if "adam8" in parts else "adamw_torch", "adapter_dtype": "bf16" if "bf16ad" in parts else "fp32",
-            "learn_steps": "steps" in parts, "frozen_lora": "frozenlora" in parts}
+            "learn_steps": "zero_points" if "zeros" in parts else "steps" in parts, "frozen_lora": "frozenlora" in parts}
 
 
 def quality(args) -> None:
@@ -518,7 +521,8 @@ def main() -> None:
     p.add_argument("--optim", default="adamw_torch", choices=("adamw_torch", "adamw_torch_8bit"), help="child: the adapters' optimizer")
     p.add_argument("--adapter-dtype", default="fp32", choices=("fp32", "bf16"), help="child: int4-lora's adapter weights (bf16: stochastically rounded updates)")
     p.add_argument("--merge-eval", action="store_true", help="child: also evaluate the merged, re-quantized export")
-    p.add_argument("--learn-steps", action="store_true", help="child: the INT4 base learns its steps and zero points")
+    p.add_argument("--learn-steps", nargs="?", const=True, default=False, type=lambda v: v, choices=(True, "zero_points"),
+                   help="child: the INT4 base learns its steps and zero points (zero_points: those alone)")
     p.add_argument("--frozen-lora", action="store_true", help="child: the adapters keep their initial values")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=3)

@@ -14,6 +14,8 @@ AdamW (8-bit states for hf-lowprec and NF4 QLoRA since 2026-12-02, fp32 for the 
   base (the CLI default): the defaults with LoftQ (each dense weight read back at a time) and the base learning its
   steps and zero points (``learn_steps=True``: an fp32 gain and shift per group of 64, their gradients and 8-bit AdamW
   states; exact kernels); until 2026-12-03 the recipe scanned an int4/int8 plan at 6.25 bits/param instead;
+  ``int4-lora-recipe-zeros`` (opt-in): that base learning its zero points alone (``learn_steps="zero_points"``: a
+  shift per group, its gradient from the inputs' group sums, no weight-gradient GEMM; exact kernels);
   ``int4-lora-recipe-gptq`` (opt-in: ``--configs int4-lora-recipe-gptq``): that base with GPTQ rounding
   (``rounding="gptq"``) calibrated on 4x256 random tokens, the LoftQ factors minimising each layer's output error;
 - ``int4-lora-bf16-embedding``: the defaults with an untied input embedding kept bf16, as before the default plan
@@ -96,6 +98,8 @@ CONFIGS = {
                                 "before PackedEmbedding)",
     "int4-lora-recipe": "hf-lowprec int4-ondevice-lora recipe's base (the CLI default): packed on load, LoftQ from the "
                         "checkpoint's residuals, the base learning its steps and zero points",
+    "int4-lora-recipe-zeros": "the int4-ondevice-lora recipe's base learning its zero points alone "
+                              "(learn_steps='zero_points')",
     "int4-lora-recipe-gptq": "the int4-ondevice-lora recipe's base with GPTQ rounding (--rounding gptq), calibrated on "
                              f"{CALIBRATION_BLOCKS}x{BLOCK} random tokens, its LoftQ factors minimising each layer's "
                              "output error (CLoQ); not in the default sweep",
@@ -107,7 +111,7 @@ CONFIGS = {
     "nf4-qlora": "bnb NF4 QLoRA (double quant, bf16 compute)",
     "nf4-qlora-gc": "bnb NF4 QLoRA + gradient checkpointing",
 }
-OPT_IN = ("int4-lora-bf16-embedding", "int4-lora-recipe-gptq")  # measured when named (--configs): minutes at 1B
+OPT_IN = ("int4-lora-bf16-embedding", "int4-lora-recipe-zeros", "int4-lora-recipe-gptq")  # measured when named (--configs): minutes at 1B
 NEEDS_BITSANDBYTES = ("nf4-qlora", "nf4-qlora-gc")  # the others run as an install without it (see child_imports)
 
 
@@ -160,7 +164,7 @@ def _load(config: str, folder: Path):
 
         options = {}
         if config.startswith("int4-lora-recipe"):
-            options = dict(loftq_init=True, learn_steps=True)
+            options = dict(loftq_init=True, learn_steps="zero_points" if config.endswith("-zeros") else True)
         if config == "int4-lora-recipe-gptq":
             vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
             tokens = torch.randint(0, vocab, (CALIBRATION_BLOCKS, BLOCK), generator=torch.Generator().manual_seed(1))
@@ -356,7 +360,7 @@ def goals(results: list[dict]) -> dict:
         return ours["train"][batch][key] / fastest["train"][batch][key], fastest["config"]
 
     out = {}
-    for config in ("int4-lora", "int4-lora-gc", "int4-lora-returned", "int4-lora-recipe"):
+    for config in ("int4-lora", "int4-lora-gc", "int4-lora-returned", "int4-lora-recipe", "int4-lora-recipe-zeros"):
         ours = at.get(config)
         if ours is None:
             continue

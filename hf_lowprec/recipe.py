@@ -34,6 +34,7 @@ from hf_lowprec.data import TRAIN_ON
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.ondevice.calibration import ROUNDINGS
 from hf_lowprec.ondevice.calibration.fp8 import FP8_ROUNDINGS
+from hf_lowprec.ondevice.learned_steps import LEARN_STEPS
 from hf_lowprec.plan import AUTO, PrecisionPlan, describe_yaml_error, resolve_plan
 from hf_lowprec.sensitivity.allocate import budget_from
 from hf_lowprec.sensitivity.results import CONVERSION, SCORES
@@ -51,8 +52,13 @@ LORA_INITS = ("default", "loftq")
 EXPORT_WEIGHTS = ("master", "int4-packed", "auto")  # hf_lowprec.export.folder.export_model says what each writes
 
 
-def _choices(*values: str) -> dict:
+def _choices(*values) -> dict:
     return {"choices": values}
+
+
+def _spelled(value) -> str:
+    """``value`` as a recipe spells it (YAML's ``true``/``false``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 @dataclass(frozen=True)
@@ -75,8 +81,9 @@ class PrecisionSection:
             ``int4-lora``: the frozen base's INT4 codes: ``nearest``, ``gptq``, ``awq``, ``awq+gptq`` (lower output
             error; see ``hf_lowprec.ondevice.calibration``). ``full``: ``nearest`` or ``gptq``, which first moves each
             FP8 layer's master weight to the grid point GPTQ chooses (``hf_lowprec.ondevice.calibration.fp8``).
-        learn_steps: ``int4-lora`` only: the frozen base's group steps and zero points train with the adapters (its
-            codes stay frozen; ``hf_lowprec.ondevice.learned_steps``).
+        learn_steps: ``int4-lora`` only: ``true``: the frozen base's group steps and zero points train with the
+            adapters (its codes stay frozen; ``hf_lowprec.ondevice.learned_steps``); ``zero_points``: its zero points
+            alone (cheaper: no weight gradient); ``false``: neither.
     """
 
     plan: str = "fp8"
@@ -87,7 +94,7 @@ class PrecisionSection:
     calibration_batches: int = 4
     scan_method: str = field(default="auto", metadata=_choices("auto", "fisher", "measured"))
     rounding: str = field(default="nearest", metadata=_choices(*ROUNDINGS))
-    learn_steps: bool = False
+    learn_steps: bool | str = field(default=False, metadata=_choices(*LEARN_STEPS))
 
     def __post_init__(self):
         for fmt in self.formats:
@@ -377,7 +384,8 @@ def _build(cls, data, prefix: str, source: str):
         kwargs[name] = _check_value(value, hints[name], key, source)
         choices = fields[name].metadata.get("choices")
         if choices and kwargs[name] not in choices:
-            raise ValueError(f"{where}: {key!r} is {value!r}; allowed values are {', '.join(choices)}")
+            allowed = ", ".join(map(_spelled, choices))
+            raise ValueError(f"{where}: {key!r} is {value!r}; allowed values are {allowed}")
     try:
         return cls(**kwargs)
     except ValueError as e:
@@ -423,8 +431,14 @@ def _check_value(value, hint, key: str, source: str):
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _check_value(value, inner, key, source)
+        inner = [a for a in args if a is not type(None)]
+        for one in inner[:-1]:  # bool | str: the first type the value is
+            if isinstance(value, one):
+                return _check_value(value, one, key, source)
+        if len(inner) > 1 and not isinstance(value, inner[-1]):
+            names = " or ".join(_TYPE_NAMES.get(a, a.__name__) for a in inner)
+            raise ValueError(f"{where}: {key!r} must be {names}, got {value!r}")
+        return _check_value(value, inner[-1], key, source)
     if origin is tuple:
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):

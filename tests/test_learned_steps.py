@@ -65,6 +65,33 @@ def test_learned_gradients_and_outputs_match_autograd_through_the_dequantized_we
         assert rel(layer.zero_shift.grad, shift.grad) < 1e-5 and layer.zero_shift.grad.abs().min() > 0
 
 
+@pytest.mark.parametrize("spec", ["int4-g64-asym", "int4-g32-asym", "int4-g64-asym-sq"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_points_learned_alone_get_the_gradient_of_the_dequantized_weight(spec, dtype, backend):
+    """Zero points learned alone (no gain): their gradient from the group sums of the inputs, without the weight
+    gradient, equals autograd's through the dequantized weight."""
+    torch.manual_seed(0)
+    dense = Int4Linear.from_linear(torch.nn.Linear(128, 96), spec, learn_scales=False)
+    dense(torch.randn(64, 128) * torch.linspace(0.1, 4, 128))  # -sq: calibrates the smoothing
+    layer = dense.freeze().to(dtype)
+    layer.backend = backend
+    (shift,) = layer.learn_steps(steps=False)
+    assert layer.step_gain is None and layer.learns_steps and layer.exact_kernels
+    with torch.no_grad():
+        shift.add_(torch.rand(layer.step.shape) - 0.5)
+    x, g = torch.randn(3, 21, 128, dtype=dtype), torch.randn(3, 21, 96, dtype=dtype)
+    y = layer(x)
+    y.backward(g)
+    shift_ref = shift.detach().clone().requires_grad_()
+    gain = torch.ones(layer.step.shape, dtype=torch.float64)
+    y_ref = F.linear(x.double(), reference_weight(layer, gain, shift_ref.double()).double(), layer.bias.double())
+    y_ref.backward(g.double())
+    assert rel(y, y_ref) < (0.02 if backend == "int8" else 1e-5 if dtype == torch.float32 else 1e-2)
+    assert shift.grad.abs().min() > 0  # from the exact weight whatever the backend's forward
+    assert rel(shift.grad, shift_ref.grad) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_an_optimizer_step_on_the_gain_changes_what_every_backend_computes(backend):
     layer = learning("int4-g64-asym")
@@ -159,7 +186,7 @@ def test_a_base_that_learns_its_steps_trains_them_at_their_rate_and_exports_them
     assert len(reloaded_packed) == 14 and all(m.exact_kernels for m in reloaded_packed)  # the folder's config says so
     with torch.no_grad():
         reloaded(input_ids=ids)  # backend auto: the exact kernels the steps were learned with, never int8
-        assert all(m.last_backend in ("tiled", "dequant") for m in reloaded_packed)
+        assert all(m.last_backend.split("/")[0] in ("tiled", "dequant") for m in reloaded_packed)
         again, trained = on_dequant_backend(reloaded)(input_ids=ids), on_dequant_backend(model)(input_ids=ids)
         assert torch.equal(again.logits, trained.logits)
     export_int4_lora(model, tmp_path / "merged", merge=True)  # merging re-quantizes: fresh steps, gains back at one
@@ -217,11 +244,13 @@ def test_folding_keeps_what_the_layer_computes_up_to_the_steps_rounding_and_rest
 
 
 @needs_int8
-def test_auto_runs_exact_kernels_for_a_layer_that_learns_its_steps():
+def test_auto_runs_an_exact_forward_for_a_layer_that_learns_its_steps():
     layer = learning("int4-g64-asym")
     x = torch.randn(64, 128)
     layer(x)
-    assert layer.last_backend in ("tiled", "dequant")  # never int8 (its per-token rounding), whichever is faster here
+    forward, *grad_input = layer.last_backend.split("/")
+    assert forward in ("tiled", "dequant")  # never int8 (its per-token rounding), whichever is faster here
+    assert grad_input in ([], ["int8"])  # the grad-input may run int8's
     plain = Int4Linear.from_linear(torch.nn.Linear(128, 96), "int4-g64-asym", learn_scales=False).freeze()
     plain(x)
     assert plain.last_backend in plain.runnable_backends(x)
@@ -245,6 +274,41 @@ def test_only_int4_layers_learn_their_steps(tmp_path):
     assert all(m.step_gain is None for m in packed if m not in int4)
 
 
+def test_a_base_that_learns_its_zero_points_alone_keeps_its_steps(tmp_path):
+    from peft import LoraConfig
+    from tiny_assets import corpus_text, save_tiny_model
+
+    from hf_lowprec.ondevice import finetune_int4_lora, load_int4_lora, token_blocks
+    from hf_lowprec.ondevice.learned_steps import learned_steps
+    from hf_lowprec.plan import PrecisionPlan
+
+    plan = PrecisionPlan({"lm_head": "int8", "*.v_proj": "int4-g64"}, default="int4-g64-asym")  # v_proj: no zero points
+    path = save_tiny_model(tmp_path / "tiny", initializer_range=0.1)
+    model, tokenizer, _ = load_int4_lora(path, LoraConfig(**LORA), plan, learn_steps="zero_points", dtype=torch.float32)
+    int4 = [m for m in model.modules() if isinstance(m, PackedInt4Linear)]
+    asym = [m for m in int4 if m.zero is not None]
+    assert len(int4) == 14 and len(asym) == 12
+    learned = learned_steps(model)
+    assert learned["step_gain"] == [] and [id(p) for p in learned["zero_shift"]] == [id(m.zero_shift) for m in asym]
+    assert all(m.step_gain is None for m in int4) and not any(m.learns_steps for m in int4 if m.zero is None)
+    steps, zeros = [m.step.clone() for m in asym], [m.zero.clone() for m in asym]
+    blocks = token_blocks(tokenizer, [corpus_text(20_000)], 64)
+    finetune_int4_lora(model, tokenizer, blocks[:-4], steps=6, lr=1e-2, batch_size=4, output_dir=tmp_path / "run")
+    assert all(torch.equal(m.step, s) for m, s in zip(asym, steps))  # folded: the gains stayed at one
+    assert all(rel(m.zero, z) > 1e-3 for m, z in zip(asym, zeros))  # the zero points moved
+
+
+@pytest.mark.parametrize("value", ["steps", 1, None])
+def test_learn_steps_other_than_its_values_is_refused_before_loading(tmp_path, value):
+    from peft import LoraConfig
+    from tiny_assets import save_tiny_model
+
+    from hf_lowprec.ondevice import load_int4_lora
+
+    with pytest.raises(ValueError, match="learn_steps must be false, true or 'zero_points'"):
+        load_int4_lora(save_tiny_model(tmp_path / "tiny"), LoraConfig(**LORA), learn_steps=value)
+
+
 @needs_cpp
 @pytest.mark.parametrize("spec", ["int4-g64-asym", "int4-g32", "int4-g16", "int4-g64-asym-sq"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -266,20 +330,41 @@ def test_the_cpp_group_sums_match_torch_ops(spec, dtype):
     assert rel(sums, ref_sums) < tol and rel(products, ref_products) < tol
     layer.learn_steps()
     with torch.enable_grad():  # as in a backward that recomputes under grad mode: inputs that require grad
-        gain, _ = _learned_grads(g, x.clone().requires_grad_(), layer, layer.zero is not None)
-    assert torch.equal(gain, _learned_grads(g, x, layer, layer.zero is not None)[0])
+        gain, _ = _learned_grads(g, x.clone().requires_grad_(), layer, True, layer.zero is not None)
+    assert torch.equal(gain, _learned_grads(g, x, layer, True, layer.zero is not None)[0])
 
 
-def test_auto_times_a_learning_layer_apart_and_never_picks_int8():
+@needs_cpp
+@needs_int8
+def test_the_exact_forward_int8_grad_input_pair_runs_each_kernel_where_it_says():
+    layer = learning("int4-g64-asym")
+    x, g = torch.randn(3, 21, 128, requires_grad=True), torch.randn(3, 21, 96)
+    runs = {}
+    for backend in ("tiled", "int8", "tiled/int8"):
+        layer.backend = "auto" if "/" in backend else backend
+        layer._cache[("auto", x.device.type, x.dtype)] = backend  # as auto resolves a layer with an exact forward
+        y = layer(x)
+        y.backward(g)
+        runs[backend] = (y.detach(), x.grad, layer.step_gain.grad, layer.zero_shift.grad)
+        x.grad = layer.step_gain.grad = layer.zero_shift.grad = None
+    y, grad_x, gain, shift = runs["tiled/int8"]
+    assert torch.equal(y, runs["tiled"][0]) and torch.equal(grad_x, runs["int8"][1])
+    assert not torch.equal(grad_x, runs["tiled"][1])
+    assert torch.equal(gain, runs["tiled"][2]) and torch.equal(shift, runs["tiled"][3])  # from x and g alone
+
+
+def test_auto_times_a_learning_layer_apart_and_never_picks_int8s_forward():
     from hf_lowprec.modules.kernels import autotune
 
     layer = learning("int4-g64-asym")
     x = torch.randn(4, 128)
-    exact = {name for name in layer.runnable_backends(x) if name != "int8"}
+    runnable = layer.runnable_backends(x)
+    exact = {name for name in runnable if name != "int8"}
+    exact |= {f"{name}/int8" for name in exact} if "int8" in runnable else set()  # forward exact, grad-input int8
     chosen = layer.resolve_backend(x)
     assert chosen in exact
     if len(exact) > 1:  # measured without int8, under a key of its own (an int8-capable CPU times int8 for the others)
-        entry = autotune.measured()["packed:PackedInt4Linear:int4-g64-asym:96x128:float32:exact"]
+        entry = autotune.measured()["packed:PackedInt4Linear:int4-g64-asym:96x128:float32:exact-forward"]
         assert entry["value"] == chosen and set(entry["seconds"]) == exact
 
 
@@ -291,8 +376,8 @@ def test_a_bf16_gradient_of_an_fp32_input_takes_the_torch_path_in_fp32(spec):
 
     layer = learning(spec)
     g, x = torch.randn(45, 96, dtype=torch.bfloat16), torch.randn(45, 128)
-    gain, shift = _learned_grads(g, x, layer, layer.zero is not None)
-    ref_gain, ref_shift = _learned_grads(g.float(), x, layer, layer.zero is not None)
+    gain, shift = _learned_grads(g, x, layer, True, layer.zero is not None)
+    ref_gain, ref_shift = _learned_grads(g.float(), x, layer, True, layer.zero is not None)
     assert rel(gain, ref_gain) < 1e-5 and (shift is None) == (ref_shift is None) == (layer.zero is None)
     if shift is not None:
         assert rel(shift, ref_shift) < 1e-5

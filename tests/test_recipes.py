@@ -76,6 +76,8 @@ def _write(tmp_path, data, name="r.yaml"):
         ({"method": "int4-lora", "training": {"activation_storage": "int4"}}, r"'training\.activation_storage' is 'int4'; allowed values are none, int8, fp8, fp8-e5m2"),
         ({"training": []}, r"training must be a mapping"),
         ({"precision": {"learn_steps": True}}, r"precision\.learn_steps applies to method 'int4-lora' \(a frozen INT4 base\)"),
+        ({"method": "int4-lora", "precision": {"plan": "int4-g64-asym", "learn_steps": "zeros"}}, r"'precision\.learn_steps' is 'zeros'; allowed values are false, true, zero_points"),
+        ({"method": "int4-lora", "precision": {"plan": "int4-g64-asym", "learn_steps": 1}}, r"'precision\.learn_steps' must be true/false or a string, got 1"),
     ],
 )
 def test_bad_recipe_files_name_key_file_and_allowed_values(tmp_path, data, expected):
@@ -96,6 +98,13 @@ def test_malformed_yaml_unknown_name_and_missing_file(tmp_path):
         load_recipe("fp9-train")
     with pytest.raises(ValueError, match=r"recipe file '.*nope\.yaml' does not exist"):
         load_recipe(str(tmp_path / "nope.yaml"))
+
+
+def test_learn_steps_takes_true_false_or_zero_points(tmp_path):
+    for value in (True, False, "zero_points"):
+        data = {"method": "int4-lora", "precision": {"plan": "int4-g64-asym", "learn_steps": value}}
+        assert load_recipe(_write(tmp_path, data)).precision.learn_steps == value
+    assert load_recipe("int4-ondevice-lora").with_overrides({"precision.learn_steps": "zero_points"}).precision.learn_steps == "zero_points"
 
 
 def test_a_recipe_file_takes_its_name_from_the_file_and_defaults_the_rest(tmp_path):

@@ -60,7 +60,7 @@ class HfLowprecConfig(QuantizationConfigMixin):
     formats that pack (int4; per-channel ``int8``) and high precision can be applied while loading.
 
     ``exact_kernels``: in a packed folder's ``config.json``, that its steps were learned with exact kernels
-    (``learn_steps``): its packed layers' ``backend="auto"`` then never picks ``int8``.
+    (``learn_steps``): its packed layers' ``backend="auto"`` then never picks ``int8``'s forward.
     """
 
     def __init__(

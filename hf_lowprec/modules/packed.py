@@ -34,13 +34,16 @@ backends all live in the rotated basis, and :meth:`PackedLinear.dequantized_weig
 
 Learned steps (PEQA, arXiv:2305.14152, with its zero points): :meth:`PackedLinear.learn_steps` gives a layer a
 trainable gain ``[N, G]`` multiplying its steps and, asymmetric, a shift ``[N, G]`` added to its zero points; the codes
-stay frozen, and both gradients come from one weight-gradient GEMM per call (:func:`_learned_grads`). A state dict holds
+stay frozen, and both gradients come from one weight-gradient GEMM per call (:func:`_learned_grads`; the zero points
+learned alone, from the inputs' group sums). A state dict holds
 the steps and zero points with them folded in, so exports and loaders see a plain packed layer (whose zero points need
 not be integers any more).
 
 ``backend="auto"`` times the backends this CPU and layer shape can run, once per machine, shape and dtype
 (:mod:`hf_lowprec.modules.kernels.autotune`), and runs the fastest; the choice and its measured reason are
-logged once and readable as ``layer.last_backend``.
+logged once and readable as ``layer.last_backend``. A layer that learns its steps runs an exact forward: ``auto``
+chooses among ``tiled``, ``dequant`` and, where int8 runs, ``tiled/int8`` and ``dequant/int8`` (that forward, int8's
+grad-input).
 
 Why hand-written: torchao's INT4 CPU kernel has no backward and its int8 dynamic-activation layers
 pass no gradient to their input; nothing in torch/torchao multiplies a gradient by an INT4 weight.
@@ -557,19 +560,27 @@ KERNELS = {
     "int8": (_int8_forward, _int8_grad_input),
     "tiled": (_tiled_forward, _tiled_grad_input),
     "dequant": (_dequant_forward, _dequant_grad_input),
+    # the pairs ``auto`` may give a layer whose forward must be exact (``exact_kernels``): the forward exact, the
+    # grad-input in int8, whose rounding of the output gradient is noise in a gradient, not a change of the function
+    "tiled/int8": (_tiled_forward, _int8_grad_input),
+    "dequant/int8": (_dequant_forward, _int8_grad_input),
 }
 """backend -> (forward(x2d, layer), grad_input(grad_out, layer)); none computes a weight gradient."""
 
 
-def _learned_grads(grad_out: torch.Tensor, x2d: torch.Tensor, layer: "PackedLinear", shift: bool):
+def _learned_grads(grad_out: torch.Tensor, x2d: torch.Tensor, layer: "PackedLinear", gain: bool, shift: bool):
     """``(dL/dgain, dL/dshift or None)``, fp32 ``[N, G]``, of the operand weight
     ``W[n, k] = (codes - zero - shift) step gain / input_scale[k]`` from the weight gradient ``G = grad_out^T x``
     divided by ``input_scale``: with ``S = sum_{k in g} G`` and ``C = sum_{k in g} G codes``,
     ``dL/dgain = step (C - (zero + shift) S)`` and ``dL/dshift = -step gain S`` (``grad_out [T, N]``, ``x2d [T, K]`` as
     the backends see them: divided by ``input_scale``, rotated for ``-rht``). ``S`` and ``C`` come from the C++
-    ``learned_step_sums`` (a tile of ``G`` per thread, reduced against the packed codes in one pass), else torch ops."""
+    ``learned_step_sums`` (a tile of ``G`` per thread, reduced against the packed codes in one pass), else torch ops.
+    ``gain=False`` (zero points learned alone): ``(None, dL/dshift)`` from ``S`` alone, ``grad_out^T`` times ``x``'s
+    group sums (``T N K / size`` multiply-adds instead of the weight gradient's ``T N K``)."""
     inverse, zero = layer.inverse_input_scale(), layer.effective_zero()
     size = layer.spec.group_size or layer.in_features
+    if not gain:
+        return None, _group_sums_grad(grad_out, x2d, inverse, size).mul_(-layer.effective_step())
     ext = cpu_kernels() if x2d.device.type == "cpu" and isinstance(layer, PackedInt4Linear) else None
     if ext is not None and grad_out.dtype == x2d.dtype and size % 2 == 0 and layer.in_features % size == 0:
         tile = balanced_tile(layer.out_features, LEARNED_SUMS_TILE[x2d.dtype], layer.in_features)
@@ -585,6 +596,13 @@ def _learned_grads(grad_out: torch.Tensor, x2d: torch.Tensor, layer: "PackedLine
         gain.sub_(zero * sums)
     gain.mul_(layer.step.float())
     return gain, sums.mul_(-layer.effective_step()) if shift else None
+
+
+def _group_sums_grad(grad_out: torch.Tensor, x2d: torch.Tensor, inverse: torch.Tensor | None, size: int) -> torch.Tensor:
+    """``S = sum_{k in g} (grad_out^T x)[n, k] / input_scale[k]`` fp32 ``[N, G]`` as ``grad_out^T (x / input_scale)``
+    summed per group of ``size`` input channels first (``grad_out [T, N]``, ``x2d [T, K]``)."""
+    x = x2d.float() if inverse is None else x2d.float() * inverse
+    return torch.mm(grad_out.float().t(), group_view(x, size).sum(-1))
 
 
 def _learned_sums_torch(grad_out, x2d, layer: "PackedLinear", inverse, with_sums: bool, size: int):
@@ -623,7 +641,7 @@ class _PackedMatmul(torch.autograd.Function):
         (x2d,) = ctx.saved_tensors
         grads = (None, None)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # first: the grad-input may consume grad_out
-            grads = _learned_grads(grad_out, x2d, ctx.layer, ctx.needs_input_grad[2])
+            grads = _learned_grads(grad_out, x2d, ctx.layer, ctx.needs_input_grad[1], ctx.needs_input_grad[2])
         grad_x = KERNELS[ctx.backend][1](grad_out, ctx.layer) if ctx.needs_input_grad[0] else None
         return grad_x, grads[0] if ctx.needs_input_grad[1] else None, grads[1], None, None
 
@@ -642,8 +660,9 @@ class PackedLinear(nn.Module):
     ``outlier_columns``: input channels per call that the int8 backend multiplies in the activation dtype
     (default ``OUTLIER_COLUMNS``; 0: every channel in int8). ``step_gain``: ``None``, or the trainable fp32 ``[N, G]``
     gain and ``zero_shift`` ``None`` or the trainable fp32 ``[N, G]`` shift of :meth:`learn_steps`.
-    ``exact_kernels``: ``auto`` never picks ``int8`` (set by :meth:`learn_steps`, and on loading a folder whose steps
-    were learned: steps fit to exact kernels lose 0.5-1% of perplexity under int8's re-rounding).
+    ``exact_kernels``: ``auto`` never picks ``int8``'s forward, only its grad-input (``tiled/int8``; set by
+    :meth:`learn_steps`, and on loading a folder whose steps were learned: steps fit to an exact forward lose 0.5-1%
+    of perplexity under int8's re-rounding).
     """
 
     BUFFERS = ("qweight", "step", "zero", "input_scale")  # what a state dict holds for the weight
@@ -766,17 +785,26 @@ class PackedLinear(nn.Module):
         return True, ""
 
     # ------------------------------------------------------------------------------- steps
-    def learn_steps(self) -> list[nn.Parameter]:
+    def learn_steps(self, steps: bool = True) -> list[nn.Parameter]:
         """Make the group steps and zero points trainable: a gain ``[N, G]`` fp32 (ones) multiplying ``step`` and, for
         an asymmetric format, a shift ``[N, G]`` fp32 (zeros) added to ``zero``, in every backend; the codes stay
-        frozen. Returns them (a second call returns the same ones)."""
-        if self.step_gain is None:
+        frozen. ``steps=False``: the zero points alone, no gain (a symmetric layer then learns nothing): their
+        gradient needs the inputs' group sums, not a weight gradient. Returns what the layer learns (a second call
+        returns the same parameters, and those the first did not make)."""
+        learned = self.learns_steps
+        if steps and self.step_gain is None:
             self.step_gain = nn.Parameter(torch.ones(self.step.shape, device=self.step.device))
-            if self.zero is not None:
-                self.zero_shift = nn.Parameter(torch.zeros(self.step.shape, device=self.step.device))
+        if self.zero is not None and self.zero_shift is None:
+            self.zero_shift = nn.Parameter(torch.zeros(self.step.shape, device=self.step.device))
+        if self.learns_steps and not learned:
             self.exact_kernels = True
             self._cache.clear()
         return [p for p in (self.step_gain, self.zero_shift) if p is not None]
+
+    @property
+    def learns_steps(self) -> bool:
+        """Whether a trainable gain or shift (:meth:`learn_steps`) applies to the steps or zero points."""
+        return self.step_gain is not None or self.zero_shift is not None
 
     def effective_step(self) -> torch.Tensor:
         """``step x step_gain`` fp32 ``[N, G]`` (``step`` without a gain): the steps the layer computes with."""
@@ -794,13 +822,12 @@ class PackedLinear(nn.Module):
     def fold_learned_steps(self) -> None:
         """Store the learned steps and zero points in ``step`` and ``zero`` (rounded to their dtype), the gain back at
         one and the shift at zero: the layer then computes exactly what its state dict holds (no-op without them)."""
-        if self.step_gain is None:
-            return
-        self.step.copy_(self.effective_step().to(self.step.dtype))
+        if self.step_gain is not None:
+            self.step.copy_(self.effective_step().to(self.step.dtype))
+            self.step_gain.fill_(1.0)
         if self.zero_shift is not None:
             self.zero.copy_(self.effective_zero().to(self.zero.dtype))
             self.zero_shift.zero_()
-        self.step_gain.fill_(1.0)
         self._cache.clear()
 
     # ------------------------------------------------------------------------------- weights
@@ -811,7 +838,7 @@ class PackedLinear(nn.Module):
     def _row_absmax(self) -> torch.Tensor:
         """``max_k |grid_weight[n, k]|`` fp32 ``[N]``, dequantized ``ROW_MAX_ELEMENTS`` at a time (the whole fp32 grid
         and its absolute value: 134 MB for one 8192x2048 projection)."""
-        if self.step_gain is not None:  # steps that change every optimizer step: per call, from [N, G] numbers
+        if self.learns_steps:  # steps that change every optimizer step: per call, from [N, G] numbers
             low, high = self._group_code_range()
             zero = self.effective_zero()
             reach = high.abs().maximum(low.abs()) if zero is None else (high - zero).abs().maximum((low - zero).abs())
@@ -986,13 +1013,16 @@ class PackedLinear(nn.Module):
             if key not in self._cache:
                 runnable = self.runnable_backends(x)
                 if self.exact_kernels and len(runnable) > 1:
-                    # learned steps: exact kernels only (tiled, dequant), not int8, whose per-token int8 activations
+                    # learned steps: an exact forward (tiled, dequant), not int8's, whose per-token int8 activations
                     # add noise the steps cannot fit. SmolLM2-135M, every linear int4-g64-asym + LoftQ + learned steps,
                     # 100 steps of 4x256, seed 0, held-out perplexity trained and evaluated on int8 38.05, on dequant
                     # 37.43 (bf16 LoRA 37.24); 210 vs 223 s of training (the steps' gradient GEMMs weigh on both)
-                    runnable.pop("int8", None)
+                    int8 = runnable.pop("int8", None)
+                    if int8 is not None:  # the grad-input may still run int8 (KERNELS)
+                        runnable |= {f"{name}/int8": f"{why}; grad-input: {int8}" for name, why in runnable.items()}
                 if len(runnable) > 1 and self.in_features * self.out_features > DEQUANT_AUTOTUNE_MAX:
-                    del runnable["dequant"]  # timing it makes the whole dense weight (a 128k-vocabulary head: 1 GB)
+                    # timing dequant makes the whole dense weight (a 128k-vocabulary head: 1 GB)
+                    runnable = {name: why for name, why in runnable.items() if not name.startswith("dequant")}
                 if len(runnable) > 1:
                     choice = self._autotune(x.device, x.dtype, runnable)
                     self._cache[key], reason = choice.value, choice.reason
@@ -1027,7 +1057,7 @@ class PackedLinear(nn.Module):
             return forward(x, self), grad_input(probe["g"], self)
 
         key = f"packed:{type(self).__name__}:{self.spec.name}:{self.out_features}x{self.in_features}:{str(dtype)[6:]}"
-        key += ":exact" if self.exact_kernels else ""  # timed without int8 (learned steps): kept apart
+        key += ":exact-forward" if self.exact_kernels else ""  # timed without int8's forward (learned steps): apart
         return fastest(key, {name: (lambda name=name: run(name)) for name in runnable}, _backend_reason)
 
     # ------------------------------------------------------------------------------- compute
@@ -1097,7 +1127,7 @@ class PackedInt4Linear(PackedLinear):
             row_step = self._cache["row_step"]
         else:
             row_step = (self._row_absmax() / _INT8_MAX).clamp(min=_EPS)
-            if self.step_gain is None:  # learned steps change every optimizer step (and are cheap to redo)
+            if not self.learns_steps:  # learned steps change every optimizer step (and are cheap to redo)
                 self._cache["row_step"] = row_step
         return (self.effective_step() / row_step.unsqueeze(-1)).contiguous(), row_step
 

@@ -49,7 +49,7 @@ def kernel_candidates(m: int, k: int, n: int, torch_int4: bool = True) -> dict[s
         calls["torch int8pack_mm"] = lambda: torch._weight_int8pack_mm(x, w8, row)
     learning = PackedInt4Linear.from_codes(codes, step, zero, spec, None, torch.float32)
     learning.learn_steps()  # the weight-gradient GEMM and per-group sums its learned steps take per call
-    calls["learned steps/grad"] = lambda: _learned_grads(g, x, learning, True)
+    calls["learned steps/grad"] = lambda: _learned_grads(g, x, learning, True, True)
     calls["learned steps/grad torch ops"] = lambda: _learned_sums_torch(g, x, learning, None, True, spec.group_size)
     # fp32 inputs, and bf16 ones (the compute dtype where bf16 GEMMs are fast: dtype="auto" measures that per CPU)
     layer_bf16, gb = PackedInt4Linear.from_codes(codes, step, zero, spec, None, torch.bfloat16), g.bfloat16()

@@ -38,7 +38,7 @@ from hf_lowprec.modules.kernels.autotune import named_dtype, resolve_dtype
 from hf_lowprec.modules.packed import PACKED_BACKENDS, PackedInt4Linear, PackedLinear, compact_steps, packed_class
 from hf_lowprec.modules.packed_embedding import PackedEmbedding, TiedPackedEmbedding, share_packed_head, tied_head_names
 from hf_lowprec.ondevice.calibration import ROUNDINGS, CalibratedCodes, calibrated_codes, check_rounding, summary
-from hf_lowprec.ondevice.learned_steps import learn_base_steps
+from hf_lowprec.ondevice.learned_steps import check_learn_steps, learn_base_steps
 from hf_lowprec.ondevice.loftq import loftq_factors, loftq_for_targets, lora_scaling
 from hf_lowprec.ondevice.planning import (
     ALL_LINEAR,
@@ -69,7 +69,7 @@ def prepare_int4_lora(
     auto_formats: Sequence[str] = AUTO_FORMATS,
     adapter_dtype: torch.dtype | str = "auto",
     backend: str = "auto",
-    learn_steps: bool = False,
+    learn_steps: bool | str = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[PeftModel, ConversionReport]:
     """Pack ``model``'s base linears into INT4 (per ``plan``) and wrap them in LoRA: ``(peft_model, report)``.
@@ -95,16 +95,19 @@ def prepare_int4_lora(
             a torch dtype (:func:`resolve_adapter_dtype`).
         backend: ``auto`` (measured per shape), ``int8``, ``tiled`` or ``dequant`` for every packed layer (see
             ``modules/packed.py``).
-        learn_steps: the packed layers' group steps train with the adapters (a gain per group, fp32; the codes stay
-            frozen: :mod:`~hf_lowprec.ondevice.learned_steps`); costs a weight-gradient GEMM per packed layer and step.
+        learn_steps: ``True``: the packed layers' group steps and zero points train with the adapters (a gain and a
+            shift per group, fp32; the codes stay frozen: :mod:`~hf_lowprec.ondevice.learned_steps`), at a
+            weight-gradient GEMM per packed layer and step; ``"zero_points"``: the zero points alone, whose gradient
+            costs a GEMM 1/group-size of that; ``False``: neither.
         progress: ``progress(done, total)`` after each tenth of the layers a calibrated rounding has coded (also
             logged at INFO): at a billion parameters that takes minutes.
 
     Raises ``ValueError`` for a target that matches nothing, a plan that packs nothing, a model whose
     layers are narrower than one INT4 group, calibration tokens missing (``auto`` plan, calibrated rounding,
-    ``-sq`` layers) or unused, or a budget without an ``auto`` plan.
+    ``-sq`` layers) or unused, a budget without an ``auto`` plan, or a ``learn_steps`` not in ``LEARN_STEPS``.
     """
     adapter_dtype = resolve_adapter_dtype(adapter_dtype, model)  # before packing: the model's dtype computes
+    check_learn_steps(learn_steps)
     fixed = None if is_auto(plan) else int4_plan(model, plan)
     smoothed = fixed is not None and fixed.smooths
     auto, calibrated = _check_arguments(plan, rounding, calibration, budget, auto_formats, backend, smoothed)
@@ -128,12 +131,14 @@ def prepare_int4_lora(
         factors.update(loftq_for_targets(model, config, dense_weights))
     _freeze_base(model, report, backend, reread)
     peft_model = _with_adapters(model, config, factors, adapter_dtype)
-    learned = learn_base_steps(model) if learn_steps else []  # a gain (and, asymmetric, a shift) per group
+    learned = learn_base_steps(model, learn_steps is True) if learn_steps else []  # a gain and/or a shift per group
     fused = fuse_blocks(model)
     logger.info(
         "INT4 base: %s%s; LoRA (%s) on %d layers%s; fused for backward: %d SwiGLU MLPs, %d RMSNorms",
         report,
-        f"; steps and zero points learned ({sum(p.numel() for p in learned):,} numbers)" if learned else "",
+        f"; {'steps and ' if learn_steps is True else ''}zero points learned ({sum(p.numel() for p in learned):,} numbers)"
+        if learned
+        else "",
         str(adapter_dtype).removeprefix("torch."),
         len(config.target_modules),
         " (LoftQ init)" if loftq_init else "",
@@ -455,7 +460,7 @@ def load_int4_lora(
     auto_formats: Sequence[str] = AUTO_FORMATS,
     adapter_dtype: torch.dtype | str = "auto",
     backend: str = "auto",
-    learn_steps: bool = False,
+    learn_steps: bool | str = False,
 ):
     """Load a pretrained checkpoint (:func:`load_int4_base`: packed while loading where it can be) and
     :func:`prepare_int4_lora` it: ``(peft_model, tokenizer, report)``.
