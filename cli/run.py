@@ -626,8 +626,8 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t, base_plan):
     scanned = f", plan by a sensitivity scan on {calibration.numel()} tokens" if p.is_auto else ""
     rounding = f", {p.rounding} rounding" if p.rounding != "nearest" else ""
     auto = {"budget": p.auto_budget(), "auto_formats": p.formats} if p.is_auto else {}
-    learns = {True: ", its steps and zero points learned with them", "zero_points": ", its zero points learned with them"}
-    learns = learns.get(p.learn_steps, "")
+    learns = {True: "its steps and zero points", "zero_points": "its zero points"}.get(p.learn_steps)
+    learns = f", {learns} learned with them" if learns else ""
     with ui.step(f"packing the base to INT4{scanned}{rounding} and adding LoRA adapters (r={lora.r}){learns}"):
         peft_model, report = prepare_int4_lora(
             model,

@@ -598,7 +598,7 @@ def _learned_grads(grad_out: torch.Tensor, x2d: torch.Tensor, layer: "PackedLine
     return gain, sums.mul_(-layer.effective_step()) if shift else None
 
 
-def _group_sums_grad(grad_out: torch.Tensor, x2d: torch.Tensor, inverse: torch.Tensor | None, size: int) -> torch.Tensor:
+def _group_sums_grad(grad_out: torch.Tensor, x2d: torch.Tensor, inverse: torch.Tensor | None, size: int):
     """``S = sum_{k in g} (grad_out^T x)[n, k] / input_scale[k]`` fp32 ``[N, G]`` as ``grad_out^T (x / input_scale)``
     summed per group of ``size`` input channels first (``grad_out [T, N]``, ``x2d [T, K]``)."""
     x = x2d.float() if inverse is None else x2d.float() * inverse

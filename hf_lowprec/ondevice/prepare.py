@@ -132,13 +132,12 @@ def prepare_int4_lora(
     _freeze_base(model, report, backend, reread)
     peft_model = _with_adapters(model, config, factors, adapter_dtype)
     learned = learn_base_steps(model, learn_steps is True) if learn_steps else []  # a gain and/or a shift per group
+    learned_kinds = "steps and zero points" if learn_steps is True else "zero points"
     fused = fuse_blocks(model)
     logger.info(
         "INT4 base: %s%s; LoRA (%s) on %d layers%s; fused for backward: %d SwiGLU MLPs, %d RMSNorms",
         report,
-        f"; {'steps and ' if learn_steps is True else ''}zero points learned ({sum(p.numel() for p in learned):,} numbers)"
-        if learned
-        else "",
+        f"; {learned_kinds} learned ({sum(p.numel() for p in learned):,} numbers)" if learned else "",
         str(adapter_dtype).removeprefix("torch."),
         len(config.target_modules),
         " (LoftQ init)" if loftq_init else "",
