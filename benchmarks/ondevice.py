@@ -56,7 +56,7 @@ CONFIGS = {
 }
 # what int4-lora* runs: the int4-ondevice-lora recipe's base (every linear int4-g64-asym, its steps and zero points learned),
 # LoftQ init, 8-bit AdamW (see parse_variant); until 2026-12-03 "auto+loftq+adam8" (a scanned plan, half int8)
-INT4_DEFAULT = "loftq+adam8+steps"
+INT4_DEFAULT = "loftq+adam8+zeros"
 GC_VARIANTS = {"int4-lora-plain": (False,)}  # the plain ablation with checkpointing is int4-lora+gc
 
 

@@ -10,13 +10,13 @@ AdamW (8-bit states for hf-lowprec and NF4 QLoRA since 2026-12-02, fp32 for the 
   int4-g64-asym while loading (a head of more than 134M weights in int8, the tied embedding reading its rows),
   compute dtype chosen for this CPU, chunked loss, int8-stored activations (SwiGLU products and RMSNorm outputs
   rebuilt from them in backward since 2026-12-02: rows measured earlier stored them); ``int4-lora-gc``: the same with
-  gradient checkpointing instead of the 8-bit activations; ``int4-lora-recipe``: the ``int4-ondevice-lora`` recipe's
-  base (the CLI default): the defaults with LoftQ (each dense weight read back at a time) and the base learning its
-  steps and zero points (``learn_steps=True``: an fp32 gain and shift per group of 64, their gradients and 8-bit AdamW
-  states; exact kernels); until 2026-12-03 the recipe scanned an int4/int8 plan at 6.25 bits/param instead;
-  ``int4-lora-recipe-zeros`` (opt-in): that base learning its zero points alone (``learn_steps="zero_points"``: a
-  shift per group, its gradient from the inputs' group sums, no weight-gradient GEMM; exact kernels);
-  ``int4-lora-recipe-gptq`` (opt-in: ``--configs int4-lora-recipe-gptq``): that base with GPTQ rounding
+  gradient checkpointing instead of the 8-bit activations; ``int4-lora-recipe-zeros``: the ``int4-ondevice-lora``
+  recipe's base (the CLI default since 2026-12-05): the defaults with LoftQ (each dense weight read back at a time) and
+  the base learning its zero points (``learn_steps="zero_points"``: an fp32 shift per group of 64, its gradient from the
+  inputs' group sums, its 8-bit AdamW states; an exact forward); ``int4-lora-recipe`` (opt-in since 2026-12-05, the
+  recipe's base until then): the steps learned too (``learn_steps=True``: a gain per group more, from a
+  weight-gradient GEMM per layer); until 2026-12-03 the recipe scanned an int4/int8 plan at 6.25 bits/param instead;
+  ``int4-lora-recipe-gptq`` (opt-in: ``--configs int4-lora-recipe-gptq``): the ``int4-lora-recipe`` base with GPTQ rounding
   (``rounding="gptq"``) calibrated on 4x256 random tokens, the LoftQ factors minimising each layer's output error;
 - ``int4-lora-bf16-embedding``: the defaults with an untied input embedding kept bf16, as before the default plan
   packed it (``--sizes llama-3.2-1b-untied``: the 1B shape with its own embedding table, as Llama-3.1-8B has; the
@@ -96,11 +96,11 @@ CONFIGS = {
                           "boundary (return_freed_memory=True)",
     "int4-lora-bf16-embedding": "hf-lowprec INT4+LoRA defaults with an untied input embedding left bf16 (the default "
                                 "before PackedEmbedding)",
-    "int4-lora-recipe": "hf-lowprec int4-ondevice-lora recipe's base (the CLI default): packed on load, LoftQ from the "
+    "int4-lora-recipe": "hf-lowprec int4-ondevice-lora recipe's base until 2026-12-05: packed on load, LoftQ from the "
                         "checkpoint's residuals, the base learning its steps and zero points",
-    "int4-lora-recipe-zeros": "the int4-ondevice-lora recipe's base learning its zero points alone "
-                              "(learn_steps='zero_points')",
-    "int4-lora-recipe-gptq": "the int4-ondevice-lora recipe's base with GPTQ rounding (--rounding gptq), calibrated on "
+    "int4-lora-recipe-zeros": "hf-lowprec int4-ondevice-lora recipe's base (the CLI default): packed on load, LoftQ from "
+                              "the checkpoint's residuals, the base learning its zero points (learn_steps='zero_points')",
+    "int4-lora-recipe-gptq": "the int4-lora-recipe base (steps and zero points learned) with GPTQ rounding (--rounding gptq), calibrated on "
                              f"{CALIBRATION_BLOCKS}x{BLOCK} random tokens, its LoftQ factors minimising each layer's "
                              "output error (CLoQ); not in the default sweep",
     "int4-hf-quantizer": "transformers' own from_pretrained(quantization_config=HfLowprecConfig()) + PEFT's "
@@ -111,7 +111,7 @@ CONFIGS = {
     "nf4-qlora": "bnb NF4 QLoRA (double quant, bf16 compute)",
     "nf4-qlora-gc": "bnb NF4 QLoRA + gradient checkpointing",
 }
-OPT_IN = ("int4-lora-bf16-embedding", "int4-lora-recipe-zeros", "int4-lora-recipe-gptq")  # measured when named (--configs): minutes at 1B
+OPT_IN = ("int4-lora-bf16-embedding", "int4-lora-recipe", "int4-lora-recipe-gptq")  # measured when named (--configs): minutes at 1B
 NEEDS_BITSANDBYTES = ("nf4-qlora", "nf4-qlora-gc")  # the others run as an install without it (see child_imports)
 
 

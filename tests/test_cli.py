@@ -160,16 +160,19 @@ def test_int4_lora_run_with_a_smoothed_plan_calibrates_on_the_first_batches_and_
     assert loss == pytest.approx(record["training"]["loss_final"], abs=1e-4)
 
 
-def test_int4_lora_run_that_learns_the_base_steps_exports_what_it_evaluated(ws):
-    """``precision.learn_steps``: the packed base's steps and zero points train with the adapters; the export holds them
-    (the reloaded model's loss is the run's final loss) and its card says the adapters belong with that base."""
-    out = ws / "run-steps"
+@pytest.mark.parametrize("override, per_group", [("precision.learn_steps=true", 2), (None, 1)])
+def test_int4_lora_run_that_learns_the_base_steps_exports_what_it_evaluated(ws, override, per_group):
+    """``precision.learn_steps``: the packed base's steps and zero points (``true``) or its zero points alone (the
+    recipe's ``zero_points``) train with the adapters; the export holds them (the reloaded model's loss is the run's
+    final loss) and its card says the adapters belong with that base."""
+    out = ws / f"run-steps-{per_group}"
     args = ["--recipe", "int4-ondevice-lora", "--plan", "int4-g64-asym", "--max-steps", "3", "--lr", "1e-2", *FAST]
-    result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", *args, "-o", out, "precision.learn_steps=true")
+    result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", *args, "-o", out, *filter(None, [override]))
     assert result.exit_code == 0, result.output
+    assert ("its zero points learned" in result.output) == (per_group == 1)
     record = json.loads((out / RUN_FILE).read_text())
     groups = sum(m.step.numel() for m in load_exported(out)[0].modules() if isinstance(m, PackedInt4Linear))
-    assert record["adapter"]["learned_steps"] == 2 * groups  # a gain and a zero shift per group
+    assert record["adapter"]["learned_steps"] == per_group * groups  # a zero shift (and a gain) per group
     assert "belong with it" in (out / CARD_FILE).read_text()
     model, tok = load_exported(out, backend="dequant")
     loss = causal_lm_loss(model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]

@@ -3,7 +3,7 @@ adapters (PEQA, arXiv:2305.14152, which learns the steps; here the zero points t
 group (:meth:`~hf_lowprec.modules.packed.PackedLinear.learn_steps`); the INT4 codes stay frozen and the export holds
 the steps and zero points with them folded in. ``learn_steps="zero_points"`` learns the shifts alone: their gradient
 is the output gradient times the inputs' group sums, no weight-gradient GEMM (SmolLM2-135M, 100 steps, 3 seeds:
-1.010x ± 0.011 bf16 LoRA's held-out perplexity against 1.001x ± 0.012 with the steps too, 1.079x with neither).
+1.005x ± 0.011 bf16 LoRA's held-out perplexity against 1.003x ± 0.010 with the steps too, 1.079x with neither).
 
 They train with their own learning rates, ``LR_SCALES`` times the adapters', without weight decay (which would pull a
 gain towards zero, not towards one).
