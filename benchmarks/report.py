@@ -435,8 +435,10 @@ def ondevice_section(ondevice: dict | None) -> list[str]:
         states = "8-bit" if run.get("optim") == "adamw_torch_8bit" else "fp32 (measured before the 8-bit default)"
         plan = (f"a plan scanned on the first training blocks ({share} of the packed linear weights; embeddings and head bf16)"
                 if run.get("budget_bits") else f"every linear but the head {share.split()[0]}")
-        learned = {True: "its steps and zero points", "zero_points": "its zero points"}.get(run.get("learn_steps"))
-        learned = f", the base learning {learned}" if learned else ""
+        from hf_lowprec.ondevice.learned_steps import learned_kinds
+
+        learned = learned_kinds(run.get("learn_steps", False))
+        learned = f", the base learning its {learned}" if learned else ""
         current = {k: v for k, v in run.items() if k in ("budget_bits", "loftq", "optim")} | {"learn_steps": run.get("learn_steps", False)}
         default = {k: v for k, v in parse_variant(INT4_DEFAULT).items() if k in current}
         then = "" if current == default else (f" These are the recipe's defaults of when they ran; its defaults now (`{INT4_DEFAULT}`) "

@@ -40,7 +40,7 @@ from hf_lowprec.ondevice import (
     load_int4_base,
     prepare_int4_lora,
 )
-from hf_lowprec.ondevice.learned_steps import fold_learned_steps, learned_steps
+from hf_lowprec.ondevice.learned_steps import fold_learned_steps, learned_kinds, learned_steps
 from hf_lowprec.plan import PLAN_FILE
 from hf_lowprec.recipe import Recipe
 from hf_lowprec.training.callback import STATE_FILE, LowPrecisionCallback
@@ -626,8 +626,7 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t, base_plan):
     scanned = f", plan by a sensitivity scan on {calibration.numel()} tokens" if p.is_auto else ""
     rounding = f", {p.rounding} rounding" if p.rounding != "nearest" else ""
     auto = {"budget": p.auto_budget(), "auto_formats": p.formats} if p.is_auto else {}
-    learns = {True: "its steps and zero points", "zero_points": "its zero points"}.get(p.learn_steps)
-    learns = f", {learns} learned with them" if learns else ""
+    learns = f", its {learned_kinds(p.learn_steps)} learned with them" if p.learn_steps else ""
     with ui.step(f"packing the base to INT4{scanned}{rounding} and adding LoRA adapters (r={lora.r}){learns}"):
         peft_model, report = prepare_int4_lora(
             model,

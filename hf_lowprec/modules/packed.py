@@ -577,10 +577,10 @@ def _learned_grads(grad_out: torch.Tensor, x2d: torch.Tensor, layer: "PackedLine
     ``learned_step_sums`` (a tile of ``G`` per thread, reduced against the packed codes in one pass), else torch ops.
     ``gain=False`` (zero points learned alone): ``(None, dL/dshift)`` from ``S`` alone, ``grad_out^T`` times ``x``'s
     group sums (``T N K / size`` multiply-adds instead of the weight gradient's ``T N K``)."""
-    inverse, zero = layer.inverse_input_scale(), layer.effective_zero()
-    size = layer.spec.group_size or layer.in_features
+    inverse, size = layer.inverse_input_scale(), layer.spec.group_size or layer.in_features
     if not gain:
         return None, _group_sums_grad(grad_out, x2d, inverse, size).mul_(-layer.effective_step())
+    zero = layer.effective_zero()
     ext = cpu_kernels() if x2d.device.type == "cpu" and isinstance(layer, PackedInt4Linear) else None
     if ext is not None and grad_out.dtype == x2d.dtype and size % 2 == 0 and layer.in_features % size == 0:
         tile = balanced_tile(layer.out_features, LEARNED_SUMS_TILE[x2d.dtype], layer.in_features)

@@ -36,6 +36,11 @@ def check_learn_steps(value) -> None:
         raise ValueError(f"learn_steps must be false, true or 'zero_points', got {value!r}")
 
 
+def learned_kinds(learn_steps) -> str:
+    """What a ``learn_steps`` value makes the base learn, in words (``""`` for ``False``)."""
+    return {True: "steps and zero points", "zero_points": "zero points"}.get(learn_steps, "")
+
+
 def learn_base_steps(model: nn.Module, steps: bool = True) -> list[nn.Parameter]:
     """Make the steps and zero points of every packed INT4 linear of ``model`` trainable (``steps=False``: the zero
     points alone, whose gradient needs no weight-gradient GEMM); returns the new parameters (gains and shifts,
