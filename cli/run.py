@@ -25,6 +25,7 @@ from hf_lowprec.cli import ui
 from peft import LoraConfig
 from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments, set_seed
 
+from hf_lowprec.allocator import returning_freed_memory
 from hf_lowprec.checkpoints import default_checkpoint, has_tokenizer, load_pretrained, resolve_checkpoint
 from hf_lowprec.convert import revert
 from hf_lowprec.data import collated_batches, prepare_run_data, read_source
@@ -327,8 +328,11 @@ def run_finetune(opts: FinetuneOptions) -> dict:
         raise
 
 
-def _evaluate(model, lm, batch_size: int, autocast, label: str) -> dict:
-    with ui.counted(label, total=len(lm.eval), unit="sequences") as advance:
+def _evaluate(model, lm, batch_size: int, autocast, label: str, return_freed_memory: bool | str = False) -> dict:
+    """Held-out loss of ``model``, its decoder blocks returning freed memory as ``return_freed_memory`` says (the
+    recipe's, as its training steps do: an evaluation's holes would otherwise stay resident through training)."""
+    returned = returning_freed_memory(model, return_freed_memory)
+    with ui.counted(label, total=len(lm.eval), unit="sequences") as advance, returned:
         return causal_lm_loss(
             model, lm.eval, lm.collator, batch_size=batch_size, autocast_dtype=autocast, on_batch=advance
         )
@@ -354,8 +358,9 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     figures = dict(settings.get("figures", {}))
     if "loss_base" not in figures:
         with checkpoint_weights(model):  # an INT4 base packed while loading reads its dense weights back, one by one
+            label = "evaluating the base model (held-out data)"
             figures["loss_base"] = _evaluate(
-                model, lm, t.per_device_train_batch_size, autocast, "evaluating the base model (held-out data)"
+                model, lm, t.per_device_train_batch_size, autocast, label, t.return_freed_memory
             )["loss"]
     resume_from = _resume_checkpoint(run) if opts.resume else None
     set_seed(t.seed)  # the adapters' random init (LoRA A) comes before the Trainer seeds anything
@@ -381,7 +386,9 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     trainer.remove_callback(PrinterCallback)  # our progress bar reports the logs
     if "loss_start" not in figures:
         label = "evaluating with the plan applied, before training"
-        figures["loss_start"] = _evaluate(model, lm, t.per_device_train_batch_size, autocast, label)["loss"]
+        figures["loss_start"] = _evaluate(
+            model, lm, t.per_device_train_batch_size, autocast, label, t.return_freed_memory
+        )["loss"]
         atomic_write_text(run.work / SETTINGS_FILE, json.dumps({**settings, "figures": figures}, indent=2))
     start = time.perf_counter()
     with stopper.installed():
@@ -394,9 +401,8 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
             code=stopper.exit_code,
         )
     fold_learned_steps(model)  # an INT4 base's learned steps, rounded as its export will hold them
-    final = _evaluate(
-        model, lm, t.per_device_train_batch_size, autocast, "evaluating the trained model (held-out data)"
-    )
+    label = "evaluating the trained model (held-out data)"
+    final = _evaluate(model, lm, t.per_device_train_batch_size, autocast, label, t.return_freed_memory)
     figures.update(_training_figures(trainer, result, t, train_seconds, resume_from, figures["loss_base"], final))
     master = None if lora else _master_weights_loss(model, lm, t.per_device_train_batch_size, recipe)
     if master is not None:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import yaml
 
+from hf_lowprec.allocator import RETURN_FREED_MEMORY
 from hf_lowprec.assets import shipped_folder
 from hf_lowprec.data import TRAIN_ON
 from hf_lowprec.formats import FormatSpec
@@ -157,7 +158,9 @@ class TrainingSection:
     dtype: str = field(default="auto", metadata=_choices(*DTYPES))
     gradient_checkpointing: bool = False
     activation_storage: str = field(default="none", metadata=_choices(*ACTIVATION_STORAGE))
-    return_freed_memory: bool = False  # glibc's heap returns freed memory per decoder block (int4-lora)
+    # int4-lora: glibc's heap returns freed memory per decoder block (true), while the process holds over half of the
+    # memory it can use (auto), or never (false)
+    return_freed_memory: bool | str = field(default=False, metadata=_choices(*RETURN_FREED_MEMORY))
     save_steps: int = 20
     logging_steps: int = 5
     eval_blocks: int = 8

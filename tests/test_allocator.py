@@ -1,4 +1,5 @@
-"""glibc's allocator while packing on load: freed weights go back to the system, in nested blocks too."""
+"""glibc's allocator while packing on load: freed weights go back to the system, in nested blocks too; per decoder
+block in training, always or above a share of the memory the process can use; that memory, cgroup limits included."""
 
 import os
 import subprocess
@@ -9,7 +10,7 @@ import torch
 
 from hf_lowprec import allocator
 
-pytestmark = pytest.mark.skipif(allocator._glibc() is None, reason="glibc's allocator only")
+needs_glibc = pytest.mark.skipif(allocator._glibc() is None, reason="glibc's allocator only")
 
 
 def resident_mib() -> float:
@@ -22,6 +23,7 @@ def glibc_defaults(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
+@needs_glibc
 def test_loading_returns_freed_weights_to_the_system():
     """A 16 MiB tensor freed within ``freed_memory_returned`` is no longer resident after it (unmapped when freed, or
     trimmed from the heap at the end where a free block of the heap served it): a loaded model keeps none of the
@@ -57,6 +59,7 @@ print(served_by_heap(8 << 20))
 """
 
 
+@needs_glibc
 def test_an_inner_block_leaves_the_outer_setting_in_place():
     """``load_int4_lora`` holds a block around ``from_pretrained``, which holds one per packed weight: when an inner
     block ends, 8 MiB allocated in the outer one still get a mapping of their own (and leave when freed); after the
@@ -119,31 +122,98 @@ class Model(nn.Module):
 with allocator.freed_memory_returned():
     pass  # as after loading: blocks below 32 MiB come from the heap
 model, x = Model(), torch.ones(8, requires_grad=True)
-returned = allocator.freed_memory_returned_per_block(model) if sys.argv[1] == "1" else contextlib.nullcontext()
+setting = sys.argv[1]  # never, always, or MiB over the starting RSS
+above = int((resident() + float(setting)) * 2**20) if setting not in ("never", "always") else None
+returned = contextlib.nullcontext() if setting == "never" else allocator.freed_memory_returned_per_block(model, above)
 with returned:
     model(x).backward()
 print(" ".join(f"{phase}:{mib:.1f}" for phase, mib in entry))
 """
 
 
-def entry_resident_mib(returned: bool) -> tuple[list[float], list[float]]:
-    """RSS (MiB) as each block's forward and each block's backward begins, in a fresh process running ``PER_BLOCK``."""
+def entry_resident_mib(returned: str) -> tuple[list[float], list[float]]:
+    """RSS (MiB) as each block's forward and each block's backward begins, in a fresh process running ``PER_BLOCK``
+    (``returned``: ``never``, ``always``, or the MiB over its starting RSS above which a boundary returns memory)."""
     env = {k: v for k, v in os.environ.items() if k not in allocator.USER_SETTINGS}
-    out = subprocess.run([sys.executable, "-c", PER_BLOCK, str(int(returned))], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", PER_BLOCK, returned], capture_output=True, text=True, env=env,
                          check=True).stdout.split()  # fmt: skip
     entries = [(item.split(":")[0], float(item.split(":")[1])) for item in out]
     assert [phase for phase, _ in entries] == ["forward"] * 3 + ["backward"] * 3
     return [mib for _, mib in entries[:3]], [mib for _, mib in entries[3:]]
 
 
+@needs_glibc
 def test_each_block_returns_the_holes_its_tensors_left_forward_and_backward():
     """Each block frees 32 MiB of heap blocks between live tensors allocated after them. Without the per-block return,
     those pages stay resident as every later block starts; with it, none of them is, forward (returned after each
     block) or backward (as each block's backward begins)."""
-    forward, backward = entry_resident_mib(returned=False)
+    forward, backward = entry_resident_mib("never")
     assert min(forward[1:] + backward) > forward[0] + 24
-    forward, backward = entry_resident_mib(returned=True)
+    forward, backward = entry_resident_mib("always")
     assert max(forward[1:] + backward) < forward[0] + 16  # the live tensors: 1 MiB a block, forward and backward
+
+
+@needs_glibc
+def test_a_boundary_returns_the_holes_only_above_the_given_resident_memory():
+    """``above_bytes`` (what ``return_freed_memory="auto"`` sets): the forward blocks' 32 MiB of holes (partly reused
+    by the next block's tensors) keep the process under a line 64 MiB over its starting RSS, so they stay; over a
+    line at 16 MiB, they are returned at every boundary."""
+    forward, backward = entry_resident_mib("64")
+    assert min(forward[1:]) > forward[0] + 24
+    forward, backward = entry_resident_mib("16")
+    assert max(forward[1:] + backward) < forward[0] + 16
+
+
+@needs_glibc
+def test_returning_freed_memory_by_setting(monkeypatch):
+    """``returning_freed_memory``: ``"auto"`` hooks every decoder block while inside (its line: half of
+    :func:`usable_memory_bytes`, tested in ``test_ondevice``), removed after; ``False`` is nothing, and so is ``"auto"``
+    on a model without decoder blocks; other values are refused with the allowed ones."""
+    from conftest import tiny_llama
+
+    from hf_lowprec.allocator import returning_freed_memory
+
+    monkeypatch.setattr(allocator, "usable_memory_bytes", lambda: 3 * 2**30)
+    model = tiny_llama()
+    with returning_freed_memory(model, "auto"):
+        assert all(len(block._forward_hooks) == 1 for block in model.model.layers)
+    assert not any(block._forward_hooks for block in model.model.layers)
+    for setting in (False, "auto"):
+        returned = returning_freed_memory(torch.nn.Linear(2, 2) if setting else model, setting)
+        assert type(returned).__name__ == "nullcontext"
+    with pytest.raises(ValueError, match="return_freed_memory must be false, true or 'auto', got 'sometimes'"):
+        returning_freed_memory(model, "sometimes")
+
+
+def test_the_cgroup_limit_is_the_lowest_on_the_process_cgroup_and_its_ancestors(tmp_path):
+    """v1 (``memory.limit_in_bytes``) and v2 (``memory.max``) folders, found under a container's root with the leading
+    parts of the process's cgroup path dropped; ``max`` and v1's near-2**63 are no limit; no memory line, no limit."""
+    root, membership = tmp_path / "cgroup", tmp_path / "self_cgroup"
+    v1 = root / "memory" / "job" / "step"
+    v1.mkdir(parents=True)
+    (root / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # the container's root: none
+    (root / "memory" / "job" / "memory.limit_in_bytes").write_text(f"{3 * 2**30}\n")
+    (v1 / "memory.limit_in_bytes").write_text(f"{5 * 2**30}\n")  # looser than its parent's
+    membership.write_text("4:memory:/host/container-id/job/step\n2:cpu,cpuacct:/elsewhere\n")
+    assert allocator.cgroup_limit_bytes(root, membership) == 3 * 2**30
+    v2 = root / "unified" / "job"
+    v2.mkdir(parents=True)
+    (v2 / "memory.max").write_text(f"{2 * 2**30}\n")
+    (root / "unified" / "memory.max").write_text("max\n")
+    membership.write_text("4:memory:/host/container-id/job/step\n0::/host/container-id/job\n")
+    assert allocator.cgroup_limit_bytes(root, membership) == 2 * 2**30
+    (v2 / "memory.max").write_text("max\n")
+    membership.write_text("0::/host/container-id/job\n")
+    assert allocator.cgroup_limit_bytes(root, membership) is None
+    assert allocator.cgroup_limit_bytes(root, tmp_path / "absent") is None
+
+
+def test_usable_memory_is_at_least_what_this_process_holds():
+    """Resident memory plus ``MemAvailable`` (or a lower cgroup limit): above this process's RSS, at most the RAM."""
+    total = next(int(x.split()[1]) * 1024 for x in open("/proc/meminfo") if x.startswith("MemTotal:"))
+    usable, held = allocator.usable_memory_bytes(), allocator.resident_bytes()
+    assert held < usable <= total + held
+    assert abs(held / 2**20 - resident_mib()) < 8
 
 
 def test_a_model_without_decoder_blocks_is_refused():

@@ -268,6 +268,29 @@ def test_returning_freed_memory_per_block_changes_no_loss(tmp_path, counted_trim
     assert kept == returned and (kept_trims, returned_trims) == (0, 3 * 2 * 2)
 
 
+def test_auto_returns_freed_memory_only_where_memory_is_short(tmp_path, counted_trims, monkeypatch, caplog):
+    """``finetune_int4_lora``'s default, ``return_freed_memory="auto"``: no trims where the process holds less than
+    half of the memory it can use; at every block boundary (2 x 2 blocks a step), said once in the log, where it holds
+    more; a value other than false, true and 'auto' is refused before any training."""
+    from hf_lowprec import allocator
+
+    path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
+    model, tokenizer, _ = load_int4_lora(path, LoraConfig(**LORA))
+    blocks = token_blocks(tokenizer, [corpus_text(5_000)], 32)
+    with pytest.raises(ValueError, match="return_freed_memory must be false, true or 'auto', got 'sometimes'"):
+        finetune_int4_lora(model, tokenizer, blocks, steps=1, return_freed_memory="sometimes")
+    trims = {}
+    for usable in (2**50, allocator.resident_bytes()):  # ample; short (the process already holds all of it)
+        monkeypatch.setattr(allocator, "usable_memory_bytes", lambda usable=usable: usable)
+        monkeypatch.setattr(allocator, "_AUTO_LOGGED", [False])
+        counted_trims.clear()
+        with caplog.at_level(logging.WARNING, logger="hf_lowprec.allocator"):
+            finetune_int4_lora(model, tokenizer, blocks, steps=3, batch_size=2)
+        trims[usable] = len(counted_trims)
+    assert list(trims.values()) == [0, 3 * 2 * 2]
+    assert len([r for r in caplog.records if "return_freed_memory='auto'" in r.getMessage()]) == 1
+
+
 def test_the_trainer_returns_freed_memory_per_block_in_its_training_steps(tmp_path, counted_trims):
     """``ChunkedLossTrainer(return_freed_memory=True)``: forward and backward of each of its steps (2 x 2 blocks)."""
     from transformers import TrainingArguments
@@ -280,6 +303,8 @@ def test_the_trainer_returns_freed_memory_per_block_in_its_training_steps(tmp_pa
                              report_to=[], save_strategy="no", disable_tqdm=True)  # fmt: skip
     ChunkedLossTrainer(model=model, args=args, train_dataset=data, return_freed_memory=True).train()
     assert len(counted_trims) == 3 * 2 * 2
+    with pytest.raises(ValueError, match="return_freed_memory must be false, true or 'auto', got 1"):
+        ChunkedLossTrainer(model=model, args=args, train_dataset=data, return_freed_memory=1)
 
 
 def test_adapter_dtype_names_the_allowed_values():

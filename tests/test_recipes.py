@@ -72,6 +72,8 @@ def _write(tmp_path, data, name="r.yaml"):
         ({"method": "int4-lora", "precision": {"plan": "int4-g64", "keep": ["lm_head", "*.mlp.*"]}}, r"precision\.keep \['\*\.mlp\.\*'\]: method 'int4-lora' keeps only the output head out of INT4 \(int8 or bf16 by its size\); name other"),
         ({"training": {"activation_storage": "int8"}}, r"training\.activation_storage 'int8' applies to method 'int4-lora'; use 'none'"),
         ({"training": {"return_freed_memory": True}}, r"training\.return_freed_memory applies to method 'int4-lora'; use false"),
+        ({"training": {"return_freed_memory": "auto"}}, r"training\.return_freed_memory applies to method 'int4-lora'; use false"),
+        ({"method": "int4-lora", "precision": {"plan": "int4-g64-asym"}, "training": {"return_freed_memory": "often"}}, r"'training\.return_freed_memory' is 'often'; allowed values are false, true, auto"),
         ({"precision": {"rounding": "awq"}}, r"precision\.rounding 'awq' applies to method 'int4-lora'; method 'full' rounds its FP8 weights by one of nearest, gptq"),
         ({"method": "int4-lora", "training": {"activation_storage": "int4"}}, r"'training\.activation_storage' is 'int4'; allowed values are none, int8, fp8, fp8-e5m2"),
         ({"training": []}, r"training must be a mapping"),

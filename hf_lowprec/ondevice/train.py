@@ -20,7 +20,7 @@ from peft import PeftModel
 from torch import nn
 from transformers import get_scheduler
 
-from hf_lowprec.allocator import freed_memory_returned_per_block
+from hf_lowprec.allocator import check_return_freed_memory, returning_freed_memory
 from hf_lowprec.chunked_loss import chunked_causal_lm_loss
 from hf_lowprec.folders import check_output_dir
 from hf_lowprec.metrics import peak_rss_mb
@@ -132,7 +132,7 @@ def finetune_int4_lora(
     seed: int = 0,
     activation_storage: str | None = "int8",
     gradient_checkpointing: bool = False,
-    return_freed_memory: bool = False,
+    return_freed_memory: bool | str = "auto",
     chunk_tokens: int = 128,
     warmup_steps: int | None = None,
     weight_decay: float = 0.0,
@@ -151,10 +151,11 @@ def finetune_int4_lora(
     Activation memory: ``activation_storage`` (``int8``, ``fp8`` or ``None``) keeps what autograd saves
     in 8 bits (:class:`~hf_lowprec.training.activations.ActivationStorage`; a few % of gradient error);
     ``gradient_checkpointing`` (``True``, or every ``n`` layers) recomputes layers instead (exact, slower).
-    ``return_freed_memory``: glibc's heap returns the memory freed tensors leave at each decoder block's boundary
-    (:func:`~hf_lowprec.allocator.freed_memory_returned_per_block`; Llama-3.2-1B shape at 1x256 under glibc's default
-    allocator: peak 1.42 GB instead of 1.60 for 1.14x the step on an AVX-512 CPU, 1.45 instead of 2.31 for 1.05x on
-    the AVX2 class).
+    ``return_freed_memory``: ``True``: glibc's heap returns the memory freed tensors leave at each decoder block's
+    boundary (:func:`~hf_lowprec.allocator.freed_memory_returned_per_block`; Llama-3.2-1B shape at 1x256 under glibc's
+    default allocator: peak 1.42 GB instead of 1.60 for 1.14x the step on an AVX-512 CPU, 1.45 instead of 2.31 for
+    1.05x on the AVX2 class); ``"auto"`` (default): there only while the process holds more than half of the memory
+    it can use (:func:`~hf_lowprec.allocator.returning_freed_memory`); ``False``: never.
 
     ``progress(step, steps, metrics)`` is called after every step with ``loss``, ``lr``, ``step_seconds``,
     ``peak_rss_mb`` (and with ``eval_loss`` after the last). With ``output_dir`` the
@@ -162,6 +163,7 @@ def finetune_int4_lora(
     ``finetune_metrics.json``. Raises ``ValueError`` for an output folder that exists (unless ``overwrite``).
     """
     _check_optim(optim)
+    check_return_freed_memory(return_freed_memory)
     if not lr > 0:  # torch's optimizer says so too, but only after the evaluation before training
         raise ValueError(f"lr must be > 0, got {lr}")
     params = _checked_parameters(model, train_blocks, steps, batch_size, output_dir, overwrite, eval_blocks)
@@ -169,7 +171,7 @@ def finetune_int4_lora(
     eval_before = evaluate_loss(model, eval_blocks, batch_size, chunk_tokens) if eval_blocks is not None else None
     learned = learned_steps(model)
     optimizer, scheduler = _optimizer_and_schedule(optim, params, learned, lr, weight_decay, steps, warmup_steps)
-    returned = freed_memory_returned_per_block(model) if return_freed_memory else contextlib.nullcontext()
+    returned = returning_freed_memory(model, return_freed_memory)
     with _activation_memory(model, base, activation_storage, gradient_checkpointing) as storage, returned:
         step = functools.partial(_step, model, params, optimizer, scheduler, storage, chunk_tokens, max_grad_norm)
         losses, times, train_seconds = _run_steps(step, scheduler, train_blocks, steps, batch_size, seed, progress)

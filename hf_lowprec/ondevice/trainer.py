@@ -5,8 +5,10 @@ It is what ``hf-lowprec finetune`` trains INT4+LoRA models with:
 - the loss never materialises the ``[tokens, vocab]`` logits (:func:`~hf_lowprec.chunked_loss.chunked_causal_lm_loss`);
 - the tensors autograd saves for backward are stored in 8 bits
   (:class:`~hf_lowprec.training.activations.ActivationStorage`; ``activation_storage=None`` keeps them as they are);
-- with ``return_freed_memory=True``, glibc's heap returns the memory freed tensors leave at each decoder block's
-  boundary (:func:`~hf_lowprec.allocator.freed_memory_returned_per_block`: a lower, steadier peak for a slower step);
+- glibc's heap returns the memory freed tensors leave at each decoder block's boundary while the process holds more
+  than half of the memory it can use (``return_freed_memory="auto"``,
+  :func:`~hf_lowprec.allocator.returning_freed_memory`; ``True``: always, a lower, steadier peak for a slower step;
+  ``False``: never);
 - ``optim="adamw_torch_8bit"`` (torchao's 8-bit AdamW) steps in one C++ pass on CPUs, same states and numerics
   (:class:`~hf_lowprec.training.adamw8bit.AdamW8bit`): 2.7x fp32 AdamW's time instead of 12x; bf16 adapters round
   its updates stochastically (torchao's ``bf16_stochastic_round``), as :func:`~hf_lowprec.ondevice.finetune_int4_lora`
@@ -34,7 +36,7 @@ import torchao.optim
 from safetensors.torch import load_file, save_file
 from transformers import Trainer
 
-from hf_lowprec.allocator import freed_memory_returned_per_block
+from hf_lowprec.allocator import check_return_freed_memory, returning_freed_memory
 from hf_lowprec.chunked_loss import chunked_causal_lm_loss
 from hf_lowprec.labels import IGNORE_INDEX
 from hf_lowprec.ondevice.learned_steps import give_learned_steps_their_groups, learned_steps
@@ -53,7 +55,9 @@ class ChunkedLossTrainer(Trainer):
     Args (besides ``Trainer``'s):
         activation_storage: ``int8`` (default), ``fp8`` or ``None``.
         chunk_tokens: tokens per chunk of the output head and the loss.
-        return_freed_memory: return the heap's free memory at each decoder block's boundary in training steps.
+        return_freed_memory: return the heap's free memory at each decoder block's boundary in training steps:
+            ``"auto"`` while the process holds more than half of the memory it can use, ``True`` always, ``False``
+            never.
     """
 
     def __init__(
@@ -61,13 +65,14 @@ class ChunkedLossTrainer(Trainer):
         *args,
         activation_storage: str | None = "int8",
         chunk_tokens: int = 128,
-        return_freed_memory: bool = False,
+        return_freed_memory: bool | str = "auto",
         **kwargs,
     ):
         if activation_storage is not None and activation_storage not in ACTIVATION_FORMATS:
             raise ValueError(
                 f"activation_storage {activation_storage!r}: choose one of {', '.join(ACTIVATION_FORMATS)} or None"
             )
+        check_return_freed_memory(return_freed_memory)
         super().__init__(*args, **kwargs)
         self.activation_storage_format = activation_storage
         self.chunk_tokens = chunk_tokens
@@ -124,8 +129,7 @@ class ChunkedLossTrainer(Trainer):
         return super().get_batch_samples(map(_padding_ignored, epoch_iterator), num_batches, device)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        returned = freed_memory_returned_per_block(model) if self.return_freed_memory else contextlib.nullcontext()
-        with returned:  # forward and backward both
+        with returning_freed_memory(model, self.return_freed_memory):  # forward and backward both
             return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
