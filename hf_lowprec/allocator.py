@@ -26,14 +26,13 @@ Written by hand: no library of the field tunes the host allocator (PyTorch's CPU
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import os
 import platform
 import sys
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -114,7 +113,7 @@ def cgroup_limit_bytes(root: Path = Path("/sys/fs/cgroup"), membership: Path = P
         return None
     limits = []
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "?", "")
         if controllers == "":  # v2: mounted at the root, or beside v1 as "unified"
             base, name = (root if (root / "cgroup.controllers").exists() else root / "unified"), "memory.max"
         elif "memory" in controllers.split(","):
@@ -125,11 +124,19 @@ def cgroup_limit_bytes(root: Path = Path("/sys/fs/cgroup"), membership: Path = P
         folders = (base.joinpath(*parts[start:]) for start in range(len(parts) + 1))
         folder = next((f for f in folders if f.is_dir()), None)
         while folder is not None:
-            text = (folder / name).read_text().strip() if (folder / name).is_file() else "max"
-            if text != "max" and int(text) < UNLIMITED:
-                limits.append(int(text))
+            limits.append(_limit_in(folder / name))
             folder = None if folder == base else folder.parent
+    limits = [limit for limit in limits if limit is not None]
     return min(limits) if limits else None
+
+
+def _limit_in(path: Path) -> int | None:
+    """The memory limit a cgroup file states, bytes; ``None`` for none (``max``, near 2**63, absent, unreadable)."""
+    try:
+        text = path.read_text().strip()
+        return int(text) if text != "max" and int(text) < UNLIMITED else None
+    except (OSError, ValueError):
+        return None
 
 
 def usable_memory_bytes() -> int | None:
@@ -152,12 +159,12 @@ def returning_freed_memory(model: nn.Module, setting: bool | str):
     decoder blocks). Raises ``ValueError`` for another value."""
     check_return_freed_memory(setting)
     if setting is False:
-        return contextlib.nullcontext()
+        return nullcontext()
     if setting is True:
         return freed_memory_returned_per_block(model)
     usable = usable_memory_bytes()
     if usable is None or not decoder_blocks(model):  # no /proc to compare against; no blocks to trim between
-        return contextlib.nullcontext()
+        return nullcontext()
     return freed_memory_returned_per_block(model, above_bytes=int(AUTO_SHARE * usable))
 
 

@@ -187,7 +187,8 @@ def test_returning_freed_memory_by_setting(monkeypatch):
 
 def test_the_cgroup_limit_is_the_lowest_on_the_process_cgroup_and_its_ancestors(tmp_path):
     """v1 (``memory.limit_in_bytes``) and v2 (``memory.max``) folders, found under a container's root with the leading
-    parts of the process's cgroup path dropped; ``max`` and v1's near-2**63 are no limit; no memory line, no limit."""
+    parts of the process's cgroup path dropped; ``max``, v1's near-2**63 and what cannot be read are no limit; no memory
+    line, no limit."""
     root, membership = tmp_path / "cgroup", tmp_path / "self_cgroup"
     v1 = root / "memory" / "job" / "step"
     v1.mkdir(parents=True)
@@ -204,6 +205,9 @@ def test_the_cgroup_limit_is_the_lowest_on_the_process_cgroup_and_its_ancestors(
     assert allocator.cgroup_limit_bytes(root, membership) == 2 * 2**30
     (v2 / "memory.max").write_text("max\n")
     membership.write_text("0::/host/container-id/job\n")
+    assert allocator.cgroup_limit_bytes(root, membership) is None
+    (v2 / "memory.max").write_text("garbage\n")  # unreadable files and lines are no limit, not an error
+    membership.write_text("nonsense\n0::/host/container-id/job\n")
     assert allocator.cgroup_limit_bytes(root, membership) is None
     assert allocator.cgroup_limit_bytes(root, tmp_path / "absent") is None
 
