@@ -1,16 +1,17 @@
 """Does llama.cpp compute what the run trained? A GGUF export (``hf-lowprec export --format gguf``) run by llama.cpp
 against the run's own model, on the run's held-out blocks.
 
-The default CLI recipe (``int4-ondevice-lora``: packed INT4 base, learned steps, LoRA r=16 on every linear) fine-tunes
-SmolLM2-135M-Instruct on the offline Shakespeare corpus for ``--steps`` steps; the run is exported to ``model.gguf`` +
-``adapter.gguf``; llama.cpp (through llama-cpp-python, in the Python given by ``--llama-python``: it is no dependency
-of hf-lowprec, and its wheel builds llama.cpp from source, about 10 minutes on 2 cores) evaluates the held-out blocks
-with and without the adapter; hf-lowprec's model (fp32, exact dequantized kernels) evaluates the same blocks. Reported:
-mean loss (nats/token) of each and of the model before training, the largest logit difference and the top-1 agreement
-on the first block (llama.cpp rounds activations to 8 bits for its Q4_1 products: close, not equal). Then llama.cpp
-tokenizes text from its vocabulary alone (``tokenizer.ggml.pre`` decides how it splits): held-out passages and a
-line of numbers and contractions, against transformers' tokenizer, for the run's SmolLM2 export and for a tiny
-Llama exported with a BPE vocabulary trained on Llama 3's split (the split of Llama 3's own tokenizer.json).
+The default CLI recipe (``int4-ondevice-lora``: packed INT4 base, learned zero points, LoRA r=16 on every linear)
+fine-tunes SmolLM2-135M-Instruct on the offline Shakespeare corpus for ``--steps`` steps; the run is exported to
+``model.gguf`` + ``adapter.gguf``; llama.cpp (through llama-cpp-python, in the Python given by ``--llama-python``: it
+is no dependency of hf-lowprec, and its wheel builds llama.cpp from source, about 10 minutes on 2 cores) evaluates the
+held-out blocks with and without the adapter; hf-lowprec's model (fp32, exact dequantized kernels) evaluates the same
+blocks. Reported: mean loss (nats/token) of each and of the model before training, the largest logit difference and
+the top-1 agreement on the first block (llama.cpp rounds activations to 8 bits for its Q4_1 products: close, not
+equal). Then llama.cpp tokenizes text from its vocabulary alone (``tokenizer.ggml.pre`` decides how it splits):
+held-out passages and a line of numbers and contractions, against transformers' tokenizer, for the run's SmolLM2
+export and for a tiny Llama exported with a BPE vocabulary trained on Llama 3's split (the split of Llama 3's own
+tokenizer.json).
 
     python -m venv /tmp/llcpp && /tmp/llcpp/bin/pip install llama-cpp-python
     .venv/bin/python benchmarks/gguf_llamacpp.py --llama-python /tmp/llcpp/bin/python   # results/gguf_llamacpp.json
@@ -253,6 +254,9 @@ def main() -> None:
         "file_bytes": sizes,
         "tokenization_llama_cpp_vs_transformers": tokens,
     }
+    earlier = RESULTS / "gguf_llamacpp.json"  # the --shape check, recorded in the same file, stays
+    if earlier.is_file() and "real_shape" in json.loads(earlier.read_text()):
+        result["real_shape"] = json.loads(earlier.read_text())["real_shape"]
     path = write_json("gguf_llamacpp.json", result)
     print(json.dumps(result, indent=2))
     print(f"wrote {path}")
