@@ -235,6 +235,7 @@ def env_cmd(
 
     import torch
 
+    from hf_lowprec.allocator import AUTO_SHARE, cgroup_limit_bytes, usable_memory_bytes
     from hf_lowprec.modules.kernels.autotune import compute_dtype, measured
     from hf_lowprec.modules.kernels.cpp import cpu_kernels
     from hf_lowprec.modules.kernels.cpu import cpu_info
@@ -258,6 +259,12 @@ def env_cmd(
     }
     if cpu.restricted_to:
         facts["restricted"] = f"to {cpu.restricted_to} by HF_LOWPREC_CPU_CLASS"
+    usable, limit = usable_memory_bytes(), cgroup_limit_bytes()
+    if usable is not None:
+        facts["memory"] = (
+            f"{usable / 1e9:.1f} GB usable{f' (cgroup limit {limit / 1e9:.1f} GB)' if limit else ''}; "
+            f"return_freed_memory=auto returns freed memory above {AUTO_SHARE * usable / 1e9:.1f} GB"
+        )
     ui.out.print(ui.key_values("hf-lowprec environment", facts))
     for label, (k, n) in ENV_SHAPES.items():
         with ui.step(f"timing the kernels on {label}, {tokens} tokens"):

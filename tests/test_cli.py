@@ -57,6 +57,8 @@ def test_env_prints_the_cpu_the_dtype_choice_and_measured_throughput():
     for kernel in ("fp32", "bf16", *packed, *(f"{k} bf16" for k in packed)):  # packed backends on fp32 and bf16 inputs
         assert f"│ {kernel} " in result.output, kernel  # a row of the throughput table
     assert "Llama-3.2-1B" in result.output and "GFLOP/s" in result.output
+    usable = re.search(r"memory +│ ([\d.]+) GB usable.*?above ([\d.]+) GB", result.output)  # auto's line: half
+    assert usable and abs(float(usable[2]) - float(usable[1]) / 2) <= 0.1, result.output
 
 
 def test_help_of_the_program_and_every_command():
