@@ -139,3 +139,27 @@ def llama():
 @pytest.fixture
 def bert():
     return tiny_bert()
+
+
+@pytest.fixture
+def counted_trims(monkeypatch) -> list[int]:
+    """glibc's ``malloc_trim`` calls made through :mod:`hf_lowprec.allocator` (each runs), with glibc's defaults."""
+    from hf_lowprec import allocator
+
+    libc = allocator._glibc()
+    if libc is None:
+        pytest.skip("glibc's allocator only")
+    for name in allocator.USER_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    trims = []
+
+    class CountedTrims:
+        def __getattr__(self, name):
+            return getattr(libc, name)
+
+        def malloc_trim(self, pad):
+            trims.append(pad)
+            return libc.malloc_trim(pad)
+
+    monkeypatch.setattr(allocator, "_glibc", CountedTrims)
+    return trims

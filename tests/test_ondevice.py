@@ -224,30 +224,6 @@ def test_auto_adapters_are_bf16_and_their_training_follows_fp32_adapters(tmp_pat
     assert abs(auto - fp32) < 0.05 * (start - fp32)  # within 5% of fp32's progress
 
 
-@pytest.fixture
-def counted_trims(monkeypatch) -> list[int]:
-    """glibc's ``malloc_trim`` calls made through :mod:`hf_lowprec.allocator` (each runs), with glibc's defaults."""
-    from hf_lowprec import allocator
-
-    libc = allocator._glibc()
-    if libc is None:
-        pytest.skip("glibc's allocator only")
-    for name in allocator.USER_SETTINGS:
-        monkeypatch.delenv(name, raising=False)
-    trims = []
-
-    class CountedTrims:
-        def __getattr__(self, name):
-            return getattr(libc, name)
-
-        def malloc_trim(self, pad):
-            trims.append(pad)
-            return libc.malloc_trim(pad)
-
-    monkeypatch.setattr(allocator, "_glibc", CountedTrims)
-    return trims
-
-
 def test_returning_freed_memory_per_block_changes_no_loss(tmp_path, counted_trims):
     """``return_freed_memory=True``: the heap's free memory is returned after each block's forward and as its backward
     begins (2 x 2 blocks a step), with the same losses as without, and the hooks gone after training."""
