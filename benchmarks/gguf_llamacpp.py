@@ -254,9 +254,9 @@ def main() -> None:
         "file_bytes": sizes,
         "tokenization_llama_cpp_vs_transformers": tokens,
     }
-    earlier = RESULTS / "gguf_llamacpp.json"  # the --shape check, recorded in the same file, stays
-    if earlier.is_file() and "real_shape" in json.loads(earlier.read_text()):
-        result["real_shape"] = json.loads(earlier.read_text())["real_shape"]
+    earlier = RESULTS / "gguf_llamacpp.json"
+    if earlier.is_file() and "real_shape" in (recorded := json.loads(earlier.read_text())):
+        result["real_shape"] = recorded["real_shape"]  # the --shape check, recorded in the same file, stays
     path = write_json("gguf_llamacpp.json", result)
     print(json.dumps(result, indent=2))
     print(f"wrote {path}")

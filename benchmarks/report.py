@@ -14,6 +14,8 @@ import re
 from _util import RESULTS, mean_std
 from ondevice import INT4_DEFAULT, _bits, _quality_key, default_quality_key, parse_variant
 
+from hf_lowprec.ondevice.learned_steps import learned_kinds
+
 
 def load(name: str) -> dict | None:
     path = RESULTS / f"{name}.json"
@@ -435,8 +437,6 @@ def ondevice_section(ondevice: dict | None) -> list[str]:
         states = "8-bit" if run.get("optim") == "adamw_torch_8bit" else "fp32 (measured before the 8-bit default)"
         plan = (f"a plan scanned on the first training blocks ({share} of the packed linear weights; embeddings and head bf16)"
                 if run.get("budget_bits") else f"every linear but the head {share.split()[0]}")
-        from hf_lowprec.ondevice.learned_steps import learned_kinds
-
         learned = learned_kinds(run.get("learn_steps", False))
         learned = f", the base learning its {learned}" if learned else ""
         current = {k: v for k, v in run.items() if k in ("budget_bits", "loftq", "optim")} | {"learn_steps": run.get("learn_steps", False)}

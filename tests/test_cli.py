@@ -721,28 +721,36 @@ def test_export_formats_compressed_tensors_and_bf16(ws, lora_run, tmp_path):
     assert "choose one of native, compressed-tensors, bf16, gguf" in one_error_line(bad)
 
 
-def test_recipe_keys_as_key_value_arguments(ws, tmp_path, counted_trims):
-    """Dotted keys override the recipe. ``training.return_freed_memory=true`` returns freed memory at each decoder
-    block in the three evaluations as in training: 2 batches of the 4 held-out blocks per evaluation (forward) and 2
-    steps (forward and backward) make 10 trims per block more than the same run with ``false`` (whose trims are
-    loading's and exporting's)."""
+def finetune_freeing_memory(ws, out, returned: str):
+    """The tiny model fine-tuned for 2 steps with ``training.return_freed_memory={returned}`` (and other dotted keys)."""
+    result = cli("finetune", ws / "tiny", "training.max_steps=2", "lora.r=4", "training.logging_steps=1",
+                 f"training.return_freed_memory={returned}", "--data", ws / "corpus.txt", *FAST, "-o", out)  # fmt: skip
+    assert result.exit_code == 0, result.output
 
-    def run(returned: str, out):
-        counted_trims.clear()
-        result = cli("finetune", ws / "tiny", "training.max_steps=2", "lora.r=4", "training.logging_steps=1",
-                     f"training.return_freed_memory={returned}", "--data", ws / "corpus.txt", *FAST, "-o", out)  # fmt: skip
-        assert result.exit_code == 0, result.output
-        return len(counted_trims)
 
+def test_recipe_keys_as_key_value_arguments(ws, tmp_path):
     out = tmp_path / "kv"
-    trims = run("true", out) - run("false", tmp_path / "kv-kept")
+    finetune_freeing_memory(ws, out, "true")
     record = json.loads((out / RUN_FILE).read_text())
     assert record["training"]["steps"] == 2 and record["recipe"]["lora"]["r"] == 4 and record["adapter"]["r"] == 4
     assert record["recipe"]["training"]["return_freed_memory"] is True
-    assert trims == (3 * 2 + 2 * 2) * json.loads((ws / "tiny" / "config.json").read_text())["num_hidden_layers"]
     bad = cli("finetune", ws / "tiny", "training.max_step=2", "-o", tmp_path / "bad")
     assert "unknown recipe key 'training.max_step' (did you mean 'max_steps'?)" in one_error_line(bad)
     assert "key=value with a dotted key" in one_error_line(cli("finetune", ws / "tiny", "oops", "-o", tmp_path / "bad"))
+
+
+def test_the_evaluations_return_freed_memory_as_training_does(ws, tmp_path, counted_trims):
+    """``training.return_freed_memory=true`` returns freed memory at each decoder block in the three evaluations as in
+    training: 2 batches of the 4 held-out blocks per evaluation (forward) and 2 steps (forward and backward) make 10
+    trims per block more than the same run with ``false`` (whose trims are loading's and exporting's)."""
+
+    def trims(returned: str) -> int:
+        counted_trims.clear()
+        finetune_freeing_memory(ws, tmp_path / returned, returned)
+        return len(counted_trims)
+
+    added = trims("true") - trims("false")
+    assert added == (3 * 2 + 2 * 2) * json.loads((ws / "tiny" / "config.json").read_text())["num_hidden_layers"]
 
 
 def test_trust_remote_code_and_revision_reach_from_pretrained(ws, tmp_path):
