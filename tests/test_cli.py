@@ -680,7 +680,8 @@ CT_HELD_OUT_LOSS = """
 import sys, torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
-model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({folder!r}), {folder!r}, subfolder="adapter")
+base = AutoModelForCausalLM.from_pretrained({folder!r}, dtype=torch.float32)  # as hf-lowprec eval loads it
+model = PeftModel.from_pretrained(base, {folder!r}, subfolder="adapter")
 assert not any(m.startswith("hf_lowprec") for m in sys.modules)
 blocks = torch.load({blocks!r})
 with torch.no_grad():
@@ -708,6 +709,11 @@ def test_export_formats_compressed_tensors_and_bf16(ws, lora_run, tmp_path):
     loss = float(done.stdout.strip().splitlines()[-1])
     # the trained model, up to the second rounding of the AWQ-scaled layers onto the plain grid
     assert loss == pytest.approx(json.loads((out / RUN_FILE).read_text())["training"]["loss_final"], abs=0.05)
+    # hf-lowprec's own eval of the folder loads its adapters as PEFT does (it evaluated the base alone until 2026-12-06)
+    evaluated = " ".join(cli("eval", ct, "--data", ws / "corpus.txt", "--held-out").output.split())
+    assert float(re.search(r"loss \(nats/token\) │ ([0-9.]+) │", evaluated)[1]) == pytest.approx(loss, abs=1e-4)
+    numerics = one_error_line(cli("eval", ct, "--data", ws / "corpus.txt", "--held-out", "--plan-numerics"))
+    assert "a compressed-tensors export already computes with its quantized weights" in numerics
 
     dense = cli("export", out, "--out", tmp_path / "bf16", "--format", "bf16")
     assert dense.exit_code == 0, dense.output

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import snapshot_download
+from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -415,7 +416,8 @@ def load_exported(
     model computes with its training-time FP8/INT4 numerics. ``int4-packed`` exports load through
     ``finetune.load_int4_model`` (transformers with the ``hf_lowprec`` quantizer; a PEFT model when the folder holds
     adapters), their packed layers computing with ``backend`` (``auto``: int8 kernels where the CPU has them;
-    ``dequant``: exactly the codes' values).
+    ``dequant``: exactly the codes' values). Other folders holding adapters (compressed-tensors exports) load as a
+    ``PeftModel`` too.
     """
     name = os.fspath(path_or_repo)
     folder = Path(name).expanduser()
@@ -430,17 +432,20 @@ def load_exported(
     run = read_run(folder)
     if run.get("export", {}).get("weights") == "gguf":
         raise ValueError(
-            f"{name!r} is a GGUF export, which llama.cpp runs (llama-cli -m model.gguf --lora adapter.gguf); load or "
+            f"{name!r} is a GGUF export, which llama.cpp runs (llama-completion -m model.gguf --lora adapter.gguf); load or "
             "evaluate the run folder it was exported from"
         )
-    if run.get("export", {}).get("weights") == "int4-packed":
-        if apply_plan_numerics:
-            raise ValueError(
-                "a packed INT4 export already computes with its quantized weights; apply_plan_numerics is for "
-                "master exports"
-            )
+    weights = run.get("export", {}).get("weights")
+    if apply_plan_numerics and weights in ("int4-packed", "compressed-tensors"):
+        raise ValueError(
+            f"a {weights} export already computes with its quantized weights; the plan's numerics "
+            "(apply_plan_numerics, eval --plan-numerics) are for master-weights exports"
+        )
+    if weights == "int4-packed":
         return load_int4_model(folder, dtype=dtype, backend=backend)
     model, tokenizer = load_pretrained(folder, dtype=dtype or torch.float32)
+    if (folder / ADAPTER_DIR).is_dir():  # a compressed-tensors export's LoRA adapters, PEFT's way onto its base
+        model = PeftModel.from_pretrained(model, folder / ADAPTER_DIR).eval()
     if apply_plan_numerics:
         apply_plan(model, PrecisionPlan.load(folder / PLAN_FILE))
         if (folder / LEARNED_STATE_FILE).is_file():  # the trained layers' INT4 steps, smoothing scales

@@ -1,5 +1,5 @@
 """GGUF export for llama.cpp (and what runs on it: Ollama, LM Studio): a trained INT4 base + LoRA run as the two
-files llama.cpp takes, ``llama-cli -m model.gguf --lora adapter.gguf``.
+files llama.cpp takes, ``llama-completion -m model.gguf --lora adapter.gguf``.
 
 - ``model.gguf``: the frozen base. Each packed INT4 layer's codes go into ``Q4_1`` blocks as they are: an
   asymmetric INT4 group ``w = step * (code - zero)`` of 32, 64 or 128 weights is one, two or four ``Q4_1`` blocks
