@@ -797,15 +797,12 @@ def export_cmd(
     weights_format: ExportFormatOpt = "native",
 ):
     """Write a publishable folder from a run: weights, precision plan and model card."""
-    from hf_lowprec.cli.run import refuse_to_replace_a_foreign_folder
+    from hf_lowprec.cli.run import check_replaceable
 
     from hf_lowprec.export.folder import EXPORT_FORMATS, export_run, run_formats
     from hf_lowprec.export.records import read_run
 
-    if Path(out).is_dir() and any(Path(out).iterdir()) and not overwrite:
-        ui.fail(f"output folder {str(out)!r} already exists; pass --overwrite to replace it")
-    if overwrite:
-        refuse_to_replace_a_foreign_folder(Path(out), "export", "--out")
+    check_replaceable(Path(out), overwrite, "export", "--out")
     if merge_into is not None and merge_into not in ("int4", "bf16", "fp32"):
         ui.fail(f"--merge-into {merge_into!r}: choose one of int4, bf16, fp32")
     if weights_format not in EXPORT_FORMATS:

@@ -34,6 +34,7 @@ from hf_lowprec.export.records import RUN_FILE, evaluation_numerics, hardware_in
 from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.metrics import causal_lm_loss, peak_rss_mb
 from hf_lowprec.modules.kernels.autotune import measured, resolve_dtype
+from hf_lowprec.modules.kernels.cpu import contention_warning
 from hf_lowprec.ondevice import (
     ChunkedLossTrainer,
     backend_counts,
@@ -124,18 +125,14 @@ def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool) -> RunFol
     if resume:
         if run.latest_checkpoint() is None:
             partial = " (only a half-written one, from a kill while it was saved)" if run.checkpoint_folders() else ""
+            start = "pass --overwrite instead to start over" if run.work.exists() or run.out.exists() else "run without --resume to start one"
             ui.fail(
                 f"--resume: no interrupted run to resume (no complete checkpoint under {str(run.checkpoints)!r}"
-                f"{partial}); pass --overwrite to start over"
+                f"{partial}); {start}"
             )
         return run
-    if run.out.is_dir() and any(run.out.iterdir()):
-        if not overwrite:
-            ui.fail(
-                f"output folder {str(run.out)!r} already exists; pass --overwrite to replace it (it is replaced only "
-                "when the new run finishes)"
-            )
-        refuse_to_replace_a_foreign_folder(run.out, "run or export folder", "--output-dir")
+    check_replaceable(run.out, overwrite, "run or export folder", "--output-dir", " (it is replaced only when the new "
+                      "run finishes)")  # fmt: skip
     if run.work.exists():
         if not overwrite:
             ui.fail(
@@ -151,14 +148,20 @@ def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool) -> RunFol
     return run
 
 
-def refuse_to_replace_a_foreign_folder(folder: Path, what: str, option: str) -> None:
-    """``--overwrite`` replaces an empty folder or an hf-lowprec one (holding ``hf_lowprec_run.json``), nothing else:
-    fail naming ``folder`` (``what`` it should have been, the ``option`` that chose it) otherwise."""
-    if folder.is_dir() and any(folder.iterdir()) and not (folder / RUN_FILE).is_file():
+def check_replaceable(folder: Path, overwrite: bool, what: str, option: str, when: str = "") -> None:
+    """An output ``folder`` that exists and holds anything is replaced only with ``--overwrite``, and only if it is an
+    hf-lowprec one (holding ``hf_lowprec_run.json``): fail naming ``folder``, ``what`` it should have been and the
+    ``option`` that chose it otherwise, suggesting ``--overwrite`` only where it would be taken (``when``: the time it
+    replaces the folder)."""
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return
+    if not (folder / RUN_FILE).is_file():
         ui.fail(
-            f"--overwrite: {str(folder)!r} is not an hf-lowprec {what} (no {RUN_FILE}), so it is not replaced; choose "
-            f"another {option}, or empty or remove that folder yourself"
+            f"{option}: {str(folder)!r} exists and is not an hf-lowprec {what} (no {RUN_FILE}), so it is not replaced "
+            f"(not even with --overwrite); choose another {option}, or empty or remove that folder yourself"
         )
+    if not overwrite:
+        ui.fail(f"output folder {str(folder)!r} already exists; pass --overwrite to replace it{when}")
 
 
 def _is_work_folder(folder: Path) -> bool:
@@ -314,6 +317,9 @@ class FinetuneOptions:
 def run_finetune(opts: FinetuneOptions) -> dict:
     """Train, evaluate and export; returns the run record (also written to the output folder)."""
     run = open_run_folder(opts.output_dir, overwrite=opts.overwrite, resume=opts.resume)
+    contention = contention_warning()
+    if contention is not None:
+        ui.err.print(f"[yellow]warning: {contention}[/]", soft_wrap=True)
     settings = {"model": opts.model, "gguf_file": opts.gguf_file, "data": opts.data, "recipe": opts.recipe.to_dict()}
     if opts.resume:
         check_same_run(run, settings)
@@ -397,7 +403,8 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     if stopper.requested:
         ui.fail(
             f"interrupted at step {trainer.state.global_step}/{t.max_steps}; checkpoint saved in "
-            f"{str(run.latest_checkpoint())!r}; run the same command with --resume to continue",
+            f"{str(run.latest_checkpoint())!r}; run the same command with --resume"
+            f"{' instead of --overwrite' if opts.overwrite else ''} to continue",
             code=stopper.exit_code,
         )
     fold_learned_steps(model)  # an INT4 base's learned steps, rounded as its export will hold them

@@ -237,7 +237,8 @@ def test_int4_lora_run_exports_adapters(ws, lora_run):
     int4 = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
     assert int4 == 14
     kernels = record["compute"]["packed_kernels"]  # every packed layer ran a measured or the only runnable kernel
-    assert sum(kernels.values()) == 14 and set(kernels) <= {"tiled", "dequant"}  # exact ones: the base learns its steps
+    assert sum(kernels.values()) == 14  # exact forwards (the base learns its steps); the grad-input may run int8:
+    assert {k.removesuffix("/int8") for k in kernels} <= {"tiled", "dequant"}  # which, is for this CPU's timing
     stats = record["calibration"]  # AWQ + GPTQ on the INT4 layers
     assert stats["rounding"] == "awq+gptq" and stats["layers"] == int4 and stats["output_error_median"] < stats["output_error_nearest_median"]
     assert any(bool((m.input_scale != 1).any()) for m in model.modules() if isinstance(m, PackedInt4Linear))  # AWQ scales reloaded
@@ -484,15 +485,23 @@ def test_bad_inputs_fail_with_one_line(ws, tmp_path):
     existing.mkdir()
     (existing / "mine.txt").write_text("keep me")
     args = ["finetune", ws / "tiny", "--data", ws / "corpus.txt", "--recipe", "fp8-train", "--max-steps", "1", *FAST, "-o", existing]
-    refused = one_error_line(cli(*args))
-    assert "already exists; pass --overwrite to replace it" in refused and "overwrite=True" not in refused
-    assert [p.name for p in existing.iterdir()] == ["mine.txt"]
-    assert "is not an hf-lowprec run or export folder" in one_error_line(cli(*args, "--overwrite"))  # not a run: kept
-    assert [p.name for p in existing.iterdir()] == ["mine.txt"]
-    export = ["export", tmp_path / "full-run", "--out", existing, "--overwrite"]
-    assert "is not an hf-lowprec export" in one_error_line(cli(*export))  # export --overwrite: the same rule
-    assert [p.name for p in existing.iterdir()] == ["mine.txt"]
-    assert "already exists; pass --overwrite to replace it" in one_error_line(cli(*export[:-1]))
+    for overwrite in ([], ["--overwrite"]):  # not a run: kept, and --overwrite is not suggested where it is refused
+        refused = " ".join(one_error_line(cli(*args, *overwrite)).split())
+        assert f"--output-dir: '{existing}' exists and is not an hf-lowprec run or export folder" in refused
+        assert "(not even with --overwrite); choose another --output-dir" in refused
+        assert [p.name for p in existing.iterdir()] == ["mine.txt"]
+    export = ["export", tmp_path / "full-run", "--out", existing]
+    for overwrite in ([], ["--overwrite"]):  # export: the same rule
+        refused = " ".join(one_error_line(cli(*export, *overwrite)).split())
+        assert "is not an hf-lowprec export" in refused and "choose another --out" in refused
+        assert [p.name for p in existing.iterdir()] == ["mine.txt"]
+    run_args = [*args[:-1], tmp_path / "full-run"]  # an hf-lowprec folder: replaced with --overwrite only
+    refused = one_error_line(cli(*run_args))
+    assert "already exists; pass --overwrite to replace it (it is replaced only when the new run finishes)" in refused
+    assert "overwrite=True" not in refused
+    export = ["export", tmp_path / "full-run", "--out", tmp_path / "full-run-copy"]
+    shutil.copytree(tmp_path / "full-run", tmp_path / "full-run-copy")
+    assert "already exists; pass --overwrite to replace it" in one_error_line(cli(*export))
     into_itself = one_error_line(cli("export", tmp_path / "full-run", "--out", tmp_path / "full-run", "--overwrite"))
     assert "is the run folder" in into_itself and "itself, inside it or around it" in into_itself
     assert [p.name for p in (tmp_path / "full-run").iterdir()] == [RUN_FILE]
@@ -589,13 +598,13 @@ def test_runs_and_exports_get_the_modes_of_the_umask(full_runs, tmp_path):
         os.umask(umask)
 
 
-@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_an_interrupt_leaves_a_resumable_checkpoint(ws, tmp_path, signum, status):
+@pytest.mark.parametrize("signum, status, overwrite", [(signal.SIGINT, 130, []), (signal.SIGTERM, 143, ["--overwrite"])])
+def test_an_interrupt_leaves_a_resumable_checkpoint(ws, tmp_path, signum, status, overwrite):
     """Ctrl-C, or SIGTERM (timeout, Slurm, Kubernetes): the step finishes, a checkpoint is saved, the exit status is a
-    shell's for that signal, and --resume continues one loss curve."""
+    shell's for that signal, and --resume (in place of --overwrite, which starts over) continues one loss curve."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "hf_lowprec.cli.app", "finetune", str(ws / "tiny"), "--data", str(ws / "corpus.txt"),
-           "--recipe", "qat-int4", "--max-steps", "40", *FAST, "-o", str(out)]  # fmt: skip
+           "--recipe", "qat-int4", "--max-steps", "40", *FAST, "-o", str(out), *overwrite]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines: list[str] = []
@@ -609,14 +618,16 @@ def test_an_interrupt_leaves_a_resumable_checkpoint(ws, tmp_path, signum, status
     assert proc.wait(timeout=120) == status
     reader.join(timeout=10)
     stderr = "".join(lines)
-    assert "checkpoint saved" in stderr and "--resume" in stderr and "Traceback" not in stderr
+    assert "checkpoint saved" in stderr and "Traceback" not in stderr
+    instead = " instead of --overwrite" if overwrite else ""
+    assert f"run the same command with --resume{instead} to continue" in " ".join(stderr.split()), stderr
     assert ("interrupt (SIGTERM)" in stderr) == (signum == signal.SIGTERM), stderr
     checkpoints = list((tmp_path / "run.incomplete" / "checkpoints").glob("checkpoint-*"))
     assert len(checkpoints) == 1 and not out.exists()
     stopped_at = int(checkpoints[0].name.split("-")[1])
     assert 0 < stopped_at < 40
 
-    resumed = cli(*cmd[3:], "--resume")  # the same command, in this process
+    resumed = cli(*[a for a in cmd[3:] if a != "--overwrite"], "--resume")  # the same command, in this process
     assert resumed.exit_code == 0, resumed.output[-2000:]
     record = json.loads((out / RUN_FILE).read_text())
     assert record["training"]["resumed_from_step"] == stopped_at and record["training"]["steps"] == 40

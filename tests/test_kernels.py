@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 import time
 import types
 
@@ -11,7 +13,7 @@ from conftest import needs_cpp
 
 from hf_lowprec.modules.kernels import autotune
 from hf_lowprec.modules.kernels.cpp import STALE_BUILD_LOCK_S, clear_stale_build_lock
-from hf_lowprec.modules.kernels.cpu import CLASS_ENV, CpuInfo, cpu_info
+from hf_lowprec.modules.kernels.cpu import CLASS_ENV, CpuInfo, contention_warning, cores_busy_elsewhere, cpu_info
 
 AVX2_ONLY = CpuInfo("an AVX2 CPU", "x86_64", ("avx2", "fma"), "AVX2")
 AVX512_BF16 = CpuInfo("an AVX-512 CPU", "x86_64", ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16"), "AVX512")
@@ -25,6 +27,26 @@ def test_cpu_classes_and_capabilities():
     assert "AVX2: avx2 fma" in AVX2_ONLY.summary()
     here = cpu_info()  # whatever this machine is, the record is complete and consistent
     assert here.to_dict()["class"] == here.cpu_class and set(here.flags) <= set(here.to_dict()["flags"])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat") or len(os.sched_getaffinity(0)) < 2,
+                    reason="reads Linux's /proc/stat; a core left idle needs two")
+def test_a_process_busy_on_a_core_is_seen_and_named_in_the_thread_advice():
+    """Another process spinning on a core counts as a busy core; this process's own work does not; a torch thread
+    count above the idle cores gets one line naming the count that fits, one thread never does."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # started and spinning
+        busy = cores_busy_elsewhere(0.5)
+        cores = len(os.sched_getaffinity(0))
+        advice = contention_warning(threads=cores)
+        alone = contention_warning(threads=1)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert 0.6 <= busy <= cores, busy
+    assert advice is not None and f"of this machine's {cores} cores busy" in advice and "OMP_NUM_THREADS=" in advice
+    assert int(advice.rsplit("OMP_NUM_THREADS=", 1)[1]) < cores and alone is None
 
 
 def test_the_class_variable_restricts_the_capabilities(monkeypatch):
