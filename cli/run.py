@@ -125,7 +125,8 @@ def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool) -> RunFol
     if resume:
         if run.latest_checkpoint() is None:
             partial = " (only a half-written one, from a kill while it was saved)" if run.checkpoint_folders() else ""
-            start = "pass --overwrite instead to start over" if run.work.exists() or run.out.exists() else "run without --resume to start one"
+            there = run.work.exists() or run.out.exists()
+            start = "pass --overwrite instead to start over" if there else "run without --resume to start one"
             ui.fail(
                 f"--resume: no interrupted run to resume (no complete checkpoint under {str(run.checkpoints)!r}"
                 f"{partial}); {start}"

@@ -598,7 +598,7 @@ def test_runs_and_exports_get_the_modes_of_the_umask(full_runs, tmp_path):
         os.umask(umask)
 
 
-@pytest.mark.parametrize("signum, status, overwrite", [(signal.SIGINT, 130, []), (signal.SIGTERM, 143, ["--overwrite"])])
+@pytest.mark.parametrize("signum, status, overwrite", [(signal.SIGINT, 130, []), (signal.SIGTERM, 143, ["--overwrite"])])  # fmt: skip
 def test_an_interrupt_leaves_a_resumable_checkpoint(ws, tmp_path, signum, status, overwrite):
     """Ctrl-C, or SIGTERM (timeout, Slurm, Kubernetes): the step finishes, a checkpoint is saved, the exit status is a
     shell's for that signal, and --resume (in place of --overwrite, which starts over) continues one loss curve."""
@@ -718,8 +718,9 @@ def test_export_formats_compressed_tensors_and_bf16(ws, lora_run, tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     loss = float(done.stdout.strip().splitlines()[-1])
-    # the trained model, up to the second rounding of the AWQ-scaled layers onto the plain grid
-    assert loss == pytest.approx(json.loads((out / RUN_FILE).read_text())["training"]["loss_final"], abs=0.05)
+    # the trained model, up to the second rounding of the AWQ-scaled layers onto the plain grid: 0.057 apart where the
+    # run's grad-inputs ran int8 (a modelled AVX2 CPU); the adapters left out, 0.18
+    assert loss == pytest.approx(json.loads((out / RUN_FILE).read_text())["training"]["loss_final"], abs=0.1)
     # hf-lowprec's own eval of the folder loads its adapters as PEFT does (it evaluated the base alone until 2026-12-06)
     evaluated = " ".join(cli("eval", ct, "--data", ws / "corpus.txt", "--held-out").output.split())
     assert float(re.search(r"loss \(nats/token\) │ ([0-9.]+) │", evaluated)[1]) == pytest.approx(loss, abs=1e-4)

@@ -93,7 +93,8 @@ def test_resume_with_only_a_half_written_checkpoint_says_so(ws, tmp_path):
     checkpoint.mkdir(parents=True)
     (checkpoint / "adapter_model.safetensors").write_bytes(b"\0" * 10)
     text = one_error_line(cli(*finetune_args(ws, tmp_path / "run"), "--resume"))
-    assert "no complete checkpoint" in text and "half-written" in text and "pass --overwrite instead to start over" in text
+    assert "no complete checkpoint" in text and "half-written" in text
+    assert "pass --overwrite instead to start over" in text
     text = one_error_line(cli(*finetune_args(ws, tmp_path / "new"), "--resume"))  # nothing there: nothing to overwrite
     assert "no interrupted run to resume" in text and text.endswith("run without --resume to start one")
 

@@ -432,8 +432,8 @@ def load_exported(
     run = read_run(folder)
     if run.get("export", {}).get("weights") == "gguf":
         raise ValueError(
-            f"{name!r} is a GGUF export, which llama.cpp runs (llama-completion -m model.gguf --lora adapter.gguf); load or "
-            "evaluate the run folder it was exported from"
+            f"{name!r} is a GGUF export, which llama.cpp runs (llama-completion -m model.gguf --lora adapter.gguf); "
+            "load or evaluate the run folder it was exported from"
         )
     weights = run.get("export", {}).get("weights")
     if apply_plan_numerics and weights in ("int4-packed", "compressed-tensors"):

@@ -122,29 +122,25 @@ def cores_busy_elsewhere(seconds: float = 0.25) -> float | None:
     """How many of this machine's cores other processes kept busy over the next ``seconds`` (``/proc/stat``'s busy
     time less this process's own, in cores); ``None`` off Linux. Why it matters: torch's OpenMP threads meet at a
     barrier after every parallel region, so one thread sharing its core with another process's makes each region
-    wait for that core's time slice (2-core EPYC, the demo with another process busy on a core: 57 s per step with 2
-    threads, 1.3 s with 1)."""
+    wait for that core's time slice (:func:`contention_warning` says what that cost)."""
     stat = Path("/proc/stat")
     if not stat.is_file():
         return None
 
-    def busy_and_total() -> tuple[int, int]:
+    def busy_ticks() -> int:
         fields = [int(v) for v in stat.read_text().split("\n", 1)[0].split()[1:]]  # the "cpu" line, in clock ticks
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-        return sum(fields[:8]) - idle, sum(fields[:8])
+        return sum(fields[:8]) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # all but idle and iowait
 
-    (busy0, total0), own0 = busy_and_total(), time.process_time()
+    busy0, own0 = busy_ticks(), time.process_time()
     time.sleep(seconds)
-    (busy1, total1), own1 = busy_and_total(), time.process_time()
-    ticks = os.sysconf("SC_CLK_TCK")
-    cores = (total1 - total0) / ticks / seconds  # the cores /proc/stat counted over the window
-    busy = (busy1 - busy0) / ticks - (own1 - own0)
-    return max(0.0, min(cores, busy / seconds))
+    busy1, own1 = busy_ticks(), time.process_time()
+    busy = (busy1 - busy0) / os.sysconf("SC_CLK_TCK") - (own1 - own0)
+    return max(0.0, min(float(os.cpu_count() or 1), busy / seconds))
 
 
 def contention_warning(threads: int | None = None) -> str | None:
-    """One line when other processes leave fewer idle cores than torch's ``threads`` (default its intra-op count), naming
-    the thread count that fits; ``None`` otherwise (and off Linux)."""
+    """One line when other processes leave fewer idle cores than torch's ``threads`` (default its intra-op count),
+    naming the thread count that fits; ``None`` otherwise (and off Linux)."""
     busy = cores_busy_elsewhere()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = threads or torch.get_num_threads()
@@ -153,8 +149,8 @@ def contention_warning(threads: int | None = None) -> str | None:
         return None
     return (
         f"other processes keep {busy:.1f} of this machine's {cores} cores busy and torch runs {threads} threads, so "
-        f"every parallel step waits for a busy core's time slice (the demo on a 2-core EPYC so: 57 s a step, 1.3 s "
-        f"with one thread); stop them, or run with OMP_NUM_THREADS={idle}"
+        f"every parallel step waits for a busy core's time slice (a short demo run on a 2-core EPYC with one core busy "
+        f"elsewhere: 57 s a step, 1.3 s with one thread); stop them, or run with OMP_NUM_THREADS={idle}"
     )
 
 
