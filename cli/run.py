@@ -28,7 +28,7 @@ from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArgu
 from hf_lowprec.allocator import returning_freed_memory
 from hf_lowprec.checkpoints import default_checkpoint, has_tokenizer, load_pretrained, resolve_checkpoint
 from hf_lowprec.convert import revert
-from hf_lowprec.data import collated_batches, prepare_run_data, read_source
+from hf_lowprec.data import collated_batches, lm_columns, prepare_run_data, read_source
 from hf_lowprec.export.folder import export_model, resolved_weights
 from hf_lowprec.export.records import RUN_FILE, evaluation_numerics, hardware_info, read_run
 from hf_lowprec.folders import atomic_write_text
@@ -457,6 +457,8 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
     recipe, t = opts.recipe, opts.recipe.training
     with ui.step(f"reading data {opts.data or '(default corpus)'}"):
         records, data_name = read_source(opts.data, split=recipe.data.split)
+    d = recipe.data
+    lm_columns(records, data_name, d.text_column, d.messages_column, d.train_on)  # its errors before the model loads
     source, gguf = (opts.model, opts.gguf_file) if opts.model else default_checkpoint()
     if not has_tokenizer(*resolve_checkpoint(source, gguf)):  # before the minutes a large checkpoint takes to load
         ui.fail(f"{source!r} has no tokenizer files; save the tokenizer next to the model (tokenizer.save_pretrained)")

@@ -468,6 +468,10 @@ def test_bad_inputs_fail_with_one_line(ws, tmp_path):
     assert "unknown key 'training.max_stepz'" in one_error_line(cli("finetune", ws / "tiny", "--recipe", unknown, "-o", tmp_path / "o1"))
     assert "unknown recipe 'fp9'" in one_error_line(cli("finetune", ws / "tiny", "--recipe", "fp9", "-o", tmp_path / "o1"))
     assert "does not exist" in one_error_line(cli("finetune", ws / "tiny", "--data", tmp_path / "missing.txt", "-o", tmp_path / "o1"))
+    numbers = tmp_path / "numbers.csv"
+    numbers.write_text("a,b\n1,2\n")
+    no_text = cli("finetune", ws / "tiny", "--data", numbers, "-o", tmp_path / "o1")
+    assert "has no text column" in one_error_line(no_text) and "loading" not in no_text.output  # before the model
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o1.incomplete").exists()  # nothing left behind
     assert "does not exist" in one_error_line(cli("finetune", tmp_path / "no-model", "-o", tmp_path / "o1"))
     assert "no interrupted run" in one_error_line(cli("finetune", ws / "tiny", "--resume", "-o", tmp_path / "o1"))
