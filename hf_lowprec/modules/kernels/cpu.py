@@ -141,9 +141,11 @@ def cores_busy_elsewhere(seconds: float = 0.25) -> float | None:
 def contention_warning(threads: int | None = None) -> str | None:
     """One line when other processes leave fewer idle cores than torch's ``threads`` (default its intra-op count),
     naming the thread count that fits; ``None`` otherwise (and off Linux)."""
+    threads = threads or torch.get_num_threads()
+    if threads == 1:  # nothing to wait for (and nothing to measure)
+        return None
     busy = cores_busy_elsewhere()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = threads or torch.get_num_threads()
     idle = max(1, round(cores - busy)) if busy is not None else threads
     if idle >= threads:
         return None
