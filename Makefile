@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow test-avx2-emulated test-avx2-qemu bench bench-full clean
+.PHONY: setup demo test test-slow test-avx2-emulated test-avx2-qemu test-each-backend bench bench-full clean
 
 setup: $(STAMP)
 
@@ -37,7 +37,7 @@ test-avx2-emulated: $(STAMP)
 
 # the AVX2 class as a CPU model, not a setting: QEMU's user mode runs the tests on an AMD Zen 3 (EPYC-Milan: AVX2 and
 # FMA, no AVX-512, no VNNI), executing every instruction itself, so torch, oneDNN and MKL choose their code from the
-# CPUID it reports and an AVX-512 instruction anywhere stops the run (SIGILL); about 10x slower than the host (46 min
+# CPUID it reports and an AVX-512 instruction anywhere stops the run (SIGILL); about 10x slower than the host (47 min
 # on a 2-core EPYC). Under user-mode QEMU /proc/cpuinfo still lists the host's flags, and the compilers that build
 # kernels and the tests' child processes (sys.executable) run on the host: hence the emulation's settings too. One
 # test is left out: under QEMU the file pages of a checkpoint packed while loading stayed resident (905 KB against a
@@ -48,6 +48,12 @@ QEMU_AVX2 := $(AVX2_EMULATION) qemu-x86_64 -cpu EPYC-Milan
 test-avx2-qemu: $(STAMP)
 	@command -v qemu-x86_64 >/dev/null || { echo "error: test-avx2-qemu needs QEMU's user mode (apt-get install qemu-user)"; exit 2; }
 	$(QEMU_AVX2) $(PY) -m pytest -q --deselect tests/test_file_pages.py::test_quantize_on_load_keeps_no_packed_weight_resident
+
+# the suite three times, backend="auto" taking int8, then tiled, then dequant kernels first instead of the fastest (tests
+# must not depend on which kernel this CPU times fastest: tests/force_backend.py); about 15 min on a 2-core EPYC
+test-each-backend: $(STAMP)
+	for backend in int8 tiled dequant; do \
+		FORCE_BACKEND=$$backend PYTHONPATH=tests $(PY) -m pytest -q -p force_backend || exit 1; done
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py

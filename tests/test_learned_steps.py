@@ -353,6 +353,7 @@ def test_the_exact_forward_int8_grad_input_pair_runs_each_kernel_where_it_says()
     assert torch.equal(gain, runs["tiled"][2]) and torch.equal(shift, runs["tiled"][3])  # from x and g alone
 
 
+@pytest.mark.times_kernels
 def test_auto_times_a_learning_layer_apart_and_never_picks_int8s_forward():
     from hf_lowprec.modules.kernels import autotune
 

@@ -272,6 +272,7 @@ def test_tiled_backend_forward_and_grad_input_match_reference(spec, dtype, tile_
     torch.testing.assert_close(gx.float(), gx_ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.times_kernels
 def test_auto_backend_is_a_measured_runnable_one_and_errors_name_the_choices(caplog, monkeypatch):
     monkeypatch.setattr("hf_lowprec.modules.packed._logged", set())  # logged once per process: an earlier test may have
     layer = packed("int4-g64")
