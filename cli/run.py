@@ -132,8 +132,8 @@ def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool) -> RunFol
                 f"{partial}); {start}"
             )
         return run
-    check_replaceable(run.out, overwrite, "run or export folder", "--output-dir", " (it is replaced only when the new "
-                      "run finishes)")  # fmt: skip
+    when = " (it is replaced only when the new run finishes)"
+    check_replaceable(run.out, overwrite, "run or export folder", "--output-dir", when)
     if run.work.exists():
         if not overwrite:
             ui.fail(

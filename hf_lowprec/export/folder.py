@@ -430,12 +430,12 @@ def load_exported(
         except (OSError, ValueError) as e:  # not found, gated, unreachable (OSErrors); a refused repo id (ValueError)
             raise cannot_load(name, e) from e
     run = read_run(folder)
-    if run.get("export", {}).get("weights") == "gguf":
+    weights = run.get("export", {}).get("weights")
+    if weights == "gguf":
         raise ValueError(
             f"{name!r} is a GGUF export, which llama.cpp runs (llama-completion -m model.gguf --lora adapter.gguf); "
             "load or evaluate the run folder it was exported from"
         )
-    weights = run.get("export", {}).get("weights")
     if apply_plan_numerics and weights in ("int4-packed", "compressed-tensors"):
         raise ValueError(
             f"a {weights} export already computes with its quantized weights; the plan's numerics "
