@@ -347,6 +347,8 @@ def scan_cmd(
 def _scan_batches(model, gguf_file, data, sizes: tuple[int, int, int], text_column, loading: dict):
     """``(model, calibration batches, held-out batches)`` for ``scan``; ``sizes``: ``(batches of each, batch size,
     block size)``; ``loading``: ``from_pretrained`` keywords."""
+    from hf_lowprec.cli.run import checkpoint_tokenizer
+
     from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
     from hf_lowprec.data import collated_batches, prepare_lm_data, read_source
 
@@ -354,8 +356,7 @@ def _scan_batches(model, gguf_file, data, sizes: tuple[int, int, int], text_colu
     with ui.step(f"reading data {data or '(default corpus)'}"):
         records, data_name = read_source(data)
     source, gguf = (model, gguf_file) if model else default_checkpoint()
-    with ui.step(f"loading {model or 'the default model'}"):
-        lm_model, tokenizer = load_pretrained(source, gguf_file=gguf, **loading)
+    tokenizer = checkpoint_tokenizer(source, gguf, loading)
     with ui.step("tokenizing calibration data"):
         lm = prepare_lm_data(
             records,
@@ -366,6 +367,8 @@ def _scan_batches(model, gguf_file, data, sizes: tuple[int, int, int], text_colu
             eval_sequences=batches * batch_size,
             text_column=text_column,
         )
+    with ui.step(f"loading {model or 'the default model'}"):
+        lm_model, _ = load_pretrained(source, gguf_file=gguf, tokenizer=tokenizer, **loading)
     calib = list(collated_batches(lm.train, lm.collator, batch_size))
     return lm_model, calib, list(collated_batches(lm.eval, lm.collator, batch_size))
 

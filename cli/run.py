@@ -26,9 +26,9 @@ from peft import LoraConfig
 from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from hf_lowprec.allocator import returning_freed_memory
-from hf_lowprec.checkpoints import default_checkpoint, has_tokenizer, load_pretrained, resolve_checkpoint
+from hf_lowprec.checkpoints import default_checkpoint, load_pretrained, load_tokenizer
 from hf_lowprec.convert import revert
-from hf_lowprec.data import collated_batches, lm_columns, prepare_run_data, read_source
+from hf_lowprec.data import collated_batches, prepare_run_data, read_source
 from hf_lowprec.export.folder import export_model, resolved_weights
 from hf_lowprec.export.records import RUN_FILE, evaluation_numerics, hardware_info, read_run
 from hf_lowprec.folders import atomic_write_text
@@ -457,11 +457,10 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
     recipe, t = opts.recipe, opts.recipe.training
     with ui.step(f"reading data {opts.data or '(default corpus)'}"):
         records, data_name = read_source(opts.data, split=recipe.data.split)
-    d = recipe.data
-    lm_columns(records, data_name, d.text_column, d.messages_column, d.train_on)  # its errors before the model loads
     source, gguf = (opts.model, opts.gguf_file) if opts.model else default_checkpoint()
-    if not has_tokenizer(*resolve_checkpoint(source, gguf)):  # before the minutes a large checkpoint takes to load
-        ui.fail(f"{source!r} has no tokenizer files; save the tokenizer next to the model (tokenizer.save_pretrained)")
+    tokenizer = checkpoint_tokenizer(source, gguf, opts.load_options)
+    with ui.step(f"tokenizing {data_name} into sequences of {t.block_size} tokens"):
+        lm = prepare_run_data(records, data_name, tokenizer, recipe)
     packing = " (packing the INT4 base while reading)" if recipe.method == "int4-lora" else ""
     base_plan = None
     with ui.step(f"loading {opts.model or f'default model {DEFAULT_BASE_MODEL_ID} ({gguf})'}{packing}"):
@@ -475,15 +474,14 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
                 loftq_init=recipe.lora.init == "loftq",
                 auto_formats=p.formats,
                 gguf_file=gguf,
+                tokenizer=tokenizer,
                 **opts.load_options,
             )
         else:
-            model, tokenizer = load_pretrained(source, gguf_file=gguf, dtype=dtype, **opts.load_options)
+            model, _ = load_pretrained(source, gguf_file=gguf, dtype=dtype, tokenizer=tokenizer, **opts.load_options)
     max_len = getattr(model.config, "max_position_embeddings", None)
     if max_len is not None and t.block_size > max_len:
         ui.fail(f"block size {t.block_size} exceeds the model's max_position_embeddings {max_len}; lower --block-size")
-    with ui.step(f"tokenizing {data_name} into sequences of {t.block_size} tokens"):
-        lm = prepare_run_data(records, data_name, tokenizer, recipe)
     if len(lm.eval) < t.eval_blocks:
         asked = t.eval_blocks
         ui.err.print(f"held-out data: {len(lm.eval)} sequences (eval_blocks {asked}: the held-out rows hold no more)")
@@ -491,6 +489,15 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
         batch, rows = t.per_device_train_batch_size, len(lm.train)
         ui.err.print(f"training data: {rows} sequences, fewer than a batch of {batch}: each step trains on those")
     return model, tokenizer, lm, base_plan
+
+
+def checkpoint_tokenizer(source: str, gguf: str | None, loading: dict):
+    """The checkpoint's tokenizer, loaded before its model so the data's errors come before the minutes a large
+    checkpoint takes to load; a checkpoint without one fails here."""
+    tokenizer = load_tokenizer(source, gguf_file=gguf, **loading)
+    if tokenizer is None:
+        ui.fail(f"{source!r} has no tokenizer files; save the tokenizer next to the model (tokenizer.save_pretrained)")
+    return tokenizer
 
 
 def _training_arguments(run: RunFolder, t, *, bf16_autocast: bool):

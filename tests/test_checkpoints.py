@@ -3,6 +3,7 @@ hub repo id."""
 
 import huggingface_hub
 import pytest
+import torch
 from huggingface_hub.errors import LocalEntryNotFoundError
 from tiny_assets import save_tiny_model
 
@@ -100,3 +101,19 @@ def test_a_missing_entry_of_an_existing_local_folder_is_a_local_typo_not_a_hub_i
     with pytest.raises(ValueError, match=r"^export folder 'runs/run-fp9' does not exist \(the folder 'runs' does"):
         load_exported("runs/run-fp9")
     assert asked == []
+
+
+def test_load_tokenizer_of_a_gguf_file_reads_its_cached_folder():
+    """The demo checkpoint's tokenizer, read from the plain folder its GGUF file is cached in (what the CLI loads before
+    the model, to check the data first), tokenizes as transformers' own reading of the GGUF file does."""
+    from transformers import AutoTokenizer
+
+    from hf_lowprec.checkpoints import cache_gguf, default_checkpoint, load_tokenizer
+
+    folder, gguf = default_checkpoint()
+    cached = cache_gguf(folder, gguf, torch.float32)  # made by `make setup` (machine_setup); seconds if it is not
+    tokenizer = load_tokenizer(folder, gguf_file=gguf)
+    assert tokenizer.name_or_path == str(cached)
+    direct = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    text = "To be, or not to be: that is the question.\nWhether 'tis nobler in the mind to suffer"
+    assert tokenizer(text)["input_ids"] == direct(text)["input_ids"] and len(tokenizer) == len(direct)

@@ -473,6 +473,12 @@ def test_bad_inputs_fail_with_one_line(ws, tmp_path):
     no_text = cli("finetune", ws / "tiny", "--data", numbers, "-o", tmp_path / "o1")
     assert "has no text column" in one_error_line(no_text) and "loading" not in no_text.output  # before the model
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o1.incomplete").exists()  # nothing left behind
+    short = tmp_path / "short.txt"
+    short.write_text("To be.\n")
+    too_short = cli("finetune", ws / "tiny", "--data", short, "-o", tmp_path / "o1")
+    assert "gives no complete block of 128 tokens" in one_error_line(too_short) and "loading" not in too_short.output
+    scan_short = cli("scan", ws / "tiny", "--data", short, "--out", tmp_path / "plan.json")
+    assert "gives no complete block" in one_error_line(scan_short) and "loading" not in scan_short.output  # scan too
     assert "does not exist" in one_error_line(cli("finetune", tmp_path / "no-model", "-o", tmp_path / "o1"))
     assert "no interrupted run" in one_error_line(cli("finetune", ws / "tiny", "--resume", "-o", tmp_path / "o1"))
     assert "does not exist" in one_error_line(cli("eval", ws / "tiny", "--data", tmp_path / "missing.csv"))
