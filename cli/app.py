@@ -823,9 +823,10 @@ def export_cmd(
         )
     merge_into = merge_into or "int4"
     dense = merge_into if merge and merge_into != "int4" else None
-    doing = f" (merging LoRA into {'an' if merge_into == 'int4' else 'a'} {merge_into} base)" if merge else ""
+    adapters = run.get("adapter")  # none: export_run refuses --merge, and nothing was merging
+    doing = f" (merging LoRA into {'an' if merge_into == 'int4' else 'a'} {merge_into} base)" if merge and adapters else ""
     if weights_format == "bf16":  # LoRA runs: as --merge --merge-into bf16
-        doing = " (merging LoRA into a bf16 base)" if run.get("adapter") else " (dense bf16 weights)"
+        doing = " (merging LoRA into a bf16 base)" if adapters else " (dense bf16 weights)"
     with ui.step(f"exporting {run_dir} → {out}{doing}"):
         export_run(
             run_dir,

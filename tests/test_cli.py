@@ -485,7 +485,8 @@ def test_bad_inputs_fail_with_one_line(ws, tmp_path):
     assert "not an hf-lowprec run" in one_error_line(cli("export", ws / "tiny", "--out", tmp_path / "e"))
     (tmp_path / "full-run").mkdir()
     (tmp_path / "full-run" / RUN_FILE).write_text(json.dumps({"recipe": {"method": "full"}}))
-    assert "has no LoRA adapters to merge" in one_error_line(cli("export", tmp_path / "full-run", "--out", tmp_path / "e", "--merge"))
+    no_adapters = cli("export", tmp_path / "full-run", "--out", tmp_path / "e", "--merge")
+    assert "has no LoRA adapters to merge" in one_error_line(no_adapters) and "merging" not in no_adapters.output
     for into in ("bf16", "int4"):  # --merge-into without --merge is not silently ignored
         alone = one_error_line(cli("export", tmp_path / "full-run", "--out", tmp_path / "e", "--merge-into", into))
         assert f"--merge-into {into} applies with --merge: add --merge" in alone
