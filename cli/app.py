@@ -824,7 +824,8 @@ def export_cmd(
     merge_into = merge_into or "int4"
     dense = merge_into if merge and merge_into != "int4" else None
     adapters = run.get("adapter")  # none: export_run refuses --merge, and nothing was merging
-    doing = f" (merging LoRA into {'an' if merge_into == 'int4' else 'a'} {merge_into} base)" if merge and adapters else ""
+    article = "an" if merge_into == "int4" else "a"
+    doing = f" (merging LoRA into {article} {merge_into} base)" if merge and adapters else ""
     if weights_format == "bf16":  # LoRA runs: as --merge --merge-into bf16
         doing = " (merging LoRA into a bf16 base)" if adapters else " (dense bf16 weights)"
     with ui.step(f"exporting {run_dir} → {out}{doing}"):
