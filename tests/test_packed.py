@@ -233,6 +233,23 @@ def test_row_maxima_read_in_row_blocks_are_the_whole_grids(spec, monkeypatch):
     assert torch.equal(layer._row_absmax(), whole)
 
 
+def test_row_maxima_of_learning_layers_bound_their_grids_from_group_numbers():
+    """Learned steps and zero points: the per-row maxima of the int8 backend come from ``[N, G]`` numbers each call;
+    round-to-nearest asymmetric groups hold both code ends, so there they are the grid's own maxima; symmetric ones
+    may overstate them by up to 8/7 (their codes rarely reach -8), never understate them."""
+    layer = packed("int4-g64-asym", k=192, n=40)
+    (shift,) = layer.learn_steps(steps=False)
+    with torch.no_grad():
+        shift.uniform_(-2.0, 2.0)  # learned zero points well away from the grid's: the bound moves with them
+    torch.testing.assert_close(layer._row_absmax(), layer.grid_weight().abs().amax(-1), rtol=1e-6, atol=0)
+    symmetric = packed("int4-g32", k=192, n=40)
+    (gain,) = symmetric.learn_steps()
+    with torch.no_grad():
+        gain.uniform_(0.5, 1.5)
+    bound, actual = symmetric._row_absmax(), symmetric.grid_weight().abs().amax(-1)
+    assert (bound >= actual * (1 - 1e-6)).all() and (bound <= actual * 8 / 7 * (1 + 1e-6)).all()
+
+
 def test_int8_layer_stores_one_code_per_byte_and_multiplies_them_as_stored():
     torch.manual_seed(0)
     dense = torch.nn.Linear(192, 40)

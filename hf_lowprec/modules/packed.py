@@ -837,12 +837,9 @@ class PackedLinear(nn.Module):
 
     def _row_absmax(self) -> torch.Tensor:
         """``max_k |grid_weight[n, k]|`` fp32 ``[N]``, dequantized ``ROW_MAX_ELEMENTS`` at a time (the whole fp32 grid
-        and its absolute value: 134 MB for one 8192x2048 projection)."""
+        and its absolute value: 134 MB for one 8192x2048 projection). With learned steps, a bound instead (below)."""
         if self.learns_steps:  # steps that change every optimizer step: per call, from [N, G] numbers
-            low, high = (codes.float() for codes in self._group_code_range())
-            zero = self.effective_zero()
-            reach = high.abs().maximum(low.abs()) if zero is None else (high - zero).abs().maximum((low - zero).abs())
-            return (self.effective_step().abs() * reach).amax(-1)
+            return self._row_reach_bound()
         rows = max(1, ROW_MAX_ELEMENTS // self.in_features)
         out = torch.empty(self.out_features, device=self.qweight.device)
         for r0 in range(0, self.out_features, rows):
@@ -852,19 +849,16 @@ class PackedLinear(nn.Module):
             out[block] = grid.abs_().amax(-1)
         return out
 
-    def _group_code_range(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(min, max)`` of each group's codes, int8 ``[N, G]``, cached: with the step and zero point they give the
-        group's largest ``|grid_weight|``, whatever those are (a last partial group's padding counts as code 0). In
-        int8, not fp32: 2 bytes a group, not 8 (the Llama-3.2-1B shape's learning layers: 30 MB, not 122)."""
-        if "code_range" not in self._cache:
-            rows = max(1, CHUNK_ELEMENTS // self.in_features)
-            low, high = (torch.empty(self.step.shape, dtype=torch.int8, device=self.qweight.device) for _ in range(2))
-            for r0 in range(0, self.out_features, rows):
-                block = slice(r0, r0 + rows)
-                grouped = group_view(self._unpack(self.qweight[block]).float(), self.spec.group_size)
-                low[block], high[block] = grouped.amin(-1), grouped.amax(-1)
-            self._cache["code_range"] = (low, high)
-        return self._cache["code_range"]
+    def _row_reach_bound(self) -> torch.Tensor:
+        """``max_g |step[n, g]| x max(|qmax - zero[n, g]|, |qmin - zero[n, g]|)`` fp32 ``[N]``: the largest
+        ``|grid_weight|`` a row's codes could reach, from ``[N, G]`` numbers alone. Round-to-nearest asymmetric groups
+        hold both ends of the code range, so there it is the row's maximum; symmetric groups rarely use ``qmin``
+        (-8: the bound is 8/7 of the maximum). Not the groups' own code ranges: kept, those cost 2 bytes a group
+        (30 MB over the Llama-3.2-1B shape's learning layers)."""
+        qmin, qmax = self.spec.qrange
+        zero = self.effective_zero()
+        reach = max(-qmin, qmax) if zero is None else (qmax - zero).abs().maximum((qmin - zero).abs())
+        return (self.effective_step().abs() * reach).amax(-1)
 
     def operand_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``grid_weight / input_scale``, dense ``[N, K]``: the weight the backends multiply (``W R`` for ``-rht``)."""
