@@ -311,6 +311,11 @@ def test_model_without_eligible_layers_fails_at_init(tmp_path):
         (dict(plan="fp8", compensation="kahan-ish"), "unknown compensation"),
         (dict(plan="fp8", fp8_rounding="gptq"), "needs calibration_data="),
         (dict(plan="fp8", fp8_rounding="awq", calibration_data=[{}]), "unknown fp8_rounding 'awq'; choose one of"),
+        # the budget's keys and values when it is given, not after the first training batches were scanned
+        (dict(budget={"int4_frac": 0.3}), r"unknown budget argument\(s\) \['int4_frac'\] \(did you mean 'int4_fraction'"),
+        (dict(budget={"int4_fraction": 1.5}), r"^budget int4_fraction must be a fraction in \[0, 1\], got 1.5$"),
+        (dict(budget=0.3), r"^budget= takes a Budget or a dict of its fields \(max_loss_increase, .*\), got 0.3$"),
+        (dict(budget={"score": "final"}), r"^budget score must be one of conversion, after-training, got 'final'$"),
     ],
 )
 def test_incompatible_options_fail_on_construction(kwargs, message):
@@ -321,6 +326,11 @@ def test_incompatible_options_fail_on_construction(kwargs, message):
 
 def test_the_plugin_checks_its_options_as_the_callback_does():
     from hf_lowprec.training.accelerate import LowPrecisionPlugin
+
+    for owner in (LowPrecisionCallback, LowPrecisionPlugin):  # a misspelt option: named, with the closest and all
+        hint = r"\(did you mean 'budget'\?\); its options: plan, keep, budget, .*, seed"
+        with pytest.raises(TypeError, match=rf"^{owner.__name__} got an unknown option 'budjet' {hint}"):
+            owner("auto", budjet={"int4_fraction": 0.3})
 
     with pytest.raises(ValueError, match=r"^formats= applies only to plan='auto' .*not to plan='int4-g64'"):
         LowPrecisionPlugin("int4-g64", formats=["int4-g64"])  # was accepted and ignored

@@ -55,7 +55,7 @@ def _write(tmp_path, data, name="r.yaml"):
         ({"precision": {"budget": {"target_bits_per_param": "many"}}}, r"'precision\.budget\.target_bits_per_param' must be a number"),
         ({"precision": {"score": "trained"}}, r"'precision\.score' is 'trained'; allowed values are conversion, after-training"),
         # a fixed plan's recipe keeps a budget for --plan auto: a misspelt key is caught then too
-        ({"method": "int4-lora", "precision": {"plan": "int4-g64-asym", "budget": {"target_bits": 6.25}}}, r"precision: unknown budget argument\(s\) \['target_bits'\]; choose from max_loss_increase"),
+        ({"method": "int4-lora", "precision": {"plan": "int4-g64-asym", "budget": {"target_bits": 6.25}}}, r"precision: unknown budget argument\(s\) \['target_bits'\] \(did you mean 'target_bits_per_param'\?\); choose from"),
         ({"training": {"max_steps": 0}}, r"'training\.max_steps' must be >= 1, got 0"),
         # checked at load, not by transformers/PyTorch/PEFT after the model has loaded (or under their own names)
         ({"training": {"warmup_steps": -3}}, r"'training\.warmup_steps' must be >= 0, got -3"),

@@ -33,7 +33,7 @@ scan whether its budget can be met at all); :func:`measure_plan` measures a whol
 Layers that share one weight (tied input/output embeddings) are scored and allocated as one unit.
 """
 
-from hf_lowprec.sensitivity.allocate import Budget, allocate, check_budget, predict_plan
+from hf_lowprec.sensitivity.allocate import Budget, allocate, check_budget, check_budget_fields, predict_plan
 from hf_lowprec.sensitivity.results import KEEP, LayerScore, ScanResult
 from hf_lowprec.sensitivity.scan import DEFAULT_FORMATS, METHODS, measure_plan, scan
 
@@ -46,6 +46,7 @@ __all__ = [
     "ScanResult",
     "allocate",
     "check_budget",
+    "check_budget_fields",
     "measure_plan",
     "predict_plan",
     "scan",

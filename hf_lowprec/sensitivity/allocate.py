@@ -388,12 +388,10 @@ def check_budget(
     of formats meets the budget's size and share limits (bits per parameter, FP8 and INT4 fractions): before the
     minutes a scan takes. A loss budget is always met (by keeping every layer); ``None`` is one. ``layers``,
     ``packed``: as the scan will be given them (its ``layers``; ``dense_weights`` given)."""
-    if isinstance(budget, Mapping) and not set(budget) - {"score"}:  # the default budget, a loss one
-        _check_score(budget.get("score", CONVERSION))
+    check_budget_fields(budget)
+    if budget is None or isinstance(budget, Mapping) and not set(budget) - {"score"}:  # the default budget, a loss one
         return
-    if budget is None:
-        return
-    budget = _budget_of(None, budget, {})  # checked as allocate checks it
+    budget = _budget_of(None, budget, {})
     if budget.max_loss_increase is not None:  # met by keeping layers; unknown before the scan: the size limits alone
         if all(getattr(budget, k) is None for k in _CONSTRAINTS if k != "max_loss_increase"):
             return
@@ -407,12 +405,27 @@ def check_budget(
     allocate(ScanResult(scores, tuple(formats), "none"), budget, keep=keep)
 
 
+def check_budget_fields(budget: Budget | Mapping[str, float] | None) -> None:
+    """Raise the ``ValueError`` of a budget that is not a :class:`Budget`, a dict of its fields or ``None``, or whose
+    keys, values or score are not allowed: without a model, where the budget is given (a callback's constructor), not
+    when training starts."""
+    if isinstance(budget, Mapping):
+        _check_score(budget.get("score", CONVERSION))
+        if set(budget) - {"score"}:
+            budget_from(budget)
+    elif budget is not None and not isinstance(budget, Budget):
+        fields = f"{', '.join(_CONSTRAINTS)}, score"
+        raise ValueError(f"budget= takes a Budget or a dict of its fields ({fields}), got {budget!r}")
+
+
 def budget_from(values: Mapping) -> Budget:
     """The :class:`Budget` of ``{field: value}`` (a recipe's, the CLI's ``--budget``); ``ValueError`` naming unknown
     keys and the allowed ones."""
     unknown = sorted(set(values) - set(_CONSTRAINTS) - {"score"})
     if unknown:
-        raise ValueError(f"unknown budget argument(s) {unknown}; choose from {', '.join(_CONSTRAINTS)}, score")
+        close = difflib.get_close_matches(unknown[0], [*_CONSTRAINTS, "score"], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown budget argument(s) {unknown}{hint}; choose from {', '.join(_CONSTRAINTS)}, score")
     return Budget(**values)
 
 

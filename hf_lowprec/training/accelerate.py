@@ -35,7 +35,7 @@ from hf_lowprec.convert import canonical_name, eligible_layers
 from hf_lowprec.plan import PrecisionPlan
 from hf_lowprec.training.compensation import CompensatedOptimizer
 from hf_lowprec.training.new_parameters import insert_new_parameters, orphaned_parameters
-from hf_lowprec.training.session import LowPrecisionSession, SessionOwner, process_world, scan_progress
+from hf_lowprec.training.session import SessionOwner, owned_session, process_world, scan_progress
 from hf_lowprec.training.telemetry import skip_step_if_requested
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class LowPrecisionPlugin(SessionOwner):
     """
 
     def __init__(self, plan="auto", **options):
-        self.session = LowPrecisionSession(plan, **options)
+        self.session = owned_session(type(self).__name__, plan, options)
         self.torchao_layers: list[str] = []
 
     # ----------------------------------------------------------------------------------- prepare

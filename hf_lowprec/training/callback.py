@@ -45,8 +45,8 @@ from hf_lowprec.scaling import TELEMETRY_PREFIX
 from hf_lowprec.training.compensation import CompensatedOptimizer
 from hf_lowprec.training.new_parameters import insert_new_parameters, orphaned_parameters
 from hf_lowprec.training.session import (
-    LowPrecisionSession,
     SessionOwner,
+    owned_session,
     process_world,
     scan_progress,
     trainer_autocast,
@@ -122,7 +122,7 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
             raise ValueError(
                 f"fp8_rounding={options['fp8_rounding']!r} needs calibration_data= (a list of a few training batches)"
             )
-        self.session = LowPrecisionSession(plan, **options)
+        self.session = owned_session(type(self).__name__, plan, options, also=("calibration_data",))
         self.calibration_data = calibration_data
         self._plan_folder = Path(plan) if isinstance(plan, (str, os.PathLike)) and Path(plan).is_dir() else None
         self._hook = None

@@ -7,6 +7,8 @@ and the ``lowprec/`` telemetry. The callback and the plugin only react to their 
 from __future__ import annotations
 
 import contextlib
+import difflib
+import inspect
 import logging
 import random
 import time
@@ -177,6 +179,7 @@ class LowPrecisionSession:
                 f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to plan='auto' (the sensitivity "
                 f"scan), not to {fixed}: drop {'it' if len(given) == 1 else 'them'} or pass plan='auto'"
             )
+        sensitivity.check_budget_fields(budget)  # now, not when training starts
         keep = _string_tuple(keep, "keep")
         formats = sensitivity.DEFAULT_FORMATS if formats is None else _string_tuple(formats, "formats")
         scan_method = "auto" if scan_method is None else scan_method
@@ -279,6 +282,19 @@ class LowPrecisionSession:
 def _session_attribute(name: str) -> property:
     """A property reading and writing ``self.session.<name>``."""
     return property(lambda self: getattr(self.session, name), lambda self, value: setattr(self.session, name, value))
+
+
+def owned_session(owner: str, plan, options: Mapping, also: Sequence[str] = ()) -> LowPrecisionSession:
+    """The :class:`LowPrecisionSession` of the keyword ``options`` given to ``owner`` (the class called, taking
+    ``also`` besides them): an unknown one is a ``TypeError`` naming ``owner``, the option, the closest allowed one
+    and all of them, not one about the session's ``__init__``."""
+    allowed = [*(name for name in inspect.signature(LowPrecisionSession).parameters if name != "plan"), *also]
+    unknown = [name for name in options if name not in allowed]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], allowed, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TypeError(f"{owner} got an unknown option {unknown[0]!r}{hint}; its options: plan, {', '.join(allowed)}")
+    return LowPrecisionSession(plan, **options)
 
 
 class SessionOwner:
