@@ -191,7 +191,8 @@ class PrecisionPlan:
         if not _layers_of(model):
             raise ValueError(f"{type(model).__name__} has no eligible layers (nn.Linear / nn.Embedding) to quantize")
         assigned = self.assign(model)
-        if isinstance(model, nn.Module) and any(not spec.is_high_precision for spec in assigned.values()):
+        specs = [self.default, *assigned.values()]  # a low-precision default also names the layers it cannot reach
+        if isinstance(model, nn.Module) and any(not spec.is_high_precision for spec in specs):
             check_convertible(model)
         applied_to = getattr(getattr(model, "config", None), "name_or_path", None)
         if self.model and applied_to and Path(self.model).name != Path(applied_to).name:

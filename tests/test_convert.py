@@ -169,6 +169,13 @@ def test_a_model_of_layers_hf_lowprec_cannot_convert_is_refused_not_half_convert
     with pytest.raises(ValueError, match=refusal):
         sensitivity.scan(gpt2, [{"input_ids": ids, "labels": ids}], formats=("fp8",))
     apply_plan(gpt2, "bf16")  # a plan of high-precision formats only names what the layers are
+    kept_head = PrecisionPlan.uniform("fp8", keep=("lm_head",))  # LowPrecisionCallback("fp8")'s: no layer converted
+    with pytest.raises(ValueError, match=refusal):  # the same refusal (it said the plan put no layer in low precision)
+        apply_plan(gpt2, kept_head)
+    from hf_lowprec.ondevice.planning import check_quantizable
+
+    with pytest.raises(ValueError, match=refusal):  # a packed INT4 base (HfLowprecConfig, load_int4_lora)
+        check_quantizable(gpt2, PrecisionPlan.uniform("int4-g32", keep=("lm_head",)))
 
 
 def test_plan_given_as_path_dict_or_format_name(tmp_path, llama):

@@ -15,7 +15,7 @@ from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import dense_view, output_head_name
 from hf_lowprec.modules.packed import PackedLinear, packed_class
 from hf_lowprec.modules.packed_embedding import check_embedding_format, tied_head_names
-from hf_lowprec.plan import PrecisionPlan, names_a_format, resolve_plan
+from hf_lowprec.plan import PrecisionPlan, check_convertible, names_a_format, resolve_plan
 from hf_lowprec.rotation import MIN_ROTATION_BLOCK, rotation_block
 from hf_lowprec.sensitivity import allocate, check_budget, scan
 
@@ -135,7 +135,9 @@ def base_holds(spec: FormatSpec) -> bool:
 
 def check_quantizable(model: nn.Module, plan: PrecisionPlan) -> None:
     """Raise ``ValueError`` if the plan packs nothing, a layer is narrower than its INT4 group, a ``-rht`` layer's
-    input cannot be rotated, or an embedding is planned in a packed format it cannot take (``-a8``, ``-rht``)."""
+    input cannot be rotated, or an embedding is planned in a packed format it cannot take (``-a8``, ``-rht``); or the
+    model multiplies in layers no plan converts (:func:`~hf_lowprec.plan.check_convertible`: GPT-2's ``Conv1D``)."""
+    check_convertible(model)
     assigned = plan.assign(model)
     layers = eligible_layers(model)
     linear = (nn.Linear, PackedLinear)  # packed already when quantized on load
