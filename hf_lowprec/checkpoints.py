@@ -75,6 +75,19 @@ def is_hub_id(name: str) -> bool:
     return bool(_HUB_ID.match(name)) and not name.startswith((".", "~")) and ".." not in name
 
 
+def public_name(name_or_path: str | None) -> str | None:
+    """What a file meant for publishing (a plan, a run record, a model card) says of a checkpoint: a hub id as it is,
+    a local folder by its own name (its full path names this machine's folders, ``/home/<user>/...``)."""
+    if not name_or_path:
+        return None
+    return Path(name_or_path).name if is_local_checkpoint(name_or_path) else name_or_path
+
+
+def is_local_checkpoint(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` names a folder or file here rather than a hub id."""
+    return Path(name_or_path).exists() or not is_hub_id(name_or_path)
+
+
 def resolve_checkpoint(model_id_or_path: str | os.PathLike, gguf_file: str | None = None) -> tuple[str, str | None]:
     """``(folder or hub id, gguf file name or None)``; a path to a ``.gguf`` file is split into both.
 

@@ -1,6 +1,7 @@
 """Export, model cards and push: reloads give the same logits, cards parse and validate, the token never leaks."""
 
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -363,3 +364,24 @@ def test_the_per_layer_record_counts_a_tied_head_once():
     assert sum(r["params"] for r in layers) == sum(r["params"] for r in rows)
     card = render_model_card({"layers": layers, "plan_rows": rows}).content
     assert "| `lm_head` | bf16 | tied to `model.embed_tokens` |" in card
+
+
+def test_an_export_of_an_empty_record_names_its_base_by_name_only_and_reloads_quietly(base_dir, tmp_path, caplog):
+    """``export_model(model, tok, out, {})``, the README's Trainer snippet: the card starts from the checkpoint folder's
+    name (never this machine's path, which ``push`` would publish) and names no empty recipe; a scan's plan records
+    the folder's name too; the export's own plan re-applies without a note that it was made for another model."""
+    from hf_lowprec import sensitivity
+
+    model, tok = load_pretrained(base_dir)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    result = sensitivity.scan(model, [{"input_ids": ids, "labels": ids}], formats=("fp8",))
+    assert result.model == base_dir.name  # was the full path, then written into the plan file of every export
+    model, tok = _trained(base_dir, dataclasses.replace(PrecisionPlan.uniform("fp8", keep=("lm_head",)), model=result.model))
+    out = export_model(model, tok, tmp_path / "exported", {})
+    ours = {name: (out / name).read_text() for name in ("README.md", "hf_lowprec_run.json", PLAN_FILE)}
+    assert not [name for name, text in ours.items() if str(base_dir.parent) in text]
+    card = ours["README.md"]
+    assert f"starting from the local checkpoint `{base_dir.name}`" in card and "``" not in card.split("## How to load")[0]
+    with caplog.at_level("WARNING"):
+        load_exported(out, apply_plan_numerics=True)
+    assert "made for" not in caplog.text

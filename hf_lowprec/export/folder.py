@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -16,7 +17,13 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from hf_lowprec.checkpoints import cannot_load, load_pretrained, refuse_a_missing_local_path
+from hf_lowprec.checkpoints import (
+    cannot_load,
+    is_local_checkpoint,
+    load_pretrained,
+    public_name,
+    refuse_a_missing_local_path,
+)
 from hf_lowprec.convert import apply_plan, freeze, packs_when_frozen, revert
 from hf_lowprec.export.card import render_model_card
 from hf_lowprec.export.compressed_tensors import write_compressed_tensors
@@ -75,6 +82,9 @@ def export_model(
         logger.info("export weights auto: %s", weights)
     plan = getattr(base, "hf_lowprec_plan", None) or PrecisionPlan()
     run = dict(run)
+    name = getattr(base.config, "name_or_path", None)
+    if name and not {"base_model", "base_model_path"} & set(run):  # the card's "starting from"
+        run["base_model_path" if is_local_checkpoint(name) else "base_model"] = public_name(name)
     run["plan"] = plan.to_dict()
     run["layers"], run["plan_rows"] = plan_record(base, plan)
     if peft:
@@ -446,8 +456,8 @@ def load_exported(
     model, tokenizer = load_pretrained(folder, dtype=dtype or torch.float32)
     if (folder / ADAPTER_DIR).is_dir():  # a compressed-tensors export's LoRA adapters, PEFT's way onto its base
         model = PeftModel.from_pretrained(model, folder / ADAPTER_DIR).eval()
-    if apply_plan_numerics:
-        apply_plan(model, PrecisionPlan.load(folder / PLAN_FILE))
+    if apply_plan_numerics:  # the export's own plan: not one "made for" the base model it names
+        apply_plan(model, dataclasses.replace(PrecisionPlan.load(folder / PLAN_FILE), model=None))
         if (folder / LEARNED_STATE_FILE).is_file():  # the trained layers' INT4 steps, smoothing scales
             learned, own = load_file(folder / LEARNED_STATE_FILE), model.state_dict()
             model.load_state_dict({k: v for k, v in learned.items() if k in own}, strict=False)

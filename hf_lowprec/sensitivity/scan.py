@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_lowprec.checkpoints import public_name
 from hf_lowprec.chunked_loss import chunk_rows, chunkable_head, cross_entropy_into_grad_, summed_chunked_loss
 from hf_lowprec.convert import eligible_layers
 from hf_lowprec.formats import FormatSpec
@@ -119,7 +120,7 @@ def scan(
         units = _select(units, [layers] if isinstance(layers, str) else layers)
     batches = _merge(_check_batches(batches), max_batch_tokens)
     scores = [unscored(u) for u in units]
-    model_id = getattr(getattr(model, "config", None), "name_or_path", None) or None
+    model_id = public_name(getattr(getattr(model, "config", None), "name_or_path", None))  # the plan's "model"
     tokens = _labelled_tokens(model, batches)
     result = ScanResult(scores, tuple(names), method, tokens=tokens, seed=seed, model=model_id)
     _run_passes(model, batches, units, scores, result, progress, measure_top_fraction, fp8_backend, dense_weights)
