@@ -376,12 +376,14 @@ def test_an_export_of_an_empty_record_names_its_base_by_name_only_and_reloads_qu
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     result = sensitivity.scan(model, [{"input_ids": ids, "labels": ids}], formats=("fp8",))
     assert result.model == base_dir.name  # was the full path, then written into the plan file of every export
-    model, tok = _trained(base_dir, dataclasses.replace(PrecisionPlan.uniform("fp8", keep=("lm_head",)), model=result.model))
+    planned = dataclasses.replace(PrecisionPlan.uniform("fp8", keep=("lm_head",)), model=result.model)
+    model, tok = _trained(base_dir, planned)
     out = export_model(model, tok, tmp_path / "exported", {})
     ours = {name: (out / name).read_text() for name in ("README.md", "hf_lowprec_run.json", PLAN_FILE)}
     assert not [name for name, text in ours.items() if str(base_dir.parent) in text]
     card = ours["README.md"]
-    assert f"starting from the local checkpoint `{base_dir.name}`" in card and "``" not in card.split("## How to load")[0]
+    assert f"starting from the local checkpoint `{base_dir.name}`" in card
+    assert "``" not in card.split("## How to load")[0]  # no empty recipe name
     with caplog.at_level("WARNING"):
         load_exported(out, apply_plan_numerics=True)
     assert "made for" not in caplog.text
