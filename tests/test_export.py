@@ -156,7 +156,7 @@ def test_model_card_metadata_and_body(base_dir, tmp_path):
     body = card.text
     assert "load_exported(\"me/tiny-qat\")" in body and "real packed INT4" in body
     assert re.search(r"\| int4-g64 \| 14 \| 73,728 \| 64\.3% \|", body)  # the plan table with fractions
-    assert "`model.layers.1.mlp.down_proj` | int4-g64" in body and "`lm_head` | bf16" in body  # per-layer list
+    assert "`model.layers.1.mlp.down_proj` | int4-g64" in body and "`lm_head` | kept (fp32)" in body  # per-layer list
     assert "name: qat-int4" in body and "peak rss mb | 512" in body and "cpu cores" in body
     cpu = cpu_info()
     assert f"class: {cpu.cpu_class}, flags: {' '.join(cpu.flags)}" in body and "{'" not in body  # not a Python dict
@@ -363,7 +363,7 @@ def test_the_per_layer_record_counts_a_tied_head_once():
     assert head["params"] == 0 and head["tied_to"] == "model.embed_tokens"
     assert sum(r["params"] for r in layers) == sum(r["params"] for r in rows)
     card = render_model_card({"layers": layers, "plan_rows": rows}).content
-    assert "| `lm_head` | bf16 | tied to `model.embed_tokens` |" in card
+    assert "| `lm_head` | kept (fp32) | tied to `model.embed_tokens` |" in card  # as the plan summary says
 
 
 def test_an_export_of_an_empty_record_names_its_base_by_name_only_and_reloads_quietly(base_dir, tmp_path, caplog):

@@ -65,7 +65,8 @@ def hardware_info() -> dict:
 # ------------------------------------------------------------------------------ plan records
 def plan_record(model: nn.Module, plan: PrecisionPlan) -> tuple[list[dict], list[dict]]:
     """``(per-layer [{name, format, params}], PrecisionPlan.summary rows)`` of what ``model``'s layers run under
-    ``plan`` (frozen packed layers counted as the dense layers they were). A layer that could not run its planned
+    ``plan`` (frozen packed layers counted as the dense layers they were); a layer left as it was (``bf16``/``fp32``
+    formats) also has ``stored``, the dtype its weight is kept in. A layer that could not run its planned
     format (a ``-rht`` one whose width no rotation block divides) is recorded in the format it runs, with
     ``planned``. An output head tied to the input embedding holds no parameters of its own: its row has ``params`` 0
     and ``tied_to``, the embedding's name, so the rows add up to the model's."""
@@ -80,8 +81,15 @@ def plan_record(model: nn.Module, plan: PrecisionPlan) -> tuple[list[dict], list
         row = {"name": name, "format": spec.name, "params": 0 if name == head else layers[name].weight.numel()}
         row.update({"tied_to": embedding} if name == head else {})
         row.update({"planned": assigned[name].name} if assigned[name] != spec else {})
+        row.update({"stored": _short_dtype(layers[name].weight.dtype)} if spec.is_high_precision else {})
         per_layer.append(row)
     return per_layer, PrecisionPlan({n: s.name for n, s in ran.items()}).summary(layers)
+
+
+def _short_dtype(dtype: torch.dtype) -> str:
+    """``fp32``, ``bf16``, ``fp16`` (as the plan's formats and :func:`~hf_lowprec.plan.row_label` name them), else
+    torch's name."""
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype) or str(dtype).removeprefix("torch.")
 
 
 def read_run(folder: str | os.PathLike) -> dict:
