@@ -89,7 +89,8 @@ def plan_record(model: nn.Module, plan: PrecisionPlan) -> tuple[list[dict], list
 def _short_dtype(dtype: torch.dtype) -> str:
     """``fp32``, ``bf16``, ``fp16`` (as the plan's formats and :func:`~hf_lowprec.plan.row_label` name them), else
     torch's name."""
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype) or str(dtype).removeprefix("torch.")
+    short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return short.get(dtype) or str(dtype).removeprefix("torch.")
 
 
 def read_run(folder: str | os.PathLike) -> dict:
