@@ -615,7 +615,15 @@ def eval_cmd(
     trust_remote_code: TrustCodeOpt = False,
 ):
     """Perplexity (causal LM) or accuracy (classification) of a model on a dataset."""
-    from hf_lowprec.data import default_eval_split, load_records, prepare_lm_data, prepare_run_data
+    from hf_lowprec.cli.run import checkpoint_tokenizer
+
+    from hf_lowprec.data import (
+        default_eval_split,
+        load_records,
+        prepare_classification_data,
+        prepare_lm_data,
+        prepare_run_data,
+    )
 
     tasks = ("auto", "causal-lm", "classification")
     if task not in tasks:
@@ -630,17 +638,13 @@ def eval_cmd(
         split = split or default_eval_split(data)
         with ui.step(f"reading data {data} ({split} split)"):
             records = load_records(data, split=split)
-    with ui.step(f"loading {model}"):
-        loading = load_options(revision, trust_remote_code)
-        lm_model, tokenizer, kind = _load_for_eval(model, gguf_file, task, plan_numerics, loading)
-    if tokenizer is None:
-        ui.fail(f"{model!r} has no tokenizer files")
-    autocast, batch_size = _eval_numerics(model, plan_numerics, batch_size)
+    loading = load_options(revision, trust_remote_code)
+    kind = _eval_kind(model, gguf_file, task, plan_numerics, loading)
+    tokenizer = checkpoint_tokenizer(model, gguf_file, loading)  # the data's errors before the model loads
     if kind == "classification":
-        rows = _eval_classification(
-            lm_model, tokenizer, records, data, block_size or 256, batch_size, text_column, max_sequences, label_column
-        )
-        shown = data
+        with ui.step("tokenizing"):
+            rows = prepare_classification_data(records, data, tokenizer, block_size or 256, label_column=label_column,
+                                               text_column=text_column, max_rows=max_sequences)
     else:
         blocks = "as the run did" if held_out else f"into sequences of {block_size or 256} tokens"
         with ui.step(f"tokenizing {blocks}"):
@@ -649,9 +653,15 @@ def eval_cmd(
             else:
                 lm = prepare_lm_data(records, data, tokenizer, block_size or 256, eval_sequences=max_sequences,
                                      eval_only=True, text_column=text_column, messages_column=messages_column)
-        rows = _eval_causal_lm(lm_model, lm, batch_size, autocast)
+    with ui.step(f"loading {model}"):
+        lm_model = _load_for_eval(model, gguf_file, kind, plan_numerics, loading, tokenizer)
+    autocast, batch_size = _eval_numerics(model, plan_numerics, batch_size)
+    if kind == "classification":
+        results, shown = _eval_classification(lm_model, tokenizer, rows, batch_size), data
+    else:
+        results = _eval_causal_lm(lm_model, lm, batch_size, autocast)
         shown = f"{data} (the run's held-out rows: {len(lm.eval)} sequences)" if held_out else data
-    ui.out.print(ui.key_values("Evaluation", {"model": model, "data": shown, **{k: str(v) for k, v in rows}}))
+    ui.out.print(ui.key_values("Evaluation", {"model": model, "data": shown, **{k: str(v) for k, v in results}}))
 
 
 def _run_data(model: str, data: str | None, clashing: list[str]):
@@ -688,22 +698,15 @@ def _run_data(model: str, data: str | None, clashing: list[str]):
     return recipe, records, name
 
 
-def _eval_classification(
-    model, tokenizer, records, data: str, max_length: int, batch_size: int, text_column, max_rows, label_column
-):
-    """``[(name, value)]``: accuracy over the rows (at most ``max_rows``)."""
+def _eval_classification(model, tokenizer, rows, batch_size: int):
+    """``[(name, value)]``: accuracy over the tokenized ``rows`` (see ``prepare_classification_data``)."""
     from transformers import DataCollatorWithPadding
 
-    from hf_lowprec.data import prepare_classification_data
     from hf_lowprec.metrics import classification_accuracy
 
-    with ui.step("tokenizing"):
-        ds = prepare_classification_data(
-            records, data, tokenizer, max_length, label_column=label_column, text_column=text_column, max_rows=max_rows
-        )
-    with ui.counted("evaluating", total=len(ds)) as advance:
+    with ui.counted("evaluating", total=len(rows)) as advance:
         result = classification_accuracy(
-            model, ds, DataCollatorWithPadding(tokenizer), batch_size=batch_size, on_batch=advance
+            model, rows, DataCollatorWithPadding(tokenizer), batch_size=batch_size, on_batch=advance
         )
     return [("accuracy", f"{result['accuracy']:.4f}"), ("rows", result["rows"])]
 
@@ -736,40 +739,49 @@ def _eval_causal_lm(model, lm, batch_size: int, autocast=None):
     ]
 
 
-def _load_for_eval(model: str, gguf_file: str | None, task: str, plan_numerics: bool, loading: dict):
-    """``(model, tokenizer, kind)``; run/export folders go through ``load_exported``; ``loading``: ``from_pretrained``
-    keywords (--revision, --trust-remote-code)."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+def _eval_kind(model: str, gguf_file: str | None, task: str, plan_numerics: bool, loading: dict) -> str:
+    """``causal-lm`` or ``classification``: what ``model`` is evaluated as (from its config where ``task`` is
+    ``auto``), after the refusals that need no weights; ``loading``: ``from_pretrained`` keywords (--revision,
+    --trust-remote-code)."""
+    from transformers import AutoConfig
 
-    from hf_lowprec.checkpoints import cannot_load, load_pretrained, resolve_checkpoint
-    from hf_lowprec.export.folder import load_exported
+    from hf_lowprec.checkpoints import cannot_load, resolve_checkpoint
+    from hf_lowprec.export.folder import loadable_weights
     from hf_lowprec.export.gguf import ADAPTER_FILE
     from hf_lowprec.export.records import RUN_FILE
 
     if (Path(model) / RUN_FILE).is_file():
-        m, tok = load_exported(model, apply_plan_numerics=plan_numerics)
-        return m, tok, "causal-lm"
+        loadable_weights(Path(model), model, plan_numerics)
+        return "causal-lm"
     if plan_numerics:
         ui.fail("--plan-numerics applies to hf-lowprec export folders only")
     source, gguf = resolve_checkpoint(model, gguf_file)
     if gguf and (Path(source) / ADAPTER_FILE).is_file():
         ui.err.print(f"note: {ADAPTER_FILE} beside {gguf} is not applied (transformers reads no GGUF adapters); "
                      "evaluate the run folder it was exported from for the trained model")
-    if task == "auto":
-        try:
-            config = AutoConfig.from_pretrained(source, **({"gguf_file": gguf} if gguf else {}), **loading)
-        except OSError as e:  # not on the Hub, or the Hub unreachable: said in one line, naming the missing folder
-            raise cannot_load(source, e) from None
-        archs = getattr(config, "architectures", None) or []
-        task = "classification" if any(a.endswith("ForSequenceClassification") for a in archs) else "causal-lm"
-    if task == "classification":
-        return (
-            AutoModelForSequenceClassification.from_pretrained(source, **loading).eval(),
-            AutoTokenizer.from_pretrained(source, **loading),
-            task,
-        )
-    m, tok = load_pretrained(model, gguf_file=gguf_file, **loading)
-    return m, tok, task
+    if task != "auto":
+        return task
+    try:
+        config = AutoConfig.from_pretrained(source, **({"gguf_file": gguf} if gguf else {}), **loading)
+    except OSError as e:  # not on the Hub, or the Hub unreachable: said in one line, naming the missing folder
+        raise cannot_load(source, e) from None
+    archs = getattr(config, "architectures", None) or []
+    return "classification" if any(a.endswith("ForSequenceClassification") for a in archs) else "causal-lm"
+
+
+def _load_for_eval(model: str, gguf_file: str | None, kind: str, plan_numerics: bool, loading: dict, tokenizer):
+    """The model to evaluate as ``kind`` (:func:`_eval_kind`); run/export folders go through ``load_exported``."""
+    from transformers import AutoModelForSequenceClassification
+
+    from hf_lowprec.checkpoints import load_pretrained, resolve_checkpoint
+    from hf_lowprec.export.folder import load_exported
+    from hf_lowprec.export.records import RUN_FILE
+
+    if (Path(model) / RUN_FILE).is_file():
+        return load_exported(model, apply_plan_numerics=plan_numerics)[0]
+    if kind == "classification":
+        return AutoModelForSequenceClassification.from_pretrained(resolve_checkpoint(model)[0], **loading).eval()
+    return load_pretrained(model, gguf_file=gguf_file, tokenizer=tokenizer, **loading)[0]
 
 
 # ------------------------------------------------------------------------------------ export

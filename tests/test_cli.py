@@ -292,6 +292,8 @@ def test_eval_accuracy_of_a_classifier(ws, tmp_path):
         predicted = model(**enc).logits.argmax(-1).tolist()
     expected = sum(p == r["label"] for p, r in zip(predicted, rows)) / len(rows)
     assert f"{expected:.4f}" in result.output and "accuracy" in result.output
+    no_labels = cli("eval", tmp_path / "bert", "--data", tmp_path / "cls.jsonl", "--label-column", "stars")
+    assert "has no label column 'stars'" in one_error_line(no_labels) and "loading" not in no_labels.output
 
 
 def test_scan_writes_a_plan_that_fits_the_model(ws):
@@ -475,6 +477,10 @@ def test_bad_inputs_fail_with_one_line(ws, tmp_path):
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o1.incomplete").exists()  # nothing left behind
     short = tmp_path / "short.txt"
     short.write_text("To be.\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"title": "no text here"}) + "\n")
+    no_column = cli("eval", ws / "tiny", "--data", empty, "--text-column", "body")  # eval: before its model loads too
+    assert "has no column 'body'" in one_error_line(no_column) and "loading" not in no_column.output
     too_short = cli("finetune", ws / "tiny", "--data", short, "-o", tmp_path / "o1")
     assert "gives no complete block of 128 tokens" in one_error_line(too_short) and "loading" not in too_short.output
     scan_short = cli("scan", ws / "tiny", "--data", short, "--out", tmp_path / "plan.json")

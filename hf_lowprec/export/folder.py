@@ -412,6 +412,24 @@ def _export_gguf(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id: 
 
 
 # -------------------------------------------------------------------------------------- load
+def loadable_weights(folder: Path, name: str, apply_plan_numerics: bool) -> str | None:
+    """The ``export.weights`` kind of the run or export ``folder`` (called ``name``) that :func:`load_exported` loads
+    (with ``apply_plan_numerics``); ``ValueError`` where it loads none: not a run folder, a GGUF export, the plan's
+    numerics of an export that computes with its quantized weights already."""
+    weights = read_run(folder).get("export", {}).get("weights")
+    if weights == "gguf":
+        raise ValueError(
+            f"{name!r} is a GGUF export, which llama.cpp runs (llama-completion -m model.gguf --lora adapter.gguf); "
+            "load or evaluate the run folder it was exported from"
+        )
+    if apply_plan_numerics and weights in ("int4-packed", "compressed-tensors"):
+        raise ValueError(
+            f"a {weights} export already computes with its quantized weights; the plan's numerics "
+            "(apply_plan_numerics, eval --plan-numerics) are for master-weights exports"
+        )
+    return weights
+
+
 def load_exported(
     path_or_repo: str | os.PathLike,
     *,
@@ -439,18 +457,7 @@ def load_exported(
             folder = Path(snapshot_download(name))
         except (OSError, ValueError) as e:  # not found, gated, unreachable (OSErrors); a refused repo id (ValueError)
             raise cannot_load(name, e) from e
-    run = read_run(folder)
-    weights = run.get("export", {}).get("weights")
-    if weights == "gguf":
-        raise ValueError(
-            f"{name!r} is a GGUF export, which llama.cpp runs (llama-completion -m model.gguf --lora adapter.gguf); "
-            "load or evaluate the run folder it was exported from"
-        )
-    if apply_plan_numerics and weights in ("int4-packed", "compressed-tensors"):
-        raise ValueError(
-            f"a {weights} export already computes with its quantized weights; the plan's numerics "
-            "(apply_plan_numerics, eval --plan-numerics) are for master-weights exports"
-        )
+    weights = loadable_weights(folder, name, apply_plan_numerics)
     if weights == "int4-packed":
         return load_int4_model(folder, dtype=dtype, backend=backend)
     model, tokenizer = load_pretrained(folder, dtype=dtype or torch.float32)
