@@ -1070,3 +1070,15 @@ def test_machine_setup_leaves_a_first_run_nothing_to_build_or_convert(monkeypatc
     assert len(lines) == 3 and lines[1] == compute_dtype("cpu")[1]
     monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", None)  # a second call converts nothing
     prepare_machine()
+
+
+def test_a_packed_layer_only_the_dequant_kernel_can_run_is_said_in_the_log(caplog):
+    """A group size that does not divide a layer's inputs (48 on 128) is a format the layer keeps, at the dequant
+    kernel's speed: said when the base is packed, not left to a slow first step."""
+    plan = PrecisionPlan({"*.mlp.down_proj": "int4-g48-asym"}, default="int4-g32-asym")
+    with caplog.at_level(logging.WARNING, logger="hf_lowprec.ondevice.prepare"):
+        model, report = prepare_int4_lora(tiny_llama(0), LoraConfig(**LORA), plan)
+    slow = sorted(r.getMessage().split(":")[0] for r in caplog.records if "only the dequant kernel" in r.getMessage())
+    assert slow == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    assert "in_features 128 is not a multiple of the group size 48" in caplog.text
+    assert {r.applied for r in report.layers if r.name.endswith("down_proj")} == {"int4-g48-asym"}  # the format kept
