@@ -26,7 +26,7 @@ from peft import LoraConfig
 from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from hf_lowprec.allocator import returning_freed_memory
-from hf_lowprec.checkpoints import default_checkpoint, load_pretrained, load_tokenizer
+from hf_lowprec.checkpoints import default_checkpoint, is_local_checkpoint, load_pretrained, load_tokenizer, public_name
 from hf_lowprec.convert import revert
 from hf_lowprec.data import collated_batches, prepare_run_data, read_source
 from hf_lowprec.export.folder import export_model, resolved_weights
@@ -560,10 +560,11 @@ def _run_record(run: RunFolder, opts: FinetuneOptions, lm, figures: dict, final:
     batch = opts.recipe.training.per_device_train_batch_size
     exported = {m: figures[key] for m in ("perplexity", "loss") if (key := f"{m}_exported_weights") in figures}
     plain = f"the exported master weights in fp32 without the plan (plain transformers), batch {batch}"
+    local = opts.model is not None and is_local_checkpoint(opts.model)  # named by its folder's name alone
     return {
         "name": run.out.name,
-        "base_model": _base_model_id(opts.model),
-        "base_model_path": Path(opts.model).name if opts.model and Path(opts.model).exists() else None,
+        "base_model": None if local else opts.model or DEFAULT_BASE_MODEL_ID,
+        "base_model_path": public_name(opts.model) if local else None,
         "recipe": recipe,
         "dataset": dataset,
         "data_kind": lm.kind,
@@ -593,13 +594,6 @@ def _export_run(model, tokenizer, run: RunFolder, record: dict, recipe: Recipe, 
         export_trained(model, tokenizer, run.out, record, recipe, extra)
     shutil.rmtree(run.work, ignore_errors=True)
     record.update(read_run(run.out))
-
-
-def _base_model_id(model: str | None) -> str | None:
-    """The Hub id of the base model (``None`` for a local checkpoint)."""
-    if model is None:
-        return DEFAULT_BASE_MODEL_ID
-    return None if Path(model).exists() else model
 
 
 def _prepare_method(model, recipe: Recipe, lm, t, resume_from: str | None, base_plan):

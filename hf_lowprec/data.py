@@ -366,29 +366,6 @@ def read_source(source: str | Path | None, split: str = "train") -> tuple[datase
     return load_records(source, split=split), str(source)
 
 
-def lm_columns(
-    records: datasets.Dataset,
-    name: str,
-    text_column: str | None = None,
-    messages_column: str | None = None,
-    train_on: str = "all",
-) -> Columns:
-    """The columns :func:`prepare_lm_data` reads from ``records`` under these options, or the error it would raise
-    about them; no tokenizer needed, so a command can check its data before it loads a model."""
-    if train_on not in TRAIN_ON:
-        raise ValueError(f"train_on {train_on!r}: choose one of {', '.join(TRAIN_ON)}")
-    if len(records) == 0:
-        raise ValueError(f"data {name!r} has no rows")
-    cols = detect_columns(records, name, text_column, messages_column)
-    if cols.kind == "text" and train_on != "all":
-        raise ValueError(
-            f"train_on {train_on!r} needs chat or instruction rows (a {'/'.join(MESSAGE_COLUMNS)} column, or "
-            f"{'/'.join(PROMPT_COLUMNS)} with {'/'.join(RESPONSE_COLUMNS)}); data {name!r} is plain text, where every "
-            "token is a target: use train_on 'all'"
-        )
-    return cols
-
-
 def prepare_lm_data(
     records: datasets.Dataset,
     name: str,
@@ -409,8 +386,18 @@ def prepare_lm_data(
     so a large corpus costs only what a run uses. ``eval_only``: every row goes to ``eval``. ``train_on``
     (chat data): ``all`` tokens count in the loss, or the assistant ``completions`` only.
     """
+    if train_on not in TRAIN_ON:
+        raise ValueError(f"train_on {train_on!r}: choose one of {', '.join(TRAIN_ON)}")
     ds = records
-    cols = lm_columns(ds, name, text_column, messages_column, train_on)
+    if len(ds) == 0:
+        raise ValueError(f"data {name!r} has no rows")
+    cols = detect_columns(ds, name, text_column, messages_column)
+    if cols.kind == "text" and train_on != "all":
+        raise ValueError(
+            f"train_on {train_on!r} needs chat or instruction rows (a {'/'.join(MESSAGE_COLUMNS)} column, or "
+            f"{'/'.join(PROMPT_COLUMNS)} with {'/'.join(RESPONSE_COLUMNS)}); data {name!r} is plain text, where every "
+            "token is a target: use train_on 'all'"
+        )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if eval_only:
