@@ -230,6 +230,38 @@ def test_the_trainer_checkpoints_the_learned_steps_and_a_resumed_run_reads_them(
         trainer().train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))
 
 
+def test_a_resumed_run_keeps_bf16_adapters_and_ends_where_an_uninterrupted_one_does(tmp_path):
+    """The Trainer loads a checkpoint's adapters with PEFT's ``load_adapter``, which casts bf16 ones to fp32: a run
+    resumed at step 2 of 4 must still train bf16 adapters and end with the uninterrupted run's weights."""
+    import datasets
+    from peft import LoraConfig
+    from tiny_assets import save_tiny_model
+    from transformers import TrainingArguments, default_data_collator
+
+    from hf_lowprec import ChunkedLossTrainer
+    from hf_lowprec.ondevice import load_int4_lora
+
+    path = save_tiny_model(tmp_path / "tiny", initializer_range=0.1)
+    rows = torch.randint(3, 300, (16, 16), generator=torch.Generator().manual_seed(3)).tolist()
+    data = datasets.Dataset.from_dict({"input_ids": rows, "labels": rows})
+
+    def run(out: str, resume: str | None = None) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model, _, _ = load_int4_lora(path, LoraConfig(**LORA), "int4-g64", dtype=torch.float32, adapter_dtype="bf16")
+        args = TrainingArguments(output_dir=str(tmp_path / out), max_steps=4, save_steps=2, learning_rate=1e-2,
+                                 per_device_train_batch_size=4, optim="adamw_torch_8bit", report_to="none",
+                                 use_cpu=True, disable_tqdm=True)  # fmt: skip
+        ChunkedLossTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator).train(
+            resume_from_checkpoint=resume
+        )
+        return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    whole = run("whole")
+    resumed = run("resumed", resume=str(tmp_path / "whole" / "checkpoint-2"))
+    assert {p.dtype for p in resumed.values()} == {torch.bfloat16}
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[n], resumed[n]) for n in whole)
+
+
 def test_folding_keeps_what_the_layer_computes_up_to_the_steps_rounding_and_restarts_the_gain():
     layer = learning("int4-g64-asym")
     layer.store_steps_in(torch.bfloat16)  # as a frozen base keeps them

@@ -111,7 +111,15 @@ class ChunkedLossTrainer(Trainer):
             save_file({n: p.detach().contiguous() for n, p in learned.items()}, path)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None):
+        trained = self.model if model is None else model
+        dtypes = {name: p.dtype for name, p in trained.named_parameters() if p.requires_grad}
         super()._load_from_checkpoint(resume_from_checkpoint, model)
+        # The Trainer loads the adapters with PEFT's load_adapter, which casts bf16 ones to fp32
+        # (autocast_adapter_dtype): a resumed run would train other numerics, slower, than the run it continues.
+        with torch.no_grad():
+            for name, p in trained.named_parameters():
+                if name in dtypes and p.dtype != dtypes[name]:
+                    p.data = p.data.to(dtypes[name])
         learned = self._learned_steps()
         path = os.path.join(resume_from_checkpoint, LEARNED_STEPS_FILE)
         if learned and not os.path.exists(path):
