@@ -382,7 +382,7 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
         trainer = _trainer(
             recipe,
             model=model,
-            args=_training_arguments(run, t, bf16_autocast=bf16 and not lora),
+            args=_training_arguments(run, t, bf16_autocast=bf16 and not lora, padded=lm.kind == "chat"),
             train_dataset=lm.train,
             data_collator=lm.collator,
             callbacks=[*callbacks, RichProgress(), stopper],
@@ -500,8 +500,9 @@ def checkpoint_tokenizer(source: str, gguf: str | None, loading: dict):
     return tokenizer
 
 
-def _training_arguments(run: RunFolder, t, *, bf16_autocast: bool):
-    """The recipe's ``training`` section as ``TrainingArguments`` (checkpoints in the run's work folder)."""
+def _training_arguments(run: RunFolder, t, *, bf16_autocast: bool, padded: bool):
+    """The recipe's ``training`` section as ``TrainingArguments`` (checkpoints in the run's work folder). ``padded``:
+    batches of rows padded to their longest (chat data), whose tokens the Trainer then counts."""
 
     return TrainingArguments(
         output_dir=str(run.checkpoints),
@@ -526,6 +527,7 @@ def _training_arguments(run: RunFolder, t, *, bf16_autocast: bool):
         report_to=t.trackers,
         disable_tqdm=True,
         remove_unused_columns=False,
+        include_num_input_tokens_seen="non_padding" if padded else "no",
     )
 
 
@@ -533,8 +535,13 @@ def _training_figures(trainer, result, t, train_seconds: float, resume_from, los
     """Losses, speed and memory of the finished training (steps of a resumed run counted from its checkpoint)."""
     resumed_at = int(resume_from.rsplit("-", 1)[-1]) if resume_from else 0
     steps_run = trainer.state.global_step - resumed_at
-    per_step = min(len(trainer.train_dataset), t.per_device_train_batch_size * t.gradient_accumulation_steps)
-    tokens = steps_run * per_step * t.block_size  # data smaller than a batch: each step has all of it
+    if trainer.args.include_num_input_tokens_seen == "non_padding":  # rows padded to each batch's longest
+        state = Path(resume_from or "", "trainer_state.json")
+        seen_before = json.loads(state.read_text()).get("num_input_tokens_seen", 0) if resume_from else 0
+        tokens = trainer.state.num_input_tokens_seen - seen_before
+    else:  # full blocks; data smaller than a batch: each step has all of it
+        per_step = min(len(trainer.train_dataset), t.per_device_train_batch_size * t.gradient_accumulation_steps)
+        tokens = steps_run * per_step * t.block_size
     figures = {
         "loss_final": final["loss"],
         "perplexity_base": math.exp(loss_base),

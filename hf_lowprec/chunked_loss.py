@@ -6,6 +6,7 @@ use it.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from peft import PeftModel
 from torch import nn
 
@@ -95,29 +96,30 @@ def chunked_causal_lm_loss(
 
     ``labels [B, T]`` (default ``input_ids``; ``-100`` and padded positions ignored) are shifted inside, as in
     transformers. The loss is the mean over this batch's targets, or their sum over ``num_items_in_batch`` (the
-    targets of all the batches of one optimizer step, as the ``Trainer`` passes it for gradient accumulation).
+    targets of all the batches of one optimizer step, as the ``Trainer`` passes it for gradient accumulation); 0
+    for a batch without targets.
 
     Runs the decoder, then the output head and the loss over ``chunk_tokens`` tokens at a time, fewer where the
     vocabulary would make a chunk's logits exceed ``CHUNK_LOGITS`` (see
-    :class:`_ChunkedLMLoss`). Falls back to the model's own loss (full logits) when the model has no
-    ``get_decoder``, scales or caps its logits, or when its output head trains.
+    :class:`_ChunkedLMLoss`). Falls back to the model's full logits when the model has no ``get_decoder``, scales
+    or caps its logits, or when its output head trains.
     """
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     targets = (input_ids if labels is None else labels)[:, 1:]
     if attention_mask is not None:
         targets = targets.masked_fill(attention_mask[:, 1:] == 0, IGNORE_INDEX)
-    head = chunkable_head(base)
-    if head is None:
-        full_labels = torch.cat((torch.full_like(targets[:, :1], IGNORE_INDEX), targets), 1)
-        extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
-        return model(input_ids=input_ids, attention_mask=attention_mask, labels=full_labels, **extra).loss
-    no_cache = {"use_cache": False} if getattr(getattr(base, "config", None), "use_cache", None) is not None else {}
-    hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, **no_cache).last_hidden_state
     flat = targets.reshape(-1)
-    total = summed_chunked_loss(hidden[:, :-1].reshape(-1, hidden.shape[-1]), flat, head, chunk_tokens)
-    if num_items_in_batch is not None:
-        return total / num_items_in_batch
-    return total / (flat != IGNORE_INDEX).sum().clamp(min=1)
+    head = chunkable_head(base)
+    no_cache = {"use_cache": False} if getattr(getattr(base, "config", None), "use_cache", None) is not None else {}
+    if head is None:  # the model's logits as it computes them (scaled, capped), the loss as transformers' in fp32
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, **no_cache).logits[:, :-1]
+        logits = logits.float().reshape(flat.numel(), -1)
+        total = F.cross_entropy(logits, flat, ignore_index=IGNORE_INDEX, reduction="sum")
+    else:
+        hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, **no_cache).last_hidden_state
+        total = summed_chunked_loss(hidden[:, :-1].reshape(-1, hidden.shape[-1]), flat, head, chunk_tokens)
+    count = (flat != IGNORE_INDEX).sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
+    return total / count.clamp(min=1)  # a step without targets: loss 0 and gradients 0, not 0/0 (NaN weights)
 
 
 def chunk_rows(head: nn.Module, chunk_tokens: int = 128) -> int:

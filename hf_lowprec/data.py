@@ -238,32 +238,61 @@ TRAIN_ON = ("all", "completions")  # which tokens of chat rows the loss counts
 TOKENIZE_BATCH = 65536  # characters of text tokenized per call; a run stops reading once it has its blocks
 
 
-def _message(m, column: str) -> dict:
+def _text(value, column: str, row: int) -> str:
+    """``value`` of ``column`` at ``row`` if it is a string; a clear error otherwise (``str()`` of a list or a
+    number would train on its Python spelling)."""
+    if not isinstance(value, str):
+        raise ValueError(
+            f"column {column!r} must hold text (strings); row {row} holds {type(value).__name__} {str(value)[:60]!r}"
+        )
+    return value
+
+
+def _content(content, column: str, row: int) -> str:
+    """A message's content: a string, or a list of ``{"type": "text", "text": ...}`` parts (joined as chat templates
+    that take parts join them)."""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(_text(p.get("text"), column, row) for p in content)
+    if isinstance(content, list):
+        raise ValueError(f"column {column!r}, row {row}: a message has non-text parts; only text parts are trained on")
+    return _text(content, column, row)
+
+
+def _message(m, column: str, row: int) -> dict:
     """One chat message as ``{"role", "content"}``; ShareGPT's ``{"from", "value"}`` is read too."""
     if isinstance(m, dict) and "role" in m and "content" in m:
-        return m
+        return {**m, "content": _content(m["content"], column, row)}
     if isinstance(m, dict) and m.get("from") in SHAREGPT_ROLES and "value" in m:
-        return {"role": SHAREGPT_ROLES[m["from"]], "content": m["value"]}
+        return {"role": SHAREGPT_ROLES[m["from"]], "content": _content(m["value"], column, row)}
     raise ValueError(
         f"column {column!r} must hold lists of {{'role': ..., 'content': ...}} messages (or ShareGPT's "
-        f"{{'from': {'/'.join(SHAREGPT_ROLES)}, 'value': ...}}), got {str(m)[:80]!r}"
+        f"{{'from': {'/'.join(SHAREGPT_ROLES)}, 'value': ...}}); row {row} holds {str(m)[:80]!r}"
     )
 
 
-def _messages(row: dict, cols: Columns) -> list[dict]:
+def _messages(row: dict, cols: Columns, index: int) -> list[dict]:
+    """Row ``index`` of chat data as a list of messages."""
     if cols.messages:
         msgs = row[cols.messages]
         if not isinstance(msgs, list):
-            raise ValueError(f"column {cols.messages!r} must hold lists of messages, got {type(msgs).__name__}")
-        return [_message(m, cols.messages) for m in msgs]
-    prompt = str(row[cols.prompt])
+            raise ValueError(
+                f"column {cols.messages!r} must hold lists of messages; row {index} holds {type(msgs).__name__}"
+            )
+        return [_message(m, cols.messages, index) for m in msgs]
+    prompt = _text(row[cols.prompt], cols.prompt, index)
     if cols.extra_input and row.get(cols.extra_input):
-        prompt = f"{prompt}\n\n{row[cols.extra_input]}"
-    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": str(row[cols.response])}]
+        prompt = f"{prompt}\n\n{_text(row[cols.extra_input], cols.extra_input, index)}"
+    response = _text(row[cols.response], cols.response, index)
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
 
 
 def _chat_ids(tokenizer, messages: list[dict], **options) -> list[int]:
-    enc = tokenizer.apply_chat_template(messages, tokenize=True, **options)
+    from jinja2 import TemplateError
+
+    try:
+        enc = tokenizer.apply_chat_template(messages, tokenize=True, **options)
+    except TemplateError as e:  # the template's own checks, e.g. "roles must alternate user/assistant"
+        raise ValueError(f"the tokenizer's chat template refused a conversation: {e}") from e
     return list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc)
 
 
@@ -282,21 +311,23 @@ def completion_labels(tokenizer, messages: list[dict], ids: list[int]) -> list[i
     return labels
 
 
-def _text_sequences(ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, column: str) -> Iterator[list[int]]:
-    """Token ids of each non-empty text row, ending with EOS."""
+def _text_sequences(
+    ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, column: str, first_row: int = 0
+) -> Iterator[list[int]]:
+    """Token ids of each non-empty text row, ending with EOS (``first_row``: the first row's number in the data)."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    for texts in _text_batches(ds, column):
+    for texts in _text_batches(ds, column, first_row):
         for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
             yield ids + eos
 
 
-def _text_batches(ds: datasets.Dataset, column: str) -> Iterator[list[str]]:
+def _text_batches(ds: datasets.Dataset, column: str, first_row: int = 0) -> Iterator[list[str]]:
     """The non-empty texts of ``column`` in batches for the fast tokenizer's batch call: up to
     :data:`TOKENIZE_BATCH` characters each (at least one row), so a run that needs a few blocks reads a few rows."""
     batch, size = [], 0
-    for row in ds:
-        if row[column]:
-            batch.append(str(row[column]))
+    for index, row in enumerate(ds, first_row):
+        if row[column] is not None and _text(row[column], column, index):
+            batch.append(row[column])
             size += len(batch[-1])
         if batch and size >= TOKENIZE_BATCH:
             yield batch
@@ -306,11 +337,11 @@ def _text_batches(ds: datasets.Dataset, column: str) -> Iterator[list[str]]:
 
 
 def pack_blocks(
-    ds: datasets.Dataset, tokenizer, cols: Columns, block_size: int, max_blocks: int | None = None
+    ds: datasets.Dataset, tokenizer, cols: Columns, block_size: int, max_blocks: int | None = None, first_row: int = 0
 ) -> list[list[int]]:
     """Text rows joined and cut into blocks of ``block_size`` tokens (the remainder is dropped)."""
     blocks, buffer = [], []
-    for ids in _text_sequences(ds, tokenizer, cols.text):
+    for ids in _text_sequences(ds, tokenizer, cols.text, first_row):
         buffer.extend(ids)
         while len(buffer) >= block_size:
             blocks.append(buffer[:block_size])
@@ -327,24 +358,53 @@ def chat_sequences(
     block_size: int,
     max_rows: int | None = None,
     train_on: str = "all",
-) -> tuple[list[list[int]], list[list[int]]]:
-    """``(ids, labels)``: one chat-formatted sequence per row, truncated to ``block_size`` tokens; labels are the ids
-    (``train_on="all"``) or the assistant turns only (``"completions"``, see :func:`completion_labels`)."""
+    first_row: int = 0,
+) -> tuple[list[list[int]], list[list[int]], int]:
+    """``(ids, labels, left_out)``: one chat-formatted sequence per row, truncated to ``block_size`` tokens; labels
+    are the ids (``train_on="all"``) or the assistant turns only (``"completions"``, see :func:`completion_labels`).
+    Rows with no target left in their first ``block_size`` tokens (no assistant turn, or a prompt that fills the
+    block) are left out and counted: a batch of them would have no loss to learn from. ``first_row``: the first
+    row's number in the data, for errors."""
     if not tokenizer.chat_template:
         raise ValueError(
-            f"the tokenizer ({type(tokenizer).__name__}) has no chat template; chat data needs one (or use "
-            "--text-column)"
+            f"the tokenizer ({type(tokenizer).__name__}) has no chat template, which chat data needs: use a chat "
+            "(instruction-tuned) checkpoint, or data with a plain text column"
         )
-    ids, labels = [], []
-    for row in ds:
-        messages = _messages(row, cols)
-        seq = _chat_ids(tokenizer, messages)
+    ids, labels, left_out = [], [], 0
+    for index, row in enumerate(ds, first_row):
+        messages = _messages(row, cols, index)
+        try:
+            seq = _chat_ids(tokenizer, messages)
+            full = seq if train_on == "all" else completion_labels(tokenizer, messages, seq)
+        except ValueError as e:
+            raise ValueError(f"chat data row {index}: {e}") from e
+        if all(label == IGNORE_INDEX for label in full[1:block_size]):  # the loss's targets are labels[1:]
+            left_out += 1
+            continue
         ids.append(seq[:block_size])
-        full = seq if train_on == "all" else completion_labels(tokenizer, messages, seq)
         labels.append(full[:block_size])
         if max_rows is not None and len(ids) >= max_rows:
             break
-    return ids, labels
+    return ids, labels, left_out
+
+
+def _no_targets(block_size: int, train_on: str) -> str:
+    """Why chat rows have no target (see :func:`chat_sequences`), and what helps."""
+    if train_on == "completions":
+        return (
+            f"no assistant token within their first {block_size} tokens (no assistant turn, or a prompt longer than "
+            "the block); raise --block-size, or count every token (--train-on all)"
+        )
+    return "fewer than two tokens"
+
+
+def _say_left_out(name: str, left_out: int, kept: int, block_size: int, train_on: str) -> None:
+    """Warn how many chat rows were left out for having no target."""
+    if left_out:
+        logger.warning(
+            "data %r: %d of %d chat rows left out, with %s", name, left_out, left_out + kept,
+            _no_targets(block_size, train_on),
+        )  # fmt: skip
 
 
 @dataclass
@@ -406,24 +466,37 @@ def prepare_lm_data(
         n_eval_rows = max(1, round(len(ds) * eval_fraction)) if len(ds) > 1 else 0
     cut = len(ds) - n_eval_rows
     train_rows, eval_rows = ds.select(list(range(cut))), ds.select(list(range(cut, len(ds))))
+    held_left_out = 0
     if cols.kind == "text":
         train = pack_blocks(train_rows, tokenizer, cols, block_size, train_sequences)
-        held = pack_blocks(eval_rows, tokenizer, cols, block_size, eval_sequences)
+        held = pack_blocks(eval_rows, tokenizer, cols, block_size, eval_sequences, first_row=cut)
         if not held and len(train) > 1:  # one row only: hold out the last blocks instead
             cut = max(1, min(eval_sequences, len(train) // 10))
             train, held = train[:-cut], train[-cut:]
         collator = default_data_collator
         train_labels, held_labels = train, held
     else:
-        train, train_labels = chat_sequences(train_rows, tokenizer, cols, block_size, train_sequences, train_on)
-        held, held_labels = chat_sequences(eval_rows, tokenizer, cols, block_size, eval_sequences, train_on)
+        train, train_labels, left_out = chat_sequences(
+            train_rows, tokenizer, cols, block_size, train_sequences, train_on
+        )
+        held, held_labels, held_left_out = chat_sequences(
+            eval_rows, tokenizer, cols, block_size, eval_sequences, train_on, first_row=cut
+        )
+        _say_left_out(name, left_out + held_left_out, len(train) + len(held), block_size, train_on)
         collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
     if not train and not eval_only:
         raise ValueError(
             f"data {name!r} gives no complete block of {block_size} tokens to train on; lower --block-size or add data"
+            if cols.kind == "text"
+            else f"data {name!r} has no chat row to train on: all have {_no_targets(block_size, train_on)}"
         )
     if not held:
-        raise ValueError(f"data {name!r} leaves nothing to evaluate on; add rows or raise eval_fraction")
+        raise ValueError(
+            f"data {name!r} leaves nothing to evaluate on; add rows or raise eval_fraction"
+            if not held_left_out
+            else f"data {name!r} leaves nothing to evaluate on: its held-out chat rows all have "
+            f"{_no_targets(block_size, train_on)}"
+        )
 
     def as_dataset(seqs, labels):
         return datasets.Dataset.from_dict({"input_ids": seqs, "labels": [list(s) for s in labels]})
@@ -472,7 +545,8 @@ def prepare_classification_data(
         raise ValueError(f"classification data {name!r} needs a text column, not chat messages")
     if max_rows is not None:
         ds = ds.select(range(min(max_rows, len(ds))))
-    enc = tokenizer([str(t) for t in ds[cols.text]], truncation=True, max_length=max_length)
+    texts = [_text(t, cols.text, row) for row, t in enumerate(ds[cols.text])]
+    enc = tokenizer(texts, truncation=True, max_length=max_length)
     return datasets.Dataset.from_dict({**enc, "labels": [int(v) for v in ds[label_column]]})
 
 

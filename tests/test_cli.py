@@ -1,6 +1,7 @@
 """The hf-lowprec command line, end to end on a tiny local model and a local text file."""
 
 import json
+import math
 import os
 import re
 import shlex
@@ -445,6 +446,29 @@ def test_small_data_is_said_and_counted_as_it_trains(ws, tmp_path):
     t = record["training"]
     counted = t["tokens_per_second"] * t["train_seconds"]  # train_seconds is rounded to 0.1 s: roughly the tokens
     assert abs(counted - 2 * int(rows.group(1)) * 32) < abs(counted - 2 * 64 * 32)  # what ran, not the nominal batch
+
+
+def test_chat_data_trains_on_completions_and_counts_the_tokens_it_had(ws, tmp_path, caplog):
+    """Chat rows are padded to each batch's longest, not to --block-size: tokens/s counts the rows' own tokens. Rows
+    with no assistant turn are left out, and the run says how many."""
+    turn = [{"role": "user", "content": "what is it?"}, {"role": "assistant", "content": "it is so."}]
+    rows = ([turn] * 4 + [turn[:1]]) * 10
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps({"messages": m}) for m in rows))
+    tok = AutoTokenizer.from_pretrained(ws / "tiny")
+    length = len(tok.apply_chat_template(turn, tokenize=True)["input_ids"])
+    assert length < 32
+    out = tmp_path / "run"
+    result = cli("finetune", ws / "tiny", "--data", tmp_path / "chat.jsonl", "--train-on", "completions",
+                 "--max-steps", "3", *FAST, "-o", out)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    said = r"\d+ of \d+ chat rows left out, with no assistant token within their first 32 tokens"
+    assert re.search(said, caplog.text), caplog.text  # the CLI shows library warnings on stderr
+    record = json.loads((out / RUN_FILE).read_text())
+    assert record["data_kind"] == "chat" and record["recipe"]["data"]["train_on"] == "completions"
+    t = record["training"]
+    counted = t["tokens_per_second"] * t["train_seconds"]  # train_seconds is rounded to 0.1 s: roughly the tokens
+    assert abs(counted - 3 * 2 * length) < abs(counted - 3 * 2 * 32)  # the rows' tokens, not full blocks
+    assert math.isfinite(t["loss_final"])
 
 
 def test_every_builtin_full_recipe_trains_the_tiny_model(ws):

@@ -238,3 +238,44 @@ def test_text_is_tokenized_in_batch_calls_and_only_as_far_as_needed(tok):
     long = datasets.Dataset.from_dict({"text": [corpus_text(80_000)] * 10})
     prepare_lm_data(long, "long", Counting(tok), 16, train_sequences=2, eval_sequences=2)
     assert sum(calls) <= 2, calls  # 2 blocks need the first row of each split, not all ten
+
+
+def test_chat_rows_without_a_target_in_their_block_are_left_out_and_counted(tok, caplog):
+    """A row with no assistant turn, or whose prompt fills the block, has nothing to learn under
+    ``train_on="completions"``; a batch of them only would have a loss of 0/0."""
+    turn = [{"role": "user", "content": "what is it?"}, {"role": "assistant", "content": "it is"}]
+    rows = [turn] * 10 + [turn[:1]] * 7 + [[{"role": "user", "content": corpus_text(2000)}, turn[1]]] * 3
+    ds = datasets.Dataset.from_dict({"messages": rows[12:] + rows[:12]})  # 2 rows left out among the 4 held out
+    with caplog.at_level("WARNING", logger="hf_lowprec.data"):
+        lm = prepare_lm_data(ds, "mixed", tok, 64, eval_fraction=0.2, train_on="completions")
+    assert len(lm.train) + len(lm.eval) == 10
+    assert all(any(label != -100 for label in labels[1:]) for labels in [*lm.train["labels"], *lm.eval["labels"]])
+    said = "data 'mixed': 10 of 20 chat rows left out, with no assistant token within their first 64 tokens"
+    assert said in caplog.text
+    assert len(prepare_lm_data(ds, "mixed", tok, 64, eval_fraction=0.2).train) == 16  # every token counts: all kept
+    with pytest.raises(ValueError, match=r"data 'last' leaves nothing to evaluate on: its held-out chat rows all have "
+                                         r"no assistant token within their first 64 tokens"):  # fmt: skip
+        last = datasets.Dataset.from_dict({"messages": rows})
+        prepare_lm_data(last, "last", tok, 64, eval_fraction=0.2, train_on="completions")
+    only_prompts = datasets.Dataset.from_dict({"messages": [turn[:1]] * 5})
+    with pytest.raises(ValueError, match=r"data 'prompts' has no chat row to train on: all have no assistant token "
+                                         r"within their first 64 tokens .* \(--train-on all\)"):  # fmt: skip
+        prepare_lm_data(only_prompts, "prompts", tok, 64, train_on="completions")
+
+
+def test_values_that_are_not_text_are_refused_naming_their_column_and_row(tok):
+    """``str()`` of a list or a number would train on its Python spelling; empty and missing values are skipped."""
+    words = datasets.Dataset.from_dict({"text": [corpus_text(500), None, "", corpus_text(600)]})
+    assert prepare_lm_data(words, "gaps", tok, 16).kind == "text"
+    for values, kind in (([["The", "assert"]] * 4, "list"), ([7, 14, 0, 1], "int")):
+        with pytest.raises(ValueError, match=rf"column 'text' must hold text \(strings\); row 0 holds {kind} "):
+            prepare_lm_data(datasets.Dataset.from_dict({"text": values}), "odd", tok, 16)
+    with pytest.raises(ValueError, match=r"column 'text' must hold text \(strings\); row 0 holds int"):
+        prepare_classification_data(datasets.Dataset.from_dict({"text": [4, 5], "label": [0, 1]}), "c", tok, 8)
+    user = {"role": "user", "content": "what is it?"}
+    null = [[user, {"role": "assistant", "content": "it is"}]] * 3 + [[user, {"role": "assistant", "content": None}]]
+    with pytest.raises(ValueError, match=r"column 'messages' must hold text \(strings\); row 3 holds NoneType"):
+        prepare_lm_data(datasets.Dataset.from_dict({"messages": null}), "null", tok, 64)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "text", "text": "it?"}]}]
+    as_parts = prepare_lm_data(datasets.Dataset.from_dict({"messages": [parts] * 2}), "parts", tok, 64)
+    assert as_parts.train[0]["input_ids"] == tok.apply_chat_template([user], tokenize=True)["input_ids"]

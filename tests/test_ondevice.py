@@ -155,6 +155,18 @@ def test_chunked_loss_equals_transformers_loss_and_grads():
         torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("num_items_in_batch", [None, 0, torch.tensor(0)])
+def test_a_batch_without_targets_gives_zero_loss_and_zero_gradients_not_nan(num_items_in_batch):
+    """Chat rows whose assistant turns all fall past the block: no target in the whole optimizer step, so the
+    Trainer's count of targets is 0. Dividing by it made every adapter NaN."""
+    model = tiny_llama(1)
+    ids = markov_batches(n=1, batch=2, seq=16)[0]["input_ids"]
+    loss = chunked_causal_lm_loss(model, ids, labels=torch.full_like(ids, -100), num_items_in_batch=num_items_in_batch)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
 def test_finetune_from_disk_loss_falls_and_export_reloads_identically(tmp_path):
     # a wider init than the default 0.02: LoRA cannot rescale the RMS-normalised hidden state, so the
     # frozen random lm_head must be large enough for the adapters to move the predictions
