@@ -310,7 +310,13 @@ class Recipe:
     # ------------------------------------------------------------------------------- conversion
     @classmethod
     def from_dict(cls, data: Mapping, source: str = "<dict>") -> "Recipe":
-        """Build and check a recipe; ``source`` (a file name) appears in every error."""
+        """Build and check a recipe; ``source`` (a file name) appears in every error. An ``int4-lora`` recipe that
+        names no plan gets that method's default format, not full training's ``fp8``."""
+        precision = data.get("precision", {}) if isinstance(data, Mapping) else None
+        if isinstance(precision, Mapping) and "plan" not in precision and data.get("method") == "int4-lora":
+            from hf_lowprec.ondevice.planning import DEFAULT_FORMAT
+
+            data = {**data, "precision": {**precision, "plan": DEFAULT_FORMAT}}
         recipe = _build(cls, data, "", source)
         return dataclasses.replace(recipe, source=source)
 

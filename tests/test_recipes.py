@@ -115,6 +115,18 @@ def test_a_recipe_file_takes_its_name_from_the_file_and_defaults_the_rest(tmp_pa
     assert r.name == "mine" and r.training == Recipe("x").training and r.precision.plan == "int4-g64"
 
 
+def test_an_int4_lora_recipe_without_a_plan_gets_that_methods_default_format(tmp_path):
+    """Full training's default plan is fp8, which an INT4 base cannot hold: a user's int4-lora recipe that names no
+    plan was refused for a value it never wrote."""
+    from hf_lowprec.ondevice import DEFAULT_FORMAT
+
+    for data in ({"method": "int4-lora"}, {"method": "int4-lora", "precision": {"learn_steps": True}}):
+        assert load_recipe(_write(tmp_path, data)).precision.plan == DEFAULT_FORMAT
+    assert load_recipe(_write(tmp_path, {"method": "full"})).precision.plan == "fp8"
+    with pytest.raises(ValueError, match="method 'int4-lora' keeps its frozen base in an integer format, not 'fp8'"):
+        load_recipe(_write(tmp_path, {"method": "int4-lora", "precision": {"plan": "fp8"}}))
+
+
 def test_overrides_replace_values_and_are_checked_like_files():
     base = load_recipe("fp8-train")
     r = base.with_overrides({"training.max_steps": 7, "training.learning_rate": 1e-3, "precision.plan": "int4-g64", "lora.r": None})
