@@ -446,7 +446,7 @@ def finetune_cmd(
     resume: ResumeOpt = False,
     gguf_file: GGUFOpt = None,
     max_steps: Annotated[Optional[int], typer.Option("--max-steps", min=1)] = None,
-    learning_rate: Annotated[Optional[float], typer.Option("--learning-rate", "--lr", min=0.0)] = None,
+    learning_rate: Annotated[Optional[float], typer.Option("--learning-rate", "--lr", help="Peak learning rate (> 0).")] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", min=1)] = None,
     grad_accum: Annotated[Optional[int], typer.Option("--grad-accum", min=1)] = None,
     block_size: Annotated[Optional[int], typer.Option("--block-size", min=8)] = None,
@@ -591,7 +591,7 @@ def eval_cmd(
         Optional[str], typer.Option("--split", help="Dataset split (default: its validation split, else train).")
     ] = None,
     block_size: Annotated[
-        Optional[int], typer.Option("--block-size", min=8, help="Tokens per sequence [default: 256].")
+        Optional[int], typer.Option("--block-size", min=8, help="Tokens per sequence \\[default: 256].")
     ] = None,
     max_sequences: Annotated[
         Optional[int], typer.Option("--max-sequences", min=1, help="Evaluate at most this many sequences/rows.")

@@ -352,9 +352,10 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     compute, compute_reason = resolve_dtype(t.dtype, "cuda" if torch.cuda.is_available() else "cpu")
     ui.err.print(compute_reason, soft_wrap=True)
     p = recipe.precision
-    if p.is_file and p.keep:  # the recipe's keep serves format-name and auto plans; a file names its kept layers
+    unnamed = [k for k in p.keep if k not in p.fixed_plan().layers] if p.is_file else []
+    if unnamed:  # the recipe's keep serves format-name and auto plans; a file names its kept layers
         ui.err.print(
-            f"precision.keep {list(p.keep)} does not apply to the plan file {p.plan!r}: the layers it does not name "
+            f"precision.keep {unnamed} does not apply to the plan file {p.plan!r}: the layers it does not name "
             f"take its default, {p.fixed_plan().default.name}",
             soft_wrap=True,
         )

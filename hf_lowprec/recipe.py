@@ -295,6 +295,13 @@ class Recipe:
                 "precision.learn_steps applies to method 'int4-lora' (a frozen INT4 base); method 'full' trains its "
                 "INT4 layers' steps already"
             )
+        if self.method == "full" and self.export.merge_lora:
+            raise ValueError("export.merge_lora applies to method 'int4-lora' (its adapters); method 'full' has none")
+        if self.method == "full" and (changed := _changed_fields(self.lora, "lora")):
+            raise ValueError(
+                f"{', '.join(changed)}: LoRA applies to method 'int4-lora' (adapters on a frozen INT4 base); method "
+                "'full' trains the weights themselves; leave the lora settings out, or use an int4-lora recipe"
+            )
         floating = [f for f in self.precision.formats if FormatSpec.parse(f).family not in ("int4", "int8")]
         if self.method == "int4-lora" and self.precision.is_auto and floating:
             raise ValueError(
@@ -330,7 +337,12 @@ class Recipe:
         return out
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False, width=100)
+        """The recipe as a file would hold it, without the settings its method has no use for (method ``full``:
+        ``lora``, ``precision.learn_steps``, ``export.merge_lora``, which hold their defaults)."""
+        data = self.to_dict()
+        if self.method == "full":
+            del data["lora"], data["precision"]["learn_steps"], data["export"]["merge_lora"]
+        return yaml.safe_dump(data, sort_keys=False, width=100)
 
     def with_overrides(self, overrides: Mapping[str, object], source: str = "command line") -> "Recipe":
         """A copy with dotted keys replaced (``{"training.max_steps": 10}``); ``None`` values are ignored."""
@@ -403,6 +415,12 @@ def _build(cls, data, prefix: str, source: str):
         if prefix and own in fields:  # a section's check names its key as the recipe spells it: 'training.seed'
             raise ValueError(f"{where}: '{prefix}{text[1:]}") from None
         raise ValueError(f"{where}: {prefix.rstrip('.') + ': ' if prefix else ''}{text}") from None
+
+
+def _changed_fields(section, prefix: str) -> list[str]:
+    """``prefix.key value`` for each field of dataclass ``section`` that differs from its default."""
+    fields = dataclasses.fields(section)
+    return [f"{prefix}.{f.name} {getattr(section, f.name)!r}" for f in fields if getattr(section, f.name) != f.default]
 
 
 def _close_match(key: str, allowed) -> str:

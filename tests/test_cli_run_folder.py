@@ -155,3 +155,6 @@ def test_a_plan_file_says_the_recipes_keep_does_not_apply(ws, tmp_path):
     assert "precision.keep ['lm_head'] does not apply to the plan file" in result.output
     assert "take its default, int4-g64-asym" in result.output
     assert PrecisionPlan.load(tmp_path / "run" / PLAN_FILE).resolve("lm_head").name == "int4-g64-asym"
+    plan.write_text(json.dumps({"default": "int4-g64-asym", "layers": {"lm_head": "bf16"}}))  # as a scan writes it
+    result = cli(*finetune_args(ws, tmp_path / "named", steps=1), "--plan", plan)
+    assert result.exit_code == 0 and "does not apply to the plan file" not in result.output, result.output

@@ -127,6 +127,20 @@ def test_an_int4_lora_recipe_without_a_plan_gets_that_methods_default_format(tmp
         load_recipe(_write(tmp_path, {"method": "int4-lora", "precision": {"plan": "fp8"}}))
 
 
+def test_lora_settings_on_a_full_recipe_are_refused_and_not_shown():
+    """Full training has no adapters: --lora-r/--lora-init there were silently ignored, and `recipes qat-int4`
+    showed a lora block and learn_steps it has no use for."""
+    qat = load_recipe("qat-int4")
+    with pytest.raises(ValueError, match=r"lora.r 8, lora.init 'loftq': LoRA applies to method 'int4-lora'"):
+        qat.with_overrides({"lora.r": 8, "lora.init": "loftq"})
+    with pytest.raises(ValueError, match=r"export.merge_lora applies to method 'int4-lora'"):
+        qat.with_overrides({"export.merge_lora": True})
+    shown = yaml.safe_load(qat.to_yaml())
+    assert "lora" not in shown and "learn_steps" not in shown["precision"] and "merge_lora" not in shown["export"]
+    assert Recipe.from_dict(shown, "again") == qat
+    assert "lora" in yaml.safe_load(load_recipe("int4-ondevice-lora").to_yaml())
+
+
 def test_overrides_replace_values_and_are_checked_like_files():
     base = load_recipe("fp8-train")
     r = base.with_overrides({"training.max_steps": 7, "training.learning_rate": 1e-3, "precision.plan": "int4-g64", "lora.r": None})
