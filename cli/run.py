@@ -28,7 +28,7 @@ from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArgu
 from hf_lowprec.allocator import returning_freed_memory
 from hf_lowprec.checkpoints import default_checkpoint, is_local_checkpoint, load_pretrained, load_tokenizer, public_name
 from hf_lowprec.convert import revert
-from hf_lowprec.data import collated_batches, prepare_run_data, read_source
+from hf_lowprec.data import HELD_OUT_SPLIT, collated_batches, prepare_run_data, read_run_source
 from hf_lowprec.export.folder import export_model, resolved_weights
 from hf_lowprec.export.records import RUN_FILE, evaluation_numerics, hardware_info, read_run
 from hf_lowprec.folders import atomic_write_text
@@ -457,11 +457,13 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
     and the data tokenized into blocks."""
     recipe, t = opts.recipe, opts.recipe.training
     with ui.step(f"reading data {opts.data or '(default corpus)'}"):
-        records, data_name = read_source(opts.data, split=recipe.data.split)
+        records, held_out, data_name = read_run_source(opts.data, split=recipe.data.split)
+    if held_out is not None:
+        ui.err.print(f"held-out data: the {HELD_OUT_SPLIT} split's rows ({len(held_out)})")
     source, gguf = (opts.model, opts.gguf_file) if opts.model else default_checkpoint()
     tokenizer = checkpoint_tokenizer(source, gguf, opts.load_options)
     with ui.step(f"tokenizing {data_name} into sequences of {t.block_size} tokens"):
-        lm = prepare_run_data(records, data_name, tokenizer, recipe)
+        lm = prepare_run_data(records, data_name, tokenizer, recipe, held_out)
     packing = " (packing the INT4 base while reading)" if recipe.method == "int4-lora" else ""
     base_plan = None
     with ui.step(f"loading {opts.model or f'default model {DEFAULT_BASE_MODEL_ID} ({gguf})'}{packing}"):

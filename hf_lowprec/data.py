@@ -132,18 +132,22 @@ def _split_files(folder: Path) -> dict[str, Path]:
 
 def default_eval_split(source: str | Path) -> str:
     """The split to evaluate on: the data's own validation (else test) split when it has one, else ``train``."""
+    splits = _split_names(source)
+    return next((s for s in EVAL_SPLITS if s in splits), "train")
+
+
+def _split_names(source: str | Path) -> list[str]:
+    """The splits of a data folder of files named by split, or of a Hub dataset; ``["train"]`` for a file."""
     path = Path(source)
     if path.is_dir():
-        splits = list(_split_files(path))
-    elif path.exists() or path.suffix:
-        return "train"
-    else:
-        try:
-            splits = datasets.get_dataset_split_names(str(source))
-        except Exception as e:  # offline, unknown dataset: load_records reports it on the real load
-            logger.info("split names of %s unavailable (%s); evaluating on train", source, _first_line(e))
-            return "train"
-    return next((s for s in EVAL_SPLITS if s in splits), "train")
+        return list(_split_files(path))
+    if path.exists() or path.suffix:
+        return ["train"]
+    try:
+        return datasets.get_dataset_split_names(str(source))
+    except Exception as e:  # offline, unknown dataset: load_records reports it on the real load
+        logger.info("split names of %s unavailable (%s); taking its train split only", source, _first_line(e))
+        return ["train"]
 
 
 def _load_files(builder: str, files: list[str], name: str) -> datasets.Dataset:
@@ -426,6 +430,20 @@ def read_source(source: str | Path | None, split: str = "train") -> tuple[datase
     return load_records(source, split=split), str(source)
 
 
+HELD_OUT_SPLIT = "validation"  # a fine-tuning run's held-out rows where the data has this split (as run_clm.py does)
+
+
+def read_run_source(
+    source: str | Path | None, split: str = "train"
+) -> tuple[datasets.Dataset, datasets.Dataset | None, str]:
+    """``(rows, held_out_rows, name)`` that a fine-tuning run reads from ``source``: its ``split``, and the data's
+    own :data:`HELD_OUT_SPLIT` split where it has one (else ``None``: the run holds out the last rows of ``split``)."""
+    rows, name = read_source(source, split)
+    if source is None or split == HELD_OUT_SPLIT or HELD_OUT_SPLIT not in _split_names(source):
+        return rows, None, name
+    return rows, load_records(source, split=HELD_OUT_SPLIT), name
+
+
 def prepare_lm_data(
     records: datasets.Dataset,
     name: str,
@@ -439,8 +457,10 @@ def prepare_lm_data(
     messages_column: str | None = None,
     eval_only: bool = False,
     train_on: str = "all",
+    held_out_records: datasets.Dataset | None = None,
 ) -> LMData:
-    """Tokenized causal-LM data from ``records`` (see :func:`read_source`), split into train and held-out rows.
+    """Tokenized causal-LM data from ``records`` (see :func:`read_source`), split into train and held-out rows:
+    the last ``eval_fraction`` of them, or every row of ``held_out_records`` where given (a validation split).
 
     ``train_sequences``/``eval_sequences`` cap how many blocks (text) or rows (chat) are tokenized,
     so a large corpus costs only what a run uses. ``eval_only``: every row goes to ``eval``. ``train_on``
@@ -460,17 +480,22 @@ def prepare_lm_data(
         )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if eval_only:
-        n_eval_rows = len(ds)
+    if held_out_records is not None:
+        needed = [c for c in (cols.text, cols.messages, cols.prompt, cols.response) if c is not None]
+        if missing := [c for c in needed if c not in held_out_records.column_names]:
+            raise ValueError(
+                f"data {name!r}: its {HELD_OUT_SPLIT} split has no column {missing[0]!r}, which its train rows have"
+            )
+        train_rows, eval_rows, cut = ds, held_out_records, 0  # eval rows numbered within their split
     else:
-        n_eval_rows = max(1, round(len(ds) * eval_fraction)) if len(ds) > 1 else 0
-    cut = len(ds) - n_eval_rows
-    train_rows, eval_rows = ds.select(list(range(cut))), ds.select(list(range(cut, len(ds))))
+        n_eval_rows = len(ds) if eval_only else max(1, round(len(ds) * eval_fraction)) if len(ds) > 1 else 0
+        cut = len(ds) - n_eval_rows
+        train_rows, eval_rows = ds.select(list(range(cut))), ds.select(list(range(cut, len(ds))))
     held_left_out = 0
     if cols.kind == "text":
         train = pack_blocks(train_rows, tokenizer, cols, block_size, train_sequences)
         held = pack_blocks(eval_rows, tokenizer, cols, block_size, eval_sequences, first_row=cut)
-        if not held and len(train) > 1:  # one row only: hold out the last blocks instead
+        if not held and len(train) > 1 and held_out_records is None:  # one row only: hold out its last blocks
             cut = max(1, min(eval_sequences, len(train) // 10))
             train, held = train[:-cut], train[-cut:]
         collator = default_data_collator
@@ -505,10 +530,15 @@ def prepare_lm_data(
 
 
 def prepare_run_data(
-    records: datasets.Dataset, name: str, tokenizer: PreTrainedTokenizerBase, recipe: Recipe
+    records: datasets.Dataset,
+    name: str,
+    tokenizer: PreTrainedTokenizerBase,
+    recipe: Recipe,
+    held_out_records: datasets.Dataset | None = None,
 ) -> LMData:
-    """``records`` tokenized as ``hf-lowprec finetune`` tokenizes them under ``recipe``: its block size, columns,
-    held-out fraction and number of held-out blocks, so ``eval`` meets the very rows a run evaluated on."""
+    """``records`` (and ``held_out_records``, see :func:`read_run_source`) tokenized as ``hf-lowprec finetune``
+    tokenizes them under ``recipe``: its block size, columns, held-out fraction and number of held-out blocks, so
+    ``eval`` meets the very rows a run evaluated on."""
     t, d = recipe.training, recipe.data
     return prepare_lm_data(
         records,
@@ -521,6 +551,7 @@ def prepare_run_data(
         text_column=d.text_column,
         messages_column=d.messages_column,
         train_on=d.train_on,
+        held_out_records=held_out_records,
     )
 
 

@@ -230,7 +230,8 @@ class LoraSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    """How training data is read: ``text_column``/``messages_column`` force a column (else detected)."""
+    """How training data is read: ``text_column``/``messages_column`` force a column (else detected); the held-out
+    rows are the data's ``validation`` split where it has one, else the last ``eval_fraction`` of ``split``'s rows."""
 
     text_column: str | None = None
     messages_column: str | None = None

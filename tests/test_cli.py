@@ -471,6 +471,22 @@ def test_chat_data_trains_on_completions_and_counts_the_tokens_it_had(ws, tmp_pa
     assert math.isfinite(t["loss_final"])
 
 
+def test_a_data_folder_with_a_validation_split_is_held_out_by_finetune_and_eval(ws, tmp_path):
+    text = (ws / "corpus.txt").read_text()
+    rows = [text[i : i + 400] for i in range(0, 24_000, 400)]
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("\n".join(json.dumps({"text": r}) for r in rows[:50]))
+    (folder / "validation.jsonl").write_text("\n".join(json.dumps({"text": r}) for r in rows[50:]))
+    out = tmp_path / "run"
+    result = cli("finetune", ws / "tiny", "--data", folder, "--max-steps", "2", *FAST, "-o", out)
+    assert result.exit_code == 0, result.output
+    assert "held-out data: the validation split's rows (10)" in result.output
+    record = json.loads((out / RUN_FILE).read_text())
+    evaluated = " ".join(cli("eval", out, "--data", folder, "--held-out").output.split())
+    assert f"loss (nats/token) │ {record['training']['loss_final']:.4f} │" in evaluated
+
+
 def test_every_builtin_full_recipe_trains_the_tiny_model(ws):
     """The scanned recipes' budgets can be met on a model with fp32 master weights and its head kept."""
     for recipe in ("auto-mixed", "fp8-train", "qat-int4"):

@@ -279,3 +279,26 @@ def test_values_that_are_not_text_are_refused_naming_their_column_and_row(tok):
     parts = [{"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "text", "text": "it?"}]}]
     as_parts = prepare_lm_data(datasets.Dataset.from_dict({"messages": [parts] * 2}), "parts", tok, 64)
     assert as_parts.train[0]["input_ids"] == tok.apply_chat_template([user], tokenize=True)["input_ids"]
+
+
+def test_a_validation_split_is_the_runs_held_out_data(tmp_path, tok):
+    """A folder of train.jsonl + validation.jsonl (or a Hub dataset with a validation split): a run trains on every
+    train row and holds out the validation rows, as transformers' run_clm.py does; otherwise the last rows."""
+    from hf_lowprec.data import read_run_source
+
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("\n".join(json.dumps({"text": r["text"]}) for r in ROWS[:30]))
+    (folder / "validation.jsonl").write_text("\n".join(json.dumps({"text": r["text"]}) for r in ROWS[30:]))
+    rows, held, name = read_run_source(folder)
+    assert len(rows) == 30 and held["text"] == [r["text"] for r in ROWS[30:]]
+    lm = prepare_lm_data(rows, name, tok, 16, eval_sequences=100, held_out_records=held)
+    assert lm.eval["input_ids"] == _reference_blocks([r["text"] for r in ROWS[30:]], tok, 16)
+    assert lm.train["input_ids"] == _reference_blocks([r["text"] for r in ROWS[:30]], tok, 16)
+    assert read_run_source(folder, split="validation")[1] is None  # training on the validation split: no other
+    single = tmp_path / "rows.jsonl"
+    single.write_text((folder / "train.jsonl").read_text())
+    assert read_run_source(single)[1] is None and read_run_source(None)[1] is None
+    (folder / "validation.jsonl").write_text("\n".join(json.dumps({"body": r["text"]}) for r in ROWS[30:]))
+    with pytest.raises(ValueError, match=r"its validation split has no column 'text', which its train rows have"):
+        prepare_lm_data(*read_run_source(folder)[:1], "splits", tok, 16, held_out_records=read_run_source(folder)[1])
