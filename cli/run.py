@@ -569,7 +569,7 @@ def _run_record(run: RunFolder, opts: FinetuneOptions, lm, figures: dict, final:
     computed = evaluation_numerics({"recipe": recipe, **method_info})[2]
     batch = opts.recipe.training.per_device_train_batch_size
     exported = {m: figures[key] for m in ("perplexity", "loss") if (key := f"{m}_exported_weights") in figures}
-    plain = f"the exported master weights in fp32 without the plan (plain transformers), batch {batch}"
+    plain = f"the run's master weights in fp32 without the plan (plain transformers), batch {batch}"
     local = opts.model is not None and is_local_checkpoint(opts.model)  # named by its folder's name alone
     return {
         "name": run.out.name,

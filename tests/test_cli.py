@@ -391,7 +391,7 @@ def test_an_fp8_runs_reported_loss_comes_back_from_its_export(ws, tmp_path):
     as_loaded = causal_lm_loss(loaded, blocks, default_data_collator, batch_size=batch)["loss"]
     assert as_loaded == pytest.approx(record["training"]["loss_exported_weights"], abs=1e-6)
     rows = {r["computed"].split(" (")[0]: r["value"] for r in record["eval"] if r["metric"] == "loss"}
-    assert rows == {computed.split(" (")[0]: round(again, 4), "the exported master weights in fp32 without the plan": round(as_loaded, 4)}
+    assert rows == {computed.split(" (")[0]: round(again, 4), "the run's master weights in fp32 without the plan": round(as_loaded, 4)}
     assert "loss, exported weights │" in " ".join(result.output.split())
 
     evaluated = cli("eval", out, "--data", ws / "corpus.txt", "--block-size", "32", "--max-sequences", "4", "--plan-numerics")

@@ -5,12 +5,14 @@ import dataclasses
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 
 import pytest
 import torch
 import yaml
+from cli_invoke import cli, workspace
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.repocard_data import model_index_to_eval_results
 from safetensors import safe_open
@@ -143,7 +145,7 @@ def test_model_card_metadata_and_body(base_dir, tmp_path):
     card = ModelCard.load(out / CARD_FILE)
     data = card.data
     assert data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and data.library_name == "hf-lowprec"
-    assert {"hf-lowprec", "int4", "qat"} <= set(data.tags) and data.datasets == ["shakespeare"] and data.metrics == ["perplexity"]
+    assert {"hf-lowprec", "int4", "qat"} <= set(data.tags) and data.datasets is None and data.metrics == ["perplexity"]
     results = data.eval_results
     assert results[0].metric_type == "perplexity" and results[0].metric_value == 66.7 and results[0].dataset_name == "shakespeare"
     # the metadata validates: the YAML block parses, the model-index parses back, and ModelCardData accepts every field strictly
@@ -387,3 +389,138 @@ def test_an_export_of_an_empty_record_names_its_base_by_name_only_and_reloads_qu
     with caplog.at_level("WARNING"):
         load_exported(out, apply_plan_numerics=True)
     assert "made for" not in caplog.text
+
+
+FAST = ["--block-size", "32", "--batch-size", "2", "--eval-blocks", "4", "--dtype", "fp32", "--save-steps", "1000"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A workspace with two `hf-lowprec finetune` runs of the tiny model on ``corpus.txt``: ``lora``
+    (int4-ondevice-lora, its learned zero points not integers) and ``full`` (fp8-train, fp32 master weights)."""
+    ws = workspace(tmp_path_factory.mktemp("runs"), 20_000)
+    recipes = {"lora": ["--recipe", "int4-ondevice-lora", "--plan", "int4-g64-asym", "--lr", "1e-2"], "full": ["--recipe", "fp8-train"]}
+    for name, recipe in recipes.items():
+        result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", *recipe, "--max-steps", "2", *FAST, "-o", ws / name)
+        assert result.exit_code == 0, result.output
+    return ws
+
+
+def _evaluation(card: str) -> str:
+    return card.split("## Evaluation")[1].split("## Hardware")[0]
+
+
+def _measure_as_the_card_says(card: str, folder, ws, monkeypatch) -> float:
+    """The held-out perplexity the card's ``hf-lowprec eval`` command prints for ``folder`` (the card's placeholder path
+    replaced by it), run where the run's data lies."""
+    command = re.search(r"^hf-lowprec eval (\S+) (.*)$", _evaluation(card), flags=re.M)
+    assert command and command[1].startswith("path/to/"), _evaluation(card)
+    monkeypatch.chdir(ws)
+    result = cli("eval", folder, *command[2].split())
+    assert result.exit_code == 0, result.output
+    return float(re.search(r"perplexity\s*│\s*([0-9.]+)", result.output)[1])
+
+
+def test_a_compressed_tensors_export_that_re_rounds_says_so_in_the_log_and_the_card(runs, tmp_path, monkeypatch, caplog):
+    """Learned zero points are not integers: the layout re-rounds every INT4 layer. The export warns with how many and
+    their error; the card keeps the run's figures, labeled as the trained model's, says what changed and gives the
+    command that measures this export; the weights line names the adapters."""
+    out = tmp_path / "ct"
+    result = cli("export", runs / "lora", "--out", out, "--format", "compressed-tensors")
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / RUN_FILE).read_text())
+    errors = record["export"]["requantized_layers"].values()
+    median, worst = f"{100 * statistics.median(errors):.3g}%", f"{100 * max(errors):.3g}%"
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "compressed-tensors export" in r.getMessage()]
+    assert len(warned) == 1 and "14 of 14 INT4 layers re-rounded" in warned[0] and f"median {median}, max {worst}" in warned[0]
+    said = " ".join(result.output.split())
+    assert re.search(r"weights │ 14 layers as packed INT4 codes .*LoRA adapters in adapter/", said)
+    card = (out / CARD_FILE).read_text()
+    evaluation = " ".join(_evaluation(card).split())
+    assert "14 of 14 INT4 layers re-rounded" in evaluation and f"relative weight error median {median}, max {worst}" in evaluation
+    assert "not this export's" in evaluation
+    rows = [line for line in _evaluation(card).splitlines() if line.startswith("| corpus.txt |")]
+    assert len(rows) == 2 and all("| the model as trained, before export: " in row for row in rows)
+    assert "hf-lowprec eval path/to/lora --data corpus.txt --held-out" in card
+    assert all("as trained" in r.metric_name for r in ModelCard(card).data.eval_results)
+    trained = [r["value"] for r in record["eval"] if r["metric"] == "perplexity"][0]
+    assert abs(_measure_as_the_card_says(card, out, runs, monkeypatch) - trained) > 1e-3  # the figure is not this export's
+
+
+def test_the_compressed_tensors_card_loads_the_trained_model_first(runs, tmp_path):
+    """Its first snippet is the base with the trained adapters (what hf-lowprec loads); from_pretrained alone is the
+    base without them, as one sentence says; no text says the adapters go onto a packed base."""
+    out = export_run(runs / "lora", tmp_path / "ct", weights_format="compressed-tensors", repo_id="me/tiny-ct")
+    card = (out / CARD_FILE).read_text()
+    how = card.split("## How to load")[1].split("## Precision plan")[0]
+    first = re.findall(r"```python\n(.*?)```", how, flags=re.S)[0]
+    assert "PeftModel.from_pretrained" in first and "packed base" not in how
+    assert "`AutoModelForCausalLM.from_pretrained` alone gives the base without the fine-tuning" in " ".join(how.split())
+    namespace = {}
+    exec(first.replace("me/tiny-ct", str(out)), namespace)
+    trained = load_exported(out)[0]
+    base = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(namespace["model"](IDS).logits, trained(IDS).logits)
+        assert not torch.allclose(base(IDS).logits, trained(IDS).logits, atol=1e-3)
+
+
+def test_a_merge_into_the_int4_codes_or_bf16_is_said_on_the_card_a_merge_into_fp32_is_not(runs, tmp_path):
+    merged = export_run(runs / "lora", tmp_path / "merged", merge=True, repo_id="me/tiny-merged")
+    card = (merged / CARD_FILE).read_text()
+    evaluation = " ".join(_evaluation(card).split())
+    m = json.loads((merged / RUN_FILE).read_text())["merge"]
+    assert "adapters merged into the INT4 codes: re-quantized" in evaluation and "not this export's" in evaluation
+    assert f"{m['layers']} layers, relative weight error median {100 * m['rel_error_median']:.3g}%" in evaluation
+    assert "hf download me/tiny-merged --local-dir tiny-merged\nhf-lowprec eval tiny-merged --data corpus.txt --held-out" in card
+    bf16 = export_run(runs / "lora", tmp_path / "bf16", weights_format="bf16")
+    assert "adapters merged into a dense bf16 model: weights cast to bf16" in " ".join(_evaluation((bf16 / CARD_FILE).read_text()).split())
+    dense = export_run(runs / "lora", tmp_path / "fp32", merge=True, merged_dtype="fp32")
+    evaluation = _evaluation((dense / CARD_FILE).read_text())
+    assert "not this export's" not in evaluation and "as trained" not in evaluation
+
+
+def test_a_bf16_export_of_fp32_master_weights_labels_the_figures_as_the_runs(runs, tmp_path, monkeypatch):
+    """The run measured its fp32 master weights; the bf16 folder holds them rounded: the card no longer calls them the
+    exported weights, says they were cast, and how to measure the bf16 ones; a copy of that export says it too."""
+    out = export_run(runs / "full", tmp_path / "bf16", weights_format="bf16")
+    card = (out / CARD_FILE).read_text()
+    evaluation = " ".join(_evaluation(card).split())
+    assert "exported master weights" not in card and "the run's master weights in fp32 without the plan" in evaluation
+    assert "weights cast from float32 to bf16" in evaluation and "exported weights" not in card
+    assert re.search(r"^\| perplexity run's master weights \| [0-9.]+ \|$", card, flags=re.M) and "not this export's" in evaluation
+    assert "hf-lowprec eval path/to/full --data corpus.txt --held-out\n" in card  # no --plan-numerics: a dense model
+    record = json.loads((out / RUN_FILE).read_text())
+    plain = [r["value"] for r in record["eval"] if r["metric"] == "perplexity" and "master weights" in r["computed"]][0]
+    assert abs(_measure_as_the_card_says(card, out, runs, monkeypatch) - plain) > 1e-4  # bf16 rounding, 4 decimals
+    copied = export_run(out, tmp_path / "copy")
+    assert "not this export's" in (copied / CARD_FILE).read_text()
+    native = export_run(runs / "full", tmp_path / "native")
+    assert "not this export's" not in (native / CARD_FILE).read_text()
+
+
+@pytest.mark.parametrize("dataset, listed", [("chat.jsonl", None), ("shakespeare", None), ("someone/chat-data", ["someone/chat-data"])])
+def test_the_card_metadata_lists_hub_datasets_only(dataset, listed):
+    """``datasets:`` takes Hub dataset ids; a local file or the offline corpus is named in the text instead."""
+    card = render_model_card({**_run_record(), "dataset": dataset})
+    assert card.data.datasets == listed and validate_card_metadata(card.content) == []
+    training = card.text.split("## Training")[1]
+    assert (f"[{dataset}](https://huggingface.co/datasets/{dataset})" if listed else f"`{dataset}` (local data") in training
+
+
+def test_the_card_links_the_project_homepage_from_the_package_metadata():
+    import importlib.metadata
+    from pathlib import Path
+
+    from hf_lowprec.assets import shipped_folder
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the test extra's tomli, the same parser
+        import tomli as tomllib
+
+    urls = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["urls"]
+    installed = dict(u.split(", ", 1) for u in importlib.metadata.metadata("hf-lowprec").get_all("Project-URL"))
+    assert installed["Homepage"] == urls["Homepage"] == "https://github.com/hf-lowprec/hf-lowprec"
+    assert "github.com" not in shipped_folder("model_cards").joinpath("model_card.md.jinja").read_text()
+    assert f"Trained with [hf-lowprec]({urls['Homepage']})" in render_model_card(_run_record()).text

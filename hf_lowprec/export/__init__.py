@@ -13,7 +13,9 @@ The run record is a JSON dict: ``name``, ``base_model`` (hub id or None), ``base
 (dict), ``dataset``, ``data_kind``, ``plan`` (dict), ``layers`` ([{name, format, params}]), ``plan_rows``
 (``PrecisionPlan.summary`` rows), ``training`` (figures), ``eval`` ([{dataset, split, metric, value}]),
 ``hardware``, ``export`` ({weights, loader, library_name, dtype, description}), and optionally ``adapter``
-(LoRA), ``merge`` (re-quantization error of a merged export), ``summary`` and ``limitations`` (card text).
+(LoRA), ``merge`` (re-quantization error of a merged export), ``export_changes`` (what an export did to the weights
+the ``eval`` figures measured, one phrase each: re-rounded layers, a merge, a cast; those figures are then labeled as
+the trained model's), ``summary`` and ``limitations`` (card text).
 """
 
 import importlib

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, metadata
 
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from hf_lowprec import __version__
 from hf_lowprec.assets import shipped_folder
+from hf_lowprec.checkpoints import is_hub_id
+from hf_lowprec.data import DEFAULT_CORPUS
 from hf_lowprec.plan import PLAN_FILE, row_label
 
 TEMPLATE = "model_card.md.jinja"
@@ -60,7 +64,7 @@ def render_model_card(run: Mapping, repo_id: str | None = None) -> ModelCard:
     model_name = (repo_id or run.get("name") or "hf-lowprec-model").split("/")[-1]
     base_model = run.get("base_model")
     eval_rows = list(run.get("eval", []))
-    datasets = [run["dataset"]] if run.get("dataset") else None
+    datasets = [run["dataset"]] if _on_hub(run.get("dataset")) else None
     card_data = ModelCardData(
         base_model=base_model,
         library_name=run.get("export", {}).get("library_name", "transformers"),
@@ -73,6 +77,10 @@ def render_model_card(run: Mapping, repo_id: str | None = None) -> ModelCard:
     )
     template = shipped_folder("model_cards").joinpath(TEMPLATE).read_text()
     plan_rows = [{**r, "label": row_label(r)} for r in run.get("plan_rows", [])]
+    folder = repo_id or f"path/to/{model_name}"
+    training = run.get("training", {})
+    if run.get("export_changes"):  # the master weights the run exported and measured are not this export's
+        training = {key.replace("exported_weights", "run's_master_weights"): v for key, v in training.items()}
     fractions = ", ".join(f"{100 * r['fraction']:.1f}% {r['label']}" for r in plan_rows)
     return ModelCard.from_template(
         card_data,
@@ -80,11 +88,12 @@ def render_model_card(run: Mapping, repo_id: str | None = None) -> ModelCard:
         model_name=model_name,
         summary=run.get("summary", f"A model fine-tuned with low-precision layers ({fractions})."),
         version=__version__,
+        homepage=_homepage(),
         recipe=recipe,
         recipe_yaml=yaml.safe_dump(recipe, sort_keys=False),
         base_model=base_model,
         base_model_path=run.get("base_model_path"),
-        repo_id=repo_id or f"path/to/{model_name}",
+        repo_id=folder,
         export=run.get("export", {"loader": "transformers", "dtype": "fp32"}),
         adapter=run.get("adapter"),
         plan_file=PLAN_FILE,
@@ -92,14 +101,51 @@ def render_model_card(run: Mapping, repo_id: str | None = None) -> ModelCard:
         "`kept` marks layers left as they were, with the dtype their trained weights are stored in.",
         plan_rows=plan_rows,
         layers=run.get("layers", []),
-        dataset=run.get("dataset", "unknown"),
-        data_kind=run.get("data_kind", "text"),
-        training_rows=_rows(run.get("training", {})),
+        dataset=run.get("dataset"),
+        data_cell=_data_cell(run),
+        training_rows=_rows(training),
         loss_curve=run.get("loss_curve"),
         eval_rows=eval_rows,
+        export_changes=run.get("export_changes", []),
+        eval_command=_eval_command(run, repo_id, model_name),
+        local_data=run.get("dataset") not in (None, DEFAULT_CORPUS) and not _on_hub(run.get("dataset")),
         hardware_rows=_rows(run.get("hardware", {})),
         limitations=run.get("limitations", _limitations(run)),
     )
+
+
+def _homepage() -> str | None:
+    """The project's homepage, from the installed package's metadata (pyproject's ``[project.urls]``)."""
+    try:
+        urls = metadata("hf-lowprec").get_all("Project-URL") or []
+    except PackageNotFoundError:  # a plain checkout on sys.path, not installed
+        return None
+    return dict(url.split(", ", 1) for url in urls).get("Homepage")
+
+
+def _on_hub(dataset: str | None) -> bool:
+    """Whether the run's ``dataset`` names a Hub dataset (``owner/name``); a local file or folder is recorded by its
+    name alone, the offline corpus as ``shakespeare``."""
+    return bool(dataset) and "/" in dataset and is_hub_id(dataset)
+
+
+def _data_cell(run: Mapping) -> str:
+    """The training table's data: a Hub dataset linked, local data named as such, with the data's kind."""
+    name, kind = run.get("dataset"), run.get("data_kind", "text")
+    if _on_hub(name):
+        return f"[{name}](https://huggingface.co/datasets/{name}) ({kind})"
+    return f"`{name}` (local data, {kind})" if name else f"unknown ({kind})"
+
+
+def _eval_command(run: Mapping, repo_id: str | None, model_name: str) -> str:
+    """The shell lines that evaluate this export on the run's held-out rows. ``eval --held-out`` reads the record of a
+    local folder, so a Hub repo is downloaded first; the offline corpus is eval's default data."""
+    folder = model_name if repo_id else f"path/to/{model_name}"
+    download = f"hf download {repo_id} --local-dir {folder}\n" if repo_id else ""
+    data = run.get("dataset")
+    option = "" if data == DEFAULT_CORPUS else f" --data {shlex.quote(data) if data else '<data>'}"
+    held_out = " --held-out" if "training" in run.get("recipe", {}) else ""
+    return f"{download}hf-lowprec eval {folder}{option}{held_out}"
 
 
 def _limitations(run: Mapping) -> str:

@@ -23,7 +23,9 @@ re-quantized on the plain grid first (a second rounding; its error is returned).
 from __future__ import annotations
 
 import copy
+import logging
 import os
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,6 +38,8 @@ from hf_lowprec.layers import canonical_name
 from hf_lowprec.modules.packed import PackedInt4Linear, PackedInt8Linear, PackedLinear
 from hf_lowprec.modules.packed_embedding import with_dense_tables
 from hf_lowprec.ondevice.export import adapterless_state, save_adapters, without_hf_quantizer
+
+logger = logging.getLogger(__name__)
 
 QUANT_METHOD = "compressed-tensors"
 CT_FORMAT = "pack-quantized"
@@ -97,6 +101,17 @@ def _on_plain_grid(layer: PackedInt4Linear) -> tuple[PackedInt4Linear, float | N
     if layer.bias is not None:
         plain.bias.data.copy_(layer.bias)
     return plain, plain.requantize_(layer.dequantized_weight(torch.float32))["rel_error"]
+
+
+def rerounded(errors: dict[str, float], int4_layers: int) -> str:
+    """What re-rounding onto the plain grid did to the weights, one phrase: how many of the ``int4_layers`` INT4 layers,
+    and the median and worst of ``errors`` (``{layer: relative weight error}``, non-empty), in percent."""
+    values = list(errors.values())
+    median, worst = 100 * statistics.median(values), 100 * max(values)
+    return (
+        f"{len(values)} of {int4_layers} INT4 layers re-rounded to the plain grid compressed-tensors stores (integer "
+        f"zero points, no input scales or rotation), relative weight error median {median:.3g}%, max {worst:.3g}%"
+    )
 
 
 def _int4_tensors(layer: PackedInt4Linear, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -191,6 +206,10 @@ def write_compressed_tensors(model: nn.Module, folder: Path, *, tokenizer=None, 
     peft = isinstance(model, PeftModel)
     base = model.get_base_model() if peft else model
     state, quantization_config, errors = compressed_tensors_state(base)
+    if errors:
+        int4 = sum(isinstance(m, PackedInt4Linear) for m in _packed_by_name(base).values())
+        summary = rerounded(errors, int4)
+        logger.warning("compressed-tensors export: %s; it computes unlike the model as trained", summary)
     config = copy.deepcopy(base.config)
     config.quantization_config = quantization_config
     config.use_cache = True

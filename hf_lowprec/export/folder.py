@@ -26,7 +26,7 @@ from hf_lowprec.checkpoints import (
 )
 from hf_lowprec.convert import apply_plan, freeze, packs_when_frozen, revert
 from hf_lowprec.export.card import render_model_card
-from hf_lowprec.export.compressed_tensors import write_compressed_tensors
+from hf_lowprec.export.compressed_tensors import rerounded, write_compressed_tensors
 from hf_lowprec.export.gguf import ADAPTER_FILE, export_gguf
 from hf_lowprec.export.hf_quantizer import quantization_config_dict, with_load_guards
 from hf_lowprec.export.records import CARD_FILE, RUN_ONLY, plan_record, read_run, write_record
@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 LEARNED_STATE_FILE = "hf_lowprec_learned_state.safetensors"  # a master export's INT4 steps and smoothing scales
 # export_run: the run's own files, the packed INT4 layers as compressed-tensors, or a dense bf16 model
 EXPORT_FORMATS = ("native", "compressed-tensors", "bf16", "gguf")
+AS_TRAINED = "the model as trained, before export"  # an eval row's label where the export changed the weights
 
 
 def export_model(
@@ -195,6 +196,12 @@ def _export_lora(
             "deltas, rounded once",
         }
         run.pop("adapter", None)
+        if MERGE_DTYPES[merged_dtype] != torch.float32:
+            _weights_changed(
+                run,
+                f"adapters merged into a dense {merged_dtype} model: weights cast to {merged_dtype} (the dequantized "
+                "INT4 weights plus the adapter deltas, rounded once)",
+            )
     elif merge:
         run["export"] = {
             "weights": "int4-packed",
@@ -210,7 +217,7 @@ def _export_lora(
             "loader": "hf_lowprec",
             "library_name": "peft",  # the Hub's convention for a repository of adapters
             "dtype": _dtype_name(model),
-            "description": f"base: {packed}, plus LoRA adapters in PEFT format",
+            "description": f"base: {packed}, plus LoRA adapters in {ADAPTER_DIR}/ (PEFT format)",
         }
         run["adapter"] = {
             **run.get("adapter", {}),
@@ -233,9 +240,29 @@ def _export_lora(
             base_model_id=run.get("base_model"),
         )
         if merge and merged_dtype is None:
-            run["merge"] = json.loads((tmp / MERGE_FILE).read_text())["summary"]
+            run["merge"] = m = json.loads((tmp / MERGE_FILE).read_text())["summary"]
+            _weights_changed(
+                run,
+                f"adapters merged into the INT4 codes: re-quantized ({m['layers']} layers, relative weight error "
+                f"median {100 * m['rel_error_median']:.3g}%)",
+            )
         write_record(tmp, run, repo_id, extra_files)
     return out
+
+
+def _weights_changed(run: dict, change: str) -> None:
+    """Record that the export's weights are not those its run measured: ``change`` (what the export did to them) joins
+    ``run["export_changes"]``, and each ``eval`` row is labeled as the figure of the model as trained."""
+    run["export_changes"] = [*run.get("export_changes", []), change]
+    if "eval" in run:
+        run["eval"] = [{**row, "computed": _as_trained(row.get("computed"))} for row in run["eval"]]
+
+
+def _as_trained(computed: str | None) -> str:
+    """An eval row's ``computed`` labeled as the trained model's, once."""
+    if computed and computed.startswith(AS_TRAINED):
+        return computed
+    return f"{AS_TRAINED}: {computed}" if computed else AS_TRAINED
 
 
 def _dtype_name(model: nn.Module) -> str:
@@ -337,12 +364,13 @@ def _export_dense(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id:
     steps applied), the other weights (master weights) cast to bf16; with the record and card."""
     model, tokenizer = load_exported(run_dir)
     dtype = MERGE_DTYPES["bf16"]
-    state, cast = dense_merged_state(model, dtype), {}
+    state, cast, sources = dense_merged_state(model, dtype), {}, set()
     for key, tensor in state.items():
         if tensor.is_floating_point() and tensor.dtype != dtype:
             storage = (tensor.data_ptr(), tensor.shape)  # a tied head and embedding stay one tensor
             if storage not in cast:
                 cast[storage] = tensor.to(dtype)
+            sources.add(str(tensor.dtype).removeprefix("torch."))
             state[key] = cast[storage]
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):
@@ -352,6 +380,12 @@ def _export_dense(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id:
     n4, n8 = _packed_counts(model)
     weights = f"{n4} packed INT4" + (f" and {n8} int8" if n8 else "") + " layers dequantized, the other weights"
     weights = weights if n4 + n8 else "the high-precision master weights"
+    cast_from = f" from {', '.join(sorted(sources))}" if sources else ""
+    if n4 + n8:
+        other = f", the other weights{cast_from}" if cast_from else ""
+        _weights_changed(run, f"weights cast to bf16 ({n4 + n8} packed layers dequantized{other})")
+    elif cast_from:
+        _weights_changed(run, f"weights cast{cast_from} to bf16")
     run["export"] = {
         "weights": "dense",
         "loader": "transformers",
@@ -374,17 +408,20 @@ def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: b
     n4, n8 = _packed_counts(model)
     with atomic_output_dir(out, overwrite) as tmp:
         errors = write_compressed_tensors(model, tmp, tokenizer=tokenizer, base_model_id=run.get("base_model"))
+        if errors:
+            _weights_changed(run, rerounded(errors, n4))
         run["export"] = {
             "weights": "compressed-tensors",
             "loader": "compressed-tensors",
             "library_name": "peft" if run.get("adapter") else "transformers",
             "dtype": _dtype_name(model),
             "description": f"{n4} layers as packed INT4 codes (two per byte)"
-            + (f"; {n8} int8 layers as dense weights" if n8 else ""),
+            + (f"; {n8} int8 layers as dense weights" if n8 else "")
+            + (f"; LoRA adapters in {ADAPTER_DIR}/ (PEFT format)" if run.get("adapter") else ""),
             "requantized_layers": errors,
         }
         if run.get("adapter"):
-            run["adapter"] = {**run["adapter"], "note": "PEFT loads them onto the decompressed base"}
+            run["adapter"] = {**run["adapter"], "note": "the fine-tuning: PEFT loads them onto the decompressed base"}
         write_record(tmp, run, repo_id, _run_images(run_dir, run))
     return out
 
@@ -402,7 +439,8 @@ def _export_gguf(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id: 
             "library_name": "gguf",
             "dtype": _dtype_name(model),
             "description": f"{kinds} tensors: the INT4 codes as trained, in Q4_1 blocks whose scales round to fp16 "
-            f"(at most {written['max_scale_error']:.2g} of a step)",
+            f"(at most {written['max_scale_error']:.2g} of a step)"
+            + (f"; LoRA adapters in {ADAPTER_FILE}" if ADAPTER_FILE in written["files"] else ""),
             "files": written["files"],
         }
         if run.get("adapter"):
