@@ -553,8 +553,7 @@ def _print_summary(record: dict, out: Path) -> None:
     ui.out.print(ui.key_values("Fine-tuning summary (losses on held-out data)", items))
     ui.out.print(ui.plan_rows_table(record["plan_rows"]))
     data = "" if record["dataset"] == DEFAULT_CORPUS else " --data <the same data> --held-out"
-    master = record["export"]["weights"] == "master"  # a packed export computes with its codes anyway
-    numerics = " --plan-numerics" if record["recipe"]["method"] == "full" and master else ""
+    numerics = " --plan-numerics" if record["recipe"]["method"] == "full" else ""  # its FP8 layers are kept dense
     ui.out.print(
         f"next: hf-lowprec eval {out}{data}{numerics} (the loss above again)   |   hf-lowprec export {out} --out <dir>"
         "   |   hf-lowprec push <dir> <user/repo>"

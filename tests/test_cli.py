@@ -488,17 +488,42 @@ def test_a_data_folder_with_a_validation_split_is_held_out_by_finetune_and_eval(
 
 
 def test_every_builtin_full_recipe_trains_the_tiny_model(ws):
-    """The scanned recipes' budgets can be met on a model with fp32 master weights and its head kept."""
+    """The scanned recipes' budgets can be met on a model with fp32 master weights and its head kept; the eval command
+    the summary suggests gives its loss back, a packed export's FP8 layers (auto-mixed) computing as they trained."""
     for recipe in ("auto-mixed", "fp8-train", "qat-int4"):
         out = ws / f"run-{recipe}"
         result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", "--recipe", recipe, "--max-steps", "2", *FAST, "-o", out)
         assert result.exit_code == 0, result.output
         assert (out / PLAN_FILE).exists() and "Fine-tuning summary" in result.output
-        master = json.loads((out / RUN_FILE).read_text())["export"]["weights"] == "master"
-        again = f"next: hf-lowprec eval {out} --data <the same data> --held-out{' --plan-numerics' if master else ''} (the loss above again)"
-        assert again in " ".join(result.output.split())  # packed INT4 exports compute with their codes: no flag
+        again = f"next: hf-lowprec eval {out} --data <the same data> --held-out --plan-numerics (the loss above again)"
+        assert again in " ".join(result.output.split())
+        record = json.loads((out / RUN_FILE).read_text())
+        evaluated = cli("eval", out, "--data", ws / "corpus.txt", "--held-out", "--plan-numerics").output
+        assert f"loss (nats/token) │ {record['training']['loss_final']:.4f} │" in " ".join(evaluated.split()), recipe
         if recipe == "auto-mixed":  # what the allocation met, and that it is not the loss at conversion
             assert "budget │ max_loss_increase=0.05 (the loss predicted after training" in " ".join(result.output.split())
+
+
+def test_a_packed_export_of_a_mixed_plan_computes_its_fp8_layers_as_trained_with_plan_numerics(ws, tmp_path):
+    """A full run with INT4 and FP8 layers exports its INT4 ones packed and its FP8 ones as master weights:
+    --plan-numerics re-applies FP8 to those (it was refused for packed exports), so the run's loss comes back."""
+    plan = tmp_path / "mixed.json"
+    plan.write_text(json.dumps({"default": "fp8", "layers": {"*.mlp.*": "int4-g64", "lm_head": "bf16"}}))
+    out = tmp_path / "mixed"
+    result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", "--recipe", "qat-int4", "--plan", plan,
+                 "--max-steps", "2", *FAST, "-o", out)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / RUN_FILE).read_text())
+    formats = {layer["format"] for layer in record["layers"]}
+    assert record["export"]["weights"] == "int4-packed" and {"fp8", "int4-g64"} <= formats
+    losses = {}
+    for numerics in ([], ["--plan-numerics"]):
+        evaluated = " ".join(cli("eval", out, "--data", ws / "corpus.txt", "--held-out", *numerics).output.split())
+        losses[bool(numerics)] = re.search(r"loss \(nats/token\) │ ([0-9.]+) │", evaluated)[1]
+    assert losses[True] == f"{record['training']['loss_final']:.4f}" != losses[False]  # FP8 layers in fp32: another
+    card = " ".join((out / CARD_FILE).read_text().split())
+    assert "Its FP8 layers (8 fp8) are stored as their high-precision master weights" in card
+    assert '`load_exported("path/to/mixed", apply_plan_numerics=True)`' in card
 
 
 def test_bad_inputs_fail_with_one_line(ws, tmp_path):
@@ -782,7 +807,7 @@ def test_export_formats_compressed_tensors_and_bf16(ws, lora_run, tmp_path):
     evaluated = " ".join(cli("eval", ct, "--data", ws / "corpus.txt", "--held-out").output.split())
     assert float(re.search(r"loss \(nats/token\) │ ([0-9.]+) │", evaluated)[1]) == pytest.approx(loss, abs=1e-4)
     numerics = one_error_line(cli("eval", ct, "--data", ws / "corpus.txt", "--held-out", "--plan-numerics"))
-    assert "a compressed-tensors export already computes with its quantized weights" in numerics
+    assert "a compressed-tensors export computes with its quantized weights" in numerics
 
     dense = cli("export", out, "--out", tmp_path / "bf16", "--format", "bf16")
     assert dense.exit_code == 0, dense.output

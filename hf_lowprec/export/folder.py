@@ -39,7 +39,7 @@ from hf_lowprec.recipe import EXPORT_WEIGHTS
 
 logger = logging.getLogger(__name__)
 
-LEARNED_STATE_FILE = "hf_lowprec_learned_state.safetensors"  # a master export's INT4 steps and smoothing scales
+LEARNED_STATE_FILE = "hf_lowprec_learned_state.safetensors"  # its unpacked layers' INT4 steps, smoothing scales
 # export_run: the run's own files, the packed INT4 layers as compressed-tensors, or a dense bf16 model
 EXPORT_FORMATS = ("native", "compressed-tensors", "bf16", "gguf")
 AS_TRAINED = "the model as trained, before export"  # an eval row's label where the export changed the weights
@@ -94,7 +94,7 @@ def export_model(
         raise ValueError("merge applies to LoRA adapters; this model has none")
     with atomic_output_dir(out, overwrite) as tmp:
         copy_ = copy.deepcopy(model)
-        learned = _learned_state(copy_) if weights == "master" else {}
+        learned = _learned_state(copy_, packing=weights == "int4-packed")
         run["export"] = _export_weights(copy_, weights)
         if getattr(copy_.config, "use_cache", None) is not None:
             copy_.config.use_cache = True  # training turned the KV cache off; generation wants it
@@ -112,12 +112,15 @@ def export_model(
     return Path(out)
 
 
-def _learned_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def _learned_state(model: nn.Module, packing: bool = False) -> dict[str, torch.Tensor]:
     """What the low-precision layers learned or calibrated besides their weights (INT4 steps, smoothing scales),
-    ``{state-dict key: tensor}``: a master export keeps it next to the weights, so the plan re-applied on load
-    (``load_exported(apply_plan_numerics=True)``) computes as the trained model did rather than from fresh steps."""
+    ``{state-dict key: tensor}``: an export keeps it next to the weights, so the plan re-applied on load
+    (``load_exported(apply_plan_numerics=True)``) computes as the trained model did rather than from fresh steps.
+    ``packing``: only the layers an ``int4-packed`` export keeps dense (its packed ones hold their steps)."""
     state = {}
     for name, module in model.named_modules():
+        if packing and packs_when_frozen(module):
+            continue
         if isinstance(module, LOW_PRECISION_TYPES) and not isinstance(module, FROZEN_TYPES):
             prefix = f"{name}." if name else ""
             learned = {k: v for k, v in module.state_dict().items() if k not in ("weight", "bias")}
@@ -453,17 +456,17 @@ def _export_gguf(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id: 
 def loadable_weights(folder: Path, name: str, apply_plan_numerics: bool) -> str | None:
     """The ``export.weights`` kind of the run or export ``folder`` (called ``name``) that :func:`load_exported` loads
     (with ``apply_plan_numerics``); ``ValueError`` where it loads none: not a run folder, a GGUF export, the plan's
-    numerics of an export that computes with its quantized weights already."""
+    numerics of a compressed-tensors export."""
     weights = read_run(folder).get("export", {}).get("weights")
     if weights == "gguf":
         raise ValueError(
             f"{name!r} is a GGUF export, which llama.cpp runs (llama-completion -m model.gguf --lora adapter.gguf); "
             "load or evaluate the run folder it was exported from"
         )
-    if apply_plan_numerics and weights in ("int4-packed", "compressed-tensors"):
+    if apply_plan_numerics and weights == "compressed-tensors":
         raise ValueError(
-            f"a {weights} export already computes with its quantized weights; the plan's numerics "
-            "(apply_plan_numerics, eval --plan-numerics) are for master-weights exports"
+            "a compressed-tensors export computes with its quantized weights; the plan's numerics "
+            "(apply_plan_numerics, eval --plan-numerics) are for native exports"
         )
     return weights
 
@@ -482,7 +485,8 @@ def load_exported(
     model computes with its training-time FP8/INT4 numerics. ``int4-packed`` exports load through
     ``finetune.load_int4_model`` (transformers with the ``hf_lowprec`` quantizer; a PEFT model when the folder holds
     adapters), their packed layers computing with ``backend`` (``auto``: int8 kernels where the CPU has them;
-    ``dequant``: exactly the codes' values). Other folders holding adapters (compressed-tensors exports) load as a
+    ``dequant``: exactly the codes' values); ``apply_plan_numerics`` re-applies the plan to the layers they hold
+    dense (a mixed plan's FP8 ones). Other folders holding adapters (compressed-tensors exports) load as a
     ``PeftModel`` too.
     """
     name = os.fspath(path_or_repo)
@@ -497,16 +501,26 @@ def load_exported(
             raise cannot_load(name, e) from e
     weights = loadable_weights(folder, name, apply_plan_numerics)
     if weights == "int4-packed":
-        return load_int4_model(folder, dtype=dtype, backend=backend)
-    model, tokenizer = load_pretrained(folder, dtype=dtype or torch.float32)
-    if (folder / ADAPTER_DIR).is_dir():  # a compressed-tensors export's LoRA adapters, PEFT's way onto its base
-        model = PeftModel.from_pretrained(model, folder / ADAPTER_DIR).eval()
-    if apply_plan_numerics:  # the export's own plan: not one "made for" the base model it names
-        apply_plan(model, dataclasses.replace(PrecisionPlan.load(folder / PLAN_FILE), model=None))
-        if (folder / LEARNED_STATE_FILE).is_file():  # the trained layers' INT4 steps, smoothing scales
-            learned, own = load_file(folder / LEARNED_STATE_FILE), model.state_dict()
-            model.load_state_dict({k: v for k, v in learned.items() if k in own}, strict=False)
-            left = sorted(set(learned) - set(own))
-            if left:  # e.g. training telemetry, or a delayed scaling's amax history the re-applied layers do not keep
-                logger.info("%s: left out %d entries the layers lack (%s, ...)", LEARNED_STATE_FILE, len(left), left[0])
+        model, tokenizer = load_int4_model(folder, dtype=dtype, backend=backend)
+    else:
+        model, tokenizer = load_pretrained(folder, dtype=dtype or torch.float32)
+        if (folder / ADAPTER_DIR).is_dir():  # a compressed-tensors export's LoRA adapters, PEFT's way onto its base
+            model = PeftModel.from_pretrained(model, folder / ADAPTER_DIR).eval()
+    if apply_plan_numerics:
+        _apply_plan_numerics(model, folder)
     return model, tokenizer
+
+
+def _apply_plan_numerics(model: nn.Module, folder: Path) -> None:
+    """The export's own plan (not one "made for" the base model it names) re-applied to the layers ``model`` holds
+    dense (every layer of a master export; an int4-packed one's unpacked layers), with what they learned
+    (:data:`LEARNED_STATE_FILE`)."""
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    plan = dataclasses.replace(PrecisionPlan.load(folder / PLAN_FILE), model=None)
+    apply_plan(base, plan)
+    if (folder / LEARNED_STATE_FILE).is_file():  # the trained layers' INT4 steps, smoothing scales
+        learned, own = load_file(folder / LEARNED_STATE_FILE), base.state_dict()
+        base.load_state_dict({k: v for k, v in learned.items() if k in own}, strict=False)
+        left = sorted(set(learned) - set(own))
+        if left:  # e.g. training telemetry, or a delayed scaling's amax history the re-applied layers do not keep
+            logger.info("%s: left out %d entries the layers lack (%s, ...)", LEARNED_STATE_FILE, len(left), left[0])
