@@ -446,7 +446,9 @@ def finetune_cmd(
     resume: ResumeOpt = False,
     gguf_file: GGUFOpt = None,
     max_steps: Annotated[Optional[int], typer.Option("--max-steps", min=1)] = None,
-    learning_rate: Annotated[Optional[float], typer.Option("--learning-rate", "--lr", help="Peak learning rate (> 0).")] = None,
+    learning_rate: Annotated[
+        Optional[float], typer.Option("--learning-rate", "--lr", help="Peak learning rate (> 0).")
+    ] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", min=1)] = None,
     grad_accum: Annotated[Optional[int], typer.Option("--grad-accum", min=1)] = None,
     block_size: Annotated[Optional[int], typer.Option("--block-size", min=8)] = None,
@@ -873,10 +875,22 @@ def push_cmd(
     create_pr: Annotated[
         bool, typer.Option("--create-pr", help="Open a pull request instead of committing to main.")
     ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the files and model card it would upload; no token, no request.")
+    ] = False,
 ):
     """Upload an exported folder to the Hugging Face Hub (token from HF_TOKEN or `hf auth login`)."""
-    from hf_lowprec.export.publish import push
+    from hf_lowprec.export.publish import push, push_preview
+    from hf_lowprec.export.records import CARD_FILE
 
+    if dry_run:
+        files, card = push_preview(folder, repo_id)
+        sizes = {name: f"{size:,} bytes" for name, size in files.items()}
+        ui.out.print(ui.key_values(f"Files for {repo_id} (dry run: nothing uploaded)", sizes))
+        if card is not None:
+            ui.out.print(f"\n{CARD_FILE} as uploaded:\n", markup=False)
+            ui.out.print(card, markup=False, soft_wrap=True)
+        return
     with ui.step(f"uploading {folder} to {repo_id}"):
         url = push(folder, repo_id, private=private, create_pr=create_pr)
     ui.out.print(f"{'pull request' if create_pr else 'commit'}: {url}")

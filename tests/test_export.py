@@ -329,6 +329,25 @@ def test_push_refuses_a_folder_that_is_not_an_export(tmp_path, monkeypatch):
     assert hub.requests == [] and hub.files == {}
 
 
+def test_push_dry_run_shows_the_files_and_card_without_a_token_or_a_request(base_dir, tmp_path, monkeypatch):
+    model, tok = _trained(base_dir, "int4-g64", 1)
+    out = export_model(model, tok, tmp_path / "pub", _run_record(), weights="int4-packed")
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*")}
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    with HubStandIn() as hub:
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        result = cli("push", out, "me/tiny-int4", "--dry-run")
+        refused = cli("push", out, "bad repo id", "--dry-run")
+    assert result.exit_code == 0, result.output
+    shown = " ".join(result.output.split())
+    assert all(f"{p.name} │ {p.stat().st_size:,} bytes" in shown for p in out.iterdir() if p.name != CARD_FILE)
+    card = render_model_card(json.loads((out / RUN_FILE).read_text()), "me/tiny-int4").content
+    assert " ".join(card.split()) in shown and 'load_exported("me/tiny-int4")' in shown
+    assert refused.exit_code != 0 and "Repo id must use alphanumeric chars" in refused.output
+    assert hub.requests == [] and {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*")} == before
+
+
 def test_the_record_and_card_name_the_format_a_layer_runs_not_the_one_it_could_not():
     """``fp8-rht`` on layers whose width no rotation block divides runs plain ``fp8`` (the log says so): the per-layer
     record, the plan rows and the card say ``fp8``, with the planned format beside it."""

@@ -28,22 +28,10 @@ def push(
     never logged or written. The card's loading snippets are re-rendered for ``repo_id`` in the upload only:
     ``folder`` itself is never written.
     """
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ValueError(f"{str(folder)!r} is not a folder to push")
-    if not (folder / RUN_FILE).is_file() and not (folder / MODEL_CONFIG).is_file():
-        raise ValueError(
-            f"{str(folder)!r} is not an hf-lowprec run or export folder (no {RUN_FILE} or {MODEL_CONFIG}); "
-            "push the folder `hf-lowprec export` wrote"
-        )
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as e:
-        raise ValueError(f"repo id {repo_id!r}: {str(e).strip().splitlines()[0]}") from None
+    folder, card = _checked(folder, repo_id)
     token = token or get_token()
     if not token:
         raise ValueError("no Hugging Face token found: set HF_TOKEN or run `hf auth login`")
-    card = render_model_card(read_run(folder), repo_id).content if (folder / RUN_FILE).is_file() else None
     api = HfApi(token=token)
     try:
         with _staged(folder, card) as upload:
@@ -58,6 +46,34 @@ def push(
         message = str(e).replace(token, "***").strip().splitlines()
         raise ValueError(f"push to {repo_id!r} failed: {message[0] if message else type(e).__name__}") from None
     return info.pr_url or info.commit_url
+
+
+def push_preview(folder: str | os.PathLike, repo_id: str) -> tuple[dict[str, int], str | None]:
+    """What :func:`push` would upload to ``repo_id``, with no token and no request: ``({path in the repo: bytes},
+    the card re-rendered for repo_id, or None for a plain model folder)``; the same checks as :func:`push`."""
+    folder, card = _checked(folder, repo_id)
+    files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+    if card is not None:
+        files[CARD_FILE] = len(card.encode())
+    return files, card
+
+
+def _checked(folder: str | os.PathLike, repo_id: str) -> tuple[Path, str | None]:
+    """``(folder, its card rendered for repo_id or None)`` once ``folder`` is one to push and ``repo_id`` is valid."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"{str(folder)!r} is not a folder to push")
+    if not (folder / RUN_FILE).is_file() and not (folder / MODEL_CONFIG).is_file():
+        raise ValueError(
+            f"{str(folder)!r} is not an hf-lowprec run or export folder (no {RUN_FILE} or {MODEL_CONFIG}); "
+            "push the folder `hf-lowprec export` wrote"
+        )
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise ValueError(f"repo id {repo_id!r}: {str(e).strip().splitlines()[0]}") from None
+    card = render_model_card(read_run(folder), repo_id).content if (folder / RUN_FILE).is_file() else None
+    return folder, card
 
 
 @contextlib.contextmanager

@@ -33,7 +33,7 @@ def evaluation_numerics(record: Mapping) -> tuple[torch.dtype | None, int, str]:
     batch = recipe.get("training", {}).get("per_device_train_batch_size", 4)
     dtype = record.get("compute", {}).get("dtype", "float32")
     if recipe.get("method") != "full":
-        return None, batch, f"the packed base in {dtype}, batch {batch}"
+        return None, batch, f"the packed base with its LoRA adapters in {dtype}, batch {batch}"
     autocast = torch.bfloat16 if dtype == "bfloat16" else None
     return autocast, batch, f"the plan's numerics{', bf16 autocast' if autocast else ''}, batch {batch}"
 
