@@ -553,6 +553,7 @@ def _training_figures(trainer, result, t, train_seconds: float, resume_from, los
         "train_loss": result.training_loss,
         "train_seconds": round(train_seconds, 1),
         "seconds_per_step": round(train_seconds / max(steps_run, 1), 3),
+        "train_tokens": tokens,
         "tokens_per_second": round(tokens / max(train_seconds, 1e-9), 1),
         **peak_memory(),
     }
