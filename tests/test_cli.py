@@ -519,6 +519,10 @@ def test_a_packed_export_of_a_mixed_plan_computes_its_fp8_layers_as_trained_with
         evaluated = " ".join(cli("eval", out, "--data", ws / "corpus.txt", "--held-out", *numerics).output.split())
         losses[bool(numerics)] = re.search(r"loss \(nats/token\) │ ([0-9.]+) │", evaluated)[1]
     assert losses[True] == f"{record['training']['loss_final']:.4f}" != losses[False]  # FP8 layers in fp32: another
+    # its INT4 layers trained fake-quantized: as trained, they compute the codes' exact values, not int8 activations
+    backends = {numerics: {m.backend for m in load_exported(out, apply_plan_numerics=numerics)[0].modules()
+                           if isinstance(m, PackedInt4Linear)} for numerics in (True, False)}  # fmt: skip
+    assert backends == {True: {"dequant"}, False: {"auto"}}
     card = " ".join((out / CARD_FILE).read_text().split())
     assert "Its FP8 layers (8 fp8) are stored as their high-precision master weights" in card
     assert '`load_exported("path/to/mixed", apply_plan_numerics=True)`' in card

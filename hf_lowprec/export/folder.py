@@ -486,8 +486,9 @@ def load_exported(
     ``finetune.load_int4_model`` (transformers with the ``hf_lowprec`` quantizer; a PEFT model when the folder holds
     adapters), their packed layers computing with ``backend`` (``auto``: int8 kernels where the CPU has them;
     ``dequant``: exactly the codes' values); ``apply_plan_numerics`` re-applies the plan to the layers they hold
-    dense (a mixed plan's FP8 ones). Other folders holding adapters (compressed-tensors exports) load as a
-    ``PeftModel`` too.
+    dense (a mixed plan's FP8 ones) and, for a model whose INT4 layers trained fake-quantized (full training, not
+    a LoRA base), makes ``auto`` compute them as those did: ``dequant``. Other folders holding adapters
+    (compressed-tensors exports) load as a ``PeftModel`` too.
     """
     name = os.fspath(path_or_repo)
     folder = Path(name).expanduser()
@@ -501,6 +502,9 @@ def load_exported(
             raise cannot_load(name, e) from e
     weights = loadable_weights(folder, name, apply_plan_numerics)
     if weights == "int4-packed":
+        lora_base = (folder / ADAPTER_DIR).is_dir() or read_run(folder).get("recipe", {}).get("method") == "int4-lora"
+        if apply_plan_numerics and backend == "auto" and not lora_base:
+            backend = "dequant"  # its INT4 layers trained on their dequantized weights, not through int8 kernels
         model, tokenizer = load_int4_model(folder, dtype=dtype, backend=backend)
     else:
         model, tokenizer = load_pretrained(folder, dtype=dtype or torch.float32)
