@@ -478,6 +478,7 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
                 auto_formats=p.formats,
                 gguf_file=gguf,
                 tokenizer=tokenizer,
+                dense_reader=True,  # the base model's loss is the unquantized checkpoint's
                 **opts.load_options,
             )
         else:

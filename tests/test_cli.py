@@ -199,6 +199,20 @@ def test_int4_lora_run_packs_a_large_output_head_in_int8_as_the_library_does(ws,
     assert loss == pytest.approx(record["training"]["loss_final"], abs=1e-4)
 
 
+def test_the_base_loss_is_the_unquantized_checkpoints_whatever_the_lora_init(ws, tmp_path):
+    """With round-to-nearest codes and no LoftQ no step reads the dense weights back, but "loss, base model" must
+    still be the checkpoint's, not the INT4 base's (it was, labelled as the base model's)."""
+    out = tmp_path / "run"
+    result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", "--lora-init", "default", "--max-steps", "1",
+                 *FAST, "-o", out)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / RUN_FILE).read_text())
+    dense = AutoModelForCausalLM.from_pretrained(ws / "tiny", dtype=torch.float32)
+    base = causal_lm_loss(dense, held_out(ws, AutoTokenizer.from_pretrained(ws / "tiny")).eval, default_data_collator, batch_size=2)
+    assert record["training"]["loss_base"] == pytest.approx(base["loss"], abs=1e-4)
+    assert record["training"]["loss_start"] != pytest.approx(base["loss"], abs=1e-4)  # the INT4 base: another loss
+
+
 def test_a_model_folder_without_tokenizer_fails_before_loading(ws, tmp_path):
     AutoModelForCausalLM.from_pretrained(ws / "tiny").save_pretrained(tmp_path / "no-tokenizer")
     result = cli("finetune", tmp_path / "no-tokenizer", "--data", ws / "corpus.txt", "-o", tmp_path / "run", *FAST)

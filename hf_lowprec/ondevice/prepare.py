@@ -374,6 +374,7 @@ def load_int4_base(
     loftq_init: bool = False,
     auto_formats: Sequence[str] = AUTO_FORMATS,
     gguf_file: str | None = None,
+    dense_reader: bool = False,
     **from_pretrained_kwargs,
 ) -> tuple[nn.Module, object, "PrecisionPlan | str | None"]:
     """Load a checkpoint for :func:`prepare_int4_lora`, packed while loading where it can be: ``(model, tokenizer,
@@ -386,10 +387,11 @@ def load_int4_base(
     read them back from the checkpoint's safetensors one layer at a time (``model.hf_lowprec_dense_weights``, a
     :class:`~hf_lowprec.checkpoints.DenseWeights` that :func:`prepare_int4_lora` drops); for a hub id, from its
     snapshot in the Hugging Face cache. Plans with formats that do not pack, and those steps on a checkpoint without
-    safetensors (``.bin`` files, a GGUF file on the Hub), load dense.
+    safetensors (``.bin`` files, a GGUF file on the Hub), load dense. ``dense_reader``: keep that reader even where
+    no step needs it, for :func:`checkpoint_weights` (e.g. the unquantized checkpoint's loss before training).
     """
     auto = is_auto(plan)
-    reads_dense = auto or check_rounding(rounding) != "nearest" or loftq_init
+    reads_dense = auto or check_rounding(rounding) != "nearest" or loftq_init or dense_reader
     on_load = auto or packs_on_load(plan)
     source, gguf = resolve_checkpoint(model_id_or_path, gguf_file)  # one clear error for a path that does not exist
     snapshot = None  # a hub id's safetensors to re-read, in the Hugging Face cache
