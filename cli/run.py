@@ -540,12 +540,12 @@ def _training_figures(trainer, result, t, train_seconds: float, resume_from, los
     resumed_at = int(resume_from.rsplit("-", 1)[-1]) if resume_from else 0
     steps_run = trainer.state.global_step - resumed_at
     if trainer.args.include_num_input_tokens_seen == "non_padding":  # rows padded to each batch's longest
+        total = trainer.state.num_input_tokens_seen  # a resumed run's Trainer state counts from step 0
         state = Path(resume_from or "", "trainer_state.json")
-        seen_before = json.loads(state.read_text()).get("num_input_tokens_seen", 0) if resume_from else 0
-        tokens = trainer.state.num_input_tokens_seen - seen_before
+        tokens = total - (json.loads(state.read_text()).get("num_input_tokens_seen", 0) if resume_from else 0)
     else:  # full blocks; data smaller than a batch: each step has all of it
         per_step = min(len(trainer.train_dataset), t.per_device_train_batch_size * t.gradient_accumulation_steps)
-        tokens = steps_run * per_step * t.block_size
+        tokens, total = steps_run * per_step * t.block_size, trainer.state.global_step * per_step * t.block_size
     figures = {
         "loss_final": final["loss"],
         "perplexity_base": math.exp(loss_base),
@@ -554,8 +554,8 @@ def _training_figures(trainer, result, t, train_seconds: float, resume_from, los
         "train_loss": result.training_loss,
         "train_seconds": round(train_seconds, 1),
         "seconds_per_step": round(train_seconds / max(steps_run, 1), 3),
-        "train_tokens": tokens,
-        "tokens_per_second": round(tokens / max(train_seconds, 1e-9), 1),
+        "train_tokens": total,  # every step's, a resumed run's included
+        "tokens_per_second": round(tokens / max(train_seconds, 1e-9), 1),  # this session's steps
         **peak_memory(),
     }
     if resume_from:  # the Trainer's training_loss averages this session's steps only
@@ -602,7 +602,8 @@ def _export_run(model, tokenizer, run: RunFolder, record: dict, recipe: Recipe, 
     curve = loss_curve_png(log_history, f"{recipe.name}: training loss")
     if curve is not None:
         extra[LOSS_CURVE], record["loss_curve"] = curve, LOSS_CURVE
-    with ui.step(f"exporting to {run.out} ({recipe.export.weights} weights)"):
+    adapters = " with LoRA adapters" if recipe.method == "int4-lora" and not recipe.export.merge_lora else ""
+    with ui.step(f"exporting to {run.out} ({recipe.export.weights} weights{adapters})"):
         export_trained(model, tokenizer, run.out, record, recipe, extra)
     shutil.rmtree(run.work, ignore_errors=True)
     record.update(read_run(run.out))

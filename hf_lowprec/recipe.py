@@ -296,6 +296,11 @@ class Recipe:
                 "precision.learn_steps applies to method 'int4-lora' (a frozen INT4 base); method 'full' trains its "
                 "INT4 layers' steps already"
             )
+        if self.method == "int4-lora" and self.export.weights != "int4-packed":
+            raise ValueError(
+                f"export.weights {self.export.weights!r} applies to method 'full'; method 'int4-lora' exports its "
+                "packed base with its adapters: 'int4-packed' (export.merge_lora: true merges them into it)"
+            )
         if self.method == "full" and self.export.merge_lora:
             raise ValueError("export.merge_lora applies to method 'int4-lora' (its adapters); method 'full' has none")
         if self.method == "full" and (changed := _changed_fields(self.lora, "lora")):
@@ -319,12 +324,16 @@ class Recipe:
     @classmethod
     def from_dict(cls, data: Mapping, source: str = "<dict>") -> "Recipe":
         """Build and check a recipe; ``source`` (a file name) appears in every error. An ``int4-lora`` recipe that
-        names no plan gets that method's default format, not full training's ``fp8``."""
+        names no plan gets that method's default format, not full training's ``fp8``, and exports ``int4-packed``
+        weights (its packed base), not ``master``."""
         precision = data.get("precision", {}) if isinstance(data, Mapping) else None
         if isinstance(precision, Mapping) and "plan" not in precision and data.get("method") == "int4-lora":
             from hf_lowprec.ondevice.planning import DEFAULT_FORMAT
 
             data = {**data, "precision": {**precision, "plan": DEFAULT_FORMAT}}
+        export = data.get("export", {}) if isinstance(data, Mapping) else None
+        if isinstance(export, Mapping) and "weights" not in export and data.get("method") == "int4-lora":
+            data = {**data, "export": {**export, "weights": "int4-packed"}}
         recipe = _build(cls, data, "", source)
         return dataclasses.replace(recipe, source=source)
 

@@ -729,6 +729,7 @@ def test_an_interrupt_leaves_a_resumable_checkpoint(ws, tmp_path, signum, status
     assert resumed.exit_code == 0, resumed.output[-2000:]
     record = json.loads((out / RUN_FILE).read_text())
     assert record["training"]["resumed_from_step"] == stopped_at and record["training"]["steps"] == 40
+    assert record["training"]["train_tokens"] == 40 * 2 * 32  # every step's tokens (batch 2 x 32), not this session's
     steps_logged = [e["step"] for e in json.loads((out / "log_history.json").read_text()) if "loss" in e]
     assert steps_logged == list(range(5, 41, 5))  # one loss curve across the interruption
     assert (out / "loss_curve.png").read_bytes()[:4] == b"\x89PNG" and "](loss_curve.png)" in (out / CARD_FILE).read_text()

@@ -121,7 +121,10 @@ def test_an_int4_lora_recipe_without_a_plan_gets_that_methods_default_format(tmp
     from hf_lowprec.ondevice import DEFAULT_FORMAT
 
     for data in ({"method": "int4-lora"}, {"method": "int4-lora", "precision": {"learn_steps": True}}):
-        assert load_recipe(_write(tmp_path, data)).precision.plan == DEFAULT_FORMAT
+        recipe = load_recipe(_write(tmp_path, data))
+        assert recipe.precision.plan == DEFAULT_FORMAT and recipe.export.weights == "int4-packed"  # what it writes
+    with pytest.raises(ValueError, match="export.weights 'master' applies to method 'full'; method 'int4-lora' exports"):
+        load_recipe(_write(tmp_path, {"method": "int4-lora", "export": {"weights": "master"}}))
     assert load_recipe(_write(tmp_path, {"method": "full"})).precision.plan == "fp8"
     with pytest.raises(ValueError, match="method 'int4-lora' keeps its frozen base in an integer format, not 'fp8'"):
         load_recipe(_write(tmp_path, {"method": "int4-lora", "precision": {"plan": "fp8"}}))
