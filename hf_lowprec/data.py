@@ -406,7 +406,7 @@ def _say_left_out(name: str, left_out: int, kept: int, block_size: int, train_on
     """Warn how many chat rows were left out for having no target."""
     if left_out:
         logger.warning(
-            "data %r: %d of %d chat rows left out, with %s", name, left_out, left_out + kept,
+            "data %r: %d of the %d chat rows read left out, with %s", name, left_out, left_out + kept,
             _no_targets(block_size, train_on),
         )  # fmt: skip
 

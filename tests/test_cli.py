@@ -474,7 +474,7 @@ def test_chat_data_trains_on_completions_and_counts_the_tokens_it_had(ws, tmp_pa
     result = cli("finetune", ws / "tiny", "--data", tmp_path / "chat.jsonl", "--train-on", "completions",
                  "--max-steps", "3", *FAST, "-o", out)  # fmt: skip
     assert result.exit_code == 0, result.output
-    said = r"\d+ of \d+ chat rows left out, with no assistant token within their first 32 tokens"
+    said = r"\d+ of the \d+ chat rows read left out, with no assistant token within their first 32 tokens"
     assert re.search(said, caplog.text), caplog.text  # the CLI shows library warnings on stderr
     record = json.loads((out / RUN_FILE).read_text())
     assert record["data_kind"] == "chat" and record["recipe"]["data"]["train_on"] == "completions"

@@ -250,7 +250,7 @@ def test_chat_rows_without_a_target_in_their_block_are_left_out_and_counted(tok,
         lm = prepare_lm_data(ds, "mixed", tok, 64, eval_fraction=0.2, train_on="completions")
     assert len(lm.train) + len(lm.eval) == 10
     assert all(any(label != -100 for label in labels[1:]) for labels in [*lm.train["labels"], *lm.eval["labels"]])
-    said = "data 'mixed': 10 of 20 chat rows left out, with no assistant token within their first 64 tokens"
+    said = "data 'mixed': 10 of the 20 chat rows read left out, with no assistant token within their first 64"
     assert said in caplog.text
     assert len(prepare_lm_data(ds, "mixed", tok, 64, eval_fraction=0.2).train) == 16  # every token counts: all kept
     with pytest.raises(ValueError, match=r"data 'last' leaves nothing to evaluate on: its held-out chat rows all have "
