@@ -491,7 +491,7 @@ def prepare_lm_data(
         n_eval_rows = len(ds) if eval_only else max(1, round(len(ds) * eval_fraction)) if len(ds) > 1 else 0
         cut = len(ds) - n_eval_rows
         train_rows, eval_rows = ds.select(list(range(cut))), ds.select(list(range(cut, len(ds))))
-    held_left_out = 0
+    left_out = held_left_out = 0
     if cols.kind == "text":
         train = pack_blocks(train_rows, tokenizer, cols, block_size, train_sequences)
         held = pack_blocks(eval_rows, tokenizer, cols, block_size, eval_sequences, first_row=cut)
@@ -507,7 +507,6 @@ def prepare_lm_data(
         held, held_labels, held_left_out = chat_sequences(
             eval_rows, tokenizer, cols, block_size, eval_sequences, train_on, first_row=cut
         )
-        _say_left_out(name, left_out + held_left_out, len(train) + len(held), block_size, train_on)
         collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
     if not train and not eval_only:
         raise ValueError(
@@ -522,6 +521,7 @@ def prepare_lm_data(
             else f"data {name!r} leaves nothing to evaluate on: its held-out chat rows all have "
             f"{_no_targets(block_size, train_on)}"
         )
+    _say_left_out(name, left_out + held_left_out, len(train) + len(held), block_size, train_on)
 
     def as_dataset(seqs, labels):
         return datasets.Dataset.from_dict({"input_ids": seqs, "labels": [list(s) for s in labels]})

@@ -258,9 +258,11 @@ def test_chat_rows_without_a_target_in_their_block_are_left_out_and_counted(tok,
         last = datasets.Dataset.from_dict({"messages": rows})
         prepare_lm_data(last, "last", tok, 64, eval_fraction=0.2, train_on="completions")
     only_prompts = datasets.Dataset.from_dict({"messages": [turn[:1]] * 5})
+    caplog.clear()
     with pytest.raises(ValueError, match=r"data 'prompts' has no chat row to train on: all have no assistant token "
                                          r"within their first 64 tokens .* \(--train-on all\)"):  # fmt: skip
         prepare_lm_data(only_prompts, "prompts", tok, 64, train_on="completions")
+    assert "left out" not in caplog.text  # the error alone says it, in one line
 
 
 def test_values_that_are_not_text_are_refused_naming_their_column_and_row(tok):
