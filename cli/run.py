@@ -352,11 +352,12 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     compute, compute_reason = resolve_dtype(t.dtype, "cuda" if torch.cuda.is_available() else "cpu")
     ui.err.print(compute_reason, soft_wrap=True)
     p = recipe.precision
-    unnamed = [k for k in p.keep if k not in p.fixed_plan().layers] if p.is_file else []
+    file_plan = p.fixed_plan() if p.is_file else None
+    unnamed = [k for k in p.keep if k not in file_plan.layers] if file_plan else []
     if unnamed:  # the recipe's keep serves format-name and auto plans; a file names its kept layers
         ui.err.print(
             f"precision.keep {unnamed} does not apply to the plan file {p.plan!r}: the layers it does not name "
-            f"take its default, {p.fixed_plan().default.name}",
+            f"take its default, {file_plan.default.name}",
             soft_wrap=True,
         )
     bf16 = compute == torch.bfloat16

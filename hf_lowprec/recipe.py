@@ -326,15 +326,7 @@ class Recipe:
         """Build and check a recipe; ``source`` (a file name) appears in every error. An ``int4-lora`` recipe that
         names no plan gets that method's default format, not full training's ``fp8``, and exports ``int4-packed``
         weights (its packed base), not ``master``."""
-        precision = data.get("precision", {}) if isinstance(data, Mapping) else None
-        if isinstance(precision, Mapping) and "plan" not in precision and data.get("method") == "int4-lora":
-            from hf_lowprec.ondevice.planning import DEFAULT_FORMAT
-
-            data = {**data, "precision": {**precision, "plan": DEFAULT_FORMAT}}
-        export = data.get("export", {}) if isinstance(data, Mapping) else None
-        if isinstance(export, Mapping) and "weights" not in export and data.get("method") == "int4-lora":
-            data = {**data, "export": {**export, "weights": "int4-packed"}}
-        recipe = _build(cls, data, "", source)
+        recipe = _build(cls, _with_method_defaults(data), "", source)
         return dataclasses.replace(recipe, source=source)
 
     def to_dict(self) -> dict:
@@ -425,6 +417,19 @@ def _build(cls, data, prefix: str, source: str):
         if prefix and own in fields:  # a section's check names its key as the recipe spells it: 'training.seed'
             raise ValueError(f"{where}: '{prefix}{text[1:]}") from None
         raise ValueError(f"{where}: {prefix.rstrip('.') + ': ' if prefix else ''}{text}") from None
+
+
+def _with_method_defaults(data):
+    """``data`` with the ``int4-lora`` method's defaults where it leaves them out: its base's format (not full
+    training's ``fp8``) and ``int4-packed`` export weights (not ``master``); anything else as it is (``_build`` refuses
+    what is malformed)."""
+    if not isinstance(data, Mapping) or data.get("method") != "int4-lora":
+        return data
+    from hf_lowprec.ondevice.planning import DEFAULT_FORMAT
+
+    defaults = {"precision": {"plan": DEFAULT_FORMAT}, "export": {"weights": "int4-packed"}}
+    given = {section: data.get(section, {}) for section in defaults}
+    return {**data, **{k: {**defaults[k], **v} for k, v in given.items() if isinstance(v, Mapping)}}
 
 
 def _changed_fields(section, prefix: str) -> list[str]:

@@ -77,7 +77,6 @@ def render_model_card(run: Mapping, repo_id: str | None = None) -> ModelCard:
     )
     template = shipped_folder("model_cards").joinpath(TEMPLATE).read_text()
     plan_rows = [{**r, "label": row_label(r)} for r in run.get("plan_rows", [])]
-    folder = repo_id or f"path/to/{model_name}"
     training = run.get("training", {})
     if run.get("export_changes"):  # the master weights the run exported and measured are not this export's
         training = {key.replace("exported_weights", "run's_master_weights"): v for key, v in training.items()}
@@ -93,7 +92,7 @@ def render_model_card(run: Mapping, repo_id: str | None = None) -> ModelCard:
         recipe_yaml=yaml.safe_dump(recipe, sort_keys=False),
         base_model=base_model,
         base_model_path=run.get("base_model_path"),
-        repo_id=folder,
+        repo_id=repo_id or f"path/to/{model_name}",
         export=run.get("export", {"loader": "transformers", "dtype": "fp32"}),
         adapter=run.get("adapter"),
         plan_file=PLAN_FILE,

@@ -23,7 +23,6 @@ re-quantized on the plain grid first (a second rounding; its error is returned).
 from __future__ import annotations
 
 import copy
-import logging
 import os
 import statistics
 from dataclasses import replace
@@ -38,8 +37,6 @@ from hf_lowprec.layers import canonical_name
 from hf_lowprec.modules.packed import PackedInt4Linear, PackedInt8Linear, PackedLinear
 from hf_lowprec.modules.packed_embedding import with_dense_tables
 from hf_lowprec.ondevice.export import adapterless_state, save_adapters, without_hf_quantizer
-
-logger = logging.getLogger(__name__)
 
 QUANT_METHOD = "compressed-tensors"
 CT_FORMAT = "pack-quantized"
@@ -206,10 +203,6 @@ def write_compressed_tensors(model: nn.Module, folder: Path, *, tokenizer=None, 
     peft = isinstance(model, PeftModel)
     base = model.get_base_model() if peft else model
     state, quantization_config, errors = compressed_tensors_state(base)
-    if errors:
-        int4 = sum(isinstance(m, PackedInt4Linear) for m in _packed_by_name(base).values())
-        summary = rerounded(errors, int4)
-        logger.warning("compressed-tensors export: %s; it computes unlike the model as trained", summary)
     config = copy.deepcopy(base.config)
     config.quantization_config = quantization_config
     config.use_cache = True

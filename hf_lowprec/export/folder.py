@@ -412,7 +412,9 @@ def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: b
     with atomic_output_dir(out, overwrite) as tmp:
         errors = write_compressed_tensors(model, tmp, tokenizer=tokenizer, base_model_id=run.get("base_model"))
         if errors:
-            _weights_changed(run, rerounded(errors, n4))
+            change = rerounded(errors, n4)
+            logger.warning("compressed-tensors export: %s; it computes unlike the model as trained", change)
+            _weights_changed(run, change)
         run["export"] = {
             "weights": "compressed-tensors",
             "loader": "compressed-tensors",

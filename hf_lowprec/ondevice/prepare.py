@@ -387,11 +387,12 @@ def load_int4_base(
     read them back from the checkpoint's safetensors one layer at a time (``model.hf_lowprec_dense_weights``, a
     :class:`~hf_lowprec.checkpoints.DenseWeights` that :func:`prepare_int4_lora` drops); for a hub id, from its
     snapshot in the Hugging Face cache. Plans with formats that do not pack, and those steps on a checkpoint without
-    safetensors (``.bin`` files, a GGUF file on the Hub), load dense. ``dense_reader``: keep that reader even where
-    no step needs it, for :func:`checkpoint_weights` (e.g. the unquantized checkpoint's loss before training).
+    safetensors (``.bin`` files, a GGUF file on the Hub), load dense. ``dense_reader``: attach that reader where no
+    step needs it too, for :func:`checkpoint_weights` (e.g. the unquantized checkpoint's loss before training), if the
+    checkpoint's safetensors are at hand; it changes nothing in how the model loads.
     """
     auto = is_auto(plan)
-    reads_dense = auto or check_rounding(rounding) != "nearest" or loftq_init or dense_reader
+    reads_dense = auto or check_rounding(rounding) != "nearest" or loftq_init
     on_load = auto or packs_on_load(plan)
     source, gguf = resolve_checkpoint(model_id_or_path, gguf_file)  # one clear error for a path that does not exist
     snapshot = None  # a hub id's safetensors to re-read, in the Hugging Face cache
@@ -410,7 +411,19 @@ def load_int4_base(
         return model, tokenizer, plan
     if reads_dense:
         model.hf_lowprec_dense_weights = DenseWeights(snapshot or model.name_or_path)
+    elif dense_reader and (folder := _safetensors_folder(model.name_or_path, from_pretrained_kwargs)):
+        model.hf_lowprec_dense_weights = DenseWeights(folder)
     return model, tokenizer, plan if auto else model.hf_lowprec_plan  # resolved; its packed layers stay as they are
+
+
+def _safetensors_folder(name_or_path: str, from_pretrained_kwargs: dict) -> str | None:
+    """The local folder of a loaded checkpoint's safetensors (:func:`local_checkpoint_folder`), or ``None`` where it
+    has none or its snapshot cannot be read (said in the log)."""
+    try:
+        return local_checkpoint_folder(name_or_path, **source_kwargs(from_pretrained_kwargs))
+    except ValueError as e:
+        logger.info("no dense weights to read back for %s: %s", name_or_path, e)
+        return None
 
 
 @contextmanager
