@@ -12,8 +12,10 @@ AdamW (8-bit states for hf-lowprec and NF4 QLoRA since 2026-12-02, fp32 for the 
   rebuilt from them in backward since 2026-12-02: rows measured earlier stored them); ``int4-lora-gc``: the same with
   gradient checkpointing instead of the 8-bit activations; ``int4-lora-recipe-zeros``: the ``int4-ondevice-lora``
   recipe's base (the CLI default since 2026-12-05): the defaults with LoftQ (each dense weight read back at a time) and
-  the base learning its zero points (``learn_steps="zero_points"``: an fp32 shift per group of 64, its gradient from the
-  inputs' group sums, its 8-bit AdamW states; an exact forward); ``int4-lora-recipe`` (opt-in since 2026-12-05, the
+  the base learning its zero points (``learn_steps="zero_points"``: a shift per group of 64, bf16 since 2026-12-06
+  (fp32 before), its gradient from the inputs' group sums, its 8-bit AdamW states; an exact forward);
+  ``int4-lora-recipe-zeros-gc`` (opt-in): the same with gradient checkpointing instead of the 8-bit activations (the
+  recipe's ``training.gradient_checkpointing: true``); ``int4-lora-recipe`` (opt-in since 2026-12-05, the
   recipe's base until then): the steps learned too (``learn_steps=True``: a gain per group more, from a
   weight-gradient GEMM per layer); until 2026-12-03 the recipe scanned an int4/int8 plan at 6.25 bits/param instead;
   ``int4-lora-recipe-gptq`` (opt-in: ``--configs int4-lora-recipe-gptq``): the ``int4-lora-recipe`` base with GPTQ rounding
@@ -100,6 +102,8 @@ CONFIGS = {
                         "checkpoint's residuals, the base learning its steps and zero points",
     "int4-lora-recipe-zeros": "hf-lowprec int4-ondevice-lora recipe's base (the CLI default): packed on load, LoftQ from "
                               "the checkpoint's residuals, the base learning its zero points (learn_steps='zero_points')",
+    "int4-lora-recipe-zeros-gc": "the int4-lora-recipe-zeros base with gradient checkpointing instead of int8-stored "
+                                 "activations (the recipe's training.gradient_checkpointing: true)",
     "int4-lora-recipe-gptq": "the int4-lora-recipe base (steps and zero points learned) with GPTQ rounding (--rounding gptq), calibrated on "
                              f"{CALIBRATION_BLOCKS}x{BLOCK} random tokens, its LoftQ factors minimising each layer's "
                              "output error (CLoQ); not in the default sweep",
@@ -111,7 +115,7 @@ CONFIGS = {
     "nf4-qlora": "bnb NF4 QLoRA (double quant, bf16 compute)",
     "nf4-qlora-gc": "bnb NF4 QLoRA + gradient checkpointing",
 }
-OPT_IN = ("int4-lora-bf16-embedding", "int4-lora-recipe", "int4-lora-recipe-gptq")  # measured when named (--configs): minutes at 1B
+OPT_IN = ("int4-lora-bf16-embedding", "int4-lora-recipe", "int4-lora-recipe-zeros-gc", "int4-lora-recipe-gptq")  # measured when named (--configs): minutes at 1B
 NEEDS_BITSANDBYTES = ("nf4-qlora", "nf4-qlora-gc")  # the others run as an install without it (see child_imports)
 
 
@@ -164,7 +168,7 @@ def _load(config: str, folder: Path):
 
         options = {}
         if config.startswith("int4-lora-recipe"):
-            options = dict(loftq_init=True, learn_steps="zero_points" if config.endswith("-zeros") else True)
+            options = dict(loftq_init=True, learn_steps="zero_points" if "-zeros" in config else True)
         if config == "int4-lora-recipe-gptq":
             vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
             tokens = torch.randint(0, vocab, (CALIBRATION_BLOCKS, BLOCK), generator=torch.Generator().manual_seed(1))
@@ -360,7 +364,8 @@ def goals(results: list[dict]) -> dict:
         return ours["train"][batch][key] / fastest["train"][batch][key], fastest["config"]
 
     out = {}
-    for config in ("int4-lora", "int4-lora-gc", "int4-lora-returned", "int4-lora-recipe", "int4-lora-recipe-zeros"):
+    for config in ("int4-lora", "int4-lora-gc", "int4-lora-returned", "int4-lora-recipe", "int4-lora-recipe-zeros",
+                   "int4-lora-recipe-zeros-gc"):
         ours = at.get(config)
         if ours is None:
             continue

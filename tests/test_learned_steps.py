@@ -323,11 +323,40 @@ def test_a_base_that_learns_its_zero_points_alone_keeps_its_steps(tmp_path):
     learned = learned_steps(model)
     assert learned["step_gain"] == [] and [id(p) for p in learned["zero_shift"]] == [id(m.zero_shift) for m in asym]
     assert all(m.step_gain is None for m in int4) and not any(m.learns_steps for m in int4 if m.zero is None)
+    assert all(m.zero.dtype == m.zero_shift.dtype == torch.bfloat16 for m in asym)  # a frozen base's, fp32 compute too
     steps, zeros = [m.step.clone() for m in asym], [m.zero.clone() for m in asym]
     blocks = token_blocks(tokenizer, [corpus_text(20_000)], 64)
     finetune_int4_lora(model, tokenizer, blocks[:-4], steps=6, lr=1e-2, batch_size=4, output_dir=tmp_path / "run")
     assert all(torch.equal(m.step, s) for m, s in zip(asym, steps))  # folded: the gains stayed at one
     assert all(rel(m.zero, z) > 1e-3 for m, z in zip(asym, zeros))  # the zero points moved
+
+
+def test_bf16_zero_shifts_learn_what_fp32_ones_learn():
+    """A shift in a frozen base's bf16 zero points' dtype, stepped by 8-bit AdamW with stochastic rounding (as bf16
+    adapters are) to a learning rate of zero, fits a known change of the zero points to bf16's resolution (2^-8 of
+    it), as one in fp32 fits it exactly."""
+    from hf_lowprec.training.adamw8bit import AdamW8bit
+
+    torch.manual_seed(0)
+    frozen = Int4Linear.from_linear(torch.nn.Linear(128, 96), "int4-g64-asym", learn_scales=False).freeze()
+    frozen.store_steps_in(torch.bfloat16)
+    change = torch.rand(frozen.step.shape) - 0.5  # of the zero points, in steps
+    target = frozen.dequantized_weight(torch.float32) - (change * frozen.step.float()).repeat_interleave(64, dim=1)
+    x, learned = torch.randn(256, 128), {}
+    for dtype in (torch.bfloat16, torch.float32):
+        layer = Int4Linear.from_linear(torch.nn.Linear(128, 96), "int4-g64-asym", learn_scales=False).freeze()
+        layer.load_state_dict(frozen.state_dict())
+        layer.store_steps_in(dtype)
+        (shift,) = layer.learn_steps(steps=False)
+        assert shift.dtype == dtype
+        opt = AdamW8bit([shift], lr=2e-2, weight_decay=0.0, bf16_stochastic_round=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / 300)  # the last updates are tiny
+        for _ in range(300):
+            F.mse_loss(layer(x), F.linear(x, target, frozen.bias)).backward()
+            opt.step(), sched.step(), opt.zero_grad()
+        learned[dtype] = shift.detach().float()
+    assert rel(learned[torch.float32], change) < 1e-5
+    assert rel(learned[torch.bfloat16], change) < 2**-8
 
 
 @pytest.mark.parametrize("value", ["steps", 1, None])

@@ -96,7 +96,7 @@ def prepare_int4_lora(
         backend: ``auto`` (measured per shape), ``int8``, ``tiled`` or ``dequant`` for every packed layer (see
             ``modules/packed.py``).
         learn_steps: ``True``: the packed layers' group steps and zero points train with the adapters (a gain and a
-            shift per group, fp32; the codes stay frozen: :mod:`~hf_lowprec.ondevice.learned_steps`), at a
+            shift per group, fp32 and bf16; the codes stay frozen: :mod:`~hf_lowprec.ondevice.learned_steps`), at a
             weight-gradient GEMM per packed layer and step; ``"zero_points"``: the zero points alone, whose gradient
             costs a GEMM 1/group-size of that; ``False``: neither.
         progress: ``progress(done, total)`` after each tenth of the layers a calibrated rounding has coded (also

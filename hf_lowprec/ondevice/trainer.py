@@ -88,8 +88,9 @@ class ChunkedLossTrainer(Trainer):
             return AdamW8bit, {**kwargs, "bf16_stochastic_round": bf16}
         if bf16:
             logger.warning(
-                "bf16 adapters with optim=%r: its updates are rounded to nearest, and those below half a bf16 step "
-                "are lost; use optim='adamw_torch_8bit' (rounds them stochastically) or adapter_dtype='fp32'",
+                "bf16 trainable parameters (adapters, learned zero points) with optim=%r: its updates are rounded "
+                "to nearest, and those below half a bf16 step are lost; use optim='adamw_torch_8bit' (rounds them "
+                "stochastically)",
                 getattr(args.optim, "value", args.optim),
             )
         return cls, kwargs
