@@ -115,7 +115,8 @@ CONFIGS = {
     "nf4-qlora": "bnb NF4 QLoRA (double quant, bf16 compute)",
     "nf4-qlora-gc": "bnb NF4 QLoRA + gradient checkpointing",
 }
-OPT_IN = ("int4-lora-bf16-embedding", "int4-lora-recipe", "int4-lora-recipe-zeros-gc", "int4-lora-recipe-gptq")  # measured when named (--configs): minutes at 1B
+# measured when named (--configs): minutes at 1B
+OPT_IN = ("int4-lora-bf16-embedding", "int4-lora-recipe", "int4-lora-recipe-zeros-gc", "int4-lora-recipe-gptq")
 NEEDS_BITSANDBYTES = ("nf4-qlora", "nf4-qlora-gc")  # the others run as an install without it (see child_imports)
 
 

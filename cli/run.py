@@ -136,9 +136,8 @@ def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool) -> RunFol
     check_replaceable(run.out, overwrite, "run or export folder", "--output-dir", when)
     if run.work.exists():
         if not overwrite:
-            ui.fail(
-                f"an interrupted run is in {str(run.work)!r}; pass --resume to continue it or --overwrite to start over"
-            )
+            resumable = "pass --resume to continue it or" if run.latest_checkpoint() else "it saved no checkpoint; pass"
+            ui.fail(f"an interrupted run is in {str(run.work)!r}; {resumable} --overwrite to start over")
         if not run.work.is_dir() or not _is_work_folder(run.work):
             ui.fail(
                 f"--overwrite: {str(run.work)!r} is not an interrupted hf-lowprec run (no {SETTINGS_FILE} or "
@@ -328,10 +327,13 @@ def run_finetune(opts: FinetuneOptions) -> dict:
     else:
         atomic_write_text(run.work / SETTINGS_FILE, json.dumps(settings, indent=2))
     try:
-        return _train(run, opts, settings)
-    except BaseException:
+        with ui.terminated_as_interrupt():  # the clean-up below runs after a SIGTERM too
+            return _train(run, opts, settings)
+    except BaseException as e:
         if run.latest_checkpoint() is None:  # nothing to resume: leave no trace
             shutil.rmtree(run.work, ignore_errors=True)
+            if isinstance(e, KeyboardInterrupt) and not opts.resume:
+                ui.err.print(f"no checkpoint was saved yet: {str(run.work)!r} removed", soft_wrap=True)
         raise
 
 
@@ -413,6 +415,8 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     fold_learned_steps(model)  # an INT4 base's learned steps, rounded as its export will hold them
     label = "evaluating the trained model (held-out data)"
     final = _evaluate(model, lm, t.per_device_train_batch_size, autocast, label, t.return_freed_memory)
+    if not math.isfinite(final["loss"]):
+        ui.fail(_diverged(final["loss"], trainer.state.log_history, run), code=1)
     figures.update(_training_figures(trainer, result, t, train_seconds, resume_from, figures["loss_base"], final))
     master = None if lora else _master_weights_loss(model, lm, t.per_device_train_batch_size, recipe)
     if master is not None:
@@ -421,6 +425,16 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     record = _run_record(run, opts, lm, figures, final, {**method_info, "compute": compute_record})
     _export_run(model, tokenizer, run, record, recipe, trainer.state.log_history)
     return record
+
+
+def _diverged(loss: float, log_history: list[dict], run: RunFolder) -> str:
+    """The one line a run whose held-out loss after training is not finite fails with (nothing is published)."""
+    bad = next((e for e in log_history if "loss" in e and not math.isfinite(e["loss"])), None)
+    when = f"; the training loss logged at step {bad['step']} was already {bad['loss']}" if bad else ""
+    return (
+        f"training diverged: the held-out loss after training is {loss}{when}; nothing was published (the run's "
+        f"checkpoints are in {str(run.work)!r}); try a lower --lr"
+    )
 
 
 def _master_weights_loss(model, lm, batch_size: int, recipe: Recipe) -> dict | None:
@@ -524,6 +538,7 @@ def _training_arguments(run: RunFolder, t, *, bf16_autocast: bool, padded: bool)
         activation_checkpointing=t.gradient_checkpointing,
         use_cpu=not torch.cuda.is_available(),
         logging_steps=t.logging_steps,
+        logging_nan_inf_filter=False,  # a nan loss is shown as nan (the filter logged 0.0000 for a diverged step)
         save_strategy="steps",
         save_steps=t.save_steps,
         save_total_limit=1,

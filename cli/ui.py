@@ -6,6 +6,7 @@ import contextlib
 import functools
 import logging
 import os
+import signal
 import sys
 import time
 import warnings
@@ -44,6 +45,28 @@ err = _console(stderr=True)  # progress, warnings, errors
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM where no training step can be finished first (loading, evaluating, scanning, exporting): the command
+    stops as after Ctrl-C, with the exit status a shell reports for SIGTERM."""
+
+    exit_code = 128 + 15
+
+
+@contextlib.contextmanager
+def terminated_as_interrupt():
+    """Within the block SIGTERM raises :class:`Terminated` (its default kills the process at once, so that no clean-up
+    runs); a handler installed inside the block (the training's) takes over while it is installed."""
+
+    def handle(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class CLIError(Exception):
@@ -96,9 +119,9 @@ def guarded(fn):
         except ValueError as e:
             _error_line(str(e).strip().splitlines()[0] if str(e).strip() else "invalid input")
             raise typer.Exit(EXIT_BAD_INPUT) from None
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             _error_line("interrupted")
-            raise typer.Exit(EXIT_INTERRUPTED) from None
+            raise typer.Exit(getattr(e, "exit_code", EXIT_INTERRUPTED)) from None
         except typer.Exit:
             raise
         except Exception as e:

@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import functools
 import logging
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -181,11 +182,11 @@ class TrainingSection:
         ):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key!r} must be >= 1, got {getattr(self, key)}")
-        if self.learning_rate <= 0:
-            raise ValueError(f"'learning_rate' must be > 0, got {self.learning_rate}")
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):  # nan/inf: NaN weights, exit 0
+            raise ValueError(f"'learning_rate' must be a finite number > 0, got {self.learning_rate}")
         for key in ("warmup_steps", "weight_decay"):  # else transformers/torch reject them after the model loads
-            if getattr(self, key) < 0:
-                raise ValueError(f"{key!r} must be >= 0, got {getattr(self, key)}")
+            if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0):
+                raise ValueError(f"{key!r} must be a finite number >= 0, got {getattr(self, key)}")
         if not 0 <= self.seed < 2**32:  # numpy's seed range (transformers.set_seed)
             raise ValueError(f"'seed' must be in [0, 2**32), got {self.seed}")
         allowed = _tracker_names()
@@ -222,8 +223,8 @@ class LoraSection:
     def __post_init__(self):  # checked here, not by PEFT/PyTorch after the model has loaded
         if self.r < 1:
             raise ValueError(f"'r' must be >= 1, got {self.r}")
-        if self.lora_alpha <= 0:
-            raise ValueError(f"'lora_alpha' must be > 0, got {self.lora_alpha}")
+        if not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise ValueError(f"'lora_alpha' must be a finite number > 0, got {self.lora_alpha}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"'lora_dropout' must be in [0, 1), got {self.lora_dropout}")
 

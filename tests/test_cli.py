@@ -914,3 +914,21 @@ def test_same_seed_same_run(ws, tmp_path):
         assert result.exit_code == 0, result.output
         losses.append(json.loads((tmp_path / name / RUN_FILE).read_text())["training"]["loss_final"])
     assert losses[0] == losses[1]
+
+
+def test_a_run_that_diverges_publishes_nothing_and_fails(ws, tmp_path):
+    """A finite but far too large learning rate: NaN weights after the first step that applies it. The run fails in
+    one line naming the loss and the step the training loss was first not finite, and publishes no model (its card
+    would say nan)."""
+    out = tmp_path / "o"
+    result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", "--recipe", "qat-int4", "--max-steps", "3",
+                 "--lr", "1e30", *FAST, "training.logging_steps=1", "-o", out)  # fmt: skip
+    assert result.exit_code == 1 and result.output.count("error:") == 1, result.output[-2000:]
+    text = " ".join(result.output.split("error:")[1].split())
+    assert "step 3/3 loss nan" in result.output  # the progress shows it as it happens
+    assert text.startswith("training diverged: the held-out loss after training is nan; the training loss logged at")
+    assert "try a lower --lr" in text and "Traceback" not in result.output and not out.exists()
+    for bad in ("inf", "nan"):
+        text = one_error_line(cli("finetune", ws / "tiny", "--lr", bad, *FAST, "-o", tmp_path / bad))
+        assert f"'training.learning_rate' must be a finite number > 0, got {bad}" in text
+        assert not (tmp_path / bad).exists() and not (tmp_path / f"{bad}.incomplete").exists()

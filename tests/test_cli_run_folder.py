@@ -99,6 +99,29 @@ def test_resume_with_only_a_half_written_checkpoint_says_so(ws, tmp_path):
     assert "no interrupted run to resume" in text and text.endswith("run without --resume to start one")
 
 
+def test_sigterm_before_the_first_step_leaves_no_run_folder(ws, tmp_path, monkeypatch):
+    """A SIGTERM while the base model is evaluated (before training: loading, scanning, evaluating take minutes at
+    real sizes) stops the command with status 143 and removes its work folder, which holds nothing to resume."""
+    import os
+
+    def evaluate_killed(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not stop the run")
+
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(run_module, "_evaluate", evaluate_killed)
+    killed = cli(*finetune_args(ws, tmp_path / "run"))
+    assert killed.exit_code == 143, killed.output[-2000:]
+    assert "no checkpoint was saved yet" in killed.output and "interrupted" in killed.output
+    assert not (tmp_path / "run.incomplete").exists() and not (tmp_path / "run").exists()
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+
+    (tmp_path / "left.incomplete").mkdir()  # as a kill -9 leaves it: settings, no checkpoint
+    (tmp_path / "left.incomplete" / run_module.SETTINGS_FILE).write_text("{}")
+    text = one_error_line(cli(*finetune_args(ws, tmp_path / "left")))
+    assert text.endswith("it saved no checkpoint; pass --overwrite to start over"), text
+
+
 def test_overwrite_replaces_only_empty_folders_and_runs(ws, tmp_path):
     mine = tmp_path / "userdir"
     (mine / "sub").mkdir(parents=True)

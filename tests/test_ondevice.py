@@ -520,7 +520,9 @@ def test_bad_token_blocks_are_refused_before_any_forward():
         (dict(train_blocks=good, eval_blocks=stray), rf"^eval_blocks holds token ids from 5 to {VOCAB + 7}"),
         (dict(train_blocks=good, eval_blocks=good[:, :1]), rf"^eval_blocks {takes}, got shape \[8, 1\]$"),
     ]
-    cases.append((dict(train_blocks=good, eval_blocks=good[:2], lr=-1.0), r"^lr must be > 0, got -1\.0$"))
+    for lr in (-1.0, float("inf")):
+        message = rf"^lr must be a finite number > 0, got {lr}$"
+        cases.append((dict(train_blocks=good, eval_blocks=good[:2], lr=lr), message))
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message) as info:
             finetune_int4_lora(model, None, steps=1, batch_size=2, **kwargs)

@@ -164,8 +164,8 @@ def finetune_int4_lora(
     """
     _check_optim(optim)
     check_return_freed_memory(return_freed_memory)
-    if not lr > 0:  # torch's optimizer says so too, but only after the evaluation before training
-        raise ValueError(f"lr must be > 0, got {lr}")
+    if not (math.isfinite(lr) and lr > 0):  # torch's optimizer refuses <= 0 and nan, after the evaluation
+        raise ValueError(f"lr must be a finite number > 0, got {lr}")
     params = _checked_parameters(model, train_blocks, steps, batch_size, output_dir, overwrite, eval_blocks)
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     eval_before = evaluate_loss(model, eval_blocks, batch_size, chunk_tokens) if eval_blocks is not None else None
