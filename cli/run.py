@@ -584,6 +584,8 @@ def _run_record(run: RunFolder, opts: FinetuneOptions, lm, figures: dict, final:
     """The run record written next to the weights (see ``hf_lowprec.export.records``)."""
     dataset = Path(lm.source).name if Path(lm.source).exists() else lm.source  # a local file by name only, not its path
     recipe = opts.recipe.to_dict()
+    if opts.recipe.precision.is_file:  # by its name: its path names this machine's folders (the run holds its plan)
+        recipe["precision"]["plan"] = Path(opts.recipe.precision.plan).name
     computed = evaluation_numerics({"recipe": recipe, **method_info})[2]
     batch = opts.recipe.training.per_device_train_batch_size
     exported = {m: figures[key] for m in ("perplexity", "loss") if (key := f"{m}_exported_weights") in figures}

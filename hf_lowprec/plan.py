@@ -339,6 +339,9 @@ def resolve_plan(plan, keep: tuple[str, ...] = ()) -> PrecisionPlan:
     holding ``hf_lowprec_plan.json`` (a checkpoint or an export); a format name: every ``nn.Linear`` in that format
     except ``keep`` (names or patterns left in high precision; for format names only).
     """
+    is_path = isinstance(plan, (str, os.PathLike)) and any(sep in str(plan) for sep in "/" + os.sep)
+    if is_path and not Path(plan).exists():  # no format name holds a slash
+        raise ValueError(f"plan {str(plan)!r} does not exist (a plan .json/.yaml file, or a folder with {PLAN_FILE})")
     if (
         isinstance(plan, FormatSpec)
         or isinstance(plan, str)

@@ -528,6 +528,7 @@ def test_a_packed_export_of_a_mixed_plan_computes_its_fp8_layers_as_trained_with
     record = json.loads((out / RUN_FILE).read_text())
     formats = {layer["format"] for layer in record["layers"]}
     assert record["export"]["weights"] == "int4-packed" and {"fp8", "int4-g64"} <= formats
+    assert record["recipe"]["precision"]["plan"] == "mixed.json" and str(tmp_path) not in (out / CARD_FILE).read_text()
     losses = {}
     for numerics in ([], ["--plan-numerics"]):
         evaluated = " ".join(cli("eval", out, "--data", ws / "corpus.txt", "--held-out", *numerics).output.split())
@@ -540,6 +541,13 @@ def test_a_packed_export_of_a_mixed_plan_computes_its_fp8_layers_as_trained_with
     card = " ".join((out / CARD_FILE).read_text().split())
     assert "Its FP8 layers (8 fp8) are stored as their high-precision master weights" in card
     assert '`load_exported("path/to/mixed", apply_plan_numerics=True)`' in card
+    for fmt, loader in (("compressed-tensors", "compressed-tensors"), ("gguf", "llama.cpp")):  # no plan numerics there
+        result = cli("export", out, "--out", tmp_path / fmt, "--format", fmt)
+        assert result.exit_code == 0, result.output[-2000:]
+        exported = json.loads((tmp_path / fmt / RUN_FILE).read_text())
+        held = f"8 layers the plan computes in fp8 held as their dense master weights, which {loader} computes"
+        assert f"{held} unquantized" in exported["export_changes"]
+        assert all(row["computed"].startswith("the model as trained, before export") for row in exported["eval"])
 
 
 def test_bad_inputs_fail_with_one_line(ws, tmp_path):

@@ -114,6 +114,9 @@ def test_resolve_plan_reads_every_kind_of_plan_argument(tmp_path):
         resolve_plan("int3")
     with pytest.raises(ValueError, match=f"holds no {PLAN_FILE}"):
         resolve_plan(tmp_path)
+    for missing in ("out/checkpoint-500", tmp_path / "gone" / "plan.json"):  # a path, not an unknown format name
+        with pytest.raises(ValueError, match=rf"^plan '{missing}' does not exist \(a plan .json/.yaml file, or a"):
+            resolve_plan(missing)
     with pytest.raises(ValueError, match="got int"):
         resolve_plan(3)
 

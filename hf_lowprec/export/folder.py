@@ -32,6 +32,7 @@ from hf_lowprec.export.hf_quantizer import quantization_config_dict, with_load_g
 from hf_lowprec.export.records import CARD_FILE, RUN_ONLY, plan_record, read_run, write_record
 from hf_lowprec.folders import atomic_output_dir
 from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, PackedInt4Linear, PackedInt8Linear
+from hf_lowprec.modules.packed import packed_class
 from hf_lowprec.ondevice import ADAPTER_DIR, MERGE_DTYPES, MERGE_FILE, export_int4_lora, load_int4_model
 from hf_lowprec.ondevice.export import dense_merged_state, without_hf_quantizer
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
@@ -405,10 +406,27 @@ def _export_dense(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id:
     return out
 
 
+def _plan_layers_held_dense(model: nn.Module, run_dir: Path, run: dict, loader: str) -> None:
+    """A full run's packed export holds the layers its plan computes in a format that does not pack (FP8) as their
+    dense master weights, which ``loader`` computes unquantized: record it (:func:`_weights_changed`) and warn."""
+    if run.get("recipe", {}).get("method") != "full" or not (run_dir / PLAN_FILE).is_file():
+        return
+    assigned = PrecisionPlan.load(run_dir / PLAN_FILE).assign(model)
+    held = [spec.name for name, spec in assigned.items() if not spec.is_high_precision and packed_class(spec) is None]
+    if held:
+        change = (
+            f"{len(held)} layers the plan computes in {', '.join(sorted(set(held)))} held as their dense master "
+            f"weights, which {loader} computes unquantized"
+        )
+        logger.warning("%s export: %s; it computes unlike the model as trained", loader, change)
+        _weights_changed(run, change)
+
+
 def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id: str | None) -> Path:
     """The run's packed model (and adapters) in the compressed-tensors layout, with its record and card."""
     model, tokenizer = load_exported(run_dir)
     n4, n8 = _packed_counts(model)
+    _plan_layers_held_dense(model, run_dir, run, "compressed-tensors")
     with atomic_output_dir(out, overwrite) as tmp:
         errors = write_compressed_tensors(model, tmp, tokenizer=tokenizer, base_model_id=run.get("base_model"))
         if errors:
@@ -435,6 +453,7 @@ def _export_gguf(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id: 
     """The run's packed model as llama.cpp's ``model.gguf`` (and its adapters as ``adapter.gguf``), with its record
     and card (:mod:`hf_lowprec.export.gguf`)."""
     model, tokenizer = load_exported(run_dir, backend="dequant")  # read, not run: no kernel timing
+    _plan_layers_held_dense(model, run_dir, run, "llama.cpp")
     with atomic_output_dir(out, overwrite) as tmp:
         written = export_gguf(model, tokenizer, tmp, run.get("name") or run_dir.name)
         kinds = ", ".join(f"{count} {kind}" for kind, count in written["tensor_types"].items())
