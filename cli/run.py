@@ -327,8 +327,7 @@ def run_finetune(opts: FinetuneOptions) -> dict:
     else:
         atomic_write_text(run.work / SETTINGS_FILE, json.dumps(settings, indent=2))
     try:
-        with ui.terminated_as_interrupt():  # the clean-up below runs after a SIGTERM too
-            return _train(run, opts, settings)
+        return _train(run, opts, settings)  # a SIGTERM outside training raises here too (ui.guarded)
     except BaseException as e:
         if run.latest_checkpoint() is None:  # nothing to resume: leave no trace
             shutil.rmtree(run.work, ignore_errors=True)

@@ -106,13 +106,14 @@ def setup_logging(verbose: bool = False) -> None:
 
 
 def guarded(fn):
-    """Run a command: bad input → one red line and exit 2; Ctrl-C → exit 130; other errors → one line (traceback with
-    HF_LOWPREC_DEBUG=1)."""
+    """Run a command: bad input → one red line and exit 2; Ctrl-C → exit 130, SIGTERM → 143 (both after the
+    command's clean-ups); other errors → one line (traceback with HF_LOWPREC_DEBUG=1)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with terminated_as_interrupt():  # clean-ups (temporary folders, a run's work folder) run after SIGTERM
+                return fn(*args, **kwargs)
         except CLIError as e:
             _error_line(str(e))
             raise typer.Exit(e.code) from None
