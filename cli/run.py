@@ -585,6 +585,9 @@ def _run_record(run: RunFolder, opts: FinetuneOptions, lm, figures: dict, final:
     recipe = opts.recipe.to_dict()
     if opts.recipe.precision.is_file:  # by its name: its path names this machine's folders (the run holds its plan)
         recipe["precision"]["plan"] = Path(opts.recipe.precision.plan).name
+    if not opts.recipe.precision.is_auto:  # what an `auto` plan's scan would have used played no part in this run
+        for key in ("formats", "budget", "score", "scan_method"):
+            del recipe["precision"][key]
     computed = evaluation_numerics({"recipe": recipe, **method_info})[2]
     batch = opts.recipe.training.per_device_train_batch_size
     exported = {m: figures[key] for m in ("perplexity", "loss") if (key := f"{m}_exported_weights") in figures}

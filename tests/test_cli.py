@@ -529,6 +529,7 @@ def test_a_packed_export_of_a_mixed_plan_computes_its_fp8_layers_as_trained_with
     formats = {layer["format"] for layer in record["layers"]}
     assert record["export"]["weights"] == "int4-packed" and {"fp8", "int4-g64"} <= formats
     assert record["recipe"]["precision"]["plan"] == "mixed.json" and str(tmp_path) not in (out / CARD_FILE).read_text()
+    assert not {"budget", "score", "formats", "scan_method"} & set(record["recipe"]["precision"])  # no scan ran
     losses = {}
     for numerics in ([], ["--plan-numerics"]):
         evaluated = " ".join(cli("eval", out, "--data", ws / "corpus.txt", "--held-out", *numerics).output.split())
