@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from hf_lowprec.cli import ui
 from peft import LoraConfig
+from rich.markup import escape
 from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from hf_lowprec.allocator import returning_freed_memory
@@ -319,7 +320,7 @@ def run_finetune(opts: FinetuneOptions) -> dict:
     run = open_run_folder(opts.output_dir, overwrite=opts.overwrite, resume=opts.resume)
     contention = contention_warning()
     if contention is not None:
-        ui.err.print(f"[yellow]warning: {contention}[/]", soft_wrap=True)
+        ui.err.print(f"[yellow]warning: {escape(contention)}[/]", soft_wrap=True)
     settings = {"model": opts.model, "gguf_file": opts.gguf_file, "data": opts.data, "recipe": opts.recipe.to_dict()}
     if opts.resume:
         check_same_run(run, settings)

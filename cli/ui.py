@@ -16,6 +16,7 @@ from typing import NoReturn
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -136,7 +137,9 @@ def guarded(fn):
 
 
 def _error_line(message: str) -> None:
-    err.print(f"[bold red]error:[/] {message}", soft_wrap=True, markup=True, highlight=False)
+    """``error: message``, the message as it is: brackets in it (a path ``out[/v2]``, torch's ``[enforce fail at
+    ...]``) are text, not rich markup, which ate them or failed on them."""
+    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, markup=True, highlight=False)
 
 
 @contextlib.contextmanager

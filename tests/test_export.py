@@ -339,7 +339,10 @@ def test_push_dry_run_shows_the_files_and_card_without_a_token_or_a_request(base
         monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
         result = cli("push", out, "me/tiny-int4", "--dry-run")
         refused = cli("push", out, "bad repo id", "--dry-run")
+        bracketed = cli("push", tmp_path / "out[/v2]", "me/x", "--dry-run")  # rich markup, not text, failed on it
     assert result.exit_code == 0, result.output
+    assert bracketed.exit_code == 2 and "Traceback" not in bracketed.output
+    assert f"'{tmp_path / 'out[/v2]'}' is not a folder to push" in bracketed.output
     shown = " ".join(result.output.split())
     assert all(f"{p.name} │ {p.stat().st_size:,} bytes" in shown for p in out.iterdir() if p.name != CARD_FILE)
     card = render_model_card(json.loads((out / RUN_FILE).read_text()), "me/tiny-int4").content
