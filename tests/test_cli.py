@@ -248,6 +248,9 @@ def test_int4_lora_run_exports_adapters(ws, lora_run):
     base = causal_lm_loss(dense, held_out(ws, AutoTokenizer.from_pretrained(ws / "tiny")).eval, default_data_collator, batch_size=2)
     assert record["training"]["loss_base"] == pytest.approx(base["loss"], abs=1e-3)
     assert (out / "adapter" / "adapter_config.json").is_file() and {"int4", "lora"} <= set(ModelCard.load(out / CARD_FILE).data.tags)
+    peft_card = ModelCard.load(out / "adapter" / "README.md")  # PEFT's own: it named the local base folder
+    assert str(ws) not in peft_card.content and peft_card.data.base_model is None
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] is None
     model, tok = load_exported(out, backend="dequant")  # packed base + adapters; exact kernels, as trained (learned steps)
     int4 = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
     assert int4 == 14

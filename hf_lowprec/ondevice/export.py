@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import torch
+from huggingface_hub import ModelCard
 from peft import LoraConfig, PeftModel
 from torch import nn
 
@@ -192,11 +193,28 @@ def save_adapters(model: PeftModel, folder: Path, base_model_id: str | None) -> 
     for config in model.peft_config.values():
         own = config.base_model_name_or_path
         config.base_model_name_or_path = base_model_id or (None if own is None or Path(own).exists() else own)
+    base = model.get_base_model()  # PEFT fills a config's None, and names its card's base, from the model's path
+    named = base.__dict__.get("name_or_path"), base.config._name_or_path
+    base.name_or_path = base.config._name_or_path = next(iter(model.peft_config.values())).base_model_name_or_path or ""
     try:
         model.save_pretrained(folder / ADAPTER_DIR, save_embedding_layers=False)
+        _name_the_base_in_peft_card(folder / ADAPTER_DIR / "README.md", base.name_or_path or None)
     finally:
         for name, config in model.peft_config.items():
             config.base_model_name_or_path = saved[name]
+        base.name_or_path, base.config._name_or_path = named
+
+
+def _name_the_base_in_peft_card(path: Path, base: str | None) -> None:
+    """PEFT's card for the adapters names their base ``base`` (a Hub id), or none (a local folder: ``/home/<user>/...``
+    or a dequantized GGUF cache, which a push would publish)."""
+    if not path.is_file():
+        return
+    card = ModelCard.load(path)
+    card.data.base_model = base
+    kept = [t for t in card.data.tags or [] if not t.startswith("base_model:")]
+    card.data.tags = kept + ([f"base_model:adapter:{base}"] if base else [])
+    card.save(path)
 
 
 @contextlib.contextmanager
