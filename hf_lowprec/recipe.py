@@ -193,6 +193,13 @@ class TrainingSection:
         unknown = [t for t in self.trackers if t not in allowed]
         if unknown:
             raise ValueError(f"'report_to' {', '.join(unknown)}: choose from {', '.join(allowed)}")
+        installed, unchecked = _trackers_installed()
+        missing = [t for t in self.trackers if t not in ("none", "all", *installed, *unchecked)]
+        if missing:  # else the Trainer refuses it, after the model has loaded and been evaluated
+            raise ValueError(
+                f"'report_to' {', '.join(missing)}: not installed here; installed trackers: "
+                f"{', '.join(installed) or 'none'}"
+            )
 
     @property
     def trackers(self) -> list[str]:
@@ -206,6 +213,15 @@ def _tracker_names() -> tuple[str, ...]:
     from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
     return ("none", "all", *INTEGRATION_TO_CALLBACK)
+
+
+@functools.cache
+def _trackers_installed() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(installed, unchecked)``: the trackers whose package transformers finds here, and those its availability
+    list leaves out (``azure_ml`` when MLflow is installed, ``flyte``), which the Trainer checks itself."""
+    from transformers.integrations.integration_utils import get_available_reporting_integrations
+
+    return tuple(get_available_reporting_integrations()), ("azure_ml", "flyte")
 
 
 @dataclass(frozen=True)
