@@ -791,8 +791,9 @@ class PackedLinear(nn.Module):
         frozen. The shift is kept in the zero points' dtype (bf16 for a frozen base, ``compact_steps``): a small change
         of them (about a step at most), which bf16 rounds by at most 2^-9 of itself per update (unbiased where the
         optimizer rounds stochastically, as for bf16 adapters), less than folding it into bf16 zero points rounds
-        (up to 2^-5 of a step); in fp32 it took twice the memory (Llama-3.2-1B shape: 58 MB). ``steps=False``: the zero points alone, no gain (a symmetric layer then learns nothing): their
-        gradient needs the inputs' group sums, not a weight gradient. Returns what the layer learns (a second call
+        (up to 2^-5 of a step); in fp32 it took twice the memory (Llama-3.2-1B shape: 58 MB). ``steps=False``: the
+        zero points alone, no gain (a symmetric layer then learns nothing): their gradient needs the inputs' group
+        sums, not a weight gradient. Returns what the layer learns (a second call
         returns the same parameters, and those the first did not make)."""
         learned = self.learns_steps
         if steps and self.step_gain is None:

@@ -45,8 +45,9 @@ def learn_base_steps(model: nn.Module, steps: bool = True) -> list[nn.Parameter]
     """Make the steps and zero points of every packed INT4 linear of ``model`` trainable (``steps=False``: the zero
     points alone, whose gradient needs no weight-gradient GEMM); returns the new parameters (gains and shifts,
     ``[N, G]``: gains fp32, shifts in the zero points' dtype). int8 layers keep theirs: 255 levels leave a step
-    little to learn, and a large output head's (Llama-3.2-1B: 263M weights, called once per chunk of the loss) would cost a weight-gradient
-    pass over the whole head per chunk: 3x the step time and 0.6 GB more at 1x256 when it learned them too."""
+    little to learn, and a large output head's (Llama-3.2-1B: 263M weights, called once per chunk of the loss) would
+    cost a weight-gradient pass over the whole head per chunk: 3x the step time and 0.6 GB more at 1x256 when it
+    learned them too."""
     return [p for m in model.modules() if isinstance(m, PackedInt4Linear) for p in m.learn_steps(steps)]
 
 
