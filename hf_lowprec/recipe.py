@@ -193,8 +193,8 @@ class TrainingSection:
         unknown = [t for t in self.trackers if t not in allowed]
         if unknown:
             raise ValueError(f"'report_to' {', '.join(unknown)}: choose from {', '.join(allowed)}")
-        installed, unchecked = _trackers_installed()
-        missing = [t for t in self.trackers if t not in ("none", "all", *installed, *unchecked)]
+        installed = _trackers_installed()
+        missing = [t for t in self.trackers if t not in ("none", "all", *installed, *UNCHECKED_TRACKERS)]
         if missing:  # else the Trainer refuses it, after the model has loaded and been evaluated
             raise ValueError(
                 f"'report_to' {', '.join(missing)}: not installed here; installed trackers: "
@@ -215,13 +215,17 @@ def _tracker_names() -> tuple[str, ...]:
     return ("none", "all", *INTEGRATION_TO_CALLBACK)
 
 
+UNCHECKED_TRACKERS = ("azure_ml", "flyte")
+"""Trackers transformers' availability list leaves out (``azure_ml`` when MLflow is installed): the Trainer checks
+those itself."""
+
+
 @functools.cache
-def _trackers_installed() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(installed, unchecked)``: the trackers whose package transformers finds here, and those its availability
-    list leaves out (``azure_ml`` when MLflow is installed, ``flyte``), which the Trainer checks itself."""
+def _trackers_installed() -> tuple[str, ...]:
+    """The trackers whose package transformers finds here."""
     from transformers.integrations.integration_utils import get_available_reporting_integrations
 
-    return tuple(get_available_reporting_integrations()), ("azure_ml", "flyte")
+    return tuple(get_available_reporting_integrations())
 
 
 @dataclass(frozen=True)
