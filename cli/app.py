@@ -880,7 +880,7 @@ def push_cmd(
     ] = False,
 ):
     """Upload an exported folder to the Hugging Face Hub (token from HF_TOKEN or `hf auth login`)."""
-    from hf_lowprec.export.publish import push, push_preview
+    from hf_lowprec.export.publish import PushFailed, push, push_preview
     from hf_lowprec.export.records import CARD_FILE
 
     if dry_run:
@@ -888,11 +888,20 @@ def push_cmd(
         sizes = {name: f"{size:,} bytes" for name, size in files.items()}
         ui.out.print(ui.key_values(f"Files for {repo_id} (dry run: nothing uploaded)", sizes))
         if card is not None:
+            if "/" not in repo_id:  # push names the id the Hub creates
+                ui.out.print(
+                    f"\nnote: {repo_id!r} has no namespace: the Hub creates it under the token's user, "
+                    f"<user>/{repo_id}, and the uploaded card names that id",
+                    markup=False,
+                )
             ui.out.print(f"\n{CARD_FILE} as uploaded:\n", markup=False)
             ui.out.print(card, markup=False, soft_wrap=True)
         return
     with ui.step(f"uploading {folder} to {repo_id}"):
-        url = push(folder, repo_id, private=private, create_pr=create_pr)
+        try:
+            url = push(folder, repo_id, private=private, create_pr=create_pr)
+        except PushFailed as e:  # the Hub's answer, not the arguments
+            ui.fail(str(e), code=ui.EXIT_FAILED)
     ui.out.print(f"{'pull request' if create_pr else 'commit'}: {url}")
 
 

@@ -416,7 +416,7 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     label = "evaluating the trained model (held-out data)"
     final = _evaluate(model, lm, t.per_device_train_batch_size, autocast, label, t.return_freed_memory)
     if not math.isfinite(final["loss"]):
-        ui.fail(_diverged(final["loss"], trainer.state.log_history, run), code=1)
+        ui.fail(_diverged(final["loss"], trainer.state.log_history, run), code=ui.EXIT_FAILED)
     figures.update(_training_figures(trainer, result, t, train_seconds, resume_from, figures["loss_base"], final))
     master = None if lora else _master_weights_loss(model, lm, t.per_device_train_batch_size, recipe)
     if master is not None:

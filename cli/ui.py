@@ -44,6 +44,7 @@ def _console(stderr: bool) -> Console:
 out = _console(stderr=False)  # results: tables, summaries
 err = _console(stderr=True)  # progress, warnings, errors
 
+EXIT_FAILED = 1  # the operation failed (a diverged run, the Hub refused): not the arguments
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 
@@ -131,7 +132,7 @@ def guarded(fn):
                 raise
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             _error_line(f"{type(e).__name__}: {first} (set HF_LOWPREC_DEBUG=1 for the traceback)")
-            raise typer.Exit(1) from None
+            raise typer.Exit(EXIT_FAILED) from None
 
     return wrapper
 

@@ -25,6 +25,7 @@ from hf_lowprec.export import (
     CARD_FILE,
     PLAN_FILE,
     RUN_FILE,
+    PushFailed,
     export_model,
     export_run,
     hardware_info,
@@ -291,11 +292,35 @@ def test_push_errors_are_one_line_and_token_free(tmp_path, monkeypatch):
         with pytest.raises(ValueError) as info:
             push(tmp_path / "f", "bad repo id with spaces", token=TOKEN)
         monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
-        with pytest.raises(ValueError) as unreachable:
+        with pytest.raises(PushFailed) as unreachable:
             push(tmp_path / "f", "me/x", token=TOKEN)
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        from_cli = cli("push", tmp_path / "f", "me/x")
     assert "repo id 'bad repo id with spaces': Repo id must use alphanumeric chars" in str(info.value) and TOKEN not in str(info.value)
     assert "push to 'me/x' failed" in str(unreachable.value) and TOKEN not in str(unreachable.value)
     assert len(str(unreachable.value).splitlines()) == 1
+    # the Hub's failure, not bad input: exit 1 (2 is for arguments the CLI refuses), one line, no token
+    assert from_cli.exit_code == 1 and "Traceback" not in from_cli.output and TOKEN not in from_cli.output
+    assert from_cli.output.count("error:") == 1 and "error: push to 'me/x' failed" in from_cli.output
+
+
+def test_a_repo_id_without_namespace_is_pushed_under_the_user_and_the_card_names_the_full_id(base_dir, tmp_path, monkeypatch):
+    """``push(folder, "tiny-int4")`` creates ``<user>/tiny-int4`` (as ``create_repo`` does) and the uploaded card's
+    snippets load ``<user>/tiny-int4``: ``from_pretrained("tiny-int4")`` would look for a local folder."""
+    model, tok = _trained(base_dir, "int4-g64", 1)
+    out = export_model(model, tok, tmp_path / "pub", _run_record(), weights="int4-packed")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    with HubStandIn() as hub:
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        url = push(out, "tiny-int4", token=TOKEN)
+        preview = cli("push", out, "tiny-int4", "--dry-run")
+    full = f"{HubStandIn.user}/tiny-int4"
+    assert list(hub.files) == [full] and url.startswith(f"{hub.endpoint}/{full}/commit/")
+    card = hub.files[full][CARD_FILE].decode()
+    assert card == render_model_card(json.loads((out / RUN_FILE).read_text()), full).content
+    assert f'load_exported("{full}")' in card and 'load_exported("tiny-int4")' not in card
+    assert preview.exit_code == 0 and "has no namespace: the Hub creates it under the token's user" in preview.output
 
 
 def test_a_failed_push_leaves_the_folder_byte_identical(base_dir, tmp_path, monkeypatch):
@@ -312,7 +337,7 @@ def test_a_failed_push_leaves_the_folder_byte_identical(base_dir, tmp_path, monk
         assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*")} == before
         push(out, "me/pub", token=TOKEN)
         monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
-        with pytest.raises(ValueError, match=r"push to 'someone/model' failed"):
+        with pytest.raises(PushFailed, match=r"push to 'someone/model' failed"):
             push(out, "someone/model", token=TOKEN)
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*")} == before
     assert b'from_pretrained("me/pub")' in hub.files["me/pub"][CARD_FILE]

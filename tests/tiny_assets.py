@@ -84,9 +84,12 @@ class HubStandIn:
     ``POST /api/{type}s/{repo}/preupload/{rev}`` (every file "regular", so its bytes travel base64
     inside the commit), ``POST /api/{type}s/{repo}/commit/{rev}`` (NDJSON; a ``refs/pr/N`` revision
     commits to pull request N) and, for ``create_pr``, ``POST``/``GET /api/{type}s/{repo}/discussions``.
+    A repo created without an organization belongs to :attr:`user`.
     Records every request's headers, the validated cards, the pull requests and the files committed
     to each repo's main branch (``files``) or pull requests (``pr_files``).
     """
+
+    user = "me"  # whose token every request carries
 
     def __init__(self):
         self.requests: list[dict] = []
@@ -122,7 +125,8 @@ class HubStandIn:
                     return self._reply(200, {"warnings": []})
                 if path == "/api/repos/create":
                     data = json.loads(raw)
-                    repo = f"{data['organization']}/{data['name']}" if data.get("organization") else data["name"]
+                    # a name without organization goes under the token's user, as on the Hub; the stand-in knows one
+                    repo = f"{data.get('organization') or standin.user}/{data['name']}"
                     if repo in standin.repos:
                         return self._reply(409, {"error": "You already created this model repo", "url": f"http://{self.headers['Host']}/{repo}"})
                     standin.repos[repo] = data

@@ -30,6 +30,7 @@ _LAZY = {  # name -> module; loaded on first use, so that ondevice may import ex
     "export_model": "folder",
     "export_run": "folder",
     "load_exported": "folder",
+    "PushFailed": "publish",
     "push": "publish",
 }
 __all__ = sorted(_LAZY)

@@ -18,24 +18,31 @@ from hf_lowprec.export.records import CARD_FILE, RUN_FILE, read_run
 MODEL_CONFIG = "config.json"
 
 
+class PushFailed(RuntimeError):
+    """The Hub refused or could not be reached (the folder and the repo id passed the local checks)."""
+
+
 def push(
     folder: str | os.PathLike, repo_id: str, *, private: bool = False, create_pr: bool = False, token: str | None = None
 ) -> str:
     """Create ``repo_id`` (if needed) and upload ``folder``; returns the commit or pull-request URL.
 
-    ``folder``: an hf-lowprec run or export folder (or a plain model folder with ``config.json``). The token comes
-    from ``token``, else the usual places (``HF_TOKEN``, ``hf auth login``); it is sent only in request headers,
-    never logged or written. The card's loading snippets are re-rendered for ``repo_id`` in the upload only:
-    ``folder`` itself is never written.
+    ``folder``: an hf-lowprec run or export folder (or a plain model folder with ``config.json``). ``repo_id``
+    without a namespace is created under the token's user, as ``create_repo`` does, and the card names the full id.
+    The token comes from ``token``, else the usual places (``HF_TOKEN``, ``hf auth login``); it is sent only in
+    request headers, never logged or written. The card's loading snippets are re-rendered for the repo in the upload
+    only: ``folder`` itself is never written. Raises ``ValueError`` for bad input, :class:`PushFailed` when the Hub
+    refuses or cannot be reached.
     """
-    folder, card = _checked(folder, repo_id)
+    folder, run = _checked(folder, repo_id)
     token = token or get_token()
     if not token:
         raise ValueError("no Hugging Face token found: set HF_TOKEN or run `hf auth login`")
     api = HfApi(token=token)
     try:
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        card = None if run is None else render_model_card(run, repo_id).content
         with _staged(folder, card) as upload:
-            api.create_repo(repo_id, private=private, exist_ok=True)
             info = api.upload_folder(
                 folder_path=upload,
                 repo_id=repo_id,
@@ -44,22 +51,24 @@ def push(
             )
     except Exception as e:  # huggingface_hub raises HTTP, validation and connection errors
         message = str(e).replace(token, "***").strip().splitlines()
-        raise ValueError(f"push to {repo_id!r} failed: {message[0] if message else type(e).__name__}") from None
+        raise PushFailed(f"push to {repo_id!r} failed: {message[0] if message else type(e).__name__}") from None
     return info.pr_url or info.commit_url
 
 
 def push_preview(folder: str | os.PathLike, repo_id: str) -> tuple[dict[str, int], str | None]:
     """What :func:`push` would upload to ``repo_id``, with no token and no request: ``({path in the repo: bytes},
     the card re-rendered for repo_id, or None for a plain model folder)``; the same checks as :func:`push`."""
-    folder, card = _checked(folder, repo_id)
+    folder, run = _checked(folder, repo_id)
+    card = None if run is None else render_model_card(run, repo_id).content
     files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
     if card is not None:
         files[CARD_FILE] = len(card.encode())
     return files, card
 
 
-def _checked(folder: str | os.PathLike, repo_id: str) -> tuple[Path, str | None]:
-    """``(folder, its card rendered for repo_id or None)`` once ``folder`` is one to push and ``repo_id`` is valid."""
+def _checked(folder: str | os.PathLike, repo_id: str) -> tuple[Path, dict | None]:
+    """``(folder, its run record or None for a plain model folder)`` once ``folder`` is one to push and ``repo_id``
+    is valid."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"{str(folder)!r} is not a folder to push")
@@ -72,8 +81,7 @@ def _checked(folder: str | os.PathLike, repo_id: str) -> tuple[Path, str | None]
         validate_repo_id(repo_id)
     except HFValidationError as e:
         raise ValueError(f"repo id {repo_id!r}: {str(e).strip().splitlines()[0]}") from None
-    card = render_model_card(read_run(folder), repo_id).content if (folder / RUN_FILE).is_file() else None
-    return folder, card
+    return folder, read_run(folder) if (folder / RUN_FILE).is_file() else None
 
 
 @contextlib.contextmanager
