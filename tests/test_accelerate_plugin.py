@@ -104,6 +104,9 @@ def test_plugin_loop_trains_logs_and_checkpoints(tmp_path):
     assert all(torch.equal(v, saved[k]) for k, v in again.state_dict().items() if k.endswith(("weight", "step")))
     with pytest.raises(ValueError, match="another plan"):  # same parameters, other formats: refused
         restored({**PLAN, "default": "fp8-rowwise"})
+    # other parameters (no learned INT4 steps): refused by the plugin, before Accelerate lists the weights' keys
+    with pytest.raises(ValueError, match=r"another plan: .*resume with LowPrecisionPlugin\(plan=<the state folder>\)"):
+        restored("fp8")
 
 
 def test_auto_plan_scans_the_loader_without_moving_the_random_streams():
@@ -119,6 +122,31 @@ def test_auto_plan_scans_the_loader_without_moving_the_random_streams():
     assert lowprec.plan.layers and lowprec.scan_seconds > 0 and lowprec.report.swapped
     before = one_step(model, optimizer, accelerator, next(iter(loader)))
     assert unchanged(model, before) == []
+
+
+def test_an_auto_plan_resumes_from_the_state_folder_without_scanning(tmp_path):
+    """``save_state`` writes the scan's plan beside the weights; ``LowPrecisionPlugin(plan=<state folder>)`` converts
+    with it (no scan, no calibration data) and ``load_state`` restores every weight and learned step."""
+    accelerator = Accelerator(cpu=True)
+    model = tiny_llama()
+    rows = [{k: v[i] for k, v in b.items()} for b in lm_batches(2, batch=4) for i in range(4)]
+    loader = torch.utils.data.DataLoader(rows, batch_size=4)
+    lowprec = LowPrecisionPlugin(calibration_batches=1, scan_method="fisher", formats=("fp8", "int4-g64"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, optimizer, loader = lowprec.prepare(accelerator, model, optimizer, loader)
+    one_step(model, optimizer, accelerator, next(iter(loader)))
+    accelerator.save_state(str(tmp_path / "state"))
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+    acc = Accelerator(cpu=True)
+    again = LowPrecisionPlugin(str(tmp_path / "state"))
+    fresh = tiny_llama(seed=1)
+    fresh, _ = again.prepare(acc, fresh, torch.optim.AdamW(fresh.parameters(), lr=3e-3))  # no loader: nothing to scan
+    acc.load_state(str(tmp_path / "state"))
+    assert again.plan.to_dict() == lowprec.plan.to_dict() and again.scan_seconds == lowprec.scan_seconds
+    saved = accelerator.unwrap_model(model).state_dict()
+    assert set(fresh.state_dict()) == set(saved)
+    assert all(torch.equal(v, saved[k]) for k, v in fresh.state_dict().items())
 
 
 def test_gradient_spike_skips_the_step():

@@ -18,6 +18,9 @@ torchao: the plan becomes ``AORecipeKwargs.module_filter_func``, so torchao's ``
 its ``_scaled_mm`` kernels on FP8 GPUs) runs exactly those layers and no others; the plugin's own
 layers run the rest of the plan.
 
+``accelerator.save_state(dir)`` writes the plan to ``dir/hf_lowprec_plan.json``: ``LowPrecisionPlugin(plan=dir)``
+resumes with it, and ``load_state`` refuses a state saved under another plan before Accelerate loads its weights.
+
 Under more than one process the FP8 scale policies reduce their tensorwise amaxes with ``MAX`` over
 ranks (``sync``), so every rank quantizes with the same scales.
 """
@@ -27,12 +30,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from hf_lowprec.convert import canonical_name, eligible_layers
-from hf_lowprec.plan import PrecisionPlan
+from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 from hf_lowprec.training.compensation import CompensatedOptimizer
 from hf_lowprec.training.new_parameters import insert_new_parameters, orphaned_parameters
 from hf_lowprec.training.session import SessionOwner, owned_session, process_world, scan_progress
@@ -81,6 +85,7 @@ class LowPrecisionPlugin(SessionOwner):
     def __init__(self, plan="auto", **options):
         self.session = owned_session(type(self).__name__, plan, options)
         self.torchao_layers: list[str] = []
+        self._main_process = True  # the process that writes the plan file beside a saved state
 
     # ----------------------------------------------------------------------------------- prepare
     def prepare(self, accelerator, *objects, calibration_data: Iterable[Mapping] | None = None):
@@ -118,6 +123,9 @@ class LowPrecisionPlugin(SessionOwner):
                     f"after accelerator.prepare, trainable parameters are missing from the optimizer: {orphans[:5]}"
                 )
         accelerator.register_for_checkpointing(self)
+        accelerator.register_save_state_pre_hook(self._write_plan_file)
+        accelerator.register_load_state_pre_hook(self._refuse_another_plan)
+        self._main_process = accelerator.is_main_process
         return prepared if len(prepared) > 1 else prepared[0]
 
     def convert(
@@ -253,12 +261,29 @@ class LowPrecisionPlugin(SessionOwner):
         }
 
     def load_state_dict(self, state: Mapping) -> None:
-        if state.get("plan") is not None and self.plan is not None and state["plan"] != self.plan.to_dict():
-            raise ValueError(
-                f"the saved state was trained with another plan: {state['plan']}; this run uses {self.plan.to_dict()}"
-            )
+        self._check_same_plan(state.get("plan"))
         self.steps_skipped = int(state.get("steps_skipped", 0))
         self.scan_seconds = float(state.get("scan_seconds", 0.0))
+
+    def _write_plan_file(self, models, weights, output_dir: str) -> None:
+        """``save_state`` pre-hook: the plan as ``hf_lowprec_plan.json`` beside the weights, so that
+        ``LowPrecisionPlugin(plan=output_dir)`` resumes with it (an ``auto`` plan without scanning again)."""
+        if self.plan is not None and self._main_process:
+            self.plan.save(Path(output_dir) / PLAN_FILE)
+
+    def _refuse_another_plan(self, models, input_dir: str) -> None:
+        """``load_state`` pre-hook: refuse a state saved under another plan before Accelerate loads its weights
+        (whose other parameters it would list key by key)."""
+        path = Path(input_dir) / PLAN_FILE
+        if path.is_file():
+            self._check_same_plan(PrecisionPlan.load(path).to_dict())
+
+    def _check_same_plan(self, saved: Mapping | None) -> None:
+        if saved is not None and self.plan is not None and saved != self.plan.to_dict():
+            raise ValueError(
+                f"the saved state was trained with another plan: {saved}; this run uses {self.plan.to_dict()} "
+                "(resume with LowPrecisionPlugin(plan=<the state folder>))"
+            )
 
 
 __all__ = ["LowPrecisionPlugin"]
