@@ -16,6 +16,7 @@ import math
 import shutil
 import signal
 import time
+import traceback
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -330,11 +331,37 @@ def run_finetune(opts: FinetuneOptions) -> dict:
     try:
         return _train(run, opts, settings)  # a SIGTERM outside training raises here too (ui.guarded)
     except BaseException as e:
-        if run.latest_checkpoint() is None:  # nothing to resume: leave no trace
+        kept = run.latest_checkpoint()
+        if kept is None:  # nothing to resume: leave no trace
             shutil.rmtree(run.work, ignore_errors=True)
             if isinstance(e, KeyboardInterrupt) and not opts.resume:
                 ui.err.print(f"no checkpoint was saved yet: {str(run.work)!r} removed", soft_wrap=True)
+        failed_write = _failed_checkpoint_write(e, run, kept)
+        if failed_write is not None:
+            raise ui.CLIError(failed_write, ui.EXIT_FAILED) from e
         raise
+
+
+def _failed_checkpoint_write(e: BaseException, run: RunFolder, kept: Path | None) -> str | None:
+    """One line for a checkpoint the Trainer could not write, with the free space where the run writes and what
+    is left to resume; ``None`` for any other error. torch's writer drops the errno ("unexpected pos 576 vs 534"),
+    so the Trainer's ``_save_checkpoint`` among the failing frames is what says a checkpoint write failed."""
+    if not isinstance(e, Exception) or not any(
+        frame.f_code.co_name == "_save_checkpoint" for frame, _ in traceback.walk_tb(e.__traceback__)
+    ):
+        return None
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    folder = next(p for p in (run.work, *run.work.parents) if p.exists())
+    free = shutil.disk_usage(folder).free / 2**30
+    then = (
+        f"--resume continues from {kept.name} once there is room"
+        if kept is not None
+        else f"nothing was saved: {str(run.work)!r} removed"
+    )
+    return (
+        f"saving a checkpoint in {str(run.checkpoints)!r} failed ({first}); {free:.1f} GiB free on that disk "
+        f"(a full disk, a quota or a file-size limit stops a write); {then}"
+    )
 
 
 def _evaluate(model, lm, batch_size: int, autocast, label: str, return_freed_memory: bool | str = False) -> dict:
@@ -450,7 +477,7 @@ def _master_weights_loss(model, lm, batch_size: int, recipe: Recipe) -> dict | N
 def _resume_checkpoint(run: RunFolder) -> str:
     """The newest complete checkpoint, said on stderr; newer half-written ones (a kill while saving) are removed."""
     for partial in run.drop_partial_checkpoints():
-        ui.err.print(f"skipping {partial.name}: it was only partly written (killed while saving); removed it")
+        ui.err.print(f"skipping {partial.name}: it was only partly written (stopped while saving); removed it")
     checkpoint = run.latest_checkpoint()
     ui.err.print(f"resuming from {checkpoint.name} (step {_checkpoint_step(checkpoint)}) in {str(run.checkpoints)!r}")
     return str(checkpoint)

@@ -181,3 +181,43 @@ def test_a_plan_file_says_the_recipes_keep_does_not_apply(ws, tmp_path):
     plan.write_text(json.dumps({"default": "int4-g64-asym", "layers": {"lm_head": "bf16"}}))  # as a scan writes it
     result = cli(*finetune_args(ws, tmp_path / "named", steps=1), "--plan", plan)
     assert result.exit_code == 0 and "does not apply to the plan file" not in result.output, result.output
+
+
+@pytest.mark.parametrize("limited_after_step", [1, 2])
+def test_a_checkpoint_that_cannot_be_written_says_where_how_much_is_free_and_what_is_kept(
+    ws, tmp_path, monkeypatch, limited_after_step
+):
+    """A write the file system refuses while a checkpoint is saved (here a file-size limit, as a full disk or a
+    quota refuses one; torch's writer reports neither, only "unexpected pos") fails in one line, exit 1: where, the
+    free space, and --resume from the last checkpoint, or, with none saved, that the work folder is gone."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    step_end = run_module.StopOnInterrupt.on_step_end
+
+    def limited(self, args, state, control, **kwargs):
+        if state.global_step == limited_after_step:  # the checkpoint of this step is the first refused
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limit[1]))
+        return step_end(self, args, state, control, **kwargs)
+
+    monkeypatch.setattr(run_module.StopOnInterrupt, "on_step_end", limited)
+    xfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a refused write returns EFBIG instead of killing
+    try:
+        result = cli(*finetune_args(ws, tmp_path / "run"))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, xfsz)
+    text = result.output.strip()
+    assert result.exit_code == 1 and "Traceback" not in text and text.count("error:") == 1, text
+    assert f"saving a checkpoint in '{tmp_path / 'run.incomplete' / 'checkpoints'}' failed (" in text
+    assert " GiB free on that disk" in text and not (tmp_path / "run").exists()
+    if limited_after_step == 1:
+        assert text.endswith(f"nothing was saved: '{tmp_path / 'run.incomplete'}' removed")
+        assert not (tmp_path / "run.incomplete").exists()
+    else:
+        assert text.endswith("--resume continues from checkpoint-1 once there is room")
+        monkeypatch.setattr(run_module.StopOnInterrupt, "on_step_end", step_end)  # room again
+        resumed = cli(*finetune_args(ws, tmp_path / "run"), "--resume")
+        assert resumed.exit_code == 0, resumed.output[-2000:]
+        assert "skipping checkpoint-2: it was only partly written" in resumed.output
+        assert json.loads((tmp_path / "run" / RUN_FILE).read_text())["training"]["steps"] == 3
