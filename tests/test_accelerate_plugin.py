@@ -86,6 +86,7 @@ def test_plugin_loop_trains_logs_and_checkpoints(tmp_path):
         assert model(**batches[0]).loss.item() < start - 0.1
     logs = lowprec.telemetry()
     assert logs["lowprec/params_int4-g64"] > 0 and logs["lowprec/flops_fp8"] > 0 and logs["lowprec/steps_skipped"] == 0
+    assert logs["lowprec/params_kept"] > 0 and "lowprec/params_bf16" not in logs  # lm_head, in fp32 as the card says
     assert {"lowprec/fp8/input_saturation", "lowprec/fp8/grad_underflow"} <= set(logs)
 
     accelerator.save_state(str(tmp_path / "state"))  # the plugin is registered for checkpointing

@@ -22,7 +22,7 @@ from transformers.utils.logging import tqdm
 
 from hf_lowprec import sensitivity
 from hf_lowprec.convert import ConversionReport, apply_plan, eligible_layers
-from hf_lowprec.formats import FormatSpec
+from hf_lowprec.formats import HIGH_PRECISION, FormatSpec
 from hf_lowprec.layers import output_head_name
 from hf_lowprec.modules.fp8 import FP8_BACKENDS
 from hf_lowprec.plan import PrecisionPlan, format_shares, is_auto, names_a_format, resolve_plan
@@ -36,14 +36,20 @@ logger = logging.getLogger(__name__)
 
 def coverage(model: nn.Module, report: ConversionReport) -> dict[str, float]:
     """``params_<fmt>``: fraction of eligible parameters per applied format; ``flops_<fmt>``: of Linear FLOPs.
+    Layers the plan leaves in high precision count as ``kept`` (their own dtype, fp32 or bf16, as the model card
+    says), not under the plan's ``bf16``.
 
     A Linear's FLOPs per token are proportional to its weight size; embedding lookups do no GEMM.
     """
-    out = {f"params_{fmt}": frac for fmt, frac in report.fractions().items()}
+    out = {f"params_{_coverage_label(fmt)}": frac for fmt, frac in report.fractions().items()}
     layers = eligible_layers(model)
     linear = [(r.applied, r.params) for r in report.layers if isinstance(layers.get(r.name), nn.Linear)]
-    out.update({f"flops_{fmt}": frac for fmt, frac in format_shares(linear).items()})
+    out.update({f"flops_{_coverage_label(fmt)}": frac for fmt, frac in format_shares(linear).items()})
     return out
+
+
+def _coverage_label(fmt: str) -> str:
+    return "kept" if fmt in HIGH_PRECISION else fmt
 
 
 @contextlib.contextmanager
