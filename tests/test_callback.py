@@ -69,7 +69,8 @@ def assert_telemetry(trainer, fractions_of):
             assert f"lowprec/{key}" in log
         params = {k: v for k, v in log.items() if k.startswith("lowprec/params_")}
         # layers the plan leaves as they are count as "kept", as the card calls them, whatever their dtype
-        assert params == {f"lowprec/params_{'kept' if k in ('bf16', 'fp32') else k}": v for k, v in fractions_of.items()}
+        labels = {k: "kept" if k in ("bf16", "fp32") else k for k in fractions_of}
+        assert params == {f"lowprec/params_{labels[k]}": v for k, v in fractions_of.items()}
         assert abs(sum(v for k, v in log.items() if k.startswith("lowprec/flops_")) - 1) < 1e-9
         for fmt in fractions_of:
             if fmt.startswith("fp8"):  # FP8 scale policies count saturated and flushed elements per role
