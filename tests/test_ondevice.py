@@ -1096,3 +1096,7 @@ def test_a_packed_layer_only_the_dequant_kernel_can_run_is_said_in_the_log(caplo
     assert slow == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
     assert "in_features 128 is not a multiple of the group size 48" in caplog.text
     assert {r.applied for r in report.layers if r.name.endswith("down_proj")} == {"int4-g48-asym"}  # the format kept
+    rows = [r for r in report.layers if r.name.endswith("down_proj")]  # the plan report says it too
+    assert {r.backend for r in rows} == {"dequant"}
+    assert all("is not a multiple of the group size 48" in r.reason for r in rows)
+    assert not any("only the dequant kernel" in r.reason for r in report.layers if r.name.endswith("up_proj"))

@@ -225,6 +225,7 @@ def _freeze_base(model: nn.Module, report: ConversionReport, backend: str, rerea
             fits, why = layers[row.name].kernel_shape_supported()
             if not fits and backend != "dequant":  # e.g. a group size that does not divide the layer's inputs
                 logger.warning("%s: only the dequant kernel runs this shape (%s): slower steps", row.name, why)
+                row.backend, row.reason = "dequant", f"{row.reason}; only the dequant kernel runs this shape ({why})"
     if tied is not None and share_packed_head(model, tied):
         for row in report.layers:
             if row.name == canonical_name(tied[1]):
