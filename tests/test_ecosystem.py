@@ -324,14 +324,52 @@ def test_compressed_tensors_export_loads_without_hf_lowprec(fmt, tmp_path):
     randomize_adapters(model, std=0.05)
     with torch.no_grad():
         trained = on_dequant_backend(model).eval()(IDS).logits  # the exact reference
-    errors = export_compressed_tensors(model, tmp_path / "ct", base_model_id=BASE_ID)
-    assert errors == {}  # nearest rounding with integer zero points: nothing re-quantized
+    done = export_compressed_tensors(model, tmp_path / "ct", base_model_id=BASE_ID)
+    assert done.requantized == {} and done.adapter_rank is None  # nearest rounding, integer zero points: nothing to do
     config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
     assert "lm_head" in config["ignore"] and all("v_proj" in n for n in config["ignore"] if n != "lm_head")
     loaded = _run_snippet(LOAD_WITHOUT_HF_LOWPREC.format(folder=str(tmp_path / "ct")), tmp_path)
     # the same dense weights; LoRA computed by PEFT's own layer instead of ours: fp32 summation order only
     torch.testing.assert_close(loaded, trained, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_learned_fractional_zero_points_reach_compressed_tensors_through_the_adapter(use_rslora, tmp_path):
+    """Learned zero points are not integers, which the layout's zero points are: the export stores them rounded,
+    keeps every code and step, and adds ``(round(z) - z) x step`` per group to each layer's LoRA pair as extra ranks
+    (one rank for all layers, scaling kept); compressed-tensors + PEFT, without hf-lowprec, give the trained logits.
+    Re-quantizing instead (a layer without an adapter) moves them by far more."""
+    from hf_lowprec.export.compressed_tensors import export_compressed_tensors
+    from hf_lowprec.modules import PackedInt4Linear
+    from hf_lowprec.plan import PrecisionPlan
+
+    base_dir = save_tiny_model(tmp_path / "base")
+    torch.manual_seed(0)
+    plan = PrecisionPlan({"lm_head": "bf16"}, default="int4-g32-asym")
+    lora = LoraConfig(r=4, lora_alpha=8, use_rslora=use_rslora, target_modules="all-linear")
+    model, _, _ = load_int4_lora(base_dir, lora, plan, dtype=torch.float32)
+    randomize_adapters(model, std=0.05)
+    packed = {n: m for n, m in model.named_modules() if isinstance(m, PackedInt4Linear)}
+    for layer in packed.values():
+        (shift,) = layer.learn_steps(steps=False)
+        with torch.no_grad():
+            shift.uniform_(-0.75, 0.75)  # past half a step too: rounds to the neighbouring integer
+    with torch.no_grad():
+        trained = on_dequant_backend(model).eval()(IDS).logits
+    done = export_compressed_tensors(model, tmp_path / "ct", base_model_id=BASE_ID)
+    groups = max(-(-m.in_features // 32) for m in packed.values())
+    assert done.requantized == {} and done.residual_layers == len(packed) == 14 and done.adapter_rank == 4 + groups
+    adapter = json.loads((tmp_path / "ct" / "adapter" / "adapter_config.json").read_text())
+    scaling = adapter["lora_alpha"] / (adapter["r"] ** 0.5 if use_rslora else adapter["r"])
+    assert adapter["r"] == done.adapter_rank and scaling == pytest.approx(8 / (4**0.5 if use_rslora else 4))
+    loaded = _run_snippet(LOAD_WITHOUT_HF_LOWPREC.format(folder=str(tmp_path / "ct")), tmp_path)
+    # the residuals travel in the adapters' bf16: within 2^-9 of themselves, a fraction of a step
+    gap = (loaded - trained).abs().max().item()
+    assert gap < 1e-3, gap  # re-quantizing every layer instead: 0.10 (logits up to 0.64)
+
+    requantized = export_compressed_tensors(model.get_base_model(), tmp_path / "ct-base")  # no adapter to carry them
+    assert len(requantized.requantized) == 14 and requantized.adapter_rank is None
 
 
 def test_pack_int32_matches_compressed_tensors():

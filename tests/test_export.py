@@ -443,10 +443,13 @@ FAST = ["--block-size", "32", "--batch-size", "2", "--eval-blocks", "4", "--dtyp
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A workspace with two `hf-lowprec finetune` runs of the tiny model on ``corpus.txt``: ``lora``
-    (int4-ondevice-lora, its learned zero points not integers) and ``full`` (fp8-train, fp32 master weights)."""
+    """A workspace with three `hf-lowprec finetune` runs of the tiny model on ``corpus.txt``: ``lora``
+    (int4-ondevice-lora, its learned zero points not integers), ``rotated`` (the same on a Hadamard-rotated plan) and
+    ``full`` (fp8-train, fp32 master weights)."""
     ws = workspace(tmp_path_factory.mktemp("runs"), 20_000)
-    recipes = {"lora": ["--recipe", "int4-ondevice-lora", "--plan", "int4-g64-asym", "--lr", "1e-2"], "full": ["--recipe", "fp8-train"]}
+    lora = ["--recipe", "int4-ondevice-lora", "--lr", "1e-2", "--plan"]
+    recipes = {"lora": [*lora, "int4-g64-asym"], "rotated": [*lora, "int4-g32-asym-rht"]}
+    recipes["full"] = ["--recipe", "fp8-train"]
     for name, recipe in recipes.items():
         result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", *recipe, "--max-steps", "2", *FAST, "-o", ws / name)
         assert result.exit_code == 0, result.output
@@ -468,12 +471,35 @@ def _measure_as_the_card_says(card: str, folder, ws, monkeypatch) -> float:
     return float(re.search(r"perplexity\s*│\s*([0-9.]+)", result.output)[1])
 
 
-def test_a_compressed_tensors_export_that_re_rounds_says_so_in_the_log_and_the_card(runs, tmp_path, monkeypatch, caplog):
-    """Learned zero points are not integers: the layout re-rounds every INT4 layer. The export warns with how many and
-    their error; the card keeps the run's figures, labeled as the trained model's, says what changed and gives the
-    command that measures this export; the weights line names the adapters."""
+def test_a_compressed_tensors_export_carries_learned_zero_points_in_the_adapter(runs, tmp_path, monkeypatch, caplog):
+    """Learned zero points are not integers, the layout's are: the adapter carries what rounding them leaves, so
+    nothing is re-rounded, the card's figures are this export's (measured by its own command) and the weights line
+    gives the adapter's rank and the vLLM option it needs."""
     out = tmp_path / "ct"
     result = cli("export", runs / "lora", "--out", out, "--format", "compressed-tensors")
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / RUN_FILE).read_text())
+    rank = json.loads((out / "adapter" / "adapter_config.json").read_text())["r"]
+    assert record["export"]["requantized_layers"] == {} and "export_changes" not in record
+    assert not [r for r in caplog.records if r.levelname == "WARNING" and "compressed-tensors" in r.getMessage()]
+    weights = record["export"]["description"]  # the card's and the export table's weights line
+    assert f"rank {rank}: the run's rank 16 plus the fractional part of 14 layers' learned zero points" in weights
+    assert f"--max-lora-rank {rank}" in weights and rank > 16
+    card = (out / CARD_FILE).read_text()
+    assert "as trained" not in _evaluation(card) and "re-rounded" not in card
+    trained = [r["value"] for r in record["eval"] if r["metric"] == "perplexity"][0]
+    monkeypatch.chdir(runs)
+    measured = cli("eval", out, "--data", "corpus.txt", "--held-out")  # compressed-tensors and PEFT compute it
+    assert measured.exit_code == 0, measured.output
+    assert float(re.search(r"perplexity\s*│\s*([0-9.]+)", measured.output)[1]) == pytest.approx(trained, rel=1e-5)
+
+
+def test_a_compressed_tensors_export_that_re_rounds_says_so_in_the_log_and_the_card(runs, tmp_path, monkeypatch, caplog):
+    """A Hadamard-rotated plan is not the layout's grid: it re-rounds every INT4 layer. The export warns with how many
+    and their error; the card keeps the run's figures, labeled as the trained model's, says what changed and gives the
+    command that measures this export; the weights line names the adapters."""
+    out = tmp_path / "ct"
+    result = cli("export", runs / "rotated", "--out", out, "--format", "compressed-tensors")
     assert result.exit_code == 0, result.output
     record = json.loads((out / RUN_FILE).read_text())
     errors = record["export"]["requantized_layers"].values()
@@ -488,7 +514,7 @@ def test_a_compressed_tensors_export_that_re_rounds_says_so_in_the_log_and_the_c
     assert "not this export's" in evaluation
     rows = [line for line in _evaluation(card).splitlines() if line.startswith("| corpus.txt |")]
     assert len(rows) == 2 and all("| the model as trained, before export: " in row for row in rows)
-    assert "hf-lowprec eval path/to/lora --data corpus.txt --held-out" in card
+    assert "hf-lowprec eval path/to/rotated --data corpus.txt --held-out" in card
     assert all("as trained" in r.metric_name for r in ModelCard(card).data.eval_results)
     trained = [r["value"] for r in record["eval"] if r["metric"] == "perplexity"][0]
     assert abs(_measure_as_the_card_says(card, out, runs, monkeypatch) - trained) > 1e-3  # the figure is not this export's

@@ -16,30 +16,38 @@ needs it. What compressed-tensors 0.20 loads correctly on CPU decides the rest:
 - per-channel int8 layers are written as dense weights in the model dtype (exact: code times step, one rounding): as
   a second config group they would load wrong, since transformers decodes every dense layer with one group's scheme.
 
-A layer with input scales (AWQ, smoothing ``-sq``), a Hadamard rotation (``-rht``) or a non-integer zero point is
-re-quantized on the plain grid first (a second rounding; its error is returned).
+A layer with input scales (AWQ, smoothing ``-sq``) or a Hadamard rotation (``-rht``) is re-quantized on the plain
+grid first (a second rounding; its error is returned). Learned zero points are not integers: a layer with a LoRA adapter
+keeps its codes and steps, stores its zero points rounded, and its adapter carries the rest exactly (see
+:func:`add_zero_residuals`); one without is re-quantized.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import math
 import os
 import statistics
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from peft import PeftModel
+from peft import PeftModel, PeftType
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hf_lowprec.folders import atomic_output_dir, check_output_dir
 from hf_lowprec.layers import canonical_name
 from hf_lowprec.modules.packed import PackedInt4Linear, PackedInt8Linear, PackedLinear
 from hf_lowprec.modules.packed_embedding import with_dense_tables
-from hf_lowprec.ondevice.export import adapterless_state, save_adapters, without_hf_quantizer
+from hf_lowprec.ondevice.export import ADAPTER_DIR, adapterless_state, save_adapters, without_hf_quantizer
 
 QUANT_METHOD = "compressed-tensors"
 CT_FORMAT = "pack-quantized"
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # PEFT's file names
+PEFT_PREFIX = "base_model.model."  # of every key in a saved LoRA adapter, before the layer's name
 
 
 def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -86,11 +94,12 @@ def _int4_format(layers: dict[str, PackedLinear]):
     return spec
 
 
-def _on_plain_grid(layer: PackedInt4Linear) -> tuple[PackedInt4Linear, float | None]:
+def _on_plain_grid(layer: PackedInt4Linear, residual_carried: bool) -> tuple[PackedInt4Linear, float | None]:
     """``layer``, or a copy re-quantized without input scales and with integer zero points; the relative weight
-    error of that second rounding (``None`` when none was needed)."""
+    error of that second rounding (``None`` when none was needed). ``residual_carried``: fractional zero points need
+    none (the adapter carries what their rounding leaves, :func:`zero_residual`)."""
     zero = layer.effective_zero()  # learned steps' zero points (modules/packed.py) need not be integers
-    integral_zero = zero is None or bool(torch.equal(zero, zero.round()))
+    integral_zero = zero is None or residual_carried or bool(torch.equal(zero, zero.round()))
     if layer.inverse_input_scale() is None and integral_zero and layer.rotation_block is None:
         return layer, None
     spec = replace(layer.spec, rotate=False, smooth=False)
@@ -122,27 +131,88 @@ def _int4_tensors(layer: PackedInt4Linear, dtype: torch.dtype) -> dict[str, torc
         out["weight_packed"] = pack_int32(codes, 4)
     else:  # unsigned codes 0..15 with zero z become signed codes and zero points: shift both by 8
         out["weight_packed"] = pack_int32(codes - 8, 4)
-        zero = layer.zero.float().round().to(torch.int32) - 8
+        zero = layer.effective_zero().round().to(torch.int32) - 8
         out["weight_zero_point"] = pack_int32(zero.t().contiguous(), 4).t().contiguous()
     return out
 
 
-def compressed_tensors_state(base: nn.Module) -> tuple[dict[str, torch.Tensor], dict, dict[str, float]]:
-    """``(state dict, quantization_config, {layer: re-quantization error})`` of ``base`` (a model with packed layers,
-    adapters excluded) in the pack-quantized layout."""
+def zero_residual(layer: PackedInt4Linear) -> torch.Tensor | None:
+    """``D`` fp32 ``[N, G]``: what integer zero points leave out of ``layer``'s weights, one value per group:
+    ``w = (q - z) s = (q - round(z)) s + D`` with ``D = (round(z) - z) s``; ``None`` when its zero points are integers
+    (or it has none)."""
+    zero = layer.effective_zero()
+    if zero is None or bool(torch.equal(zero, zero.round())):
+        return None
+    return (zero.round() - zero) * layer.effective_step()
+
+
+def add_zero_residuals(adapter_dir: Path, residuals: dict[str, torch.Tensor], group_size: int) -> int:
+    """Add ``residuals`` (``{layer: D [N, G]}``, :func:`zero_residual`) to the saved LoRA adapter in ``adapter_dir``
+    as extra ranks, exactly: ``x @ E.T`` with ``E[n, k] = D[n, k // group_size]`` is ``(x @ P.T) @ D.T`` where ``P``
+    ``[G, K]`` sums each group's inputs, i.e. a LoRA pair ``A = P``, ``B = D / scaling`` of rank ``G``. Every adapted
+    layer gets the same rank ``r + max G`` (zero rows where it has fewer groups or no residual), with ``lora_alpha``
+    scaled so that ``scaling`` is unchanged, so the config stays one ``r`` (PEFT, vLLM). Returns the new rank.
+
+    PEFT has no API to grow a saved adapter's rank, hence the file rewrite."""
+    config_path, weights_path = adapter_dir / ADAPTER_CONFIG, adapter_dir / ADAPTER_WEIGHTS
+    config = json.loads(config_path.read_text())
+    weights = load_file(weights_path)
+    r, alpha, rslora = config["r"], config["lora_alpha"], config.get("use_rslora", False)
+    scaling = alpha / (math.sqrt(r) if rslora else r)
+    extra = max(d.shape[1] for d in residuals.values())
+    for key_a in [k for k in weights if k.endswith(".lora_A.weight")]:
+        key_b, name = key_a.replace(".lora_A.", ".lora_B."), key_a[len(PEFT_PREFIX) : -len(".lora_A.weight")]
+        a, b = weights[key_a], weights[key_b]
+        sums, d = torch.zeros(extra, a.shape[1]), torch.zeros(b.shape[0], extra)
+        if name in residuals:
+            groups = residuals[name].shape[1]
+            k = torch.arange(a.shape[1])
+            sums[k // group_size, k] = 1.0
+            d[:, :groups] = residuals[name] / scaling
+        weights[key_a] = torch.cat([a, sums.to(a.dtype)]).contiguous()
+        weights[key_b] = torch.cat([b, d.to(b.dtype)], dim=1).contiguous()
+    rank = r + extra
+    config["r"], config["lora_alpha"] = rank, scaling * (math.sqrt(rank) if rslora else rank)
+    save_file(weights, weights_path, metadata={"format": "pt"})
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
+    return rank
+
+
+def residual_carriers(model: nn.Module) -> set[str]:
+    """Canonical names of the layers whose LoRA adapter can carry their zero residual exactly: those of a PEFT model's
+    one LoRA adapter, with one rank and alpha for every layer (no ``rank_pattern``/``alpha_pattern``), no DoRA (whose
+    weight norm the residual would change) and no embedding adapter (whose rank would have to grow too)."""
+    if not isinstance(model, PeftModel) or len(model.peft_config) != 1:
+        return set()
+    config = next(iter(model.peft_config.values()))
+    if config.peft_type != PeftType.LORA or config.use_dora or config.rank_pattern or config.alpha_pattern:
+        return set()
+    adapted = {canonical_name(fqn): m for fqn, m in model.get_base_model().named_modules() if isinstance(m, LoraLayer)}
+    return set() if any(not m.lora_A for m in adapted.values()) else set(adapted)
+
+
+def compressed_tensors_state(
+    base: nn.Module, carriers: set[str] = frozenset()
+) -> tuple[dict[str, torch.Tensor], dict, dict[str, float], dict[str, torch.Tensor]]:
+    """``(state dict, quantization_config, {layer: re-quantization error}, {layer: zero residual})`` of ``base`` (a
+    model with packed layers, adapters excluded) in the pack-quantized layout; the layers in ``carriers`` keep codes
+    and steps with fractional zero points, whose residual (:func:`zero_residual`) their adapter is to carry."""
     layers = _packed_by_name(base)
     spec = _int4_format(layers)
     dtype = next(p for p in base.parameters() if p.is_floating_point()).dtype
     state, errors = with_dense_tables(adapterless_state(base), base, dtype), {}  # the layout has no packed embedding
+    residuals = {}
     for name, layer in layers.items():
         for buffer in PackedLinear.BUFFERS:
             state.pop(f"{name}.{buffer}", None)
         if isinstance(layer, PackedInt8Linear):
             state[f"{name}.weight"] = layer.dequantized_weight(dtype)
             continue
-        plain, error = _on_plain_grid(layer)
+        plain, error = _on_plain_grid(layer, residual_carried=name in carriers)
         if error is not None:
             errors[name] = error
+        elif name in carriers and (residual := zero_residual(layer)) is not None:
+            residuals[name] = residual
         state.update({f"{name}.{key}": value for key, value in _int4_tensors(plain, dtype).items()})
     linears = [canonical_name(n) for n, m in base.named_modules() if isinstance(m, nn.Linear) and ".lora_" not in n]
     ignore = sorted(n for n in linears if not isinstance(layers.get(n), PackedInt4Linear))
@@ -173,7 +243,18 @@ def compressed_tensors_state(base: nn.Module) -> tuple[dict[str, torch.Tensor], 
             }
         },
     }
-    return state, config, errors
+    return state, config, errors, residuals
+
+
+@dataclass
+class CompressedTensorsExport:
+    """What a compressed-tensors export changed: ``requantized`` ``{layer: relative weight error}`` of the layers
+    re-rounded onto the plain grid; ``residual_layers`` how many layers' fractional zero points their adapter carries,
+    at adapter rank ``adapter_rank`` (``None``: the run's own rank)."""
+
+    requantized: dict[str, float] = field(default_factory=dict)
+    residual_layers: int = 0
+    adapter_rank: int | None = None
 
 
 def export_compressed_tensors(
@@ -183,10 +264,11 @@ def export_compressed_tensors(
     tokenizer=None,
     overwrite: bool = False,
     base_model_id: str | None = None,
-) -> dict[str, float]:
+) -> CompressedTensorsExport:
     """Write ``model`` (packed INT4 layers, optionally a PEFT model with LoRA adapters) as a compressed-tensors folder
-    at ``out_dir``, atomically; adapters go to ``adapter/`` in PEFT format. Returns the relative weight error of each
-    layer that had to be re-quantized (see the module docstring; empty when none).
+    at ``out_dir``, atomically; adapters go to ``adapter/`` in PEFT format. Returns :class:`CompressedTensorsExport`:
+    the relative weight error of each layer that had to be re-quantized (see the module docstring; empty when none)
+    and the adapter's rank when it carries fractional zero points.
 
     Load it without hf-lowprec (``pip install compressed-tensors``)::
 
@@ -198,19 +280,25 @@ def export_compressed_tensors(
         return write_compressed_tensors(model, tmp, tokenizer=tokenizer, base_model_id=base_model_id)
 
 
-def write_compressed_tensors(model: nn.Module, folder: Path, *, tokenizer=None, base_model_id: str | None = None):
+def write_compressed_tensors(
+    model: nn.Module, folder: Path, *, tokenizer=None, base_model_id: str | None = None
+) -> CompressedTensorsExport:
     """:func:`export_compressed_tensors` into an existing empty ``folder`` (not atomic)."""
     peft = isinstance(model, PeftModel)
     base = model.get_base_model() if peft else model
-    state, quantization_config, errors = compressed_tensors_state(base)
+    state, quantization_config, errors, residuals = compressed_tensors_state(base, residual_carriers(model))
     config = copy.deepcopy(base.config)
     config.quantization_config = quantization_config
     config.use_cache = True
     with without_hf_quantizer(base):
         base.save_pretrained(folder, state_dict=state)
     config.save_pretrained(folder)
+    done = CompressedTensorsExport(requantized=errors, residual_layers=len(residuals))
     if peft:
         save_adapters(model, folder, base_model_id)
+        if residuals:
+            group_size = quantization_config["config_groups"]["group_0"]["weights"]["group_size"]
+            done.adapter_rank = add_zero_residuals(folder / ADAPTER_DIR, residuals, group_size)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
-    return errors
+    return done

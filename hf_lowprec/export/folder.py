@@ -428,11 +428,18 @@ def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: b
     n4, n8 = _packed_counts(model)
     _plan_layers_held_dense(model, run_dir, run, "compressed-tensors")
     with atomic_output_dir(out, overwrite) as tmp:
-        errors = write_compressed_tensors(model, tmp, tokenizer=tokenizer, base_model_id=run.get("base_model"))
-        if errors:
-            change = rerounded(errors, n4)
+        done = write_compressed_tensors(model, tmp, tokenizer=tokenizer, base_model_id=run.get("base_model"))
+        if done.requantized:
+            change = rerounded(done.requantized, n4)
             logger.warning("compressed-tensors export: %s; it computes unlike the model as trained", change)
             _weights_changed(run, change)
+        adapters = f"; LoRA adapters in {ADAPTER_DIR}/ (PEFT format)" if run.get("adapter") else ""
+        if done.adapter_rank is not None:
+            adapters += (
+                f", rank {done.adapter_rank}: the run's rank {run['adapter'].get('r')} plus the fractional part of "
+                f"{done.residual_layers} layers' learned zero points, which the layout stores as integers (exact; vLLM "
+                f"serves it with --max-lora-rank {done.adapter_rank} or more)"
+            )
         run["export"] = {
             "weights": "compressed-tensors",
             "loader": "compressed-tensors",
@@ -440,8 +447,8 @@ def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: b
             "dtype": _dtype_name(model),
             "description": f"{n4} layers as packed INT4 codes (two per byte)"
             + (f"; {n8} int8 layers as dense weights" if n8 else "")
-            + (f"; LoRA adapters in {ADAPTER_DIR}/ (PEFT format)" if run.get("adapter") else ""),
-            "requantized_layers": errors,
+            + adapters,
+            "requantized_layers": done.requantized,
         }
         if run.get("adapter"):
             run["adapter"] = {**run["adapter"], "note": "the fine-tuning: PEFT loads them onto the decompressed base"}
