@@ -1,6 +1,7 @@
 """Shared fixtures: tiny models built from configs and small, learnable token batches."""
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -12,8 +13,17 @@ VOCAB = 256
 # Tiny models gain nothing from a second thread, and on a loaded 2-core machine OpenMP spinning
 # makes a tiny matmul thousands of times slower; one thread keeps the suite fast and deterministic.
 torch.set_num_threads(1)
-# measured kernel choices go to a folder of this run, not the user's cache (tests never depend on the winner)
-os.environ["HF_LOWPREC_CACHE"] = tempfile.mkdtemp(prefix="hf_lowprec_cache_")
+# measured kernel choices (and the dequantized GGUF checkpoints, 0.5 GB) go to a folder of this run, not the user's
+# cache (tests never depend on the winner); the worker processes that import this file share their run's folder, and
+# the run removes it when it ends (left behind, every run added one under /tmp)
+_OWN_CACHE = "HF_LOWPREC_TEST_CACHE" not in os.environ
+os.environ.setdefault("HF_LOWPREC_TEST_CACHE", tempfile.mkdtemp(prefix="hf_lowprec_cache_"))
+os.environ["HF_LOWPREC_CACHE"] = os.environ["HF_LOWPREC_TEST_CACHE"]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_CACHE:
+        shutil.rmtree(os.environ["HF_LOWPREC_TEST_CACHE"], ignore_errors=True)
 
 
 def _cpp_kernels_build() -> bool:
