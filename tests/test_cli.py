@@ -438,6 +438,8 @@ def test_eval_without_data_needs_a_run_that_names_its_data(ws, tmp_path):
     not_a_run = one_error_line(cli("eval", ws / "tiny", "--held-out", "--data", ws / "corpus.txt"))
     assert not_a_run.endswith("is not an hf-lowprec run or export folder (no hf_lowprec_run.json), so it has no held-out rows to evaluate: pass --data <file, folder or Hub name> without --held-out")
     assert one_error_line(cli("eval", ws / "tiny")).endswith("to evaluate: pass --data <file, folder or Hub name>")
+    missing = one_error_line(cli("eval", tmp_path / "nope" / "model"))  # a mistyped path, not a model without rows
+    assert f"model '{tmp_path / 'nope' / 'model'}' does not exist" in missing and "held-out" not in missing
     exported = tmp_path / "api-export"  # written by the Python API: a record without a recipe
     model, tok = load_exported(out)
     export_model(model, tok, exported, {})
@@ -552,6 +554,9 @@ def test_a_packed_export_of_a_mixed_plan_computes_its_fp8_layers_as_trained_with
         held = f"8 layers the plan computes in fp8 held as their dense master weights, which {loader} computes"
         assert f"{held} unquantized" in exported["export_changes"]
         assert all(row["computed"].startswith("the model as trained, before export") for row in exported["eval"])
+    # a full run's GGUF holds no adapters: the way to run it names none
+    refused = one_error_line(cli("eval", tmp_path / "gguf", "--data", ws / "corpus.txt"))
+    assert "llama.cpp runs (llama-completion -m model.gguf);" in refused
 
 
 def test_bad_inputs_fail_with_one_line(ws, tmp_path):

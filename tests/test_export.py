@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 import yaml
-from cli_invoke import cli, workspace
+from cli_invoke import cli, one_error_line, workspace
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.repocard_data import model_index_to_eval_results
 from safetensors import safe_open
@@ -566,6 +566,8 @@ def test_a_bf16_export_of_fp32_master_weights_labels_the_figures_as_the_runs(run
     record = json.loads((out / RUN_FILE).read_text())
     plain = [r["value"] for r in record["eval"] if r["metric"] == "perplexity" and "master weights" in r["computed"]][0]
     assert abs(_measure_as_the_card_says(card, out, runs, monkeypatch) - plain) > 1e-4  # bf16 rounding, 4 decimals
+    planned = one_error_line(cli("eval", out, "--data", runs / "corpus.txt", "--held-out", "--plan-numerics"))
+    assert "holds no precision plan (hf_lowprec_plan.json): its dense weights compute as they are" in planned
     copied = export_run(out, tmp_path / "copy")
     assert "not this export's" in (copied / CARD_FILE).read_text()
     native = export_run(runs / "full", tmp_path / "native")

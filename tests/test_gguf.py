@@ -116,7 +116,7 @@ def test_the_cli_exports_a_run_to_gguf_and_refuses_what_gguf_cannot_hold(tmp_pat
     assert "llama.cpp computes `model.gguf` with its own" in " ".join(card.split())  # whose evaluation the table is
     assert validate_card_metadata(card) == []  # what the Hub checks when the folder is pushed
     refused = one_error_line(cli("eval", tmp_path / "gguf", "--data", corpus))
-    assert "is a GGUF export, which llama.cpp runs" in refused
+    assert "is a GGUF export, which llama.cpp runs (llama-completion -m model.gguf --lora adapter.gguf)" in refused
     base_only = cli("eval", tmp_path / "gguf" / MODEL_FILE, "--data", corpus, "--block-size", "32", "--max-sequences", "2")
     assert base_only.exit_code == 0 and "note: adapter.gguf beside model.gguf is not applied" in " ".join(base_only.output.split())
     # a rope scaling llama.cpp's llama layout has no place for here: one line, nothing written

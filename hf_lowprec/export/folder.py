@@ -485,16 +485,23 @@ def loadable_weights(folder: Path, name: str, apply_plan_numerics: bool) -> str 
     """The ``export.weights`` kind of the run or export ``folder`` (called ``name``) that :func:`load_exported` loads
     (with ``apply_plan_numerics``); ``ValueError`` where it loads none: not a run folder, a GGUF export, the plan's
     numerics of a compressed-tensors export."""
-    weights = read_run(folder).get("export", {}).get("weights")
+    export = read_run(folder).get("export", {})
+    weights = export.get("weights")
     if weights == "gguf":
+        lora = f" --lora {ADAPTER_FILE}" if ADAPTER_FILE in export.get("files", ()) else ""
         raise ValueError(
-            f"{name!r} is a GGUF export, which llama.cpp runs (llama-completion -m model.gguf --lora adapter.gguf); "
+            f"{name!r} is a GGUF export, which llama.cpp runs (llama-completion -m model.gguf{lora}); "
             "load or evaluate the run folder it was exported from"
         )
     if apply_plan_numerics and weights == "compressed-tensors":
         raise ValueError(
             "a compressed-tensors export computes with its quantized weights; the plan's numerics "
             "(apply_plan_numerics, eval --plan-numerics) are for native exports"
+        )
+    if apply_plan_numerics and not (folder / PLAN_FILE).is_file():
+        raise ValueError(
+            f"{name!r} holds no precision plan ({PLAN_FILE}): its {weights or 'dense'} weights compute as they are; "
+            "the plan's numerics (apply_plan_numerics, eval --plan-numerics) are for native exports and run folders"
         )
     return weights
 
