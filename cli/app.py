@@ -40,7 +40,7 @@ DataOpt = Annotated[
     Optional[str],
     typer.Option(
         "--data",
-        help="Local .txt/.jsonl/.json/.csv/.parquet file or folder, or a Hub dataset name. Default: the offline "
+        help="Local .txt, .jsonl, .json, .csv or .parquet file or folder, or a Hub dataset name. Default: the offline "
         "Shakespeare corpus.",
     ),
 ]
@@ -73,8 +73,8 @@ BudgetOpt = Annotated[
         help="Allocation budget as key=value[,key=value]: target_bits_per_param (mean stored bits per weight; a kept "
         "layer counts its dtype's), max_loss_increase (predicted Δloss, nats/token), min_fp8_fraction (at least this "
         "share in FP8 or lower) and int4_fraction (at most this share in 4 bits), both shares of the layers --keep "
-        "leaves free; score=conversion|after-training (which Δloss counts). Default: predicted Δloss ≤ 1% of the "
-        "calibration loss.",
+        "leaves free; score=conversion or score=after-training (which Δloss counts). Default: predicted Δloss ≤ 1% of "
+        "the calibration loss.",
     ),
 ]
 ScanBatchesOpt = Annotated[
@@ -155,7 +155,7 @@ ReportToOpt = Annotated[
     typer.Option(
         "--report-to",
         help="Experiment trackers for the Trainer's logs and hf-lowprec's lowprec/* telemetry, comma-separated "
-        "(TrainingArguments.report_to): none (default), tensorboard, wandb, trackio, mlflow, ...",
+        "(report_to of TrainingArguments): none (default), tensorboard, wandb, trackio, mlflow, ...",
     ),
 ]
 ExportFormatOpt = Annotated[

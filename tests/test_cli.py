@@ -68,6 +68,7 @@ def test_help_of_the_program_and_every_command():
     for command in COMMANDS:
         result = cli(command, "--help")
         assert result.exit_code == 0 and "Usage" in result.output and command in result.output
+        assert "…" not in result.output, result.output  # 80 columns (no terminal): no word longer than its cell
     listing = cli("recipes")
     assert listing.exit_code == 0 and all(r in listing.output for r in ("fp8-train", "auto-mixed", "int4-ondevice-lora", "qat-int4"))
     shown = cli("recipes", "qat-int4")
