@@ -373,15 +373,22 @@ def _scan_batches(model, gguf_file, data, sizes: tuple[int, int, int], text_colu
     return lm_model, calib, list(collated_batches(lm.eval, lm.collator, batch_size))
 
 
+OVER_BUDGET = 1.25  # a scanned plan whose held-out Δloss exceeds its budget by more than this gets a note
+
+
 def _print_scan(result, plan_rows: list[dict], measured: dict, files: str) -> None:
-    """The sensitivity table, the plan's rows and its budget, predicted and measured Δloss."""
+    """The sensitivity table, the plan's rows and its budget, predicted and measured Δloss (and
+    :func:`over_budget_note`)."""
+    from hf_lowprec.formats import HIGH_PRECISION
+
     rows = []
     for r in result.rows():
         cells = []
         for f in result.formats:
             star = "*" if r["measured"] and f in result[r["layer"]].measured else ""
             cells.append("n/a" if r[f] is None else f"{r[f]:.2e}{star}")
-        rows.append((r["layer"], f"{r['params']:,}", *cells, r["chosen"] or ""))
+        chosen = "kept" if r["chosen"] in HIGH_PRECISION else r["chosen"] or ""  # as the plan's rows call it
+        rows.append((r["layer"], f"{r['params']:,}", *cells, chosen))
     ui.out.print(
         ui.table(
             "Sensitivity: Δloss (nats/token) per layer and format; * measured, else predicted (base loss "
@@ -406,6 +413,22 @@ def _print_scan(result, plan_rows: list[dict], measured: dict, files: str) -> No
                 "files": files,
             },
         )
+    )
+    note = over_budget_note(alloc.get("budget", {}), measured["delta_loss"])
+    if note is not None:
+        ui.err.print(f"note: {note}", style="yellow", soft_wrap=True, markup=False)
+
+
+def over_budget_note(budget: dict, measured_delta: float) -> str | None:
+    """What to say when a scanned plan's held-out Δloss exceeds the budget's ``max_loss_increase`` by more than
+    :data:`OVER_BUDGET` (the allocator adds per-layer Δloss, measured on calibration batches); else ``None``."""
+    allowed = budget.get("max_loss_increase")
+    if not allowed or measured_delta <= OVER_BUDGET * allowed:
+        return None
+    return (
+        f"the plan's measured Δloss {measured_delta:.4f} is {measured_delta / allowed:.1f}x the budget's "
+        f"max_loss_increase {allowed:.4g}: per-layer losses add up only approximately (and were measured on the "
+        "calibration batches); for a plan within it, scan again with a smaller max_loss_increase"
     )
 
 

@@ -651,7 +651,8 @@ def _export_run(model, tokenizer, run: RunFolder, record: dict, recipe: Recipe, 
     if curve is not None:
         extra[LOSS_CURVE], record["loss_curve"] = curve, LOSS_CURVE
     adapters = " with LoRA adapters" if recipe.method == "int4-lora" and not recipe.export.merge_lora else ""
-    with ui.step(f"exporting to {run.out} ({recipe.export.weights} weights{adapters})"):
+    weights = resolved_weights(model, recipe.export.weights)  # "auto" as what it writes
+    with ui.step(f"exporting to {run.out} ({weights} weights{adapters})"):
         export_trained(model, tokenizer, run.out, record, recipe, extra)
     shutil.rmtree(run.work, ignore_errors=True)
     record.update(read_run(run.out))
