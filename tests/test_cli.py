@@ -344,7 +344,8 @@ def test_scan_writes_a_plan_that_fits_the_model(ws):
     assert default.exit_code == 0, default.output
     budget = re.search(r"max_loss_increase=([0-9.e+-]+)", default.output).group(1)
     assert len(budget.replace(".", "").lstrip("0")) <= 4, budget
-    assert "kept " in default.output.split("Precision plan")[0] and " bf16 " not in default.output  # kept, as the plan says
+    sensitivity = default.output.split("Precision plan")[0]
+    assert "kept " in sensitivity and " bf16 " not in default.output  # the head kept, named as the plan's rows name it
 
 
 def test_a_plan_whose_measured_loss_exceeds_its_budget_gets_a_note():
