@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -90,7 +93,10 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
     try:
         yield tmp
         plain_modes(tmp)
+        dropped = sorted({p.name for p in out.iterdir()} - {p.name for p in tmp.iterdir()}) if out.is_dir() else []
         replace_dir(tmp, out)
+        if dropped:  # a file the user added there, or one the old run wrote and this one does not: said, not silent
+            logger.warning("replaced %s; gone with the old folder: %s", out, ", ".join(dropped))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -122,7 +122,7 @@ def test_sigterm_before_the_first_step_leaves_no_run_folder(ws, tmp_path, monkey
     assert text.endswith("it saved no checkpoint; pass --overwrite to start over"), text
 
 
-def test_overwrite_replaces_only_empty_folders_and_runs(ws, tmp_path):
+def test_overwrite_replaces_only_empty_folders_and_runs(ws, tmp_path, caplog):
     mine = tmp_path / "userdir"
     (mine / "sub").mkdir(parents=True)
     (mine / "notes.txt").write_text("precious")
@@ -148,6 +148,8 @@ def test_overwrite_replaces_only_empty_folders_and_runs(ws, tmp_path):
     again = cli(*finetune_args(ws, empty, "fp8-train", steps=1), "--overwrite")  # a run folder: replaced
     assert again.exit_code == 0, again.output[-2000:]
     assert (empty / RUN_FILE).is_file() and not (empty / "stale.txt").exists()
+    gone = [r.getMessage() for r in caplog.records if "gone with the old folder" in r.getMessage()]
+    assert gone == [f"replaced {empty}; gone with the old folder: stale.txt"]  # what --overwrite removed, named
 
 
 def test_resume_names_the_options_that_changed(ws, tmp_path, monkeypatch):
