@@ -340,7 +340,7 @@ def test_learned_fractional_zero_points_reach_compressed_tensors_through_the_ada
     keeps every code and step, and adds ``(round(z) - z) x step`` per group to each layer's LoRA pair as extra ranks
     (one rank for all layers, scaling kept); compressed-tensors + PEFT, without hf-lowprec, give the trained logits.
     Re-quantizing instead (a layer without an adapter) moves them by far more."""
-    from hf_lowprec.export.compressed_tensors import export_compressed_tensors
+    from hf_lowprec.export.compressed_tensors import export_compressed_tensors, vllm_serving
     from hf_lowprec.modules import PackedInt4Linear
     from hf_lowprec.plan import PrecisionPlan
 
@@ -370,6 +370,9 @@ def test_learned_fractional_zero_points_reach_compressed_tensors_through_the_ada
 
     requantized = export_compressed_tensors(model.get_base_model(), tmp_path / "ct-base")  # no adapter to carry them
     assert len(requantized.requantized) == 14 and requantized.adapter_rank is None
+    # vLLM takes a few --max-lora-rank sizes: the smallest that holds the grown rank, or none past 512
+    assert vllm_serving(40).endswith("--max-lora-rank 64") and vllm_serving(64).endswith("--max-lora-rank 64")
+    assert vllm_serving(600) == "above vLLM's largest --max-lora-rank (512), so vLLM cannot serve it"
 
 
 def test_pack_int32_matches_compressed_tensors():

@@ -48,6 +48,7 @@ QUANT_METHOD = "compressed-tensors"
 CT_FORMAT = "pack-quantized"
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # PEFT's file names
 PEFT_PREFIX = "base_model.model."  # of every key in a saved LoRA adapter, before the layer's name
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's --max-lora-rank takes (MaxLoRARanks)
 
 
 def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -176,6 +177,14 @@ def add_zero_residuals(adapter_dir: Path, residuals: dict[str, torch.Tensor], gr
     save_file(weights, weights_path, metadata={"format": "pt"})
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
     return rank
+
+
+def vllm_serving(rank: int) -> str:
+    """How vLLM serves an adapter of ``rank``: the smallest ``--max-lora-rank`` it takes that holds it."""
+    fits = [r for r in VLLM_MAX_LORA_RANKS if r >= rank]
+    if not fits:
+        return f"above vLLM's largest --max-lora-rank ({VLLM_MAX_LORA_RANKS[-1]}), so vLLM cannot serve it"
+    return f"vLLM serves it with --max-lora-rank {fits[0]}"
 
 
 def residual_carriers(model: nn.Module) -> set[str]:

@@ -26,7 +26,7 @@ from hf_lowprec.checkpoints import (
 )
 from hf_lowprec.convert import apply_plan, freeze, packs_when_frozen, revert
 from hf_lowprec.export.card import render_model_card
-from hf_lowprec.export.compressed_tensors import rerounded, write_compressed_tensors
+from hf_lowprec.export.compressed_tensors import rerounded, vllm_serving, write_compressed_tensors
 from hf_lowprec.export.gguf import ADAPTER_FILE, export_gguf
 from hf_lowprec.export.hf_quantizer import quantization_config_dict, with_load_guards
 from hf_lowprec.export.records import CARD_FILE, RUN_ONLY, plan_record, read_run, write_record
@@ -437,8 +437,8 @@ def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: b
         if done.adapter_rank is not None:
             adapters += (
                 f", rank {done.adapter_rank}: the run's rank {run['adapter'].get('r')} plus the fractional part of "
-                f"{done.residual_layers} layers' learned zero points, which the layout stores as integers (exact; vLLM "
-                f"serves it with --max-lora-rank {done.adapter_rank} or more)"
+                f"{done.residual_layers} layers' learned zero points, which the layout stores as integers (exact; "
+                f"{vllm_serving(done.adapter_rank)})"
             )
         run["export"] = {
             "weights": "compressed-tensors",
