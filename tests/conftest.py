@@ -17,7 +17,8 @@ torch.set_num_threads(1)
 # cache (tests never depend on the winner); the worker processes that import this file share their run's folder, and
 # the run removes it when it ends (left behind, every run added one under /tmp)
 _OWN_CACHE = "HF_LOWPREC_TEST_CACHE" not in os.environ
-os.environ.setdefault("HF_LOWPREC_TEST_CACHE", tempfile.mkdtemp(prefix="hf_lowprec_cache_"))
+if _OWN_CACHE:
+    os.environ["HF_LOWPREC_TEST_CACHE"] = tempfile.mkdtemp(prefix="hf_lowprec_cache_")
 os.environ["HF_LOWPREC_CACHE"] = os.environ["HF_LOWPREC_TEST_CACHE"]
 
 
