@@ -332,6 +332,21 @@ def test_scan_leaves_the_model_exactly_as_found_and_is_deterministic():
     assert [d for d, _ in calls] == list(range(1, len(calls) + 1))
 
 
+def test_gradient_checkpointing_changes_no_score_and_stays_on():
+    """TRL's SFTConfig turns gradient checkpointing on by default, and with it transformers' hook that makes the
+    embedding output require grad, with which every gradient-based score was 0 (an auto plan came out all INT4): the
+    scan runs without both and gives the scores it gives without checkpointing."""
+    plain = scan(tiny_llama().train(), batches(), method="auto", measure_top_fraction=0.2).to_dict()
+    model = tiny_llama()
+    model.gradient_checkpointing_enable()
+    model.train()
+    checkpointed = scan(model, batches(), method="auto", measure_top_fraction=0.2).to_dict()
+    plain.pop("seconds"), checkpointed.pop("seconds")
+    assert checkpointed == plain
+    assert model.is_gradient_checkpointing and all(layer.gradient_checkpointing for layer in model.model.layers)
+    assert model._require_grads_hooks  # the embedding hook checkpointing added is back too
+
+
 def test_merging_batches_does_not_change_weight_only_scores():
     """INT4 is weight-only, so running the two batches as one forward or two gives the same numbers."""
     model = tiny_llama()

@@ -123,8 +123,31 @@ def scan(
     model_id = public_name(getattr(getattr(model, "config", None), "name_or_path", None))  # the plan's "model"
     tokens = _labelled_tokens(model, batches)
     result = ScanResult(scores, tuple(names), method, tokens=tokens, seed=seed, model=model_id)
-    _run_passes(model, batches, units, scores, result, progress, measure_top_fraction, fp8_backend, dense_weights)
+    with _checkpointing_off(model):
+        _run_passes(model, batches, units, scores, result, progress, measure_top_fraction, fp8_backend, dense_weights)
     return result
+
+
+@contextmanager
+def _checkpointing_off(model: nn.Module):
+    """``model`` inside the block as without transformers' gradient checkpointing, as it was after: its layers'
+    checkpointing off (the scan's hooks read each layer's forward once; checkpointing runs it again in backward) and
+    the embedding hook it adds (``enable_input_require_grads``: the embedding output made a leaf that requires grad,
+    with which every gradient-based score came out 0, so TRL's SFTConfig, checkpointing by default, got an all-INT4
+    auto plan)."""
+    checkpointed = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    input_grads = bool(getattr(model, "_require_grads_hooks", None))
+    for m in checkpointed:
+        m.gradient_checkpointing = False
+    if input_grads:
+        model.disable_input_require_grads()
+    try:
+        yield
+    finally:
+        for m in checkpointed:
+            m.gradient_checkpointing = True
+        if input_grads:
+            model.enable_input_require_grads()
 
 
 def _labelled_tokens(model: nn.Module, batches: list[Mapping]) -> int:
