@@ -153,14 +153,17 @@ def test_a_plan_keeping_layers_dense_reloads_to_the_trained_logits(tmp_path):
                                rtol=0, atol=1e-5)  # fmt: skip
 
 
-def test_adapters_name_the_hub_base_model_and_the_card_follows_the_adapter_convention(exported):
+def test_adapters_name_their_packed_base_and_the_card_follows_the_adapter_convention(exported):
+    """The adapters go onto the export's packed model, so their config names the export's repo (what
+    ``AutoPeftModelForCausalLM`` loads), not the dense checkpoint it was packed from nor this machine's cache path; the
+    card's ``base_model`` keeps the checkpoint (the Hub's model tree)."""
     import json
 
     from huggingface_hub import ModelCard
 
     folder, _ = exported
     adapter_config = json.loads((folder / "adapter" / "adapter_config.json").read_text())
-    assert adapter_config["base_model_name_or_path"] == BASE_ID  # not this machine's cache path
+    assert adapter_config["base_model_name_or_path"] == "me/tiny-int4"
     data = ModelCard.load(folder / CARD_FILE).data
     assert data.library_name == "peft" and data.base_model == BASE_ID
 

@@ -485,6 +485,14 @@ def test_a_compressed_tensors_export_carries_learned_zero_points_in_the_adapter(
     weights = record["export"]["description"]  # the card's and the export table's weights line
     assert f"rank {rank}: the run's rank 16 plus the fractional part of 14 layers' learned zero points" in weights
     assert rank == 18 and "vLLM serves it with --max-lora-rank 32" in weights  # the smallest size vLLM takes that fits
+    # the adapters' base is this folder's packed model: unnamed here, the pushed repo's id once pushed (what
+    # AutoPeftModelForCausalLM loads; the dense checkpoint would be the wrong base)
+    local = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    with HubStandIn() as hub:
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        push(out, "tiny-ct", token=TOKEN)
+    uploaded = json.loads(hub.files["me/tiny-ct"]["adapter/adapter_config.json"])
+    assert local["base_model_name_or_path"] is None and uploaded == {**local, "base_model_name_or_path": "me/tiny-ct"}
     card = (out / CARD_FILE).read_text()
     assert "as trained" not in _evaluation(card) and "re-rounded" not in card
     trained = [r["value"] for r in record["eval"] if r["metric"] == "perplexity"][0]

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from peft import PeftModel, PeftType
 from peft.tuners.lora import LoraLayer
+from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -46,7 +47,6 @@ from hf_lowprec.ondevice.export import ADAPTER_DIR, adapterless_state, save_adap
 
 QUANT_METHOD = "compressed-tensors"
 CT_FORMAT = "pack-quantized"
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # PEFT's file names
 PEFT_PREFIX = "base_model.model."  # of every key in a saved LoRA adapter, before the layer's name
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's --max-lora-rank takes (MaxLoRARanks)
 
@@ -155,7 +155,7 @@ def add_zero_residuals(adapter_dir: Path, residuals: dict[str, torch.Tensor], gr
     scaled so that ``scaling`` is unchanged, so the config stays one ``r`` (PEFT, vLLM). Returns the new rank.
 
     PEFT has no API to grow a saved adapter's rank, hence the file rewrite."""
-    config_path, weights_path = adapter_dir / ADAPTER_CONFIG, adapter_dir / ADAPTER_WEIGHTS
+    config_path, weights_path = adapter_dir / CONFIG_NAME, adapter_dir / SAFETENSORS_WEIGHTS_NAME
     config = json.loads(config_path.read_text())
     weights = load_file(weights_path)
     r, alpha, rslora = config["r"], config["lora_alpha"], config.get("use_rslora", False)

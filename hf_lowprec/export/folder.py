@@ -241,7 +241,7 @@ def _export_lora(
             merged_dtype=MERGE_DTYPES.get(merged_dtype),
             tokenizer=tokenizer,
             overwrite=True,  # tmp is empty: written in place
-            base_model_id=run.get("base_model"),
+            base_model_id=repo_id,  # the adapters' base is this folder's packed model
         )
         if merge and merged_dtype is None:
             run["merge"] = m = json.loads((tmp / MERGE_FILE).read_text())["summary"]
@@ -428,7 +428,7 @@ def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: b
     n4, n8 = _packed_counts(model)
     _plan_layers_held_dense(model, run_dir, run, "compressed-tensors")
     with atomic_output_dir(out, overwrite) as tmp:
-        done = write_compressed_tensors(model, tmp, tokenizer=tokenizer, base_model_id=run.get("base_model"))
+        done = write_compressed_tensors(model, tmp, tokenizer=tokenizer, base_model_id=repo_id)
         if done.requantized:
             change = rerounded(done.requantized, n4)
             logger.warning("compressed-tensors export: %s; it computes unlike the model as trained", change)

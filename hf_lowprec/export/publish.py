@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -11,9 +12,11 @@ from pathlib import Path
 
 from huggingface_hub import HfApi, get_token
 from huggingface_hub.utils import HFValidationError, validate_repo_id
+from peft.utils import CONFIG_NAME as ADAPTER_CONFIG
 
 from hf_lowprec.export.card import render_model_card
 from hf_lowprec.export.records import CARD_FILE, RUN_FILE, read_run
+from hf_lowprec.ondevice.export import ADAPTER_DIR
 
 MODEL_CONFIG = "config.json"
 
@@ -42,7 +45,7 @@ def push(
     try:
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
         card = None if run is None else render_model_card(run, repo_id).content
-        with _staged(folder, card) as upload:
+        with _staged(folder, card, repo_id) as upload:
             info = api.upload_folder(
                 folder_path=upload,
                 repo_id=repo_id,
@@ -85,20 +88,26 @@ def _checked(folder: str | os.PathLike, repo_id: str) -> tuple[Path, dict | None
 
 
 @contextlib.contextmanager
-def _staged(folder: Path, card: str | None) -> Iterator[Path]:
-    """``folder`` as it is uploaded: a temporary folder of links to its files (no bytes copied) with ``card`` as its
-    README.md; ``folder`` as it is when ``card`` is ``None``."""
+def _staged(folder: Path, card: str | None, repo_id: str) -> Iterator[Path]:
+    """``folder`` as it is uploaded to ``repo_id``: a temporary folder of links to its files (no bytes copied) with
+    ``card`` as its README.md and, where it holds LoRA adapters, their config naming ``repo_id`` as their base (they
+    go onto this folder's packed model; ``AutoPeftModelForCausalLM`` reads it); ``folder`` as it is when ``card`` is
+    ``None`` (a plain model folder)."""
     if card is None:
         yield folder
         return
     stage = Path(tempfile.mkdtemp(prefix="hf-lowprec-push-"))
+    adapter_config = folder / ADAPTER_DIR / ADAPTER_CONFIG
     try:
         for path in folder.rglob("*"):
             target = stage / path.relative_to(folder)
-            if path.is_file() and path != folder / CARD_FILE:
+            if path.is_file() and path not in (folder / CARD_FILE, adapter_config):
                 target.parent.mkdir(parents=True, exist_ok=True)
                 os.symlink(path.resolve(), target)
         (stage / CARD_FILE).write_bytes(card.encode())
+        if adapter_config.is_file():
+            config = {**json.loads(adapter_config.read_text()), "base_model_name_or_path": repo_id}
+            (stage / ADAPTER_DIR / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
         yield stage
     finally:
         shutil.rmtree(stage, ignore_errors=True)

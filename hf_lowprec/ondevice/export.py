@@ -117,8 +117,10 @@ def export_int4_lora(
     adapter deltas smaller than half an INT4 step, which on small models is most of what LoRA learned.
     Refuses an existing non-empty ``out_dir`` unless ``overwrite``.
 
-    ``base_model_id``: the Hub id the adapters' ``base_model_name_or_path`` names (default: the base's own
-    ``name_or_path`` when that is a Hub id, else none: a local path of this machine means nothing elsewhere).
+    ``base_model_id``: the Hub id the adapters' ``base_model_name_or_path`` names: their base is this folder's
+    packed model, so the id this folder will have on the Hub (``push`` fills it in), else none. The checkpoint it
+    was packed from would be the wrong base (``AutoPeftModelForCausalLM`` would put the adapters, trained on the
+    rounded weights, onto its dense ones), and a local path of this machine means nothing elsewhere.
     The adapters load the PEFT way onto the packed base, after ``import hf_lowprec``:
     ``PeftModel.from_pretrained(base, folder, subfolder="adapter")``.
     """
@@ -186,13 +188,13 @@ def _write_merge_errors(folder: Path, errors: list[dict]) -> None:
 
 def save_adapters(model: PeftModel, folder: Path, base_model_id: str | None) -> None:
     """The adapters, PEFT's way, into ``folder/ADAPTER_DIR``; each adapter config names ``base_model_id`` as its base
-    (or the base's own Hub id, never a local path). ``save_embedding_layers=False``: the base's vocabulary is the
-    checkpoint's (hf-lowprec never resizes it), so PEFT need not look the base's config up on the Hub, which offline
-    printed two warnings per export."""
+    (the Hub id of the folder whose packed model they go onto, or none; never a local path nor the dense checkpoint
+    the base was packed from). ``save_embedding_layers=False``: the base's vocabulary is the checkpoint's (hf-lowprec
+    never resizes it), so PEFT need not look the base's config up on the Hub, which offline printed two warnings per
+    export."""
     saved = {name: config.base_model_name_or_path for name, config in model.peft_config.items()}
     for config in model.peft_config.values():
-        own = config.base_model_name_or_path
-        config.base_model_name_or_path = base_model_id or (None if own is None or Path(own).exists() else own)
+        config.base_model_name_or_path = base_model_id
     base = model.get_base_model()  # PEFT fills a config's None, and names its card's base, from the model's path
     named = base.__dict__.get("name_or_path"), base.config._name_or_path
     base.name_or_path = base.config._name_or_path = next(iter(model.peft_config.values())).base_model_name_or_path or ""
