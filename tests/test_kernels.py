@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -160,17 +161,26 @@ def test_resolve_dtype_names_and_errors():
         autotune.resolve_dtype(torch.float16)
 
 
-def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(monkeypatch, tmp_path, caplog):
-    """torch's cpp_extension waits forever for a lock file left by a process killed while building; ours is cleared
-    once it is older than any build takes."""
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_waited_for_until_it_goes(monkeypatch, tmp_path, caplog):
+    """torch's cpp_extension waits forever for a lock file left by a process killed while building (a test run
+    killed during the kernel build hung the next one); ours is cleared once it is older than any build takes, and a
+    fresh one is waited for until its build ends or it turns stale."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     lock = tmp_path / "some_kernels" / "lock"
     lock.parent.mkdir()
     lock.touch()
+    threading.Timer(1.0, lock.unlink).start()  # a build running now: it finishes, its lock goes
     clear_stale_build_lock("some_kernels")
-    assert lock.exists() and "waiting for another process" in caplog.text  # a build running now: waited for
+    assert not lock.exists() and "waiting for another process" in caplog.text and "interrupted" not in caplog.text
+    lock.touch()  # a process killed while building, 1 s short of stale: waited for, then removed (torch: forever)
+    almost = time.time() - STALE_BUILD_LOCK_S + 1
+    os.utime(lock, (almost, almost))
+    clear_stale_build_lock("some_kernels")
+    assert not lock.exists() and "interrupted" in caplog.text
+    caplog.clear()
+    lock.touch()
     old = time.time() - STALE_BUILD_LOCK_S - 1
     os.utime(lock, (old, old))
     clear_stale_build_lock("some_kernels")
-    assert not lock.exists() and "interrupted" in caplog.text
+    assert not lock.exists() and "interrupted" in caplog.text and "waiting" not in caplog.text  # at once
     clear_stale_build_lock("some_kernels")  # no lock: nothing to do

@@ -997,6 +997,7 @@ _CFLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
 # a build takes about 45 s: a lock file older than this was left by a process killed while building, and torch's
 # cpp_extension would wait for it to go away forever
 STALE_BUILD_LOCK_S = 600
+LOCK_POLL_S = 0.5  # how often a waiting process looks at another's build lock
 
 
 def target_flags() -> list[str]:
@@ -1049,8 +1050,8 @@ def _build():
 
 
 def clear_stale_build_lock(name: str) -> None:
-    """Remove the build lock of extension ``name`` when it is older than ``STALE_BUILD_LOCK_S``; say when a fresh one
-    (another process building now) will be waited for."""
+    """Remove the build lock of extension ``name`` when it is older than ``STALE_BUILD_LOCK_S``; a fresh one (another
+    process building now, or one killed minutes ago) is waited for until it goes or turns stale, and said so."""
     from torch.utils.cpp_extension import _get_build_directory  # private, but the one place the folder is named
 
     lock = Path(_get_build_directory(name, verbose=False)) / "lock"
@@ -1058,8 +1059,17 @@ def clear_stale_build_lock(name: str) -> None:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
         return
-    if age > STALE_BUILD_LOCK_S:
-        logger.warning("removing %s: left %.0f min ago by a kernel build that was interrupted", lock, age / 60)
-        lock.unlink(missing_ok=True)
-    else:
-        logger.warning("waiting for another process building the CPU kernels (%s, %.0f s old)", lock, age)
+    if age <= STALE_BUILD_LOCK_S:  # torch would wait for it forever: wait here until it goes or turns stale
+        logger.warning(
+            "waiting for another process building the CPU kernels (%s, %.0f s old; removed if still there at %d s)",
+            lock,
+            age,
+            STALE_BUILD_LOCK_S,
+        )
+        while lock.exists() and time.time() - lock.stat().st_mtime <= STALE_BUILD_LOCK_S:
+            time.sleep(LOCK_POLL_S)
+        if not lock.exists():
+            return
+        age = time.time() - lock.stat().st_mtime
+    logger.warning("removing %s: left %.0f min ago by a kernel build that was interrupted", lock, age / 60)
+    lock.unlink(missing_ok=True)
