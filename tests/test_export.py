@@ -304,7 +304,7 @@ def test_push_errors_are_one_line_and_token_free(tmp_path, monkeypatch):
     assert from_cli.output.count("error:") == 1 and "error: push to 'me/x' failed" in from_cli.output
 
 
-def test_a_repo_id_without_namespace_goes_under_the_user_and_the_card_names_the_full_id(base_dir, tmp_path, monkeypatch):
+def test_a_repo_id_without_namespace_goes_under_the_user_and_the_card_names_it_whole(base_dir, tmp_path, monkeypatch):
     """``push(folder, "tiny-int4")`` creates ``<user>/tiny-int4`` (as ``create_repo`` does) and the uploaded card's
     snippets load ``<user>/tiny-int4``: ``from_pretrained("tiny-int4")`` would look for a local folder."""
     model, tok = _trained(base_dir, "int4-g64", 1)
