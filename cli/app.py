@@ -379,7 +379,7 @@ OVER_BUDGET = 1.25  # a scanned plan whose held-out Δloss exceeds its budget by
 def _print_scan(result, plan_rows: list[dict], measured: dict, files: str) -> None:
     """The sensitivity table, the plan's rows and its budget, predicted and measured Δloss (and
     :func:`over_budget_note`)."""
-    from hf_lowprec.formats import HIGH_PRECISION
+    from hf_lowprec.plan import kept_label
 
     rows = []
     for r in result.rows():
@@ -387,8 +387,7 @@ def _print_scan(result, plan_rows: list[dict], measured: dict, files: str) -> No
         for f in result.formats:
             star = "*" if r["measured"] and f in result[r["layer"]].measured else ""
             cells.append("n/a" if r[f] is None else f"{r[f]:.2e}{star}")
-        chosen = "kept" if r["chosen"] in HIGH_PRECISION else r["chosen"] or ""  # as the plan's rows call it
-        rows.append((r["layer"], f"{r['params']:,}", *cells, chosen))
+        rows.append((r["layer"], f"{r['params']:,}", *cells, kept_label(r["chosen"] or "")))  # as the plan's rows
     ui.out.print(
         ui.table(
             "Sensitivity: Δloss (nats/token) per layer and format; * measured, else predicted (base loss "

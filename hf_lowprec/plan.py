@@ -29,7 +29,7 @@ import yaml
 from torch import nn
 
 from hf_lowprec.folders import atomic_write_text
-from hf_lowprec.formats import FormatSpec
+from hf_lowprec.formats import HIGH_PRECISION, FormatSpec
 from hf_lowprec.layers import canonical_name, dense_views, unconverted_layers
 
 logger = logging.getLogger(__name__)
@@ -269,10 +269,16 @@ def check_convertible(model: nn.Module) -> None:
     )
 
 
+def kept_label(fmt: str) -> str:
+    """A format's name for people: ``kept`` for the high-precision ones (layers left as they are, in their own
+    dtype, whatever the plan calls them), else the format."""
+    return "kept" if fmt in HIGH_PRECISION else fmt
+
+
 def row_label(row: Mapping) -> str:
     """A :meth:`PrecisionPlan.summary` row's name for people: its format, or for a high-precision row (layers left as
     they are) ``kept (<dtype>)``, the dtype its weights are stored in, which its bytes count."""
-    if row["format"] not in ("bf16", "fp32") or not row["params"]:
+    if row["format"] not in HIGH_PRECISION or not row["params"]:
         return row["format"]
     stored = {2: "bf16", 4: "fp32"}.get(round(row["bytes"] / row["params"]), f"{row['bytes'] / row['params']:.1f} B")
     return f"kept ({stored})"

@@ -22,10 +22,10 @@ from transformers.utils.logging import tqdm
 
 from hf_lowprec import sensitivity
 from hf_lowprec.convert import ConversionReport, apply_plan, eligible_layers
-from hf_lowprec.formats import HIGH_PRECISION, FormatSpec
+from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import output_head_name
 from hf_lowprec.modules.fp8 import FP8_BACKENDS
-from hf_lowprec.plan import PrecisionPlan, format_shares, is_auto, names_a_format, resolve_plan
+from hf_lowprec.plan import PrecisionPlan, format_shares, is_auto, kept_label, names_a_format, resolve_plan
 from hf_lowprec.scaling import TELEMETRY_PREFIX, make_policy_factory
 from hf_lowprec.training.compensation import METHODS as COMPENSATIONS
 from hf_lowprec.training.new_parameters import align_new_parameters
@@ -41,15 +41,11 @@ def coverage(model: nn.Module, report: ConversionReport) -> dict[str, float]:
 
     A Linear's FLOPs per token are proportional to its weight size; embedding lookups do no GEMM.
     """
-    out = {f"params_{_coverage_label(fmt)}": frac for fmt, frac in report.fractions().items()}
+    out = {f"params_{kept_label(fmt)}": frac for fmt, frac in report.fractions().items()}
     layers = eligible_layers(model)
     linear = [(r.applied, r.params) for r in report.layers if isinstance(layers.get(r.name), nn.Linear)]
-    out.update({f"flops_{_coverage_label(fmt)}": frac for fmt, frac in format_shares(linear).items()})
+    out.update({f"flops_{kept_label(fmt)}": frac for fmt, frac in format_shares(linear).items()})
     return out
-
-
-def _coverage_label(fmt: str) -> str:
-    return "kept" if fmt in HIGH_PRECISION else fmt
 
 
 @contextlib.contextmanager
