@@ -461,8 +461,11 @@ def main() -> None:
     if args.mode == "child":
         child_imports(args.config)
         print(MARK + json.dumps(child(args)))
-    elif args.mode == "build":
+    elif args.mode == "build" and args.size:  # a sweep's child building one checkpoint
         build(args.size, Path(args.work))
+    elif args.mode == "build":  # a user building --sizes ahead of a sweep (each once, in a child)
+        for size in args.sizes:
+            print(checkpoint(Path(args.work).expanduser(), size))
     elif args.mode == "plot":  # fits, goals and plot again from the runs in this CPU class's scale json
         stem = results_stem()
         old = json.loads((RESULTS / f"{stem}.json").read_text())
