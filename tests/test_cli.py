@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 from cli_invoke import cli, one_error_line, workspace
-from conftest import with_loud_channels
+from conftest import on_dequant_backend, with_loud_channels
 from hf_lowprec.cli.app import app
 from huggingface_hub import ModelCard
 from safetensors import safe_open
@@ -248,10 +248,9 @@ def test_int4_lora_run_exports_adapters(ws, lora_run):
     dense = AutoModelForCausalLM.from_pretrained(ws / "tiny-loud", dtype=dtype)
     base = causal_lm_loss(dense, held_out(ws, AutoTokenizer.from_pretrained(ws / "tiny")).eval, default_data_collator, batch_size=2)
     assert record["training"]["loss_base"] == pytest.approx(base["loss"], abs=1e-3)
-    assert (out / "adapter" / "adapter_config.json").is_file() and {"int4", "lora"} <= set(ModelCard.load(out / CARD_FILE).data.tags)
-    peft_card = ModelCard.load(out / "adapter" / "README.md")  # PEFT's own: it named the local base folder
-    assert str(ws) not in peft_card.content and peft_card.data.base_model is None
-    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] is None
+    card = ModelCard.load(out / CARD_FILE)  # hf-lowprec's; PEFT's own, which named the local base folder, left out
+    assert {"int4", "lora"} <= set(card.data.tags) and str(ws) not in card.content
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] is None
     model, tok = load_exported(out, backend="dequant")  # packed base + adapters; exact kernels, as trained (learned steps)
     int4 = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
     assert int4 == 14
@@ -263,6 +262,9 @@ def test_int4_lora_run_exports_adapters(ws, lora_run):
     assert any(bool((m.input_scale != 1).any()) for m in model.modules() if isinstance(m, PackedInt4Linear))  # AWQ scales reloaded
     loss = causal_lm_loss(model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
     assert loss == pytest.approx(record["training"]["loss_final"], abs=1e-4)
+    whole = on_dequant_backend(AutoModelForCausalLM.from_pretrained(out))  # transformers applies the adapters itself
+    assert list(whole.peft_config) == ["default"]
+    assert causal_lm_loss(whole, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"] == pytest.approx(loss, abs=1e-5)
 
 
 def test_export_merge_folds_lora_into_the_int4_base(ws, lora_run, tmp_path):
@@ -272,7 +274,7 @@ def test_export_merge_folds_lora_into_the_int4_base(ws, lora_run, tmp_path):
     loss = causal_lm_loss(model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
     result = cli("export", out, "--out", merged, "--merge")
     assert result.exit_code == 0, result.output
-    assert "merge error" in result.output and not (merged / "adapter").exists()
+    assert "merge error" in result.output and not (merged / "adapter_config.json").exists()
     assert "(merging LoRA into an int4 base)" in " ".join(result.output.split())
     merged_model, _ = load_exported(merged)
     merged_loss = causal_lm_loss(merged_model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
@@ -281,7 +283,7 @@ def test_export_merge_folds_lora_into_the_int4_base(ws, lora_run, tmp_path):
     dense = ws / "merged-dense"
     result = cli("export", out, "--out", dense, "--merge", "--merge-into", "bf16")
     assert result.exit_code == 0, result.output
-    assert "quantization_config" not in json.loads((dense / "config.json").read_text()) and not (dense / "adapter").exists()
+    assert "quantization_config" not in json.loads((dense / "config.json").read_text()) and not (dense / "adapter_config.json").exists()
     assert ModelCard.load(dense / CARD_FILE).data.library_name == "transformers"
     plain = AutoModelForCausalLM.from_pretrained(dense)  # transformers alone: a dense bf16 model
     assert not any(isinstance(m, PackedInt4Linear) for m in plain.modules())
@@ -820,11 +822,9 @@ def test_report_to_sends_trainer_and_lowprec_values_to_tensorboard_in_the_run_fo
 
 CT_HELD_OUT_LOSS = """
 import sys, torch
-from peft import PeftModel
 from transformers import AutoModelForCausalLM
-base = AutoModelForCausalLM.from_pretrained({folder!r}, dtype=torch.float32)  # as hf-lowprec eval loads it
-model = PeftModel.from_pretrained(base, {folder!r}, subfolder="adapter")
-assert not any(m.startswith("hf_lowprec") for m in sys.modules)
+model = AutoModelForCausalLM.from_pretrained({folder!r}, dtype=torch.float32)  # the adapters beside it applied by PEFT
+assert list(model.peft_config) == ["default"] and not any(m.startswith("hf_lowprec") for m in sys.modules)
 blocks = torch.load({blocks!r})
 with torch.no_grad():
     print(sum(model(input_ids=b[None], labels=b[None]).loss.item() for b in blocks) / len(blocks))

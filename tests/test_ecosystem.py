@@ -14,10 +14,10 @@ import torch
 from conftest import on_dequant_backend, randomize_adapters
 from peft import LoraConfig
 from safetensors.torch import load_file, save_file
-from tiny_assets import save_tiny_model, tensorboard_scalars
+from tiny_assets import HubStandIn, save_tiny_model, tensorboard_scalars
 from transformers import TrainerCallback
 
-from hf_lowprec.export import CARD_FILE, export_model, hardware_info
+from hf_lowprec.export import CARD_FILE, export_model, hardware_info, load_exported, push
 from hf_lowprec.ondevice import load_int4_lora
 
 BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -79,16 +79,17 @@ def exported(tmp_path_factory):
 
 
 def test_card_snippets_reload_the_trained_model_in_a_fresh_interpreter(exported, tmp_path):
+    """Each loading snippet of the card (``load_exported``; transformers' ``from_pretrained`` after ``import
+    hf_lowprec``, which applies the adapters stored beside the weights) and ``pipeline``, which the card names, give
+    the trained model's logits."""
     folder, trained_logits = exported
     card = (folder / CARD_FILE).read_text()
-    snippets = {s for s in _card_snippets(card) if "import hf_lowprec" in s}
-    base_snippet = next(s for s in snippets if "PeftModel" not in s)
-    peft_snippet = next(s for s in snippets if "PeftModel.from_pretrained" in s)
-    base_logits = _run_snippet(base_snippet.replace("me/tiny-int4", str(folder)), tmp_path)
-    adapted_logits = _run_snippet(peft_snippet.replace("me/tiny-int4", str(folder)), tmp_path)
-    # the same packed codes and adapters, the same kernels (the autotune cache is shared): the same numbers
-    torch.testing.assert_close(adapted_logits, trained_logits, rtol=0, atol=1e-5)
-    assert (base_logits - trained_logits).abs().max() > 1e-2  # the adapters were applied, not dropped
+    snippets = [s for s in _card_snippets(card) if "import hf_lowprec" in s or "from hf_lowprec" in s]
+    assert len(snippets) == 2 and any("AutoModelForCausalLM.from_pretrained" in s for s in snippets), snippets
+    pipe = f"import hf_lowprec\nfrom transformers import pipeline\nmodel = pipeline('text-generation', model={str(folder)!r}).model\n"
+    for code in [s.replace("me/tiny-int4", str(folder)) for s in snippets] + [pipe]:
+        # the same packed codes and adapters, the same kernels (the autotune cache is shared): the same numbers
+        torch.testing.assert_close(_run_snippet(code, tmp_path), trained_logits, rtol=0, atol=1e-5, msg=code)
 
 
 LOAD_BASE = """
@@ -96,6 +97,40 @@ import torch
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained({folder!r})
 """
+
+
+def test_a_pushed_export_loads_whole_from_its_repo_id(exported, tmp_path, monkeypatch):
+    """From the Hub, ``from_pretrained(repo)`` finds the adapter config beside the weights, loads the base it names
+    (the pushed repo itself: ``push`` writes it) and applies the adapters: the trained logits from a repo id. The
+    pushed files are read back from a Hub cache, offline."""
+    folder, trained_logits = exported
+    with HubStandIn() as hub:
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        push(folder, "me/tiny-int4", token="hf_standinSECRETtoken1234567890")
+    repo = tmp_path / "hub" / "models--me--tiny-int4"
+    for name, data in hub.files["me/tiny-int4"].items():
+        (repo / "snapshots" / ("1" * 40) / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / "snapshots" / ("1" * 40) / name).write_bytes(data)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("1" * 40)
+    code = (
+        f"import os\nos.environ['HF_HUB_CACHE'] = {str(tmp_path / 'hub')!r}\n"
+        "import hf_lowprec\nfrom transformers import AutoModelForCausalLM\n"
+        "model = AutoModelForCausalLM.from_pretrained('me/tiny-int4')\nassert list(model.peft_config) == ['default']\n"
+    )
+    torch.testing.assert_close(_run_snippet(code, tmp_path), trained_logits, rtol=0, atol=1e-5)
+
+
+def test_an_export_from_before_the_adapters_moved_still_loads(exported, tmp_path):
+    """Exports written before 2026-12-06 keep their adapters in ``adapter/``: hf-lowprec's loaders still apply them."""
+    folder, trained_logits = exported
+    older = shutil.copytree(folder, tmp_path / "older")
+    (older / "adapter").mkdir()
+    for path in older.glob("adapter_*"):
+        path.rename(older / "adapter" / path.name)
+    model, _ = load_exported(older)
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits, trained_logits, rtol=0, atol=1e-5)
 
 
 def test_a_packed_folder_fails_loudly_without_hf_lowprec_and_loads_quietly_with_it(exported, tmp_path):
@@ -117,20 +152,22 @@ def test_a_packed_folder_fails_loudly_without_hf_lowprec_and_loads_quietly_with_
     unguarded = {k: v for k, v in weights.items() if not (k.endswith(".weight") and v.dtype == torch.uint8)}
     assert len(weights) - len(unguarded) == 14  # every packed linear but the int8 head: 2 layers x 7
     save_file(unguarded, older / "model.safetensors", metadata={"format": "pt"})
-    snippet = "import hf_lowprec\n" + LOAD_BASE.format(folder=str(older))
-    snippet += f"from peft import PeftModel\nmodel = PeftModel.from_pretrained(model, {str(older)!r}, subfolder='adapter')\n"
+    snippet = "import hf_lowprec\n" + LOAD_BASE.format(folder=str(older))  # the adapters beside it applied too
     torch.testing.assert_close(_run_snippet(snippet, tmp_path), trained_logits, rtol=0, atol=0)
 
 
 def test_adapters_load_when_peft_is_imported_after_the_model(exported, tmp_path):
-    """The notebook order: the packed base loads first (``from_pretrained`` probes for PEFT with ``find_spec`` without
-    importing it), PEFT is imported afterwards; its LoRA dispatch must still know the packed layers."""
+    """The notebook order: a packed base without adapters loads first (``from_pretrained`` probes for PEFT with
+    ``find_spec`` without importing it), PEFT is imported afterwards; its LoRA dispatch must still know the packed
+    layers."""
     folder, trained_logits = exported
+    base_only = tmp_path / "base-only"
+    shutil.copytree(folder, base_only, ignore=shutil.ignore_patterns("adapter_*"))
     code = (
         "import hf_lowprec\nfrom transformers import AutoModelForCausalLM\n"
-        f"base = AutoModelForCausalLM.from_pretrained({str(folder)!r})\n"
+        f"base = AutoModelForCausalLM.from_pretrained({str(base_only)!r})\n"
         "import sys\nassert 'peft' not in sys.modules\n"
-        f"from peft import PeftModel\nmodel = PeftModel.from_pretrained(base, {str(folder)!r}, subfolder='adapter')\n"
+        f"from peft import PeftModel\nmodel = PeftModel.from_pretrained(base, {str(folder)!r})\n"
     )
     torch.testing.assert_close(_run_snippet(code, tmp_path), trained_logits, rtol=0, atol=1e-5)
 
@@ -148,24 +185,27 @@ def test_a_plan_keeping_layers_dense_reloads_to_the_trained_logits(tmp_path):
         trained = model(IDS).logits
     out = export_model(model, tokenizer, tmp_path / "run", _record(), repo_id="me/tiny-int4")
     card = (out / CARD_FILE).read_text()
-    peft_snippet = next(s for s in _card_snippets(card) if "PeftModel.from_pretrained" in s)
-    torch.testing.assert_close(_run_snippet(peft_snippet.replace("me/tiny-int4", str(out)), tmp_path), trained,
+    snippet = next(s for s in _card_snippets(card) if "AutoModelForCausalLM.from_pretrained" in s)  # adapters applied
+    torch.testing.assert_close(_run_snippet(snippet.replace("me/tiny-int4", str(out)), tmp_path), trained,
                                rtol=0, atol=1e-5)  # fmt: skip
 
 
-def test_adapters_name_their_packed_base_and_the_card_follows_the_adapter_convention(exported):
-    """The adapters go onto the export's packed model, so their config names the export's repo (what
-    ``AutoPeftModelForCausalLM`` loads), not the dense checkpoint it was packed from nor this machine's cache path; the
-    card's ``base_model`` keeps the checkpoint (the Hub's model tree)."""
+def test_adapters_name_their_packed_base_and_the_card_follows_the_embedded_adapter_convention(exported):
+    """The adapters go onto the export's packed model, so their config names the export's repo (what transformers'
+    ``from_pretrained(repo)`` and ``AutoPeftModelForCausalLM`` load as their base), not the dense checkpoint it was
+    packed from nor this machine's cache path. The card's ``base_model`` keeps the checkpoint (the Hub's model tree)
+    and its library is transformers, whose ``from_pretrained`` loads the model with its adapters: the Hub's peft
+    snippet would put them onto the dense checkpoint. PEFT's own card is not written (the folder's card is ours)."""
     import json
 
     from huggingface_hub import ModelCard
 
     folder, _ = exported
-    adapter_config = json.loads((folder / "adapter" / "adapter_config.json").read_text())
-    assert adapter_config["base_model_name_or_path"] == "me/tiny-int4"
-    data = ModelCard.load(folder / CARD_FILE).data
-    assert data.library_name == "peft" and data.base_model == BASE_ID
+    adapter_config = json.loads((folder / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == "me/tiny-int4" and not (folder / "adapter").exists()
+    card = ModelCard.load(folder / CARD_FILE)
+    assert card.data.library_name == "transformers" and card.data.base_model == BASE_ID
+    assert "Framework versions" not in card.content and not list(folder.glob(".*"))  # no PEFT card, no staging left
 
 
 def test_an_export_does_not_look_the_base_model_up_on_the_hub(tmp_path):
@@ -178,7 +218,7 @@ def test_an_export_does_not_look_the_base_model_up_on_the_hub(tmp_path):
         warnings.simplefilter("always")
         export_model(model, tokenizer, tmp_path / "run", _record(), repo_id="me/tiny-int4")
     lookups = [str(w.message) for w in caught if "config file" in str(w.message) or "fetch remote" in str(w.message)]
-    assert lookups == [] and (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+    assert lookups == [] and (tmp_path / "run" / "adapter_model.safetensors").is_file()
 
 
 def test_import_registers_without_importing_transformers_or_peft():
@@ -306,10 +346,9 @@ def test_telemetry_reaches_the_experiment_trackers(tmp_path):
 LOAD_WITHOUT_HF_LOWPREC = """
 import sys
 import torch
-from peft import PeftModel
 from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained({folder!r}, dtype=torch.float32)
-model = PeftModel.from_pretrained(model, {folder!r}, subfolder="adapter")
+model = AutoModelForCausalLM.from_pretrained({folder!r}, dtype=torch.float32)  # PEFT applies the adapters beside it
+assert list(model.peft_config) == ["default"], "the adapters were not applied"
 assert not any(m.startswith("hf_lowprec") for m in sys.modules), "hf_lowprec was imported"
 """
 
@@ -363,7 +402,7 @@ def test_learned_fractional_zero_points_reach_compressed_tensors_through_the_ada
     done = export_compressed_tensors(model, tmp_path / "ct", base_model_id=BASE_ID)
     groups = max(-(-m.in_features // 32) for m in packed.values())
     assert done.requantized == {} and done.residual_layers == len(packed) == 14 and done.adapter_rank == 4 + groups
-    adapter = json.loads((tmp_path / "ct" / "adapter" / "adapter_config.json").read_text())
+    adapter = json.loads((tmp_path / "ct" / "adapter_config.json").read_text())
     scaling = adapter["lora_alpha"] / (adapter["r"] ** 0.5 if use_rslora else adapter["r"])
     assert adapter["r"] == done.adapter_rank and scaling == pytest.approx(8 / (4**0.5 if use_rslora else 4))
     loaded = _run_snippet(LOAD_WITHOUT_HF_LOWPREC.format(folder=str(tmp_path / "ct")), tmp_path)

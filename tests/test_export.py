@@ -35,6 +35,7 @@ from hf_lowprec.export import (
 )
 from hf_lowprec.folders import atomic_output_dir
 from hf_lowprec.modules.kernels.cpu import cpu_info
+from hf_lowprec.ondevice.export import NO_ADAPTER_LOOKUP
 from hf_lowprec.plan import PrecisionPlan
 
 TOKEN = "hf_standinSECRETtoken1234567890"
@@ -479,7 +480,7 @@ def test_a_compressed_tensors_export_carries_learned_zero_points_in_the_adapter(
     result = cli("export", runs / "lora", "--out", out, "--format", "compressed-tensors")
     assert result.exit_code == 0, result.output
     record = json.loads((out / RUN_FILE).read_text())
-    rank = json.loads((out / "adapter" / "adapter_config.json").read_text())["r"]
+    rank = json.loads((out / "adapter_config.json").read_text())["r"]
     assert record["export"]["requantized_layers"] == {} and "export_changes" not in record
     assert not [r for r in caplog.records if r.levelname == "WARNING" and "compressed-tensors" in r.getMessage()]
     weights = record["export"]["description"]  # the card's and the export table's weights line
@@ -487,11 +488,11 @@ def test_a_compressed_tensors_export_carries_learned_zero_points_in_the_adapter(
     assert rank == 18 and "vLLM serves it with --max-lora-rank 32" in weights  # the smallest size vLLM takes that fits
     # the adapters' base is this folder's packed model: unnamed here, the pushed repo's id once pushed (what
     # AutoPeftModelForCausalLM loads; the dense checkpoint would be the wrong base)
-    local = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    local = json.loads((out / "adapter_config.json").read_text())
     with HubStandIn() as hub:
         monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
         push(out, "tiny-ct", token=TOKEN)
-    uploaded = json.loads(hub.files["me/tiny-ct"]["adapter/adapter_config.json"])
+    uploaded = json.loads(hub.files["me/tiny-ct"]["adapter_config.json"])
     assert local["base_model_name_or_path"] is None and uploaded == {**local, "base_model_name_or_path": "me/tiny-ct"}
     card = (out / CARD_FILE).read_text()
     assert "as trained" not in _evaluation(card) and "re-rounded" not in card
@@ -515,7 +516,7 @@ def test_a_compressed_tensors_export_that_re_rounds_says_so_in_the_log_and_the_c
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "compressed-tensors export" in r.getMessage()]
     assert len(warned) == 1 and "14 of 14 INT4 layers re-rounded" in warned[0] and f"median {median}, max {worst}" in warned[0]
     said = " ".join(result.output.split())
-    assert re.search(r"weights │ 14 layers as packed INT4 codes .*LoRA adapters in adapter/", said)
+    assert re.search(r"weights │ 14 layers as packed INT4 codes .*LoRA adapters beside it \(PEFT format\)", said)
     card = (out / CARD_FILE).read_text()
     evaluation = " ".join(_evaluation(card).split())
     assert "14 of 14 INT4 layers re-rounded" in evaluation and f"relative weight error median {median}, max {worst}" in evaluation
@@ -529,18 +530,19 @@ def test_a_compressed_tensors_export_that_re_rounds_says_so_in_the_log_and_the_c
 
 
 def test_the_compressed_tensors_card_loads_the_trained_model_first(runs, tmp_path):
-    """Its first snippet is the base with the trained adapters (what hf-lowprec loads); from_pretrained alone is the
-    base without them, as one sentence says; no text says the adapters go onto a packed base."""
+    """Its first snippet is transformers' ``from_pretrained``, which applies the trained adapters stored beside the
+    weights (what hf-lowprec loads); without PEFT it is the base without them, as one sentence says; no text says
+    the adapters go onto a packed base."""
     out = export_run(runs / "lora", tmp_path / "ct", weights_format="compressed-tensors", repo_id="me/tiny-ct")
     card = (out / CARD_FILE).read_text()
     how = card.split("## How to load")[1].split("## Precision plan")[0]
     first = re.findall(r"```python\n(.*?)```", how, flags=re.S)[0]
-    assert "PeftModel.from_pretrained" in first and "packed base" not in how
-    assert "`AutoModelForCausalLM.from_pretrained` alone gives the base without the fine-tuning" in " ".join(how.split())
+    assert "AutoModelForCausalLM.from_pretrained" in first and "PeftModel" not in first and "packed base" not in how
+    assert "Without `peft` installed, `from_pretrained` gives the base without the fine-tuning" in " ".join(how.split())
     namespace = {}
     exec(first.replace("me/tiny-ct", str(out)), namespace)
     trained = load_exported(out)[0]
-    base = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, adapter_kwargs=NO_ADAPTER_LOOKUP)
     with torch.no_grad():
         assert torch.equal(namespace["model"](IDS).logits, trained(IDS).logits)
         assert not torch.allclose(base(IDS).logits, trained(IDS).logits, atol=1e-3)

@@ -43,7 +43,7 @@ from hf_lowprec.folders import atomic_output_dir, check_output_dir
 from hf_lowprec.layers import canonical_name
 from hf_lowprec.modules.packed import PackedInt4Linear, PackedInt8Linear, PackedLinear
 from hf_lowprec.modules.packed_embedding import with_dense_tables
-from hf_lowprec.ondevice.export import ADAPTER_DIR, adapterless_state, save_adapters, without_hf_quantizer
+from hf_lowprec.ondevice.export import adapterless_state, save_adapters, without_hf_quantizer
 
 QUANT_METHOD = "compressed-tensors"
 CT_FORMAT = "pack-quantized"
@@ -275,14 +275,13 @@ def export_compressed_tensors(
     base_model_id: str | None = None,
 ) -> CompressedTensorsExport:
     """Write ``model`` (packed INT4 layers, optionally a PEFT model with LoRA adapters) as a compressed-tensors folder
-    at ``out_dir``, atomically; adapters go to ``adapter/`` in PEFT format. Returns :class:`CompressedTensorsExport`:
+    at ``out_dir``, atomically; adapters go beside the weights in PEFT format. Returns :class:`CompressedTensorsExport`:
     the relative weight error of each layer that had to be re-quantized (see the module docstring; empty when none)
     and the adapter's rank when it carries fractional zero points.
 
     Load it without hf-lowprec (``pip install compressed-tensors``)::
 
-        model = AutoModelForCausalLM.from_pretrained(out_dir)
-        model = PeftModel.from_pretrained(model, out_dir, subfolder="adapter")  # when it has adapters
+        model = AutoModelForCausalLM.from_pretrained(out_dir)  # with its adapters, when it has them and PEFT is installed
     """
     check_output_dir(Path(out_dir), overwrite)
     with atomic_output_dir(out_dir, overwrite) as tmp:
@@ -307,7 +306,7 @@ def write_compressed_tensors(
         save_adapters(model, folder, base_model_id)
         if residuals:
             group_size = quantization_config["config_groups"]["group_0"]["weights"]["group_size"]
-            done.adapter_rank = add_zero_residuals(folder / ADAPTER_DIR, residuals, group_size)
+            done.adapter_rank = add_zero_residuals(folder, residuals, group_size)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     return done

@@ -33,8 +33,8 @@ from hf_lowprec.export.records import CARD_FILE, RUN_ONLY, plan_record, read_run
 from hf_lowprec.folders import atomic_output_dir
 from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, PackedInt4Linear, PackedInt8Linear
 from hf_lowprec.modules.packed import packed_class
-from hf_lowprec.ondevice import ADAPTER_DIR, MERGE_DTYPES, MERGE_FILE, export_int4_lora, load_int4_model
-from hf_lowprec.ondevice.export import dense_merged_state, without_hf_quantizer
+from hf_lowprec.ondevice import MERGE_DTYPES, MERGE_FILE, export_int4_lora, load_int4_model
+from hf_lowprec.ondevice.export import NO_ADAPTER_LOOKUP, adapter_folder, dense_merged_state, without_hf_quantizer
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 from hf_lowprec.recipe import EXPORT_WEIGHTS
 
@@ -219,14 +219,17 @@ def _export_lora(
         run["export"] = {
             "weights": "int4-packed",
             "loader": "hf_lowprec",
-            "library_name": "peft",  # the Hub's convention for a repository of adapters
+            # transformers, not peft: the repository is a model with its adapters embedded, which from_pretrained
+            # loads whole; the Hub's peft snippet would put them onto the dense base_model instead
+            "library_name": "transformers",
             "dtype": _dtype_name(model),
-            "description": f"base: {packed}, plus LoRA adapters in {ADAPTER_DIR}/ (PEFT format)",
+            "description": f"base: {packed}, plus LoRA adapters beside it (PEFT format)",
         }
         run["adapter"] = {
             **run.get("adapter", {}),
-            "folder": f"{ADAPTER_DIR}/",
-            "note": "load_exported applies them; `hf-lowprec export --merge` folds them into the INT4 base",
+            "folder": "./",
+            "note": "from_pretrained and load_exported apply them; `hf-lowprec export --merge` folds them into the INT4 "
+            "base",
         }
         if run["adapter"].get("learned_steps"):
             run["adapter"]["note"] += (
@@ -433,7 +436,7 @@ def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: b
             change = rerounded(done.requantized, n4)
             logger.warning("compressed-tensors export: %s; it computes unlike the model as trained", change)
             _weights_changed(run, change)
-        adapters = f"; LoRA adapters in {ADAPTER_DIR}/ (PEFT format)" if run.get("adapter") else ""
+        adapters = "; LoRA adapters beside it (PEFT format)" if run.get("adapter") else ""
         if done.adapter_rank is not None:
             adapters += (
                 f", rank {done.adapter_rank}: the run's rank {run['adapter'].get('r')} plus the fractional part of "
@@ -537,14 +540,14 @@ def load_exported(
             raise cannot_load(name, e) from e
     weights = loadable_weights(folder, name, apply_plan_numerics)
     if weights == "int4-packed":
-        lora_base = (folder / ADAPTER_DIR).is_dir() or read_run(folder).get("recipe", {}).get("method") == "int4-lora"
+        lora_base = adapter_folder(folder) is not None or read_run(folder).get("recipe", {}).get("method") == "int4-lora"
         if apply_plan_numerics and backend == "auto" and not lora_base:
             backend = "dequant"  # its INT4 layers trained on their dequantized weights, not through int8 kernels
         model, tokenizer = load_int4_model(folder, dtype=dtype, backend=backend)
     else:
-        model, tokenizer = load_pretrained(folder, dtype=dtype or torch.float32)
-        if (folder / ADAPTER_DIR).is_dir():  # a compressed-tensors export's LoRA adapters, PEFT's way onto its base
-            model = PeftModel.from_pretrained(model, folder / ADAPTER_DIR).eval()
+        model, tokenizer = load_pretrained(folder, dtype=dtype or torch.float32, adapter_kwargs=NO_ADAPTER_LOOKUP)
+        if (adapters := adapter_folder(folder)) is not None:  # a compressed-tensors export's LoRA adapters
+            model = PeftModel.from_pretrained(model, adapters).eval()
     if apply_plan_numerics:
         _apply_plan_numerics(model, folder)
     return model, tokenizer

@@ -40,7 +40,7 @@ from hf_lowprec.allocator import freed_memory_returned
 from hf_lowprec.file_pages import file_mappings, release_file_bytes
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import canonical_name, set_module, swap_layers
-from hf_lowprec.modules.packed import PackedLinear, compact_steps, packed_class
+from hf_lowprec.modules.packed import KEPT_DENSE, PackedLinear, compact_steps, packed_class
 from hf_lowprec.modules.packed_embedding import PackedEmbedding, embedding_scale, share_packed_head, tied_head_names
 from hf_lowprec.plan import PrecisionPlan, is_auto, resolve_plan
 from hf_lowprec.pread_safetensors import read_safetensors
@@ -107,6 +107,9 @@ class HfLowprecQuantizer(HfQuantizer):
         if self.pre_quantized:
             plan = PrecisionPlan.from_dict(self.quantization_config.plan)
             install_packed_shells(model, plan, self.quantization_config.exact_kernels)
+            for module in model.modules():  # what the plan keeps dense; their adapters reload in fp32, as trained
+                if type(module) is nn.Linear:
+                    setattr(module, KEPT_DENSE, True)
             guards = {rf"(^|\.){re.escape(key)}$" for key in with_load_guards(model, {})}  # expected: skipped quietly
             model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | guards
         else:

@@ -16,7 +16,7 @@ from peft.utils import CONFIG_NAME as ADAPTER_CONFIG
 
 from hf_lowprec.export.card import render_model_card
 from hf_lowprec.export.records import CARD_FILE, RUN_FILE, read_run
-from hf_lowprec.ondevice.export import ADAPTER_DIR
+from hf_lowprec.ondevice.export import adapter_folder
 
 MODEL_CONFIG = "config.json"
 
@@ -97,7 +97,8 @@ def _staged(folder: Path, card: str | None, repo_id: str) -> Iterator[Path]:
         yield folder
         return
     stage = Path(tempfile.mkdtemp(prefix="hf-lowprec-push-"))
-    adapter_config = folder / ADAPTER_DIR / ADAPTER_CONFIG
+    adapters = adapter_folder(folder)
+    adapter_config = adapters / ADAPTER_CONFIG if adapters is not None else None
     try:
         for path in folder.rglob("*"):
             target = stage / path.relative_to(folder)
@@ -105,9 +106,9 @@ def _staged(folder: Path, card: str | None, repo_id: str) -> Iterator[Path]:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 os.symlink(path.resolve(), target)
         (stage / CARD_FILE).write_bytes(card.encode())
-        if adapter_config.is_file():
+        if adapter_config is not None:
             config = {**json.loads(adapter_config.read_text()), "base_model_name_or_path": repo_id}
-            (stage / ADAPTER_DIR / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+            (stage / adapter_config.relative_to(folder)).write_text(json.dumps(config, indent=2, sort_keys=True))
         yield stage
     finally:
         shutil.rmtree(stage, ignore_errors=True)

@@ -28,7 +28,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.model import LoraModel
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 
-from hf_lowprec.modules.packed import PackedLinear
+from hf_lowprec.modules.packed import KEPT_DENSE, PackedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,9 @@ def register_peft_dispatch() -> None:
 
     PEFT's only hook for new layer types is the per-config mapping of :func:`register_int4_lora`, which a config read
     from disk does not carry; so ``LoraModel._create_new_module`` is wrapped to add that mapping whenever the layer
-    to wrap is packed, and to leave every other layer to PEFT as it is.
+    to wrap is packed. A linear a packed folder's plan keeps dense (marked :data:`KEPT_DENSE` as it loads) gets its
+    adapters in fp32, as they trained (``prepare_int4_lora``): transformers' own ``load_adapter``, which loads the
+    adapters stored beside an export's weights, would make them the layer's bf16. Every other layer is PEFT's.
     """
     create = LoraModel._create_new_module
     if getattr(create, "hf_lowprec_dispatch", False):
@@ -184,7 +186,11 @@ def register_peft_dispatch() -> None:
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
         if isinstance(base, PackedLinear):
             register_int4_lora(lora_config)
-        return create(lora_config, adapter_name, target, **kwargs)
+        module = create(lora_config, adapter_name, target, **kwargs)
+        if getattr(base, KEPT_DENSE, False) and adapter_name in getattr(module, "lora_A", {}):
+            for p in (*module.lora_A[adapter_name].parameters(), *module.lora_B[adapter_name].parameters()):
+                p.data = p.data.float()
+        return module
 
     create_new_module.hf_lowprec_dispatch = True
     LoraModel._create_new_module = staticmethod(create_new_module)

@@ -108,6 +108,8 @@ AUTOTUNE_TOKENS = 256  # rows of the probe input when auto times the backends of
 # first-run spike of ~100 MB at the Llama-3.2-1B shape
 AUTOTUNE_OUTPUTS = 1 << 23
 CHUNK_ELEMENTS = 1 << 22  # weight elements quantized per slice when packing a dense weight (16 MB in fp32)
+# set True on each nn.Linear a packed folder's plan keeps dense as it loads: LoRA adapters on it are fp32, as trained
+KEPT_DENSE = "hf_lowprec_kept_dense"
 # weight elements dequantized at a time for an INT4 layer's row maxima (the int8 backend's row steps), made at the
 # layer's first call: in the first forward, on top of the activations saved so far. 4 MB in fp32: with CHUNK_ELEMENTS
 # the first 1B step (scale.py's warm-up) peaked in the last layer's forward, ~20 MB over the later steps' peak

@@ -22,7 +22,7 @@ in 8 bits (default; or gradient checkpointing), by SwiGLU MLPs and RMSNorms that
 """
 
 from hf_lowprec.chunked_loss import chunked_causal_lm_loss, cross_entropy_with_grad
-from hf_lowprec.ondevice.export import ADAPTER_DIR, MERGE_DTYPES, MERGE_FILE, export_int4_lora, load_int4_model
+from hf_lowprec.ondevice.export import MERGE_DTYPES, MERGE_FILE, export_int4_lora, load_int4_model
 from hf_lowprec.ondevice.loftq import loftq_factors
 from hf_lowprec.ondevice.loss import evaluate_loss, token_blocks
 from hf_lowprec.ondevice.planning import (
@@ -47,7 +47,6 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "ADAPTER_DIR",
     "ChunkedLossTrainer",
     "AUTO_BUDGET",
     "AUTO_FORMATS",

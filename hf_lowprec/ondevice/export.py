@@ -9,11 +9,12 @@ import copy
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
-from huggingface_hub import ModelCard
 from peft import LoraConfig, PeftModel
+from peft.utils import CONFIG_NAME as ADAPTER_CONFIG
 from torch import nn
 
 from hf_lowprec.allocator import freed_memory_returned
@@ -33,9 +34,22 @@ logger = logging.getLogger(__name__)
 
 MERGE_FILE = "hf_lowprec_merge.json"
 MERGE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # export --merge-into dense dtypes
-ADAPTER_DIR = (
-    "adapter"  # not the top folder: transformers would try to load adapters there itself, without the INT4 dispatch
-)
+LEGACY_ADAPTER_DIR = "adapter"  # where exports before 2026-12-06 kept their adapters (still read)
+# from_pretrained(folder, adapter_kwargs=NO_ADAPTER_LOOKUP) loads a folder's model without the adapters at its top,
+# which transformers otherwise applies itself (inference-only LoRA layers, not a PeftModel) when it finds an
+# adapter_config.json there. transformers has no switch for that lookup, so it is pointed at a subfolder no
+# folder has (a local path: no Hub request).
+NO_ADAPTER_LOOKUP = {"subfolder": ".hf-lowprec-base-only"}
+
+
+def adapter_folder(folder: Path) -> Path | None:
+    """Where the export ``folder`` keeps its LoRA adapters (PEFT format): its top, where transformers'
+    ``from_pretrained(folder)`` and ``pipeline`` apply them with the model (their convention for a model with its
+    adapter embedded), or ``adapter/`` in exports written before 2026-12-06; ``None`` without adapters."""
+    for where in (folder, folder / LEGACY_ADAPTER_DIR):
+        if (where / ADAPTER_CONFIG).is_file():
+            return where
+    return None
 
 
 def adapterless_state(base: nn.Module) -> dict[str, torch.Tensor]:
@@ -105,11 +119,11 @@ def export_int4_lora(
     """Save an INT4-base LoRA model as a ``save_pretrained`` folder, atomically; returns its path.
 
     ``merge=False``: the packed base (``model.safetensors``, ``quant_method: hf_lowprec``) plus the
-    adapters in PEFT format in ``adapter/`` (``adapter_config.json``, ``adapter_model.safetensors``). ``merge=True``:
+    adapters in PEFT format beside it (``adapter_config.json``, ``adapter_model.safetensors``). ``merge=True``:
     each adapter's delta is added to its dequantized base weight and re-quantized to INT4 with fresh
     steps — a second rounding, so the merged model differs from the trained one; the per-layer error
     is written to ``hf_lowprec_merge.json`` and logged. Reload either with :func:`load_int4_model`
-    (or ``AutoModelForCausalLM.from_pretrained`` after ``import hf_lowprec``, then PEFT for adapters).
+    (or ``AutoModelForCausalLM.from_pretrained`` after ``import hf_lowprec``, which applies the adapters too).
 
     ``merge=True, merged_dtype=torch.bfloat16`` (or fp32) instead writes a plain dense model — every
     packed weight dequantized plus its adapter delta, rounded once to ``merged_dtype`` — that any
@@ -121,8 +135,8 @@ def export_int4_lora(
     packed model, so the id this folder will have on the Hub (``push`` fills it in), else none. The checkpoint it
     was packed from would be the wrong base (``AutoPeftModelForCausalLM`` would put the adapters, trained on the
     rounded weights, onto its dense ones), and a local path of this machine means nothing elsewhere.
-    The adapters load the PEFT way onto the packed base, after ``import hf_lowprec``:
-    ``PeftModel.from_pretrained(base, folder, subfolder="adapter")``.
+    After ``import hf_lowprec``, ``AutoModelForCausalLM.from_pretrained(folder)`` (and ``pipeline``) loads the packed
+    base with its adapters applied; :func:`load_int4_model` as a ``PeftModel`` (``is_trainable=True`` to train on).
     """
     base, plan = _checked_base(model, merge, merged_dtype)
     check_output_dir(Path(out_dir), overwrite)
@@ -187,36 +201,30 @@ def _write_merge_errors(folder: Path, errors: list[dict]) -> None:
 
 
 def save_adapters(model: PeftModel, folder: Path, base_model_id: str | None) -> None:
-    """The adapters, PEFT's way, into ``folder/ADAPTER_DIR``; each adapter config names ``base_model_id`` as its base
-    (the Hub id of the folder whose packed model they go onto, or none; never a local path nor the dense checkpoint
-    the base was packed from). ``save_embedding_layers=False``: the base's vocabulary is the checkpoint's (hf-lowprec
-    never resizes it), so PEFT need not look the base's config up on the Hub, which offline printed two warnings per
-    export."""
+    """The adapters, PEFT's way (``adapter_config.json``, ``adapter_model.safetensors``), into the top of ``folder``
+    beside the model they go onto: ``from_pretrained(folder)`` then applies them. Each adapter config names
+    ``base_model_id`` as its base (the Hub id of the folder whose packed model they go onto, or none; never a local
+    path nor the dense checkpoint the base was packed from). PEFT's own README.md is left out: the folder's card is
+    hf-lowprec's (PEFT would append to it). ``save_embedding_layers=False``: the base's vocabulary is the
+    checkpoint's (hf-lowprec never resizes it), so PEFT need not look the base's config up on the Hub, which offline
+    printed two warnings per export."""
     saved = {name: config.base_model_name_or_path for name, config in model.peft_config.items()}
     for config in model.peft_config.values():
         config.base_model_name_or_path = base_model_id
-    base = model.get_base_model()  # PEFT fills a config's None, and names its card's base, from the model's path
+    base = model.get_base_model()  # PEFT fills a config's None from the model's path
     named = base.__dict__.get("name_or_path"), base.config._name_or_path
-    base.name_or_path = base.config._name_or_path = next(iter(model.peft_config.values())).base_model_name_or_path or ""
+    base.name_or_path = base.config._name_or_path = base_model_id or ""
+    staging = folder / ".adapters.tmp"
     try:
-        model.save_pretrained(folder / ADAPTER_DIR, save_embedding_layers=False)
-        _name_the_base_in_peft_card(folder / ADAPTER_DIR / "README.md", base.name_or_path or None)
+        model.save_pretrained(staging, save_embedding_layers=False)
+        for path in staging.iterdir():  # the default adapter's files; a further named adapter's folder
+            if path.name != "README.md":
+                path.rename(folder / path.name)
     finally:
+        shutil.rmtree(staging, ignore_errors=True)
         for name, config in model.peft_config.items():
             config.base_model_name_or_path = saved[name]
         base.name_or_path, base.config._name_or_path = named
-
-
-def _name_the_base_in_peft_card(path: Path, base: str | None) -> None:
-    """PEFT's card for the adapters names their base ``base`` (a Hub id), or none (a local folder: ``/home/<user>/...``
-    or a dequantized GGUF cache, which a push would publish)."""
-    if not path.is_file():
-        return
-    card = ModelCard.load(path)
-    card.data.base_model = base
-    kept = [t for t in card.data.tags or [] if not t.startswith("base_model:")]
-    card.data.tags = kept + ([f"base_model:adapter:{base}"] if base else [])
-    card.save(path)
 
 
 @contextlib.contextmanager
@@ -262,12 +270,14 @@ def load_int4_model(
         raise ValueError(
             f"{str(folder)!r} is not a packed INT4 folder (quant_method {method!r}); load it with from_pretrained"
         )
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or getattr(config, "dtype", None) or torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype or getattr(config, "dtype", None) or torch.float32, adapter_kwargs=NO_ADAPTER_LOOKUP
+    )
     for m in model.modules():
         if isinstance(m, PackedLinear):
             m.backend = backend
-    if (folder / ADAPTER_DIR).is_dir():
-        lora = register_int4_lora(LoraConfig.from_pretrained(folder / ADAPTER_DIR))
-        model = PeftModel.from_pretrained(model, folder / ADAPTER_DIR, config=lora, is_trainable=is_trainable)
+    if (adapters := adapter_folder(folder)) is not None:
+        lora = register_int4_lora(LoraConfig.from_pretrained(adapters))
+        model = PeftModel.from_pretrained(model, adapters, config=lora, is_trainable=is_trainable)
     tokenizer = AutoTokenizer.from_pretrained(folder) if any((folder / f).is_file() for f in TOKENIZER_FILES) else None
     return model.eval(), tokenizer
