@@ -349,14 +349,15 @@ def _scan_batches(model, gguf_file, data, sizes: tuple[int, int, int], text_colu
     block size)``; ``loading``: ``from_pretrained`` keywords."""
     from hf_lowprec.cli.run import checkpoint_tokenizer
 
-    from hf_lowprec.checkpoints import default_checkpoint, load_pretrained
+    from hf_lowprec.checkpoints import default_checkpoint, load_pretrained, refuse_a_quantized_checkpoint
     from hf_lowprec.data import collated_batches, prepare_lm_data, read_source
 
     batches, batch_size, block_size = sizes
     with ui.step(f"reading data {data or '(default corpus)'}"):
         records, data_name = read_source(data)
     source, gguf = (model, gguf_file) if model else default_checkpoint()
-    tokenizer = checkpoint_tokenizer(source, gguf, loading)
+    tokenizer = checkpoint_tokenizer(source, gguf, loading)  # a missing checkpoint's clear error first
+    refuse_a_quantized_checkpoint(source, gguf, **loading)
     with ui.step("tokenizing calibration data"):
         lm = prepare_lm_data(
             records,

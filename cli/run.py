@@ -28,7 +28,14 @@ from rich.markup import escape
 from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from hf_lowprec.allocator import returning_freed_memory
-from hf_lowprec.checkpoints import default_checkpoint, is_local_checkpoint, load_pretrained, load_tokenizer, public_name
+from hf_lowprec.checkpoints import (
+    default_checkpoint,
+    is_local_checkpoint,
+    load_pretrained,
+    load_tokenizer,
+    public_name,
+    refuse_a_quantized_checkpoint,
+)
 from hf_lowprec.convert import revert
 from hf_lowprec.data import HELD_OUT_SPLIT, collated_batches, prepare_run_data, read_run_source
 from hf_lowprec.export.folder import export_model, resolved_weights
@@ -503,7 +510,8 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
     if held_out is not None:
         ui.err.print(f"held-out data: the {HELD_OUT_SPLIT} split's rows ({len(held_out)})")
     source, gguf = (opts.model, opts.gguf_file) if opts.model else default_checkpoint()
-    tokenizer = checkpoint_tokenizer(source, gguf, opts.load_options)
+    tokenizer = checkpoint_tokenizer(source, gguf, opts.load_options)  # a missing checkpoint's clear error first
+    refuse_a_quantized_checkpoint(source, gguf, **opts.load_options)
     with ui.step(f"tokenizing {data_name} into sequences of {t.block_size} tokens"):
         lm = prepare_run_data(records, data_name, tokenizer, recipe, held_out)
     packing = " (packing the INT4 base while reading)" if recipe.method == "int4-lora" else ""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from hf_lowprec.folders import plain_modes
+from hf_lowprec.folders import RUN_FILE, plain_modes
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +131,38 @@ def refuse_a_missing_local_path(name: str, what: str) -> None:
         near = difflib.get_close_matches(path.name, [p.name for p in path.parent.iterdir()], n=3)
         hint = f"; close matches there: {', '.join(near)}" if near else ""
         raise ValueError(f"{what} {name!r} does not exist (the folder {str(path.parent)!r} does{hint})")
+
+
+def refuse_a_quantized_checkpoint(source: str, gguf_file: str | None = None, **from_pretrained_kwargs) -> None:
+    """``ValueError`` when ``source`` is quantized already (its config has a ``quantization_config``: an hf-lowprec
+    packed export, compressed-tensors, bitsandbytes, GPTQ, FP8...). Fine-tuning and the sensitivity scan start from
+    dense weights, which such a checkpoint no longer holds: an hf-lowprec export's packed layers read back as their
+    one-byte load guards, which failed deep in the first forward. Names the checkpoint an export was made from."""
+    if gguf_file is not None:
+        return
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source, **source_kwargs(from_pretrained_kwargs))
+    except (OSError, ValueError):
+        return  # the loader reports it
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
+    if method != "hf_lowprec":
+        raise ValueError(
+            f"{source!r} is quantized already (quant_method {str(method)!r}): fine-tuning and scanning start from "
+            "dense weights; give the unquantized checkpoint"
+        )
+    record = Path(source) / RUN_FILE
+    run = json.loads(record.read_text()) if record.is_file() else {}
+    base = run.get("base_model") or run.get("base_model_path")
+    raise ValueError(
+        f"{source!r} is an hf-lowprec export with packed INT4 weights: fine-tuning and scanning start from dense "
+        f"weights; give the checkpoint it was made from{f' ({base})' if base else ''}, or evaluate this one with "
+        "`hf-lowprec eval`"
+    )
 
 
 GGUF_KEY_BYTES = 1 << 20  # bytes read from each end of a GGUF file for its cache key

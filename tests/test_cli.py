@@ -31,6 +31,7 @@ from hf_lowprec.metrics import causal_lm_loss
 from hf_lowprec.modules import PackedInt4Linear, PackedInt8Linear
 from hf_lowprec.modules.kernels.cpp import cpu_kernels
 from hf_lowprec.modules.kernels.cpu import cpu_info
+from hf_lowprec.ondevice import load_int4_lora
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 
 COMMANDS = ("recipes", "scan", "finetune", "eval", "export", "push", "env")
@@ -264,7 +265,29 @@ def test_int4_lora_run_exports_adapters(ws, lora_run):
     assert loss == pytest.approx(record["training"]["loss_final"], abs=1e-4)
     whole = on_dequant_backend(AutoModelForCausalLM.from_pretrained(out))  # transformers applies the adapters itself
     assert list(whole.peft_config) == ["default"]
-    assert causal_lm_loss(whole, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"] == pytest.approx(loss, abs=1e-5)
+    whole_loss = causal_lm_loss(whole, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
+    assert whole_loss == pytest.approx(loss, abs=1e-5)
+
+
+def test_finetune_and_scan_refuse_a_quantized_checkpoint_naming_the_one_it_came_from(ws, lora_run, tmp_path):
+    """An export's packed layers are no dense weights to start from (finetune failed deep in its first forward with a
+    size mismatch): one line naming the checkpoint it was made from, nothing written; a checkpoint another library
+    quantized gets the same refusal with its method; the API refuses alike."""
+    out, run = lora_run
+    assert run.exit_code == 0, run.output
+    for args in (["finetune", out, *FAST, "-o", tmp_path / "again"], ["scan", out]):
+        line = one_error_line(cli(*args, "--data", ws / "corpus.txt"))
+        assert f"{str(out)!r} is an hf-lowprec export with packed INT4 weights" in line, line
+        assert "give the checkpoint it was made from (tiny-loud)" in line and "hf-lowprec eval" in line
+    assert not (tmp_path / "again").exists()
+    bnb = shutil.copytree(ws / "tiny", tmp_path / "bnb")
+    config = json.loads((bnb / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (bnb / "config.json").write_text(json.dumps(config))
+    line = one_error_line(cli("finetune", bnb, "--data", ws / "corpus.txt", *FAST, "-o", tmp_path / "b"))
+    assert "is quantized already (quant_method 'bitsandbytes')" in line and "give the unquantized checkpoint" in line
+    with pytest.raises(ValueError, match="is an hf-lowprec export with packed INT4 weights"):
+        load_int4_lora(out)
 
 
 def test_export_merge_folds_lora_into_the_int4_base(ws, lora_run, tmp_path):
@@ -283,7 +306,8 @@ def test_export_merge_folds_lora_into_the_int4_base(ws, lora_run, tmp_path):
     dense = ws / "merged-dense"
     result = cli("export", out, "--out", dense, "--merge", "--merge-into", "bf16")
     assert result.exit_code == 0, result.output
-    assert "quantization_config" not in json.loads((dense / "config.json").read_text()) and not (dense / "adapter_config.json").exists()
+    assert "quantization_config" not in json.loads((dense / "config.json").read_text())
+    assert not (dense / "adapter_config.json").exists()
     assert ModelCard.load(dense / CARD_FILE).data.library_name == "transformers"
     plain = AutoModelForCausalLM.from_pretrained(dense)  # transformers alone: a dense bf16 model
     assert not any(isinstance(m, PackedInt4Linear) for m in plain.modules())

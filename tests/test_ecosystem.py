@@ -86,7 +86,8 @@ def test_card_snippets_reload_the_trained_model_in_a_fresh_interpreter(exported,
     card = (folder / CARD_FILE).read_text()
     snippets = [s for s in _card_snippets(card) if "import hf_lowprec" in s or "from hf_lowprec" in s]
     assert len(snippets) == 2 and any("AutoModelForCausalLM.from_pretrained" in s for s in snippets), snippets
-    pipe = f"import hf_lowprec\nfrom transformers import pipeline\nmodel = pipeline('text-generation', model={str(folder)!r}).model\n"
+    pipe = "import hf_lowprec\nfrom transformers import pipeline\n"
+    pipe += f"model = pipeline('text-generation', model={str(folder)!r}).model\n"
     for code in [s.replace("me/tiny-int4", str(folder)) for s in snippets] + [pipe]:
         # the same packed codes and adapters, the same kernels (the autotune cache is shared): the same numbers
         torch.testing.assert_close(_run_snippet(code, tmp_path), trained_logits, rtol=0, atol=1e-5, msg=code)

@@ -281,7 +281,8 @@ def export_compressed_tensors(
 
     Load it without hf-lowprec (``pip install compressed-tensors``)::
 
-        model = AutoModelForCausalLM.from_pretrained(out_dir)  # with its adapters, when it has them and PEFT is installed
+        # with its adapters, when it has them and PEFT is installed
+        model = AutoModelForCausalLM.from_pretrained(out_dir)
     """
     check_output_dir(Path(out_dir), overwrite)
     with atomic_output_dir(out_dir, overwrite) as tmp:

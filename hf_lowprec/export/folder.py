@@ -228,8 +228,8 @@ def _export_lora(
         run["adapter"] = {
             **run.get("adapter", {}),
             "folder": "./",
-            "note": "from_pretrained and load_exported apply them; `hf-lowprec export --merge` folds them into the INT4 "
-            "base",
+            "note": "from_pretrained and load_exported apply them; `hf-lowprec export --merge` folds them into "
+            "the INT4 base",
         }
         if run["adapter"].get("learned_steps"):
             run["adapter"]["note"] += (
@@ -540,7 +540,8 @@ def load_exported(
             raise cannot_load(name, e) from e
     weights = loadable_weights(folder, name, apply_plan_numerics)
     if weights == "int4-packed":
-        lora_base = adapter_folder(folder) is not None or read_run(folder).get("recipe", {}).get("method") == "int4-lora"
+        method = read_run(folder).get("recipe", {}).get("method")
+        lora_base = adapter_folder(folder) is not None or method == "int4-lora"
         if apply_plan_numerics and backend == "auto" and not lora_base:
             backend = "dequant"  # its INT4 layers trained on their dequantized weights, not through int8 kernels
         model, tokenizer = load_int4_model(folder, dtype=dtype, backend=backend)

@@ -23,6 +23,7 @@ from hf_lowprec.checkpoints import (
     DenseWeights,
     load_pretrained,
     local_checkpoint_folder,
+    refuse_a_quantized_checkpoint,
     resolve_checkpoint,
     source_kwargs,
 )
@@ -396,6 +397,7 @@ def load_int4_base(
     reads_dense = auto or check_rounding(rounding) != "nearest" or loftq_init
     on_load = auto or packs_on_load(plan)
     source, gguf = resolve_checkpoint(model_id_or_path, gguf_file)  # one clear error for a path that does not exist
+    refuse_a_quantized_checkpoint(source, gguf, **from_pretrained_kwargs)
     snapshot = None  # a hub id's safetensors to re-read, in the Hugging Face cache
     if on_load and reads_dense and not Path(source).is_dir():
         snapshot = None if gguf else local_checkpoint_folder(source, **source_kwargs(from_pretrained_kwargs))
