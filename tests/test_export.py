@@ -516,7 +516,7 @@ def test_a_compressed_tensors_export_that_re_rounds_says_so_in_the_log_and_the_c
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "compressed-tensors export" in r.getMessage()]
     assert len(warned) == 1 and "14 of 14 INT4 layers re-rounded" in warned[0] and f"median {median}, max {worst}" in warned[0]
     said = " ".join(result.output.split())
-    assert re.search(r"weights │ 14 layers as packed INT4 codes .*LoRA adapters beside it \(PEFT format\)", said)
+    assert re.search(r"weights │ 14 layers as packed INT4 codes .*LoRA adapters beside the weights \(PEFT format\)", said)
     card = (out / CARD_FILE).read_text()
     evaluation = " ".join(_evaluation(card).split())
     assert "14 of 14 INT4 layers re-rounded" in evaluation and f"relative weight error median {median}, max {worst}" in evaluation

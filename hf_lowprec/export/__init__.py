@@ -5,7 +5,7 @@ An exported folder holds
   low-precision layers trained (plain ``transformers`` checkpoint); ``int4-packed`` exports write the
   INT4 layers as real packed codes (two per byte) with their steps and ``quant_method: hf_lowprec`` in
   ``config.json`` (transformers rebuilds them after ``import hf_lowprec``; see ``hf_lowprec.export.hf_quantizer``),
-  plus LoRA adapters beside it (PEFT format) for INT4 + LoRA runs;
+  plus LoRA adapters beside the weights (PEFT format) for INT4 + LoRA runs;
 - ``hf_lowprec_plan.json``: the precision plan; ``hf_lowprec_run.json``: the run record (see below);
 - ``README.md``: the model card (``model_cards/model_card.md.jinja`` through ``huggingface_hub.ModelCard``).
 

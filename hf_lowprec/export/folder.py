@@ -223,7 +223,7 @@ def _export_lora(
             # loads whole; the Hub's peft snippet would put them onto the dense base_model instead
             "library_name": "transformers",
             "dtype": _dtype_name(model),
-            "description": f"base: {packed}, plus LoRA adapters beside it (PEFT format)",
+            "description": f"base: {packed}, plus LoRA adapters beside the weights (PEFT format)",
         }
         run["adapter"] = {
             **run.get("adapter", {}),
@@ -436,7 +436,7 @@ def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: b
             change = rerounded(done.requantized, n4)
             logger.warning("compressed-tensors export: %s; it computes unlike the model as trained", change)
             _weights_changed(run, change)
-        adapters = "; LoRA adapters beside it (PEFT format)" if run.get("adapter") else ""
+        adapters = "; LoRA adapters beside the weights (PEFT format)" if run.get("adapter") else ""
         if done.adapter_rank is not None:
             adapters += (
                 f", rank {done.adapter_rank}: the run's rank {run['adapter'].get('r')} plus the fractional part of "
