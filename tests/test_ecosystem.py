@@ -375,6 +375,18 @@ def test_compressed_tensors_export_loads_without_hf_lowprec(fmt, tmp_path):
     loaded = _run_snippet(LOAD_WITHOUT_HF_LOWPREC.format(folder=str(tmp_path / "ct")), tmp_path)
     # the same dense weights; LoRA computed by PEFT's own layer instead of ours: fp32 summation order only
     torch.testing.assert_close(loaded, trained, rtol=0, atol=1e-4)
+    assert _vllm_weight_files(tmp_path / "ct") == ["model.safetensors"]  # not the adapters' file beside it
+    index = json.loads((tmp_path / "ct" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(load_file(tmp_path / "ct" / "model.safetensors"))
+
+
+def _vllm_weight_files(folder: Path) -> list[str]:
+    """The files vLLM's ``DefaultModelLoader`` reads as model weights from a local folder (load format ``auto``):
+    every ``*.safetensors``, kept to those ``model.safetensors.index.json`` names when it exists
+    (``filter_duplicate_safetensors_files``); vLLM itself needs CUDA, which this machine lacks."""
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    return [f for f in files if f in json.loads(index.read_text())["weight_map"].values()] if index.is_file() else files
 
 
 @pytest.mark.parametrize("use_rslora", [False, True])

@@ -16,6 +16,7 @@ import torch
 from peft import LoraConfig, PeftModel
 from peft.utils import CONFIG_NAME as ADAPTER_CONFIG
 from torch import nn
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from hf_lowprec.allocator import freed_memory_returned
 from hf_lowprec.checkpoints import TOKENIZER_FILES
@@ -220,11 +221,27 @@ def save_adapters(model: PeftModel, folder: Path, base_model_id: str | None) -> 
         for path in staging.iterdir():  # the default adapter's files; a further named adapter's folder
             if path.name != "README.md":
                 path.rename(folder / path.name)
+        _index_the_model_weights(folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         for name, config in model.peft_config.items():
             config.base_model_name_or_path = saved[name]
         base.name_or_path, base.config._name_or_path = named
+
+
+def _index_the_model_weights(folder: Path) -> None:
+    """``model.safetensors.index.json`` for a one-file model beside its adapters: vLLM (``DefaultModelLoader``), and
+    loaders like it, read every ``*.safetensors`` of a folder as model weights unless an index names the model's, and
+    would take ``adapter_model.safetensors`` for some. transformers reads ``model.safetensors`` first either way."""
+    single = folder / SAFE_WEIGHTS_NAME
+    if not single.is_file() or (folder / SAFE_WEIGHTS_INDEX_NAME).is_file():
+        return
+    with single.open("rb") as f:
+        header = int.from_bytes(f.read(8), "little")  # safetensors: u64 header length, JSON header, tensor bytes
+        names = [k for k in json.loads(f.read(header)) if k != "__metadata__"]
+    total = single.stat().st_size - 8 - header  # bytes of tensor data
+    index = {"metadata": {"total_size": total}, "weight_map": dict.fromkeys(names, SAFE_WEIGHTS_NAME)}
+    atomic_write_text(folder / SAFE_WEIGHTS_INDEX_NAME, json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 @contextlib.contextmanager
