@@ -835,7 +835,12 @@ def export_cmd(
         bool, typer.Option("--overwrite", help="Replace an existing --out folder (an hf-lowprec export or empty).")
     ] = False,
     repo_id: Annotated[
-        Optional[str], typer.Option("--repo-id", help="Hub repo id to show in the card's loading snippets.")
+        Optional[str],
+        typer.Option(
+            "--repo-id",
+            help="Hub repo id the folder will have: the card's loading snippets name it, and so does the adapters' "
+            "config as their base (push writes it anyway).",
+        ),
     ] = None,
     weights_format: ExportFormatOpt = "native",
 ):
@@ -887,6 +892,11 @@ def export_cmd(
         items["merge error"] = (
             f"re-quantizing {m['layers']} layers: median weight error {100 * m['rel_error_median']:.3g}%, "
             f"{m['error_vs_delta_median']:.3g} of the LoRA delta (max {m['error_vs_delta_max']:.3g})"
+        )
+    if repo_id is None and (Path(out) / "adapter_config.json").is_file():
+        items["hub"] = (
+            f"`hf-lowprec push {out} <user/repo>` names the repo as the adapters' base, so that from_pretrained(repo) "
+            "finds it; uploaded another way, export with --repo-id first"
         )
     ui.out.print(ui.key_values(f"Exported {out}", items))
 
