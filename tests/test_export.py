@@ -481,7 +481,8 @@ def test_a_compressed_tensors_export_carries_learned_zero_points_in_the_adapter(
     assert result.exit_code == 0, result.output
     said = " ".join(result.output.split())  # no repo id: the adapters name no base until push writes it
     assert "hub │ `hf-lowprec push" in said and "names the repo as the adapters' base" in said
-    named = cli("export", runs / "lora", "--out", tmp_path / "named", "--format", "compressed-tensors", "--repo-id", "me/x")
+    named = cli("export", runs / "lora", "--out", tmp_path / "named", "--format", "compressed-tensors",
+                "--repo-id", "me/x")  # fmt: skip
     assert named.exit_code == 0 and "hub │" not in " ".join(named.output.split())
     assert json.loads((tmp_path / "named" / "adapter_config.json").read_text())["base_model_name_or_path"] == "me/x"
     record = json.loads((out / RUN_FILE).read_text())
