@@ -228,8 +228,7 @@ def _export_lora(
         run["adapter"] = {
             **run.get("adapter", {}),
             "folder": "./",
-            "note": "from_pretrained and load_exported apply them; `hf-lowprec export --merge` folds them into "
-            "the INT4 base",
+            "note": "`hf-lowprec export --merge` folds them into the INT4 base",
         }
         if run["adapter"].get("learned_steps"):
             run["adapter"]["note"] += (
@@ -454,7 +453,8 @@ def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: b
             "requantized_layers": done.requantized,
         }
         if run.get("adapter"):
-            run["adapter"] = {**run["adapter"], "note": "the fine-tuning: PEFT loads them onto the decompressed base"}
+            note = "the fine-tuning: from_pretrained applies them (PEFT) as it loads the folder"
+            run["adapter"] = {**run["adapter"], "note": note}
         write_record(tmp, run, repo_id, _run_images(run_dir, run))
     return out
 
