@@ -353,11 +353,11 @@ def _scan_batches(model, gguf_file, data, sizes: tuple[int, int, int], text_colu
     from hf_lowprec.data import collated_batches, prepare_lm_data, read_source
 
     batches, batch_size, block_size = sizes
-    with ui.step(f"reading data {data or '(default corpus)'}"):
-        records, data_name = read_source(data)
     source, gguf = (model, gguf_file) if model else default_checkpoint()
     tokenizer = checkpoint_tokenizer(source, gguf, loading)  # a missing checkpoint's clear error first
-    refuse_a_quantized_checkpoint(source, gguf, **loading)
+    refuse_a_quantized_checkpoint(source, gguf, **loading)  # then one that cannot be scanned, before the data
+    with ui.step(f"reading data {data or '(default corpus)'}"):
+        records, data_name = read_source(data)
     with ui.step("tokenizing calibration data"):
         lm = prepare_lm_data(
             records,
@@ -375,6 +375,7 @@ def _scan_batches(model, gguf_file, data, sizes: tuple[int, int, int], text_colu
 
 
 OVER_BUDGET = 1.25  # a scanned plan whose held-out Δloss exceeds its budget by more than this gets a note
+LOST_MERGE = 0.5  # a merge into INT4 whose median rounding error is this fraction of the adapter delta gets a warning
 
 
 def _print_scan(result, plan_rows: list[dict], measured: dict, files: str) -> None:
@@ -893,6 +894,13 @@ def export_cmd(
             f"re-quantizing {m['layers']} layers: median weight error {100 * m['rel_error_median']:.3g}%, "
             f"{m['error_vs_delta_median']:.3g} of the LoRA delta (max {m['error_vs_delta_max']:.3g})"
         )
+        if m["error_vs_delta_median"] >= LOST_MERGE:
+            ui.err.print(
+                f"warning: the merge's rounding error is {m['error_vs_delta_median']:.2g}x the adapters' own change "
+                "(median layer): most of what LoRA learned is gone, and the merged model computes unlike the trained "
+                f"one (measure it: hf-lowprec eval {out}). Keep the adapters (export without --merge) or merge into "
+                "a dense model (--merge-into bf16)"
+            )
     if repo_id is None and (Path(out) / "adapter_config.json").is_file():
         items["hub"] = (
             f"`hf-lowprec push {out} <user/repo>` names the repo as the adapters' base, so that from_pretrained(repo) "
@@ -928,6 +936,13 @@ def push_cmd(
                 ui.out.print(
                     f"\nnote: {repo_id!r} has no namespace: the Hub creates it under the token's user, "
                     f"<user>/{repo_id}, and the uploaded card names that id",
+                    markup=False,
+                )
+            if "adapter_config.json" in files:
+                named = repo_id if "/" in repo_id else f"<user>/{repo_id}"
+                ui.out.print(
+                    f"\nnote: adapter_config.json as uploaded names {named} as the adapters' base, so that "
+                    f"from_pretrained({named!r}) loads them with this model",
                     markup=False,
                 )
             ui.out.print(f"\n{CARD_FILE} as uploaded:\n", markup=False)

@@ -505,13 +505,13 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
     where it can be, see :func:`~hf_lowprec.ondevice.load_int4_base`, with the plan to prepare it with; else ``None``)
     and the data tokenized into blocks."""
     recipe, t = opts.recipe, opts.recipe.training
+    source, gguf = (opts.model, opts.gguf_file) if opts.model else default_checkpoint()
+    tokenizer = checkpoint_tokenizer(source, gguf, opts.load_options)  # a missing checkpoint's clear error first
+    refuse_a_quantized_checkpoint(source, gguf, **opts.load_options)  # then one that cannot be trained, before the data
     with ui.step(f"reading data {opts.data or '(default corpus)'}"):
         records, held_out, data_name = read_run_source(opts.data, split=recipe.data.split)
     if held_out is not None:
         ui.err.print(f"held-out data: the {HELD_OUT_SPLIT} split's rows ({len(held_out)})")
-    source, gguf = (opts.model, opts.gguf_file) if opts.model else default_checkpoint()
-    tokenizer = checkpoint_tokenizer(source, gguf, opts.load_options)  # a missing checkpoint's clear error first
-    refuse_a_quantized_checkpoint(source, gguf, **opts.load_options)
     with ui.step(f"tokenizing {data_name} into sequences of {t.block_size} tokens"):
         lm = prepare_run_data(records, data_name, tokenizer, recipe, held_out)
     packing = " (packing the INT4 base while reading)" if recipe.method == "int4-lora" else ""

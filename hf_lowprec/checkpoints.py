@@ -150,18 +150,14 @@ def refuse_a_quantized_checkpoint(source: str, gguf_file: str | None = None, **f
     if quantization is None:
         return
     method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
-    if method != "hf_lowprec":
-        raise ValueError(
-            f"{source!r} is quantized already (quant_method {str(method)!r}): fine-tuning and scanning start from "
-            "dense weights; give the unquantized checkpoint"
-        )
-    record = Path(source) / RUN_FILE
+    record = Path(source) / RUN_FILE  # an hf-lowprec export's: it names the checkpoint it was made from
     run = json.loads(record.read_text()) if record.is_file() else {}
     base = run.get("base_model") or run.get("base_model_path")
+    what = "an hf-lowprec export with packed INT4 weights" if method == "hf_lowprec" else "quantized already"
     raise ValueError(
-        f"{source!r} is an hf-lowprec export with packed INT4 weights: fine-tuning and scanning start from dense "
-        f"weights; give the checkpoint it was made from{f' ({base})' if base else ''}, or evaluate this one with "
-        "`hf-lowprec eval`"
+        f"{source!r} is {what} (quant_method {str(method)!r}): fine-tuning and scanning start from dense weights; "
+        f"give the {'checkpoint it was made from' if base else 'unquantized checkpoint'}{f' ({base})' if base else ''}"
+        + (", or evaluate this one with `hf-lowprec eval`" if run else "")
     )
 
 

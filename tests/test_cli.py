@@ -280,6 +280,9 @@ def test_finetune_and_scan_refuse_a_quantized_checkpoint_naming_the_one_it_came_
         assert f"{str(out)!r} is an hf-lowprec export with packed INT4 weights" in line, line
         assert "give the checkpoint it was made from (tiny-loud)" in line and "hf-lowprec eval" in line
     assert not (tmp_path / "again").exists()
+    assert cli("export", out, "--out", tmp_path / "ct", "--format", "compressed-tensors").exit_code == 0
+    line = one_error_line(cli("finetune", tmp_path / "ct", "--data", ws / "corpus.txt", *FAST, "-o", tmp_path / "c"))
+    assert "is quantized already (quant_method 'compressed-tensors')" in line and "made from (tiny-loud)" in line
     bnb = shutil.copytree(ws / "tiny", tmp_path / "bnb")
     config = json.loads((bnb / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
@@ -290,6 +293,22 @@ def test_finetune_and_scan_refuse_a_quantized_checkpoint_naming_the_one_it_came_
         load_int4_lora(out)
 
 
+def test_a_merge_into_int4_that_rounds_the_fine_tuning_away_warns(ws, tmp_path):
+    """Adapters that changed the weights by less than the INT4 rounding (here: two steps at a learning rate of 1e-5
+    from PEFT's zero start) do not survive a merge into the INT4 codes: the export says so and names the two ways
+    that keep them."""
+    run = tmp_path / "run"
+    done = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", "--recipe", "int4-ondevice-lora", "--max-steps",
+               "2", "--lr", "1e-5", *FAST, "-o", run, "lora.init=default")  # fmt: skip
+    assert done.exit_code == 0, done.output
+    result = cli("export", run, "--out", tmp_path / "merged", "--merge")
+    said = " ".join(result.output.split())
+    merge = json.loads((tmp_path / "merged" / RUN_FILE).read_text())["merge"]
+    assert result.exit_code == 0 and merge["error_vs_delta_median"] >= 0.5
+    assert "most of what LoRA learned is gone" in said and "--merge-into bf16" in said
+    assert "export without --merge" in said
+
+
 def test_export_merge_folds_lora_into_the_int4_base(ws, lora_run, tmp_path):
     (out, run), merged = lora_run, ws / "merged-lora"
     assert run.exit_code == 0, run.output
@@ -298,7 +317,12 @@ def test_export_merge_folds_lora_into_the_int4_base(ws, lora_run, tmp_path):
     result = cli("export", out, "--out", merged, "--merge")
     assert result.exit_code == 0, result.output
     assert "merge error" in result.output and not (merged / "adapter_config.json").exists()
-    assert "(merging LoRA into an int4 base)" in " ".join(result.output.split())
+    said = " ".join(result.output.split())
+    assert "(merging LoRA into an int4 base)" in said
+    lost = json.loads((merged / RUN_FILE).read_text())["merge"]["error_vs_delta_median"] >= 0.5
+    assert ("most of what LoRA learned is gone" in said) == lost, said  # warned exactly when the rounding ate it
+    tags = ModelCard.load(merged / CARD_FILE).data.tags  # trained with LoRA; no PEFT files in the repository
+    assert "lora" in tags and "peft" not in tags
     merged_model, _ = load_exported(merged)
     merged_loss = causal_lm_loss(merged_model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
     assert merged_loss == pytest.approx(loss, abs=0.05)  # a second rounding: close to, not equal to, the trained model

@@ -195,8 +195,9 @@ def test_adapters_name_their_packed_base_and_the_card_follows_the_embedded_adapt
     """The adapters go onto the export's packed model, so their config names the export's repo (what transformers'
     ``from_pretrained(repo)`` and ``AutoPeftModelForCausalLM`` load as their base), not the dense checkpoint it was
     packed from nor this machine's cache path. The card's ``base_model`` keeps the checkpoint (the Hub's model tree)
-    and its library is transformers, whose ``from_pretrained`` loads the model with its adapters: the Hub's peft
-    snippet would put them onto the dense checkpoint. PEFT's own card is not written (the folder's card is ours)."""
+    and its library is hf-lowprec, as for every packed export (``from_pretrained`` loads the model with its adapters
+    after ``import hf_lowprec``), not peft: the Hub's peft snippet would put them onto the dense checkpoint. PEFT's
+    own card is not written (the folder's card is ours)."""
     import json
 
     from huggingface_hub import ModelCard
@@ -205,7 +206,7 @@ def test_adapters_name_their_packed_base_and_the_card_follows_the_embedded_adapt
     adapter_config = json.loads((folder / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == "me/tiny-int4" and not (folder / "adapter").exists()
     card = ModelCard.load(folder / CARD_FILE)
-    assert card.data.library_name == "transformers" and card.data.base_model == BASE_ID
+    assert card.data.library_name == "hf-lowprec" and card.data.base_model == BASE_ID and "peft" in card.data.tags
     assert "Framework versions" not in card.content and not list(folder.glob(".*"))  # no PEFT card, no staging left
 
 

@@ -485,6 +485,9 @@ def test_a_compressed_tensors_export_carries_learned_zero_points_in_the_adapter(
                 "--repo-id", "me/x")  # fmt: skip
     assert named.exit_code == 0 and "hub │" not in " ".join(named.output.split())
     assert json.loads((tmp_path / "named" / "adapter_config.json").read_text())["base_model_name_or_path"] == "me/x"
+    native = cli("export", runs / "lora", "--out", tmp_path / "native", "--repo-id", "me/y")  # the run's files copied
+    assert native.exit_code == 0 and "hub │" not in " ".join(native.output.split())
+    assert json.loads((tmp_path / "native" / "adapter_config.json").read_text())["base_model_name_or_path"] == "me/y"
     record = json.loads((out / RUN_FILE).read_text())
     rank = json.loads((out / "adapter_config.json").read_text())["r"]
     assert record["export"]["requantized_layers"] == {} and "export_changes" not in record
@@ -500,8 +503,12 @@ def test_a_compressed_tensors_export_carries_learned_zero_points_in_the_adapter(
         push(out, "tiny-ct", token=TOKEN)
     uploaded = json.loads(hub.files["me/tiny-ct"]["adapter_config.json"])
     assert local["base_model_name_or_path"] is None and uploaded == {**local, "base_model_name_or_path": "me/tiny-ct"}
+    preview = " ".join(cli("push", out, "me/tiny-ct", "--dry-run").output.split())  # what is uploaded, as uploaded
+    assert f"adapter_config.json │ {len(hub.files['me/tiny-ct']['adapter_config.json']):,} bytes" in preview
+    assert "adapter_config.json as uploaded names me/tiny-ct as the adapters' base" in preview
     card = (out / CARD_FILE).read_text()
     assert "as trained" not in _evaluation(card) and "re-rounded" not in card
+    assert ModelCard.load(out / CARD_FILE).data.library_name == "transformers"  # the Hub's snippet loads it whole
     trained = [r["value"] for r in record["eval"] if r["metric"] == "perplexity"][0]
     monkeypatch.chdir(runs)
     measured = cli("eval", out, "--data", "corpus.txt", "--held-out")  # compressed-tensors and PEFT compute it

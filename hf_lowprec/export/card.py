@@ -30,7 +30,9 @@ def _tags(run: Mapping) -> list[str]:
     if recipe.get("method") == "full" and any(f.startswith(("int4", "int8", "nf4")) for f in formats):
         tags.append("qat")
     if recipe.get("method") == "int4-lora":
-        tags += ["lora", "peft"]
+        tags.append("lora")
+    if run.get("adapter") and run.get("export", {}).get("weights") != "gguf":  # PEFT's files are in the repo
+        tags.append("peft")
     if run.get("export", {}).get("weights") in ("int4-packed", "gguf"):
         tags.append("4-bit")
     if run.get("export", {}).get("weights") == "gguf":

@@ -34,7 +34,14 @@ from hf_lowprec.folders import atomic_output_dir
 from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, PackedInt4Linear, PackedInt8Linear
 from hf_lowprec.modules.packed import packed_class
 from hf_lowprec.ondevice import MERGE_DTYPES, MERGE_FILE, export_int4_lora, load_int4_model
-from hf_lowprec.ondevice.export import NO_ADAPTER_LOOKUP, adapter_folder, dense_merged_state, without_hf_quantizer
+from hf_lowprec.ondevice.export import (
+    ADAPTER_CONFIG,
+    NO_ADAPTER_LOOKUP,
+    adapter_config_naming,
+    adapter_folder,
+    dense_merged_state,
+    without_hf_quantizer,
+)
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 from hf_lowprec.recipe import EXPORT_WEIGHTS
 
@@ -219,9 +226,9 @@ def _export_lora(
         run["export"] = {
             "weights": "int4-packed",
             "loader": "hf_lowprec",
-            # transformers, not peft: the repository is a model with its adapters embedded, which from_pretrained
-            # loads whole; the Hub's peft snippet would put them onto the dense base_model instead
-            "library_name": "transformers",
+            # not peft: the repository is a packed model with its adapters embedded, which from_pretrained loads
+            # whole after `import hf_lowprec`; the Hub's peft snippet would put them onto the dense base_model
+            "library_name": "hf-lowprec",
             "dtype": _dtype_name(model),
             "description": f"base: {packed}, plus LoRA adapters beside the weights (PEFT format)",
         }
@@ -346,6 +353,9 @@ def export_run(
             if item.name in RUN_ONLY or item.name == CARD_FILE:
                 continue
             (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
+        if repo_id is not None and (adapters := adapter_folder(tmp)) is not None:  # their base: this folder's model
+            config = adapters / ADAPTER_CONFIG
+            config.write_text(adapter_config_naming(config, repo_id))
         render_model_card(run, repo_id).save(tmp / CARD_FILE)
     return Path(out)
 
@@ -445,7 +455,7 @@ def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: b
         run["export"] = {
             "weights": "compressed-tensors",
             "loader": "compressed-tensors",
-            "library_name": "peft" if run.get("adapter") else "transformers",
+            "library_name": "transformers",  # its from_pretrained loads the model with the adapters beside it
             "dtype": _dtype_name(model),
             "description": f"{n4} layers as packed INT4 codes (two per byte)"
             + (f"; {n8} int8 layers as dense weights" if n8 else "")

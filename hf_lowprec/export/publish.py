@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import tempfile
@@ -16,7 +15,7 @@ from peft.utils import CONFIG_NAME as ADAPTER_CONFIG
 
 from hf_lowprec.export.card import render_model_card
 from hf_lowprec.export.records import CARD_FILE, RUN_FILE, read_run
-from hf_lowprec.ondevice.export import adapter_folder
+from hf_lowprec.ondevice.export import adapter_config_naming, adapter_folder
 
 MODEL_CONFIG = "config.json"
 
@@ -63,10 +62,8 @@ def push_preview(folder: str | os.PathLike, repo_id: str) -> tuple[dict[str, int
     the card re-rendered for repo_id, or None for a plain model folder)``; the same checks as :func:`push`."""
     folder, run = _checked(folder, repo_id)
     card = None if run is None else render_model_card(run, repo_id).content
-    files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
-    if card is not None:
-        files[CARD_FILE] = len(card.encode())
-    return files, card
+    with _staged(folder, card, repo_id) as stage:  # the files as uploaded: the card, the adapters' config rewritten
+        return {str(p.relative_to(stage)): p.stat().st_size for p in sorted(stage.rglob("*")) if p.is_file()}, card
 
 
 def _checked(folder: str | os.PathLike, repo_id: str) -> tuple[Path, dict | None]:
@@ -107,8 +104,7 @@ def _staged(folder: Path, card: str | None, repo_id: str) -> Iterator[Path]:
                 os.symlink(path.resolve(), target)
         (stage / CARD_FILE).write_bytes(card.encode())
         if adapter_config is not None:
-            config = {**json.loads(adapter_config.read_text()), "base_model_name_or_path": repo_id}
-            (stage / adapter_config.relative_to(folder)).write_text(json.dumps(config, indent=2, sort_keys=True))
+            (stage / adapter_config.relative_to(folder)).write_text(adapter_config_naming(adapter_config, repo_id))
         yield stage
     finally:
         shutil.rmtree(stage, ignore_errors=True)

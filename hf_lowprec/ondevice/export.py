@@ -53,6 +53,13 @@ def adapter_folder(folder: Path) -> Path | None:
     return None
 
 
+def adapter_config_naming(config: Path, base_model_id: str) -> str:
+    """The text of the adapter config file ``config`` with ``base_model_id`` (a Hub id) as the adapters' base: what
+    ``push`` uploads and ``export --repo-id`` writes, so that ``from_pretrained(base_model_id)`` finds it."""
+    named = {**json.loads(config.read_text()), "base_model_name_or_path": base_model_id}
+    return json.dumps(named, indent=2, sort_keys=True)
+
+
 def adapterless_state(base: nn.Module) -> dict[str, torch.Tensor]:
     """``base``'s state dict without the LoRA tensors, keys as in the unwrapped model."""
     return {k.replace(".base_layer", ""): v for k, v in base.state_dict().items() if ".lora_" not in k}
