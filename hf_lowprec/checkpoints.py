@@ -154,10 +154,10 @@ def refuse_a_quantized_checkpoint(source: str, gguf_file: str | None = None, **f
     run = json.loads(record.read_text()) if record.is_file() else {}
     base = run.get("base_model") or run.get("base_model_path")
     what = "an hf-lowprec export with packed INT4 weights" if method == "hf_lowprec" else "quantized already"
+    wanted = f"the checkpoint it was made from ({base})" if base else "the unquantized checkpoint"
     raise ValueError(
         f"{source!r} is {what} (quant_method {str(method)!r}): fine-tuning and scanning start from dense weights; "
-        f"give the {'checkpoint it was made from' if base else 'unquantized checkpoint'}{f' ({base})' if base else ''}"
-        + (", or evaluate this one with `hf-lowprec eval`" if run else "")
+        f"give {wanted}" + (", or evaluate this one with `hf-lowprec eval`" if run else "")
     )
 
 
