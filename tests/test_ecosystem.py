@@ -102,8 +102,9 @@ model = AutoModelForCausalLM.from_pretrained({folder!r})
 
 def test_a_pushed_export_loads_whole_from_its_repo_id(exported, tmp_path, monkeypatch):
     """From the Hub, ``from_pretrained(repo)`` finds the adapter config beside the weights, loads the base it names
-    (the pushed repo itself: ``push`` writes it) and applies the adapters: the trained logits from a repo id. The
-    pushed files are read back from a Hub cache, offline."""
+    (the pushed repo itself: ``push`` writes it) and applies the adapters: the trained logits from a repo id; PEFT's
+    ``AutoPeftModelForCausalLM`` loads that base, then the adapters over those transformers applied (replaced, not
+    added twice). The pushed files are read back from a Hub cache, offline."""
     folder, trained_logits = exported
     with HubStandIn() as hub:
         monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
@@ -114,12 +115,14 @@ def test_a_pushed_export_loads_whole_from_its_repo_id(exported, tmp_path, monkey
         (repo / "snapshots" / ("1" * 40) / name).write_bytes(data)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("1" * 40)
+    cache = f"import os\nos.environ['HF_HUB_CACHE'] = {str(tmp_path / 'hub')!r}\nimport hf_lowprec\n"
     code = (
-        f"import os\nos.environ['HF_HUB_CACHE'] = {str(tmp_path / 'hub')!r}\n"
-        "import hf_lowprec\nfrom transformers import AutoModelForCausalLM\n"
+        "from transformers import AutoModelForCausalLM\n"
         "model = AutoModelForCausalLM.from_pretrained('me/tiny-int4')\nassert list(model.peft_config) == ['default']\n"
     )
-    torch.testing.assert_close(_run_snippet(code, tmp_path), trained_logits, rtol=0, atol=1e-5)
+    peft_way = "from peft import AutoPeftModelForCausalLM as Auto\nmodel = Auto.from_pretrained('me/tiny-int4')\n"
+    for snippet in (code, peft_way):
+        torch.testing.assert_close(_run_snippet(cache + snippet, tmp_path), trained_logits, rtol=0, atol=1e-5)
 
 
 def test_an_export_from_before_the_adapters_moved_still_loads(exported, tmp_path):
