@@ -850,6 +850,7 @@ def export_cmd(
 
     from hf_lowprec.export.folder import EXPORT_FORMATS, export_run, run_formats
     from hf_lowprec.export.records import read_run
+    from hf_lowprec.ondevice.export import adapter_folder
 
     check_replaceable(Path(out), overwrite, "export", "--out")
     if merge_into is not None and merge_into not in ("int4", "bf16", "fp32"):
@@ -901,7 +902,7 @@ def export_cmd(
                 f"one (measure it: hf-lowprec eval {out}). Keep the adapters (export without --merge) or merge into "
                 "a dense model (--merge-into bf16)"
             )
-    if repo_id is None and (Path(out) / "adapter_config.json").is_file():
+    if repo_id is None and adapter_folder(Path(out)) is not None:
         items["hub"] = (
             f"`hf-lowprec push {out} <user/repo>` names the repo as the adapters' base, so that from_pretrained(repo) "
             "finds it; uploaded another way, export with --repo-id first"
@@ -926,6 +927,7 @@ def push_cmd(
     """Upload an exported folder to the Hugging Face Hub (token from HF_TOKEN or `hf auth login`)."""
     from hf_lowprec.export.publish import PushFailed, push, push_preview
     from hf_lowprec.export.records import CARD_FILE
+    from hf_lowprec.ondevice.export import ADAPTER_CONFIG
 
     if dry_run:
         files, card = push_preview(folder, repo_id)
@@ -938,7 +940,7 @@ def push_cmd(
                     f"<user>/{repo_id}, and the uploaded card names that id",
                     markup=False,
                 )
-            if "adapter_config.json" in files:
+            if ADAPTER_CONFIG in files:
                 named = repo_id if "/" in repo_id else f"<user>/{repo_id}"
                 ui.out.print(
                     f"\nnote: adapter_config.json as uploaded names {named} as the adapters' base, so that "

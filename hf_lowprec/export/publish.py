@@ -11,11 +11,10 @@ from pathlib import Path
 
 from huggingface_hub import HfApi, get_token
 from huggingface_hub.utils import HFValidationError, validate_repo_id
-from peft.utils import CONFIG_NAME as ADAPTER_CONFIG
 
 from hf_lowprec.export.card import render_model_card
 from hf_lowprec.export.records import CARD_FILE, RUN_FILE, read_run
-from hf_lowprec.ondevice.export import adapter_config_naming, adapter_folder
+from hf_lowprec.ondevice.export import ADAPTER_CONFIG, adapter_config_naming, adapter_folder
 
 MODEL_CONFIG = "config.json"
 

@@ -29,6 +29,7 @@ from hf_lowprec.modules.int4_lora import PackedLoraLinear, lora_delta, register_
 from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.modules.packed_embedding import with_dense_tables
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
+from hf_lowprec.pread_safetensors import read_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -243,11 +244,9 @@ def _index_the_model_weights(folder: Path) -> None:
     single = folder / SAFE_WEIGHTS_NAME
     if not single.is_file() or (folder / SAFE_WEIGHTS_INDEX_NAME).is_file():
         return
-    with single.open("rb") as f:
-        header = int.from_bytes(f.read(8), "little")  # safetensors: u64 header length, JSON header, tensor bytes
-        names = [k for k in json.loads(f.read(header)) if k != "__metadata__"]
-    total = single.stat().st_size - 8 - header  # bytes of tensor data
-    index = {"metadata": {"total_size": total}, "weight_map": dict.fromkeys(names, SAFE_WEIGHTS_NAME)}
+    tensors = read_safetensors(single)  # the header alone
+    total = sum(t.nbytes for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict.fromkeys(tensors, SAFE_WEIGHTS_NAME)}
     atomic_write_text(folder / SAFE_WEIGHTS_INDEX_NAME, json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
