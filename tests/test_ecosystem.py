@@ -395,9 +395,9 @@ def _vllm_weight_files(folder: Path) -> list[str]:
 
 @pytest.mark.parametrize("use_rslora", [False, True])
 def test_learned_fractional_zero_points_reach_compressed_tensors_through_the_adapter(use_rslora, tmp_path):
-    """Learned zero points are not integers, which the layout's zero points are: the export stores them rounded,
-    keeps every code and step, and adds ``(round(z) - z) x step`` per group to each layer's LoRA pair as extra ranks
-    (one rank for all layers, scaling kept); compressed-tensors + PEFT, without hf-lowprec, give the trained logits.
+    """Learned zero points are not integers, which the layout's zero points are: the export stores them rounded
+    into 0..15, keeps every code and step, and adds ``(z' - z) x step`` per group to each layer's LoRA pair as extra
+    ranks (one rank for all layers, scaling kept); compressed-tensors + PEFT, without hf-lowprec, give the trained logits.
     Re-quantizing instead (a layer without an adapter) moves them by far more."""
     from hf_lowprec.export.compressed_tensors import export_compressed_tensors, vllm_serving
     from hf_lowprec.modules import PackedInt4Linear
@@ -414,6 +414,10 @@ def test_learned_fractional_zero_points_reach_compressed_tensors_through_the_ada
         (shift,) = layer.learn_steps(steps=False)
         with torch.no_grad():
             shift.uniform_(-0.75, 0.75)  # past half a step too: rounds to the neighbouring integer
+    edge = next(iter(packed.values()))  # zero points shifted past four bits' 0..15: stored clamped, the rest carried
+    with torch.no_grad():
+        edge.zero[:2].copy_(torch.tensor([[15.0], [0.0]]))
+        edge.zero_shift[:2].copy_(torch.tensor([[0.75], [-0.75]]))
     with torch.no_grad():
         trained = on_dequant_backend(model).eval()(IDS).logits
     done = export_compressed_tensors(model, tmp_path / "ct", base_model_id=BASE_ID)

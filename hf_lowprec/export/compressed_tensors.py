@@ -18,7 +18,7 @@ needs it. What compressed-tensors 0.20 loads correctly on CPU decides the rest:
 
 A layer with input scales (AWQ, smoothing ``-sq``) or a Hadamard rotation (``-rht``) is re-quantized on the plain
 grid first (a second rounding; its error is returned). Learned zero points are not integers: a layer with a LoRA adapter
-keeps its codes and steps, stores its zero points rounded, and its adapter carries the rest exactly (see
+keeps its codes and steps, stores its zero points rounded into 0..15, and its adapter carries the rest exactly (see
 :func:`add_zero_residuals`); one without is re-quantized.
 """
 
@@ -100,7 +100,7 @@ def _on_plain_grid(layer: PackedInt4Linear, residual_carried: bool) -> tuple[Pac
     error of that second rounding (``None`` when none was needed). ``residual_carried``: fractional zero points need
     none (the adapter carries what their rounding leaves, :func:`zero_residual`)."""
     zero = layer.effective_zero()  # learned steps' zero points (modules/packed.py) need not be integers
-    integral_zero = zero is None or residual_carried or bool(torch.equal(zero, zero.round()))
+    integral_zero = zero is None or residual_carried or bool(torch.equal(zero, stored_zero(layer).float()))
     if layer.inverse_input_scale() is None and integral_zero and layer.rotation_block is None:
         return layer, None
     spec = replace(layer.spec, rotate=False, smooth=False)
@@ -132,19 +132,27 @@ def _int4_tensors(layer: PackedInt4Linear, dtype: torch.dtype) -> dict[str, torc
         out["weight_packed"] = pack_int32(codes, 4)
     else:  # unsigned codes 0..15 with zero z become signed codes and zero points: shift both by 8
         out["weight_packed"] = pack_int32(codes - 8, 4)
-        zero = layer.effective_zero().round().to(torch.int32) - 8
+        zero = stored_zero(layer) - 8
         out["weight_zero_point"] = pack_int32(zero.t().contiguous(), 4).t().contiguous()
     return out
 
 
-def zero_residual(layer: PackedInt4Linear) -> torch.Tensor | None:
-    """``D`` fp32 ``[N, G]``: what integer zero points leave out of ``layer``'s weights, one value per group:
-    ``w = (q - z) s = (q - round(z)) s + D`` with ``D = (round(z) - z) s``; ``None`` when its zero points are integers
-    (or it has none)."""
+def stored_zero(layer: PackedInt4Linear) -> torch.Tensor | None:
+    """The zero points the layout stores for ``layer``, int32 ``[N, G]``: its zero points rounded into the codes'
+    range (0..15). Learned shifts make them fractional and can carry one past that range, which four bits cannot
+    hold (a 16 spilled into the next zero point's bits); ``None`` when symmetric."""
     zero = layer.effective_zero()
-    if zero is None or bool(torch.equal(zero, zero.round())):
+    return None if zero is None else zero.round().clamp(*layer.spec.qrange).to(torch.int32)
+
+
+def zero_residual(layer: PackedInt4Linear) -> torch.Tensor | None:
+    """``D`` fp32 ``[N, G]``: what the stored zero points ``z'`` (:func:`stored_zero`) leave out of ``layer``'s
+    weights, one value per group: ``w = (q - z) s = (q - z') s + D`` with ``D = (z' - z) s``; ``None`` when they are
+    its zero points (or it has none)."""
+    zero = layer.effective_zero()
+    if zero is None or bool(torch.equal(zero, stored := stored_zero(layer).float())):
         return None
-    return (zero.round() - zero) * layer.effective_step()
+    return (stored - zero) * layer.effective_step()
 
 
 def add_zero_residuals(adapter_dir: Path, residuals: dict[str, torch.Tensor], group_size: int) -> int:
