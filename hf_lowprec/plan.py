@@ -338,6 +338,15 @@ def names_a_format(plan) -> bool:
         return False
 
 
+def plan_folder(plan) -> Path | None:
+    """The folder a ``plan=`` argument names (a checkpoint or an export holding ``hf_lowprec_plan.json``), else
+    ``None``. A format name is one even where the working folder holds a folder of that name (an earlier run's
+    ``-o fp8``): that folder is ``./fp8``."""
+    if not isinstance(plan, (str, os.PathLike)) or not Path(plan).is_dir():
+        return None
+    return None if isinstance(plan, str) and names_a_format(plan) else Path(plan)
+
+
 def resolve_plan(plan, keep: tuple[str, ...] = ()) -> PrecisionPlan:
     """The one reading of a ``plan=`` argument (``"auto"`` aside: callers check :func:`is_auto` first).
 
@@ -348,11 +357,12 @@ def resolve_plan(plan, keep: tuple[str, ...] = ()) -> PrecisionPlan:
     is_path = isinstance(plan, (str, os.PathLike)) and any(sep in str(plan) for sep in "/" + os.sep)
     if is_path and not Path(plan).exists():  # no format name holds a slash
         raise ValueError(f"plan {str(plan)!r} does not exist (a plan .json/.yaml file, or a folder with {PLAN_FILE})")
+    folder = plan_folder(plan)
     if (
         isinstance(plan, FormatSpec)
         or isinstance(plan, str)
         and Path(plan).suffix not in (".json", ".yaml", ".yml")
-        and not Path(plan).is_dir()
+        and folder is None
     ):
         try:
             return PrecisionPlan.uniform(FormatSpec.parse(plan), keep=tuple(keep))
@@ -364,13 +374,12 @@ def resolve_plan(plan, keep: tuple[str, ...] = ()) -> PrecisionPlan:
         return plan
     if isinstance(plan, Mapping):
         return PrecisionPlan.from_dict(plan)
+    if folder is not None:
+        if not (folder / PLAN_FILE).is_file():
+            raise ValueError(f"plan folder {str(plan)!r} holds no {PLAN_FILE}")
+        return PrecisionPlan.load(folder / PLAN_FILE)
     if isinstance(plan, (str, os.PathLike)):
-        path = Path(plan)
-        if path.is_dir():
-            if not (path / PLAN_FILE).is_file():
-                raise ValueError(f"plan folder {str(plan)!r} holds no {PLAN_FILE}")
-            path = path / PLAN_FILE
-        return PrecisionPlan.load(path)
+        return PrecisionPlan.load(Path(plan))
     raise ValueError(
         "plan must be a PrecisionPlan, a dict, a .json/.yaml path, a plan folder or a format name, got "
         f"{type(plan).__name__}"

@@ -37,7 +37,7 @@ from hf_lowprec.formats import FormatSpec
 from hf_lowprec.ondevice.calibration import ROUNDINGS
 from hf_lowprec.ondevice.calibration.fp8 import FP8_ROUNDINGS
 from hf_lowprec.ondevice.learned_steps import LEARN_STEPS
-from hf_lowprec.plan import AUTO, PrecisionPlan, describe_yaml_error, resolve_plan
+from hf_lowprec.plan import AUTO, PrecisionPlan, describe_yaml_error, plan_folder, resolve_plan
 from hf_lowprec.sensitivity.allocate import budget_from
 from hf_lowprec.sensitivity.results import CONVERSION, SCORES
 
@@ -69,8 +69,9 @@ class PrecisionSection:
 
     Attributes:
         plan: a format name for every eligible Linear (``fp8``, ``int4-g64``, ...), ``auto`` (sensitivity
-            scan + budgeted allocation), or the path of a plan file (JSON/YAML).
-        keep: layer names/patterns left in high precision (plain format plans only). ``int4-lora`` keeps only the
+            scan + budgeted allocation), or the path of a plan file (JSON/YAML) or of a folder holding one.
+        keep: layer names/patterns left in high precision (format-name and ``auto`` plans; a plan file names its
+            own). ``int4-lora`` keeps only the
             output head out of INT4, by size (:func:`hf_lowprec.ondevice.int4_plan`: per-channel int8 above 134M
             weights, else bf16); other kept layers there belong in a plan file.
         formats: candidate formats of the ``auto`` scan.
@@ -101,11 +102,13 @@ class PrecisionSection:
     def __post_init__(self):
         for fmt in self.formats:
             FormatSpec.parse(fmt)
-        if self.plan not in PLAN_SOURCES and Path(self.plan).suffix not in (".json", ".yaml", ".yml"):
+        if self.plan not in PLAN_SOURCES and not self.is_file:
             try:
                 FormatSpec.parse(self.plan)
             except ValueError as e:
-                raise ValueError(f"'plan' must be 'auto', a plan file (.json/.yaml) or a format: {e}") from None
+                raise ValueError(
+                    f"'plan' must be 'auto', a plan file (.json/.yaml) or a folder holding one, or a format: {e}"
+                ) from None
         if self.calibration_batches < 1:
             raise ValueError(f"'calibration_batches' must be >= 1, got {self.calibration_batches}")
         if self.budget:  # checked whatever the plan: a fixed plan's recipe keeps it for --plan auto
@@ -123,7 +126,9 @@ class PrecisionSection:
 
     @property
     def is_file(self) -> bool:
-        return Path(self.plan).suffix in (".json", ".yaml", ".yml")
+        """Whether ``plan`` is a plan file (.json/.yaml) or a folder holding one (a checkpoint, a run or an
+        export): a plan that names the layers it keeps itself."""
+        return Path(self.plan).suffix in (".json", ".yaml", ".yml") or plan_folder(self.plan) is not None
 
     def fixed_plan(self) -> PrecisionPlan:
         """The plan of a format-name or file ``plan`` (``auto`` needs a scan; see the CLI)."""

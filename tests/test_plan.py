@@ -96,7 +96,7 @@ def test_plan_dict_round_trip_is_json_serialisable():
     assert plan.default == FormatSpec.parse("fp8")
 
 
-def test_resolve_plan_reads_every_kind_of_plan_argument(tmp_path):
+def test_resolve_plan_reads_every_kind_of_plan_argument(tmp_path, monkeypatch):
     from hf_lowprec.plan import PLAN_FILE, is_auto, resolve_plan
 
     plan = PrecisionPlan({"lm_head": "bf16", "*.mlp.*": "int4-g64"}, default="fp8")
@@ -108,6 +108,11 @@ def test_resolve_plan_reads_every_kind_of_plan_argument(tmp_path):
     uniform = resolve_plan("int4-g64", keep=("lm_head",))
     assert uniform.resolve("model.layers.0.mlp.up_proj").name == "int4-g64" and uniform.resolve("lm_head").name == "bf16"
     assert is_auto("auto") and not is_auto("fp8") and not is_auto(plan)
+    (tmp_path / "int4-g64").mkdir()  # an earlier run's `-o int4-g64` in the working folder: the name is the format's
+    plan.save(tmp_path / "int4-g64" / PLAN_FILE)
+    monkeypatch.chdir(tmp_path)
+    assert resolve_plan("int4-g64", keep=("lm_head",)).to_dict() == uniform.to_dict()
+    assert resolve_plan("./int4-g64").to_dict() == plan.to_dict()  # the folder, by a path
     with pytest.raises(ValueError, match="keep= applies to a format-name plan"):
         resolve_plan(plan, keep=("lm_head",))
     with pytest.raises(ValueError, match="plan must be 'auto', a plan file or folder, or a format name: .*int3"):

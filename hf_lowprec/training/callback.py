@@ -40,7 +40,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_lowprec.convert import eligible_layers
 from hf_lowprec.modules import LOW_PRECISION_TYPES
-from hf_lowprec.plan import PLAN_FILE, PrecisionPlan, is_auto
+from hf_lowprec.plan import PLAN_FILE, PrecisionPlan, is_auto, plan_folder
 from hf_lowprec.scaling import TELEMETRY_PREFIX
 from hf_lowprec.training.compensation import CompensatedOptimizer
 from hf_lowprec.training.new_parameters import insert_new_parameters, orphaned_parameters
@@ -124,7 +124,7 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
             )
         self.session = owned_session(type(self).__name__, plan, options, also=("calibration_data",))
         self.calibration_data = calibration_data
-        self._plan_folder = Path(plan) if isinstance(plan, (str, os.PathLike)) and Path(plan).is_dir() else None
+        self._plan_folder = plan_folder(plan)
         self._hook = None
         self._optimizer = None
 
