@@ -12,7 +12,6 @@ integer formats a *step* is the size of one code (``x ≈ (code - zero) * step``
 from __future__ import annotations
 
 import difflib
-import math
 import re
 from dataclasses import dataclass, field
 
@@ -478,8 +477,3 @@ def fake_quantize_per_token_int8(x: torch.Tensor) -> torch.Tensor:
 def fp8_relative_ulp(dtype: torch.dtype) -> float:
     """Half an ulp relative to a normal value: the bound on round-to-nearest relative error."""
     return 2.0 ** -(FP8_MANTISSA_BITS[dtype] + 1)
-
-
-def num_groups(cols: int, group_size: int | None) -> int:
-    """Number of scale groups along a dimension of ``cols`` elements."""
-    return 1 if group_size is None else math.ceil(cols / group_size)

@@ -15,7 +15,6 @@ from hf_lowprec.modules.packed_embedding import PackedEmbedding, embedding_scale
 
 LOW_PRECISION_TYPES = (FP8Linear, FP8Embedding, Int4Linear, Int4Embedding, PackedLinear, PackedEmbedding)
 FROZEN_TYPES = (PackedLinear, PackedEmbedding)  # hold integer codes only: no weight to train or revert to
-ELIGIBLE_TYPES = (nn.Linear, nn.Embedding)
 
 
 def low_precision_layer(module: nn.Module, spec: FormatSpec, options: dict, quantizer=None) -> nn.Module:
