@@ -125,7 +125,11 @@ RecipeOpt = Annotated[
 ]
 PlanOpt = Annotated[
     Optional[str],
-    typer.Option("--plan", help="Plan file (.json/.yaml), format name, or 'auto'; overrides the recipe's."),
+    typer.Option(
+        "--plan",
+        help="Plan file (.json/.yaml) or a folder holding one (a run, checkpoint or export), format name, or 'auto'; "
+        "overrides the recipe's.",
+    ),
 ]
 OutputDirOpt = Annotated[Optional[Path], typer.Option("--output-dir", "-o", help="Run folder (default runs/<recipe>).")]
 OverwriteOpt = Annotated[
@@ -173,8 +177,9 @@ RoundingOpt = Annotated[
     Optional[str],
     typer.Option(
         "--rounding",
-        help="int4-lora: how the INT4 codes are chosen: nearest, gptq, awq or awq+gptq (the last three "
-        "calibrated on the first training batches).",
+        help="How the weights are rounded (but nearest, calibrated on the first training batches): the INT4 codes "
+        "of int4-lora recipes nearest, gptq, awq or awq+gptq; the FP8 weights of full-training recipes nearest or "
+        "gptq.",
     ),
 ]
 
@@ -780,6 +785,11 @@ def _eval_kind(model: str, gguf_file: str | None, task: str, plan_numerics: bool
     from hf_lowprec.export.records import RUN_FILE
 
     if (Path(model) / RUN_FILE).is_file():
+        given = {"--gguf-file": gguf_file, "--revision": loading.get("revision"),
+                 "--trust-remote-code": loading["trust_remote_code"]}  # fmt: skip
+        if ignored := [flag for flag, value in given.items() if value]:
+            ui.fail(f"{', '.join(ignored)} apply to checkpoints; {model!r} is an hf-lowprec run or export folder, "
+                    "which loads as it was saved")
         loadable_weights(Path(model), model, plan_numerics)
         return "causal-lm"
     if plan_numerics:
@@ -809,7 +819,9 @@ def _load_for_eval(model: str, gguf_file: str | None, kind: str, plan_numerics: 
     if (Path(model) / RUN_FILE).is_file():
         return load_exported(model, apply_plan_numerics=plan_numerics)[0]
     if kind == "classification":
-        return AutoModelForSequenceClassification.from_pretrained(resolve_checkpoint(model)[0], **loading).eval()
+        source, gguf = resolve_checkpoint(model, gguf_file)
+        gguf_kwargs = {"gguf_file": gguf} if gguf else {}
+        return AutoModelForSequenceClassification.from_pretrained(source, **gguf_kwargs, **loading).eval()
     return load_pretrained(model, gguf_file=gguf_file, tokenizer=tokenizer, **loading)[0]
 
 

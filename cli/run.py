@@ -58,7 +58,6 @@ from hf_lowprec.training.callback import STATE_FILE, LowPrecisionCallback
 
 SETTINGS_FILE = "run_settings.json"
 LOSS_CURVE = "loss_curve.png"
-PLAN_SNAPSHOT = "plan.json"
 TRACKER_DIR = "runs"  # where transformers' TensorBoard callback writes under output_dir
 TRAINER_STATE = "trainer_state.json"  # the Trainer writes it after the weights, optimizer and RNG states
 WEIGHT_FILES = (
@@ -179,10 +178,10 @@ def _is_work_folder(folder: Path) -> bool:
 
 
 def check_same_run(run: RunFolder, current: dict) -> None:
-    """``--resume`` must continue the same model, data and recipe as the interrupted run; the error names what
-    differs (dotted keys, saved -> now)."""
+    """``--resume`` must continue the same model (its --revision, --trust-remote-code too), data and recipe as the
+    interrupted run; the error names what differs (dotted keys, saved -> now)."""
     saved, current = run.settings(), json.loads(json.dumps(current))  # compared as JSON holds them (tuples: lists)
-    keys = [k for k in ("model", "gguf_file", "data", "recipe") if k in saved]
+    keys = [k for k in ("model", "gguf_file", "loading", "data", "recipe") if k in saved]
     changes = [change for k in keys for change in _differences(k, saved[k], current[k])]
     if changes:
         shown = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3 else "")
@@ -240,6 +239,24 @@ class StopOnInterrupt(TrainerCallback):
         if self.requested:
             control.should_save = True
             control.should_training_stop = True
+
+
+class KeepOneCompleteCheckpoint(TrainerCallback):
+    """Keeps the newest complete checkpoint and removes the older ones once a new one is complete. The Trainer's own
+    rotation (``save_total_limit``) runs before the callbacks' ``on_save``, in which the low-precision callback writes
+    the plan and state a ``full`` run's checkpoint needs: a kill or a failed write there left no complete checkpoint
+    to resume from. Listed after that callback."""
+
+    def __init__(self, run: RunFolder):
+        self.run = run
+
+    def on_save(self, args, state, control, **kwargs):
+        latest = self.run.latest_checkpoint()
+        if not args.should_save or latest is None:
+            return
+        for older in self.run.checkpoint_folders():
+            if _checkpoint_step(older) < _checkpoint_step(latest):
+                shutil.rmtree(older, ignore_errors=True)
 
 
 class RichProgress(TrainerCallback):
@@ -329,7 +346,8 @@ def run_finetune(opts: FinetuneOptions) -> dict:
     contention = contention_warning()
     if contention is not None:
         ui.err.print(f"[yellow]warning: {escape(contention)}[/]", soft_wrap=True)
-    settings = {"model": opts.model, "gguf_file": opts.gguf_file, "data": opts.data, "recipe": opts.recipe.to_dict()}
+    settings = {"model": opts.model, "gguf_file": opts.gguf_file, "loading": opts.load_options, "data": opts.data,
+                "recipe": opts.recipe.to_dict()}  # fmt: skip
     if opts.resume:
         check_same_run(run, settings)
         settings = run.settings()
@@ -352,9 +370,11 @@ def run_finetune(opts: FinetuneOptions) -> dict:
 def _failed_checkpoint_write(e: BaseException, run: RunFolder, kept: Path | None) -> str | None:
     """One line for a checkpoint the Trainer could not write, with the free space where the run writes and what
     is left to resume; ``None`` for any other error. torch's writer drops the errno ("unexpected pos 576 vs 534"),
-    so the Trainer's ``_save_checkpoint`` among the failing frames is what says a checkpoint write failed."""
+    so the Trainer's ``_save_checkpoint`` or a callback's ``on_save`` (the low-precision callback's plan and state)
+    among the failing frames is what says a checkpoint write failed."""
+    saving = {"_save_checkpoint", "on_save"}
     if not isinstance(e, Exception) or not any(
-        frame.f_code.co_name == "_save_checkpoint" for frame, _ in traceback.walk_tb(e.__traceback__)
+        frame.f_code.co_name in saving for frame, _ in traceback.walk_tb(e.__traceback__)
     ):
         return None
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -423,7 +443,7 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
             args=_training_arguments(run, t, bf16_autocast=bf16 and not lora, padded=lm.kind == "chat"),
             train_dataset=lm.train,
             data_collator=lm.collator,
-            callbacks=[*callbacks, RichProgress(), stopper],
+            callbacks=[*callbacks, RichProgress(), stopper, KeepOneCompleteCheckpoint(run)],
         )
     rounded = next((c.session.rounding for c in callbacks if isinstance(c, LowPrecisionCallback)), None)
     if rounded is not None:
@@ -576,7 +596,7 @@ def _training_arguments(run: RunFolder, t, *, bf16_autocast: bool, padded: bool)
         logging_nan_inf_filter=False,  # a nan loss is shown as nan (the filter logged 0.0000 for a diverged step)
         save_strategy="steps",
         save_steps=t.save_steps,
-        save_total_limit=1,
+        save_total_limit=None,  # KeepOneCompleteCheckpoint rotates them
         seed=t.seed,
         data_seed=t.seed,
         report_to=t.trackers,

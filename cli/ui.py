@@ -9,8 +9,10 @@ import os
 import signal
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import NoReturn
 
 import typer
@@ -28,6 +30,10 @@ from rich.progress import (
 )
 from rich.table import Table
 
+import hf_lowprec
+
+# the package's code and the CLI's (hf_lowprec.cli, a folder of its own in an editable install)
+OWN_FOLDERS = (Path(hf_lowprec.__file__).resolve().parent, Path(__file__).resolve().parent)
 PIPED_WIDTH = 160  # columns of output that goes to a file or a CI log, unless $COLUMNS says otherwise
 
 
@@ -120,7 +126,10 @@ def guarded(fn):
             _error_line(str(e))
             raise typer.Exit(e.code) from None
         except ValueError as e:
-            _error_line(str(e).strip().splitlines()[0] if str(e).strip() else "invalid input")
+            if os.environ.get("HF_LOWPREC_DEBUG"):
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else "invalid input"
+            _error_line(first if _raised_by_hf_lowprec(e) else f"{first} (set HF_LOWPREC_DEBUG=1 for the traceback)")
             raise typer.Exit(EXIT_BAD_INPUT) from None
         except KeyboardInterrupt as e:
             _error_line("interrupted")
@@ -135,6 +144,14 @@ def guarded(fn):
             raise typer.Exit(EXIT_FAILED) from None
 
     return wrapper
+
+
+def _raised_by_hf_lowprec(e: BaseException) -> bool:
+    """Whether ``e`` comes from hf-lowprec's own checks of its input (its innermost frame in this package), not from
+    inside a library it called, whose message alone may not say what went wrong."""
+    frames = list(traceback.walk_tb(e.__traceback__))
+    where = Path(frames[-1][0].f_code.co_filename).resolve() if frames else None
+    return where is not None and any(where.is_relative_to(folder) for folder in OWN_FOLDERS)
 
 
 def _error_line(message: str) -> None:

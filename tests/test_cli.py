@@ -63,6 +63,27 @@ def test_env_prints_the_cpu_the_dtype_choice_and_measured_throughput():
     assert usable and abs(float(usable[2]) - float(usable[1]) / 2) <= 0.1, result.output
 
 
+def test_a_value_error_from_inside_a_library_also_offers_its_traceback(monkeypatch, capsys):
+    """Bad input hf-lowprec's own checks find is one line, exit 2; a ValueError raised inside a library it called
+    (not always the input's fault) says how to see its traceback too, and HF_LOWPREC_DEBUG=1 shows either's."""
+    import typer
+    from hf_lowprec.cli import ui
+
+    from hf_lowprec.formats import FormatSpec
+
+    ours, theirs = ui.guarded(lambda: FormatSpec.parse("int3")), ui.guarded(lambda: json.loads("{"))
+    for command, hint in ((ours, False), (theirs, True)):
+        with pytest.raises(typer.Exit) as stopped:
+            command()
+        line = capsys.readouterr().err.strip()
+        assert stopped.value.exit_code == 2 and line.count("\n") == 0 and line.startswith("error: "), line
+        assert line.endswith("(set HF_LOWPREC_DEBUG=1 for the traceback)") == hint, line
+    monkeypatch.setenv("HF_LOWPREC_DEBUG", "1")
+    for command in (ours, theirs):
+        with pytest.raises(ValueError):
+            command()
+
+
 def test_help_of_the_program_and_every_command():
     proc = subprocess.run([sys.executable, "-m", "hf_lowprec.cli.app", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and all(c in proc.stdout for c in COMMANDS)
@@ -500,6 +521,11 @@ def test_eval_without_data_needs_a_run_that_names_its_data(ws, tmp_path):
     assert f"--held-out: '{out}' trained on 'corpus.txt', not '{other}'; its held-out rows are that data's" in refused
     clash = one_error_line(cli("eval", out, "--data", ws / "corpus.txt", "--held-out", "--block-size", "16"))
     assert clash.startswith("error: --block-size: the held-out rows are a causal-LM run's own")
+    for loading in (["--revision", "v2"], ["--gguf-file", "model.gguf", "--trust-remote-code"]):  # not silently ignored
+        text = one_error_line(cli("eval", out, "--data", ws / "corpus.txt", "--held-out", *loading))
+        flags = ", ".join(flag for flag in loading if flag.startswith("--"))
+        assert text.endswith(f"{flags} apply to checkpoints; '{out}' is an hf-lowprec run or export folder, which "
+                             "loads as it was saved")
     not_a_run = one_error_line(cli("eval", ws / "tiny", "--held-out", "--data", ws / "corpus.txt"))
     assert not_a_run.endswith("is not an hf-lowprec run or export folder (no hf_lowprec_run.json), so it has no held-out rows to evaluate: pass --data <file, folder or Hub name> without --held-out")
     assert one_error_line(cli("eval", ws / "tiny")).endswith("to evaluate: pass --data <file, folder or Hub name>")

@@ -28,13 +28,6 @@ def finetune_args(ws, out, recipe="int4-ondevice-lora", steps=3):
 
 def interrupt_at_step_2(monkeypatch):
     """In this process: every checkpoint kept (no rotation) and a SIGTERM arriving during step 2."""
-    make_args = run_module._training_arguments
-
-    def keep_all(*args, **kwargs):
-        targs = make_args(*args, **kwargs)
-        targs.save_total_limit = None
-        return targs
-
     step_end = run_module.StopOnInterrupt.on_step_end
 
     def terminated_at_2(self, args, state, control, **kwargs):
@@ -42,7 +35,7 @@ def interrupt_at_step_2(monkeypatch):
             self._handle(signal.SIGTERM, None)
         return step_end(self, args, state, control, **kwargs)
 
-    monkeypatch.setattr(run_module, "_training_arguments", keep_all)
+    monkeypatch.setattr(run_module.KeepOneCompleteCheckpoint, "on_save", lambda *args, **kwargs: None)
     monkeypatch.setattr(run_module.StopOnInterrupt, "on_step_end", terminated_at_2)
 
 
@@ -86,6 +79,34 @@ def test_resume_skips_a_half_written_checkpoint(ws, tmp_path, monkeypatch, recip
     assert record["training"]["train_loss_over_steps"] == "2-3"  # the Trainer averages the resumed session only
     assert not (tmp_path / "run.incomplete").exists()
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # handlers put back
+
+
+def test_a_full_run_keeps_its_last_checkpoint_until_the_next_is_complete(ws, tmp_path, monkeypatch):
+    """The low-precision callback writes a ``full`` checkpoint's plan and state after the Trainer has written the
+    rest (and, with ``save_total_limit``, rotated the older checkpoints away): a write refused there keeps the
+    previous checkpoint, which --resume continues from; a complete one replaces it."""
+    from hf_lowprec.training.callback import LowPrecisionCallback
+
+    on_save = LowPrecisionCallback.on_save
+
+    def refused_at_2(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            raise OSError(28, "No space left on device")
+        return on_save(self, args, state, control, **kwargs)
+
+    args = finetune_args(ws, tmp_path / "run", "fp8-train")
+    with monkeypatch.context() as patched:
+        patched.setattr(LowPrecisionCallback, "on_save", refused_at_2)
+        failed = cli(*args)
+    assert failed.exit_code == 1, failed.output
+    assert failed.output.strip().endswith("--resume continues from checkpoint-1 once there is room"), failed.output
+    checkpoints = tmp_path / "run.incomplete" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert run_module.RunFolder(tmp_path / "run").latest_checkpoint() == checkpoints / "checkpoint-1"
+    resumed = cli(*args, "--resume")
+    assert resumed.exit_code == 0, resumed.output[-3000:]
+    assert "skipping checkpoint-2" in resumed.output and "resuming from checkpoint-1 (step 1)" in resumed.output
+    assert json.loads((tmp_path / "run" / RUN_FILE).read_text())["training"]["steps"] == 3
 
 
 def test_resume_with_only_a_half_written_checkpoint_says_so(ws, tmp_path):
@@ -161,6 +182,8 @@ def test_resume_names_the_options_that_changed(ws, tmp_path, monkeypatch):
     text = one_error_line(cli(*changed, "--learning-rate", "0.5", "--resume"))
     assert "recipe.training.max_steps: 3 -> 5" in text and "recipe.training.learning_rate:" in text and "-> 0.5" in text
     assert "run_settings.json" in text and "--overwrite" in text
+    text = one_error_line(cli(*finetune_args(ws, out, "fp8-train"), "--revision", "v2", "--resume"))
+    assert 'loading.revision: null -> "v2"' in text  # another revision of the model: other weights
     settings = json.loads((tmp_path / "run.incomplete" / "run_settings.json").read_text())
     training = settings["recipe"]["training"]
     training.update({k: "changed" for k in list(training)[:10]})  # many differences: the line stays short
@@ -170,9 +193,9 @@ def test_resume_names_the_options_that_changed(ws, tmp_path, monkeypatch):
     shutil.rmtree(tmp_path / "run.incomplete")
 
 
-def test_a_plan_file_says_the_recipes_keep_does_not_apply(ws, tmp_path):
+def test_a_plan_file_or_folder_says_the_recipes_keep_does_not_apply(ws, tmp_path):
     """The recipe's ``keep: [lm_head]`` serves format-name and auto plans; a plan file's unnamed layers take its
-    default, and the run says so (the recipe in its record still lists the keep)."""
+    default, and the run says so (the recipe in its record still lists the keep). A run folder gives its plan."""
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"default": "int4-g64-asym"}))
     result = cli(*finetune_args(ws, tmp_path / "run", steps=1), "--plan", plan)
@@ -183,6 +206,9 @@ def test_a_plan_file_says_the_recipes_keep_does_not_apply(ws, tmp_path):
     plan.write_text(json.dumps({"default": "int4-g64-asym", "layers": {"lm_head": "bf16"}}))  # as a scan writes it
     result = cli(*finetune_args(ws, tmp_path / "named", steps=1), "--plan", plan)
     assert result.exit_code == 0 and "does not apply to the plan file" not in result.output, result.output
+    result = cli(*finetune_args(ws, tmp_path / "again", steps=1), "--plan", tmp_path / "named")  # a run's plan
+    assert result.exit_code == 0, result.output
+    assert PrecisionPlan.load(tmp_path / "again" / PLAN_FILE).to_dict() == PrecisionPlan.load(plan).to_dict()
 
 
 @pytest.mark.parametrize("limited_after_step", [1, 2])

@@ -40,20 +40,24 @@ def push(
     if not token:
         raise ValueError("no Hugging Face token found: set HF_TOKEN or run `hf auth login`")
     api = HfApi(token=token)
-    try:
+    with _hub_refusals(repo_id, token):
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-        card = None if run is None else render_model_card(run, repo_id).content
-        with _staged(folder, card, repo_id) as upload:
-            info = api.upload_folder(
-                folder_path=upload,
-                repo_id=repo_id,
-                create_pr=create_pr,
-                commit_message="Upload model trained with hf-lowprec",
-            )
-    except Exception as e:  # huggingface_hub raises HTTP, validation and connection errors
+    card = None if run is None else render_model_card(run, repo_id).content
+    with _staged(folder, card, repo_id) as upload, _hub_refusals(repo_id, token):
+        message = "Upload model trained with hf-lowprec"
+        info = api.upload_folder(folder_path=upload, repo_id=repo_id, create_pr=create_pr, commit_message=message)
+    return info.pr_url or info.commit_url
+
+
+@contextlib.contextmanager
+def _hub_refusals(repo_id: str, token: str):
+    """The errors of the Hub calls within (huggingface_hub's HTTP, validation and connection errors) as one
+    :class:`PushFailed` line, the token masked; the traceback is dropped, as it may hold the token (headers)."""
+    try:
+        yield
+    except Exception as e:
         message = str(e).replace(token, "***").strip().splitlines()
         raise PushFailed(f"push to {repo_id!r} failed: {message[0] if message else type(e).__name__}") from None
-    return info.pr_url or info.commit_url
 
 
 def push_preview(folder: str | os.PathLike, repo_id: str) -> tuple[dict[str, int], str | None]:
