@@ -11,6 +11,7 @@ import torch
 from conftest import autocast_states, markov_batches, needs_cpp, on_dequant_backend, tiny_llama
 from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
+from safetensors.torch import load_file
 from tiny_assets import corpus_text, save_tiny_model
 from transformers import AutoModelForCausalLM, default_data_collator
 
@@ -496,10 +497,11 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
         load_int4_model(save_tiny_model(tmp_path / "plain"))
 
 
-def test_bad_token_blocks_are_refused_before_any_forward():
+def test_bad_token_blocks_are_refused_before_any_forward(caplog):
     """finetune_int4_lora checks its blocks first: an empty, 1-D, float or out-of-vocabulary block tensor (train or
     eval) gets one line naming the argument, what it got and what it takes, not a reshape/index error of PyTorch's,
-    and before the model computes anything (eval_blocks are evaluated before training)."""
+    and before the model computes anything (eval_blocks are evaluated before training). Training turns the KV cache
+    off and back on; fewer blocks than a batch are said."""
     from conftest import VOCAB
 
     model, _ = prepare_int4_lora(tiny_llama(), LoraConfig(r=4, target_modules="all-linear"))
@@ -530,6 +532,10 @@ def test_bad_token_blocks_are_refused_before_any_forward():
     assert forwards == []
     assert len(finetune_int4_lora(model, None, good, steps=1, batch_size=2, eval_blocks=good[:2]).losses) == 1
     assert forwards  # the hook sees the model compute once the blocks are right
+    assert model.get_base_model().config.use_cache  # off while training, the model's own setting after
+    with caplog.at_level(logging.WARNING, logger="hf_lowprec.ondevice.train"):
+        finetune_int4_lora(model, None, good[:3], steps=1, batch_size=4)
+    assert "3 training blocks, fewer than a batch of 4: each step trains on those" in caplog.text
 
 
 def test_default_checkpoint_names_the_install_command(monkeypatch):
@@ -891,6 +897,44 @@ def test_checkpoint_weights_give_the_dense_models_outputs_from_a_packed_one(tmp_
         after = packed(input_ids=ids).logits
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     assert (after - expected).abs().max() > 1e-3  # outside the block the packed layers compute again
+
+
+def test_a_local_checkpoint_without_safetensors_loads_dense_for_the_steps_that_read_its_weights(tmp_path):
+    """LoftQ (as the auto scan and calibrated roundings) reads dense weights back from the checkpoint's safetensors;
+    a local folder of ``pytorch_model.bin`` has none, so it loads dense (failed after the whole load before), and the
+    plan that packs it is the one packing on load gives."""
+    from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
+
+    path = save_tiny_model(tmp_path / "tiny")
+    torch.save(load_file(path / SAFE_WEIGHTS_NAME), path / WEIGHTS_NAME)
+    (path / SAFE_WEIGHTS_NAME).unlink()
+    model, _, plan = load_int4_base(path, None, dtype=torch.float32, loftq_init=True)
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert not hasattr(model, "hf_lowprec_dense_weights")
+    prepared, _ = prepare_int4_lora(model, LoraConfig(r=4, target_modules="all-linear"), plan, loftq_init=True)
+    assert isinstance(prepared.base_model.model.model.layers[0].self_attn.q_proj.base_layer, PackedInt4Linear)
+
+
+def test_load_int4_lora_passes_from_pretrained_options_on(tmp_path):
+    """``revision``, ``token``, ``trust_remote_code``... reach ``from_pretrained``, as ``load_int4_base`` takes them
+    (a pinned, gated or custom-code checkpoint could not be loaded through it): an attention implementation shows."""
+    path = save_tiny_model(tmp_path / "tiny")
+    for attention in ("eager", "sdpa"):
+        model, _, _ = load_int4_lora(path, LoraConfig(**LORA), dtype="fp32", attn_implementation=attention)
+        assert model.get_base_model().config._attn_implementation == attention
+
+
+def test_a_base_packed_while_loading_can_be_prepared_again_after_a_budget_no_plan_meets(tmp_path):
+    """A budget no plan meets fails before the scan, and the base keeps its checkpoint reader: the same model is then
+    prepared with another budget (it failed: the scan wanted an unconverted model, the checkpoint loaded again)."""
+    path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
+    calibration = token_blocks(load_pretrained(path)[1], [corpus_text(8_000)], 32)[:4]
+    model, _, plan = load_int4_base(path, "auto", dtype=torch.float32)
+    with pytest.raises(ValueError, match="bits"):
+        prepare_int4_lora(model, LoraConfig(**LORA), plan, calibration=calibration, budget={"target_bits_per_param": 2})
+    _, report = prepare_int4_lora(model, LoraConfig(**LORA), plan, calibration=calibration,
+                                  budget={"target_bits_per_param": 6.0})  # fmt: skip
+    assert {"int4-g64-asym", "int8"} <= {r.applied for r in report.layers}
 
 
 def test_checkpoint_weights_leave_a_dense_model_alone(tmp_path):

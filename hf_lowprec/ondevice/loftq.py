@@ -1,4 +1,9 @@
-"""LoftQ initialisation: LoRA adapters that start as the truncated SVD of each INT4 layer's quantization residual."""
+"""LoftQ initialisation: LoRA adapters that start as the truncated SVD of each INT4 layer's quantization residual.
+
+Written here, not PEFT's: its ``LoftQConfig`` quantizes with PEFT's own NF4/uniform quantizer, and
+``replace_lora_weights_loftq`` takes bitsandbytes' 4-bit layers, while the residual has to be the one of the codes
+this package packs (its groups, zero points and calibrated roundings), read one dense weight at a time from the
+checkpoint."""
 
 from __future__ import annotations
 

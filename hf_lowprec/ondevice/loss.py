@@ -16,12 +16,14 @@ def evaluate_loss(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4, c
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
-    for i in range(0, len(blocks), batch_size):
-        batch = blocks[i : i + batch_size]
-        tokens = batch.shape[0] * (batch.shape[1] - 1)
-        total += chunked_causal_lm_loss(model, batch, chunk_tokens=chunk_tokens).item() * tokens
-        count += tokens
-    model.train(was_training)
+    try:
+        for i in range(0, len(blocks), batch_size):
+            batch = blocks[i : i + batch_size]
+            tokens = batch.shape[0] * (batch.shape[1] - 1)
+            total += chunked_causal_lm_loss(model, batch, chunk_tokens=chunk_tokens).item() * tokens
+            count += tokens
+    finally:
+        model.train(was_training)
     return total / max(count, 1)
 
 

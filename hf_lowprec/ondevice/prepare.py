@@ -116,10 +116,12 @@ def prepare_int4_lora(
     config.target_modules = resolve_target_modules(model, config.target_modules)
     if calibration is not None:
         check_calibration(calibration)
-    # packed while loading: the checkpoint's reader, used here and then dropped (the files are no longer needed)
-    dense_weights = model.__dict__.pop("hf_lowprec_dense_weights", None)
+    # packed while loading: the checkpoint's reader, used here and dropped once the plan passes its checks (the files
+    # are no longer needed; a call that failed on its arguments can be made again on the same model)
+    dense_weights = getattr(model, "hf_lowprec_dense_weights", None)
     plan = scan_int4_plan(model, calibration, budget, auto_formats, dense_weights) if auto else fixed
     check_quantizable(model, plan)
+    model.__dict__.pop("hf_lowprec_dense_weights", None)
     reread = _repack_replanned(model, plan, dense_weights)
     report = apply_plan(model, plan, learn_scales=False)
     if calibration is not None:  # '-sq' layers calibrate on the first batch
@@ -398,8 +400,8 @@ def load_int4_base(
     on_load = auto or packs_on_load(plan)
     source, gguf = resolve_checkpoint(model_id_or_path, gguf_file)  # one clear error for a path that does not exist
     refuse_a_quantized_checkpoint(source, gguf, **from_pretrained_kwargs)
-    snapshot = None  # a hub id's safetensors to re-read, in the Hugging Face cache
-    if on_load and reads_dense and not Path(source).is_dir():
+    snapshot = None  # the folder of the safetensors to re-read: a local one, or a hub id's in the Hugging Face cache
+    if on_load and reads_dense and not (gguf and Path(source).is_dir()):  # a local GGUF file is cached as safetensors
         snapshot = None if gguf else local_checkpoint_folder(source, **source_kwargs(from_pretrained_kwargs))
         on_load = snapshot is not None
     first_int4 = next((f for f in auto_formats if FormatSpec.parse(f).family == "int4"), None) if auto else plan
@@ -480,9 +482,11 @@ def load_int4_lora(
     adapter_dtype: torch.dtype | str = "auto",
     backend: str = "auto",
     learn_steps: bool | str = False,
+    **from_pretrained_kwargs,
 ):
     """Load a pretrained checkpoint (:func:`load_int4_base`: packed while loading where it can be) and
-    :func:`prepare_int4_lora` it: ``(peft_model, tokenizer, report)``.
+    :func:`prepare_int4_lora` it: ``(peft_model, tokenizer, report)``. ``from_pretrained_kwargs`` (``revision``,
+    ``token``, ``trust_remote_code``...) go to ``from_pretrained``.
 
     ``dtype``: the compute dtype, ``"auto"`` (bf16 where this CPU runs bf16 GEMMs fast, measured once per
     machine; fp32 otherwise, e.g. on AVX2), ``"bf16"``/``"fp32"`` or a torch dtype; the choice and its reason
@@ -500,6 +504,7 @@ def load_int4_lora(
         loftq_init=loftq_init,
         auto_formats=auto_formats,
         gguf_file=gguf_file,
+        **from_pretrained_kwargs,
     )
     if callable(calibration):
         calibration = calibration(tokenizer)

@@ -201,8 +201,10 @@ def finetune_int4_lora(
 def _activation_memory(model: nn.Module, base: nn.Module, storage: str | None, checkpointing: bool | int):
     """Training mode for memory: no KV cache; checkpoint every ``checkpointing`` layers while inside; yields the
     per-step context that stores saved activations in ``storage`` (``int8``/``fp8``; a no-op context for ``None``)."""
-    if getattr(base, "config", None) is not None:
-        base.config.use_cache = False  # a KV cache is of no use in training and costs memory
+    config = getattr(base, "config", None)
+    use_cache = getattr(config, "use_cache", None)
+    if config is not None:
+        config.use_cache = False  # a KV cache is of no use in training and costs memory
     if checkpointing:
         base.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=int(checkpointing))
     try:
@@ -210,6 +212,8 @@ def _activation_memory(model: nn.Module, base: nn.Module, storage: str | None, c
     finally:
         if checkpointing:
             base.activation_checkpointing_disable()
+        if config is not None:  # generating after training uses the cache again
+            config.use_cache = use_cache
 
 
 def _final_eval(model, eval_blocks, batch_size: int, chunk_tokens: int, progress, steps: int, last_loss: float):
@@ -302,6 +306,9 @@ def _step(model, params, optimizer, scheduler, storage, chunk_tokens: int, max_g
 def _run_steps(step, scheduler, train_blocks: torch.Tensor, steps: int, batch_size: int, seed: int, progress):
     """``steps`` calls of ``step(batch)`` on shuffled blocks (reshuffled each epoch): ``(losses, seconds per step,
     seconds in all)``."""
+    if len(train_blocks) < batch_size:
+        logger.warning("%d training blocks, fewer than a batch of %d: each step trains on those", len(train_blocks),
+                       batch_size)  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     order, cursor = torch.randperm(len(train_blocks), generator=gen), 0

@@ -53,10 +53,12 @@ def _preserved_rng():
     """Run a block without moving Python, NumPy or torch random streams (a scan must not change training)."""
     py, npy = random.getstate(), np.random.get_state()
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        yield
-    random.setstate(py)
-    np.random.set_state(npy)
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:  # a scan that failed (a budget, an interrupt) leaves them as they were too
+        random.setstate(py)
+        np.random.set_state(npy)
 
 
 def process_world() -> tuple[int, int]:
@@ -122,14 +124,16 @@ def scan_plan(
     sensitivity.check_budget(model, options.formats, options.budget, keep=keep)  # not after minutes of scan
     start = time.perf_counter()
     was_training = model.training
-    with _preserved_rng(), computing:
-        data = list(islice(iter(batches), options.calibration_batches))
-        if not data:
-            raise ValueError("plan='auto' found no calibration batches to scan")
-        result = sensitivity.scan(
-            model, data, formats=options.formats, method=options.scan_method, seed=options.seed, progress=progress
-        )
-    model.train(was_training)
+    try:
+        with _preserved_rng(), computing:
+            data = list(islice(iter(batches), options.calibration_batches))
+            if not data:
+                raise ValueError("plan='auto' found no calibration batches to scan")
+            result = sensitivity.scan(
+                model, data, formats=options.formats, method=options.scan_method, seed=options.seed, progress=progress
+            )
+    finally:
+        model.train(was_training)
     plan = sensitivity.allocate(result, options.budget, keep=keep)
     return _same_on_all_ranks(plan), time.perf_counter() - start
 
