@@ -60,9 +60,10 @@ RUN_FILE = "hf_lowprec_run.json"  # the run record every hf-lowprec run and expo
 MODEL_MARKERS = ("config.json", RUN_FILE)  # a folder holding one is a model's: overwrite may replace it
 
 
-def check_output_dir(out: str | os.PathLike, overwrite: bool) -> None:
+def check_output_dir(out: str | os.PathLike, overwrite: bool, source: str | os.PathLike | None = None) -> None:
     """``ValueError`` unless ``out`` is free to write: absent, an empty folder, or with ``overwrite`` a model folder
-    (one holding a :data:`MODEL_MARKERS` file): a folder of other files is never replaced."""
+    (one holding a :data:`MODEL_MARKERS` file): a folder of other files is never replaced, nor ``source``, the folder
+    the model to be written was loaded from (its ``name_or_path``: writing there would destroy the checkpoint)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"output {str(out)!r} exists and is not a folder")
@@ -70,6 +71,11 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool) -> None:
         return
     if not overwrite:
         raise ValueError(f"output folder {str(out)!r} already exists; pass overwrite=True to replace it")
+    if source is not None and Path(source).is_dir() and Path(source).resolve() == out.resolve():
+        raise ValueError(
+            f"output folder {str(out)!r} is the checkpoint the model was loaded from, which overwrite=True does not "
+            "replace; write to another folder"
+        )
     if not any((out / marker).is_file() for marker in MODEL_MARKERS):
         raise ValueError(
             f"output folder {str(out)!r} holds no {' or '.join(MODEL_MARKERS)}, so it is not a model folder and "

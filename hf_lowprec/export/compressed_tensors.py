@@ -292,7 +292,7 @@ def export_compressed_tensors(
         # with its adapters, when it has them and PEFT is installed
         model = AutoModelForCausalLM.from_pretrained(out_dir)
     """
-    check_output_dir(Path(out_dir), overwrite)
+    check_output_dir(Path(out_dir), overwrite, getattr(model, "name_or_path", None))
     with atomic_output_dir(out_dir, overwrite) as tmp:
         return write_compressed_tensors(model, tmp, tokenizer=tokenizer, base_model_id=base_model_id)
 

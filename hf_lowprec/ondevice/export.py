@@ -148,7 +148,7 @@ def export_int4_lora(
     base with its adapters applied; :func:`load_int4_model` as a ``PeftModel`` (``is_trainable=True`` to train on).
     """
     base, plan = _checked_base(model, merge, merged_dtype)
-    check_output_dir(Path(out_dir), overwrite)
+    check_output_dir(Path(out_dir), overwrite, getattr(model, "name_or_path", None))
     dense = merged_dtype is not None
     config = copy.deepcopy(base.config)
     config.use_cache = True

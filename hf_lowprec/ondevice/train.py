@@ -283,7 +283,7 @@ def _checked_parameters(
     if eval_blocks is not None:
         _check_blocks(eval_blocks, "eval_blocks", vocab)
     if output_dir is not None:
-        check_output_dir(Path(output_dir), overwrite)
+        check_output_dir(Path(output_dir), overwrite, getattr(model, "name_or_path", None))
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters; build it with prepare_int4_lora / load_int4_lora")
