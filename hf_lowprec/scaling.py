@@ -166,8 +166,12 @@ class DelayedScaling(ScalePolicy):
         else:
             past = self.amax_history[(self.recorded - 1) % self.history_len]
         reference = torch.where(self.recorded == 0, amax, past)
-        self.amax_history[self.recorded % self.history_len] = amax
-        self.recorded += 1
+        # an inf/NaN amax (an overflowed gradient: a step the loss scaler skips) is not recorded: in the history it
+        # made the next history_len scales 0 or NaN
+        finite = torch.isfinite(amax)
+        slot = self.recorded % self.history_len
+        self.amax_history[slot] = torch.where(finite, amax, self.amax_history[slot])
+        self.recorded += finite.long()
         return fp8_scale(reference, dtype, self.power_of_two) / 2.0**self.margin
 
     def extra_repr(self) -> str:

@@ -224,6 +224,32 @@ def test_compensated_optimizer_round_trips_through_state_dict(method):
         assert torch.equal(v, twin_opt.buffers[id(list(twin.parameters())[idx])])
 
 
+@pytest.mark.parametrize("method", ["kahan", "stochastic"])
+def test_a_step_a_pre_hook_skips_leaves_every_chunk_unchanged(method):
+    """A gradient spike under spike_action="skip" clears every gradient in a step pre-hook of the inner optimizer
+    (LowPrecisionPlugin's), which runs once per chunk of parameters: the later chunks have no gradient to lift (an
+    AttributeError before) and no weight moves."""
+    params = [torch.nn.Parameter(torch.randn(4, 8).bfloat16()) for _ in range(3)]
+    inner = torch.optim.AdamW(params, lr=0.1)
+    opt = CompensatedOptimizer(inner, method, max_chunk_numel=32)  # one parameter a chunk
+
+    def skip(*args):
+        for p in params:
+            p.grad = None
+
+    inner.register_step_pre_hook(skip)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    inner._optimizer_step_pre_hooks.clear()
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()  # a step nothing skips moves every chunk
+    assert not any(torch.equal(p, b) for p, b in zip(params, before))
+
+
 def test_compensated_optimizer_works_with_schedulers_and_new_parameter_groups():
     model = tiny_llama(num_hidden_layers=1).to(torch.bfloat16)
     opt = CompensatedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), "kahan")

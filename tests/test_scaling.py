@@ -61,6 +61,21 @@ def test_delayed_scaling_scales_from_previous_amaxes(reduction):
     assert got == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.parametrize("reduction", ["max", "most_recent"])
+def test_delayed_scaling_does_not_record_an_overflowed_amax(reduction):
+    """An inf/NaN amax (an overflowed gradient, a step the loss scaler skips) scales its own cast from the history and
+    is not recorded: the casts after it scale as if it had not come (it made the next history_len scales 0 or NaN)."""
+    amaxes = [1.0, 4.0, math.inf, 2.0, math.nan, 8.0, 0.5]
+    policy = DelayedScaling(history_len=2, reduction=reduction)
+    got = [policy.scale(_amax(a), E4M3).item() for a in amaxes]
+    finite, expected = [], []
+    for a in amaxes:
+        past = finite[-2:]
+        expected.append(448.0 / (max(past) if reduction == "max" else past[-1]) if past else 448.0 / a)
+        finite += [a] if math.isfinite(a) else []
+    assert got == pytest.approx(expected, rel=1e-6)
+
+
 def test_delayed_scaling_margin_power_of_two_and_tensorwise_only():
     policy = DelayedScaling(history_len=4, margin=1, power_of_two=True)
     s = policy.scale(_amax(3.0), E4M3).item()

@@ -298,7 +298,9 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                 lifted = []
                 for _, p in chunk:
                     mode = self._mode(p)
-                    if mode:
+                    # no gradient: frozen, or a step a pre-hook of the inner optimizer skipped in an earlier chunk
+                    # (a gradient spike under spike_action="skip" clears every gradient): nothing to lift
+                    if mode and p.grad is not None:
                         lifted.append((p, mode, p.data, p.grad))
                         p.data = self._lift(p, mode)
                         p.grad = p.grad.float()
