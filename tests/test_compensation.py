@@ -288,3 +288,6 @@ def test_make_optimizer_low_bit_states_are_smaller_and_train():
         make_optimizer(model.parameters(), states="int2")
     with pytest.raises(ValueError, match="unknown compensation method 'magic'"):
         CompensatedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "magic")
+    # torchao's own stochastic rounding has no error feedback or seed: refused, not dropped
+    with pytest.raises(ValueError, match=r"^error_feedback, seed apply to the CompensatedOptimizer wrapper, which"):
+        make_optimizer(model.parameters(), states="8bit", compensation="stochastic", seed=3, error_feedback={})

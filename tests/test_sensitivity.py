@@ -347,6 +347,21 @@ def test_gradient_checkpointing_changes_no_score_and_stays_on():
     assert model._require_grads_hooks  # the embedding hook checkpointing added is back too
 
 
+def test_padding_is_not_scored():
+    """Right-padded calibration batches labelled ``labels=input_ids`` (as the docstrings say) score as the same
+    batches with their padding labelled -100: padding is no token to predict, as the training loss ignores it."""
+    padded = batches()
+    for b in padded:
+        b["attention_mask"][1, 40:] = 0
+        b["input_ids"] = b["input_ids"].masked_fill(b["attention_mask"] == 0, 0)
+        b["labels"] = b["input_ids"]
+    ignored = [dict(b, labels=b["labels"].masked_fill(b["attention_mask"] == 0, -100)) for b in padded]
+    model = tiny_llama()
+    got, expected = scan(model, padded, method="fisher").to_dict(), scan(model, ignored, method="fisher").to_dict()
+    got.pop("seconds"), expected.pop("seconds")
+    assert got == expected and padded[0]["labels"][1, -1] == 0  # the caller's batches are left as they were
+
+
 def test_merging_batches_does_not_change_weight_only_scores():
     """INT4 is weight-only, so running the two batches as one forward or two gives the same numbers."""
     model = tiny_llama()

@@ -20,7 +20,12 @@ def _check_batches(batches: Iterable[Mapping]) -> list[dict]:
             raise ValueError(f"batch {i}: each batch must be a dict with 'input_ids' and 'labels' tensors")
         if "labels" not in batch:
             raise ValueError("batches need a 'labels' key (causal LM: labels=input_ids)")
-        out.append(dict(batch))
+        batch = dict(batch)
+        mask = batch.get("attention_mask")
+        if torch.is_tensor(mask) and torch.is_tensor(batch["labels"]) and mask.shape == batch["labels"].shape:
+            # padding is no token to score (labels=input_ids labels it too), as the training loss ignores it
+            batch["labels"] = batch["labels"].masked_fill(mask == 0, IGNORE_INDEX)
+        out.append(batch)
     if not out:
         raise ValueError("scan needs at least one calibration batch")
     return out

@@ -396,6 +396,12 @@ def make_optimizer(
 
         cls = {"8bit": AdamW8bit, "4bit": torchao.optim.AdamW4bit, "fp8": torchao.optim.AdamWFp8}[states]
         if compensation == "stochastic":
+            if wrapper_options:  # the wrapper's, which torchao's rounding does not have
+                raise ValueError(
+                    f"{', '.join(sorted(wrapper_options))} apply to the CompensatedOptimizer wrapper, which "
+                    f"compensation='stochastic' with states={states!r} does not use (torchao rounds stochastically "
+                    "itself); use compensation='kahan' or states='fp32' to have them"
+                )
             return cls(params, bf16_stochastic_round=True, **common)
         inner = cls(params, **common)
     if compensation in (None, "none"):
