@@ -62,6 +62,18 @@ def test_fp8_linear_torchao_backend_is_torchaos_layer():
         assert torch.equal(a, b)
 
 
+def test_torchao_backend_refuses_policies_its_kernels_would_ignore_and_policies_follow_the_weight():
+    """torchao's kernels scale dynamically: a delayed or gradient policy asked for with backend='torchao' would not
+    run (it was silently dropped). A converted layer's policies keep their statistics on the weight's device."""
+    from hf_lowprec.scaling import DelayedScaling, GradientScaling
+
+    for policy in (DelayedScaling(), GradientScaling()):
+        with pytest.raises(ValueError, match=rf"^backend='torchao' scales dynamically; {type(policy).__name__} would"):
+            FP8Linear.from_linear(nn.Linear(128, 64), "fp8", backend="torchao", policies={"grad": policy})
+    on_meta = FP8Linear.from_linear(nn.Linear(128, 64, device="meta"), "fp8", policies={"input": DelayedScaling()})
+    assert {b.device.type for b in on_meta.scaling.buffers()} == {"meta"}  # a CUDA weight's: CUDA
+
+
 def test_fp8_auto_backend_leaves_torchao_where_scaled_mm_cannot_run(monkeypatch):
     """On an FP8 GPU, ``auto`` runs torchao's kernels only for shapes ``torch._scaled_mm`` takes (both weight
     dimensions divisible by 16) and tensor/row scales; elsewhere the layer is emulated and its report says why."""

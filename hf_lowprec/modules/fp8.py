@@ -202,6 +202,12 @@ class FP8Linear(nn.Linear):
             raise ValueError(f"unknown scale policy roles {sorted(policies)}; choose from input, weight, grad")
         if self.spec.granularity == "mx" and not all(p.power_of_two for p in self.scaling.values()):
             raise ValueError("fp8-mx scales are powers of two (E8M0); pass scale policies with power_of_two=True")
+        others = sorted({type(p).__name__ for p in self.scaling.values() if type(p) is not DynamicScaling})
+        if backend == "torchao" and others:  # its kernels compute their own dynamic scales: these would not run
+            raise ValueError(
+                f"backend='torchao' scales dynamically; {', '.join(others)} would be ignored: use backend='emulated' "
+                "(or 'auto', which picks it for them)"
+            )
         self.rotation_block = layer_rotation(self.spec, in_features, f"FP8Linear({self.spec.name})")
         self.smoothing = InputSmoothing(in_features, device) if self.spec.smooth else None
         self._torchao_config = None
@@ -213,6 +219,7 @@ class FP8Linear(nn.Linear):
         new.weight, new.bias = linear.weight, linear.bias
         if new.smoothing is not None:
             new.smoothing.to(linear.weight.device)
+        new.scaling.to(linear.weight.device)  # the policies' statistics beside the weight (built on the CPU)
         return new
 
     @property

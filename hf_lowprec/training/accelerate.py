@@ -22,7 +22,8 @@ layers run the rest of the plan.
 resumes with it, and ``load_state`` refuses a state saved under another plan before Accelerate loads its weights.
 
 Under more than one process the FP8 scale policies reduce their tensorwise amaxes with ``MAX`` over
-ranks (``sync``), so every rank quantizes with the same scales.
+ranks (``sync``), so every rank quantizes with the same scales. Layers that torchao's kernels run (on FP8 GPUs)
+compute their own per-rank dynamic scales and record no ``lowprec/*`` telemetry; the policies then do not run.
 """
 
 from __future__ import annotations
