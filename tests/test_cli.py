@@ -172,13 +172,18 @@ def test_qat_int4_run_exports_packed_weights_that_reproduce_the_trained_model(ws
 
 
 def test_int4_lora_run_with_a_smoothed_plan_calibrates_on_the_first_batches_and_reloads(ws):
-    """A fixed ``-sq`` plan: the CLI hands the first training batches to the packing, whose smoothing the export keeps."""
+    """A fixed ``-sq`` plan: the CLI hands the first training batches to the packing, whose smoothing the export keeps.
+    W4A8 (``-a8``) is refused before training: the packed kernels compute weight-only INT4 (it ran so under its
+    name)."""
     out = ws / "run-sq"
-    args = ["--recipe", "int4-ondevice-lora", "--plan", "int4-g32-a8-sq", "--rounding", "nearest", "--max-steps", "2", *FAST]
-    result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", *args, "-o", out)
+    args = ["--recipe", "int4-ondevice-lora", "--rounding", "nearest", "--max-steps", "2", *FAST]
+    refused = one_error_line(cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", *args, "--plan", "int4-g32-a8-sq",
+                                 "-o", ws / "run-a8"))  # fmt: skip
+    assert "in int4-g32-a8-sq, which no packed layer stores" in refused and not (ws / "run-a8").exists()
+    result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", *args, "--plan", "int4-g32-sq", "-o", out)
     assert result.exit_code == 0, result.output
     record = json.loads((out / RUN_FILE).read_text())
-    assert "int4-g32-a8-sq" in {row["format"] for row in record["plan_rows"]}
+    assert "int4-g32-sq" in {row["format"] for row in record["plan_rows"]}
     model, tok = load_exported(out, backend="dequant")
     smoothed = [m for m in model.modules() if isinstance(m, PackedInt4Linear) and m.spec.smooth]
     assert smoothed and all(bool((m.input_scale != 1).any()) for m in smoothed)

@@ -153,8 +153,10 @@ class Int4Linear(nn.Linear):
         ``packed_class``)."""
         cls = packed_class(self.spec)
         if cls is None:
+            a8 = ", whose int8 inputs (-a8) no packed kernel computes" if self.spec.act_int8 else ""
             raise ValueError(
-                f"freeze() packs int4 formats and per-channel symmetric int8 only; this layer is {self.spec.name}"
+                f"freeze() packs weight-only int4 formats and per-channel symmetric int8; this layer is "
+                f"{self.spec.name}{a8}"
             )
         weight = self.weight_operand(self.weight.detach())
         step, zero = self.weight_quantizer.steps(weight)

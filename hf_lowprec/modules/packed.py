@@ -1110,7 +1110,9 @@ class PackedInt4Linear(PackedLinear):
 
     @classmethod
     def stores(cls, spec: FormatSpec) -> bool:
-        return spec.family == "int4"
+        # -a8 quantizes the inputs to int8 per token too, which the packed kernels do not: packed, those layers
+        # computed weight-only INT4 under their -a8 name
+        return spec.family == "int4" and not spec.act_int8
 
     def _empty_codes(self, out_features: int, in_features: int, device) -> torch.Tensor:
         return torch.zeros(out_features, (in_features + 1) // 2, dtype=torch.uint8, device=device)
