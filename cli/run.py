@@ -179,8 +179,11 @@ def _is_work_folder(folder: Path) -> bool:
 
 def check_same_run(run: RunFolder, current: dict) -> None:
     """``--resume`` must continue the same model (its --revision, --trust-remote-code too), data and recipe as the
-    interrupted run; the error names what differs (dotted keys, saved -> now)."""
+    interrupted run (its ``export`` section aside: it only shapes what is written after training); the error names
+    what differs (dotted keys, saved -> now)."""
     saved, current = run.settings(), json.loads(json.dumps(current))  # compared as JSON holds them (tuples: lists)
+    for settings in (saved, current):
+        settings.get("recipe", {}).pop("export", None)
     keys = [k for k in ("model", "gguf_file", "loading", "data", "recipe") if k in saved]
     changes = [change for k in keys for change in _differences(k, saved[k], current[k])]
     if changes:
@@ -444,6 +447,11 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
             train_dataset=lm.train,
             data_collator=lm.collator,
             callbacks=[*callbacks, RichProgress(), stopper, KeepOneCompleteCheckpoint(run)],
+        )
+    if not lora and recipe.export.weights == "int4-packed" and resolved_weights(model, "auto") != "int4-packed":
+        ui.fail(  # the plan is known now (an auto plan scanned): before the training, not at its export
+            "export.weights 'int4-packed' needs int4 (or per-channel int8) layers in the plan, and this plan has none; "
+            "pass export.weights=master (or auto), or a plan with int4 layers"
         )
     rounded = next((c.session.rounding for c in callbacks if isinstance(c, LowPrecisionCallback)), None)
     if rounded is not None:

@@ -109,6 +109,15 @@ def test_a_full_run_keeps_its_last_checkpoint_until_the_next_is_complete(ws, tmp
     assert json.loads((tmp_path / "run" / RUN_FILE).read_text())["training"]["steps"] == 3
 
 
+def test_an_export_the_plan_cannot_give_is_refused_before_training(ws, tmp_path):
+    """qat-int4 exports packed INT4 codes: a plan without INT4 layers stops once the plan is known, before the
+    training (it stopped after it, with a hint --resume refused)."""
+    text = one_error_line(cli(*finetune_args(ws, tmp_path / "run", "qat-int4"), "--plan", "fp8"))
+    assert "export.weights 'int4-packed' needs int4 (or per-channel int8) layers in the plan, and this plan" in text
+    assert text.endswith("pass export.weights=master (or auto), or a plan with int4 layers")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "run.incomplete").exists()
+
+
 def test_resume_with_only_a_half_written_checkpoint_says_so(ws, tmp_path):
     checkpoint = tmp_path / "run.incomplete" / "checkpoints" / "checkpoint-1"
     checkpoint.mkdir(parents=True)
@@ -179,8 +188,9 @@ def test_resume_names_the_options_that_changed(ws, tmp_path, monkeypatch):
         interrupt_at_step_2(patched)
         assert cli(*finetune_args(ws, out, "fp8-train")).exit_code == 143
     changed = finetune_args(ws, out, "fp8-train", steps=5)
-    text = one_error_line(cli(*changed, "--learning-rate", "0.5", "--resume"))
+    text = one_error_line(cli(*changed, "--learning-rate", "0.5", "--resume", "export.weights=auto"))
     assert "recipe.training.max_steps: 3 -> 5" in text and "recipe.training.learning_rate:" in text and "-> 0.5" in text
+    assert "export" not in text  # what is written after training may change
     assert "run_settings.json" in text and "--overwrite" in text
     text = one_error_line(cli(*finetune_args(ws, out, "fp8-train"), "--revision", "v2", "--resume"))
     assert 'loading.revision: null -> "v2"' in text  # another revision of the model: other weights
