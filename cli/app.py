@@ -686,6 +686,9 @@ def eval_cmd(
                                      eval_only=True, text_column=text_column, messages_column=messages_column)
     with ui.step(f"loading {model}"):
         lm_model = _load_for_eval(model, gguf_file, kind, plan_numerics, loading, tokenizer)
+    max_len = getattr(lm_model.config, "max_position_embeddings", None)
+    if block_size is not None and max_len is not None and block_size > max_len:  # as finetune refuses it
+        ui.fail(f"block size {block_size} exceeds the model's max_position_embeddings {max_len}; lower --block-size")
     autocast, batch_size = _eval_numerics(model, plan_numerics, batch_size)
     if kind == "classification":
         results, shown = _eval_classification(lm_model, tokenizer, rows, batch_size), data

@@ -130,6 +130,8 @@ def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool) -> RunFol
     run = RunFolder(Path(out))
     if run.out.exists() and not run.out.is_dir():
         ui.fail(f"output {str(run.out)!r} exists and is not a folder")
+    if file := next((p for p in run.out.parents if p.exists() and not p.is_dir()), None):
+        ui.fail(f"output {str(run.out)!r}: {str(file)!r} is a file, not a folder to write in")
     if resume:
         if run.latest_checkpoint() is None:
             partial = " (only a half-written one, from a kill while it was saved)" if run.checkpoint_folders() else ""

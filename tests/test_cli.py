@@ -135,6 +135,8 @@ def test_finetune_eval_export_reload_fp8(ws):
     printed = float(re.search(r"perplexity\s*│\s*([0-9.]+)", result.output).group(1))
     assert printed == pytest.approx(expected, abs=2e-4)  # the same up to the fp32 summation order and 4 printed decimals
 
+    bad = one_error_line(cli("export", out, "--out", pub, "--repo-id", "bad id!!"))  # it would go into the card
+    assert "repo id 'bad id!!': Repo id must use alphanumeric chars" in bad and not pub.exists()
     result = cli("export", out, "--out", pub, "--repo-id", "me/tiny-fp8")
     assert result.exit_code == 0, result.output
     assert not (pub / "log_history.json").exists() and (pub / "hf_lowprec_plan.json").exists()
@@ -534,6 +536,8 @@ def test_eval_without_data_needs_a_run_that_names_its_data(ws, tmp_path):
     not_a_run = one_error_line(cli("eval", ws / "tiny", "--held-out", "--data", ws / "corpus.txt"))
     assert not_a_run.endswith("is not an hf-lowprec run or export folder (no hf_lowprec_run.json), so it has no held-out rows to evaluate: pass --data <file, folder or Hub name> without --held-out")
     assert one_error_line(cli("eval", ws / "tiny")).endswith("to evaluate: pass --data <file, folder or Hub name>")
+    too_long = one_error_line(cli("eval", ws / "tiny", "--data", ws / "corpus.txt", "--block-size", "512"))
+    assert too_long.endswith("block size 512 exceeds the model's max_position_embeddings 256; lower --block-size")
     missing = one_error_line(cli("eval", tmp_path / "nope" / "model"))  # a mistyped path, not a model without rows
     assert f"model '{tmp_path / 'nope' / 'model'}' does not exist" in missing and "held-out" not in missing
     exported = tmp_path / "api-export"  # written by the Python API: a record without a recipe

@@ -161,6 +161,8 @@ def test_overwrite_replaces_only_empty_folders_and_runs(ws, tmp_path, caplog):
     assert "--overwrite" in text and str(mine) in text and "not an hf-lowprec run" in text
     assert (mine / "notes.txt").read_text() == "precious" and (mine / "sub").is_dir()
     assert not (tmp_path / "userdir.incomplete").exists()
+    under_a_file = one_error_line(cli(*finetune_args(ws, mine / "notes.txt" / "run", "fp8-train", steps=1)))
+    assert under_a_file.endswith(f"'{mine / 'notes.txt'}' is a file, not a folder to write in")  # exit 1 before
 
     stray = tmp_path / "other.incomplete"  # a folder of the user's that happens to have a work folder's name
     stray.mkdir()

@@ -29,6 +29,7 @@ from hf_lowprec.export.card import render_model_card
 from hf_lowprec.export.compressed_tensors import rerounded, vllm_serving, write_compressed_tensors
 from hf_lowprec.export.gguf import ADAPTER_FILE, export_gguf
 from hf_lowprec.export.hf_quantizer import quantization_config_dict, with_load_guards
+from hf_lowprec.export.publish import check_repo_id
 from hf_lowprec.export.records import CARD_FILE, RUN_ONLY, plan_record, read_run, write_record
 from hf_lowprec.folders import atomic_output_dir
 from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, PackedInt4Linear, PackedInt8Linear
@@ -312,6 +313,8 @@ def export_run(
         )
     if weights_format not in EXPORT_FORMATS:
         raise ValueError(f"export format {weights_format!r}: choose one of {', '.join(EXPORT_FORMATS)}")
+    if repo_id is not None:  # it goes into the card's snippets and the adapters' config
+        check_repo_id(repo_id)
     formats = run_formats(run)
     if weights_format not in formats:
         held = run.get("export", {}).get("description", "no export record")

@@ -80,11 +80,16 @@ def _checked(folder: str | os.PathLike, repo_id: str) -> tuple[Path, dict | None
             f"{str(folder)!r} is not an hf-lowprec run or export folder (no {RUN_FILE} or {MODEL_CONFIG}); "
             "push the folder `hf-lowprec export` wrote"
         )
+    check_repo_id(repo_id)
+    return folder, read_run(folder) if (folder / RUN_FILE).is_file() else None
+
+
+def check_repo_id(repo_id: str) -> None:
+    """``ValueError`` (huggingface_hub's reason, one line) for a string the Hub takes as no repo id."""
     try:
         validate_repo_id(repo_id)
     except HFValidationError as e:
         raise ValueError(f"repo id {repo_id!r}: {str(e).strip().splitlines()[0]}") from None
-    return folder, read_run(folder) if (folder / RUN_FILE).is_file() else None
 
 
 @contextlib.contextmanager
