@@ -107,10 +107,16 @@ def setup_logging(verbose: bool = False) -> None:
     # optional-kernel notices of torchao (no triton) and bitsandbytes (no `kernels` package) say nothing actionable
     for name in ("torchao", "bitsandbytes"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # huggingface_hub and datasets print their records (a Hub request's retries) through a handler of their own and
+    # pass them on to ours: each came twice
+    for library in (logging.getLogger("huggingface_hub"), logging.getLogger("datasets")):
+        for handler in [h for h in library.handlers if type(h) is logging.StreamHandler]:
+            library.removeHandler(handler)
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     datasets.disable_progress_bars()
-    datasets.utils.logging.set_verbosity_error()
+    # datasets logs a file it cannot parse as an ERROR, then raises; the one error line the CLI prints says it
+    datasets.utils.logging.set_verbosity(logging.CRITICAL)
 
 
 def guarded(fn):

@@ -84,6 +84,21 @@ def test_a_value_error_from_inside_a_library_also_offers_its_traceback(monkeypat
             command()
 
 
+def test_library_logs_come_once_and_a_file_datasets_cannot_parse_is_one_error_line(tmp_path):
+    """huggingface_hub's and datasets' own handlers and ours printed each of their records (a Hub request's retries)
+    twice; datasets' ERROR about a file it cannot parse came twice more before the CLI's own line."""
+    code = ("from hf_lowprec.cli import ui; ui.setup_logging(); import logging; "
+            "logging.getLogger('huggingface_hub.utils._http').warning('Retrying in 1s [Retry 1/5].')")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr.count("Retrying in 1s [Retry 1/5].") == 1, done.stderr
+    (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n{bad\n')
+    command = "from hf_lowprec.cli.app import app; app()"
+    done = subprocess.run([sys.executable, "-c", command, "eval", str(tmp_path / "model"), "--data",
+                           str(tmp_path / "broken.jsonl")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = [line for line in done.stderr.splitlines() if not line.startswith(("…", "✓"))]  # progress lines
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: could not read data"), done.stderr
+
+
 def test_help_of_the_program_and_every_command():
     proc = subprocess.run([sys.executable, "-m", "hf_lowprec.cli.app", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and all(c in proc.stdout for c in COMMANDS)
