@@ -125,6 +125,8 @@ def apply_plan(
     Idempotent: layers already in their planned format are left alone; layers planned ``bf16``/``fp32``
     that were converted earlier are reverted. Raises ``ValueError`` if the plan does not fit the model.
     """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"apply_plan converts a torch nn.Module (a transformers model), got {type(model).__name__}")
     plan = resolve_plan(plan)
     plan.validate(model)
     assignments = plan.assign(model)

@@ -342,7 +342,7 @@ def plan_folder(plan) -> Path | None:
     """The folder a ``plan=`` argument names (a checkpoint or an export holding ``hf_lowprec_plan.json``), else
     ``None``. A format name is one even where the working folder holds a folder of that name (an earlier run's
     ``-o fp8``): that folder is ``./fp8``."""
-    if not isinstance(plan, (str, os.PathLike)) or not Path(plan).is_dir():
+    if not isinstance(plan, (str, os.PathLike)) or not str(plan) or not Path(plan).is_dir():  # '': no folder named
         return None
     return None if isinstance(plan, str) and names_a_format(plan) else Path(plan)
 

@@ -53,6 +53,8 @@ OPTIMIZERS = ("adamw_torch", "adamw_torch_8bit")
 LORA_INITS = ("default", "loftq")
 EXPORT_WEIGHTS = ("master", "int4-packed", "auto")  # hf_lowprec.export.folder.export_model says what each writes
 
+MIN_BLOCK_SIZE = 8  # tokens per training sequence (--block-size and training.block_size)
+
 
 def _choices(*values) -> dict:
     return {"choices": values}
@@ -180,13 +182,14 @@ class TrainingSection:
             "max_steps",
             "per_device_train_batch_size",
             "gradient_accumulation_steps",
-            "block_size",
             "save_steps",
             "logging_steps",
             "eval_blocks",
         ):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key!r} must be >= 1, got {getattr(self, key)}")
+        if self.block_size < MIN_BLOCK_SIZE:
+            raise ValueError(f"'block_size' must be >= {MIN_BLOCK_SIZE} tokens, got {self.block_size}")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):  # nan/inf: NaN weights, exit 0
             raise ValueError(f"'learning_rate' must be a finite number > 0, got {self.learning_rate}")
         for key in ("warmup_steps", "weight_decay"):  # else transformers/torch reject them after the model loads

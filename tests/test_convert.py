@@ -150,6 +150,8 @@ def test_model_without_eligible_layers_is_refused():
     model = nn.Sequential(nn.LayerNorm(8), nn.ReLU())
     with pytest.raises(ValueError, match="Sequential has no eligible layers"):
         apply_plan(model, "fp8")
+    with pytest.raises(ValueError, match="^apply_plan converts a torch nn.Module .*, got str$"):  # a path, say
+        apply_plan("model", "fp8")
 
 
 def test_a_model_of_layers_hf_lowprec_cannot_convert_is_refused_not_half_converted():

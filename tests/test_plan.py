@@ -117,6 +117,8 @@ def test_resolve_plan_reads_every_kind_of_plan_argument(tmp_path, monkeypatch):
         resolve_plan(plan, keep=("lm_head",))
     with pytest.raises(ValueError, match="plan must be 'auto', a plan file or folder, or a format name: .*int3"):
         resolve_plan("int3")
+    with pytest.raises(ValueError, match="plan must be 'auto', a plan file or folder, or a format name: "):
+        resolve_plan("")  # not the working folder
     with pytest.raises(ValueError, match=f"holds no {PLAN_FILE}"):
         resolve_plan(tmp_path)
     for missing in ("out/checkpoint-500", tmp_path / "gone" / "plan.json"):  # a path, not an unknown format name

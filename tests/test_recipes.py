@@ -57,6 +57,7 @@ def _write(tmp_path, data, name="r.yaml"):
         # a fixed plan's recipe keeps a budget for --plan auto: a misspelt key is caught then too
         ({"method": "int4-lora", "precision": {"plan": "int4-g64-asym", "budget": {"target_bits": 6.25}}}, r"precision: unknown budget argument\(s\) \['target_bits'\] \(did you mean 'target_bits_per_param'\?\); choose from"),
         ({"training": {"max_steps": 0}}, r"'training\.max_steps' must be >= 1, got 0"),
+        ({"training": {"block_size": 4}}, r"'training\.block_size' must be >= 8 tokens, got 4"),  # as --block-size
         # checked at load, not by transformers/PyTorch/PEFT after the model has loaded (or under their own names)
         ({"training": {"warmup_steps": -3}}, r"'training\.warmup_steps' must be a finite number >= 0, got -3"),
         ({"training": {"weight_decay": -0.1}}, r"'training\.weight_decay' must be a finite number >= 0, got -0\.1"),
