@@ -162,17 +162,24 @@ def refuse_a_quantized_checkpoint(source: str, gguf_file: str | None = None, **f
 
 
 GGUF_KEY_BYTES = 1 << 20  # bytes read from each end of a GGUF file for its cache key
+GGUF_KEY_SAMPLES = 64  # and blocks of GGUF_KEY_SAMPLE_BYTES spread evenly between them
+GGUF_KEY_SAMPLE_BYTES = 1 << 16
 
 
 def _gguf_cache_dir(folder: str, gguf_file: str, dtype: torch.dtype) -> Path:
-    """One cache folder per GGUF file content and dtype. The key is the file's size and its first and last MiB (its
-    metadata and tensor index come first): a copy of the file, such as every virtualenv's install of the same model
-    package, shares one folder, where a key of path and modification time made a new ~0.3 GB folder per install."""
+    """One cache folder per GGUF file content and dtype. The key is the file's size, its first and last MiB (its
+    metadata and tensor index come first) and 64 blocks of 64 KiB spread evenly between them (a fine-tune of the same
+    size, name and metadata differs in its tensors' middles, which the ends alone missed: it read the other's cache):
+    a copy of the file, such as every virtualenv's install of the same model package, shares one folder, where a key
+    of path and modification time made a new ~0.3 GB folder per install. 6 MiB read whatever the file's size."""
     src = Path(folder) / gguf_file
     size = src.stat().st_size
     digest = hashlib.sha256(str(size).encode())
     with open(src, "rb") as f:
         digest.update(f.read(GGUF_KEY_BYTES))
+        for i in range(1, GGUF_KEY_SAMPLES + 1):
+            f.seek(size * i // (GGUF_KEY_SAMPLES + 1))
+            digest.update(f.read(GGUF_KEY_SAMPLE_BYTES))
         f.seek(max(0, size - GGUF_KEY_BYTES))
         digest.update(f.read(GGUF_KEY_BYTES))
     name = f"{Path(gguf_file).stem}-{digest.hexdigest()[:16]}"

@@ -1084,8 +1084,12 @@ def test_a_gguf_files_cache_folder_follows_its_content_not_its_path(tmp_path):
     changed = data.copy()
     changed[-1] ^= 1  # the tensor data's last byte
     (tmp_path / "c" / "m.gguf").write_bytes(changed.tobytes())
-    a, b, c = (_gguf_cache_dir(str(tmp_path / n), "m.gguf", torch.bfloat16) for n in ("a", "b", "c"))
-    assert a == b and a != c and a.name == "bfloat16" and a.parent.name.startswith("m-")
+    middle = data.copy()
+    middle[len(data) // 2 : len(data) // 2 + (1 << 17)] ^= 1  # a tensor in the middle (128 KiB), ends unchanged
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "m.gguf").write_bytes(middle.tobytes())
+    a, b, c, d = (_gguf_cache_dir(str(tmp_path / n), "m.gguf", torch.bfloat16) for n in ("a", "b", "c", "d"))
+    assert a == b and a != c and a != d and a.name == "bfloat16" and a.parent.name.startswith("m-")
     assert _gguf_cache_dir(str(tmp_path / "a"), "m.gguf", torch.float32) == a.parent / "float32"
 
 
