@@ -707,9 +707,6 @@ def _run_data(model: str, data: str | None, clashing: list[str]):
     from hf_lowprec.export.records import read_run
     from hf_lowprec.recipe import Recipe
 
-    if clashing:
-        ui.fail(f"{', '.join(clashing)}: the held-out rows are a causal-LM run's own (its recipe's split, columns and "
-                "blocks); drop them, or pass --data without --held-out to evaluate all of its rows your way")
     instead = "pass --data <file, folder or Hub name>" + (" without --held-out" if data else "")
     if not Path(model).exists():
         refuse_a_missing_local_path(model, "model")  # a mistyped path: said so, not "no held-out rows"
@@ -720,6 +717,9 @@ def _run_data(model: str, data: str | None, clashing: list[str]):
     if "training" not in record.get("recipe", {}):
         ui.fail(f"{model!r} was not written by `hf-lowprec finetune` (its record holds no recipe), so it has no "
                 f"held-out rows to evaluate: {instead}")
+    if clashing:  # once model is a run (a plain model's user wants --data, not these dropped)
+        ui.fail(f"{', '.join(clashing)}: the held-out rows are a causal-LM run's own (its recipe's split, columns and "
+                "blocks); drop them, or pass --data without --held-out to evaluate all of its rows your way")
     recipe = Recipe.from_dict(record["recipe"], source=f"{model}'s run record")
     trained_on = record.get("dataset")
     if data is None and trained_on != DEFAULT_CORPUS:

@@ -551,6 +551,8 @@ def test_eval_without_data_needs_a_run_that_names_its_data(ws, tmp_path):
     not_a_run = one_error_line(cli("eval", ws / "tiny", "--held-out", "--data", ws / "corpus.txt"))
     assert not_a_run.endswith("is not an hf-lowprec run or export folder (no hf_lowprec_run.json), so it has no held-out rows to evaluate: pass --data <file, folder or Hub name> without --held-out")
     assert one_error_line(cli("eval", ws / "tiny")).endswith("to evaluate: pass --data <file, folder or Hub name>")
+    plain = one_error_line(cli("eval", ws / "tiny", "--block-size", "64"))  # not "the held-out rows are a run's own"
+    assert plain.endswith("to evaluate: pass --data <file, folder or Hub name>"), plain
     too_long = one_error_line(cli("eval", ws / "tiny", "--data", ws / "corpus.txt", "--block-size", "512"))
     assert too_long.endswith("block size 512 exceeds the model's max_position_embeddings 256; lower --block-size")
     missing = one_error_line(cli("eval", tmp_path / "nope" / "model"))  # a mistyped path, not a model without rows
