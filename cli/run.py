@@ -366,6 +366,8 @@ def run_finetune(opts: FinetuneOptions) -> dict:
             shutil.rmtree(run.work, ignore_errors=True)
             if isinstance(e, KeyboardInterrupt) and not opts.resume:
                 ui.err.print(f"no checkpoint was saved yet: {str(run.work)!r} removed", soft_wrap=True)
+        elif isinstance(e, KeyboardInterrupt):  # outside the training steps (an evaluation, the export)
+            ui.err.print(f"--resume continues from {kept.name} in {str(run.checkpoints)!r}", soft_wrap=True)
         failed_write = _failed_checkpoint_write(e, run, kept)
         if failed_write is not None:
             raise ui.CLIError(failed_write, ui.EXIT_FAILED) from e

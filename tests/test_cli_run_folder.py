@@ -152,6 +152,29 @@ def test_sigterm_before_the_first_step_leaves_no_run_folder(ws, tmp_path, monkey
     assert text.endswith("it saved no checkpoint; pass --overwrite to start over"), text
 
 
+def test_sigterm_after_training_says_where_resume_continues(ws, tmp_path, monkeypatch):
+    """A SIGTERM in the final evaluation (after the training steps) keeps the checkpoints and says --resume continues
+    from the last one (it said "interrupted" alone); --resume then evaluates and exports."""
+    import os
+
+    evaluate, calls = run_module._evaluate, []
+
+    def killed_the_third_time(*args, **kwargs):  # the base model's, the start's, then the final one
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return evaluate(*args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(run_module, "_evaluate", killed_the_third_time)
+        killed = cli(*finetune_args(ws, tmp_path / "run"))
+    assert killed.exit_code == 143, killed.output[-2000:]
+    checkpoints = tmp_path / "run.incomplete" / "checkpoints"
+    assert f"--resume continues from checkpoint-3 in '{checkpoints}'" in " ".join(killed.output.split())
+    resumed = cli(*finetune_args(ws, tmp_path / "run"), "--resume")
+    assert resumed.exit_code == 0 and (tmp_path / "run" / RUN_FILE).is_file(), resumed.output[-2000:]
+
+
 def test_overwrite_replaces_only_empty_folders_and_runs(ws, tmp_path, caplog):
     mine = tmp_path / "userdir"
     (mine / "sub").mkdir(parents=True)
