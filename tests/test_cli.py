@@ -194,8 +194,8 @@ def test_int4_lora_run_with_a_smoothed_plan_calibrates_on_the_first_batches_and_
     name)."""
     out = ws / "run-sq"
     args = ["--recipe", "int4-ondevice-lora", "--rounding", "nearest", "--max-steps", "2", *FAST]
-    refused = one_error_line(cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", *args, "--plan", "int4-g32-a8-sq",
-                                 "-o", ws / "run-a8"))  # fmt: skip
+    a8 = ["--plan", "int4-g32-a8-sq", "-o", ws / "run-a8"]
+    refused = one_error_line(cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", *args, *a8))
     assert "in int4-g32-a8-sq, which no packed layer stores" in refused and not (ws / "run-a8").exists()
     result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", *args, "--plan", "int4-g32-sq", "-o", out)
     assert result.exit_code == 0, result.output

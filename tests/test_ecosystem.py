@@ -397,7 +397,8 @@ def _vllm_weight_files(folder: Path) -> list[str]:
 def test_learned_fractional_zero_points_reach_compressed_tensors_through_the_adapter(use_rslora, tmp_path):
     """Learned zero points are not integers, which the layout's zero points are: the export stores them rounded
     into 0..15, keeps every code and step, and adds ``(z' - z) x step`` per group to each layer's LoRA pair as extra
-    ranks (one rank for all layers, scaling kept); compressed-tensors + PEFT, without hf-lowprec, give the trained logits.
+    ranks (one rank for all layers, scaling kept); compressed-tensors + PEFT, without hf-lowprec, give the trained
+    logits.
     Re-quantizing instead (a layer without an adapter) moves them by far more."""
     from hf_lowprec.export.compressed_tensors import export_compressed_tensors, vllm_serving
     from hf_lowprec.modules import PackedInt4Linear
