@@ -20,9 +20,11 @@ Every policy can record telemetry (saturated and underflowed elements, last scal
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -44,8 +46,23 @@ SPIKE_ACTIONS = ("rescale", "clip", "skip")
 TELEMETRY_PREFIX = "lowprec/"  # of every telemetry key in Trainer logs
 
 
+_REPLAYING = contextvars.ContextVar("hf_lowprec_replaying_a_forward", default=False)
+
+
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+@contextlib.contextmanager
+def replayed_forward(replaying: bool) -> Iterator[None]:
+    """Within, when ``replaying``: the casts of a forward that activation checkpointing recomputes in backward, which
+    take the scales the first run took (a history that recorded the first run's amax gave other ones: other saved
+    tensors, gradients of another function) and count no telemetry twice."""
+    token = _REPLAYING.set(replaying)
+    try:
+        yield
+    finally:
+        _REPLAYING.reset(token)
 
 
 class ScalePolicy(nn.Module):
@@ -93,7 +110,7 @@ class ScalePolicy(nn.Module):
         ``q`` and ``scale`` are the tensors the layer goes on to use: a policy may change them in place
         (:class:`GradientScaling` does, to rescale or drop a spike).
         """
-        if self.telemetry:
+        if self.telemetry and not _REPLAYING.get():
             self._count(x, q, scale, block)
 
     @torch.no_grad()
@@ -152,6 +169,7 @@ class DelayedScaling(ScalePolicy):
         self.history_len, self.reduction, self.margin = history_len, reduction, margin
         self.register_buffer("amax_history", torch.zeros(history_len))
         self.register_buffer("recorded", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("last_scale", torch.ones(()), persistent=False)  # for a replayed forward
 
     @torch.no_grad()
     def scale(self, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -160,6 +178,8 @@ class DelayedScaling(ScalePolicy):
                 f"DelayedScaling needs tensorwise scales (format 'fp8'), got an amax of shape {tuple(amax.shape)}; "
                 "use dynamic or gradient scaling for fp8-rowwise and fp8-block"
             )
+        if _REPLAYING.get():  # the forward activation checkpointing recomputes: its first run's scale
+            return self.last_scale.clone()
         amax = self._reduce_amax(amax.float())
         if self.reduction == "max":
             past = self.amax_history.max()
@@ -172,7 +192,9 @@ class DelayedScaling(ScalePolicy):
         slot = self.recorded % self.history_len
         self.amax_history[slot] = torch.where(finite, amax, self.amax_history[slot])
         self.recorded += finite.long()
-        return fp8_scale(reference, dtype, self.power_of_two) / 2.0**self.margin
+        scale = fp8_scale(reference, dtype, self.power_of_two) / 2.0**self.margin
+        self.last_scale.copy_(scale)
+        return scale
 
     def extra_repr(self) -> str:
         return (

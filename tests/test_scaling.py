@@ -86,6 +86,31 @@ def test_delayed_scaling_margin_power_of_two_and_tensorwise_only():
         apply_plan(tiny_llama(), "fp8-rowwise", fp8_backend="emulated", policy_factory=make_policy_factory("delayed"))
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_forward_activation_checkpointing_recomputes_takes_its_first_runs_scales(reentrant):
+    """Checkpointing recomputes a layer's forward in backward: its casts replay the scales the first run took and
+    record nothing (the recompute recorded its amax a second time and cast with a scale from that history: other
+    saved tensors, gradients of another function), and telemetry counts each cast once."""
+    torch.manual_seed(0)
+
+    def policies():
+        return {r: DelayedScaling(history_len=4, reduction="most_recent", telemetry=True) for r in ("input", "weight")}
+
+    plain = FP8Linear(32, 16, spec="fp8", backend="emulated", policies=policies())
+    checkpointed = copy.deepcopy(plain)
+    for scale in (1.0, 4.0, 0.5):  # amaxes that move: every step's history differs from the last
+        x = (scale * torch.randn(8, 32)).requires_grad_()  # the reentrant variant needs an input that does
+        plain(x).square().sum().backward()
+        run = torch.utils.checkpoint.checkpoint(checkpointed, x, use_reentrant=reentrant)
+        run.square().sum().backward()
+    for a, b in zip(plain.parameters(), checkpointed.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    for role in ("input", "weight"):
+        first, replayed = plain.scaling[role], checkpointed.scaling[role]
+        assert torch.equal(first.amax_history, replayed.amax_history) and replayed.recorded.item() == 3
+        assert first.tele_casts.item() == replayed.tele_casts.item() == 3
+
+
 def test_delayed_scaling_inside_fp8_linear_saturates_a_growing_input():
     torch.manual_seed(0)
     layer = FP8Linear(32, 16, bias=False, spec="fp8", backend="emulated",
