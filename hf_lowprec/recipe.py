@@ -73,9 +73,9 @@ class PrecisionSection:
         plan: a format name for every eligible Linear (``fp8``, ``int4-g64``, ...), ``auto`` (sensitivity
             scan + budgeted allocation), or the path of a plan file (JSON/YAML) or of a folder holding one.
         keep: layer names/patterns left in high precision (format-name and ``auto`` plans; a plan file names its
-            own). ``int4-lora`` keeps only the
-            output head out of INT4, by size (:func:`hf_lowprec.ondevice.int4_plan`: per-channel int8 above 134M
-            weights, else bf16); other kept layers there belong in a plan file.
+            own). ``int4-lora`` keeps only the output head out of INT4, by size
+            (:func:`hf_lowprec.ondevice.int4_plan`: per-channel int8 above 134M weights, else bf16); other kept
+            layers there belong in a plan file.
         formats: candidate formats of the ``auto`` scan.
         budget: ``auto`` budget, passed to ``sensitivity.allocate`` (e.g. ``{target_bits_per_param: 6}``).
         score: which Δloss the ``auto`` budget counts: ``conversion`` or ``after-training`` (see

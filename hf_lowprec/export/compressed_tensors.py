@@ -40,6 +40,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hf_lowprec.folders import atomic_output_dir, check_output_dir
+from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import canonical_name
 from hf_lowprec.modules.packed import PackedInt4Linear, PackedInt8Linear, PackedLinear
 from hf_lowprec.modules.packed_embedding import with_dense_tables
@@ -100,7 +101,7 @@ def _on_plain_grid(layer: PackedInt4Linear, residual_carried: bool) -> tuple[Pac
     error of that second rounding (``None`` when none was needed). ``residual_carried``: fractional zero points need
     none (the adapter carries what their rounding leaves, :func:`zero_residual`)."""
     zero = layer.effective_zero()  # learned steps' zero points (modules/packed.py) need not be integers
-    integral_zero = zero is None or residual_carried or bool(torch.equal(zero, stored_zero(layer).float()))
+    integral_zero = zero is None or residual_carried or bool(torch.equal(zero, stored_zero(zero, layer.spec).float()))
     if layer.inverse_input_scale() is None and integral_zero and layer.rotation_block is None:
         return layer, None
     spec = replace(layer.spec, rotate=False, smooth=False)
@@ -132,17 +133,16 @@ def _int4_tensors(layer: PackedInt4Linear, dtype: torch.dtype) -> dict[str, torc
         out["weight_packed"] = pack_int32(codes, 4)
     else:  # unsigned codes 0..15 with zero z become signed codes and zero points: shift both by 8
         out["weight_packed"] = pack_int32(codes - 8, 4)
-        zero = stored_zero(layer) - 8
+        zero = stored_zero(layer.effective_zero(), layer.spec) - 8
         out["weight_zero_point"] = pack_int32(zero.t().contiguous(), 4).t().contiguous()
     return out
 
 
-def stored_zero(layer: PackedInt4Linear) -> torch.Tensor | None:
-    """The zero points the layout stores for ``layer``, int32 ``[N, G]``: its zero points rounded into the codes'
-    range (0..15). Learned shifts make them fractional and can carry one past that range, which four bits cannot
-    hold (a 16 spilled into the next zero point's bits); ``None`` when symmetric."""
-    zero = layer.effective_zero()
-    return None if zero is None else zero.round().clamp(*layer.spec.qrange).to(torch.int32)
+def stored_zero(zero: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
+    """The zero points the layout stores for a layer's ``zero`` fp32 ``[N, G]`` (``effective_zero``), int32: rounded
+    into ``spec``'s code range (0..15). Learned shifts make them fractional and can carry one past that range, which
+    four bits cannot hold (a 16 spilled into the next zero point's bits)."""
+    return zero.round().clamp(*spec.qrange).to(torch.int32)
 
 
 def zero_residual(layer: PackedInt4Linear) -> torch.Tensor | None:
@@ -150,7 +150,7 @@ def zero_residual(layer: PackedInt4Linear) -> torch.Tensor | None:
     weights, one value per group: ``w = (q - z) s = (q - z') s + D`` with ``D = (z' - z) s``; ``None`` when they are
     its zero points (or it has none)."""
     zero = layer.effective_zero()
-    if zero is None or bool(torch.equal(zero, stored := stored_zero(layer).float())):
+    if zero is None or bool(torch.equal(zero, stored := stored_zero(zero, layer.spec).float())):
         return None
     return (stored - zero) * layer.effective_step()
 

@@ -110,7 +110,7 @@ def check_embedding_format(spec: FormatSpec | str) -> FormatSpec:
     """``spec`` parsed, or ``ValueError`` unless a packed embedding stores it (int4 formats, per-row ``int8``; no
     ``-a8``, ``-rht`` or ``-sq``: an embedding has no input to quantize, rotate or smooth)."""
     spec = FormatSpec.parse(spec)
-    if packed_class(spec) is None or spec.act_int8 or spec.rotate or spec.smooth:
+    if packed_class(spec) is None or spec.rotate or spec.smooth:  # packed_class stores no -a8 format
         raise ValueError(
             f"a packed embedding stores int4 formats (without -a8, -rht, -sq) and per-row int8, got {spec.name!r}"
         )
