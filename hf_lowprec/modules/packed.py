@@ -52,6 +52,7 @@ pass no gradient to their input; nothing in torch/torchao multiplies a gradient 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -242,11 +243,14 @@ def compiled(fn):
     recompilations.
     """
     if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=True) if _COMPILE else fn
+        _compiled[fn] = torch.compile(fn, dynamic=True) if _can_compile() else fn
     return _compiled[fn]
 
 
+@functools.cache
 def _can_compile() -> bool:
+    """Whether inductor finds a C++ compiler; asked at the first compile (importing inductor takes ~2 s: at import
+    time every ``hf-lowprec --help`` paid it)."""
     try:
         from torch._inductor.cpp_builder import get_cpp_compiler
 
@@ -256,8 +260,6 @@ def _can_compile() -> bool:
         logger.warning("torch.compile unavailable (%s); the int8 path runs its quantize/dequantize eagerly (slower)", e)
         return False
 
-
-_COMPILE = _can_compile()
 
 
 def int8_backend_available(device: torch.device, layer: "PackedLinear | None" = None) -> tuple[bool, str]:
