@@ -26,6 +26,9 @@ def test_config_round_trips_the_plan_and_names_a_bad_one():
     assert quantization_config_dict(PLAN, model)["exact_kernels"] is True
     with pytest.raises(ValueError, match="quantization_config.plan: unknown plan key"):
         HfLowprecConfig({"defaults": "int4"})
+    assert HfLowprecConfig.from_dict(entry).to_dict() == entry  # as transformers reads config.json
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['pln'\]; allowed: plan, exact_kernels"):
+        HfLowprecConfig(pln="int4")  # a typo no longer loads with the default plan
 
 
 def test_shells_replace_exactly_the_packed_formats():

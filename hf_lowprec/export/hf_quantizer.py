@@ -66,6 +66,12 @@ class HfLowprecConfig(QuantizationConfigMixin):
     def __init__(
         self, plan: "PrecisionPlan | dict | str | os.PathLike | None" = None, exact_kernels: bool = False, **kwargs
     ):
+        unknown = sorted(set(kwargs) - {"quant_method"})  # config.json's quant_method comes back as a keyword
+        if unknown or kwargs.get("quant_method", QUANT_METHOD) != QUANT_METHOD:
+            raise ValueError(
+                f"HfLowprecConfig got unknown option(s) {unknown or kwargs}; allowed: plan, exact_kernels"
+                f" (quant_method: {QUANT_METHOD!r})"
+            )
         self.quant_method = QUANT_METHOD
         self.plan = _plan_argument(plan)
         self.exact_kernels = bool(exact_kernels)
