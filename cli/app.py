@@ -553,8 +553,8 @@ def _print_summary(record: dict, out: Path) -> None:
 
     f = record["training"]
     fractions = ", ".join(f"{row_label(r)} {100 * r['fraction']:.1f}%" for r in record["plan_rows"])
-    mem = f"{f['peak_rss_mb']:,.0f} MB peak RSS" + (
-        f", {f['peak_gpu_mb']:,.0f} MB peak GPU" if "peak_gpu_mb" in f else ""
+    mem = f"{f['peak_rss_mb']:,.0f} MiB peak RSS" + (
+        f", {f['peak_gpu_mb']:,.0f} MiB peak GPU" if "peak_gpu_mb" in f else ""
     )
     items = {
         "model": record.get("base_model") or record.get("base_model_path"),

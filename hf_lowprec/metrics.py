@@ -20,7 +20,7 @@ from hf_lowprec.labels import IGNORE_INDEX
 
 
 def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far, MB (``ru_maxrss``; Linux reports KB)."""
+    """Peak resident memory of this process so far, MiB (2^20 bytes; ``ru_maxrss``: Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
