@@ -340,7 +340,19 @@ def cannot_load(source: str, error: Exception) -> ValueError:
     if Path(source).expanduser().exists():
         return ValueError(f"cannot load checkpoint {source!r}: {first}")
     hub = "the Hub could not be reached" if _hub_unreachable(error) else "the Hub answered"
-    return ValueError(f"cannot load checkpoint {source!r}: no local folder {source!r} here, and {hub}: {first}")
+    return ValueError(
+        f"cannot load checkpoint {source!r}: no local folder {source!r} here, and {hub}: {first}{offline_hint(error)}"
+    )
+
+
+def offline_hint(error: BaseException) -> str:
+    """What to add to the message of ``error`` when it says the Hub could not be reached and offline mode is off:
+    huggingface_hub then retries each file for ~25 s (5 tries, backing off) before the error."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or not _hub_unreachable(error):
+        return ""
+    return " (without a network, set HF_HUB_OFFLINE=1: the cache is read at once, without the Hub's retries)"
 
 
 def _hub_unreachable(error: BaseException) -> bool:
@@ -355,8 +367,8 @@ def _hub_unreachable(error: BaseException) -> bool:
         if type(seen).__name__ in ("ConnectError", "ConnectTimeout", "ReadTimeout", "ConnectionError"):  # httpx...
             return True
         seen = seen.__cause__ or seen.__context__
-    text = str(error)
-    return "couldn't connect" in text or "outgoing traffic has been disabled" in text
+    text = str(error).lower()  # datasets: "Couldn't reach 'name' on the Hub (LocalEntryNotFoundError)"
+    return any(s in text for s in ("couldn't connect", "couldn't reach", "outgoing traffic has been disabled"))
 
 
 def _load_by_pread(source: str, dtype: torch.dtype, from_pretrained_kwargs: dict):

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import datasets
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, default_data_collator
 
-from hf_lowprec.checkpoints import shakespeare_files
+from hf_lowprec.checkpoints import offline_hint, shakespeare_files
 from hf_lowprec.labels import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -92,6 +92,7 @@ def load_records(source: str | Path, *, split: str = "train", config: str | None
     except Exception as e:  # datasets raises many types (network, missing split, script errors)
         raise ValueError(
             f"could not load dataset {str(source)!r} (split {split!r}) through datasets: {_first_line(e)}"
+            + offline_hint(e)
         ) from None
     return ds
 

@@ -8,7 +8,7 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from tiny_assets import save_tiny_model
 
 import hf_lowprec.export.folder as folder_module
-from hf_lowprec.checkpoints import is_hub_id, load_pretrained
+from hf_lowprec.checkpoints import is_hub_id, load_pretrained, offline_hint
 from hf_lowprec.export import load_exported
 
 
@@ -79,6 +79,20 @@ def test_load_pretrained_of_a_missing_folder_says_there_is_none_here(offline_her
     assert "\n" not in message
     with pytest.raises(ValueError, match=r"^checkpoint path '\./runs/typo' does not exist \(and is not a hub id"):
         load_pretrained("./runs/typo")
+
+
+def test_an_unreachable_hub_suggests_offline_mode_unless_it_is_on(monkeypatch):
+    """Without a network and without HF_HUB_OFFLINE, huggingface_hub retries each file for ~25 s before failing: the
+    error says how to skip that; with offline mode on (or another error) it adds nothing."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    unreachable = LocalEntryNotFoundError("We couldn't connect to 'https://huggingface.co' to load the files")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    assert "set HF_HUB_OFFLINE=1" in offline_hint(unreachable)
+    assert "set HF_HUB_OFFLINE=1" in offline_hint(ValueError("Couldn't reach 'wikitext' on the Hub (ConnectionError)"))
+    assert offline_hint(ValueError("Repository Not Found")) == ""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert offline_hint(unreachable) == ""
 
 
 def test_a_local_folder_that_fails_to_load_keeps_the_plain_message(offline_here):
