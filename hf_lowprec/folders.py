@@ -115,6 +115,8 @@ def sweep_leftovers(out: Path) -> None:
     leftovers of processes no longer running are touched; unnamed ones (older versions) once an hour has passed."""
     for path in out.parent.glob(f".{glob.escape(out.name)}.*"):
         rest = path.name[len(out.name) + 2 :]
+        if "." in rest.removesuffix(".partial"):  # ".run.v2.<pid>-x.partial" is a writer of run.v2's, not run's
+            continue
         if rest.endswith(".partial"):
             pid = rest.split("-", 1)[0]
         elif rest.startswith("old-"):

@@ -8,6 +8,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -229,10 +230,14 @@ def test_what_a_killed_writer_leaves_is_cleared_by_the_next_one(tmp_path, moment
     assert len(leftover) == 1 and leftover[0].startswith(killed)  # what the kill left
     alive = tmp_path / f".out.{os.getpid()}-live.partial"  # a writer still running (this process)
     alive.mkdir()
+    others = [tmp_path / f".out.v2.{writer.pid}-x.partial", tmp_path / f".out.v2.old-{writer.pid}"]  # out.v2's
+    for other in others:
+        other.mkdir()
+        os.utime(other, (time.time() - 7200,) * 2)  # untouched for 2 h: an unnamed leftover of out's would go
     with pytest.raises(ValueError, match="already exists"):  # refused, yet the dead writer's leftovers are cleared
         with atomic_output_dir(out):
             pass
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", alive.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", alive.name] + [p.name for p in others])
     assert json.loads((out / "config.json").read_text()) == {"old": 1}
 
 
