@@ -84,17 +84,20 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool, source: str | os.P
 
 
 @contextlib.contextmanager
-def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def atomic_output_dir(
+    out: str | os.PathLike, overwrite: bool = False, source: str | os.PathLike | None = None
+) -> Iterator[Path]:
     """Yield an empty temporary sibling of ``out``; on success it replaces ``out`` in one rename, with the modes a
     plain ``mkdir``/``open`` would have given (:func:`plain_modes`).
 
-    Raises ``ValueError`` if ``out`` exists (and is not empty) without ``overwrite``. On any error the
-    temporary folder is removed and ``out`` is left exactly as it was.
+    Raises ``ValueError`` if ``out`` exists (and is not empty) without ``overwrite``, or is ``source``, the folder the
+    model written was loaded from (:func:`check_output_dir`). On any error the temporary folder is removed and
+    ``out`` is left exactly as it was.
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     sweep_leftovers(out)
-    check_output_dir(out, overwrite)
+    check_output_dir(out, overwrite, source)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.{os.getpid()}-", suffix=".partial"))
     try:
         yield tmp

@@ -20,6 +20,7 @@ import hf_lowprec.ondevice.train as train_module
 from hf_lowprec.checkpoints import DenseWeights, default_checkpoint, load_pretrained
 from hf_lowprec.chunked_loss import chunkable_head
 from hf_lowprec.export.compressed_tensors import export_compressed_tensors
+from hf_lowprec.export.folder import export_model
 from hf_lowprec.export.hf_quantizer import HfLowprecConfig
 from hf_lowprec.labels import IGNORE_INDEX
 from hf_lowprec.metrics import causal_lm_loss
@@ -498,9 +499,14 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
         load_int4_model(save_tiny_model(tmp_path / "plain"))
     model, _, _ = load_int4_lora(tmp_path / "plain", LoraConfig(r=4, target_modules="all-linear"), dtype="fp32")
     before = sorted(p.name for p in (tmp_path / "plain").iterdir())
-    for write in (export_int4_lora, export_compressed_tensors):  # onto the checkpoint it came from: it would be gone
+    dense = AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
+    writes = [  # onto the checkpoint it came from: it would be gone
+        *((write, model) for write in (export_int4_lora, export_compressed_tensors)),
+        *((lambda m, out, overwrite: export_model(m, None, out, {}, overwrite=overwrite), m) for m in (model, dense)),
+    ]
+    for write, written in writes:
         with pytest.raises(ValueError, match="is the checkpoint the model was loaded from, which overwrite=True does"):
-            write(model, tmp_path / "plain", overwrite=True)
+            write(written, tmp_path / "plain", overwrite=True)
     assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == before
 
 

@@ -98,10 +98,12 @@ def export_model(
     run["plan"] = plan.to_dict()
     run["layers"], run["plan_rows"] = plan_record(base, plan)
     if peft:
-        return _export_lora(model, tokenizer, Path(out), run, merge, merged_dtype, overwrite, repo_id, extra_files)
+        return _export_lora(
+            model, tokenizer, Path(out), run, merge, merged_dtype, overwrite, repo_id, extra_files, source=name
+        )
     if merge:
         raise ValueError("merge applies to LoRA adapters; this model has none")
-    with atomic_output_dir(out, overwrite) as tmp:
+    with atomic_output_dir(out, overwrite, source=name) as tmp:
         copy_ = copy.deepcopy(model)
         learned = _learned_state(copy_, packing=weights == "int4-packed")
         run["export"] = _export_weights(copy_, weights)
@@ -190,7 +192,16 @@ def _packed_layers(model: nn.Module) -> str:
 
 
 def _export_lora(
-    model, tokenizer, out: Path, run: dict, merge: bool, merged_dtype: str | None, overwrite: bool, repo_id, extra_files
+    model,
+    tokenizer,
+    out: Path,
+    run: dict,
+    merge: bool,
+    merged_dtype: str | None,
+    overwrite: bool,
+    repo_id,
+    extra_files,
+    source: str | None,
 ) -> Path:
     """Packed INT4 base + LoRA adapters (or merged) through ``finetune.export_int4_lora``, then the record and card."""
     if merged_dtype is not None and merged_dtype not in MERGE_DTYPES:
@@ -243,7 +254,7 @@ def _export_lora(
                 "; they were trained with this base's learned steps and zero points and belong with it, not with the "
                 "original checkpoint"
             )
-    with atomic_output_dir(out, overwrite) as tmp:
+    with atomic_output_dir(out, overwrite, source) as tmp:
         export_int4_lora(
             model,
             tmp,
