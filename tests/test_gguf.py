@@ -163,6 +163,25 @@ def test_int8_layers_and_a_tied_packed_head_are_q8_0_blocks_of_their_codes(tmp_p
     assert_transformers_computes_the_packed_base(model, tmp_path)
 
 
+def test_a_short_last_group_a_wide_head_and_a_padded_vocabulary_are_written_as_llama_cpp_reads_them(tmp_path):
+    """A 96-wide model in int4-g64 (each row's last group 32 weights: its blocks were 64 and the reshape failed), heads
+    of 32 beside a hidden size of 96 (llama.cpp takes hidden / heads = 24 without attention.key_length), and an
+    embedding padded 16 rows past the tokenizer (llama.cpp sizes the table by the token list: [PAD] tokens, unused)."""
+    from tiny_assets import tiny_tokenizer
+
+    vocab = len(tiny_tokenizer()) + 16
+    folder = save_tiny_model(tmp_path / "odd", hidden_size=96, head_dim=32, vocab_size=vocab)
+    model, tokenizer, _ = load_int4_lora(str(folder), LoraConfig(r=4, target_modules="all-linear"), backend="dequant", dtype=torch.float32)
+    export_gguf(model, tokenizer, tmp_path, "odd")
+    reader = gguf.GGUFReader(tmp_path / MODEL_FILE)
+    field = lambda key: reader.fields[key].contents()  # noqa: E731
+    assert field("llama.attention.key_length") == field("llama.attention.value_length") == 32
+    tokens, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.token_type")
+    assert len(tokens) == len(types) == vocab and tokens[-1] == f"[PAD{vocab - 1}]"
+    assert types[-16:] == [gguf.TokenType.UNUSED] * 16 and gguf.TokenType.UNUSED not in types[:-16]
+    assert_transformers_computes_the_packed_base(model, tmp_path)  # the 96-wide layers' blocks decode right
+
+
 @pytest.mark.parametrize("table_format, block_type", [("int8", "Q8_0"), ("int4-g32-asym", "Q4_1")])
 def test_a_packed_untied_embedding_is_the_token_table_in_its_codes(tmp_path, table_format, block_type):
     """An untied embedding packed while loading (Llama-3.1-8B's 128k-row table) is written as its codes' blocks, its

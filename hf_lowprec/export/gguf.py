@@ -69,7 +69,7 @@ def export_gguf(model: nn.Module, tokenizer, folder: Path, name: str) -> dict:
               if isinstance(m, (PackedLinear, PackedEmbedding, TiedPackedEmbedding))}  # fmt: skip
     writer = gguf.GGUFWriter(folder / MODEL_FILE, "llama", use_temp_file=True)  # each tensor leaves memory as added
     _write_metadata(writer, config, name)
-    _write_tokenizer(writer, tokenizer)
+    _write_tokenizer(writer, tokenizer, config.vocab_size)
     types: Counter[str] = Counter()
     for key, tensor in _dense_weights(base, packed, head):
         kind = gguf.GGMLQuantizationType.BF16 if tensor.dtype == torch.bfloat16 and tensor.dim() > 1 else None
@@ -205,17 +205,17 @@ def _q4_1_blocks(codes: torch.Tensor, step: torch.Tensor, zero: torch.Tensor | N
     """Q4_1 blocks (fp16 ``d``, fp16 ``m``, 32 nibbles) of INT4 ``codes [n, K]`` with ``step``/``zero`` ``[n, G]`` per
     group of ``group`` weights; and the largest fp16 rounding of ``d``/``m`` relative to ``d``."""
     n, k = codes.shape
-    d = step.repeat_interleave(group // BLOCK, dim=1)
+    blocks = k // BLOCK  # a last group narrower than the others (k not a multiple of group) has fewer blocks
+    d = step.repeat_interleave(group // BLOCK, dim=1)[:, :blocks]
     if zero is None:  # symmetric codes in [-8, 7]
         q, m = codes + 8, -8 * d
     else:
-        q, m = codes, -d * zero.repeat_interleave(group // BLOCK, dim=1)
+        q, m = codes, -d * zero.repeat_interleave(group // BLOCK, dim=1)[:, :blocks]
     d16, m16 = d.half(), m.half()
-    q = q.to(torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
+    q = q.to(torch.uint8).reshape(n, blocks, 2, BLOCK // 2)
     nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).numpy()  # byte j: weight j low, weight j + 16 high (block_q4_1)
     head = np.concatenate([d16.numpy()[..., None].view(np.uint8), m16.numpy()[..., None].view(np.uint8)], axis=-1)
-    blocks = np.concatenate([head.reshape(n, k // BLOCK, 4), nibbles], axis=-1).reshape(n, -1)
-    return blocks, max(_rounding(d, d16, d), _rounding(m, m16, d))
+    return np.concatenate([head.reshape(n, blocks, 4), nibbles], axis=-1).reshape(n, -1), max(_rounding(d, d16, d), _rounding(m, m16, d))
 
 
 def _rounding(value: torch.Tensor, rounded: torch.Tensor, step: torch.Tensor) -> float:
@@ -261,13 +261,18 @@ def _write_metadata(writer, config, name: str) -> None:
     writer.add_rope_freq_base(float(_rope(config).get("rope_theta", getattr(config, "rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_rope_dimension_count(_head_dim(config))
+    writer.add_key_length(_head_dim(config))  # llama.cpp assumes hidden / heads without them (Llama 3.2 3B: 128)
+    writer.add_value_length(_head_dim(config))
     writer.add_vocab_size(config.vocab_size)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def _write_tokenizer(writer, tokenizer) -> None:
+def _write_tokenizer(writer, tokenizer, vocab_size: int) -> None:
     """A byte-level BPE tokenizer as llama.cpp's ``gpt2`` model: tokens, their types, merges, special ids, chat
-    template (``gguf.SpecialVocab`` reads those from the saved tokenizer, as llama.cpp's converter does)."""
+    template (``gguf.SpecialVocab`` reads those from the saved tokenizer, as llama.cpp's converter does). An
+    embedding of ``vocab_size`` rows, more than the tokenizer has tokens (padded to a multiple), gets ``[PAD<id>]``
+    tokens of type ``UNUSED`` for the rest, as llama.cpp's converter writes: llama.cpp sizes the token table by the
+    token list."""
     with tempfile.TemporaryDirectory() as saved:
         tokenizer.save_pretrained(saved)
         spec = json.loads((Path(saved) / "tokenizer.json").read_text())
@@ -275,18 +280,25 @@ def _write_tokenizer(writer, tokenizer) -> None:
             raise ValueError("GGUF export writes byte-level BPE tokenizers (GPT-2 style); this one is not")
         vocab = tokenizer.get_vocab()
         tokens = sorted(vocab, key=vocab.get)
+        if len(tokens) > vocab_size:
+            raise ValueError(
+                f"the tokenizer has {len(tokens)} tokens, the model's embedding {vocab_size} rows: tokens past the "
+                "table cannot be written to GGUF (resize_token_embeddings first)"
+            )
+        padding = [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
         added_tokens = tokenizer.added_tokens_decoder.values()  # each one tokenizer.json marks special: a control one
         special = {t.content for t in added_tokens if t.special} | set(tokenizer.all_special_tokens)
         added = {t.content for t in added_tokens}
         writer.add_tokenizer_model("gpt2")
         cleans = tokenizer.clean_up_tokenization_spaces
         writer.add_tokenizer_pre(_pre_tokenizer(spec.get("pre_tokenizer"), tokens, cleans))
-        writer.add_token_list(tokens)
+        writer.add_token_list(tokens + padding)
         kinds = gguf.TokenType
         writer.add_token_types(
             [kinds.CONTROL if t in special else kinds.USER_DEFINED if t in added else kinds.NORMAL for t in tokens]
+            + [kinds.UNUSED] * len(padding)
         )
-        gguf.SpecialVocab(saved, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer)
+        gguf.SpecialVocab(saved, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer)
 
 
 def _pre_tokenizer(pre: dict | None, tokens: list[str], cleans_spaces: bool) -> str:
