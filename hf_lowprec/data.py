@@ -485,7 +485,8 @@ def prepare_lm_data(
         needed = [c for c in (cols.text, cols.messages, cols.prompt, cols.response) if c is not None]
         if missing := [c for c in needed if c not in held_out_records.column_names]:
             raise ValueError(
-                f"data {name!r}: its {HELD_OUT_SPLIT} split has no column {missing[0]!r}, which its train rows have"
+                f"data {name!r}: its {HELD_OUT_SPLIT} split has no column {missing[0]!r}, which its train rows have; "
+                f"its columns are {', '.join(held_out_records.column_names) or 'none'}"
             )
         train_rows, eval_rows, cut = ds, held_out_records, 0  # eval rows numbered within their split
     else:

@@ -302,5 +302,5 @@ def test_a_validation_split_is_the_runs_held_out_data(tmp_path, tok):
     single.write_text((folder / "train.jsonl").read_text())
     assert read_run_source(single)[1] is None and read_run_source(None)[1] is None
     (folder / "validation.jsonl").write_text("\n".join(json.dumps({"body": r["text"]}) for r in ROWS[30:]))
-    with pytest.raises(ValueError, match=r"its validation split has no column 'text', which its train rows have"):
+    with pytest.raises(ValueError, match=r"its validation split has no column 'text', which its train rows have; its columns are body$"):
         prepare_lm_data(*read_run_source(folder)[:1], "splits", tok, 16, held_out_records=read_run_source(folder)[1])
