@@ -182,6 +182,17 @@ def test_a_short_last_group_a_wide_head_and_a_padded_vocabulary_are_written_as_l
     assert_transformers_computes_the_packed_base(model, tmp_path)  # the 96-wide layers' blocks decode right
 
 
+def test_adapters_of_per_layer_scales_are_refused_before_anything_is_written(tmp_path):
+    """llama.cpp's adapter file holds one alpha: a per-layer alpha is refused before model.gguf is written."""
+    folder = save_tiny_model(tmp_path / "tiny")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", alpha_pattern={"q_proj": 16})
+    model, tokenizer, _ = load_int4_lora(str(folder), lora, backend="dequant", dtype=torch.float32)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ValueError, match=r"q_proj: its LoRA scale is not alpha / r \(a per-layer rank or alpha"):
+        export_gguf(model, tokenizer, tmp_path / "out", "tiny")
+    assert not any((tmp_path / "out").iterdir())
+
+
 @pytest.mark.parametrize("table_format, block_type", [("int8", "Q8_0"), ("int4-g32-asym", "Q4_1")])
 def test_a_packed_untied_embedding_is_the_token_table_in_its_codes(tmp_path, table_format, block_type):
     """An untied embedding packed while loading (Llama-3.1-8B's 128k-row table) is written as its codes' blocks, its

@@ -122,9 +122,19 @@ def _check_supported(base: nn.Module, peft_model, layers: dict[str, nn.Module]) 
             "convert that with llama.cpp's convert_hf_to_gguf.py"
         )
     if peft_model is not None:
+        from peft.tuners.lora import LoraLayer
+
         for adapter in peft_model.peft_config.values():
             if getattr(adapter, "use_dora", False) or getattr(adapter, "use_rslora", False):
                 raise ValueError("GGUF adapters hold plain LoRA (scale alpha / r): not DoRA or rsLoRA")
+        alpha = next(iter(peft_model.peft_config.values())).lora_alpha
+        for fqn, module in peft_model.named_modules():  # checked before model.gguf is written: no half export
+            rank = module.r.get("default") if isinstance(module, LoraLayer) else None
+            if rank and module.scaling["default"] != alpha / rank:
+                raise ValueError(
+                    f"{canonical_name(fqn)}: its LoRA scale is not alpha / r (a per-layer rank or alpha pattern), "
+                    "the one scale llama.cpp's adapter file holds"
+                )
     for name, module in layers.items():
         if isinstance(module, PackedEmbedding):
             if module.scale is not None:
@@ -342,8 +352,6 @@ def _write_adapter(model, path: Path, names, heads: dict[str, int], name: str) -
         if not isinstance(module, LoraLayer) or "default" not in module.lora_A:
             continue
         layer = canonical_name(fqn)
-        if module.r["default"] and module.scaling["default"] != config.lora_alpha / module.r["default"]:
-            raise ValueError(f"{layer}: its LoRA scale is not alpha / r (a per-layer rank or alpha pattern)")
         a = module.lora_A["default"].weight.detach().float()
         b = module.lora_B["default"].weight.detach().float()
         b = _rotary(b, f"{layer}.weight", heads)
