@@ -132,22 +132,25 @@ def scan(
 def _checkpointing_off(model: nn.Module):
     """``model`` inside the block as without transformers' gradient checkpointing, as it was after: its layers'
     checkpointing off (the scan's hooks read each layer's forward once; checkpointing runs it again in backward) and
-    the embedding hook it adds (``enable_input_require_grads``: the embedding output made a leaf that requires grad,
-    with which every gradient-based score came out 0, so TRL's SFTConfig, checkpointing by default, got an all-INT4
-    auto plan)."""
+    the embedding output detached, whatever hooks make it require grad (``enable_input_require_grads``, which
+    checkpointing, PEFT and TRL each call: the embedding output a leaf that requires grad, with which every
+    gradient-based score came out 0, so TRL's SFTConfig, checkpointing by default, got an all-INT4 auto plan;
+    ``disable_input_require_grads`` removed the last of two such hooks only)."""
     checkpointed = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    input_grads = bool(getattr(model, "_require_grads_hooks", None))
     for m in checkpointed:
         m.gradient_checkpointing = False
-    if input_grads:
-        model.disable_input_require_grads()
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a model without transformers' accessor: no such hooks either
+        embeddings = None
+    detach = None if embeddings is None else embeddings.register_forward_hook(lambda m, args, out: out.detach())
     try:
         yield
     finally:
         for m in checkpointed:
             m.gradient_checkpointing = True
-        if input_grads:
-            model.enable_input_require_grads()
+        if detach is not None:
+            detach.remove()
 
 
 def _labelled_tokens(model: nn.Module, batches: list[Mapping]) -> int:
