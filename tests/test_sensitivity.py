@@ -433,6 +433,21 @@ def test_measured_pass_replays_the_blocks_before_the_layer(sensitive_model, meas
         assert result[name].measured[INT4] == pytest.approx(measured[name].measured[INT4], rel=1e-5, abs=1e-9)
 
 
+def test_a_layer_the_first_batch_does_not_run_is_measured_in_the_batches_that_run_it():
+    """A layer some batches skip (an MoE expert no token of the first batch was routed to): its blocks were replayed
+    from the unquantized pass in every batch, its Δloss exactly 0. Measured as when the first batch runs it."""
+    model = tiny_llama()
+    mlp = model.model.layers[1].mlp
+    mlp.expert = nn.Linear(64, 64, bias=False)
+    routed = type(mlp).forward
+    mlp.forward = lambda x: routed(mlp, x) + mlp.expert(x) if x.shape[1] > 16 else routed(mlp, x)  # long batches only
+    short, long = batches(1, length=16), batches(1, seed=2, length=24)  # two lengths: two forwards, not one merged
+    name, found = "model.layers.1.mlp.expert", []
+    for order in (short + long, long + short):
+        found.append(scan(model, order, formats=(INT4,), method="measured", layers=[name])[name].measured[INT4])
+    assert found[0] != 0 and found[0] == pytest.approx(found[1], rel=1e-4)
+
+
 @pytest.mark.parametrize("where", ["progress", "forward"])
 def test_interrupted_scan_restores_the_model(where):
     """Ctrl-C between steps, or in the middle of a measured forward (blocks being replayed)."""

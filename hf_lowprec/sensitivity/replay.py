@@ -4,7 +4,6 @@ unquantized pass, instead of computing them again.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -66,7 +65,10 @@ class _BlockReplay:
         self._recording = []
 
     def skippable(self, unit: _Unit) -> list[int]:
-        first = min(self.start.get(id(m), math.inf) for _, m in unit.members)
+        starts = [self.start.get(id(m)) for _, m in unit.members]
+        if None in starts:  # a layer the first batch never ran (an MoE expert no token went to): nothing replayed
+            return []
+        first = min(starts)
         return [
             k
             for k, end in enumerate(self.end)
