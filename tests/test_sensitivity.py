@@ -240,6 +240,8 @@ def test_unmeetable_budget_names_the_best_reachable_value(measured):
         allocate(measured, max_loss_increase=1.0, keep=["*"])  # a plan of kept layers only: nothing to train with
     with pytest.raises(ValueError, match="was not scanned"):
         allocate(measured, target_bits_per_param=8, force={"lm_head": "nf4-g64"})
+    with pytest.raises(ValueError, match=r"^force entry 'lm_head': unknown format 'int3'"):
+        allocate(measured, target_bits_per_param=8, force={"lm_head": "int3"})
 
 
 def test_check_budget_raises_before_a_scan_what_allocate_raises_after_it(sensitive_model, measured):
@@ -550,6 +552,25 @@ def test_ilp_is_optimal_and_greedy_is_feasible(budget):
     allocate(result, budget, solver="greedy")
     greedy = result.allocation["predicted_delta_loss"] if budget.minimizes_loss else result.allocation["bits_per_param"]
     assert greedy >= best - 1e-12
+
+
+@pytest.mark.parametrize("solver", ["ilp", "greedy"])
+def test_budgets_met_at_their_bound_are_allocated_not_refused(solver):
+    """A loss budget met within a millionth of itself (HiGHS's tolerance applied to the unscaled row let 1e-4 of it
+    through, then the 1e-9 check refused the plan), and an INT4 share under which INT4 scores as low as FP8 (greedy
+    started every layer in INT4, whose moves only save bytes: it could not go back to FP8) are plans."""
+    def unit(name, params, fp8, int4):
+        return LayerScore(name, params=params, bytes={"bf16": 2.0 * params, "fp8": params, INT4: 0.53 * params},
+                          predicted={"fp8": fp8, INT4: int4})  # fmt: skip
+
+    pair = [unit("a", 1000, 0.02, 0.012), unit("b", 1000, 0.02, 0.008 * (1 + 1e-6))]  # INT4 sums to the budget
+    tight = ScanResult(pair, ("fp8", INT4), "fisher")
+    allocate(tight, max_loss_increase=0.02, solver=solver)
+    assert tight.allocation["predicted_delta_loss"] <= 0.02 * (1 + 1e-6)
+    assert solver == "greedy" or tight.allocation["fractions"][INT4] == 1  # the optimum: both layers in INT4
+    ties = ScanResult([unit(f"l{i}", 1000, 0.0, 0.0) for i in range(4)], ("fp8", INT4), "fisher")
+    plan = allocate(ties, max_loss_increase=0.05, int4_fraction=0.5, solver=solver)
+    assert sorted(f.name for f in plan.layers.values()) == ["fp8", "fp8", INT4, INT4]
 
 
 def test_the_after_training_score_leaves_out_the_first_order_term(sensitive_model, fisher, measured):
