@@ -102,6 +102,30 @@ def test_bf16_weights_with_kahan_match_fp32_master_weights_on_a_tiny_llama():
 # ----------------------------------------------------------------------------- error feedback
 
 
+@pytest.mark.parametrize("residual_dtype", [torch.float32, torch.bfloat16])
+def test_error_feedback_keeps_updates_far_below_its_residual(residual_dtype):
+    """Updates of 1e-4 against an INT4 step of 4/7: the residual, up to half a step, has a bf16 ulp above 1e-4, so a
+    bf16 residual rounded to nearest kept none of them (0.03 moved of 1.0). fp32 (the default) keeps them exactly,
+    a bf16 one stochastically rounded keeps them on average."""
+    spec = FormatSpec.parse("int4-g64")
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)).clamp(-2, 2)
+    w[:, 0] = 4.0  # pins each row's amax: the grid stays put
+    w0 = fake_quantize_int(w, spec, *int_steps(w, spec))
+    p = torch.nn.Parameter(w0.clone())
+    sgd = torch.optim.SGD([p], lr=1.0)
+    opt = CompensatedOptimizer(sgd, "none", error_feedback={p: spec}, residual_dtype=residual_dtype)
+    grad = torch.full_like(w0, -1e-4)
+    grad[:, 0] = 0.0
+    for _ in range(2000):
+        p.grad = grad.clone()
+        opt.step()
+    moved = (p.detach() - w0 + opt.buffers[id(p)].float())[:, 1:]  # on the grid plus what the residual holds
+    assert opt.buffers[id(p)].dtype == residual_dtype
+    assert moved.mean().item() == pytest.approx(0.2, rel=1e-3 if residual_dtype == torch.float32 else 0.02)
+    with pytest.raises(ValueError, match="residual_dtype torch.int8: choose torch.float32, torch.bfloat16 or"):
+        CompensatedOptimizer(torch.optim.SGD([p], lr=1.0), error_feedback={p: spec}, residual_dtype=torch.int8)
+
+
 @pytest.mark.parametrize("fmt", ["int4-g64", "fp8"])
 def test_error_feedback_keeps_sub_step_updates_of_grid_stored_weights(fmt):
     spec = FormatSpec.parse(fmt)
