@@ -1,6 +1,8 @@
 """8-bit storage of saved activations (FP8 here; int8 in test_finetune): exact gradients from the FP8 copies,
 parameters left alone, FP8Linear's own FP8 saves, and a tiny Llama's gradients close to the unpacked ones."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,7 @@ from text_batches import text_batches
 from hf_lowprec import FP8Linear, apply_plan
 from hf_lowprec.formats import E4M3, dequantize_fp8, fp8_amax, fp8_scale, quantize_fp8
 from hf_lowprec.training.activations import ActivationStorage
+from hf_lowprec.training.compensation import CompensatedOptimizer
 
 
 def _fp8_rows(t: torch.Tensor) -> torch.Tensor:
@@ -34,6 +37,44 @@ def test_gradients_are_computed_from_the_fp8_copies():
     torch.testing.assert_close(z.grad, g * sd, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(x.grad, g * zd * sig * (1 + xd * (1 - sig)), rtol=1e-5, atol=1e-6)
     assert not torch.equal(xd, x.detach())  # the round trip really is lossy
+
+
+def _weight_gradients(model, batches, storage=None, optimizer=None, autocast=False) -> list[torch.Tensor]:
+    """Every parameter's gradient after each of ``batches`` (``optimizer`` stepping between them)."""
+    grads = []
+    for ids in batches:
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast), storage or contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads += [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        if optimizer is not None:
+            optimizer.step()
+        model.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("case", ["autocast", "int4 layers", "optimizer replacing .data"])
+def test_weights_made_in_the_forward_are_saved_as_they_are(case):
+    """Hidden 256 and 8 tokens: every activation is under min_numel, every weight matrix at it, so nothing may be
+    stored in 8 bits. A trainable fp32 weight's bf16 autocast cast, an INT4 layer's fake-quantized weight, and
+    parameters an optimizer moved to new memory after the storage was made (CompensatedOptimizer, each step) were;
+    the gradients now equal those without storage."""
+    def run(storage: bool):
+        model = tiny_llama(hidden_size=256, intermediate_size=512, num_attention_heads=4)
+        if case == "int4 layers":
+            apply_plan(model, {"layers": {"*.mlp.*": "int4-g64"}})
+        if case == "optimizer replacing .data":
+            model.bfloat16()
+        optimizer = CompensatedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "kahan")
+        made = ActivationStorage(model, "int8") if storage else None
+        ids = [torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        return _weight_gradients(model, ids, made, optimizer, autocast=case == "autocast"), made
+
+    reference, _ = run(storage=False)
+    grads, made = run(storage=True)
+    assert made.stored_bytes == 0
+    for got, expected in zip(grads, reference, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_parameters_and_fp8_tensors_are_saved_as_they_are():

@@ -144,7 +144,10 @@ class Int4Linear(nn.Linear):
             x = self.input_quantizer(x)
         elif self.spec.act_int8:
             x = fake_quantize_per_token_int8(x)
+        from hf_lowprec.training.activations import ActivationStorage  # here: training imports the modules
+
         w = self.quantized_weight().to(x.dtype)
+        ActivationStorage.keep_weight(w)  # F.linear saves it for the input gradient: not an activation
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
     @torch.no_grad()
