@@ -24,6 +24,7 @@ training logs under ``lowprec/`` (see :data:`TELEMETRY_KEYS`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_callback import CallbackHandler, ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -137,6 +138,7 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         if getattr(args, "deepspeed", None):
             raise ValueError("LowPrecisionCallback does not support DeepSpeed; use DDP or FSDP")
         _run_before_trackers(self)
+        _convert_what_model_init_makes(self)
         if model is None:
             return  # model_init: converted at on_train_begin
         if not eligible_layers(model):
@@ -383,6 +385,32 @@ def _run_before_trackers(callback: TrainerCallback) -> None:
     if trackers and callbacks.index(callback) > trackers[0]:
         callbacks.remove(callback)
         callbacks.insert(trackers[0], callback)
+
+
+def _convert_what_model_init_makes(callback: LowPrecisionCallback) -> None:
+    """Wrap the calling Trainer's ``model_init`` so that each model it makes is converted as it is made, with the plan
+    known by then (else it refuses a checkpoint with low-precision state): ``train()`` makes a new model and loads a
+    resumed checkpoint into it, then the optimizer state, all before ``on_train_begin`` (the learned steps were
+    dropped as unexpected keys, and the optimizer's groups did not match its state)."""
+    frame = sys._getframe(1)
+    while frame is not None and not isinstance(frame.f_locals.get("self"), Trainer):
+        frame = frame.f_back
+    trainer = None if frame is None else frame.f_locals["self"]
+    if trainer is None or trainer.model_init is None or getattr(trainer.model_init, "converts_for", None) is callback:
+        return
+    made = trainer.model_init
+
+    @functools.wraps(made)  # the same signature: the Trainer passes a trial to a model_init of one argument
+    def model_init(*trial):
+        model = made(*trial)
+        if callback.plan is not None:
+            callback._convert(model)
+        else:
+            callback._hook = model.register_load_state_dict_post_hook(_refuse_low_precision_keys)
+        return model
+
+    model_init.converts_for = callback
+    trainer.model_init = model_init
 
 
 def _refuse_low_precision_keys(module: nn.Module, incompatible) -> None:
