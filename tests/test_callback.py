@@ -375,7 +375,7 @@ def test_a_model_init_run_resumes_on_the_same_curve(tmp_path, plan):
     resumed = Trainer(model_init=lambda: tiny_llama(), args=arguments(tmp_path / "resumed", **args), train_dataset=data,
                       callbacks=[LowPrecisionCallback(given)])  # fmt: skip
     if plan == "auto":
-        with pytest.raises(ValueError, match=r"not converted yet: pass its plan, LowPrecisionCallback\(plan='<checkpoint"):
+        with pytest.raises(ValueError, match=r"not converted yet: pass its plan, LowPrecisionCallback\(plan="):
             resumed.train(resume_from_checkpoint=str(ckpt))
         return
     resumed.train(resume_from_checkpoint=str(ckpt))
