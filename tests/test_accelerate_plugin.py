@@ -1,5 +1,7 @@
 """LowPrecisionPlugin in Accelerate loops (one process; tests/test_distributed.py runs several)."""
 
+import logging
+
 import pytest
 import torch
 from accelerate import Accelerator
@@ -184,6 +186,23 @@ def test_plugin_compensation_wraps_the_optimizer():
     with pytest.raises(ValueError, match="every trainable weight is fp32"):
         m = tiny_llama()
         LowPrecisionPlugin("fp8", compensation="kahan").prepare(accelerator, m, torch.optim.AdamW(m.parameters()))
+
+
+def test_learned_steps_join_a_group_without_weight_decay_or_are_said_to_be_decayed(caplog):
+    """The plugin puts learned steps in the no-decay twin of their weight's group (decay pulls them toward 0), or, in
+    an optimizer with none, in the weight's group with a warning."""
+    model = tiny_llama()
+    decayed = [p for n, p in model.named_parameters() if n.endswith("proj.weight")]
+    others = [p for n, p in model.named_parameters() if not n.endswith("proj.weight")]
+    twin = torch.optim.AdamW([{"params": decayed, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}])
+    LowPrecisionPlugin(PLAN).prepare(Accelerator(cpu=True), model, twin)
+    steps = {id(p) for n, p in model.named_parameters() if n.endswith(".step")}
+    assert steps and steps <= {id(p) for p in twin.param_groups[1]["params"]}
+    model = tiny_llama()
+    with caplog.at_level(logging.WARNING, logger="hf_lowprec"):
+        optimizer = torch.optim.AdamW(model.parameters(), weight_decay=0.1)
+        LowPrecisionPlugin(PLAN).prepare(Accelerator(cpu=True), model, optimizer)
+    assert "learned steps join their weights' param group, with its weight_decay 0.1" in caplog.text
 
 
 def test_bad_input():

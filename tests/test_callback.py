@@ -360,6 +360,25 @@ def test_compensation_on_fp32_weights_fails_at_init(tmp_path):
         Trainer(model=tiny_llama(), args=arguments(tmp_path), callbacks=[LowPrecisionCallback("fp8", compensation="kahan")])
 
 
+def test_learned_steps_are_not_weight_decayed(tmp_path):
+    """Learned INT4 steps' names hold neither 'bias' nor 'norm', so the Trainer put them in its decayed group (and a
+    late conversion in their weight's): AdamW's decay pulled them toward 0 every step. Now in the no-decay group,
+    converted before the optimizer is made or after (the plugin: test_accelerate_plugin)."""
+
+    def groups_of(optimizer) -> dict[str, float]:
+        decay = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+        return {n: decay[id(p)] for n, p in trainer.model.named_parameters() if id(p) in decay}
+
+    for callback in (LowPrecisionCallback(MIXED_PLAN), LowPrecisionCallback(calibration_batches=1)):  # before, after
+        trainer = Trainer(model=tiny_llama(), args=arguments(tmp_path, weight_decay=0.1, max_steps=1),
+                          train_dataset=lm_rows(1), callbacks=[callback])  # fmt: skip
+        trainer.train()
+        decay = groups_of(trainer.optimizer)
+        steps = [n for n in decay if n.endswith(".step")]
+        assert steps and all(decay[n] == 0.0 for n in steps)
+        assert decay["model.layers.0.mlp.up_proj.weight"] == 0.1
+
+
 @pytest.mark.parametrize("plan", ["mixed", "checkpoint folder", "auto"])
 def test_a_model_init_run_resumes_on_the_same_curve(tmp_path, plan):
     """``Trainer(model_init=...)`` makes a new model in train() and loads a resumed checkpoint into it before

@@ -44,7 +44,11 @@ from hf_lowprec.modules import LOW_PRECISION_TYPES
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan, is_auto, plan_folder
 from hf_lowprec.scaling import TELEMETRY_PREFIX
 from hf_lowprec.training.compensation import CompensatedOptimizer
-from hf_lowprec.training.new_parameters import insert_new_parameters, orphaned_parameters
+from hf_lowprec.training.new_parameters import (
+    insert_new_parameters,
+    orphaned_parameters,
+    without_learned_parameters,
+)
 from hf_lowprec.training.session import (
     SessionOwner,
     owned_session,
@@ -138,7 +142,9 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         if getattr(args, "deepspeed", None):
             raise ValueError("LowPrecisionCallback does not support DeepSpeed; use DDP or FSDP")
         _run_before_trackers(self)
-        _convert_what_model_init_makes(self)
+        if (trainer := _calling_trainer()) is not None:
+            _convert_what_model_init_makes(self, trainer)
+            _no_decay_on_learned_steps(trainer)
         if model is None:
             return  # model_init: converted at on_train_begin
         if not eligible_layers(model):
@@ -387,16 +393,34 @@ def _run_before_trackers(callback: TrainerCallback) -> None:
         callbacks.insert(trackers[0], callback)
 
 
-def _convert_what_model_init_makes(callback: LowPrecisionCallback) -> None:
-    """Wrap the calling Trainer's ``model_init`` so that each model it makes is converted as it is made, with the plan
-    known by then (else it refuses a checkpoint with low-precision state): ``train()`` makes a new model and loads a
-    resumed checkpoint into it, then the optimizer state, all before ``on_train_begin`` (the learned steps were
-    dropped as unexpected keys, and the optimizer's groups did not match its state)."""
+def _calling_trainer() -> Trainer | None:
+    """The Trainer whose event is being dispatched (found in the calling frames: callbacks are not given it)."""
     frame = sys._getframe(1)
     while frame is not None and not isinstance(frame.f_locals.get("self"), Trainer):
         frame = frame.f_back
-    trainer = None if frame is None else frame.f_locals["self"]
-    if trainer is None or trainer.model_init is None or getattr(trainer.model_init, "converts_for", None) is callback:
+    return None if frame is None else frame.f_locals["self"]
+
+
+def _no_decay_on_learned_steps(trainer: Trainer) -> None:
+    """Keep learned steps out of the weight-decay group of the optimizer ``trainer`` creates (their names have
+    neither 'bias' nor 'norm', so it decayed them); a late conversion puts them in its no-decay group too."""
+    if getattr(trainer.get_decay_parameter_names, "without_learned_steps", False):
+        return
+    decayed = trainer.get_decay_parameter_names
+
+    def get_decay_parameter_names(model: nn.Module) -> list[str]:
+        return without_learned_parameters(decayed(model), model)
+
+    get_decay_parameter_names.without_learned_steps = True
+    trainer.get_decay_parameter_names = get_decay_parameter_names
+
+
+def _convert_what_model_init_makes(callback: LowPrecisionCallback, trainer: Trainer) -> None:
+    """Wrap ``trainer.model_init`` so that each model it makes is converted as it is made, with the plan known by
+    then (else it refuses a checkpoint with low-precision state): ``train()`` makes a new model and loads a resumed
+    checkpoint into it, then the optimizer state, all before ``on_train_begin`` (the learned steps were dropped as
+    unexpected keys, and the optimizer's groups did not match its state)."""
+    if trainer.model_init is None or getattr(trainer.model_init, "converts_for", None) is callback:
         return
     made = trainer.model_init
 

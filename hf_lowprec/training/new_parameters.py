@@ -5,9 +5,10 @@ sees them. Two ways to hand them over, for two kinds of caller:
 
 - :func:`add_new_parameters`: one new param group (weight decay 0), the LR scheduler extended, for
   plain training loops;
-- :func:`insert_new_parameters`: into the group of their layer's weight, in the model's parameter
-  order — the layout ``Trainer`` builds for an already converted model, so optimizer state saved by
-  either loads into the other (the callback and the Accelerate plugin use it).
+- :func:`insert_new_parameters`: into the group of their layer's weight (its twin without weight decay, where
+  there is one), in the model's parameter order — the layout ``Trainer`` builds for an already converted model
+  (:func:`without_learned_parameters` keeps them out of its decayed group), so optimizer state saved by either loads
+  into the other (the callback and the Accelerate plugin use it).
 
 :func:`align_new_parameters` makes each train exactly when its layer's weight does, and
 :func:`orphaned_parameters` names anything trainable that no optimizer group holds.
@@ -70,6 +71,7 @@ def insert_new_parameters(optimizer: torch.optim.Optimizer, model: nn.Module, pa
             logger.info("a learned step's layer weight is not in the optimizer; the step stays fixed")
             p.requires_grad_(False)
             continue
+        group = _without_decay(optimizer, group)
         group["params"].append(p)
         group_of[id(p)] = group
         touched.append(group)
@@ -77,6 +79,37 @@ def insert_new_parameters(optimizer: torch.optim.Optimizer, model: nn.Module, pa
     for group in {id(g): g for g in touched}.values():
         group["params"].sort(key=lambda q: order.get(id(q), len(order)))
     return count
+
+
+def _without_decay(optimizer: torch.optim.Optimizer, group: dict) -> dict:
+    """The last group without weight decay whose other hyperparameters are ``group``'s (the Trainer's second group,
+    whatever its weight_decay: where :func:`without_learned_parameters` has the Trainer put them), ``group`` itself
+    if it decays nothing and no later one matches: decay pulls learned steps toward 0 (a finer grid, more clipping)
+    every step. Else ``group``, with a warning."""
+
+    def others(g: dict) -> dict:
+        return {k: v for k, v in g.items() if k not in ("params", "weight_decay")}
+
+    for candidate in reversed(optimizer.param_groups):
+        try:
+            if not candidate.get("weight_decay") and others(candidate) == others(group):
+                return candidate
+        except RuntimeError:  # a tensor-valued hyperparameter (capturable lr): not compared
+            continue
+    logger.warning(
+        "learned steps join their weights' param group, with its weight_decay %g (it shrinks them each step): give "
+        "the optimizer a group of the same settings and weight_decay 0 for them, or pass learn_scales=False",
+        group["weight_decay"],
+    )
+    return group
+
+
+def without_learned_parameters(decayed: list[str], model: nn.Module) -> list[str]:
+    """``decayed`` (parameter names, as ``Trainer.get_decay_parameter_names`` gives them) without the parameters
+    low-precision layers add (learned steps), which the Trainer would otherwise decay."""
+    owned = _owner_weights(model)
+    learned = {n for n, p in model.named_parameters() if id(p) in owned}
+    return [n for n in decayed if n not in learned]
 
 
 def orphaned_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -126,4 +159,10 @@ def add_new_parameters(
     return len(new)
 
 
-__all__ = ["add_new_parameters", "align_new_parameters", "insert_new_parameters", "orphaned_parameters"]
+__all__ = [
+    "add_new_parameters",
+    "align_new_parameters",
+    "insert_new_parameters",
+    "orphaned_parameters",
+    "without_learned_parameters",
+]
