@@ -403,13 +403,15 @@ def _calling_trainer() -> Trainer | None:
 
 def _no_decay_on_learned_steps(trainer: Trainer) -> None:
     """Keep learned steps out of the weight-decay group of the optimizer ``trainer`` creates (their names have
-    neither 'bias' nor 'norm', so it decayed them); a late conversion puts them in its no-decay group too."""
+    neither 'bias' nor 'norm', so it decayed them); a late conversion puts them in its no-decay group too. Without
+    weight decay the layout stays as it was: checkpoints of earlier versions resume."""
     if getattr(trainer.get_decay_parameter_names, "without_learned_steps", False):
         return
     decayed = trainer.get_decay_parameter_names
 
     def get_decay_parameter_names(model: nn.Module) -> list[str]:
-        return without_learned_parameters(decayed(model), model)
+        names = decayed(model)
+        return without_learned_parameters(names, model) if trainer.args.weight_decay else names
 
     get_decay_parameter_names.without_learned_steps = True
     trainer.get_decay_parameter_names = get_decay_parameter_names

@@ -82,15 +82,16 @@ def insert_new_parameters(optimizer: torch.optim.Optimizer, model: nn.Module, pa
 
 
 def _without_decay(optimizer: torch.optim.Optimizer, group: dict) -> dict:
-    """The last group without weight decay whose other hyperparameters are ``group``'s (the Trainer's second group,
-    whatever its weight_decay: where :func:`without_learned_parameters` has the Trainer put them), ``group`` itself
-    if it decays nothing and no later one matches: decay pulls learned steps toward 0 (a finer grid, more clipping)
-    every step. Else ``group``, with a warning."""
+    """``group``, or where it decays weights, the group of the same other hyperparameters without decay (the
+    Trainer's second group, where :func:`without_learned_parameters` has it put them), if there is one: decay pulls
+    learned steps toward 0 (a finer grid, more clipping) every step. Else ``group``, with a warning."""
+    if not group.get("weight_decay"):
+        return group
 
     def others(g: dict) -> dict:
         return {k: v for k, v in g.items() if k not in ("params", "weight_decay")}
 
-    for candidate in reversed(optimizer.param_groups):
+    for candidate in optimizer.param_groups:
         try:
             if not candidate.get("weight_decay") and others(candidate) == others(group):
                 return candidate
