@@ -261,8 +261,13 @@ class GradientScaling(ScalePolicy):
             raise ValueError(f"percentile must be in (0, 100], got {percentile}")
         if spike_threshold <= 1.0:
             raise ValueError(f"spike_threshold must be > 1, got {spike_threshold}")
-        if history_len < 1 or warmup < 1 or growth_interval < 1 or max_adjust < 0:
-            raise ValueError("history_len, warmup and growth_interval must be >= 1 and max_adjust >= 0")
+        for option, value, low in (("history_len", history_len, 1), ("warmup", warmup, 1),
+                                   ("growth_interval", growth_interval, 1), ("max_adjust", max_adjust, 0)):  # fmt: skip
+            if value < low:
+                raise ValueError(f"{option} must be >= {low}, got {value}")
+        for option, value in (("saturation_tol", saturation_tol), ("underflow_tol", underflow_tol)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{option} (a fraction of the tensor's elements) must be in [0, 1], got {value}")
         self.statistic, self.ema_decay, self.percentile = statistic, ema_decay, percentile
         self.spike_threshold, self.spike_action, self.warmup = spike_threshold, spike_action, warmup
         self.saturation_tol, self.underflow_tol = saturation_tol, underflow_tol
@@ -390,6 +395,7 @@ class PolicyFactory:
         unknown = set(self.options) - allowed
         if unknown:
             raise ValueError(f"scaler {self.scaler!r}: unknown options {sorted(unknown)}; allowed: {sorted(allowed)}")
+        self("probe", "grad", FormatSpec.parse("fp8"))  # the options' values checked now, not at the first layer
 
     def __call__(self, name: str, role: str, spec: FormatSpec) -> ScalePolicy:
         if role not in ROLES:

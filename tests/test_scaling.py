@@ -434,6 +434,8 @@ def test_factory_and_policy_errors():
         make_policy_factory("fancy")
     with pytest.raises(ValueError, match="unknown options \\['spike_thresold'\\]"):
         make_policy_factory("gradient", spike_thresold=4)
+    with pytest.raises(ValueError, match=r"^saturation_tol \(a fraction of the tensor's elements\) must be in \[0, 1\]"):
+        make_policy_factory("gradient", saturation_tol=-1)  # a value is checked with the factory, not at a first layer
     with pytest.raises(ValueError, match="unknown spike_action"):
         make_policy("gradient", spike_action="ignore")
     with pytest.raises(ValueError, match="unknown amax reduction"):

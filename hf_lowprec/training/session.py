@@ -201,7 +201,12 @@ class LowPrecisionSession:
             raise ValueError(f"unknown compensation {compensation!r}; choose one of {', '.join(COMPENSATIONS)} or None")
         if fp8_rounding not in FP8_ROUNDINGS:
             raise ValueError(f"unknown fp8_rounding {fp8_rounding!r}; choose one of {', '.join(FP8_ROUNDINGS)}")
-        make_policy_factory(scaler, **dict(scaler_options or {}))  # raises for unknown names/options
+        if own := sorted({"sync", "telemetry", "power_of_two"} & set(scaler_options or {})):
+            raise ValueError(
+                f"scaler_options {own}: set for every scale by hf_lowprec (pass sync= itself); the scaler's options "
+                "are its own, e.g. {'spike_action': 'skip'}"
+            )
+        make_policy_factory(scaler, **dict(scaler_options or {}))  # raises for unknown names/options and bad values
         self.keep = keep
         self.budget, self.formats = budget, tuple(formats)
         self.calibration_batches, self.scan_method, self.seed = calibration_batches, scan_method, seed
