@@ -42,7 +42,7 @@ def test_fp8_linear_matches_torchao_float8linear(dtype, recipe, spec, grad_dtype
     x, g = torch.randn(48, 256, dtype=dtype) * 3, torch.randn(48, 96, dtype=dtype)
     for a, b in zip(_run(ours, x, g), _run(ref, x, g)):
         assert a.dtype == b.dtype
-        a, b = a.float(), b.float()
+        a, b = a.detach().float(), b.detach().float()
         # Same FP8 operands; the results differ only by output rounding: our bf16 GEMM rounds before
         # applying the scale (one extra bf16 rounding: at most 1 ulp of the element, 2 ulp of the
         # largest element's binade), and torchao's rowwise path rounds fp32 outputs through bf16
@@ -50,6 +50,8 @@ def test_fp8_linear_matches_torchao_float8linear(dtype, recipe, spec, grad_dtype
         exact = dtype == torch.float32 and recipe == "tensorwise"
         tol = 1e-5 if exact else 2 * BF16_ULP
         assert (a - b).abs().max() <= tol * b.abs().max(), (a - b).abs().max()
+        # no common factor: a bf16 tensorwise scale's inverse scaled everything by up to 0.4% (half a bf16 ulp)
+        assert float((a * b).sum() / (b * b).sum()) == pytest.approx(1, abs=BF16_ULP / 16)
 
 
 def test_fp8_linear_torchao_backend_is_torchaos_layer():
