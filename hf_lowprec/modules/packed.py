@@ -905,6 +905,10 @@ class PackedLinear(nn.Module):
         """Rows ``index`` (any shape) of :meth:`dequantized_weight`, ``[*index.shape, K]`` in ``dtype``, dequantized
         from their codes alone: what an input embedding tied to this (output head) layer reads per token."""
         flat = index.reshape(-1)
+        if flat.numel():  # indexing wraps negative ids to the table's end, where nn.Embedding raises
+            low, high = (int(v) for v in torch.aminmax(flat))
+            if low < 0 or high >= self.out_features:
+                raise IndexError(f"token ids must lie in [0, {self.out_features}) (the vocabulary), got {low}..{high}")
         zero = self.effective_zero()
         zero = None if zero is None else zero[flat]
         rows = dequantize_int(self._unpack(self.qweight[flat]), self.spec, self.effective_step()[flat], zero)
