@@ -95,15 +95,19 @@ def classification_accuracy(model: nn.Module, dataset, collator, *, batch_size: 
     """Accuracy of ``model`` (a sequence classifier) on rows with ``labels``: ``{"accuracy", "rows"}``."""
     from hf_lowprec.data import collated_batches  # data.py imports datasets: only when evaluating
 
+    was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     predictions, references = [], []
-    for batch in collated_batches(dataset, collator, batch_size):
-        batch = {k: v.to(device) for k, v in batch.items()}
-        labels = batch.pop("labels")
-        predictions += model(**batch).logits.argmax(-1).tolist()
-        references += labels.tolist()
-        if on_batch is not None:
-            on_batch(len(labels))
+    try:
+        for batch in collated_batches(dataset, collator, batch_size):
+            batch = {k: v.to(device) for k, v in batch.items()}
+            labels = batch.pop("labels")
+            predictions += model(**batch).logits.argmax(-1).tolist()
+            references += labels.tolist()
+            if on_batch is not None:
+                on_batch(len(labels))
+    finally:
+        model.train(was_training)
     accuracy = sum(p == r for p, r in zip(predictions, references)) / max(len(references), 1)
     return {"accuracy": float(accuracy), "rows": len(references)}

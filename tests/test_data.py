@@ -185,6 +185,28 @@ def test_classification_rows(tmp_path, tok):
     assert ds["input_ids"][3] == tok(ROWS[3]["text"], truncation=True, max_length=16)["input_ids"]
 
 
+def test_classification_accuracy_counts_rows_and_leaves_the_training_mode_as_it_was(tmp_path, tok):
+    """Accuracy over the rows, against argmax of the model's logits row by row; a model evaluated mid-training goes
+    on training with its dropout (it was left in eval mode)."""
+    from conftest import tiny_bert
+    from transformers import DataCollatorWithPadding
+
+    from hf_lowprec.metrics import classification_accuracy
+
+    path = tmp_path / "cls.csv"
+    pd.DataFrame(ROWS).to_csv(path, index=False)
+    rows = prepare_classification_data(*read_source(path), tok, 16, max_rows=12)
+    model = tiny_bert()
+    model.resize_token_embeddings(len(tok))
+    model.train()
+    result = classification_accuracy(model, rows, DataCollatorWithPadding(tok), batch_size=5)
+    assert model.training
+    model.eval()
+    with torch.no_grad():
+        right = [int(model(input_ids=torch.tensor([r["input_ids"]])).logits.argmax(-1)) == r["labels"] for r in rows]
+    assert result == {"accuracy": pytest.approx(sum(right) / 12), "rows": 12}
+
+
 def test_pack_blocks_stops_early():
     tok = tiny_tokenizer()
     ds = datasets.Dataset.from_dict({"text": [corpus_text(4000)] * 50})

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, default_data_collator
 import hf_lowprec.chunked_loss as chunked_loss
 import hf_lowprec.ondevice.train as train_module
 from hf_lowprec.checkpoints import DenseWeights, default_checkpoint, load_pretrained
-from hf_lowprec.chunked_loss import chunkable_head
+from hf_lowprec.chunked_loss import chunkable_head, summed_chunked_loss
 from hf_lowprec.export.compressed_tensors import export_compressed_tensors
 from hf_lowprec.export.folder import export_model
 from hf_lowprec.export.hf_quantizer import HfLowprecConfig
@@ -156,6 +156,21 @@ def test_chunked_loss_equals_transformers_loss_and_grads():
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
     for a, p in zip(g_ours, model.parameters()):
         torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_the_chunked_loss_scales_bf16_gradients_once_and_refuses_a_trainable_head():
+    """The loss divided by a count of 3: its bf16 hidden-state gradient is the summed loss's divided in fp32 and
+    rounded once (times bf16(1/3) it was 0.2% too large); a head with trainable parameters, which gets no gradient
+    from the chunks, is refused."""
+    head = torch.nn.Linear(16, 32, bias=False).bfloat16().requires_grad_(False)
+    hidden = torch.randn(3, 16, generator=torch.Generator().manual_seed(0)).bfloat16().requires_grad_()
+    labels = torch.tensor([1, 2, 3])
+    summed_chunked_loss(hidden, labels, head).backward()
+    summed, hidden.grad = hidden.grad, None
+    (summed_chunked_loss(hidden, labels, head) / 3).backward()
+    assert torch.equal(hidden.grad, (summed.float() / 3).bfloat16())
+    with pytest.raises(ValueError, match="^summed_chunked_loss gives gradients to the hidden states only, and this"):
+        summed_chunked_loss(hidden, labels, head.requires_grad_(True))
 
 
 @pytest.mark.parametrize("num_items_in_batch", [None, 0, torch.tensor(0)])
@@ -804,6 +819,9 @@ def test_a_packed_untied_embedding_holds_its_own_codes_and_round_trips(tmp_path)
     assert (row.applied, row.module, row.reason) == ("int8", "PackedEmbedding", "packed while loading")
     ids = torch.randint(0, table.shape[0], (2, 16))
     assert_int8_rows(model.get_base_model().get_input_embeddings()(ids), table, ids)
+    for bad in (-1, table.shape[0]):  # -1 read the table's last row, as indexing wraps it; nn.Embedding raises
+        with pytest.raises(IndexError, match=rf"^token ids must lie in \[0, {table.shape[0]}\) \(the vocabulary\)"):
+            model.get_base_model().get_input_embeddings()(torch.tensor([[3, bad]]))
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     export_int4_lora(model, tmp_path / "run")
