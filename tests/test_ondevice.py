@@ -395,6 +395,19 @@ def test_loftq_init_is_the_best_rank_r_correction_and_starts_closer(fmt):
     assert errors[True] < errors[False]
 
 
+def test_loftq_with_a_rank_above_a_layers_smaller_side_corrects_it_whole():
+    """r=48 against a 32x64 k_proj (PEFT allows it): the SVD has 32 values; the factors, padded with zeros to the
+    rank, carry the whole residual (the copy into lora_A failed on the shapes)."""
+    model, _ = prepare_int4_lora(tiny_llama(2), LoraConfig(r=48, lora_alpha=48, target_modules="all-linear"),
+                                 "int4-g32-asym", loftq_init=True, backend="dequant")  # fmt: skip
+    layer = model.get_base_model().model.layers[0].self_attn.k_proj
+    weight = tiny_llama(2).model.layers[0].self_attn.k_proj.weight.detach()
+    residual = weight - layer.get_base_layer().dequantized_weight()
+    assert layer.lora_A["default"].weight.shape == (48, 64) and residual.norm() > 0
+    delta = layer.get_delta_weight("default").float()  # adapters in the CPU's compute dtype: bf16 rounds them
+    assert (delta - residual).norm() < 1e-2 * residual.norm()
+
+
 def test_loftq_factors_of_a_wide_layer_are_randomized_yet_near_the_best_and_leave_the_generator_alone():
     """Above EXACT_SVD_MAX_DIM the SVD is randomized: its rank-r correction leaves an error within 0.5% of the exact
     truncated SVD's (Eckart-Young, computed here), on a residual with a decaying spectrum plus noise."""

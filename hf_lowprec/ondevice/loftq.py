@@ -12,6 +12,7 @@ import logging
 import math
 
 import torch
+import torch.nn.functional as F
 from peft import LoraConfig
 from torch import nn
 
@@ -59,7 +60,9 @@ def loftq_factors(
 
 
 def _truncated_svd(r: torch.Tensor, rank: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(A [rank, K], B [N, rank])`` with ``scaling * B @ A`` the rank-``rank`` truncated SVD of ``r [N, K]``."""
+    """``(A [rank, K], B [N, rank])`` with ``scaling * B @ A`` the rank-``rank`` truncated SVD of ``r [N, K]``; a rank
+    above ``min(N, K)`` (PEFT allows one: r=48 on a 32-row k_proj) pads zero rows and columns, the residual then whole
+    in the first ``min(N, K)``."""
     if min(r.shape) <= EXACT_SVD_MAX_DIM:
         wide = r.shape[0] < r.shape[1]  # LAPACK is several times faster on the tall orientation
         u, s, vh = torch.linalg.svd(r.T if wide else r, full_matrices=False)
@@ -70,7 +73,9 @@ def _truncated_svd(r: torch.Tensor, rank: int, scaling: float) -> tuple[torch.Te
             u, s, v = torch.svd_lowrank(r, q=min(rank + LOWRANK_OVERSAMPLE, *r.shape), niter=LOWRANK_ITERATIONS)
         vh = v.T
     root = s[:rank].sqrt() / math.sqrt(scaling)
-    return (root.unsqueeze(1) * vh[:rank]).contiguous(), (u[:, :rank] * root).contiguous()
+    a, b = root.unsqueeze(1) * vh[:rank], u[:, :rank] * root
+    missing = rank - len(root)
+    return F.pad(a, (0, 0, 0, missing)).contiguous(), F.pad(b, (0, missing)).contiguous()
 
 
 def _checkpoint_residual(layer: PackedInt4Linear, dense_weights, name: str) -> torch.Tensor:
