@@ -106,6 +106,8 @@ def test_calibration_keeps_the_inputs_of_layers_at_least_twice_as_wide_as_the_to
         x = torch.cat(chunks)
         assert x.shape == (tokens, layers[name].in_features)
         torch.testing.assert_close(x.T @ x, hooks.hessians[name], rtol=1e-5, atol=1e-5)
+    on_meta = torch.nn.Linear(8, 4, device="meta")  # another device than the CPU's (a GPU's, where one is)
+    assert _HessianHooks({"layer": on_meta}, tokens).hessians["layer"].device.type == "meta"  # the layer's device
 
 
 def tiny_qwen2_with_sliding_window():

@@ -15,6 +15,7 @@ CUDA-only or quantize to their own formats; see :mod:`hf_lowprec.ondevice.calibr
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -35,7 +36,9 @@ class _HessianHooks:
     have run."""
 
     def __init__(self, modules: dict[str, nn.Module], tokens: int):
-        self.hessians = {name: torch.zeros(m.in_features, m.in_features) for name, m in modules.items()}
+        self.hessians = {  # on the layer's device: a GPU's inputs into a CPU Hessian failed (FP8 GPTQ on a GPU)
+            name: torch.zeros(m.in_features, m.in_features, device=_device_of(m)) for name, m in modules.items()
+        }
         self.inputs: dict[str, list[torch.Tensor]] = {n: [] for n, m in modules.items() if 2 * tokens <= m.in_features}
         self._seen: set[str] = set()
         self._handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in modules.items()]
@@ -68,6 +71,12 @@ class _HessianHooks:
         """``(hessian [K, K], inputs [T, K] or None)`` of layer ``name``, released from the hooks."""
         inputs = self.inputs.pop(name, None)
         return self.hessians.pop(name), None if inputs is None else torch.cat(inputs)
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    """Where ``module``'s weights (parameters or packed buffers) lie."""
+    tensor = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return torch.device("cpu") if tensor is None else tensor.device
 
 
 def hessian_groups(sizes: dict[str, int], budget_bytes: int = HESSIAN_BUDGET_BYTES) -> list[list[str]]:
