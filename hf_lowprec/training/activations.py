@@ -17,12 +17,11 @@ Formats:
 
 Parameters, buffers, weights made from them (a trainable weight's autocast cast, an INT4 layer's fake-quantized
 weight: :meth:`ActivationStorage.keep_weight`), integer and FP8 tensors and small tensors are saved as they are; a
-tensor (or a
-view of it) saved by several ops (one input feeding q, k and v) is stored once, and one that an elementwise op
-made from tensors stored already (SwiGLU's product, RMSNorm's output: :mod:`~hf_lowprec.training.fused_blocks`) is
-not stored but rebuilt from them in backward (:meth:`ActivationStorage.derive`). Written here because
-torch provides only the hook mechanism; torchao's float8 training stores FP8 copies for its own
-linears only.
+tensor (or a view of it) saved by several ops (one input feeding q, k and v) is stored once, and one that an
+elementwise op made from tensors stored already (SwiGLU's product, RMSNorm's output:
+:mod:`~hf_lowprec.training.fused_blocks`) is not stored but rebuilt from them in backward
+(:meth:`ActivationStorage.derive`). Written here because torch provides only the hook mechanism; torchao's float8
+training stores FP8 copies for its own linears only.
 
     with ActivationStorage(model):
         loss = compute_loss(model, batch)
