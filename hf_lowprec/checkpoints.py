@@ -7,6 +7,7 @@ GGUF checkpoints are dequantized by transformers on every load (~18 s for SmolLM
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import importlib.util
@@ -16,6 +17,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -164,6 +166,7 @@ def refuse_a_quantized_checkpoint(source: str, gguf_file: str | None = None, **f
 GGUF_KEY_BYTES = 1 << 20  # bytes read from each end of a GGUF file for its cache key
 GGUF_KEY_SAMPLES = 64  # and blocks of GGUF_KEY_SAMPLE_BYTES spread evenly between them
 GGUF_KEY_SAMPLE_BYTES = 1 << 16
+GGUF_UNUSED_S = 24 * 3600  # a cached copy of another file of the same name unused this long goes (seconds)
 
 
 def _gguf_cache_dir(folder: str, gguf_file: str, dtype: torch.dtype) -> Path:
@@ -187,12 +190,18 @@ def _gguf_cache_dir(folder: str, gguf_file: str, dtype: torch.dtype) -> Path:
 
 
 def _remove_other_copies(kept: Path) -> list[Path]:
-    """Remove the cache folders of other files of ``kept``'s GGUF file name (``<stem>-<16 hex digits>`` beside it):
-    another version of that file, or the folders a key of path and modification time left (one per install, ~0.8 GB
-    each for the default model). One copy per file name bounds the cache; returns what was removed."""
+    """Remove the cache folders of other files of ``kept``'s GGUF file name (``<stem>-<16 hex digits>`` beside it)
+    unused for :data:`GGUF_UNUSED_S`: another version of that file, or the folders a key of path and modification time
+    left (one per install, ~0.8 GB each for the default model). Copies used within that time stay: two exports' own
+    ``model.gguf`` evaluated in turn removed each other's, and each use converted again. Returns what was removed."""
     stem = kept.name.rsplit("-", 1)[0]
     pattern = re.compile(re.escape(stem) + r"-[0-9a-f]{16}")
-    removed = [p for p in kept.parent.iterdir() if p != kept and p.is_dir() and pattern.fullmatch(p.name)]
+    unused_since = time.time() - GGUF_UNUSED_S
+    removed = [
+        p
+        for p in kept.parent.iterdir()
+        if p != kept and p.is_dir() and pattern.fullmatch(p.name) and p.stat().st_mtime < unused_since
+    ]
     for folder in removed:
         shutil.rmtree(folder, ignore_errors=True)
     if removed:
@@ -210,6 +219,8 @@ def cache_gguf(folder: str, gguf_file: str, dtype: torch.dtype) -> Path:
 
     target = _gguf_cache_dir(folder, gguf_file, dtype)
     if (target / "config.json").is_file():
+        with contextlib.suppress(OSError):  # a cache another user owns stays readable
+            os.utime(target.parent)  # used now: kept while other copies of its file name come and go
         return target
     if dtype == torch.float32:
         logger.info("dequantizing %s once (cached in %s)", gguf_file, target)

@@ -3,7 +3,9 @@
 import json
 import logging
 import math
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -1130,15 +1132,20 @@ def test_a_gguf_files_cache_folder_follows_its_content_not_its_path(tmp_path):
     assert _gguf_cache_dir(str(tmp_path / "a"), "m.gguf", torch.float32) == a.parent / "float32"
 
 
-def test_a_new_cache_folder_removes_the_other_copies_of_its_file_name_only(tmp_path):
-    """Older copies of the same GGUF file name go (another version of the file, or the path-and-time keys of before);
+def test_a_new_cache_folder_removes_the_unused_other_copies_of_its_file_name_only(tmp_path):
+    """Older copies of the same GGUF file name unused for a day go (another version of the file, or the path-and-time
+    keys of before); one used within the day stays (two exports' model.gguf evaluated in turn removed each other's);
     other files' folders and anything not named like a cache folder stay."""
-    from hf_lowprec.checkpoints import _remove_other_copies
+    from hf_lowprec.checkpoints import GGUF_UNUSED_S, _remove_other_copies
 
     names = ["m.Q4-0123456789abcdef", "m.Q4-fedcba9876543210", "m.Q4-aaaaaaaaaaaaaaaa", "other-0123456789abcdef",
-             "m.Q4-notes", "m.Q4-0123456789abcdef0"]  # fmt: skip
+             "m.Q4-notes", "m.Q4-0123456789abcdef0", "m.Q4-bbbbbbbbbbbbbbbb"]  # fmt: skip
     for name in names:
         (tmp_path / name / "float32").mkdir(parents=True)
+        if name != names[-1]:  # the last one used an hour ago, the others two days ago
+            os.utime(tmp_path / name, (time.time() - 2 * GGUF_UNUSED_S,) * 2)
+        else:
+            os.utime(tmp_path / name, (time.time() - 3600,) * 2)
     removed = _remove_other_copies(tmp_path / names[0])
     assert sorted(p.name for p in removed) == sorted(names[1:3])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names[0], *names[3:]])
@@ -1154,6 +1161,7 @@ def test_caching_the_default_checkpoint_removes_a_stale_copy(tmp_path, monkeypat
     stale = tmp_path / "gguf" / f"{Path(gguf).stem}-0123456789abcdef" / "float32"
     stale.mkdir(parents=True)
     (stale / "config.json").write_text("{}")
+    os.utime(stale.parent, (time.time() - 2 * 24 * 3600,) * 2)  # unused for two days
     target = cache_gguf(folder, gguf, torch.float32)
     assert target == _gguf_cache_dir(folder, gguf, torch.float32) and (target / "config.json").is_file()
     assert [p.name for p in (tmp_path / "gguf").iterdir()] == [target.parent.name]
