@@ -124,14 +124,21 @@ def _checkpoint_step(checkpoint: Path) -> int:
     return int(checkpoint.name.split("-")[-1])
 
 
-def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool) -> RunFolder:
+def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool, source: str | None = None) -> RunFolder:
     """Check the output folder before anything heavy runs (never touches ``out`` itself). ``--overwrite`` replaces
-    only an empty folder or an hf-lowprec run or export (one holding ``hf_lowprec_run.json``)."""
+    only an empty folder or an hf-lowprec run or export (one holding ``hf_lowprec_run.json``), never the folder of
+    ``source``, the model the run starts from (refused at export, it cost the whole run first)."""
     run = RunFolder(Path(out))
     if run.out.exists() and not run.out.is_dir():
         ui.fail(f"output {str(run.out)!r} exists and is not a folder")
     if file := next((p for p in run.out.parents if p.exists() and not p.is_dir()), None):
         ui.fail(f"output {str(run.out)!r}: {str(file)!r} is a file, not a folder to write in")
+    if source is not None and (model := Path(source).expanduser()).exists() and run.out.exists():
+        if (model if model.is_dir() else model.parent).resolve() == run.out.resolve():
+            ui.fail(
+                f"--output-dir {str(run.out)!r} is the folder the model is loaded from, which is never replaced (not "
+                "even with --overwrite); choose another --output-dir"
+            )
     if resume:
         if run.latest_checkpoint() is None:
             partial = " (only a half-written one, from a kill while it was saved)" if run.checkpoint_folders() else ""
@@ -347,7 +354,7 @@ class FinetuneOptions:
 
 def run_finetune(opts: FinetuneOptions) -> dict:
     """Train, evaluate and export; returns the run record (also written to the output folder)."""
-    run = open_run_folder(opts.output_dir, overwrite=opts.overwrite, resume=opts.resume)
+    run = open_run_folder(opts.output_dir, overwrite=opts.overwrite, resume=opts.resume, source=opts.model)
     contention = contention_warning()
     if contention is not None:
         ui.err.print(f"[yellow]warning: {escape(contention)}[/]", soft_wrap=True)

@@ -205,6 +205,13 @@ def test_overwrite_replaces_only_empty_folders_and_runs(ws, tmp_path, caplog):
     assert (empty / RUN_FILE).is_file() and not (empty / "stale.txt").exists()
     gone = [r.getMessage() for r in caplog.records if "gone with the old folder" in r.getMessage()]
     assert gone == [f"replaced {empty}; gone with the old folder: stale.txt"]  # what --overwrite removed, named
+    # the run folder as the model of a new run and as its output: refused before loading (it trained, then the export
+    # refused, the run left in .incomplete for a --resume that failed the same way)
+    onto_itself = ["finetune", empty, "--data", ws / "corpus.txt", "--recipe", "qat-int4", *QUICK, "-o", empty]
+    for flag in ("--overwrite", "--resume"):
+        text = one_error_line(cli(*onto_itself, flag))
+        assert f"--output-dir '{empty}' is the folder the model is loaded from, which is never replaced" in text
+    assert not (tmp_path / "empty.incomplete").exists() and (empty / RUN_FILE).is_file()
 
 
 def test_resume_names_the_options_that_changed(ws, tmp_path, monkeypatch):
