@@ -574,7 +574,9 @@ def _print_summary(record: dict, out: Path) -> None:
         ),
         "steps": f"{f['steps']}" + (f" (resumed from {f['resumed_from_step']})" if "resumed_from_step" in f else ""),
         "time": f"{f['train_seconds']:.1f} s ({f['seconds_per_step']:.2f} s/step, {f['tokens_per_second']:,.0f} "
-        "tokens/s)",
+        "tokens/s)"
+        if "seconds_per_step" in f
+        else f"{f['train_seconds']:.1f} s (no step left to run: resumed after the last one)",
         "memory": mem,
         "hardware": f"{record['hardware']['device']} ({record['hardware']['name']}, "
         f"{record['hardware']['cpu_cores']} cores)",

@@ -651,7 +651,22 @@ def _training_figures(trainer, result, t, train_seconds: float, resume_from, los
     if resume_from:  # the Trainer's training_loss averages this session's steps only
         steps = f"{resumed_at + 1}-{trainer.state.global_step}"
         figures.update(resumed_from_step=resumed_at, train_loss_over_steps=steps)
+    if resume_from and steps_run == 0:  # interrupted after its last step: this session trained nothing
+        for key in ("train_loss", "train_loss_over_steps", "seconds_per_step", "tokens_per_second"):
+            del figures[key]  # its Trainer said 0 for a loss and a speed of no step
+        figures.update(_logged_train_loss(trainer.state.log_history))
     return figures
+
+
+def _logged_train_loss(log_history: list[dict]) -> dict:
+    """``train_loss`` (and the steps it covers) of the logged losses, each weighted by the steps it averages: the
+    Trainer's own figure for a run whose steps all ran before it was resumed; ``{}`` when none was logged."""
+    logged = [(h["step"], h["loss"]) for h in log_history if "loss" in h and "step" in h]
+    if not logged:
+        return {}
+    starts = [0] + [step for step, _ in logged[:-1]]
+    total = sum(loss * (step - start) for (step, loss), start in zip(logged, starts))
+    return {"train_loss": total / logged[-1][0], "train_loss_over_steps": f"1-{logged[-1][0]}"}
 
 
 def _run_record(run: RunFolder, opts: FinetuneOptions, lm, figures: dict, final: dict, method_info: dict) -> dict:

@@ -214,6 +214,25 @@ def test_overwrite_replaces_only_empty_folders_and_runs(ws, tmp_path, caplog):
     assert not (tmp_path / "empty.incomplete").exists() and (empty / RUN_FILE).is_file()
 
 
+def test_a_run_interrupted_after_its_last_step_resumes_to_the_whole_runs_figures(ws, tmp_path, monkeypatch):
+    """Stopped by a SIGTERM during its last step (2 of 2), the run saves checkpoint-2; --resume runs no step, and its
+    Trainer's training loss (0) and speed (of no step) went into the record and the card as 'train loss 0'. Now the
+    train loss is the logged losses' mean over steps 1-2, and no speed is claimed."""
+    out = tmp_path / "run"
+    args = [*finetune_args(ws, out, "fp8-train", steps=2), "training.logging_steps=1"]
+    with monkeypatch.context() as patched:
+        interrupt_at_step_2(patched)
+        assert cli(*args).exit_code == 143
+    resumed = cli(*args, "--resume")
+    assert resumed.exit_code == 0, resumed.output[-2000:]
+    training = json.loads((out / RUN_FILE).read_text())["training"]
+    logged = [e["loss"] for e in json.loads((out / "log_history.json").read_text()) if "loss" in e]
+    assert len(logged) == 2 and training["train_loss"] > 0 and training["train_loss"] == pytest.approx(sum(logged) / 2)
+    assert training["train_loss_over_steps"] == "1-2" and training["resumed_from_step"] == 2
+    assert "seconds_per_step" not in training and "tokens_per_second" not in training
+    assert "no step left to run: resumed after the last one" in resumed.output
+
+
 def test_resume_names_the_options_that_changed(ws, tmp_path, monkeypatch):
     out = tmp_path / "run"
     with monkeypatch.context() as patched:
