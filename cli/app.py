@@ -318,6 +318,7 @@ def scan_cmd(
 
     if out.suffix not in (".json", ".yaml", ".yml"):
         ui.fail(f"--out {str(out)!r}: a plan file ends in .json, .yaml or .yml")
+    ui.check_output_location(out, "--out")
     written = (out, out.with_suffix(".png"), out.with_name(out.stem + ".scores.json"))
     if not overwrite and (existing := [str(p) for p in written if p.exists()]):
         ui.fail(f"--out: {', '.join(existing)} already exist(s); pass --overwrite to replace, or choose another --out")
@@ -869,6 +870,7 @@ def export_cmd(
     from hf_lowprec.export.records import read_run
     from hf_lowprec.ondevice.export import adapter_folder
 
+    ui.check_output_location(Path(out), "--out")
     check_replaceable(Path(out), overwrite, "export", "--out")
     if merge_into is not None and merge_into not in ("int4", "bf16", "fp32"):
         ui.fail(f"--merge-into {merge_into!r}: choose one of int4, bf16, fp32")

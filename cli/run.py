@@ -131,8 +131,7 @@ def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool, source: s
     run = RunFolder(Path(out))
     if run.out.exists() and not run.out.is_dir():
         ui.fail(f"output {str(run.out)!r} exists and is not a folder")
-    if file := next((p for p in run.out.parents if p.exists() and not p.is_dir()), None):
-        ui.fail(f"output {str(run.out)!r}: {str(file)!r} is a file, not a folder to write in")
+    ui.check_output_location(run.out, "output")
     if source is not None and (model := Path(source).expanduser()).exists() and run.out.exists():
         if (model if model.is_dir() else model.parent).resolve() == run.out.resolve():
             ui.fail(

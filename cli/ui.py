@@ -89,6 +89,12 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     raise CLIError(message, code)
 
 
+def check_output_location(path: Path, option: str) -> None:
+    """Fail in one line for an output ``path`` under a file, where no folder can be made (it was a FileExistsError)."""
+    if file := next((p for p in path.parents if p.exists() and not p.is_dir()), None):
+        fail(f"{option} {str(path)!r}: {str(file)!r} is a file, not a folder to write in")
+
+
 def setup_logging(verbose: bool = False) -> None:
     """Library logs (warnings by default) through rich on stderr; transformers/datasets bars off (ours replace them)."""
     # basicConfig leaves an already configured root logger (an embedding application, pytest) alone

@@ -150,6 +150,10 @@ def test_finetune_eval_export_reload_fp8(ws):
     printed = float(re.search(r"perplexity\s*│\s*([0-9.]+)", result.output).group(1))
     assert printed == pytest.approx(expected, abs=2e-4)  # the same up to the fp32 summation order and 4 printed decimals
 
+    a_file = out.with_name("notes.txt")
+    a_file.write_text("x")
+    under_a_file = one_error_line(cli("export", out, "--out", a_file / "pub"))  # exit 2, not a FileExistsError's 1
+    assert under_a_file == f"error: --out '{a_file / 'pub'}': '{a_file}' is a file, not a folder to write in"
     bad = one_error_line(cli("export", out, "--out", pub, "--repo-id", "bad id!!"))  # it would go into the card
     assert "repo id 'bad id!!': Repo id must use alphanumeric chars" in bad and not pub.exists()
     result = cli("export", out, "--out", pub, "--repo-id", "me/tiny-fp8")
@@ -423,6 +427,10 @@ def test_scan_writes_a_plan_that_fits_the_model(ws):
     again = one_error_line(cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--out", out))
     assert again == f"error: --out: {out}, {out.with_suffix('.png')}, {out.with_name('plan.scores.json')} already exist(s); pass --overwrite to replace, or choose another --out"
     assert out.read_bytes() == before
+    a_file = out.with_name("notes.txt")
+    a_file.write_text("x")
+    under_a_file = one_error_line(cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--out", a_file / "plan.json"))
+    assert under_a_file == f"error: --out '{a_file / 'plan.json'}': '{a_file}' is a file, not a folder to write in"
     out = out.with_name("errors.json")
     assert one_error_line(cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--budget", "bits=4", "--out", out))
     wrong_score = one_error_line(cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--budget", "score=trained", "--out", out))
