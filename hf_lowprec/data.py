@@ -518,7 +518,10 @@ def prepare_lm_data(
         )
     if not held:
         raise ValueError(
-            f"data {name!r} leaves nothing to evaluate on; add rows or raise eval_fraction"
+            (
+                f"data {name!r} gives no complete block of {block_size} tokens to evaluate on; lower --block-size or "
+                + ("add data" if eval_only else "add rows or raise data.eval_fraction")
+            )
             if not held_left_out
             else f"data {name!r} leaves nothing to evaluate on: its held-out chat rows all have "
             f"{_no_targets(block_size, train_on)}"

@@ -706,6 +706,8 @@ def test_bad_inputs_fail_with_one_line(ws, tmp_path):
     assert "has no column 'body'" in one_error_line(no_column) and "loading" not in no_column.output
     too_short = cli("finetune", ws / "tiny", "--data", short, "-o", tmp_path / "o1")
     assert "gives no complete block of 128 tokens" in one_error_line(too_short) and "loading" not in too_short.output
+    eval_short = one_error_line(cli("eval", ws / "tiny", "--data", short))  # eval has no eval_fraction to raise
+    assert eval_short.endswith("gives no complete block of 256 tokens to evaluate on; lower --block-size or add data")
     scan_short = cli("scan", ws / "tiny", "--data", short, "--out", tmp_path / "plan.json")
     assert "gives no complete block" in one_error_line(scan_short) and "loading" not in scan_short.output  # scan too
     assert "does not exist" in one_error_line(cli("finetune", tmp_path / "no-model", "-o", tmp_path / "o1"))
