@@ -41,7 +41,7 @@ DataOpt = Annotated[
     typer.Option(
         "--data",
         help="Local .txt, .jsonl, .json, .csv or .parquet file or folder, or a Hub dataset name. Default: the offline "
-        "Shakespeare corpus.",
+        "Shakespeare corpus (`shakespeare`).",
     ),
 ]
 TextColOpt = Annotated[Optional[str], typer.Option("--text-column", help="Column of plain text (else detected).")]
@@ -603,8 +603,8 @@ def eval_cmd(
         Optional[str],
         typer.Option(
             "--data",
-            help="Local data file/folder or Hub dataset name. Default for a `finetune` output trained on the offline "
-            "corpus: that corpus, its held-out rows.",
+            help="Local data file/folder or Hub dataset name (`shakespeare`: the offline corpus). Default for a "
+            "`finetune` output trained on the offline corpus: that corpus, its held-out rows.",
         ),
     ] = None,
     held_out: Annotated[

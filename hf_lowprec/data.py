@@ -425,10 +425,15 @@ class LMData:
 
 
 def read_source(source: str | Path | None, split: str = "train") -> tuple[datasets.Dataset, str]:
-    """``(rows, name)`` of a data source; ``None`` is :func:`default_corpus`."""
-    if source is None:
+    """``(rows, name)`` of a data source; ``None``, or the name the run records and cards give it (``shakespeare``,
+    where no local path has that name), is :func:`default_corpus`."""
+    if _is_default_corpus(source):
         return default_corpus()
     return load_records(source, split=split), str(source)
+
+
+def _is_default_corpus(source: str | Path | None) -> bool:
+    return source is None or (str(source) == DEFAULT_CORPUS and not Path(source).exists())
 
 
 HELD_OUT_SPLIT = "validation"  # a fine-tuning run's held-out rows where the data has this split (as run_clm.py does)
@@ -440,7 +445,7 @@ def read_run_source(
     """``(rows, held_out_rows, name)`` that a fine-tuning run reads from ``source``: its ``split``, and the data's
     own :data:`HELD_OUT_SPLIT` split where it has one (else ``None``: the run holds out the last rows of ``split``)."""
     rows, name = read_source(source, split)
-    if source is None or split == HELD_OUT_SPLIT or HELD_OUT_SPLIT not in _split_names(source):
+    if _is_default_corpus(source) or split == HELD_OUT_SPLIT or HELD_OUT_SPLIT not in _split_names(source):
         return rows, None, name
     return rows, load_records(source, split=HELD_OUT_SPLIT), name
 

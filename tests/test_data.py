@@ -169,6 +169,18 @@ def test_a_single_file_holds_only_the_train_split(tmp_path):
     assert data.default_eval_split(path) == "train" and data.default_eval_split(tmp_path / "folder") == "train"
 
 
+def test_the_offline_corpus_is_read_by_the_name_runs_record(tmp_path, monkeypatch):
+    """Records and cards name the default corpus 'shakespeare': --data shakespeare reads it (it went to the Hub);
+    a local folder of that name is still that folder."""
+    rows, name = read_source("shakespeare")
+    default_rows, default_name = read_source(None)
+    assert name == default_name and rows["text"] == default_rows["text"]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "shakespeare").mkdir()
+    (tmp_path / "shakespeare" / "mine.txt").write_text("my own lines\n")
+    assert read_source("shakespeare")[0]["text"] == ["my own lines\n"]
+
+
 def test_hub_dataset_names_go_through_datasets(monkeypatch):
     # this machine cannot reach the Hub: offline mode makes datasets answer at once, through the same code path
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
