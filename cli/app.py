@@ -758,9 +758,12 @@ def _eval_numerics(model: str, plan_numerics: bool, batch_size: int | None) -> t
 
     if not plan_numerics:
         return None, batch_size or 4
-    autocast, run_batch, computed = evaluation_numerics(read_run(Path(model)))
+    record = read_run(Path(model))
+    autocast, run_batch, computed = evaluation_numerics(record)
     given = f" (--batch-size {batch_size})" if batch_size else ""
-    ui.err.print(f"computing as the run evaluated: {computed}{given}")
+    merged = record.get("recipe", {}).get("method") != "full" and not record.get("adapter")
+    here = "; here its LoRA adapters are merged into the packed base" if merged else ""  # an export --merge
+    ui.err.print(f"computing as the run evaluated: {computed}{given}{here}")
     return autocast, batch_size or run_batch
 
 

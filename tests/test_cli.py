@@ -362,6 +362,8 @@ def test_export_merge_folds_lora_into_the_int4_base(ws, lora_run, tmp_path):
     model, tok = load_exported(out)
     loss = causal_lm_loss(model, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
     result = cli("export", out, "--out", merged, "--merge")
+    said = " ".join(cli("eval", merged, "--plan-numerics", "--data", ws / "corpus.txt").output.split())
+    assert "here its LoRA adapters are merged into the packed base" in said  # not only "with its LoRA adapters"
     assert result.exit_code == 0, result.output
     assert "merge error" in result.output and not (merged / "adapter_config.json").exists()
     said = " ".join(result.output.split())
