@@ -647,13 +647,13 @@ def _training_figures(trainer, result, t, train_seconds: float, resume_from, los
         "tokens_per_second": round(tokens / max(train_seconds, 1e-9), 1),  # this session's steps
         **peak_memory(),
     }
-    if resume_from:  # the Trainer's training_loss averages this session's steps only
+    if resume_from and steps_run == 0:  # interrupted after its last step: this session trained nothing
+        for key in ("train_loss", "seconds_per_step", "tokens_per_second"):
+            del figures[key]  # its Trainer said 0 for a loss and a speed of no step
+        figures.update(resumed_from_step=resumed_at, **_logged_train_loss(trainer.state.log_history))
+    elif resume_from:  # the Trainer's training_loss averages this session's steps only
         steps = f"{resumed_at + 1}-{trainer.state.global_step}"
         figures.update(resumed_from_step=resumed_at, train_loss_over_steps=steps)
-    if resume_from and steps_run == 0:  # interrupted after its last step: this session trained nothing
-        for key in ("train_loss", "train_loss_over_steps", "seconds_per_step", "tokens_per_second"):
-            del figures[key]  # its Trainer said 0 for a loss and a speed of no step
-        figures.update(_logged_train_loss(trainer.state.log_history))
     return figures
 
 

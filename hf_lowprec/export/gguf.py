@@ -215,17 +215,18 @@ def _q4_1_blocks(codes: torch.Tensor, step: torch.Tensor, zero: torch.Tensor | N
     """Q4_1 blocks (fp16 ``d``, fp16 ``m``, 32 nibbles) of INT4 ``codes [n, K]`` with ``step``/``zero`` ``[n, G]`` per
     group of ``group`` weights; and the largest fp16 rounding of ``d``/``m`` relative to ``d``."""
     n, k = codes.shape
-    blocks = k // BLOCK  # a last group narrower than the others (k not a multiple of group) has fewer blocks
-    d = step.repeat_interleave(group // BLOCK, dim=1)[:, :blocks]
+    n_blocks = k // BLOCK  # a last group narrower than the others (k not a multiple of group) has fewer blocks
+    d = step.repeat_interleave(group // BLOCK, dim=1)[:, :n_blocks]
     if zero is None:  # symmetric codes in [-8, 7]
         q, m = codes + 8, -8 * d
     else:
-        q, m = codes, -d * zero.repeat_interleave(group // BLOCK, dim=1)[:, :blocks]
+        q, m = codes, -d * zero.repeat_interleave(group // BLOCK, dim=1)[:, :n_blocks]
     d16, m16 = d.half(), m.half()
-    q = q.to(torch.uint8).reshape(n, blocks, 2, BLOCK // 2)
+    q = q.to(torch.uint8).reshape(n, n_blocks, 2, BLOCK // 2)
     nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).numpy()  # byte j: weight j low, weight j + 16 high (block_q4_1)
     head = np.concatenate([d16.numpy()[..., None].view(np.uint8), m16.numpy()[..., None].view(np.uint8)], axis=-1)
-    return np.concatenate([head.reshape(n, blocks, 4), nibbles], axis=-1).reshape(n, -1), max(_rounding(d, d16, d), _rounding(m, m16, d))
+    blocks = np.concatenate([head.reshape(n, n_blocks, 4), nibbles], axis=-1).reshape(n, -1)
+    return blocks, max(_rounding(d, d16, d), _rounding(m, m16, d))
 
 
 def _rounding(value: torch.Tensor, rounded: torch.Tensor, step: torch.Tensor) -> float:

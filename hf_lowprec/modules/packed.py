@@ -261,7 +261,6 @@ def _can_compile() -> bool:
         return False
 
 
-
 def int8_backend_available(device: torch.device, layer: "PackedLinear | None" = None) -> tuple[bool, str]:
     """Whether the ``int8`` backend can run on ``device`` (for ``layer``'s shape, where given) at int8 speed, and why
     (not): with int8 dot products in hardware, or on an AVX2 CPU through the AVX2 int8 kernels, which tile most

@@ -142,7 +142,7 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         if getattr(args, "deepspeed", None):
             raise ValueError("LowPrecisionCallback does not support DeepSpeed; use DDP or FSDP")
         _run_before_trackers(self)
-        if (trainer := _calling_trainer()) is not None:
+        if (trainer := _calling(lambda caller: isinstance(caller, Trainer))) is not None:
             _convert_what_model_init_makes(self, trainer)
             _no_decay_on_learned_steps(trainer)
         if model is None:
@@ -378,25 +378,22 @@ def _run_before_trackers(callback: TrainerCallback) -> None:
     list is that of the ``CallbackHandler`` dispatching this event, found in the calling frame. Moving an item to an
     earlier place while the handler iterates neither skips nor repeats a callback.
     """
-    frame = sys._getframe(1)
-    while frame is not None and not (
-        isinstance(frame.f_locals.get("self"), CallbackHandler) and callback in frame.f_locals["self"].callbacks
-    ):
-        frame = frame.f_back
-    if frame is None:
+    handler = _calling(lambda caller: isinstance(caller, CallbackHandler) and callback in caller.callbacks)
+    if handler is None:
         logger.warning("LowPrecisionCallback: no Trainer callback list found; report_to trackers miss lowprec/* values")
         return
-    callbacks = frame.f_locals["self"].callbacks
+    callbacks = handler.callbacks
     trackers = [i for i, c in enumerate(callbacks) if type(c).__module__.startswith("transformers.integrations")]
     if trackers and callbacks.index(callback) > trackers[0]:
         callbacks.remove(callback)
         callbacks.insert(trackers[0], callback)
 
 
-def _calling_trainer() -> Trainer | None:
-    """The Trainer whose event is being dispatched (found in the calling frames: callbacks are not given it)."""
+def _calling(wanted) -> object | None:
+    """The nearest ``self`` among the calling frames for which ``wanted(self)`` holds (the Trainer, its callback
+    handler: callbacks are given neither), else ``None``."""
     frame = sys._getframe(1)
-    while frame is not None and not isinstance(frame.f_locals.get("self"), Trainer):
+    while frame is not None and not wanted(frame.f_locals.get("self")):
         frame = frame.f_back
     return None if frame is None else frame.f_locals["self"]
 

@@ -148,6 +148,8 @@ def _round_layer(layer: FP8Linear, hessian: torch.Tensor, inputs: torch.Tensor |
     result = gptq_fp8(weight, hessian, layer.spec, power_of_two, inputs, held_in)
     rounded = result.weight if s is None else result.weight / s
     layer.weight.data.copy_(rounded if block is None else unrotate(rounded, block))
+    if block is None and s is None:  # held as GPTQ rounded it (held_in): the layer casts GPTQ's points
+        return result
     # the error of what the layer casts: a bf16 weight stored rotated back (or unscaled) misses some of GPTQ's points
     cast = _layer_weight(layer)
     scale, _ = _grid(cast, layer.spec, power_of_two)
