@@ -29,7 +29,6 @@ from hf_lowprec.modules.packed import PackedLinear, packed_class
 from hf_lowprec.modules.packed_embedding import PackedEmbedding, check_embedding_format
 from hf_lowprec.rotation import layer_rotation, rotate, unrotate
 from hf_lowprec.smoothing import InputSmoothing
-from hf_lowprec.training.activations import ActivationStorage
 
 INT_FAMILIES = ("int4", "int8", "nf4")
 
@@ -145,6 +144,8 @@ class Int4Linear(nn.Linear):
             x = self.input_quantizer(x)
         elif self.spec.act_int8:
             x = fake_quantize_per_token_int8(x)
+        from hf_lowprec.training.activations import ActivationStorage  # here: it imports hf_lowprec.modules
+
         w = self.quantized_weight().to(x.dtype)
         ActivationStorage.keep_weight(w)  # F.linear saves it for the input gradient: not an activation
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
