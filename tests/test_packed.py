@@ -82,6 +82,66 @@ def test_int8_backend_forward_and_grad_input_match_reference(spec, dtype):
 
 
 @needs_int8
+@pytest.mark.parametrize("backend", ["int8", "auto"])
+def test_int8_backend_runs_under_inference_mode(backend, tmp_path, monkeypatch):
+    """Inference tensors have no version counter, which keys the int8 rows kept for layers sharing an input: under
+    ``torch.inference_mode()`` nothing is kept and the forward matches the reference (it raised before, ``auto``
+    too, whose first timing ran int8)."""
+    monkeypatch.setenv("HF_LOWPREC_CACHE", str(tmp_path))  # empty autotune caches: auto times int8 here
+    monkeypatch.setattr(autotune, "_memory", {})
+    layer = packed("int4-g64-asym")
+    layer.backend = backend
+    x = torch.randn(5, 128)
+    with torch.inference_mode():
+        y = layer(x)
+        again = layer(x)  # same input object twice: computed again, not read from a kept entry
+    y_ref = F.linear(x, layer.dequantized_weight(torch.float32), layer.bias.detach())
+    assert rel(y, y_ref) < 0.02 and torch.equal(y, again)
+
+
+@needs_cpp
+def test_int8_grad_input_keeps_a_nan_gradient_nan():
+    """A NaN in an output gradient makes its row of the int8 grad-input NaN, as fp32 math does: the row maximum
+    dropped the NaN before and cast its code to 0, a finite gradient hiding the divergence."""
+    import hf_lowprec.modules.packed as packed_module
+
+    layer = packed("int4-g64-asym")
+    grad_out = torch.randn(3, 96)
+    grad_out[1, 5] = float("nan")
+    codes, step = packed_module.quantize_rows(grad_out)
+    assert step[1].isnan().all() and step[[0, 2]].isfinite().all()
+    got = packed_module._int8_grad_input(grad_out, layer)
+    expected = grad_out @ layer.dequantized_weight(torch.float32)
+    assert torch.equal(got.isfinite(), expected.isfinite()) and not got[1].isfinite().any()
+    assert rel(got[[0, 2]], expected[[0, 2]]) < 0.02
+
+
+def test_int8_layer_with_odd_in_features_runs_without_the_tile_kernels():
+    """The C++ tile reader takes codes in pairs: an int8 layer of odd ``in_features`` does not offer ``tiled`` (``auto``
+    timed it and failed in C++ with no layer named), and computes the reference on what runs."""
+    torch.manual_seed(0)
+    layer = PackedInt8Linear.from_weight(torch.randn(64, 129), "int8", dtype=torch.float32)
+    x, g = torch.randn(4, 129), torch.randn(4, 64)
+    status = layer.backend_status(x)
+    assert not status["tiled"][0] and "odd" in status["tiled"][1]
+    y, gx = run(layer, "auto", x, g)
+    y_ref, gx_ref = reference(layer, x, g)
+    assert rel(y, y_ref) < 0.02 and rel(gx, gx_ref) < 0.02
+
+
+def test_int8_backend_is_not_offered_for_fp16_activations():
+    """The int8 tile kernels write bf16 or fp32 outputs: fp16 activations are not offered the int8 backend, as the
+    tiled one, and ``auto`` computes the reference in fp16 on what runs."""
+    layer = packed("int4-g64-asym").to(torch.float16)
+    x, g = torch.randn(4, 128, dtype=torch.float16), torch.randn(4, 96, dtype=torch.float16)
+    ok, reason = layer.backend_status(x)["int8"]
+    assert not ok and "float16" in reason
+    y, gx = run(layer, "auto", x, g)
+    y_ref, gx_ref = reference(layer, x, g)
+    assert layer.last_backend == "dequant" and rel(y, y_ref) < 0.01 and rel(gx, gx_ref) < 0.01
+
+
+@needs_int8
 def test_int8_forward_in_column_tiles_is_the_whole_product(monkeypatch):
     """Output columns tiled (int32 products held a block at a time) give the same bits as one _int_mm."""
     import hf_lowprec.modules.packed as packed_module

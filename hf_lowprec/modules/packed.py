@@ -261,12 +261,17 @@ def _can_compile() -> bool:
         return False
 
 
-def int8_backend_available(device: torch.device, layer: "PackedLinear | None" = None) -> tuple[bool, str]:
-    """Whether the ``int8`` backend can run on ``device`` (for ``layer``'s shape, where given) at int8 speed, and why
-    (not): with int8 dot products in hardware, or on an AVX2 CPU through the AVX2 int8 kernels, which tile most
-    shapes (``avx2_int8_tileable``; ``torch._int_mm`` is emulated there, 35x slower than an fp32 GEMM)."""
+def int8_backend_available(
+    device: torch.device, layer: "PackedLinear | None" = None, dtype: torch.dtype | None = None
+) -> tuple[bool, str]:
+    """Whether the ``int8`` backend can run on ``device`` (for ``layer``'s shape and activations of ``dtype``, where
+    given) at int8 speed, and why (not): with int8 dot products in hardware, or on an AVX2 CPU through the AVX2 int8
+    kernels, which tile most shapes (``avx2_int8_tileable``; ``torch._int_mm`` is emulated there, 35x slower than an
+    fp32 GEMM)."""
     if device.type != "cpu":
         return False, f"{device.type}: the int8 path is written for CPUs"
+    if dtype not in (None, torch.float32, torch.bfloat16):  # the tile kernels write bf16 or fp32 outputs
+        return False, f"activations in {dtype}: the int8 path computes in fp32 or bf16"
     if not hasattr(torch, "_int_mm"):
         return False, "this torch has no torch._int_mm"
     if cpu_info().int8_dot:
@@ -342,6 +347,8 @@ def _int8_rows(x2d: torch.Tensor, inverse: torch.Tensor | None, k: int):
     input's identity and version (as ``ActivationStorage`` dedups saved views).
     """
     base, view = view_key(x2d)
+    if base.is_inference():  # no version counter: in-place changes go unseen, so nothing is kept
+        return _int8_rows_of(x2d, inverse, k)
     key = (view, k, None if inverse is None else id(inverse))
     hit = _last_rows[0]
     if (
@@ -352,18 +359,22 @@ def _int8_rows(x2d: torch.Tensor, inverse: torch.Tensor | None, k: int):
         and (inverse is None or hit[4]() is inverse)
     ):
         return hit[3]
-    if not k:
-        result = (*quantize_rows(x2d, inverse), None, None)  # x / s, then int8 per row
-    else:
-        outliers = column_absmax(x2d, inverse).topk(k).indices
-        col_scale = torch.ones(x2d.shape[1], device=x2d.device) if inverse is None else inverse.clone()
-        col_scale[outliers] = 0  # x / s without the outlier channels, then int8 per row
-        x_out = x2d.index_select(1, outliers)
-        if inverse is not None:
-            x_out = (x_out.float() * inverse[outliers]).to(x2d.dtype)
-        result = (*quantize_rows(x2d, col_scale), outliers, x_out)
+    result = _int8_rows_of(x2d, inverse, k)
     _last_rows[0] = (key, weakref.ref(base), base._version, result, None if inverse is None else weakref.ref(inverse))
     return result
+
+
+def _int8_rows_of(x2d: torch.Tensor, inverse: torch.Tensor | None, k: int):
+    """What :func:`_int8_rows` returns, computed (no cache)."""
+    if not k:
+        return (*quantize_rows(x2d, inverse), None, None)  # x / s, then int8 per row
+    outliers = column_absmax(x2d, inverse).topk(k).indices
+    col_scale = torch.ones(x2d.shape[1], device=x2d.device) if inverse is None else inverse.clone()
+    col_scale[outliers] = 0  # x / s without the outlier channels, then int8 per row
+    x_out = x2d.index_select(1, outliers)
+    if inverse is not None:
+        x_out = (x_out.float() * inverse[outliers]).to(x2d.dtype)
+    return (*quantize_rows(x2d, col_scale), outliers, x_out)
 
 
 def _int8_forward(x2d: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
@@ -1000,7 +1011,7 @@ class PackedLinear(nn.Module):
         shape_ok, shape_reason = self.kernel_shape_supported()
         out = {}
         for name, (ok, reason) in (
-            ("int8", int8_backend_available(x.device, self)),
+            ("int8", int8_backend_available(x.device, self, x.dtype)),
             ("tiled", tiled_backend_available(x.device, x.dtype)),
         ):
             out[name] = (ok, reason) if shape_ok else (False, shape_reason)
@@ -1173,6 +1184,12 @@ class PackedInt8Linear(PackedLinear):
     (format ``int8``, per channel). The int8 backend multiplies the stored codes as they are."""
 
     STORES = "per-channel symmetric int8 ('int8')"
+
+    def backend_status(self, x: torch.Tensor) -> dict[str, tuple[bool, str]]:
+        status = super().backend_status(x)
+        if self.in_features % 2 and status["tiled"][0]:  # the C++ tile reader takes codes in pairs (packed_weight)
+            status["tiled"] = (False, f"in_features {self.in_features} is odd: the tile kernels read codes in pairs")
+        return status
 
     @classmethod
     def stores(cls, spec: FormatSpec) -> bool:

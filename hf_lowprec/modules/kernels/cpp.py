@@ -48,6 +48,7 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
+#include <limits>
 #include <cstring>
 
 // ---------------------------------------------------------------------------------------------
@@ -195,13 +196,19 @@ static void quantize_rows_impl(const void* xv, const float* cs, int8_t* q, float
         for (int64_t c = 0; c < C; ++c) f[c] *= cs[c];
       }
       float amax = 0.f;
-      #pragma omp simd reduction(max : amax)
-      for (int64_t c = 0; c < C; ++c) amax = std::max(amax, std::fabs(f[c]));
-      amax = std::max(amax, 1e-12f);
+      int nans = 0;  // std::max drops a NaN: counted apart, it makes the row's step NaN (its outputs NaN, as in fp32)
+      #pragma omp simd reduction(max : amax) reduction(+ : nans)
+      for (int64_t c = 0; c < C; ++c) {
+        amax = std::max(amax, std::fabs(f[c]));
+        nans += f[c] != f[c];
+      }
+      amax = nans ? std::numeric_limits<float>::quiet_NaN() : std::max(amax, 1e-12f);
       const float inv = 127.f / amax;
       int8_t* qr = q + m * C;
+      // clamped before the integer cast, which is undefined for a NaN (fmax/fmin return the number)
       #pragma omp simd
-      for (int64_t c = 0; c < C; ++c) qr[c] = static_cast<int8_t>(static_cast<int32_t>(round_even(f[c] * inv)));
+      for (int64_t c = 0; c < C; ++c)
+        qr[c] = static_cast<int8_t>(static_cast<int32_t>(round_even(std::fmin(std::fmax(f[c] * inv, -127.f), 127.f))));
       step[m] = amax / 127.f;
     }
   };
