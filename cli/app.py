@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -926,7 +927,7 @@ def export_cmd(
             )
     if repo_id is None and adapter_folder(Path(out)) is not None:
         items["hub"] = (
-            f"`hf-lowprec push {out} <user/repo>` names the repo as the adapters' base, so that from_pretrained(repo) "
+            f"`hf-lowprec push {shlex.quote(str(out))} <user/repo>` names the repo as the adapters' base, so that from_pretrained(repo) "
             "finds it; uploaded another way, export with --repo-id first"
         )
     ui.out.print(ui.key_values(f"Exported {out}", items))
@@ -947,31 +948,37 @@ def push_cmd(
     ] = False,
 ):
     """Upload an exported folder to the Hugging Face Hub (token from HF_TOKEN or `hf auth login`)."""
-    from hf_lowprec.export.publish import PushFailed, push, push_preview
+    from hf_lowprec.export.publish import PushFailed, edited_card, push, push_preview
     from hf_lowprec.export.records import CARD_FILE
     from hf_lowprec.ondevice.export import ADAPTER_CONFIG
 
+    kept_card = f"{CARD_FILE} was edited since the export: uploaded as it is (not re-rendered for {repo_id})"
     if dry_run:
         files, card = push_preview(folder, repo_id)
         sizes = {name: f"{size:,} bytes" for name, size in files.items()}
         ui.out.print(ui.key_values(f"Files for {repo_id} (dry run: nothing uploaded)", sizes))
+        kept = edited_card(folder)
+        if card is not None and "/" not in repo_id:  # push names the id the Hub creates
+            ui.out.print(
+                f"\nnote: {repo_id!r} has no namespace: the Hub creates it under the token's user, "
+                f"<user>/{repo_id}, and the uploaded card names that id",
+                markup=False,
+            )
+        if ADAPTER_CONFIG in files and (card is not None or kept):  # an hf-lowprec folder's adapters
+            named = repo_id if "/" in repo_id else f"<user>/{repo_id}"
+            ui.out.print(
+                f"\nnote: adapter_config.json as uploaded names {named} as the adapters' base, so that "
+                f"from_pretrained({named!r}) loads them with this model",
+                markup=False,
+            )
         if card is not None:
-            if "/" not in repo_id:  # push names the id the Hub creates
-                ui.out.print(
-                    f"\nnote: {repo_id!r} has no namespace: the Hub creates it under the token's user, "
-                    f"<user>/{repo_id}, and the uploaded card names that id",
-                    markup=False,
-                )
-            if ADAPTER_CONFIG in files:
-                named = repo_id if "/" in repo_id else f"<user>/{repo_id}"
-                ui.out.print(
-                    f"\nnote: adapter_config.json as uploaded names {named} as the adapters' base, so that "
-                    f"from_pretrained({named!r}) loads them with this model",
-                    markup=False,
-                )
             ui.out.print(f"\n{CARD_FILE} as uploaded:\n", markup=False)
             ui.out.print(card, markup=False, soft_wrap=True)
+        elif kept:
+            ui.out.print(f"\nnote: {kept_card}", markup=False)
         return
+    if edited_card(folder):
+        ui.err.print(f"note: {kept_card}", markup=False)
     with ui.step(f"uploading {folder} to {repo_id}"):
         try:
             url = push(folder, repo_id, private=private, create_pr=create_pr)

@@ -349,6 +349,72 @@ def test_a_failed_push_leaves_the_folder_byte_identical(base_dir, tmp_path, monk
     assert b'from_pretrained("me/pub")' in hub.files["me/pub"][CARD_FILE]
 
 
+def test_push_private_refuses_an_existing_public_repo(base_dir, tmp_path, monkeypatch):
+    """The Hub keeps an existing repo's visibility (``create_repo(private=True, exist_ok=True)`` ignores ``private``):
+    ``--private`` into a public repo is refused before any file goes, and into a private one goes as asked."""
+    model, tok = _trained(base_dir, "int4-g64", 1)
+    out = export_model(model, tok, tmp_path / "pub", _run_record(), weights="int4-packed")
+    with HubStandIn() as hub:
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        push(out, "me/public", token=TOKEN)
+        pushed = dict(hub.files["me/public"])
+        with pytest.raises(ValueError, match=r"me/public exists and is public: --private does not change"):
+            push(out, "me/public", private=True, token=TOKEN)
+        push(out, "me/secret", private=True, token=TOKEN)
+        push(out, "me/secret", private=True, token=TOKEN)  # existing and private: goes
+    assert hub.files["me/public"] == pushed and set(hub.files["me/secret"]) == set(pushed)
+
+
+def test_push_keeps_an_edited_card_and_leaves_hidden_and_unfinished_files_local(base_dir, tmp_path, monkeypatch):
+    """A card edited since the export (a license added, notes) is uploaded as it is, not re-rendered over; hidden
+    files and folders and unfinished writes stay local; an unedited card is still rendered for the repo."""
+    model, tok = _trained(base_dir, "int4-g64", 1)
+    out = export_model(model, tok, tmp_path / "pub", _run_record(), weights="int4-packed")
+    (out / ".DS_Store").write_bytes(b"\0")
+    (out / ".ipynb_checkpoints").mkdir()
+    (out / ".ipynb_checkpoints" / "README-checkpoint.md").write_text("old")
+    (out / "model.safetensors.tmp").write_bytes(b"partial")
+    with HubStandIn() as hub:
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        push(out, "me/rendered", token=TOKEN)
+        edited = (out / CARD_FILE).read_text().replace("---\n", "---\nlicense: apache-2.0\n", 1) + "\nMy own notes.\n"
+        (out / CARD_FILE).write_text(edited)
+        push(out, "me/edited", token=TOKEN)
+        preview = cli("push", out, "me/edited", "--dry-run")
+    local = {p.name for p in out.iterdir() if p.is_file()} - {".DS_Store", "model.safetensors.tmp"}
+    assert set(hub.files["me/rendered"]) == set(hub.files["me/edited"]) == local
+    assert b'load_exported("me/rendered")' in hub.files["me/rendered"][CARD_FILE]
+    assert hub.files["me/edited"][CARD_FILE] == edited.encode()
+    assert ModelCard(edited).data.license == "apache-2.0"
+    assert preview.exit_code == 0 and "README.md was edited since the export: uploaded as it is" in preview.output
+
+
+def test_a_card_without_recorded_hardware_claims_no_emulation_and_shows_no_empty_sections(tmp_path):
+    """``export_model(..., run={})`` (the README's Python example) records no hardware: the card says nothing of
+    FP8 emulation it does not know, and leaves out the Hardware and Recipe sections instead of empty ones; the eval
+    command quotes a folder name with a space."""
+    layers = [{"name": "model.layers.0.mlp.up_proj", "format": "fp8", "params": 10}]
+    rows = [{"format": "fp8", "layers": 1, "params": 10, "fraction": 1.0, "bytes": 10}]
+    unknown = render_model_card({"layers": layers, "plan_rows": rows, "name": "demo run"}).content
+    assert "emulated" not in unknown and "## Hardware" not in unknown and "<summary>Recipe</summary>" not in unknown
+    known = render_model_card({
+        "layers": layers, "plan_rows": rows, "hardware": {"cpu": "x", "fp8_tensor_cores": False},
+        "recipe": {"name": "fp8-train", "method": "full"}, "export_changes": ["x"], "name": "demo run",
+        "eval": [{"dataset": "d", "metric": "loss", "value": 1.0}],
+    }).content  # fmt: skip
+    assert "ran emulated FP8 numerics" in known and "## Hardware" in known and "<summary>Recipe</summary>" in known
+    assert "hf-lowprec eval 'path/to/demo run'" in known
+
+
+def test_a_corrupt_run_record_is_named_in_one_line(base_dir, tmp_path):
+    model, tok = _trained(base_dir, "int4-g64", 1)
+    out = export_model(model, tok, tmp_path / "pub", _run_record(), weights="int4-packed")
+    (out / RUN_FILE).write_text((out / RUN_FILE).read_text()[:100])
+    for args in (("push", out, "me/x", "--dry-run"), ("export", out, "--out", tmp_path / "again")):
+        line = one_error_line(cli(*args))
+        assert f"{out / RUN_FILE}' is not a valid run record" in line and "export the run again" in line
+
+
 def test_push_refuses_a_folder_that_is_not_an_export(tmp_path, monkeypatch):
     data = tmp_path / "data"
     data.mkdir()

@@ -78,7 +78,8 @@ def validate_card_metadata(content: str) -> list[str]:
 class HubStandIn:
     """A local stand-in for the Hub endpoints ``create_repo`` and ``upload_folder`` call.
 
-    Implements ``POST /api/repos/create``, ``POST /api/validate-yaml`` (a subset of the Hub's checks:
+    Implements ``POST /api/repos/create``, ``GET /api/{type}s/{repo}`` (``repo_info``: its id and visibility),
+    ``POST /api/validate-yaml`` (a subset of the Hub's checks:
     the README's front matter must be a YAML mapping whose ``model-index`` parses with
     huggingface_hub's own parser and whose fields ``ModelCardData`` accepts strictly),
     ``POST /api/{type}s/{repo}/preupload/{rev}`` (every file "regular", so its bytes travel base64
@@ -157,6 +158,12 @@ class HubStandIn:
             def do_GET(self):
                 standin.requests.append({"method": "GET", "path": self.path, "headers": dict(self.headers), "body": b""})
                 parts = self.path.split("?")[0].split("/")  # ['', 'api', 'models', owner, name, 'discussions', num]
+                if len(parts) == 5 and parts[1] == "api":  # repo_info
+                    repo = f"{parts[3]}/{parts[4]}"
+                    if repo not in standin.repos:
+                        return self._reply(404, {"error": f"Repository {repo} not found"})
+                    private = standin.repos[repo].get("visibility") == "private" or standin.repos[repo].get("private") is True
+                    return self._reply(200, {"id": repo, "private": private, "sha": "1" * 40})
                 if len(parts) == 7 and parts[5] == "discussions":
                     repo, num = f"{parts[3]}/{parts[4]}", int(parts[6])
                     return self._reply(200, {

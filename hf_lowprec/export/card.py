@@ -142,7 +142,7 @@ def _data_cell(run: Mapping) -> str:
 def _eval_command(run: Mapping, repo_id: str | None, model_name: str) -> str:
     """The shell lines that evaluate this export on the run's held-out rows. ``eval --held-out`` reads the record of a
     local folder, so a Hub repo is downloaded first; the offline corpus is eval's default data."""
-    folder = model_name if repo_id else f"path/to/{model_name}"
+    folder = shlex.quote(model_name if repo_id else f"path/to/{model_name}")
     download = f"hf download {repo_id} --local-dir {folder}\n" if repo_id else ""
     data = run.get("dataset")
     option = "" if data == DEFAULT_CORPUS else f" --data {shlex.quote(data) if data else '<data>'}"
@@ -156,7 +156,7 @@ def _limitations(run: Mapping) -> str:
         "your own data before relying on the model."
     )
     fp8 = any(r["format"].startswith("fp8") for r in run.get("plan_rows", []))
-    if fp8 and not run.get("hardware", {}).get("fp8_tensor_cores"):
+    if fp8 and run.get("hardware", {}).get("fp8_tensor_cores") is False:  # not where the hardware went unrecorded
         text += " The FP8 layers ran emulated FP8 numerics (this hardware has no FP8 tensor cores): same numbers, "
         text += "slower steps."
     return text

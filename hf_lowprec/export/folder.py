@@ -25,7 +25,6 @@ from hf_lowprec.checkpoints import (
     refuse_a_missing_local_path,
 )
 from hf_lowprec.convert import apply_plan, freeze, packs_when_frozen, revert
-from hf_lowprec.export.card import render_model_card
 from hf_lowprec.export.compressed_tensors import rerounded, vllm_serving, write_compressed_tensors
 from hf_lowprec.export.gguf import ADAPTER_FILE, export_gguf
 from hf_lowprec.export.hf_quantizer import quantization_config_dict, with_load_guards
@@ -370,7 +369,7 @@ def export_run(
         if repo_id is not None and (adapters := adapter_folder(tmp)) is not None:  # their base: this folder's model
             config = adapters / ADAPTER_CONFIG
             config.write_text(adapter_config_naming(config, repo_id))
-        render_model_card(run, repo_id).save(tmp / CARD_FILE)
+        write_record(tmp, run, repo_id, None)
     return Path(out)
 
 

@@ -13,10 +13,12 @@ from huggingface_hub import HfApi, get_token
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from hf_lowprec.export.card import render_model_card
-from hf_lowprec.export.records import CARD_FILE, RUN_FILE, read_run
+from hf_lowprec.export.records import CARD_FILE, RUN_FILE, RUN_ONLY, card_edited, read_run
 from hf_lowprec.ondevice.export import ADAPTER_CONFIG, adapter_config_naming, adapter_folder
 
 MODEL_CONFIG = "config.json"
+# never uploaded: hidden files and folders (.DS_Store, .ipynb_checkpoints, .cache), unfinished writes
+UNPUBLISHED_SUFFIXES = (".tmp", ".partial")
 
 
 class PushFailed(RuntimeError):
@@ -32,7 +34,9 @@ def push(
     without a namespace is created under the token's user, as ``create_repo`` does, and the card names the full id.
     The token comes from ``token``, else the usual places (``HF_TOKEN``, ``hf auth login``); it is sent only in
     request headers, never logged or written. The card's loading snippets are re-rendered for the repo in the upload
-    only: ``folder`` itself is never written. Raises ``ValueError`` for bad input, :class:`PushFailed` when the Hub
+    only (a card edited since the export goes as it is): ``folder`` itself is never written. Hidden files, unfinished
+    writes and a run folder's checkpoints and log stay local. ``private``: an existing public repo is refused (the
+    Hub keeps an existing repo's visibility). Raises ``ValueError`` for bad input, :class:`PushFailed` when the Hub
     refuses or cannot be reached.
     """
     folder, run = _checked(folder, repo_id)
@@ -42,8 +46,14 @@ def push(
     api = HfApi(token=token)
     with _hub_refusals(repo_id, token):
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-    card = None if run is None else render_model_card(run, repo_id).content
-    with _staged(folder, card, repo_id) as upload, _hub_refusals(repo_id, token):
+        public = private and not api.repo_info(repo_id).private
+    if public:
+        raise ValueError(
+            f"{repo_id} exists and is public: --private does not change an existing repo's visibility; make it "
+            "private in its settings on the Hub, or push without --private"
+        )
+    card = _card(folder, run, repo_id)
+    with _staged(folder, card, repo_id, run) as upload, _hub_refusals(repo_id, token):
         message = "Upload model trained with hf-lowprec"
         info = api.upload_folder(folder_path=upload, repo_id=repo_id, create_pr=create_pr, commit_message=message)
     return info.pr_url or info.commit_url
@@ -64,8 +74,8 @@ def push_preview(folder: str | os.PathLike, repo_id: str) -> tuple[dict[str, int
     """What :func:`push` would upload to ``repo_id``, with no token and no request: ``({path in the repo: bytes},
     the card re-rendered for repo_id, or None for a plain model folder)``; the same checks as :func:`push`."""
     folder, run = _checked(folder, repo_id)
-    card = None if run is None else render_model_card(run, repo_id).content
-    with _staged(folder, card, repo_id) as stage:  # the files as uploaded: the card, the adapters' config rewritten
+    card = _card(folder, run, repo_id)
+    with _staged(folder, card, repo_id, run) as stage:  # the files as uploaded: the card, the adapters' config rewritten
         return {str(p.relative_to(stage)): p.stat().st_size for p in sorted(stage.rglob("*")) if p.is_file()}, card
 
 
@@ -84,6 +94,28 @@ def _checked(folder: str | os.PathLike, repo_id: str) -> tuple[Path, dict | None
     return folder, read_run(folder) if (folder / RUN_FILE).is_file() else None
 
 
+def _card(folder: Path, run: dict | None, repo_id: str) -> str | None:
+    """The model card as uploaded to ``repo_id``: re-rendered from ``run`` for it, or ``None`` (the folder's own, if
+    any): a plain model folder's, or one edited since the export (its metadata and text are the user's)."""
+    if run is None or card_edited(folder, run):
+        return None
+    return render_model_card(run, repo_id).content
+
+
+def edited_card(folder: str | os.PathLike) -> bool:
+    """Whether ``folder``'s model card was edited since hf-lowprec wrote it: :func:`push` uploads it as it is."""
+    folder = Path(folder)
+    return (folder / RUN_FILE).is_file() and card_edited(folder, read_run(folder))
+
+
+def published(path: Path, folder: Path) -> bool:
+    """Whether ``path`` (a file in ``folder``) is uploaded: not hidden, not an unfinished write, not run-only."""
+    parts = path.relative_to(folder).parts
+    return not (
+        any(part.startswith(".") for part in parts) or path.name.endswith(UNPUBLISHED_SUFFIXES) or parts[0] in RUN_ONLY
+    )
+
+
 def check_repo_id(repo_id: str) -> None:
     """``ValueError`` (huggingface_hub's reason, one line) for a string the Hub takes as no repo id."""
     try:
@@ -93,24 +125,23 @@ def check_repo_id(repo_id: str) -> None:
 
 
 @contextlib.contextmanager
-def _staged(folder: Path, card: str | None, repo_id: str) -> Iterator[Path]:
-    """``folder`` as it is uploaded to ``repo_id``: a temporary folder of links to its files (no bytes copied) with
-    ``card`` as its README.md and, where it holds LoRA adapters, their config naming ``repo_id`` as their base (they
-    go onto this folder's packed model; ``AutoPeftModelForCausalLM`` reads it); ``folder`` as it is when ``card`` is
-    ``None`` (a plain model folder)."""
-    if card is None:
-        yield folder
-        return
+def _staged(folder: Path, card: str | None, repo_id: str, run: dict | None) -> Iterator[Path]:
+    """``folder`` as it is uploaded to ``repo_id``: a temporary folder of links to its :func:`published` files (no
+    bytes copied) with ``card`` as its README.md (``None``: the folder's own) and, for an hf-lowprec folder (``run``)
+    holding LoRA adapters, their config naming ``repo_id`` as their base (they go onto this folder's packed model;
+    ``AutoPeftModelForCausalLM`` reads it)."""
     stage = Path(tempfile.mkdtemp(prefix="hf-lowprec-push-"))
-    adapters = adapter_folder(folder)
+    adapters = adapter_folder(folder) if run is not None else None
     adapter_config = adapters / ADAPTER_CONFIG if adapters is not None else None
+    replaced = {adapter_config} | ({folder / CARD_FILE} if card is not None else set())
     try:
         for path in folder.rglob("*"):
             target = stage / path.relative_to(folder)
-            if path.is_file() and path not in (folder / CARD_FILE, adapter_config):
+            if path.is_file() and path not in replaced and published(path, folder):
                 target.parent.mkdir(parents=True, exist_ok=True)
                 os.symlink(path.resolve(), target)
-        (stage / CARD_FILE).write_bytes(card.encode())
+        if card is not None:
+            (stage / CARD_FILE).write_bytes(card.encode())
         if adapter_config is not None:
             (stage / adapter_config.relative_to(folder)).write_text(adapter_config_naming(adapter_config, repo_id))
         yield stage

@@ -4,6 +4,7 @@ record) and reading and writing it with the card.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -21,6 +22,7 @@ from hf_lowprec.modules.packed_embedding import tied_head_names
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan  # noqa: F401  (re-exported: the folder's file names)
 
 CARD_FILE = "README.md"
+CARD_SHA256 = "card_sha256"  # the run record's key for the SHA-256 of the card written with it
 # files a run folder holds that an export does not publish
 RUN_ONLY = ("checkpoints", "log_history.json")
 
@@ -100,7 +102,10 @@ def read_run(folder: str | os.PathLike) -> dict:
         raise ValueError(f"{str(folder)!r} is not a folder")
     if not path.is_file():
         raise ValueError(f"{str(folder)!r} is not an hf-lowprec run or export folder (no {RUN_FILE})")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(path)!r} is not a valid run record ({e}); export the run again") from None
 
 
 def write_record(
@@ -109,9 +114,19 @@ def write_record(
     """Run record, extra files and model card into ``folder`` (a temporary folder renamed into place as a whole).
 
     An extra file's name may hold sub-folders (``runs/<run>/events.out.tfevents...``)."""
+    card = render_model_card(run, repo_id).content.encode()
+    run = {**run, CARD_SHA256: hashlib.sha256(card).hexdigest()}  # the card as written: push keeps it once edited
     (folder / RUN_FILE).write_text(json.dumps(run, indent=2, default=str) + "\n")
     for name, data in (extra_files or {}).items():
         path = folder / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data) if isinstance(data, bytes) else path.write_text(data)
-    render_model_card(run, repo_id).save(folder / CARD_FILE)
+    (folder / CARD_FILE).write_bytes(card)
+
+
+def card_edited(folder: Path, run: Mapping) -> bool:
+    """Whether ``folder``'s model card differs from the one hf-lowprec wrote with ``run`` (its ``CARD_SHA256``): edited
+    by hand since (exports made before 2026-12-06 hold no hash: taken as unedited)."""
+    card = Path(folder) / CARD_FILE
+    written = run.get(CARD_SHA256)
+    return written is not None and card.is_file() and hashlib.sha256(card.read_bytes()).hexdigest() != written
