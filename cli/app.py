@@ -927,8 +927,8 @@ def export_cmd(
             )
     if repo_id is None and adapter_folder(Path(out)) is not None:
         items["hub"] = (
-            f"`hf-lowprec push {shlex.quote(str(out))} <user/repo>` names the repo as the adapters' base, so that from_pretrained(repo) "
-            "finds it; uploaded another way, export with --repo-id first"
+            f"`hf-lowprec push {shlex.quote(str(out))} <user/repo>` names the repo as the adapters' base, so that "
+            "from_pretrained(repo) finds it; uploaded another way, export with --repo-id first"
         )
     ui.out.print(ui.key_values(f"Exported {out}", items))
 

@@ -162,7 +162,8 @@ class HubStandIn:
                     repo = f"{parts[3]}/{parts[4]}"
                     if repo not in standin.repos:
                         return self._reply(404, {"error": f"Repository {repo} not found"})
-                    private = standin.repos[repo].get("visibility") == "private" or standin.repos[repo].get("private") is True
+                    created = standin.repos[repo]
+                    private = created.get("visibility") == "private" or created.get("private") is True
                     return self._reply(200, {"id": repo, "private": private, "sha": "1" * 40})
                 if len(parts) == 7 and parts[5] == "discussions":
                     repo, num = f"{parts[3]}/{parts[4]}", int(parts[6])

@@ -75,7 +75,7 @@ def push_preview(folder: str | os.PathLike, repo_id: str) -> tuple[dict[str, int
     the card re-rendered for repo_id, or None for a plain model folder)``; the same checks as :func:`push`."""
     folder, run = _checked(folder, repo_id)
     card = _card(folder, run, repo_id)
-    with _staged(folder, card, repo_id, run) as stage:  # the files as uploaded: the card, the adapters' config rewritten
+    with _staged(folder, card, repo_id, run) as stage:  # the files as uploaded: card, adapters' config rewritten
         return {str(p.relative_to(stage)): p.stat().st_size for p in sorted(stage.rglob("*")) if p.is_file()}, card
 
 
