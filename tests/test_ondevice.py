@@ -276,6 +276,21 @@ def test_returning_freed_memory_per_block_changes_no_loss(tmp_path, counted_trim
     assert kept == returned and (kept_trims, returned_trims) == (0, 3 * 2 * 2)
 
 
+def test_gradient_checkpointing_recomputes_each_layer_in_backward(tmp_path):
+    """``gradient_checkpointing=True`` runs every projection's forward again in backward, with no ``eval_blocks``
+    too (the model as loaded: its base in eval mode, where transformers' checkpointing did nothing before)."""
+    path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
+    model, tokenizer, _ = load_int4_lora(path, LoraConfig(**LORA))
+    blocks = token_blocks(tokenizer, [corpus_text(5_000)], 32)
+    q_proj = next(m for name, m in model.named_modules() if name.endswith("layers.0.self_attn.q_proj.base_layer"))
+    calls = []
+    q_proj.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+    for checkpointing in (False, True):
+        calls.clear()
+        finetune_int4_lora(model, tokenizer, blocks, steps=2, batch_size=2, gradient_checkpointing=checkpointing)
+        assert len(calls) == (4 if checkpointing else 2), (checkpointing, calls)
+
+
 def test_auto_returns_freed_memory_only_where_memory_is_short(tmp_path, counted_trims, monkeypatch, caplog):
     """``finetune_int4_lora``'s default, ``return_freed_memory="auto"``: no trims where the process holds less than
     half of the memory it can use; at every block boundary (2 x 2 blocks a step), said once in the log, where it holds

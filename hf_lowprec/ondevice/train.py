@@ -199,8 +199,11 @@ def finetune_int4_lora(
 
 @contextlib.contextmanager
 def _activation_memory(model: nn.Module, base: nn.Module, storage: str | None, checkpointing: bool | int):
-    """Training mode for memory: no KV cache; checkpoint every ``checkpointing`` layers while inside; yields the
-    per-step context that stores saved activations in ``storage`` (``int8``/``fp8``; a no-op context for ``None``)."""
+    """Training mode for memory: every module in training mode (``from_pretrained`` leaves the base in eval mode,
+    where transformers' checkpointing does nothing), no KV cache; checkpoint every ``checkpointing`` layers while
+    inside; yields the per-step context that stores saved activations in ``storage`` (``int8``/``fp8``; a no-op
+    context for ``None``)."""
+    model.train()
     config = getattr(base, "config", None)
     use_cache = getattr(config, "use_cache", None)
     if config is not None:
