@@ -33,7 +33,7 @@ import yaml
 from hf_lowprec.allocator import RETURN_FREED_MEMORY
 from hf_lowprec.assets import shipped_folder
 from hf_lowprec.data import TRAIN_ON
-from hf_lowprec.formats import FormatSpec
+from hf_lowprec.formats import EXAMPLE_NAMES, FormatSpec
 from hf_lowprec.ondevice.calibration import ROUNDINGS
 from hf_lowprec.ondevice.calibration.fp8 import FP8_ROUNDINGS
 from hf_lowprec.ondevice.learned_steps import LEARN_STEPS
@@ -298,16 +298,8 @@ class Recipe:
 
     def __post_init__(self):
         fixed_format = not (self.precision.is_auto or self.precision.is_file)
-        if self.method == "int4-lora" and fixed_format and FormatSpec.parse(self.precision.plan).family == "fp8":
-            raise ValueError(
-                f"method 'int4-lora' keeps its frozen base in an integer format, not {self.precision.plan!r}"
-            )
-        other_kept = [k for k in self.precision.keep if k != "lm_head"]
-        if self.method == "int4-lora" and not self.precision.is_file and other_kept:
-            raise ValueError(
-                f"precision.keep {other_kept}: method 'int4-lora' keeps only the output head out of INT4 (int8 or "
-                "bf16 by its size); name other high-precision layers in a plan file (precision.plan: plan.yaml)"
-            )
+        if self.method == "int4-lora":
+            self._check_int4_lora_precision(fixed_format)
         if self.training.activation_storage != "none" and self.method != "int4-lora":
             raise ValueError(
                 f"training.activation_storage {self.training.activation_storage!r} applies to method 'int4-lora'; "
@@ -344,6 +336,32 @@ class Recipe:
                 f"not {floating}"
             )
 
+    def _check_int4_lora_precision(self, fixed_format: bool) -> None:
+        """``ValueError`` for precision settings method ``int4-lora`` would not honour: a format its packed base
+        does not store, kept layers other than the output head (which it keeps itself, int8 or bf16 by size), a scan
+        method other than the one its ``auto`` plan scans with."""
+        from hf_lowprec.ondevice.planning import base_holds
+
+        if fixed_format:
+            spec = FormatSpec.parse(self.precision.plan)
+            if spec.family != "int4" or not base_holds(spec):
+                stored = [n for n in EXAMPLE_NAMES if n.startswith("int4") and base_holds(FormatSpec.parse(n))]
+                raise ValueError(
+                    f"precision.plan {self.precision.plan!r}: method 'int4-lora' packs its frozen base in INT4; "
+                    f"choose an INT4 format it stores ({', '.join(stored)}), 'auto' or a plan file"
+                )
+        if not self.precision.is_file and list(self.precision.keep) != ["lm_head"]:
+            raise ValueError(
+                f"precision.keep {list(self.precision.keep)}: method 'int4-lora' keeps the output head out of INT4 "
+                "itself (int8 or bf16 by its size) and no other layer; name other formats per layer in a plan file "
+                "(precision.plan: plan.yaml)"
+            )
+        if self.precision.scan_method not in ("auto", "fisher"):
+            raise ValueError(
+                f"precision.scan_method {self.precision.scan_method!r}: method 'int4-lora' scans its 'auto' plan with "
+                "Fisher scores on the packed model; use 'auto'"
+            )
+
     @property
     def summary(self) -> str:
         """The first sentence of the description."""
@@ -353,8 +371,8 @@ class Recipe:
     @classmethod
     def from_dict(cls, data: Mapping, source: str = "<dict>") -> "Recipe":
         """Build and check a recipe; ``source`` (a file name) appears in every error. An ``int4-lora`` recipe that
-        names no plan gets that method's default format, not full training's ``fp8``, and exports ``int4-packed``
-        weights (its packed base), not ``master``."""
+        names no plan gets that method's default format, not full training's ``fp8``, trains with 8-bit AdamW and
+        exports ``int4-packed`` weights (its packed base), not ``master``."""
         recipe = _build(cls, _with_method_defaults(data), "", source)
         return dataclasses.replace(recipe, source=source)
 
@@ -450,13 +468,19 @@ def _build(cls, data, prefix: str, source: str):
 
 def _with_method_defaults(data):
     """``data`` with the ``int4-lora`` method's defaults where it leaves them out: its base's format (not full
-    training's ``fp8``) and ``int4-packed`` export weights (not ``master``); anything else as it is (``_build`` refuses
-    what is malformed)."""
+    training's ``fp8``), 8-bit AdamW (not ``adamw_torch``) and ``int4-packed`` export weights (not ``master``);
+    anything else as it is (``_build`` refuses what is malformed)."""
     if not isinstance(data, Mapping) or data.get("method") != "int4-lora":
         return data
     from hf_lowprec.ondevice.planning import DEFAULT_FORMAT
 
-    defaults = {"precision": {"plan": DEFAULT_FORMAT}, "export": {"weights": "int4-packed"}}
+    # 8-bit AdamW: the adapters are bf16 where the CPU computes in bf16, and torch's AdamW rounds their updates to
+    # nearest (those below half a bf16 step are lost); 8-bit AdamW rounds stochastically
+    defaults = {
+        "precision": {"plan": DEFAULT_FORMAT},
+        "training": {"optim": "adamw_torch_8bit"},
+        "export": {"weights": "int4-packed"},
+    }
     given = {section: data.get(section, {}) for section in defaults}
     return {**data, **{k: {**defaults[k], **v} for k, v in given.items() if isinstance(v, Mapping)}}
 

@@ -74,9 +74,12 @@ def _write(tmp_path, data, name="r.yaml"):
         ({"lora": {"r": 0}}, r"'lora\.r' must be >= 1, got 0"),
         ({"lora": {"lora_alpha": -8}}, r"'lora\.lora_alpha' must be a finite number > 0, got -8"),
         ({"data": {"eval_fraction": 1.0}}, r"'data\.eval_fraction' must be in \[0, 1\), got 1\.0"),
-        ({"method": "int4-lora", "precision": {"plan": "fp8"}}, r"method 'int4-lora' keeps its frozen base in an integer format"),
+        ({"method": "int4-lora", "precision": {"plan": "fp8"}}, r"precision\.plan 'fp8': method 'int4-lora' packs its frozen base in INT4; choose an INT4 format it stores \(int4, .*int4-g64-asym.*\), 'auto' or a plan file"),
+        ({"method": "int4-lora", "precision": {"plan": "nf4"}}, r"precision\.plan 'nf4': method 'int4-lora' packs its frozen base in INT4"),
+        ({"method": "int4-lora", "precision": {"keep": []}}, r"precision\.keep \[\]: method 'int4-lora' keeps the output head out of INT4 itself"),
+        ({"method": "int4-lora", "precision": {"plan": "auto", "scan_method": "measured"}}, r"precision\.scan_method 'measured': method 'int4-lora' scans its 'auto' plan with Fisher scores"),
         ({"method": "int4-lora", "precision": {"plan": "auto"}}, r"method .int4-lora. with plan .auto. chooses among int4/int8 formats .* not \[.fp8.\]"),
-        ({"method": "int4-lora", "precision": {"plan": "int4-g64", "keep": ["lm_head", "*.mlp.*"]}}, r"precision\.keep \['\*\.mlp\.\*'\]: method 'int4-lora' keeps only the output head out of INT4 \(int8 or bf16 by its size\); name other"),
+        ({"method": "int4-lora", "precision": {"plan": "int4-g64", "keep": ["lm_head", "*.mlp.*"]}}, r"precision\.keep \['lm_head', '\*\.mlp\.\*'\]: method 'int4-lora' keeps the output head out of INT4 itself \(int8 or bf16 by its size\) and no other layer; name other"),
         ({"training": {"activation_storage": "int8"}}, r"training\.activation_storage 'int8' applies to method 'int4-lora'; use 'none'"),
         ({"training": {"return_freed_memory": True}}, r"training\.return_freed_memory applies to method 'int4-lora'; use false"),
         ({"training": {"return_freed_memory": "auto"}}, r"training\.return_freed_memory applies to method 'int4-lora'; use false"),
@@ -133,7 +136,8 @@ def test_an_int4_lora_recipe_without_a_plan_gets_that_methods_default_format(tmp
     with pytest.raises(ValueError, match="export.weights 'master' applies to method 'full'; method 'int4-lora' exports"):
         load_recipe(_write(tmp_path, {"method": "int4-lora", "export": {"weights": "master"}}))
     assert load_recipe(_write(tmp_path, {"method": "full"})).precision.plan == "fp8"
-    with pytest.raises(ValueError, match="method 'int4-lora' keeps its frozen base in an integer format, not 'fp8'"):
+    assert load_recipe(_write(tmp_path, {"method": "int4-lora"})).training.optim == "adamw_torch_8bit"
+    with pytest.raises(ValueError, match="precision.plan 'fp8': method 'int4-lora' packs its frozen base in INT4"):
         load_recipe(_write(tmp_path, {"method": "int4-lora", "precision": {"plan": "fp8"}}))
 
 
