@@ -260,7 +260,8 @@ class LoraSection:
 @dataclass(frozen=True)
 class DataSection:
     """How training data is read: ``text_column``/``messages_column`` force a column (else detected); the held-out
-    rows are the data's ``validation`` split where it has one, else the last ``eval_fraction`` of ``split``'s rows."""
+    rows are the data's ``validation`` split where it has one, else the last ``eval_fraction`` of ``split``'s rows (one
+    at least: every run evaluates its base and its result on them)."""
 
     text_column: str | None = None
     messages_column: str | None = None
@@ -269,8 +270,11 @@ class DataSection:
     train_on: str = field(default="all", metadata=_choices(*TRAIN_ON))  # chat data: all tokens, or the completions
 
     def __post_init__(self):
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ValueError(f"'eval_fraction' must be in [0, 1), got {self.eval_fraction}")
+        if not 0.0 < self.eval_fraction < 1.0:  # 0 held one row out all the same
+            raise ValueError(
+                f"'eval_fraction' must be in (0, 1), got {self.eval_fraction}: a run evaluates on held-out rows (one "
+                "at least)"
+            )
 
 
 @dataclass(frozen=True)
