@@ -74,7 +74,7 @@ def _write(tmp_path, data, name="r.yaml"):
         ({"lora": {"r": 0}}, r"'lora\.r' must be >= 1, got 0"),
         ({"lora": {"lora_alpha": -8}}, r"'lora\.lora_alpha' must be a finite number > 0, got -8"),
         ({"data": {"eval_fraction": 1.0}}, r"'data\.eval_fraction' must be in \(0, 1\), got 1\.0"),
-        ({"data": {"eval_fraction": 0}}, r"'data\.eval_fraction' must be in \(0, 1\), got 0: a run evaluates on held-out rows"),
+        ({"data": {"eval_fraction": 0}}, r"'data\.eval_fraction' must be in \(0, 1\), got 0\.0: a run evaluates on held-out rows"),
         ({"method": "int4-lora", "precision": {"plan": "fp8"}}, r"precision\.plan 'fp8': method 'int4-lora' packs its frozen base in INT4; choose an INT4 format it stores \(int4, .*int4-g64-asym.*\), 'auto' or a plan file"),
         ({"method": "int4-lora", "precision": {"plan": "nf4"}}, r"precision\.plan 'nf4': method 'int4-lora' packs its frozen base in INT4"),
         ({"method": "int4-lora", "precision": {"keep": []}}, r"precision\.keep \[\]: method 'int4-lora' keeps the output head out of INT4 itself"),
