@@ -35,6 +35,7 @@ from hf_lowprec.checkpoints import (
     load_tokenizer,
     public_name,
     refuse_a_quantized_checkpoint,
+    source_kwargs,
 )
 from hf_lowprec.convert import revert
 from hf_lowprec.data import HELD_OUT_SPLIT, collated_batches, prepare_run_data, read_run_source
@@ -538,6 +539,13 @@ def _compute_record(compute: torch.dtype, reason: str, model) -> dict:
     }
 
 
+def _check_block_size(config, block_size: int) -> None:
+    """Exit with one line when ``block_size`` exceeds the model's ``max_position_embeddings``."""
+    max_len = getattr(config, "max_position_embeddings", None)
+    if max_len is not None and block_size > max_len:
+        ui.fail(f"block size {block_size} exceeds the model's max_position_embeddings {max_len}; lower --block-size")
+
+
 def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
     """``(model, tokenizer, lm_data, base_plan)``: the checkpoint in ``dtype`` (for ``int4-lora`` packed while loading
     where it can be, see :func:`~hf_lowprec.ondevice.load_int4_base`, with the plan to prepare it with; else ``None``)
@@ -546,6 +554,10 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
     source, gguf = (opts.model, opts.gguf_file) if opts.model else default_checkpoint()
     tokenizer = checkpoint_tokenizer(source, gguf, opts.load_options)  # a missing checkpoint's clear error first
     refuse_a_quantized_checkpoint(source, gguf, **opts.load_options)  # then one that cannot be trained, before the data
+    if gguf is None:  # a GGUF file's config is known once it loads (checked then)
+        from transformers import AutoConfig
+
+        _check_block_size(AutoConfig.from_pretrained(source, **source_kwargs(opts.load_options)), t.block_size)
     with ui.step(f"reading data {opts.data or '(default corpus)'}"):
         records, held_out, data_name = read_run_source(opts.data, split=recipe.data.split)
     if held_out is not None:
@@ -571,9 +583,7 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
             )
         else:
             model, _ = load_pretrained(source, gguf_file=gguf, dtype=dtype, tokenizer=tokenizer, **opts.load_options)
-    max_len = getattr(model.config, "max_position_embeddings", None)
-    if max_len is not None and t.block_size > max_len:
-        ui.fail(f"block size {t.block_size} exceeds the model's max_position_embeddings {max_len}; lower --block-size")
+    _check_block_size(model.config, t.block_size)
     if len(lm.eval) < t.eval_blocks:
         asked = t.eval_blocks
         ui.err.print(f"held-out data: {len(lm.eval)} sequences (eval_blocks {asked}: the held-out rows hold no more)")

@@ -340,6 +340,16 @@ def test_finetune_and_scan_refuse_a_quantized_checkpoint_naming_the_one_it_came_
         load_int4_lora(out)
 
 
+def test_finetune_refuses_a_block_longer_than_the_model_before_reading_the_data(ws, tmp_path):
+    """The block size is checked against the checkpoint's config first: here the data does not exist, and the block
+    size is what the one line names (it came after the data was read and tokenized and the model loaded)."""
+    for recipe in ("fp8-train", "int4-ondevice-lora"):
+        line = one_error_line(cli("finetune", ws / "tiny", "--recipe", recipe, "--data", tmp_path / "no.txt",
+                                  "--block-size", "512", "-o", tmp_path / recipe))  # fmt: skip
+        assert line.endswith("block size 512 exceeds the model's max_position_embeddings 256; lower --block-size")
+        assert not (tmp_path / recipe).exists()
+
+
 def test_a_merge_into_int4_that_rounds_the_fine_tuning_away_warns(ws, tmp_path):
     """Adapters that changed the weights by less than the INT4 rounding (here: two steps at a learning rate of 1e-5
     from PEFT's zero start) do not survive a merge into the INT4 codes: the export says so and names the two ways
