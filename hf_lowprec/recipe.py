@@ -352,7 +352,7 @@ class Recipe:
                 stored = [n for n in EXAMPLE_NAMES if n.startswith("int4") and base_holds(FormatSpec.parse(n))]
                 raise ValueError(
                     f"precision.plan {self.precision.plan!r}: method 'int4-lora' packs its frozen base in INT4; "
-                    f"choose an INT4 format it stores ({', '.join(stored)}), 'auto' or a plan file"
+                    f"choose an INT4 format it stores (e.g. {', '.join(stored)}), 'auto' or a plan file"
                 )
         if not self.precision.is_file and list(self.precision.keep) != ["lm_head"]:
             raise ValueError(

@@ -162,9 +162,10 @@ def test_each_block_returns_the_holes_its_tensors_left_forward_and_backward():
 @needs_glibc
 def test_a_boundary_returns_the_holes_only_above_the_given_resident_memory():
     """``above_bytes`` (what ``return_freed_memory="auto"`` sets): the forward blocks' 32 MiB of holes (partly reused
-    by the next block's tensors) keep the process under a line 64 MiB over its starting RSS, so they stay; over a
-    line at 16 MiB, they are returned at every boundary."""
-    forward, backward = entry_resident_mib("64")
+    by the next block's tensors, or not: two blocks' reach up to 67 MiB over the starting RSS) keep the process under a
+    line 96 MiB over it, so they stay; over a line at 16 MiB, they are returned at every boundary (a line at 64 MiB
+    failed 1 run in 6: the heap reused no hole and the second block crossed it)."""
+    forward, backward = entry_resident_mib("96")
     assert min(forward[1:]) > forward[0] + 24
     forward, backward = entry_resident_mib("16")
     assert max(forward[1:] + backward) < forward[0] + 16

@@ -75,7 +75,7 @@ def _write(tmp_path, data, name="r.yaml"):
         ({"lora": {"lora_alpha": -8}}, r"'lora\.lora_alpha' must be a finite number > 0, got -8"),
         ({"data": {"eval_fraction": 1.0}}, r"'data\.eval_fraction' must be in \(0, 1\), got 1\.0"),
         ({"data": {"eval_fraction": 0}}, r"'data\.eval_fraction' must be in \(0, 1\), got 0\.0: a run evaluates on held-out rows"),
-        ({"method": "int4-lora", "precision": {"plan": "fp8"}}, r"precision\.plan 'fp8': method 'int4-lora' packs its frozen base in INT4; choose an INT4 format it stores \(int4, .*int4-g64-asym.*\), 'auto' or a plan file"),
+        ({"method": "int4-lora", "precision": {"plan": "fp8"}}, r"precision\.plan 'fp8': method 'int4-lora' packs its frozen base in INT4; choose an INT4 format it stores \(e\.g\. int4, .*int4-g64-asym.*\), 'auto' or a plan file"),
         ({"method": "int4-lora", "precision": {"plan": "nf4"}}, r"precision\.plan 'nf4': method 'int4-lora' packs its frozen base in INT4"),
         ({"method": "int4-lora", "precision": {"keep": []}}, r"precision\.keep \[\]: method 'int4-lora' keeps the output head out of INT4 itself"),
         ({"method": "int4-lora", "precision": {"plan": "auto", "scan_method": "measured"}}, r"precision\.scan_method 'measured': method 'int4-lora' scans its 'auto' plan with Fisher scores"),
