@@ -20,7 +20,13 @@ def canonical_name(fqn: str) -> str:
 
 
 def _is_eligible(module: nn.Module) -> bool:
-    return isinstance(module, (nn.Linear, nn.Embedding)) or isinstance(module, LOW_PRECISION_TYPES)
+    """A layer a plan converts: an ``nn.Linear``/``nn.Embedding`` (or a subclass computing as it does), or one
+    hf-lowprec converted. A subclass with a forward of its own computes something else (Llama-4's router, an
+    ``nn.Linear`` returning scores and logits): a swapped layer would not, so it is left as it is (unconverted)."""
+    if isinstance(module, LOW_PRECISION_TYPES):
+        return True
+    kind = next((k for k in (nn.Linear, nn.Embedding) if isinstance(module, k)), None)
+    return kind is not None and type(module).forward is kind.forward
 
 
 def walk_layers(model: nn.Module):
@@ -38,17 +44,23 @@ def eligible_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def unconverted_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """``{canonical name: module}`` of the layers outside PEFT adapters that multiply by a 2-D weight but are no
-    ``nn.Linear``/``nn.Embedding`` (transformers' ``Conv1D`` in GPT-2, whose weight is ``[in, out]``): hf-lowprec
-    converts none of them, so a plan cannot put them in a low-precision format."""
+    """``{canonical name: module}`` of the layers outside PEFT adapters that multiply by matrices of their own but are
+    no layer a plan converts (:func:`_is_eligible`): transformers' ``Conv1D`` in GPT-2 (weight ``[in, out]``), an MoE's
+    fused experts (``[experts, out, in]`` parameters), an ``nn.Linear`` subclass with a forward of its own (a router).
+    hf-lowprec converts none of them, so a plan cannot put them in a low-precision format. Convolutions (a vision
+    tower's patch embedding) are not counted."""
     found = {}
     for fqn, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if any(p in ADAPTER_PARTS for p in fqn.split(".")) or _is_eligible(module) or next(module.children(), None):
+        if any(p in ADAPTER_PARTS for p in fqn.split(".")) or _is_eligible(module):
             continue
-        if isinstance(weight, nn.Parameter) and weight.dim() == 2:
+        if not isinstance(module, nn.modules.conv._ConvNd) and matrix_parameters(module):  # its own, not its children's
             found[canonical_name(fqn)] = module
     return found
+
+
+def matrix_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """``module``'s own parameters of two dimensions or more (its matrices; biases and norms' scales left out)."""
+    return [p for p in module.parameters(recurse=False) if p.dim() >= 2]
 
 
 def output_head_name(model: nn.Module) -> str | None:

@@ -30,7 +30,7 @@ from torch import nn
 
 from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.formats import HIGH_PRECISION, FormatSpec
-from hf_lowprec.layers import canonical_name, dense_views, unconverted_layers
+from hf_lowprec.layers import canonical_name, dense_views, matrix_parameters, unconverted_layers
 
 logger = logging.getLogger(__name__)
 
@@ -260,8 +260,9 @@ def check_convertible(model: nn.Module) -> None:
     if not other:
         return
     kinds = "/".join(sorted({type(m).__name__ for m in other.values()}))
-    matrices = {id(m.weight): m.weight.numel() for m in [*other.values(), *_layers_of(model).values()]}  # tied: once
-    share = sum(m.weight.numel() for m in other.values()) / sum(matrices.values())
+    theirs = {id(p): p.numel() for m in other.values() for p in matrix_parameters(m)}
+    matrices = theirs | {id(m.weight): m.weight.numel() for m in _layers_of(model).values()}  # tied: once
+    share = sum(theirs.values()) / sum(matrices.values())
     raise ValueError(
         f"{type(model).__name__} multiplies {share:.0%} of its matrix weights in {len(other)} {kinds} layers (e.g. "
         f"{next(iter(other))!r}), which hf-lowprec does not convert (it converts nn.Linear and nn.Embedding): they "

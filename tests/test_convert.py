@@ -180,6 +180,28 @@ def test_a_model_of_layers_hf_lowprec_cannot_convert_is_refused_not_half_convert
         check_quantizable(gpt2, PrecisionPlan.uniform("int4-g32", keep=("lm_head",)))
 
 
+def test_mixture_of_experts_models_are_refused_counting_their_fused_experts_and_routers():
+    """An MoE's experts are fused ``[experts, out, in]`` parameters and its router may be an ``nn.Linear`` subclass
+    with a forward of its own (Llama-4's returns scores and logits): neither is converted, so the model is refused,
+    its share counting the experts' matrices (Llama-4's router was swapped for an FP8Linear, reported as 60% FP8 with
+    the experts left out, and the first forward failed; Mixtral's share counted the routers alone, 1%)."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig, MixtralConfig, MixtralForCausalLM
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, num_local_experts=4)  # fmt: skip
+    llama4 = Llama4ForCausalLM(Llama4TextConfig(**shape, intermediate_size_mlp=128, head_dim=16, num_experts_per_tok=1))
+    mixtral = MixtralForCausalLM(MixtralConfig(**shape))
+    for model, name, share, kinds in ((llama4, "Llama4ForCausalLM", 65, "Llama4Router/Llama4TextExperts"),
+                                      (mixtral, "MixtralForCausalLM", 77, "MixtralExperts/MixtralTopKRouter")):  # fmt: skip
+        refusal = rf"{name} multiplies {share}% of its matrix weights in 4 {kinds} layers"
+        with pytest.raises(ValueError, match=refusal):
+            apply_plan(model, PrecisionPlan({"lm_head": "bf16"}, default="fp8"))
+        assert not any(isinstance(m, LOW_PRECISION_TYPES) for m in model.modules())
+    experts = sum(p.numel() for n, p in mixtral.named_parameters() if ".experts." in n or ".gate." in n)
+    matrices = experts + sum(p.numel() for n, p in mixtral.named_parameters() if p.dim() == 2 and ".gate." not in n)
+    assert round(100 * experts / matrices) == 77  # the refusal's share, counted here from the parameters' names
+
+
 def test_plan_given_as_path_dict_or_format_name(tmp_path, llama):
     path = PrecisionPlan({"lm_head": "int4-g64"}).save(tmp_path / "p.yaml")
     assert isinstance(apply_plan(llama, str(path)) and llama.lm_head, Int4Linear)
