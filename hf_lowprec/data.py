@@ -305,14 +305,23 @@ def completion_labels(tokenizer, messages: list[dict], ids: list[int]) -> list[i
     """Labels of a chat sequence ``ids`` that count the assistant turns only (``-100`` elsewhere).
 
     An assistant turn spans from the end of the conversation before it, with the generation prompt, to the end of
-    the conversation that includes it, both as the chat template renders them."""
+    the conversation that includes it, both as the chat template renders them. ``ValueError`` where those renderings
+    are not the start of ``ids``: a template that renders a turn otherwise when it is the last one (Qwen3 adds an
+    empty ``<think>`` block to the last assistant turn) leaves the turns' bounds unknown (they reached into the next
+    user turn, trained on)."""
     labels = [IGNORE_INDEX] * len(ids)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = len(_chat_ids(tokenizer, messages[:i], add_generation_prompt=True))
-        end = len(_chat_ids(tokenizer, messages[: i + 1]))
-        labels[start:end] = ids[start:end]
+        before = _chat_ids(tokenizer, messages[:i], add_generation_prompt=True)
+        through = _chat_ids(tokenizer, messages[: i + 1])
+        if ids[: len(before)] != before or ids[: len(through)] != through:
+            raise ValueError(
+                f"the chat template renders assistant turn {i} otherwise when it ends the conversation, so its tokens "
+                "cannot be told from the next turn's: use train_on 'all', or a chat template that renders every turn "
+                "alike"
+            )
+        labels[len(before) : len(through)] = ids[len(before) : len(through)]
     return labels
 
 

@@ -251,6 +251,26 @@ def test_sharegpt_rows_and_completion_only_labels(tmp_path, tok):
         prepare_lm_data(text, "plain", tok, 64, train_on="completions")
 
 
+def test_completion_labels_refuse_a_template_that_renders_the_last_turn_otherwise(tok):
+    """Qwen3's template adds an empty think block to the last assistant turn alone: rendered as the last message, an
+    earlier turn is longer than in the whole conversation, so its end reached into the next user turn, which was
+    trained on. The turns' bounds are refused instead, naming the row and the way out; ``train_on="all"`` trains."""
+    import copy
+
+    qwen3_like = copy.deepcopy(tok)
+    qwen3_like.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and loop.last %}"
+        "<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    turns = [("user", "hi"), ("assistant", "Hello!"), ("user", "what is two plus two"), ("assistant", "Four.")]
+    ds = datasets.Dataset.from_dict({"messages": [[{"role": r, "content": c} for r, c in turns]] * 6})
+    with pytest.raises(ValueError, match=r"chat data row 0: the chat template renders assistant turn 1 otherwise when "
+                                         r"it ends the conversation.*use train_on 'all'"):  # fmt: skip
+        prepare_lm_data(ds, "qwen3", qwen3_like, 64, train_on="completions")
+    assert len(prepare_lm_data(ds, "qwen3", qwen3_like, 64).train) == 5
+
+
 def test_text_is_tokenized_in_batch_calls_and_only_as_far_as_needed(tok):
     calls = []
 
