@@ -511,7 +511,8 @@ def prepare_lm_data(
     if cols.kind == "text":
         train = pack_blocks(train_rows, tokenizer, cols, block_size, train_sequences)
         held = pack_blocks(eval_rows, tokenizer, cols, block_size, eval_sequences, first_row=cut)
-        if not held and len(train) > 1 and held_out_records is None:  # one row only: hold out its last blocks
+        if not len(eval_rows) and len(train) > 1 and held_out_records is None:  # one row only: its last blocks held out
+            # (rows held out too short for a block are refused below: falling back here evaluated on trained text)
             cut = max(1, min(eval_sequences, len(train) // 10))
             train, held = train[:-cut], train[-cut:]
         collator = default_data_collator

@@ -251,6 +251,20 @@ def test_sharegpt_rows_and_completion_only_labels(tmp_path, tok):
         prepare_lm_data(text, "plain", tok, 64, train_on="completions")
 
 
+def test_held_out_rows_too_short_for_a_block_are_refused_not_replaced_by_trained_text(tok):
+    """Rows are held out as rows, so that evaluated text was never trained on: held-out rows too short for one block
+    are refused (the last training blocks were evaluated instead, a document cut between the two); data of one row
+    holds out its last blocks, as it always did."""
+    text = corpus_text(20_000)
+    rows = [text[i * 400 : (i + 1) * 400] for i in range(19)] + ["short."]
+    with pytest.raises(ValueError, match=r"data 'rows' gives no complete block of 32 tokens to evaluate on; lower "
+                                         r"--block-size or add rows or raise data.eval_fraction"):  # fmt: skip
+        prepare_lm_data(datasets.Dataset.from_dict({"text": rows}), "rows", tok, 32, eval_fraction=0.05)
+    one = prepare_lm_data(datasets.Dataset.from_dict({"text": [text]}), "one", tok, 32)
+    whole = _reference_blocks([text], tok, 32)
+    assert len(one.eval) and [list(b) for b in one.train["input_ids"]] + [list(b) for b in one.eval["input_ids"]] == whole
+
+
 def test_completion_labels_refuse_a_template_that_renders_the_last_turn_otherwise(tok):
     """Qwen3's template adds an empty think block to the last assistant turn alone: rendered as the last message, an
     earlier turn is longer than in the whole conversation, so its end reached into the next user turn, which was
