@@ -299,9 +299,11 @@ class GradientScaling(ScalePolicy):
         # a rescaled spike is quantized at full resolution, its scale shrunk afterwards (observe)
         capped = torch.where(rescale, amax, torch.minimum(amax, limit))
         self.last_shrink.copy_(torch.where(rescale, limit / a, torch.ones_like(a)))
-        # record the amax winsorized at the spike threshold; all-zero gradients carry no level
+        # record the amax winsorized at the spike threshold; all-zero gradients carry no level, and an inf/NaN one (an
+        # overflowed fp16 gradient: a step the loss scaler skips) none either: recorded in warmup, it held the running
+        # amax at inf for good, and no spike was ever found again
         sample = torch.where(warm, torch.minimum(a, self.spike_threshold * ref), a)
-        record = a > 0
+        record = (a > 0) & torch.isfinite(a)
         if self.statistic == "ema":
             ema = torch.where(
                 self.recorded == 0, sample, self.ema_decay * self.running_amax + (1 - self.ema_decay) * sample

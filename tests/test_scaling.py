@@ -153,6 +153,21 @@ def test_gradient_spike_rescaled_keeps_direction_and_running_magnitude():
     assert dequantize_fp8(qd, sd).abs().amax() > 500 * running
 
 
+@pytest.mark.parametrize("statistic", ["ema", "percentile"])
+def test_an_overflowed_gradient_in_warmup_is_not_recorded(statistic):
+    """An inf gradient (fp16 loss scaling's first steps overflow) leaves the running statistic as it was: recorded,
+    it held the EMA at inf, and a spike was never found again."""
+    policy = GradientScaling(statistic=statistic)
+    overflowed = torch.randn(64, 64) * 1e-3
+    overflowed[0, 0] = float("inf")
+    cast_fp8(overflowed, policy, E5M2, "tensor")
+    assert policy.recorded.item() == 0
+    g = _warm(policy)
+    assert torch.isfinite(policy._statistic()) and policy.spikes.item() == 0
+    cast_fp8(1000 * g, policy, E5M2, "tensor")
+    assert policy.spikes.item() == 1
+
+
 def test_outlier_clipped_instead_of_flushing_everything_else_to_zero():
     """One huge element: a dynamic E4M3 scale flushes the rest to zero, the robust scale clips it."""
     policy = GradientScaling(spike_action="clip")
