@@ -311,6 +311,9 @@ def test_model_without_eligible_layers_fails_at_init(tmp_path):
         (dict(plan="fp8", scaler_options={"sync": True}), r"^scaler_options \['sync'\]: set for every scale by hf_"),
         (dict(plan="fp8", scaler="gradient", scaler_options={"warmup": 0}), r"^warmup must be >= 1, got 0$"),
         (dict(plan="fp8", scaler="delayed", scaler_options={"history_len": 0}), r"^history_len must be >= 1, got 0$"),
+        # delayed scaling with a rowwise/block format: now, not after an auto plan's scan of the first batches
+        (dict(plan="fp8-rowwise", scaler="delayed"), r"^scaler 'delayed' needs tensorwise fp8 .*, not fp8-rowwise"),
+        (dict(scaler="delayed", formats=["fp8-block", "int4-g64"]), r"^scaler 'delayed' needs tensorwise .*fp8-block"),
         (dict(plan="fp8", calibration_batches=0), "calibration_batches"),
         (dict(plan=MIXED_PLAN, keep=("lm_head",)), "keep= applies"),
         (dict(plan="fp8", compensation="kahan-ish"), "unknown compensation"),

@@ -207,6 +207,15 @@ class LowPrecisionSession:
                 "are its own, e.g. {'spike_action': 'skip'}"
             )
         make_policy_factory(scaler, **dict(scaler_options or {}))  # raises for unknown names/options and bad values
+        self.plan: PrecisionPlan | None = None if self.auto else resolve_plan(plan, keep or ())
+        planned = formats if self.auto else [self.plan.default, *self.plan.layers.values()]
+        planned = [FormatSpec.parse(f) for f in planned]
+        not_tensorwise = [s.name for s in planned if s.family == "fp8" and s.granularity != "tensor"]
+        if scaler == "delayed" and not_tensorwise:  # now, not at the first layer (after an auto plan's scan)
+            raise ValueError(
+                f"scaler 'delayed' needs tensorwise fp8 (format 'fp8'), not {', '.join(not_tensorwise)}; choose scaler "
+                "'dynamic' or 'gradient' for rowwise/blockwise layers"
+            )
         self.keep = keep
         self.budget, self.formats = budget, tuple(formats)
         self.calibration_batches, self.scan_method, self.seed = calibration_batches, scan_method, seed
@@ -215,7 +224,6 @@ class LowPrecisionSession:
         self.compensation = None if compensation == "none" else compensation
         self.fp8_rounding = fp8_rounding
         self.rounding: dict | None = None  # round_fp8_weights' summary once the FP8 weights were rounded
-        self.plan: PrecisionPlan | None = None if self.auto else resolve_plan(plan, self.keep or ())
         # a format name without keep= keeps the output head of the model it meets (bind)
         self._keeps_head = keep is None and names_a_format(plan)
         self.report: ConversionReport | None = None

@@ -28,7 +28,10 @@ def _policies(model: nn.Module):
 def skip_step_if_requested(model: nn.Module) -> bool:
     """If any :class:`GradientScaling` (``spike_action="skip"``) saw a spike since the last call, drop every
     parameter gradient of ``model`` (set to ``None``: optimizers then leave the parameter and its state
-    alone) and return True. Call it between ``backward`` and ``optimizer.step``.
+    alone) and return True. Call it between ``backward`` and ``optimizer.step``; with a loss scaler
+    (``torch.amp.GradScaler``, :class:`~hf_lowprec.scaling.DynamicLossScaler`), after ``scaler.unscale_(optimizer)``:
+    a scaler's step asserts when it finds no gradient it unscaled itself. The Trainer callback and the Accelerate
+    plugin call it after the unscale.
     """
     pending = [p for _, _, p, _ in _policies(model) if isinstance(p, GradientScaling) and bool(p.skip_pending)]
     if not pending:
