@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import on_dequant_backend, randomize_adapters
 from peft import LoraConfig
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tiny_assets import HubStandIn, save_tiny_model, tensorboard_scalars
 from transformers import TrainerCallback
@@ -375,13 +376,35 @@ def test_compressed_tensors_export_loads_without_hf_lowprec(fmt, tmp_path):
     assert done.requantized == {} and done.adapter_rank is None  # nearest rounding, integer zero points: nothing to do
     config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
-    assert "lm_head" in config["ignore"] and all("v_proj" in n for n in config["ignore"] if n != "lm_head")
+    assert config["ignore"] == ["lm_head", *(f"model.layers.{i}.self_attn.v_proj" for i in range(2))]  # dense
     loaded = _run_snippet(LOAD_WITHOUT_HF_LOWPREC.format(folder=str(tmp_path / "ct")), tmp_path)
     # the same dense weights; LoRA computed by PEFT's own layer instead of ours: fp32 summation order only
     torch.testing.assert_close(loaded, trained, rtol=0, atol=1e-4)
     assert _vllm_weight_files(tmp_path / "ct") == ["model.safetensors"]  # not the adapters' file beside it
     index = json.loads((tmp_path / "ct" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(load_file(tmp_path / "ct" / "model.safetensors"))
+
+
+def test_a_compressed_tensors_export_lists_packed_int8_layers_as_ignored_and_keeps_the_model_dtype(tmp_path):
+    """A packed int8 layer (here the tied output head, as the default plan makes it above 2^27 weights) is written
+    dense, so the config lists it in ``ignore``: compressed-tensors' own reader then loads its weight (it read the
+    layer as pack-quantized and left it at random); every tensor is in the model's bf16, not in the fp32 of the LoRA
+    matrix that came first once the embedding was packed."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    from hf_lowprec.export.compressed_tensors import export_compressed_tensors
+    from hf_lowprec.plan import PrecisionPlan
+
+    base_dir = save_tiny_model(tmp_path / "base", tie_word_embeddings=True)
+    plan = PrecisionPlan({"lm_head": "int8"}, default="int4-g64-asym")
+    model, _, _ = load_int4_lora(base_dir, LoraConfig(r=4, target_modules="all-linear"), plan, dtype=torch.bfloat16)
+    export_compressed_tensors(model, tmp_path / "ct", base_model_id=BASE_ID)
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert config["ignore"] == ["lm_head"]
+    assert QuantizationConfig.model_validate(config).ignore == ["lm_head"]  # as compressed-tensors reads it
+    with safe_open(tmp_path / "ct" / "model.safetensors", "pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()} & {"F32", "F16", "BF16"}  # not codes, shapes
+    assert dtypes == {"BF16"}, dtypes
 
 
 def _vllm_weight_files(folder: Path) -> list[str]:

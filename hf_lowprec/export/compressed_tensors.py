@@ -216,7 +216,7 @@ def compressed_tensors_state(
     and steps with fractional zero points, whose residual (:func:`zero_residual`) their adapter is to carry."""
     layers = _packed_by_name(base)
     spec = _int4_format(layers)
-    dtype = next(p for p in base.parameters() if p.is_floating_point()).dtype
+    dtype = next(iter(layers.values())).dtype  # the compute dtype (a packed embedding leaves a LoRA matrix first)
     state, errors = with_dense_tables(adapterless_state(base), base, dtype), {}  # the layout has no packed embedding
     residuals = {}
     for name, layer in layers.items():
@@ -231,7 +231,9 @@ def compressed_tensors_state(
         elif name in carriers and (residual := zero_residual(layer)) is not None:
             residuals[name] = residual
         state.update({f"{name}.{key}": value for key, value in _int4_tensors(plain, dtype).items()})
-    linears = [canonical_name(n) for n, m in base.named_modules() if isinstance(m, nn.Linear) and ".lora_" not in n]
+    linears = [
+        canonical_name(n) for n, m in base.named_modules() if isinstance(m, (nn.Linear, PackedLinear)) and ".lora_" not in n
+    ]  # a packed int8 layer is written dense (ignored), as the kept ones
     ignore = sorted(n for n in linears if not isinstance(layers.get(n), PackedInt4Linear))
     weights = {
         "num_bits": 4,
