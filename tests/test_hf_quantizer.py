@@ -154,6 +154,37 @@ def test_quantize_on_load_names_a_plan_it_cannot_apply(tmp_path, plan, message):
         AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=HfLowprecConfig(plan))
 
 
+def test_a_tied_embedding_and_head_planned_in_two_formats_are_refused(tmp_path):
+    """A tied embedding and head are one table: a plan packing the embedding in another format than the head is
+    refused naming both (a dense head failed in transformers' tie_weights, an INT4 head silently took the int8
+    embedding's table); a plan packing the head alone packs the table in its format."""
+    tiny_llama(tie=True).save_pretrained(tmp_path)
+    for layers, formats in (({"lm_head": "bf16", "model.embed_tokens": "int8"}, "kept dense and int8"),
+                            ({"model.embed_tokens": "int8"}, "int4-g32 and int8")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"'lm_head' is tied to 'model.embed_tokens' \(one table\): the plan "
+                                             rf"gives them {formats}; give both one format"):  # fmt: skip
+            AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=HfLowprecConfig({"default": "int4-g32",
+                                                                                               "layers": layers}))  # fmt: skip
+    head_only = HfLowprecConfig({"default": "int4-g32", "layers": {"lm_head": "int8"}})
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=head_only)
+    assert isinstance(model.lm_head, PackedInt8Linear) and type(model.get_input_embeddings()).__name__ == "TiedPackedEmbedding"
+
+
+def test_exact_kernels_apply_to_the_layers_packed_while_loading(tmp_path):
+    """``HfLowprecConfig(exact_kernels=True)`` for a dense checkpoint: the layers packed while loading compute with
+    exact kernels, as the folder they save to says (they did not, and a reload did)."""
+    tiny_llama().save_pretrained(tmp_path / "dense")
+    config = HfLowprecConfig(PLAN, exact_kernels=True)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", quantization_config=config)
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert packed and all(m.exact_kernels for m in packed)
+    model.save_pretrained(tmp_path / "packed")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "packed")
+    assert all(m.exact_kernels for m in reloaded.modules() if isinstance(m, PackedLinear))
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", quantization_config=HfLowprecConfig(PLAN))
+    assert not any(m.exact_kernels for m in plain.modules() if isinstance(m, PackedLinear))
+
+
 def test_pread_loading_of_sharded_safetensors_matches_transformers_own(tmp_path):
     """load_pretrained reads a sharded folder's tensors by pread when quantizing on load: the same model as
     transformers' memory-mapped loading, the name recorded as from_pretrained(folder) records it."""

@@ -60,7 +60,8 @@ class HfLowprecConfig(QuantizationConfigMixin):
     formats that pack (int4; per-channel ``int8``) and high precision can be applied while loading.
 
     ``exact_kernels``: in a packed folder's ``config.json``, that its steps were learned with exact kernels
-    (``learn_steps``): its packed layers' ``backend="auto"`` then never picks ``int8``'s forward.
+    (``learn_steps``): its packed layers' ``backend="auto"`` then never picks ``int8``'s forward; passed for a dense
+    checkpoint, the layers packed while loading compute so (as the folder they save to says).
     """
 
     def __init__(
@@ -123,6 +124,13 @@ class HfLowprecQuantizer(HfQuantizer):
             self.quantization_config.plan = plan.to_dict()  # the folder's config.json says what was packed
             self.to_pack = _packed_layers(model, plan)
             tied = tied_head_names(model)
+            if tied is not None and tied[1] in self.to_pack and self.to_pack[tied[1]] != self.to_pack.get(tied[0]):
+                kept = "kept dense"  # (a packed head alone: the embedding reads its table, below)
+                formats = [getattr(self.to_pack.get(name), "name", kept) for name in tied]
+                raise ValueError(
+                    f"{tied[0]!r} is tied to {tied[1]!r} (one table): the plan gives them {formats[0]} and "
+                    f"{formats[1]}; give both one format"
+                )
             if tied is not None and tied[0] in self.to_pack:  # the checkpoint holds the table as the embedding's
                 self.tied, self.to_pack[tied[1]] = tied, self.to_pack[tied[0]]
                 model.all_tied_weights_keys.pop(f"{tied[0]}.weight", None)  # tied through the codes instead
@@ -134,11 +142,16 @@ class HfLowprecQuantizer(HfQuantizer):
         model.hf_lowprec_plan = plan
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        """Pack the planned linears whose weight the checkpoint does not hold (an output head tied to the embedding)."""
+        """Pack the planned linears whose weight the checkpoint does not hold (an output head tied to the embedding);
+        the layers packed while loading take ``exact_kernels`` (the shells of a packed folder have it already)."""
         for fqn in self.to_pack:
             linear = model.get_submodule(fqn)
             if isinstance(linear, nn.Linear):
                 _pack(model, fqn, linear.weight, self.to_pack[fqn], self.compute_dtype)
+        if self.to_pack:
+            for module in model.modules():
+                if isinstance(module, PackedLinear):
+                    module.exact_kernels = self.quantization_config.exact_kernels
         return model
 
     def checkpoint_mappings(self) -> list:
