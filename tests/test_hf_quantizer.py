@@ -163,11 +163,12 @@ def test_a_tied_embedding_and_head_planned_in_two_formats_are_refused(tmp_path):
                             ({"model.embed_tokens": "int8"}, "int4-g32 and int8")):  # fmt: skip
         with pytest.raises(ValueError, match=rf"'lm_head' is tied to 'model.embed_tokens' \(one table\): the plan "
                                              rf"gives them {formats}; give both one format"):  # fmt: skip
-            AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=HfLowprecConfig({"default": "int4-g32",
-                                                                                               "layers": layers}))  # fmt: skip
+            config = HfLowprecConfig({"default": "int4-g32", "layers": layers})
+            AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config)
     head_only = HfLowprecConfig({"default": "int4-g32", "layers": {"lm_head": "int8"}})
     model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=head_only)
-    assert isinstance(model.lm_head, PackedInt8Linear) and type(model.get_input_embeddings()).__name__ == "TiedPackedEmbedding"
+    assert isinstance(model.lm_head, PackedInt8Linear)
+    assert type(model.get_input_embeddings()).__name__ == "TiedPackedEmbedding"
 
 
 def test_exact_kernels_apply_to_the_layers_packed_while_loading(tmp_path):
