@@ -99,7 +99,8 @@ def dense_views(model: nn.Module) -> dict[str, nn.Module]:
 def swap_layers(model: nn.Module, make_layer) -> int:
     """Put ``make_layer(name, fqn, module)`` in the place of each eligible layer (canonical and full name) for which
     it returns a module other than the one there (``None``: keep it); returns how many were swapped. The one loop
-    that replaces layers (as torchao's ``swap_linear_layers``, with the plan or a type test as the filter)."""
+    that replaces layers (as torchao's ``swap_linear_layers``, with the plan or a type test as the filter). The new
+    layer takes the old one's training mode and its forward/backward hooks (:func:`carry_module_state`)."""
     count = 0
     # names first, each module looked up when its turn comes: a list of the modules kept every replaced one alive to
     # the end (re-planning half of a 1B model's weights to int8 held all their INT4 predecessors: +270 MB)
@@ -107,9 +108,26 @@ def swap_layers(model: nn.Module, make_layer) -> int:
         module = model.get_submodule(fqn)
         new = make_layer(name, fqn, module)
         if new is not None and new is not module:
+            carry_module_state(module, new)
             set_module(model, fqn, new)
             count += 1
     return count
+
+
+HOOK_DICTS = (
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks",
+)  # fmt: skip
+
+
+def carry_module_state(old: nn.Module, new: nn.Module) -> None:
+    """``new`` takes ``old``'s training mode and its hook dictionaries themselves (so that the handles the hooks' owners
+    hold still remove them), where ``new`` has none of its own; a swapped layer lost both (``model.eval()`` undone
+    for it, a forward hook no longer called)."""
+    new.train(old.training)
+    for attr in HOOK_DICTS:
+        if getattr(old, attr, None) and not getattr(new, attr, None):
+            setattr(new, attr, getattr(old, attr))
 
 
 def set_module(model: nn.Module, fqn: str, new: nn.Module) -> None:

@@ -54,6 +54,28 @@ def test_apply_plan_is_idempotent_and_revertible(llama):
     assert not hasattr(llama, "hf_lowprec_plan")
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int4-g32"])
+def test_a_swapped_layer_keeps_its_training_mode_and_hooks_both_ways(llama, fmt):
+    """Conversion and revert carry the layer's training mode and its forward hooks over (a swapped layer came back in
+    training mode after ``model.eval()``, and a hook registered on it was no longer called); the hook's handle still
+    removes it from the layer in its place."""
+    llama.eval()
+    calls = []
+    handle = llama.model.layers[0].mlp.up_proj.register_forward_hook(lambda *_: calls.append(1))
+    ids = torch.randint(0, 256, (1, 8))
+    apply_plan(llama, fmt)
+    up = llama.model.layers[0].mlp.up_proj
+    assert isinstance(up, LOW_PRECISION_TYPES) and not up.training and not any(m.training for m in llama.modules())
+    llama(input_ids=ids)
+    revert(llama)
+    assert type(llama.model.layers[0].mlp.up_proj) is torch.nn.Linear and not llama.model.layers[0].mlp.up_proj.training
+    llama(input_ids=ids)
+    assert len(calls) == 2
+    handle.remove()
+    llama(input_ids=ids)
+    assert len(calls) == 2
+
+
 def test_revert_through_a_peft_wrapper(llama):
     """A PeftModel forwards attribute reads to the model it wraps: revert finds the plan there, not on the wrapper."""
     apply_plan(llama, PrecisionPlan({"*.mlp.*": "int4-g64"}, default="fp8"))
