@@ -4,19 +4,24 @@ or not) outside PEFT adapters, named without PEFT's wrappers; and the one helper
 
 from __future__ import annotations
 
+import re
+
 from torch import nn
 
 from hf_lowprec.modules import LOW_PRECISION_TYPES, PackedEmbedding, PackedLinear
 
 PEFT_PREFIX = "base_model.model."
-ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector", "modules_to_save")
+# PEFT's adapters, and the frozen original a modules_to_save layer keeps beside the copy it trains and runs
+ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector", "original_module")
+_TRAINED_COPY = re.compile(r"\.modules_to_save\.[^.]+")  # PEFT's modules_to_save wrapper's copy, per adapter
 
 
 def canonical_name(fqn: str) -> str:
-    """Module name without PEFT's wrappers (``base_model.model.`` prefix, ``.base_layer`` parts)."""
+    """Module name without PEFT's wrappers (``base_model.model.`` prefix, ``.base_layer`` parts, the
+    ``.modules_to_save.<adapter>`` of a layer PEFT trains whole: its trained copy is the layer)."""
     if fqn.startswith(PEFT_PREFIX):
         fqn = fqn[len(PEFT_PREFIX) :]
-    return ".".join(p for p in fqn.split(".") if p != "base_layer")
+    return ".".join(p for p in _TRAINED_COPY.sub("", fqn).split(".") if p != "base_layer")
 
 
 def _is_eligible(module: nn.Module) -> bool:

@@ -76,6 +76,24 @@ def test_a_swapped_layer_keeps_its_training_mode_and_hooks_both_ways(llama, fmt)
     assert len(calls) == 2
 
 
+def test_a_layer_peft_trains_whole_is_planned_by_its_own_name_and_converts_its_trained_copy(llama):
+    """``modules_to_save=["lm_head"]``: PEFT trains and runs a copy of the head, keeping the original frozen beside it.
+    The plan names it ``lm_head`` (refused before: a ModulesToSaveWrapper) and converts the copy that runs; the
+    unused original is no layer of the plan (it was converted and reported as ``lm_head.original_module``)."""
+    model = get_peft_model(llama, LoraConfig(target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    wrapper = model.base_model.model.lm_head
+    assert [n for n in eligible_layers(model) if "lm_head" in n] == ["lm_head"]
+    apply_plan(model, PrecisionPlan({"lm_head": "int4-g32"}, default="bf16"))
+    assert isinstance(wrapper.modules_to_save["default"], Int4Linear) and type(wrapper.original_module) is nn.Linear
+    ids = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        hidden = model.base_model.model.model(input_ids=ids).last_hidden_state
+        torch.testing.assert_close(logits, wrapper.modules_to_save["default"](hidden))  # the copy computed them
+    revert(model)
+    assert type(wrapper.modules_to_save["default"]) is nn.Linear
+
+
 def test_revert_through_a_peft_wrapper(llama):
     """A PeftModel forwards attribute reads to the model it wraps: revert finds the plan there, not on the wrapper."""
     apply_plan(llama, PrecisionPlan({"*.mlp.*": "int4-g64"}, default="fp8"))
