@@ -25,13 +25,13 @@ def canonical_name(fqn: str) -> str:
 
 
 def _is_eligible(module: nn.Module) -> bool:
-    """A layer a plan converts: an ``nn.Linear``/``nn.Embedding`` (or a subclass computing as it does), or one
-    hf-lowprec converted. A subclass with a forward of its own computes something else (Llama-4's router, an
-    ``nn.Linear`` returning scores and logits): a swapped layer would not, so it is left as it is (unconverted)."""
-    if isinstance(module, LOW_PRECISION_TYPES):
+    """A layer a plan converts: an ``nn.Embedding`` (Gemma's scaled one too: its scale is read, ``embedding_scale``),
+    an ``nn.Linear`` (or a subclass computing as it does), or one hf-lowprec converted. An ``nn.Linear`` subclass
+    with a forward of its own computes something else (Llama-4's router returns scores and logits): a swapped layer
+    would not, so it is left as it is (unconverted)."""
+    if isinstance(module, (nn.Embedding, *LOW_PRECISION_TYPES)):
         return True
-    kind = next((k for k in (nn.Linear, nn.Embedding) if isinstance(module, k)), None)
-    return kind is not None and type(module).forward is kind.forward
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
 def walk_layers(model: nn.Module):
@@ -55,11 +55,12 @@ def unconverted_layers(model: nn.Module) -> dict[str, nn.Module]:
     hf-lowprec converts none of them, so a plan cannot put them in a low-precision format. Convolutions (a vision
     tower's patch embedding) are not counted."""
     found = {}
+    layers = [fqn for fqn, module in model.named_modules() if _is_eligible(module)]
     for fqn, module in model.named_modules():
-        if any(p in ADAPTER_PARTS for p in fqn.split(".")) or _is_eligible(module):
-            continue
-        if not isinstance(module, nn.modules.conv._ConvNd) and matrix_parameters(module):  # its own, not its children's
-            found[canonical_name(fqn)] = module
+        if any(p in ADAPTER_PARTS for p in fqn.split(".")) or any(fqn.startswith(f"{n}.") for n in layers if n):
+            continue  # adapters; the parts of a layer a plan converts (a converted layer's step quantizers)
+        if not (_is_eligible(module) or isinstance(module, nn.modules.conv._ConvNd)) and matrix_parameters(module):
+            found[canonical_name(fqn)] = module  # its own matrices, not its children's
     return found
 
 
