@@ -96,6 +96,13 @@ class ScalePolicy(nn.Module):
     def scale(self, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
+    @contextlib.contextmanager
+    def recast(self) -> Iterator[None]:
+        """Within: casts of the tensor this policy's last cast quantized, along another axis (a rowwise or MX
+        backward casts the output gradient per token for grad_x, then per column for grad_W). A policy that decides
+        per tensor (:class:`GradientScaling`) takes its first cast's decision again; the others need nothing."""
+        yield
+
     def _apply(self, fn, recurse=True):
         # statistics stay fp32 when the model is cast (model.to(torch.bfloat16)): only the device follows
         kept = {k: b for k, b in self._buffers.items() if b is not None and b.dtype == torch.float32}
@@ -225,8 +232,10 @@ class GradientScaling(ScalePolicy):
     The first ``warmup`` casts only feed the statistic (dynamic scale, no spike test); all-zero
     gradients are not recorded. With ``sync=True`` the amax and the saturation/underflow fractions are
     reduced with MAX over ranks, so every rank takes the same decisions. Telemetry is always on.
-    Counts are per cast: a rowwise backward casts each gradient twice. ``rescale`` and ``skip`` act on
-    the cast's output in place, in :meth:`observe`.
+    Telemetry counts are per cast: a rowwise backward casts each gradient twice, the second time under
+    :meth:`recast`, which takes the first cast's decision (spike, limit) again and records nothing (judged twice, a
+    spike between 8x and 13.6x the statistic was rescaled for grad_x and only clipped for grad_W, and lowered
+    ``adjust``). ``rescale`` and ``skip`` act on the cast's output in place, in :meth:`observe`.
     """
 
     observes = True
@@ -280,6 +289,16 @@ class GradientScaling(ScalePolicy):
         self.register_buffer("last_spike", torch.zeros((), dtype=torch.bool))
         self.register_buffer("last_shrink", torch.ones(()))
         self.register_buffer("skip_pending", torch.zeros((), dtype=torch.bool))
+        self._last_limit: torch.Tensor | None = None  # the last judged cast's limit (a recast's: the same)
+        self._recasting = False
+
+    @contextlib.contextmanager
+    def recast(self) -> Iterator[None]:
+        self._recasting = True
+        try:
+            yield
+        finally:
+            self._recasting = False
 
     def _statistic(self) -> torch.Tensor:
         if self.statistic == "ema":
@@ -290,11 +309,16 @@ class GradientScaling(ScalePolicy):
     def scale(self, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         a = self._reduce_amax(amax.float().amax())
         amax = a if amax.dim() == 0 else amax.float()  # tensorwise: the (rank-synced) amax
+        if self._recasting and self._last_limit is not None:  # the last cast's tensor again: its decision
+            rescale = self.last_spike & (self.spike_action == "rescale")
+            capped = torch.where(rescale, amax, torch.minimum(amax, self._last_limit))
+            return fp8_scale(capped, dtype, self.power_of_two)
         stat = self._statistic()
         warm = (self.recorded >= self.warmup) & (stat > 0)
         ref = torch.where(warm, stat, a)
         spike = warm & (a > self.spike_threshold * ref)
         limit = ref * torch.exp2(-self.adjust.float())
+        self._last_limit = limit
         rescale = spike if self.spike_action == "rescale" else torch.zeros_like(spike)
         # a rescaled spike is quantized at full resolution, its scale shrunk afterwards (observe)
         capped = torch.where(rescale, amax, torch.minimum(amax, limit))
@@ -324,6 +348,10 @@ class GradientScaling(ScalePolicy):
             scale.div_(self.last_shrink)  # dequantized values shrink by limit / amax
         dropped = spike & (self.spike_action == "skip")
         saturated, underflow = self._count(x, q, scale * self.last_shrink, block, used=~dropped)
+        if self._recasting:  # judged with the first cast: its output dropped alike, nothing else moves
+            if self.spike_action == "skip":
+                q.view(torch.uint8).masked_fill_(spike, 0)
+            return
         if self.sync and _distributed():
             rates = torch.stack((saturated, underflow))
             torch.distributed.all_reduce(rates, op=torch.distributed.ReduceOp.MAX)

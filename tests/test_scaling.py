@@ -1,6 +1,7 @@
 """Scale policies: delayed amax history, the gradient scaler (robust statistic, spikes, power-of-two
 adjustment, cross-rank sync), LSQ steps, FP16 loss scaling, telemetry, state_dict round trips."""
 
+import contextlib
 import copy
 import math
 import os
@@ -166,6 +167,44 @@ def test_an_overflowed_gradient_in_warmup_is_not_recorded(statistic):
     assert torch.isfinite(policy._statistic()) and policy.spikes.item() == 0
     cast_fp8(1000 * g, policy, E5M2, "tensor")
     assert policy.spikes.item() == 1
+
+
+@pytest.mark.parametrize("action", ["rescale", "clip", "skip"])
+def test_a_gradient_cast_along_two_axes_is_judged_once(action):
+    """A rowwise backward casts the output gradient per token (grad_x), then per column (grad_W): the second cast,
+    under ``recast``, takes the first one's decision. Judged twice, a 10x spike raised the statistic at the first cast
+    and passed the second as calm: rescaled for grad_x, only clipped for grad_W, ``adjust`` lowered, recorded twice."""
+    policy = GradientScaling(spike_action=action)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        grad = torch.randn(64, 64, generator=g)
+        cast_fp8(grad, policy, E5M2, "row", dim=-1)
+        with policy.recast():
+            cast_fp8(grad, policy, E5M2, "row", dim=0)
+    before = {k: getattr(policy, k).clone() for k in ("recorded", "adjust", "running_amax", "spikes")}
+    assert before["recorded"].item() == 10 and before["adjust"].item() == 0
+    spike = 10 * torch.randn(64, 64, generator=g)
+    outs = []
+    for dim, context in ((-1, contextlib.nullcontext()), (0, policy.recast())):
+        with context:
+            q, scale = cast_fp8(spike, policy, E5M2, "row", dim=dim)
+        outs.append(dequantize_fp8(q, scale))
+    assert policy.spikes.item() == 1 and policy.recorded.item() == 11 and policy.adjust.item() == 0
+    by_rows, by_columns = (o.abs().amax().item() for o in outs)
+    assert by_rows == pytest.approx(by_columns, rel=0.3)  # one treatment: both rescaled, clipped or dropped alike
+    if action == "skip":
+        assert by_rows == by_columns == 0.0
+    else:
+        assert by_rows < 0.5 * spike.abs().amax().item()
+
+
+def test_a_rowwise_fp8_backward_records_its_gradient_once():
+    """End to end: one backward of a rowwise FP8 layer with the gradient scaler records one amax per gradient."""
+    for spec in ("fp8-rowwise", "fp8-mx"):
+        layer = FP8Linear(64, 32, spec=spec, backend="emulated", policies={"grad": GradientScaling()})
+        x = torch.randn(8, 64, requires_grad=True)
+        layer(x).sum().backward()
+        assert layer.scaling["grad"].recorded.item() == 1 and layer.scaling["grad"].tele_casts.item() == 2
 
 
 def test_outlier_clipped_instead_of_flushing_everything_else_to_zero():

@@ -131,7 +131,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         if gran == "mx":
             x, weight = ctx.saved_tensors
             grad_x = _mx_mm(g, pol["grad"], gdt, weight, pol["weight"], E4M3, out_dtype)  # [T, N] @ [N, K]
-            grad_w = _mx_mm(g.t(), pol["grad"], gdt, x, pol["input"], E4M3, out_dtype)  # [N, T] @ [T, K]
+            with pol["grad"].recast():  # the same gradient: judged once (GradientScaling)
+                grad_w = _mx_mm(g.t(), pol["grad"], gdt, x, pol["input"], E4M3, out_dtype)  # [N, T] @ [T, K]
             return grad_x, grad_w, None
         if gran == "block":
             xq, sx, wq, sw = ctx.saved_tensors
@@ -154,7 +155,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         wq, sw = cast_fp8(weight, pol["weight"], E4M3, "row", dim=0)
         grad_x = scaled_mm_emulated(gq, sg, wq, sw, out_dtype)
         # grad_W [N, K] = g^T [N, T] @ x [T, K]: both scaled per column (over tokens)
-        gq_c, sg_c = cast_fp8(g, pol["grad"], gdt, "row", dim=0)
+        with pol["grad"].recast():  # the same gradient: judged once (GradientScaling)
+            gq_c, sg_c = cast_fp8(g, pol["grad"], gdt, "row", dim=0)
         xq_c, sx_c = cast_fp8(x, pol["input"], E4M3, "row", dim=0)
         grad_w = scaled_mm_emulated(gq_c.t(), sg_c.t(), xq_c, sx_c, out_dtype)
         return grad_x, grad_w, None
