@@ -19,8 +19,8 @@ out for evaluation), side by side in one process:
 - ``auto plan (steps 10x)``: an ablation, the same with the INT4 layers' learned (LSQ) steps at 10x the rate
   (2026-12-03, 200 steps, seed 0, vs bf16 of that seed: served 1.033x, INT4 packed 1.023x, against 1.025x and 1.020x
   at one rate; ``results/finetune_quality_steps_lr.json``);
-- ``int4 LoRA``: the ``int4-ondevice-lora`` recipe's model: packed INT4 base (int4-g64-asym, GPTQ
-  rounding) + LoRA r=16 on every linear; only the adapters train (10x the full fine-tuning learning rate,
+- ``int4 LoRA``: a packed INT4 base (int4-g64-asym, GPTQ rounding; the ``int4-ondevice-lora`` recipe's of
+  2026-12-02, which now rounds to nearest with LoftQ and learned zero points) + LoRA r=16 on every linear; only the adapters train (10x the full fine-tuning learning rate,
   as usual for LoRA).
 
 Reports held-out perplexity before and after ``--steps`` steps and the gap to bf16; for the full fine-tuning runs in low

@@ -9,10 +9,10 @@ peak RSS (``ru_maxrss``, loading included) is its own.
     python benchmarks/ondevice.py demo [--steps 50]                            # the CLI default, end to end
     python benchmarks/ondevice.py plot                                         # PNG from the JSON
 
-Configurations (``speed`` runs each with and without gradient checkpointing = "equal settings"; its
-own default is marked): fp32 LoRA, bf16 LoRA with PEFT's fp32 adapters and with bf16 adapters, bnb NF4
+Configurations (``speed`` runs each with and without gradient checkpointing = "equal settings", each with its own
+default optimizer: 8-bit AdamW for hf-lowprec, torch's AdamW for the peers; its own default is marked): fp32 LoRA, bf16 LoRA with PEFT's fp32 adapters and with bf16 adapters, bnb NF4
 QLoRA (double quant, bf16 compute), hf-lowprec INT4 LoRA (``INT4_DEFAULT``: the int4-ondevice-lora recipe's
-base, every linear but lm_head int4-g64-asym with its steps and zero points learned; LoftQ; chunked loss; int8-stored
+base, every linear but lm_head int4-g64-asym with its zero points learned; LoftQ; chunked loss; int8-stored
 activations unless checkpointing). Peers compute their loss the way
 transformers does (full logits). ``--int4-variants`` name other INT4 settings (see ``parse_variant``).
 

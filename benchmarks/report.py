@@ -365,8 +365,8 @@ def outliers_section(data: dict | None) -> list[str]:
     for shape, row in (data.get("cost") or {}).items():
         if shape == list(data["cost"])[0]:
             lines += ["", f"Cost on the {data['cpu_class']} CPU ({data['machine']}, {data['threads']} threads), "
-                      f"forward+backward of one layer ({st['tokens_timed']} tokens, bf16 autocast, median of "
-                      f"{st['repeats']}), time vs the bf16 layer / vs the same format without `-rht` or `-sq`:\n",
+                      f"forward+backward of one layer ({st['tokens_timed']} tokens, bf16 autocast, fastest of "
+                      f"{st['repeats']} interleaved calls), time vs the bf16 layer / vs the same format without `-rht` or `-sq`:\n",
                       "| shape | " + " | ".join(row) + " |", "|---|" + "---|" * len(row)]  # fmt: skip
         lines.append(f"| {shape} | " + " | ".join(f"{r['vs_bf16']:.2f}x / {r['vs_plain']:.2f}x" for r in row.values()) + " |")
     return lines + ["", "![outliers](outliers.png)", ""]

@@ -383,9 +383,10 @@ def goals(results: list[dict]) -> dict:
     return out
 
 
-def summary(results: list[dict]) -> dict:
-    """What scale.json holds: the machine, the settings, every run, the fits and the goals."""
-    return {"machine": machine(), "steps": STEPS, "lora": LORA, "block": BLOCK, "results": results, "fit": fit(results),
+def summary(results: list[dict], steps: int = STEPS) -> dict:
+    """What scale.json holds: the machine, the settings (``steps``: the timed steps of this sweep; each row names its
+    own), every run, the fits and the goals."""
+    return {"machine": machine(), "steps": steps, "lora": LORA, "block": BLOCK, "results": results, "fit": fit(results),
             "goals": goals(results)}  # fmt: skip
 
 
@@ -440,7 +441,7 @@ def sweep(args) -> None:
         for config in args.configs:
             done[(size, config)] = {**run_config(size, config, folder, args.steps), "steps": args.steps,
                                     "measured": time.strftime("%Y-%m-%d")}  # fmt: skip
-            data = summary(list(done.values()))
+            data = summary(list(done.values()), args.steps)
             write_json(f"{stem}.json", data)
             plot(data, RESULTS / f"{stem}.png")
     print(json.dumps({"fit": data["fit"], "goals": data["goals"]}, indent=1))
