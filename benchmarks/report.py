@@ -112,7 +112,8 @@ def layers_section(layers: dict | None) -> list[str]:
     lines = [
         "## One linear layer, per format\n",
         f"2048x2048 linear, {layers['shape']['tokens'][0]}x{layers['shape']['tokens'][1]} tokens, forward+backward, "
-        f"median of {layers['repeat']} interleaved runs. Saved activations = bytes autograd keeps for backward.\n",
+        f"median of {layers['repeat']} interleaved runs, {_cpu(layers)}. Saved activations = bytes autograd keeps for "
+        "backward.\n",
         "| format | step ms | vs bf16 | saved activations vs bf16 |",
         "|---|---|---|---|",
     ]
@@ -132,12 +133,21 @@ def memory_ratio(memory: dict | None) -> float | None:
     return peaks[MEMORY_D] / peaks["b_bf16_amp"] if {MEMORY_D, "b_bf16_amp"} <= peaks.keys() else None
 
 
+def _cpu(data: dict) -> str:
+    """The CPU a results file ran on, as the report names it (files written before the scripts recorded it: so
+    said)."""
+    if "cpu_class" not in data:
+        return "CPU not recorded (an older results file)"
+    return f"{data['machine']} ({data['cpu_class']})"
+
+
 def memory_section(memory: dict | None) -> list[str]:
     lines = ["## Training memory (benchmarks/memory.py)\n"]
     if not memory:
         return lines + ["not measured\n"]
     lines += [f"SmolLM2-135M's architecture (random weights), batch 4x256, one measured step after a warm-up, one thread, "
-              f"{memory.get('allocator', 'default')} allocator. (b) = bf16 autocast with fp32 master weights and AdamW.\n",
+              f"{memory.get('allocator', 'default')} allocator, {_cpu(memory)}. (b) = bf16 autocast with fp32 master "
+              "weights and AdamW; the step times are one step each on a shared machine: rough.\n",
               "| configuration | peak RSS MB | vs (b) | state bytes/param | step s | vs (b) |", "|---|---|---|---|---|---|"]  # fmt: skip
     rows = [r for r in memory.get("results", []) if "peak_rss_mb" in r]
     base = next((r for r in rows if r["config"] == "b_bf16_amp"), None)
