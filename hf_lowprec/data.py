@@ -597,8 +597,20 @@ def prepare_classification_data(
     if max_rows is not None:
         ds = ds.select(range(min(max_rows, len(ds))))
     texts = [_text(t, cols.text, row) for row, t in enumerate(ds[cols.text])]
+    labels = [_class_id(v, name, label_column, row) for row, v in enumerate(ds[label_column])]
     enc = tokenizer(texts, truncation=True, max_length=max_length)
-    return datasets.Dataset.from_dict({**enc, "labels": [int(v) for v in ds[label_column]]})
+    return datasets.Dataset.from_dict({**enc, "labels": labels})
+
+
+def _class_id(value, name: str, column: str, row: int) -> int:
+    """``value`` as an integer class id; ``ValueError`` naming the column and row otherwise (int() named neither)."""
+    integral = isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
+    if not integral:
+        raise ValueError(
+            f"data {name!r}: column {column!r} must hold integer class ids (0, 1, ...); row {row} holds "
+            f"{type(value).__name__} {value!r}"
+        )
+    return int(value)
 
 
 def collated_batches(dataset, collator, batch_size: int) -> Iterator[dict]:

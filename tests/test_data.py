@@ -251,6 +251,18 @@ def test_sharegpt_rows_and_completion_only_labels(tmp_path, tok):
         prepare_lm_data(text, "plain", tok, 64, train_on="completions")
 
 
+def test_classification_labels_that_are_no_class_ids_are_named_with_their_row(tok):
+    """String or missing labels: one line naming the column, the row and the value (``int()``'s message named none)."""
+    for labels, held in ((["pos", "neg"], "str 'pos'"), ([1, None], "NoneType None"), ([0, 1.5], "float 1.5")):
+        ds = datasets.Dataset.from_dict({"text": ["good", "bad"], "label": labels})
+        row = 0 if labels[0] == "pos" else 1
+        said = rf"data 'cls': column 'label' must hold integer class ids \(0, 1, \.\.\.\); row {row} holds {held}"
+        with pytest.raises(ValueError, match=said):
+            prepare_classification_data(ds, "cls", tok, 16)
+    floats = datasets.Dataset.from_dict({"text": ["a", "b"], "label": [1, 0.0]})  # a float column of whole numbers
+    assert prepare_classification_data(floats, "cls", tok, 16)["labels"] == [1, 0]
+
+
 def test_held_out_rows_too_short_for_a_block_are_refused_not_replaced_by_trained_text(tok):
     """Rows are held out as rows, so that evaluated text was never trained on: held-out rows too short for one block
     are refused (the last training blocks were evaluated instead, a document cut between the two); data of one row
