@@ -55,9 +55,10 @@ def unconverted_layers(model: nn.Module) -> dict[str, nn.Module]:
     hf-lowprec converts none of them, so a plan cannot put them in a low-precision format. Convolutions (a vision
     tower's patch embedding) are not counted."""
     found = {}
-    layers = [fqn for fqn, module in model.named_modules() if _is_eligible(module)]
+    layers = {fqn for fqn, module in model.named_modules() if _is_eligible(module)}
     for fqn, module in model.named_modules():
-        if any(p in ADAPTER_PARTS for p in fqn.split(".")) or any(fqn.startswith(f"{n}.") for n in layers if n):
+        parts = fqn.split(".")
+        if any(p in ADAPTER_PARTS for p in parts) or any(".".join(parts[:i]) in layers for i in range(1, len(parts))):
             continue  # adapters; the parts of a layer a plan converts (a converted layer's step quantizers)
         if not (_is_eligible(module) or isinstance(module, nn.modules.conv._ConvNd)) and matrix_parameters(module):
             found[canonical_name(fqn)] = module  # its own matrices, not its children's
