@@ -128,16 +128,23 @@ def _checkpoint_step(checkpoint: Path) -> int:
 def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool, source: str | None = None) -> RunFolder:
     """Check the output folder before anything heavy runs (never touches ``out`` itself). ``--overwrite`` replaces
     only an empty folder or an hf-lowprec run or export (one holding ``hf_lowprec_run.json``), never the folder of
-    ``source``, the model the run starts from (refused at export, it cost the whole run first)."""
+    ``source``, the model the run starts from, nor a folder holding it (refused at export, it cost the whole run
+    first; a folder around the model was replaced with it inside)."""
     run = RunFolder(Path(out))
     if run.out.exists() and not run.out.is_dir():
         ui.fail(f"output {str(run.out)!r} exists and is not a folder")
     ui.check_output_location(run.out, "output")
     if source is not None and (model := Path(source).expanduser()).exists() and run.out.exists():
-        if (model if model.is_dir() else model.parent).resolve() == run.out.resolve():
+        folder, out = (model if model.is_dir() else model.parent).resolve(), run.out.resolve()
+        if folder == out:
             ui.fail(
                 f"--output-dir {str(run.out)!r} is the folder the model is loaded from, which is never replaced (not "
                 "even with --overwrite); choose another --output-dir"
+            )
+        if folder.is_relative_to(out):
+            ui.fail(
+                f"--output-dir {str(run.out)!r} holds the folder the model is loaded from ({source!r}), which is never "
+                "replaced (not even with --overwrite); choose another --output-dir"
             )
     if resume:
         if run.latest_checkpoint() is None:

@@ -71,10 +71,10 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool, source: str | os.P
         return
     if not overwrite:
         raise ValueError(f"output folder {str(out)!r} already exists; pass overwrite=True to replace it")
-    if source is not None and Path(source).is_dir() and Path(source).resolve() == out.resolve():
+    if source is not None and Path(source).is_dir() and Path(source).resolve().is_relative_to(out.resolve()):
         raise ValueError(
-            f"output folder {str(out)!r} is the checkpoint the model was loaded from, which overwrite=True does not "
-            "replace; write to another folder"
+            f"output folder {str(out)!r} is or holds the checkpoint the model was loaded from, which overwrite=True "
+            "does not replace; write to another folder"
         )
     if not any((out / marker).is_file() for marker in MODEL_MARKERS):
         raise ValueError(

@@ -212,6 +212,13 @@ def test_overwrite_replaces_only_empty_folders_and_runs(ws, tmp_path, caplog):
         text = one_error_line(cli(*onto_itself, flag))
         assert f"--output-dir '{empty}' is the folder the model is loaded from, which is never replaced" in text
     assert not (tmp_path / "empty.incomplete").exists() and (empty / RUN_FILE).is_file()
+    # a model inside the output folder: --overwrite replaced the folder with the model in it (the run record then
+    # named a base that no longer existed)
+    inner = shutil.copytree(ws / "tiny", empty / "inner")
+    around = ["finetune", inner, "--data", ws / "corpus.txt", "--recipe", "qat-int4", *QUICK, "-o", empty, "--overwrite"]
+    text = one_error_line(cli(*around))
+    assert f"--output-dir '{empty}' holds the folder the model is loaded from ('{inner}'), which is never" in text
+    assert (inner / "config.json").is_file() and (empty / RUN_FILE).is_file()
 
 
 def test_a_run_interrupted_after_its_last_step_resumes_to_the_whole_runs_figures(ws, tmp_path, monkeypatch):

@@ -550,7 +550,7 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
         *((lambda m, out, overwrite: export_model(m, None, out, {}, overwrite=overwrite), m) for m in (model, dense)),
     ]
     for write, written in writes:
-        with pytest.raises(ValueError, match="is the checkpoint the model was loaded from, which overwrite=True does"):
+        with pytest.raises(ValueError, match="is or holds the checkpoint the model was loaded from, which overwrite=True"):
             write(written, tmp_path / "plain", overwrite=True)
     assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == before
 
