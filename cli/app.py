@@ -855,7 +855,7 @@ def export_cmd(
         ),
     ] = None,
     overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace an existing --out folder (an hf-lowprec export or empty).")
+        bool, typer.Option("--overwrite", help="Replace an existing --out folder (an hf-lowprec export or empty; never a finetune run).")
     ] = False,
     repo_id: Annotated[
         Optional[str],
@@ -871,11 +871,16 @@ def export_cmd(
     from hf_lowprec.cli.run import check_replaceable
 
     from hf_lowprec.export.folder import EXPORT_FORMATS, export_run, run_formats
-    from hf_lowprec.export.records import read_run
+    from hf_lowprec.export.records import RUN_ONLY, read_run
     from hf_lowprec.ondevice.export import adapter_folder
 
     ui.check_output_location(Path(out), "--out")
     check_replaceable(Path(out), overwrite, "export", "--out")
+    if held := [name for name in RUN_ONLY if (Path(out) / name).exists()]:  # --overwrite replaced a run's training
+        ui.fail(
+            f"--out: {str(out)!r} is a finetune run folder (it holds {', '.join(held)}), which export does not "
+            "replace (not even with --overwrite); choose another --out"
+        )
     if merge_into is not None and merge_into not in ("int4", "bf16", "fp32"):
         ui.fail(f"--merge-into {merge_into!r}: choose one of int4, bf16, fp32")
     if weights_format not in EXPORT_FORMATS:

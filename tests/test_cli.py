@@ -760,6 +760,13 @@ def test_bad_inputs_fail_with_one_line(ws, tmp_path):
     into_itself = one_error_line(cli("export", tmp_path / "full-run", "--out", tmp_path / "full-run", "--overwrite"))
     assert "is the run folder" in into_itself and "itself, inside it or around it" in into_itself
     assert [p.name for p in (tmp_path / "full-run").iterdir()] == [RUN_FILE]
+    other_run = tmp_path / "other-run"  # a finetune run's folder (its log): export --overwrite replaced it
+    other_run.mkdir()
+    (other_run / RUN_FILE).write_text("{}")
+    (other_run / "log_history.json").write_text("[]")
+    text = one_error_line(cli("export", tmp_path / "full-run", "--out", other_run, "--overwrite"))
+    assert f"--out: '{other_run}' is a finetune run folder (it holds log_history.json), which export does not" in text
+    assert sorted(p.name for p in other_run.iterdir()) == [RUN_FILE, "log_history.json"]
 
 
 def test_empty_or_malformed_data_and_a_split_a_file_lacks_fail_with_one_line(ws, tmp_path):

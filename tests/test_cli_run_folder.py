@@ -215,8 +215,8 @@ def test_overwrite_replaces_only_empty_folders_and_runs(ws, tmp_path, caplog):
     # a model inside the output folder: --overwrite replaced the folder with the model in it (the run record then
     # named a base that no longer existed)
     inner = shutil.copytree(ws / "tiny", empty / "inner")
-    around = ["finetune", inner, "--data", ws / "corpus.txt", "--recipe", "qat-int4", *QUICK, "-o", empty, "--overwrite"]
-    text = one_error_line(cli(*around))
+    around = ["finetune", inner, "--data", ws / "corpus.txt", "--recipe", "qat-int4", *QUICK, "-o", empty]
+    text = one_error_line(cli(*around, "--overwrite"))
     assert f"--output-dir '{empty}' holds the folder the model is loaded from ('{inner}'), which is never" in text
     assert (inner / "config.json").is_file() and (empty / RUN_FILE).is_file()
 
