@@ -855,7 +855,8 @@ def export_cmd(
         ),
     ] = None,
     overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace an existing --out folder (an hf-lowprec export or empty; never a finetune run).")
+        bool,
+        typer.Option("--overwrite", help="Replace an existing --out folder (an hf-lowprec export or empty; not a run)."),
     ] = False,
     repo_id: Annotated[
         Optional[str],
