@@ -535,7 +535,7 @@ def prepare_lm_data(
         raise ValueError(
             (
                 f"data {name!r} gives no complete block of {block_size} tokens to evaluate on; lower --block-size or "
-                + ("add data" if eval_only else "add rows or raise data.eval_fraction")
+                + ("add data" if eval_only else "add rows (finetune: or raise data.eval_fraction)")
             )
             if not held_left_out
             else f"data {name!r} leaves nothing to evaluate on: its held-out chat rows all have "

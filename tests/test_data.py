@@ -270,7 +270,7 @@ def test_held_out_rows_too_short_for_a_block_are_refused_not_replaced_by_trained
     text = corpus_text(20_000)
     rows = [text[i * 400 : (i + 1) * 400] for i in range(19)] + ["short."]
     with pytest.raises(ValueError, match=r"data 'rows' gives no complete block of 32 tokens to evaluate on; lower "
-                                         r"--block-size or add rows or raise data.eval_fraction"):  # fmt: skip
+                                         r"--block-size or add rows \(finetune: or raise data.eval_fraction\)"):  # fmt: skip
         prepare_lm_data(datasets.Dataset.from_dict({"text": rows}), "rows", tok, 32, eval_fraction=0.05)
     one = prepare_lm_data(datasets.Dataset.from_dict({"text": [text]}), "one", tok, 32)
     whole = _reference_blocks([text], tok, 32)
