@@ -402,6 +402,14 @@ def make_policy(name: str, **kwargs) -> ScalePolicy:
     return cls(**kwargs)
 
 
+def needs_tensorwise(formats: list[str]) -> str:
+    """Why delayed scaling cannot scale ``formats`` (rowwise/block FP8), and what to choose instead."""
+    return (
+        f"needs tensorwise fp8 (format 'fp8'), not {', '.join(formats)}; choose scaler 'dynamic' or 'gradient' for "
+        "rowwise/blockwise layers"
+    )
+
+
 @dataclass(frozen=True)
 class PolicyFactory:
     """``(layer name, role, spec) -> ScalePolicy`` for :func:`hf_lowprec.convert.apply_plan`.
@@ -431,10 +439,7 @@ class PolicyFactory:
         if role not in ROLES:
             raise ValueError(f"unknown tensor role {role!r}; choose one of {', '.join(ROLES)}")
         if self.scaler == "delayed" and spec.granularity != "tensor":
-            raise ValueError(
-                f"layer {name!r}: delayed scaling needs tensorwise fp8 (format 'fp8'), not {spec.name}; "
-                "choose scaler 'dynamic' or 'gradient' for rowwise/blockwise layers"
-            )
+            raise ValueError(f"layer {name!r}: delayed scaling {needs_tensorwise([spec.name])}")
         pow2 = spec.granularity != "tensor" if self.power_of_two is None else self.power_of_two
         common = {"telemetry": self.telemetry, "sync": self.sync}
         if role == "grad" or self.scaler == "delayed":

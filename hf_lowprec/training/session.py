@@ -26,7 +26,7 @@ from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import output_head_name
 from hf_lowprec.modules.fp8 import FP8_BACKENDS
 from hf_lowprec.plan import PrecisionPlan, format_shares, is_auto, kept_label, names_a_format, resolve_plan
-from hf_lowprec.scaling import TELEMETRY_PREFIX, make_policy_factory
+from hf_lowprec.scaling import TELEMETRY_PREFIX, make_policy_factory, needs_tensorwise
 from hf_lowprec.training.compensation import METHODS as COMPENSATIONS
 from hf_lowprec.training.new_parameters import align_new_parameters
 from hf_lowprec.training.telemetry import collect_telemetry
@@ -212,10 +212,7 @@ class LowPrecisionSession:
         planned = [FormatSpec.parse(f) for f in planned]
         not_tensorwise = [s.name for s in planned if s.family == "fp8" and s.granularity != "tensor"]
         if scaler == "delayed" and not_tensorwise:  # now, not at the first layer (after an auto plan's scan)
-            raise ValueError(
-                f"scaler 'delayed' needs tensorwise fp8 (format 'fp8'), not {', '.join(not_tensorwise)}; choose scaler "
-                "'dynamic' or 'gradient' for rowwise/blockwise layers"
-            )
+            raise ValueError(f"scaler 'delayed' {needs_tensorwise(not_tensorwise)}")
         self.keep = keep
         self.budget, self.formats = budget, tuple(formats)
         self.calibration_batches, self.scan_method, self.seed = calibration_batches, scan_method, seed
