@@ -160,17 +160,24 @@ def _load_files(builder: str, files: list[str], name: str) -> datasets.Dataset:
 
 
 def _read_error(builder: str, files: list[str], e: Exception) -> str:
-    """Why datasets could not read ``files``, in one line: an empty file, the first line of a JSON file that does not
-    parse, else the innermost message datasets kept."""
+    """Why datasets could not read ``files``, in one line: an empty file (a CSV file's header alone), the first line of
+    a JSON file that does not parse, else the innermost message datasets kept."""
     for f in files:
         size = Path(f).stat().st_size
         if size == 0 or (size < 65536 and builder in ("text", "json") and not Path(f).read_bytes().strip()):
             return f"{f!r} is empty" if len(files) > 1 else "the file is empty"
+        if builder == "csv" and size < 65536 and _lines(Path(f)) <= 1:
+            return f"{f!r} has a header and no rows" if len(files) > 1 else "the file has a header and no rows"
     if builder == "json":
         for f in files:
             if (where := _json_error(Path(f))) is not None:
                 return where if len(files) == 1 else f"{f}: {where}"
     return _first_line(e)
+
+
+def _lines(path: Path) -> int:
+    """Number of non-blank lines of small text file ``path``."""
+    return sum(1 for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip())
 
 
 def _json_error(path: Path) -> str | None:
