@@ -148,8 +148,9 @@ def test_empty_and_malformed_files_say_why_they_cannot_be_read(tmp_path):
     assert str(bad.value).endswith("as json: line 2: Expecting property name enclosed in double quotes (column 2): '{not json'")
     with pytest.raises(ValueError, match=r"as json: line 3: Expecting value \(column 12\)$"):
         read_source(tmp_path / "bad.json")  # one JSON document over several lines: its line and column
-    (tmp_path / "header.csv").write_text("prompt,completion\n\n")  # datasets: 'Instruction "train" corresponds to no data!'
-    with pytest.raises(ValueError, match=r"could not read data '.*header.csv' as csv: the file has a header and no rows$"):
+    # datasets says 'Instruction "train" corresponds to no data!'
+    (tmp_path / "header.csv").write_text("prompt,completion\n\n")
+    with pytest.raises(ValueError, match=r"data '.*header.csv' as csv: the file has a header and no rows$"):
         read_source(tmp_path / "header.csv")
     (tmp_path / "folder").mkdir()
     (tmp_path / "folder" / "a.jsonl").write_text('{"text": "a"}\n')
