@@ -5,6 +5,12 @@ use it.
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import logging
+import textwrap
+
 import torch
 import torch.nn.functional as F
 from peft import PeftModel
@@ -16,6 +22,7 @@ from hf_lowprec.modules.packed import AUTOTUNE_OUTPUTS, compiled, consumable_gra
 # most logits of one chunk (tokens x vocabulary): 128 tokens of a 49k vocabulary; at a 128k vocabulary, 65 tokens,
 # which keeps a chunk's logits, their fp32 loss and gradient near 100 MB instead of 200 (Llama-3.2-1B, scale.py)
 CHUNK_LOGITS = AUTOTUNE_OUTPUTS  # the packed layers time a head this wide at the rows of one chunk
+logger = logging.getLogger(__name__)
 
 
 def cross_entropy_with_grad(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,8 +109,8 @@ def chunked_causal_lm_loss(
 
     Runs the decoder, then the output head and the loss over ``chunk_tokens`` tokens at a time, fewer where the
     vocabulary would make a chunk's logits exceed ``CHUNK_LOGITS`` (see
-    :class:`_ChunkedLMLoss`). Falls back to the model's full logits when the model has no ``get_decoder``, scales
-    or caps its logits, or when its output head trains.
+    :class:`_ChunkedLMLoss`). Falls back to the model's full logits when the model has no ``get_decoder``, makes
+    its logits otherwise than by its head alone (scaled, capped: :func:`chunkable_head`), or when its head trains.
     """
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     targets = (input_ids if labels is None else labels)[:, 1:]
@@ -142,13 +149,105 @@ def summed_chunked_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Mod
 
 
 def chunkable_head(base: nn.Module) -> nn.Module | None:
-    """The output head when the loss may run it in chunks (frozen, or under ``torch.no_grad``: its weight gradient is
-    the one thing the chunks do not give; its logits used as they are), else ``None``."""
+    """The output head when the loss may run it in chunks, else ``None``: when it is frozen (or under
+    ``torch.no_grad``: its weight gradient is the one thing the chunks do not give) and its output is the model's
+    logits (:func:`_head_alone_gives_logits`)."""
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if head is None or not hasattr(base, "get_decoder"):
+    if head is None or head is not getattr(base, "lm_head", None) or not hasattr(base, "get_decoder"):
         return None
     if torch.is_grad_enabled() and any(p.requires_grad for p in head.parameters()):
         return None
-    cfg = getattr(base, "config", None)
-    plain = getattr(cfg, "final_logit_softcapping", None) is None and getattr(cfg, "logit_scale", None) is None
-    return head if plain else None
+    skipped = _head_alone_gives_logits(type(base))
+    if skipped is None or any(_attribute(base, path) is not None for path in skipped):
+        return None
+    return head
+
+
+_NO_HEAD_LINE = "the model's forward computes its logits otherwise than by its output head alone"
+
+
+@functools.cache
+def _head_alone_gives_logits(cls: type) -> tuple[tuple[str, ...], ...] | None:
+    """How ``cls.forward`` turns the decoder's last hidden state into logits, read from its source: ``None`` unless
+    by its output head alone (``logits = self.lm_head(hidden_states[...])``, ``.float()`` and such allowed);
+    else the attribute paths of the ``if self.<path> is not None:`` blocks in between (Gemma's
+    ``config.final_logit_softcapping``), each of which must be ``None`` for the head alone to give the logits.
+
+    Read from the code, not from config fields: transformers' models scale or cap their logits under many names
+    (Granite divides by ``config.logits_scaling``, FalconH1 multiplies by ``lm_head_multiplier``, MiniCPM3 scales
+    the hidden state, Cohere by ``logit_scale``), and a model this does not recognise computes its logits whole."""
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls.forward))).body[0].body
+    except (OSError, TypeError, SyntaxError, IndexError, AttributeError) as e:
+        logger.info("%s: %s (source unreadable: %s); its loss runs on its full logits", cls.__name__, _NO_HEAD_LINE, e)
+        return None
+    start = next((i for i, s in enumerate(body) if _assigns(s, "hidden_states") and "outputs" in ast.unparse(s)), None)
+    end = None if start is None else next((i for i in range(start + 1, len(body)) if _starts_loss(body[i])), None)
+    if end is None:
+        others = ["no decoder output or loss found in it"]
+    else:
+        skipped, others = [], []
+        for statement in body[start + 1 : end]:
+            if not (_is_head_call(statement) or _is_slicing(statement)):
+                path = _none_test(statement)
+                (skipped if path is not None else others).append(path or ast.unparse(statement))
+    if others:
+        logger.info("%s: %s (%s); its loss runs on its full logits", cls.__name__, _NO_HEAD_LINE, others[0][:80])
+        return None
+    return tuple(skipped)
+
+
+def _assigns(statement: ast.stmt, name: str) -> bool:
+    targets = statement.targets if isinstance(statement, ast.Assign) else []
+    return any(isinstance(t, ast.Name) and t.id == name for t in targets)
+
+
+def _starts_loss(statement: ast.stmt) -> bool:
+    return _assigns(statement, "loss") or (isinstance(statement, ast.If) and "labels" in ast.unparse(statement.test))
+
+
+def _is_slicing(statement: ast.stmt) -> bool:
+    """``slice_indices = ...`` or ``hidden_states = slice_logits_to_keep(...)`` (under an ``if`` too, as Gemma-4's):
+    which positions get logits."""
+    if isinstance(statement, ast.If):
+        return not statement.orelse and all(_is_slicing(s) for s in statement.body)
+    return ast.unparse(statement).startswith(("slice_indices = ", "hidden_states = slice_logits_to_keep("))
+
+
+def _is_head_call(statement: ast.stmt) -> bool:
+    """``logits = self.lm_head(hidden_states[...])`` (or ``lm_logits``; its input cast with ``.to``, its output
+    with ``.float()`` / ``.contiguous()``)."""
+    if not (_assigns(statement, "logits") or _assigns(statement, "lm_logits")):
+        return False
+    call = statement.value
+    while _method_call(call, ("float", "contiguous")):
+        call = call.func.value
+    if not (isinstance(call, ast.Call) and ast.unparse(call.func) == "self.lm_head" and len(call.args) == 1):
+        return False
+    arg = call.args[0]
+    if _method_call(arg, ("to",)):
+        arg = arg.func.value
+    return ast.unparse(arg.value if isinstance(arg, ast.Subscript) else arg) == "hidden_states"
+
+
+def _method_call(node: ast.expr, names: tuple[str, ...]) -> bool:
+    """Whether ``node`` is ``<expr>.<one of names>(...)``."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names
+
+
+def _none_test(statement: ast.stmt) -> tuple[str, ...] | None:
+    """``("config", "x")`` for ``if self.config.x is not None: ...`` (no ``else``), else ``None``."""
+    test = getattr(statement, "test", None)
+    if not isinstance(statement, ast.If) or statement.orelse or not isinstance(test, ast.Compare):
+        return None
+    if [type(op) for op in test.ops] != [ast.IsNot] or ast.unparse(test.comparators[0]) != "None":
+        return None
+    path = ast.unparse(test.left).split(".")
+    return tuple(path[1:]) if path[0] == "self" and len(path) > 1 and all(p.isidentifier() for p in path) else None
+
+
+def _attribute(obj, path: tuple[str, ...]):
+    """``obj.<path>``; ``...`` where an attribute is missing."""
+    for name in path:
+        obj = getattr(obj, name, ...)
+    return obj

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import autocast_states, markov_batches, needs_cpp, on_dequant_backend, tiny_llama
+from conftest import VOCAB, autocast_states, markov_batches, needs_cpp, on_dequant_backend, tiny_llama
 from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
 from safetensors.torch import load_file
 from tiny_assets import corpus_text, save_tiny_model
-from transformers import AutoModelForCausalLM, default_data_collator
+from transformers import AutoConfig, AutoModelForCausalLM, default_data_collator
 
 import hf_lowprec.chunked_loss as chunked_loss
 import hf_lowprec.ondevice.train as train_module
@@ -157,6 +157,45 @@ def test_chunked_loss_equals_transformers_loss_and_grads():
     ref.backward()
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
     for a, p in zip(g_ours, model.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "family, config, chunked",
+    [
+        ("llama", {}, True),
+        ("granite", {"logits_scaling": 8.0}, False),  # logits divided by config.logits_scaling
+        ("cohere", {"logit_scale": 0.25}, False),  # multiplied by config.logit_scale
+        ("gemma2", {"final_logit_softcapping": 3.0}, False),  # capped
+        ("gemma2", {"final_logit_softcapping": None}, True),  # the cap's block skipped
+    ],
+)
+def test_the_chunked_loss_runs_the_head_alone_only_where_the_model_does(family, config, chunked, monkeypatch):
+    """Models whose forward scales or caps the head's output (Granite divides it by ``logits_scaling``, a field the
+    chunked loss did not know: its loss 8.09 where transformers' is 4.21) fall back to the model's own logits; the
+    loss and its gradients are transformers' either way. The head's weight is made large so a missed scale shows."""
+    cfg = AutoConfig.for_model(
+        family, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=VOCAB, tie_word_embeddings=False, **config,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(30)
+    model.get_output_embeddings().requires_grad_(False)
+    ids = markov_batches(n=1, batch=2, seq=16)[0]["input_ids"]
+    runs = []
+    chunked_apply = chunked_loss._ChunkedLMLoss.apply
+    monkeypatch.setattr(chunked_loss._ChunkedLMLoss, "apply", lambda *a: runs.append(1) or chunked_apply(*a))
+    ours = chunked_causal_lm_loss(model, ids, chunk_tokens=5)
+    ours.backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    model.zero_grad()
+    ref = model(input_ids=ids, labels=ids).loss
+    ref.backward()
+    assert bool(runs) == chunked and (chunkable_head(model) is not None) == chunked
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    for a, p in zip(grads, (p for p in model.parameters() if p.requires_grad)):
         torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
 
 
