@@ -86,7 +86,7 @@ def gptq_columns(weight: torch.Tensor, hessian: torch.Tensor, round_column, *, b
     rounded = torch.empty_like(work)
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
-        chunk, hinv_chunk, errors = work[i1:i2], hinv[i1:i2, i1:i2], torch.empty(i2 - i1, rows)
+        chunk, hinv_chunk, errors = work[i1:i2], hinv[i1:i2, i1:i2], work.new_empty(i2 - i1, rows)
         for i in range(i2 - i1):
             rounded[i1 + i] = round_column(i1 + i, chunk[i])
             torch.div(chunk[i] - rounded[i1 + i], hinv_chunk[i, i], out=errors[i])
@@ -117,7 +117,7 @@ def gptq_quantize(
     group = spec.group_size or cols
     step_t = step.float().T.contiguous()  # [G, N]: a column's steps are one contiguous row
     zero_t = None if zero is None else zero.float().T.contiguous()
-    codes_t = torch.empty(cols, rows, dtype=torch.int8 if spec.symmetric else torch.uint8)
+    codes_t = torch.empty(cols, rows, dtype=torch.int8 if spec.symmetric else torch.uint8, device=w.device)
 
     def round_column(i: int, values: torch.Tensor) -> torch.Tensor:
         q, deq = _round(values, step_t[i // group], None if zero_t is None else zero_t[i // group], qmin, qmax)
