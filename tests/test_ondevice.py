@@ -15,7 +15,7 @@ from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
 from safetensors.torch import load_file
 from tiny_assets import corpus_text, save_tiny_model
-from transformers import AutoConfig, AutoModelForCausalLM, default_data_collator
+from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments, default_data_collator
 
 import hf_lowprec.chunked_loss as chunked_loss
 import hf_lowprec.ondevice.train as train_module
@@ -199,6 +199,19 @@ def test_the_chunked_loss_runs_the_head_alone_only_where_the_model_does(family, 
         torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("given", [{"label_smoothing_factor": 0.1}, {"compute_loss_func": lambda *a, **k: 0}])
+def test_the_chunked_loss_trainer_refuses_a_loss_it_would_not_compute(tmp_path, given):
+    """Its compute_loss is the plain next-token cross-entropy: a label smoothing or a custom loss function, which the
+    Trainer's own loss applies, would be ignored without a word."""
+    from hf_lowprec.ondevice import ChunkedLossTrainer
+
+    smoothing = given.get("label_smoothing_factor", 0.0)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], label_smoothing_factor=smoothing)
+    loss_func = given.get("compute_loss_func")
+    with pytest.raises(ValueError, match=f"ChunkedLossTrainer computes .* would ignore {next(iter(given))}: leave"):
+        ChunkedLossTrainer(model=tiny_llama(), args=args, compute_loss_func=loss_func)
+
+
 def test_the_chunked_loss_scales_bf16_gradients_once_and_refuses_a_trainable_head():
     """The loss divided by a count of 3: its bf16 hidden-state gradient is the summed loss's divided in fp32 and
     rounded once (times bf16(1/3) it was 0.2% too large); a head with trainable parameters, which gets no gradient
@@ -355,8 +368,6 @@ def test_auto_returns_freed_memory_only_where_memory_is_short(tmp_path, counted_
 
 def test_the_trainer_returns_freed_memory_per_block_in_its_training_steps(tmp_path, counted_trims):
     """``ChunkedLossTrainer(return_freed_memory=True)``: forward and backward of each of its steps (2 x 2 blocks)."""
-    from transformers import TrainingArguments
-
     from hf_lowprec.ondevice import ChunkedLossTrainer
 
     model = get_peft_model(tiny_llama(), LoraConfig(**LORA))

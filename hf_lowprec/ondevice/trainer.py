@@ -74,6 +74,12 @@ class ChunkedLossTrainer(Trainer):
             )
         check_return_freed_memory(return_freed_memory)
         super().__init__(*args, **kwargs)
+        if self.args.label_smoothing_factor != 0 or self.compute_loss_func is not None:
+            given = "compute_loss_func" if self.compute_loss_func is not None else "label_smoothing_factor"
+            raise ValueError(
+                f"{type(self).__name__} computes the next-token cross-entropy itself (its head in chunks) and would "
+                f"ignore {given}: leave it unset, or train with transformers' Trainer"
+            )
         self.activation_storage_format = activation_storage
         self.chunk_tokens = chunk_tokens
         self.return_freed_memory = return_freed_memory
