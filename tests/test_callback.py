@@ -8,11 +8,12 @@ import re
 import pytest
 import torch
 from conftest import autocast_states, cls_batches, lm_batches, tiny_bert, tiny_llama
+from safetensors.torch import load_file
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_lowprec.modules import LOW_PRECISION_TYPES
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
-from hf_lowprec.training.callback import STATE_FILE, TELEMETRY_KEYS, LowPrecisionCallback
+from hf_lowprec.training.callback import STATE_FILE, TELEMETRY_KEYS, LowPrecisionCallback, low_precision_state
 from hf_lowprec.training.new_parameters import orphaned_parameters
 
 MIXED_PLAN = {"default": "fp8", "layers": {"*.mlp.*": "int4-g64", "lm_head": "bf16"}}
@@ -240,6 +241,29 @@ def test_kill_and_resume_continues_the_same_curve(tmp_path):
     assert max(abs(a[s] - b[s]) for s in b) <= 1e-6, [(a[s], b[s]) for s in b]
     restored = next(c for c in resumed.callback_handler.callbacks if isinstance(c, LowPrecisionCallback))
     assert restored.plan == cb.plan and restored.scan_seconds == saved["attributes"]["scan_seconds"] > 0
+
+
+def test_resuming_with_an_older_checkpoint_as_the_plan_restores_the_resumed_checkpoints_state(tmp_path):
+    """A launch script's fixed plan folder (the first checkpoint), the run resumed from the latest: the learned steps
+    and scale buffers are the latest checkpoint's, as the weights the Trainer loaded are (the plan folder's older
+    ones replaced them without a word)."""
+    data = lm_rows(3, batch=4)
+    args = dict(per_device_train_batch_size=4, save_strategy="steps", save_steps=3)
+    Trainer(model=tiny_llama(), args=arguments(tmp_path / "run", max_steps=6, **args), train_dataset=data,
+            callbacks=[LowPrecisionCallback(calibration_batches=2)]).train()  # fmt: skip
+    older, newer = tmp_path / "run" / "checkpoint-3", tmp_path / "run" / "checkpoint-6"
+    seen = {}
+
+    class Probe(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            seen.update({k: v.detach().clone() for k, v in low_precision_state(model).items()})
+
+    resumed = Trainer(model=tiny_llama(), args=arguments(tmp_path / "run", max_steps=7, **args), train_dataset=data,
+                      callbacks=[LowPrecisionCallback(older), Probe()])  # fmt: skip
+    resumed.train(resume_from_checkpoint=str(newer))
+    saved, stale = load_file(newer / STATE_FILE), load_file(older / STATE_FILE)
+    assert any(not torch.equal(saved[k], stale[k]) for k in saved)  # the two checkpoints' states differ
+    assert set(seen) == set(saved) and all(torch.equal(seen[k], saved[k]) for k in saved)
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ training logs under ``lowprec/`` (see :data:`TELEMETRY_KEYS`).
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import sys
@@ -35,7 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Trainer, TrainerCallback
-from transformers.trainer import OPTIMIZER_NAME
+from transformers.trainer import OPTIMIZER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_callback import CallbackHandler, ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -285,16 +286,22 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
             optimizer.optimizer.load_state_dict({"optimizer": inner, **extra})
 
     def _checkpoint_folder(self, args, state) -> Path | None:
-        """The checkpoint being resumed: the plan folder, ``args.resume_from_checkpoint`` or
-        ``<output_dir>/checkpoint-<step>``."""
+        """The checkpoint being resumed: the first of ``args.resume_from_checkpoint``,
+        ``<output_dir>/checkpoint-<step>`` and the plan folder that holds the low-precision state and was saved at this
+        step (its ``trainer_state.json``). A plan folder saved at another step is not: its steps and scale histories would
+        replace the newer ones the Trainer just loaded with the weights."""
         candidates = [
-            self._plan_folder,
             getattr(args, "resume_from_checkpoint", None),
             Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}",
+            self._plan_folder,
         ]
         for c in candidates:
             if c and (Path(c) / STATE_FILE).is_file() and (Path(c) / PLAN_FILE).is_file():
-                return Path(c)
+                saved_at = _saved_at_step(Path(c))
+                if saved_at in (None, state.global_step):
+                    return Path(c)
+                logger.warning("%s was saved at step %d, not at %d: its low-precision state is not resumed", c,
+                               saved_at, state.global_step)  # fmt: skip
         return None
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
@@ -446,6 +453,14 @@ def _refuse_low_precision_keys(module: nn.Module, incompatible) -> None:
         )
 
 
+def _saved_at_step(folder: Path) -> int | None:
+    """The step a Trainer checkpoint folder was saved at (its ``trainer_state.json``); ``None`` without one."""
+    try:
+        return json.loads((folder / TRAINER_STATE_NAME).read_text())["global_step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 __all__ = [
     "COMPENSATION_FILE",
     "LowPrecisionCallback",
@@ -453,3 +468,4 @@ __all__ = [
     "TELEMETRY_KEYS",
     "low_precision_state",
 ]
+
