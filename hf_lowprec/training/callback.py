@@ -288,8 +288,8 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
     def _checkpoint_folder(self, args, state) -> Path | None:
         """The checkpoint being resumed: the first of ``args.resume_from_checkpoint``,
         ``<output_dir>/checkpoint-<step>`` and the plan folder that holds the low-precision state and was saved at this
-        step (its ``trainer_state.json``). A plan folder saved at another step is not: its steps and scale histories would
-        replace the newer ones the Trainer just loaded with the weights."""
+        step (its ``trainer_state.json``). A plan folder saved at another step is not: its steps and scale histories
+        would replace the newer ones the Trainer just loaded with the weights."""
         candidates = [
             getattr(args, "resume_from_checkpoint", None),
             Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}",
