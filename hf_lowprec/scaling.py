@@ -65,6 +65,22 @@ def replayed_forward(replaying: bool) -> Iterator[None]:
         _REPLAYING.reset(token)
 
 
+_FROZEN = contextvars.ContextVar("hf_lowprec_statistics_frozen", default=False)
+
+
+@contextlib.contextmanager
+def frozen_statistics(frozen: bool) -> Iterator[None]:
+    """Within, when ``frozen``: the casts of a forward outside training (the layer in eval mode: an evaluation,
+    generation, a forward on one rank alone), which take their scales from the statistics as they are and change
+    nothing: no amax recorded (an evaluation every step changed delayed scaling's history, so the trained
+    weights), no telemetry counted, no amax reduced over ranks (that collective hung a forward run on one rank)."""
+    token = _FROZEN.set(frozen)
+    try:
+        yield
+    finally:
+        _FROZEN.reset(token)
+
+
 class ScalePolicy(nn.Module):
     """Base class: ``scale(amax, dtype) -> fp32 scale`` of ``amax``'s shape.
 
@@ -117,7 +133,7 @@ class ScalePolicy(nn.Module):
         ``q`` and ``scale`` are the tensors the layer goes on to use: a policy may change them in place
         (:class:`GradientScaling` does, to rescale or drop a spike).
         """
-        if self.telemetry and not _REPLAYING.get():
+        if self.telemetry and not _REPLAYING.get() and not _FROZEN.get():
             self._count(x, q, scale, block)
 
     @torch.no_grad()
@@ -139,8 +155,9 @@ class ScalePolicy(nn.Module):
         return saturated.float() / x.numel(), underflow.float() / x.numel()
 
     def _reduce_amax(self, amax: torch.Tensor) -> torch.Tensor:
-        """``amax`` reduced with MAX over ranks when ``sync`` and distributed (tensorwise only)."""
-        if self.sync and amax.dim() == 0 and _distributed():
+        """``amax`` reduced with MAX over ranks when ``sync`` and distributed (tensorwise only; not outside training:
+        :func:`frozen_statistics`)."""
+        if self.sync and amax.dim() == 0 and _distributed() and not _FROZEN.get():
             amax = amax.clone()
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
         return amax
@@ -193,6 +210,8 @@ class DelayedScaling(ScalePolicy):
         else:
             past = self.amax_history[(self.recorded - 1) % self.history_len]
         reference = torch.where(self.recorded == 0, amax, past)
+        if _FROZEN.get():
+            return fp8_scale(reference, dtype, self.power_of_two) / 2.0**self.margin
         # an inf/NaN amax (an overflowed gradient: a step the loss scaler skips) is not recorded: in the history it
         # made the next history_len scales 0 or NaN
         finite = torch.isfinite(amax)

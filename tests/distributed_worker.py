@@ -84,7 +84,13 @@ def run_accelerate(out: Path, sync: bool | None) -> tuple[list[float], torch.nn.
         optimizer.step()
         optimizer.zero_grad()
         losses.append(accelerator.gather(loss.detach()[None]).mean().item())
-    return losses, accelerator.unwrap_model(model)
+    unwrapped = accelerator.unwrap_model(model)
+    if accelerator.is_main_process:  # a forward on one rank alone, in eval mode: no collective (it waited for rank 1)
+        with torch.no_grad():
+            unwrapped.eval()(input_ids=rows[:2])
+        unwrapped.train()
+    accelerator.wait_for_everyone()
+    return losses, unwrapped
 
 
 def run_fsdp2(out: Path, sync: bool | None) -> tuple[list[float], torch.nn.Module]:

@@ -39,7 +39,7 @@ from hf_lowprec.formats import (
 from hf_lowprec.modules.embedding import like_embedding
 from hf_lowprec.modules.kernels.autotune import compute_dtype
 from hf_lowprec.rotation import layer_rotation, rotate
-from hf_lowprec.scaling import DynamicScaling, ScalePolicy, replayed_forward
+from hf_lowprec.scaling import DynamicScaling, ScalePolicy, frozen_statistics, replayed_forward
 from hf_lowprec.smoothing import InputSmoothing
 
 FP8_BACKENDS = ("auto", "emulated", "torchao")
@@ -259,7 +259,8 @@ class FP8Linear(nn.Linear):
         if self.backend == "torchao":
             out = self._torchao_matmul(x2d, weight)
         else:  # run inside backward: activation checkpointing recomputing it, the first run's scales replayed
-            with replayed_forward(torch._C._current_graph_task_id() != -1):
+            replaying = torch._C._current_graph_task_id() != -1
+            with replayed_forward(replaying), frozen_statistics(not self.training):
                 out = _FP8LinearFunction.apply(x2d, weight, self)
         out = out.reshape(*shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias.to(out.dtype)
