@@ -205,7 +205,7 @@ def test_learned_steps_join_a_group_without_weight_decay_or_are_said_to_be_decay
     assert "learned steps join their weights' param group, with its weight_decay 0.1" in caplog.text
 
 
-def test_bad_input():
+def test_bad_input(monkeypatch):
     accelerator = Accelerator(cpu=True)
     model = tiny_llama()
     with pytest.raises(ValueError, match="one model"):
@@ -224,6 +224,11 @@ def test_bad_input():
         LowPrecisionPlugin("fp8").prepare(accelerator, nn.Sequential(nn.Conv1d(2, 2, 1)))
     with pytest.raises(ValueError, match="apply only to plan='auto'|applies only to plan='auto'"):
         LowPrecisionPlugin("fp8", budget={"target_bits_per_param": 8})
+    # one of two launched processes whose Accelerator made no process group (a plain Accelerator() on a machine
+    # without accelerators): each would train alone on all the data and write the same files
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"one of 2 launched processes \(WORLD_SIZE\), but its Accelerator runs alone"):
+        LowPrecisionPlugin("fp8").prepare(accelerator, tiny_llama())
 
 
 def test_fp8_rounding_calibrates_on_the_prepared_dataloader():

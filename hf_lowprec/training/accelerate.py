@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -148,6 +149,15 @@ class LowPrecisionPlugin(SessionOwner):
             )
         if any(type(m).__name__.startswith(("FSDP", "FullyShardedDataParallel")) for m in model.modules()):
             raise ValueError("the model is already sharded with FSDP; convert it before fully_shard / prepare")
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if accelerator is not None and accelerator.num_processes == 1 and launched > 1:
+            # each process would train alone on all the data, writing the same files (Accelerate on a machine
+            # without accelerators makes no process group of its own unless told to run on the CPU)
+            raise ValueError(
+                f"this is one of {launched} launched processes (WORLD_SIZE), but its Accelerator runs alone "
+                f"({accelerator.distributed_type}); on a CPU-only machine make it Accelerator(cpu=True), which joins "
+                "them over gloo"
+            )
         if not eligible_layers(model):
             raise ValueError(
                 f"{type(model).__name__} has no eligible layers (nn.Linear / nn.Embedding) to put in low precision"
