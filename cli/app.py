@@ -653,10 +653,10 @@ def eval_cmd(
 
     from hf_lowprec.data import (
         default_eval_split,
-        load_records,
         prepare_classification_data,
         prepare_lm_data,
         prepare_run_data,
+        read_source,
     )
 
     tasks = ("auto", "causal-lm", "classification")
@@ -672,7 +672,7 @@ def eval_cmd(
     else:
         split = split or default_eval_split(data)
         with ui.step(f"reading data {data} ({split} split)"):
-            records = load_records(data, split=split)
+            records, _ = read_source(data, split=split)
     loading = load_options(revision, trust_remote_code)
     kind = _eval_kind(model, gguf_file, task, plan_numerics, loading)
     tokenizer = checkpoint_tokenizer(model, gguf_file, loading)  # the data's errors before the model loads

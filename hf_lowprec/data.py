@@ -133,6 +133,8 @@ def _split_files(folder: Path) -> dict[str, Path]:
 
 def default_eval_split(source: str | Path) -> str:
     """The split to evaluate on: the data's own validation (else test) split when it has one, else ``train``."""
+    if _is_default_corpus(source):
+        return "train"
     splits = _split_names(source)
     return next((s for s in EVAL_SPLITS if s in splits), "train")
 
@@ -441,9 +443,11 @@ class LMData:
 
 
 def read_source(source: str | Path | None, split: str = "train") -> tuple[datasets.Dataset, str]:
-    """``(rows, name)`` of a data source; ``None``, or the name the run records and cards give it (``shakespeare``,
-    where no local path has that name), is :func:`default_corpus`."""
+    """``(rows, name)`` of a data source's ``split``; ``None``, or the name the run records and cards give it
+    (``shakespeare``, where no local path has that name), is :func:`default_corpus` (one split, ``train``)."""
     if _is_default_corpus(source):
+        if split != "train":
+            raise ValueError(f"the offline corpus {DEFAULT_CORPUS!r} has one split, 'train', not {split!r}")
         return default_corpus()
     return load_records(source, split=split), str(source)
 

@@ -1066,6 +1066,16 @@ def test_eval_defaults_to_the_validation_split(ws, tmp_path):
     assert "has no split 'test'" in one_error_line(cli(*args, "--split", "test"))
 
 
+def test_eval_reads_the_offline_corpus_by_its_name(ws, tmp_path, monkeypatch):
+    """``--data shakespeare`` (the name --help gives the offline corpus, as scan and finetune read it) is the corpus,
+    not a Hub dataset of that name (eval asked the Hub for it: offline, an error)."""
+    monkeypatch.chdir(tmp_path)  # no local path named shakespeare
+    args = ["eval", ws / "tiny", "--data", "shakespeare", "--block-size", "32", "--max-sequences", "2"]
+    result = cli(*args)
+    assert result.exit_code == 0 and "(train split)" in " ".join(result.output.split()), result.output
+    assert "has one split, 'train', not 'validation'" in one_error_line(cli(*args, "--split", "validation"))
+
+
 def test_same_seed_same_run(ws, tmp_path):
     """Two processes' worth of state aside, a run is a function of its recipe and seed: LoRA's random init included."""
     args = ["--data", ws / "corpus.txt", "--lora-init", "default", "--max-steps", "2", "--lr", "1e-2", *FAST]
