@@ -413,6 +413,21 @@ def test_a_corrupt_run_record_is_named_in_one_line(base_dir, tmp_path):
     for args in (("push", out, "me/x", "--dry-run"), ("export", out, "--out", tmp_path / "again")):
         line = one_error_line(cli(*args))
         assert f"{out / RUN_FILE}' is not a valid run record" in line and "export the run again" in line
+    (out / RUN_FILE).write_text("[]")  # JSON, not a record (it failed on an AttributeError)
+    assert "is not a valid run record (a JSON object expected)" in one_error_line(cli("push", out, "me/x", "--dry-run"))
+
+
+@pytest.mark.parametrize("curve", ["../outside.png", "/tmp/outside.png"])
+def test_a_run_records_file_names_never_leave_its_folder(base_dir, tmp_path, curve):
+    """A record's loss_curve names a file of the run, which an export copies: one naming a path outside (edited, or
+    written by something else) was read from there and written over a file outside the output folder."""
+    model, tok = _trained(base_dir, "int4-g64", 1)
+    out = export_model(model, tok, tmp_path / "pub" / "run", _run_record(), weights="int4-packed")
+    record = json.loads((out / RUN_FILE).read_text())
+    (out / RUN_FILE).write_text(json.dumps({**record, "loss_curve": curve}))
+    line = one_error_line(cli("export", out, "--out", tmp_path / "pub" / "exp", "--format", "bf16"))
+    assert f"file name {curve!r} of a run record leaves its folder" in line
+    assert not (tmp_path / "pub" / "exp").exists()
 
 
 def test_push_refuses_a_folder_that_is_not_an_export(tmp_path, monkeypatch):

@@ -29,7 +29,7 @@ from hf_lowprec.export.compressed_tensors import rerounded, vllm_serving, write_
 from hf_lowprec.export.gguf import ADAPTER_FILE, export_gguf
 from hf_lowprec.export.hf_quantizer import quantization_config_dict, with_load_guards
 from hf_lowprec.export.publish import check_repo_id
-from hf_lowprec.export.records import CARD_FILE, RUN_ONLY, plan_record, read_run, write_record
+from hf_lowprec.export.records import CARD_FILE, RUN_ONLY, plan_record, read_run, relative_file_name, write_record
 from hf_lowprec.folders import atomic_output_dir
 from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, PackedInt4Linear, PackedInt8Linear
 from hf_lowprec.modules.packed import packed_class
@@ -376,7 +376,10 @@ def export_run(
 def _run_images(run_dir: Path, run: Mapping) -> dict[str, bytes]:
     """The run's loss-curve PNG, which the card shows, for an export made from the run folder."""
     curve = run.get("loss_curve")
-    return {curve: (run_dir / curve).read_bytes()} if curve and (run_dir / curve).is_file() else {}
+    if not curve:
+        return {}
+    path = run_dir / relative_file_name(curve)
+    return {curve: path.read_bytes()} if path.is_file() else {}
 
 
 def run_formats(run: Mapping) -> tuple[str, ...]:

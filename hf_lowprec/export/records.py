@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 from torch import nn
@@ -103,9 +103,12 @@ def read_run(folder: str | os.PathLike) -> dict:
     if not path.is_file():
         raise ValueError(f"{str(folder)!r} is not an hf-lowprec run or export folder (no {RUN_FILE})")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        run = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{str(path)!r} is not a valid run record ({e}); export the run again") from None
+    if not isinstance(run, dict):
+        raise ValueError(f"{str(path)!r} is not a valid run record (a JSON object expected); export the run again")
+    return run
 
 
 def write_record(
@@ -118,10 +121,19 @@ def write_record(
     run = {**run, CARD_SHA256: hashlib.sha256(card).hexdigest()}  # the card as written: push keeps it once edited
     (folder / RUN_FILE).write_text(json.dumps(run, indent=2, default=str) + "\n")
     for name, data in (extra_files or {}).items():
-        path = folder / name
+        path = folder / relative_file_name(name)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data) if isinstance(data, bytes) else path.write_text(data)
     (folder / CARD_FILE).write_bytes(card)
+
+
+def relative_file_name(name: str) -> str:
+    """``name`` if it names a file inside a folder (relative, no ``..``), else ``ValueError``: a run record's file
+    names (its ``loss_curve``) are read and written relative to a run or export folder, never outside it."""
+    parts = PurePosixPath(str(name).replace("\\", "/")).parts
+    if not parts or PurePosixPath(str(name)).is_absolute() or Path(str(name)).is_absolute() or ".." in parts:
+        raise ValueError(f"file name {name!r} of a run record leaves its folder: a relative name inside it expected")
+    return str(name)
 
 
 def card_edited(folder: Path, run: Mapping) -> bool:
