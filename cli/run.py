@@ -13,6 +13,7 @@ import contextlib
 import copy
 import json
 import math
+import os
 import shutil
 import signal
 import time
@@ -41,7 +42,7 @@ from hf_lowprec.convert import revert
 from hf_lowprec.data import HELD_OUT_SPLIT, collated_batches, prepare_run_data, read_run_source
 from hf_lowprec.export.folder import export_model, resolved_weights
 from hf_lowprec.export.records import RUN_FILE, evaluation_numerics, hardware_info, read_run
-from hf_lowprec.folders import atomic_write_text
+from hf_lowprec.folders import atomic_write_text, sweep_leftovers
 from hf_lowprec.metrics import causal_lm_loss, peak_rss_mb
 from hf_lowprec.modules.kernels.autotune import measured, resolve_dtype
 from hf_lowprec.modules.kernels.cpu import contention_warning
@@ -85,6 +86,13 @@ class RunFolder:
     @property
     def checkpoints(self) -> Path:
         return self.work / "checkpoints"
+
+    @property
+    def set_aside(self) -> Path:
+        """Where ``--overwrite`` moves an interrupted run's work folder until the new run has saved a checkpoint or
+        finished; put back when it stops before (bad input loses nothing). Named ``.<work>.old-<pid>``, which
+        :func:`~hf_lowprec.folders.sweep_leftovers` clears once this process is gone."""
+        return self.work.with_name(f".{self.work.name}.old-{os.getpid()}")
 
     def checkpoint_folders(self) -> list[Path]:
         """Every ``checkpoint-<step>`` folder, newest first (complete or not)."""
@@ -131,6 +139,7 @@ def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool, source: s
     ``source``, the model the run starts from, nor a folder holding it (refused at export, it cost the whole run
     first; a folder around the model was replaced with it inside)."""
     run = RunFolder(Path(out))
+    sweep_leftovers(run.work)
     if run.out.exists() and not run.out.is_dir():
         ui.fail(f"output {str(run.out)!r} exists and is not a folder")
     ui.check_output_location(run.out, "output")
@@ -155,6 +164,9 @@ def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool, source: s
                 f"--resume: no interrupted run to resume (no complete checkpoint under {str(run.checkpoints)!r}"
                 f"{partial}); {start}"
             )
+        # the resumed run's export replaces the output folder: an hf-lowprec one only (a kill may come between the
+        # start and the resume, and the user's model or files be put there meanwhile)
+        check_replaceable(run.out, True, "run or export folder", "--output-dir")
         return run
     when = " (it is replaced only when the new run finishes)"
     check_replaceable(run.out, overwrite, "run or export folder", "--output-dir", when)
@@ -167,7 +179,7 @@ def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool, source: s
                 f"--overwrite: {str(run.work)!r} is not an interrupted hf-lowprec run (no {SETTINGS_FILE} or "
                 "checkpoints), so it is not removed; choose another --output-dir, or remove that folder yourself"
             )
-        shutil.rmtree(run.work)
+        os.replace(run.work, run.set_aside)
     run.work.mkdir(parents=True)
     return run
 
@@ -378,7 +390,10 @@ def run_finetune(opts: FinetuneOptions) -> dict:
         kept = run.latest_checkpoint()
         if kept is None:  # nothing to resume: leave no trace
             shutil.rmtree(run.work, ignore_errors=True)
-            if isinstance(e, KeyboardInterrupt) and not opts.resume:
+            if run.set_aside.exists():  # --overwrite's interrupted run, which this one did not replace after all
+                os.replace(run.set_aside, run.work)
+                ui.err.print(f"the interrupted run in {str(run.work)!r} is kept", soft_wrap=True)
+            elif isinstance(e, KeyboardInterrupt) and not opts.resume:
                 ui.err.print(f"no checkpoint was saved yet: {str(run.work)!r} removed", soft_wrap=True)
         elif isinstance(e, KeyboardInterrupt):  # outside the training steps (an evaluation, the export)
             ui.err.print(f"--resume continues from {kept.name} in {str(run.checkpoints)!r}", soft_wrap=True)
@@ -386,6 +401,8 @@ def run_finetune(opts: FinetuneOptions) -> dict:
         if failed_write is not None:
             raise ui.CLIError(failed_write, ui.EXIT_FAILED) from e
         raise
+    finally:
+        shutil.rmtree(run.set_aside, ignore_errors=True)
 
 
 def _failed_checkpoint_write(e: BaseException, run: RunFolder, kept: Path | None) -> str | None:

@@ -221,6 +221,28 @@ def test_overwrite_replaces_only_empty_folders_and_runs(ws, tmp_path, caplog):
     assert (inner / "config.json").is_file() and (empty / RUN_FILE).is_file()
 
 
+def test_an_interrupted_run_is_lost_to_no_bad_input_and_resumes_into_no_users_folder(ws, tmp_path, monkeypatch):
+    """--overwrite with a plan file that does not exist: the interrupted run it would replace was already deleted when
+    the new run stopped on it; it is now put back. --resume into an output folder the user filled meanwhile (their
+    model, notes) replaced it at the export: refused, as a new run's --overwrite refuses it."""
+    interrupt_at_step_2(monkeypatch)
+    out = tmp_path / "run"
+    assert cli(*finetune_args(ws, out)).exit_code == 143
+    work = tmp_path / "run.incomplete"
+    saved = sorted(p.name for p in (work / "checkpoints").iterdir())
+    assert saved[-1] == "checkpoint-2"
+    text = one_error_line(cli(*finetune_args(ws, out), "--overwrite", "--plan", tmp_path / "nosuch.json"))
+    assert "nosuch.json" in text and "does not exist" in text
+    assert sorted(p.name for p in (work / "checkpoints").iterdir()) == saved
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # nothing set aside left behind
+
+    shutil.copytree(ws / "tiny", out)
+    (out / "notes.txt").write_text("precious")
+    text = one_error_line(cli(*finetune_args(ws, out), "--resume"))
+    assert f"--output-dir: '{out}' exists and is not an hf-lowprec run or export folder" in text
+    assert (out / "notes.txt").read_text() == "precious" and not (out / RUN_FILE).exists()
+
+
 def test_a_run_interrupted_after_its_last_step_resumes_to_the_whole_runs_figures(ws, tmp_path, monkeypatch):
     """Stopped by a SIGTERM during its last step (2 of 2), the run saves checkpoint-2; --resume runs no step, and its
     Trainer's training loss (0) and speed (of no step) went into the record and the card as 'train loss 0'. Now the
