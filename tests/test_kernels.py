@@ -132,6 +132,14 @@ def test_a_choice_is_measured_once_and_cached_per_machine(monkeypatch, tmp_path)
     del candidates["fast"]  # the cached winner cannot run any more: measured again
     assert autotune.fastest("probe", candidates, lambda w, s: f"{w} won").value == "slow" and len(calls) == 3
     assert cpu_info().model in autotune.machine_key() and torch.__version__ in autotune.machine_key()
+    # a cache file that is JSON of another shape (a list; an entry without a reason) is measured again and replaced:
+    # it failed every run on an AttributeError
+    for content in ("[]", json.dumps({autotune.machine_key(): {"probe": {"value": "slow"}}}), '{"x": 1}'):
+        (tmp_path / "autotune.json").write_text(content)
+        monkeypatch.setattr(autotune, "_memory", {})
+        assert autotune.fastest("probe", candidates, lambda w, s: f"{w} won").reason == "slow won"
+        saved = json.loads((tmp_path / "autotune.json").read_text())
+        assert saved[autotune.machine_key()]["probe"]["reason"] == "slow won"
 
 
 def test_timing_takes_each_candidates_fastest_call_in_interleaved_rounds(monkeypatch):

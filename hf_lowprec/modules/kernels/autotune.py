@@ -193,13 +193,33 @@ def measured() -> dict[str, dict]:
 
 # ----------------------------------------------------------------------------- the cache file
 def _entries() -> dict[str, dict]:
+    """This machine's cached choices; entries not of :meth:`Choice.to_dict`'s shape (a file edited or written by
+    something else) are measured again."""
     mk = machine_key()
     if mk not in _memory:
-        try:
-            _memory[mk] = json.loads(cache_path().read_text()).get(mk, {})
-        except (OSError, ValueError):
-            _memory[mk] = {}
+        entries = _cache_file().get(mk)
+        entries = entries if isinstance(entries, dict) else {}
+        _memory[mk] = {k: v for k, v in entries.items() if _is_choice(v)}
     return _memory[mk]
+
+
+def _is_choice(entry) -> bool:
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("value"), str)
+        and isinstance(entry.get("reason"), str)
+        and isinstance(entry.get("seconds"), dict)
+    )
+
+
+def _cache_file() -> dict:
+    """The cache file's contents: ``{machine key: {choice key: choice}}``; ``{}`` when absent or not JSON of that
+    shape (its next write replaces it)."""
+    try:
+        everything = json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return everything if isinstance(everything, dict) else {}
 
 
 def _store(key: str, choice: Choice) -> None:
@@ -209,10 +229,7 @@ def _store(key: str, choice: Choice) -> None:
         path = cache_path()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                everything = json.loads(path.read_text())
-            except (OSError, ValueError):
-                everything = {}
+            everything = _cache_file()
             everything[machine_key()] = _entries()
             atomic_write_text(path, json.dumps(everything, indent=1))
         except OSError as e:  # a read-only home: keep the choice for this process only
