@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from hf_lowprec.folders import RUN_FILE, plain_modes
+from hf_lowprec.folders import RUN_FILE, plain_modes, sweep_leftovers
 
 logger = logging.getLogger(__name__)
 
@@ -235,15 +235,19 @@ def cache_gguf(folder: str, gguf_file: str, dtype: torch.dtype) -> Path:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(source)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    sweep_leftovers(target)  # the partial copies (up to a whole model each) of caching processes killed mid-write
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.{os.getpid()}-", suffix=".partial"))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         plain_modes(tmp)  # not mkdtemp's 0700 and safetensors' 0600: the modes of the rest of the cache
-        os.replace(tmp, target)
-    except BaseException:
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process cached it meanwhile (two first runs at once): its copy serves
+            if not (target / "config.json").is_file():
+                raise
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
     _remove_other_copies(target.parent)
     return target
 
@@ -283,8 +287,10 @@ def load_pretrained(
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     source, gguf = resolve_checkpoint(model_id_or_path, gguf_file)
+    cached = None
     if gguf is not None and cache and Path(source).is_dir():
-        source, gguf = str(cache_gguf(source, gguf, dtype)), None
+        cached = cache_gguf(source, gguf, dtype)
+        source, gguf = str(cached), None
     extra = {"gguf_file": gguf} if gguf else {}
     if tokenizer is None:
         tokenizer = load_tokenizer(source, gguf_file=gguf, **from_pretrained_kwargs)
@@ -297,6 +303,14 @@ def load_pretrained(
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra, **from_pretrained_kwargs)
     except OSError as e:  # transformers reports missing files and unreachable hubs as OSError
         raise cannot_load(os.fspath(model_id_or_path), e) from e
+    except Exception as e:
+        if cached is None:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"the cached copy of {gguf_file or Path(model_id_or_path).name} in {str(cached)!r} cannot be read "
+            f"({first}); remove that folder and the next run makes it again"
+        ) from e
     return model.eval(), tokenizer
 
 

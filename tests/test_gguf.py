@@ -252,6 +252,44 @@ def test_the_demo_run_as_gguf_reads_back_with_its_tokenizer_and_weights(tmp_path
         assert (loaded(input_ids=ids).logits - base).abs().max() <= 2e-3 * base.abs().max()
 
 
+def test_the_gguf_cache_takes_a_copy_made_meanwhile_clears_a_killed_ones_and_names_a_broken_one(
+    trained, tmp_path, monkeypatch
+):
+    """Two first runs at once: the slower one's rename found the other's finished folder and failed; a run killed
+    while caching left a partial copy (a whole model at real sizes) that nothing removed; a cached copy damaged
+    since failed every load with a bare safetensors error."""
+    import os
+    import shutil
+
+    import hf_lowprec.checkpoints as checkpoints
+    from hf_lowprec.checkpoints import _gguf_cache_dir, cache_gguf, load_pretrained
+
+    _, _, out, _ = trained
+    monkeypatch.setenv("HF_LOWPREC_CACHE", str(tmp_path / "cache"))
+    target = _gguf_cache_dir(str(out), MODEL_FILE, torch.float32)
+    target.parent.mkdir(parents=True)
+    killed = target.parent / f".{target.name}.999999999-abc.partial"  # a process that is gone
+    (killed / "part").mkdir(parents=True)
+    done_first = tmp_path / "other"
+    mkdtemp = checkpoints.tempfile.mkdtemp
+
+    def another_process_finishes_first(**kwargs):
+        made = mkdtemp(**kwargs)
+        shutil.copytree(done_first, target)  # the other run's rename lands between this one's check and its own
+        return made
+
+    cache_gguf(str(out), MODEL_FILE, torch.float32)  # the copy the other process makes
+    shutil.move(target, done_first)
+    monkeypatch.setattr(checkpoints.tempfile, "mkdtemp", another_process_finishes_first)
+    assert cache_gguf(str(out), MODEL_FILE, torch.float32) == target and (target / "config.json").is_file()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["float32"]  # no partial copy left, the killed one gone
+    monkeypatch.setattr(checkpoints.tempfile, "mkdtemp", mkdtemp)
+    weights = target / "model.safetensors"
+    os.truncate(weights, 1000)
+    with pytest.raises(ValueError, match=rf"the cached copy of {MODEL_FILE} in '{target}' cannot be read \("):
+        load_pretrained(str(out), gguf_file=MODEL_FILE)
+
+
 def test_token_types_and_the_pre_tokenizer_are_as_llama_cpp_needs_them(trained):
     """Every token tokenizer.json marks special is a control token (llama.cpp warns of control-looking tokens
     otherwise); the pre-tokenizer name keeps llama.cpp's decoding of spaces as the tokenizer's."""
