@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
@@ -321,6 +322,8 @@ def scan_cmd(
         ui.fail(f"--out {str(out)!r}: a plan file ends in .json, .yaml or .yml")
     ui.check_output_location(out, "--out")
     written = (out, out.with_suffix(".png"), out.with_name(out.stem + ".scores.json"))
+    if folders := [str(p) for p in written if p.is_dir()]:
+        ui.fail(f"--out: {', '.join(folders)} is a folder, where the scan writes a file; choose another --out")
     if not overwrite and (existing := [str(p) for p in written if p.exists()]):
         ui.fail(f"--out: {', '.join(existing)} already exist(s); pass --overwrite to replace, or choose another --out")
     budget_args = _parse_budget(budget)
@@ -344,10 +347,19 @@ def scan_cmd(
         plan = sensitivity.allocate(result, keep=kept, **budget_args)
     with ui.step(f"measuring the plan on {len(held_out)} held-out batches"):
         measured = sensitivity.measure_plan(lm_model, plan, held_out)
-    plan.save(out)
-    heatmap = result.save_heatmap(written[1])
-    scores = result.save(written[2])
-    _print_scan(result, plan.summary(lm_model), measured, f"{out} (plan), {heatmap} (heat map), {scores} (scores)")
+    # the three files written beside their places first, then renamed: one failing leaves the others as they were
+    staged = [p.with_name(f".{p.stem}.{os.getpid()}.tmp{p.suffix}") for p in written]
+    try:
+        plan.save(staged[0])
+        result.save_heatmap(staged[1])
+        result.save(staged[2])
+        for tmp, path in zip(staged, written):
+            os.replace(tmp, path)
+    finally:
+        for tmp in staged:
+            tmp.unlink(missing_ok=True)
+    files = f"{out} (plan), {written[1]} (heat map), {written[2]} (scores)"
+    _print_scan(result, plan.summary(lm_model), measured, files)
     ui.out.print(f"train with it: hf-lowprec finetune {model + ' ' if model else ''}{_recipe_for(plan)}--plan {out}")
 
 
@@ -856,7 +868,7 @@ def export_cmd(
     ] = None,
     overwrite: Annotated[
         bool,
-        typer.Option("--overwrite", help="Replace an existing --out folder (an hf-lowprec export or empty; not a run)."),
+        typer.Option("--overwrite", help="Replace an existing --out folder: an hf-lowprec export or empty, not a run."),
     ] = False,
     repo_id: Annotated[
         Optional[str],

@@ -462,6 +462,32 @@ def test_scan_writes_a_plan_that_fits_the_model(ws):
     assert "kept " in sensitivity and " bf16 " not in default.output  # the head kept, named as the plan's rows name it
 
 
+def test_scan_replaces_its_three_files_together_or_not_at_all(ws, tmp_path, monkeypatch):
+    """A folder where a file goes is refused before the scan (it failed after it, the plan replaced, the scores not);
+    a write that fails leaves the earlier set as it was, no temporary file beside it."""
+    from hf_lowprec.sensitivity.results import ScanResult
+
+    out = tmp_path / "plan.json"
+    args = ["scan", ws / "tiny", "--data", ws / "corpus.txt", "--block-size", "32", "--batches", "1", "--overwrite"]
+    assert cli(*args, "--out", out).exit_code == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(before) == ["plan.json", "plan.png", "plan.scores.json"]
+    out.with_suffix(".png").unlink()
+    out.with_suffix(".png").mkdir()
+    text = one_error_line(cli(*args, "--out", out))
+    png = out.with_suffix(".png")
+    assert text.endswith(f"--out: {png} is a folder, where the scan writes a file; choose another --out")
+    out.with_suffix(".png").rmdir()
+    out.with_suffix(".png").write_bytes(before["plan.png"])
+
+    def disk_full(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ScanResult, "save", disk_full)
+    assert cli(*args, "--out", out, "--formats", "fp8").exit_code != 0
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
 def test_a_plan_whose_measured_loss_exceeds_its_budget_gets_a_note():
     """The allocator adds per-layer Δloss; the whole plan's, measured on held-out data, can exceed the budget (1.7x on
     SmolLM2-135M, seen by a user): past 1.25x the scan says so and what to do, not below it or without that budget."""
