@@ -92,18 +92,31 @@ class PreadSlice:
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, PreadSlice]:
-    """``{name: PreadSlice}`` of one safetensors file (its header read now, no tensor data)."""
+    """``{name: PreadSlice}`` of one safetensors file (its header read now, no tensor data; a tensor the file was cut
+    short in fails when read); ``ValueError`` naming the file for a header cut short or not safetensors."""
     path = str(Path(path))
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
+        head = f.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if length is None or length > size - 8:  # cut short: reading it would ask for up to 2^64 bytes
+            raise ValueError(f"{path}: not a safetensors file (cut short: {size} bytes, its header says more)")
         try:
             header = json.loads(f.read(length))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: not a safetensors file (its header is not JSON: {e})") from e
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file (its header is no JSON object)")
     slices = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        begin, end = info["data_offsets"]
-        slices[name] = PreadSlice(path, info["dtype"], info["shape"], 8 + length + begin, end - begin)
+        try:
+            begin, end = (int(x) for x in info["data_offsets"])
+            dtype, shape = info["dtype"], list(info["shape"])
+        except (TypeError, KeyError, ValueError):
+            raise ValueError(f"{path}: not a safetensors file (tensor {name!r}: {info!r:.80})") from None
+        if not 0 <= begin <= end:
+            raise ValueError(f"{path}: not a safetensors file (tensor {name!r}: data_offsets {begin}, {end})")
+        slices[name] = PreadSlice(path, dtype, shape, 8 + length + begin, end - begin)
     return slices

@@ -1,6 +1,8 @@
 """The pread reader of safetensors files against safetensors' own reader: same tensors, same slices, and only the
 bytes asked for read (a file cut right after them still serves them)."""
 
+import re
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -70,8 +72,18 @@ def test_rows_read_only_their_bytes(file, tmp_path):
         tensor[...]
 
 
-def test_a_file_that_is_not_safetensors_is_one_clear_error(tmp_path):
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ((16).to_bytes(8, "little") + b"not json at all!", "its header is not JSON"),
+        (b"12345", "cut short: 5 bytes"),  # it failed on "unpack requires a buffer of 8 bytes", naming no file
+        ((1 << 62).to_bytes(8, "little") + b"{}", "cut short: 10 bytes"),  # it asked for 2^62 bytes: MemoryError
+        ((2).to_bytes(8, "little") + b"[]", "its header is no JSON object"),
+        ((23).to_bytes(8, "little") + b'{"w": {"dtype": "F32"}}', "tensor 'w': {'dtype': 'F32'}"),
+    ],
+)
+def test_a_file_that_is_not_safetensors_is_one_clear_error(tmp_path, content, why):
     path = tmp_path / "model.safetensors"
-    path.write_bytes((16).to_bytes(8, "little") + b"not json at all!")
-    with pytest.raises(ValueError, match="not a safetensors file"):
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=rf"^{path}: not a safetensors file \({re.escape(why)}"):
         read_safetensors(path)
