@@ -579,8 +579,12 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         text, source = packaged[text_source].read_text(), f"{text_source}.yaml"
     elif path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
-            raise ValueError(f"recipe file {text_source!r} does not exist")
-        text, source = path.read_text(), text_source
+            what = "is a folder, not a YAML file" if path.is_dir() else "does not exist"
+            raise ValueError(f"recipe file {text_source!r} {what}")
+        try:
+            text, source = path.read_text(encoding="utf-8"), text_source
+        except UnicodeDecodeError as e:
+            raise ValueError(f"recipe file {text_source!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     else:
         raise ValueError(
             f"unknown recipe {text_source!r}; built-in recipes are {', '.join(sorted(packaged))} (or pass a .yaml file)"

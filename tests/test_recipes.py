@@ -111,6 +111,12 @@ def test_malformed_yaml_unknown_name_and_missing_file(tmp_path):
         load_recipe("fp9-train")
     with pytest.raises(ValueError, match=r"recipe file '.*nope\.yaml' does not exist"):
         load_recipe(str(tmp_path / "nope.yaml"))
+    (tmp_path / "folder.yaml").mkdir()  # it said "does not exist"
+    with pytest.raises(ValueError, match=r"recipe file '.*folder\.yaml' is a folder, not a YAML file$"):
+        load_recipe(str(tmp_path / "folder.yaml"))
+    (tmp_path / "latin.yaml").write_bytes(b"name: caf\xe9\n")
+    with pytest.raises(ValueError, match=r"recipe file '.*latin\.yaml' is not UTF-8 text \(invalid continuation byte"):
+        load_recipe(str(tmp_path / "latin.yaml"))
 
 
 def test_learn_steps_takes_true_false_or_zero_points(tmp_path):
