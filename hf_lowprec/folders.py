@@ -95,6 +95,8 @@ def atomic_output_dir(
     ``out`` is left exactly as it was.
     """
     out = Path(out)
+    if out.is_symlink():  # written through: the folder it points at is replaced, the link stays
+        out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     sweep_leftovers(out)
     check_output_dir(out, overwrite, source)
@@ -150,16 +152,17 @@ def _left_by_a_gone_process(path: Path, pid: str) -> bool:
 
 def replace_dir(src: Path, dst: Path) -> None:
     """Move folder ``src`` to ``dst``, replacing ``dst``; ``dst`` is never half-written (rename, then delete the
-    old)."""
-    old = None
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-        os.replace(dst, old)
+    old), and an interrupt between the two renames puts the old one back."""
+    old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
     try:
+        if os.path.lexists(dst):
+            os.replace(dst, old)
         os.replace(src, dst)
     except BaseException:
-        if old is not None:
+        if os.path.lexists(old) and not os.path.lexists(dst):
             os.replace(old, dst)
         raise
-    if old is not None:
+    if old.is_symlink():
+        old.unlink()
+    else:
         shutil.rmtree(old, ignore_errors=True)

@@ -196,6 +196,36 @@ def test_atomic_output_dir_refuses_and_never_half_writes(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["new.txt"] and [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
+def test_atomic_output_dir_writes_through_a_link_and_an_interrupt_between_renames_loses_nothing(tmp_path, monkeypatch):
+    """A link to the output folder (on another disk): the folder it points at is replaced and the link stays (it was
+    replaced by a real folder, a dangling .old link left for good). An interrupt right after the old folder was moved
+    aside put nothing back: the output folder was gone."""
+    import hf_lowprec.folders as folders
+
+    target = tmp_path / "disk" / "out"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text('{"old": 1}')
+    (tmp_path / "link").symlink_to(target)
+    for version in (2, 3):
+        with atomic_output_dir(tmp_path / "link", overwrite=True) as tmp:
+            (tmp / "config.json").write_text(json.dumps({"new": version}))
+    assert (tmp_path / "link").is_symlink() and json.loads((target / "config.json").read_text()) == {"new": 3}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "link"] and os.listdir(tmp_path / "disk") == ["out"]
+
+    replace = os.replace
+
+    def interrupted_after_the_first(src, dst):
+        replace(src, dst)
+        if os.path.basename(dst).startswith(".out.old-"):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(folders.os, "replace", interrupted_after_the_first)
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_output_dir(target, overwrite=True) as tmp:
+            (tmp / "config.json").write_text("{}")
+    assert json.loads((target / "config.json").read_text()) == {"new": 3} and os.listdir(tmp_path / "disk") == ["out"]
+
+
 KILLED_WRITER = """
 import sys, time
 from pathlib import Path
