@@ -90,7 +90,12 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
 
 
 def check_output_location(path: Path, option: str) -> None:
-    """Fail in one line for an output ``path`` under a file, where no folder can be made (it was a FileExistsError)."""
+    """Fail in one line for an output ``path`` under a file, where no folder can be made (it was a FileExistsError),
+    or whose name is not UTF-8 (tokenizers' and safetensors' writers refuse it: a finetune failed after training)."""
+    try:
+        os.fsencode(path).decode("utf-8")
+    except UnicodeDecodeError:
+        fail(f"{option} {str(path)!r}: the name is not UTF-8, which the model writers need; choose another")
     if file := next((p for p in path.parents if p.exists() and not p.is_dir()), None):
         fail(f"{option} {str(path)!r}: {str(file)!r} is a file, not a folder to write in")
 

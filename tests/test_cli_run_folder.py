@@ -186,6 +186,9 @@ def test_overwrite_replaces_only_empty_folders_and_runs(ws, tmp_path, caplog):
     assert not (tmp_path / "userdir.incomplete").exists()
     under_a_file = one_error_line(cli(*finetune_args(ws, mine / "notes.txt" / "run", "fp8-train", steps=1)))
     assert under_a_file.endswith(f"'{mine / 'notes.txt'}' is a file, not a folder to write in")  # exit 1 before
+    not_utf8 = one_error_line(cli(*finetune_args(ws, tmp_path / "run\udcff", "fp8-train", steps=1)))
+    assert not_utf8.endswith("the name is not UTF-8, which the model writers need; choose another")  # after training
+    assert not any(p.name.startswith("run") for p in tmp_path.iterdir())
 
     stray = tmp_path / "other.incomplete"  # a folder of the user's that happens to have a work folder's name
     stray.mkdir()
