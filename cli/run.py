@@ -581,7 +581,10 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
     if gguf is None:  # a GGUF file's config is known once it loads (checked then)
         from transformers import AutoConfig
 
-        _check_block_size(AutoConfig.from_pretrained(source, **source_kwargs(opts.load_options)), t.block_size)
+        config = AutoConfig.from_pretrained(source, **source_kwargs(opts.load_options))
+        _check_block_size(config, t.block_size)
+        if recipe.method == "int4-lora" and recipe.precision.is_file:  # the plan against the model's layers, now
+            _check_base_plan(config, recipe.precision.fixed_plan(), opts.load_options)
     with ui.step(f"reading data {opts.data or '(default corpus)'}"):
         records, held_out, data_name = read_run_source(opts.data, split=recipe.data.split)
     if held_out is not None:
@@ -615,6 +618,19 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
         batch, rows = t.per_device_train_batch_size, len(lm.train)
         ui.err.print(f"training data: {rows} sequences, fewer than a batch of {batch}: each step trains on those")
     return model, tokenizer, lm, base_plan
+
+
+def _check_base_plan(config, plan, loading: dict) -> None:
+    """Fail before the data and the model load if ``plan`` (a file's) cannot make the INT4 base of a model of
+    ``config`` (an FP8 layer, a group wider than a layer: it failed after the base model's evaluation): checked on the
+    model built on the meta device, its layers without memory."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_lowprec.ondevice.planning import check_quantizable
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=loading.get("trust_remote_code", False))
+    check_quantizable(model, plan)
 
 
 def checkpoint_tokenizer(source: str, gguf: str | None, loading: dict):

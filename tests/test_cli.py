@@ -513,8 +513,9 @@ def test_scan_suggests_the_recipe_its_plan_trains_with(ws):
         command = shlex.split(suggested.removeprefix("train with it: hf-lowprec "))
         run = cli(*command, "--data", ws / "corpus.txt", "--max-steps", "2", *FAST, "-o", out.with_suffix(""))
         assert run.exit_code == 0, run.output
-    refused = one_error_line(cli("finetune", ws / "tiny", "--plan", out, "--data", ws / "corpus.txt", "-o", ws / "x"))
-    assert "in fp8, which no packed layer stores" in refused and "--recipe auto-mixed" in refused
+    refused = cli("finetune", ws / "tiny", "--plan", out, "--data", ws / "corpus.txt", "-o", ws / "x")
+    assert "in fp8, which no packed layer stores" in one_error_line(refused) and "--recipe auto-mixed" in refused.output
+    assert "reading data" not in refused.output  # before the data and the model (it came after the base's evaluation)
 
 
 def test_a_master_export_keeps_what_int4_layers_learned(ws, tmp_path):
