@@ -93,6 +93,32 @@ def run_accelerate(out: Path, sync: bool | None) -> tuple[list[float], torch.nn.
     return losses, unwrapped
 
 
+def run_spike_on_one_rank(out: Path, sync: bool | None) -> tuple[list[float], torch.nn.Module]:
+    """Accelerate + plugin, gradient scaling that skips a step on a spike, each rank judging its own gradients
+    (``sync=False``); rank 0 alone sees a spike (its loss x 1e4 at step 3). Writes ``out/skipped<rank>.json``."""
+    from accelerate import Accelerator
+
+    from hf_lowprec.training.accelerate import LowPrecisionPlugin
+
+    rank, size = world()
+    accelerator = Accelerator(cpu=True)
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rows = torch.tensor(dataset_rows())
+    loader = torch.utils.data.DataLoader([{"input_ids": r, "labels": r} for r in rows], batch_size=GLOBAL_BATCH // size)
+    lowprec = LowPrecisionPlugin(PLAN, scaler="gradient", scaler_options={"spike_action": "skip"}, sync=False)
+    model, optimizer, loader = lowprec.prepare(accelerator, model, optimizer, loader)
+    losses = []
+    for step, batch in enumerate(loader):
+        loss = model(**batch).loss
+        accelerator.backward(loss * (1e4 if step == 3 and rank == 0 else 1.0))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(accelerator.gather(loss.detach()[None]).mean().item())
+    (out / f"skipped{rank}.json").write_text(json.dumps(lowprec.steps_skipped))
+    return losses, accelerator.unwrap_model(model)
+
+
 def run_fsdp2(out: Path, sync: bool | None) -> tuple[list[float], torch.nn.Module]:
     """FSDP2 straight from torch (Accelerate enables FSDP only on accelerators, not for CPU processes)."""
     import torch.distributed as dist
@@ -137,6 +163,8 @@ def run(mode: str, out: Path, sync: bool | None = None, fp32: bool = False) -> N
         losses, model = run_trainer(out, sync, fp32, auto=mode == "trainer-auto")
     elif mode == "plugin":
         losses, model = run_accelerate(out, sync)
+    elif mode == "spike-on-one-rank":
+        losses, model = run_spike_on_one_rank(out, sync)
     else:
         losses, model = run_fsdp2(out, sync)
     rank, size = world()

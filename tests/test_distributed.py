@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import tiny_llama
 from distributed_worker import PLAN
 from safetensors.torch import load_file
@@ -21,6 +22,7 @@ from hf_lowprec.formats import FormatSpec, int_steps
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 MODES = ("trainer", "trainer-auto", "plugin", "fsdp2")
+LAUNCHED = (*MODES, "spike-on-one-rank")
 
 
 def free_port() -> int:
@@ -34,9 +36,9 @@ def runs(tmp_path_factory):
     """``{world size: folder}`` after the 1-process and 2-process launches."""
     root = tmp_path_factory.mktemp("dist")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    single = [sys.executable, str(WORKER), ",".join(MODES), str(root / "1")]
+    single = [sys.executable, str(WORKER), ",".join(LAUNCHED), str(root / "1")]
     double = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-              str(WORKER), ",".join(MODES), str(root / "2")]  # fmt: skip
+              str(WORKER), ",".join(LAUNCHED), str(root / "2")]  # fmt: skip
     # one after the other: the single process fills torch.compile's on-disk cache first, so the two ranks do not
     # compile the same kernels at the same time into a cold cache (a fresh CI machine; seen failing once)
     for cmd in (single, double):
@@ -92,3 +94,13 @@ def initial_state(keys) -> dict:
         if k.endswith(".weight_quantizer.step"):
             init[k] = int_steps(init[k.removesuffix("_quantizer.step")], step_format)[0]
     return init
+
+
+def test_a_spike_one_rank_alone_sees_skips_the_step_on_every_rank(runs):
+    """Gradient scaling with sync=False judges each rank's own gradients: rank 0's spike skipped its step while rank 1
+    stepped, and the ranks' weights parted for good. Every rank now skips with it, the weights stay identical."""
+    two = runs[2] / "spike-on-one-rank"
+    assert [json.loads((two / f"skipped{r}.json").read_text()) for r in (0, 1)] == [1, 1]
+    r0, r1 = load_file(two / "rank0.safetensors"), load_file(two / "rank1.safetensors")
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]), k

@@ -33,14 +33,25 @@ def skip_step_if_requested(model: nn.Module) -> bool:
     a scaler's step asserts when it finds no gradient it unscaled itself. The Trainer callback and the Accelerate
     plugin call it after the unscale.
     """
-    pending = [p for _, _, p, _ in _policies(model) if isinstance(p, GradientScaling) and bool(p.skip_pending)]
-    if not pending:
+    skipping = [p for _, _, p, _ in _policies(model) if isinstance(p, GradientScaling) and p.spike_action == "skip"]
+    if not skipping:
         return False
-    for policy in pending:
+    spiked = sum(bool(p.skip_pending) for p in skipping)
+    skip = spiked > 0
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # every rank skips when one does: with sync=False a spike is judged per rank, and the ranks that stepped
+        # would leave the one that skipped behind (DDP averaged the same gradients into every rank's parameters)
+        flag = torch.tensor(float(skip), device=skipping[0].skip_pending.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        skip = flag.item() > 0
+    if not skip:
+        return False
+    for policy in skipping:
         policy.skip_pending.fill_(False)
     for param in model.parameters():
         param.grad = None
-    logger.info("gradient spike in %d casts: optimizer step skipped", len(pending))
+    where = f"in {spiked} casts" if spiked else "on another rank"
+    logger.info("gradient spike %s: optimizer step skipped", where)
     return True
 
 
