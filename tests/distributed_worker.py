@@ -64,38 +64,10 @@ def run_trainer(out: Path, sync: bool | None, fp32: bool, auto: bool = False) ->
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], model
 
 
-def run_accelerate(out: Path, sync: bool | None) -> tuple[list[float], torch.nn.Module]:
-    from accelerate import Accelerator
-
-    from hf_lowprec.training.accelerate import LowPrecisionPlugin
-
-    _, size = world()
-    accelerator = Accelerator(cpu=True)
-    model = tiny_llama()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    rows = torch.tensor(dataset_rows())
-    loader = torch.utils.data.DataLoader([{"input_ids": r, "labels": r} for r in rows], batch_size=GLOBAL_BATCH // size)
-    lowprec = LowPrecisionPlugin(PLAN, sync=sync)
-    model, optimizer, loader = lowprec.prepare(accelerator, model, optimizer, loader)
-    losses = []
-    for batch in loader:
-        loss = model(**batch).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(accelerator.gather(loss.detach()[None]).mean().item())
-    unwrapped = accelerator.unwrap_model(model)
-    if accelerator.is_main_process:  # a forward on one rank alone, in eval mode: no collective (it waited for rank 1)
-        with torch.no_grad():
-            unwrapped.eval()(input_ids=rows[:2])
-        unwrapped.train()
-    accelerator.wait_for_everyone()
-    return losses, unwrapped
-
-
-def run_spike_on_one_rank(out: Path, sync: bool | None) -> tuple[list[float], torch.nn.Module]:
-    """Accelerate + plugin, gradient scaling that skips a step on a spike, each rank judging its own gradients
-    (``sync=False``); rank 0 alone sees a spike (its loss x 1e4 at step 3). Writes ``out/skipped<rank>.json``."""
+def run_accelerate(out: Path, sync: bool | None, spike: bool = False) -> tuple[list[float], torch.nn.Module]:
+    """Accelerate + plugin; then a forward on rank 0 alone. ``spike``: gradient scaling that skips a step on a spike,
+    each rank judging its own gradients (``sync=False``), rank 0 alone seeing one (its loss x 1e4 at step 3); writes
+    ``out/skipped<rank>.json``."""
     from accelerate import Accelerator
 
     from hf_lowprec.training.accelerate import LowPrecisionPlugin
@@ -106,17 +78,24 @@ def run_spike_on_one_rank(out: Path, sync: bool | None) -> tuple[list[float], to
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rows = torch.tensor(dataset_rows())
     loader = torch.utils.data.DataLoader([{"input_ids": r, "labels": r} for r in rows], batch_size=GLOBAL_BATCH // size)
-    lowprec = LowPrecisionPlugin(PLAN, scaler="gradient", scaler_options={"spike_action": "skip"}, sync=False)
+    skipping = {"scaler": "gradient", "scaler_options": {"spike_action": "skip"}, "sync": False}
+    lowprec = LowPrecisionPlugin(PLAN, **(skipping if spike else {"sync": sync}))
     model, optimizer, loader = lowprec.prepare(accelerator, model, optimizer, loader)
     losses = []
     for step, batch in enumerate(loader):
         loss = model(**batch).loss
-        accelerator.backward(loss * (1e4 if step == 3 and rank == 0 else 1.0))
+        accelerator.backward(loss * (1e4 if spike and step == 3 and rank == 0 else 1.0))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(accelerator.gather(loss.detach()[None]).mean().item())
     (out / f"skipped{rank}.json").write_text(json.dumps(lowprec.steps_skipped))
-    return losses, accelerator.unwrap_model(model)
+    unwrapped = accelerator.unwrap_model(model)
+    if accelerator.is_main_process:  # a forward on one rank alone, in eval mode: no collective (it waited for rank 1)
+        with torch.no_grad():
+            unwrapped.eval()(input_ids=rows[:2])
+        unwrapped.train()
+    accelerator.wait_for_everyone()
+    return losses, unwrapped
 
 
 def run_fsdp2(out: Path, sync: bool | None) -> tuple[list[float], torch.nn.Module]:
@@ -164,7 +143,7 @@ def run(mode: str, out: Path, sync: bool | None = None, fp32: bool = False) -> N
     elif mode == "plugin":
         losses, model = run_accelerate(out, sync)
     elif mode == "spike-on-one-rank":
-        losses, model = run_spike_on_one_rank(out, sync)
+        losses, model = run_accelerate(out, sync, spike=True)
     else:
         losses, model = run_fsdp2(out, sync)
     rank, size = world()
