@@ -212,6 +212,25 @@ def test_the_chunked_loss_trainer_refuses_a_loss_it_would_not_compute(tmp_path, 
         ChunkedLossTrainer(model=tiny_llama(), args=args, compute_loss_func=loss_func)
 
 
+@pytest.mark.parametrize("prediction_loss_only", [False, True])
+def test_the_chunked_loss_trainer_evaluates_its_loss(tmp_path, prediction_loss_only):
+    """evaluate() (and eval_strategy during training) failed on every call: compute_loss gave no outputs to slice.
+    The evaluation loss is the model's own loss on the batch; no logits come back (the chunked loss never makes
+    them)."""
+    from hf_lowprec.ondevice import ChunkedLossTrainer
+
+    model = tiny_llama(1).requires_grad_(False)
+    ids = markov_batches(n=1, batch=4, seq=24)[0]["input_ids"]
+    rows = [{"input_ids": i, "labels": i} for i in ids]
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_eval_batch_size=4,
+                             prediction_loss_only=prediction_loss_only)  # fmt: skip
+    trainer = ChunkedLossTrainer(model=model, args=args, eval_dataset=rows, activation_storage=None)
+    with torch.no_grad():
+        expected = model(input_ids=ids, labels=ids).loss.item()
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-5)
+    assert trainer.predict(rows).predictions is None
+
+
 def test_the_chunked_loss_scales_bf16_gradients_once_and_refuses_a_trainable_head():
     """The loss divided by a count of 3: its bf16 hidden-state gradient is the summed loss's divided in fp32 and
     rounded once (times bf16(1/3) it was 0.2% too large); a head with trainable parameters, which gets no gradient

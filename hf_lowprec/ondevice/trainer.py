@@ -161,7 +161,13 @@ class ChunkedLossTrainer(Trainer):
             )
         if num_items_in_batch is not None and self.args.average_tokens_across_devices:
             loss = loss * self.accelerator.num_processes  # num_items_in_batch counts every process's targets
-        return (loss, None) if return_outputs else loss
+        return (loss, {}) if return_outputs else loss  # no outputs: the logits never exist whole
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """``(loss, None, None)``: evaluation gives the chunked loss alone, the ``[tokens, vocab]`` logits never made
+        (``compute_metrics`` gets none; evaluate such metrics with transformers' ``Trainer``)."""
+        loss, _, _ = super().prediction_step(model, inputs, True, ignore_keys)
+        return loss, None, None
 
 
 def _padding_ignored(batch):
