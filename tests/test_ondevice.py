@@ -433,6 +433,34 @@ def test_only_tensors_still_in_a_mapped_file_are_copied(tmp_path):
         assert (model.model.embed_tokens.weight.data_ptr() != before) == copied
 
 
+def test_the_export_carries_the_active_adapter_whatever_its_name(tmp_path, caplog):
+    """An adapter named other than "default" (get_peft_model(..., adapter_name="sft")) went into a subfolder no loader
+    reads, and a second adapter made active was exported as the first: the reload computed the bare base, or the
+    other adapter, without a word. The active one is the export's, others are named as left out."""
+    path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
+    model, _, _ = load_int4_lora(path, LoraConfig(**LORA), dtype=torch.float32)
+    model.add_adapter("sft", LoraConfig(**LORA))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    ids = torch.tensor([[1, 5, 9, 22, 40, 77]])
+    for active in ("sft", "default"):
+        model.set_adapter(active)
+        with torch.no_grad():
+            expected = model(input_ids=ids).logits
+        with caplog.at_level("WARNING", logger="hf_lowprec.ondevice.export"):
+            export_int4_lora(model, tmp_path / active)
+        left_out = "sft" if active == "default" else "default"
+        assert f"exporting the active adapter {active!r}; left out: {left_out!r}" in caplog.text
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / active)
+        with torch.no_grad():
+            assert torch.equal(reloaded(input_ids=ids).logits, expected), active
+    model.base_model.set_adapter(["default", "sft"])
+    with pytest.raises(ValueError, match=r"adapters \['default', 'sft'\] are active together; export one"):
+        export_int4_lora(model, tmp_path / "both")
+
+
 def test_merge_into_a_dense_model_reloads_with_transformers_alone_and_keeps_the_adapters(tmp_path):
     """merged_dtype: dequantized INT4 + LoRA delta, one rounding: the same logits as the trained model's
     dequantizing reference, where the INT4 re-quantizing merge loses part of the adapters' change."""

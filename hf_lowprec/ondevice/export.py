@@ -210,13 +210,19 @@ def _write_merge_errors(folder: Path, errors: list[dict]) -> None:
 
 
 def save_adapters(model: PeftModel, folder: Path, base_model_id: str | None) -> None:
-    """The adapters, PEFT's way (``adapter_config.json``, ``adapter_model.safetensors``), into the top of ``folder``
-    beside the model they go onto: ``from_pretrained(folder)`` then applies them. Each adapter config names
+    """The active adapter, PEFT's way (``adapter_config.json``, ``adapter_model.safetensors``), into the top of
+    ``folder`` beside the model it goes onto, whatever its name: ``from_pretrained(folder)`` then applies it (others are
+    left out, with a warning; several active together are refused). Each adapter config names
     ``base_model_id`` as its base (the Hub id of the folder whose packed model they go onto, or none; never a local
     path nor the dense checkpoint the base was packed from). PEFT's own README.md is left out: the folder's card is
     hf-lowprec's (PEFT would append to it). ``save_embedding_layers=False``: the base's vocabulary is the
     checkpoint's (hf-lowprec never resizes it), so PEFT need not look the base's config up on the Hub, which offline
     printed two warnings per export."""
+    if len(model.active_adapters) != 1:
+        raise ValueError(f"adapters {model.active_adapters} are active together; export one (model.set_adapter(name))")
+    active = model.active_adapters[0]
+    if others := [name for name in model.peft_config if name != active]:
+        logger.warning("exporting the active adapter %r; left out: %s", active, ", ".join(map(repr, others)))
     saved = {name: config.base_model_name_or_path for name, config in model.peft_config.items()}
     for config in model.peft_config.values():
         config.base_model_name_or_path = base_model_id
@@ -225,8 +231,10 @@ def save_adapters(model: PeftModel, folder: Path, base_model_id: str | None) -> 
     base.name_or_path = base.config._name_or_path = base_model_id or ""
     staging = folder / ".adapters.tmp"
     try:
-        model.save_pretrained(staging, save_embedding_layers=False)
-        for path in staging.iterdir():  # the default adapter's files; a further named adapter's folder
+        model.save_pretrained(staging, save_embedding_layers=False, selected_adapters=[active])
+        # PEFT writes an adapter not named "default" into a subfolder of its name, which no loader of the folder
+        # reads (transformers' from_pretrained and pipeline apply the adapter at the top): its files go to the top
+        for path in (staging if active == "default" else staging / active).iterdir():
             if path.name != "README.md":
                 path.rename(folder / path.name)
         _index_the_model_weights(folder)
