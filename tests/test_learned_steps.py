@@ -193,7 +193,7 @@ def test_a_base_that_learns_its_steps_trains_them_at_their_rate_and_exports_them
     assert all(torch.equal(g, torch.ones_like(g)) for g in gains)
 
 
-def test_the_trainer_checkpoints_the_learned_steps_and_a_resumed_run_reads_them(tmp_path):
+def test_the_trainer_checkpoints_the_learned_steps_and_a_resumed_run_reads_them(tmp_path, caplog):
     import datasets
     from tiny_assets import save_tiny_model
     from transformers import TrainingArguments, default_data_collator
@@ -215,7 +215,9 @@ def test_the_trainer_checkpoints_the_learned_steps_and_a_resumed_run_reads_them(
         return ChunkedLossTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator)
 
     first = trainer()
-    first.train()
+    with caplog.at_level("WARNING", logger="hf_lowprec.ondevice.learned_steps"):
+        first.train()
+    assert "writes the LoRA adapters alone" not in caplog.text  # its checkpoints hold the learned steps beside them
     adapters, *groups = first.optimizer.param_groups
     rates = [(0.0, scale * adapters["initial_lr"]) for scale in LR_SCALES.values()]  # no weight decay
     assert [(g["weight_decay"], g["initial_lr"]) for g in groups] == rates
@@ -306,7 +308,7 @@ def test_only_int4_layers_learn_their_steps(tmp_path):
     assert all(m.step_gain is None for m in packed if m not in int4)
 
 
-def test_a_base_that_learns_its_zero_points_alone_keeps_its_steps(tmp_path):
+def test_a_base_that_learns_its_zero_points_alone_keeps_its_steps(tmp_path, caplog):
     from peft import LoraConfig
     from tiny_assets import corpus_text, save_tiny_model
 
@@ -326,9 +328,16 @@ def test_a_base_that_learns_its_zero_points_alone_keeps_its_steps(tmp_path):
     assert all(m.zero.dtype == m.zero_shift.dtype == torch.bfloat16 for m in asym)  # a frozen base's, fp32 compute too
     steps, zeros = [m.step.clone() for m in asym], [m.zero.clone() for m in asym]
     blocks = token_blocks(tokenizer, [corpus_text(20_000)], 64)
-    finetune_int4_lora(model, tokenizer, blocks[:-4], steps=6, lr=1e-2, batch_size=4, output_dir=tmp_path / "run")
-    assert all(torch.equal(m.step, s) for m, s in zip(asym, steps))  # folded: the gains stayed at one
-    assert all(rel(m.zero, z) > 1e-3 for m, z in zip(asym, zeros))  # the zero points moved
+    with caplog.at_level("WARNING", logger="hf_lowprec.ondevice.learned_steps"):
+        finetune_int4_lora(model, tokenizer, blocks[:-4], steps=6, lr=1e-2, batch_size=4, output_dir=tmp_path / "run")
+        assert "writes the LoRA adapters alone" not in caplog.text  # its export writes the zero points too
+        assert all(torch.equal(m.step, s) for m, s in zip(asym, steps))  # folded: the gains stayed at one
+        assert all(rel(m.zero, z) > 1e-3 for m, z in zip(asym, zeros))  # the zero points moved
+        # PEFT's own save (SFTTrainer.save_model calls it) writes the adapters alone: said, once (it was silent)
+        for folder in ("peft", "again"):
+            model.save_pretrained(tmp_path / folder)
+        told = "save_pretrained writes the LoRA adapters alone, not the zero shifts the INT4 base learned"
+        assert caplog.text.count(told) == 1
 
 
 def test_bf16_zero_shifts_learn_what_fp32_ones_learn():

@@ -11,12 +11,20 @@ gain towards zero, not towards one).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import contextvars
+import logging
+import types
+from collections.abc import Iterator, Mapping
 
 import torch
+from peft import PeftModel
 from torch import nn
 
 from hf_lowprec.modules.packed import PackedInt4Linear, PackedLinear
+
+logger = logging.getLogger(__name__)
+_WRITTEN_BESIDE = contextvars.ContextVar("hf_lowprec_learned_steps_written_beside", default=False)
 
 # learning rates over the adapters' (AdamW moves a parameter by about lr per step). A gain of 1 + 1e-3 moves a weight
 # by up to 15 x 1e-3 of its step (|code - zero| <= 15), a zero shift of 1e-3 by 1e-3 of it: the shifts take a 10x
@@ -56,6 +64,36 @@ def learned_steps(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     empty lists unless they learn their steps)."""
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     return {kind: [p for m in packed if (p := getattr(m, kind)) is not None and p.requires_grad] for kind in LR_SCALES}
+
+
+def say_what_peft_saves(model: PeftModel) -> None:
+    """Have ``model.save_pretrained`` (PEFT's; the one every trainer's ``save_model`` calls) warn, once, that it
+    writes the LoRA adapters alone when the base learns its zero points or steps: those are the base's parameters,
+    so a reload of its files (``PeftModel.from_pretrained``) computes without them, silently. Writers that save them
+    too say so (:func:`learned_steps_written_beside`)."""
+    model.save_pretrained = types.MethodType(_save_pretrained_saying_what_it_leaves_out, model)
+
+
+def _save_pretrained_saying_what_it_leaves_out(self: PeftModel, *args, **kwargs):
+    learned = [kind for kind, params in learned_steps(self).items() if params]
+    if learned and not _WRITTEN_BESIDE.get() and not self.__dict__.get("_hf_lowprec_told"):
+        self.__dict__["_hf_lowprec_told"] = True
+        logger.warning(
+            "save_pretrained writes the LoRA adapters alone, not the %s the INT4 base learned: a reload of its files "
+            "(PeftModel.from_pretrained) computes without them. export_int4_lora (hf-lowprec export) writes both",
+            " and ".join(kind.replace("_", " ") + "s" for kind in learned),
+        )
+    return type(self).save_pretrained(self, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def learned_steps_written_beside() -> Iterator[None]:
+    """Within: a ``save_pretrained`` whose caller writes the learned steps itself (an export, a checkpoint)."""
+    token = _WRITTEN_BESIDE.set(True)
+    try:
+        yield
+    finally:
+        _WRITTEN_BESIDE.reset(token)
 
 
 def fold_learned_steps(model: nn.Module) -> None:

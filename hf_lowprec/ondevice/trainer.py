@@ -39,7 +39,11 @@ from transformers import Trainer
 from hf_lowprec.allocator import check_return_freed_memory, returning_freed_memory
 from hf_lowprec.chunked_loss import chunked_causal_lm_loss
 from hf_lowprec.labels import IGNORE_INDEX
-from hf_lowprec.ondevice.learned_steps import give_learned_steps_their_groups, learned_steps
+from hf_lowprec.ondevice.learned_steps import (
+    give_learned_steps_their_groups,
+    learned_steps,
+    learned_steps_written_beside,
+)
 from hf_lowprec.training.activations import FORMATS as ACTIVATION_FORMATS
 from hf_lowprec.training.activations import ActivationStorage
 from hf_lowprec.training.adamw8bit import AdamW8bit
@@ -111,7 +115,8 @@ class ChunkedLossTrainer(Trainer):
         return optimizer
 
     def _save(self, output_dir: str | None = None, state_dict=None):
-        super()._save(output_dir, state_dict)  # a PEFT model: the adapters only
+        with learned_steps_written_beside():
+            super()._save(output_dir, state_dict)  # a PEFT model: the adapters only
         learned = self._learned_steps()
         if learned:
             path = os.path.join(output_dir or self.args.output_dir, LEARNED_STEPS_FILE)
