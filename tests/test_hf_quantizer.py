@@ -31,6 +31,20 @@ def test_config_round_trips_the_plan_and_names_a_bad_one():
         HfLowprecConfig(pln="int4")  # a typo no longer loads with the default plan
 
 
+def test_a_packed_models_missing_dense_weight_is_said_so(tmp_path):
+    """resize_token_embeddings (adding a chat template's tokens) on a packed model failed on "'PackedInt4Linear' object
+    has no attribute 'weight'"; it says why now. getattr(layer, "weight", None) still gives None."""
+    from tiny_assets import save_tiny_model
+
+    path = save_tiny_model(tmp_path / "tiny", tie_word_embeddings=False)
+    plan = {"default": "int4-g64-asym", "layers": {"model.embed_tokens": "int8"}}
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=HfLowprecConfig(plan))
+    for layer in (model.lm_head, model.get_input_embeddings()):
+        assert getattr(layer, "weight", None) is None
+    with pytest.raises(AttributeError, match="holds its weight packed, no dense .weight .* need the model before"):
+        model.resize_token_embeddings(model.config.vocab_size + 8)
+
+
 def test_shells_replace_exactly_the_packed_formats():
     model = tiny_llama()
     assert install_packed_shells(model, PLAN) == 2 * 7 - 2 + 2  # every linear of 2 blocks but lm_head: 12 int4, 2 int8

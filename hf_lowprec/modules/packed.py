@@ -663,7 +663,20 @@ class _PackedMatmul(torch.autograd.Function):
 # ------------------------------------------------------------------------------------ module
 
 
-class PackedLinear(nn.Module):
+class NoDenseWeight:
+    """Mixin of the modules that hold their weight packed: reading ``.weight`` (``resize_token_embeddings``, code
+    written for ``nn.Linear`` / ``nn.Embedding``) fails saying why, not with nn.Module's bare "has no attribute"."""
+
+    def __getattr__(self, name: str):
+        if name == "weight":
+            raise AttributeError(
+                f"{type(self).__name__} holds its weight packed, no dense .weight (dequantized_weight() makes one): "
+                "resize_token_embeddings and code written for nn.Linear / nn.Embedding need the model before packing"
+            )
+        return super().__getattr__(name)
+
+
+class PackedLinear(NoDenseWeight, nn.Module):
     """Frozen linear stored as integer codes: ``qweight``, ``step`` ``[N, G]``, optional ``zero``, ``input_scale``
     fp32 ``[K]`` (ones unless activation-aware scaling chose others). Subclasses say how codes are stored.
     ``dtype``: the dtype of the dense layer it stands for (its bias; dense twins and dequantized rows are made in it;

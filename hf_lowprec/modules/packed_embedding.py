@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from hf_lowprec.formats import FormatSpec
-from hf_lowprec.modules.packed import PackedLinear, packed_class
+from hf_lowprec.modules.packed import NoDenseWeight, PackedLinear, packed_class
 
 
-class _PackedRows(nn.Module):
+class _PackedRows(NoDenseWeight, nn.Module):
     """``input_ids [...] -> embeddings [..., H]``: the rows of the packed ``[V, H]`` layer ``self.table``, times
     ``scale`` when the embedding it replaces scaled them (Gemma's ``embed_scale``, see :func:`embedding_scale`)."""
 
