@@ -3,6 +3,7 @@
 import copy
 import importlib
 import itertools
+import math
 import pydoc_data.topics
 
 import numpy as np
@@ -280,7 +281,7 @@ def test_bad_inputs_give_clear_errors():
         Budget()
     with pytest.raises(ValueError, match=r"int4_fraction must be a fraction in \[0, 1\]"):
         Budget(int4_fraction=1.5)
-    with pytest.raises(ValueError, match="no layers to allocate"):
+    with pytest.raises(ValueError, match="no layers with weights to allocate"):
         allocate(ScanResult([], ("fp8",), "fisher"), target_bits_per_param=8)
     converted = tiny_llama()
     apply_plan(converted, "fp8")
@@ -571,6 +572,27 @@ def test_budgets_met_at_their_bound_are_allocated_not_refused(solver):
     ties = ScanResult([unit(f"l{i}", 1000, 0.0, 0.0) for i in range(4)], ("fp8", INT4), "fisher")
     plan = allocate(ties, max_loss_increase=0.05, int4_fraction=0.5, solver=solver)
     assert sorted(f.name for f in plan.layers.values()) == ["fp8", "fp8", INT4, INT4]
+    # a budget of 0 with a layer just above it: the ILP let 3e-9 in under HiGHS's absolute tolerance, then refused
+    # its plan as "cannot be met: the lowest reachable is 0"
+    near_zero = ScanResult([unit("a", 1000, 3e-9, 3e-9), unit("b", 1000, 0.0, 0.01)], ("fp8", INT4), "fisher")
+    plan = allocate(near_zero, max_loss_increase=0.0, solver=solver)
+    assert near_zero.allocation["predicted_delta_loss"] == 0 and {n: f.name for n, f in plan.layers.items()} == {
+        "a": "bf16", "b": "fp8"}
+
+
+@pytest.mark.parametrize("score", [math.nan, math.inf])
+def test_a_broken_score_or_layers_without_weights_are_named(score):
+    """A NaN or inf score (an overflowed scan, an edited scores file): the ILP failed inside scipy naming no layer,
+    the greedy solver accepted a plan of NaN Δloss. Layers of no parameters: a ZeroDivisionError."""
+    def unit(name, params, int4):
+        return LayerScore(name, params=params, bytes={"bf16": 2.0 * params, INT4: 0.53 * params}, predicted={INT4: int4})
+
+    broken = ScanResult([unit("a", 1000, score), unit("b", 1000, 0.002)], (INT4,), "fisher")
+    for solver in ("ilp", "greedy"):
+        with pytest.raises(ValueError, match=rf"layer 'a' in {INT4}: its Δloss score is {score}, which no budget"):
+            allocate(broken, max_loss_increase=0.005, solver=solver)
+    with pytest.raises(ValueError, match="the scan has no layers with weights to allocate"):
+        allocate(ScanResult([unit("a", 0, 0.001)], (INT4,), "fisher"), max_loss_increase=0.01)
 
 
 def test_the_after_training_score_leaves_out_the_first_order_term(sensitive_model, fisher, measured):

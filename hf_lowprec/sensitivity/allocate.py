@@ -99,9 +99,10 @@ class _Problem:
 
 def _problem(result: ScanResult, keep: Sequence[str], force: Mapping[str, str], score: str) -> _Problem:
     units = [u for u in result.layers]
-    if not units:
+    if not units or not any(u.params for u in units):
         raise ValueError(
-            "the scan has no layers to allocate (the model had no eligible nn.Linear / nn.Embedding layers)"
+            "the scan has no layers with weights to allocate (the model had no eligible nn.Linear / nn.Embedding "
+            "layers)"
         )
     all_names = [n for u in units for n in u.names]
     rules: dict[int, str] = {}
@@ -147,6 +148,11 @@ def _problem(result: ScanResult, keep: Sequence[str], force: Mapping[str, str], 
             rules[i] = name
     rows = [(i, c) for i, u in enumerate(units) for c in [KEEP, *u.formats]]
     loss = [units[i].score(c, score) for i, c in rows]
+    if broken := next(((units[i].name, c, v) for (i, c), v in zip(rows, loss) if not math.isfinite(v)), None):
+        raise ValueError(
+            f"layer {broken[0]!r} in {broken[1]}: its Δloss score is {broken[2]}, which no budget can weigh (a scan "
+            "that overflowed, or an edited scores file); scan again, in fp32"
+        )
     negative = sum(1 for v in loss if v < 0)
     if negative:
         logger.info(
@@ -200,7 +206,13 @@ def _solve_ilp(p: _Problem, objective: np.ndarray, limits, tiebreak: np.ndarray 
     for a, lo, hi in limits:
         divisor = _row_scale(lo, hi)
         constraints.append(LinearConstraint(a[None, :] / divisor, lo / divisor, hi / divisor))
-    bounds = Bounds(np.zeros(n), np.where(p.fixed, 0.0, 1.0))
+    # a choice over a bound on its own is in no plan: with a loss budget of 0, every one of Δloss > 0, which HiGHS's
+    # absolute tolerance (~1e-7 where a bound is 0) let in below it
+    upper = np.where(p.fixed, 0.0, 1.0)
+    for a, _, hi in limits:
+        if math.isfinite(hi) and (a >= 0).all():
+            upper[a > hi] = 0.0
+    bounds = Bounds(np.zeros(n), upper)
     options = {"time_limit": 60.0, "mip_rel_gap": 1e-9}
     scale = max(np.abs(objective).max(), 1e-30)
     res = milp(objective / scale, integrality=np.ones(n), bounds=bounds, constraints=constraints, options=options)
