@@ -585,7 +585,8 @@ def test_a_broken_score_or_layers_without_weights_are_named(score):
     """A NaN or inf score (an overflowed scan, an edited scores file): the ILP failed inside scipy naming no layer,
     the greedy solver accepted a plan of NaN Δloss. Layers of no parameters: a ZeroDivisionError."""
     def unit(name, params, int4):
-        return LayerScore(name, params=params, bytes={"bf16": 2.0 * params, INT4: 0.53 * params}, predicted={INT4: int4})
+        sizes = {"bf16": 2.0 * params, INT4: 0.53 * params}
+        return LayerScore(name, params=params, bytes=sizes, predicted={INT4: int4})
 
     broken = ScanResult([unit("a", 1000, score), unit("b", 1000, 0.002)], (INT4,), "fisher")
     for solver in ("ilp", "greedy"):
