@@ -28,16 +28,26 @@ ULP = 2.0**-7  # bf16 spacing in [1, 2)
 # ----------------------------------------------------------------------------- sub-ulp updates
 
 
-def _sub_ulp_run(method: str, steps: int = 200, n: int = 4096) -> torch.Tensor:
-    """SGD on weights in [1, 2) (bf16-representable) with every update 0.1 ulp; returns the final weights."""
+def _sub_ulp_run(method: str, steps: int = 200, n: int = 4096, update: float = 0.1) -> torch.Tensor:
+    """SGD on weights in [1, 2) (bf16-representable) with every update ``update`` ulp; returns the final weights."""
     w0 = (1 + torch.rand(n, generator=torch.Generator().manual_seed(0))).bfloat16().float()
     p = torch.nn.Parameter(w0.clone() if method == "fp32" else w0.bfloat16())
     inner = torch.optim.SGD([p], lr=1.0)
     opt = inner if method in ("fp32", "plain") else CompensatedOptimizer(inner, method)
     for _ in range(steps):
-        p.grad = torch.full_like(p, 0.1 * ULP)
+        p.grad = torch.full_like(p, update * ULP)
         opt.step()
     return p.detach().float()
+
+
+def test_kahan_keeps_updates_far_below_its_buffers_own_resolution():
+    """Updates of 1/2000 ulp (3.9e-6 on weights in [1, 2); AdamW at lr ~4e-6 moves a weight about that much): a bf16
+    buffer rounded to nearest stopped growing once its own spacing passed twice the update (at ~1e-3), and the
+    weights never moved (fp32: 4 ulp in 8,000 steps). Stored by stochastic rounding it sums them as fp32 does."""
+    start, ref = _sub_ulp_run("fp32", 0, 256), _sub_ulp_run("fp32", 8000, 256, update=5e-4)
+    kahan = _sub_ulp_run("kahan", 8000, 256, update=5e-4)
+    moved, expected = ((start - kahan) / ULP).mean().item(), ((start - ref) / ULP).mean().item()
+    assert expected == pytest.approx(4.0, rel=0.02) and moved == pytest.approx(expected, rel=0.05)
 
 
 def test_sub_ulp_updates_vanish_in_bf16_and_are_kept_by_kahan_and_stochastic_rounding():

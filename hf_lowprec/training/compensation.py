@@ -159,8 +159,9 @@ class CompensatedOptimizer(torch.optim.Optimizer):
     buffer), the wrapped optimizer updates that fp32 value, and the result goes back to the parameter:
 
     - ``kahan``: rounded to nearest; the rounding error is kept in a compensation buffer of the
-      parameter's dtype (fp32 for fp16 weights) and added back next step, so updates smaller than an
-      ulp accumulate instead of vanishing (2 bytes/param instead of a 4-byte master copy);
+      parameter's dtype (fp32 for fp16 weights; a bf16 one stored by stochastic rounding) and added back next
+      step, so updates smaller than an ulp accumulate instead of vanishing (2 bytes/param instead of a 4-byte
+      master copy);
     - ``stochastic``: rounded stochastically (unbiased in expectation; no buffer);
     - ``none``: plain rounding (what training bf16 weights directly does).
 
@@ -263,7 +264,13 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         """The stored value for updated fp32 ``new`` (consumed: overwritten in place); updates the buffers."""
         if mode == "kahan":
             hi = new.to(dtype)
-            self.buffers[id(p)] = new.sub_(hi).to(torch.float32 if dtype == torch.float16 else dtype)
+            error = new.sub_(hi)
+            # a bf16 buffer is stored by stochastic rounding: rounded to nearest, an update below half its own spacing
+            # rounded away, and the buffer stopped growing (20,000 SGD steps of 3e-6 on weights at 1.0 moved
+            # nothing, fp32 weights 0.06); unbiased, it sums them as fp32 does
+            self.buffers[id(p)] = (
+                error.float() if dtype == torch.float16 else stochastic_round(error, dtype, self._generator(new.device))
+            )
             return hi
         if mode == "stochastic":
             return stochastic_round(new, dtype, self._generator(new.device))
