@@ -212,6 +212,21 @@ def test_embedding_lookup_reads_the_quantized_table(cls, spec):
     assert torch.allclose(emb.weight.grad, ref, atol=1e-6)
 
 
+@pytest.mark.parametrize("cls", [FP8Embedding, Int4Embedding])
+def test_an_embedding_built_directly_works_as_one_wrapped(cls):
+    """Int4Embedding(50, 96) had no weight quantizer (only from_embedding made one): its first lookup, freeze and
+    load_state_dict failed. Built directly, it looks up what the same table wrapped does, and reloads its state."""
+    torch.manual_seed(0)
+    spec = "fp8-rowwise" if cls is FP8Embedding else "int4-g32"
+    direct = cls(50, 96, spec=spec)
+    wrapped = cls.from_embedding(nn.Embedding.from_pretrained(direct.weight.detach().clone(), freeze=False), spec)
+    ids = torch.tensor([[0, 3, 3, 7], [49, 1, 0, 2]])
+    assert torch.equal(direct(ids), wrapped(ids))
+    again = cls(50, 96, spec=spec)
+    again.load_state_dict(direct.state_dict())
+    assert torch.equal(again(ids), direct(ids))
+
+
 def test_fp8_saturates_activations_instead_of_producing_nan():
     layer = FP8Linear.from_linear(nn.Linear(32, 16), "fp8", backend="emulated")
     x = torch.randn(4, 32)

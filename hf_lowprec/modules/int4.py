@@ -175,7 +175,16 @@ class Int4Embedding(nn.Embedding):
     """``nn.Embedding`` whose table is fake-quantized per row in groups along the embedding dim."""
 
     def __init__(
-        self, num_embeddings, embedding_dim, *, spec: FormatSpec | str = "int4-g64", device=None, dtype=None, **kwargs
+        self,
+        num_embeddings,
+        embedding_dim,
+        *,
+        spec: FormatSpec | str = "int4-g64",
+        learn_scales: bool = True,
+        quantizer: LearnedStepQuantizer | None = None,
+        device=None,
+        dtype=None,
+        **kwargs,
     ):
         super().__init__(num_embeddings, embedding_dim, device=device, dtype=dtype, **kwargs)
         self.spec = _check_spec(spec, "Int4Embedding")
@@ -183,6 +192,8 @@ class Int4Embedding(nn.Embedding):
             raise ValueError(f"an embedding has no activation input to quantize; drop '-a8' from {self.spec.name!r}")
         if self.spec.rotate or self.spec.smooth:
             raise ValueError(f"an embedding has no input to rotate or smooth; drop '-rht'/'-sq' from {self.spec.name!r}")
+        if self.weight.device.type != "meta":  # built to wrap a table (from_embedding): its quantizer made there
+            self.weight_quantizer = quantizer or LearnedStepQuantizer(self.weight, self.spec, learn_scales)
 
     @classmethod
     def from_embedding(
