@@ -157,10 +157,22 @@ def chunkable_head(base: nn.Module) -> nn.Module | None:
         return None
     if torch.is_grad_enabled() and any(p.requires_grad for p in head.parameters()):
         return None
-    skipped = _head_alone_gives_logits(type(base))
-    if skipped is None or any(_attribute(base, path) is not None for path in skipped):
+    model = _innermost(base)
+    skipped = _head_alone_gives_logits(type(model))
+    if skipped is None or any(_attribute(model, path) is not None for path in skipped):
         return None
     return head
+
+
+def _innermost(model: nn.Module) -> nn.Module:
+    """The transformers model inside ``torch.compile``'s and PEFT's wrappers, whose forward makes the logits."""
+    while True:
+        if isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        elif isinstance(model, PeftModel):
+            model = model.get_base_model()
+        else:
+            return model
 
 
 _NO_HEAD_LINE = "the model's forward computes its logits otherwise than by its output head alone"

@@ -197,6 +197,8 @@ def test_the_chunked_loss_runs_the_head_alone_only_where_the_model_does(family, 
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
     for a, p in zip(grads, (p for p in model.parameters() if p.requires_grad)):
         torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
+    wrapped = (get_peft_model(model, LoraConfig(target_modules=["q_proj"])), torch.compile(model, backend="eager"))
+    assert all((chunkable_head(w) is not None) == chunked for w in wrapped)  # the model inside its wrappers decides
 
 
 @pytest.mark.parametrize("given", [{"label_smoothing_factor": 0.1}, {"compute_loss_func": lambda *a, **k: 0}])
@@ -229,6 +231,8 @@ def test_the_chunked_loss_trainer_evaluates_its_loss(tmp_path, prediction_loss_o
         expected = model(input_ids=ids, labels=ids).loss.item()
     assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-5)
     assert trainer.predict(rows).predictions is None
+    unlabelled = [{"input_ids": i} for i in ids]  # as training takes them: the loss from the input ids
+    assert trainer.evaluate(unlabelled)["eval_loss"] == pytest.approx(expected, rel=1e-5)
 
 
 def test_the_chunked_loss_scales_bf16_gradients_once_and_refuses_a_trainable_head():

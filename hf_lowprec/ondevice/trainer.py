@@ -169,10 +169,13 @@ class ChunkedLossTrainer(Trainer):
         return (loss, {}) if return_outputs else loss  # no outputs: the logits never exist whole
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """``(loss, None, None)``: evaluation gives the chunked loss alone, the ``[tokens, vocab]`` logits never made
-        (``compute_metrics`` gets none; evaluate such metrics with transformers' ``Trainer``)."""
-        loss, _, _ = super().prediction_step(model, inputs, True, ignore_keys)
-        return loss, None, None
+        """``(loss, None, None)``: evaluation gives the chunked loss alone, batches with or without ``labels`` (as
+        training takes them), the ``[tokens, vocab]`` logits never made (``compute_metrics`` gets none; evaluate such
+        metrics with transformers' ``Trainer``)."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach().mean(), None, None
 
 
 def _padding_ignored(batch):
