@@ -34,17 +34,17 @@ SMOOTHING_ALPHA = 0.5
 """Migration strength: the share of an input channel's range moved into its weight column."""
 MIN_CALIBRATION_TOKENS = 64
 """Fewest tokens a forward needs to calibrate the smoothing (a single generated token would give a poor ``max|x|``)."""
-_EPS = 1e-5  # weight column ranges below this count as this
+_EPS = 1e-5  # channel ranges below this count as this (weights), or as a channel that never fired (inputs)
 
 
 def smoothing_scale(input_amax: torch.Tensor, weight: torch.Tensor, alpha: float = SMOOTHING_ALPHA) -> torch.Tensor:
     """``s [K]`` (fp32 powers of two) from each input channel's ``max|x| [K]`` and ``weight [N, K]``; 1 for a channel
-    that never fired in calibration (no range to move: the formula divided its weight column down to ~2^-9 of its
-    group's step and would multiply its input by ~512 the day it fires)."""
+    that never fired in calibration (``max|x| <= _EPS``: no range to move; the formula divided its weight column down
+    to ~2^-9 of its group's step, and would multiply its input by ~512 the day it fires)."""
     weight_amax = weight.detach().abs().amax(0).float().clamp(min=_EPS)
     amax = input_amax.float()
-    s = amax.pow(alpha) / weight_amax.pow(1 - alpha)
-    return torch.where(amax > 0, torch.exp2(torch.round(torch.log2(s))), torch.ones_like(s))
+    s = amax.clamp(min=_EPS).pow(alpha) / weight_amax.pow(1 - alpha)
+    return torch.where(amax > _EPS, torch.exp2(torch.round(torch.log2(s))), torch.ones_like(s))
 
 
 class InputSmoothing(OnceFlags):

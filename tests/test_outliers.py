@@ -248,9 +248,9 @@ def test_smoothing_scale_is_smoothquants_rounded_to_powers_of_two_and_calibrates
     exact = amax.sqrt() / w.abs().amax(0).sqrt()  # SmoothQuant with alpha = 0.5
     torch.testing.assert_close(torch.log2(s), torch.round(torch.log2(exact)), rtol=0, atol=0)
     silent = amax.clone()
-    silent[[3, 50]] = 0  # channels that never fired: left unscaled (they were scaled by ~2^-9)
-    expected = torch.where(silent > 0, s, 1.0)
-    assert torch.equal(smoothing_scale(silent, w), expected) and torch.equal(expected[[3, 50]], torch.ones(2))
+    silent[[3, 50, 70]] = torch.tensor([0.0, 1e-12, 1e-6])  # channels that never fired: left unscaled (~2^-9 before)
+    expected = torch.where(silent > 1e-5, s, 1.0)
+    assert torch.equal(smoothing_scale(silent, w), expected) and torch.equal(expected[[3, 50, 70]], torch.ones(3))
     smoothing = InputSmoothing(96)
     assert not smoothing.calibrate(x[:MIN_CALIBRATION_TOKENS - 1], w)  # too few tokens: stays unsmoothed
     assert torch.equal(smoothing.scale, torch.ones(96))
