@@ -166,7 +166,11 @@ def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool, source: s
             )
         # the resumed run's export replaces the output folder: an hf-lowprec one only (a kill may come between the
         # start and the resume, and the user's model or files be put there meanwhile)
-        check_replaceable(run.out, True, "run or export folder", "--output-dir")
+        if run.out.is_dir() and any(run.out.iterdir()) and not (run.out / RUN_FILE).is_file():
+            ui.fail(
+                f"--resume: {str(run.out)!r} exists and is not an hf-lowprec run or export folder (no {RUN_FILE}), "
+                "which the resumed run's export would replace; move that folder away, then resume"
+            )
         return run
     when = " (it is replaced only when the new run finishes)"
     check_replaceable(run.out, overwrite, "run or export folder", "--output-dir", when)
@@ -285,6 +289,7 @@ class KeepOneCompleteCheckpoint(TrainerCallback):
         latest = self.run.latest_checkpoint()
         if not args.should_save or latest is None:
             return
+        shutil.rmtree(self.run.set_aside, ignore_errors=True)  # --overwrite's interrupted run: replaced by this one now
         for older in self.run.checkpoint_folders():
             if _checkpoint_step(older) < _checkpoint_step(latest):
                 shutil.rmtree(older, ignore_errors=True)
@@ -374,21 +379,22 @@ class FinetuneOptions:
 def run_finetune(opts: FinetuneOptions) -> dict:
     """Train, evaluate and export; returns the run record (also written to the output folder)."""
     run = open_run_folder(opts.output_dir, overwrite=opts.overwrite, resume=opts.resume, source=opts.model)
-    contention = contention_warning()
-    if contention is not None:
-        ui.err.print(f"[yellow]warning: {escape(contention)}[/]", soft_wrap=True)
-    settings = {"model": opts.model, "gguf_file": opts.gguf_file, "loading": opts.load_options, "data": opts.data,
-                "recipe": opts.recipe.to_dict()}  # fmt: skip
-    if opts.resume:
-        check_same_run(run, settings)
-        settings = run.settings()
-    else:
-        atomic_write_text(run.work / SETTINGS_FILE, json.dumps(settings, indent=2))
+    # from here on, --overwrite's interrupted run (set aside) comes back if this one stops before its first checkpoint
     try:
+        contention = contention_warning()
+        if contention is not None:
+            ui.err.print(f"[yellow]warning: {escape(contention)}[/]", soft_wrap=True)
+        settings = {"model": opts.model, "gguf_file": opts.gguf_file, "loading": opts.load_options,
+                    "data": opts.data, "recipe": opts.recipe.to_dict()}  # fmt: skip
+        if opts.resume:
+            check_same_run(run, settings)
+            settings = run.settings()
+        else:
+            atomic_write_text(run.work / SETTINGS_FILE, json.dumps(settings, indent=2))
         return _train(run, opts, settings)  # a SIGTERM outside training raises here too (ui.guarded)
     except BaseException as e:
         kept = run.latest_checkpoint()
-        if kept is None:  # nothing to resume: leave no trace
+        if kept is None and run.work.exists():  # nothing to resume: leave no trace (no work folder: exported already)
             shutil.rmtree(run.work, ignore_errors=True)
             if run.set_aside.exists():  # --overwrite's interrupted run, which this one did not replace after all
                 os.replace(run.set_aside, run.work)

@@ -8,6 +8,7 @@ import signal
 import pytest
 from cli_invoke import cli, one_error_line, workspace
 from hf_lowprec.cli import run as run_module
+from transformers import TrainingArguments
 
 from hf_lowprec.export import RUN_FILE
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
@@ -242,8 +243,49 @@ def test_an_interrupted_run_is_lost_to_no_bad_input_and_resumes_into_no_users_fo
     shutil.copytree(ws / "tiny", out)
     (out / "notes.txt").write_text("precious")
     text = one_error_line(cli(*finetune_args(ws, out), "--resume"))
-    assert f"--output-dir: '{out}' exists and is not an hf-lowprec run or export folder" in text
+    assert f"--resume: '{out}' exists and is not an hf-lowprec run or export folder" in text
+    assert text.endswith("move that folder away, then resume")
     assert (out / "notes.txt").read_text() == "precious" and not (out / RUN_FILE).exists()
+
+
+@pytest.mark.parametrize("moment", ["before its settings", "after its export"])
+def test_overwrite_puts_the_interrupted_run_back_only_while_nothing_replaced_it(ws, tmp_path, monkeypatch, moment):
+    """An interrupt right after --overwrite set the interrupted run aside (before the try that puts it back) left it
+    hidden, for the next start to delete; one after the new run's export (its work folder removed) brought the old run
+    back beside the finished one, for a --resume to overwrite it."""
+    out, work = tmp_path / "run", tmp_path / "run.incomplete"
+    with monkeypatch.context() as patched:
+        interrupt_at_step_2(patched)
+        assert cli(*finetune_args(ws, out)).exit_code == 143
+    saved = sorted(p.name for p in (work / "checkpoints").iterdir())
+
+    def interrupted(*args, **kwargs):
+        if moment == "after its export":
+            out.mkdir()
+            (out / RUN_FILE).write_text("{}")
+            shutil.rmtree(work)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "atomic_write_text" if moment == "before its settings" else "_train", interrupted)
+    cli(*finetune_args(ws, out), "--overwrite")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    if moment == "before its settings":
+        assert sorted(p.name for p in (work / "checkpoints").iterdir()) == saved
+    else:
+        assert not work.exists() and (out / RUN_FILE).is_file()
+
+
+def test_the_set_aside_run_goes_once_the_new_run_saved_a_checkpoint(tmp_path):
+    """Not at the end of the new run: its old checkpoints (optimizer states) held the disk for the whole run."""
+    run = run_module.RunFolder(tmp_path / "run")
+    checkpoint = run.checkpoints / "checkpoint-1"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "adapter_model.safetensors").write_bytes(b"x")
+    (checkpoint / run_module.TRAINER_STATE).write_text("{}")
+    run.set_aside.mkdir()
+    args = TrainingArguments(output_dir=str(tmp_path / "x"), use_cpu=True, report_to=[])
+    run_module.KeepOneCompleteCheckpoint(run).on_save(args, None, None)
+    assert not run.set_aside.exists() and checkpoint.is_dir()
 
 
 def test_a_run_interrupted_after_its_last_step_resumes_to_the_whole_runs_figures(ws, tmp_path, monkeypatch):
