@@ -43,6 +43,8 @@ def test_a_packed_models_missing_dense_weight_is_said_so(tmp_path):
         assert getattr(layer, "weight", None) is None
     with pytest.raises(AttributeError, match="holds its weight packed, no dense .weight .* need the model before"):
         model.resize_token_embeddings(model.config.vocab_size + 8)
+    model.lm_head.register_buffer("weight", torch.zeros(1))  # one registered under that name is what it reads
+    assert torch.equal(model.lm_head.weight, torch.zeros(1))
 
 
 def test_shells_replace_exactly_the_packed_formats():

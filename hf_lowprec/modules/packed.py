@@ -668,12 +668,15 @@ class NoDenseWeight:
     written for ``nn.Linear`` / ``nn.Embedding``) fails saying why, not with nn.Module's bare "has no attribute"."""
 
     def __getattr__(self, name: str):
-        if name == "weight":
-            raise AttributeError(
-                f"{type(self).__name__} holds its weight packed, no dense .weight (dequantized_weight() makes one): "
-                "resize_token_embeddings and code written for nn.Linear / nn.Embedding need the model before packing"
-            )
-        return super().__getattr__(name)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name != "weight":
+                raise
+        raise AttributeError(
+            f"{type(self).__name__} holds its weight packed, no dense .weight (dequantized_weight() makes one): "
+            "resize_token_embeddings and code written for nn.Linear / nn.Embedding need the model before packing"
+        )
 
 
 class PackedLinear(NoDenseWeight, nn.Module):
