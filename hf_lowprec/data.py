@@ -447,7 +447,7 @@ def read_source(source: str | Path | None, split: str = "train") -> tuple[datase
     (``shakespeare``, where no local path has that name), is :func:`default_corpus` (one split, ``train``)."""
     if _is_default_corpus(source):
         if split != "train":
-            raise ValueError(f"the offline corpus {DEFAULT_CORPUS!r} has one split, 'train', not {split!r}")
+            raise ValueError(f"split {split!r}: the offline default corpus has one split, 'train'")
         return default_corpus()
     return load_records(source, split=split), str(source)
 

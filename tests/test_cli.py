@@ -1100,7 +1100,8 @@ def test_eval_reads_the_offline_corpus_by_its_name(ws, tmp_path, monkeypatch):
     args = ["eval", ws / "tiny", "--data", "shakespeare", "--block-size", "32", "--max-sequences", "2"]
     result = cli(*args)
     assert result.exit_code == 0 and "(train split)" in " ".join(result.output.split()), result.output
-    assert "has one split, 'train', not 'validation'" in one_error_line(cli(*args, "--split", "validation"))
+    assert "split 'validation': the offline default corpus has one split, 'train'" in one_error_line(
+        cli(*args, "--split", "validation"))
 
 
 def test_same_seed_same_run(ws, tmp_path):
