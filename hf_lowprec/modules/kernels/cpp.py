@@ -1062,21 +1062,25 @@ def clear_stale_build_lock(name: str) -> None:
     from torch.utils.cpp_extension import _get_build_directory  # private, but the one place the folder is named
 
     lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age <= STALE_BUILD_LOCK_S:  # torch would wait for it forever: wait here until it goes or turns stale
+    age = _age(lock)
+    if age is not None and age <= STALE_BUILD_LOCK_S:  # torch would wait for it forever: wait until it goes or is stale
         logger.warning(
             "waiting for another process building the CPU kernels (%s, %.0f s old; removed if still there at %d s)",
             lock,
             age,
             STALE_BUILD_LOCK_S,
         )
-        while lock.exists() and time.time() - lock.stat().st_mtime <= STALE_BUILD_LOCK_S:
+        while (age := _age(lock)) is not None and age <= STALE_BUILD_LOCK_S:
             time.sleep(LOCK_POLL_S)
-        if not lock.exists():
-            return
-        age = time.time() - lock.stat().st_mtime
+    if age is None:  # none, or the build holding it finished (it may go between any two looks at it)
+        return
     logger.warning("removing %s: left %.0f min ago by a kernel build that was interrupted", lock, age / 60)
     lock.unlink(missing_ok=True)
+
+
+def _age(path: Path) -> float | None:
+    """Seconds since ``path`` was last modified; ``None`` when it does not exist."""
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return None
