@@ -523,7 +523,7 @@ def finetune_cmd(
     model, key_values = _model_and_key_values(model, overrides or [])
     flags = locals()  # this command's options by parameter name
     chosen = load_recipe(recipe).with_overrides({key: flags[name] for name, key in FLAG_KEYS.items()})
-    chosen = chosen.with_overrides(key_values, "key=value arguments")
+    chosen = chosen.with_overrides(key_values, "key=value arguments", set_none=True)
     out = output_dir or Path("runs") / chosen.name
     ui.err.print(f"recipe [bold]{chosen.name}[/] ({chosen.method}, plan {chosen.precision.plan}) → {out}")
     options = FinetuneOptions(
@@ -545,6 +545,8 @@ def _model_and_key_values(model: str | None, items: list[str]) -> tuple[str | No
         key, sep, value = item.partition("=")
         if not sep or not key:
             ui.fail(f"{item!r}: recipe overrides are key=value with a dotted key, e.g. training.max_steps=10")
+        if not value.strip():  # it was dropped without a word, the recipe's value kept
+            ui.fail(f"{item!r}: no value after '='; give one (key=null sets null)")
         out[key.strip()] = yaml.safe_load(value)
     return model, out
 

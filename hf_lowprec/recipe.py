@@ -397,11 +397,14 @@ class Recipe:
             del data["lora"], data["precision"]["learn_steps"], data["export"]["merge_lora"]
         return yaml.safe_dump(data, sort_keys=False, width=100)
 
-    def with_overrides(self, overrides: Mapping[str, object], source: str = "command line") -> "Recipe":
-        """A copy with dotted keys replaced (``{"training.max_steps": 10}``); ``None`` values are ignored."""
+    def with_overrides(
+        self, overrides: Mapping[str, object], source: str = "command line", set_none: bool = False
+    ) -> "Recipe":
+        """A copy with dotted keys replaced (``{"training.max_steps": 10}``); ``None`` values are ignored (options
+        not given), or set where ``set_none`` (``key=null`` arguments: checked as a recipe file's null is)."""
         data = self.to_dict()
         for key, value in overrides.items():
-            if value is None:
+            if value is None and not set_none:
                 continue
             node = data
             *parents, leaf = key.split(".")

@@ -1043,6 +1043,12 @@ def test_recipe_keys_as_key_value_arguments(ws, tmp_path):
     bad = cli("finetune", ws / "tiny", "training.max_step=2", "-o", tmp_path / "bad")
     assert "unknown recipe key 'training.max_step' (did you mean 'max_steps'?)" in one_error_line(bad)
     assert "key=value with a dotted key" in one_error_line(cli("finetune", ws / "tiny", "oops", "-o", tmp_path / "bad"))
+    # an empty value was dropped without a word (the recipe's kept); null is checked as a recipe file's null is
+    empty = one_error_line(cli("finetune", ws / "tiny", "training.block_size=", "-o", tmp_path / "bad"))
+    assert empty.endswith("'training.block_size=': no value after '='; give one (key=null sets null)")
+    null = one_error_line(cli("finetune", ws / "tiny", "training.block_size=null", "-o", tmp_path / "bad"))
+    assert "'training.block_size' must be an integer, got None" in null
+    assert not (tmp_path / "bad").exists()
 
 
 def test_the_evaluations_return_freed_memory_as_training_does(ws, tmp_path, counted_trims):
