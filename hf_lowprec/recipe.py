@@ -102,6 +102,8 @@ class PrecisionSection:
     learn_steps: bool | str = field(default=False, metadata=_choices(*LEARN_STEPS))
 
     def __post_init__(self):
+        if not self.formats:  # a scan then failed after the model's load and evaluation
+            raise ValueError("'formats' is empty: name the formats an auto plan chooses among, e.g. [fp8, int4-g64]")
         for fmt in self.formats:
             FormatSpec.parse(fmt)
         if self.plan not in PLAN_SOURCES and not self.is_file:
@@ -251,6 +253,8 @@ class LoraSection:
     def __post_init__(self):  # checked here, not by PEFT/PyTorch after the model has loaded
         if self.r < 1:
             raise ValueError(f"'r' must be >= 1, got {self.r}")
+        if not self.target_modules:
+            raise ValueError("'target_modules' is empty: name the layers to adapt, e.g. [all-linear] or [q_proj, v_proj]")
         if not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
             raise ValueError(f"'lora_alpha' must be a finite number > 0, got {self.lora_alpha}")
         if not 0.0 <= self.lora_dropout < 1.0:
@@ -270,6 +274,11 @@ class DataSection:
     train_on: str = field(default="all", metadata=_choices(*TRAIN_ON))  # chat data: all tokens, or the completions
 
     def __post_init__(self):
+        if self.text_column is not None and self.messages_column is not None:  # the messages column won, unsaid
+            raise ValueError(
+                f"'text_column' {self.text_column!r} and 'messages_column' {self.messages_column!r}: data is read as "
+                "text or as chat messages; set one"
+            )
         if not 0.0 < self.eval_fraction < 1.0:  # 0 held one row out all the same
             raise ValueError(
                 f"'eval_fraction' must be in (0, 1), got {self.eval_fraction}: a run evaluates on held-out rows (one "
@@ -301,6 +310,9 @@ class Recipe:
     source: str = field(default="", compare=False, metadata={"internal": True})
 
     def __post_init__(self):
+        if not self.name or self.name != Path(self.name).name or self.name in (".", ".."):
+            # it names the default output folder, runs/<name>: a path there wrote the run anywhere
+            raise ValueError(f"'name' must be a plain name (no folders), got {self.name!r}")
         fixed_format = not (self.precision.is_auto or self.precision.is_file)
         if self.method == "int4-lora":
             self._check_int4_lora_precision(fixed_format)

@@ -91,6 +91,12 @@ def _write(tmp_path, data, name="r.yaml"):
         ({"precision": {"learn_steps": True}}, r"precision\.learn_steps applies to method 'int4-lora' \(a frozen INT4 base\)"),
         ({"method": "int4-lora", "precision": {"plan": "int4-g64-asym", "learn_steps": "zeros"}}, r"'precision\.learn_steps' is 'zeros'; allowed values are false, true, zero_points"),
         ({"method": "int4-lora", "precision": {"plan": "int4-g64-asym", "learn_steps": 1}}, r"'precision\.learn_steps' must be true/false or a string, got 1"),
+        # each failed after the model's load and evaluation (or, the columns, read the messages one unsaid)
+        ({"precision": {"plan": "auto", "formats": []}}, r"'precision\.formats' is empty: name the formats an auto plan"),
+        ({"method": "int4-lora", "lora": {"target_modules": []}}, r"'lora\.target_modules' is empty: name the layers to adapt"),
+        ({"data": {"text_column": "a", "messages_column": "b"}}, r"'data\.text_column' 'a' and 'messages_column' 'b': data is read as text or as chat messages; set one"),
+        # the default output folder is runs/<name>: a path there wrote the run anywhere
+        ({"name": "../../elsewhere"}, r"'name' must be a plain name \(no folders\), got '\.\./\.\./elsewhere'"),
     ],
 )
 def test_bad_recipe_files_name_key_file_and_allowed_values(tmp_path, data, expected):
