@@ -589,8 +589,8 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
 
         config = AutoConfig.from_pretrained(source, **source_kwargs(opts.load_options))
         _check_block_size(config, t.block_size)
-        if recipe.method == "int4-lora" and recipe.precision.is_file:  # the plan against the model's layers, now
-            _check_base_plan(config, recipe.precision.fixed_plan(), opts.load_options)
+        if recipe.method == "int4-lora":  # the plan and the adapters against the model's layers, now
+            _check_int4_lora_fits(config, recipe, opts.load_options)
     with ui.step(f"reading data {opts.data or '(default corpus)'}"):
         records, held_out, data_name = read_run_source(opts.data, split=recipe.data.split)
     if held_out is not None:
@@ -626,17 +626,30 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
     return model, tokenizer, lm, base_plan
 
 
-def _check_base_plan(config, plan, loading: dict) -> None:
-    """Fail before the data and the model load if ``plan`` (a file's) cannot make the INT4 base of a model of
-    ``config`` (an FP8 layer, a group wider than a layer: it failed after the base model's evaluation): checked on the
-    model built on the meta device, its layers without memory."""
+def _check_int4_lora_fits(config, recipe: Recipe, loading: dict) -> None:
+    """Fail before the data and the model load if the recipe's plan file cannot make the INT4 base of a model of
+    ``config`` (an FP8 layer, a group wider than a layer), a ``lora.target_modules`` name matches no layer, or
+    ``lora.r`` exceeds every targeted layer's rank (each failed after the base model's evaluation, or trained a
+    full-rank adapter hundreds of MB large): checked on the model built on the meta device, without memory."""
     from transformers import AutoModelForCausalLM
 
-    from hf_lowprec.ondevice.planning import check_quantizable
+    from hf_lowprec.ondevice.planning import check_quantizable, resolve_target_modules
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=loading.get("trust_remote_code", False))
-    check_quantizable(model, plan)
+    if recipe.precision.is_file:
+        check_quantizable(model, recipe.precision.fixed_plan())
+    lora = recipe.lora
+    targets = resolve_target_modules(model, _peft_targets(lora))
+    layers = dict(model.named_modules())
+    rank = max(min(layers[name].in_features, layers[name].out_features) for name in targets)
+    if lora.r > rank:
+        raise ValueError(f"lora.r {lora.r} exceeds the rank of every targeted layer (at most {rank}): choose <= {rank}")
+
+
+def _peft_targets(lora) -> str | list[str]:
+    """The recipe's ``lora.target_modules`` as ``LoraConfig`` takes them (``all-linear`` as PEFT's string)."""
+    return lora.target_modules[0] if lora.target_modules == ("all-linear",) else list(lora.target_modules)
 
 
 def checkpoint_tokenizer(source: str, gguf: str | None, loading: dict):
@@ -810,8 +823,8 @@ def _prepare_int4_lora(model, recipe: Recipe, lm, t, base_plan):
     """
 
     p, lora = recipe.precision, recipe.lora
-    targets = lora.target_modules[0] if lora.target_modules == ("all-linear",) else list(lora.target_modules)
-    config = LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout, target_modules=targets)
+    config = LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
+                        target_modules=_peft_targets(lora))  # fmt: skip
     calibration = None
     if p.rounding != "nearest" or p.is_auto or p.fixed_plan().smooths:  # -sq layers calibrate on the first batch
         n = min(len(lm.train), p.calibration_batches * t.per_device_train_batch_size)

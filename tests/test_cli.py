@@ -1049,6 +1049,12 @@ def test_recipe_keys_as_key_value_arguments(ws, tmp_path):
     null = one_error_line(cli("finetune", ws / "tiny", "training.block_size=null", "-o", tmp_path / "bad"))
     assert "'training.block_size' must be an integer, got None" in null
     assert not (tmp_path / "bad").exists()
+    # checked on the model built on the meta device, before the data is read (each failed after the base model's
+    # evaluation, or trained a full-rank adapter of hundreds of MB)
+    for item, expected in (("lora.target_modules=[foo]", "target module 'foo' matches no Linear layer of this model"),
+                           ("lora.r=100000", "lora.r 100000 exceeds the rank of every targeted layer (at most 64)")):
+        refused = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", item, "-o", tmp_path / "bad")
+        assert expected in one_error_line(refused) and "reading data" not in refused.output, refused.output
 
 
 def test_the_evaluations_return_freed_memory_as_training_does(ws, tmp_path, counted_trims):
