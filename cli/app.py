@@ -310,13 +310,15 @@ def scan_cmd(
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace an existing --out plan (and its heat map and scores).")
     ] = False,
-    seed: int = 0,
+    seed: Annotated[int, typer.Option("--seed", min=0)] = 0,
     text_column: TextColOpt = None,
     revision: RevisionOpt = None,
     trust_remote_code: TrustCodeOpt = False,
 ):
     """Measure each layer's sensitivity to FP8/INT4, allocate a plan under a budget, write it with a heat map."""
     from hf_lowprec import sensitivity
+    from hf_lowprec.formats import FormatSpec
+    from hf_lowprec.sensitivity.allocate import budget_from
 
     if out.suffix not in (".json", ".yaml", ".yml"):
         ui.fail(f"--out {str(out)!r}: a plan file ends in .json, .yaml or .yml")
@@ -327,11 +329,20 @@ def scan_cmd(
     if not overwrite and (existing := [str(p) for p in written if p.exists()]):
         ui.fail(f"--out: {', '.join(existing)} already exist(s); pass --overwrite to replace, or choose another --out")
     budget_args = _parse_budget(budget)
+    # what needs no model, checked before the data and the model load (each was refused after them)
+    if method not in sensitivity.METHODS:
+        ui.fail(f"--method {method!r}: choose one of {', '.join(sensitivity.METHODS)}")
+    format_names = [f.strip() for f in formats.split(",") if f.strip()]
+    if not format_names:
+        ui.fail(f"--formats {formats!r}: name at least one format, e.g. fp8,int4-g64")
+    for name in format_names:
+        FormatSpec.parse(name)
+    if budget_args:
+        budget_from(budget_args)
     loading = load_options(revision, trust_remote_code)
     lm_model, calib, held_out = _scan_batches(
         model, gguf_file, data, (batches, batch_size, block_size), text_column, loading
     )
-    format_names = [f.strip() for f in formats.split(",") if f.strip()]
     kept = [k.strip() for k in keep.split(",") if k.strip()]
     sensitivity.check_budget(lm_model, format_names, budget_args or None, keep=kept)  # before minutes of scanning
     with ui.counted(f"scanning ({method}, {len(calib)} batches)", total=1, unit="steps") as advance:

@@ -488,6 +488,17 @@ def test_scan_replaces_its_three_files_together_or_not_at_all(ws, tmp_path, monk
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
+def test_scan_refuses_what_needs_no_model_before_loading_it(ws, tmp_path):
+    """An unknown --method, format or budget key was refused after the data was read and the model loaded."""
+    base = ["scan", ws / "tiny", "--data", ws / "corpus.txt", "--out", tmp_path / "p.json"]
+    for args, expected in ((["--method", "bogus"], "--method 'bogus': choose one of auto, measured, fisher"),
+                           (["--formats", "int3"], "unknown format 'int3'"),
+                           (["--formats", ","], "--formats ',': name at least one format"),
+                           (["--budget", "foo=1"], "unknown budget argument(s) ['foo']; choose from")):  # fmt: skip
+        refused = cli(*base, *args)
+        assert expected in one_error_line(refused) and "reading data" not in refused.output, refused.output
+
+
 def test_a_plan_whose_measured_loss_exceeds_its_budget_gets_a_note():
     """The allocator adds per-layer Δloss; the whole plan's, measured on held-out data, can exceed the budget (1.7x on
     SmolLM2-135M, seen by a user): past 1.25x the scan says so and what to do, not below it or without that budget."""
