@@ -674,8 +674,9 @@ def eval_cmd(
     trust_remote_code: TrustCodeOpt = False,
 ):
     """Perplexity (causal LM) or accuracy (classification) of a model on a dataset."""
-    from hf_lowprec.cli.run import checkpoint_tokenizer
+    from hf_lowprec.cli.run import check_block_size, checkpoint_tokenizer
 
+    from hf_lowprec.checkpoints import source_kwargs
     from hf_lowprec.data import (
         default_eval_split,
         prepare_classification_data,
@@ -701,6 +702,10 @@ def eval_cmd(
     loading = load_options(revision, trust_remote_code)
     kind = _eval_kind(model, gguf_file, task, plan_numerics, loading)
     tokenizer = checkpoint_tokenizer(model, gguf_file, loading)  # the data's errors before the model loads
+    if block_size is not None and gguf_file is None:  # a GGUF file's config is known once it loads (checked then)
+        from transformers import AutoConfig
+
+        check_block_size(AutoConfig.from_pretrained(model, **source_kwargs(loading)), block_size)
     if kind == "classification":
         with ui.step("tokenizing"):
             rows = prepare_classification_data(records, data, tokenizer, block_size or 256, label_column=label_column,
@@ -715,9 +720,8 @@ def eval_cmd(
                                      eval_only=True, text_column=text_column, messages_column=messages_column)
     with ui.step(f"loading {model}"):
         lm_model = _load_for_eval(model, gguf_file, kind, plan_numerics, loading, tokenizer)
-    max_len = getattr(lm_model.config, "max_position_embeddings", None)
-    if block_size is not None and max_len is not None and block_size > max_len:  # as finetune refuses it
-        ui.fail(f"block size {block_size} exceeds the model's max_position_embeddings {max_len}; lower --block-size")
+    if block_size is not None:
+        check_block_size(lm_model.config, block_size)
     autocast, batch_size = _eval_numerics(model, plan_numerics, batch_size)
     if kind == "classification":
         results, shown = _eval_classification(lm_model, tokenizer, rows, batch_size), data

@@ -569,7 +569,7 @@ def _compute_record(compute: torch.dtype, reason: str, model) -> dict:
     }
 
 
-def _check_block_size(config, block_size: int) -> None:
+def check_block_size(config, block_size: int) -> None:
     """Exit with one line when ``block_size`` exceeds the model's ``max_position_embeddings``."""
     max_len = getattr(config, "max_position_embeddings", None)
     if max_len is not None and block_size > max_len:
@@ -588,7 +588,7 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(source, **source_kwargs(opts.load_options))
-        _check_block_size(config, t.block_size)
+        check_block_size(config, t.block_size)
         if recipe.method == "int4-lora":  # the plan and the adapters against the model's layers, now
             _check_int4_lora_fits(config, recipe, opts.load_options)
     with ui.step(f"reading data {opts.data or '(default corpus)'}"):
@@ -616,7 +616,7 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
             )
         else:
             model, _ = load_pretrained(source, gguf_file=gguf, dtype=dtype, tokenizer=tokenizer, **opts.load_options)
-    _check_block_size(model.config, t.block_size)
+    check_block_size(model.config, t.block_size)
     if len(lm.eval) < t.eval_blocks:
         asked = t.eval_blocks
         ui.err.print(f"held-out data: {len(lm.eval)} sequences (eval_blocks {asked}: the held-out rows hold no more)")

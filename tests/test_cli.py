@@ -1127,6 +1127,15 @@ def test_eval_reads_the_offline_corpus_by_its_name(ws, tmp_path, monkeypatch):
         cli(*args, "--split", "validation"))
 
 
+def test_eval_refuses_a_block_longer_than_the_model_takes_before_tokenizing(ws):
+    """As finetune does (eval refused it after tokenizing and loading the model)."""
+    limit = json.loads((ws / "tiny" / "config.json").read_text())["max_position_embeddings"]
+    refused = cli("eval", ws / "tiny", "--data", ws / "corpus.txt", "--block-size", str(2 * limit))
+    expected = f"block size {2 * limit} exceeds the model's max_position_embeddings {limit}; lower --block-size"
+    assert one_error_line(refused).endswith(expected)
+    assert "tokenizing" not in refused.output and "loading" not in refused.output
+
+
 def test_same_seed_same_run(ws, tmp_path):
     """Two processes' worth of state aside, a run is a function of its recipe and seed: LoRA's random init included."""
     args = ["--data", ws / "corpus.txt", "--lora-init", "default", "--max-steps", "2", "--lr", "1e-2", *FAST]
