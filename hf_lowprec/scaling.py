@@ -70,8 +70,9 @@ _FROZEN = contextvars.ContextVar("hf_lowprec_statistics_frozen", default=False)
 
 @contextlib.contextmanager
 def frozen_statistics(frozen: bool) -> Iterator[None]:
-    """Within, when ``frozen``: the casts of a forward outside training (the layer in eval mode: an evaluation,
-    generation, a forward on one rank alone), which take their scales from the statistics as they are and change
+    """Within, when ``frozen``: the casts of a forward outside training (the layer in eval mode under
+    ``torch.no_grad``: an evaluation, generation, a forward on one rank alone), which take their scales from the
+    statistics as they are and change
     nothing: no amax recorded (an evaluation every step changed delayed scaling's history, so the trained
     weights), no telemetry counted, no amax reduced over ranks (that collective hung a forward run on one rank)."""
     token = _FROZEN.set(frozen)

@@ -113,24 +113,28 @@ def test_a_forward_activation_checkpointing_recomputes_takes_its_first_runs_scal
 
 
 def test_a_forward_in_eval_mode_casts_with_the_training_scales_and_records_nothing():
-    """An evaluation between training steps (Trainer's eval_steps): its casts take the scales the history gives and
-    change neither the history nor the telemetry, so evaluating does not change what training computes (it did:
-    other trained weights with an evaluation every step)."""
+    """An evaluation between training steps (Trainer's eval_steps: eval mode, no_grad): its casts take the scales the
+    history gives and change neither the history nor the telemetry, so evaluating does not change what training
+    computes (it did: other trained weights with an evaluation every step)."""
     torch.manual_seed(0)
     policies = {r: DelayedScaling(history_len=4, telemetry=True) for r in ("input", "weight")}
     layer = FP8Linear(32, 16, bias=False, spec="fp8", backend="emulated", policies=policies)
     layer(torch.randn(8, 32)).sum().backward()
     before = copy.deepcopy(layer.state_dict())
     big = 10 * torch.randn(8, 32)
-    y = layer.eval()(big)
+    with torch.no_grad():
+        y = layer.eval()(big)
     assert all(torch.equal(before[k], v) for k, v in layer.state_dict().items())
     sx = fp8_scale(layer.scaling["input"].amax_history.max(), E4M3)  # the trained history's, not the input's own
     sw = fp8_scale(layer.weight.detach().abs().amax(), E4M3)
     xd = dequantize_fp8(quantize_fp8(big, sx, E4M3), sx)
     wd = dequantize_fp8(quantize_fp8(layer.weight.detach(), sw, E4M3), sw)
     torch.testing.assert_close(y, xd @ wd.t(), rtol=1e-5, atol=1e-6)
-    layer.train()(big)
+    layer(big)  # trained in eval mode (dropout off), autograd on: recorded as training
     assert layer.scaling["input"].recorded.item() == 2 and layer.scaling["input"].tele_casts.item() == 2
+    with torch.no_grad():  # in training mode under no_grad (reentrant checkpointing's first run): recorded
+        layer.train()(big)
+    assert layer.scaling["input"].recorded.item() == 3 and layer.scaling["input"].tele_casts.item() == 3
 
 
 def test_delayed_scaling_inside_fp8_linear_saturates_a_growing_input():

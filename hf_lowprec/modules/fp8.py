@@ -260,7 +260,10 @@ class FP8Linear(nn.Linear):
             out = self._torchao_matmul(x2d, weight)
         else:  # run inside backward: activation checkpointing recomputing it, the first run's scales replayed
             replaying = torch._C._current_graph_task_id() != -1
-            with replayed_forward(replaying), frozen_statistics(not self.training):
+            # an evaluation (eval mode, autograd off) changes no statistic; a model trained in eval mode (dropout off)
+            # still records them
+            evaluating = not self.training and not torch.is_grad_enabled()
+            with replayed_forward(replaying), frozen_statistics(evaluating):
                 out = _FP8LinearFunction.apply(x2d, weight, self)
         out = out.reshape(*shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias.to(out.dtype)
