@@ -676,7 +676,7 @@ def eval_cmd(
     """Perplexity (causal LM) or accuracy (classification) of a model on a dataset."""
     from hf_lowprec.cli.run import check_block_size, checkpoint_tokenizer
 
-    from hf_lowprec.checkpoints import source_kwargs
+    from hf_lowprec.checkpoints import resolve_checkpoint, source_kwargs
     from hf_lowprec.data import (
         default_eval_split,
         prepare_classification_data,
@@ -702,10 +702,11 @@ def eval_cmd(
     loading = load_options(revision, trust_remote_code)
     kind = _eval_kind(model, gguf_file, task, plan_numerics, loading)
     tokenizer = checkpoint_tokenizer(model, gguf_file, loading)  # the data's errors before the model loads
-    if block_size is not None and gguf_file is None:  # a GGUF file's config is known once it loads (checked then)
+    source, gguf = resolve_checkpoint(model, gguf_file)
+    if block_size is not None and gguf is None:  # a GGUF file's config is known once it loads (checked then)
         from transformers import AutoConfig
 
-        check_block_size(AutoConfig.from_pretrained(model, **source_kwargs(loading)), block_size)
+        check_block_size(AutoConfig.from_pretrained(source, **source_kwargs(loading)), block_size)
     if kind == "classification":
         with ui.step("tokenizing"):
             rows = prepare_classification_data(records, data, tokenizer, block_size or 256, label_column=label_column,
