@@ -155,14 +155,11 @@ def replace_dir(src: Path, dst: Path) -> None:
     old), and an interrupt between the two renames puts the old one back."""
     old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
     try:
-        if os.path.lexists(dst):
+        if dst.exists():
             os.replace(dst, old)
         os.replace(src, dst)
     except BaseException:
-        if os.path.lexists(old) and not os.path.lexists(dst):
+        if old.exists() and not dst.exists():
             os.replace(old, dst)
         raise
-    if old.is_symlink():
-        old.unlink()
-    else:
-        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)

@@ -46,7 +46,8 @@ SPIKE_ACTIONS = ("rescale", "clip", "skip")
 TELEMETRY_PREFIX = "lowprec/"  # of every telemetry key in Trainer logs
 
 
-_REPLAYING = contextvars.ContextVar("hf_lowprec_replaying_a_forward", default=False)
+_FORWARD = contextvars.ContextVar("hf_lowprec_casts_of", default="training")
+FORWARDS = ("training", "replaying", "evaluating")
 
 
 def _distributed() -> bool:
@@ -54,32 +55,23 @@ def _distributed() -> bool:
 
 
 @contextlib.contextmanager
-def replayed_forward(replaying: bool) -> Iterator[None]:
-    """Within, when ``replaying``: the casts of a forward that activation checkpointing recomputes in backward, which
-    take the scales the first run took (a history that recorded the first run's amax gave other ones: other saved
-    tensors, gradients of another function) and count no telemetry twice."""
-    token = _REPLAYING.set(replaying)
+def casts_of(forward: str) -> Iterator[None]:
+    """Within: the casts of a forward of kind ``forward`` (:data:`FORWARDS`):
+
+    - ``training``: every policy records its statistics and telemetry, and reduces tensorwise amaxes over ranks;
+    - ``replaying``: a forward activation checkpointing recomputes in backward, whose casts take the scales the first
+      run took (a history that recorded the first run's amax gave other ones: other saved tensors, gradients of
+      another function) and count no telemetry twice;
+    - ``evaluating``: a forward outside training (the layer in eval mode under ``torch.no_grad``: an evaluation,
+      generation, a forward on one rank alone), whose casts take their scales from the statistics as they are and
+      change nothing: no amax recorded (an evaluation every step changed delayed scaling's history, so the trained
+      weights), no telemetry counted, no amax reduced over ranks (that collective hung a forward run on one rank).
+    """
+    token = _FORWARD.set(forward)
     try:
         yield
     finally:
-        _REPLAYING.reset(token)
-
-
-_FROZEN = contextvars.ContextVar("hf_lowprec_statistics_frozen", default=False)
-
-
-@contextlib.contextmanager
-def frozen_statistics(frozen: bool) -> Iterator[None]:
-    """Within, when ``frozen``: the casts of a forward outside training (the layer in eval mode under
-    ``torch.no_grad``: an evaluation, generation, a forward on one rank alone), which take their scales from the
-    statistics as they are and change
-    nothing: no amax recorded (an evaluation every step changed delayed scaling's history, so the trained
-    weights), no telemetry counted, no amax reduced over ranks (that collective hung a forward run on one rank)."""
-    token = _FROZEN.set(frozen)
-    try:
-        yield
-    finally:
-        _FROZEN.reset(token)
+        _FORWARD.reset(token)
 
 
 class ScalePolicy(nn.Module):
@@ -134,7 +126,7 @@ class ScalePolicy(nn.Module):
         ``q`` and ``scale`` are the tensors the layer goes on to use: a policy may change them in place
         (:class:`GradientScaling` does, to rescale or drop a spike).
         """
-        if self.telemetry and not _REPLAYING.get() and not _FROZEN.get():
+        if self.telemetry and _FORWARD.get() == "training":
             self._count(x, q, scale, block)
 
     @torch.no_grad()
@@ -157,8 +149,8 @@ class ScalePolicy(nn.Module):
 
     def _reduce_amax(self, amax: torch.Tensor) -> torch.Tensor:
         """``amax`` reduced with MAX over ranks when ``sync`` and distributed (tensorwise only; not outside training:
-        :func:`frozen_statistics`)."""
-        if self.sync and amax.dim() == 0 and _distributed() and not _FROZEN.get():
+        :func:`casts_of`)."""
+        if self.sync and amax.dim() == 0 and _distributed() and _FORWARD.get() != "evaluating":
             amax = amax.clone()
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
         return amax
@@ -203,7 +195,7 @@ class DelayedScaling(ScalePolicy):
                 f"DelayedScaling needs tensorwise scales (format 'fp8'), got an amax of shape {tuple(amax.shape)}; "
                 "use dynamic or gradient scaling for fp8-rowwise and fp8-block"
             )
-        if _REPLAYING.get():  # the forward activation checkpointing recomputes: its first run's scale
+        if _FORWARD.get() == "replaying":  # the forward activation checkpointing recomputes: its first run's scale
             return self.last_scale.clone()
         amax = self._reduce_amax(amax.float())
         if self.reduction == "max":
@@ -211,7 +203,7 @@ class DelayedScaling(ScalePolicy):
         else:
             past = self.amax_history[(self.recorded - 1) % self.history_len]
         reference = torch.where(self.recorded == 0, amax, past)
-        if _FROZEN.get():
+        if _FORWARD.get() == "evaluating":
             return fp8_scale(reference, dtype, self.power_of_two) / 2.0**self.margin
         # an inf/NaN amax (an overflowed gradient: a step the loss scaler skips) is not recorded: in the history it
         # made the next history_len scales 0 or NaN

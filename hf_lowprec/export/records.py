@@ -130,8 +130,8 @@ def write_record(
 def relative_file_name(name: str) -> str:
     """``name`` if it names a file inside a folder (relative, no ``..``), else ``ValueError``: a run record's file
     names (its ``loss_curve``) are read and written relative to a run or export folder, never outside it."""
-    parts = PurePosixPath(str(name).replace("\\", "/")).parts
-    if not parts or PurePosixPath(str(name)).is_absolute() or Path(str(name)).is_absolute() or ".." in parts:
+    path = PurePosixPath(str(name).replace("\\", "/"))
+    if path.is_absolute() or not path.parts or ".." in path.parts:
         raise ValueError(f"file name {name!r} of a run record leaves its folder: a relative name inside it expected")
     return str(name)
 

@@ -39,7 +39,7 @@ from hf_lowprec.formats import (
 from hf_lowprec.modules.embedding import like_embedding
 from hf_lowprec.modules.kernels.autotune import compute_dtype
 from hf_lowprec.rotation import layer_rotation, rotate
-from hf_lowprec.scaling import DynamicScaling, ScalePolicy, frozen_statistics, replayed_forward
+from hf_lowprec.scaling import DynamicScaling, ScalePolicy, casts_of
 from hf_lowprec.smoothing import InputSmoothing
 
 FP8_BACKENDS = ("auto", "emulated", "torchao")
@@ -258,12 +258,14 @@ class FP8Linear(nn.Linear):
             x2d, weight = rotate(x2d, self.rotation_block), rotate(weight, self.rotation_block)
         if self.backend == "torchao":
             out = self._torchao_matmul(x2d, weight)
-        else:  # run inside backward: activation checkpointing recomputing it, the first run's scales replayed
-            replaying = torch._C._current_graph_task_id() != -1
-            # an evaluation (eval mode, autograd off) changes no statistic; a model trained in eval mode (dropout off)
-            # still records them
-            evaluating = not self.training and not torch.is_grad_enabled()
-            with replayed_forward(replaying), frozen_statistics(evaluating):
+        else:
+            # run inside backward: activation checkpointing recomputing it (the first run's scales replayed); an
+            # evaluation is eval mode with autograd off (a model trained in eval mode, dropout off, records as training)
+            if torch._C._current_graph_task_id() != -1:
+                forward = "replaying"
+            else:
+                forward = "evaluating" if not self.training and not torch.is_grad_enabled() else "training"
+            with casts_of(forward):
                 out = _FP8LinearFunction.apply(x2d, weight, self)
         out = out.reshape(*shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias.to(out.dtype)
