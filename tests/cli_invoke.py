@@ -4,6 +4,7 @@ from pathlib import Path
 
 from hf_lowprec.cli.app import app
 from tiny_assets import corpus_text, save_tiny_model
+from transformers.utils import logging as hf_logging
 from typer.testing import CliRunner
 
 
@@ -15,8 +16,15 @@ def workspace(folder: Path, corpus_chars: int) -> Path:
 
 
 def cli(*args):
-    """``hf-lowprec ARGS...`` (any objects, as strings); typer's ``Result``."""
-    return CliRunner().invoke(app, [str(a) for a in args])
+    """``hf-lowprec ARGS...`` (any objects, as strings); typer's ``Result``. transformers' progress bars, which the
+    command turns off for its process, are turned on again after it when they were on: tests run after it in this
+    process (an auto scan's bar) would find them off."""
+    bars = hf_logging.is_progress_bar_enabled()
+    try:
+        return CliRunner().invoke(app, [str(a) for a in args])
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def one_error_line(result):

@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from hf_lowprec.cli.app import app
+from cli_invoke import cli
 from tiny_assets import corpus_text, save_tiny_model, tensorboard_scalars
-from typer.testing import CliRunner
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 FAST = ["--block-size", "32", "--batch-size", "2", "--eval-blocks", "4", "--dtype", "fp32", "--save-steps", "1000"]
@@ -48,7 +47,7 @@ def cli_lines(ws):
             args = [args[1], str(ws / "tiny"), *args[2:], "--data", str(ws / "my-data.jsonl"), *FAST]
         else:
             args = args[1:]
-        results.append(CliRunner().invoke(app, args))
+        results.append(cli(*args))
         assert results[-1].exit_code == 0, (line, results[-1].output)
     return results
 
