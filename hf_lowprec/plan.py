@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,8 +116,8 @@ class PrecisionPlan:
             raise ValueError(f"plan file {str(path)!r} does not exist")
         text = path.read_text()
         try:
-            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-        except (json.JSONDecodeError, yaml.YAMLError) as e:
+            data = json.loads(text, object_pairs_hook=_unique_keys) if path.suffix == ".json" else read_yaml(text)
+        except (ValueError, yaml.YAMLError) as e:  # json.JSONDecodeError is a ValueError
             first = describe_yaml_error(e) if isinstance(e, yaml.YAMLError) else str(e).splitlines()[0]
             raise ValueError(
                 f"plan file {str(path)!r} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {first}"
@@ -241,6 +241,36 @@ class PrecisionPlan:
                 f"{r['format']:<16}{r['layers']:>8}{r['params']:>14,}{r['fraction']:>10.1%}{r['bytes'] / 1e6:>10.2f}"
             )
         return "\n".join(lines)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader refusing a mapping key written twice (PyYAML keeps the last one silently: a recipe's
+    second ``training:`` section would replace the first whole)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is written twice", key_node.start_mark)
+            if isinstance(key, Hashable):  # an unhashable key: PyYAML's own error follows
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(text: str):
+    """``yaml.safe_load(text)``, refusing duplicate mapping keys (a ``yaml.YAMLError`` naming the line)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``json.loads``' ``object_pairs_hook`` refusing a key written twice (json keeps the last one silently)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} is written twice")
+        out[key] = value
+    return out
 
 
 def describe_yaml_error(e: yaml.YAMLError) -> str:

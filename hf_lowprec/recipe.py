@@ -37,7 +37,7 @@ from hf_lowprec.formats import EXAMPLE_NAMES, FormatSpec
 from hf_lowprec.ondevice.calibration import ROUNDINGS
 from hf_lowprec.ondevice.calibration.fp8 import FP8_ROUNDINGS
 from hf_lowprec.ondevice.learned_steps import LEARN_STEPS
-from hf_lowprec.plan import AUTO, PrecisionPlan, describe_yaml_error, plan_folder, resolve_plan
+from hf_lowprec.plan import AUTO, PrecisionPlan, describe_yaml_error, plan_folder, read_yaml, resolve_plan
 from hf_lowprec.sensitivity.allocate import budget_from
 from hf_lowprec.sensitivity.results import CONVERSION, SCORES
 
@@ -197,6 +197,14 @@ class TrainingSection:
         for key in ("warmup_steps", "weight_decay"):  # else transformers/torch reject them after the model loads
             if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0):
                 raise ValueError(f"{key!r} must be a finite number >= 0, got {getattr(self, key)}")
+        if self.warmup_steps >= self.max_steps:  # transformers allows it; a run that never leaves warm-up is a slip
+            logger.warning(
+                "training.warmup_steps (%d) >= max_steps (%d): the learning rate rises for the whole run and never "
+                "reaches %g",
+                self.warmup_steps,
+                self.max_steps,
+                self.learning_rate,
+            )
         if not 0 <= self.seed < 2**32:  # numpy's seed range (transformers.set_seed)
             raise ValueError(f"'seed' must be in [0, 2**32), got {self.seed}")
         allowed = _tracker_names()
@@ -605,7 +613,7 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
             f"unknown recipe {text_source!r}; built-in recipes are {', '.join(sorted(packaged))} (or pass a .yaml file)"
         )
     try:
-        data = yaml.safe_load(text)
+        data = read_yaml(text)
     except yaml.YAMLError as e:
         raise ValueError(f"recipe {source!r} is not valid YAML: {describe_yaml_error(e)}") from None
     if not isinstance(data, Mapping):

@@ -46,6 +46,9 @@ def test_save_load_round_trip(tmp_path, suffix):
         ('{"layers": ["lm_head"]}', ".json", "'layers' must map layer names to formats"),
         ('{"layers": {"lm_head": "int3"}}', ".json", "plan entry 'lm_head': unknown format 'int3'.*choose one of"),
         ("[1, 2]", ".yaml", "a plan must be a mapping"),
+        # a key written twice: the parsers keep the last one silently
+        ('{"default": "fp8", "default": "int4"}', ".json", "not valid JSON: key 'default' is written twice"),
+        ("layers:\n  lm_head: fp8\n  lm_head: int4\n", ".yaml", "line 3, column 3: key 'lm_head' is written twice"),
     ],
 )
 def test_malformed_plan_files_raise_one_line_errors(tmp_path, text, suffix, match):

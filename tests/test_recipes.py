@@ -113,6 +113,9 @@ def test_malformed_yaml_unknown_name_and_missing_file(tmp_path):
         load_recipe(_write(tmp_path, "lora:\n  r: 8\n lora_alpha: 16\n", "indent.yaml"))  # where, not only what
     with pytest.raises(ValueError, match=r"must be a YAML mapping"):
         load_recipe(_write(tmp_path, "- a\n- b\n", "list.yaml"))
+    twice = "training:\n  max_steps: 5\nlora:\n  r: 8\ntraining:\n  warmup_steps: 2\n"  # PyYAML keeps the last
+    with pytest.raises(ValueError, match=r"twice\.yaml' is not valid YAML: line 5, column 1: key 'training' is written"):
+        load_recipe(_write(tmp_path, twice, "twice.yaml"))
     with pytest.raises(ValueError, match=r"unknown recipe 'fp9-train'; built-in recipes are auto-mixed, fp8-train, int4-ondevice-lora, qat-int4"):
         load_recipe("fp9-train")
     with pytest.raises(ValueError, match=r"recipe file '.*nope\.yaml' does not exist"):
@@ -226,3 +229,15 @@ def test_a_tracker_that_is_not_installed_is_refused_before_anything_loads():
         load_recipe("int4-ondevice-lora").with_overrides({"training.report_to": missing[0]})
     if installed:  # an installed one passes
         load_recipe("int4-ondevice-lora").with_overrides({"training.report_to": installed[0]})
+
+
+def test_a_warm_up_as_long_as_the_run_is_logged(caplog):
+    from hf_lowprec.recipe import TrainingSection
+
+    with caplog.at_level("WARNING", logger="hf_lowprec.recipe"):
+        TrainingSection(max_steps=10, warmup_steps=9)
+    assert not caplog.text
+    with caplog.at_level("WARNING", logger="hf_lowprec.recipe"):
+        TrainingSection(max_steps=10, warmup_steps=10, learning_rate=2e-4)
+    assert "training.warmup_steps (10) >= max_steps (10): the learning rate rises for the whole run" in caplog.text
+    assert "never reaches 0.0002" in caplog.text
