@@ -473,6 +473,62 @@ def test_layers_fed_one_input_share_its_int8_rows_and_see_changes_to_it():
     assert P._last_rows[0][3] is not rows and torch.equal(y, a(x.clone())) and not torch.equal(y, fresh[0])
 
 
+@needs_int8
+def test_one_layer_fed_a_refilled_input_buffer_quantizes_it_again():
+    """Writes through ``.data`` or a numpy array leave the tensor's version as it was: the kept rows serve other
+    layers (q/k/v), never the same layer twice in a row (it returned the previous input's output, 107% off)."""
+    import numpy as np
+
+    layer = packed("int4-g64-asym")
+    layer.backend = "int8"
+    for x in (torch.randn(4, 128), torch.from_numpy(np.random.default_rng(0).standard_normal((4, 128), np.float32))):
+        with torch.no_grad():
+            layer(x)
+            x.data.copy_(torch.randn(4, 128) * 3)
+            y = layer(x)
+        assert rel(y, layer(x.clone())) == 0 and rel(y, reference(layer, x, torch.ones(4, 96))[0]) < 0.02
+
+
+@needs_int8
+@pytest.mark.parametrize("magnitude", [1e-13, 1e-20])
+def test_int8_backend_keeps_tiny_activations_and_gradients(magnitude):
+    """A row's int8 step came from a maximum clamped at 1e-12: rows of gradients near 1e-13 (an fp32 model's deep
+    layers, times the weight's row step) were 90% wrong, and at 1e-20 all zeros."""
+    layer = packed("int4-g64-asym")
+    x, g = torch.randn(5, 128) * magnitude, torch.randn(5, 96) * magnitude
+    layer.bias = None
+    y, gx = run(layer, "int8", x, g)
+    y_ref, gx_ref = reference(layer, x, g)
+    assert rel(y, y_ref) < 0.02 and rel(gx, gx_ref) < 0.02
+
+
+def test_a_tied_embedding_passes_the_learned_steps_their_gradient_and_reads_no_ids():
+    """Rows an input embedding reads from a head that learns its steps: the forward used the gain and shift, their
+    gradient from this use was dropped (the head's optimizer fit them to the head alone)."""
+    from hf_lowprec.formats import dequantize_int
+    from hf_lowprec.modules.packed_embedding import TiedPackedEmbedding
+
+    head = packed("int4-g32-asym", k=64, n=20)
+    embedding = TiedPackedEmbedding(head)
+    gain, shift = head.learn_steps()
+    with torch.no_grad():
+        gain.uniform_(0.5, 1.5), shift.uniform_(-0.5, 0.5)
+    ids, weights = torch.tensor([[1, 2], [3, 1]]), torch.randn(2, 2, 64, dtype=torch.float64)
+    (embedding(ids).double() * weights).sum().backward()
+    g64, s64 = gain.detach().double().requires_grad_(), shift.detach().double().requires_grad_()
+    table = dequantize_int(head.codes(), head.spec, head.step.double() * g64, head.zero.double() + s64, torch.float64)
+    (table[ids] * weights).sum().backward()
+    torch.testing.assert_close(gain.grad.double(), g64.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(shift.grad.double(), s64.grad, rtol=2e-2, atol=1e-3)  # the shift is bf16
+    assert embedding(torch.tensor([], dtype=torch.long)).shape == (0, 64)  # as nn.Embedding
+    assert embedding(torch.zeros(2, 0, dtype=torch.long)).shape == (2, 0, 64)
+
+
+def test_a_packed_layer_runs_on_the_meta_device():
+    layer = packed("int4-g64").to("meta")
+    assert layer(torch.empty(3, 128, device="meta")).shape == (3, 96)
+
+
 def input_scaled(spec: str, dtype=torch.float32):
     """A layer whose codes encode ``W diag(s)`` (``s`` powers of two): ``(layer, W, independent effective weight)``."""
     from hf_lowprec.formats import FormatSpec, dequantize_int, int_steps, quantize_int

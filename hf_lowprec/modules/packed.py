@@ -132,7 +132,10 @@ OUTLIER_COLUMNS = 8  # input channels per call the int8 backend multiplies in th
 # Llama-3.2-1B shape (15.2M groups)
 BASE_STEP_DTYPE = torch.bfloat16
 _INT8_MAX = 127.0
-_EPS = 1e-12
+# a row's largest magnitude below this counts as this when it sets the row's int8 step: 127 / it stays finite in fp32
+# (1e-12 did: rows of gradients below it, 1e-13 at the grad-input of an fp32 model, came out 90% wrong). The C++
+# row quantizer (kernels/cpp.py) clamps at the same value
+_SMALLEST_AMAX = 1e-30
 _logged: set[tuple[str, str]] = set()
 
 
@@ -158,7 +161,7 @@ def _log_once(backend: str, reason: str) -> None:
 
 def _quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
-    amax = xf.abs().amax(-1, keepdim=True).clamp(min=_EPS)
+    amax = xf.abs().amax(-1, keepdim=True).clamp(min=_SMALLEST_AMAX)
     return torch.round(xf * (_INT8_MAX / amax)).to(torch.int8), amax / _INT8_MAX
 
 
@@ -336,15 +339,17 @@ def view_key(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     return base, (id(base), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
-_last_rows: list = [None]  # (key, weakref to the input, its version, result) of the last _int8_rows call
+_last_rows: list = [None]  # (key, weakref to the input, its version, result, its inverse, last layer) of _int8_rows
 
 
-def _int8_rows(x2d: torch.Tensor, inverse: torch.Tensor | None, k: int):
+def _int8_rows(x2d: torch.Tensor, inverse: torch.Tensor | None, k: int, layer: nn.Module):
     """``(int8 rows [M, K], steps [M, 1], outlier channels [k] or None, x / s at them [M, k])`` of ``x2d / s``.
 
     The ``k`` channels of largest ``max |x / s|`` are zeroed in the int8 rows and returned apart. Layers fed
     the same unchanged tensor (q/k/v, gate/up) share one result: the last call's is kept, keyed on the
-    input's identity and version (as ``ActivationStorage`` dedups saved views).
+    input's identity and version (as ``ActivationStorage`` dedups saved views), for another ``layer`` than the last
+    one to use it (one layer called twice in a row is fed a refilled buffer: writes through ``.data`` or numpy
+    leave the version as it was).
     """
     base, view = view_key(x2d)
     if base.is_inference():  # no version counter: in-place changes go unseen, so nothing is kept
@@ -357,10 +362,19 @@ def _int8_rows(x2d: torch.Tensor, inverse: torch.Tensor | None, k: int):
         and hit[1]() is base
         and hit[2] == base._version
         and (inverse is None or hit[4]() is inverse)
+        and hit[5]() is not layer
     ):
+        _last_rows[0] = (*hit[:5], weakref.ref(layer))
         return hit[3]
     result = _int8_rows_of(x2d, inverse, k)
-    _last_rows[0] = (key, weakref.ref(base), base._version, result, None if inverse is None else weakref.ref(inverse))
+    _last_rows[0] = (
+        key,
+        weakref.ref(base),
+        base._version,
+        result,
+        None if inverse is None else weakref.ref(inverse),
+        weakref.ref(layer),
+    )
     return result
 
 
@@ -387,7 +401,7 @@ def _int8_forward(x2d: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
     output gradients have no such channels.
     """
     inverse = layer.inverse_input_scale()
-    xq, x_step, outliers, x_out = _int8_rows(x2d, inverse, min(layer.outlier_columns, x2d.shape[1]))
+    xq, x_step, outliers, x_out = _int8_rows(x2d, inverse, min(layer.outlier_columns, x2d.shape[1]), layer)
     operands = layer.tile_operands()  # once per call: an INT4 layer's fp32 ratio and zero are made per call
     kernels = int8_tile_kernels(layer)
     if kernels is not None:  # the weight unpacked tile by tile inside the kernel
@@ -929,15 +943,20 @@ class PackedLinear(NoDenseWeight, nn.Module):
 
     def dequantized_rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``index`` (any shape) of :meth:`dequantized_weight`, ``[*index.shape, K]`` in ``dtype``, dequantized
-        from their codes alone: what an input embedding tied to this (output head) layer reads per token."""
+        from their codes alone: what an input embedding tied to this (output head) layer reads per token. Learned
+        steps (:meth:`learn_steps`) get this use's gradient too, through autograd (the head's own forward passes them
+        theirs)."""
         flat = index.reshape(-1)
-        if flat.numel():  # indexing wraps negative ids to the table's end, where nn.Embedding raises
-            low, high = (int(v) for v in torch.aminmax(flat))
-            if low < 0 or high >= self.out_features:
-                raise IndexError(f"token ids must lie in [0, {self.out_features}) (the vocabulary), got {low}..{high}")
-        zero = self.effective_zero()
-        zero = None if zero is None else zero[flat]
-        rows = dequantize_int(self._unpack(self.qweight[flat]), self.spec, self.effective_step()[flat], zero)
+        if not flat.numel():
+            return torch.empty(*index.shape, self.in_features, dtype=dtype, device=self.qweight.device)
+        low, high = (int(v) for v in torch.aminmax(flat))  # indexing would wrap negative ids, nn.Embedding raises
+        if low < 0 or high >= self.out_features:
+            raise IndexError(f"token ids must lie in [0, {self.out_features}) (the vocabulary), got {low}..{high}")
+        step = self.step[flat].float()
+        step = step if self.step_gain is None else step * self.step_gain[flat]
+        zero = None if self.zero is None else self.zero[flat].float()
+        zero = zero if self.zero_shift is None else zero + self.zero_shift[flat]
+        rows = dequantize_int(self._unpack(self.qweight[flat]), self.spec, step, zero)
         inverse = self.inverse_input_scale()
         rows = self._original_basis(rows if inverse is None else rows * inverse)
         return rows.to(dtype).view(*index.shape, self.in_features)
@@ -946,6 +965,8 @@ class PackedLinear(NoDenseWeight, nn.Module):
         """``1 / input_scale`` fp32 ``[K]``, or ``None`` when the scale is all ones; cached until the buffers change."""
         if "inverse" not in self._cache:
             s = self.input_scale.float()
+            if s.is_meta:  # no values to compare (a shape-only forward)
+                return None
             self._cache["inverse"] = None if bool((s == 1).all()) else (1.0 / s).contiguous()
         return self._cache["inverse"]
 
@@ -1019,7 +1040,7 @@ class PackedLinear(NoDenseWeight, nn.Module):
             )
         self._store_weight(weight)
         w = weight.detach().float()
-        err = (self.dequantized_weight(torch.float32) - w).norm() / w.norm().clamp(min=_EPS)
+        err = (self.dequantized_weight(torch.float32) - w).norm() / w.norm().clamp(min=1e-12)
         return {"rel_error": err.item()}
 
     def backend_status(self, x: torch.Tensor) -> dict[str, tuple[bool, str]]:
@@ -1161,7 +1182,7 @@ class PackedInt4Linear(PackedLinear):
         if "row_step" in self._cache:
             row_step = self._cache["row_step"]
         else:
-            row_step = (self._row_absmax() / _INT8_MAX).clamp(min=_EPS)
+            row_step = (self._row_absmax() / _INT8_MAX).clamp(min=_SMALLEST_AMAX / _INT8_MAX)
             if not self.learns_steps:  # learned steps change every optimizer step (and are cheap to redo)
                 self._cache["row_step"] = row_step
         return (self.effective_step() / row_step.unsqueeze(-1)).contiguous(), row_step

@@ -202,7 +202,7 @@ static void quantize_rows_impl(const void* xv, const float* cs, int8_t* q, float
         amax = std::max(amax, std::fabs(f[c]));
         nans += f[c] != f[c];
       }
-      amax = nans ? std::numeric_limits<float>::quiet_NaN() : std::max(amax, 1e-12f);
+      amax = nans ? std::numeric_limits<float>::quiet_NaN() : std::max(amax, 1e-30f);  // packed._SMALLEST_AMAX
       const float inv = 127.f / amax;
       int8_t* qr = q + m * C;
       // clamped before the integer cast, which is undefined for a NaN (fmax/fmin return the number)
