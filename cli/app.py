@@ -51,7 +51,11 @@ MsgColOpt = Annotated[Optional[str], typer.Option("--messages-column", help="Col
 
 
 TrainOnOpt = Annotated[
-    Optional[str], typer.Option("--train-on", help="Chat data: all tokens count in the loss, or completions only.")
+    Optional[str], typer.Option(
+        "--train-on",
+        help="Chat data: all tokens count in the loss, the completions only, or auto (the completions of "
+        "prompt/response pairs, every token of conversations).",
+    )
 ]
 RevisionOpt = Annotated[
     Optional[str], typer.Option("--revision", help="Model revision on the Hub: a branch, tag or commit id.")

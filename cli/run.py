@@ -504,6 +504,9 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
             model, lm, t.per_device_train_batch_size, autocast, label, t.return_freed_memory
         )["loss"]
         atomic_write_text(run.work / SETTINGS_FILE, json.dumps({**settings, "figures": figures}, indent=2))
+    # the Trainer state counts a resumed run's tokens from step 0; its checkpoint may be rotated away once training ends
+    state = Path(resume_from or "", "trainer_state.json")
+    tokens_before = json.loads(state.read_text()).get("num_input_tokens_seen", 0) if resume_from else 0
     start = time.perf_counter()
     with stopper.installed():
         result = trainer.train(resume_from_checkpoint=resume_from)
@@ -520,7 +523,9 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     final = _evaluate(model, lm, t.per_device_train_batch_size, autocast, label, t.return_freed_memory)
     if not math.isfinite(final["loss"]):
         ui.fail(_diverged(final["loss"], trainer.state.log_history, run), code=ui.EXIT_FAILED)
-    figures.update(_training_figures(trainer, result, t, train_seconds, resume_from, figures["loss_base"], final))
+    figures.update(
+        _training_figures(trainer, result, train_seconds, resume_from, tokens_before, figures["loss_base"], final)
+    )
     master = None if lora else _master_weights_loss(model, lm, t.per_device_train_batch_size, recipe)
     if master is not None:
         figures.update(loss_exported_weights=master["loss"], perplexity_exported_weights=master["perplexity"])
@@ -663,7 +668,7 @@ def checkpoint_tokenizer(source: str, gguf: str | None, loading: dict):
 
 def _training_arguments(run: RunFolder, t, *, bf16_autocast: bool, padded: bool):
     """The recipe's ``training`` section as ``TrainingArguments`` (checkpoints in the run's work folder). ``padded``:
-    batches of rows padded to their longest (chat data), whose tokens the Trainer then counts."""
+    batches of rows padded to their longest (chat data), whose non-padding tokens the Trainer counts (else all)."""
 
     return TrainingArguments(
         output_dir=str(run.checkpoints),
@@ -689,21 +694,19 @@ def _training_arguments(run: RunFolder, t, *, bf16_autocast: bool, padded: bool)
         report_to=t.trackers,
         disable_tqdm=True,
         remove_unused_columns=False,
-        include_num_input_tokens_seen="non_padding" if padded else "no",
+        include_num_input_tokens_seen="non_padding" if padded else "all",  # counted: a last batch may be short
     )
 
 
-def _training_figures(trainer, result, t, train_seconds: float, resume_from, loss_base: float, final: dict) -> dict:
-    """Losses, speed and memory of the finished training (steps of a resumed run counted from its checkpoint)."""
+def _training_figures(
+    trainer, result, train_seconds: float, resume_from, tokens_before: int, loss_base: float, final: dict
+) -> dict:
+    """Losses, speed and memory of the finished training (steps and tokens of a resumed run counted from its
+    checkpoint: ``tokens_before`` had been seen by then)."""
     resumed_at = int(resume_from.rsplit("-", 1)[-1]) if resume_from else 0
     steps_run = trainer.state.global_step - resumed_at
-    if trainer.args.include_num_input_tokens_seen == "non_padding":  # rows padded to each batch's longest
-        total = trainer.state.num_input_tokens_seen  # a resumed run's Trainer state counts from step 0
-        state = Path(resume_from or "", "trainer_state.json")
-        tokens = total - (json.loads(state.read_text()).get("num_input_tokens_seen", 0) if resume_from else 0)
-    else:  # full blocks; data smaller than a batch: each step has all of it
-        per_step = min(len(trainer.train_dataset), t.per_device_train_batch_size * t.gradient_accumulation_steps)
-        tokens, total = steps_run * per_step * t.block_size, trainer.state.global_step * per_step * t.block_size
+    total = trainer.state.num_input_tokens_seen
+    tokens = total - tokens_before
     figures = {
         "loss_final": final["loss"],
         "perplexity_base": math.exp(loss_base),
@@ -758,6 +761,7 @@ def _run_record(run: RunFolder, opts: FinetuneOptions, lm, figures: dict, final:
         "recipe": recipe,
         "dataset": dataset,
         "data_kind": lm.kind,
+        "trained_on": lm.train_on,  # the tokens the loss counted (data.train_on, auto resolved)
         "training": figures,
         "eval": [
             *({"dataset": dataset, "split": "held-out", "metric": m, "value": round(final[m], 4), "computed": computed}

@@ -1,21 +1,24 @@
 """Training and evaluation data: local files or Hub datasets, turned into token blocks.
 
-Sources: a local ``.txt``/``.jsonl``/``.json``/``.csv``/``.parquet`` file (or a folder of them),
-a Hub dataset name (``owner/name``, through ``datasets.load_dataset``), or the offline default
-corpus (:func:`default_corpus`). Two kinds of rows:
+Sources: a local ``.txt``/``.jsonl``/``.json``/``.csv``/``.parquet`` file (a ``.txt`` file is one document), a
+folder of them (split by file names as ``datasets.load_dataset`` splits a folder: ``train*``, ``valid*``/``dev*``,
+``test*``), a folder ``datasets.Dataset.save_to_disk`` wrote, a Hub dataset name (``owner/name``, through
+``datasets.load_dataset``), or the offline default corpus (:func:`default_corpus`). Two kinds of rows:
 
-- plain text (a ``text`` column): tokenized, joined with EOS and packed into blocks of
-  ``block_size`` tokens (every token trains; no padding);
+- plain text (a ``text`` column): tokenized (with the BOS a tokenizer adds by default), joined with EOS and packed
+  into blocks of ``block_size`` tokens (every token trains; no padding);
 - instruction/chat data (a ``messages``/``conversations`` column, or instruction pairs such as
   ``instruction``/``output`` or ``prompt``/``response``): one sequence per row through the
   tokenizer's chat template, truncated to ``block_size`` and padded per batch (padding not trained).
 
-Evaluation rows are held out by row (the last ``eval_fraction`` of the rows), so evaluated text
-was never trained on.
+Evaluation rows are held out by row (the last ``eval_fraction`` of the rows), so evaluated text was never trained
+on; plain text of fewer than ``1 / eval_fraction`` rows (one ``.txt`` file) holds out the last ``eval_fraction`` of
+its characters instead, cut at a line break.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from collections.abc import Iterator
@@ -64,20 +67,21 @@ def load_records(source: str | Path, *, split: str = "train", config: str | None
     """Rows of a local data file/folder or a Hub dataset (``split`` of it; a single file, or a folder of files not
     named by split, holds one split: ``train``)."""
     path = Path(source)
-    if path.is_dir() and (files := _split_files(path)):
-        if split not in files:
-            raise ValueError(f"data folder {str(path)!r} has no split {split!r}; its splits are {', '.join(files)}")
-        return _load_files(FILE_BUILDERS[files[split].suffix], [str(files[split])], str(path))
+    if path.is_dir() and _saved_by_datasets(path):
+        return _load_saved(path, split)
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in FILE_BUILDERS)
-        builders = {FILE_BUILDERS[p.suffix] for p in files}
+        files = _split_files(path)
+        _say_unread(path, files)
+        if split not in files:
+            listing = ", ".join(files) or f"none (no {'/'.join(FILE_BUILDERS)} file)"
+            raise ValueError(f"data folder {str(path)!r} has no split {split!r}; its splits are {listing}")
+        builders = {FILE_BUILDERS[p.suffix] for p in files[split]}
         if len(builders) != 1:
-            found = ", ".join(sorted(builders)) or "none"
             raise ValueError(
-                f"data folder {str(path)!r} must hold files of one kind ({', '.join(FILE_BUILDERS)}); found {found}"
+                f"data folder {str(path)!r}: the files of split {split!r} must be of one kind "
+                f"({', '.join(FILE_BUILDERS)}); found {', '.join(sorted(builders))}"
             )
-        _check_train_split(f"data folder {str(path)!r}", split)
-        return _load_files(builders.pop(), [str(p) for p in files], str(path))
+        return _load_files(builders.pop(), [str(p) for p in files[split]], str(path))
     if path.suffix in FILE_BUILDERS:
         if not path.is_file():
             raise ValueError(f"data file {str(path)!r} does not exist")
@@ -98,10 +102,26 @@ def load_records(source: str | Path, *, split: str = "train", config: str | None
 
 
 def _check_train_split(what: str, split: str) -> None:
-    """A single file, or a folder of files not named by split, holds one split: ``train``."""
+    """A single file holds one split: ``train``."""
     if split != "train":
-        more = "/".join(SPLIT_NAMES)
-        raise ValueError(f"{what} has no split {split!r}; its splits are train (a folder of {more} files holds more)")
+        raise ValueError(f"{what} has no split {split!r}; its splits are train (a folder of files named by split holds "
+                         "more: train.jsonl, validation.jsonl, test.jsonl)")  # fmt: skip
+
+
+def _saved_by_datasets(folder: Path) -> bool:
+    """Whether ``folder`` is a ``Dataset`` or ``DatasetDict`` that ``save_to_disk`` wrote."""
+    return (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file()
+
+
+def _load_saved(folder: Path, split: str) -> datasets.Dataset:
+    """``split`` of a folder ``save_to_disk`` wrote (a lone ``Dataset`` is split ``train``)."""
+    saved = datasets.load_from_disk(str(folder))
+    if isinstance(saved, datasets.DatasetDict):
+        if split not in saved:
+            raise ValueError(f"saved dataset {str(folder)!r} has no split {split!r}; its splits are {', '.join(saved)}")
+        return saved[split]
+    _check_train_split(f"saved dataset {str(folder)!r}", split)
+    return saved
 
 
 def _first_line(e: BaseException) -> str:
@@ -118,17 +138,34 @@ def _first_line(e: BaseException) -> str:
     return first or type(e).__name__
 
 
-SPLIT_NAMES = ("train", "validation", "test")  # a data folder of files named by split holds those splits
 EVAL_SPLITS = ("validation", "test")  # the splits evaluation prefers, in order
 
 
-def _split_files(folder: Path) -> dict[str, Path]:
-    """``{split: file}`` of a folder whose data files are named by split (``train.jsonl``, ``validation.jsonl``);
-    empty when any data file is named otherwise."""
-    files = [p for p in sorted(folder.iterdir()) if p.suffix in FILE_BUILDERS]
-    if not files or any(p.stem not in SPLIT_NAMES for p in files):
+def _split_files(folder: Path) -> dict[str, list[Path]]:
+    """``{split: data files}`` of a data folder, split by file and folder names as ``datasets.load_dataset`` splits it
+    (``train*``, ``valid*``/``val*``/``dev*``, ``test*``/``eval*``; a folder named by no split is all ``train``)."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    try:
+        resolved = DataFilesDict.from_patterns(get_data_patterns(str(folder)), base_path=str(folder))
+    except datasets.exceptions.DataFilesNotFoundError:  # an empty folder
         return {}
-    return {p.stem: p for p in files}
+    out = {str(s): sorted(Path(f) for f in files if Path(f).suffix in FILE_BUILDERS) for s, files in resolved.items()}
+    return {s: files for s, files in out.items() if files}
+
+
+def _say_unread(folder: Path, splits: dict[str, list[Path]]) -> None:
+    """Warn of the data files of ``folder`` that no split takes (``datasets`` leaves them unread, silently)."""
+    taken = {f for files in splits.values() for f in files}
+    every = {f for f in folder.rglob("*") if f.suffix in FILE_BUILDERS and not _hidden(f.relative_to(folder))}
+    if left := sorted(str(f.relative_to(folder)) for f in every - taken):
+        logger.warning("data folder %r: %s named by no split (its splits: %s), not read", str(folder), ", ".join(left),
+                       ", ".join(splits))  # fmt: skip
+
+
+def _hidden(relative: Path) -> bool:
+    """Whether a path inside a data folder is one ``datasets`` skips (a part starting with ``.`` or ``__``)."""
+    return any(part.startswith((".", "__")) for part in relative.parts)
 
 
 def default_eval_split(source: str | Path) -> str:
@@ -142,6 +179,9 @@ def default_eval_split(source: str | Path) -> str:
 def _split_names(source: str | Path) -> list[str]:
     """The splits of a data folder of files named by split, or of a Hub dataset; ``["train"]`` for a file."""
     path = Path(source)
+    if path.is_dir() and _saved_by_datasets(path):
+        saved = datasets.load_from_disk(str(path))
+        return list(saved) if isinstance(saved, datasets.DatasetDict) else ["train"]
     if path.is_dir():
         return list(_split_files(path))
     if path.exists() or path.suffix:
@@ -154,11 +194,15 @@ def _split_names(source: str | Path) -> list[str]:
 
 
 def _load_files(builder: str, files: list[str], name: str) -> datasets.Dataset:
-    options = {"keep_linebreaks": True} if builder == "text" else {}
+    # a .txt file is one document (line by line, each line got an EOS: 11% of Hamlet's tokens); utf-8-sig drops a BOM
+    options = {"sample_by": "document", "encoding": "utf-8-sig"} if builder == "text" else {}
     try:
-        return datasets.load_dataset(builder, data_files=files, split="train", **options)
+        ds = datasets.load_dataset(builder, data_files=files, split="train", **options)
     except Exception as e:  # empty or malformed json/csv/parquet
         raise ValueError(f"could not read data {name!r} as {builder}: {_read_error(builder, files, e)}") from None
+    if builder == "text" and not any(text.strip() for text in ds["text"]):  # a document of blanks per file
+        raise ValueError(f"could not read data {name!r} as text: the file{'s are' if len(files) > 1 else ' is'} empty")
+    return ds
 
 
 def _read_error(builder: str, files: list[str], e: Exception) -> str:
@@ -248,7 +292,9 @@ def detect_columns(
 
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-TRAIN_ON = ("all", "completions")  # which tokens of chat rows the loss counts
+# which tokens of chat rows the loss counts; auto: the completions of prompt/response pairs, every token of
+# conversations (TRL's SFTTrainer defaults: completion_only_loss for prompt-completion data, assistant_only_loss off)
+TRAIN_ON = ("auto", "all", "completions")
 TOKENIZE_BATCH = 65536  # characters of text tokenized per call; a run stops reading once it has its blocks
 
 
@@ -284,15 +330,20 @@ def _message(m, column: str, row: int) -> dict:
     )
 
 
+def _message_list(msgs, column: str, row: int) -> list[dict]:
+    if not isinstance(msgs, list):
+        raise ValueError(f"column {column!r} must hold lists of messages; row {row} holds {type(msgs).__name__}")
+    return [_message(m, column, row) for m in msgs]
+
+
 def _messages(row: dict, cols: Columns, index: int) -> list[dict]:
-    """Row ``index`` of chat data as a list of messages."""
+    """Row ``index`` of chat data as a list of messages; a prompt/response pair of message lists (TRL's
+    conversational prompt-completion rows) is the one list."""
     if cols.messages:
-        msgs = row[cols.messages]
-        if not isinstance(msgs, list):
-            raise ValueError(
-                f"column {cols.messages!r} must hold lists of messages; row {index} holds {type(msgs).__name__}"
-            )
-        return [_message(m, cols.messages, index) for m in msgs]
+        return _message_list(row[cols.messages], cols.messages, index)
+    if isinstance(row[cols.prompt], list):
+        return [*_message_list(row[cols.prompt], cols.prompt, index),
+                *_message_list(row[cols.response], cols.response, index)]  # fmt: skip
     prompt = _text(row[cols.prompt], cols.prompt, index)
     if cols.extra_input and row.get(cols.extra_input):
         prompt = f"{prompt}\n\n{_text(row[cols.extra_input], cols.extra_input, index)}"
@@ -320,7 +371,7 @@ def completion_labels(tokenizer, messages: list[dict], ids: list[int]) -> list[i
     user turn, trained on)."""
     labels = [IGNORE_INDEX] * len(ids)
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or i == 0:  # a conversation opening on an assistant turn: no prompt to it
             continue
         before = _chat_ids(tokenizer, messages[:i], add_generation_prompt=True)
         through = _chat_ids(tokenizer, messages[: i + 1])
@@ -337,18 +388,20 @@ def completion_labels(tokenizer, messages: list[dict], ids: list[int]) -> list[i
 def _text_sequences(
     ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, column: str, first_row: int = 0
 ) -> Iterator[list[int]]:
-    """Token ids of each non-empty text row, ending with EOS (``first_row``: the first row's number in the data)."""
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    """Token ids of each non-empty text row, with the special tokens the tokenizer adds by default (the BOS that
+    Llama 3 or Gemma start a document with, as ``run_clm.py`` and TRL tokenize) and ending with EOS (``first_row``:
+    the first row's number in the data)."""
+    eos = tokenizer.eos_token_id
     for texts in _text_batches(ds, column, first_row):
-        for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
-            yield ids + eos
+        for ids in tokenizer(texts)["input_ids"]:
+            yield ids if eos is None or ids[-1:] == [eos] else [*ids, eos]
 
 
 def _text_batches(ds: datasets.Dataset, column: str, first_row: int = 0) -> Iterator[list[str]]:
     """The non-empty texts of ``column`` in batches for the fast tokenizer's batch call: up to
     :data:`TOKENIZE_BATCH` characters each (at least one row), so a run that needs a few blocks reads a few rows."""
     batch, size = [], 0
-    for index, row in enumerate(ds, first_row):
+    for index, row in _rows(ds, first_row):
         if row[column] is not None and _text(row[column], column, index):
             batch.append(row[column])
             size += len(batch[-1])
@@ -357,6 +410,44 @@ def _text_batches(ds: datasets.Dataset, column: str, first_row: int = 0) -> Iter
             batch, size = [], 0
     if batch:
         yield batch
+
+
+def _rows(ds: datasets.Dataset, first_row: int = 0) -> Iterator[tuple[int, dict]]:
+    """``(row number, row)`` of ``ds``; text that is not UTF-8 (pyarrow reads JSON/CSV bytes unchecked) is one error
+    line naming the row, not a bare ``UnicodeDecodeError`` while tokenizing."""
+    rows = iter(ds)
+    for index in itertools.count(first_row):
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"row {index} is not UTF-8 text ({e.reason} at byte {e.start}): re-encode the file as UTF-8"
+            ) from None
+        yield index, row
+
+
+def _held_out_tail(ds: datasets.Dataset, column: str, fraction: float) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """``(train rows, held-out rows)`` of text rows too few to hold out whole ones: the last ``fraction`` of their
+    characters, the row it starts in cut at a line break (up to 1,000 characters earlier) or where it falls. The same
+    text whatever the run's length (one row's last blocks, held out before, moved with ``max_steps``)."""
+    texts = [_text(row[column], column, index) for index, row in _rows(ds) if row[column] is not None]
+    need = max(1, round(sum(map(len, texts)) * fraction))
+    held = []
+    while texts and need > 0:
+        last = texts.pop()
+        if len(last) <= need:
+            held.insert(0, last)
+            need -= len(last)
+            continue
+        cut = len(last) - need
+        line = last.rfind("\n", 0, cut)
+        cut = line + 1 if line >= 0 and cut - line <= 1000 else cut
+        texts.append(last[:cut])
+        held.insert(0, last[cut:])
+        need = 0
+    return datasets.Dataset.from_dict({column: texts}), datasets.Dataset.from_dict({column: held})
 
 
 def pack_blocks(
@@ -383,19 +474,22 @@ def chat_sequences(
     train_on: str = "all",
     first_row: int = 0,
 ) -> tuple[list[list[int]], list[list[int]], int]:
-    """``(ids, labels, left_out)``: one chat-formatted sequence per row, truncated to ``block_size`` tokens; labels
-    are the ids (``train_on="all"``) or the assistant turns only (``"completions"``, see :func:`completion_labels`).
-    Rows with no target left in their first ``block_size`` tokens (no assistant turn, or a prompt that fills the
-    block) are left out and counted: a batch of them would have no loss to learn from. ``first_row``: the first
-    row's number in the data, for errors."""
+    """``(ids, labels, left_out, cut)``: one chat-formatted sequence per row, truncated to ``block_size`` tokens
+    (``cut`` counts the rows that were longer); labels are the ids (``train_on="all"``) or the assistant turns only
+    (``"completions"``, see :func:`completion_labels`). Rows with no target left in their first ``block_size`` tokens
+    (no assistant turn, an empty conversation, or a prompt that fills the block) are left out and counted: a batch of
+    them would have no loss to learn from. ``first_row``: the first row's number in the data, for errors."""
     if not tokenizer.chat_template:
         raise ValueError(
             f"the tokenizer ({type(tokenizer).__name__}) has no chat template, which chat data needs: use a chat "
             "(instruction-tuned) checkpoint, or data with a plain text column"
         )
-    ids, labels, left_out = [], [], 0
-    for index, row in enumerate(ds, first_row):
+    ids, labels, left_out, cut = [], [], 0, 0
+    for index, row in _rows(ds, first_row):
         messages = _messages(row, cols, index)
+        if not messages:
+            left_out += 1
+            continue
         try:
             seq = _chat_ids(tokenizer, messages)
             full = seq if train_on == "all" else completion_labels(tokenizer, messages, seq)
@@ -406,9 +500,10 @@ def chat_sequences(
             continue
         ids.append(seq[:block_size])
         labels.append(full[:block_size])
+        cut += len(seq) > block_size
         if max_rows is not None and len(ids) >= max_rows:
             break
-    return ids, labels, left_out
+    return ids, labels, left_out, cut
 
 
 def _no_targets(block_size: int, train_on: str) -> str:
@@ -421,18 +516,25 @@ def _no_targets(block_size: int, train_on: str) -> str:
     return "fewer than two tokens"
 
 
-def _say_left_out(name: str, left_out: int, kept: int, block_size: int, train_on: str) -> None:
-    """Warn how many chat rows were left out for having no target."""
+def _say_left_out(name: str, left_out: int, kept: int, cut: int, block_size: int, train_on: str) -> None:
+    """Warn how many chat rows were left out for having no target, and how many were cut to the block."""
     if left_out:
         logger.warning(
             "data %r: %d of the %d chat rows read left out, with %s", name, left_out, left_out + kept,
             _no_targets(block_size, train_on),
         )  # fmt: skip
+    if cut:
+        logger.warning(
+            "data %r: %d of the %d chat rows kept are longer than %d tokens and cut to them (their ends, and the "
+            "end-of-turn token, are not trained on); raise --block-size to keep them whole",
+            name, cut, kept, block_size,
+        )  # fmt: skip
 
 
 @dataclass
 class LMData:
-    """Causal-LM training data: ``train``/``eval`` datasets of ``input_ids``/``labels``, and their collator."""
+    """Causal-LM training data: ``train``/``eval`` datasets of ``input_ids``/``labels``, and their collator;
+    ``train_on``: the tokens the labels count (``all``, ``completions``; ``auto`` resolved)."""
 
     train: datasets.Dataset
     eval: datasets.Dataset
@@ -440,6 +542,7 @@ class LMData:
     source: str
     block_size: int
     collator: object
+    train_on: str = "all"
 
 
 def read_source(source: str | Path | None, split: str = "train") -> tuple[datasets.Dataset, str]:
@@ -482,7 +585,7 @@ def prepare_lm_data(
     text_column: str | None = None,
     messages_column: str | None = None,
     eval_only: bool = False,
-    train_on: str = "all",
+    train_on: str = "auto",
     held_out_records: datasets.Dataset | None = None,
 ) -> LMData:
     """Tokenized causal-LM data from ``records`` (see :func:`read_source`), split into train and held-out rows:
@@ -490,7 +593,8 @@ def prepare_lm_data(
 
     ``train_sequences``/``eval_sequences`` cap how many blocks (text) or rows (chat) are tokenized,
     so a large corpus costs only what a run uses. ``eval_only``: every row goes to ``eval``. ``train_on``
-    (chat data): ``all`` tokens count in the loss, or the assistant ``completions`` only.
+    (chat data): ``all`` tokens count in the loss, the assistant ``completions`` only, or ``auto`` (the completions of
+    prompt/response pairs, every token of conversations).
     """
     if train_on not in TRAIN_ON:
         raise ValueError(f"train_on {train_on!r}: choose one of {', '.join(TRAIN_ON)}")
@@ -498,6 +602,8 @@ def prepare_lm_data(
     if len(ds) == 0:
         raise ValueError(f"data {name!r} has no rows")
     cols = detect_columns(ds, name, text_column, messages_column)
+    if train_on == "auto":
+        train_on = "completions" if cols.prompt else "all"
     if cols.kind == "text" and train_on != "all":
         raise ValueError(
             f"train_on {train_on!r} needs chat or instruction rows (a {'/'.join(MESSAGE_COLUMNS)} column, or "
@@ -514,25 +620,23 @@ def prepare_lm_data(
                 f"its columns are {', '.join(held_out_records.column_names) or 'none'}"
             )
         train_rows, eval_rows, cut = ds, held_out_records, 0  # eval rows numbered within their split
+    elif cols.kind == "text" and not eval_only and len(ds) < 1 / eval_fraction:
+        (train_rows, eval_rows), cut = _held_out_tail(ds, cols.text, eval_fraction), 0
     else:
         n_eval_rows = len(ds) if eval_only else max(1, round(len(ds) * eval_fraction)) if len(ds) > 1 else 0
         cut = len(ds) - n_eval_rows
         train_rows, eval_rows = ds.select(list(range(cut))), ds.select(list(range(cut, len(ds))))
-    left_out = held_left_out = 0
+    left_out = held_left_out = train_cut = held_cut = 0
     if cols.kind == "text":
         train = pack_blocks(train_rows, tokenizer, cols, block_size, train_sequences)
         held = pack_blocks(eval_rows, tokenizer, cols, block_size, eval_sequences, first_row=cut)
-        if not len(eval_rows) and len(train) > 1 and held_out_records is None:  # one row only: its last blocks held out
-            # (rows held out too short for a block are refused below: falling back here evaluated on trained text)
-            cut = max(1, min(eval_sequences, len(train) // 10))
-            train, held = train[:-cut], train[-cut:]
         collator = default_data_collator
         train_labels, held_labels = train, held
     else:
-        train, train_labels, left_out = chat_sequences(
+        train, train_labels, left_out, train_cut = chat_sequences(
             train_rows, tokenizer, cols, block_size, train_sequences, train_on
         )
-        held, held_labels, held_left_out = chat_sequences(
+        held, held_labels, held_left_out, held_cut = chat_sequences(
             eval_rows, tokenizer, cols, block_size, eval_sequences, train_on, first_row=cut
         )
         collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
@@ -552,12 +656,13 @@ def prepare_lm_data(
             else f"data {name!r} leaves nothing to evaluate on: its held-out chat rows all have "
             f"{_no_targets(block_size, train_on)}"
         )
-    _say_left_out(name, left_out + held_left_out, len(train) + len(held), block_size, train_on)
+    _say_left_out(name, left_out + held_left_out, len(train) + len(held), train_cut + held_cut, block_size, train_on)
 
     def as_dataset(seqs, labels):
         return datasets.Dataset.from_dict({"input_ids": seqs, "labels": [list(s) for s in labels]})
 
-    return LMData(as_dataset(train, train_labels), as_dataset(held, held_labels), cols.kind, name, block_size, collator)
+    train_set, held_set = as_dataset(train, train_labels), as_dataset(held, held_labels)
+    return LMData(train_set, held_set, cols.kind, name, block_size, collator, train_on)
 
 
 def prepare_run_data(

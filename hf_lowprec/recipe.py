@@ -279,7 +279,8 @@ class DataSection:
     messages_column: str | None = None
     split: str = "train"
     eval_fraction: float = 0.05
-    train_on: str = field(default="all", metadata=_choices(*TRAIN_ON))  # chat data: all tokens, or the completions
+    # chat data: all tokens, the completions, or auto (the completions of prompt/response pairs, all of conversations)
+    train_on: str = field(default="auto", metadata=_choices(*TRAIN_ON))
 
     def __post_init__(self):
         if self.text_column is not None and self.messages_column is not None:  # the messages column won, unsaid

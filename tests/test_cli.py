@@ -640,6 +640,24 @@ def test_small_data_is_said_and_counted_as_it_trains(ws, tmp_path):
     assert rows and re.search(r"held-out data: \d+ sequences \(eval_blocks 500: the held-out rows hold no more\)", output)
     t = record["training"]
     assert t["train_tokens"] == 2 * int(rows.group(1)) * 32  # what ran, not the nominal batch
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ws / "tiny")
+    for size in range(100, 1000, 10):  # text of an odd number of blocks under 3 batches of 2
+        few.write_text((ws / "corpus.txt").read_text()[:size])
+        try:
+            blocks = len(prepare_lm_data(*read_source(few), tokenizer, 32, eval_fraction=0.3).train)
+        except ValueError:  # no block to train or to evaluate on yet
+            continue
+        if blocks in (3, 5):
+            break
+    assert blocks in (3, 5)
+    run = cli("finetune", ws / "tiny", "--data", few, "--max-steps", "3", *FAST, "-o", out, "--overwrite",
+              "data.eval_fraction=0.3")  # fmt: skip
+    assert run.exit_code == 0, run.output
+    epoch = [2] * (blocks // 2) + [1]  # an epoch's last batch is short: counted as it ran (it was 2 blocks a step)
+    steps = (epoch * 3)[:3]
+    assert json.loads((out / RUN_FILE).read_text())["training"]["train_tokens"] == sum(steps) * 32
 
 
 def test_chat_data_trains_on_completions_and_counts_the_tokens_it_had(ws, tmp_path, caplog):

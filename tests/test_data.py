@@ -71,20 +71,32 @@ def test_jsonl_csv_parquet_give_the_blocks_computed_by_hand(tmp_path, tok, suffi
     assert batch["input_ids"].shape == (3, 32) and torch.equal(batch["labels"], batch["input_ids"])
 
 
-def test_txt_keeps_line_breaks_and_caps_blocks(tmp_path, tok):
+def test_a_txt_file_is_one_document_whose_last_characters_are_held_out(tmp_path, tok):
+    """Read line by line, each line of a .txt file ended with an EOS (11% of Hamlet's tokens); one row's held-out
+    blocks were its last training blocks' neighbours, and moved with the run's length."""
     text = corpus_text(20000)
     path = tmp_path / "corpus.txt"
-    path.write_text(text)
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())  # a BOM is not text
     records, name = read_source(path)
-    assert "".join(records["text"]) == text
+    assert records["text"] == [text]
     lm = prepare_lm_data(records, name, tok, 64, train_sequences=5, eval_sequences=2)
-    assert len(lm.train) == 5 and len(lm.eval) == 2
-    assert lm.train["input_ids"] == _reference_blocks(records["text"][:-max(1, round(len(records) * 0.05))], tok, 64)[:5]
+    cut = text.rfind("\n", 0, round(len(text) * 0.95)) + 1  # the last 5% of the characters, from a line's start
+    assert round(len(text) * 0.95) - cut <= 1000
+    assert lm.train["input_ids"] == _reference_blocks([text[:cut]], tok, 64)[:5]
+    assert lm.eval["input_ids"] == _reference_blocks([text[cut:]], tok, 64)[:2]
+    longer = prepare_lm_data(records, name, tok, 64, train_sequences=50, eval_sequences=2)
+    assert longer.eval["input_ids"] == lm.eval["input_ids"] and len(longer.train) == 50
     folder = tmp_path / "folder"
     folder.mkdir()
     (folder / "a.txt").write_text(text[:5000])
     (folder / "b.txt").write_text(text[5000:10000])
-    assert "".join(load_records(folder)["text"]) == text[:10000]
+    assert load_records(folder)["text"] == [text[:5000], text[5000:10000]]  # a document per file
+    few = datasets.Dataset.from_dict({"text": [text[:5000], text[5000:6000]]})  # the tail spans a row and a half
+    split = prepare_lm_data(few, "few", tok, 16, eval_fraction=0.2, eval_sequences=None)
+    start = 5000 - (1200 - 1000)
+    start = text.rfind("\n", 0, start) + 1 if start - text.rfind("\n", 0, start) - 1 <= 1000 else start
+    assert split.eval["input_ids"] == _reference_blocks([text[start:5000], text[5000:6000]], tok, 16)
+    assert split.train["input_ids"] == _reference_blocks([text[:start]], tok, 16)
 
 
 def test_chat_and_instruction_rows_go_through_the_chat_template(tmp_path, tok):
@@ -173,6 +185,68 @@ def test_a_single_file_holds_only_the_train_split(tmp_path):
     assert data.default_eval_split(path) == "train" and data.default_eval_split(tmp_path / "folder") == "train"
 
 
+def test_a_folder_is_split_by_file_names_as_datasets_splits_it(tmp_path, caplog):
+    """valid.jsonl and dev.jsonl are validation splits and eval.jsonl a test split to ``datasets.load_dataset``; only
+    train/validation/test stems were: any other name made the folder one train split, held-out files trained on."""
+    rows = [{"text": f"row {i}"} for i in range(6)]
+    for names, splits in ((("train", "valid"), ["train", "validation"]), (("train", "test", "notes"), ["train", "test"]),
+                          (("train-00000-of-00002", "train-00001-of-00002", "dev"), ["train", "validation"])):  # fmt: skip
+        folder = tmp_path / "-".join(names)
+        folder.mkdir()
+        for i, stem in enumerate(names):
+            (folder / f"{stem}.jsonl").write_text(json.dumps(rows[i]) + "\n")
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="hf_lowprec.data"):
+            train = load_records(folder)
+        assert data._split_names(folder) == splits
+        assert train["text"] == [r["text"] for stem, r in zip(names, rows) if stem.startswith("train")]
+        assert data.default_eval_split(folder) == splits[1]
+        assert len(load_records(folder, split=splits[1])) == 1
+        assert ("notes.jsonl named by no split (its splits: train, test), not read" in caplog.text) == ("notes" in names)
+    with pytest.raises(ValueError, match=r"data folder '.*' has no split 'validation'; its splits are train, test$"):
+        load_records(tmp_path / "train-test-notes", split="validation")
+
+
+def test_a_folder_save_to_disk_wrote_is_read_with_its_splits(tmp_path):
+    rows = datasets.Dataset.from_dict({"text": ["a b", "c d", "e f"]})
+    rows.save_to_disk(tmp_path / "one")
+    assert load_records(tmp_path / "one")["text"] == rows["text"] and data._split_names(tmp_path / "one") == ["train"]
+    datasets.DatasetDict({"train": rows, "validation": rows.select([0])}).save_to_disk(tmp_path / "two")
+    assert load_records(tmp_path / "two", split="validation")["text"] == ["a b"]
+    assert data.default_eval_split(tmp_path / "two") == "validation"
+    with pytest.raises(ValueError, match=r"saved dataset '.*two' has no split 'test'; its splits are train, validation"):
+        load_records(tmp_path / "two", split="test")
+
+
+def test_text_that_is_not_utf8_is_named_by_its_row(tmp_path, tok):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"text": "good row"}\n{"text": "caf\xe9 au lait"}\n')  # pyarrow reads the bytes unchecked
+    records, name = read_source(path)
+    with pytest.raises(ValueError, match=r"^row 1 is not UTF-8 text \(invalid continuation byte at byte 3\): re-encode "):
+        prepare_lm_data(records, name, tok, 8)
+
+
+def test_documents_start_with_the_bos_a_tokenizer_adds_by_default(tok):
+    """``add_special_tokens=False`` dropped the BOS that Llama 3 and Gemma tokenizers start a document with (and
+    ``run_clm.py`` and TRL keep); an EOS the tokenizer adds itself is not doubled."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    texts = [corpus_text(300), corpus_text(500)[300:]]
+    ds = datasets.Dataset.from_dict({"text": texts})
+    for template, ends in (("<|im_start|> $A", []), ("<|im_start|> $A <|endoftext|>", [])):
+        llama = copy.deepcopy(tok)
+        llama._tokenizer.post_processor = TemplateProcessing(
+            single=template, special_tokens=[("<|im_start|>", bos), ("<|endoftext|>", eos)]
+        )
+        expected = [t for text in texts for t in [bos, *tok(text, add_special_tokens=False)["input_ids"], eos, *ends]]
+        assert pack_blocks(ds, llama, detect_columns(ds, "d"), 16) == [
+            expected[i : i + 16] for i in range(0, len(expected) - 15, 16)
+        ]
+
+
 def test_the_offline_corpus_is_read_by_the_name_runs_record(tmp_path, monkeypatch):
     """Records and cards name the default corpus 'shakespeare': --data shakespeare reads it (it went to the Hub);
     a local folder of that name is still that folder."""
@@ -248,7 +322,7 @@ def test_sharegpt_rows_and_completion_only_labels(tmp_path, tok):
     assert tok.decode(counted) == "it is 0<|im_end|>\n" and labels[: len(ids) - len(counted)] == [-100] * (len(ids) - len(counted))
     with pytest.raises(ValueError, match="ShareGPT"):
         prepare_lm_data(datasets.Dataset.from_dict({"messages": [[{"from": "robot", "value": "x"}]]}), "bad", tok, 64)
-    with pytest.raises(ValueError, match="train_on 'prompts': choose one of all, completions"):
+    with pytest.raises(ValueError, match="train_on 'prompts': choose one of auto, all, completions"):
         prepare_lm_data(records, name, tok, 64, train_on="prompts")
     text = datasets.Dataset.from_dict({"text": [corpus_text(2000)] * 4})  # every token a target: nothing to leave out
     with pytest.raises(ValueError, match="train_on 'completions' needs chat or instruction rows .* data 'plain' is plain text"):
@@ -269,16 +343,12 @@ def test_classification_labels_that_are_no_class_ids_are_named_with_their_row(to
 
 def test_held_out_rows_too_short_for_a_block_are_refused_not_replaced_by_trained_text(tok):
     """Rows are held out as rows, so that evaluated text was never trained on: held-out rows too short for one block
-    are refused (the last training blocks were evaluated instead, a document cut between the two); data of one row
-    holds out its last blocks, as it always did."""
+    are refused (the last training blocks were evaluated instead, a document cut between the two)."""
     text = corpus_text(20_000)
     rows = [text[i * 400 : (i + 1) * 400] for i in range(19)] + ["short."]
     with pytest.raises(ValueError, match=r"data 'rows' gives no complete block of 32 tokens to evaluate on; lower "
                                          r"--block-size or add rows \(finetune: or raise data.eval_fraction\)"):  # fmt: skip
         prepare_lm_data(datasets.Dataset.from_dict({"text": rows}), "rows", tok, 32, eval_fraction=0.05)
-    one = prepare_lm_data(datasets.Dataset.from_dict({"text": [text]}), "one", tok, 32)
-    whole = _reference_blocks([text], tok, 32)
-    assert len(one.eval) and [list(b) for b in one.train["input_ids"]] + [list(b) for b in one.eval["input_ids"]] == whole
 
 
 def test_completion_labels_refuse_a_template_that_renders_the_last_turn_otherwise(tok):
@@ -388,3 +458,37 @@ def test_a_validation_split_is_the_runs_held_out_data(tmp_path, tok):
     (folder / "validation.jsonl").write_text("\n".join(json.dumps({"body": r["text"]}) for r in ROWS[30:]))
     with pytest.raises(ValueError, match=r"its validation split has no column 'text', which its train rows have; its columns are body$"):
         prepare_lm_data(*read_run_source(folder)[:1], "splits", tok, 16, held_out_records=read_run_source(folder)[1])
+
+
+def test_pairs_train_on_their_completions_and_conversations_on_every_token_by_default(tok):
+    """TRL's SFTTrainer defaults: the loss of prompt-completion rows counts the completions (it counted the prompt and
+    the template's system prompt too), conversations count every token; pairs of message lists are read."""
+    pairs = datasets.Dataset.from_dict({"prompt": [f"what is {i}?" for i in range(10)],
+                                        "completion": [f"it is {i}" for i in range(10)]})  # fmt: skip
+    auto = prepare_lm_data(pairs, "pairs", tok, 64)
+    assert auto.train_on == "completions"
+    assert auto.train["labels"] == prepare_lm_data(pairs, "pairs", tok, 64, train_on="completions").train["labels"]
+    counted = [t for t, label in zip(auto.train[0]["input_ids"], auto.train[0]["labels"]) if label != -100]
+    assert tok.decode(counted) == "it is 0<|im_end|>\n"
+    turns = [[{"role": "user", "content": f"what is {i}?"}, {"role": "assistant", "content": f"it is {i}"}] for i in range(10)]
+    chats = datasets.Dataset.from_dict({"messages": turns})
+    every = prepare_lm_data(chats, "chats", tok, 64)
+    assert every.train_on == "all" and every.train["labels"] == every.train["input_ids"]
+    conversational = datasets.Dataset.from_dict({"prompt": [t[:1] for t in turns], "completion": [t[1:] for t in turns]})
+    assert prepare_lm_data(conversational, "c", tok, 64).train["labels"] == auto.train["labels"]
+
+
+def test_empty_conversations_are_left_out_and_cut_rows_are_counted(tok, caplog):
+    """An empty conversation stopped the run ("Cannot apply chat template to an empty conversation"); a conversation
+    opening on an assistant turn could not be rendered before that turn; rows cut to the block went unsaid."""
+    turn = [{"role": "user", "content": "what is it?"}, {"role": "assistant", "content": "it is"}]
+    long = [{"role": "user", "content": "tell"}, {"role": "assistant", "content": corpus_text(1000)}]
+    opening = [{"role": "assistant", "content": "hello"}, *turn]
+    ds = datasets.Dataset.from_dict({"messages": [turn] * 6 + [[]] * 2 + [long] * 3 + [opening] * 9})
+    with caplog.at_level("WARNING", logger="hf_lowprec.data"):
+        lm = prepare_lm_data(ds, "d", tok, 64, eval_fraction=0.1, train_on="completions")
+    assert len(lm.train) == 16 and len(lm.eval) == 2
+    assert "data 'd': 2 of the 20 chat rows read left out" in caplog.text
+    assert "data 'd': 3 of the 18 chat rows kept are longer than 64 tokens and cut to them" in caplog.text
+    ids, labels = lm.eval[0]["input_ids"], lm.eval[0]["labels"]  # an opening row: its first turn is not a target
+    assert tok.decode([t for t, label in zip(ids, labels) if label != -100]) == "it is<|im_end|>\n"
