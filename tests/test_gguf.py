@@ -329,3 +329,49 @@ def test_llama_3s_pre_tokenizer_is_llama_cpps_llama_bpe():
     assert _pre_tokenizer(serialised(llama3), ["a"], cleans_spaces=True) == "llama-bpe"
     single_digits = llama3.replace(r"\p{N}{1,3}", r"\p{N}")  # Qwen2's split: a llama.cpp qwen2 model, not llama
     assert _pre_tokenizer(serialised(single_digits), ["a"], cleans_spaces=True) == "default"
+
+
+def test_biases_are_written_beside_the_packed_codes_in_llama_cpp_order(tmp_path):
+    """A Llama with attention and MLP biases: its packed layers' biases were left out without a word (the GGUF's logits
+    165% off the packed base's); they are llama.cpp's optional ``*.bias`` tensors, query/key rows reordered."""
+    folder = save_tiny_model(tmp_path / "biased", attention_bias=True, mlp_bias=True)
+    model, tokenizer, _ = load_int4_lora(str(folder), LoraConfig(r=4, target_modules="all-linear"), backend="dequant",
+                                         dtype=torch.float32)  # fmt: skip
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") and "lora" not in name:
+                p.normal_(0, 0.5)
+    export_gguf(model, tokenizer, tmp_path, "biased")
+    stored = {t.name: torch.from_numpy(np.array(t.data)) for t in gguf.GGUFReader(tmp_path / MODEL_FILE).tensors}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    biased = {n.replace(".base_layer", ""): m for n, m in model.get_base_model().named_modules()
+              if isinstance(m, PackedLinear) and m.bias is not None}  # fmt: skip
+    assert len(biased) == 14  # 7 linears a block (transformers' GGUF loader reads no llama bias: llama.cpp does)
+    for name, layer in biased.items():
+        heads = HEADS.get(name.rsplit(".", 1)[-1])
+        expected = layer.bias.detach() if heads is None else llama_cpp_rows(layer.bias.detach(), heads)
+        assert torch.equal(stored[names.get_name(name + ".bias", try_suffixes=(".bias",))], expected), name
+
+
+def test_an_id_no_token_has_is_a_pad_token_at_its_place(tmp_path):
+    """The token list is indexed by id: a tokenizer with a gap in its ids (a token removed) shifted every later token
+    one place down, each id above the gap decoded as its neighbour."""
+    import json
+
+    from transformers import PreTrainedTokenizerFast
+
+    folder = save_tiny_model(tmp_path / "tiny")
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    merged = {part for merge in spec["model"]["merges"] for part in (merge.split() if isinstance(merge, str) else merge)}
+    vocab = spec["model"]["vocab"]
+    gap = next(t for t, i in sorted(vocab.items(), key=lambda kv: kv[1]) if i > 50 and t not in merged)
+    gap_id = vocab.pop(gap)
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    model, _, _ = load_int4_lora(str(folder), LoraConfig(r=4, target_modules="all-linear"), backend="dequant",
+                                 dtype=torch.float32)  # fmt: skip
+    export_gguf(model, tokenizer, tmp_path, "gap")
+    reader = gguf.GGUFReader(tmp_path / MODEL_FILE)
+    tokens, types = reader.fields["tokenizer.ggml.tokens"].contents(), reader.fields["tokenizer.ggml.token_type"].contents()
+    assert tokens[gap_id] == f"[PAD{gap_id}]" and types[gap_id] == gguf.TokenType.UNUSED
+    assert all(tokens[i] == t for t, i in tokenizer.get_vocab().items())

@@ -7,7 +7,8 @@ files llama.cpp takes, ``llama-completion -m model.gguf --lora adapter.gguf``.
   c + 8``, ``m = -8 * step``), the learned steps and zero points included; only ``d`` and ``m`` round, to fp16. A
   packed int8 layer (one step per row) is ``Q8_0`` blocks of its codes with the row's step. A packed embedding is the
   token table in its codes' blocks (a tied head's, or an untied table's own). Layers kept dense are stored in their
-  dtype (bf16, or fp32 as f32); norms in f32.
+  dtype (bf16, or fp32 as f32); norms and biases (llama.cpp's optional ``attn_q.bias`` ... ``ffn_down.bias``; not
+  read by transformers' GGUF loader) in f32.
 - ``adapter.gguf``: the LoRA adapters as llama.cpp's LoRA adapter file (``A [r, in]``, ``B [out, r]`` in f32,
   ``alpha``), applied at load with llama.cpp's ``scale = alpha / r``, PEFT's.
 
@@ -71,9 +72,10 @@ def export_gguf(model: nn.Module, tokenizer, folder: Path, name: str) -> dict:
     _write_metadata(writer, config, name)
     _write_tokenizer(writer, tokenizer, config.vocab_size)
     types: Counter[str] = Counter()
-    for key, tensor in _dense_weights(base, packed, head):
+    for key, tensor in _dense_tensors(base, packed, head):
         kind = gguf.GGMLQuantizationType.BF16 if tensor.dtype == torch.bfloat16 and tensor.dim() > 1 else None
-        _add(writer, names.get_name(key, try_suffixes=(".weight",)), _rotary(tensor.float(), key, heads), kind, types)
+        stored = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        _add(writer, stored, _rotary(tensor.detach().float(), key, heads), kind, types)
     errors = [0.0]
     for layer_name, module in packed.items():
         if isinstance(module, TiedPackedEmbedding):
@@ -94,17 +96,21 @@ def export_gguf(model: nn.Module, tokenizer, folder: Path, name: str) -> dict:
     return {"files": files, "tensor_types": dict(types), "max_scale_error": max(errors)}
 
 
-def _dense_weights(base: nn.Module, packed: dict, head: str | None):
-    """``(key, tensor)`` of the weights stored dense: every ``.weight`` of the state dict (PEFT wrappers stripped,
-    adapters left out) but the packed layers' and a tied head's."""
+def _dense_tensors(base: nn.Module, packed: dict, head: str | None):
+    """``(key, tensor)`` of what is stored dense: every ``.weight`` and ``.bias`` of the state dict (PEFT wrappers
+    stripped, adapters left out) but the packed layers' codes and steps and a tied head's weight. Biases (Llama's
+    ``attention_bias``/``mlp_bias``), packed layers' included, are llama.cpp's optional ``*.bias`` tensors."""
     for key, tensor in base.state_dict().items():
         key = canonical_name(key)
-        module = key.rsplit(".", 1)[0]
-        if any(part in ADAPTER_PARTS for part in key.split(".")) or module in packed or module == head:
+        module, leaf = key.rsplit(".", 1)
+        if any(part in ADAPTER_PARTS for part in key.split(".")):
             continue
-        if not key.endswith(".weight"):
-            raise ValueError(f"{key}: GGUF's llama layout has no place for it (a bias?)")
-        yield key, tensor
+        if leaf == "bias":
+            yield key, tensor
+        elif module not in packed and module != head:
+            if leaf != "weight":
+                raise ValueError(f"{key}: GGUF's llama layout has no place for it")
+            yield key, tensor
 
 
 def _check_supported(base: nn.Module, peft_model, layers: dict[str, nn.Module]) -> None:
@@ -289,26 +295,27 @@ def _write_tokenizer(writer, tokenizer, vocab_size: int) -> None:
         spec = json.loads((Path(saved) / "tokenizer.json").read_text())
         if spec["model"]["type"] != "BPE" or "ByteLevel" not in json.dumps(spec.get("pre_tokenizer")):
             raise ValueError("GGUF export writes byte-level BPE tokenizers (GPT-2 style); this one is not")
-        vocab = tokenizer.get_vocab()
-        tokens = sorted(vocab, key=vocab.get)
-        if len(tokens) > vocab_size:
+        by_id = {i: t for t, i in tokenizer.get_vocab().items()}
+        if max(by_id) >= vocab_size:
             raise ValueError(
-                f"the tokenizer has {len(tokens)} tokens, the model's embedding {vocab_size} rows: tokens past the "
+                f"the tokenizer has ids up to {max(by_id)}, the model's embedding {vocab_size} rows: tokens past the "
                 "table cannot be written to GGUF (resize_token_embeddings first)"
             )
+        # the list is indexed by id: an id no token has (a gap) is a [PAD<id>] token, as llama.cpp's converter writes
+        tokens = [by_id.get(i) for i in range(max(by_id) + 1)]
         padding = [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
         added_tokens = tokenizer.added_tokens_decoder.values()  # each one tokenizer.json marks special: a control one
         special = {t.content for t in added_tokens if t.special} | set(tokenizer.all_special_tokens)
         added = {t.content for t in added_tokens}
         writer.add_tokenizer_model("gpt2")
         cleans = tokenizer.clean_up_tokenization_spaces
-        writer.add_tokenizer_pre(_pre_tokenizer(spec.get("pre_tokenizer"), tokens, cleans))
-        writer.add_token_list(tokens + padding)
+        writer.add_tokenizer_pre(_pre_tokenizer(spec.get("pre_tokenizer"), [t for t in tokens if t], cleans))
+        writer.add_token_list([f"[PAD{i}]" if t is None else t for i, t in enumerate(tokens)] + padding)
         kinds = gguf.TokenType
         writer.add_token_types(
-            [kinds.CONTROL if t in special else kinds.USER_DEFINED if t in added else kinds.NORMAL for t in tokens]
-            + [kinds.UNUSED] * len(padding)
-        )
+            [kinds.UNUSED if t is None else kinds.CONTROL if t in special else kinds.USER_DEFINED if t in added
+             else kinds.NORMAL for t in tokens] + [kinds.UNUSED] * len(padding)
+        )  # fmt: skip
         gguf.SpecialVocab(saved, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer)
 
 
