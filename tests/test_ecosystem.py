@@ -359,9 +359,10 @@ assert not any(m.startswith("hf_lowprec") for m in sys.modules), "hf_lowprec was
 """
 
 
-@pytest.mark.parametrize("fmt", ["int4-g32-asym", "int4-g32"])
+@pytest.mark.parametrize("fmt", ["int4-g32-asym", "int4-g32", "int4-asym"])
 def test_compressed_tensors_export_loads_without_hf_lowprec(fmt, tmp_path):
-    """``from_pretrained`` with compressed-tensors (and PEFT for the adapters) gives the trained model's logits."""
+    """``from_pretrained`` with compressed-tensors (and PEFT for the adapters) gives the trained model's logits; a
+    per-row format is its ``channel`` strategy (its export raised a TypeError)."""
     from hf_lowprec.export.compressed_tensors import export_compressed_tensors
     from hf_lowprec.plan import PrecisionPlan
 
@@ -376,6 +377,8 @@ def test_compressed_tensors_export_loads_without_hf_lowprec(fmt, tmp_path):
     assert done.requantized == {} and done.adapter_rank is None  # nearest rounding, integer zero points: nothing to do
     config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
+    weights = config["config_groups"]["group_0"]["weights"]
+    assert (weights["strategy"], weights["group_size"]) == (("channel", None) if fmt == "int4-asym" else ("group", 32))
     assert config["ignore"] == ["lm_head", *(f"model.layers.{i}.self_attn.v_proj" for i in range(2))]  # dense
     loaded = _run_snippet(LOAD_WITHOUT_HF_LOWPREC.format(folder=str(tmp_path / "ct")), tmp_path)
     # the same dense weights; LoRA computed by PEFT's own layer instead of ours: fp32 summation order only

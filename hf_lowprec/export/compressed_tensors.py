@@ -87,7 +87,7 @@ def _int4_format(layers: dict[str, PackedLinear]):
     spec = next(iter(specs.values()))
     for name, m in layers.items():
         if isinstance(m, PackedInt4Linear) and (
-            m.in_features % spec.group_size or (not spec.symmetric and m.out_features % 8)
+            m.in_features % (spec.group_size or m.in_features) or (not spec.symmetric and m.out_features % 8)
         ):
             raise ValueError(
                 f"layer {name!r} ({m.out_features}x{m.in_features}): compressed-tensors needs in_features divisible "
@@ -239,7 +239,7 @@ def compressed_tensors_state(
         "num_bits": 4,
         "type": "int",
         "symmetric": spec.symmetric,
-        "strategy": "group",
+        "strategy": "channel" if spec.group_size is None else "group",  # per-row INT4: one step per output channel
         "group_size": spec.group_size,
         "dynamic": False,
         "actorder": None,
