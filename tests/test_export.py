@@ -117,6 +117,9 @@ def test_qat_int4_export_is_real_packed_int4_and_reloads_the_same_logits(base_di
         assert torch.equal(via_transformers(IDS).logits, loaded(IDS).logits)
         # = the QAT model, up to fp32 summation order (the codes dequantize to the fake-quantized weights)
         torch.testing.assert_close(loaded(IDS).logits, model(IDS).logits, rtol=0, atol=1e-5)
+    again = export_model(loaded, tok, tmp_path / "again", _run_record(), weights="int4-packed")  # packed already
+    with safe_open(again / "model.safetensors", "pt") as f:
+        assert torch.equal(f.get_tensor("model.layers.0.mlp.up_proj.qweight"), qweight)
     with pytest.raises(ValueError, match=r"needs int4 \(or per-channel int8\) layers"):
         export_model(_trained(base_dir, "fp8", 0)[0], tok, tmp_path / "none", _run_record(), weights="int4-packed")
 
@@ -434,6 +437,11 @@ def test_a_card_without_recorded_hardware_claims_no_emulation_and_shows_no_empty
     }).content  # fmt: skip
     assert "ran emulated FP8 numerics" in known and "## Hardware" in known and "<summary>Recipe</summary>" in known
     assert "hf-lowprec eval 'path/to/demo run'" in known
+    diverged = [{"dataset": "d", "metric": "loss", "value": float("nan")}, {"dataset": "d", "metric": "perplexity",
+                                                                           "value": 9.5}]  # fmt: skip
+    card = render_model_card({"layers": layers, "plan_rows": rows, "name": "run", "eval": diverged})
+    front = yaml.safe_load(card.content.split("---")[1])
+    assert [m["type"] for m in front["model-index"][0]["results"][0]["metrics"]] == ["perplexity"]  # no .nan value
 
 
 def test_a_corrupt_run_record_is_named_in_one_line(base_dir, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shlex
 from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, metadata
@@ -43,6 +44,8 @@ def _tags(run: Mapping) -> list[str]:
 def _eval_results(run: Mapping, model_name: str) -> list[EvalResult]:
     out = []
     for row in run.get("eval", []):
+        if not math.isfinite(row["value"]):  # a diverged figure: the table shows it, the Hub's metadata takes numbers
+            continue
         out.append(
             EvalResult(
                 task_type=TASK_TYPES.get(row["metric"], "text-generation"),

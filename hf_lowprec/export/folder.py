@@ -142,7 +142,7 @@ def _learned_state(model: nn.Module, packing: bool = False) -> dict[str, torch.T
 def _export_weights(model: nn.Module, weights: str) -> dict:
     """Turn ``model`` (a copy) into what ``weights`` exports, in place; returns the run record's ``export``."""
     if weights == "int4-packed":
-        if freeze(model) == 0:
+        if freeze(model) == 0 and sum(_packed_counts(model)) == 0:  # a reloaded packed export: packed already
             raise ValueError(
                 "export weights 'int4-packed' needs int4 (or per-channel int8) layers in the plan; this model "
                 "has none (export 'master')"
