@@ -89,3 +89,22 @@ def test_merge_requantizes_the_delta_and_reports_the_error():
 def test_unsupported_options_raise(option, message):
     with pytest.raises(ValueError, match=message):
         packed_with_lora(**option)
+
+
+def test_fan_in_fan_out_is_turned_off_as_peft_turns_it_off_for_nn_linear():
+    """A packed base is [out, in] as nn.Linear: with fan_in_fan_out kept, a merge added the transposed delta (a
+    square layer merged silently wrong, others raised half way through the model)."""
+    square = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    square[0] = Int4Linear.from_linear(square[0], "int4-g32-asym", learn_scales=False).freeze()
+    square[0].backend = "dequant"
+    with pytest.warns(UserWarning, match="Setting fan_in_fan_out to False"):
+        peft = get_peft_model(square, register_int4_lora(LoraConfig(r=4, target_modules=["0"], fan_in_fan_out=True)))
+    layer = peft.base_model.model[0]
+    assert not layer.fan_in_fan_out and not peft.peft_config["default"].fan_in_fan_out
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_(0, 0.5)
+    x = torch.randn(4, 64)
+    before = peft(x).detach()
+    with pytest.warns(UserWarning, match="re-quantizes"):
+        peft.merge_adapter()
+    assert ((peft(x) - before).norm() / before.norm()).item() < 0.1  # one INT4 rounding of the merged weight

@@ -489,6 +489,47 @@ def test_merge_into_a_dense_model_reloads_with_transformers_alone_and_keeps_the_
         export_int4_lora(model, tmp_path / "x", merged_dtype=torch.bfloat16)
 
 
+def test_an_export_of_merged_or_disabled_adapters_is_what_the_model_computes(tmp_path):
+    """After merge_adapter() the codes hold the adapters: every merged export added their delta again (logits 15% off
+    the model), and one without merging wrote the merged codes and the adapters both; under disable_adapter() a
+    merged export held the adapters all the same."""
+    ids = markov_batches(n=1, batch=2, seq=32)[0]["input_ids"]
+    model, _ = prepare_int4_lora(tiny_llama(2, hidden_size=128, intermediate_size=256), LoraConfig(**LORA), backend="dequant")
+    with torch.no_grad():
+        for n, p in lora_params(model).items():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    with torch.no_grad(), model.disable_adapter():
+        base = model(input_ids=ids).logits
+        export_int4_lora(model, tmp_path / "off", merge=True, merged_dtype=torch.float32)
+    with pytest.warns(UserWarning, match="re-quantizes"):
+        model.merge_adapter()
+    with torch.no_grad():
+        merged = model(input_ids=ids).logits
+    export_int4_lora(model, tmp_path / "dense", merge=True, merged_dtype=torch.float32)
+    export_int4_lora(model, tmp_path / "int4", merge=True)
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path / "off")(input_ids=ids).logits, base)
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path / "dense")(input_ids=ids).logits, merged)
+        assert torch.equal(load_int4_model(tmp_path / "int4", backend="dequant")[0](input_ids=ids).logits, merged)
+    with pytest.raises(ValueError, match=r"the adapters are merged into the packed base \(merge_adapter\(\)\): export "
+                                         r"with merge=True"):  # fmt: skip
+        export_int4_lora(model, tmp_path / "both")
+
+
+def test_layers_to_transform_narrows_the_targets_and_adapters_combine(tmp_path):
+    """target_modules resolved to full names skipped PEFT's layers_to_transform (applied to suffix matches only):
+    every block got adapters; kept as a list, PEFT's add_weighted_adapter refused to mix it with its sets."""
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], layers_to_transform=[1],
+                        layers_pattern="layers")  # fmt: skip
+    model, _ = prepare_int4_lora(tiny_llama(2), config, backend="dequant")
+    wrapped = sorted(n.replace("base_model.model.", "") for n, m in model.named_modules() if hasattr(m, "lora_A"))
+    assert wrapped == ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"]
+    model.add_adapter("other", LoraConfig(r=4, lora_alpha=8, target_modules=model.peft_config["default"].target_modules))
+    model.add_weighted_adapter(["default", "other"], [0.7, 0.3], "mix", combination_type="linear")
+    assert "mix" in model.peft_config
+
+
 @pytest.mark.parametrize("fmt", [None, "int4-g64-asym-rht"])
 def test_loftq_init_is_the_best_rank_r_correction_and_starts_closer(fmt):
     """Also for a rotated format, whose codes live in the rotated basis: the residual is taken in the input's."""

@@ -80,6 +80,14 @@ class PackedLoraLinear(LoraLinear):
             raise ValueError(
                 f"LoRA variant {type(variant).__name__} (e.g. DoRA) is not supported on a packed base; use plain LoRA"
             )
+        if config.fan_in_fan_out:  # as PEFT does for an nn.Linear base: a packed one stores [out, in] too
+            warnings.warn(
+                "fan_in_fan_out is set to True but the target module is a packed linear, stored [out, in] as "
+                "torch.nn.Linear. Setting fan_in_fan_out to False.",
+                UserWarning,
+                stacklevel=2,
+            )
+            config.fan_in_fan_out = False
         super().__init__(base_layer, adapter_name, config=config, **kwargs)
         self.merge_errors: list[dict] = []
 

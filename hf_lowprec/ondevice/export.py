@@ -68,10 +68,13 @@ def adapterless_state(base: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _adapter_delta(module: nn.Module) -> torch.Tensor | None:
-    """The summed weight delta (fp32) of a LoRA layer's active adapters; ``None`` for other modules."""
-    if not hasattr(module, "lora_A") or not module.active_adapters:
+    """The summed weight delta (fp32) a LoRA layer's active adapters add to its base as it computes: none for an
+    adapter merged into the base already (``merge_adapter()``) or while adapters are disabled
+    (``disable_adapter()``); ``None`` for other modules and where no adapter adds one."""
+    if not hasattr(module, "lora_A") or module.disable_adapters:
         return None
-    return sum(lora_delta(module, n) for n in module.active_adapters if n in module.lora_A)
+    names = [n for n in module.active_adapters if n in module.lora_A and n not in module.merged_adapters]
+    return sum(lora_delta(module, n) for n in names) if names else None
 
 
 def dense_merged_state(base: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -193,6 +196,11 @@ def _checked_base(model, merge: bool, merged_dtype) -> tuple[nn.Module, Precisio
     plan = getattr(base, "hf_lowprec_plan", None)
     if plan is None:
         raise ValueError("the model has no hf_lowprec plan; build it with prepare_int4_lora / load_int4_lora")
+    if not merge and any(getattr(m, "merged", False) for m in base.modules()):  # its adapters would apply twice
+        raise ValueError(
+            "the adapters are merged into the packed base (merge_adapter()): export with merge=True, which writes the "
+            "merged codes as they are, or call unmerge_adapter() first"
+        )
     return base, plan
 
 

@@ -103,7 +103,7 @@ def loftq_for_targets(
     scaling = lora_scaling(config)
     out = {}
     with freed_memory_returned() if dense_weights is not None else contextlib.nullcontext():
-        for fqn in config.target_modules:
+        for fqn in sorted(config.target_modules):  # a set: its order changes from process to process
             module = model.get_submodule(fqn)
             if not isinstance(module, (Int4Linear, PackedInt4Linear)) or module.spec.family != "int4":
                 continue

@@ -4,6 +4,7 @@ on calibration tokens under a bit budget, and the LoRA targets.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Sequence
 
@@ -219,3 +220,18 @@ def resolve_target_modules(model: nn.Module, target_modules) -> list[str]:
             )
         chosen.update(hit)
     return sorted(chosen)
+
+
+def lora_targets(model: nn.Module, config) -> set[str]:
+    """The full names of the layers a ``LoraConfig`` wraps in ``model`` (:func:`resolve_target_modules`), narrowed by
+    its ``layers_to_transform``/``layers_pattern`` through PEFT's own matching: PEFT applies those to suffix matches
+    only, so full names alone would wrap every block. A set, as PEFT keeps ``target_modules`` (its
+    ``add_weighted_adapter`` refuses to mix a list and a set)."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    found = resolve_target_modules(model, config.target_modules)
+    if config.layers_to_transform is None:
+        return set(found)
+    probe = copy.copy(config)
+    probe.target_modules = {name.rsplit(".", 1)[-1] for name in found}
+    return {name for name in found if check_target_module_exists(probe, name)}

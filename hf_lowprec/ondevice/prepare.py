@@ -47,7 +47,7 @@ from hf_lowprec.ondevice.planning import (
     check_calibration,
     check_quantizable,
     int4_plan,
-    resolve_target_modules,
+    lora_targets,
     scan_int4_plan,
 )
 from hf_lowprec.plan import PrecisionPlan, is_auto
@@ -113,7 +113,7 @@ def prepare_int4_lora(
     smoothed = fixed is not None and fixed.smooths
     auto, calibrated = _check_arguments(plan, rounding, calibration, budget, auto_formats, backend, smoothed)
     config = copy.deepcopy(lora_config or LoraConfig(r=16, lora_alpha=32, target_modules=ALL_LINEAR))
-    config.target_modules = resolve_target_modules(model, config.target_modules)
+    config.target_modules = lora_targets(model, config)
     if calibration is not None:
         check_calibration(calibration)
     # packed while loading: the checkpoint's reader, used here and dropped once the plan passes its checks (the files
