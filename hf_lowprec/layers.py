@@ -28,10 +28,17 @@ def _is_eligible(module: nn.Module) -> bool:
     """A layer a plan converts: an ``nn.Embedding`` (Gemma's scaled one too: its scale is read, ``embedding_scale``),
     an ``nn.Linear`` (or a subclass computing as it does), or one hf-lowprec converted. An ``nn.Linear`` subclass
     with a forward of its own computes something else (Llama-4's router returns scores and logits): a swapped layer
-    would not, so it is left as it is (unconverted)."""
+    would not, so it is left as it is (unconverted); torchao's ``Float8Linear`` (a plan's FP8 layer that the
+    Accelerate plugin handed to torchao) computes as its plan says, so it counts."""
     if isinstance(module, (nn.Embedding, *LOW_PRECISION_TYPES)):
         return True
-    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+    return isinstance(module, nn.Linear) and (type(module).forward is nn.Linear.forward or is_torchao_fp8(module))
+
+
+def is_torchao_fp8(module: nn.Module) -> bool:
+    """Whether ``module`` is torchao's ``Float8Linear`` (named, not imported: torchao loads in seconds)."""
+    kind = type(module)
+    return kind.__name__ == "Float8Linear" and kind.__module__.startswith("torchao.")
 
 
 def walk_layers(model: nn.Module):

@@ -10,6 +10,8 @@ from conftest import autocast_states, lm_batches, tiny_llama
 from torch import nn
 from torchao.float8.float8_linear import Float8Linear
 
+from hf_lowprec.export.records import plan_record
+from hf_lowprec.layers import unconverted_layers
 from hf_lowprec.modules import FP8Linear, Int4Linear
 from hf_lowprec.training.accelerate import LowPrecisionPlugin
 from hf_lowprec.training.new_parameters import orphaned_parameters
@@ -64,6 +66,11 @@ def test_plugin_with_accelerate_fp8_trains_every_parameter():
     assert type(layer.self_attn.q_proj) is Float8Linear and type(layer.mlp.up_proj) is Float8Linear
     assert type(layer.mlp.down_proj) is Int4Linear and type(model.lm_head) is nn.Linear
     assert len(lowprec.torchao_layers) == 12 and not lowprec.report.not_applied
+    # what records and cards read counts them as FP8 (they were unconverted layers: 'bf16 100%', no FP8 FLOPs)
+    rows, _ = plan_record(model, model.hf_lowprec_plan)
+    formats = {row["name"]: row["format"] for row in rows}
+    assert formats["model.layers.0.self_attn.q_proj"] == formats["model.layers.0.mlp.up_proj"] == "fp8"
+    assert not unconverted_layers(model) and lowprec.telemetry()["lowprec/flops_fp8"] > 0.5
     assert orphaned_parameters(model, optimizer) == []
     before = one_step(model, optimizer, accelerator, lm_batches(1, batch=4)[0])
     assert len(before) == 21 + 2 and unchanged(model, before) == []

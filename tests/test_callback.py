@@ -502,3 +502,17 @@ def test_the_auto_scan_shows_its_progress_as_the_trainer_does(tmp_path, capsys, 
     assert ("hf-lowprec sensitivity scan" in err) != disable_tqdm, err[-500:]
     if not disable_tqdm:
         assert "measured" in err or "fisher" in err, err[-500:]
+
+
+def test_flops_coverage_counts_packed_layers_as_the_linears_they_are():
+    """A frozen (packed) INT4 layer is no nn.Linear: its FLOPs counted as kept, 'flops_kept 1.0' beside
+    'params_int4 0.8'."""
+    from hf_lowprec.convert import apply_plan, freeze
+    from hf_lowprec.training.session import coverage
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+    plan = {"default": "int4-g32", "layers": {"2": "bf16"}}
+    apply_plan(model, plan)
+    freeze(model)
+    shares = coverage(model, apply_plan(model, plan))
+    assert shares["flops_int4-g32"] == pytest.approx(0.8) and shares["flops_kept"] == pytest.approx(0.2)

@@ -23,7 +23,7 @@ from transformers.utils.logging import tqdm
 from hf_lowprec import sensitivity
 from hf_lowprec.convert import ConversionReport, apply_plan, eligible_layers
 from hf_lowprec.formats import FormatSpec
-from hf_lowprec.layers import output_head_name
+from hf_lowprec.layers import dense_views, output_head_name
 from hf_lowprec.modules.fp8 import FP8_BACKENDS
 from hf_lowprec.plan import PrecisionPlan, format_shares, is_auto, kept_label, names_a_format, resolve_plan
 from hf_lowprec.scaling import TELEMETRY_PREFIX, make_policy_factory, needs_tensorwise
@@ -42,7 +42,7 @@ def coverage(model: nn.Module, report: ConversionReport) -> dict[str, float]:
     A Linear's FLOPs per token are proportional to its weight size; embedding lookups do no GEMM.
     """
     out = {f"params_{kept_label(fmt)}": frac for fmt, frac in report.fractions().items()}
-    layers = eligible_layers(model)
+    layers = dense_views(model)  # a packed layer's is an nn.Linear: it multiplies
     linear = [(r.applied, r.params) for r in report.layers if isinstance(layers.get(r.name), nn.Linear)]
     out.update({f"flops_{kept_label(fmt)}": frac for fmt, frac in format_shares(linear).items()})
     return out
