@@ -166,6 +166,10 @@ class _LayerConversion:
         params = view.weight.numel()
         tied = self.first_user.setdefault(id(getattr(module, "weight", module)), name)
         tied = "" if tied == name else tied
+        if tied and _stored_apart(spec) != _stored_apart(twin := self.assignments[tied]):  # allowed, and said
+            mixed = f"shares its weight with {tied!r}, which runs {twin.name}: counted there"
+            reason = "; ".join(r for r in (reason, mixed) if r)
+            logger.warning("%s runs %s and %s", name, spec.name, mixed)
         if isinstance(module, LOW_PRECISION_TYPES) and module.spec == spec:
             kind = type(module).__name__
             backend = _backend(module)
@@ -180,7 +184,8 @@ class _LayerConversion:
         original = _high_precision(module) if isinstance(module, LOW_PRECISION_TYPES) else module
         if spec.is_high_precision:
             kind = type(original).__name__
-            self.report.layers.append(LayerReport(name, spec.name, spec.name, kind, params, tied_to=tied))
+            row = LayerReport(name, spec.name, spec.name, kind, params, reason=reason, tied_to=tied)
+            self.report.layers.append(row)
             return original
         options = dict(self.options)
         if self.policy_factory is not None and spec.family == "fp8":
@@ -196,6 +201,12 @@ class _LayerConversion:
             LayerReport(name, requested.name, spec.name, type(new).__name__, params, _backend(new), reason, tied)
         )
         return new
+
+
+def _stored_apart(spec: FormatSpec) -> bool:
+    """Whether ``spec`` stores a weight as integer codes (its FP8 and high-precision layers compute from the master
+    weight itself)."""
+    return not spec.is_high_precision and spec.family != "fp8"
 
 
 def _backend(module: nn.Module) -> str:

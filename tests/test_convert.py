@@ -253,7 +253,7 @@ def test_plan_given_as_path_dict_or_format_name(tmp_path, llama):
         apply_plan(llama, "fp7")
 
 
-def test_a_scaled_embedding_is_refused_a_low_precision_format_and_its_tied_head_is_not():
+def test_a_scaled_embedding_is_refused_a_low_precision_format_and_its_tied_head_is_not(caplog):
     """Gemma's embedding multiplies its rows by sqrt(hidden); the fake-quantized embeddings would drop that factor, so a
     plan naming it fails with one line, while its tied output head still converts and the embedding's rows stay exact."""
     from transformers import GemmaConfig, GemmaForCausalLM
@@ -268,7 +268,15 @@ def test_a_scaled_embedding_is_refused_a_low_precision_format_and_its_tied_head_
     for fmt in ("fp8", "int4-g32"):
         with pytest.raises(ValueError, match=r"multiplies its rows by 8 \(embed_scale\).*keep it bf16"):
             apply_plan(model, PrecisionPlan({"model.embed_tokens": fmt}))
-    report = apply_plan(model, PrecisionPlan({"lm_head": "int4-g32"}))
-    assert {r.name: r.applied for r in report.layers}["lm_head"] == "int4-g32"
+    with caplog.at_level("WARNING", logger="hf_lowprec.convert"):
+        report = apply_plan(model, PrecisionPlan({"lm_head": "int4-g32"}))
+    head = {r.name: r for r in report.layers}["lm_head"]
+    assert head.applied == "int4-g32" and head.tied_to == "model.embed_tokens"
+    # one weight in two formats: said in the log and the report (the report counted it as bf16 alone)
+    said = "shares its weight with 'model.embed_tokens', which runs bf16: counted there"
+    assert said in head.reason and f"lm_head runs int4-g32 and {said}" in caplog.text
+    from hf_lowprec.training.session import coverage
+
+    assert coverage(model, report)["flops_int4-g32"] > 0.25  # the head multiplies: its FLOPs count (params 0 here)
     with torch.no_grad():
         torch.testing.assert_close(model.get_input_embeddings()(ids), rows, rtol=0, atol=0)

@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 
 def coverage(model: nn.Module, report: ConversionReport) -> dict[str, float]:
-    """``params_<fmt>``: fraction of eligible parameters per applied format; ``flops_<fmt>``: of Linear FLOPs.
+    """``params_<fmt>``: fraction of eligible parameters per applied format; ``flops_<fmt>``: of Linear FLOPs (a tied
+    head's counted).
     Layers the plan leaves in high precision count as ``kept`` (their own dtype, fp32 or bf16, as the model card
     says), not under the plan's ``bf16``.
 
@@ -43,7 +44,10 @@ def coverage(model: nn.Module, report: ConversionReport) -> dict[str, float]:
     """
     out = {f"params_{kept_label(fmt)}": frac for fmt, frac in report.fractions().items()}
     layers = dense_views(model)  # a packed layer's is an nn.Linear: it multiplies
-    linear = [(r.applied, r.params) for r in report.layers if isinstance(layers.get(r.name), nn.Linear)]
+    # by weight size, not the report's params: a head tied to the embedding holds none, and multiplies all the same
+    linear = [
+        (r.applied, view.weight.numel()) for r in report.layers if isinstance(view := layers.get(r.name), nn.Linear)
+    ]
     out.update({f"flops_{kept_label(fmt)}": frac for fmt, frac in format_shares(linear).items()})
     return out
 
