@@ -789,9 +789,13 @@ def _eval_classification(model, tokenizer, rows, batch_size: int):
 def _eval_numerics(model: str, plan_numerics: bool, batch_size: int | None) -> tuple[torch.dtype | None, int]:
     """``(autocast dtype or None, batch size)`` of an evaluation: with ``--plan-numerics``, as the export's run
     evaluated (said on stderr; a given ``--batch-size`` wins), else no autocast and batch 4."""
-    from hf_lowprec.export.records import evaluation_numerics, read_run
+    from hf_lowprec.export.records import RUN_FILE, evaluation_numerics, read_run
 
     if not plan_numerics:
+        if (Path(model) / RUN_FILE).is_file() and read_run(Path(model)).get("recipe", {}).get("method") == "full":
+            ui.err.print("computing with the plan off: the exported weights in their dtype, no FP8 casts (INT4 layers "
+                         "an int4-packed export holds compute with their codes); --plan-numerics computes as the run "
+                         "evaluated")  # fmt: skip
         return None, batch_size or 4
     record = read_run(Path(model))
     autocast, run_batch, computed = evaluation_numerics(record)
