@@ -87,6 +87,23 @@ def test_master_export_reloads_with_transformers_and_with_plan_numerics(base_dir
     assert json.loads((out / PLAN_FILE).read_text()) == model.hf_lowprec_plan.to_dict()
 
 
+def test_plan_numerics_of_a_run_converted_with_other_options_say_they_are_not_the_runs(base_dir, tmp_path, caplog):
+    """Learned activation steps (or a delayed scaling's history) have no place in the layers the plan is re-applied
+    to with apply_plan's defaults: the numerics differ from the run's, which was logged at INFO only."""
+    model, tok = load_pretrained(base_dir)
+    apply_plan(model, PrecisionPlan.uniform("int4-g32-a8", keep=("lm_head",)), learn_activation_scales=True)
+    out = export_model(model, tok, tmp_path / "a8", _run_record(), weights="master")
+    with caplog.at_level("WARNING", logger="hf_lowprec.export.folder"):
+        load_exported(out, apply_plan_numerics=True)
+    assert "entries the re-applied layers lack" in caplog.text and "not exactly the run's" in caplog.text
+    caplog.clear()
+    plain, tok = load_pretrained(base_dir)
+    apply_plan(plain, PrecisionPlan.uniform("int4-g32-a8", keep=("lm_head",)))
+    with caplog.at_level("WARNING", logger="hf_lowprec.export.folder"):
+        load_exported(export_model(plain, tok, tmp_path / "plain", _run_record(), weights="master"), apply_plan_numerics=True)
+    assert "entries the re-applied layers lack" not in caplog.text  # the defaults: nothing left over
+
+
 def test_qat_int4_export_is_real_packed_int4_and_reloads_the_same_logits(base_dir, tmp_path):
     model, tok = _trained(base_dir, "int4-g64")
     layer = model.model.layers[0].mlp.up_proj

@@ -591,5 +591,10 @@ def _apply_plan_numerics(model: nn.Module, folder: Path) -> None:
         learned, own = load_file(folder / LEARNED_STATE_FILE), base.state_dict()
         base.load_state_dict({k: v for k, v in learned.items() if k in own}, strict=False)
         left = sorted(set(learned) - set(own))
-        if left:  # e.g. training telemetry, or a delayed scaling's amax history the re-applied layers do not keep
-            logger.info("%s: left out %d entries the layers lack (%s, ...)", LEARNED_STATE_FILE, len(left), left[0])
+        if left:  # the run converted with other options (a delayed scaling's amax history, learned activation steps)
+            logger.warning(
+                "%s: %d entries the re-applied layers lack (%s, ...): the run's layers were converted with other "
+                "options than the defaults the plan is re-applied with (apply_plan's policy_factory, "
+                "learn_activation_scales), so these numerics are not exactly the run's",
+                LEARNED_STATE_FILE, len(left), left[0],
+            )  # fmt: skip
