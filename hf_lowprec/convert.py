@@ -23,7 +23,7 @@ from hf_lowprec.modules.fp8 import FP8Linear
 from hf_lowprec.modules.int4 import Int4Embedding, Int4Linear
 from hf_lowprec.modules.packed import packed_class
 from hf_lowprec.modules.packed_embedding import tied_head_names
-from hf_lowprec.plan import PrecisionPlan, format_shares, resolve_plan
+from hf_lowprec.plan import PrecisionPlan, format_shares, kept_label, resolve_plan
 from hf_lowprec.rotation import MIN_ROTATION_BLOCK, rotation_block
 
 logger = logging.getLogger(__name__)
@@ -79,9 +79,11 @@ class ConversionReport:
         }
 
     def __str__(self) -> str:
+        # layers a plan leaves high precision stay in their own dtype, whatever it names: "kept", not its bf16/fp32
+        shares = format_shares((kept_label(r.applied), r.params) for r in self.layers if not r.tied_to)
         lines = [
             f"{len(self.swapped)} of {len(self.layers)} layers in low precision; "
-            + ", ".join(f"{k} {v:.1%}" for k, v in self.fractions().items())
+            + ", ".join(f"{k} {v:.1%}" for k, v in shares.items())
         ]
         if self.compute:
             lines.append(f"  {self.compute['reason']}")

@@ -118,6 +118,8 @@ def test_report_fractions_and_emulation_notes(llama):
     fp8_rows = [r for r in report.layers if r.applied == "fp8"]
     assert fp8_rows and all(r.backend == "emulated" and "no FP8 tensor cores" in r.reason for r in fp8_rows)
     assert "layers in low precision" in str(report)
+    # the layers the plan leaves high precision keep their own dtype (fp32 here): said "kept", not "bf16"
+    assert f"kept {fr['bf16']:.1%}" in str(report).splitlines()[0] and "bf16" not in str(report).splitlines()[0]
 
 
 def test_tied_embeddings_share_one_weight_and_one_quantizer():
