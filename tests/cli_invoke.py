@@ -15,13 +15,13 @@ def workspace(folder: Path, corpus_chars: int) -> Path:
     return folder
 
 
-def cli(*args):
-    """``hf-lowprec ARGS...`` (any objects, as strings); typer's ``Result``. transformers' progress bars, which the
-    command turns off for its process, are turned on again after it when they were on: tests run after it in this
-    process (an auto scan's bar) would find them off."""
+def cli(*args, env: dict[str, str] | None = None):
+    """``hf-lowprec ARGS...`` (any objects, as strings) with ``env`` set around it; typer's ``Result``. transformers'
+    progress bars, which the command turns off for its process, are turned on again after it when they were on: tests
+    run after it in this process (an auto scan's bar) would find them off."""
     bars = hf_logging.is_progress_bar_enabled()
     try:
-        return CliRunner().invoke(app, [str(a) for a in args])
+        return CliRunner().invoke(app, [str(a) for a in args], env=env)
     finally:
         if bars:
             hf_logging.enable_progress_bar()

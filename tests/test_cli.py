@@ -16,12 +16,10 @@ import pytest
 import torch
 from cli_invoke import cli, one_error_line, workspace
 from conftest import on_dequant_backend, with_loud_channels
-from hf_lowprec.cli.app import app
 from huggingface_hub import ModelCard
 from safetensors import safe_open
 from tiny_assets import HubStandIn, corpus_text, save_tiny_model, tensorboard_scalars, validate_card_metadata
 from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_collator
-from typer.testing import CliRunner
 
 from hf_lowprec.data import prepare_lm_data, read_source
 from hf_lowprec.export import CARD_FILE, RUN_FILE, export_model, load_exported
@@ -173,7 +171,7 @@ def test_finetune_eval_export_reload_fp8(ws):
         old = hc.ENDPOINT
         hc.ENDPOINT = hub.endpoint
         try:
-            result = CliRunner().invoke(app, ["push", str(pub), "me/tiny-fp8"], env=env)
+            result = cli("push", pub, "me/tiny-fp8", env=env)
         finally:
             hc.ENDPOINT = old
     assert result.exit_code == 0, result.output
