@@ -296,6 +296,11 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 # conversations (TRL's SFTTrainer defaults: completion_only_loss for prompt-completion data, assistant_only_loss off)
 TRAIN_ON = ("auto", "all", "completions")
 TOKENIZE_BATCH = 65536  # characters of text tokenized per call; a run stops reading once it has its blocks
+# a text longer than this many characters per token wanted (tokenizers average about 4 on English) is tokenized by its
+# start alone, when that holds the tokens wanted and START_MARGIN more (the tokens by the cut may differ from the
+# whole text's): a run of a few blocks reads the start of a large .txt file, a document, not all of it
+CHARS_PER_TOKEN = 8
+START_MARGIN = 64
 
 
 def _text(value, column: str, row: int) -> str:
@@ -386,15 +391,29 @@ def completion_labels(tokenizer, messages: list[dict], ids: list[int]) -> list[i
 
 
 def _text_sequences(
-    ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, column: str, first_row: int = 0
+    ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, column: str, first_row: int = 0, wanted=None
 ) -> Iterator[list[int]]:
     """Token ids of each non-empty text row, with the special tokens the tokenizer adds by default (the BOS that
     Llama 3 or Gemma start a document with, as ``run_clm.py`` and TRL tokenize) and ending with EOS (``first_row``:
-    the first row's number in the data)."""
+    the first row's number in the data). ``wanted()``: how many more tokens the caller takes (``None``: all); a text
+    far longer yields those of its start alone (:data:`CHARS_PER_TOKEN`)."""
     eos = tokenizer.eos_token_id
     for texts in _text_batches(ds, column, first_row):
+        tokens = None if wanted is None else wanted()
+        if tokens is not None and len(texts) == 1 and len(texts[0]) > CHARS_PER_TOKEN * (tokens + START_MARGIN):
+            start = _text_start(texts[0], CHARS_PER_TOKEN * (tokens + START_MARGIN))
+            ids = tokenizer(start)["input_ids"]
+            if len(ids) >= tokens + START_MARGIN:
+                yield ids[:tokens]
+                continue
         for ids in tokenizer(texts)["input_ids"]:
             yield ids if eos is None or ids[-1:] == [eos] else [*ids, eos]
+
+
+def _text_start(text: str, chars: int) -> str:
+    """The first ``chars`` characters of ``text``, ended at the last line break in them past their middle."""
+    cut = text.rfind("\n", 0, chars)
+    return text[: cut + 1 if cut > chars // 2 else chars]
 
 
 def _text_batches(ds: datasets.Dataset, column: str, first_row: int = 0) -> Iterator[list[str]]:
@@ -402,10 +421,17 @@ def _text_batches(ds: datasets.Dataset, column: str, first_row: int = 0) -> Iter
     :data:`TOKENIZE_BATCH` characters each (at least one row), so a run that needs a few blocks reads a few rows."""
     batch, size = [], 0
     for index, row in _rows(ds, first_row):
-        if row[column] is not None and _text(row[column], column, index):
-            batch.append(row[column])
-            size += len(batch[-1])
-        if batch and size >= TOKENIZE_BATCH:
+        if row[column] is None or not _text(row[column], column, index):
+            continue
+        if len(row[column]) > TOKENIZE_BATCH:  # alone, so that a run may read its start only
+            if batch:
+                yield batch
+            yield [row[column]]
+            batch, size = [], 0
+            continue
+        batch.append(row[column])
+        size += len(batch[-1])
+        if size >= TOKENIZE_BATCH:
             yield batch
             batch, size = [], 0
     if batch:
@@ -455,7 +481,11 @@ def pack_blocks(
 ) -> list[list[int]]:
     """Text rows joined and cut into blocks of ``block_size`` tokens (the remainder is dropped)."""
     blocks, buffer = [], []
-    for ids in _text_sequences(ds, tokenizer, cols.text, first_row):
+
+    def wanted() -> int | None:
+        return None if max_blocks is None else (max_blocks - len(blocks)) * block_size - len(buffer)
+
+    for ids in _text_sequences(ds, tokenizer, cols.text, first_row, wanted):
         buffer.extend(ids)
         while len(buffer) >= block_size:
             blocks.append(buffer[:block_size])

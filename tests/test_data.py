@@ -372,14 +372,15 @@ def test_completion_labels_refuse_a_template_that_renders_the_last_turn_otherwis
 
 
 def test_text_is_tokenized_in_batch_calls_and_only_as_far_as_needed(tok):
-    calls = []
+    calls, chars = [], []
 
-    class Counting:  # the tokenizer as it is, counting the texts of each call
+    class Counting:  # the tokenizer as it is, counting the texts of each call and their characters
         def __init__(self, inner):
             self.inner = inner
 
         def __call__(self, texts, **kw):
             calls.append(len(texts) if isinstance(texts, list) else 1)
+            chars.append(sum(map(len, texts)) if isinstance(texts, list) else len(texts))
             return self.inner(texts, **kw)
 
         def __getattr__(self, name):
@@ -392,6 +393,13 @@ def test_text_is_tokenized_in_batch_calls_and_only_as_far_as_needed(tok):
     long = datasets.Dataset.from_dict({"text": [corpus_text(80_000)] * 10})
     prepare_lm_data(long, "long", Counting(tok), 16, train_sequences=2, eval_sequences=2)
     assert sum(calls) <= 2, calls  # 2 blocks need the first row of each split, not all ten
+    # one long document (a .txt file): a few blocks read its start, the same tokens as the whole text's
+    document = datasets.Dataset.from_dict({"text": [corpus_text(300_000)]})
+    for blocks in (3, 40):
+        chars.clear()
+        got = pack_blocks(document, Counting(tok), detect_columns(document, "d"), 16, max_blocks=blocks)
+        assert got == _reference_blocks(document["text"], tok, 16)[:blocks]
+        assert chars == [chars[0]] and chars[0] <= 8 * (16 * blocks + 64), chars  # its start, not 300,000
 
 
 def test_chat_rows_without_a_target_in_their_block_are_left_out_and_counted(tok, caplog):
