@@ -763,3 +763,22 @@ def test_the_card_links_the_project_homepage_from_the_package_metadata():
     assert installed["Homepage"] == urls["Homepage"] == "https://github.com/hf-lowprec/hf-lowprec"
     assert "github.com" not in shipped_folder("model_cards").joinpath("model_card.md.jinja").read_text()
     assert f"Trained with [hf-lowprec]({urls['Homepage']})" in render_model_card(_run_record()).text
+
+
+def test_the_record_and_card_say_which_fp8_layers_ran_emulated_on_fp8_hardware(monkeypatch):
+    """The report's backend was fixed when the plan was applied, on the CPU before the model moved to its GPU, and the
+    card said nothing of emulation on FP8 hardware, where layers torchao does not run (a width not divisible by 16,
+    block scales) still emulate: the record reads each FP8 layer's backend as it is now."""
+    import hf_lowprec.modules.fp8 as fp8_module
+    from hf_lowprec.export.records import plan_record
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 24), torch.nn.Linear(24, 64))
+    apply_plan(model, PrecisionPlan({"2": "fp8-block"}, default="fp8"))
+    monkeypatch.setattr(fp8_module, "fp8_hardware_available", lambda device: True)  # as the model moved to an H100
+    rows, summary = plan_record(model, model.hf_lowprec_plan)
+    backends = {r["name"]: (r["backend"], r.get("emulated_because", "")) for r in rows}
+    assert backends["0"] == ("torchao", "") and backends["1"][0] == backends["2"][0] == "emulated"
+    assert "divisible by 16" in backends["1"][1] and "do not cover fp8-block" in backends["2"][1]
+    card = render_model_card({"layers": rows, "plan_rows": summary, "name": "r",
+                              "hardware": {"fp8_tensor_cores": True}}).content  # fmt: skip
+    assert "2 of the 3 FP8 layers ran emulated FP8 numerics (" in " ".join(card.split())

@@ -159,9 +159,15 @@ def _limitations(run: Mapping) -> str:
         "your own data before relying on the model."
     )
     fp8 = any(r["format"].startswith("fp8") for r in run.get("plan_rows", []))
+    fp8_layers = [r for r in run.get("layers", []) if "backend" in r]  # records before it: the hardware says
+    emulated = [r for r in fp8_layers if r["backend"] == "emulated"]
     if fp8 and run.get("hardware", {}).get("fp8_tensor_cores") is False:  # not where the hardware went unrecorded
         text += " The FP8 layers ran emulated FP8 numerics (this hardware has no FP8 tensor cores): same numbers, "
         text += "slower steps."
+    elif emulated:  # FP8 hardware, and layers torchao's kernels do not run
+        reasons = "; ".join(sorted({r["emulated_because"] for r in emulated}))
+        text += f" {len(emulated)} of the {len(fp8_layers)} FP8 layers ran emulated FP8 numerics ({reasons}): "
+        text += "same numbers, slower steps."
     return text
 
 

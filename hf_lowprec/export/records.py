@@ -16,7 +16,7 @@ from torch import nn
 from hf_lowprec.export.card import render_model_card
 from hf_lowprec.folders import RUN_FILE
 from hf_lowprec.layers import canonical_name, dense_views, eligible_layers
-from hf_lowprec.modules import LOW_PRECISION_TYPES
+from hf_lowprec.modules import LOW_PRECISION_TYPES, FP8Linear
 from hf_lowprec.modules.kernels.cpu import cpu_info
 from hf_lowprec.modules.packed_embedding import tied_head_names
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan  # noqa: F401  (re-exported: the folder's file names)
@@ -71,7 +71,9 @@ def plan_record(model: nn.Module, plan: PrecisionPlan) -> tuple[list[dict], list
     formats) also has ``stored``, the dtype its weight is kept in. A layer that could not run its planned
     format (a ``-rht`` one whose width no rotation block divides) is recorded in the format it runs, with
     ``planned``. An output head tied to the input embedding holds no parameters of its own: its row has ``params`` 0
-    and ``tied_to``, the embedding's name, so the rows add up to the model's."""
+    and ``tied_to``, the embedding's name, so the rows add up to the model's. An FP8 linear's row has ``backend``
+    (``torchao``, ``emulated``: read from the layer as it is now, not from the plan's report, made before the model
+    moved to its GPU) and, emulated, ``emulated_because``."""
     layers = dense_views(model)
     live = eligible_layers(model)
     assigned = plan.assign(layers)
@@ -84,6 +86,10 @@ def plan_record(model: nn.Module, plan: PrecisionPlan) -> tuple[list[dict], list
         row.update({"tied_to": embedding} if name == head else {})
         row.update({"planned": assigned[name].name} if assigned[name] != spec else {})
         row.update({"stored": _short_dtype(layers[name].weight.dtype)} if spec.is_high_precision else {})
+        if isinstance(live[name], FP8Linear):  # its backend on the device it is on now, where it trained
+            row["backend"] = live[name].backend
+            if row["backend"] == "emulated":
+                row["emulated_because"] = live[name].torchao_blocker() or "as asked (fp8_backend emulated)"
         per_layer.append(row)
     return per_layer, PrecisionPlan({n: s.name for n, s in ran.items()}).summary(layers)
 
