@@ -14,14 +14,16 @@ PEFT_PREFIX = "base_model.model."
 # PEFT's adapters, and the frozen original a modules_to_save layer keeps beside the copy it trains and runs
 ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector", "original_module")
 _TRAINED_COPY = re.compile(r"\.modules_to_save\.[^.]+")  # PEFT's modules_to_save wrapper's copy, per adapter
+WRAPPER_PARTS = ("base_layer", "_orig_mod")  # PEFT's wrapped layer, torch.compile's wrapped model
 
 
 def canonical_name(fqn: str) -> str:
     """Module name without PEFT's wrappers (``base_model.model.`` prefix, ``.base_layer`` parts, the
-    ``.modules_to_save.<adapter>`` of a layer PEFT trains whole: its trained copy is the layer)."""
+    ``.modules_to_save.<adapter>`` of a layer PEFT trains whole: its trained copy is the layer) nor
+    ``torch.compile``'s (``_orig_mod.``): a plan names a model's layers as the plain model names them."""
     if fqn.startswith(PEFT_PREFIX):
         fqn = fqn[len(PEFT_PREFIX) :]
-    return ".".join(p for p in _TRAINED_COPY.sub("", fqn).split(".") if p != "base_layer")
+    return ".".join(p for p in _TRAINED_COPY.sub("", fqn).split(".") if p not in WRAPPER_PARTS)
 
 
 def _is_eligible(module: nn.Module) -> bool:

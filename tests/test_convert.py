@@ -282,3 +282,13 @@ def test_a_scaled_embedding_is_refused_a_low_precision_format_and_its_tied_head_
     assert coverage(model, report)["flops_int4-g32"] > 0.25  # the head multiplies: its FLOPs count (params 0 here)
     with torch.no_grad():
         torch.testing.assert_close(model.get_input_embeddings()(ids), rows, rtol=0, atol=0)
+
+
+def test_a_compiled_model_is_planned_by_the_plain_models_layer_names():
+    """torch.compile wraps the model as ``_orig_mod``: a plan naming layer '0' was refused ('not a layer'), and one
+    saved from the compiled model named '_orig_mod.0', which the plain model has not."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32))
+    compiled = torch.compile(model, backend="eager")
+    report = apply_plan(compiled, PrecisionPlan({"0": "bf16"}, default="fp8"))
+    assert {r.name: r.applied for r in report.layers} == {"0": "bf16", "2": "fp8"}
+    assert type(model[2]).__name__ == "FP8Linear" and type(model[0]) is nn.Linear
