@@ -524,7 +524,7 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
     if not math.isfinite(final["loss"]):
         ui.fail(_diverged(final["loss"], trainer.state.log_history, run), code=ui.EXIT_FAILED)
     figures.update(
-        _training_figures(trainer, result, train_seconds, resume_from, tokens_before, figures["loss_base"], final)
+        _training_figures(trainer, result, t, train_seconds, resume_from, tokens_before, figures["loss_base"], final)
     )
     master = None if lora else _master_weights_loss(model, lm, t.per_device_train_batch_size, recipe)
     if master is not None:
@@ -668,7 +668,7 @@ def checkpoint_tokenizer(source: str, gguf: str | None, loading: dict):
 
 def _training_arguments(run: RunFolder, t, *, bf16_autocast: bool, padded: bool):
     """The recipe's ``training`` section as ``TrainingArguments`` (checkpoints in the run's work folder). ``padded``:
-    batches of rows padded to their longest (chat data), whose non-padding tokens the Trainer counts (else all)."""
+    batches of rows padded to their longest (chat data), whose tokens the Trainer then counts."""
 
     return TrainingArguments(
         output_dir=str(run.checkpoints),
@@ -694,19 +694,25 @@ def _training_arguments(run: RunFolder, t, *, bf16_autocast: bool, padded: bool)
         report_to=t.trackers,
         disable_tqdm=True,
         remove_unused_columns=False,
-        include_num_input_tokens_seen="non_padding" if padded else "all",  # counted: a last batch may be short
+        # blocks are counted on the host (_training_figures); the Trainer's count syncs the device every micro-batch
+        include_num_input_tokens_seen="non_padding" if padded else "no",
     )
 
 
 def _training_figures(
-    trainer, result, train_seconds: float, resume_from, tokens_before: int, loss_base: float, final: dict
+    trainer, result, t, train_seconds: float, resume_from, tokens_before: int, loss_base: float, final: dict
 ) -> dict:
     """Losses, speed and memory of the finished training (steps and tokens of a resumed run counted from its
-    checkpoint: ``tokens_before`` had been seen by then)."""
+    checkpoint: the Trainer had counted ``tokens_before`` of padded rows by then)."""
     resumed_at = int(resume_from.rsplit("-", 1)[-1]) if resume_from else 0
     steps_run = trainer.state.global_step - resumed_at
-    total = trainer.state.num_input_tokens_seen
-    tokens = total - tokens_before
+    if trainer.args.include_num_input_tokens_seen == "non_padding":  # rows padded to each batch's longest
+        total = trainer.state.num_input_tokens_seen
+        tokens = total - tokens_before
+    else:  # full blocks
+        rows = len(trainer.train_dataset), t.per_device_train_batch_size, t.gradient_accumulation_steps
+        total = rows_trained(*rows, trainer.state.global_step) * t.block_size
+        tokens = total - rows_trained(*rows, resumed_at) * t.block_size
     figures = {
         "loss_final": final["loss"],
         "perplexity_base": math.exp(loss_base),
@@ -727,6 +733,16 @@ def _training_figures(
         steps = f"{resumed_at + 1}-{trainer.state.global_step}"
         figures.update(resumed_from_step=resumed_at, train_loss_over_steps=steps)
     return figures
+
+
+def rows_trained(rows: int, batch: int, accumulation: int, steps: int) -> int:
+    """Rows the Trainer's first ``steps`` optimizer steps train on, of ``rows`` in micro-batches of ``batch`` (one
+    process): an epoch's last micro-batch holds what is left, and its last step the micro-batches left (transformers'
+    Trainer), so data smaller than the run trains on fewer rows than ``steps x batch x accumulation``."""
+    sizes = [batch] * (rows // batch) + ([rows % batch] if rows % batch else [])
+    per_step = [sum(sizes[i : i + accumulation]) for i in range(0, len(sizes), accumulation)]
+    epochs, rest = divmod(steps, len(per_step))
+    return epochs * rows + sum(per_step[:rest])
 
 
 def _logged_train_loss(log_history: list[dict]) -> dict:

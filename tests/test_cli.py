@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+import datasets
 import pytest
 import torch
 from cli_invoke import cli, one_error_line, workspace
@@ -657,6 +658,25 @@ def test_small_data_is_said_and_counted_as_it_trains(ws, tmp_path):
     epoch = [2] * (blocks // 2) + [1]  # an epoch's last batch is short: counted as it ran (it was 2 blocks a step)
     steps = (epoch * 3)[:3]
     assert json.loads((out / RUN_FILE).read_text())["training"]["train_tokens"] == sum(steps) * 32
+
+
+@pytest.mark.parametrize("rows, batch, accumulation, steps", [(7, 2, 2, 5), (5, 2, 1, 3), (9, 4, 3, 4), (8, 2, 2, 3)])
+def test_rows_trained_are_the_rows_the_trainer_counts(ws, tmp_path, rows, batch, accumulation, steps):
+    """The host-side count of full blocks (the Trainer's own syncs the device every micro-batch) against the Trainer's
+    count on the same data: short last micro-batches and accumulation steps of an epoch included."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
+
+    from hf_lowprec.cli.run import rows_trained
+
+    ids = torch.randint(0, 100, (rows, 8))
+    args = TrainingArguments(tmp_path, max_steps=steps, per_device_train_batch_size=batch, use_cpu=True,
+                             gradient_accumulation_steps=accumulation, include_num_input_tokens_seen="all",
+                             report_to=[], save_strategy="no", disable_tqdm=True)  # fmt: skip
+    data = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(ws / "tiny"), args=args, train_dataset=data,
+                      data_collator=default_data_collator)  # fmt: skip
+    trainer.train()
+    assert trainer.state.num_input_tokens_seen == 8 * rows_trained(rows, batch, accumulation, steps)
 
 
 def test_chat_data_trains_on_completions_and_counts_the_tokens_it_had(ws, tmp_path, caplog):
