@@ -664,9 +664,8 @@ def test_small_data_is_said_and_counted_as_it_trains(ws, tmp_path):
 def test_rows_trained_are_the_rows_the_trainer_counts(ws, tmp_path, rows, batch, accumulation, steps):
     """The host-side count of full blocks (the Trainer's own syncs the device every micro-batch) against the Trainer's
     count on the same data: short last micro-batches and accumulation steps of an epoch included."""
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
-
     from hf_lowprec.cli.run import rows_trained
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
     ids = torch.randint(0, 100, (rows, 8))
     args = TrainingArguments(tmp_path, max_steps=steps, per_device_train_batch_size=batch, use_cpu=True,
