@@ -65,9 +65,11 @@ class ConversionReport:
         """Layers that could not run their requested format (never silently)."""
         return [r for r in self.layers if r.requested != r.applied]
 
-    def fractions(self) -> dict[str, float]:
-        """Fraction of eligible parameters per applied format (a weight shared by tied layers counts once)."""
-        return format_shares((r.applied, r.params) for r in self.layers if not r.tied_to)
+    def fractions(self, kept: bool = False) -> dict[str, float]:
+        """Fraction of eligible parameters per applied format (a weight shared by tied layers counts once); ``kept``:
+        the high-precision formats together as ``kept`` (layers left in their own dtype, whatever the plan names)."""
+        label = kept_label if kept else str
+        return format_shares((label(r.applied), r.params) for r in self.layers if not r.tied_to)
 
     def to_dict(self) -> dict:
         return {
@@ -79,11 +81,9 @@ class ConversionReport:
         }
 
     def __str__(self) -> str:
-        # layers a plan leaves high precision stay in their own dtype, whatever it names: "kept", not its bf16/fp32
-        shares = format_shares((kept_label(r.applied), r.params) for r in self.layers if not r.tied_to)
         lines = [
             f"{len(self.swapped)} of {len(self.layers)} layers in low precision; "
-            + ", ".join(f"{k} {v:.1%}" for k, v in shares.items())
+            + ", ".join(f"{k} {v:.1%}" for k, v in self.fractions(kept=True).items())
         ]
         if self.compute:
             lines.append(f"  {self.compute['reason']}")

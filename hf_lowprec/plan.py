@@ -250,9 +250,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *anchor": merged by PyYAML, its keys may repeat
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is written twice", key_node.start_mark)
+                problem = f"key {key!r} is written twice"
+                raise yaml.constructor.ConstructorError(None, None, problem, key_node.start_mark)
             if isinstance(key, Hashable):  # an unhashable key: PyYAML's own error follows
                 seen.add(key)
         return super().construct_mapping(node, deep)

@@ -516,3 +516,15 @@ def test_flops_coverage_counts_packed_layers_as_the_linears_they_are():
     freeze(model)
     shares = coverage(model, apply_plan(model, plan))
     assert shares["flops_int4-g32"] == pytest.approx(0.8) and shares["flops_kept"] == pytest.approx(0.2)
+
+
+def test_kept_shares_add_up_whatever_high_precision_format_the_plan_names():
+    """bf16 and fp32 entries are both 'kept' (the layer's own dtype): one share overwrote the other in coverage."""
+    from hf_lowprec.convert import apply_plan
+    from hf_lowprec.training.session import coverage
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(3)))
+    report = apply_plan(model, {"default": "int4-g32", "layers": {"0": "bf16", "1": "fp32"}})
+    shares = coverage(model, report)
+    assert shares["params_kept"] == pytest.approx(2 / 3) and shares["flops_kept"] == pytest.approx(2 / 3)
+    assert "kept 66.7%" in str(report)

@@ -59,6 +59,13 @@ def test_malformed_plan_files_raise_one_line_errors(tmp_path, text, suffix, matc
     assert "\n" not in str(e.value) and str(path) in str(e.value)
 
 
+def test_yaml_anchors_and_merge_keys_still_read(tmp_path):
+    """The duplicate-key check constructs each key itself: a merge key ("<<: *base") has no constructor of its own."""
+    path = tmp_path / "plan.yaml"
+    path.write_text("layers:\n  <<: {'*.mlp.*': int4-g64, lm_head: fp8}\n  lm_head: bf16\n")  # the explicit key wins
+    assert PrecisionPlan.load(path).layers == {"*.mlp.*": FormatSpec.parse("int4-g64"), "lm_head": FormatSpec.parse("bf16")}
+
+
 def test_missing_plan_file():
     with pytest.raises(ValueError, match="does not exist"):
         PrecisionPlan.load("/nonexistent/plan.json")

@@ -42,13 +42,15 @@ def coverage(model: nn.Module, report: ConversionReport) -> dict[str, float]:
 
     A Linear's FLOPs per token are proportional to its weight size; embedding lookups do no GEMM.
     """
-    out = {f"params_{kept_label(fmt)}": frac for fmt, frac in report.fractions().items()}
+    out = {f"params_{fmt}": frac for fmt, frac in report.fractions(kept=True).items()}
     layers = dense_views(model)  # a packed layer's is an nn.Linear: it multiplies
     # by weight size, not the report's params: a head tied to the embedding holds none, and multiplies all the same
     linear = [
-        (r.applied, view.weight.numel()) for r in report.layers if isinstance(view := layers.get(r.name), nn.Linear)
+        (kept_label(r.applied), view.weight.numel())
+        for r in report.layers
+        if isinstance(view := layers.get(r.name), nn.Linear)
     ]
-    out.update({f"flops_{kept_label(fmt)}": frac for fmt, frac in format_shares(linear).items()})
+    out.update({f"flops_{fmt}": frac for fmt, frac in format_shares(linear).items()})
     return out
 
 
