@@ -44,6 +44,8 @@ REDUCTIONS = ("max", "most_recent")
 STATISTICS = ("ema", "percentile")
 SPIKE_ACTIONS = ("rescale", "clip", "skip")
 TELEMETRY_PREFIX = "lowprec/"  # of every telemetry key in Trainer logs
+# a policy's telemetry counters (counts, then the last scale's log2): training's statistics, not its numerics
+TELEMETRY_BUFFERS = ("tele_elements", "tele_saturated", "tele_underflow", "tele_casts", "tele_scale_log2")
 
 
 _FORWARD = contextvars.ContextVar("hf_lowprec_casts_of", default="training")
@@ -98,9 +100,9 @@ class ScalePolicy(nn.Module):
         self.sync = sync
         if telemetry:
             self.observes = True
-            for name in ("tele_elements", "tele_saturated", "tele_underflow", "tele_casts"):
+            for name in TELEMETRY_BUFFERS[:-1]:
                 self.register_buffer(name, torch.zeros((), dtype=torch.int64))
-            self.register_buffer("tele_scale_log2", torch.zeros(()))
+            self.register_buffer(TELEMETRY_BUFFERS[-1], torch.zeros(()))
 
     def scale(self, amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError

@@ -89,7 +89,10 @@ def test_master_export_reloads_with_transformers_and_with_plan_numerics(base_dir
 
 def test_plan_numerics_of_a_run_converted_with_other_options_say_they_are_not_the_runs(base_dir, tmp_path, caplog):
     """Learned activation steps (or a delayed scaling's history) have no place in the layers the plan is re-applied
-    to with apply_plan's defaults: the numerics differ from the run's, which was logged at INFO only."""
+    to with apply_plan's defaults: the numerics differ from the run's, which was logged at INFO only. The telemetry
+    counters of the CLI's FP8 layers are no numerics: not exported, nothing said."""
+    from hf_lowprec.scaling import make_policy_factory
+
     model, tok = load_pretrained(base_dir)
     apply_plan(model, PrecisionPlan.uniform("int4-g32-a8", keep=("lm_head",)), learn_activation_scales=True)
     out = export_model(model, tok, tmp_path / "a8", _run_record(), weights="master")
@@ -97,11 +100,12 @@ def test_plan_numerics_of_a_run_converted_with_other_options_say_they_are_not_th
         load_exported(out, apply_plan_numerics=True)
     assert "entries the re-applied layers lack" in caplog.text and "not exactly the run's" in caplog.text
     caplog.clear()
-    plain, tok = load_pretrained(base_dir)
-    apply_plan(plain, PrecisionPlan.uniform("int4-g32-a8", keep=("lm_head",)))
+    plain, tok = load_pretrained(base_dir)  # the CLI's layers: the defaults, with telemetry counters
+    apply_plan(plain, PrecisionPlan.uniform("fp8", keep=("lm_head",)), policy_factory=make_policy_factory())
+    assert any(k.endswith("tele_casts") for k in plain.state_dict())
     with caplog.at_level("WARNING", logger="hf_lowprec.export.folder"):
         load_exported(export_model(plain, tok, tmp_path / "plain", _run_record(), weights="master"), apply_plan_numerics=True)
-    assert "entries the re-applied layers lack" not in caplog.text  # the defaults: nothing left over
+    assert "entries the re-applied layers lack" not in caplog.text  # nothing left over
 
 
 def test_qat_int4_export_is_real_packed_int4_and_reloads_the_same_logits(base_dir, tmp_path):

@@ -44,6 +44,7 @@ from hf_lowprec.ondevice.export import (
 )
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 from hf_lowprec.recipe import EXPORT_WEIGHTS
+from hf_lowprec.scaling import TELEMETRY_BUFFERS
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,11 @@ def _learned_state(model: nn.Module, packing: bool = False) -> dict[str, torch.T
             continue
         if isinstance(module, LOW_PRECISION_TYPES) and not isinstance(module, FROZEN_TYPES):
             prefix = f"{name}." if name else ""
-            learned = {k: v for k, v in module.state_dict().items() if k not in ("weight", "bias")}
+            learned = {  # telemetry counters are no numerics: the re-applied layers (defaults) have none
+                k: v
+                for k, v in module.state_dict().items()
+                if k not in ("weight", "bias") and k.rsplit(".", 1)[-1] not in TELEMETRY_BUFFERS
+            }
             # cloned: a tied head and embedding share one quantizer, and safetensors refuses shared storage
             state.update({prefix + k: v.detach().clone().contiguous() for k, v in learned.items()})
     return state
