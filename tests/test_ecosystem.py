@@ -419,12 +419,12 @@ def _vllm_weight_files(folder: Path) -> list[str]:
     return [f for f in files if f in json.loads(index.read_text())["weight_map"].values()] if index.is_file() else files
 
 
-@pytest.mark.parametrize("use_rslora", [False, True])
-def test_learned_fractional_zero_points_reach_compressed_tensors_through_the_adapter(use_rslora, tmp_path):
+@pytest.mark.parametrize("use_rslora, fmt", [(False, "int4-g32-asym"), (True, "int4-g32-asym"), (False, "int4-asym")])
+def test_learned_fractional_zero_points_reach_compressed_tensors_through_the_adapter(use_rslora, fmt, tmp_path):
     """Learned zero points are not integers, which the layout's zero points are: the export stores them rounded
     into 0..15, keeps every code and step, and adds ``(z' - z) x step`` per group to each layer's LoRA pair as extra
     ranks (one rank for all layers, scaling kept); compressed-tensors + PEFT, without hf-lowprec, give the trained
-    logits.
+    logits (a per-row format's one group a row too: it raised a TypeError).
     Re-quantizing instead (a layer without an adapter) moves them by far more."""
     from hf_lowprec.export.compressed_tensors import export_compressed_tensors, vllm_serving
     from hf_lowprec.modules import PackedInt4Linear
@@ -432,7 +432,7 @@ def test_learned_fractional_zero_points_reach_compressed_tensors_through_the_ada
 
     base_dir = save_tiny_model(tmp_path / "base")
     torch.manual_seed(0)
-    plan = PrecisionPlan({"lm_head": "bf16"}, default="int4-g32-asym")
+    plan = PrecisionPlan({"lm_head": "bf16"}, default=fmt)
     lora = LoraConfig(r=4, lora_alpha=8, use_rslora=use_rslora, target_modules="all-linear")
     model, _, _ = load_int4_lora(base_dir, lora, plan, dtype=torch.float32)
     randomize_adapters(model, std=0.05)
@@ -448,7 +448,7 @@ def test_learned_fractional_zero_points_reach_compressed_tensors_through_the_ada
     with torch.no_grad():
         trained = on_dequant_backend(model).eval()(IDS).logits
     done = export_compressed_tensors(model, tmp_path / "ct", base_model_id=BASE_ID)
-    groups = max(-(-m.in_features // 32) for m in packed.values())
+    groups = max(-(-m.in_features // (m.spec.group_size or m.in_features)) for m in packed.values())
     assert done.requantized == {} and done.residual_layers == len(packed) == 14 and done.adapter_rank == 4 + groups
     adapter = json.loads((tmp_path / "ct" / "adapter_config.json").read_text())
     scaling = adapter["lora_alpha"] / (adapter["r"] ** 0.5 if use_rslora else adapter["r"])

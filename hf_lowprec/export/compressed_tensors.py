@@ -155,12 +155,13 @@ def zero_residual(layer: PackedInt4Linear) -> torch.Tensor | None:
     return (stored - zero) * layer.effective_step()
 
 
-def add_zero_residuals(adapter_dir: Path, residuals: dict[str, torch.Tensor], group_size: int) -> int:
+def add_zero_residuals(adapter_dir: Path, residuals: dict[str, torch.Tensor], group_size: int | None) -> int:
     """Add ``residuals`` (``{layer: D [N, G]}``, :func:`zero_residual`) to the saved LoRA adapter in ``adapter_dir``
     as extra ranks, exactly: ``x @ E.T`` with ``E[n, k] = D[n, k // group_size]`` is ``(x @ P.T) @ D.T`` where ``P``
     ``[G, K]`` sums each group's inputs, i.e. a LoRA pair ``A = P``, ``B = D / scaling`` of rank ``G``. Every adapted
     layer gets the same rank ``r + max G`` (zero rows where it has fewer groups or no residual), with ``lora_alpha``
-    scaled so that ``scaling`` is unchanged, so the config stays one ``r`` (PEFT, vLLM). Returns the new rank.
+    scaled so that ``scaling`` is unchanged, so the config stays one ``r`` (PEFT, vLLM); ``group_size`` ``None``: one
+    group a row (per-row formats). Returns the new rank.
 
     PEFT has no API to grow a saved adapter's rank, hence the file rewrite."""
     config_path, weights_path = adapter_dir / CONFIG_NAME, adapter_dir / SAFETENSORS_WEIGHTS_NAME
@@ -176,7 +177,7 @@ def add_zero_residuals(adapter_dir: Path, residuals: dict[str, torch.Tensor], gr
         if name in residuals:
             groups = residuals[name].shape[1]
             k = torch.arange(a.shape[1])
-            sums[k // group_size, k] = 1.0
+            sums[k // (group_size or a.shape[1]), k] = 1.0
             d[:, :groups] = residuals[name] / scaling
         weights[key_a] = torch.cat([a, sums.to(a.dtype)]).contiguous()
         weights[key_b] = torch.cat([b, d.to(b.dtype)], dim=1).contiguous()
