@@ -1,8 +1,8 @@
 """Training and evaluation data: local files or Hub datasets, turned into token blocks.
 
 Sources: a local ``.txt``/``.jsonl``/``.json``/``.csv``/``.parquet`` file (a ``.txt`` file is one document), a
-folder of them (split by file names as ``datasets.load_dataset`` splits a folder: ``train*``, ``valid*``/``dev*``,
-``test*``), a folder ``datasets.Dataset.save_to_disk`` wrote, a Hub dataset name (``owner/name``, through
+folder of them (split by file and folder names as ``datasets.load_dataset`` splits a folder: ``train``,
+``validation``/``valid``/``val``/``dev``, ``test``/``eval`` in a name), a folder ``datasets.Dataset.save_to_disk`` wrote, a Hub dataset name (``owner/name``, through
 ``datasets.load_dataset``), or the offline default corpus (:func:`default_corpus`). Two kinds of rows:
 
 - plain text (a ``text`` column): tokenized (with the BOS a tokenizer adds by default), joined with EOS and packed
@@ -143,7 +143,8 @@ EVAL_SPLITS = ("validation", "test")  # the splits evaluation prefers, in order
 
 def _split_files(folder: Path) -> dict[str, list[Path]]:
     """``{split: data files}`` of a data folder, split by file and folder names as ``datasets.load_dataset`` splits it
-    (``train*``, ``valid*``/``val*``/``dev*``, ``test*``/``eval*``; a folder named by no split is all ``train``)."""
+    (``train``, ``validation``/``valid``/``val``/``dev``, ``test``/``eval`` as a name or a word of one, e.g.
+    ``my-train.jsonl``; a folder named by no split is all ``train``)."""
     from datasets.data_files import DataFilesDict, get_data_patterns
 
     try:
@@ -341,19 +342,20 @@ def _message_list(msgs, column: str, row: int) -> list[dict]:
     return [_message(m, column, row) for m in msgs]
 
 
-def _messages(row: dict, cols: Columns, index: int) -> list[dict]:
-    """Row ``index`` of chat data as a list of messages; a prompt/response pair of message lists (TRL's
-    conversational prompt-completion rows) is the one list."""
+def _messages(row: dict, cols: Columns, index: int) -> tuple[list[dict], int]:
+    """Row ``index`` of chat data as ``(messages, how many of them are its prompt)``: a conversation's are all its
+    turns (no prompt apart); a prompt/response pair of message lists (TRL's conversational prompt-completion rows) is
+    the one list."""
     if cols.messages:
-        return _message_list(row[cols.messages], cols.messages, index)
+        return _message_list(row[cols.messages], cols.messages, index), 0
     if isinstance(row[cols.prompt], list):
-        return [*_message_list(row[cols.prompt], cols.prompt, index),
-                *_message_list(row[cols.response], cols.response, index)]  # fmt: skip
+        prompt = _message_list(row[cols.prompt], cols.prompt, index)
+        return [*prompt, *_message_list(row[cols.response], cols.response, index)], len(prompt)
     prompt = _text(row[cols.prompt], cols.prompt, index)
     if cols.extra_input and row.get(cols.extra_input):
         prompt = f"{prompt}\n\n{_text(row[cols.extra_input], cols.extra_input, index)}"
     response = _text(row[cols.response], cols.response, index)
-    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], 1
 
 
 def _chat_ids(tokenizer, messages: list[dict], **options) -> list[int]:
@@ -366,8 +368,11 @@ def _chat_ids(tokenizer, messages: list[dict], **options) -> list[int]:
     return list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc)
 
 
-def completion_labels(tokenizer, messages: list[dict], ids: list[int]) -> list[int]:
-    """Labels of a chat sequence ``ids`` that count the assistant turns only (``-100`` elsewhere).
+def completion_labels(tokenizer, messages: list[dict], ids: list[int], prompt: int = 0) -> list[int]:
+    """Labels of a chat sequence ``ids`` that count the assistant turns after its first ``prompt`` messages only
+    (``-100`` elsewhere): a prompt/completion row's completion (TRL's ``completion_only_loss`` masks assistant turns
+    inside the prompt too), every assistant turn of a conversation (``prompt`` 0) but one that opens it (no prompt
+    before it).
 
     An assistant turn spans from the end of the conversation before it, with the generation prompt, to the end of
     the conversation that includes it, both as the chat template renders them. ``ValueError`` where those renderings
@@ -376,7 +381,7 @@ def completion_labels(tokenizer, messages: list[dict], ids: list[int]) -> list[i
     user turn, trained on)."""
     labels = [IGNORE_INDEX] * len(ids)
     for i, message in enumerate(messages):
-        if message["role"] != "assistant" or i == 0:  # a conversation opening on an assistant turn: no prompt to it
+        if message["role"] != "assistant" or i < max(prompt, 1):
             continue
         before = _chat_ids(tokenizer, messages[:i], add_generation_prompt=True)
         through = _chat_ids(tokenizer, messages[: i + 1])
@@ -454,12 +459,16 @@ def _rows(ds: datasets.Dataset, first_row: int = 0) -> Iterator[tuple[int, dict]
         yield index, row
 
 
-def _held_out_tail(ds: datasets.Dataset, column: str, fraction: float) -> tuple[datasets.Dataset, datasets.Dataset]:
+def _held_out_tail(
+    ds: datasets.Dataset, column: str, fraction: float, block_size: int
+) -> tuple[datasets.Dataset, datasets.Dataset]:
     """``(train rows, held-out rows)`` of text rows too few to hold out whole ones: the last ``fraction`` of their
-    characters, the row it starts in cut at a line break (up to 1,000 characters earlier) or where it falls. The same
-    text whatever the run's length (one row's last blocks, held out before, moved with ``max_steps``)."""
+    characters, and at least ``CHARS_PER_TOKEN x block_size`` of them (a block's worth) where that is at most half the
+    text, the row it starts in cut at a line break (up to 1,000 characters earlier) or where it falls. The same text
+    whatever the run's length (one row's last blocks, held out before, moved with ``max_steps``)."""
     texts = [_text(row[column], column, index) for index, row in _rows(ds) if row[column] is not None]
-    need = max(1, round(sum(map(len, texts)) * fraction))
+    total = sum(map(len, texts))
+    need = max(1, round(total * fraction), min(CHARS_PER_TOKEN * block_size, total // 2))
     held = []
     while texts and need > 0:
         last = texts.pop()
@@ -516,13 +525,13 @@ def chat_sequences(
         )
     ids, labels, left_out, cut = [], [], 0, 0
     for index, row in _rows(ds, first_row):
-        messages = _messages(row, cols, index)
+        messages, prompt = _messages(row, cols, index)
         if not messages:
             left_out += 1
             continue
         try:
             seq = _chat_ids(tokenizer, messages)
-            full = seq if train_on == "all" else completion_labels(tokenizer, messages, seq)
+            full = seq if train_on == "all" else completion_labels(tokenizer, messages, seq, prompt)
         except ValueError as e:
             raise ValueError(f"chat data row {index}: {e}") from e
         if all(label == IGNORE_INDEX for label in full[1:block_size]):  # the loss's targets are labels[1:]
@@ -619,7 +628,8 @@ def prepare_lm_data(
     held_out_records: datasets.Dataset | None = None,
 ) -> LMData:
     """Tokenized causal-LM data from ``records`` (see :func:`read_source`), split into train and held-out rows:
-    the last ``eval_fraction`` of them, or every row of ``held_out_records`` where given (a validation split).
+    the last ``eval_fraction`` of them (of their characters, for text of fewer than ``1 / eval_fraction`` rows: see
+    :func:`_held_out_tail`), or every row of ``held_out_records`` where given (a validation split).
 
     ``train_sequences``/``eval_sequences`` cap how many blocks (text) or rows (chat) are tokenized,
     so a large corpus costs only what a run uses. ``eval_only``: every row goes to ``eval``. ``train_on``
@@ -651,7 +661,7 @@ def prepare_lm_data(
             )
         train_rows, eval_rows, cut = ds, held_out_records, 0  # eval rows numbered within their split
     elif cols.kind == "text" and not eval_only and len(ds) < 1 / eval_fraction:
-        (train_rows, eval_rows), cut = _held_out_tail(ds, cols.text, eval_fraction), 0
+        (train_rows, eval_rows), cut = _held_out_tail(ds, cols.text, eval_fraction, block_size), 0
     else:
         n_eval_rows = len(ds) if eval_only else max(1, round(len(ds) * eval_fraction)) if len(ds) > 1 else 0
         cut = len(ds) - n_eval_rows

@@ -273,7 +273,8 @@ class LoraSection:
 class DataSection:
     """How training data is read: ``text_column``/``messages_column`` force a column (else detected); the held-out
     rows are the data's ``validation`` split where it has one, else the last ``eval_fraction`` of ``split``'s rows (one
-    at least: every run evaluates its base and its result on them)."""
+    at least: every run evaluates its base and its result on them; of its characters for text of fewer than
+    ``1 / eval_fraction`` rows, such as one ``.txt`` file)."""
 
     text_column: str | None = None
     messages_column: str | None = None

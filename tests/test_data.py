@@ -97,6 +97,8 @@ def test_a_txt_file_is_one_document_whose_last_characters_are_held_out(tmp_path,
     start = text.rfind("\n", 0, start) + 1 if start - text.rfind("\n", 0, start) - 1 <= 1000 else start
     assert split.eval["input_ids"] == _reference_blocks([text[start:5000], text[5000:6000]], tok, 16)
     assert split.train["input_ids"] == _reference_blocks([text[:start]], tok, 16)
+    short = prepare_lm_data(datasets.Dataset.from_dict({"text": [text[:6000]]}), "short", tok, 256)
+    assert len(short.eval) and len(short.train)  # 5% of it, 300 characters, held no block of 256: a block's worth
 
 
 def test_chat_and_instruction_rows_go_through_the_chat_template(tmp_path, tok):
@@ -484,6 +486,10 @@ def test_pairs_train_on_their_completions_and_conversations_on_every_token_by_de
     assert every.train_on == "all" and every.train["labels"] == every.train["input_ids"]
     conversational = datasets.Dataset.from_dict({"prompt": [t[:1] for t in turns], "completion": [t[1:] for t in turns]})
     assert prepare_lm_data(conversational, "c", tok, 64).train["labels"] == auto.train["labels"]
+    earlier = [{"role": "assistant", "content": "an earlier answer"}, {"role": "user", "content": "and now?"}]
+    longer = datasets.Dataset.from_dict({"prompt": [t[:1] + earlier for t in turns], "completion": [t[1:] for t in turns]})
+    row = prepare_lm_data(longer, "c", tok, 64).train[0]  # the prompt's assistant turn is prompt: not trained on
+    assert tok.decode([t for t, label in zip(row["input_ids"], row["labels"]) if label != -100]) == "it is 0<|im_end|>\n"
 
 
 def test_empty_conversations_are_left_out_and_cut_rows_are_counted(tok, caplog):
