@@ -3,8 +3,8 @@
 Sources: a local ``.txt``/``.jsonl``/``.json``/``.csv``/``.parquet`` file (a ``.txt`` file is one document), a
 folder of them (split by file and folder names as ``datasets.load_dataset`` splits a folder: ``train``,
 ``validation``/``valid``/``val``/``dev``, ``test``/``eval`` in a name), a folder ``datasets.Dataset.save_to_disk``
-wrote, a Hub dataset name (``owner/name``, through
-``datasets.load_dataset``), or the offline default corpus (:func:`default_corpus`). Two kinds of rows:
+wrote, a Hub dataset name (``owner/name``, through ``datasets.load_dataset``), or the offline default corpus
+(:func:`default_corpus`). Two kinds of rows:
 
 - plain text (a ``text`` column): tokenized (with the BOS a tokenizer adds by default), joined with EOS and packed
   into blocks of ``block_size`` tokens (every token trains; no padding);
