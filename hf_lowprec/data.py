@@ -158,9 +158,10 @@ def _split_files(folder: Path) -> dict[str, list[Path]]:
 
 def _say_unread(folder: Path, splits: dict[str, list[Path]]) -> None:
     """Warn of the data files of ``folder`` that no split takes (``datasets`` leaves them unread, silently)."""
-    taken = {f for files in splits.values() for f in files}
-    every = {f for f in folder.rglob("*") if f.suffix in FILE_BUILDERS and not _hidden(f.relative_to(folder))}
-    if left := sorted(str(f.relative_to(folder)) for f in every - taken):
+    taken = {f.resolve() for files in splits.values() for f in files}  # datasets gives them absolute
+    root = folder.resolve()
+    every = {f for f in root.rglob("*") if f.suffix in FILE_BUILDERS and not _hidden(f.relative_to(root))}
+    if left := sorted(str(f.relative_to(root)) for f in every - taken):
         logger.warning("data folder %r: %s named by no split (its splits: %s), not read", str(folder), ", ".join(left),
                        ", ".join(splits))  # fmt: skip
 
@@ -220,6 +221,11 @@ def _read_error(builder: str, files: list[str], e: Exception) -> str:
         for f in files:
             if (where := _json_error(Path(f))) is not None:
                 return where if len(files) == 1 else f"{f}: {where}"
+    cause = e
+    while cause is not None and not isinstance(cause, UnicodeDecodeError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:  # a .txt or .csv file in latin-1, cp1252 ...
+        return f"not UTF-8 text ({cause.reason}): re-encode the file as UTF-8"
     return _first_line(e)
 
 
@@ -455,7 +461,7 @@ def _rows(ds: datasets.Dataset, first_row: int = 0) -> Iterator[tuple[int, dict]
             return
         except UnicodeDecodeError as e:
             raise ValueError(
-                f"row {index} is not UTF-8 text ({e.reason} at byte {e.start}): re-encode the file as UTF-8"
+                f"row {index} is not UTF-8 text ({e.reason}): re-encode the file as UTF-8"
             ) from None
         yield index, row
 
@@ -565,8 +571,8 @@ def _say_left_out(name: str, left_out: int, kept: int, cut: int, block_size: int
         )  # fmt: skip
     if cut:
         logger.warning(
-            "data %r: %d of the %d chat rows kept are longer than %d tokens and cut to them (their ends, and the "
-            "end-of-turn token, are not trained on); raise --block-size to keep them whole",
+            "data %r: %d of the %d chat rows the run takes are longer than %d tokens and cut to them (their ends, "
+            "and the end-of-turn token, are not trained on); raise --block-size to keep them whole",
             name, cut, kept, block_size,
         )  # fmt: skip
 

@@ -1,6 +1,7 @@
 """Data: local files of every kind and the default corpus become the token sequences computed by hand."""
 
 import json
+from pathlib import Path
 
 import datasets
 import huggingface_hub
@@ -187,7 +188,7 @@ def test_a_single_file_holds_only_the_train_split(tmp_path):
     assert data.default_eval_split(path) == "train" and data.default_eval_split(tmp_path / "folder") == "train"
 
 
-def test_a_folder_is_split_by_file_names_as_datasets_splits_it(tmp_path, caplog):
+def test_a_folder_is_split_by_file_names_as_datasets_splits_it(tmp_path, caplog, monkeypatch):
     """valid.jsonl and dev.jsonl are validation splits and eval.jsonl a test split to ``datasets.load_dataset``; only
     train/validation/test stems were: any other name made the folder one train split, held-out files trained on."""
     rows = [{"text": f"row {i}"} for i in range(6)]
@@ -205,6 +206,12 @@ def test_a_folder_is_split_by_file_names_as_datasets_splits_it(tmp_path, caplog)
         assert data.default_eval_split(folder) == splits[1]
         assert len(load_records(folder, split=splits[1])) == 1
         assert ("notes.jsonl named by no split (its splits: train, test), not read" in caplog.text) == ("notes" in names)
+        assert "train.jsonl" not in caplog.text  # read: not said unread
+    monkeypatch.chdir(tmp_path)  # a relative folder: its files compare with the absolute ones datasets gives
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_lowprec.data"):
+        load_records(Path("train-valid"))
+    assert "not read" not in caplog.text
     with pytest.raises(ValueError, match=r"data folder '.*' has no split 'validation'; its splits are train, test$"):
         load_records(tmp_path / "train-test-notes", split="validation")
 
@@ -224,8 +231,11 @@ def test_text_that_is_not_utf8_is_named_by_its_row(tmp_path, tok):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(b'{"text": "good row"}\n{"text": "caf\xe9 au lait"}\n')  # pyarrow reads the bytes unchecked
     records, name = read_source(path)
-    with pytest.raises(ValueError, match=r"^row 1 is not UTF-8 text \(invalid continuation byte at byte 3\): re-encode "):
+    with pytest.raises(ValueError, match=r"^row 1 is not UTF-8 text \(invalid continuation byte\): re-encode "):
         prepare_lm_data(records, name, tok, 8)
+    (tmp_path / "latin1.txt").write_bytes("café au lait\n".encode("latin-1"))  # the text reader decodes it itself
+    with pytest.raises(ValueError, match=r"latin1\.txt' as text: not UTF-8 text \(invalid continuation byte\): re-encode"):
+        read_source(tmp_path / "latin1.txt")
 
 
 def test_documents_start_with_the_bos_a_tokenizer_adds_by_default(tok):
@@ -503,6 +513,6 @@ def test_empty_conversations_are_left_out_and_cut_rows_are_counted(tok, caplog):
         lm = prepare_lm_data(ds, "d", tok, 64, eval_fraction=0.1, train_on="completions")
     assert len(lm.train) == 16 and len(lm.eval) == 2
     assert "data 'd': 2 of the 20 chat rows read left out" in caplog.text
-    assert "data 'd': 3 of the 18 chat rows kept are longer than 64 tokens and cut to them" in caplog.text
+    assert "data 'd': 3 of the 18 chat rows the run takes are longer than 64 tokens and cut to them" in caplog.text
     ids, labels = lm.eval[0]["input_ids"], lm.eval[0]["labels"]  # an opening row: its first turn is not a target
     assert tok.decode([t for t, label in zip(ids, labels) if label != -100]) == "it is<|im_end|>\n"
