@@ -541,6 +541,8 @@ def finetune_cmd(
     chosen = chosen.with_overrides(key_values, "key=value arguments", set_none=True)
     out = output_dir or Path("runs") / chosen.name
     ui.err.print(f"recipe [bold]{chosen.name}[/] ({chosen.method}, plan {chosen.precision.plan}) → {out}")
+    if (note := chosen.training.warm_up_note()) is not None:  # the recipe as it runs, overrides applied
+        ui.err.print(f"warning: {note}")
     options = FinetuneOptions(
         model, gguf_file, data, chosen, out, overwrite, resume, load_options(revision, trust_remote_code)
     )

@@ -197,14 +197,6 @@ class TrainingSection:
         for key in ("warmup_steps", "weight_decay"):  # else transformers/torch reject them after the model loads
             if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0):
                 raise ValueError(f"{key!r} must be a finite number >= 0, got {getattr(self, key)}")
-        if self.warmup_steps >= self.max_steps:  # transformers allows it; a run that never leaves warm-up is a slip
-            logger.warning(
-                "training.warmup_steps (%d) >= max_steps (%d): the learning rate rises for the whole run and never "
-                "reaches %g",
-                self.warmup_steps,
-                self.max_steps,
-                self.learning_rate,
-            )
         if not 0 <= self.seed < 2**32:  # numpy's seed range (transformers.set_seed)
             raise ValueError(f"'seed' must be in [0, 2**32), got {self.seed}")
         allowed = _tracker_names()
@@ -218,6 +210,16 @@ class TrainingSection:
                 f"'report_to' {', '.join(missing)}: not installed here; installed trackers: "
                 f"{', '.join(installed) or 'none'}"
             )
+
+    def warm_up_note(self) -> str | None:
+        """What is odd about the warm-up, or ``None``: transformers allows one as long as the run (a learning rate
+        that never reaches its peak), which is a slip more often than a choice."""
+        if self.warmup_steps < self.max_steps:
+            return None
+        return (
+            f"training.warmup_steps ({self.warmup_steps}) >= max_steps ({self.max_steps}): the learning rate rises for "
+            f"the whole run and never reaches {self.learning_rate:g}"
+        )
 
     @property
     def trackers(self) -> list[str]:

@@ -231,13 +231,19 @@ def test_a_tracker_that_is_not_installed_is_refused_before_anything_loads():
         load_recipe("int4-ondevice-lora").with_overrides({"training.report_to": installed[0]})
 
 
-def test_a_warm_up_as_long_as_the_run_is_logged(caplog):
+def test_a_warm_up_as_long_as_the_run_is_noted_once_for_the_recipe_as_it_runs(tmp_path):
+    """Said by finetune for the recipe with its overrides applied (logged while the recipe was still being built, it
+    named a warm-up an override had set to 0, twice, and eval said it too)."""
+    from cli_invoke import cli, workspace
+
     from hf_lowprec.recipe import TrainingSection
 
-    with caplog.at_level("WARNING", logger="hf_lowprec.recipe"):
-        TrainingSection(max_steps=10, warmup_steps=9)
-    assert not caplog.text
-    with caplog.at_level("WARNING", logger="hf_lowprec.recipe"):
-        TrainingSection(max_steps=10, warmup_steps=10, learning_rate=2e-4)
-    assert "training.warmup_steps (10) >= max_steps (10): the learning rate rises for the whole run" in caplog.text
-    assert "never reaches 0.0002" in caplog.text
+    assert TrainingSection(max_steps=10, warmup_steps=9).warm_up_note() is None
+    note = TrainingSection(max_steps=10, warmup_steps=10, learning_rate=2e-4).warm_up_note()
+    assert note == "training.warmup_steps (10) >= max_steps (10): the learning rate rises for the whole run and never reaches 0.0002"
+    ws = workspace(tmp_path, 20_000)
+    args = ["finetune", ws / "tiny", "--data", ws / "corpus.txt", "--recipe", "qat-int4", "--block-size", "32",
+            "--batch-size", "2", "--eval-blocks", "2", "--dtype", "fp32"]  # fmt: skip
+    said = cli(*args, "--max-steps", "3", "-o", tmp_path / "a").output  # the recipe's warm-up: 5 steps
+    assert " ".join(said.split()).count("warning: training.warmup_steps (5) >= max_steps (3)") == 1
+    assert "warmup_steps" not in cli(*args, "--max-steps", "3", "-o", tmp_path / "b", "training.warmup_steps=0").output
