@@ -653,7 +653,7 @@ def eval_cmd(
         str, typer.Option("--task", help="auto, causal-lm (perplexity) or classification (accuracy).")
     ] = "auto",
     split: Annotated[
-        Optional[str], typer.Option("--split", help="Dataset split (default: its validation split, else train).")
+        Optional[str], typer.Option("--split", help="Dataset split (default: its validation split, else test, else train).")
     ] = None,
     block_size: Annotated[
         Optional[int], typer.Option("--block-size", min=8, help="Tokens per sequence \\[default: 256].")
