@@ -210,13 +210,13 @@ def _is_work_folder(folder: Path) -> bool:
 
 
 def check_same_run(run: RunFolder, current: dict) -> None:
-    """``--resume`` must continue the same model (its --revision, --trust-remote-code too), data and recipe as the
-    interrupted run (its ``export`` section aside: it only shapes what is written after training); the error names
-    what differs (dotted keys, saved -> now)."""
+    """``--resume`` must continue the same model (its --revision, --trust-remote-code too), data (a local file's or
+    folder's content too) and recipe as the interrupted run (its ``export`` section aside: it only shapes what is
+    written after training); the error names what differs (dotted keys, saved -> now)."""
     saved, current = run.settings(), json.loads(json.dumps(current))  # compared as JSON holds them (tuples: lists)
     for settings in (saved, current):
         settings.get("recipe", {}).pop("export", None)
-    keys = [k for k in ("model", "gguf_file", "loading", "data", "recipe") if k in saved]
+    keys = [k for k in ("model", "gguf_file", "loading", "data", "data_sha256", "recipe") if k in saved]
     changes = [change for k in keys for change in _differences(k, saved[k], current[k])]
     if changes:
         shown = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3 else "")
@@ -384,8 +384,8 @@ def run_finetune(opts: FinetuneOptions) -> dict:
         contention = contention_warning()
         if contention is not None:
             ui.err.print(f"[yellow]warning: {escape(contention)}[/]", soft_wrap=True)
-        settings = {"model": opts.model, "gguf_file": opts.gguf_file, "loading": opts.load_options,
-                    "data": opts.data, "recipe": opts.recipe.to_dict()}  # fmt: skip
+        settings = {"model": opts.model, "gguf_file": opts.gguf_file, "loading": opts.load_options, "data": opts.data,
+                    "data_sha256": local_data_digest(opts.data), "recipe": opts.recipe.to_dict()}  # fmt: skip
         if opts.resume:
             check_same_run(run, settings)
             settings = run.settings()

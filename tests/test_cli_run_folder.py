@@ -328,6 +328,21 @@ def test_resume_names_the_options_that_changed(ws, tmp_path, monkeypatch):
     shutil.rmtree(tmp_path / "run.incomplete")
 
 
+def test_resume_refuses_data_whose_content_changed(ws, tmp_path, monkeypatch):
+    """The data file is compared by content too: a resumed run trained its last steps on other text of the same name,
+    and its record named the new text's digest."""
+    data, out = tmp_path / "corpus.txt", tmp_path / "run"
+    data.write_text((ws / "corpus.txt").read_text())
+    args = [a if a != ws / "corpus.txt" else data for a in finetune_args(ws, out)]
+    with monkeypatch.context() as patched:
+        interrupt_at_step_2(patched)
+        assert cli(*args).exit_code == 143
+    data.write_text((ws / "corpus.txt").read_text()[::-1])
+    assert "--resume: the options differ from the interrupted run's: data_sha256:" in one_error_line(cli(*args, "--resume"))
+    data.write_text((ws / "corpus.txt").read_text())  # the same content again: it resumes
+    assert cli(*args, "--resume").exit_code == 0
+
+
 def test_a_plan_file_or_folder_says_the_recipes_keep_does_not_apply(ws, tmp_path):
     """The recipe's ``keep: [lm_head]`` serves format-name and auto plans; a plan file's unnamed layers take its
     default, and the run says so (the recipe in its record still lists the keep). A run folder gives its plan."""
