@@ -338,7 +338,8 @@ def test_resume_refuses_data_whose_content_changed(ws, tmp_path, monkeypatch):
         interrupt_at_step_2(patched)
         assert cli(*args).exit_code == 143
     data.write_text((ws / "corpus.txt").read_text()[::-1])
-    assert "--resume: the options differ from the interrupted run's: data_sha256:" in one_error_line(cli(*args, "--resume"))
+    said = one_error_line(cli(*args, "--resume"))
+    assert "--resume: the options differ from the interrupted run's: data_sha256:" in said
     data.write_text((ws / "corpus.txt").read_text())  # the same content again: it resumes
     assert cli(*args, "--resume").exit_code == 0
 
