@@ -321,7 +321,6 @@ def scan_cmd(
 ):
     """Measure each layer's sensitivity to FP8/INT4, allocate a plan under a budget, write it with a heat map."""
     from hf_lowprec import sensitivity
-    from hf_lowprec.formats import FormatSpec
     from hf_lowprec.sensitivity.allocate import budget_from
 
     if out.suffix not in (".json", ".yaml", ".yml"):
@@ -339,8 +338,7 @@ def scan_cmd(
     format_names = [f.strip() for f in formats.split(",") if f.strip()]
     if not format_names:
         ui.fail(f"--formats {formats!r}: name at least one format, e.g. fp8,int4-g64")
-    for name in format_names:
-        FormatSpec.parse(name)
+    sensitivity.check_formats(format_names)
     if budget_args:
         budget_from(budget_args)
     loading = load_options(revision, trust_remote_code)
@@ -362,13 +360,14 @@ def scan_cmd(
         plan = sensitivity.allocate(result, keep=kept, **budget_args)
     with ui.step(f"measuring the plan on {len(held_out)} held-out batches"):
         measured = sensitivity.measure_plan(lm_model, plan, held_out)
-    # the three files written beside their places first, then renamed: one failing leaves the others as they were
+    # the three files written beside their places first, then renamed, the plan last: a plan file is there only with
+    # its heat map and scores (a failed rename leaves it as it was)
     staged = [p.with_name(f".{p.stem}.{os.getpid()}.tmp{p.suffix}") for p in written]
     try:
         plan.save(staged[0])
         result.save_heatmap(staged[1])
         result.save(staged[2])
-        for tmp, path in zip(staged, written):
+        for tmp, path in reversed(list(zip(staged, written))):
             os.replace(tmp, path)
     finally:
         for tmp in staged:
@@ -402,6 +401,11 @@ def _scan_batches(model, gguf_file, data, sizes: tuple[int, int, int], text_colu
             eval_sequences=batches * batch_size,
             text_column=text_column,
         )
+    for name, rows in (("calibration", lm.train), ("held-out", lm.eval)):
+        if len(rows) < batches * batch_size:  # it scanned on fewer, unsaid
+            ui.err.print(f"warning: --batches {batches}: data {data_name!r} gives {len(rows)} {name} sequences of "
+                         f"{block_size} tokens, not {batches} batches of {batch_size}: the scan uses those (more data, "
+                         "or a smaller --batch-size or --block-size, for all of them)", soft_wrap=True)  # fmt: skip
     with ui.step(f"loading {model or 'the default model'}"):
         lm_model, _ = load_pretrained(source, gguf_file=gguf, tokenizer=tokenizer, **loading)
     calib = list(collated_batches(lm.train, lm.collator, batch_size))
@@ -480,6 +484,8 @@ def _parse_budget(text: str | None) -> dict:
         key, sep, value = part.partition("=")
         if not sep:
             ui.fail(f"--budget {text!r}: write key=value pairs, e.g. target_bits_per_param=6")
+        if key.strip() in out:  # the last one won, silently
+            ui.fail(f"--budget {text!r}: {key.strip()!r} is given twice")
         if key.strip() == "score":  # the one field that names a choice (Budget checks it)
             out["score"] = value.strip()
             continue

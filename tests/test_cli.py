@@ -493,9 +493,18 @@ def test_scan_refuses_what_needs_no_model_before_loading_it(ws, tmp_path):
     for args, expected in ((["--method", "bogus"], "--method 'bogus': choose one of auto, measured, fisher"),
                            (["--formats", "int3"], "unknown format 'int3'"),
                            (["--formats", ","], "--formats ',': name at least one format"),
-                           (["--budget", "foo=1"], "unknown budget argument(s) ['foo']; choose from")):  # fmt: skip
+                           (["--budget", "foo=1"], "unknown budget argument(s) ['foo']; choose from"),
+                           (["--formats", "fp8,fp8"], "formats contain duplicates: ['fp8', 'fp8']"),
+                           (["--formats", "fp8,bf16"], "format 'bf16' is high precision"),
+                           (["--budget", "target_bits_per_param=6,target_bits_per_param=8"],
+                            "'target_bits_per_param' is given twice")):  # fmt: skip
         refused = cli(*base, *args)
         assert expected in one_error_line(refused) and "reading data" not in refused.output, refused.output
+    # data too short for the batches asked: said (it scanned on fewer, unsaid)
+    short = cli(*base, "--batches", "200", "--batch-size", "4", "--block-size", "64")
+    said = " ".join(short.output.split())
+    assert short.exit_code == 0 and "warning: --batches 200: data" in said, short.output
+    assert "calibration sequences of 64 tokens, not 200 batches of 4: the scan uses those" in said
 
 
 def test_a_plan_whose_measured_loss_exceeds_its_budget_gets_a_note():

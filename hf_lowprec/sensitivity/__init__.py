@@ -35,7 +35,7 @@ Layers that share one weight (tied input/output embeddings) are scored and alloc
 
 from hf_lowprec.sensitivity.allocate import Budget, allocate, check_budget, check_budget_fields, predict_plan
 from hf_lowprec.sensitivity.results import KEEP, LayerScore, ScanResult
-from hf_lowprec.sensitivity.scan import DEFAULT_FORMATS, METHODS, measure_plan, scan
+from hf_lowprec.sensitivity.scan import DEFAULT_FORMATS, METHODS, check_formats, measure_plan, scan
 
 __all__ = [
     "Budget",
@@ -47,6 +47,7 @@ __all__ = [
     "allocate",
     "check_budget",
     "check_budget_fields",
+    "check_formats",
     "measure_plan",
     "predict_plan",
     "scan",

@@ -172,6 +172,11 @@ def _checked_formats(formats, method: str, max_batch_tokens: int, measure_top_fr
         raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
     if not 0.0 <= measure_top_fraction <= 1.0:
         raise ValueError(f"measure_top_fraction must be in [0, 1], got {measure_top_fraction}")
+    return check_formats(formats)
+
+
+def check_formats(formats) -> list[FormatSpec]:
+    """The formats a scan compares, parsed; ``ValueError`` for none, a high-precision one or a duplicate."""
     specs = [FormatSpec.parse(f) for f in formats]
     if not specs:
         raise ValueError("scan needs at least one format, e.g. formats=('fp8', 'int4-g64')")
