@@ -437,7 +437,7 @@ class Recipe:
                     raise ValueError(f"{source}: unknown recipe key {key!r}")
                 node = node[p]
             leaf = _RENAMED.get(".".join(parents), {}).get(leaf, leaf)
-            if leaf not in node:
+            if leaf not in node and ".".join(parents) not in OPEN_MAPPINGS:
                 hint = _close_match(leaf, node)
                 raise ValueError(f"{source}: unknown recipe key {key!r}{hint}; allowed keys are {', '.join(node)}")
             node[leaf] = list(value) if isinstance(value, tuple) else value
@@ -447,6 +447,8 @@ class Recipe:
 
 
 _RENAMED = {"training": TrainingSection.RENAMED, "lora": LoraSection.RENAMED}  # by section, for with_overrides
+# mappings whose keys a dotted override may add (checked when the recipe is built: budget_from names the allowed ones)
+OPEN_MAPPINGS = ("precision.budget",)
 
 
 def _plain(value):

@@ -184,6 +184,11 @@ def test_overrides_replace_values_and_are_checked_like_files():
         base.with_overrides({"precision.plan": "int3"})
     with pytest.raises(ValueError, match=r"'lora\.lora_dropout' must be in \[0, 1\), got 1\.0$"):
         base.with_overrides({"lora.dropout": 1.0})  # an old name: the error names the key as it is now
+    # a budget's keys are added one by one (refused as unknown recipe keys), checked as a budget
+    mixed = load_recipe("auto-mixed").with_overrides({"precision.budget.target_bits_per_param": 6})
+    assert mixed.precision.budget == {**load_recipe("auto-mixed").precision.budget, "target_bits_per_param": 6}
+    with pytest.raises(ValueError, match=r"unknown budget argument\(s\) \['target_bits'\] \(did you mean"):
+        load_recipe("auto-mixed").with_overrides({"precision.budget.target_bits": 6})
 
 
 def test_keys_are_the_libraries_names_and_old_names_still_read(caplog):
