@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, autocast_states, markov_batches, needs_cpp, on_dequant_backend, tiny_llama
+from conftest import (
+    VOCAB,
+    autocast_states,
+    markov_batches,
+    needs_cpp,
+    on_dequant_backend,
+    randomize_adapters,
+    tiny_llama,
+)
 from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -80,10 +88,7 @@ def test_input_and_lora_grads_through_int4_base_match_dequantized_reference(back
     model, report = prepare_int4_lora(tiny, LoraConfig(**LORA), MIXED, backend=backend, adapter_dtype="fp32")
     assert report.fractions()["int4-g64-asym"] > 0.7 and report.fractions()["int8"] > 0.04
     assert sum(isinstance(m, PackedInt8Linear) for m in model.modules()) == 2
-    with torch.no_grad():  # non-zero B so that every adapter (and the gradient into A) matters
-        for n, p in lora_params(model).items():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
+    randomize_adapters(model, std=0.05)  # non-zero B so that every adapter (and the gradient into A) matters
     twin = dequantized_twin(model)
     ids = markov_batches(n=1, batch=4, seq=32)[0]["input_ids"]
     embeds = model.get_base_model().model.embed_tokens(ids).detach()
@@ -470,10 +475,8 @@ def test_merge_into_a_dense_model_reloads_with_transformers_alone_and_keeps_the_
     dequantizing reference, where the INT4 re-quantizing merge loses part of the adapters' change."""
     ids = markov_batches(n=1, batch=2, seq=32)[0]["input_ids"]
     model, _ = prepare_int4_lora(tiny_llama(4, hidden_size=128, intermediate_size=256), LoraConfig(**LORA), backend="dequant")
+    randomize_adapters(model, std=0.02)
     with torch.no_grad():
-        for n, p in lora_params(model).items():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
         trained = model(input_ids=ids).logits
     export_int4_lora(model, tmp_path / "dense", merge=True, merged_dtype=torch.float32)
     assert "quantization_config" not in json.loads((tmp_path / "dense" / "config.json").read_text())
@@ -495,10 +498,7 @@ def test_an_export_of_merged_or_disabled_adapters_is_what_the_model_computes(tmp
     merged export held the adapters all the same."""
     ids = markov_batches(n=1, batch=2, seq=32)[0]["input_ids"]
     model, _ = prepare_int4_lora(tiny_llama(2, hidden_size=128, intermediate_size=256), LoraConfig(**LORA), backend="dequant")
-    with torch.no_grad():
-        for n, p in lora_params(model).items():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
+    randomize_adapters(model, std=0.05)
     with torch.no_grad(), model.disable_adapter():
         base = model(input_ids=ids).logits
         export_int4_lora(model, tmp_path / "off", merge=True, merged_dtype=torch.float32)
@@ -783,10 +783,7 @@ def test_8bit_activation_storage_gradients_close_to_exact_and_memory_quartered(f
     from hf_lowprec.training.activations import ActivationStorage
 
     model, _ = prepare_int4_lora(tiny_llama(3, hidden_size=128, intermediate_size=256), LoraConfig(**LORA), backend="dequant")
-    with torch.no_grad():
-        for n, p in lora_params(model).items():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
+    randomize_adapters(model, std=0.05)
     ids = markov_batches(n=1, batch=4, seq=64)[0]["input_ids"]
     grads = {}
     storage = ActivationStorage(model, fmt, min_numel=1024)
