@@ -421,6 +421,9 @@ def _print_scan(result, plan_rows: list[dict], measured: dict, files: str) -> No
     :func:`over_budget_note`)."""
     from hf_lowprec.plan import kept_label
 
+    # the allocation's score: Δloss at conversion (measured or predicted), or after training (curvature alone)
+    after = result.score_kind != "conversion"
+    scored = "after training (the scan's curvature term)" if after else "* measured, else predicted"
     rows = []
     for r in result.rows():
         cells = []
@@ -430,8 +433,7 @@ def _print_scan(result, plan_rows: list[dict], measured: dict, files: str) -> No
         rows.append((r["layer"], f"{r['params']:,}", *cells, kept_label(r["chosen"] or "")))  # as the plan's rows
     ui.out.print(
         ui.table(
-            "Sensitivity: Δloss (nats/token) per layer and format; * measured, else predicted (base loss "
-            f"{result.base_loss:.4f})",
+            f"Sensitivity: Δloss (nats/token) per layer and format; {scored} (base loss {result.base_loss:.4f})",
             ("layer", "params", *result.formats, "chosen"),
             rows,
             numeric=range(1, 2 + len(result.formats)),
@@ -445,7 +447,8 @@ def _print_scan(result, plan_rows: list[dict], measured: dict, files: str) -> No
             {
                 "budget": ", ".join(f"{k}={_short(v)}" for k, v in alloc.get("budget", {}).items()),
                 "bits per parameter": f"{alloc.get('bits_per_param', float('nan')):.2f}",
-                "predicted Δloss (calibration)": f"{alloc.get('predicted_delta_loss', float('nan')):.4f}",
+                f"predicted Δloss ({'after training' if after else 'calibration'})":
+                f"{alloc.get('predicted_delta_loss', float('nan')):.4f}",
                 "measured Δloss (held-out)": f"{measured['delta_loss']:.4f} (loss {measured['base_loss']:.4f} → "
                 f"{measured['plan_loss']:.4f}, KL {measured['kl']:.4f})",
                 "scan time": f"{result.seconds.get('total', 0.0):.1f} s",

@@ -429,6 +429,9 @@ def test_scan_writes_a_plan_that_fits_the_model(ws):
     result = cli("scan", ws / "tiny", "--data", ws / "corpus.txt", "--block-size", "32", "--batches", "2", "--budget", "target_bits_per_param=12,score=after-training", "--out", out)
     assert result.exit_code == 0, result.output
     assert "score=after-training" in result.output
+    said = " ".join(result.output.split())  # the scores are after-training ones, not measured or predicted conversion
+    assert "after training (the scan's curvature term)" in said and "predicted Δloss (after training)" in said
+    assert "* measured, else predicted" not in said
     assert "kept (fp32)" in result.output  # the plan table: the fp32 head left as it is, 4 bytes a weight
     from hf_lowprec.plan import PrecisionPlan
 
