@@ -26,7 +26,7 @@ import torch
 from hf_lowprec.cli import ui
 from peft import LoraConfig
 from rich.markup import escape
-from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments, set_seed
+from transformers import PrinterCallback, Trainer, TrainerCallback, TrainerState, TrainingArguments, set_seed
 
 from hf_lowprec.allocator import returning_freed_memory
 from hf_lowprec.checkpoints import (
@@ -505,8 +505,8 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
         )["loss"]
         atomic_write_text(run.work / SETTINGS_FILE, json.dumps({**settings, "figures": figures}, indent=2))
     # the Trainer state counts a resumed run's tokens from step 0; its checkpoint may be rotated away once training ends
-    state = Path(resume_from or "", "trainer_state.json")
-    tokens_before = json.loads(state.read_text()).get("num_input_tokens_seen", 0) if resume_from else 0
+    saved = TrainerState.load_from_json(str(Path(resume_from, TRAINER_STATE))) if resume_from else None
+    tokens_before = saved.num_input_tokens_seen if saved is not None else 0
     start = time.perf_counter()
     with stopper.installed():
         result = trainer.train(resume_from_checkpoint=resume_from)

@@ -854,17 +854,25 @@ class PackedLinear(NoDenseWeight, nn.Module):
         """Whether a trainable gain or shift (:meth:`learn_steps`) applies to the steps or zero points."""
         return self.step_gain is not None or self.zero_shift is not None
 
-    def effective_step(self) -> torch.Tensor:
-        """``step x step_gain`` fp32 ``[N, G]`` (``step`` without a gain): the steps the layer computes with."""
-        step = self.step.float()
-        return step if self.step_gain is None else step * self.step_gain.detach()
+    def effective_step(self, rows: torch.Tensor | None = None, grad: bool = False) -> torch.Tensor:
+        """``step x step_gain`` fp32 ``[N, G]`` (``step`` without a gain): the steps the layer computes with; of
+        ``rows`` alone where given; ``grad``: through autograd to the gain (the layer's own ops pass it theirs)."""
+        step = self.step.float() if rows is None else self.step[rows].float()
+        if self.step_gain is None:
+            return step
+        gain = self.step_gain if rows is None else self.step_gain[rows]
+        return step * (gain if grad else gain.detach())
 
-    def effective_zero(self) -> torch.Tensor | None:
-        """``zero + zero_shift`` fp32 ``[N, G]`` (``zero`` without a shift; ``None`` when symmetric)."""
+    def effective_zero(self, rows: torch.Tensor | None = None, grad: bool = False) -> torch.Tensor | None:
+        """``zero + zero_shift`` fp32 ``[N, G]`` (``zero`` without a shift; ``None`` when symmetric); ``rows`` and
+        ``grad`` as :meth:`effective_step`'s."""
         if self.zero is None:
             return None
-        zero = self.zero.float()
-        return zero if self.zero_shift is None else zero + self.zero_shift.detach()
+        zero = self.zero.float() if rows is None else self.zero[rows].float()
+        if self.zero_shift is None:
+            return zero
+        shift = self.zero_shift if rows is None else self.zero_shift[rows]
+        return zero + (shift if grad else shift.detach())
 
     @torch.no_grad()
     def fold_learned_steps(self) -> None:
@@ -952,10 +960,7 @@ class PackedLinear(NoDenseWeight, nn.Module):
         low, high = (int(v) for v in torch.aminmax(flat))  # indexing would wrap negative ids, nn.Embedding raises
         if low < 0 or high >= self.out_features:
             raise IndexError(f"token ids must lie in [0, {self.out_features}) (the vocabulary), got {low}..{high}")
-        step = self.step[flat].float()
-        step = step if self.step_gain is None else step * self.step_gain[flat]
-        zero = None if self.zero is None else self.zero[flat].float()
-        zero = zero if self.zero_shift is None else zero + self.zero_shift[flat]
+        step, zero = self.effective_step(flat, grad=True), self.effective_zero(flat, grad=True)
         rows = dequantize_int(self._unpack(self.qweight[flat]), self.spec, step, zero)
         inverse = self.inverse_input_scale()
         rows = self._original_basis(rows if inverse is None else rows * inverse)
