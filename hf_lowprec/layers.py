@@ -4,6 +4,7 @@ or not) outside PEFT adapters, named without PEFT's wrappers; and the one helper
 
 from __future__ import annotations
 
+import functools
 import re
 
 from torch import nn
@@ -130,6 +131,56 @@ def swap_layers(model: nn.Module, make_layer) -> int:
     return count
 
 
+def guard_vocabulary_resize(model: nn.Module) -> None:
+    """Give each transformers model in ``model`` whose input embedding or output head is now an hf-lowprec layer a
+    ``resize_token_embeddings`` that refuses a new vocabulary size in one line (the current size, or ``None``, returns
+    the input embedding as transformers' does). Transformers' own would put a dense ``nn.Embedding``/``nn.Linear`` in
+    a converted table's place (its planned format silently gone) or, reading a packed table's ``.weight``, fail after
+    resizing the other table. Checked again at each call: once both tables are plain, transformers' own runs."""
+    for module in model.modules():
+        if callable(getattr(type(module), "resize_token_embeddings", None)) and _converted_tables(module):
+            # an instance attribute holding the model (deep copies and pickles take it along with the model)
+            module.resize_token_embeddings = functools.partial(_resize_unless_converted, module)
+
+
+def _converted_tables(model: nn.Module) -> dict[str, nn.Module]:
+    """``{"input embedding" / "output head": layer}`` of ``model``'s vocabulary tables that are hf-lowprec layers."""
+    tables = {}
+    for role, get in (("input embedding", "get_input_embeddings"), ("output head", "get_output_embeddings")):
+        try:
+            table = getattr(model, get)()
+        except (AttributeError, NotImplementedError):  # transformers raises NotImplementedError for a model without
+            continue
+        table = getattr(table, "base_layer", table)  # PEFT's wrapper
+        if isinstance(table, LOW_PRECISION_TYPES) or is_torchao_fp8(table):
+            tables[role] = table
+    return tables
+
+
+def _resize_unless_converted(model: nn.Module, new_num_tokens: int | None = None, pad_to_multiple_of=None, **kwargs):
+    """``model.resize_token_embeddings`` while :func:`guard_vocabulary_resize` guards it."""
+    converted = _converted_tables(model)
+    if not converted:
+        del model.resize_token_embeddings
+        return model.resize_token_embeddings(new_num_tokens, pad_to_multiple_of, **kwargs)
+    embedding = model.get_input_embeddings()
+    rows = getattr(embedding, "base_layer", embedding).num_embeddings
+    size = rows if new_num_tokens is None else new_num_tokens
+    if pad_to_multiple_of:
+        size = -(-size // pad_to_multiple_of) * pad_to_multiple_of
+    head = converted.get("output head")
+    if size == rows and (head is None or head.out_features == rows):
+        return embedding
+    names = " and ".join(f"{role} ({type(t).__name__})" for role, t in converted.items())
+    raise ValueError(
+        f"resize_token_embeddings({size}): this model's {names} of {rows} rows "
+        f"{'are hf-lowprec layers' if len(converted) > 1 else 'is an hf-lowprec layer'}, which transformers would "
+        "replace by a dense one or fail to read; resize before converting: "
+        "load the checkpoint dense, resize_token_embeddings, save_pretrained, then load that with HfLowprecConfig / "
+        "load_int4_lora or apply_plan it"
+    )
+
+
 HOOK_DICTS = (
     "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
     "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks",
@@ -147,6 +198,8 @@ def carry_module_state(old: nn.Module, new: nn.Module) -> None:
 
 
 def set_module(model: nn.Module, fqn: str, new: nn.Module) -> None:
-    """Put ``new`` where ``model``'s submodule ``fqn`` (full name) is."""
+    """Put ``new`` where ``model``'s submodule ``fqn`` (full name) is (a vocabulary table: see
+    :func:`guard_vocabulary_resize`)."""
     parent_name, _, attr = fqn.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+    guard_vocabulary_resize(model)

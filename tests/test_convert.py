@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import lm_batches, tiny_llama
+from conftest import VOCAB, lm_batches, tiny_llama
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
@@ -18,7 +18,7 @@ from hf_lowprec import (
     revert,
 )
 from hf_lowprec.convert import eligible_layers
-from hf_lowprec.modules import LOW_PRECISION_TYPES, PackedLinear
+from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, PackedLinear
 
 
 def test_swap_keeps_parameter_objects_so_an_earlier_optimizer_still_trains_them(llama):
@@ -92,6 +92,27 @@ def test_a_layer_peft_trains_whole_is_planned_by_its_own_name_and_converts_its_t
         torch.testing.assert_close(logits, wrapper.modules_to_save["default"](hidden))  # the copy computed them
     revert(model)
     assert type(wrapper.modules_to_save["default"]) is nn.Linear
+
+
+@pytest.mark.parametrize("tables", [{"lm_head": "fp8"}, {"lm_head": "int8"}, {"model.embed_tokens": "int4-g64"}])
+def test_a_converted_vocabulary_table_refuses_a_resize_until_reverted(tables):
+    """resize_token_embeddings (a chat template's new tokens) put a dense nn.Linear in a converted head's place (its
+    planned FP8 gone, the plan still saying fp8) or, with a packed head, resized the embedding and then failed: the
+    model half-resized. It refuses now, touching nothing, and resizes once the tables are plain again."""
+    model = tiny_llama()
+    apply_plan(model, PrecisionPlan(tables, default="bf16"), learn_scales=False)
+    freeze(model)  # an int8 head is packed
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(ValueError, match=rf"^resize_token_embeddings\({VOCAB + 8}\): this model's .* is an hf-lowprec layer"):
+        model.resize_token_embeddings(VOCAB + 5, pad_to_multiple_of=8)
+    assert {n: type(m) for n, m in model.named_modules()} == before
+    assert model.get_input_embeddings().num_embeddings == model.config.vocab_size == VOCAB
+    assert model.resize_token_embeddings(VOCAB) is model.get_input_embeddings()
+    if any(isinstance(m, FROZEN_TYPES) for m in model.modules()):
+        return  # a packed layer has no dense weight to revert to
+    revert(model)
+    model.resize_token_embeddings(VOCAB + 8)
+    assert model.lm_head.out_features == model.get_input_embeddings().num_embeddings == model.config.vocab_size == VOCAB + 8
 
 
 def test_revert_through_a_peft_wrapper(llama):

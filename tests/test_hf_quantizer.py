@@ -41,8 +41,14 @@ def test_a_packed_models_missing_dense_weight_is_said_so(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=HfLowprecConfig(plan))
     for layer in (model.lm_head, model.get_input_embeddings()):
         assert getattr(layer, "weight", None) is None
+    vocab = model.config.vocab_size
     with pytest.raises(AttributeError, match="holds its weight packed, no dense .weight .* need the model before"):
-        model.resize_token_embeddings(model.config.vocab_size + 8)
+        model.lm_head.weight
+    assert model.resize_token_embeddings(vocab) is model.get_input_embeddings()  # its own size: nothing to do
+    with pytest.raises(ValueError, match=rf"^resize_token_embeddings\({vocab + 8}\): this model's input embedding "
+                       rf"\(PackedEmbedding\) and output head \(PackedInt4Linear\) of {vocab} rows are hf-lowprec .* "
+                       "resize before converting"):
+        model.resize_token_embeddings(vocab + 8)
     model.lm_head.register_buffer("weight", torch.zeros(1))  # one registered under that name is what it reads
     assert torch.equal(model.lm_head.weight, torch.zeros(1))
 
