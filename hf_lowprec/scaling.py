@@ -234,9 +234,10 @@ class GradientScaling(ScalePolicy):
     - the scale maps ``limit = r * 2**-adjust`` onto the format's max (row/block scales: each group's
       amax, capped at ``limit``), so values beyond ``limit`` saturate — FP8 casts clip, they never
       overflow — and one outlier does not stretch the grid for every other value;
-    - ``a > spike_threshold * r`` is a spike, counted and handled per ``spike_action``:
+    - ``a > spike_threshold * r`` is a spike, and so is an inf/NaN ``a``, counted and handled per ``spike_action``:
       ``rescale`` (default) shrinks the whole gradient so its amax is ``limit`` (magnitude clipping:
-      direction kept, quantized at full resolution); ``clip`` clips values at ``limit`` (saturation);
+      direction kept, quantized at full resolution; an inf/NaN one is clipped instead, a NaN left where it
+      was); ``clip`` clips values at ``limit`` (saturation);
       ``skip`` zeroes this gradient and requests a step skip (see :func:`skip_step_if_requested`);
     - ``adjust`` (a power of two, within ``±max_adjust``) drops by one when more than
       ``saturation_tol`` of a non-spike cast saturates, and rises by one after ``growth_interval``
@@ -330,12 +331,15 @@ class GradientScaling(ScalePolicy):
         stat = self._statistic()
         warm = (self.recorded >= self.warmup) & (stat > 0)
         ref = torch.where(warm, stat, a)
-        spike = warm & (a > self.spike_threshold * ref)
+        finite = torch.isfinite(a)
+        spike = warm & ((a > self.spike_threshold * ref) | ~finite)  # an inf/NaN gradient is abnormal too
         limit = ref * torch.exp2(-self.adjust.float())
         self._last_limit = limit
-        rescale = spike if self.spike_action == "rescale" else torch.zeros_like(spike)
-        # a rescaled spike is quantized at full resolution, its scale shrunk afterwards (observe)
-        capped = torch.where(rescale, amax, torch.minimum(amax, limit))
+        # an inf/NaN one is clipped at the limit, not rescaled (shrunk by limit / inf, it was all NaN)
+        rescale = spike & finite if self.spike_action == "rescale" else torch.zeros_like(spike)
+        # a rescaled spike is quantized at full resolution, its scale shrunk afterwards (observe); a group whose amax
+        # is inf/NaN takes the limit (finite values keep their grid, inf saturates, a NaN stays where it was)
+        capped = torch.where(rescale, amax, torch.where(torch.isfinite(amax), torch.minimum(amax, limit), limit))
         self.last_shrink.copy_(torch.where(rescale, limit / a, torch.ones_like(a)))
         # record the amax winsorized at the spike threshold; all-zero gradients carry no level, and an inf/NaN one (an
         # overflowed fp16 gradient: a step the loss scaler skips) none either: recorded in warmup, it held the running

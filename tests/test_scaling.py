@@ -194,6 +194,52 @@ def test_an_overflowed_gradient_in_warmup_is_not_recorded(statistic):
     assert policy.spikes.item() == 1
 
 
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+def test_a_dynamic_cast_of_an_inf_saturates_it_and_keeps_every_other_value(granularity):
+    """An inf in a tensor gave the scale 448/inf = 0 and the cast inf x 0 = NaN everywhere in its group (the whole
+    tensor when tensorwise): a saturating cast never makes NaN. The inf's group now casts unscaled, the inf saturated."""
+    x = torch.randn(4, 256) * 1e-2
+    x[0, 0] = float("inf")
+    block = (1, 128) if granularity == "block" else None
+    q, scale = cast_fp8(x, DynamicScaling(), E5M2, granularity, block=block)
+    deq = dequantize_fp8(q, scale, block=block)
+    assert torch.isfinite(deq).all() and deq[0, 0] == FP8_MAX[E5M2]
+    ref = x.clone()
+    ref[0, 0] = 0
+    torch.testing.assert_close(deq.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(0.0)), ref, rtol=0.25, atol=2e-5)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("action", ["rescale", "clip", "skip"])
+def test_an_inf_or_nan_gradient_after_warmup_is_a_spike_kept_to_its_own_row(action, bad):
+    """One inf/NaN element of an output gradient made every element of grad_x and grad_W NaN (``rescale`` shrank the
+    scale by ``limit / inf``; a NaN amax passed into the scale) and was not a spike (``skip`` let it through). Now it is
+    a spike: ``skip`` drops it and asks for a skip; ``rescale``/``clip`` clip it at the limit, an inf to a finite value,
+    a NaN left in its own row as fp32 math leaves it; the other rows equal the fp32 gradients of the cast operands."""
+    torch.manual_seed(0)
+    layer = FP8Linear(32, 16, bias=False, spec="fp8", backend="emulated", policies={"grad": GradientScaling(spike_action=action)})
+    policy = layer.scaling["grad"]
+    for _ in range(4):
+        layer(torch.randn(16, 32)).backward(torch.randn(16, 16) * 1e-2)
+    x, g = torch.randn(16, 32, requires_grad=True), torch.randn(16, 16) * 1e-2
+    g[0, 0] = bad
+    layer.weight.grad = None
+    layer(x).backward(g)
+    assert policy.spikes.item() == 1 and torch.isfinite(policy.running_amax)
+    assert policy.skip_pending.item() == (action == "skip")
+    if action == "skip":
+        assert x.grad.abs().max() == 0 and layer.weight.grad.abs().max() == 0
+        return
+    broken = ~torch.isfinite(x.grad).all(dim=1)
+    assert broken.tolist() == [bad != bad] + [False] * 15  # a NaN stays in row 0; an inf saturated
+    assert (~torch.isfinite(layer.weight.grad).all(dim=1)).tolist() == [bad != bad] + [False] * 15
+    scale = fp8_scale(policy._last_limit, E5M2, power_of_two=True)  # the limit onto E5M2's max: values beyond saturate
+    clipped = dequantize_fp8(quantize_fp8(g, scale, E5M2), scale)
+    w = dequantize_fp8(*cast_fp8(layer.weight.detach(), DynamicScaling(), E4M3, "tensor"))
+    rows = slice(1 if bad != bad else 0, None)  # fp32 math on the cast operands; an inf's row too
+    torch.testing.assert_close(x.grad[rows], (clipped @ w)[rows], rtol=1e-2, atol=1e-6)
+
+
 @pytest.mark.parametrize("action", ["rescale", "clip", "skip"])
 def test_a_gradient_cast_along_two_axes_is_judged_once(action):
     """A rowwise backward casts the output gradient per token (grad_x), then per column (grad_W): the second cast,

@@ -65,7 +65,11 @@ def scaled_mm_emulated(a_q, a_scale, b_q, b_scale, out_dtype):
 
     Scales are 0-dim (tensorwise) or ``[M, 1]`` / ``[1, N]`` (rowwise); fp32 accumulation, the scales applied in
     fp32 as ``torch._scaled_mm`` applies them (in bf16, a tensorwise scale's inverse rounded to bf16 scaled every
-    output and gradient by one common factor up to 0.4% off).
+    output and gradient by one common factor up to 0.4% off). A bf16 GEMM (bf16 output, a CPU that multiplies bf16
+    fast) returns its fp32 sums rounded to bf16 before the scales apply (CPU ``torch.mm`` has no fp32 output for bf16
+    inputs): with scales not powers of two, outputs are rounded twice, at most 1 bf16 ulp off the fp32 result instead
+    of ``_scaled_mm``'s ½ (a quarter of the outputs of a 256x512x256 GEMM differ by one ulp); power-of-two scales
+    round once.
     """
     compute = _compute_dtype(out_dtype, a_q.device)
     out = torch.mm(a_q.to(compute), b_q.to(compute)).float()
