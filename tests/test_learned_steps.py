@@ -1,14 +1,18 @@
 """Learned steps of a frozen packed base (``PackedLinear.learn_steps``): the gain's gradient against autograd through
 the dequantized weight, every backend computing with the gained steps, and state dicts holding them folded."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import needs_cpp, on_dequant_backend
+from safetensors.torch import load_file
 
 from hf_lowprec.formats import FormatSpec, dequantize_int
 from hf_lowprec.modules import Int4Linear, PackedInt4Linear, PackedLinear
 from hf_lowprec.modules.packed import int8_backend_available, packed_class
+from hf_lowprec.ondevice.learned_steps import LEARNED_STEPS_FILE
 from hf_lowprec.rotation import unrotate
 
 needs_int8 = pytest.mark.skipif(not int8_backend_available(torch.device("cpu"))[0], reason="no int8 dot products here")
@@ -200,7 +204,6 @@ def test_the_trainer_checkpoints_the_learned_steps_and_a_resumed_run_reads_them(
 
     from hf_lowprec import ChunkedLossTrainer
     from hf_lowprec.ondevice.learned_steps import LR_SCALES, learned_steps
-    from hf_lowprec.ondevice.trainer import LEARNED_STEPS_FILE
 
     path = save_tiny_model(tmp_path / "tiny", initializer_range=0.1)
     rows = torch.randint(3, 300, (16, 16), generator=torch.Generator().manual_seed(3)).tolist()
@@ -217,7 +220,7 @@ def test_the_trainer_checkpoints_the_learned_steps_and_a_resumed_run_reads_them(
     first = trainer()
     with caplog.at_level("WARNING", logger="hf_lowprec.ondevice.learned_steps"):
         first.train()
-    assert "writes the LoRA adapters alone" not in caplog.text  # its checkpoints hold the learned steps beside them
+    assert "save_pretrained writes" not in caplog.text  # its checkpoints hold the learned steps, which it reads back
     adapters, *groups = first.optimizer.param_groups
     rates = [(0.0, scale * adapters["initial_lr"]) for scale in LR_SCALES.values()]  # no weight decay
     assert [(g["weight_decay"], g["initial_lr"]) for g in groups] == rates
@@ -232,36 +235,70 @@ def test_the_trainer_checkpoints_the_learned_steps_and_a_resumed_run_reads_them(
         trainer().train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))
 
 
-def test_a_resumed_run_keeps_bf16_adapters_and_ends_where_an_uninterrupted_one_does(tmp_path):
-    """The Trainer loads a checkpoint's adapters with PEFT's ``load_adapter``, which casts bf16 ones to fp32: a run
-    resumed at step 2 of 4 must still train bf16 adapters and end with the uninterrupted run's weights."""
+def _zero_point_learning_run(tmp_path, trainer_class: str, learn_steps, **arguments):
+    """``run(out, resume=None) -> (trainer, trainable parameters)``: a tiny packed base with bf16 adapters (and zero
+    points learned if asked), trained 4 steps of batch 4 by transformers' ``Trainer`` or ``ChunkedLossTrainer``."""
     import datasets
     from peft import LoraConfig
     from tiny_assets import save_tiny_model
-    from transformers import TrainingArguments, default_data_collator
+    from transformers import Trainer, TrainingArguments, default_data_collator
 
     from hf_lowprec import ChunkedLossTrainer
     from hf_lowprec.ondevice import load_int4_lora
 
     path = save_tiny_model(tmp_path / "tiny", initializer_range=0.1)
-    rows = torch.randint(3, 300, (16, 16), generator=torch.Generator().manual_seed(3)).tolist()
+    rows = torch.randint(3, 300, (24, 16), generator=torch.Generator().manual_seed(3)).tolist()
     data = datasets.Dataset.from_dict({"input_ids": rows, "labels": rows})
+    kind = {"Trainer": Trainer, "ChunkedLossTrainer": ChunkedLossTrainer}[trainer_class]
 
-    def run(out: str, resume: str | None = None) -> dict[str, torch.Tensor]:
+    def run(out: str, resume: str | None = None):
         torch.manual_seed(0)
-        model, _, _ = load_int4_lora(path, LoraConfig(**LORA), "int4-g64", dtype=torch.float32, adapter_dtype="bf16")
+        model, _, _ = load_int4_lora(path, LoraConfig(**LORA), "int4-g64-asym", dtype=torch.float32,
+                                     adapter_dtype="bf16", learn_steps=learn_steps)  # fmt: skip
         args = TrainingArguments(output_dir=str(tmp_path / out), max_steps=4, save_steps=2, learning_rate=1e-2,
                                  per_device_train_batch_size=4, optim="adamw_torch_8bit", report_to="none",
-                                 use_cpu=True, disable_tqdm=True)  # fmt: skip
-        ChunkedLossTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator).train(
-            resume_from_checkpoint=resume
-        )
-        return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+                                 use_cpu=True, disable_tqdm=True, **arguments)  # fmt: skip
+        trainer = kind(model=model, args=args, train_dataset=data.select(range(16)), eval_dataset=data.select(range(16, 24)),
+                       data_collator=default_data_collator)  # fmt: skip
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
-    whole = run("whole")
-    resumed = run("resumed", resume=str(tmp_path / "whole" / "checkpoint-2"))
+    return run
+
+
+@pytest.mark.parametrize("learn_steps", [False, "zero_points"])
+@pytest.mark.parametrize("trainer_class", ["Trainer", "ChunkedLossTrainer"])
+def test_a_resumed_run_keeps_bf16_adapters_and_ends_where_an_uninterrupted_one_does(tmp_path, trainer_class, learn_steps):
+    """The Trainer loads a checkpoint's adapters with PEFT's ``load_adapter``, which casts bf16 ones to fp32, and
+    PEFT's save held no learned zero points (transformers' Trainer resumed with the shifts at zero and Adam moments
+    for them: losses 3.6e-3 off): a run resumed at step 2 of 4 must still train bf16 adapters and end with the
+    uninterrupted run's weights, zero points included."""
+    run = _zero_point_learning_run(tmp_path, trainer_class, learn_steps)
+    _, whole = run("whole")
+    _, resumed = run("resumed", resume=str(tmp_path / "whole" / "checkpoint-2"))
     assert {p.dtype for p in resumed.values()} == {torch.bfloat16}
+    assert any("zero_shift" in n for n in whole) == bool(learn_steps)
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[n], resumed[n]) for n in whole)
+
+
+@pytest.mark.parametrize("trainer_class", ["Trainer", "ChunkedLossTrainer"])
+def test_the_best_checkpoint_loaded_at_the_end_brings_its_zero_points(tmp_path, trainer_class):
+    """``load_best_model_at_end`` reloaded the best checkpoint's adapters beside the last step's zero points: the
+    model evaluated worse than the best logged score (5.7758 for a logged 5.7471). It is that checkpoint's model now.
+    (The lower or the higher eval loss is the best, whichever makes the first of the two checkpoints the best.)"""
+    for greater_is_better in (False, True):
+        run = _zero_point_learning_run(tmp_path / str(greater_is_better), trainer_class, "zero_points",
+                                       eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
+                                       metric_for_best_model="eval_loss", greater_is_better=greater_is_better)  # fmt: skip
+        trainer, final = run("out")
+        best = trainer.state.best_model_checkpoint
+        if best.endswith("checkpoint-2"):
+            break
+    assert best.endswith("checkpoint-2")
+    saved = load_file(os.path.join(best, LEARNED_STEPS_FILE))
+    assert saved and all(torch.equal(final[n], saved[n]) for n in saved)
+    assert {p.dtype for p in final.values()} == {torch.bfloat16}
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(trainer.state.best_metric, rel=1e-6)
 
 
 def test_folding_keeps_what_the_layer_computes_up_to_the_steps_rounding_and_restarts_the_gain():
@@ -330,14 +367,16 @@ def test_a_base_that_learns_its_zero_points_alone_keeps_its_steps(tmp_path, capl
     blocks = token_blocks(tokenizer, [corpus_text(20_000)], 64)
     with caplog.at_level("WARNING", logger="hf_lowprec.ondevice.learned_steps"):
         finetune_int4_lora(model, tokenizer, blocks[:-4], steps=6, lr=1e-2, batch_size=4, output_dir=tmp_path / "run")
-        assert "writes the LoRA adapters alone" not in caplog.text  # its export writes the zero points too
+        assert "save_pretrained writes" not in caplog.text  # its export folds the zero points into the base
         assert all(torch.equal(m.step, s) for m, s in zip(asym, steps))  # folded: the gains stayed at one
         assert all(rel(m.zero, z) > 1e-3 for m, z in zip(asym, zeros))  # the zero points moved
-        # PEFT's own save (SFTTrainer.save_model calls it) writes the adapters alone: said, once (it was silent)
+        # PEFT's own save (SFTTrainer.save_model calls it) writes the zero points beside the adapters, which another
+        # base's PeftModel.from_pretrained does not read: said, once
         for folder in ("peft", "again"):
             model.save_pretrained(tmp_path / folder)
-        told = "save_pretrained writes the LoRA adapters alone, not the zero shifts the INT4 base learned"
+        told = "save_pretrained writes the zero shifts the INT4 base learned beside the LoRA adapters"
         assert caplog.text.count(told) == 1
+        assert set(load_file(tmp_path / "peft" / LEARNED_STEPS_FILE)) == {n for n, p in model.named_parameters() if "zero_shift" in n}
 
 
 def test_bf16_zero_shifts_learn_what_fp32_ones_learn():

@@ -28,7 +28,7 @@ from hf_lowprec.folders import atomic_output_dir, atomic_write_text, check_outpu
 from hf_lowprec.modules.int4_lora import PackedLoraLinear, lora_delta, register_int4_lora, requantize_merged
 from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.modules.packed_embedding import with_dense_tables
-from hf_lowprec.ondevice.learned_steps import learned_steps_written_beside
+from hf_lowprec.ondevice.learned_steps import learned_steps_folded_in
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 from hf_lowprec.pread_safetensors import read_safetensors
 
@@ -240,7 +240,7 @@ def save_adapters(model: PeftModel, folder: Path, base_model_id: str | None) -> 
     base.name_or_path = base.config._name_or_path = base_model_id or ""
     staging = folder / ".adapters.tmp"
     try:
-        with learned_steps_written_beside():  # folded into the base's steps and zero points, which this folder holds
+        with learned_steps_folded_in():  # folded into the base's steps and zero points, which this folder holds
             model.save_pretrained(staging, save_embedding_layers=False, selected_adapters=[active])
         # PEFT writes an adapter not named "default" into a subfolder of its name, which no loader of the folder
         # reads (transformers' from_pretrained and pipeline apply the adapter at the top): its files go to the top

@@ -14,17 +14,20 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import os
 import types
 from collections.abc import Iterator, Mapping
 
 import torch
 from peft import PeftModel
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hf_lowprec.modules.packed import PackedInt4Linear, PackedLinear
 
 logger = logging.getLogger(__name__)
 _WRITTEN_BESIDE = contextvars.ContextVar("hf_lowprec_learned_steps_written_beside", default=False)
+LEARNED_STEPS_FILE = "hf_lowprec_learned_steps.safetensors"  # a checkpoint's step gains and zero shifts, by name
 
 # learning rates over the adapters' (AdamW moves a parameter by about lr per step). A gain of 1 + 1e-3 moves a weight
 # by up to 15 x 1e-3 of its step (|code - zero| <= 15), a zero shift of 1e-3 by 1e-3 of it: the shifts take a 10x
@@ -66,29 +69,84 @@ def learned_steps(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     return {kind: [p for m in packed if (p := getattr(m, kind)) is not None and p.requires_grad] for kind in LR_SCALES}
 
 
-def say_what_peft_saves(model: PeftModel) -> None:
-    """Have ``model.save_pretrained`` (PEFT's; the one every trainer's ``save_model`` calls) warn, once, that it
-    writes the LoRA adapters alone when the base learns its zero points or steps: those are the base's parameters,
-    so a reload of its files (``PeftModel.from_pretrained``) computes without them, silently. Writers that save them
-    too say so (:func:`learned_steps_written_beside`)."""
-    model.save_pretrained = types.MethodType(_save_pretrained_saying_what_it_leaves_out, model)
+def keep_learned_steps_with_adapters(model: PeftModel) -> None:
+    """Have ``model``'s ``save_pretrained`` (PEFT's; the one every trainer's checkpoints and ``save_model`` call) write
+    the step gains and zero shifts its base learns beside the adapters (``LEARNED_STEPS_FILE``), and its
+    ``load_adapter`` (what a Trainer resuming a checkpoint or loading the best one calls) read them back and keep the
+    dtype of the adapters it reloads (PEFT casts bf16 ones to fp32). Without them a checkpoint resumed, or the best
+    one loaded at the end, ran with the last step's zero points (or none) beside its adapters, silently. A fresh
+    ``PeftModel.from_pretrained`` does not read the file: said, once, at the first save."""
+    model.save_pretrained = types.MethodType(_save_pretrained_with_learned_steps, model)
+    model.load_adapter = types.MethodType(_load_adapter_keeping_learned_steps, model)
 
 
-def _save_pretrained_saying_what_it_leaves_out(self: PeftModel, *args, **kwargs):
-    learned = [kind for kind, params in learned_steps(self).items() if params]
-    if learned and not _WRITTEN_BESIDE.get() and not self.__dict__.get("_hf_lowprec_told"):
+def checkpoints_read_back(model: nn.Module) -> None:
+    """Leave unsaid, at ``model``'s saves, that a ``PeftModel.from_pretrained`` on another base would not read its
+    learned steps: its checkpoints are read back by the trainer that writes them (``ChunkedLossTrainer``: a resumed
+    run, the best checkpoint loaded at the end)."""
+    model.__dict__["_hf_lowprec_told"] = True
+
+
+def learned_steps_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
+    """``model``'s trainable step gains and zero shifts (:func:`learned_steps`) by parameter name."""
+    learned = {id(p) for params in learned_steps(model).values() for p in params}
+    return {n: p for n, p in model.named_parameters() if id(p) in learned}
+
+
+def _save_pretrained_with_learned_steps(self: PeftModel, save_directory, *args, **kwargs):
+    saved = type(self).save_pretrained(self, save_directory, *args, **kwargs)
+    learned = learned_steps_by_name(self)
+    if not learned or _WRITTEN_BESIDE.get() or not kwargs.get("is_main_process", True):
+        return saved  # an export folds them into the base's steps and zero points, which it writes
+    path = os.path.join(save_directory, LEARNED_STEPS_FILE)
+    save_file({n: p.detach().contiguous() for n, p in learned.items()}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    if not self.__dict__.get("_hf_lowprec_told"):
         self.__dict__["_hf_lowprec_told"] = True
+        kinds = " and ".join(kind.replace("_", " ") + "s" for kind, params in learned_steps(self).items() if params)
         logger.warning(
-            "save_pretrained writes the LoRA adapters alone, not the %s the INT4 base learned: a reload of its files "
-            "(PeftModel.from_pretrained) computes without them. export_int4_lora (hf-lowprec export) writes both",
-            " and ".join(kind.replace("_", " ") + "s" for kind in learned),
-        )
-    return type(self).save_pretrained(self, *args, **kwargs)
+            "save_pretrained writes the %s the INT4 base learned beside the LoRA adapters (%s): this model's "
+            "load_adapter and a Trainer resuming it read them, a PeftModel.from_pretrained on another base does not; "
+            "export_int4_lora (hf-lowprec export) writes a folder that reloads whole",
+            kinds, LEARNED_STEPS_FILE,
+        )  # fmt: skip
+    return saved
 
 
 @contextlib.contextmanager
-def learned_steps_written_beside() -> Iterator[None]:
-    """Within: a ``save_pretrained`` whose caller writes the learned steps itself (an export, a checkpoint)."""
+def trained_dtypes_kept(model: nn.Module) -> Iterator[None]:
+    """Within: a reload of ``model``'s adapters (PEFT's ``load_adapter``, which casts bf16 ones to fp32); after it,
+    each trainable parameter that was there before has its dtype back (a resumed run trained other numerics, slower,
+    than the run it continued)."""
+    dtypes = {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}
+    yield
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in dtypes and p.dtype != dtypes[name]:
+                p.data = p.data.to(dtypes[name])
+
+
+def _load_adapter_keeping_learned_steps(self: PeftModel, model_id, adapter_name, *args, **kwargs):
+    with trained_dtypes_kept(self):
+        loaded = type(self).load_adapter(self, model_id, adapter_name, *args, **kwargs)
+    learned = learned_steps_by_name(self)
+    path = os.path.join(str(model_id), LEARNED_STEPS_FILE)
+    with torch.no_grad():
+        if learned and os.path.isfile(path):
+            for name, saved in load_file(path).items():
+                learned[name].copy_(saved)
+        elif learned:
+            logger.warning(
+                "%s holds no %s: the INT4 base keeps the step gains and zero shifts it has (it was saved by a run that "
+                "did not learn them, or by PEFT alone)", model_id, LEARNED_STEPS_FILE,
+            )  # fmt: skip
+    return loaded
+
+
+@contextlib.contextmanager
+def learned_steps_folded_in() -> Iterator[None]:
+    """Within: a ``save_pretrained`` whose caller folded the learned steps into the base it writes (an export): no
+    file of them beside the adapters, nothing said."""
     token = _WRITTEN_BESIDE.set(True)
     try:
         yield

@@ -39,7 +39,12 @@ from hf_lowprec.modules.kernels.autotune import named_dtype, resolve_dtype
 from hf_lowprec.modules.packed import PACKED_BACKENDS, PackedInt4Linear, PackedLinear, compact_steps, packed_class
 from hf_lowprec.modules.packed_embedding import PackedEmbedding, TiedPackedEmbedding, share_packed_head, tied_head_names
 from hf_lowprec.ondevice.calibration import ROUNDINGS, CalibratedCodes, calibrated_codes, check_rounding, summary
-from hf_lowprec.ondevice.learned_steps import check_learn_steps, learn_base_steps, learned_kinds, say_what_peft_saves
+from hf_lowprec.ondevice.learned_steps import (
+    check_learn_steps,
+    keep_learned_steps_with_adapters,
+    learn_base_steps,
+    learned_kinds,
+)
 from hf_lowprec.ondevice.loftq import loftq_factors, loftq_for_targets, lora_scaling
 from hf_lowprec.ondevice.planning import (
     ALL_LINEAR,
@@ -135,8 +140,7 @@ def prepare_int4_lora(
     _freeze_base(model, report, backend, reread)
     peft_model = _with_adapters(model, config, factors, adapter_dtype)
     learned = learn_base_steps(model, learn_steps is True) if learn_steps else []  # a gain and/or a shift per group
-    if learned:
-        say_what_peft_saves(peft_model)
+    keep_learned_steps_with_adapters(peft_model)
     fused = fuse_blocks(model)
     logger.info(
         "INT4 base: %s%s; LoRA (%s) on %d layers%s; fused for backward: %d SwiGLU MLPs, %d RMSNorms",

@@ -16,7 +16,7 @@ It is what ``hf-lowprec finetune`` trains INT4+LoRA models with:
 
 A base that learns its steps (``prepare_int4_lora(..., learn_steps=True)``) trains its step gains and zero shifts in a
 parameter group of their own (:mod:`~hf_lowprec.ondevice.learned_steps`); checkpoints hold them beside the adapters
-(``LEARNED_STEPS_FILE``), and a resumed run reads them back.
+(``LEARNED_STEPS_FILE``), and a resumed run, or the best checkpoint loaded at the end, reads them back.
 
 Gradient accumulation follows transformers' convention: when the Trainer passes ``num_items_in_batch`` (the
 targets of every batch of one optimizer step), the loss is their sum over it, so ``batch 4 x accumulation 1``
@@ -33,24 +33,24 @@ from collections.abc import Mapping
 
 import torch
 import torchao.optim
-from safetensors.torch import load_file, save_file
 from transformers import Trainer
 
 from hf_lowprec.allocator import check_return_freed_memory, returning_freed_memory
 from hf_lowprec.chunked_loss import chunked_causal_lm_loss
 from hf_lowprec.labels import IGNORE_INDEX
 from hf_lowprec.ondevice.learned_steps import (
+    LEARNED_STEPS_FILE,
+    checkpoints_read_back,
     give_learned_steps_their_groups,
     learned_steps,
-    learned_steps_written_beside,
+    learned_steps_by_name,
+    trained_dtypes_kept,
 )
 from hf_lowprec.training.activations import FORMATS as ACTIVATION_FORMATS
 from hf_lowprec.training.activations import ActivationStorage
 from hf_lowprec.training.adamw8bit import AdamW8bit
 
 logger = logging.getLogger(__name__)
-
-LEARNED_STEPS_FILE = "hf_lowprec_learned_steps.safetensors"  # a checkpoint's step gains and zero shifts, by name
 
 
 class ChunkedLossTrainer(Trainer):
@@ -78,6 +78,7 @@ class ChunkedLossTrainer(Trainer):
             )
         check_return_freed_memory(return_freed_memory)
         super().__init__(*args, **kwargs)
+        checkpoints_read_back(self.model)
         if self.args.label_smoothing_factor != 0 or self.compute_loss_func is not None:
             given = "compute_loss_func" if self.compute_loss_func is not None else "label_smoothing_factor"
             raise ValueError(
@@ -105,43 +106,26 @@ class ChunkedLossTrainer(Trainer):
             )
         return cls, kwargs
 
-    def _learned_steps(self) -> dict[str, torch.nn.Parameter]:
-        learned = {id(p) for params in learned_steps(self.model).values() for p in params}
-        return {n: p for n, p in self.model.named_parameters() if id(p) in learned}
-
     def create_optimizer(self):
         optimizer = super().create_optimizer()
         give_learned_steps_their_groups(optimizer, learned_steps(self.model))
         return optimizer
 
-    def _save(self, output_dir: str | None = None, state_dict=None):
-        with learned_steps_written_beside():
-            super()._save(output_dir, state_dict)  # a PEFT model: the adapters only
-        learned = self._learned_steps()
-        if learned:
-            path = os.path.join(output_dir or self.args.output_dir, LEARNED_STEPS_FILE)
-            save_file({n: p.detach().contiguous() for n, p in learned.items()}, path)
-
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None):
         trained = self.model if model is None else model
-        dtypes = {name: p.dtype for name, p in trained.named_parameters() if p.requires_grad}
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
-        # The Trainer loads the adapters with PEFT's load_adapter, which casts bf16 ones to fp32
-        # (autocast_adapter_dtype): a resumed run would train other numerics, slower, than the run it continues.
-        with torch.no_grad():
-            for name, p in trained.named_parameters():
-                if name in dtypes and p.dtype != dtypes[name]:
-                    p.data = p.data.to(dtypes[name])
-        learned = self._learned_steps()
-        path = os.path.join(resume_from_checkpoint, LEARNED_STEPS_FILE)
-        if learned and not os.path.exists(path):
+        saved = os.path.join(resume_from_checkpoint, LEARNED_STEPS_FILE)
+        if learned_steps_by_name(trained) and not os.path.exists(saved):
             raise FileNotFoundError(
                 f"{resume_from_checkpoint} has no {LEARNED_STEPS_FILE}: it was not saved by a run that learned the "
                 "base's steps; resume it with the settings it was trained with"
             )
-        with torch.no_grad():
-            for name, saved in (load_file(path) if learned else {}).items():
-                learned[name].copy_(saved)
+        # a model from load_int4_lora reads the learned steps with its adapters (keep_learned_steps_with_adapters)
+        with trained_dtypes_kept(trained):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self):
+        with trained_dtypes_kept(self.model):
+            super()._load_best_model()
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The Trainer's batches, padded positions' labels set to ``-100``: the loss ignores them, so the count of
