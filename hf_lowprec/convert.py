@@ -180,8 +180,10 @@ class _LayerConversion:
             return None
         if isinstance(module, FROZEN_TYPES):
             raise ValueError(
-                f"layer {name!r} is frozen packed {module.spec.name} and cannot change to {spec.name}; reload the "
-                "model to re-plan it"
+                f"layer {name!r} is packed {module.spec.name} (frozen codes, no dense weight) and cannot change to "
+                f"{spec.name}: a plan for a packed model keeps its packed layers in their formats (a plan file, or "
+                "exclusions of those layers); to train them in another, load the checkpoint dense (without "
+                "HfLowprecConfig / load_int4_lora) and convert that"
             )
         original = _high_precision(module) if isinstance(module, LOW_PRECISION_TYPES) else module
         if spec.is_high_precision:
