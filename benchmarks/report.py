@@ -44,12 +44,18 @@ def fp8_share(fractions: dict[str, float]) -> float:
     return sum(v for k, v in fractions.items() if k.startswith("fp8")) / (1 - SMOLLM2_HEAD_SHARE)
 
 
+VERDICTS = ("holds", "undecided: the seeds' spread covers the target", "holds partly", "does not hold here")
+
+
 def verdict_within(gap: float, std: float, target: float) -> str:
-    """``holds`` when the gap is within the target or inside the seeds' spread (one standard deviation), ``holds
-    partly`` within four times the target, else ``does not hold here``."""
-    if gap <= target or gap <= std:
-        return "holds"
-    return "holds partly" if gap <= 4 * target else "does not hold here"
+    """``holds`` when the gap is within the target by one standard deviation of the seeds (``gap + std <= target``:
+    a gap inside a wide spread no longer passes), ``undecided`` when that one-deviation band holds the target, ``holds
+    partly`` within four times the target, else ``does not hold here`` (:data:`VERDICTS`, best first)."""
+    if gap + std <= target:
+        return VERDICTS[0]
+    if gap - std <= target:
+        return VERDICTS[1]
+    return VERDICTS[2] if gap <= 4 * target else VERDICTS[3]
 
 
 LONGER_RUN = "convergence_600steps"  # convergence.py --steps 600 --seeds 0 1 2 --only fp32 bf16 "fp8 (dynamic)" --out ...
@@ -247,21 +253,21 @@ def claims(conv_res: dict, layers: dict | None, memory: dict | None, ondevice: d
             if "fp8" in formats:
                 text += (f"; every linear in FP8: {formats['fp8']['ratio_mean']:.4f}x, "
                          f"{formats.get('fp8 (gptq weights)', formats['fp8'])['ratio_mean']:.4f}x with GPTQ-rounded weights")
-        order = ("holds", "holds partly", "does not hold here")
-        verdict = max(verdicts, key=order.index)
+        verdict = max(verdicts, key=VERDICTS.index)
         rows.append(("FP8 can replace BF16 as the training format", text, verdict,
                      "from scratch: all linears but the output head in FP8 E4M3/E5M2, tensorwise dynamic scales; "
                      "fine-tuning: the fp8-train recipe, judged on what it exports (master weights; a model served with "
-                     "its FP8 plan is further off, as the figure says); 'holds' needs every run within its target or its "
-                     "seeds' spread"))  # fmt: skip
+                     "its FP8 plan is further off, as the figure says); 'holds' needs every run within its target by one "
+                     "standard deviation of its seeds"))  # fmt: skip
     else:
         rows.append(("FP8 can replace BF16 as the training format", "not measured", "—", ""))
     lossless = [(n, r["eval_gap_vs_bf16"], r.get("eval_gap_vs_bf16_std", 0.0)) for n, r in conv_res.items() if n.startswith("int4")]
     if lossless:
         figs = "; ".join(f"{n}: {pm_pct(g, s)}" for n, g, s in lossless)
-        order = ("holds", "holds partly", "does not hold here")
-        verdict = min((verdict_within(g, s, 0.0025) for _, g, s in lossless), key=order.index)  # "some layers": the best
-        rows.append(("INT4 is lossless on some layers", figs + " (eval vs bf16; lossless = within 0.25% or the seeds' spread)", verdict, ""))
+        verdict = min((verdict_within(g, s, 0.0025) for _, g, s in lossless), key=VERDICTS.index)  # "some layers": the best
+        rows.append(("INT4 is lossless on some layers", figs + " (eval vs bf16; lossless = within 0.25% by one standard deviation)", verdict,
+                     "a 1.4M-parameter model trained from scratch, where INT4's noise may regularise (a loss below bf16's "
+                     "is no gain to expect at scale): no loss measured here, not evidence of none on large models"))  # fmt: skip
     else:
         rows.append(("INT4 is lossless on some layers", "not measured", "—", ""))
     speed = []
@@ -285,7 +291,11 @@ def claims(conv_res: dict, layers: dict | None, memory: dict | None, ondevice: d
     mem, ratio = [], memory_ratio(memory)
     if ratio is not None:
         mem.append(f"full training peak RSS (d) {ratio:.2f}x (b) bf16 AMP, SmolLM2-135M shape, {memory.get('allocator', 'default')} "
-                   "allocator (target ≤ 0.55x)")  # fmt: skip
+                   "allocator (claim ≤ 0.6x; memory.py's goal 0.55x)")  # fmt: skip
+        fp8_on = memory.get("ratios_to_b", {}).get(f"{MEMORY_D}_fp8linear", {}).get("peak_rss_vs_b")
+        if fp8_on is not None:
+            mem.append(f"{fp8_on:.2f}x with its linears in FP8 too (most of the saving is (d)'s optimizer: no fp32 "
+                       "master weights, 8-bit AdamW states; FP8-stored activations add the rest)")  # fmt: skip
     if (other := memory_ratio(memory_default_malloc)) is not None:
         mem.append(f"{other:.2f}x with glibc's default allocator")
     if goals.get("rss_defaults_vs_fp32_defaults") is not None:
