@@ -300,7 +300,10 @@ def claims(conv_res: dict, layers: dict | None, memory: dict | None, ondevice: d
         mem.append(f"{other:.2f}x with glibc's default allocator")
     if goals.get("rss_defaults_vs_fp32_defaults") is not None:
         mem.append(f"INT4+LoRA fine-tuning peak RSS {goals['rss_defaults_vs_fp32_defaults']:.2f}x fp32 LoRA, "
-                   f"{goals['rss_vs_bnb_equal_nogc']:.2f}x bnb NF4 QLoRA")  # fmt: skip
+                   f"{goals['rss_vs_bnb_equal_nogc']:.2f}x bnb NF4 QLoRA (hf-lowprec's defaults: chunked loss, int8-saved "
+                   "activations, 8-bit AdamW; the peers as PEFT and bitsandbytes run them"
+                   + (f"; {goals['rss_defaults_vs_leanest_peer']:.2f}x the leanest peer measured, bf16 LoRA with bf16 "
+                      "adapters and gradient checkpointing" if goals.get("rss_defaults_vs_leanest_peer") else "") + ")")  # fmt: skip
     scale_goals = (load("scale") or {}).get("goals", {}).get("int4-lora")
     if scale_goals is not None:
         mem.append(f"Llama-3.2-1B shape, INT4+LoRA defaults, batch 1x256, loading included: peak RSS {scale_goals['peak_rss_mb']:.0f} MB, "
