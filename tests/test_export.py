@@ -632,7 +632,9 @@ def test_a_compressed_tensors_export_carries_learned_zero_points_in_the_adapter(
     assert json.loads((tmp_path / "named" / "adapter_config.json").read_text())["base_model_name_or_path"] == "me/x"
     native = cli("export", runs / "lora", "--out", tmp_path / "native", "--repo-id", "me/y")  # the run's files copied
     assert native.exit_code == 0 and "hub │" not in " ".join(native.output.split())
-    assert json.loads((tmp_path / "native" / "adapter_config.json").read_text())["base_model_name_or_path"] == "me/y"
+    native_config = json.loads((tmp_path / "native" / "adapter_config.json").read_text())
+    assert native_config["base_model_name_or_path"] == "me/y"
+    assert native_config["task_type"] == "CAUSAL_LM"  # it was null: a plain PeftModel, no pipeline tag for the Hub
     record = json.loads((out / RUN_FILE).read_text())
     rank = json.loads((out / "adapter_config.json").read_text())["r"]
     assert record["export"]["requantized_layers"] == {} and "export_changes" not in record
@@ -643,6 +645,7 @@ def test_a_compressed_tensors_export_carries_learned_zero_points_in_the_adapter(
     # the adapters' base is this folder's packed model: unnamed here, the pushed repo's id once pushed (what
     # AutoPeftModelForCausalLM loads; the dense checkpoint would be the wrong base)
     local = json.loads((out / "adapter_config.json").read_text())
+    assert local["task_type"] == "CAUSAL_LM"
     with HubStandIn() as hub:
         monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
         push(out, "tiny-ct", token=TOKEN)

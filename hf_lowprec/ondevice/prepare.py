@@ -119,6 +119,9 @@ def prepare_int4_lora(
     auto, calibrated = _check_arguments(plan, rounding, calibration, budget, auto_formats, backend, smoothed)
     config = copy.deepcopy(lora_config or LoraConfig(r=16, lora_alpha=32, target_modules=ALL_LINEAR))
     config.target_modules = lora_targets(model, config)
+    if config.task_type is None and callable(getattr(model, "get_output_embeddings", None)) and model.get_output_embeddings() is not None:
+        # a PeftModelForCausalLM, and adapter_config.json says so (what AutoPeftModelForCausalLM and the Hub read)
+        config.task_type = "CAUSAL_LM"
     if calibration is not None:
         check_calibration(calibration)
     # packed while loading: the checkpoint's reader, used here and dropped once the plan passes its checks (the files
