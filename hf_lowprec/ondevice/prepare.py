@@ -31,7 +31,7 @@ from hf_lowprec.convert import ConversionReport, apply_plan, canonical_name, eli
 from hf_lowprec.export.hf_quantizer import HfLowprecConfig, packs_on_load
 from hf_lowprec.file_pages import file_mappings, in_file_mapping
 from hf_lowprec.formats import FormatSpec
-from hf_lowprec.layers import swap_layers
+from hf_lowprec.layers import output_head_name, swap_layers
 from hf_lowprec.modules import FROZEN_TYPES
 from hf_lowprec.modules.int4 import Int4Linear
 from hf_lowprec.modules.int4_lora import register_int4_lora
@@ -119,7 +119,7 @@ def prepare_int4_lora(
     auto, calibrated = _check_arguments(plan, rounding, calibration, budget, auto_formats, backend, smoothed)
     config = copy.deepcopy(lora_config or LoraConfig(r=16, lora_alpha=32, target_modules=ALL_LINEAR))
     config.target_modules = lora_targets(model, config)
-    if config.task_type is None and callable(getattr(model, "get_output_embeddings", None)) and model.get_output_embeddings() is not None:
+    if config.task_type is None and output_head_name(model) is not None:
         # a PeftModelForCausalLM, and adapter_config.json says so (what AutoPeftModelForCausalLM and the Hub read)
         config.task_type = "CAUSAL_LM"
     if calibration is not None:
