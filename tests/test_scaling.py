@@ -542,7 +542,9 @@ def test_collect_telemetry_counts_saturation_and_underflow():
     assert {"lowprec/fp8/grad_saturation", "lowprec/fp8/grad_underflow", "lowprec/fp8/grad_scale_log2",
             "lowprec/spikes", "lowprec/skips_requested"} <= set(logs)  # fmt: skip
     assert "weight" not in layer_telemetry(model)["0"]  # a plain dynamic weight policy keeps no telemetry
-    assert collect_telemetry(model)["lowprec/fp8/input_saturation"] == 0.0  # reset after reading
+    # reset after reading: a window without casts (or layers on torchao's kernels, which scale inside them) gives no
+    # figures, not zeros that read as a scale of 1 with nothing saturated
+    assert not any(k.startswith("lowprec/fp8/") for k in collect_telemetry(model))
 
 
 def test_dynamic_scaling_never_counts_the_amax_as_saturated():

@@ -79,7 +79,8 @@ def collect_telemetry(model: nn.Module, reset: bool = True) -> dict[str, float]:
     """Telemetry aggregated over every low-precision layer of ``model``, for Trainer logs.
 
     Keys (``{fmt}`` a format name such as ``fp8``, ``{role}`` one of input/weight/grad; only formats
-    and roles whose policies record telemetry appear):
+    and roles whose policies record telemetry appear, and only those that cast since the last reset: layers on
+    torchao's kernels compute their scales inside them and record none):
 
     - ``lowprec/{fmt}/{role}_saturation`` and ``..._underflow``: fraction of elements clipped at the
       format's max / flushed to zero, over all casts since the last reset;
@@ -114,9 +115,12 @@ def collect_telemetry(model: nn.Module, reset: bool = True) -> dict[str, float]:
     out: dict[str, float] = {}
     for (fmt, role), (n, sat, under, log2sum, layers) in sums.items():
         prefix = f"{TELEMETRY_PREFIX}{fmt}/{role}"
-        out[f"{prefix}_saturation"] = sat / n if n else 0.0
-        out[f"{prefix}_underflow"] = under / n if n else 0.0
-        out[f"{prefix}_scale_log2"] = log2sum / layers if layers else 0.0
+        if n:  # no casts counted (a window without steps; layers on torchao's kernels, which scale inside): no
+            # figures, rather than zeros that read as a scale of 1 and nothing saturated
+            out[f"{prefix}_saturation"] = sat / n
+            out[f"{prefix}_underflow"] = under / n
+        if layers:
+            out[f"{prefix}_scale_log2"] = log2sum / layers
     if any_gradient:
         out[f"{TELEMETRY_PREFIX}spikes"] = float(spikes)
         out[f"{TELEMETRY_PREFIX}skips_requested"] = float(skips)
