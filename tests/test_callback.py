@@ -292,11 +292,38 @@ def test_bf16_weights_with_kahan_compensation_resume_exactly(tmp_path):
     assert isinstance(full.optimizer.optimizer, CompensatedOptimizer) and full.optimizer.optimizer.compensation_bytes() > 0
     ckpt = tmp_path / "full" / "checkpoint-4"
     assert set(torch.load(ckpt / "optimizer.pt", weights_only=True)) == {"state", "param_groups"}
-    resumed = Trainer(model=tiny_llama().to(torch.bfloat16), args=arguments(tmp_path / "resumed", **args), train_dataset=data,
-                      callbacks=[LowPrecisionCallback(ckpt, compensation="kahan")])  # fmt: skip
-    resumed.train(resume_from_checkpoint=str(ckpt))
-    a, b = losses(full), {s: v for s, v in losses(resumed).items() if s > 4}
-    assert sorted(b) == [5, 6, 7, 8] and all(a[s] == b[s] for s in b), (a, b)
+    # resumed into another output folder: the plan given as the checkpoint folder, as a format name (the checkpoint
+    # train() resumes is where the compensation buffers are: a format name was refused, "pass plan=<checkpoint
+    # folder>"), or the callback rebuilt by transformers from trainer_state.json (which holds the plan, not the folder:
+    # it was refused saying to do what had been done)
+    for name, plan, more in (("folder", ckpt, {}), ("named", MIXED_PLAN, {}),
+                             ("rebuilt", ckpt, {"restore_callback_states_from_checkpoint": True})):  # fmt: skip
+        resumed = Trainer(model=tiny_llama().to(torch.bfloat16), args=arguments(tmp_path / name, **args, **more),
+                          train_dataset=data, callbacks=[LowPrecisionCallback(plan, compensation="kahan")])  # fmt: skip
+        resumed.train(resume_from_checkpoint=str(ckpt))
+        a, b = losses(full), {s: v for s, v in losses(resumed).items() if s > 4}
+        assert sorted(b) == [5, 6, 7, 8] and all(a[s] == b[s] for s in b), (name, a, b)
+
+
+def test_a_checkpoint_without_optimizer_state_resumes_saying_the_optimizer_restarts(tmp_path, caplog):
+    """save_only_model=True writes no optimizer.pt: with compensation= the resume crashed on the missing
+    hf_lowprec_compensation.pt (FileNotFoundError); now it resumes, the scale state restored and the optimizer (and
+    its compensation buffers) restarting, as transformers restarts it, and says so."""
+    data = lm_rows(2, batch=4)
+    args = dict(max_steps=6, per_device_train_batch_size=4, save_strategy="steps", save_steps=3, bf16=True,
+                save_only_model=True)  # fmt: skip
+    full = Trainer(model=tiny_llama().to(torch.bfloat16), args=arguments(tmp_path / "full", **args), train_dataset=data,
+                   callbacks=[LowPrecisionCallback(MIXED_PLAN, scaler="delayed", compensation="kahan")])  # fmt: skip
+    full.train()
+    ckpt = tmp_path / "full" / "checkpoint-3"
+    assert not (ckpt / "optimizer.pt").exists()
+    resumed = Trainer(model=tiny_llama().to(torch.bfloat16), args=arguments(tmp_path / "full", **args), train_dataset=data,
+                      callbacks=[LowPrecisionCallback(MIXED_PLAN, scaler="delayed", compensation="kahan")])  # fmt: skip
+    with caplog.at_level("WARNING", logger="hf_lowprec.training.callback"):
+        resumed.train(resume_from_checkpoint=str(ckpt))
+    assert "holds no optimizer.pt (saved with save_only_model=True): the optimizer and its compensation buffers restart" in caplog.text
+    a, b = losses(full), losses(resumed)
+    assert a[4] == b[4]  # the first step after the checkpoint: weights and scale histories restored, moments unused yet
 
 
 # --------------------------------------------------------------------------------------- bad input

@@ -278,7 +278,18 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         with torch.no_grad():
             for key, value in tensors.items():
                 params[key].copy_(value)
-        if self.compensation and optimizer is not None:
+        if not (folder / OPTIMIZER_NAME).is_file():  # save_only_model=True: transformers resumes without a word
+            logger.warning(
+                "%s holds no %s (saved with save_only_model=True): the optimizer%s, so the run does not continue "
+                "the interrupted one's loss curve exactly", folder, OPTIMIZER_NAME,
+                " and its compensation buffers restart" if self.compensation else " restarts",
+            )  # fmt: skip
+        elif self.compensation and optimizer is not None:
+            if not (folder / COMPENSATION_FILE).is_file():
+                raise ValueError(
+                    f"{folder} holds no {COMPENSATION_FILE}: it was saved by a run without compensation=; resume it "
+                    "without compensation, or start this one afresh"
+                )
             # the Trainer loaded optimizer.pt into the unwrapped optimizer, casting the fp32 moments of
             # bf16 weights to bf16; load it again through the wrapper, which keeps them fp32
             extra = torch.load(folder / COMPENSATION_FILE, weights_only=True)
@@ -287,11 +298,12 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
 
     def _checkpoint_folder(self, args, state) -> Path | None:
         """The checkpoint being resumed: the first of ``args.resume_from_checkpoint``,
-        ``<output_dir>/checkpoint-<step>`` and the plan folder that holds the low-precision state and was saved at this
+        ``train(resume_from_checkpoint=)``'s, ``<output_dir>/checkpoint-<step>`` and the plan folder that holds the low-precision state and was saved at this
         step (its ``trainer_state.json``). A plan folder saved at another step is not: its steps and scale histories
         would replace the newer ones the Trainer just loaded with the weights."""
         candidates = [
             getattr(args, "resume_from_checkpoint", None),
+            _resumed_checkpoint(),
             Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}",
             self._plan_folder,
         ]
@@ -403,6 +415,19 @@ def _calling(wanted) -> object | None:
     while frame is not None and not wanted(frame.f_locals.get("self")):
         frame = frame.f_back
     return None if frame is None else frame.f_locals["self"]
+
+
+def _resumed_checkpoint() -> str | None:
+    """The folder ``Trainer.train(resume_from_checkpoint=...)`` resumes from (a local of its training loop: callbacks
+    are not given it, and a callback that transformers rebuilt from the checkpoint's ``trainer_state.json``
+    (``restore_callback_states_from_checkpoint``) holds a plan, not the folder its state lies in)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        resumed = frame.f_locals.get("resume_from_checkpoint")
+        if isinstance(frame.f_locals.get("self"), Trainer) and isinstance(resumed, str):
+            return resumed
+        frame = frame.f_back
+    return None
 
 
 def _no_decay_on_learned_steps(trainer: Trainer) -> None:
