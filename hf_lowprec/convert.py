@@ -232,8 +232,8 @@ def revert(model: nn.Module) -> int:
     """Put plain ``nn.Linear``/``nn.Embedding`` back for every converted (non-frozen) layer; returns the count."""
     count = swap_layers(model, lambda name, fqn, m: _high_precision(m) if _revertible(m) else None)
     for m in model.modules():  # the model's own, or the one a wrapper (a PeftModel) forwards attributes to
-        if "hf_lowprec_plan" in vars(m):
-            del m.hf_lowprec_plan
+        for recorded in ("hf_lowprec_plan", "hf_lowprec_options"):  # the plan, a training session's options
+            vars(m).pop(recorded, None)
     return count
 
 

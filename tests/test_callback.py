@@ -11,6 +11,7 @@ from conftest import autocast_states, cls_batches, lm_batches, tiny_bert, tiny_l
 from safetensors.torch import load_file
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from hf_lowprec.convert import revert
 from hf_lowprec.modules import LOW_PRECISION_TYPES
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 from hf_lowprec.training.callback import STATE_FILE, TELEMETRY_KEYS, LowPrecisionCallback, low_precision_state
@@ -327,6 +328,29 @@ def test_a_checkpoint_without_optimizer_state_resumes_saying_the_optimizer_resta
 
 
 # --------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("first, second", [(dict(scaler="dynamic"), dict(scaler="delayed")),
+                                           (dict(plan=MIXED_PLAN), dict(plan=MIXED_PLAN, learn_scales=False))])  # fmt: skip
+def test_a_second_callback_with_other_options_on_a_converted_model_is_refused(tmp_path, first, second):
+    """A second Trainer on a model the first converted: its callback's other scaler (or learn_scales=False) was
+    ignored, the layers kept the first's (dynamic scales; steps still learned) while its state said otherwise. The
+    same options reuse the conversion; other ones are refused until the model is reverted."""
+    model = tiny_llama()
+    make = lambda options: Trainer(model=model, args=arguments(tmp_path), train_dataset=lm_rows(1),  # noqa: E731
+                                   callbacks=[LowPrecisionCallback(**{"plan": "fp8", **options})])  # fmt: skip
+    learned = lambda: [n for n, p in model.named_parameters() if n.endswith(".step") and p.requires_grad]  # noqa: E731
+    make(first)
+    make(first)
+    assert bool(learned()) == ("learn_scales" in second)
+    with pytest.raises(ValueError, match="^this model was converted with .*: its converted layers keep theirs; hf_lowprec.revert"):
+        make(second)
+    revert(model)
+    trainer = make(second)
+    if "scaler" in second:
+        assert type(model.model.layers[0].self_attn.q_proj.scaling["input"]).__name__ == "DelayedScaling"
+    else:
+        assert learned() == [] and trainer.model is model
+
+
 def test_plan_for_another_model_fails_at_init(tmp_path):
     path = PrecisionPlan({"bert.encoder.layer.0.attention.self.query": "fp8"}).save(tmp_path / "bert_plan.json")
     with pytest.raises(ValueError, match="is not a layer of this model"):

@@ -262,12 +262,22 @@ class LowPrecisionSession:
     def apply(self, model: nn.Module, plan: PrecisionPlan, world: int) -> ConversionReport:
         """:func:`~hf_lowprec.convert.apply_plan` with these options (amaxes synced over ``world`` processes by
         default)."""
-        factory = make_policy_factory(
-            self.scaler, sync=world > 1 if self.sync is None else self.sync, **self.scaler_options
-        )
-        return apply_plan(
+        sync = world > 1 if self.sync is None else self.sync
+        options = {"scaler": self.scaler, "scaler_options": dict(self.scaler_options), "sync": sync,
+                   "fp8_backend": self.fp8_backend, "learn_scales": self.learn_scales}  # fmt: skip
+        before = getattr(model, "hf_lowprec_options", None)
+        if before is not None and before != options:  # apply_plan leaves layers already in their format as they are
+            changed = ", ".join(f"{k}={before[k]!r} (now {options[k]!r})" for k in options if before[k] != options[k])
+            raise ValueError(
+                f"this model was converted with {changed}: its converted layers keep theirs; hf_lowprec.revert(model) "
+                "first, or load the model afresh, to convert it with these options"
+            )
+        factory = make_policy_factory(self.scaler, sync=sync, **self.scaler_options)
+        report = apply_plan(
             model, plan, fp8_backend=self.fp8_backend, learn_scales=self.learn_scales, policy_factory=factory
         )
+        model.hf_lowprec_options = options
+        return report
 
     def round_weights(self, model: nn.Module, batches: Iterable[Mapping]) -> None:
         """Move the converted model's FP8 master weights to the grid points ``fp8_rounding`` chooses, calibrated on
