@@ -327,6 +327,17 @@ def test_a_checkpoint_without_optimizer_state_resumes_saying_the_optimizer_resta
     assert a[4] == b[4]  # the first step after the checkpoint: weights and scale histories restored, moments unused yet
 
 
+def test_a_second_train_counts_its_own_skipped_steps(tmp_path):
+    """train() twice on one Trainer: the second run's lowprec/steps_skipped started at the first run's count."""
+    callback = LowPrecisionCallback("fp8")
+    trainer = Trainer(model=tiny_llama(), args=arguments(tmp_path, max_steps=2), train_dataset=lm_rows(1),
+                      callbacks=[callback])  # fmt: skip
+    trainer.train()
+    callback.steps_skipped = 3  # as if the first run had skipped three spiking steps
+    trainer.train()
+    assert [h["lowprec/steps_skipped"] for h in trainer.state.log_history if "loss" in h] == [0.0, 0.0]
+
+
 # --------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("first, second", [(dict(scaler="dynamic"), dict(scaler="delayed")),
                                            (dict(plan=MIXED_PLAN), dict(plan=MIXED_PLAN, learn_scales=False))])  # fmt: skip

@@ -190,6 +190,8 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
             self._compensate(optimizer)
         if state.global_step > 0:
             self._restore(args, state, model, optimizer)
+        else:  # a run from its start (a second train() too): no skipped steps yet
+            self.steps_skipped = 0
         if args.fp16 and getattr(optimizer, "scaler", None) is None:
             logger.warning(
                 "fp16=True but no GradScaler is active: Accelerate applies fp16 autocast and loss scaling only on "
