@@ -403,6 +403,9 @@ def test_model_without_eligible_layers_fails_at_init(tmp_path):
         (dict(plan="fp8", calibration_batches=0), "calibration_batches"),
         (dict(plan=MIXED_PLAN, keep=("lm_head",)), "keep= applies"),
         (dict(plan="fp8", compensation="kahan-ish"), "unknown compensation"),
+        # a scan's formats now, not when training starts (under DDP on every rank inside train())
+        (dict(formats=["fp8", "bf16"]), r"^format 'bf16' is high precision: scan low-precision formats"),
+        (dict(formats=["fp8", "fp8"]), r"^formats contain duplicates"),
         (dict(plan="fp8", fp8_rounding="gptq"), "needs calibration_data="),
         (dict(plan="fp8", fp8_rounding="awq", calibration_data=[{}]), "unknown fp8_rounding 'awq'; choose one of"),
         # the budget's keys and values when it is given, not after the first training batches were scanned

@@ -79,6 +79,8 @@ class LowPrecisionPlugin(SessionOwner):
         fp8_backend: the plugin's own FP8 layers: ``auto``, ``emulated`` or ``torchao``.
         learn_scales: train INT4/INT8 group steps (LSQ).
         sync: reduce FP8 amaxes over ranks; default: when more than one process runs.
+            ``False`` under DDP: DDP copies rank 0's buffers to every rank before each forward (its default
+            ``broadcast_buffers``), so each rank scales from rank 0's statistics and other ranks' spikes go uncounted.
         compensation: ``kahan`` or ``stochastic``: the optimizer is wrapped in a
             :class:`~hf_lowprec.training.compensation.CompensatedOptimizer` (for bf16/fp16 weights without an fp32
             copy).

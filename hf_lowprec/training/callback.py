@@ -106,6 +106,8 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         scaler: FP8 scale policy by name (``dynamic``, ``delayed``, ``gradient``); ``scaler_options`` go
             to it (e.g. ``{"spike_action": "skip"}``).
         sync: reduce FP8 tensorwise amaxes with MAX over ranks; default: when more than one process runs.
+            ``False`` under DDP: DDP copies rank 0's buffers to every rank before each forward (its default
+            ``broadcast_buffers``), so each rank scales from rank 0's statistics and other ranks' spikes go uncounted.
         compensation: ``kahan`` or ``stochastic``: wrap the Trainer's optimizer in a
             :class:`~hf_lowprec.training.compensation.CompensatedOptimizer` so bf16/fp16 weights train without an
             fp32 master copy (the model must have such weights).

@@ -62,7 +62,7 @@ def insert_new_parameters(optimizer: torch.optim.Optimizer, model: nn.Module, pa
     owners = _owner_weights(model)
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     order = {id(p): i for i, p in enumerate(model.parameters())}
-    touched, count = [], 0
+    touched, decayed, count = [], set(), 0
     for p in params:
         if id(p) in group_of:
             continue  # already there: never twice
@@ -72,19 +72,27 @@ def insert_new_parameters(optimizer: torch.optim.Optimizer, model: nn.Module, pa
             p.requires_grad_(False)
             continue
         group = _without_decay(optimizer, group)
+        if group.get("weight_decay"):
+            decayed.add(group["weight_decay"])
         group["params"].append(p)
         group_of[id(p)] = group
         touched.append(group)
         count += 1
     for group in {id(g): g for g in touched}.values():
         group["params"].sort(key=lambda q: order.get(id(q), len(order)))
+    if decayed:  # once, not per step
+        logger.warning(
+            "learned steps join their weights' param group, with its weight_decay %s (it shrinks them each step): "
+            "give the optimizer a group of the same settings and weight_decay 0 for them, or pass learn_scales=False",
+            " / ".join(f"{d:g}" for d in sorted(decayed)),
+        )
     return count
 
 
 def _without_decay(optimizer: torch.optim.Optimizer, group: dict) -> dict:
     """``group``, or where it decays weights, the group of the same other hyperparameters without decay (the
     Trainer's second group, where :func:`without_learned_parameters` has it put them), if there is one: decay pulls
-    learned steps toward 0 (a finer grid, more clipping) every step. Else ``group``, with a warning."""
+    learned steps toward 0 (a finer grid, more clipping) every step. Else ``group`` (the caller warns)."""
     if not group.get("weight_decay"):
         return group
 
@@ -97,11 +105,6 @@ def _without_decay(optimizer: torch.optim.Optimizer, group: dict) -> dict:
                 return candidate
         except RuntimeError:  # a tensor-valued hyperparameter (capturable lr): not compared
             continue
-    logger.warning(
-        "learned steps join their weights' param group, with its weight_decay %g (it shrinks them each step): give "
-        "the optimizer a group of the same settings and weight_decay 0 for them, or pass learn_scales=False",
-        group["weight_decay"],
-    )
     return group
 
 

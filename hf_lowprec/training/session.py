@@ -201,8 +201,7 @@ class LowPrecisionSession:
             raise ValueError(f"calibration_batches must be >= 1, got {calibration_batches}")
         if fp8_backend not in FP8_BACKENDS:
             raise ValueError(f"unknown fp8_backend {fp8_backend!r}; choose one of {', '.join(FP8_BACKENDS)}")
-        for fmt in formats:
-            FormatSpec.parse(fmt)
+        sensitivity.check_formats(formats)  # a high-precision one or a duplicate, now, not when training starts
         if compensation is not None and compensation not in COMPENSATIONS:
             raise ValueError(f"unknown compensation {compensation!r}; choose one of {', '.join(COMPENSATIONS)} or None")
         if fp8_rounding not in FP8_ROUNDINGS:
