@@ -746,8 +746,10 @@ def gpu_section(gpu: dict | None) -> list[str]:
     lines = ["## GPU column\n"]
     if not gpu:
         return lines + ["not measured: `benchmarks/gpu.sh` is prepared (Llama ~1.1B from a config, bf16 vs hf-lowprec FP8 plans vs torchao "
-                        "tensorwise/rowwise, batch 4x2048) but no GPU was lent to the session that produced this report.\n"]  # fmt: skip
-    lines += [f"{gpu['device']}, torch {gpu['torch']}\n", "| run | step s | vs bf16 | peak GB | vs bf16 |", "|---|---|---|---|---|"]
+                        "tensorwise/rowwise, each decoder layer compiled, batch 4x2048) but no GPU was lent to the session that "
+                        "produced this report.\n"]  # fmt: skip
+    lines += [f"{gpu['device']}, torch {gpu['torch']}, torchao {gpu.get('torchao', '?')}; ratios to bf16 with each decoder layer "
+              "compiled\n", "| run | step s | vs bf16 | peak GB | vs bf16 |", "|---|---|---|---|---|"]  # fmt: skip
     for name, r in gpu["results"].items():
         if "error" in r:
             lines.append(f"| {name} | error: {r['error']} | | | |")

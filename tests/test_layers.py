@@ -55,12 +55,21 @@ def test_fp8_linear_matches_torchao_float8linear(dtype, recipe, spec, grad_dtype
 
 
 def test_fp8_linear_torchao_backend_is_torchaos_layer():
+    """Its GEMMs are configured as Float8Linear's (a fast-accumulating output GEMM, no copy padding a token count
+    that divides by 16); a token count that does not is padded (_scaled_mm needs the weight gradient's inner
+    dimension to divide by 16)."""
     torch.manual_seed(0)
     lin = nn.Linear(128, 64)
     ref = convert_to_float8_training(nn.Sequential(copy.deepcopy(lin)))[0]
     ours = FP8Linear.from_linear(copy.deepcopy(lin), "fp8", backend="torchao")
     x, g = torch.randn(16, 128), torch.randn(16, 64)
     for a, b in zip(_run(ours, x, g), _run(ref, x, g)):
+        assert torch.equal(a, b)
+    assert ours._torchao_config[0][False] == ref.linear_mm_config
+    x, g = torch.randn(20, 128), torch.randn(20, 64)
+    ours.weight.grad = ours.bias.grad = None
+    padded = convert_to_float8_training(nn.Sequential(copy.deepcopy(lin)), config=Float8LinearConfig(pad_inner_dim=True))[0]
+    for a, b in zip(_run(ours, x, g), _run(padded, x, g)):
         assert torch.equal(a, b)
 
 

@@ -295,10 +295,16 @@ class FP8Linear(nn.Linear):
             else:
                 raise ValueError(f"backend='torchao' supports fp8 and fp8-rowwise, not {self.spec.name}")
             emulate = not fp8_hardware_available(self.weight.device) and self.weight.device.type == "cuda"
-            # pad_inner_dim: the weight gradient's inner dimension is the token count, which need not divide by 16
-            mm = ScaledMMConfig(emulate, False, False, True)
-            self._torchao_config = (LinearMMConfig(mm, mm, mm), config)
-        mm_config, config = self._torchao_config
+            gemms = (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)
+
+            def mm_configs(pad: bool) -> LinearMMConfig:  # as Float8Linear.__init__ builds them (fast-accumulating
+                # output GEMM), padding when asked: F.pad copies both operands even when there is nothing to pad
+                return LinearMMConfig(*(ScaledMMConfig(emulate, g.use_fast_accum, False, pad) for g in gemms))
+
+            self._torchao_config = ({pad: mm_configs(pad) for pad in (False, True)}, config)
+        mm_configs, config = self._torchao_config
+        # the weight gradient's inner dimension is the token count, which need not divide by 16 (_scaled_mm's rule)
+        mm_config = mm_configs[x2d.shape[0] % 16 != 0]
         return matmul_with_hp_or_float8_args.apply(x2d, weight.t(), mm_config, config)
 
     def extra_repr(self) -> str:
