@@ -820,6 +820,10 @@ def test_bad_inputs_fail_with_one_line(ws, tmp_path):
     assert "not an hf-lowprec run" in one_error_line(cli("export", ws / "tiny", "--out", tmp_path / "e"))
     (tmp_path / "full-run").mkdir()
     (tmp_path / "full-run" / RUN_FILE).write_text(json.dumps({"recipe": {"method": "full"}}))
+    incomplete = one_error_line(cli("export", tmp_path / "full-run", "--out", tmp_path / "e"))
+    assert "lacks config.json, model.safetensors, which its run record says it holds" in incomplete  # it exported
+    for name in ("config.json", "model.safetensors"):  # (existing is all the check reads)
+        (tmp_path / "full-run" / name).write_text("{}")
     no_adapters = cli("export", tmp_path / "full-run", "--out", tmp_path / "e", "--merge")
     assert "has no LoRA adapters to merge" in one_error_line(no_adapters) and "merging" not in no_adapters.output
     for into in ("bf16", "int4"):  # --merge-into without --merge is not silently ignored
@@ -850,7 +854,7 @@ def test_bad_inputs_fail_with_one_line(ws, tmp_path):
     assert "already exists; pass --overwrite to replace it" in one_error_line(cli(*export))
     into_itself = one_error_line(cli("export", tmp_path / "full-run", "--out", tmp_path / "full-run", "--overwrite"))
     assert "is the run folder" in into_itself and "itself, inside it or around it" in into_itself
-    assert [p.name for p in (tmp_path / "full-run").iterdir()] == [RUN_FILE]
+    assert sorted(p.name for p in (tmp_path / "full-run").iterdir()) == ["config.json", RUN_FILE, "model.safetensors"]
     other_run = tmp_path / "other-run"  # a finetune run's folder (its log): export --overwrite replaced it
     other_run.mkdir()
     (other_run / RUN_FILE).write_text("{}")

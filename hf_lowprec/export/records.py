@@ -19,9 +19,11 @@ from hf_lowprec.layers import canonical_name, dense_views, eligible_layers
 from hf_lowprec.modules import LOW_PRECISION_TYPES, FP8Linear
 from hf_lowprec.modules.kernels.cpu import cpu_info
 from hf_lowprec.modules.packed_embedding import tied_head_names
+from hf_lowprec.ondevice.export import ADAPTER_CONFIG, adapter_folder
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan  # noqa: F401  (re-exported: the folder's file names)
 
 CARD_FILE = "README.md"
+WEIGHTS_FILE, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
 CARD_SHA256 = "card_sha256"  # the run record's key for the SHA-256 of the card written with it
 # files a run folder holds that an export does not publish
 RUN_ONLY = ("checkpoints", "log_history.json")
@@ -114,7 +116,33 @@ def read_run(folder: str | os.PathLike) -> dict:
         raise ValueError(f"{str(path)!r} is not a valid run record ({e}); export the run again") from None
     if not isinstance(run, dict):
         raise ValueError(f"{str(path)!r} is not a valid run record (a JSON object expected); export the run again")
+    if missing := missing_files(Path(folder), run):
+        raise ValueError(
+            f"{str(folder)!r} lacks {', '.join(missing)}, which its run record says it holds: copy the folder whole, "
+            "or export the run again"
+        )
     return run
+
+
+def missing_files(folder: Path, run: Mapping) -> list[str]:
+    """The files the run record ``run`` says ``folder`` holds and it does not: the model's config and weights (every
+    shard an index names), the plan of packed or master weights, the LoRA adapters; a GGUF export's files as listed.
+    (An export of a folder without its adapters said it held them, and a push uploaded it.)"""
+    export = run.get("export", {})
+    if "files" in export:  # GGUF: what it wrote
+        wanted = list(export["files"])
+    else:
+        index = folder / WEIGHTS_INDEX
+        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values())) if index.is_file() else []
+        wanted = ["config.json", *(shards or [WEIGHTS_FILE])]
+        planned = export.get("weights") in ("int4-packed", "master") and export.get("loader") != "compressed-tensors"
+        if run.get("plan") and planned:  # what hf-lowprec loads packed layers, or re-applies FP8 (--plan-numerics), by
+            wanted.append(PLAN_FILE)
+        if isinstance(adapter := run.get("adapter"), Mapping):  # where they are (older exports: adapter/)
+            where = adapter_folder(folder) or folder / (adapter.get("folder") or ".")
+            sub = PurePosixPath(os.path.relpath(where, folder))
+            wanted += [str(sub / name) for name in (ADAPTER_CONFIG, "adapter_model.safetensors")]
+    return [name for name in wanted if not (folder / name).exists()]
 
 
 def write_record(
