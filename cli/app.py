@@ -573,7 +573,11 @@ def _model_and_key_values(model: str | None, items: list[str]) -> tuple[str | No
             ui.fail(f"{item!r}: recipe overrides are key=value with a dotted key, e.g. training.max_steps=10")
         if not value.strip():  # it was dropped without a word, the recipe's value kept
             ui.fail(f"{item!r}: no value after '='; give one (key=null sets null)")
-        out[key.strip()] = yaml.safe_load(value)
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as e:  # it fell to the generic handler: exit 1, the parser's words, no argument named
+            problem = str(e).splitlines()[0]
+            ui.fail(f"{item!r}: the value is not valid YAML ({problem}); a list is key=[a, b], quoted for the shell")
     return model, out
 
 
@@ -996,7 +1000,12 @@ def export_cmd(
 @app.command("push")
 @ui.guarded
 def push_cmd(
-    folder: Annotated[Path, typer.Argument(help="An exported folder.")],
+    folder: Annotated[
+        Path,
+        typer.Argument(
+            help="An export folder (or a run folder, its checkpoints and log left out; or a model folder with config.json)."
+        ),
+    ],
     repo_id: Annotated[str, typer.Argument(help="Hub repo id, e.g. user/my-model.")],
     private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
     create_pr: Annotated[
@@ -1006,7 +1015,7 @@ def push_cmd(
         bool, typer.Option("--dry-run", help="Print the files and model card it would upload; no token, no request.")
     ] = False,
 ):
-    """Upload an exported folder to the Hugging Face Hub (token from HF_TOKEN or `hf auth login`)."""
+    """Upload an export (or run, or model) folder to the Hugging Face Hub (token from HF_TOKEN or `hf auth login`)."""
     from hf_lowprec.export.publish import PushFailed, edited_card, push, push_preview
     from hf_lowprec.export.records import CARD_FILE
     from hf_lowprec.ondevice.export import ADAPTER_CONFIG

@@ -151,7 +151,7 @@ def _split_files(folder: Path) -> dict[str, list[Path]]:
 
     try:
         resolved = DataFilesDict.from_patterns(get_data_patterns(str(folder)), base_path=str(folder))
-    except datasets.exceptions.DataFilesNotFoundError:  # an empty folder
+    except (datasets.exceptions.DataFilesNotFoundError, datasets.data_files.EmptyDatasetError):  # no data file in it
         return {}
     out = {str(s): sorted(Path(f) for f in files if Path(f).suffix in FILE_BUILDERS) for s, files in resolved.items()}
     return {s: files for s, files in out.items() if files}
@@ -706,6 +706,11 @@ def prepare_lm_data(
         )
         collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
     if not train and not eval_only:
+        if cols.kind == "text" and not any(isinstance(v, str) and v.strip() for v in train_rows[cols.text]):
+            raise ValueError(  # (rows of null were left out as empty ones are: the block size was blamed)
+                f"data {name!r}: column {cols.text!r} holds no text in its {len(train_rows)} training rows (each null "
+                "or empty)"
+            )
         raise ValueError(
             f"data {name!r} gives no complete block of {block_size} tokens to train on; lower --block-size or add data"
             if cols.kind == "text"

@@ -401,7 +401,14 @@ class Recipe:
         """Build and check a recipe; ``source`` (a file name) appears in every error. An ``int4-lora`` recipe that
         names no plan gets that method's default format, not full training's ``fp8``, trains with 8-bit AdamW and
         exports ``int4-packed`` weights (its packed base), not ``master``."""
-        recipe = _build(cls, _with_method_defaults(data), "", source)
+        try:
+            recipe = _build(cls, _with_method_defaults(data), "", source)
+        except ValueError as e:
+            if "method" in data or "method '" not in str(e):
+                raise
+            # a setting another method's: the defaulted method is what is missing (not the setting that is wrong)
+            methods = ", ".join(METHODS)
+            raise ValueError(f"{e} (the recipe names no method, so it is 'full'; one of {methods})") from None
         return dataclasses.replace(recipe, source=source)
 
     def to_dict(self) -> dict:

@@ -810,6 +810,10 @@ def test_bad_inputs_fail_with_one_line(ws, tmp_path):
     assert "has no column 'body'" in one_error_line(no_column) and "loading" not in no_column.output
     too_short = cli("finetune", ws / "tiny", "--data", short, "-o", tmp_path / "o1")
     assert "gives no complete block of 128 tokens" in one_error_line(too_short) and "loading" not in too_short.output
+    nulls = tmp_path / "nulls.jsonl"  # null rows are left out as empty ones are: the block size was blamed
+    nulls.write_text("\n".join(json.dumps({"text": v}) for v in (None, "", None, " ")) + "\n")
+    no_text_rows = one_error_line(cli("finetune", ws / "tiny", "--data", nulls, "-o", tmp_path / "o1"))
+    assert re.search(r"nulls\.jsonl': column 'text' holds no text in its \d+ training rows \(each null or empty\)$", no_text_rows)
     eval_short = one_error_line(cli("eval", ws / "tiny", "--data", short))  # eval has no eval_fraction to raise
     assert eval_short.endswith("gives no complete block of 256 tokens to evaluate on; lower --block-size or add data")
     scan_short = cli("scan", ws / "tiny", "--data", short, "--out", tmp_path / "plan.json")
@@ -1116,6 +1120,8 @@ def test_recipe_keys_as_key_value_arguments(ws, tmp_path):
     assert empty.endswith("'training.block_size=': no value after '='; give one (key=null sets null)")
     null = one_error_line(cli("finetune", ws / "tiny", "training.block_size=null", "-o", tmp_path / "bad"))
     assert "'training.block_size' must be an integer, got None" in null
+    unclosed = cli("finetune", ws / "tiny", "lora.target_modules=[q_proj", "-o", tmp_path / "bad")  # exit 1, parser's words
+    assert "'lora.target_modules=[q_proj': the value is not valid YAML (while parsing a flow sequence)" in one_error_line(unclosed)
     assert not (tmp_path / "bad").exists()
     # checked on the model built on the meta device, before the data is read (each failed after the base model's
     # evaluation, or trained a full-rank adapter of hundreds of MB)

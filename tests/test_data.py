@@ -186,6 +186,9 @@ def test_a_single_file_holds_only_the_train_split(tmp_path):
     with pytest.raises(ValueError, match=r"data folder '.*folder' has no split 'test'; its splits are train"):
         load_records(tmp_path / "folder", split="test")
     assert data.default_eval_split(path) == "train" and data.default_eval_split(tmp_path / "folder") == "train"
+    (tmp_path / "empty").mkdir()  # datasets' EmptyDatasetError passed through (exit 1, its words)
+    with pytest.raises(ValueError, match=r"data folder '.*empty' has no split 'train'; its splits are none \(no \.txt/"):
+        load_records(tmp_path / "empty")
 
 
 def test_a_folder_is_split_by_file_names_as_datasets_splits_it(tmp_path, caplog, monkeypatch):

@@ -517,6 +517,17 @@ def test_an_export_of_merged_or_disabled_adapters_is_what_the_model_computes(tmp
         export_int4_lora(model, tmp_path / "both")
 
 
+def test_all_linear_on_a_model_without_linear_layers_says_so():
+    """A model whose only Linear is its output head: the CLI's LoRA check failed on "max() arg is an empty sequence"."""
+    from hf_lowprec.ondevice.planning import resolve_target_modules
+
+    model = tiny_llama(num_hidden_layers=0)
+    for targets in ("all-linear", ["all-linear"]):
+        with pytest.raises(ValueError, match=r"^target_modules 'all-linear': LlamaForCausalLM has no Linear layer besides its output head \(\['lm_head'\]\)"):
+            resolve_target_modules(model, targets)
+    assert resolve_target_modules(model, ["lm_head"]) == ["lm_head"]
+
+
 def test_layers_to_transform_narrows_the_targets_and_adapters_combine(tmp_path):
     """target_modules resolved to full names skipped PEFT's layers_to_transform (applied to suffix matches only):
     every block got adapters; kept as a list, PEFT's add_weighted_adapter refused to mix it with its sets."""

@@ -81,7 +81,8 @@ def _write(tmp_path, data, name="r.yaml"):
         ({"method": "int4-lora", "precision": {"plan": "auto", "scan_method": "measured"}}, r"precision\.scan_method 'measured': method 'int4-lora' scans its 'auto' plan with Fisher scores"),
         ({"method": "int4-lora", "precision": {"plan": "auto"}}, r"method .int4-lora. with plan .auto. chooses among int4/int8 formats .* not \[.fp8.\]"),
         ({"method": "int4-lora", "precision": {"plan": "int4-g64", "keep": ["lm_head", "*.mlp.*"]}}, r"precision\.keep \['lm_head', '\*\.mlp\.\*'\]: method 'int4-lora' keeps the output head out of INT4 itself \(int8 or bf16 by its size\) and no other layer; name other"),
-        ({"training": {"activation_storage": "int8"}}, r"training\.activation_storage 'int8' applies to method 'int4-lora'; use 'none'"),
+        # a recipe without method: full's, said (the message blamed the int4-lora setting alone)
+        ({"training": {"activation_storage": "int8"}}, r"training\.activation_storage 'int8' applies to method 'int4-lora'; use 'none' \(the recipe names no method, so it is 'full'; one of full, int4-lora\)$"),
         ({"training": {"return_freed_memory": True}}, r"training\.return_freed_memory applies to method 'int4-lora'; use false"),
         ({"training": {"return_freed_memory": "auto"}}, r"training\.return_freed_memory applies to method 'int4-lora'; use false"),
         ({"method": "int4-lora", "precision": {"plan": "int4-g64-asym"}, "training": {"return_freed_memory": "often"}}, r"'training\.return_freed_memory' is 'often'; allowed values are false, true, auto"),

@@ -197,9 +197,16 @@ def resolve_target_modules(model: nn.Module, target_modules) -> list[str]:
     head = output_head_name(model)
     if target_modules is None:
         raise ValueError(f"LoraConfig.target_modules is required here; e.g. 'all-linear' or some of {names}")
+    every = sorted(f for f in linears if canonical_name(f) != head)
+    all_linear = isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR
+    if (all_linear or any(isinstance(t, str) and t.lower() == ALL_LINEAR for t in target_modules)) and not every:
+        raise ValueError(
+            f"target_modules 'all-linear': {type(model).__name__} has no Linear layer besides its output head "
+            f"({names or 'none'}), so LoRA and INT4 have nothing to work on"
+        )
     if isinstance(target_modules, str):
-        if target_modules.lower() == ALL_LINEAR:
-            return sorted(f for f in linears if canonical_name(f) != head)
+        if all_linear:
+            return every
         import re
 
         found = sorted(f for f in linears if re.fullmatch(target_modules, f))
@@ -210,7 +217,7 @@ def resolve_target_modules(model: nn.Module, target_modules) -> list[str]:
         return found
     targets = list(target_modules)
     if any(isinstance(t, str) and t.lower() == ALL_LINEAR for t in targets):
-        return sorted(f for f in linears if canonical_name(f) != head)
+        return every
     chosen = set()
     for t in targets:
         hit = [f for f in linears if f == t or f.endswith(f".{t}")]
