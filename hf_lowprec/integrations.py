@@ -1,9 +1,11 @@
 """Registration with transformers and PEFT on ``import hf_lowprec``, without importing either.
 
-Two registrations make the ecosystem's own loaders understand hf-lowprec folders:
+Registrations make the ecosystem's own loaders understand hf-lowprec folders and layers:
 
 - transformers: ``quant_method: hf_lowprec`` (:mod:`hf_lowprec.export.hf_quantizer`), so
   ``AutoModelForCausalLM.from_pretrained(folder)`` rebuilds packed INT4 layers instead of random ones;
+- transformers: ``resize_token_embeddings`` refuses a model whose vocabulary table is an hf-lowprec layer
+  (:func:`hf_lowprec.layers.guard_vocabulary_resize`);
 - PEFT: packed layers wrap in :class:`~hf_lowprec.modules.int4_lora.PackedLoraLinear`, so
   ``PeftModel.from_pretrained(base, adapter_folder)`` loads adapters onto a packed base, and
   ``target_modules="all-linear"`` includes packed layers.
@@ -24,11 +26,13 @@ import importlib.util
 import logging
 import sys
 
-# module whose import must be followed by a registration -> "module:function" doing it
+# module whose import must be followed by registrations -> the "module:function"s doing them
 REGISTRATIONS = {
-    "transformers.modeling_utils": "hf_lowprec.export.hf_quantizer:register",
-    "peft": "hf_lowprec.modules.int4_lora:register_peft_dispatch",
-}
+    "transformers.modeling_utils": (
+        "hf_lowprec.export.hf_quantizer:register", "hf_lowprec.layers:guard_vocabulary_resize",
+    ),
+    "peft": ("hf_lowprec.modules.int4_lora:register_peft_dispatch",),
+}  # fmt: skip
 
 
 # loggers whose import-time notices say nothing a user can act on: torchao's optional CUDA extensions (on a CPU
@@ -50,9 +54,10 @@ def quiet_imports():
             logger.setLevel(level)
 
 
-def _run(target: str) -> None:
-    module, function = target.split(":")
-    getattr(importlib.import_module(module), function)()
+def _run(targets: tuple[str, ...]) -> None:
+    for target in targets:
+        module, function = target.split(":")
+        getattr(importlib.import_module(module), function)()
 
 
 class _PostImportHook(importlib.abc.MetaPathFinder):

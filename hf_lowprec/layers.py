@@ -131,16 +131,29 @@ def swap_layers(model: nn.Module, make_layer) -> int:
     return count
 
 
-def guard_vocabulary_resize(model: nn.Module) -> None:
-    """Give each transformers model in ``model`` whose input embedding or output head is now an hf-lowprec layer a
-    ``resize_token_embeddings`` that refuses a new vocabulary size in one line (the current size, or ``None``, returns
-    the input embedding as transformers' does). Transformers' own would put a dense ``nn.Embedding``/``nn.Linear`` in
-    a converted table's place (its planned format silently gone) or, reading a packed table's ``.weight``, fail after
-    resizing the other table. Checked again at each call: once both tables are plain, transformers' own runs."""
-    for module in model.modules():
-        if callable(getattr(type(module), "resize_token_embeddings", None)) and _converted_tables(module):
-            # an instance attribute holding the model (deep copies and pickles take it along with the model)
-            module.resize_token_embeddings = functools.partial(_resize_unless_converted, module)
+def guard_vocabulary_resize() -> None:
+    """Make transformers' ``PreTrainedModel.resize_token_embeddings`` refuse, in one line, a new vocabulary size for a
+    model whose input embedding or output head is an hf-lowprec layer (or torchao's ``Float8Linear`` in a model an
+    hf-lowprec plan converted); its own size, or ``None``, returns the input embedding as transformers' does.
+    Transformers' own put a dense ``nn.Embedding``/``nn.Linear`` in a converted table's place (its planned format
+    silently gone) or, reading a packed table's ``.weight``, failed after resizing the other table. Once, on the class
+    (:mod:`hf_lowprec.integrations` runs it when transformers' model code is imported): no state on the models, every
+    conversion path covered."""
+    from transformers import PreTrainedModel
+
+    resize = PreTrainedModel.resize_token_embeddings
+    if getattr(resize, "hf_lowprec_guard", False):
+        return
+
+    @functools.wraps(resize)
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, *args, **kwargs):
+        if converted := _converted_tables(self):
+            _refuse_resize(self, converted, new_num_tokens, pad_to_multiple_of)
+            return self.get_input_embeddings()
+        return resize(self, new_num_tokens, pad_to_multiple_of, *args, **kwargs)
+
+    resize_token_embeddings.hf_lowprec_guard = True
+    PreTrainedModel.resize_token_embeddings = resize_token_embeddings
 
 
 def _converted_tables(model: nn.Module) -> dict[str, nn.Module]:
@@ -152,17 +165,15 @@ def _converted_tables(model: nn.Module) -> dict[str, nn.Module]:
         except (AttributeError, NotImplementedError):  # transformers raises NotImplementedError for a model without
             continue
         table = getattr(table, "base_layer", table)  # PEFT's wrapper
-        if isinstance(table, LOW_PRECISION_TYPES) or is_torchao_fp8(table):
+        planned = getattr(model, "hf_lowprec_plan", None) is not None
+        if isinstance(table, LOW_PRECISION_TYPES) or (planned and is_torchao_fp8(table)):
             tables[role] = table
     return tables
 
 
-def _resize_unless_converted(model: nn.Module, new_num_tokens: int | None = None, pad_to_multiple_of=None, **kwargs):
-    """``model.resize_token_embeddings`` while :func:`guard_vocabulary_resize` guards it."""
-    converted = _converted_tables(model)
-    if not converted:
-        del model.resize_token_embeddings
-        return model.resize_token_embeddings(new_num_tokens, pad_to_multiple_of, **kwargs)
+def _refuse_resize(model: nn.Module, converted: dict[str, nn.Module], new_num_tokens, pad_to_multiple_of) -> None:
+    """Return when ``resize_token_embeddings(new_num_tokens, pad_to_multiple_of)`` keeps ``model``'s vocabulary size
+    (its ``converted`` tables untouched), else raise ``ValueError`` saying why and what to do."""
     embedding = model.get_input_embeddings()
     rows = getattr(embedding, "base_layer", embedding).num_embeddings
     size = rows if new_num_tokens is None else new_num_tokens
@@ -170,7 +181,7 @@ def _resize_unless_converted(model: nn.Module, new_num_tokens: int | None = None
         size = -(-size // pad_to_multiple_of) * pad_to_multiple_of
     head = converted.get("output head")
     if size == rows and (head is None or head.out_features == rows):
-        return embedding
+        return
     names = " and ".join(f"{role} ({type(t).__name__})" for role, t in converted.items())
     raise ValueError(
         f"resize_token_embeddings({size}): this model's {names} of {rows} rows "
@@ -198,8 +209,6 @@ def carry_module_state(old: nn.Module, new: nn.Module) -> None:
 
 
 def set_module(model: nn.Module, fqn: str, new: nn.Module) -> None:
-    """Put ``new`` where ``model``'s submodule ``fqn`` (full name) is (a vocabulary table: see
-    :func:`guard_vocabulary_resize`)."""
+    """Put ``new`` where ``model``'s submodule ``fqn`` (full name) is."""
     parent_name, _, attr = fqn.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
-    guard_vocabulary_resize(model)
