@@ -266,8 +266,8 @@ def fp8_scale(amax: torch.Tensor, dtype: torch.dtype, power_of_two: bool = False
     """Scale that maps ``amax`` onto the format's largest value (fp32; computed in fp64 like torchao). An inf/NaN
     ``amax`` (an overflowed gradient) gives 1: its finite values cast as they are, ±inf saturates and a NaN stays where
     it was (torchao's scale of 0 turned the whole cast into NaN: ``inf x 0``)."""
-    scale = (FP8_MAX[dtype] / amax.double().clamp(min=_EPS)).float()
-    scale = torch.where(torch.isfinite(amax), scale, torch.ones_like(scale))
+    top = FP8_MAX[dtype]
+    scale = (top / amax.double().nan_to_num(nan=top, posinf=top).clamp(min=_EPS)).float()
     if power_of_two:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     return scale

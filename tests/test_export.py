@@ -789,3 +789,24 @@ def test_the_record_and_card_say_which_fp8_layers_ran_emulated_on_fp8_hardware(m
     card = render_model_card({"layers": rows, "plan_rows": summary, "name": "r",
                               "hardware": {"fp8_tensor_cores": True}}).content  # fmt: skip
     assert "2 of the 3 FP8 layers ran emulated FP8 numerics (" in " ".join(card.split())
+
+
+def test_a_folder_missing_what_its_record_names_is_refused_in_one_line(tmp_path):
+    """export copied a run without its adapters (or plan) and push uploaded it; a record's ``"export": null``, a
+    corrupt weight index or a ``pytorch_model.bin`` folder must not crash or be refused for the wrong file."""
+    from hf_lowprec.export.records import missing_files, read_run
+
+    run = {"plan": {"default": "fp8"}, "export": {"weights": "master", "loader": "transformers"},
+           "adapter": {"r": 4, "folder": "./"}}  # fmt: skip
+    (tmp_path / RUN_FILE).write_text(json.dumps(run))
+    (tmp_path / "config.json").write_text("{}")
+    assert missing_files(tmp_path, run) == ["model.safetensors", "hf_lowprec_plan.json", "adapter_config.json",
+                                            "adapter_model.safetensors"]  # fmt: skip
+    with pytest.raises(ValueError, match=r"lacks model\.safetensors, hf_lowprec_plan\.json, adapter_config\.json, "
+                                         r"adapter_model\.safetensors, which its run record says it holds"):  # fmt: skip
+        read_run(tmp_path)
+    assert read_run(tmp_path, whole=False) == run  # reading the record alone (a card's edit check)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    assert missing_files(tmp_path, {"export": None}) == []
+    (tmp_path / "model.safetensors.index.json").write_text("not json")
+    assert missing_files(tmp_path, {}) == ["model.safetensors.index.json (unreadable)"]

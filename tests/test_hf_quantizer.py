@@ -29,6 +29,8 @@ def test_config_round_trips_the_plan_and_names_a_bad_one():
     assert HfLowprecConfig.from_dict(entry).to_dict() == entry  # as transformers reads config.json
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['pln'\]; allowed: plan, exact_kernels"):
         HfLowprecConfig(pln="int4")  # a typo no longer loads with the default plan
+    with pytest.raises(ValueError, match=r"\['bnb_4bit_compute_dtype', 'load_in_4bit'\]; .*\(HfLowprecConfig\(\) alone is the 4-bit load; from_pretrained\(dtype=...\) the compute dtype\)$"):
+        HfLowprecConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)  # a BitsAndBytesConfig's words
 
 
 def test_a_packed_models_missing_dense_weight_is_said_so(tmp_path):

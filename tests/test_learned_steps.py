@@ -281,6 +281,32 @@ def test_a_resumed_run_keeps_bf16_adapters_and_ends_where_an_uninterrupted_one_d
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[n], resumed[n]) for n in whole)
 
 
+def test_an_adapter_saved_in_a_subfolder_reads_the_steps_saved_at_the_top(tmp_path):
+    """PEFT saves an adapter not named "default" into a subfolder of its name, and a Trainer resumes it from there; the
+    learned steps (the base's) are saved once at the top: they were not read back, and the load warned."""
+    from peft import LoraConfig
+    from tiny_assets import save_tiny_model
+
+    from hf_lowprec.ondevice.learned_steps import learned_steps_by_name
+
+    model, _, _ = prepared(save_tiny_model(tmp_path / "tiny"))
+    model.add_adapter("b", LoraConfig(**LORA))
+    model.set_adapter("b")
+    model.delete_adapter("default")
+    learned = learned_steps_by_name(model)
+    with torch.no_grad():
+        for p in learned.values():
+            p.add_(0.01)
+    trained = {n: p.detach().clone() for n, p in learned.items()}
+    model.save_pretrained(tmp_path / "saved")
+    assert (tmp_path / "saved" / LEARNED_STEPS_FILE).is_file() and (tmp_path / "saved" / "b" / "adapter_config.json").is_file()
+    with torch.no_grad():
+        for p in learned.values():
+            p.zero_()
+    model.load_adapter(tmp_path / "saved" / "b", "b", is_trainable=True)  # as Trainer._load_from_checkpoint does
+    assert all(torch.equal(learned[n], v) for n, v in trained.items())
+
+
 @pytest.mark.parametrize("trainer_class", ["Trainer", "ChunkedLossTrainer"])
 def test_the_best_checkpoint_loaded_at_the_end_brings_its_zero_points(tmp_path, trainer_class):
     """``load_best_model_at_end`` reloaded the best checkpoint's adapters beside the last step's zero points: the

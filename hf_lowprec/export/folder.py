@@ -519,7 +519,7 @@ def loadable_weights(folder: Path, name: str, apply_plan_numerics: bool) -> str 
     """The ``export.weights`` kind of the run or export ``folder`` (called ``name``) that :func:`load_exported` loads
     (with ``apply_plan_numerics``); ``ValueError`` where it loads none: not a run folder, a GGUF export, the plan's
     numerics of a compressed-tensors export."""
-    export = read_run(folder).get("export", {})
+    export = read_run(folder).get("export") or {}  # a folder missing a file it names: said here, not by its loader
     weights = export.get("weights")
     if weights == "gguf":
         lora = f" --lora {ADAPTER_FILE}" if ADAPTER_FILE in export.get("files", ()) else ""
@@ -571,7 +571,7 @@ def load_exported(
             raise cannot_load(name, e) from e
     weights = loadable_weights(folder, name, apply_plan_numerics)
     if weights == "int4-packed":
-        method = read_run(folder).get("recipe", {}).get("method")
+        method = read_run(folder, whole=False).get("recipe", {}).get("method")
         lora_base = adapter_folder(folder) is not None or method == "int4-lora"
         if apply_plan_numerics and backend == "auto" and not lora_base:
             backend = "dequant"  # its INT4 layers trained on their dequantized weights, not through int8 kernels

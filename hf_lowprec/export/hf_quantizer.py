@@ -69,9 +69,11 @@ class HfLowprecConfig(QuantizationConfigMixin):
     ):
         unknown = sorted(set(kwargs) - {"quant_method"})  # config.json's quant_method comes back as a keyword
         if unknown or kwargs.get("quant_method", QUANT_METHOD) != QUANT_METHOD:
+            bnb_words = any(k.startswith(("bnb_", "load_in_")) for k in unknown)  # a BitsAndBytesConfig's
+            bnb = " (HfLowprecConfig() alone is the 4-bit load; from_pretrained(dtype=...) the compute dtype)"
             raise ValueError(
                 f"HfLowprecConfig got unknown option(s) {unknown or kwargs}; allowed: plan, exact_kernels"
-                f" (quant_method: {QUANT_METHOD!r})"
+                f" (quant_method: {QUANT_METHOD!r})" + (bnb if bnb_words else "")
             )
         self.quant_method = QUANT_METHOD
         self.plan = _plan_argument(plan)

@@ -105,7 +105,7 @@ def _card(folder: Path, run: dict | None, repo_id: str) -> str | None:
 def edited_card(folder: str | os.PathLike) -> bool:
     """Whether ``folder``'s model card was edited since hf-lowprec wrote it: :func:`push` uploads it as it is."""
     folder = Path(folder)
-    return (folder / RUN_FILE).is_file() and card_edited(folder, read_run(folder))
+    return (folder / RUN_FILE).is_file() and card_edited(folder, read_run(folder, whole=False))
 
 
 def published(path: Path, folder: Path) -> bool:

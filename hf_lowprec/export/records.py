@@ -103,8 +103,9 @@ def _short_dtype(dtype: torch.dtype) -> str:
     return short.get(dtype) or str(dtype).removeprefix("torch.")
 
 
-def read_run(folder: str | os.PathLike) -> dict:
-    """The run record of an exported/run folder; ``ValueError`` if it is not one."""
+def read_run(folder: str | os.PathLike, whole: bool = True) -> dict:
+    """The run record of an exported/run folder; ``ValueError`` if it is not one, or (``whole``) lacks a file the
+    record names (:func:`missing_files`; ``whole=False`` for what reads the record alone)."""
     path = Path(folder) / RUN_FILE
     if not Path(folder).is_dir():
         raise ValueError(f"{str(folder)!r} is not a folder")
@@ -116,7 +117,7 @@ def read_run(folder: str | os.PathLike) -> dict:
         raise ValueError(f"{str(path)!r} is not a valid run record ({e}); export the run again") from None
     if not isinstance(run, dict):
         raise ValueError(f"{str(path)!r} is not a valid run record (a JSON object expected); export the run again")
-    if missing := missing_files(Path(folder), run):
+    if whole and (missing := missing_files(Path(folder), run)):
         raise ValueError(
             f"{str(folder)!r} lacks {', '.join(missing)}, which its run record says it holds: copy the folder whole, "
             "or export the run again"
@@ -128,13 +129,18 @@ def missing_files(folder: Path, run: Mapping) -> list[str]:
     """The files the run record ``run`` says ``folder`` holds and it does not: the model's config and weights (every
     shard an index names), the plan of packed or master weights, the LoRA adapters; a GGUF export's files as listed.
     (An export of a folder without its adapters said it held them, and a push uploaded it.)"""
-    export = run.get("export", {})
+    export = run.get("export") or {}
     if "files" in export:  # GGUF: what it wrote
         wanted = list(export["files"])
     else:
         index = folder / WEIGHTS_INDEX
-        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values())) if index.is_file() else []
-        wanted = ["config.json", *(shards or [WEIGHTS_FILE])]
+        try:
+            mapped = json.loads(index.read_text()).get("weight_map", {}) if index.is_file() else {}
+        except (ValueError, AttributeError):  # not JSON, or not a mapping
+            return [f"{WEIGHTS_INDEX} (unreadable)"]
+        shards = sorted(set(mapped.values()))
+        weights = shards or ([WEIGHTS_FILE] if not (folder / "pytorch_model.bin").is_file() else [])
+        wanted = ["config.json", *weights]
         planned = export.get("weights") in ("int4-packed", "master") and export.get("loader") != "compressed-tensors"
         if run.get("plan") and planned:  # what hf-lowprec loads packed layers, or re-applies FP8 (--plan-numerics), by
             wanted.append(PLAN_FILE)

@@ -17,6 +17,7 @@ import logging
 import os
 import types
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import torch
 from peft import PeftModel
@@ -130,9 +131,13 @@ def _load_adapter_keeping_learned_steps(self: PeftModel, model_id, adapter_name,
     with trained_dtypes_kept(self):
         loaded = type(self).load_adapter(self, model_id, adapter_name, *args, **kwargs)
     learned = learned_steps_by_name(self)
-    path = os.path.join(str(model_id), LEARNED_STEPS_FILE)
+    folder = Path(model_id)
+    # beside the adapters, or one folder up for an adapter PEFT saved into a subfolder of its name (not "default"):
+    # the steps, the base's, are saved once at the top, and a Trainer resumes such an adapter from its subfolder
+    places = [folder, folder.parent] if folder.name == adapter_name else [folder]
+    path = next((p / LEARNED_STEPS_FILE for p in places if (p / LEARNED_STEPS_FILE).is_file()), None)
     with torch.no_grad():
-        if learned and os.path.isfile(path):
+        if learned and path:
             for name, saved in load_file(path).items():
                 learned[name].copy_(saved)
         elif learned:

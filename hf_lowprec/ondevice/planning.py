@@ -198,15 +198,16 @@ def resolve_target_modules(model: nn.Module, target_modules) -> list[str]:
     if target_modules is None:
         raise ValueError(f"LoraConfig.target_modules is required here; e.g. 'all-linear' or some of {names}")
     every = sorted(f for f in linears if canonical_name(f) != head)
-    all_linear = isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR
-    if (all_linear or any(isinstance(t, str) and t.lower() == ALL_LINEAR for t in target_modules)) and not every:
+    listed = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    all_linear = any(isinstance(t, str) and t.lower() == ALL_LINEAR for t in listed)
+    if all_linear and not every:
         raise ValueError(
             f"target_modules 'all-linear': {type(model).__name__} has no Linear layer besides its output head "
             f"({names or 'none'}), so LoRA and INT4 have nothing to work on"
         )
+    if all_linear:
+        return every
     if isinstance(target_modules, str):
-        if all_linear:
-            return every
         import re
 
         found = sorted(f for f in linears if re.fullmatch(target_modules, f))
@@ -215,11 +216,8 @@ def resolve_target_modules(model: nn.Module, target_modules) -> list[str]:
                 f"target_modules regex {target_modules!r} matches no Linear layer; Linear layers are named {names}"
             )
         return found
-    targets = list(target_modules)
-    if any(isinstance(t, str) and t.lower() == ALL_LINEAR for t in targets):
-        return every
     chosen = set()
-    for t in targets:
+    for t in listed:
         hit = [f for f in linears if f == t or f.endswith(f".{t}")]
         if not hit:
             raise ValueError(

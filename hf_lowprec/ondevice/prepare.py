@@ -119,7 +119,8 @@ def prepare_int4_lora(
     auto, calibrated = _check_arguments(plan, rounding, calibration, budget, auto_formats, backend, smoothed)
     config = copy.deepcopy(lora_config or LoraConfig(r=16, lora_alpha=32, target_modules=ALL_LINEAR))
     config.target_modules = lora_targets(model, config)
-    if config.task_type is None and output_head_name(model) is not None:
+    decoder_only = not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+    if config.task_type is None and decoder_only and output_head_name(model) is not None:
         # a PeftModelForCausalLM, and adapter_config.json says so (what AutoPeftModelForCausalLM and the Hub read)
         config.task_type = "CAUSAL_LM"
     if calibration is not None:

@@ -301,13 +301,14 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
             optimizer.optimizer.load_state_dict({"optimizer": inner, **extra})
 
     def _checkpoint_folder(self, args, state) -> Path | None:
-        """The checkpoint being resumed: the first of ``args.resume_from_checkpoint``,
-        ``train(resume_from_checkpoint=)``'s, ``<output_dir>/checkpoint-<step>`` and the plan folder that holds the low-precision state and was saved at this
-        step (its ``trainer_state.json``). A plan folder saved at another step is not: its steps and scale histories
-        would replace the newer ones the Trainer just loaded with the weights."""
+        """The checkpoint being resumed: the first of ``train(resume_from_checkpoint=)``'s,
+        ``args.resume_from_checkpoint``, ``<output_dir>/checkpoint-<step>`` and the plan folder that holds the
+        low-precision state and was saved at this step (its ``trainer_state.json``). A plan folder saved at another
+        step is not: its steps and scale histories would replace the newer ones the Trainer just loaded with the
+        weights."""
         candidates = [
+            _resumed_checkpoint(),  # what the Trainer resumes (it ignores args.resume_from_checkpoint)
             getattr(args, "resume_from_checkpoint", None),
-            _resumed_checkpoint(),
             Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}",
             self._plan_folder,
         ]

@@ -266,7 +266,7 @@ class LowPrecisionSession:
                    "fp8_backend": self.fp8_backend, "learn_scales": self.learn_scales}  # fmt: skip
         before = getattr(model, "hf_lowprec_options", None)
         if before is not None and before != options:  # apply_plan leaves layers already in their format as they are
-            changed = ", ".join(f"{k}={before[k]!r} (now {options[k]!r})" for k in options if before[k] != options[k])
+            changed = ", ".join(f"{k}={before.get(k)!r} (now {v!r})" for k, v in options.items() if before.get(k) != v)
             raise ValueError(
                 f"this model was converted with {changed}: its converted layers keep theirs; hf_lowprec.revert(model) "
                 "first, or load the model afresh, to convert it with these options"
