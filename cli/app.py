@@ -191,8 +191,16 @@ RoundingOpt = Annotated[
 
 
 @app.callback()
+@ui.guarded
 def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show library INFO logs.")] = False):
     ui.setup_logging(verbose)
+    processes = int(os.environ.get("WORLD_SIZE") or 1)
+    if processes > 1:  # each process ran the whole command: one output folder, written by each (the last won)
+        ui.fail(
+            f"hf-lowprec runs as one process, and this is one of {processes} (WORLD_SIZE, set by accelerate launch or "
+            "torchrun): run it alone; to train on several processes, use LowPrecisionCallback or the Accelerate "
+            "plugin in a script (README: Several processes)"
+        )
 
 
 # ----------------------------------------------------------------------------------- recipes

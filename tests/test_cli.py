@@ -788,6 +788,16 @@ def test_a_packed_export_of_a_mixed_plan_computes_its_fp8_layers_as_trained_with
     assert "llama.cpp runs (llama-completion -m model.gguf);" in refused
 
 
+def test_several_processes_are_refused_before_anything_is_written(ws, tmp_path):
+    """Under accelerate launch / torchrun every process ran the whole command: two runs exported into one folder (the
+    last renamer won, leaving no weights), or the second found the first's work folder and called it interrupted."""
+    result = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", "-o", tmp_path / "out", env={"WORLD_SIZE": "2"})
+    assert "hf-lowprec runs as one process, and this is one of 2 (WORLD_SIZE" in " ".join(one_error_line(result).split())
+    assert not list(tmp_path.iterdir())
+    module = subprocess.run([sys.executable, "-m", "hf_lowprec.cli", "--help"], capture_output=True, text=True, timeout=120)
+    assert module.returncode == 0 and "finetune" in module.stdout  # `python -m hf_lowprec.cli` had no __main__
+
+
 def test_bad_inputs_fail_with_one_line(ws, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("training: {max_steps: 3\n")
