@@ -27,7 +27,7 @@ from torch import nn
 from hf_lowprec.modules.packed import PackedInt4Linear, PackedLinear
 
 logger = logging.getLogger(__name__)
-_WRITTEN_BESIDE = contextvars.ContextVar("hf_lowprec_learned_steps_written_beside", default=False)
+_FOLDED_IN = contextvars.ContextVar("hf_lowprec_learned_steps_folded_in", default=False)
 LEARNED_STEPS_FILE = "hf_lowprec_learned_steps.safetensors"  # a checkpoint's step gains and zero shifts, by name
 
 # learning rates over the adapters' (AdamW moves a parameter by about lr per step). A gain of 1 + 1e-3 moves a weight
@@ -97,7 +97,7 @@ def learned_steps_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
 def _save_pretrained_with_learned_steps(self: PeftModel, save_directory, *args, **kwargs):
     saved = type(self).save_pretrained(self, save_directory, *args, **kwargs)
     learned = learned_steps_by_name(self)
-    if not learned or _WRITTEN_BESIDE.get() or not kwargs.get("is_main_process", True):
+    if not learned or _FOLDED_IN.get() or not kwargs.get("is_main_process", True):
         return saved  # an export folds them into the base's steps and zero points, which it writes
     path = os.path.join(save_directory, LEARNED_STEPS_FILE)
     save_file({n: p.detach().contiguous() for n, p in learned.items()}, path + ".tmp")
@@ -152,11 +152,11 @@ def _load_adapter_keeping_learned_steps(self: PeftModel, model_id, adapter_name,
 def learned_steps_folded_in() -> Iterator[None]:
     """Within: a ``save_pretrained`` whose caller folded the learned steps into the base it writes (an export): no
     file of them beside the adapters, nothing said."""
-    token = _WRITTEN_BESIDE.set(True)
+    token = _FOLDED_IN.set(True)
     try:
         yield
     finally:
-        _WRITTEN_BESIDE.reset(token)
+        _FOLDED_IN.reset(token)
 
 
 def fold_learned_steps(model: nn.Module) -> None:
