@@ -148,7 +148,7 @@ def guard_vocabulary_resize() -> None:
     @functools.wraps(resize)
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, *args, **kwargs):
         if converted := _converted_tables(self):
-            _refuse_resize(self, converted, new_num_tokens, pad_to_multiple_of)
+            _check_size_kept(self, converted, new_num_tokens, pad_to_multiple_of)
             return self.get_input_embeddings()
         return resize(self, new_num_tokens, pad_to_multiple_of, *args, **kwargs)
 
@@ -157,7 +157,8 @@ def guard_vocabulary_resize() -> None:
 
 
 def _converted_tables(model: nn.Module) -> dict[str, nn.Module]:
-    """``{"input embedding" / "output head": layer}`` of ``model``'s vocabulary tables that are hf-lowprec layers."""
+    """``{"input embedding" / "output head": layer}`` of ``model``'s vocabulary tables that are hf-lowprec layers
+    (or torchao's ``Float8Linear`` where an hf-lowprec plan converted the model)."""
     tables = {}
     for role, get in (("input embedding", "get_input_embeddings"), ("output head", "get_output_embeddings")):
         try:
@@ -171,7 +172,7 @@ def _converted_tables(model: nn.Module) -> dict[str, nn.Module]:
     return tables
 
 
-def _refuse_resize(model: nn.Module, converted: dict[str, nn.Module], new_num_tokens, pad_to_multiple_of) -> None:
+def _check_size_kept(model: nn.Module, converted: dict[str, nn.Module], new_num_tokens, pad_to_multiple_of) -> None:
     """Return when ``resize_token_embeddings(new_num_tokens, pad_to_multiple_of)`` keeps ``model``'s vocabulary size
     (its ``converted`` tables untouched), else raise ``ValueError`` saying why and what to do."""
     embedding = model.get_input_embeddings()
