@@ -819,10 +819,12 @@ def _eval_numerics(model: str, plan_numerics: bool, batch_size: int | None) -> t
     from hf_lowprec.export.records import RUN_FILE, evaluation_numerics, read_run
 
     if not plan_numerics:
-        if (Path(model) / RUN_FILE).is_file() and read_run(Path(model)).get("recipe", {}).get("method") == "full":
-            ui.err.print("computing with the plan off: the exported weights in their dtype, no FP8 casts (INT4 layers "
-                         "an int4-packed export holds compute with their codes); --plan-numerics computes as the run "
-                         "evaluated")  # fmt: skip
+        record = read_run(Path(model)) if (Path(model) / RUN_FILE).is_file() else {}
+        if record.get("recipe", {}).get("method") == "full":
+            packed = (record.get("export") or {}).get("weights") == "int4-packed"  # its INT4 layers run their codes
+            codes = " (its INT4 layers compute with their packed codes)" if packed else ""
+            ui.err.print(f"computing with the plan off: the exported weights in their dtype, no FP8 casts{codes}; "
+                         "--plan-numerics computes as the run evaluated")  # fmt: skip
         return None, batch_size or 4
     record = read_run(Path(model))
     autocast, run_batch, computed = evaluation_numerics(record)

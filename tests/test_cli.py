@@ -600,6 +600,7 @@ def test_an_fp8_runs_reported_loss_comes_back_from_its_export(ws, tmp_path):
         assert f"loss (nats/token) │ {record['training'][key]:.4f} │" in evaluated
         assert f"the run's held-out rows: {len(blocks)} sequences" in evaluated
         assert ("computing with the plan off: the exported weights in their dtype" in evaluated) == (not numerics)
+        assert "INT4 layers" not in evaluated  # master weights: no INT4 note (an FP8 run's eval spoke of them)
 
 
 def test_eval_without_data_needs_a_run_that_names_its_data(ws, tmp_path):

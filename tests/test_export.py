@@ -457,6 +457,7 @@ def test_a_card_without_recorded_hardware_claims_no_emulation_and_shows_no_empty
         "eval": [{"dataset": "d", "metric": "loss", "value": 1.0}],
     }).content  # fmt: skip
     assert "ran emulated FP8 numerics" in known and "## Hardware" in known and "<summary>Recipe</summary>" in known
+    assert "the same FP8 rounding, slower steps (FP8 tensor cores sum the products in their own order: not bit-identical)" in " ".join(known.split())  # it said "same numbers"
     assert "hf-lowprec eval 'path/to/demo run'" in known
     diverged = [{"dataset": "d", "metric": "loss", "value": float("nan")}, {"dataset": "d", "metric": "perplexity",
                                                                            "value": 9.5}]  # fmt: skip

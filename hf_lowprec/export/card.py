@@ -162,12 +162,12 @@ def _limitations(run: Mapping) -> str:
     fp8_layers = [r for r in run.get("layers", []) if "backend" in r]  # records before it: the hardware says
     emulated = [r for r in fp8_layers if r["backend"] == "emulated"]
     if fp8 and run.get("hardware", {}).get("fp8_tensor_cores") is False:  # not where the hardware went unrecorded
-        text += " The FP8 layers ran emulated FP8 numerics (this hardware has no FP8 tensor cores): same numbers, "
-        text += "slower steps."
+        text += " The FP8 layers ran emulated FP8 numerics (this hardware has no FP8 tensor cores): the same FP8 "
+        text += "rounding, slower steps (FP8 tensor cores sum the products in their own order: not bit-identical)."
     elif emulated:  # FP8 hardware, and layers torchao's kernels do not run
         reasons = "; ".join(sorted({r["emulated_because"] for r in emulated}))
         text += f" {len(emulated)} of the {len(fp8_layers)} FP8 layers ran emulated FP8 numerics ({reasons}): "
-        text += "same numbers, slower steps."
+        text += "the same FP8 rounding, slower steps."
     return text
 
 
