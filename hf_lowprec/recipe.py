@@ -421,12 +421,8 @@ class Recipe:
         return out
 
     def to_yaml(self) -> str:
-        """The recipe as a file would hold it, without the settings its method has no use for (method ``full``:
-        ``lora``, ``precision.learn_steps``, ``export.merge_lora``, which hold their defaults)."""
-        data = self.to_dict()
-        if self.method == "full":
-            del data["lora"], data["precision"]["learn_steps"], data["export"]["merge_lora"]
-        return yaml.safe_dump(data, sort_keys=False, width=100)
+        """The recipe as a file would hold it (:func:`as_shown`)."""
+        return yaml.safe_dump(as_shown(self.to_dict()), sort_keys=False, width=100)
 
     def with_overrides(
         self, overrides: Mapping[str, object], source: str = "command line", set_none: bool = False
@@ -604,6 +600,18 @@ def _packaged() -> dict[str, Traversable]:
 def list_recipes() -> list[Recipe]:
     """The built-in recipes, sorted by name."""
     return [load_recipe(name) for name in sorted(_packaged())]
+
+
+def as_shown(data: Mapping) -> dict:
+    """A recipe's plain data (``Recipe.to_dict()``, a run record's ``recipe``) without the settings its method has no
+    use for (method ``full``: ``lora``, ``precision.learn_steps``, ``export.merge_lora``, at their defaults): what a
+    recipe file and a model card show."""
+    shown = {k: dict(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+    if shown.get("method") == "full":
+        shown.pop("lora", None)
+        shown.get("precision", {}).pop("learn_steps", None)
+        shown.get("export", {}).pop("merge_lora", None)
+    return shown
 
 
 def load_recipe(name_or_path: str | Path) -> Recipe:

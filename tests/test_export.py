@@ -453,10 +453,11 @@ def test_a_card_without_recorded_hardware_claims_no_emulation_and_shows_no_empty
     assert "emulated" not in unknown and "## Hardware" not in unknown and "<summary>Recipe</summary>" not in unknown
     known = render_model_card({
         "layers": layers, "plan_rows": rows, "hardware": {"cpu": "x", "fp8_tensor_cores": False},
-        "recipe": {"name": "fp8-train", "method": "full"}, "export_changes": ["x"], "name": "demo run",
+        "recipe": {"name": "fp8-train", "method": "full", "lora": {"r": 16}}, "export_changes": ["x"], "name": "demo run",
         "eval": [{"dataset": "d", "metric": "loss", "value": 1.0}],
     }).content  # fmt: skip
     assert "ran emulated FP8 numerics" in known and "## Hardware" in known and "<summary>Recipe</summary>" in known
+    assert "method: full" in known and "lora:" not in known  # a full recipe's record holds LoRA defaults it never used
     assert "the same FP8 rounding, slower steps (FP8 tensor cores sum the products in their own order: not bit-identical)" in " ".join(known.split())  # it said "same numbers"
     assert "hf-lowprec eval 'path/to/demo run'" in known
     diverged = [{"dataset": "d", "metric": "loss", "value": float("nan")}, {"dataset": "d", "metric": "perplexity",

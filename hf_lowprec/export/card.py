@@ -15,6 +15,7 @@ from hf_lowprec.assets import shipped_folder
 from hf_lowprec.checkpoints import is_hub_id
 from hf_lowprec.data import DEFAULT_CORPUS
 from hf_lowprec.plan import PLAN_FILE, row_label
+from hf_lowprec.recipe import as_shown
 
 TEMPLATE = "model_card.md.jinja"
 TASK_TYPES = {"perplexity": "text-generation", "loss": "text-generation", "accuracy": "text-classification"}
@@ -94,7 +95,7 @@ def render_model_card(run: Mapping, repo_id: str | None = None) -> ModelCard:
         version=__version__,
         homepage=_homepage(),
         recipe=recipe,
-        recipe_yaml=yaml.safe_dump(recipe, sort_keys=False),
+        recipe_yaml=yaml.safe_dump(as_shown(recipe), sort_keys=False),
         base_model=base_model,
         base_model_path=run.get("base_model_path"),
         repo_id=repo_id or f"path/to/{model_name}",
