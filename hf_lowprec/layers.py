@@ -160,13 +160,13 @@ def _converted_tables(model: nn.Module) -> dict[str, nn.Module]:
     """``{"input embedding" / "output head": layer}`` of ``model``'s vocabulary tables that are hf-lowprec layers
     (or torchao's ``Float8Linear`` where an hf-lowprec plan converted the model)."""
     tables = {}
+    planned = getattr(model, "hf_lowprec_plan", None) is not None
     for role, get in (("input embedding", "get_input_embeddings"), ("output head", "get_output_embeddings")):
         try:
             table = getattr(model, get)()
         except (AttributeError, NotImplementedError):  # transformers raises NotImplementedError for a model without
             continue
         table = getattr(table, "base_layer", table)  # PEFT's wrapper
-        planned = getattr(model, "hf_lowprec_plan", None) is not None
         if isinstance(table, LOW_PRECISION_TYPES) or (planned and is_torchao_fp8(table)):
             tables[role] = table
     return tables

@@ -339,7 +339,7 @@ class GradientScaling(ScalePolicy):
         rescale = spike & finite if self.spike_action == "rescale" else torch.zeros_like(spike)
         # a rescaled spike is quantized at full resolution, its scale shrunk afterwards (observe); a group whose amax
         # is inf/NaN takes the limit (finite values keep their grid, inf saturates, a NaN stays where it was)
-        capped = torch.where(rescale, amax, torch.where(torch.isfinite(amax), torch.minimum(amax, limit), limit))
+        capped = torch.where(rescale, amax, torch.fmin(amax, limit))  # fmin: a NaN amax gives the limit
         self.last_shrink.copy_(torch.where(rescale, limit / a, torch.ones_like(a)))
         # record the amax winsorized at the spike threshold; all-zero gradients carry no level, and an inf/NaN one (an
         # overflowed fp16 gradient: a step the loss scaler skips) none either: recorded in warmup, it held the running

@@ -416,23 +416,26 @@ def _run_before_trackers(callback: TrainerCallback) -> None:
 def _calling(wanted) -> object | None:
     """The nearest ``self`` among the calling frames for which ``wanted(self)`` holds (the Trainer, its callback
     handler: callbacks are given neither), else ``None``."""
+    found = _caller_locals(lambda f: wanted(f.get("self")))
+    return None if found is None else found["self"]
+
+
+def _caller_locals(wanted) -> dict | None:
+    """The locals of the nearest calling frame for which ``wanted(locals)`` holds, else ``None``."""
     frame = sys._getframe(1)
-    while frame is not None and not wanted(frame.f_locals.get("self")):
+    while frame is not None and not wanted(frame.f_locals):
         frame = frame.f_back
-    return None if frame is None else frame.f_locals["self"]
+    return None if frame is None else frame.f_locals
 
 
 def _resumed_checkpoint() -> str | None:
     """The folder ``Trainer.train(resume_from_checkpoint=...)`` resumes from (a local of its training loop: callbacks
     are not given it, and a callback that transformers rebuilt from the checkpoint's ``trainer_state.json``
     (``restore_callback_states_from_checkpoint``) holds a plan, not the folder its state lies in)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        resumed = frame.f_locals.get("resume_from_checkpoint")
-        if isinstance(frame.f_locals.get("self"), Trainer) and isinstance(resumed, str):
-            return resumed
-        frame = frame.f_back
-    return None
+    found = _caller_locals(
+        lambda f: isinstance(f.get("self"), Trainer) and isinstance(f.get("resume_from_checkpoint"), str)
+    )
+    return None if found is None else found["resume_from_checkpoint"]
 
 
 def _no_decay_on_learned_steps(trainer: Trainer) -> None:
