@@ -631,6 +631,8 @@ def _print_summary(record: dict, out: Path) -> None:
         "tokens/s)"
         if "seconds_per_step" in f
         else f"{f['train_seconds']:.1f} s (no step left to run: resumed after the last one)",
+        **({"plan scan": f"{f['plan_scan_seconds']:.1f} s (before training; not in its time)"}
+           if "plan_scan_seconds" in f else {}),
         "memory": mem,
         "hardware": f"{record['hardware']['device']} ({record['hardware']['name']}, "
         f"{record['hardware']['cpu_cores']} cores)",

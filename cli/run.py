@@ -480,6 +480,7 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
         conversion += [f"scanning {p.calibration_batches} batches for the plan"] if p.is_auto else []
         conversion += [f"rounding the FP8 weights by {p.rounding}"] if p.rounding != "nearest" else []
     conversion_step = ui.step(", then ".join(conversion)) if conversion else contextlib.nullcontext()
+    converting = time.perf_counter()
     with conversion_step:  # the callback scans, converts the model and rounds its FP8 weights as the Trainer is built
         trainer = _trainer(
             recipe,
@@ -489,6 +490,8 @@ def _train(run: RunFolder, opts: FinetuneOptions, settings: dict) -> dict:
             data_collator=lm.collator,
             callbacks=[*callbacks, RichProgress(), stopper, KeepOneCompleteCheckpoint(run)],
         )
+    if conversion and p.is_auto:  # the scan's seconds are not training's: the summary names them apart
+        figures["plan_scan_seconds"] = round(time.perf_counter() - converting, 1)
     if not lora and recipe.export.weights == "int4-packed" and resolved_weights(model, "auto") != "int4-packed":
         ui.fail(  # the plan is known now (an auto plan scanned): before the training, not at its export
             "export.weights 'int4-packed' needs int4 (or per-channel int8) layers in the plan, and this plan has none; "

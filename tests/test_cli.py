@@ -747,6 +747,9 @@ def test_every_builtin_full_recipe_trains_the_tiny_model(ws):
         record = json.loads((out / RUN_FILE).read_text())
         evaluated = cli("eval", out, "--data", ws / "corpus.txt", "--held-out", "--plan-numerics").output
         assert f"loss (nats/token) │ {record['training']['loss_final']:.4f} │" in " ".join(evaluated.split()), recipe
+        scanned = re.search(r"plan scan │ ([0-9.]+) s \(before training; not in its time\)", " ".join(result.output.split()))
+        assert (scanned is not None) == (recipe != "qat-int4")  # the scanned recipes name the scan's seconds apart
+        assert (scanned and float(scanned[1])) == record["training"].get("plan_scan_seconds")
         if recipe == "auto-mixed":  # what the allocation met, and that it is not the loss at conversion
             assert "budget │ max_loss_increase=0.05 (the loss predicted after training" in " ".join(result.output.split())
 

@@ -753,7 +753,9 @@ def test_the_card_metadata_lists_hub_datasets_only(dataset, listed):
     card = render_model_card({**_run_record(), "dataset": dataset})
     assert card.data.datasets == listed and validate_card_metadata(card.content) == []
     training = card.text.split("## Training")[1]
-    assert (f"[{dataset}](https://huggingface.co/datasets/{dataset})" if listed else f"`{dataset}` (local data") in training
+    named = {"chat.jsonl": "`chat.jsonl` (local data", "shakespeare": "`shakespeare` (Shakespeare's plays from Project Gutenberg"}
+    assert (f"[{dataset}](https://huggingface.co/datasets/{dataset})" if listed else named[dataset]) in training
+    assert ("local data" in training) == (dataset == "chat.jsonl")
 
 
 def test_the_card_links_the_project_homepage_from_the_package_metadata():

