@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hf_lowprec.formats import E5M2, FormatSpec
-from hf_lowprec.layers import canonical_name, dense_view, eligible_layers, swap_layers  # noqa: F401  (re-exported)
+from hf_lowprec.layers import canonical_name, dense_view, eligible_layers, swap_layers, wrapper_of  # noqa: F401  (re-exported)
 from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, TiedQuantizers
 from hf_lowprec.modules.embedding import like_embedding
 from hf_lowprec.modules.fp8 import FP8Linear
@@ -129,6 +129,12 @@ def apply_plan(
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"apply_plan converts a torch nn.Module (a transformers model), got {type(model).__name__}")
+    wrapper = wrapper_of(model)
+    if wrapper is not None:
+        raise ValueError(
+            f"apply_plan got a model already wrapped by {wrapper}; convert the plain model first, then wrap it "
+            "(apply_plan before DistributedDataParallel / fully_shard / accelerator.prepare)"
+        )
     plan = resolve_plan(plan)
     plan.validate(model)
     assignments = plan.assign(model)

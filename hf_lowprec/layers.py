@@ -44,6 +44,17 @@ def is_torchao_fp8(module: nn.Module) -> bool:
     return kind.__name__ == "Float8Linear" and kind.__module__.startswith("torchao.")
 
 
+def wrapper_of(model: nn.Module) -> str | None:
+    """What already wrapped or sharded ``model`` for several processes (DDP, DataParallel, FSDP), or ``None``: such a
+    wrapper holds references to the parameters a conversion replaces (DDP's gradient buckets would leave a new step
+    parameter unsynchronised), so a model is converted before it is wrapped."""
+    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        return type(model).__name__
+    if any(type(m).__name__.startswith(("FSDP", "FullyShardedDataParallel")) for m in model.modules()):
+        return "FSDP"
+    return None
+
+
 def walk_layers(model: nn.Module):
     """``(canonical name, full name, module)`` for every eligible layer outside PEFT adapters."""
     for fqn, module in model.named_modules():

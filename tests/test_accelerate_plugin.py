@@ -221,7 +221,7 @@ def test_bad_input(monkeypatch):
     with pytest.raises(ValueError, match="missing from the optimizer"):
         LowPrecisionPlugin("fp8").prepare(accelerator, model, partial)
     prepared = accelerator.prepare(tiny_llama())
-    with pytest.raises(ValueError, match="already prepared"):
+    with pytest.raises(ValueError, match="already wrapped by Accelerate.s prepare; pass the plain model"):
         LowPrecisionPlugin("fp8").prepare(accelerator, prepared)
     with pytest.raises(ValueError, match="needs calibration_data"):
         LowPrecisionPlugin().prepare(accelerator, tiny_llama())

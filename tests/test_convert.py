@@ -217,6 +217,20 @@ def test_model_without_eligible_layers_is_refused():
         apply_plan("model", "fp8")
 
 
+def test_a_model_wrapped_for_several_processes_is_refused_before_any_layer_changes(llama):
+    """DataParallel/DDP hold the parameters they were given (DDP's gradient buckets): a learned step a conversion adds
+    inside one would train unsynchronised, so the plain model is converted first; the wrapper is named."""
+    wrapped = nn.DataParallel(llama)
+    with pytest.raises(ValueError, match=r"^apply_plan got a model already wrapped by DataParallel; convert the plain model first"):
+        apply_plan(wrapped, "int4-g32")
+    assert not any(isinstance(m, LOW_PRECISION_TYPES) for m in llama.modules())
+    from hf_lowprec import LowPrecisionPlugin
+
+    with pytest.raises(ValueError, match="^the model is already wrapped by DataParallel; pass the plain model"):
+        LowPrecisionPlugin("fp8").convert(wrapped, torch.optim.AdamW(llama.parameters()))
+    assert not any(isinstance(m, LOW_PRECISION_TYPES) for m in llama.modules())
+
+
 def test_a_model_of_layers_hf_lowprec_cannot_convert_is_refused_not_half_converted():
     """GPT-2 multiplies in transformers' ``Conv1D`` (weight ``[in, out]``), which is no ``nn.Linear``: a low-precision
     plan or scan is refused naming them, instead of converting the head alone while reporting the plan's format."""

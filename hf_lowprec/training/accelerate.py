@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from hf_lowprec.convert import canonical_name, eligible_layers
+from hf_lowprec.layers import wrapper_of
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 from hf_lowprec.training.compensation import CompensatedOptimizer
 from hf_lowprec.training.new_parameters import insert_new_parameters, orphaned_parameters
@@ -145,12 +146,12 @@ class LowPrecisionPlugin(SessionOwner):
 
         Raises ``ValueError`` if a trainable parameter is missing from ``optimizer`` afterwards.
         """
-        if getattr(model, "_is_accelerate_prepared", False) or isinstance(model, nn.parallel.DistributedDataParallel):
+        wrapper = "Accelerate's prepare" if getattr(model, "_is_accelerate_prepared", False) else wrapper_of(model)
+        if wrapper is not None:
             raise ValueError(
-                "the model is already prepared/wrapped; pass the plain model so it is converted before wrapping"
+                f"the model is already wrapped by {wrapper}; pass the plain model so it is converted before wrapping "
+                "(before fully_shard / prepare)"
             )
-        if any(type(m).__name__.startswith(("FSDP", "FullyShardedDataParallel")) for m in model.modules()):
-            raise ValueError("the model is already sharded with FSDP; convert it before fully_shard / prepare")
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if accelerator is not None and accelerator.num_processes == 1 and launched > 1:
             # each process would train alone on all the data, writing the same files (Accelerate on a machine
