@@ -28,13 +28,17 @@ def canonical_name(fqn: str) -> str:
 
 
 def _is_eligible(module: nn.Module) -> bool:
-    """A layer a plan converts: an ``nn.Embedding`` (Gemma's scaled one too: its scale is read, ``embedding_scale``),
-    an ``nn.Linear`` (or a subclass computing as it does), or one hf-lowprec converted. An ``nn.Linear`` subclass
-    with a forward of its own computes something else (Llama-4's router returns scores and logits): a swapped layer
-    would not, so it is left as it is (unconverted); torchao's ``Float8Linear`` (a plan's FP8 layer that the
-    Accelerate plugin handed to torchao) computes as its plan says, so it counts."""
-    if isinstance(module, (nn.Embedding, *LOW_PRECISION_TYPES)):
+    """A layer a plan converts: an ``nn.Embedding`` (a scaled word embedding too, Gemma's or Bart's: its scale is
+    read, ``embedding_scale``), an ``nn.Linear`` (or a subclass computing as it does), or one hf-lowprec converted. A
+    subclass with a forward of its own computes something else (Llama-4's router returns scores and logits; Bart's and
+    OPT's learned positions shift their indices, a normed embedding normalises its rows): a swapped layer would not,
+    so it is left as it is (unconverted); torchao's ``Float8Linear`` (a plan's FP8 layer that the Accelerate plugin
+    handed to torchao) computes as its plan says, so it counts."""
+    if isinstance(module, LOW_PRECISION_TYPES):
         return True
+    if isinstance(module, nn.Embedding):
+        scaled_rows = hasattr(module, "embed_scale") and not any(module.children())  # rows times a scale, nothing more
+        return type(module).forward is nn.Embedding.forward or scaled_rows
     return isinstance(module, nn.Linear) and (type(module).forward is nn.Linear.forward or is_torchao_fp8(module))
 
 
@@ -74,21 +78,24 @@ def unconverted_layers(model: nn.Module) -> dict[str, nn.Module]:
     no layer a plan converts (:func:`_is_eligible`): transformers' ``Conv1D`` in GPT-2 (weight ``[in, out]``), an MoE's
     fused experts (``[experts, out, in]`` parameters), an ``nn.Linear`` subclass with a forward of its own (a router).
     hf-lowprec converts none of them, so a plan cannot put them in a low-precision format. Convolutions (a vision
-    tower's patch embedding) are not counted."""
+    tower's patch embedding) and lookup tables it leaves as they are (learned positions) are not counted."""
     found = {}
     layers = {fqn for fqn, module in model.named_modules() if _is_eligible(module)}
     for fqn, module in model.named_modules():
         parts = fqn.split(".")
         if any(p in ADAPTER_PARTS for p in parts) or any(".".join(parts[:i]) in layers for i in range(1, len(parts))):
             continue  # adapters; the parts of a layer a plan converts (a converted layer's step quantizers)
-        if not (_is_eligible(module) or isinstance(module, nn.modules.conv._ConvNd)) and matrix_parameters(module):
+        left_alone = isinstance(module, (nn.modules.conv._ConvNd, nn.Embedding))  # convolutions, lookup tables
+        if not (_is_eligible(module) or left_alone) and matrix_parameters(module):
             found[canonical_name(fqn)] = module  # its own matrices, not its children's
     return found
 
 
 def matrix_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """``module``'s own parameters of two dimensions or more (its matrices; biases and norms' scales left out)."""
-    return [p for p in module.parameters(recurse=False) if p.dim() >= 2]
+    """``module``'s own parameters of two dimensions or more (its matrices), biases and norms' scales left out, and
+    tensors added by broadcasting, whose first dimension is 1 (ViT's ``cls_token`` ``[1, 1, hidden]``, its position
+    embeddings ``[1, patches + 1, hidden]``): no matrix multiplies by them."""
+    return [p for p in module.parameters(recurse=False) if p.dim() >= 2 and p.shape[0] > 1]
 
 
 def output_head_name(model: nn.Module) -> str | None:

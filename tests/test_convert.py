@@ -231,6 +231,51 @@ def test_a_model_wrapped_for_several_processes_is_refused_before_any_layer_chang
     assert not any(isinstance(m, LOW_PRECISION_TYPES) for m in llama.modules())
 
 
+def test_lookup_tables_computing_more_than_a_lookup_are_left_as_they_are_and_a_plan_naming_one_is_refused():
+    """Bart's learned positions shift their indices (as OPT's do), a normed embedding normalises its rows: a swapped
+    table would compute neither (it crashed on Bart's float positions, or read the wrong rows), so they are no layer
+    a plan converts nor one that refuses the model; Bart's scaled word embedding is (its scale is read)."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    bart = BartForConditionalGeneration(BartConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=64, max_position_embeddings=32))
+    layers = eligible_layers(bart)
+    assert "model.shared" in layers and not any("embed_positions" in name for name in layers)
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        before = bart.eval()(input_ids=ids, labels=ids).logits
+    apply_plan(bart, PrecisionPlan({"model.shared": "int8"}, default="fp8"))
+    assert type(bart.model.encoder.embed_positions).__name__ == "BartLearnedPositionalEmbedding"
+    with torch.no_grad():
+        after = bart(input_ids=ids, labels=ids).logits
+    assert (after - before).norm() / before.norm() < 0.1  # the same model in low precision, positions as they were
+    with pytest.raises(ValueError, match="^plan entry 'model.encoder.embed_positions' is a BartLearnedPositionalEmbedding; only nn.Linear and nn.Embedding layers can change format$"):
+        apply_plan(bart, PrecisionPlan({"model.encoder.embed_positions": "fp8"}))
+
+    class NormedEmbedding(nn.Embedding):
+        def __init__(self):
+            super().__init__(16, 8)
+            self.embed_norm = nn.LayerNorm(8)
+
+        def forward(self, ids):
+            return self.embed_norm(super().forward(ids))
+
+    model = nn.Sequential(NormedEmbedding(), nn.Linear(8, 8))
+    assert list(eligible_layers(model)) == ["1"]
+
+
+def test_broadcast_added_tensors_are_no_matrices_that_refuse_a_model():
+    """ViT adds its cls token ``[1, 1, hidden]`` and position embeddings ``[1, patches + 1, hidden]``: no layer
+    multiplies by them, so its Linears convert (the whole architecture was refused) and train."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    vit = ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=16, patch_size=8, num_labels=3))
+    report = apply_plan(vit, "fp8")
+    assert len(report.layers) == 7 and not report.not_applied and isinstance(vit.classifier, LOW_PRECISION_TYPES)
+    loss = vit(pixel_values=torch.randn(2, 3, 16, 16), labels=torch.tensor([0, 2])).loss
+    loss.backward()
+    assert torch.isfinite(loss) and vit.vit.layers[0].attention.q_proj.weight.grad.abs().sum() > 0
+
+
 def test_a_model_of_layers_hf_lowprec_cannot_convert_is_refused_not_half_converted():
     """GPT-2 multiplies in transformers' ``Conv1D`` (weight ``[in, out]``), which is no ``nn.Linear``: a low-precision
     plan or scan is refused naming them, instead of converting the head alone while reporting the plan's format."""

@@ -676,6 +676,36 @@ def test_scan_of_a_sequence_classifier_scores_its_classes():
         scan(model, [{"input_ids": data[0]["input_ids"], "labels": torch.rand(16)}], method="fisher")
 
 
+@pytest.mark.parametrize("family", ["bart", "t5"])
+def test_scan_of_an_encoder_decoder_scores_the_loss_it_trains_on(family):
+    """A seq2seq batch of source ``input_ids`` (with their padding mask) and target ``labels``: the scan's decoder
+    reads the labels shifted right, as the model's own loss does (Bart decoded the source; T5 crashed without
+    ``decoder_input_ids``), and the source's mask does not mask the targets; one layer's measured Δloss is the
+    model's own loss change with that layer converted."""
+    from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    if family == "bart":
+        model = BartForConditionalGeneration(BartConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=64, max_position_embeddings=32))
+        layer = "model.decoder.layers.0.fc1"
+    else:
+        model = T5ForConditionalGeneration(T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=64, decoder_start_token_id=0, pad_token_id=0))
+        layer = "decoder.block.0.layer.2.DenseReluDense.wi"
+    model.eval()
+    source, target = torch.randint(3, 64, (2, 2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0  # the second source is 5 tokens long; its target all 8
+    batch = {"input_ids": source, "attention_mask": mask, "labels": target}
+    with torch.no_grad():
+        own = model(**batch).loss.item()
+    result = scan(model, [batch], formats=(INT4,), method="measured", layers=[layer])
+    assert result.tokens == 16 and result.base_loss == pytest.approx(own, rel=1e-5)
+    converted = copy.deepcopy(model)
+    apply_plan(converted, PrecisionPlan({layer: INT4}))
+    with torch.no_grad():
+        assert result[layer].measured[INT4] == pytest.approx(converted(**batch).loss.item() - own, rel=1e-3, abs=1e-6)
+
+
 @pytest.mark.parametrize("fmt", ["int4-g64-asym", "int8", "int4-g64-asym-rht", "int4-g32-a8", "int4-g32-a8-sq", "fp8"])
 def test_a_packed_layers_output_errors_in_row_blocks_are_its_whole_twins(monkeypatch, fmt):
     """The packed scan's ``g * δy``, built a few output rows at a time (``δy = x (Q(W) - W)^T`` for weight-only

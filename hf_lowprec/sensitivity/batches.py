@@ -13,7 +13,11 @@ from hf_lowprec.chunked_loss import chunkable_head
 from hf_lowprec.labels import IGNORE_INDEX
 
 
-def _check_batches(batches: Iterable[Mapping]) -> list[dict]:
+def _check_batches(batches: Iterable[Mapping], model: nn.Module) -> list[dict]:
+    """``batches`` as dicts the scan runs: padding labelled ``-100``; an encoder-decoder's ``decoder_input_ids`` made
+    from its labels where a batch has none (as the model does when it computes its own loss: the scan's forward
+    takes the labels out)."""
+    seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
     out = []
     for i, batch in enumerate(batches):
         if not isinstance(batch, Mapping) or "input_ids" not in batch:
@@ -21,10 +25,17 @@ def _check_batches(batches: Iterable[Mapping]) -> list[dict]:
         if "labels" not in batch:
             raise ValueError("batches need a 'labels' key (causal LM: labels=input_ids)")
         batch = dict(batch)
-        mask = batch.get("attention_mask")
+        mask = batch.get("decoder_attention_mask" if seq2seq else "attention_mask")
         if torch.is_tensor(mask) and torch.is_tensor(batch["labels"]) and mask.shape == batch["labels"].shape:
             # padding is no token to score (labels=input_ids labels it too), as the training loss ignores it
             batch["labels"] = batch["labels"].masked_fill(mask == 0, IGNORE_INDEX)
+        if seq2seq and not {"decoder_input_ids", "decoder_inputs_embeds"} & set(batch):
+            if not hasattr(model, "prepare_decoder_input_ids_from_labels"):
+                raise ValueError(
+                    f"batch {i}: {type(model).__name__} is an encoder-decoder without "
+                    "prepare_decoder_input_ids_from_labels; give each batch its 'decoder_input_ids'"
+                )
+            batch["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels=batch["labels"])
         out.append(batch)
     if not out:
         raise ValueError("scan needs at least one calibration batch")

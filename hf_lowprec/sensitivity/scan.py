@@ -118,7 +118,7 @@ def scan(
     units = _units(model, specs, packed=dense_weights is not None)
     if layers is not None:
         units = _select(units, [layers] if isinstance(layers, str) else layers)
-    batches = _merge(_check_batches(batches), max_batch_tokens)
+    batches = _merge(_check_batches(batches, model), max_batch_tokens)
     scores = [unscored(u) for u in units]
     model_id = public_name(getattr(getattr(model, "config", None), "name_or_path", None))  # the plan's "model"
     tokens = _labelled_tokens(model, batches)
@@ -483,7 +483,7 @@ def measure_plan(
     """
     plan = resolve_plan(plan)
     plan.validate(model)
-    batches = _check_batches(batches)  # one forward per batch, as training would run them
+    batches = _check_batches(batches, model)  # one forward per batch, as training would run them
     device = next(model.parameters()).device
     assignment = plan.assign(model)
     layers = eligible_layers(model)
