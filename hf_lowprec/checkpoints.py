@@ -260,6 +260,7 @@ def load_pretrained(
     cache: bool = True,
     quantization_config=None,
     tokenizer=None,
+    model_class=None,
     **from_pretrained_kwargs,
 ):
     """Load a causal LM and its tokenizer: ``(model, tokenizer)``, model in ``dtype`` and ``eval()`` mode.
@@ -276,6 +277,7 @@ def load_pretrained(
             than memory-mapped, so the pages of weights already packed do not stay resident (see
             :func:`_read_weights_by_pread`).
         tokenizer: the checkpoint's tokenizer, loaded already (:func:`load_tokenizer`): returned, not loaded again.
+        model_class: another transformers class to load (:func:`architecture_class`); default the causal LM.
         from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained``; ``revision``,
             ``trust_remote_code`` and ``token`` to the tokenizer's too.
 
@@ -300,7 +302,8 @@ def load_pretrained(
             from_pretrained_kwargs["quantization_config"] = quantization_config
             model = None if gguf else _load_by_pread(source, dtype, from_pretrained_kwargs)
         if model is None:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra, **from_pretrained_kwargs)
+            loader = model_class or AutoModelForCausalLM
+            model = loader.from_pretrained(source, dtype=dtype, **extra, **from_pretrained_kwargs)
     except OSError as e:  # transformers reports missing files and unreachable hubs as OSError
         raise cannot_load(os.fspath(model_id_or_path), e) from e
     except Exception as e:
@@ -312,6 +315,20 @@ def load_pretrained(
             f"({first}); remove that folder and the next run makes it again"
         ) from e
     return model.eval(), tokenizer
+
+
+def architecture_class(folder: str | os.PathLike):
+    """The transformers class a saved model's ``config.json`` names first in ``architectures`` (an exported sequence
+    classifier reloads as one, not as a causal LM with a fresh head), or ``AutoModelForCausalLM`` where it names
+    none transformers defines (remote code, no config)."""
+    import transformers
+
+    try:
+        names = json.loads((Path(folder) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        names = []
+    named = getattr(transformers, names[0], None) if names else None
+    return named if isinstance(named, type) and hasattr(named, "from_pretrained") else transformers.AutoModelForCausalLM
 
 
 def load_tokenizer(model_id_or_path: str | os.PathLike, *, gguf_file: str | None = None, **from_pretrained_kwargs):

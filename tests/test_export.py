@@ -87,6 +87,26 @@ def test_master_export_reloads_with_transformers_and_with_plan_numerics(base_dir
     assert json.loads((out / PLAN_FILE).read_text()) == model.hf_lowprec_plan.to_dict()
 
 
+@pytest.mark.parametrize("weights, plan", [("master", "fp8"), ("int4-packed", "int4-g32")])
+def test_an_exported_classifier_reloads_as_its_own_architecture(tmp_path, weights, plan):
+    """A sequence classifier's export reloads as the class its config.json names, its trained head read back: it
+    loaded as a causal LM whose head was new random weights (the classifier's dropped)."""
+    from conftest import tiny_bert
+
+    model = tiny_bert().eval()
+    apply_plan(model, PrecisionPlan.uniform(plan, keep=("classifier",)))
+    ids = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+    if weights == "int4-packed":
+        freeze(model)  # packed codes: the export holds them as they are
+    out = export_model(model, None, tmp_path / weights, {}, weights=weights)
+    loaded, _ = load_exported(out, apply_plan_numerics=True, backend="dequant")
+    assert type(loaded).__name__ == "BertForSequenceClassification"
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids).logits, trained, atol=1e-5)
+
+
 def test_plan_numerics_of_a_run_converted_with_other_options_say_they_are_not_the_runs(base_dir, tmp_path, caplog):
     """Learned activation steps (or a delayed scaling's history) have no place in the layers the plan is re-applied
     to with apply_plan's defaults: the numerics differ from the run's, which was logged at INFO only. The telemetry

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hf_lowprec.checkpoints import (
+    architecture_class,
     cannot_load,
     is_local_checkpoint,
     load_pretrained,
@@ -577,7 +578,9 @@ def load_exported(
             backend = "dequant"  # its INT4 layers trained on their dequantized weights, not through int8 kernels
         model, tokenizer = load_int4_model(folder, dtype=dtype, backend=backend)
     else:
-        model, tokenizer = load_pretrained(folder, dtype=dtype or torch.float32, adapter_kwargs=NO_ADAPTER_LOOKUP)
+        model, tokenizer = load_pretrained(
+            folder, dtype=dtype or torch.float32, model_class=architecture_class(folder), adapter_kwargs=NO_ADAPTER_LOOKUP
+        )
         if (adapters := adapter_folder(folder)) is not None:  # a compressed-tensors export's LoRA adapters
             model = PeftModel.from_pretrained(model, adapters).eval()
     if apply_plan_numerics:

@@ -19,7 +19,7 @@ from torch import nn
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from hf_lowprec.allocator import freed_memory_returned
-from hf_lowprec.checkpoints import TOKENIZER_FILES
+from hf_lowprec.checkpoints import TOKENIZER_FILES, architecture_class
 from hf_lowprec.convert import canonical_name
 
 # also registers quant_method "hf_lowprec" with transformers: from_pretrained loads exported folders
@@ -299,7 +299,7 @@ def load_int4_model(
 
     ``dtype``: default the saved one. ``is_trainable``: load adapters for further training.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     folder = Path(path)
     if not (folder / "config.json").is_file():
@@ -311,7 +311,7 @@ def load_int4_model(
         raise ValueError(
             f"{str(folder)!r} is not a packed INT4 folder (quant_method {method!r}); load it with from_pretrained"
         )
-    model = AutoModelForCausalLM.from_pretrained(
+    model = architecture_class(folder).from_pretrained(
         folder, dtype=dtype or getattr(config, "dtype", None) or torch.float32, adapter_kwargs=NO_ADAPTER_LOOKUP
     )
     for m in model.modules():
