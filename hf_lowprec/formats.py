@@ -12,6 +12,7 @@ integer formats a *step* is the size of one code (``x ≈ (code - zero) * step``
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -201,11 +202,12 @@ class FormatSpec:
         return {"fp32": 32, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "nf4": 4}[self.family]
 
     def bytes_per_param(self, in_features: int = 4096) -> float:
-        """Stored bytes per weight element, scales (bf16 steps, fp32 FP8 scales, E8M0 MX scales) included."""
+        """Stored bytes per weight element, scales (bf16 steps, fp32 FP8 scales, E8M0 MX scales) included; a row's
+        last group, padded when ``in_features`` is no multiple of the group, holds its scales as a whole one does."""
         base = self.bits / 8
         if self.granularity == "group":
             per_group = 2 + (0 if self.symmetric else 2)
-            return base + per_group / self.group_size
+            return base + math.ceil(in_features / self.group_size) * per_group / in_features
         if self.granularity == "channel":
             return base + (2 if self.symmetric else 4) / in_features
         if self.granularity == "row":
@@ -213,7 +215,7 @@ class FormatSpec:
         if self.granularity == "block":
             return base + 4 / (BLOCK * BLOCK)
         if self.granularity == "mx":
-            return base + 1 / MX_BLOCK
+            return base + math.ceil(in_features / MX_BLOCK) / in_features
         return base
 
     @property

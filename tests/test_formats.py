@@ -146,3 +146,17 @@ def test_the_unknown_format_error_offers_only_names_that_parse():
     offered = re.findall(r"\b(?:fp|bf|int|nf)\d+(?:-[a-z0-9]+)*", str(e.value).split("; ", 1)[1])
     assert {"fp8-mx-rht", "int4-g128-asym", "fp8-sq", "int4-g64-a8-sq"} <= set(offered)
     assert all(FormatSpec.parse(name).name == name for name in offered), offered
+
+
+@pytest.mark.parametrize("fmt, columns", [("int4-g64", 2), ("int4-g64", 48), ("int4-g64-asym", 100), ("int4-g32", 4096)])
+def test_bytes_per_param_counts_the_scales_a_layer_stores_padded_last_group_included(fmt, columns):
+    """Bytes per weight as plans count them: the codes and a bf16 step (and zero point) for every group of a row, as a
+    frozen base keeps them (compact_steps), a row's last partial group too (two columns under g64 hold a whole group's
+    step: 1.5 B a weight, not 0.53)."""
+    from hf_lowprec.modules import Int4Linear
+
+    layer = Int4Linear.from_linear(torch.nn.Linear(columns, 8, bias=False), FormatSpec.parse(fmt))
+    stored = layer.weight.numel() * FormatSpec.parse(fmt).bits / 8
+    stored += sum(p.numel() * 2 for n, p in layer.named_parameters() if n != "weight")  # bf16 steps/zeros
+    stored += sum(b.numel() * 2 for n, b in layer.named_buffers() if "zero" in n)
+    assert FormatSpec.parse(fmt).bytes_per_param(columns) * layer.weight.numel() == pytest.approx(stored)

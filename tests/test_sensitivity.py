@@ -676,6 +676,24 @@ def test_scan_of_a_sequence_classifier_scores_its_classes():
         scan(model, [{"input_ids": data[0]["input_ids"], "labels": torch.rand(16)}], method="fisher")
 
 
+def test_layers_no_scanned_format_fits_are_named_in_a_warning_not_kept_silently(caplog):
+    """An ``-a8`` scan cannot put an embedding in its format (no activation to quantize): the plan keeps it as it is,
+    and the log says so at warning level (it was an info line); a layer another scanned format fits is not named."""
+    model = tiny_llama()
+    batches = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (1, 2, 16))]
+    with caplog.at_level("WARNING", logger="hf_lowprec"):
+        result = scan(model, batches, formats=("int4-g32-a8",), method="fisher")
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "none of the scanned" in r.getMessage()]
+    assert warned == ["1 layers take none of the scanned formats, so a plan from this scan keeps them as they are "
+                      "(model.embed_tokens): an embedding has no activation to quantize nor input to rotate or smooth"]
+    plan = allocate(result, {"int4_fraction": 1.0}, keep=())
+    assert plan.assign(model)["model.embed_tokens"].name == "bf16" and plan.assign(model)["lm_head"].name == "int4-g32-a8"
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_lowprec"):
+        scan(model, batches, formats=("int4-g32-a8", INT4), method="fisher")
+    assert not [r for r in caplog.records if "none of the scanned" in r.getMessage()]
+
+
 @pytest.mark.parametrize("family", ["bart", "t5"])
 def test_scan_of_an_encoder_decoder_scores_the_loss_it_trains_on(family):
     """A seq2seq batch of source ``input_ids`` (with their padding mask) and target ``labels``: the scan's decoder

@@ -52,11 +52,19 @@ def _units(model: nn.Module, formats: Sequence[FormatSpec], packed: bool = False
         key = id(module) if isinstance(module, PackedLinear) else id(module.weight)
         unit = groups.setdefault(key, _Unit(name, [], []))
         unit.members.append((name, module))
+    unscanned: dict[str, list[str]] = {}  # why -> layers no scanned format fits: a plan keeps them as they are
     for unit in groups.values():
         unit.formats = [s.name for s in formats if not _cannot_take(unit, s)]
         for s in formats:
             if why := _cannot_take(unit, s):
                 logger.info("%s: skipping %s (%s)", unit.name, s.name, why)
+        if not unit.formats:
+            unscanned.setdefault(_cannot_take(unit, formats[0]), []).append(unit.name)
+    for why, names in unscanned.items():
+        logger.warning(
+            "%d layers take none of the scanned formats, so a plan from this scan keeps them as they are (%s): %s",
+            len(names), ", ".join(names[:4]) + (", ..." if len(names) > 4 else ""), why,
+        )  # fmt: skip
     return list(groups.values())
 
 
