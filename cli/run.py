@@ -42,7 +42,7 @@ from hf_lowprec.convert import revert
 from hf_lowprec.data import HELD_OUT_SPLIT, collated_batches, local_data_digest, prepare_run_data, read_run_source
 from hf_lowprec.export.folder import export_model, resolved_weights
 from hf_lowprec.export.records import RUN_FILE, evaluation_numerics, hardware_info, read_run
-from hf_lowprec.folders import atomic_write_text, sweep_leftovers
+from hf_lowprec.folders import TRACES_DIR, atomic_write_text, sweep_leftovers
 from hf_lowprec.metrics import causal_lm_loss, peak_rss_mb
 from hf_lowprec.modules.kernels.autotune import measured, resolve_dtype
 from hf_lowprec.modules.kernels.cpu import contention_warning
@@ -60,7 +60,6 @@ from hf_lowprec.training.callback import STATE_FILE, LowPrecisionCallback
 
 SETTINGS_FILE = "run_settings.json"
 LOSS_CURVE = "loss_curve.png"
-TRACKER_DIR = "runs"  # where transformers' TensorBoard callback writes under output_dir
 TRAINER_STATE = "trainer_state.json"  # the Trainer writes it after the weights, optimizer and RNG states
 WEIGHT_FILES = (
     "model.safetensors",
@@ -797,9 +796,9 @@ def _run_record(run: RunFolder, opts: FinetuneOptions, lm, figures: dict, final:
 def _export_run(model, tokenizer, run: RunFolder, record: dict, recipe: Recipe, log_history: list[dict]) -> None:
     """Export the model with the recipe, the log history and the loss curve; then drop the work folder."""
     extra = {"recipe.yaml": recipe.to_yaml(), "log_history.json": json.dumps(log_history, indent=2)}
-    tracker_logs = run.checkpoints / TRACKER_DIR  # --report-to tensorboard: the Hub shows runs/ as TensorBoard traces
+    tracker_logs = run.checkpoints / TRACES_DIR  # --report-to tensorboard: the Hub shows runs/ as TensorBoard traces
     extra.update(
-        {f"{TRACKER_DIR}/{f.relative_to(tracker_logs)}": f.read_bytes() for f in tracker_logs.rglob("*") if f.is_file()}
+        {f"{TRACES_DIR}/{f.relative_to(tracker_logs)}": f.read_bytes() for f in tracker_logs.rglob("*") if f.is_file()}
     )
     curve = loss_curve_png(log_history, f"{recipe.name}: training loss")
     if curve is not None:

@@ -437,7 +437,11 @@ class Recipe:
             *parents, leaf = key.split(".")
             for p in parents:
                 if not isinstance(node.get(p), dict):
-                    raise ValueError(f"{source}: unknown recipe key {key!r}")
+                    sections = [k for k, v in node.items() if isinstance(v, dict)]
+                    raise ValueError(
+                        f"{source}: unknown recipe key {key!r}{_close_match(p, sections)}; {p!r} is no section here, "
+                        f"the sections are {', '.join(sections)}"
+                    )
                 node = node[p]
             leaf = _RENAMED.get(".".join(parents), {}).get(leaf, leaf)
             if leaf not in node and ".".join(parents) not in OPEN_MAPPINGS:

@@ -1059,6 +1059,10 @@ def test_report_to_sends_trainer_and_lowprec_values_to_tensorboard_in_the_run_fo
     assert result.exit_code == 0, result.output
     scalars = tensorboard_scalars(out / "runs")
     assert "train/loss" in scalars and any(tag.startswith("train/lowprec/") for tag in scalars), sorted(scalars)
+    for fmt in ("native", "bf16"):  # every export format carries the traces (bf16's, gguf's, ct's did not)
+        exported = cli("export", out, "--out", ws / f"tb-{fmt}", "--format", fmt)
+        assert exported.exit_code == 0, exported.output
+        assert tensorboard_scalars(ws / f"tb-{fmt}" / "runs") == scalars
     bad = cli("finetune", ws / "tiny", "--report-to", "tensorbored", "-o", ws / "run-bad")
     assert bad.exit_code != 0 and "'training.report_to' tensorbored: choose from none, all" in one_error_line(bad)
 

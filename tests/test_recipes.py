@@ -179,6 +179,8 @@ def test_overrides_replace_values_and_are_checked_like_files():
     assert base.training.max_steps != 7  # frozen: the original is unchanged
     with pytest.raises(ValueError, match=r"unknown recipe key 'training\.max_step' \(did you mean 'max_steps'\?\); allowed keys are max_steps"):
         base.with_overrides({"training.max_step": 3})
+    with pytest.raises(ValueError, match=r"unknown recipe key 'trainig\.seed' \(did you mean 'training'\?\); 'trainig' is no section here, the sections are precision, training, lora, data, export$"):
+        base.with_overrides({"trainig.seed": 3})  # it named no section
     with pytest.raises(ValueError, match=r"'training\.dtype' is 'fp16'; allowed values are auto, fp32, bf16"):
         base.with_overrides({"training.dtype": "fp16"})
     with pytest.raises(ValueError, match=r"unknown format 'int3'"):

@@ -31,7 +31,7 @@ from hf_lowprec.export.gguf import ADAPTER_FILE, export_gguf
 from hf_lowprec.export.hf_quantizer import quantization_config_dict, with_load_guards
 from hf_lowprec.export.publish import check_repo_id
 from hf_lowprec.export.records import CARD_FILE, RUN_ONLY, plan_record, read_run, relative_file_name, write_record
-from hf_lowprec.folders import atomic_output_dir
+from hf_lowprec.folders import TRACES_DIR, atomic_output_dir
 from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, PackedInt4Linear, PackedInt8Linear
 from hf_lowprec.modules.packed import packed_class
 from hf_lowprec.ondevice import MERGE_DTYPES, MERGE_FILE, export_int4_lora, load_int4_model
@@ -365,7 +365,7 @@ def export_run(
             merged_dtype=merged_dtype,
             overwrite=overwrite,
             repo_id=repo_id,
-            extra_files=_run_images(run_dir, run),
+            extra_files=_run_files(run_dir, run),
         )
     with atomic_output_dir(out, overwrite) as tmp:
         for item in run_dir.iterdir():
@@ -379,13 +379,15 @@ def export_run(
     return Path(out)
 
 
-def _run_images(run_dir: Path, run: Mapping) -> dict[str, bytes]:
-    """The run's loss-curve PNG, which the card shows, for an export made from the run folder."""
+def _run_files(run_dir: Path, run: Mapping) -> dict[str, bytes]:
+    """What an export made from the run folder carries beside its weights: the loss-curve PNG the card shows and the
+    TensorBoard traces (``runs/``, which the Hub shows as training metrics)."""
+    files = {f"{TRACES_DIR}/{f.relative_to(run_dir / TRACES_DIR).as_posix()}": f.read_bytes()
+             for f in sorted((run_dir / TRACES_DIR).rglob("*")) if f.is_file()}  # fmt: skip
     curve = run.get("loss_curve")
-    if not curve:
-        return {}
-    path = run_dir / relative_file_name(curve)
-    return {curve: path.read_bytes()} if path.is_file() else {}
+    if curve and (path := run_dir / relative_file_name(curve)).is_file():
+        files[curve] = path.read_bytes()
+    return files
 
 
 def run_formats(run: Mapping) -> tuple[str, ...]:
@@ -436,7 +438,7 @@ def _export_dense(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id:
         config.save_pretrained(tmp)  # model.config stays untouched
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        write_record(tmp, run, repo_id, _run_images(run_dir, run))
+        write_record(tmp, run, repo_id, _run_files(run_dir, run))
     return out
 
 
@@ -487,7 +489,7 @@ def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: b
         if run.get("adapter"):
             note = "the fine-tuning: from_pretrained applies them (PEFT) as it loads the folder"
             run["adapter"] = {**run["adapter"], "note": note}
-        write_record(tmp, run, repo_id, _run_images(run_dir, run))
+        write_record(tmp, run, repo_id, _run_files(run_dir, run))
     return out
 
 
@@ -511,7 +513,7 @@ def _export_gguf(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id: 
         }
         if run.get("adapter"):
             run["adapter"] = {**run["adapter"], "folder": ADAPTER_FILE, "note": "llama.cpp's LoRA adapter file"}
-        write_record(tmp, run, repo_id, _run_images(run_dir, run))
+        write_record(tmp, run, repo_id, _run_files(run_dir, run))
     return out
 
 
