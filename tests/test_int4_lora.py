@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoftQConfig, LoraConfig, get_peft_model
 
 from hf_lowprec.modules import Int4Linear
 from hf_lowprec.modules.int4_lora import PackedLoraLinear, register_int4_lora
@@ -84,11 +84,73 @@ def test_merge_requantizes_the_delta_and_reports_the_error():
     assert not layer.merged
 
 
+def test_unmerge_puts_back_the_base_of_before_the_merge_exactly_learned_shifts_too():
+    """PEFT's merge_adapter / unmerge_adapter (and disable_adapter on a merged model, which unmerges): subtracting
+    the adapters and re-quantizing rounded a second time, moving the frozen base for good (by a fifth of the
+    adapters' own effect on logits); now the codes, steps, zero points and learned shift come back bit for bit."""
+    peft, layer = packed_with_lora()
+    base = layer.get_base_layer()
+    base.learn_steps(steps=False)
+    with torch.no_grad():
+        base.zero_shift.normal_(0, 0.3)
+    before = {n: t.clone() for n, t in base.state_dict(keep_vars=False).items()}
+    shift = base.zero_shift.detach().clone()
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        y0 = peft(x)
+        with pytest.warns(UserWarning, match="re-quantizes"):
+            peft.merge_adapter()
+        assert not torch.equal(peft(x), y0)  # the merged codes, rounded
+        peft.unmerge_adapter()
+        assert torch.equal(peft(x), y0) and torch.equal(base.zero_shift, shift)
+    assert all(torch.equal(t, before[n]) for n, t in base.state_dict().items())
+
+
+def test_disabled_adapters_give_the_base_without_the_steps_learned_with_them():
+    """disable_adapter() is the base model (TRL's DPO reads its reference logits so): the zero points learned with
+    the adapters, saved with them, are left out inside the block, back after it, their gradients unchanged."""
+    peft, layer = packed_with_lora()
+    base = layer.get_base_layer()
+    (shift,) = base.learn_steps(steps=False)
+    with torch.no_grad():
+        shift.normal_(0, 0.3)
+    x = torch.randn(4, 64)
+    zero, step = base.zero.float(), base.step.float()
+    codes = base._unpack(base.qweight).float()
+    stored = ((codes - zero.repeat_interleave(32, 1)) * step.repeat_interleave(32, 1))  # [48, 64], group 32
+    y = peft(x)
+    y.sum().backward()
+    grad = shift.grad.clone()
+    with torch.no_grad(), peft.disable_adapter():
+        torch.testing.assert_close(peft(x), x @ stored.t() + base.bias, rtol=1e-5, atol=1e-5)
+    shift.grad = None
+    again = peft(x)
+    again.sum().backward()
+    assert torch.equal(again, y) and torch.equal(shift.grad, grad)
+
+
 @pytest.mark.parametrize("option, message", [(dict(use_dora=True), "DoRA"), (dict(lora_bias=True), "lora_bias"),
-                                             (dict(init_lora_weights="pissa"), "not supported on a packed base")])
+                                             (dict(init_lora_weights="pissa"), "not supported on a packed base"),
+                                             (dict(init_lora_weights="loftq", loftq_config=LoftQConfig()), r"prepare_int4_lora\(loftq_init=True\)")])
 def test_unsupported_options_raise(option, message):
     with pytest.raises(ValueError, match=message):
         packed_with_lora(**option)
+
+
+@pytest.mark.parametrize("option, message", [(dict(use_dora=True), "DoRA"), (dict(lora_bias=True), "lora_bias"),
+                                             (dict(init_lora_weights="olora"), "not supported on a packed base")])
+def test_a_second_adapter_is_refused_what_the_first_is_before_any_of_it_exists(option, message, tmp_path):
+    """add_adapter / load_adapter go through update_layer, not __init__: a lora_bias adapter loaded second was
+    accepted and its bias ignored (logits off by the bias), DoRA failed on the packed weight half-made."""
+    peft, layer = packed_with_lora()
+    with pytest.raises(ValueError, match=message):
+        peft.add_adapter("second", LoraConfig(r=2, target_modules=["0"], **option))
+    assert list(peft.peft_config) == ["default"] and list(layer.lora_A) == ["default"]
+    if option.get("lora_bias"):  # an adapter saved from a dense model, loaded onto the packed one
+        dense = get_peft_model(torch.nn.Sequential(torch.nn.Linear(64, 48)), LoraConfig(r=2, target_modules=["0"], **option))
+        dense.save_pretrained(tmp_path)
+        with pytest.raises(ValueError, match=message):
+            peft.load_adapter(tmp_path, adapter_name="loaded")
 
 
 def test_fan_in_fan_out_is_turned_off_as_peft_turns_it_off_for_nn_linear():

@@ -82,6 +82,21 @@ def dequantized_twin(packed_model, seed: int = 0):
     return twin
 
 
+def test_layers_peft_trains_whole_keep_their_dtype_only_the_adapters_take_the_adapter_dtype():
+    """modules_to_save copies and the biases bias="all" trains compute as the model does: cast to the bf16 adapter
+    dtype, the head's copy failed on fp32 hidden states and the embedding's moved the logits before any training."""
+    ids = markov_batches(n=1, batch=2, seq=16)[0]["input_ids"]
+    logits = {}
+    for extra in ({}, {"modules_to_save": ["lm_head", "embed_tokens"]}):
+        model, _ = prepare_int4_lora(tiny_llama(0), LoraConfig(**LORA, **extra), backend="dequant")
+        with torch.no_grad():
+            logits[bool(extra)] = model(input_ids=ids).logits
+        trained = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad}
+        assert {d for n, d in trained.items() if "lora_" in n} == {torch.bfloat16}
+        assert {d for n, d in trained.items() if "lora_" not in n} <= {torch.float32}
+    assert torch.equal(logits[True], logits[False])
+
+
 @pytest.mark.parametrize("backend", ["dequant", "tiled", pytest.param("int8", marks=pytest.mark.skipif(not INT8_OK, reason="no int8 dot-product instructions"))])
 def test_input_and_lora_grads_through_int4_base_match_dequantized_reference(backend):
     tiny = tiny_llama(0, hidden_size=128, intermediate_size=256)  # fp32 adapters: gradients against fp32 math

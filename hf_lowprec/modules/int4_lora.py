@@ -17,6 +17,7 @@ adapters, not their casts (:class:`_LoraDelta`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 
@@ -60,26 +61,16 @@ class _LoraDelta(torch.autograd.Function):
 
 
 class PackedLoraLinear(LoraLinear):
-    """``lora.Linear`` whose base is a :class:`PackedLinear`; merging re-quantizes the base.
+    """``lora.Linear`` whose base is a :class:`PackedLinear`; merging re-quantizes the base, unmerging restores it.
 
     Vanilla LoRA only: DoRA and the other variants, ``lora_bias`` and initialisations that read a dense
     base weight (PiSSA, OLoRA, PEFT's own LoftQ ...) raise ``ValueError`` (use
-    ``hf_lowprec.ondevice.prepare_int4_lora(loftq_init=True)`` for LoftQ on the INT4 base).
+    ``hf_lowprec.ondevice.prepare_int4_lora(loftq_init=True)`` for LoftQ on the INT4 base), for the first adapter
+    and for every one added or loaded later. With the adapters disabled the base computes without the steps and zero
+    points it learned with them (:meth:`PackedLinear.learn_steps`): they are saved and loaded with the adapters.
     """
 
     def __init__(self, base_layer, adapter_name: str, config: LoraConfig, **kwargs):
-        init = config.init_lora_weights
-        if init not in SUPPORTED_INITS:
-            raise ValueError(
-                f"init_lora_weights={init!r} is not supported on a packed base; choose one of {SUPPORTED_INITS}"
-            )
-        if config.lora_bias:
-            raise ValueError("lora_bias=True is not supported on a packed base (it could not be merged into the codes)")
-        variant = self.resolve_lora_variant(config=config)  # reads only the config and the class's variant table
-        if variant is not None:
-            raise ValueError(
-                f"LoRA variant {type(variant).__name__} (e.g. DoRA) is not supported on a packed base; use plain LoRA"
-            )
         if config.fan_in_fan_out:  # as PEFT does for an nn.Linear base: a packed one stores [out, in] too
             warnings.warn(
                 "fan_in_fan_out is set to True but the target module is a packed linear, stored [out, in] as "
@@ -90,14 +81,38 @@ class PackedLoraLinear(LoraLinear):
             config.fan_in_fan_out = False
         super().__init__(base_layer, adapter_name, config=config, **kwargs)
         self.merge_errors: list[dict] = []
+        self._before_merge: dict[str, torch.Tensor] = {}
+
+    def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config: LoraConfig, **kwargs) -> None:
+        """PEFT's, after refusing what a packed base cannot take: every adapter comes through here (the first from
+        ``__init__``, later ones from ``add_adapter`` / ``load_adapter``), before any of its weights exist."""
+        init = config.init_lora_weights
+        if init not in SUPPORTED_INITS:
+            raise ValueError(
+                f"init_lora_weights={init!r} is not supported on a packed base; choose one of {SUPPORTED_INITS}"
+                + (" (LoftQ: hf_lowprec.ondevice.prepare_int4_lora(loftq_init=True))" if init == "loftq" else "")
+            )
+        if config.lora_bias:
+            raise ValueError("lora_bias=True is not supported on a packed base (it could not be merged into the codes)")
+        variant = self.resolve_lora_variant(config=config)  # reads only the config and the class's variant table
+        if variant is not None:
+            raise ValueError(
+                f"LoRA variant {type(variant).__name__} (e.g. DoRA) is not supported on a packed base; use plain LoRA"
+            )
+        super().update_layer(adapter_name, r, lora_alpha, config=config, **kwargs)
 
     def _get_in_out_features(self, module):
         return module.in_features, module.out_features
 
     # -------------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if args or kwargs or self.disable_adapters or self.merged:
-            return super().forward(x, *args, **kwargs)  # mixed adapter batches, disabled or merged adapters
+        if self.disable_adapters and not (args or kwargs):
+            if self.merged:
+                self.unmerge()
+            with learned_steps_off(self.get_base_layer()):
+                return self.base_layer(x)
+        if args or kwargs or self.merged:
+            return super().forward(x, *args, **kwargs)  # mixed adapter batches, merged adapters
         result = self.base_layer(x)
         out = result.reshape(-1, self.out_features)
         x2d = x.reshape(-1, self.in_features)
@@ -125,6 +140,8 @@ class PackedLoraLinear(LoraLinear):
             stacklevel=2,
         )
         base: PackedLinear = self.get_base_layer()
+        if not self.merged:  # what unmerge restores (a second rounding would move the base for good)
+            self._before_merge = {n: t.detach().clone() for n, t in _stored_tensors(base).items()}
         weight = base.dequantized_weight(torch.float32)
         delta = sum(lora_delta(self, n) for n in adapter_names)
         merged = weight + delta
@@ -137,19 +154,41 @@ class PackedLoraLinear(LoraLinear):
         self.merge_errors.append(stats)
         self.merged_adapters.extend(adapter_names)
 
+    @torch.no_grad()
     def unmerge(self) -> None:
-        """Subtract the merged adapters' delta and re-quantize (a second rounding: not an exact inverse)."""
+        """Put back the base as it was before the first merge (codes, steps, zero points and what they learned),
+        exactly: subtracting the adapters and re-quantizing would round a second time."""
         if not self.merged:
             warnings.warn("Already unmerged. Nothing to do.")
             return
-        logger.warning("unmerging LoRA from a packed base re-quantizes it: weights differ from before the merge")
         base: PackedLinear = self.get_base_layer()
-        weight = base.dequantized_weight(torch.float32)
-        while self.merged_adapters:
-            name = self.merged_adapters.pop()
-            if name in self.lora_A:
-                weight = weight - lora_delta(self, name)
-        base.requantize_(weight)
+        for name, tensor in _stored_tensors(base).items():
+            tensor.copy_(self._before_merge.pop(name))
+        base._cache.clear()
+        self.merged_adapters.clear()
+
+
+def _stored_tensors(layer: PackedLinear) -> dict[str, torch.Tensor]:
+    """What a merge re-quantizes in ``layer``: its codes, steps and zero points, and the gain and shift it learned."""
+    names = ("qweight", "step", "zero", "step_gain", "zero_shift")
+    return {n: getattr(layer, n).data for n in names if getattr(layer, n, None) is not None}
+
+
+@contextlib.contextmanager
+def learned_steps_off(layer: PackedLinear):
+    """``layer`` computing with its stored steps and zero points alone inside the block (PEFT's ``disable_adapter``
+    gives the base model, and the learned gain and shift are saved with the adapters); put back after it."""
+    learned = {n: layer._parameters[n] for n in ("step_gain", "zero_shift") if layer._parameters.get(n) is not None}
+    if not learned:
+        yield
+        return
+    layer._parameters.update(dict.fromkeys(learned))
+    layer._cache.clear()  # what was derived from the learned values (e.g. int8 rows' steps)
+    try:
+        yield
+    finally:
+        layer._parameters.update(learned)
+        layer._cache.clear()
 
 
 def lora_delta(module: LoraLinear, adapter: str) -> torch.Tensor:

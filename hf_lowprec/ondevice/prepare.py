@@ -272,15 +272,12 @@ def _with_adapters(model: nn.Module, config: LoraConfig, factors: dict, adapter_
             module.lora_B["default"].weight.data.copy_(b)
     # a layer the plan keeps dense gets PEFT's own LoRA layer, which computes in its adapters' dtype and which PEFT
     # reloads in fp32 (autocast_adapter_dtype): there the adapters train in fp32, as they will reload
-    on_dense = {
-        id(p)
-        for m in peft_model.modules()
-        if isinstance(m, LoraLayer) and not isinstance(m.get_base_layer(), PackedLinear)
-        for p in (*m.lora_A.parameters(), *m.lora_B.parameters())
-    }
-    for p in peft_model.parameters():
-        if p.requires_grad:
-            p.data = p.data.to(torch.float32 if id(p) in on_dense else adapter_dtype)
+    # the adapters alone: a modules_to_save copy or a bias PEFT trains (bias="all") keeps its dtype, as it computes
+    for m in peft_model.modules():
+        if isinstance(m, LoraLayer):
+            dtype = adapter_dtype if isinstance(m.get_base_layer(), PackedLinear) else torch.float32
+            for p in (*m.lora_A.parameters(), *m.lora_B.parameters()):
+                p.data = p.data.to(dtype)
     return peft_model
 
 
