@@ -182,7 +182,8 @@ class PrecisionPlan:
                         "can change format"
                     )
                 close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
-                hint = f"; close matches: {', '.join(close)}" if close else ""
+                examples = f"; its layers are named like {names[0]!r}, {names[len(names) // 2]!r}" if names else ""
+                hint = f"; close matches: {', '.join(close)}" if close else examples  # a plan made for another model
                 raise ValueError(f"plan entry {key!r} is not a layer of this model{hint}")
         return {n: self.resolve(n, m) for n, m in layers.items()}
 

@@ -75,6 +75,8 @@ def test_unknown_layer_lists_close_matches(llama):
     with pytest.raises(ValueError, match=r"'model.layers.0.mlp.up_prj' is not a layer.*close matches: model.layers.0.mlp.up_proj") as e:
         PrecisionPlan({"model.layers.0.mlp.up_prj": "fp8"}).validate(llama)
     assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^plan entry 'transformer.h.0.attn.c_attn' is not a layer of this model; its layers are named like 'model.embed_tokens', 'model.layers.\d.\w+"):
+        PrecisionPlan({"transformer.h.0.attn.c_attn": "fp8"}).validate(llama)  # a GPT-2 plan: no close match, examples
 
 
 def test_non_linear_target_is_named_with_its_type(llama):

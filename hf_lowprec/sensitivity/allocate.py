@@ -125,7 +125,7 @@ def _problem(result: ScanResult, keep: Sequence[str], force: Mapping[str, str], 
     if keep and len(rules) == len(units):
         raise ValueError(
             f"keep {list(keep)} covers every scanned layer ({len(units)}), which leaves nothing to allocate; keep "
-            "fewer layers (the default keeps the output head)"
+            "fewer layers (the callback's and the CLI's default keeps the output head alone)"
         )
     for pattern, fmt in (force or {}).items():
         try:
