@@ -72,3 +72,22 @@ def test_quantize_on_load_keeps_no_packed_weight_resident(tmp_path, symlinked):
     expected = reference.state_dict()
     assert packed.state_dict().keys() == expected.keys()
     assert all(torch.equal(packed.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_quantize_on_load_leaves_the_pages_of_a_model_loaded_before_alone(tmp_path):
+    """A dense copy of the same checkpoint loaded earlier (being trained, edited, a teacher) maps the file too, its
+    weights views of that mapping: releasing "every mapping of the file" reverted the pages it had written to the
+    file's bytes (an edited weight lost three quarters of the edit, silently). Only this load's mappings are released,
+    and they still are."""
+    tiny_llama(hidden_size=256, intermediate_size=1024).save_pretrained(tmp_path)  # fp32, loaded as views of the map
+    dense = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    weight = dense.model.layers[0].self_attn.q_proj.weight
+    assert in_file_mapping(weight, file_mappings())
+    with torch.no_grad():
+        weight.add_(1.0)  # an optimizer step's worth of writes: pages copied on write
+    edited = weight.detach().clone()
+    earlier = set(file_mappings())
+    packed = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, quantization_config=HfLowprecConfig())
+    assert torch.equal(weight, edited)
+    quantizer = packed.hf_quantizer
+    assert quantizer.checkpoint_mappings() and not set(quantizer.checkpoint_mappings()) & earlier  # its own, released

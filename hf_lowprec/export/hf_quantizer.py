@@ -109,7 +109,8 @@ class HfLowprecQuantizer(HfQuantizer):
         self.to_pack: dict[str, FormatSpec] = {}  # full module name -> format, for a dense checkpoint
         self.tied: tuple[str, str] | None = None  # (head, embedding) when the plan packs a head tied to the embedding
         self.sources: dict = {}  # checkpoint key -> where its bytes lie in a safetensors file (a PreadSlice)
-        self._mappings: list | None = None  # this process's mappings of those files, read at the first release
+        self._mappings: list | None = None  # this load's mappings of those files, read at the first release
+        self._earlier_mappings: set = set()  # mappings the process held before this load (other models' files)
         self.compute_dtype: torch.dtype | None = None  # the packed layers' steps: the dtype the model loads in
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
@@ -137,6 +138,7 @@ class HfLowprecQuantizer(HfQuantizer):
                 self.tied, self.to_pack[tied[1]] = tied, self.to_pack[tied[0]]
                 model.all_tied_weights_keys.pop(f"{tied[0]}.weight", None)  # tied through the codes instead
             self.sources = _safetensors_index(checkpoint_files)
+            self._earlier_mappings = set(file_mappings() or [])
             self.compute_dtype = model.dtype  # the dtype asked for: the skeleton is made in it
             if self.compute_dtype == torch.float32:
                 _read_packed_weights_as_stored(model, self.to_pack)
@@ -157,11 +159,14 @@ class HfLowprecQuantizer(HfQuantizer):
         return model
 
     def checkpoint_mappings(self) -> list:
-        """This process's memory mappings of the checkpoint's files: transformers maps every file before it converts
-        the first weight, so they are read from ``/proc/self/maps`` once, not once per packed weight."""
+        """This load's memory mappings of the checkpoint's files: transformers maps every file before it converts the
+        first weight, so they are read from ``/proc/self/maps`` once, not once per packed weight. A mapping the process
+        held before the load is another model's (a dense copy of the same checkpoint loaded earlier): releasing its
+        pages would revert those it wrote to (trained or edited weights) to the file's bytes, so it is left alone."""
         if self._mappings is None:
             files = {os.path.realpath(s.path) for s in self.sources.values()}
-            self._mappings = [m for m in file_mappings() or [] if m.path in files]
+            now = file_mappings() or []
+            self._mappings = [m for m in now if m.path in files and m not in self._earlier_mappings]
         return self._mappings
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
