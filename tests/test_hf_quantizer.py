@@ -31,6 +31,8 @@ def test_config_round_trips_the_plan_and_names_a_bad_one():
         HfLowprecConfig(pln="int4")  # a typo no longer loads with the default plan
     with pytest.raises(ValueError, match=r"\['bnb_4bit_compute_dtype', 'load_in_4bit'\]; .*\(HfLowprecConfig\(\) alone is the 4-bit load; from_pretrained\(dtype=...\) the compute dtype\)$"):
         HfLowprecConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)  # a BitsAndBytesConfig's words
+    with pytest.raises(ValueError, match=r"^HfLowprecConfig exact_kernels must be True or False, got 'no'$"):
+        HfLowprecConfig(exact_kernels="no")  # bool("no") said True
 
 
 def test_a_packed_models_missing_dense_weight_is_said_so(tmp_path):
@@ -254,3 +256,40 @@ def test_peft_all_linear_wraps_the_packed_layers_but_the_head(tmp_path):
         peft_model.add_adapter("second", LoraConfig(r=2, target_modules="all-linear"))
         assert {n for n, m in model.named_modules() if isinstance(m, PackedLoraLinear)} == expected
         assert all("second" in model.get_submodule(n).lora_A for n in expected)
+
+
+@pytest.mark.parametrize("tie, plan", [(True, {"default": "int4-g32"}), (False, {"default": "int4-g32", "layers": {"model.embed_tokens": "int8"}})])
+def test_dequantize_gives_plain_layers_computing_what_the_packed_ones_did(tmp_path, tie, plan):
+    """transformers' ``model.dequantize()`` (it raised NotImplementedError): every packed linear and embedding becomes
+    the plain layer holding its dequantized weight (a tied head and embedding one Parameter again), the logits those of
+    the packed model on its exact kernel, and the saved folder a plain one transformers loads alone."""
+    tiny_llama(tie=tie).save_pretrained(tmp_path / "dense")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", quantization_config=HfLowprecConfig(plan))
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m.backend = "dequant"  # the codes' exact values, whichever kernel is fastest here
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        packed = model(input_ids=ids).logits
+        model.dequantize()
+        assert not any(isinstance(m, PackedLinear) or "Packed" in type(m).__name__ for m in model.modules())
+        assert type(model.lm_head) is torch.nn.Linear and type(model.model.embed_tokens) is torch.nn.Embedding
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
+        torch.testing.assert_close(model(input_ids=ids).logits, packed, rtol=1e-6, atol=1e-6)
+    model.save_pretrained(tmp_path / "plain")
+    import json
+
+    assert "quantization_config" not in json.loads((tmp_path / "plain" / "config.json").read_text())
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path / "plain")(input_ids=ids).logits, packed, rtol=1e-6, atol=1e-6)
+
+
+def test_dequantize_under_adapters_points_to_the_merge_that_keeps_them(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    tiny_llama().save_pretrained(tmp_path / "dense")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", quantization_config=HfLowprecConfig())
+    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match=r"^dequantize\(\) the base before adding LoRA adapters; .*export_int4_lora\(model, out, merge=True"):
+        model.dequantize()
+    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 14  # nothing half-done

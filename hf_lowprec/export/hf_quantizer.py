@@ -41,7 +41,13 @@ from hf_lowprec.file_pages import file_mappings, release_file_bytes
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import canonical_name, set_module, swap_layers
 from hf_lowprec.modules.packed import KEPT_DENSE, PackedLinear, compact_steps, packed_class
-from hf_lowprec.modules.packed_embedding import PackedEmbedding, embedding_scale, share_packed_head, tied_head_names
+from hf_lowprec.modules.packed_embedding import (
+    PackedEmbedding,
+    TiedPackedEmbedding,
+    embedding_scale,
+    share_packed_head,
+    tied_head_names,
+)
 from hf_lowprec.plan import PrecisionPlan, is_auto, resolve_plan
 from hf_lowprec.pread_safetensors import read_safetensors
 
@@ -75,9 +81,11 @@ class HfLowprecConfig(QuantizationConfigMixin):
                 f"HfLowprecConfig got unknown option(s) {unknown or kwargs}; allowed: plan, exact_kernels"
                 f" (quant_method: {QUANT_METHOD!r})" + (bnb if bnb_words else "")
             )
+        if not isinstance(exact_kernels, bool):  # bool("no") is True
+            raise ValueError(f"HfLowprecConfig exact_kernels must be True or False, got {exact_kernels!r}")
         self.quant_method = QUANT_METHOD
         self.plan = _plan_argument(plan)
-        self.exact_kernels = bool(exact_kernels)
+        self.exact_kernels = exact_kernels
 
     def to_dict(self) -> dict:
         return {"quant_method": QUANT_METHOD, "plan": self.plan, "exact_kernels": self.exact_kernels}
@@ -186,6 +194,39 @@ class HfLowprecQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return True  # the base stays frozen; adapters (PEFT) train on top, gradients pass through the codes
+
+    @torch.no_grad()
+    def _dequantize(self, model, dtype=None):
+        """``model.dequantize()``: every packed linear and embedding, in place, as the plain ``nn.Linear`` /
+        ``nn.Embedding`` holding its dequantized weight in ``dtype`` (default the model's), ties kept. Refused under
+        PEFT adapters (their layers wrap the packed ones: merge them with ``export_int4_lora(..., merge=True,
+        merged_dtype=...)``) and for an embedding that scales its rows (Gemma's class cannot be rebuilt here)."""
+        packed = {n: m for n, m in model.named_modules() if isinstance(m, (PackedLinear, PackedEmbedding, TiedPackedEmbedding))}
+        if any(".base_layer" in n for n in packed):
+            raise ValueError(
+                "dequantize() the base before adding LoRA adapters; to fold trained adapters into dense weights use "
+                "hf_lowprec.export_int4_lora(model, out, merge=True, merged_dtype='bf16')"
+            )
+        scaled = [n for n, m in packed.items() if not isinstance(m, PackedLinear) and m.scale is not None]
+        if scaled:
+            raise ValueError(f"cannot dequantize the scaled packed embedding {scaled[0]!r}; load the checkpoint dense")
+        dtype = dtype or model.dtype
+        for fqn, m in packed.items():
+            if isinstance(m, PackedLinear):
+                dense = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+                dense.weight = nn.Parameter(m.dequantized_weight(dtype), requires_grad=False)
+                if m.bias is not None:
+                    dense.bias = nn.Parameter(m.bias.detach().to(dtype), requires_grad=False)
+                set_module(model, fqn, dense)
+        heads = {id(m): n for n, m in packed.items() if isinstance(m, PackedLinear)}  # a tied embedding's table
+        for fqn, m in packed.items():
+            if not isinstance(m, PackedLinear):
+                table = model.get_submodule(heads[id(m.table)]).weight if id(m.table) in heads else None
+                weight = table if table is not None else nn.Parameter(m.dequantized_weight(dtype), requires_grad=False)
+                dense = nn.Embedding(m.num_embeddings, m.embedding_dim, getattr(m, "padding_idx", None), device="meta")
+                dense.weight = weight
+                set_module(model, fqn, dense)
+        return model
 
 
 class PackOnLoad(ConversionOps):
