@@ -108,6 +108,18 @@ def output_head_name(model: nn.Module) -> str | None:
     return next((canonical_name(n) for n, m in model.named_modules() if m is head), None)
 
 
+def task_head_name(model: nn.Module) -> str | None:
+    """Canonical name of the layer that makes ``model``'s outputs: its output projection (:func:`output_head_name`),
+    else a classifier's head, the last ``nn.Linear`` of ``config.num_labels`` outputs (BERT's ``classifier``, a
+    decoder's ``score``, ``qa_outputs``), if it has one."""
+    head = output_head_name(model)
+    labels = getattr(getattr(model, "config", None), "num_labels", None)
+    if head is not None or not labels:
+        return head
+    heads = [n for n, m in dense_views(model).items() if isinstance(m, nn.Linear) and m.out_features == labels]
+    return heads[-1] if heads else None
+
+
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks in order: the outermost children of its ``nn.ModuleList``s (a transformers model's
     decoder layers, a PEFT model's too)."""

@@ -116,8 +116,8 @@ def test_resuming_under_another_plan_names_the_checkpoints_plan_to_pass(tmp_path
 
 def test_a_format_plan_leaves_the_output_head_unless_keep_says_otherwise(tmp_path):
     """A format name without ``keep=`` converts every Linear but the output head (``get_output_embeddings()``), as the
-    CLI's recipes and torchtitan's FP8 recipe do; ``keep=()`` converts the head too; a classifier has no output head
-    by that definition and is converted whole."""
+    CLI's recipes and torchtitan's FP8 recipe do; ``keep=()`` converts the head too; a classifier keeps its own head
+    (``classifier``, ``config.num_labels`` outputs: it was converted with the rest, no word said)."""
     from hf_lowprec.modules import FP8Linear
 
     kept, converted, classifier = tiny_llama(tie=True), tiny_llama(), tiny_bert()
@@ -128,7 +128,8 @@ def test_a_format_plan_leaves_the_output_head_unless_keep_says_otherwise(tmp_pat
     assert type(kept.lm_head) is torch.nn.Linear and kept.lm_head.weight is kept.model.embed_tokens.weight
     assert isinstance(kept.model.layers[0].mlp.down_proj, FP8Linear)
     assert isinstance(converted.lm_head, FP8Linear)
-    assert isinstance(classifier.classifier, FP8Linear) and callbacks[2].plan.to_dict()["layers"] == {}
+    assert type(classifier.classifier) is torch.nn.Linear and callbacks[2].plan.to_dict()["layers"] == {"classifier": "bf16"}
+    assert isinstance(classifier.bert.pooler.dense, FP8Linear)
 
 
 def test_bert_classifier_trains_with_default_callback(tmp_path):

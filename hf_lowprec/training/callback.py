@@ -94,7 +94,8 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
             ``.json``/``.yaml`` plan file, a folder holding ``hf_lowprec_plan.json`` (a checkpoint:
             pass it to resume an ``auto`` run), or a format name for every Linear (``"fp8"``, ``"int4-g64"``).
         keep: layer names/patterns left in high precision (format-name and ``auto`` plans); default: the model's
-            output head (``get_output_embeddings()``, e.g. ``lm_head``), as the CLI's recipes; ``()`` keeps none.
+            output head (``get_output_embeddings()``, e.g. ``lm_head``; a classifier's ``classifier``/``score``), as
+            the CLI's recipes; ``()`` keeps none.
         budget: ``auto`` only: a ``sensitivity.Budget`` or a dict of its fields.
         formats: ``auto`` only: candidate formats of the scan.
         calibration_data: ``auto`` or ``fp8_rounding``: model-input batches (a list, or a DataLoader for ``auto`` alone)

@@ -23,7 +23,7 @@ from transformers.utils.logging import tqdm
 from hf_lowprec import sensitivity
 from hf_lowprec.convert import ConversionReport, apply_plan, eligible_layers
 from hf_lowprec.formats import FormatSpec
-from hf_lowprec.layers import dense_views, output_head_name
+from hf_lowprec.layers import dense_views, task_head_name
 from hf_lowprec.modules.fp8 import FP8_BACKENDS
 from hf_lowprec.plan import PrecisionPlan, format_shares, is_auto, kept_label, names_a_format, resolve_plan
 from hf_lowprec.scaling import TELEMETRY_PREFIX, make_policy_factory, needs_tensorwise
@@ -236,10 +236,11 @@ class LowPrecisionSession:
         self.new_params: list[nn.Parameter] = []
 
     def kept(self, model: nn.Module) -> tuple[str, ...]:
-        """The layers ``keep`` leaves in high precision; by default (``keep=None``) ``model``'s output head."""
+        """The layers ``keep`` leaves in high precision; by default (``keep=None``) ``model``'s output head (a
+        classifier's head, :func:`~hf_lowprec.layers.task_head_name`)."""
         if self.keep is not None:
             return self.keep
-        head = output_head_name(model)
+        head = task_head_name(model)
         return () if head is None or head not in eligible_layers(model) else (head,)
 
     def bind(self, model: nn.Module) -> PrecisionPlan | None:
