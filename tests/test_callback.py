@@ -339,6 +339,33 @@ def test_a_second_train_counts_its_own_skipped_steps(tmp_path):
     assert [h["lowprec/steps_skipped"] for h in trainer.state.log_history if "loss" in h] == [0.0, 0.0]
 
 
+def test_a_skipped_spike_step_is_said_and_leaves_the_lr_schedule_and_the_weights_where_they_were(tmp_path, caplog):
+    """spike_action="skip" drops a step: a warning says so (it was an info line), and the Trainer's LR schedule does
+    not advance over it, as for an fp16 overflow (Accelerate's step_was_skipped); the parameters do not move."""
+
+    class SpikeAtStep3(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+            loss = super().compute_loss(model, inputs, return_outputs, **kwargs)
+            return loss * 1e4 if self.state.global_step == 2 else loss
+
+    class Snapshots(TrainerCallback):
+        def __init__(self):
+            self.weights = []
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.weights.append(model.model.layers[0].mlp.up_proj.weight.detach().clone())
+
+    callback, snapshots = LowPrecisionCallback("fp8", scaler="gradient", scaler_options={"spike_action": "skip"}), Snapshots()
+    trainer = SpikeAtStep3(model=tiny_llama(), args=arguments(tmp_path, max_steps=5, lr_scheduler_type="linear"),
+                           train_dataset=lm_rows(1), callbacks=[callback, snapshots])  # fmt: skip
+    with caplog.at_level("WARNING", logger="hf_lowprec"):
+        trainer.train()
+    assert [h["lowprec/steps_skipped"] for h in trainer.state.log_history if "loss" in h] == [0.0, 0.0, 1.0, 1.0, 1.0]
+    assert "optimizer step skipped" in caplog.text and torch.equal(snapshots.weights[2], snapshots.weights[1])
+    assert trainer.lr_scheduler.last_epoch == 4  # five steps, one skipped
+    assert not trainer.optimizer.step_was_skipped  # the flag lasts the skipped step alone
+
+
 # --------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("first, second", [(dict(scaler="dynamic"), dict(scaler="delayed")),
                                            (dict(plan=MIXED_PLAN), dict(plan=MIXED_PLAN, learn_scales=False))])  # fmt: skip

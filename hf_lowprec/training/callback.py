@@ -136,6 +136,7 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         self._plan_folder = plan_folder(plan)
         self._hook = None
         self._optimizer = None
+        self._flagged_skip = False  # this step's skip set Accelerate's step_was_skipped (on_pre_optimizer_step)
 
     def _convert(self, model: nn.Module) -> None:
         plan = self.session.bind(model)
@@ -322,12 +323,18 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
                                saved_at, state.global_step)  # fmt: skip
         return None
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         if model is not None and skip_step_if_requested(model):
             self.steps_skipped += 1  # a gradient spike under scaler="gradient", spike_action="skip"
+            if optimizer is not None and getattr(optimizer, "scaler", None) is None and hasattr(optimizer, "_is_overflow"):
+                # Accelerate's flag of a skipped step (step_was_skipped): the Trainer then leaves the LR schedule
+                # where it is, as it does for an fp16 overflow; cleared at the step's end
+                optimizer._is_overflow = self._flagged_skip = True
 
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
-        if optimizer is not None and getattr(optimizer, "step_was_skipped", False):
+        if self._flagged_skip:
+            optimizer._is_overflow = self._flagged_skip = False
+        elif optimizer is not None and getattr(optimizer, "step_was_skipped", False):
             self.steps_skipped += 1  # the fp16 GradScaler found inf/NaN gradients
         self._optimizer = optimizer
 

@@ -51,7 +51,7 @@ def skip_step_if_requested(model: nn.Module) -> bool:
     for param in model.parameters():
         param.grad = None
     where = f"in {spiked} casts" if spiked else "on another rank"
-    logger.info("gradient spike %s: optimizer step skipped", where)
+    logger.warning("gradient spike %s: optimizer step skipped", where)
     return True
 
 
