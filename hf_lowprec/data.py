@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import datasets
+import pyarrow as pa
+import pyarrow.compute as pc
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, default_data_collator
 
 from hf_lowprec.checkpoints import offline_hint, shakespeare_files
@@ -172,12 +174,23 @@ def _hidden(relative: Path) -> bool:
     return any(part.startswith((".", "__")) for part in relative.parts)
 
 
+# other names of the evaluation splits, as ``datasets`` reads them from a folder's file names; a saved DatasetDict or a
+# Hub dataset keeps its own names: these find them
+_SPLIT_ALIASES = {"validation": ("valid", "val", "dev"), "test": ("eval",)}
+
+
 def default_eval_split(source: str | Path) -> str:
-    """The split to evaluate on: the data's own validation (else test) split when it has one, else ``train``."""
+    """The split to evaluate on: the data's own validation (else test) split when it has one (by that name or a
+    usual other one, :data:`_SPLIT_ALIASES`), else ``train``."""
     if _is_default_corpus(source):
         return "train"
     splits = _split_names(source)
-    return next((s for s in EVAL_SPLITS if s in splits), "train")
+    return next((found for s in EVAL_SPLITS if (found := _split_named(s, splits))), "train")
+
+
+def _split_named(split: str, splits: list[str]) -> str | None:
+    """The name among ``splits`` that serves as ``split`` (itself, else one of its :data:`_SPLIT_ALIASES`)."""
+    return next((s for s in (split, *_SPLIT_ALIASES.get(split, ())) if s in splits), None)
 
 
 def _split_names(source: str | Path) -> list[str]:
@@ -423,6 +436,31 @@ def _text_sequences(
             yield ids if eos is None or ids[-1:] == [eos] else [*ids, eos]
 
 
+def _rows_for_a_block(ds: datasets.Dataset, column: str, rows: int, block_size: int) -> int:
+    """How many last rows of ``ds`` a run holds out: ``rows``, or more where those hold less than a block's worth of
+    characters (``CHARS_PER_TOKEN x block_size``, as :func:`_held_out_tail` counts), at most half the rows."""
+    values = ds.data.column(column)
+    half = len(ds) // 2
+    if rows >= half or not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+        return rows
+    lengths = pc.fill_null(pc.utf8_length(values.slice(len(ds) - half)), 0).to_pylist()[::-1]  # last row first
+    chars = sum(lengths[:rows])
+    while rows < half and chars < CHARS_PER_TOKEN * block_size:
+        chars += lengths[rows]
+        rows += 1
+    return rows
+
+
+def _rows_without_text(ds: datasets.Dataset, column: str) -> int:
+    """How many rows of ``ds`` hold null or blank text in ``column`` (counted by Arrow, not row by row); 0 for a column
+    of another type (:func:`_text` names its rows)."""
+    values = ds.data.column(column)
+    if not pa.types.is_string(values.type) and not pa.types.is_large_string(values.type):
+        return values.null_count
+    blank = pc.equal(pc.utf8_trim_whitespace(values), "")
+    return values.null_count + (pc.sum(blank).as_py() or 0)
+
+
 def _text_start(text: str, chars: int) -> str:
     """The first ``chars`` characters of ``text``, ended at the last line break in them past their middle."""
     cut = text.rfind("\n", 0, chars)
@@ -632,9 +670,16 @@ def read_run_source(
     """``(rows, held_out_rows, name)`` that a fine-tuning run reads from ``source``: its ``split``, and the data's
     own :data:`HELD_OUT_SPLIT` split where it has one (else ``None``: the run holds out the last rows of ``split``)."""
     rows, name = read_source(source, split)
-    if _is_default_corpus(source) or split == HELD_OUT_SPLIT or HELD_OUT_SPLIT not in _split_names(source):
+    if _is_default_corpus(source):
         return rows, None, name
-    return rows, load_records(source, split=HELD_OUT_SPLIT), name
+    splits = _split_names(source)
+    held_out = _split_named(HELD_OUT_SPLIT, splits)
+    if held_out is None or held_out == split:
+        if held_out is None and (test := _split_named("test", splits)):
+            logger.warning("data %r has a %r split but no validation split: finetune holds out the last rows of %r "
+                           "instead (name it validation to hold it out)", name, test, split)  # fmt: skip
+        return rows, None, name
+    return rows, load_records(source, split=held_out), name
 
 
 def prepare_lm_data(
@@ -675,8 +720,17 @@ def prepare_lm_data(
             f"{'/'.join(PROMPT_COLUMNS)} with {'/'.join(RESPONSE_COLUMNS)}); data {name!r} is plain text, where every "
             "token is a target: use train_on 'all'"
         )
+    if tokenizer.eos_token_id is None:  # text would run documents together, chat batches could not be padded
+        raise ValueError(
+            f"the tokenizer ({type(tokenizer).__name__}) has no EOS token, which ends each document (text data) and "
+            "pads batches (chat data); give it one: tokenizer.eos_token = '...'"
+        )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if cols.kind == "text" and (empty := _rows_without_text(ds, cols.text)):
+        others = ", ".join(c for c in ds.column_names if c != cols.text)
+        logger.warning("data %r: %d of its %d rows have no text in column %r (null or empty) and are left out%s", name,
+                       empty, len(ds), cols.text, f" (its other columns: {others})" if others else "")  # fmt: skip
     if held_out_records is not None:
         needed = [c for c in (cols.text, cols.messages, cols.prompt, cols.response) if c is not None]
         if missing := [c for c in needed if c not in held_out_records.column_names]:
@@ -689,6 +743,8 @@ def prepare_lm_data(
         (train_rows, eval_rows), cut = _held_out_tail(ds, cols.text, eval_fraction, block_size), 0
     else:
         n_eval_rows = len(ds) if eval_only else max(1, round(len(ds) * eval_fraction)) if len(ds) > 1 else 0
+        if cols.kind == "text" and not eval_only:
+            n_eval_rows = _rows_for_a_block(ds, cols.text, n_eval_rows, block_size)
         cut = len(ds) - n_eval_rows
         train_rows, eval_rows = ds.select(list(range(cut))), ds.select(list(range(cut, len(ds))))
     left_out = held_left_out = train_cut = held_cut = 0

@@ -228,6 +228,38 @@ def test_a_folder_save_to_disk_wrote_is_read_with_its_splits(tmp_path):
     assert data.default_eval_split(tmp_path / "two") == "validation"
     with pytest.raises(ValueError, match=r"saved dataset '.*two' has no split 'test'; its splits are train, validation"):
         load_records(tmp_path / "two", split="test")
+    # a saved DatasetDict keeps its own split names: 'valid' (or val/dev) serves as validation, as in a folder of files
+    datasets.DatasetDict({"train": rows, "valid": rows.select([1])}).save_to_disk(tmp_path / "three")
+    assert data.default_eval_split(tmp_path / "three") == "valid"  # eval read train, the rows a run trained on
+    assert data.read_run_source(tmp_path / "three")[1]["text"] == ["c d"]  # a run holds them out (it held train's)
+
+
+def test_a_folder_with_a_test_split_but_no_validation_says_finetune_holds_out_train_rows(tmp_path, caplog):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("\n".join(json.dumps({"text": r["text"]}) for r in ROWS[:30]))
+    (folder / "eval.jsonl").write_text(json.dumps({"text": "held"}))
+    with caplog.at_level("WARNING", logger="hf_lowprec.data"):
+        rows, held, _ = data.read_run_source(folder)
+    assert held is None and len(rows) == 30 and data.default_eval_split(folder) == "test"
+    assert "has a 'test' split but no validation split: finetune holds out the last rows of 'train'" in caplog.text
+
+
+def test_rows_without_text_are_counted_in_a_warning_and_a_tokenizer_without_eos_is_refused(tok, caplog):
+    """A jsonl whose rows alternate "text" and "content": half its rows were dropped without a word. A tokenizer with
+    no EOS joined documents with nothing between them (text) or failed at the first padded batch (chat)."""
+    mixed = datasets.Dataset.from_list([{"text": r["text"], "content": None} if i % 2 else {"text": None, "content": r["text"]}
+                                        for i, r in enumerate(ROWS)])  # fmt: skip
+    with caplog.at_level("WARNING", logger="hf_lowprec.data"):
+        lm = prepare_lm_data(mixed, "mixed.jsonl", tok, 16, eval_sequences=100)
+    assert "data 'mixed.jsonl': 20 of its 40 rows have no text in column 'text' (null or empty) and are left out (its other columns: content)" in caplog.text
+    assert lm.train["input_ids"] == _reference_blocks([r["text"] for r in ROWS[1:38:2]], tok, 16)
+    import copy
+
+    no_eos = copy.deepcopy(tok)
+    no_eos.eos_token = None
+    with pytest.raises(ValueError, match=r"^the tokenizer \(\w+\) has no EOS token, which ends each document .*: tokenizer.eos_token = '...'$"):
+        prepare_lm_data(datasets.Dataset.from_list(ROWS), "rows.jsonl", no_eos, 16)
 
 
 def test_text_that_is_not_utf8_is_named_by_its_row(tmp_path, tok):
@@ -356,14 +388,15 @@ def test_classification_labels_that_are_no_class_ids_are_named_with_their_row(to
     assert prepare_classification_data(floats, "cls", tok, 16)["labels"] == [1, 0]
 
 
-def test_held_out_rows_too_short_for_a_block_are_refused_not_replaced_by_trained_text(tok):
-    """Rows are held out as rows, so that evaluated text was never trained on: held-out rows too short for one block
-    are refused (the last training blocks were evaluated instead, a document cut between the two)."""
+def test_held_out_rows_grow_to_a_blocks_worth_and_are_never_trained_on(tok):
+    """Rows are held out as rows, so that evaluated text was never trained on (the last training blocks were once
+    evaluated instead): 5% of the rows, or more where those hold less than a block's worth of characters (one short
+    row was refused: "no complete block to evaluate on", whatever the data's size), at most half of them."""
     text = corpus_text(20_000)
-    rows = [text[i * 400 : (i + 1) * 400] for i in range(19)] + ["short."]
-    with pytest.raises(ValueError, match=r"data 'rows' gives no complete block of 32 tokens to evaluate on; lower "
-                                         r"--block-size or add rows \(finetune: or raise data.eval_fraction\)"):  # fmt: skip
-        prepare_lm_data(datasets.Dataset.from_dict({"text": rows}), "rows", tok, 32, eval_fraction=0.05)
+    rows = [text[i * 400 : (i + 1) * 400] for i in range(19)] + ["short."]  # 5%: the short row alone
+    lm = prepare_lm_data(datasets.Dataset.from_dict({"text": rows}), "rows", tok, 32, eval_fraction=0.05, eval_sequences=100)
+    assert lm.eval["input_ids"] == _reference_blocks(rows[-2:], tok, 32)  # "short." and the row before it
+    assert lm.train["input_ids"] == _reference_blocks(rows[:-2], tok, 32)
 
 
 def test_completion_labels_refuse_a_template_that_renders_the_last_turn_otherwise(tok):
