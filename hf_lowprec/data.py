@@ -159,12 +159,17 @@ def _split_files(folder: Path) -> dict[str, list[Path]]:
     return {s: files for s, files in out.items() if files}
 
 
+_SAID_UNREAD: set[tuple] = set()
+
+
 def _say_unread(folder: Path, splits: dict[str, list[Path]]) -> None:
     """Warn of the data files of ``folder`` that no split takes (``datasets`` leaves them unread, silently)."""
     taken = {f.resolve() for files in splits.values() for f in files}  # datasets gives them absolute
     root = folder.resolve()
     every = {f for f in root.rglob("*") if f.suffix in FILE_BUILDERS and not _hidden(f.relative_to(root))}
-    if left := sorted(str(f.relative_to(root)) for f in every - taken):
+    left = sorted(str(f.relative_to(root)) for f in every - taken)
+    if left and (root, *left) not in _SAID_UNREAD:  # once: a run loads its train and validation splits apart
+        _SAID_UNREAD.add((root, *left))
         logger.warning("data folder %r: %s named by no split (its splits: %s), not read", str(folder), ", ".join(left),
                        ", ".join(splits))  # fmt: skip
 
@@ -305,6 +310,13 @@ def detect_columns(
     if prompt and response:
         return Columns("chat", prompt=prompt, extra_input="input" if "input" in names else None, response=response)
     if found := next((c for c in TEXT_COLUMNS if c in names), None):
+        strings = [c for c, f in ds.features.items() if getattr(f, "dtype", None) in ("string", "large_string")]
+        if found not in strings and strings:  # e.g. "text": 5 beside "body": "..."
+            held = getattr(ds.features[found], "dtype", "other")
+            raise ValueError(
+                f"data {source!r}: column {found!r} holds {held} values, not text; its text columns are "
+                f"{', '.join(strings)}: name one with --text-column"
+            )
         return Columns("text", text=found)
     raise ValueError(
         f"data {source!r} has no text column ({', '.join(TEXT_COLUMNS)}), chat column ({', '.join(MESSAGE_COLUMNS)}) "
@@ -345,9 +357,11 @@ def _content(content, column: str, row: int) -> str:
     return _text(content, column, row)
 
 
-def _message(m, column: str, row: int) -> dict:
-    """One chat message as ``{"role", "content"}``; ShareGPT's ``{"from", "value"}`` is read too."""
+def _message(m, column: str, row: int, number: int) -> dict:
+    """Message ``number`` of a row as ``{"role", "content"}``; ShareGPT's ``{"from", "value"}`` is read too."""
     if isinstance(m, dict) and "role" in m and "content" in m:
+        if m["content"] is None:
+            raise ValueError(f"column {column!r}, row {row}, message {number} ({m['role']}): its content is null")
         return {**m, "content": _content(m["content"], column, row)}
     if isinstance(m, dict) and m.get("from") in SHAREGPT_ROLES and "value" in m:
         return {"role": SHAREGPT_ROLES[m["from"]], "content": _content(m["value"], column, row)}
@@ -358,9 +372,12 @@ def _message(m, column: str, row: int) -> dict:
 
 
 def _message_list(msgs, column: str, row: int) -> list[dict]:
+    if msgs is None:  # a row of another schema (jsonl rows with "text" among chat rows)
+        raise ValueError(f"column {column!r} must hold lists of messages; row {row} has none (null): rows of one "
+                         "schema expected")  # fmt: skip
     if not isinstance(msgs, list):
         raise ValueError(f"column {column!r} must hold lists of messages; row {row} holds {type(msgs).__name__}")
-    return [_message(m, column, row) for m in msgs]
+    return [_message(m, column, row, number) for number, m in enumerate(msgs)]
 
 
 def _messages(row: dict, cols: Columns, index: int) -> tuple[list[dict], int]:
@@ -772,6 +789,8 @@ def prepare_lm_data(
             if cols.kind == "text"
             else f"data {name!r} has no chat row to train on: all have {_no_targets(block_size, train_on)}"
         )
+    if not held and not len(eval_rows):
+        raise ValueError(f"data {name!r} has 1 row: none is left to hold out for evaluation; add rows")
     if not held:
         raise ValueError(
             (

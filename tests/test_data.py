@@ -486,8 +486,16 @@ def test_values_that_are_not_text_are_refused_naming_their_column_and_row(tok):
         prepare_classification_data(datasets.Dataset.from_dict({"text": [4, 5], "label": [0, 1]}), "c", tok, 8)
     user = {"role": "user", "content": "what is it?"}
     null = [[user, {"role": "assistant", "content": "it is"}]] * 3 + [[user, {"role": "assistant", "content": None}]]
-    with pytest.raises(ValueError, match=r"column 'messages' must hold text \(strings\); row 3 holds NoneType"):
+    with pytest.raises(ValueError, match=r"^column 'messages', row 3, message 1 \(assistant\): its content is null$"):
         prepare_lm_data(datasets.Dataset.from_dict({"messages": null}), "null", tok, 64)
+    mixed = datasets.Dataset.from_list([{"messages": [user, {"role": "assistant", "content": "it is"}]}] * 3 + [{"text": "plain"}])
+    with pytest.raises(ValueError, match=r"^column 'messages' must hold lists of messages; row 3 has none \(null\): rows of one schema expected$"):
+        prepare_lm_data(mixed, "mixed", tok, 64)
+    with pytest.raises(ValueError, match=r"^data 'one' has 1 row: none is left to hold out for evaluation; add rows$"):
+        prepare_lm_data(datasets.Dataset.from_dict({"messages": null[:1]}), "one", tok, 64)
+    numbers = datasets.Dataset.from_dict({"text": [5, 6], "body": ["a", "b"]})
+    with pytest.raises(ValueError, match=r"^data 'n': column 'text' holds int64 values, not text; its text columns are body: name one with --text-column$"):
+        prepare_lm_data(numbers, "n", tok, 16)
     parts = [{"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "text", "text": "it?"}]}]
     as_parts = prepare_lm_data(datasets.Dataset.from_dict({"messages": [parts] * 2}), "parts", tok, 64)
     assert as_parts.train[0]["input_ids"] == tok.apply_chat_template([user], tokenize=True)["input_ids"]
