@@ -453,25 +453,29 @@ def _text_sequences(
             yield ids if eos is None or ids[-1:] == [eos] else [*ids, eos]
 
 
-def _rows_for_a_block(ds: datasets.Dataset, column: str, rows: int, block_size: int) -> int:
-    """How many last rows of ``ds`` a run holds out: ``rows``, or more where those hold less than a block's worth of
-    characters (``CHARS_PER_TOKEN x block_size``, as :func:`_held_out_tail` counts), at most half the rows."""
-    values = ds.data.column(column)
-    half = len(ds) // 2
-    if rows >= half or not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
-        return rows
-    lengths = pc.fill_null(pc.utf8_length(values.slice(len(ds) - half)), 0).to_pylist()[::-1]  # last row first
-    chars = sum(lengths[:rows])
-    while rows < half and chars < CHARS_PER_TOKEN * block_size:
-        chars += lengths[rows]
-        rows += 1
-    return rows
+def _rows_for_a_block(ds: datasets.Dataset, tokenizer, column: str, rows: int, block_size: int) -> int:
+    """How many last rows of ``ds`` a run holds out: ``rows``, or more where those do not make one block of
+    ``block_size`` tokens as :func:`pack_blocks` packs them (BOS and EOS included), at most half the rows. Held-out
+    rows that made a block are the same as before this rule; a row of a block's worth of characters counts as one
+    untokenized."""
+    tokens, n = 0, 0
+    while n < len(ds) // 2 and tokens < block_size:
+        text = ds[len(ds) - 1 - n][column]
+        n += 1
+        if not isinstance(text, str) or not text:
+            continue
+        if len(text) >= CHARS_PER_TOKEN * block_size:
+            tokens = block_size
+        else:
+            ids = tokenizer(text)["input_ids"]
+            tokens += len(ids) + (ids[-1:] != [tokenizer.eos_token_id])
+    return max(n, rows) if tokens >= block_size else rows
 
 
 def _rows_without_text(ds: datasets.Dataset, column: str) -> int:
     """How many rows of ``ds`` hold null or blank text in ``column`` (counted by Arrow, not row by row); 0 for a column
     of another type (:func:`_text` names its rows)."""
-    values = ds.data.column(column)
+    values = ds.with_format("arrow")[column]  # the rows of ``ds`` as it is (selected, shuffled), not its whole table
     if not pa.types.is_string(values.type) and not pa.types.is_large_string(values.type):
         return values.null_count
     blank = pc.equal(pc.utf8_trim_whitespace(values), "")
@@ -682,18 +686,20 @@ HELD_OUT_SPLIT = "validation"  # a fine-tuning run's held-out rows where the dat
 
 
 def read_run_source(
-    source: str | Path | None, split: str = "train"
+    source: str | Path | None, split: str = "train", split_aliases: bool = True
 ) -> tuple[datasets.Dataset, datasets.Dataset | None, str]:
     """``(rows, held_out_rows, name)`` that a fine-tuning run reads from ``source``: its ``split``, and the data's
-    own :data:`HELD_OUT_SPLIT` split where it has one (else ``None``: the run holds out the last rows of ``split``)."""
+    own :data:`HELD_OUT_SPLIT` split where it has one (by another usual name too, :data:`_SPLIT_ALIASES`, unless
+    ``split_aliases`` is false: what runs recorded before 2026-12-07 did), else ``None``: the run holds out the last
+    rows of ``split``."""
     rows, name = read_source(source, split)
     if _is_default_corpus(source):
         return rows, None, name
     splits = _split_names(source)
-    held_out = _split_named(HELD_OUT_SPLIT, splits)
+    held_out = _split_named(HELD_OUT_SPLIT, splits if split_aliases else [s for s in splits if s == HELD_OUT_SPLIT])
     if held_out is None or held_out == split:
         if held_out is None and (test := _split_named("test", splits)):
-            logger.warning("data %r has a %r split but no validation split: finetune holds out the last rows of %r "
+            logger.warning("data %r has a %r split but no validation split: a run holds out the last rows of %r "
                            "instead (name it validation to hold it out)", name, test, split)  # fmt: skip
         return rows, None, name
     return rows, load_records(source, split=held_out), name
@@ -737,7 +743,8 @@ def prepare_lm_data(
             f"{'/'.join(PROMPT_COLUMNS)} with {'/'.join(RESPONSE_COLUMNS)}); data {name!r} is plain text, where every "
             "token is a target: use train_on 'all'"
         )
-    if tokenizer.eos_token_id is None:  # text would run documents together, chat batches could not be padded
+    if tokenizer.eos_token_id is None and not eval_only:  # training documents would run together, chat batches
+        # could not be padded (an evaluation of such a tokenizer's text reads it as it always has)
         raise ValueError(
             f"the tokenizer ({type(tokenizer).__name__}) has no EOS token, which ends each document (text data) and "
             "pads batches (chat data); give it one: tokenizer.eos_token = '...'"
@@ -761,7 +768,7 @@ def prepare_lm_data(
     else:
         n_eval_rows = len(ds) if eval_only else max(1, round(len(ds) * eval_fraction)) if len(ds) > 1 else 0
         if cols.kind == "text" and not eval_only:
-            n_eval_rows = _rows_for_a_block(ds, cols.text, n_eval_rows, block_size)
+            n_eval_rows = _rows_for_a_block(ds, tokenizer, cols.text, n_eval_rows, block_size)
         cut = len(ds) - n_eval_rows
         train_rows, eval_rows = ds.select(list(range(cut))), ds.select(list(range(cut, len(ds))))
     left_out = held_left_out = train_cut = held_cut = 0

@@ -37,7 +37,9 @@ def _is_eligible(module: nn.Module) -> bool:
     if isinstance(module, LOW_PRECISION_TYPES):
         return True
     if isinstance(module, nn.Embedding):
-        scaled_rows = hasattr(module, "embed_scale") and not any(module.children())  # rows times a scale, nothing more
+        # rows times a scale, nothing more: no submodule (a norm) nor parameter (T5Gemma2's eoi_embedding) besides
+        alone = not any(module.children()) and set(module._parameters) == {"weight"}
+        scaled_rows = hasattr(module, "embed_scale") and alone
         return type(module).forward is nn.Embedding.forward or scaled_rows
     return isinstance(module, nn.Linear) and (type(module).forward is nn.Linear.forward or is_torchao_fp8(module))
 
@@ -110,14 +112,14 @@ def output_head_name(model: nn.Module) -> str | None:
 
 def task_head_name(model: nn.Module) -> str | None:
     """Canonical name of the layer that makes ``model``'s outputs: its output projection (:func:`output_head_name`),
-    else a classifier's head, the last ``nn.Linear`` of ``config.num_labels`` outputs (BERT's ``classifier``, a
-    decoder's ``score``, ``qa_outputs``), if it has one."""
+    else a classifier's head: its last ``nn.Linear``, when that makes ``config.num_labels`` outputs (BERT's
+    ``classifier``, a decoder's ``score``, ``qa_outputs``; a bare encoder's last Linear is no head)."""
     head = output_head_name(model)
     labels = getattr(getattr(model, "config", None), "num_labels", None)
     if head is not None or not labels:
         return head
-    heads = [n for n, m in dense_views(model).items() if isinstance(m, nn.Linear) and m.out_features == labels]
-    return heads[-1] if heads else None
+    linears = [(n, m) for n, m in dense_views(model).items() if isinstance(m, nn.Linear)]
+    return linears[-1][0] if linears and linears[-1][1].out_features == labels else None
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:

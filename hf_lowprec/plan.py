@@ -176,6 +176,12 @@ class PrecisionPlan:
                     raise ValueError(f"plan entry {key!r} matches no eligible layer (Linear/Embedding) of this model")
             elif key not in layers:
                 found = _find_module(source, key)
+                if isinstance(found, nn.Embedding):  # a subclass computing more than a lookup (layers._is_eligible)
+                    raise ValueError(
+                        f"plan entry {key!r} is a {type(found).__name__}, an embedding whose forward computes more "
+                        "than a lookup (positions, a norm): hf-lowprec leaves it as it is; only plain nn.Linear and "
+                        "nn.Embedding layers can change format"
+                    )
                 if found is not None:
                     raise ValueError(
                         f"plan entry {key!r} is a {type(found).__name__}; only nn.Linear and nn.Embedding layers "

@@ -350,10 +350,11 @@ def test_a_skipped_spike_step_is_said_and_leaves_the_lr_schedule_and_the_weights
 
     class Snapshots(TrainerCallback):
         def __init__(self):
-            self.weights = []
+            self.weights, self.skipped = [], []
 
-        def on_step_end(self, args, state, control, model=None, **kwargs):
+        def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
             self.weights.append(model.model.layers[0].mlp.up_proj.weight.detach().clone())
+            self.skipped.append(optimizer.step_was_skipped)  # what any callback sees at the step's end
 
     callback, snapshots = LowPrecisionCallback("fp8", scaler="gradient", scaler_options={"spike_action": "skip"}), Snapshots()
     trainer = SpikeAtStep3(model=tiny_llama(), args=arguments(tmp_path, max_steps=5, lr_scheduler_type="linear"),
@@ -363,7 +364,7 @@ def test_a_skipped_spike_step_is_said_and_leaves_the_lr_schedule_and_the_weights
     assert [h["lowprec/steps_skipped"] for h in trainer.state.log_history if "loss" in h] == [0.0, 0.0, 1.0, 1.0, 1.0]
     assert "optimizer step skipped" in caplog.text and torch.equal(snapshots.weights[2], snapshots.weights[1])
     assert trainer.lr_scheduler.last_epoch == 4  # five steps, one skipped
-    assert not trainer.optimizer.step_was_skipped  # the flag lasts the skipped step alone
+    assert snapshots.skipped == [False, False, True, False, False] and not trainer.optimizer.step_was_skipped
 
 
 # --------------------------------------------------------------------------------------- bad input

@@ -732,6 +732,23 @@ def test_a_data_folder_with_a_validation_split_is_held_out_by_finetune_and_eval(
     record = json.loads((out / RUN_FILE).read_text())
     evaluated = " ".join(cli("eval", out, "--data", folder, "--held-out").output.split())
     assert f"loss (nats/token) │ {record['training']['loss_final']:.4f} │" in evaluated
+    # a saved DatasetDict keeps its own split names: its "valid" split is held out, and eval --held-out reads it
+    import datasets
+
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": rows[:50]}),
+                          "valid": datasets.Dataset.from_dict({"text": rows[50:]})}).save_to_disk(saved)  # fmt: skip
+    result = cli("finetune", ws / "tiny", "--data", saved, "--max-steps", "2", *FAST, "-o", tmp_path / "run-saved")
+    assert result.exit_code == 0 and "held-out data: the validation split's rows (10)" in result.output, result.output
+    record = json.loads((tmp_path / "run-saved" / RUN_FILE).read_text())
+    losses = {}
+    for recorded in (True, False):  # a record from before the aliases held out train's last rows: read as it ran
+        if not recorded:
+            del record["held_out_split_aliases"]
+            (tmp_path / "run-saved" / RUN_FILE).write_text(json.dumps(record))
+        evaluated = " ".join(cli("eval", tmp_path / "run-saved", "--data", saved, "--held-out").output.split())
+        losses[recorded] = re.search(r"loss \(nats/token\) │ ([0-9.]+) │", evaluated)[1]
+    assert losses[True] == f"{record['training']['loss_final']:.4f}" != losses[False]
 
 
 def test_every_builtin_full_recipe_trains_the_tiny_model(ws):

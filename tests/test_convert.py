@@ -248,7 +248,7 @@ def test_lookup_tables_computing_more_than_a_lookup_are_left_as_they_are_and_a_p
     with torch.no_grad():
         after = bart(input_ids=ids, labels=ids).logits
     assert (after - before).norm() / before.norm() < 0.1  # the same model in low precision, positions as they were
-    with pytest.raises(ValueError, match="^plan entry 'model.encoder.embed_positions' is a BartLearnedPositionalEmbedding; only nn.Linear and nn.Embedding layers can change format$"):
+    with pytest.raises(ValueError, match="^plan entry 'model.encoder.embed_positions' is a BartLearnedPositionalEmbedding, an embedding whose forward computes more than a lookup .*: hf-lowprec leaves it as it is"):
         apply_plan(bart, PrecisionPlan({"model.encoder.embed_positions": "fp8"}))
 
     class NormedEmbedding(nn.Embedding):
@@ -259,8 +259,17 @@ def test_lookup_tables_computing_more_than_a_lookup_are_left_as_they_are_and_a_p
         def forward(self, ids):
             return self.embed_norm(super().forward(ids))
 
-    model = nn.Sequential(NormedEmbedding(), nn.Linear(8, 8))
-    assert list(eligible_layers(model)) == ["1"]
+    class ScaledWithAnExtraRow(nn.Embedding):  # T5Gemma2's: a scale, and a row of its own swapped in
+        def __init__(self):
+            super().__init__(16, 8)
+            self.embed_scale = 2.0
+            self.eoi_embedding = nn.Parameter(torch.zeros(8))
+
+        def forward(self, ids):
+            return torch.where((ids == 3)[..., None], self.eoi_embedding, super().forward(ids)) * self.embed_scale
+
+    model = nn.Sequential(NormedEmbedding(), ScaledWithAnExtraRow(), nn.Linear(8, 8))
+    assert list(eligible_layers(model)) == ["2"]
 
 
 def test_broadcast_added_tensors_are_no_matrices_that_refuse_a_model():

@@ -242,7 +242,7 @@ def test_a_folder_with_a_test_split_but_no_validation_says_finetune_holds_out_tr
     with caplog.at_level("WARNING", logger="hf_lowprec.data"):
         rows, held, _ = data.read_run_source(folder)
     assert held is None and len(rows) == 30 and data.default_eval_split(folder) == "test"
-    assert "has a 'test' split but no validation split: finetune holds out the last rows of 'train'" in caplog.text
+    assert "has a 'test' split but no validation split: a run holds out the last rows of 'train'" in caplog.text
 
 
 def test_rows_without_text_are_counted_in_a_warning_and_a_tokenizer_without_eos_is_refused(tok, caplog):
@@ -254,6 +254,10 @@ def test_rows_without_text_are_counted_in_a_warning_and_a_tokenizer_without_eos_
         lm = prepare_lm_data(mixed, "mixed.jsonl", tok, 16, eval_sequences=100)
     assert "data 'mixed.jsonl': 20 of its 40 rows have no text in column 'text' (null or empty) and are left out (its other columns: content)" in caplog.text
     assert lm.train["input_ids"] == _reference_blocks([r["text"] for r in ROWS[1:38:2]], tok, 16)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_lowprec.data"):
+        prepare_lm_data(mixed.select(range(1, 40, 2)), "odd.jsonl", tok, 16)  # a view: its rows, not the table's
+    assert "no text" not in caplog.text
     import copy
 
     no_eos = copy.deepcopy(tok)

@@ -1,8 +1,6 @@
 """GGUF export: the packed INT4 base as Q4_1 blocks holding the trained codes, the LoRA adapters as llama.cpp's adapter
 file; checked against gguf's own decoder, transformers' GGUF loader and the PEFT adapters, computed independently."""
 
-import copy
-
 import gguf
 import numpy as np
 import pytest
@@ -65,15 +63,10 @@ def test_the_q4_1_blocks_decode_to_the_trained_weights(trained):
 
 def assert_transformers_computes_the_packed_base(model, folder):
     """transformers' GGUF loader reads ``folder``'s model.gguf into logits within fp16 block scales of the packed base's
-    as exported: with the steps it learned, the adapters adding nothing (a copy's B zeroed: disable_adapter() leaves
-    out what the base learned with the adapters too); returns the loaded model."""
+    (the adapters off); returns the loaded model."""
     ids = torch.tensor([[1, 5, 9, 22, 40, 77, 100, 3]])
-    exported = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in exported.named_parameters():
-            if "lora_B" in name:
-                p.zero_()
-        base = exported(input_ids=ids).logits.float()
+    with torch.no_grad(), model.disable_adapter():
+        base = model(input_ids=ids).logits.float()
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=MODEL_FILE, dtype=torch.float32)
     with torch.no_grad():
         assert (loaded(input_ids=ids).logits - base).abs().max() <= 2e-3 * base.abs().max()

@@ -275,6 +275,7 @@ def test_dequantize_gives_plain_layers_computing_what_the_packed_ones_did(tmp_pa
         assert not any(isinstance(m, PackedLinear) or "Packed" in type(m).__name__ for m in model.modules())
         assert type(model.lm_head) is torch.nn.Linear and type(model.model.embed_tokens) is torch.nn.Embedding
         assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
+        assert all(p.requires_grad for p in model.parameters()) and not hasattr(model, "hf_lowprec_plan")  # dense
         torch.testing.assert_close(model(input_ids=ids).logits, packed, rtol=1e-6, atol=1e-6)
     model.save_pretrained(tmp_path / "plain")
     import json

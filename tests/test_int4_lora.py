@@ -106,29 +106,6 @@ def test_unmerge_puts_back_the_base_of_before_the_merge_exactly_learned_shifts_t
     assert all(torch.equal(t, before[n]) for n, t in base.state_dict().items())
 
 
-def test_disabled_adapters_give_the_base_without_the_steps_learned_with_them():
-    """disable_adapter() is the base model (TRL's DPO reads its reference logits so): the zero points learned with
-    the adapters, saved with them, are left out inside the block, back after it, their gradients unchanged."""
-    peft, layer = packed_with_lora()
-    base = layer.get_base_layer()
-    (shift,) = base.learn_steps(steps=False)
-    with torch.no_grad():
-        shift.normal_(0, 0.3)
-    x = torch.randn(4, 64)
-    zero, step = base.zero.float(), base.step.float()
-    codes = base._unpack(base.qweight).float()
-    stored = ((codes - zero.repeat_interleave(32, 1)) * step.repeat_interleave(32, 1))  # [48, 64], group 32
-    y = peft(x)
-    y.sum().backward()
-    grad = shift.grad.clone()
-    with torch.no_grad(), peft.disable_adapter():
-        torch.testing.assert_close(peft(x), x @ stored.t() + base.bias, rtol=1e-5, atol=1e-5)
-    shift.grad = None
-    again = peft(x)
-    again.sum().backward()
-    assert torch.equal(again, y) and torch.equal(shift.grad, grad)
-
-
 @pytest.mark.parametrize("option, message", [(dict(use_dora=True), "DoRA"), (dict(lora_bias=True), "lora_bias"),
                                              (dict(init_lora_weights="pissa"), "not supported on a packed base"),
                                              (dict(init_lora_weights="loftq", loftq_config=LoftQConfig()), r"prepare_int4_lora\(loftq_init=True\)")])

@@ -214,18 +214,21 @@ class HfLowprecQuantizer(HfQuantizer):
         for fqn, m in packed.items():
             if isinstance(m, PackedLinear):
                 dense = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
-                dense.weight = nn.Parameter(m.dequantized_weight(dtype), requires_grad=False)
+                dense.weight = nn.Parameter(m.dequantized_weight(dtype))  # trainable, as a dense load's
                 if m.bias is not None:
-                    dense.bias = nn.Parameter(m.bias.detach().to(dtype), requires_grad=False)
+                    dense.bias = nn.Parameter(m.bias.detach().to(dtype))
                 set_module(model, fqn, dense)
         heads = {id(m): n for n, m in packed.items() if isinstance(m, PackedLinear)}  # a tied embedding's table
         for fqn, m in packed.items():
             if not isinstance(m, PackedLinear):
                 table = model.get_submodule(heads[id(m.table)]).weight if id(m.table) in heads else None
-                weight = table if table is not None else nn.Parameter(m.dequantized_weight(dtype), requires_grad=False)
+                weight = table if table is not None else nn.Parameter(m.dequantized_weight(dtype))
                 dense = nn.Embedding(m.num_embeddings, m.embedding_dim, getattr(m, "padding_idx", None), device="meta")
                 dense.weight = weight
                 set_module(model, fqn, dense)
+        vars(model).pop("hf_lowprec_plan", None)  # a dense model now: no plan its layers compute
+        for m in model.modules():
+            vars(m).pop(KEPT_DENSE, None)
         return model
 
 

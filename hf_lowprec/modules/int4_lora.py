@@ -17,7 +17,6 @@ adapters, not their casts (:class:`_LoraDelta`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
 
@@ -66,8 +65,8 @@ class PackedLoraLinear(LoraLinear):
     Vanilla LoRA only: DoRA and the other variants, ``lora_bias`` and initialisations that read a dense
     base weight (PiSSA, OLoRA, PEFT's own LoftQ ...) raise ``ValueError`` (use
     ``hf_lowprec.ondevice.prepare_int4_lora(loftq_init=True)`` for LoftQ on the INT4 base), for the first adapter
-    and for every one added or loaded later. With the adapters disabled the base computes without the steps and zero
-    points it learned with them (:meth:`PackedLinear.learn_steps`): they are saved and loaded with the adapters.
+    and for every one added or loaded later. Steps and zero points learned with the adapters
+    (:meth:`PackedLinear.learn_steps`) belong to the base: they stay with the adapters disabled.
     """
 
     def __init__(self, base_layer, adapter_name: str, config: LoraConfig, **kwargs):
@@ -106,13 +105,8 @@ class PackedLoraLinear(LoraLinear):
 
     # -------------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if self.disable_adapters and not (args or kwargs):
-            if self.merged:
-                self.unmerge()
-            with learned_steps_off(self.get_base_layer()):
-                return self.base_layer(x)
-        if args or kwargs or self.merged:
-            return super().forward(x, *args, **kwargs)  # mixed adapter batches, merged adapters
+        if args or kwargs or self.disable_adapters or self.merged:
+            return super().forward(x, *args, **kwargs)  # mixed adapter batches, disabled or merged adapters
         result = self.base_layer(x)
         out = result.reshape(-1, self.out_features)
         x2d = x.reshape(-1, self.in_features)
@@ -140,13 +134,13 @@ class PackedLoraLinear(LoraLinear):
             stacklevel=2,
         )
         base: PackedLinear = self.get_base_layer()
-        if not self.merged:  # what unmerge restores (a second rounding would move the base for good)
-            self._before_merge = {n: t.detach().clone() for n, t in _stored_tensors(base).items()}
         weight = base.dequantized_weight(torch.float32)
         delta = sum(lora_delta(self, n) for n in adapter_names)
         merged = weight + delta
         if safe_merge and not torch.isfinite(merged).all():
             raise ValueError(f"NaNs detected in the merged weights; adapters {adapter_names} seem to be broken")
+        if not self.merged:  # what unmerge restores (a second rounding would move the base for good): a copy
+            self._before_merge = {n: t.detach().clone() for n, t in _stored_tensors(base).items()}
         stats = requantize_merged(base, merged, delta)
         stats.update(
             adapters=list(adapter_names),
@@ -172,23 +166,6 @@ def _stored_tensors(layer: PackedLinear) -> dict[str, torch.Tensor]:
     """What a merge re-quantizes in ``layer``: its codes, steps and zero points, and the gain and shift it learned."""
     names = ("qweight", "step", "zero", "step_gain", "zero_shift")
     return {n: getattr(layer, n).data for n in names if getattr(layer, n, None) is not None}
-
-
-@contextlib.contextmanager
-def learned_steps_off(layer: PackedLinear):
-    """``layer`` computing with its stored steps and zero points alone inside the block (PEFT's ``disable_adapter``
-    gives the base model, and the learned gain and shift are saved with the adapters); put back after it."""
-    learned = {n: layer._parameters[n] for n in ("step_gain", "zero_shift") if layer._parameters.get(n) is not None}
-    if not learned:
-        yield
-        return
-    layer._parameters.update(dict.fromkeys(learned))
-    layer._cache.clear()  # what was derived from the learned values (e.g. int8 rows' steps)
-    try:
-        yield
-    finally:
-        layer._parameters.update(learned)
-        layer._cache.clear()
 
 
 def lora_delta(module: LoraLinear, adapter: str) -> torch.Tensor:

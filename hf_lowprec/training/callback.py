@@ -327,14 +327,17 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         if model is not None and skip_step_if_requested(model):
             self.steps_skipped += 1  # a gradient spike under scaler="gradient", spike_action="skip"
             if optimizer is not None and getattr(optimizer, "scaler", None) is None and hasattr(optimizer, "_is_overflow"):
-                # Accelerate's flag of a skipped step (step_was_skipped): the Trainer then leaves the LR schedule
-                # where it is, as it does for an fp16 overflow; cleared at the step's end
+                # Accelerate's flag of a skipped step (step_was_skipped; under fp16 its GradScaler's own): the
+                # Trainer then leaves the LR schedule where it is, as for an fp16 overflow; other callbacks see it at
+                # the step's end, and the next step clears it
                 optimizer._is_overflow = self._flagged_skip = True
 
-    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         if self._flagged_skip:
             optimizer._is_overflow = self._flagged_skip = False
-        elif optimizer is not None and getattr(optimizer, "step_was_skipped", False):
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        if optimizer is not None and getattr(optimizer, "step_was_skipped", False) and not self._flagged_skip:
             self.steps_skipped += 1  # the fp16 GradScaler found inf/NaN gradients
         self._optimizer = optimizer
 
@@ -378,7 +381,8 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
                 torch.save(value, tmp)
                 os.replace(tmp, folder / name)
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args, state, control, optimizer=None, **kwargs):
+        self.on_step_begin(args, state, control, optimizer=optimizer)  # a last step's skip flag, cleared
         if args.should_save and self.plan is not None:
             self.plan.save(Path(args.output_dir) / PLAN_FILE)
 
