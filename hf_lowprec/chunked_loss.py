@@ -99,8 +99,10 @@ def chunked_causal_lm_loss(
     *,
     labels: torch.Tensor | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
+    **model_inputs,
 ) -> torch.Tensor:
-    """Next-token cross-entropy of a causal LM (PEFT-wrapped or not), ``input_ids [B, T]``.
+    """Next-token cross-entropy of a causal LM (PEFT-wrapped or not), ``input_ids [B, T]``; ``model_inputs`` (a
+    padding-free batch's ``position_ids``, ...) go to the model with them.
 
     ``labels [B, T]`` (default ``input_ids``; ``-100`` and padded positions ignored) are shifted inside, as in
     transformers. The loss is the mean over this batch's targets, or their sum over ``num_items_in_batch`` (the
@@ -120,11 +122,13 @@ def chunked_causal_lm_loss(
     head = chunkable_head(base)
     no_cache = {"use_cache": False} if getattr(getattr(base, "config", None), "use_cache", None) is not None else {}
     if head is None:  # the model's logits as it computes them (scaled, capped), the loss as transformers' in fp32
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, **no_cache).logits[:, :-1]
+        outputs = model(input_ids=input_ids, attention_mask=attention_mask, **no_cache, **model_inputs)
+        logits = outputs.logits[:, :-1]
         logits = logits.float().reshape(flat.numel(), -1)
         total = F.cross_entropy(logits, flat, ignore_index=IGNORE_INDEX, reduction="sum")
     else:
-        hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, **no_cache).last_hidden_state
+        decoded = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, **no_cache, **model_inputs)
+        hidden = decoded.last_hidden_state
         total = summed_chunked_loss(hidden[:, :-1].reshape(-1, hidden.shape[-1]), flat, head, chunk_tokens)
     count = (flat != IGNORE_INDEX).sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
     return total / count.clamp(min=1)  # a step without targets: loss 0 and gradients 0, not 0/0 (NaN weights)

@@ -197,6 +197,32 @@ def test_a_base_that_learns_its_steps_trains_them_at_their_rate_and_exports_them
     assert all(torch.equal(g, torch.ones_like(g)) for g in gains)
 
 
+def test_after_a_packed_export_the_model_computes_what_the_folder_reloads_to(tmp_path):
+    """A Trainer's model (not folded at the end, as finetune_int4_lora folds it) exported with learned zero points: the
+    folder holds them rounded into its zero points, the model in memory held them exact (logits apart, its evaluate()
+    another model's); the export stores them in the model as it writes them."""
+    from tiny_assets import save_tiny_model
+
+    from hf_lowprec.ondevice import export_int4_lora, load_int4_model
+
+    model, _, _ = prepared(save_tiny_model(tmp_path / "tiny"), learn_steps="zero_points")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "zero_shift" in name:
+                p.uniform_(-0.3, 0.3)
+            elif "lora_B" in name:
+                p.normal_(0, 0.05)
+    ids = torch.randint(3, 300, (2, 16))
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+    export_int4_lora(model, tmp_path / "out")
+    reloaded, _ = load_int4_model(tmp_path / "out")
+    with torch.no_grad():
+        after, again = model(input_ids=ids).logits, reloaded(input_ids=ids).logits
+    assert torch.equal(after, again) and not torch.equal(after, trained)  # the zero points' rounding, now in both
+    assert (after - trained).abs().max() < 0.1 * trained.abs().max()
+
+
 def test_the_trainer_checkpoints_the_learned_steps_and_a_resumed_run_reads_them(tmp_path, caplog):
     import datasets
     from tiny_assets import save_tiny_model

@@ -255,6 +255,34 @@ def test_the_chunked_loss_trainer_evaluates_its_loss(tmp_path, prediction_loss_o
     assert trainer.evaluate(unlabelled)["eval_loss"] == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.parametrize("family", [{}, {"final_logit_softcapping": 3.0}])  # the head alone; the full logits
+def test_the_chunked_loss_trainer_passes_a_padding_free_batchs_position_ids(tmp_path, family):
+    """transformers' DataCollatorWithFlattening packs rows into one, position_ids restarting at each: the model's own
+    loss reads them; the chunked loss ran the decoder on input_ids alone, one long sequence (loss 1e-2 off)."""
+    from transformers import DataCollatorWithFlattening
+
+    from hf_lowprec.ondevice import ChunkedLossTrainer
+
+    model = (tiny_llama(1) if not family else _tiny_gemma2(**family)).requires_grad_(False)
+    rows = [{"input_ids": i.tolist()} for i in markov_batches(n=1, batch=3, seq=16)[0]["input_ids"]]
+    batch = DataCollatorWithFlattening()(rows)
+    assert batch["position_ids"][0, 16] == 0  # the second row starts again
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    trainer = ChunkedLossTrainer(model=model, args=args, activation_storage=None)
+    with torch.no_grad():
+        expected = model(**batch).loss
+        assert trainer.compute_loss(model, batch) == pytest.approx(expected.item(), rel=1e-5)
+        assert model(input_ids=batch["input_ids"], labels=batch["labels"]).loss != pytest.approx(expected.item(), rel=1e-5)
+
+
+def _tiny_gemma2(**config):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, **config))  # fmt: skip
+
+
 def test_the_chunked_loss_scales_bf16_gradients_once_and_refuses_a_trainable_head():
     """The loss divided by a count of 3: its bf16 hidden-state gradient is the summed loss's divided in fp32 and
     rounded once (times bf16(1/3) it was 0.2% too large); a head with trainable parameters, which gets no gradient

@@ -77,7 +77,7 @@ def _cannot_take(unit: _Unit, spec: FormatSpec) -> str:
             if spec.act_int8 or spec.rotate or spec.smooth:
                 return "an embedding has no activation to quantize nor input to rotate or smooth"
             if embedding_scale(module) is not None:
-                return "it scales its rows (embed_scale), which the low-precision embeddings do not"
+                return "it scales its rows (embed_scale), which trainable FP8/INT4 embeddings do not (packed ones do)"
         elif spec.rotate and rotation_block(module.in_features) is None:
             return f"{module.in_features} input features are not a multiple of {MIN_ROTATION_BLOCK}: cannot rotate"
     return ""
