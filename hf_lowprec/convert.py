@@ -16,7 +16,13 @@ import torch
 from torch import nn
 
 from hf_lowprec.formats import E5M2, FormatSpec
-from hf_lowprec.layers import canonical_name, dense_view, eligible_layers, swap_layers, wrapper_of  # noqa: F401  (re-exported)
+from hf_lowprec.layers import (  # noqa: F401  (re-exported)
+    canonical_name,
+    dense_view,
+    eligible_layers,
+    swap_layers,
+    wrapper_of,
+)
 from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, TiedQuantizers
 from hf_lowprec.modules.embedding import like_embedding
 from hf_lowprec.modules.fp8 import FP8Linear

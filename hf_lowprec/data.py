@@ -364,6 +364,8 @@ def _message(m, column: str, row: int, number: int) -> dict:
             raise ValueError(f"column {column!r}, row {row}, message {number} ({m['role']}): its content is null")
         return {**m, "content": _content(m["content"], column, row)}
     if isinstance(m, dict) and m.get("from") in SHAREGPT_ROLES and "value" in m:
+        if m["value"] is None:
+            raise ValueError(f"column {column!r}, row {row}, message {number} ({m['from']}): its value is null")
         return {"role": SHAREGPT_ROLES[m["from"]], "content": _content(m["value"], column, row)}
     raise ValueError(
         f"column {column!r} must hold lists of {{'role': ..., 'content': ...}} messages (or ShareGPT's "
@@ -457,17 +459,21 @@ def _rows_for_a_block(ds: datasets.Dataset, tokenizer, column: str, rows: int, b
     """How many last rows of ``ds`` a run holds out: ``rows``, or more where those do not make one block of
     ``block_size`` tokens as :func:`pack_blocks` packs them (BOS and EOS included), at most half the rows. Held-out
     rows that made a block are the same as before this rule; a row of a block's worth of characters counts as one
-    untokenized."""
+    untokenized, and rows without text are passed over by their Arrow lengths (not read one by one)."""
+    values = ds.with_format("arrow")[column]  # the rows of ``ds`` as it is (selected, shuffled)
+    half = len(ds) // 2
+    if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+        return rows
+    chars = pc.fill_null(pc.utf8_length(values.slice(len(ds) - half)), 0).to_pylist()[::-1]  # last row first
     tokens, n = 0, 0
-    while n < len(ds) // 2 and tokens < block_size:
-        text = ds[len(ds) - 1 - n][column]
+    while n < half and tokens < block_size:
         n += 1
-        if not isinstance(text, str) or not text:
+        if not chars[n - 1]:
             continue
-        if len(text) >= CHARS_PER_TOKEN * block_size:
+        if chars[n - 1] >= CHARS_PER_TOKEN * block_size:
             tokens = block_size
         else:
-            ids = tokenizer(text)["input_ids"]
+            ids = tokenizer(values[len(ds) - n].as_py())["input_ids"]
             tokens += len(ids) + (ids[-1:] != [tokenizer.eos_token_id])
     return max(n, rows) if tokens >= block_size else rows
 
@@ -797,7 +803,10 @@ def prepare_lm_data(
             else f"data {name!r} has no chat row to train on: all have {_no_targets(block_size, train_on)}"
         )
     if not held and not len(eval_rows):
-        raise ValueError(f"data {name!r} has 1 row: none is left to hold out for evaluation; add rows")
+        raise ValueError(
+            f"data {name!r}: its {HELD_OUT_SPLIT} split has no rows" if held_out_records is not None
+            else f"data {name!r} has 1 row: none is left to hold out for evaluation; add rows"
+        )
     if not held:
         raise ValueError(
             (

@@ -57,7 +57,8 @@ def plain_modes(root: str | os.PathLike) -> None:
 
 
 RUN_FILE = "hf_lowprec_run.json"  # the run record every hf-lowprec run and export folder holds
-TRACES_DIR = "runs"  # where transformers' TensorBoard callback writes under output_dir; exports carry it (the Hub shows it)
+# where transformers' TensorBoard callback writes under output_dir; exports carry it (the Hub shows it)
+TRACES_DIR = "runs"
 MODEL_MARKERS = ("config.json", RUN_FILE)  # a folder holding one is a model's: overwrite may replace it
 
 

@@ -401,6 +401,10 @@ def test_held_out_rows_grow_to_a_blocks_worth_and_are_never_trained_on(tok):
     lm = prepare_lm_data(datasets.Dataset.from_dict({"text": rows}), "rows", tok, 32, eval_fraction=0.05, eval_sequences=100)
     assert lm.eval["input_ids"] == _reference_blocks(rows[-2:], tok, 32)  # "short." and the row before it
     assert lm.train["input_ids"] == _reference_blocks(rows[:-2], tok, 32)
+    texts = [text[i * 400 : (i + 1) * 400] for i in range(30)]
+    gaps = texts + [""] * 9 + [None] + ["short."]  # rows without text passed over: the last text rows make one
+    lm = prepare_lm_data(datasets.Dataset.from_dict({"text": gaps}), "gaps", tok, 32, eval_fraction=0.05, eval_sequences=100)
+    assert lm.eval["input_ids"] == _reference_blocks([texts[29], "short."], tok, 32)
 
 
 def test_completion_labels_refuse_a_template_that_renders_the_last_turn_otherwise(tok):
@@ -497,6 +501,12 @@ def test_values_that_are_not_text_are_refused_naming_their_column_and_row(tok):
         prepare_lm_data(mixed, "mixed", tok, 64)
     with pytest.raises(ValueError, match=r"^data 'one' has 1 row: none is left to hold out for evaluation; add rows$"):
         prepare_lm_data(datasets.Dataset.from_dict({"messages": null[:1]}), "one", tok, 64)
+    empty_validation = datasets.Dataset.from_dict({"text": []}, features=datasets.Features({"text": datasets.Value("string")}))
+    with pytest.raises(ValueError, match=r"^data 'splits': its validation split has no rows$"):
+        prepare_lm_data(datasets.Dataset.from_list(ROWS), "splits", tok, 16, held_out_records=empty_validation)
+    sharegpt = [[{"from": "human", "value": "hi"}, {"from": "gpt", "value": None}]] * 2
+    with pytest.raises(ValueError, match=r"^column 'conversations', row 0, message 1 \(gpt\): its value is null$"):
+        prepare_lm_data(datasets.Dataset.from_dict({"conversations": sharegpt}), "sharegpt", tok, 64)
     numbers = datasets.Dataset.from_dict({"text": [5, 6], "body": ["a", "b"]})
     with pytest.raises(ValueError, match=r"^data 'n': column 'text' holds int64 values, not text; its text columns are body: name one with --text-column$"):
         prepare_lm_data(numbers, "n", tok, 16)

@@ -267,11 +267,12 @@ def test_the_chunked_loss_trainer_passes_a_padding_free_batchs_position_ids(tmp_
     rows = [{"input_ids": i.tolist()} for i in markov_batches(n=1, batch=3, seq=16)[0]["input_ids"]]
     batch = DataCollatorWithFlattening()(rows)
     assert batch["position_ids"][0, 16] == 0  # the second row starts again
+    given = {**batch, "use_cache": True}  # a key the chunked loss sets itself: not passed twice
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     trainer = ChunkedLossTrainer(model=model, args=args, activation_storage=None)
     with torch.no_grad():
         expected = model(**batch).loss
-        assert trainer.compute_loss(model, batch) == pytest.approx(expected.item(), rel=1e-5)
+        assert trainer.compute_loss(model, given) == pytest.approx(expected.item(), rel=1e-5)
         assert model(input_ids=batch["input_ids"], labels=batch["labels"]).loss != pytest.approx(expected.item(), rel=1e-5)
 
 

@@ -580,8 +580,9 @@ def load_exported(
             backend = "dequant"  # its INT4 layers trained on their dequantized weights, not through int8 kernels
         model, tokenizer = load_int4_model(folder, dtype=dtype, backend=backend)
     else:
+        model_class = architecture_class(folder)
         model, tokenizer = load_pretrained(
-            folder, dtype=dtype or torch.float32, model_class=architecture_class(folder), adapter_kwargs=NO_ADAPTER_LOOKUP
+            folder, dtype=dtype or torch.float32, model_class=model_class, adapter_kwargs=NO_ADAPTER_LOOKUP
         )
         if (adapters := adapter_folder(folder)) is not None:  # a compressed-tensors export's LoRA adapters
             model = PeftModel.from_pretrained(model, adapters).eval()

@@ -201,7 +201,8 @@ class HfLowprecQuantizer(HfQuantizer):
         ``nn.Embedding`` holding its dequantized weight in ``dtype`` (default the model's), ties kept. Refused under
         PEFT adapters (their layers wrap the packed ones: merge them with ``export_int4_lora(..., merge=True,
         merged_dtype=...)``) and for an embedding that scales its rows (Gemma's class cannot be rebuilt here)."""
-        packed = {n: m for n, m in model.named_modules() if isinstance(m, (PackedLinear, PackedEmbedding, TiedPackedEmbedding))}
+        kinds = (PackedLinear, PackedEmbedding, TiedPackedEmbedding)
+        packed = {n: m for n, m in model.named_modules() if isinstance(m, kinds)}
         if any(".base_layer" in n for n in packed):
             raise ValueError(
                 "dequantize() the base before adding LoRA adapters; to fold trained adapters into dense weights use "

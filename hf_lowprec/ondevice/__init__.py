@@ -23,6 +23,7 @@ in 8 bits (default; or gradient checkpointing), by SwiGLU MLPs and RMSNorms that
 
 from hf_lowprec.chunked_loss import chunked_causal_lm_loss, cross_entropy_with_grad
 from hf_lowprec.ondevice.export import MERGE_DTYPES, MERGE_FILE, export_int4_lora, load_int4_model
+from hf_lowprec.ondevice.learned_steps import fold_learned_steps
 from hf_lowprec.ondevice.loftq import loftq_factors
 from hf_lowprec.ondevice.loss import evaluate_loss, token_blocks
 from hf_lowprec.ondevice.planning import (
@@ -62,6 +63,7 @@ __all__ = [
     "evaluate_loss",
     "export_int4_lora",
     "finetune_int4_lora",
+    "fold_learned_steps",
     "int4_plan",
     "load_int4_base",
     "load_int4_lora",

@@ -28,7 +28,7 @@ from hf_lowprec.folders import atomic_output_dir, atomic_write_text, check_outpu
 from hf_lowprec.modules.int4_lora import PackedLoraLinear, lora_delta, register_int4_lora, requantize_merged
 from hf_lowprec.modules.packed import PackedLinear
 from hf_lowprec.modules.packed_embedding import with_dense_tables
-from hf_lowprec.ondevice.learned_steps import fold_learned_steps, learned_steps_folded_in
+from hf_lowprec.ondevice.learned_steps import learned_steps_folded_in
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 from hf_lowprec.pread_safetensors import read_safetensors
 
@@ -142,9 +142,9 @@ def export_int4_lora(
     packed weight dequantized plus its adapter delta, rounded once to ``merged_dtype`` — that any
     ``transformers`` install loads without hf-lowprec. Re-quantizing to INT4 (the default merge) loses
     adapter deltas smaller than half an INT4 step, which on small models is most of what LoRA learned.
-    Refuses an existing non-empty ``out_dir`` unless ``overwrite``. A packed export first stores the steps and zero
-    points the base learned (``learn_steps``) in ``model`` as the folder holds them, rounded (``finetune_int4_lora``
-    does so at the end of training): after it, ``model`` computes what the folder reloads to.
+    Refuses an existing non-empty ``out_dir`` unless ``overwrite``. A packed export holds the steps and zero points
+    the base learned (``learn_steps``) rounded into its own: ``fold_learned_steps(model)`` at the end of training (as
+    ``finetune_int4_lora`` and the CLI do) makes ``model`` compute what the folder reloads to.
 
     ``base_model_id``: the Hub id the adapters' ``base_model_name_or_path`` names: their base is this folder's
     packed model, so the id this folder will have on the Hub (``push`` fills it in), else none. The checkpoint it
@@ -164,8 +164,7 @@ def export_int4_lora(
             if hasattr(config, "quantization_config"):
                 del config.quantization_config
             config.dtype = str(merged_dtype).removeprefix("torch.")
-        else:  # the steps and zero points learned, stored as the folder holds them (rounded): then what the model
-            fold_learned_steps(base)  # computes after the export is what reloads, in a Trainer's evaluate() too
+        else:
             state, errors = _packed_base_state(base, merge)
             state = with_load_guards(base, state)
             config.quantization_config = quantization_config_dict(plan, base)

@@ -140,7 +140,9 @@ class ChunkedLossTrainer(Trainer):
         if self.activation_storage_format is not None and self.activation_storage is None:
             self.activation_storage = ActivationStorage(model, self.activation_storage_format)
         with self.activation_storage or contextlib.nullcontext():
-            others = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "labels")}
+            # the batch's other model inputs (a padding-free batch's position_ids); use_cache is the loss's to set
+            taken = ("input_ids", "attention_mask", "labels", "use_cache")
+            others = {k: v for k, v in inputs.items() if k not in taken}
             loss = chunked_causal_lm_loss(
                 model,
                 inputs["input_ids"],
@@ -148,7 +150,7 @@ class ChunkedLossTrainer(Trainer):
                 self.chunk_tokens,
                 labels=inputs.get("labels"),
                 num_items_in_batch=num_items_in_batch,
-                **others,  # position_ids of a padding-free batch (DataCollatorWithFlattening): the model's inputs
+                **others,
             )
         if num_items_in_batch is not None and self.args.average_tokens_across_devices:
             loss = loss * self.accelerator.num_processes  # num_items_in_batch counts every process's targets

@@ -326,7 +326,8 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         if model is not None and skip_step_if_requested(model):
             self.steps_skipped += 1  # a gradient spike under scaler="gradient", spike_action="skip"
-            if optimizer is not None and getattr(optimizer, "scaler", None) is None and hasattr(optimizer, "_is_overflow"):
+            unscaled = optimizer is not None and getattr(optimizer, "scaler", None) is None
+            if unscaled and hasattr(optimizer, "_is_overflow"):
                 # Accelerate's flag of a skipped step (step_was_skipped; under fp16 its GradScaler's own): the
                 # Trainer then leaves the LR schedule where it is, as for an fp16 overflow; other callbacks see it at
                 # the step's end, and the next step clears it
