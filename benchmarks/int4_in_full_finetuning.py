@@ -149,7 +149,7 @@ def run(
     return {"variant": variant, "seed": seed, "int4_format": int4_format, "max_loss_increase": budget, "score": score,
             "steps": steps, "ppl_before": before, "ppl_after": after, "ppl_exported": exported,
             "train_seconds": seconds,
-            "plan_fractions": report.fractions() if report else {}, "loss_last10": sum(losses[-10:]) / 10}  # fmt: skip
+            "plan_fractions": report.fractions() if report else {}, "loss_last10": sum(losses[-10:]) / len(losses[-10:])}  # fmt: skip
 
 
 def main() -> None:
