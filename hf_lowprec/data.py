@@ -696,8 +696,8 @@ def read_run_source(
 ) -> tuple[datasets.Dataset, datasets.Dataset | None, str]:
     """``(rows, held_out_rows, name)`` that a fine-tuning run reads from ``source``: its ``split``, and the data's
     own :data:`HELD_OUT_SPLIT` split where it has one (by another usual name too, :data:`_SPLIT_ALIASES`, unless
-    ``split_aliases`` is false: what runs recorded before 2026-12-07 did), else ``None``: the run holds out the last
-    rows of ``split``."""
+    ``split_aliases`` is false: what a run whose record has no ``held_out_split_aliases`` did), else ``None``: the run
+    holds out the last rows of ``split``."""
     rows, name = read_source(source, split)
     if _is_default_corpus(source):
         return rows, None, name

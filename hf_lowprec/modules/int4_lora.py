@@ -17,7 +17,6 @@ adapters, not their casts (:class:`_LoraDelta`).
 
 from __future__ import annotations
 
-import logging
 import warnings
 
 import torch
@@ -29,8 +28,6 @@ from peft.tuners.lora.model import LoraModel
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 
 from hf_lowprec.modules.packed import KEPT_DENSE, PackedLinear
-
-logger = logging.getLogger(__name__)
 
 SUPPORTED_INITS = (True, False, "gaussian")
 
