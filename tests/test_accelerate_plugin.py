@@ -100,10 +100,10 @@ def test_plugin_loop_trains_logs_and_checkpoints(tmp_path):
 
     accelerator.save_state(str(tmp_path / "state"))  # the plugin is registered for checkpointing
 
-    def restored(plan):
+    def restored(plan, **options):
         """A fresh model, optimizer and plugin prepared with ``plan`` and loaded from the saved state."""
         acc = Accelerator(cpu=True)
-        plugin = LowPrecisionPlugin(plan)
+        plugin = LowPrecisionPlugin(plan, **options)
         m = tiny_llama(seed=1)
         m, o = plugin.prepare(acc, m, torch.optim.AdamW(m.parameters(), lr=3e-3))
         acc.load_state(str(tmp_path / "state"))
@@ -117,6 +117,9 @@ def test_plugin_loop_trains_logs_and_checkpoints(tmp_path):
     # other parameters (no learned INT4 steps): refused by the plugin, before Accelerate lists the weights' keys
     with pytest.raises(ValueError, match=r"another plan: .*resume with LowPrecisionPlugin\(plan=<the state folder>\)"):
         restored("fp8")
+    # other options (scale histories, learned steps): refused in one line, not by safetensors' list of keys
+    with pytest.raises(ValueError, match=r"^the saved state was trained with scaler='dynamic' \(this run: 'delayed'\), learn_scales=True \(this run: False\): resume with the options it was saved with$"):
+        restored(PLAN, scaler="delayed", learn_scales=False)
 
 
 def test_auto_plan_scans_the_loader_without_moving_the_random_streams():

@@ -29,6 +29,7 @@ compute their own per-rank dynamic scales and record no ``lowprec/*`` telemetry;
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 
 from hf_lowprec.convert import canonical_name, eligible_layers
+from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.layers import wrapper_of
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 from hf_lowprec.training.compensation import CompensatedOptimizer
@@ -47,6 +49,7 @@ from hf_lowprec.training.telemetry import skip_step_if_requested
 
 logger = logging.getLogger(__name__)
 
+OPTIONS_FILE = "hf_lowprec_options.json"  # beside a saved state: the plugin options it was saved with
 TORCHAO_MIN_DIM = 16  # torch._scaled_mm needs both GEMM dims divisible by 16 (Accelerate's own filter)
 
 
@@ -281,16 +284,32 @@ class LowPrecisionPlugin(SessionOwner):
 
     def _write_plan_file(self, models, weights, output_dir: str) -> None:
         """``save_state`` pre-hook: the plan as ``hf_lowprec_plan.json`` beside the weights, so that
-        ``LowPrecisionPlugin(plan=output_dir)`` resumes with it (an ``auto`` plan without scanning again)."""
+        ``LowPrecisionPlugin(plan=output_dir)`` resumes with it (an ``auto`` plan without scanning again), and the
+        options the state depends on (:data:`OPTIONS_FILE`)."""
         if self.plan is not None and self._main_process:
             self.plan.save(Path(output_dir) / PLAN_FILE)
+            atomic_write_text(Path(output_dir) / OPTIONS_FILE, json.dumps(self._state_options(), indent=2))
+
+    def _state_options(self) -> dict:
+        """The options that decide what a saved state holds: scale histories (scaler), learned INT4 steps,
+        compensation buffers."""
+        s = self.session
+        return {"scaler": s.scaler, "scaler_options": dict(s.scaler_options), "learn_scales": s.learn_scales,
+                "compensation": s.compensation}  # fmt: skip
 
     def _refuse_another_plan(self, models, input_dir: str) -> None:
-        """``load_state`` pre-hook: refuse a state saved under another plan before Accelerate loads its weights
-        (whose other parameters it would list key by key)."""
+        """``load_state`` pre-hook: refuse a state saved under another plan or other options before Accelerate loads
+        its weights (whose other parameters it would list key by key, or fail on a missing optimizer key)."""
         path = Path(input_dir) / PLAN_FILE
         if path.is_file():
             self._check_same_plan(PrecisionPlan.load(path).to_dict())
+        path = Path(input_dir) / OPTIONS_FILE
+        if path.is_file():
+            saved, now = json.loads(path.read_text()), self._state_options()
+            if changed := [f"{k}={saved.get(k)!r} (this run: {v!r})" for k, v in now.items() if saved.get(k) != v]:
+                raise ValueError(
+                    f"the saved state was trained with {', '.join(changed)}: resume with the options it was saved with"
+                )
 
     def _check_same_plan(self, saved: Mapping | None) -> None:
         if saved is not None and self.plan is not None and saved != self.plan.to_dict():
