@@ -262,10 +262,14 @@ def test_compensated_optimizer_round_trips_through_state_dict(method):
 def test_a_step_a_pre_hook_skips_leaves_every_chunk_unchanged(method):
     """A gradient spike under spike_action="skip" clears every gradient in a step pre-hook of the inner optimizer
     (LowPrecisionPlugin's), which runs once per chunk of parameters: the later chunks have no gradient to lift (an
-    AttributeError before) and no weight moves."""
+    AttributeError before) and no weight moves: not its stored value either, which lowering a lifted weight with its
+    Kahan buffer again rounded anew (91 bf16 values moved after a skipped step), nor its buffer."""
     params = [torch.nn.Parameter(torch.randn(4, 8).bfloat16()) for _ in range(3)]
     inner = torch.optim.AdamW(params, lr=0.1)
     opt = CompensatedOptimizer(inner, method, max_chunk_numel=32)  # one parameter a chunk
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    opt.step()  # buffers of what bf16 could not store
 
     def skip(*args):
         for p in params:
@@ -275,8 +279,10 @@ def test_a_step_a_pre_hook_skips_leaves_every_chunk_unchanged(method):
     for p in params:
         p.grad = torch.ones_like(p)
     before = [p.detach().clone() for p in params]
+    buffers = {k: v.clone() for k, v in opt.buffers.items()}
     opt.step()
-    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert all(torch.equal(p, b) for p, b in zip(params, before)) and all(p.grad is None for p in params)
+    assert opt.buffers.keys() == buffers.keys() and all(torch.equal(opt.buffers[k], v) for k, v in buffers.items())
     inner._optimizer_step_pre_hooks.clear()
     for p in params:
         p.grad = torch.ones_like(p)

@@ -322,6 +322,9 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                     g["params"] = [p for i, p in chunk if i == gi]
                 self.optimizer.step()
                 for p, mode, data, grad in lifted:
+                    if p.grad is None:  # the inner step's pre-hook skipped it: stored value and buffers as they were
+                        p.data = data  # (lowered again, lifted values with a Kahan buffer would round anew)
+                        continue
                     p.data = self._lower(p, p.data, data.dtype, mode)
                     p.grad = grad
         finally:
