@@ -455,14 +455,23 @@ def _text_sequences(
             yield ids if eos is None or ids[-1:] == [eos] else [*ids, eos]
 
 
+def _column_values(ds: datasets.Dataset, column: str):
+    """``column`` of the rows of ``ds`` as it is (selected, shuffled; not its whole table), as Arrow values."""
+    return ds.with_format("arrow")[column]
+
+
+def _holds_strings(values) -> bool:
+    return pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
+
+
 def _rows_for_a_block(ds: datasets.Dataset, tokenizer, column: str, rows: int, block_size: int) -> int:
     """How many last rows of ``ds`` a run holds out: ``rows``, or more where those do not make one block of
     ``block_size`` tokens as :func:`pack_blocks` packs them (BOS and EOS included), at most half the rows. Held-out
     rows that made a block are the same as before this rule; a row of a block's worth of characters counts as one
     untokenized, and rows without text are passed over by their Arrow lengths (not read one by one)."""
-    values = ds.with_format("arrow")[column]  # the rows of ``ds`` as it is (selected, shuffled)
+    values = _column_values(ds, column)
     half = len(ds) // 2
-    if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+    if not _holds_strings(values):
         return rows
     chars = pc.fill_null(pc.utf8_length(values.slice(len(ds) - half)), 0).to_pylist()[::-1]  # last row first
     tokens, n = 0, 0
@@ -481,8 +490,8 @@ def _rows_for_a_block(ds: datasets.Dataset, tokenizer, column: str, rows: int, b
 def _rows_without_text(ds: datasets.Dataset, column: str) -> int:
     """How many rows of ``ds`` hold null or blank text in ``column`` (counted by Arrow, not row by row); 0 for a column
     of another type (:func:`_text` names its rows)."""
-    values = ds.with_format("arrow")[column]  # the rows of ``ds`` as it is (selected, shuffled), not its whole table
-    if not pa.types.is_string(values.type) and not pa.types.is_large_string(values.type):
+    values = _column_values(ds, column)
+    if not _holds_strings(values):
         return values.null_count
     blank = pc.equal(pc.utf8_trim_whitespace(values), "")
     return values.null_count + (pc.sum(blank).as_py() or 0)
