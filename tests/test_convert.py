@@ -357,7 +357,7 @@ def test_a_scaled_embedding_is_refused_a_low_precision_format_and_its_tied_head_
     with torch.no_grad():
         rows = model.get_input_embeddings()(ids)
     for fmt in ("fp8", "int4-g32"):
-        with pytest.raises(ValueError, match=r"multiplies its rows by 8 \(embed_scale\).*keep it bf16"):
+        with pytest.raises(ValueError, match=r"multiplies its rows by 8 \(embed_scale\).*leave it out of the plan \(it keeps the model's dtype"):
             apply_plan(model, PrecisionPlan({"model.embed_tokens": fmt}))
     with caplog.at_level("WARNING", logger="hf_lowprec.convert"):
         report = apply_plan(model, PrecisionPlan({"lm_head": "int4-g32"}))

@@ -28,8 +28,8 @@ def low_precision_layer(module: nn.Module, spec: FormatSpec, options: dict, quan
     if isinstance(module, nn.Embedding) and (scale := embedding_scale(module)) is not None:
         raise ValueError(
             f"{type(module).__name__} multiplies its rows by {scale:g} (embed_scale), which hf_lowprec's FP8/INT4 "
-            "embeddings do not; keep it bf16 (a tied output head may still be quantized: the embedding then reads its "
-            "packed rows, scaled)"
+            "embeddings do not; leave it out of the plan (it keeps the model's dtype; a tied output head may still "
+            "be quantized: the embedding then reads its packed rows, scaled)"
         )
     if spec.family == "fp8":
         if isinstance(module, nn.Embedding):
