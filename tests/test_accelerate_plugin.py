@@ -13,7 +13,8 @@ from torchao.float8.float8_linear import Float8Linear
 from hf_lowprec.export.records import plan_record
 from hf_lowprec.layers import unconverted_layers
 from hf_lowprec.modules import FP8Linear, Int4Linear
-from hf_lowprec.training.accelerate import LowPrecisionPlugin
+from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
+from hf_lowprec.training.accelerate import OPTIONS_FILE, LowPrecisionPlugin
 from hf_lowprec.training.new_parameters import orphaned_parameters
 
 PLAN = {"default": "fp8", "layers": {"*.mlp.down_proj": "int4-g64", "lm_head": "bf16"}}
@@ -160,6 +161,29 @@ def test_an_auto_plan_resumes_from_the_state_folder_without_scanning(tmp_path):
     saved = accelerator.unwrap_model(model).state_dict()
     assert set(fresh.state_dict()) == set(saved)
     assert all(torch.equal(v, saved[k]) for k, v in fresh.state_dict().items())
+
+
+def test_convert_with_an_accelerator_keeps_the_plan_in_its_saved_state(tmp_path):
+    """The ``convert`` path (the loop prepares or wraps the model itself) saves and checks the plan and options as
+    ``prepare`` does."""
+    accelerator = Accelerator(cpu=True)
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    LowPrecisionPlugin(PLAN).convert(model, optimizer, accelerator=accelerator)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    one_step(model, optimizer, accelerator, lm_batches(1, batch=2)[0])
+    accelerator.save_state(str(tmp_path / "state"))
+    assert PrecisionPlan.load(tmp_path / "state" / PLAN_FILE).to_dict() == PrecisionPlan.from_dict(PLAN).to_dict()
+    assert (tmp_path / "state" / OPTIONS_FILE).is_file()
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+    acc = Accelerator(cpu=True)
+    fresh = tiny_llama(seed=1)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=3e-3)
+    LowPrecisionPlugin({**PLAN, "default": "fp8-rowwise"}).convert(fresh, fresh_optimizer, accelerator=acc)
+    acc.prepare(fresh, fresh_optimizer)
+    with pytest.raises(ValueError, match="another plan"):
+        acc.load_state(str(tmp_path / "state"))
 
 
 def test_gradient_spike_skips_the_step():

@@ -130,10 +130,6 @@ class LowPrecisionPlugin(SessionOwner):
                 raise ValueError(
                     f"after accelerator.prepare, trainable parameters are missing from the optimizer: {orphans[:5]}"
                 )
-        accelerator.register_for_checkpointing(self)
-        accelerator.register_save_state_pre_hook(self._write_plan_file)
-        accelerator.register_load_state_pre_hook(self._refuse_another_plan)
-        self._main_process = accelerator.is_main_process
         return prepared if len(prepared) > 1 else prepared[0]
 
     def convert(
@@ -147,6 +143,7 @@ class LowPrecisionPlugin(SessionOwner):
         """Convert ``model`` in place and fit ``optimizer`` to it, without wrapping (for loops that wrap
         the model themselves, e.g. with ``torch.distributed.fsdp.fully_shard``: call this first).
 
+        With ``accelerator``, its ``save_state``/``load_state`` keep the plan and options as after :meth:`prepare`.
         Raises ``ValueError`` if a trainable parameter is missing from ``optimizer`` afterwards.
         """
         wrapper = "Accelerate's prepare" if getattr(model, "_is_accelerate_prepared", False) else wrapper_of(model)
@@ -192,6 +189,11 @@ class LowPrecisionPlugin(SessionOwner):
                     "add them"
                 )
             getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(self._before_step)
+        if accelerator is not None:
+            accelerator.register_for_checkpointing(self)
+            accelerator.register_save_state_pre_hook(self._write_plan_file)
+            accelerator.register_load_state_pre_hook(self._refuse_another_plan)
+            self._main_process = accelerator.is_main_process
         return model
 
     def _convert(self, accelerator, model: nn.Module) -> None:
