@@ -229,7 +229,9 @@ class GradientScaling(ScalePolicy):
     Per cast, with ``a`` the tensor's amax and ``r`` the running statistic (``ema``: exponential moving
     average with ``ema_decay``; ``percentile``: that percentile of the last ``history_len``) of past
     amaxes, each winsorized at ``spike_threshold * r`` before it is recorded (so one spike barely moves
-    ``r``, while a lasting change of level is followed within a few casts):
+    ``r``); ``new_level_after`` consecutive casts whose amax lies beyond ``spike_threshold`` of ``r``, above or
+    below it, are a lasting change of level (warmup casts far from the later level, a new phase of training): ``r``
+    restarts from the last one's amax, which is not a spike (the casts before it were):
 
     - the scale maps ``limit = r * 2**-adjust`` onto the format's max (row/block scales: each group's
       amax, capped at ``limit``), so values beyond ``limit`` saturate — FP8 casts clip, they never
@@ -268,6 +270,7 @@ class GradientScaling(ScalePolicy):
         underflow_tol: float = 1e-2,
         growth_interval: int = 4,
         max_adjust: int = 4,
+        new_level_after: int = 3,
         power_of_two: bool = True,
         telemetry: bool = True,
         sync: bool = False,
@@ -286,7 +289,8 @@ class GradientScaling(ScalePolicy):
         if spike_threshold <= 1.0:
             raise ValueError(f"spike_threshold must be > 1, got {spike_threshold}")
         for option, value, low in (("history_len", history_len, 1), ("warmup", warmup, 1),
-                                   ("growth_interval", growth_interval, 1), ("max_adjust", max_adjust, 0)):  # fmt: skip
+                                   ("growth_interval", growth_interval, 1), ("max_adjust", max_adjust, 0),
+                                   ("new_level_after", new_level_after, 2)):  # fmt: skip
             if value < low:
                 raise ValueError(f"{option} must be >= {low}, got {value}")
         for option, value in (("saturation_tol", saturation_tol), ("underflow_tol", underflow_tol)):
@@ -295,16 +299,17 @@ class GradientScaling(ScalePolicy):
         self.statistic, self.ema_decay, self.percentile = statistic, ema_decay, percentile
         self.spike_threshold, self.spike_action, self.warmup = spike_threshold, spike_action, warmup
         self.saturation_tol, self.underflow_tol = saturation_tol, underflow_tol
-        self.growth_interval, self.max_adjust = growth_interval, max_adjust
+        self.growth_interval, self.max_adjust, self.new_level_after = growth_interval, max_adjust, new_level_after
         int_zero = torch.zeros((), dtype=torch.int64)
         self.register_buffer("running_amax", torch.zeros(()))
         self.register_buffer("amax_history", torch.full((history_len,), float("nan")))
-        for name in ("recorded", "adjust", "clean_streak", "spikes", "skips_requested"):
+        for name in ("recorded", "adjust", "clean_streak", "level_streak", "spikes", "skips_requested"):
             self.register_buffer(name, int_zero.clone())
         self.register_buffer("last_spike", torch.zeros((), dtype=torch.bool))
         self.register_buffer("last_shrink", torch.ones(()))
         self.register_buffer("skip_pending", torch.zeros((), dtype=torch.bool))
         self._last_limit: torch.Tensor | None = None  # the last judged cast's limit (a recast's: the same)
+        self._last_rescale: torch.Tensor | None = None  # whether the last judged cast was rescaled (a recast's too)
         self._recasting = False
 
     @contextlib.contextmanager
@@ -325,18 +330,23 @@ class GradientScaling(ScalePolicy):
         a = self._reduce_amax(amax.float().amax())
         amax = a if amax.dim() == 0 else amax.float()  # tensorwise: the (rank-synced) amax
         if self._recasting and self._last_limit is not None:  # the last cast's tensor again: its decision
-            rescale = self.last_spike & (self.spike_action == "rescale")
-            capped = torch.where(rescale, amax, torch.minimum(amax, self._last_limit))
+            capped = torch.where(self._last_rescale, amax, torch.fmin(amax, self._last_limit))
             return fp8_scale(capped, dtype, self.power_of_two)
         stat = self._statistic()
         warm = (self.recorded >= self.warmup) & (stat > 0)
-        ref = torch.where(warm, stat, a)
         finite = torch.isfinite(a)
-        spike = warm & ((a > self.spike_threshold * ref) | ~finite)  # an inf/NaN gradient is abnormal too
+        level = (a > 0) & finite  # an amax that carries a level
+        beyond = warm & level & ((a > self.spike_threshold * stat) | (self.spike_threshold * a < stat))
+        streak = torch.where(beyond, self.level_streak + 1, torch.where(level, 0, self.level_streak))
+        new_level = streak >= self.new_level_after
+        self.level_streak.copy_(torch.where(new_level, 0, streak))
+        judged = warm & ~new_level
+        ref = torch.where(judged, stat, a)
+        spike = judged & ((a > self.spike_threshold * ref) | ~finite)  # an inf/NaN gradient is abnormal too
         limit = ref * torch.exp2(-self.adjust.float())
-        self._last_limit = limit
         # an inf/NaN one is clipped at the limit, not rescaled (shrunk by limit / inf, it was all NaN)
         rescale = spike & finite if self.spike_action == "rescale" else torch.zeros_like(spike)
+        self._last_limit, self._last_rescale = limit, rescale
         # a rescaled spike is quantized at full resolution, its scale shrunk afterwards (observe); a group whose amax
         # is inf/NaN takes the limit (finite values keep their grid, inf saturates, a NaN stays where it was)
         capped = torch.where(rescale, amax, torch.fmin(amax, limit))  # fmin: a NaN amax gives the limit
@@ -344,14 +354,14 @@ class GradientScaling(ScalePolicy):
         # record the amax winsorized at the spike threshold; all-zero gradients carry no level, and an inf/NaN one (an
         # overflowed fp16 gradient: a step the loss scaler skips) none either: recorded in warmup, it held the running
         # amax at inf for good, and no spike was ever found again
-        sample = torch.where(warm, torch.minimum(a, self.spike_threshold * ref), a)
-        record = (a > 0) & torch.isfinite(a)
+        sample = torch.where(judged, torch.minimum(a, self.spike_threshold * ref), a)
+        record = level
         if self.statistic == "ema":
-            ema = torch.where(
-                self.recorded == 0, sample, self.ema_decay * self.running_amax + (1 - self.ema_decay) * sample
-            )
+            restart = (self.recorded == 0) | new_level
+            ema = torch.where(restart, sample, self.ema_decay * self.running_amax + (1 - self.ema_decay) * sample)
             self.running_amax.copy_(torch.where(record, ema, self.running_amax))
         else:
+            self.amax_history.masked_fill_(new_level, float("nan"))  # the old level's amaxes
             slot = self.recorded % self.amax_history.numel()
             self.amax_history[slot] = torch.where(record, sample, self.amax_history[slot])
         self.recorded += record

@@ -180,6 +180,27 @@ def test_gradient_spike_rescaled_keeps_direction_and_running_magnitude():
 
 
 @pytest.mark.parametrize("statistic", ["ema", "percentile"])
+@pytest.mark.parametrize("warmup_level", [1e-3, 100.0])
+def test_warmup_casts_far_from_the_later_level_are_followed_after_new_level_after_casts(statistic, warmup_level):
+    """Warmup casts 1000x below the later level made the next ten casts spikes (shrunk to 0.1%..12%, or ten skipped
+    steps); 100x above it, a 50x spike passed undetected for some thirty casts. After ``new_level_after`` (3) casts
+    beyond the threshold the statistic restarts from the new level: two spikes at most, and a later spike is found."""
+    policy = GradientScaling(statistic=statistic)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        cast_fp8(torch.randn(64, 64, generator=g) * warmup_level, policy, E5M2, "tensor")
+    kept = []
+    for _ in range(6):
+        grad = torch.randn(64, 64, generator=g)
+        kept.append(dequantize_fp8(*cast_fp8(grad, policy, E5M2, "tensor")).abs().amax() / grad.abs().amax())
+    assert policy.spikes.item() == (2 if warmup_level < 1 else 0)
+    assert all(k > 0.8 for k in kept[2:])  # the new level's casts pass whole (E5M2 rounding only)
+    assert policy._statistic().item() == pytest.approx(4.0, rel=0.25)  # the randn amax of 4096 values: about 4
+    cast_fp8(50 * torch.randn(64, 64, generator=g), policy, E5M2, "tensor")
+    assert policy.spikes.item() == (3 if warmup_level < 1 else 1)
+
+
+@pytest.mark.parametrize("statistic", ["ema", "percentile"])
 def test_an_overflowed_gradient_in_warmup_is_not_recorded(statistic):
     """An inf gradient (fp16 loss scaling's first steps overflow) leaves the running statistic as it was: recorded,
     it held the EMA at inf, and a spike was never found again."""
@@ -267,6 +288,30 @@ def test_a_gradient_cast_along_two_axes_is_judged_once(action):
         assert by_rows == by_columns == 0.0
     else:
         assert by_rows < 0.5 * spike.abs().amax().item()
+
+
+def test_a_spike_holding_an_inf_is_clipped_alike_along_both_axes():
+    """A spike holding an inf is clipped at the limit, not rescaled: the recast (grad_W's columns) takes that decision
+    too. It read 'a spike under rescale' and left grad_W's columns unclipped (a 20x column passed whole)."""
+    policy = GradientScaling()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        grad = torch.randn(64, 64, generator=g)
+        cast_fp8(grad, policy, E5M2, "row", dim=-1)
+        with policy.recast():
+            cast_fp8(grad, policy, E5M2, "row", dim=0)
+    spike = torch.randn(64, 64, generator=g)
+    spike[:, 3] *= 20
+    spike[0, 0] = float("inf")
+    outs = []
+    for dim, context in ((-1, contextlib.nullcontext()), (0, policy.recast())):
+        with context:
+            q, scale = cast_fp8(spike, policy, E5M2, "row", dim=dim)
+        outs.append(dequantize_fp8(q, scale))
+    assert policy.spikes.item() == 1
+    limit = policy._last_limit.item()
+    for out in outs:
+        assert out[1:, 3].abs().max().item() <= 2 * limit  # clipped at the limit (rounded up to a power of two)
 
 
 def test_a_rowwise_fp8_backward_records_its_gradient_once():
