@@ -466,8 +466,9 @@ def _ungroup(grouped: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def fake_quantize_int(w: torch.Tensor, spec: FormatSpec, step: torch.Tensor, zero: torch.Tensor | None = None):
     """Differentiable quantize-dequantize of ``w [R, C]`` with steps ``[R, G]``.
 
-    Gradient to ``w``: straight-through where the rounded code is in range, zero where it clips (LSQ).
-    Gradient to ``step``: the LSQ gradient (Esser et al., 2020) — the caller scales it (see
+    Gradient to ``w``: straight-through where the rounded code is in range, zero where it clips (LSQ clips the
+    unrounded ``w / s``: within half a step beyond the grid's ends this passes the gradient, as PyTorch's learnable
+    fake-quantize does). Gradient to ``step``: the LSQ gradient (Esser et al., 2020) — the caller scales it (see
     :mod:`hf_lowprec.scaling`). ``zero`` is treated as a constant.
     """
     return _FakeQuantizeInt.apply(w, step, zero, spec)

@@ -72,7 +72,6 @@ def test_sub_ulp_updates_vanish_in_bf16_and_are_kept_by_kahan_and_stochastic_rou
 
 
 def test_stochastic_round_is_unbiased_and_lands_on_neighbours():
-    x = torch.full((100_000,), 1.0 + 0.3 * ULP)
     for dtype, ulp in ((torch.bfloat16, ULP), (torch.float16, 2.0**-10)):
         x = torch.full((100_000,), 1.0 + 0.3 * ulp)
         r = stochastic_round(x.clone(), dtype, torch.Generator().manual_seed(0)).float()
