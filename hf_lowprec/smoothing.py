@@ -6,7 +6,9 @@ For a positive ``s [K]``, ``y = x W^T = (x / s)(W diag(s))^T``: quantizing ``x /
 is divided down and its weight column multiplied up, moving the quantization difficulty from the activations to the
 weights. ``s_k = max|x_k|^alpha / max|W_:,k|^(1 - alpha)`` with ``alpha = SMOOTHING_ALPHA`` (SmoothQuant's default),
 from the input of the layer's first forward of at least ``MIN_CALIBRATION_TOKENS`` tokens ("calibrated on the first
-batch"), then fixed and saved with the layer. ``s`` is rounded to powers of two, so dividing by it is exact in every
+batch"), then fixed and saved with the layer. The Trainer callback, the Accelerate plugin and the on-device path run
+that forward before training (:func:`calibrate_smoothing`, the first batches' real tokens), so the learned steps
+re-fitted to ``s`` start training on it and every rank holds rank 0's. ``s`` is rounded to powers of two, so dividing by it is exact in every
 float dtype and the change of basis adds no rounding of its own.
 
 It pays where activations are quantized to integers: on SmolLM2-135M converted without training, W4A8
@@ -22,6 +24,8 @@ inference-only int8 layer, with no backward and no FP8 or INT4 weights.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
+from itertools import islice
 
 import torch
 from torch import nn
@@ -34,6 +38,8 @@ SMOOTHING_ALPHA = 0.5
 """Migration strength: the share of an input channel's range moved into its weight column."""
 MIN_CALIBRATION_TOKENS = 64
 """Fewest tokens a forward needs to calibrate the smoothing (a single generated token would give a poor ``max|x|``)."""
+CALIBRATION_TOKENS = 1024
+"""Most tokens :func:`calibrate_smoothing` runs through the model in its one forward (the logits of each are made)."""
 _EPS = 1e-5  # channel ranges below this count as this (weights), or as a channel that never fired (inputs)
 
 
@@ -90,13 +96,13 @@ class InputSmoothing(OnceFlags):
 def calibrate_smoothed_layers(model: nn.Module, input_ids: torch.Tensor) -> int:
     """Run ``input_ids [B, T]`` through ``model`` (eval mode) if it has uncalibrated ``-sq`` layers, each calibrating
     on it; returns how many did. ``ValueError`` if one is left (fewer than ``MIN_CALIBRATION_TOKENS`` tokens)."""
-    pending = [n for n, m in model.named_modules() if isinstance(m, InputSmoothing) and not bool(m.calibrated)]
+    pending = _uncalibrated(model)
     if not pending:
         return 0
     was_training = model.training
     model.eval()(input_ids=input_ids.to(next(model.parameters()).device), use_cache=False)
     model.train(was_training)
-    left = [n for n, m in model.named_modules() if isinstance(m, InputSmoothing) and not bool(m.calibrated)]
+    left = _uncalibrated(model)
     if left:
         raise ValueError(
             f"'-sq' layers {', '.join(n.removesuffix('.smoothing') for n in left[:3])} saw fewer than "
@@ -104,3 +110,37 @@ def calibrate_smoothed_layers(model: nn.Module, input_ids: torch.Tensor) -> int:
         )
     return len(pending)
 
+
+
+def _uncalibrated(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, InputSmoothing) and not bool(m.calibrated)]
+
+
+@torch.no_grad()
+def calibrate_smoothing(model: nn.Module, batches: Iterable[Mapping], count: int) -> int:
+    """Calibrate ``model``'s uncalibrated ``-sq`` layers, before training moves them (a layer calibrated by a later
+    forward re-fits its learned steps mid-training), on the real tokens of the first ``count`` of ``batches``
+    (``input_ids [B, T]``, the ``attention_mask`` zeros left out: padding is no activation range), in rows of ``T``,
+    at most :data:`CALIBRATION_TOKENS` of them. Under a process group every rank then takes rank 0's smoothing and
+    its layers' states (steps re-fitted to it): DDP broadcasts buffers, not parameters, on each forward.
+    Returns how many layers calibrated; ``ValueError`` if the batches hold fewer than ``MIN_CALIBRATION_TOKENS``."""
+    if not _uncalibrated(model):
+        return 0
+    real, width = [], 0
+    for batch in islice(iter(batches), count):
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+        real.append(ids[mask.bool()] if mask is not None else ids.reshape(-1))
+        width = max(width, ids.shape[-1])
+    tokens = torch.cat(real)[:CALIBRATION_TOKENS] if real else torch.zeros(0, dtype=torch.long)
+    if tokens.numel() < MIN_CALIBRATION_TOKENS:
+        raise ValueError(
+            f"'-sq' layers calibrate on at least {MIN_CALIBRATION_TOKENS} tokens; the first {count} calibration "
+            f"batches hold {tokens.numel()} (padding left out): pass more or longer batches"
+        )
+    width = min(width, tokens.numel())
+    calibrated = calibrate_smoothed_layers(model, tokens[: tokens.numel() // width * width].view(-1, width))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        for layer in (m for m in model.modules() if isinstance(getattr(m, "smoothing", None), InputSmoothing)):
+            for tensor in (*layer.parameters(), *layer.buffers()):
+                torch.distributed.broadcast(tensor.data, src=0)
+    return calibrated

@@ -4,7 +4,8 @@
 
 Trains a tiny Llama for ``STEPS`` optimizer steps with a global batch of ``GLOBAL_BATCH`` sequences
 taken in order, so any world size sees the same batches. Modes: ``trainer`` (``transformers.Trainer``
-+ ``LowPrecisionCallback``, fixed plan), ``trainer-auto`` (the same with a scan at ``on_train_begin``), ``plugin`` (an Accelerate loop + ``LowPrecisionPlugin``, DDP) and
++ ``LowPrecisionCallback``, fixed plan), ``trainer-auto`` (the same with a scan at ``on_train_begin``),
+``trainer-smoothed`` (a fixed plan with '-sq' layers), ``plugin`` (an Accelerate loop + ``LowPrecisionPlugin``, DDP) and
 ``fsdp2`` (a plain loop, ``LowPrecisionPlugin.convert`` then torch's FSDP2 ``fully_shard``). Writes ``OUT/<mode>/losses.json`` (rank 0) and
 ``OUT/<mode>/rank<r>.safetensors`` (every rank's parameters after training). ``--fp32`` trains without the
 callback (the reference for what a different world size alone changes); ``--no-sync`` turns off the
@@ -26,6 +27,7 @@ from conftest import lm_batches, tiny_llama  # noqa: E402
 STEPS = 5
 GLOBAL_BATCH = 8
 PLAN = {"default": "fp8", "layers": {"*.mlp.down_proj": "int4-g64", "lm_head": "bf16"}}
+SMOOTHED_PLAN = {"default": "fp8", "layers": {"*.mlp.down_proj": "int4-g64-sq", "lm_head": "bf16"}}
 
 
 def dataset_rows() -> list[list[int]]:
@@ -37,9 +39,12 @@ def world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def run_trainer(out: Path, sync: bool | None, fp32: bool, auto: bool = False) -> tuple[list[float], torch.nn.Module]:
+def run_trainer(
+    out: Path, sync: bool | None, fp32: bool, auto: bool = False, smoothed: bool = False
+) -> tuple[list[float], torch.nn.Module]:
     """``auto``: plan="auto" scanned on each rank's first batches after DDP wrapped the model (rank 0's plan
-    is broadcast); the budget puts every Linear in FP8, so every world size ends with the same plan."""
+    is broadcast); the budget puts every Linear in FP8, so every world size ends with the same plan. ``smoothed``:
+    ``SMOOTHED_PLAN``, whose '-sq' layers calibrate on each rank's own first batches after DDP wrapped the model."""
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
@@ -57,7 +62,7 @@ def run_trainer(out: Path, sync: bool | None, fp32: bool, auto: bool = False) ->
     if auto:
         cb = LowPrecisionCallback(formats=("fp8",), budget={"min_fp8_fraction": 1.0}, calibration_batches=2, sync=sync)
     else:
-        cb = LowPrecisionCallback(PLAN, sync=sync)
+        cb = LowPrecisionCallback(SMOOTHED_PLAN if smoothed else PLAN, sync=sync)
     callbacks = [] if fp32 else [cb]
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks)
     trainer.train()
@@ -138,8 +143,8 @@ def run(mode: str, out: Path, sync: bool | None = None, fp32: bool = False) -> N
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     torch.set_num_threads(1)  # as torch.distributed.run sets for each process: same kernels, same rounding
-    if mode in ("trainer", "trainer-auto"):
-        losses, model = run_trainer(out, sync, fp32, auto=mode == "trainer-auto")
+    if mode in ("trainer", "trainer-auto", "trainer-smoothed"):
+        losses, model = run_trainer(out, sync, fp32, auto=mode == "trainer-auto", smoothed=mode == "trainer-smoothed")
     elif mode == "plugin":
         losses, model = run_accelerate(out, sync)
     elif mode == "spike-on-one-rank":

@@ -186,6 +186,22 @@ def test_convert_with_an_accelerator_keeps_the_plan_in_its_saved_state(tmp_path)
         acc.load_state(str(tmp_path / "state"))
 
 
+def test_smoothed_layers_calibrate_on_the_prepared_dataloader_before_training(caplog):
+    """'-sq' layers calibrate on the loader's first batches in ``prepare`` (before DDP would wrap the model); ``convert``
+    without calibration data says they will calibrate on their first forward."""
+    plan = {"default": "bf16", "layers": {"*.mlp.down_proj": "int4-g64-sq"}}
+    model = tiny_llama()
+    rows = [{k: v[i] for k, v in b.items()} for b in lm_batches(2, batch=4) for i in range(4)]
+    loader = torch.utils.data.DataLoader(rows, batch_size=4)
+    model, _, _ = LowPrecisionPlugin(plan).prepare(Accelerator(cpu=True), model, torch.optim.AdamW(model.parameters()), loader)
+    assert [bool(layer.mlp.down_proj.smoothing.calibrated) for layer in model.model.layers] == [True, True]
+    other = tiny_llama()
+    with caplog.at_level(logging.WARNING, logger="hf_lowprec"):
+        LowPrecisionPlugin(plan).convert(other)
+    assert "'-sq' layers (model.layers.0.mlp.down_proj, model.layers.1.mlp.down_proj) calibrate on their first forward" in caplog.text
+    assert not other.model.layers[0].mlp.down_proj.smoothing.calibrated
+
+
 def test_gradient_spike_skips_the_step():
     """scaler="gradient", spike_action="skip": a 1000x gradient spike leaves every parameter as it was."""
     accelerator = Accelerator(cpu=True)

@@ -22,7 +22,7 @@ from hf_lowprec.formats import FormatSpec, int_steps
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 MODES = ("trainer", "trainer-auto", "plugin", "fsdp2")
-LAUNCHED = (*MODES, "spike-on-one-rank")
+LAUNCHED = (*MODES, "spike-on-one-rank", "trainer-smoothed")
 
 
 def free_port() -> int:
@@ -94,6 +94,17 @@ def initial_state(keys) -> dict:
         if k.endswith(".weight_quantizer.step"):
             init[k] = int_steps(init[k.removesuffix("_quantizer.step")], step_format)[0]
     return init
+
+
+def test_smoothed_layers_calibrated_on_each_ranks_own_batches_hold_rank_0s_smoothing_and_steps(runs):
+    """'-sq' layers calibrate on each rank's own first batches (after the Trainer wrapped the model in DDP): DDP then
+    copied rank 0's smoothing buffers on every forward but not the steps re-fitted to them, and the ranks trained
+    apart for good. Every rank now takes rank 0's smoothing and steps before the first step."""
+    two = runs[2] / "trainer-smoothed"
+    r0, r1 = load_file(two / "rank0.safetensors"), load_file(two / "rank1.safetensors")
+    assert any(k.endswith("weight_quantizer.step") for k in r0)
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]), k
 
 
 def test_a_spike_one_rank_alone_sees_skips_the_step_on_every_rank(runs):

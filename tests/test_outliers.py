@@ -1,6 +1,7 @@
 """Outlier handling: Hadamard rotation (``-rht``), smoothing (``-sq``) and MXFP8 (``fp8-mx``), each against a reference computed another way
 (torchao's own MX cast and Hadamard matrix, fp32 math on rotated operands, dequantized copies)."""
 
+import copy
 import json
 
 import pytest
@@ -11,7 +12,7 @@ from peft import LoraConfig
 from tiny_assets import save_tiny_model
 from torch import nn
 from torchao.prototype.mx_formats.mx_tensor import ScaleCalculationMode, to_dtype, to_mx
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from hf_lowprec import PrecisionPlan, apply_plan
 from hf_lowprec.convert import freeze
@@ -29,7 +30,14 @@ from hf_lowprec.modules import FP8Embedding, FP8Linear, Int4Embedding, Int4Linea
 from hf_lowprec.ondevice import export_int4_lora, load_int4_lora, load_int4_model
 from hf_lowprec.ondevice.calibration import calibrate_layer
 from hf_lowprec.rotation import rotate, rotation_block, rotation_matrix, unrotate
-from hf_lowprec.smoothing import MIN_CALIBRATION_TOKENS, InputSmoothing, smoothing_scale
+from hf_lowprec.smoothing import (
+    MIN_CALIBRATION_TOKENS,
+    InputSmoothing,
+    calibrate_smoothed_layers,
+    calibrate_smoothing,
+    smoothing_scale,
+)
+from hf_lowprec.training.callback import LowPrecisionCallback
 
 
 def _mx_reference(x: torch.Tensor, dtype=E4M3) -> torch.Tensor:
@@ -273,6 +281,55 @@ def test_format_names_with_smoothing_parse_and_reject_what_does_not_apply():
     with pytest.raises(ValueError, match="cannot share its quantizer"):
         lin = nn.Linear(64, 8)
         Int4Linear.from_linear(lin, "int4-g32-sq", quantizer=Int4Linear.from_linear(lin, "int4-g32").weight_quantizer)
+
+
+def test_smoothing_calibrates_on_the_real_tokens_of_the_first_batches_not_their_padding():
+    """A padded row's activations (here a pad token whose embedding holds all its norm in one channel, which the MLPs
+    amplify) set ``max|x|`` of the channels they reached: ``calibrate_smoothing`` runs the real tokens alone, in rows
+    of the batch's length."""
+    model = _smoothed_tiny_llama()
+    pad = 5
+    model.model.embed_tokens.weight.data[pad] = F.one_hot(torch.tensor(0), 64).float()
+    for layer in model.model.layers:
+        layer.mlp.gate_proj.weight.data[:, 0] *= 20
+        layer.mlp.up_proj.weight.data[:, 0] *= 20
+    real = torch.randint(10, 200, (1, 64), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": torch.cat([real, torch.full((1, 64), pad)]), "attention_mask": torch.tensor([[1] * 64, [0] * 64])}
+    on_real, with_padding = copy.deepcopy(model), copy.deepcopy(model)
+    calibrate_smoothed_layers(on_real, real)
+    calibrate_smoothed_layers(with_padding, batch["input_ids"])
+    assert calibrate_smoothing(model, [batch], count=4) == 2
+    layers = [(m.model.layers[i].mlp.down_proj.smoothing.scale for m in (model, on_real, with_padding)) for i in (0, 1)]
+    for ours, reference, padded in layers:
+        assert torch.equal(ours, reference) and not torch.equal(ours, padded)
+    with pytest.raises(ValueError, match=r"at least 64 tokens; the first 4 calibration batches hold 8 \(padding left out\)"):
+        calibrate_smoothing(_smoothed_tiny_llama(), [{"input_ids": real[:, :8]}], count=4)
+
+
+def _smoothed_tiny_llama():
+    model = tiny_llama()
+    apply_plan(model, {"default": "bf16", "layers": {"*.mlp.down_proj": "int4-g64-sq"}})
+    return model
+
+
+def test_the_callback_calibrates_smoothing_on_the_first_training_batches_before_the_first_step(tmp_path):
+    """Forwards of 2x16 tokens, fewer than the 64 a '-sq' layer calibrates on: the layers trained unsmoothed for the
+    whole run. The callback now calibrates them on the first batches (128 tokens) before the first step."""
+    rows = torch.randint(10, 200, (16, 16), generator=torch.Generator().manual_seed(0))
+    calibrated_at_start = []
+
+    class Probe(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 0:
+                calibrated_at_start.extend(bool(m.calibrated) for m in model.modules() if isinstance(m, InputSmoothing))
+
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], disable_tqdm=True, save_strategy="no",
+                             per_device_train_batch_size=2, max_steps=2)  # fmt: skip
+    callback = LowPrecisionCallback({"default": "bf16", "layers": {"*.mlp.down_proj": "int4-g64-sq"}})
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows],
+                      callbacks=[callback, Probe()])  # fmt: skip
+    trainer.train()
+    assert calibrated_at_start == [True, True]
 
 
 @pytest.mark.parametrize("spec", ["fp8-sq", "fp8-rowwise-sq", "fp8-mx-sq"])

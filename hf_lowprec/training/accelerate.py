@@ -42,6 +42,7 @@ from hf_lowprec.convert import canonical_name, eligible_layers
 from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.layers import wrapper_of
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
+from hf_lowprec.smoothing import MIN_CALIBRATION_TOKENS
 from hf_lowprec.training.compensation import CompensatedOptimizer
 from hf_lowprec.training.new_parameters import insert_new_parameters, orphaned_parameters
 from hf_lowprec.training.session import SessionOwner, owned_session, process_world, scan_progress
@@ -110,7 +111,7 @@ class LowPrecisionPlugin(SessionOwner):
                 f"{len(optimizers)} optimizers"
             )
         model, optimizer = models[0], (optimizers[0] if optimizers else None)
-        if (self.plan is None or self.session.fp8_rounding != "nearest") and calibration_data is None:
+        if calibration_data is None:  # read only as needed: an auto plan, fp8_rounding, '-sq' smoothing
             calibration_data = next((o for o in objects if isinstance(o, torch.utils.data.DataLoader)), None)
         self.convert(model, optimizer, accelerator=accelerator, calibration_data=calibration_data)
         if self.compensation and optimizer is not None:
@@ -177,7 +178,13 @@ class LowPrecisionPlugin(SessionOwner):
                 self.session.scan(model, calibration_data, computing, progress)
         before = {name: p for name, p in model.named_parameters()}
         self._convert(accelerator, model)
-        self.session.round_weights(model, calibration_data or ())
+        self.session.calibrate(model, calibration_data)
+        if calibration_data is None and (smoothed := self.session.smoothed_layers()):
+            logger.warning(
+                "'-sq' layers (%s) calibrate on their first forward of %d tokens or more, re-fitting their learned "
+                "steps then; give calibration_data= to calibrate them before training", ", ".join(smoothed[:3]),
+                MIN_CALIBRATION_TOKENS,
+            )
         if optimizer is not None:
             self._repoint(optimizer, model, before)
             insert_new_parameters(optimizer, model, self.session.new_params)

@@ -175,7 +175,7 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
             self._hook = model.register_load_state_dict_post_hook(_refuse_low_precision_keys)
             return
         self._convert(model)
-        self.session.round_weights(model, self.calibration_data or ())
+        self.session.calibrate(model, self.calibration_data)
         if optimizer is not None:  # the user passed optimizers=(...)
             insert_new_parameters(optimizer, model, self.session.new_params)
 
@@ -190,6 +190,8 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
             if self.plan is None:
                 self.plan = model.hf_lowprec_plan
             self._convert(model)
+        if state.global_step == 0 and train_dataloader is not None and model is not None:
+            self.session.calibrate_smoothing(model, train_dataloader)  # '-sq' layers no calibration_data calibrated
         if self.compensation and optimizer is not None:
             self._compensate(optimizer)
         if state.global_step > 0:
@@ -229,7 +231,7 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
                 self.session.scan(model, train_dataloader, trainer_autocast(args), progress)
         self._convert(model)
         if state.global_step == 0:
-            self.session.round_weights(model, self.calibration_data or ())
+            self.session.calibrate(model, self.calibration_data)
         if self.session.new_params and process_world()[1] > 1:
             raise ValueError(
                 "the plan adds learned INT4 steps after DDP wrapped the model, so their gradients would not be "

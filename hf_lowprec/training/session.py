@@ -27,6 +27,7 @@ from hf_lowprec.layers import dense_views, task_head_name
 from hf_lowprec.modules.fp8 import FP8_BACKENDS
 from hf_lowprec.plan import PrecisionPlan, format_shares, is_auto, kept_label, names_a_format, resolve_plan
 from hf_lowprec.scaling import TELEMETRY_PREFIX, make_policy_factory, needs_tensorwise
+from hf_lowprec.smoothing import calibrate_smoothing
 from hf_lowprec.training.compensation import METHODS as COMPENSATIONS
 from hf_lowprec.training.new_parameters import align_new_parameters
 from hf_lowprec.training.telemetry import collect_telemetry
@@ -279,9 +280,25 @@ class LowPrecisionSession:
         model.hf_lowprec_options = options
         return report
 
-    def round_weights(self, model: nn.Module, batches: Iterable[Mapping]) -> None:
-        """Move the converted model's FP8 master weights to the grid points ``fp8_rounding`` chooses, calibrated on
-        the first ``calibration_batches`` of ``batches`` (their ``input_ids``); nothing for ``nearest`` or no FP8."""
+    def smoothed_layers(self) -> list[str]:
+        """The converted layers with ``-sq`` formats."""
+        return [r.name for r in self.report.swapped if FormatSpec.parse(r.applied).smooth]
+
+    def calibrate_smoothing(self, model: nn.Module, batches: Iterable[Mapping]) -> None:
+        """The converted model's uncalibrated ``-sq`` layers calibrated on the first ``calibration_batches`` of
+        ``batches`` (:func:`~hf_lowprec.smoothing.calibrate_smoothing`), random streams left as they were."""
+        if self.smoothed_layers():
+            with _preserved_rng():
+                calibrate_smoothing(model, batches, self.calibration_batches)
+
+    def calibrate(self, model: nn.Module, batches: Iterable[Mapping] | None) -> None:
+        """Calibrate the converted model on the first ``calibration_batches`` of ``batches`` (their ``input_ids``)
+        before training: its ``-sq`` layers' smoothing (:meth:`calibrate_smoothing`; ``batches=None``: left to the
+        training data), then its FP8 master weights moved to the grid points ``fp8_rounding`` chooses (nothing for
+        ``nearest``)."""
+        if batches is not None:
+            self.calibrate_smoothing(model, batches)
+        batches = () if batches is None else batches
         has_fp8 = any(FormatSpec.parse(r.applied).family == "fp8" for r in self.report.swapped)
         if self.fp8_rounding == "nearest" or not has_fp8:
             return
