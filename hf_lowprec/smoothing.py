@@ -8,8 +8,8 @@ weights. ``s_k = max|x_k|^alpha / max|W_:,k|^(1 - alpha)`` with ``alpha = SMOOTH
 from the input of the layer's first forward of at least ``MIN_CALIBRATION_TOKENS`` tokens ("calibrated on the first
 batch"), then fixed and saved with the layer. The Trainer callback, the Accelerate plugin and the on-device path run
 that forward before training (:func:`calibrate_smoothing`, the first batches' real tokens), so the learned steps
-re-fitted to ``s`` start training on it and every rank holds rank 0's. ``s`` is rounded to powers of two, so dividing by it is exact in every
-float dtype and the change of basis adds no rounding of its own.
+re-fitted to ``s`` start training on it and every rank holds rank 0's. ``s`` is rounded to powers of two, so
+dividing by it is exact in every float dtype and the change of basis adds no rounding of its own.
 
 It pays where activations are quantized to integers: on SmolLM2-135M converted without training, W4A8
 (``int4-g64-a8``) 1.590x -> 1.483x the bf16 perplexity (1.307x where the scan chooses per layer), while FP8 (a float
