@@ -4,8 +4,9 @@ A few input channels of a transformer linear carry most of its activation energy
 weight columns that multiply them costs the output most. Scaling those columns up by ``s[k]`` before
 quantizing (and the inputs down by ``s[k]`` at run time, which
 :class:`~hf_lowprec.modules.packed.PackedInt4Linear` does through its ``input_scale``) gives them
-finer steps within their group at the expense of quiet channels. As in AWQ, ``s = rms(x)^alpha``
-normalised to a geometric mean of one, with ``alpha`` searched on a grid per layer. The criterion is
+finer steps within their group at the expense of quiet channels. ``s = rms(x)^alpha`` (``rms`` from the
+input Hessian's diagonal; the paper takes the mean ``|x|``) divided by ``sqrt(max(s) min(s))`` as AutoAWQ does,
+with ``alpha`` searched on a grid per layer. The criterion is
 the layer's output error on calibration tokens, computed from the input Hessian ``H = X^T X`` (``tr(E H
 E^T)``, ``E`` the error of the effective weight) that the GPTQ pass accumulates anyway, so no
 activations are kept. Dividing the inputs by ``s`` also flattens their outliers, which lowers the error
