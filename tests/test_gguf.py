@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_lowprec import load_int4_lora
 from hf_lowprec.export import RUN_FILE
-from hf_lowprec.export.gguf import ADAPTER_FILE, MODEL_FILE, export_gguf
+from hf_lowprec.export.gguf import ADAPTER_FILE, MODEL_FILE, _q4_1_blocks, export_gguf
 from hf_lowprec.modules import PackedLinear
 
 HEADS = {"q_proj": 4, "k_proj": 2}  # the tiny model's query and key heads
@@ -59,6 +59,26 @@ def test_the_q4_1_blocks_decode_to_the_trained_weights(trained):
         step = layer.effective_step().detach().float().max()
         assert (decoded - expected).abs().max() <= 0.01 * step, name  # d and m rounded to fp16, nothing else
     assert 0 < written["max_scale_error"] < 0.01
+
+
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_the_reported_scale_error_is_the_decoded_weights_and_an_all_zero_block_decodes_exactly(zero_points):
+    """An all-zero group (transformers' padding row of an embedding) has the floor step 1e-12, which fp16 flushes to 0:
+    its weights still decode to 0 exactly, but the fp16 rounding of ``d`` relative to ``d`` was reported as 8 steps.
+    The error reported is the decoded weights', in units of each block's step, as gguf's own decoder reads them."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0 if zero_points else -8, 16 if zero_points else 8, (3, 64), generator=g, dtype=torch.int16)
+    step = torch.rand(3, 2, generator=g) * 0.02 + 1e-3
+    zero = torch.randint(0, 16, (3, 2), generator=g).float() if zero_points else None
+    codes[0], step[0] = (zero[0, 0].long() if zero_points else 0), 1e-12  # the padding row: every weight 0
+    if zero_points:
+        zero[0] = zero[0, 0]
+    blocks, error = _q4_1_blocks(codes, step, zero, group=32)
+    decoded = torch.from_numpy(gguf.quants.dequantize(blocks.reshape(-1), gguf.GGMLQuantizationType.Q4_1).copy())
+    trained = (codes.double() - (0 if zero is None else zero.double().repeat_interleave(32, 1))) * step.double().repeat_interleave(32, 1)
+    assert torch.equal(decoded.reshape(3, 64)[0], torch.zeros(64))
+    per_step = ((decoded.reshape(3, 64).double() - trained).abs() / step.double().repeat_interleave(32, 1)).max().item()
+    assert error == pytest.approx(per_step, rel=1e-3, abs=1e-6) and error < 0.01
 
 
 def assert_transformers_computes_the_packed_base(model, folder):

@@ -507,7 +507,7 @@ def _export_gguf(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id: 
             "library_name": "gguf",
             "dtype": _dtype_name(model),
             "description": f"{kinds} tensors: the INT4 codes as trained, in Q4_1 blocks whose scales round to fp16 "
-            f"(at most {written['max_scale_error']:.2g} of a step)"
+            f"(decoded weights at most {written['max_scale_error']:.2g} of a step off)"
             + (f"; LoRA adapters in {ADAPTER_FILE}" if ADAPTER_FILE in written["files"] else ""),
             "files": written["files"],
         }

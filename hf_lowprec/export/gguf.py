@@ -54,8 +54,9 @@ PRE_TOKENIZERS = {
 
 def export_gguf(model: nn.Module, tokenizer, folder: Path, name: str) -> dict:
     """Write ``model.gguf`` (and ``adapter.gguf`` for a PEFT model) into ``folder``; returns what was written:
-    ``{"files", "tensor_types", "max_scale_error"}`` (the largest error of a block's ``d``/``m`` after their rounding
-    to fp16, relative to its ``d``)."""
+    ``{"files", "tensor_types", "max_scale_error"}`` (the largest error of a decoded weight, its block's ``d``/``m``
+    rounded to fp16, in units of the block's trained step: an all-zero block, whose step underflows fp16, decodes
+    exactly)."""
     peft = getattr(model, "peft_config", None) is not None
     base = model.get_base_model() if peft else model
     config = base.config
@@ -214,12 +215,14 @@ def _q8_0_blocks(codes: torch.Tensor, step: torch.Tensor) -> tuple[np.ndarray, f
     d16 = d.half()
     payload = codes.to(torch.int8).reshape(n, k // BLOCK, BLOCK).numpy().view(np.uint8)
     head = d16.contiguous().numpy().view(np.uint8).reshape(n, k // BLOCK, 2)
-    return np.concatenate([head, payload], axis=-1).reshape(n, -1), _rounding(d, d16, d)
+    blocked = codes.reshape(n, k // BLOCK, BLOCK)
+    error = _decoding_error(blocked.amin(-1), blocked.amax(-1), d, d16, torch.zeros_like(d), torch.zeros_like(d16))
+    return np.concatenate([head, payload], axis=-1).reshape(n, -1), error
 
 
 def _q4_1_blocks(codes: torch.Tensor, step: torch.Tensor, zero: torch.Tensor | None, group: int):
     """Q4_1 blocks (fp16 ``d``, fp16 ``m``, 32 nibbles) of INT4 ``codes [n, K]`` with ``step``/``zero`` ``[n, G]`` per
-    group of ``group`` weights; and the largest fp16 rounding of ``d``/``m`` relative to ``d``."""
+    group of ``group`` weights; and the largest error of a decoded weight in units of its block's step."""
     n, k = codes.shape
     n_blocks = k // BLOCK  # a last group narrower than the others (k not a multiple of group) has fewer blocks
     d = step.repeat_interleave(group // BLOCK, dim=1)[:, :n_blocks]
@@ -229,15 +232,19 @@ def _q4_1_blocks(codes: torch.Tensor, step: torch.Tensor, zero: torch.Tensor | N
         q, m = codes, -d * zero.repeat_interleave(group // BLOCK, dim=1)[:, :n_blocks]
     d16, m16 = d.half(), m.half()
     q = q.to(torch.uint8).reshape(n, n_blocks, 2, BLOCK // 2)
+    error = _decoding_error(q.amin((-2, -1)), q.amax((-2, -1)), d, d16, m, m16)
     nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).numpy()  # byte j: weight j low, weight j + 16 high (block_q4_1)
     head = np.concatenate([d16.numpy()[..., None].view(np.uint8), m16.numpy()[..., None].view(np.uint8)], axis=-1)
     blocks = np.concatenate([head.reshape(n, n_blocks, 4), nibbles], axis=-1).reshape(n, -1)
-    return blocks, max(_rounding(d, d16, d), _rounding(m, m16, d))
+    return blocks, error
 
 
-def _rounding(value: torch.Tensor, rounded: torch.Tensor, step: torch.Tensor) -> float:
-    """Largest ``|rounded - value|`` in units of the block's ``step``."""
-    return float(((rounded.float() - value).abs() / step.abs().clamp_min(1e-30)).max())
+def _decoding_error(low, high, d, d16, m, m16) -> float:
+    """Largest ``|q d16 + m16 - (q d + m)|`` over the codes ``q`` of each block (``[n, blocks]``: ``low``/``high``
+    their least and greatest, where this error, linear in ``q``, is largest), in units of the block's ``d``."""
+    slope, offset = d16.float() - d, m16.float() - m
+    error = torch.maximum((low.float() * slope + offset).abs(), (high.float() * slope + offset).abs())
+    return float((error / d.abs().clamp_min(1e-30)).max())
 
 
 def _head_dim(config) -> int:
