@@ -624,6 +624,20 @@ def runs(tmp_path_factory):
     return ws
 
 
+def test_the_packed_layer_count_includes_packed_embeddings(tmp_path):
+    """An INT4 (or int8) input embedding is a packed layer as the plan lists it: the weights line counted linears
+    alone (14 of a plan's 15 INT4 layers)."""
+    from peft import LoraConfig
+
+    from hf_lowprec import load_int4_lora
+    from hf_lowprec.export.folder import _packed_layers
+
+    plan = PrecisionPlan({"model.embed_tokens": "int8", "lm_head": "bf16"}, default="int4-g64")
+    model, _, report = load_int4_lora(str(save_tiny_model(tmp_path / "tiny")), LoraConfig(r=4, target_modules="all-linear"), plan=plan, dtype=torch.float32)
+    applied = [r.applied for r in report.layers]
+    assert _packed_layers(model) == f"{applied.count('int4-g64')} layers as packed INT4 codes (two per byte), 1 as int8 codes"
+
+
 def _evaluation(card: str) -> str:
     return card.split("## Evaluation")[1].split("## Hardware")[0]
 

@@ -34,6 +34,7 @@ from hf_lowprec.export.records import CARD_FILE, RUN_ONLY, plan_record, read_run
 from hf_lowprec.folders import TRACES_DIR, atomic_output_dir
 from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, PackedInt4Linear, PackedInt8Linear
 from hf_lowprec.modules.packed import packed_class
+from hf_lowprec.modules.packed_embedding import PackedRows
 from hf_lowprec.ondevice import MERGE_DTYPES, MERGE_FILE, export_int4_lora, load_int4_model
 from hf_lowprec.ondevice.export import (
     ADAPTER_CONFIG,
@@ -185,9 +186,10 @@ def resolved_weights(model: nn.Module, weights: str) -> str:
 
 
 def _packed_counts(model: nn.Module) -> tuple[int, int]:
-    """``(packed INT4 linears, packed int8 linears)`` of ``model``."""
-    n4 = sum(isinstance(m, PackedInt4Linear) for m in model.modules())
-    return n4, sum(isinstance(m, PackedInt8Linear) for m in model.modules())
+    """``(packed INT4 layers, packed int8 layers)`` of ``model``, linears and embeddings (a tied one, which reads its
+    head's codes, counted as the plan lists it)."""
+    tables = [m.table if isinstance(m, PackedRows) else m for m in model.modules()]
+    return sum(isinstance(t, PackedInt4Linear) for t in tables), sum(isinstance(t, PackedInt8Linear) for t in tables)
 
 
 def _packed_layers(model: nn.Module) -> str:
