@@ -1042,7 +1042,7 @@ def push_cmd(
         if card is not None and "/" not in repo_id:  # push names the id the Hub creates
             ui.out.print(
                 f"\nnote: {repo_id!r} has no namespace: the Hub creates it under the token's user, "
-                f"<user>/{repo_id}, and the uploaded card names that id",
+                f"<user>/{repo_id}, and the uploaded card names that id (as below, with the user filled in)",
                 markup=False,
             )
         if ADAPTER_CONFIG in files and (card is not None or kept):  # an hf-lowprec folder's adapters

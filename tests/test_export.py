@@ -401,6 +401,8 @@ def test_a_repo_id_without_namespace_goes_under_the_user_and_the_card_names_it_w
     assert card == render_model_card(json.loads((out / RUN_FILE).read_text()), full).content
     assert f'load_exported("{full}")' in card and 'load_exported("tiny-int4")' not in card
     assert preview.exit_code == 0 and "has no namespace: the Hub creates it under the token's user" in preview.output
+    shown = preview.output.split(f"{CARD_FILE} as uploaded:")[1]  # the card printed names the id the upload names
+    assert 'load_exported("<user>/tiny-int4")' in shown and 'load_exported("tiny-int4")' not in shown
 
 
 def test_a_failed_push_leaves_the_folder_byte_identical(base_dir, tmp_path, monkeypatch):

@@ -72,8 +72,10 @@ def _hub_refusals(repo_id: str, token: str):
 
 def push_preview(folder: str | os.PathLike, repo_id: str) -> tuple[dict[str, int], str | None]:
     """What :func:`push` would upload to ``repo_id``, with no token and no request: ``({path in the repo: bytes},
-    the card re-rendered for repo_id, or None for a plain model folder)``; the same checks as :func:`push`."""
+    the card re-rendered for repo_id, or None for a plain model folder)``; the same checks as :func:`push`. An id
+    without a namespace is named ``<user>/<id>`` in the card, as push names the token's user."""
     folder, run = _checked(folder, repo_id)
+    repo_id = repo_id if "/" in repo_id else f"<user>/{repo_id}"  # push names the id the Hub creates: the token's user
     card = _card(folder, run, repo_id)
     with _staged(folder, card, repo_id, run) as stage:  # the files as uploaded: card, adapters' config rewritten
         return {str(p.relative_to(stage)): p.stat().st_size for p in sorted(stage.rglob("*")) if p.is_file()}, card
