@@ -28,7 +28,7 @@ from hf_lowprec.modules.embedding import like_embedding
 from hf_lowprec.modules.fp8 import FP8Linear
 from hf_lowprec.modules.int4 import Int4Embedding, Int4Linear
 from hf_lowprec.modules.packed import packed_class
-from hf_lowprec.modules.packed_embedding import tied_head_names
+from hf_lowprec.modules.packed_embedding import share_packed_head, tied_head_names
 from hf_lowprec.plan import PrecisionPlan, format_shares, kept_label, resolve_plan
 from hf_lowprec.rotation import MIN_ROTATION_BLOCK, rotation_block
 
@@ -253,11 +253,15 @@ def revert(model: nn.Module) -> int:
 def freeze(model: nn.Module) -> int:
     """Replace every ``Int4Linear`` and ``Int4Embedding`` whose format packs (int4; per-channel int8) by its frozen
     packed layer (:func:`~hf_lowprec.modules.packed.packed_class`); returns the count. An embedding tied to the output
-    head is left as it is, not packed a second time: it comes to read the packed head's rows
-    (:func:`~hf_lowprec.modules.packed_embedding.share_packed_head`)."""
+    head is not packed a second time: a fake-quantized one (sharing the head's quantizer) comes to read the packed
+    head's rows (:func:`~hf_lowprec.modules.packed_embedding.share_packed_head`), its dense table gone; one kept dense
+    keeps its table."""
     tied = tied_head_names(model)
     tied_embedding = tied[1] if tied is not None else None
-    return swap_layers(model, lambda name, fqn, m: m.freeze() if packs_when_frozen(m) and fqn != tied_embedding else None)
+    count = swap_layers(model, lambda _, fqn, m: m.freeze() if packs_when_frozen(m) and fqn != tied_embedding else None)
+    if tied is not None and isinstance(model.get_submodule(tied[1]), Int4Embedding):
+        share_packed_head(model, tied)
+    return count
 
 
 def _revertible(module: nn.Module) -> bool:

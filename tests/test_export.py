@@ -567,6 +567,29 @@ def test_the_record_and_card_name_the_format_a_layer_runs_not_the_one_it_could_n
     assert "| `model.layers.0.mlp.down_proj` | fp8 (planned fp8-rht: could not run it) |" in card
 
 
+@pytest.mark.parametrize("apply_plan_numerics", [False, True])
+@pytest.mark.parametrize("embedding", ["bf16", "int4-g64"])
+def test_a_packed_head_tied_to_its_embedding_reloads_computing_as_trained(tmp_path, embedding, apply_plan_numerics):
+    """A tied model trained with a fake-quantized INT4 head, its embedding kept dense or INT4 too (one weight, read
+    both ways). Kept dense, the int4-packed folder holds the head's codes and the embedding's table: the reload made the
+    embedding read the head's INT4 rows (logits 0.09 off); it loads the table, untied. INT4 too, the folder held a dense
+    table no layer reads, and re-applying the plan refused the embedding that reads the head's codes."""
+    plan = PrecisionPlan({"model.embed_tokens": embedding}, default="int4-g64")
+    model, tok = _trained(save_tiny_model(tmp_path / "tied", tie_word_embeddings=True), plan)
+    assert isinstance(model.lm_head, Int4Linear)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+    out = export_model(model, tok, tmp_path / "packed", _run_record(), weights="int4-packed")
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert ("model.embed_tokens.weight" in f.keys()) == (embedding == "bf16")
+    again, _ = load_exported(out, dtype=torch.float32, apply_plan_numerics=apply_plan_numerics)
+    kind = "Embedding" if embedding == "bf16" else "TiedPackedEmbedding"
+    assert type(again.model.embed_tokens).__name__ == kind and isinstance(again.lm_head, PackedInt4Linear)
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids).logits, trained, rtol=0, atol=1e-5)
+
+
 def test_the_per_layer_record_counts_a_tied_head_once():
     """A head tied to the embedding has no parameters of its own: its row says so, and the rows add up to the model's
     eligible parameters, as the plan summary counts them (the card's per-layer table reads these rows)."""

@@ -32,9 +32,10 @@ from hf_lowprec.export.hf_quantizer import quantization_config_dict, with_load_g
 from hf_lowprec.export.publish import check_repo_id
 from hf_lowprec.export.records import CARD_FILE, RUN_ONLY, plan_record, read_run, relative_file_name, write_record
 from hf_lowprec.folders import TRACES_DIR, atomic_output_dir
+from hf_lowprec.layers import canonical_name
 from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, PackedInt4Linear, PackedInt8Linear
 from hf_lowprec.modules.packed import packed_class
-from hf_lowprec.modules.packed_embedding import PackedRows
+from hf_lowprec.modules.packed_embedding import PackedRows, TiedPackedEmbedding
 from hf_lowprec.ondevice import MERGE_DTYPES, MERGE_FILE, export_int4_lora, load_int4_model
 from hf_lowprec.ondevice.export import (
     ADAPTER_CONFIG,
@@ -598,8 +599,11 @@ def _apply_plan_numerics(model: nn.Module, folder: Path) -> None:
     dense (every layer of a master export; an int4-packed one's unpacked layers), with what they learned
     (:data:`LEARNED_STATE_FILE`)."""
     base = model.get_base_model() if isinstance(model, PeftModel) else model
-    plan = dataclasses.replace(PrecisionPlan.load(folder / PLAN_FILE), model=None)
-    apply_plan(base, plan)
+    plan = PrecisionPlan.load(folder / PLAN_FILE)
+    # a tied embedding reading its packed head's codes holds nothing to convert (the plan names it with the head)
+    reads_head = {canonical_name(f) for f, m in base.named_modules() if isinstance(m, TiedPackedEmbedding)}
+    layers = {name: spec for name, spec in plan.layers.items() if name not in reads_head}
+    apply_plan(base, dataclasses.replace(plan, layers=layers, model=None))
     if (folder / LEARNED_STATE_FILE).is_file():  # the trained layers' INT4 steps, smoothing scales
         learned, own = load_file(folder / LEARNED_STATE_FILE), base.state_dict()
         base.load_state_dict({k: v for k, v in learned.items() if k in own}, strict=False)

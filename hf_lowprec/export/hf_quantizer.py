@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Collection
 
 import torch
 from torch import nn
@@ -124,7 +125,8 @@ class HfLowprecQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         if self.pre_quantized:
             plan = PrecisionPlan.from_dict(self.quantization_config.plan)
-            install_packed_shells(model, plan, self.quantization_config.exact_kernels)
+            stored = set(_safetensors_index(checkpoint_files))
+            install_packed_shells(model, plan, self.quantization_config.exact_kernels, stored)
             for module in model.modules():  # what the plan keeps dense; their adapters reload in fp32, as trained
                 if type(module) is nn.Linear:
                     setattr(module, KEPT_DENSE, True)
@@ -347,9 +349,13 @@ def _packed_layers(model: nn.Module, plan: PrecisionPlan) -> dict[str, FormatSpe
     }
 
 
-def install_packed_shells(model: nn.Module, plan: PrecisionPlan, exact_kernels: bool = False) -> int:
+def install_packed_shells(
+    model: nn.Module, plan: PrecisionPlan, exact_kernels: bool = False, stored: Collection[str] = ()
+) -> int:
     """Replace each ``nn.Linear`` the plan puts in a packed format (int4; per-channel int8) by an empty packed
-    layer of that format (same device/dtype; ``exact_kernels`` as :class:`HfLowprecConfig` says)."""
+    layer of that format (same device/dtype; ``exact_kernels`` as :class:`HfLowprecConfig` says). An embedding tied to
+    a packed head reads the head's codes, unless the folder's tensors (``stored`` keys) hold its own dense table: a
+    model trained with a fake-quantized head and a dense embedding on one weight, exported with both, loads untied."""
     packed = _packed_layers(model, plan)
 
     def shell(name: str, fqn: str, module: nn.Module) -> nn.Module | None:
@@ -365,7 +371,9 @@ def install_packed_shells(model: nn.Module, plan: PrecisionPlan, exact_kernels: 
 
     tied = tied_head_names(model)
     count = swap_layers(model, shell)
-    if tied is not None:
+    if tied is not None and f"{canonical_name(tied[1])}.weight" in stored and tied[1] not in packed:
+        getattr(model, "all_tied_weights_keys", {}).pop(f"{tied[0]}.weight", None)  # the head holds codes, not weight
+    elif tied is not None:
         share_packed_head(model, tied)  # a packed folder holds a tied table once, as the head's codes
     return count
 
