@@ -107,6 +107,32 @@ def test_an_exported_classifier_reloads_as_its_own_architecture(tmp_path, weight
         assert torch.allclose(loaded(input_ids=ids).logits, trained, atol=1e-5)
 
 
+@pytest.mark.parametrize("scaler", ["delayed", "gradient"])
+def test_plan_numerics_reapply_the_training_sessions_scaler_and_compute_as_trained(base_dir, tmp_path, scaler, caplog):
+    """A model trained by the callback or plugin with scaler='delayed' (its amax history sets the forward's scales):
+    the plan was re-applied with dynamic scales (logits 0.06 off) and a warning blamed apply_plan's arguments. The
+    record keeps the session's scaler options and plan numerics use them: the exact trained logits, nothing said."""
+    from hf_lowprec.training.accelerate import LowPrecisionPlugin
+
+    model, tok = load_pretrained(base_dir)
+    LowPrecisionPlugin({"default": "fp8", "layers": {"lm_head": "bf16", "*.mlp.down_proj": "int4-g64"}}, scaler=scaler,
+                       scaler_options={"history_len": 4} if scaler == "delayed" else {}).convert(model)  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3):
+        ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    out = export_model(model, tok, tmp_path / scaler, _run_record(), weights="master")
+    assert json.loads((out / RUN_FILE).read_text())["conversion_options"]["scaler"] == scaler
+    with caplog.at_level("WARNING", logger="hf_lowprec.export.folder"):
+        again, _ = load_exported(out, apply_plan_numerics=True)
+    assert "entries the re-applied layers lack" not in caplog.text
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, model(IDS).logits)
+
+
 def test_plan_numerics_of_a_run_converted_with_other_options_say_they_are_not_the_runs(base_dir, tmp_path, caplog):
     """Learned activation steps (or a delayed scaling's history) have no place in the layers the plan is re-applied
     to with apply_plan's defaults: the numerics differ from the run's, which was logged at INFO only. The telemetry

@@ -47,10 +47,11 @@ from hf_lowprec.ondevice.export import (
 )
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 from hf_lowprec.recipe import EXPORT_WEIGHTS
-from hf_lowprec.scaling import TELEMETRY_BUFFERS
+from hf_lowprec.scaling import TELEMETRY_BUFFERS, make_policy_factory
 
 logger = logging.getLogger(__name__)
 
+CONVERSION_OPTIONS = ("scaler", "scaler_options", "learn_scales")  # a session's, recorded: plan numerics reuse them
 LEARNED_STATE_FILE = "hf_lowprec_learned_state.safetensors"  # its unpacked layers' INT4 steps, smoothing scales
 # export_run: the run's own files, the packed INT4 layers as compressed-tensors, or a dense bf16 model
 EXPORT_FORMATS = ("native", "compressed-tensors", "bf16", "gguf")
@@ -100,6 +101,8 @@ def export_model(
         run["base_model_path" if is_local_checkpoint(name) else "base_model"] = public_name(name)
     run["plan"] = plan.to_dict()
     run["layers"], run["plan_rows"] = plan_record(base, plan)
+    if (options := getattr(base, "hf_lowprec_options", None)) is not None:  # a training session's: plan numerics
+        run["conversion_options"] = {k: options[k] for k in CONVERSION_OPTIONS}
     if peft:
         return _export_lora(
             model, tokenizer, Path(out), run, merge, merged_dtype, overwrite, repo_id, extra_files, source=name
@@ -596,14 +599,20 @@ def load_exported(
 
 def _apply_plan_numerics(model: nn.Module, folder: Path) -> None:
     """The export's own plan (not one "made for" the base model it names) re-applied to the layers ``model`` holds
-    dense (every layer of a master export; an int4-packed one's unpacked layers), with what they learned
+    dense (every layer of a master export; an int4-packed one's unpacked layers), with the training session's options
+    (the record's ``conversion_options``: its scaler, learned steps) and what the layers learned
     (:data:`LEARNED_STATE_FILE`)."""
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     plan = PrecisionPlan.load(folder / PLAN_FILE)
     # a tied embedding reading its packed head's codes holds nothing to convert (the plan names it with the head)
     reads_head = {canonical_name(f) for f, m in base.named_modules() if isinstance(m, TiedPackedEmbedding)}
     layers = {name: spec for name, spec in plan.layers.items() if name not in reads_head}
-    apply_plan(base, dataclasses.replace(plan, layers=layers, model=None))
+    options = read_run(folder, whole=False).get("conversion_options", {})
+    factory = make_policy_factory(options.get("scaler", "dynamic"), **options.get("scaler_options", {}))
+    apply_plan(
+        base, dataclasses.replace(plan, layers=layers, model=None), learn_scales=options.get("learn_scales", True),
+        policy_factory=factory,
+    )  # fmt: skip
     if (folder / LEARNED_STATE_FILE).is_file():  # the trained layers' INT4 steps, smoothing scales
         learned, own = load_file(folder / LEARNED_STATE_FILE), base.state_dict()
         base.load_state_dict({k: v for k, v in learned.items() if k in own}, strict=False)
@@ -611,7 +620,7 @@ def _apply_plan_numerics(model: nn.Module, folder: Path) -> None:
         if left:  # the run converted with other options (a delayed scaling's amax history, learned activation steps)
             logger.warning(
                 "%s: %d entries the re-applied layers lack (%s, ...): the run's layers were converted with other "
-                "options than the defaults the plan is re-applied with (apply_plan's policy_factory, "
-                "learn_activation_scales), so these numerics are not exactly the run's",
+                "options than the plan is re-applied with (apply_plan's policy_factory or learn_activation_scales "
+                "outside a Trainer callback / Accelerate plugin), so these numerics are not exactly the run's",
                 LEARNED_STATE_FILE, len(left), left[0],
             )  # fmt: skip
