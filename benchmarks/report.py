@@ -154,7 +154,7 @@ def memory_section(memory: dict | None) -> list[str]:
     lines += [f"SmolLM2-135M's architecture (random weights), batch 4x256, one measured step after a warm-up, one thread, "
               f"{memory.get('allocator', 'default')} allocator, {_cpu(memory)}. (b) = bf16 autocast with fp32 master "
               "weights and AdamW; the step times are one step each on a shared machine: rough.\n",
-              "| configuration | peak RSS MB | vs (b) | state bytes/param | step s | vs (b) |", "|---|---|---|---|---|---|"]  # fmt: skip
+              "| configuration | peak RSS MiB | vs (b) | state bytes/param | step s | vs (b) |", "|---|---|---|---|---|---|"]  # fmt: skip
     rows = [r for r in memory.get("results", []) if "peak_rss_mb" in r]
     base = next((r for r in rows if r["config"] == "b_bf16_amp"), None)
     for r in rows:
@@ -182,7 +182,7 @@ def ondevice_other_cpus(ondevice: dict | None) -> list[str]:
                  if emulated else f" ({name}, a CPU of this class)" if name
                  else " (CPU not recorded: an older run, its int4 configuration an earlier default's)")
         lines += [f"Speed on `{key}`{where}:\n",
-                  "| configuration | peak RSS MB | step s (CPU time) | step s (wall) |", "|---|---|---|---|"]  # fmt: skip
+                  "| configuration | peak RSS MiB | step s (CPU time) | step s (wall) |", "|---|---|---|---|"]  # fmt: skip
         lines += [f"| {name} | {r['peak_rss_mb']:.0f} | {r['step_cpu_s']:.2f} | {r['step_s']:.2f} |" for name, r in run["table"].items()]
         lines.append("")
     for path in sorted(RESULTS.glob("ondevice_quality_*.json")):  # quality runs on another CPU class
@@ -408,7 +408,7 @@ def scan_section(data: dict | None) -> list[str]:
         return lines + ["not measured\n"]
     m, rho = data["machine"], data["spearman"]
     lines += [f"{m.get('machine', '?')} ({m.get('cpu_class', '?')}), {m['threads']} threads. {data['model']}, "
-              f"{data['calibration']}; {data['units']} layers. Peak RSS {data['peak_rss_mb']:,} MB.\n",
+              f"{data['calibration']}; {data['units']} layers. Peak RSS {data['peak_rss_mb']:,} MiB.\n",
               "Spearman rank correlation of the scan's predicted Δloss with each layer's measured Δloss (the layer "
               "alone in the format, the rest unquantized): "
               + "; ".join(f"{f} {rho[f]['spearman_predicted_vs_measured_delta_loss']:.3f}" for f in data["formats"])
@@ -435,7 +435,7 @@ def scan_cost_section(data: dict | None) -> list[str]:
               f"and budget, {data['calibration']}; each scan in a fresh process (peak RSS: the whole process's). The "
               "plan converts the model without training; held-out perplexity under bf16 autocast over the unconverted "
               "model's. One value per calibration set.\n",
-              "| scan computes in, tokens per forward | peak RSS MB | scan s | converted ppl ratio |", "|---|---|---|---|"]  # fmt: skip
+              "| scan computes in, tokens per forward | peak RSS MiB | scan s | converted ppl ratio |", "|---|---|---|---|"]  # fmt: skip
     for config, runs in data["runs"].items():
         cells = [", ".join(f"{r[key]:{fmt}}" for r in runs) for key, fmt in
                  (("peak_rss_mb", ","), ("scan_s", ".0f"), ("ppl_ratio", ".4f"))]  # fmt: skip
@@ -454,7 +454,7 @@ def ondevice_section(ondevice: dict | None) -> list[str]:
         f"SmolLM2-135M-Instruct, LoRA r={st['lora_r']} on every linear, batch {st['batch']}x{st['block']}, {st['threads']} thread(s), "
         f"median of {st['steps_timed']} steps after {st['warmup']} warm-up; each configuration in its own process "
         "(peak RSS includes loading). `+gc` = gradient checkpointing; * = the configuration's own default.\n",
-        "| configuration | peak RSS MB | step s (CPU time) | step s (wall) |",
+        "| configuration | peak RSS MiB | step s (CPU time) | step s (wall) |",
         "|---|---|---|---|",
     ]
     for name, r in speed["table"].items():
@@ -604,7 +604,7 @@ def scale_section(scale: dict | None, stem: str = "scale") -> list[str]:
               "has: bitsandbytes only for the NF4 rows (PEFT imports it whenever installed, 35 MB; rows marked * imported it "
               "in every configuration). Rows measured on different days ran at different machine speeds (up to 1.7x apart "
               "here): compare step times within one day only.\n",
-              "| size | configuration | optimizer states | params | load s | load peak MB | peak MB 1x256 | peak MB 4x256 | glibc peak MB 1x256 | glibc peak MB 4x256 | step s 1x256 | step s 4x256 | measured |",
+              "| size | configuration | optimizer states | params | load s | load peak MiB | peak MiB 1x256 | peak MiB 4x256 | glibc peak MiB 1x256 | glibc peak MiB 4x256 | step s 1x256 | step s 4x256 | measured |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     def glibc(batch: dict) -> str:  # the step-time run's own peak (rows before 2026-12-02 have none)
         return f"{batch['peak_rss_mb_glibc']:.0f}" if "peak_rss_mb_glibc" in batch else ""
@@ -616,19 +616,19 @@ def scale_section(scale: dict | None, stem: str = "scale") -> list[str]:
                      f"{t1['peak_rss_mb']:.0f} | {t4['peak_rss_mb']:.0f} | {glibc(t1)} | {glibc(t4)} | "
                      f"{t1['step_s_median']:.2f} | {t4['step_s_median']:.2f} | "
                      f"{r.get('measured', 'before 2026-12-02')}{'' if 'bitsandbytes_importable' in r else ' *'} |")  # fmt: skip
-    fits = ", ".join(f"{c} {f['1x256']['bytes_per_param']:.2f} B/param + {f['1x256']['overhead_mb']:.0f} MB" for c, f in scale["fit"].items())
+    fits = ", ".join(f"{c} {f['1x256']['bytes_per_param']:.2f} B/param + {f['1x256']['overhead_mb']:.0f} MiB" for c, f in scale["fit"].items())
     lines += ["", f"Peak RSS (loading included, batch 1x256) against parameters, least squares over the sizes: {fits}." if fits
               else "One size measured: no fit of peak RSS against parameters.", ""]  # fmt: skip
     def vs_nf4(ratio: float | None, goal: str = " (goal 0.7)") -> str:
         return "NF4 QLoRA not measured here" if ratio is None else f"{ratio:.2f}x bnb NF4 QLoRA's peak{goal}"
 
     for config, g in scale.get("goals", {}).items():
-        lines.append(f"Llama-3.2-1B shape, `{config}`, batch 1x256: peak {g['peak_rss_mb']:.0f} MB (goal {g['peak_rss_goal_mb']:.0f}), "
+        lines.append(f"Llama-3.2-1B shape, `{config}`, batch 1x256: peak {g['peak_rss_mb']:.0f} MiB (goal {g['peak_rss_goal_mb']:.0f}), "
                      f"{g['peak_vs_checkpoint']:.3f}x the bf16 checkpoint on disk (goal {g['peak_vs_checkpoint_goal']}), "
                      f"{vs_nf4(g.get('peak_vs_nf4_qlora'))}; step "
                      f"{g.get('step_vs_fastest_peer', float('nan')):.2f}x the fastest peer's ({g.get('fastest_peer')}; goal 1.0). "
                      "Those pair each allocator's best figure; from one allocator: glibc's default, peak "
-                     f"{g['glibc_peak_rss_mb']:.0f} MB ({vs_nf4(g.get('glibc_peak_vs_nf4_qlora'), '')}) at that step; "
+                     f"{g['glibc_peak_rss_mb']:.0f} MiB ({vs_nf4(g.get('glibc_peak_vs_nf4_qlora'), '')}) at that step; "
                      f"the mmap one, step {g.get('mmap_step_vs_fastest_peer', float('nan')):.2f}x the fastest peer's "
                      f"({g.get('mmap_fastest_peer')}) at that peak.\n")  # fmt: skip
     untied = {r["config"]: r for r in scale["results"] if r["size"].endswith("-untied")}
@@ -636,8 +636,8 @@ def scale_section(scale: dict | None, stem: str = "scale") -> list[str]:
         packed, dense = untied["int4-lora"], untied["int4-lora-bf16-embedding"]
         peak = {k: max(r["load_peak_rss_mb"], r["train"]["1x256"]["peak_rss_mb"]) for k, r in untied.items()}
         lines.append(f"Untied input embedding (`{packed['size']}`, {packed['params'] / 1e6:.0f}M parameters), batch 1x256, "
-                     f"loading included: the defaults pack the table in int8, peak {peak['int4-lora']:.0f} MB against "
-                     f"{peak['int4-lora-bf16-embedding']:.0f} MB with it left bf16; step {packed['train']['1x256']['step_s_median']:.2f} "
+                     f"loading included: the defaults pack the table in int8, peak {peak['int4-lora']:.0f} MiB against "
+                     f"{peak['int4-lora-bf16-embedding']:.0f} MiB with it left bf16; step {packed['train']['1x256']['step_s_median']:.2f} "
                      f"s against {dense['train']['1x256']['step_s_median']:.2f} s (a run of its own: compare these two rows with each "
                      "other; not in the fits).\n")  # fmt: skip
     return lines + [f"![scale]({stem}.png)", ""]
