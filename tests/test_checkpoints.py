@@ -5,9 +5,8 @@ import huggingface_hub
 import pytest
 import torch
 from huggingface_hub.errors import LocalEntryNotFoundError
-from tiny_assets import save_tiny_model
+from tiny_assets import HubStandIn, save_tiny_model
 
-import hf_lowprec.export.folder as folder_module
 from hf_lowprec.checkpoints import is_hub_id, load_pretrained, offline_hint
 from hf_lowprec.export import load_exported
 
@@ -27,14 +26,21 @@ def test_is_hub_id_tells_a_repo_id_from_a_local_path():
         assert not is_hub_id(path), path
 
 
+@pytest.fixture
+def hub_here(offline_here, monkeypatch):
+    """The Hub online, answered by a local stand-in that records every request (404 for every model)."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    with HubStandIn() as hub:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.endpoint)
+        yield hub
+
+
 @pytest.mark.parametrize("path", ["/no/such/export", "./runs/typo", "../typo", "runs/typo/export"])
-def test_load_exported_names_a_missing_local_folder_without_asking_the_hub(offline_here, monkeypatch, path):
-    asked = []
-    monkeypatch.setattr(folder_module, "snapshot_download", lambda *a, **kw: asked.append(a))
+def test_load_exported_names_a_missing_local_folder_without_asking_the_hub(hub_here, path):
     with pytest.raises(ValueError) as info:
         load_exported(path)
     assert str(info.value) == f"export folder {path!r} does not exist (and is not a hub id such as 'org/model')"
-    assert asked == []  # before: an HFValidationError about the repo id's format, from the Hub client
+    assert hub_here.requests == []  # before: an HFValidationError about the repo id's format, from the Hub client
 
 
 def test_load_exported_of_a_file_says_it_is_a_file(offline_here):
@@ -50,21 +56,18 @@ def test_load_exported_of_a_possible_hub_id_says_no_local_folder_and_why_the_hub
                 "reached: ")
     assert str(offline.value).startswith(expected) and "\n" not in str(offline.value)
 
-    def unreachable(*args, **kwargs):  # what snapshot_download raises without a network
-        raise LocalEntryNotFoundError("Got: ConnectError: [Errno -2] Name or service not known\nAn error happened ...")
-
-    monkeypatch.setattr(folder_module, "snapshot_download", unreachable)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
     with pytest.raises(ValueError) as no_network:
         load_exported("runs/typo")
-    assert str(no_network.value) == expected + "Got: ConnectError: [Errno -2] Name or service not known"
-
-    def not_found(*args, **kwargs):
-        raise OSError("404 Client Error. Repository Not Found for url: https://huggingface.co/api/models/runs/typo")
-
-    monkeypatch.setattr(folder_module, "snapshot_download", not_found)
-    with pytest.raises(ValueError, match=r"^cannot load checkpoint 'runs/typo': no local folder 'runs/typo' here, and "
-                       r"the Hub answered: 404 Client Error\. Repository Not Found"):  # fmt: skip
-        load_exported("runs/typo")
+    assert str(no_network.value).startswith(expected) and "\n" not in str(no_network.value)
+    with HubStandIn() as hub:  # a Hub that has no such repository
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.endpoint)
+        with pytest.raises(ValueError) as not_found:
+            load_exported("runs/typo")
+    assert str(not_found.value).startswith("cannot load checkpoint 'runs/typo': no local folder 'runs/typo' here, and ")
+    assert "runs/typo" in str(not_found.value).split("here, and ")[1] and "\n" not in str(not_found.value)
+    assert hub.requests and all("runs/typo" in r["path"] for r in hub.requests)
 
 
 def test_load_pretrained_of_a_missing_folder_says_there_is_none_here(offline_here):
@@ -84,8 +87,7 @@ def test_load_pretrained_of_a_missing_folder_says_there_is_none_here(offline_her
 def test_an_unreachable_hub_suggests_offline_mode_unless_it_is_on(monkeypatch):
     """Without a network and without HF_HUB_OFFLINE, huggingface_hub retries each file for ~25 s before failing: the
     error says how to skip that; with offline mode on (or another error) it adds nothing."""
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
+    
     unreachable = LocalEntryNotFoundError("We couldn't connect to 'https://huggingface.co' to load the files")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     assert "set HF_HUB_OFFLINE=1" in offline_hint(unreachable)
@@ -104,19 +106,18 @@ def test_a_local_folder_that_fails_to_load_keeps_the_plain_message(offline_here)
     assert "no local folder" not in str(info.value)
 
 
-def test_a_missing_entry_of_an_existing_local_folder_is_a_local_typo_not_a_hub_id(offline_here, monkeypatch):
+def test_a_missing_entry_of_an_existing_local_folder_is_a_local_typo_not_a_hub_id(offline_here, hub_here):
     """``runs/run-fp9`` beside a ``runs/`` folder: refused at once, naming the folder and its close entries, before
     any Hub request (which retries for seconds without a network)."""
     (offline_here / "runs" / "run-fp8").mkdir(parents=True)
-    asked = []
-    monkeypatch.setattr(folder_module, "snapshot_download", lambda *a, **kw: asked.append(a))
     with pytest.raises(ValueError, match=r"^checkpoint path 'runs/run-fp9' does not exist \(the folder 'runs' does; close matches there: run-fp8\)$"):
         load_pretrained("runs/run-fp9")
     with pytest.raises(ValueError, match=r"^export folder 'runs/run-fp9' does not exist \(the folder 'runs' does"):
         load_exported("runs/run-fp9")
-    assert asked == []
+    assert hub_here.requests == []
 
 
+@pytest.mark.slow  # the real default checkpoint (24 s)
 def test_load_tokenizer_of_a_gguf_file_reads_its_cached_folder():
     """The demo checkpoint's tokenizer, read from the plain folder its GGUF file is cached in (what the CLI loads before
     the model, to check the data first), tokenizes as transformers' own reading of the GGUF file does."""
