@@ -1185,7 +1185,7 @@ def test_a_base_packed_while_loading_can_be_prepared_again_after_a_budget_no_pla
     path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
     calibration = token_blocks(load_pretrained(path)[1], [corpus_text(8_000)], 32)[:4]
     model, _, plan = load_int4_base(path, "auto", dtype=torch.float32)
-    with pytest.raises(ValueError, match="bits"):
+    with pytest.raises(ValueError, match=r"^budget target_bits_per_param=2 cannot be met: the fewest bits per parameter reachable"):
         prepare_int4_lora(model, LoraConfig(**LORA), plan, calibration=calibration, budget={"target_bits_per_param": 2})
     _, report = prepare_int4_lora(model, LoraConfig(**LORA), plan, calibration=calibration,
                                   budget={"target_bits_per_param": 6.0})  # fmt: skip
