@@ -89,6 +89,24 @@ def with_loud_channels(model: torch.nn.Module, channels: int = 4, gain: float = 
     return model
 
 
+def int8_rows_reference(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t's symmetric int8 round trip per row, each row's step [..., 1])`` computed here in fp64: step =
+    ``max|row| / 127``, codes rounded to nearest. The reference for the library's row quantizers, which compute in fp32
+    (a code may differ by one where fp32 rounds a near-tie the other way)."""
+    rows = t.detach().double()
+    step = rows.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127
+    return ((rows / step).round().clamp(-127, 127) * step).to(t.dtype), step
+
+
+def assert_int8_rows(back: torch.Tensor, t: torch.Tensor) -> None:
+    """``back`` is ``t``'s int8 round trip per row: every value within one step of :func:`int8_rows_reference`'s, and
+    all but a few of them equal to it."""
+    reference, step = int8_rows_reference(t)
+    off = (back.double() - reference.double()).abs()
+    assert (off <= step * 1.001).all(), off.max()
+    assert (off > step * 1e-3).float().mean() < 1e-3, (off > step * 1e-3).float().mean()
+
+
 def tiny_bert(seed: int = 0) -> BertForSequenceClassification:
     """A 2-layer BERT classifier (hidden 64, 2 labels) in fp32."""
     torch.manual_seed(seed)

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import needs_cpp, tiny_llama
+from conftest import assert_int8_rows, needs_cpp, tiny_llama
 from torch import nn
 
 from hf_lowprec.modules.packed import dequantize_rows, quantize_rows
@@ -25,9 +25,11 @@ from hf_lowprec.training.fused_blocks import (
 
 
 def _int8_round_trip(t: torch.Tensor) -> torch.Tensor:
-    """What the storage gives back for ``t``: int8 per row, one step per row."""
+    """What the storage gives back for ``t``: int8 per row, one step per row (checked against the fp64 reference)."""
     rows = t.detach().reshape(-1, t.shape[-1])
-    return dequantize_rows(*quantize_rows(rows), None, t.dtype).reshape(t.shape)
+    back = dequantize_rows(*quantize_rows(rows), None, t.dtype).reshape(t.shape)
+    assert_int8_rows(back, t)
+    return back
 
 
 @pytest.mark.parametrize("kernel", [pytest.param("C++", marks=needs_cpp), "torch ops"])
@@ -78,6 +80,7 @@ def test_the_product_is_rebuilt_from_the_stored_gate_and_up_instead_of_stored():
     assert fused.original_bytes == plain.original_bytes - 32 * 96 * 4  # silu(gate) no longer saved at all
     # the down projection's weight gradient reads the product rebuilt from the int8 copies of gate and up
     rebuilt = silu_mul_values(_int8_round_trip(g), _int8_round_trip(u))
+    torch.testing.assert_close(rebuilt, F.silu(_int8_round_trip(g)) * _int8_round_trip(u), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad, grad_out.t() @ rebuilt, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(rebuilt, silu_mul_values(g, u), rtol=1e-4, atol=1e-5)  # the round trip is lossy
 
@@ -164,6 +167,8 @@ def test_the_normalized_output_is_rebuilt_from_the_stored_input():
     row = lambda cols: 32 * (cols + 4)  # noqa: E731  int8 codes + one fp32 step per row
     assert storage.stored_bytes == row(64) + row(1)  # x and its rstd factors [32, 1]: the output is rebuilt
     rebuilt = rms_norm_values(_int8_round_trip(x), weight, 1e-5)
+    stored = _int8_round_trip(x)
+    torch.testing.assert_close(rebuilt, stored * torch.rsqrt(stored.square().mean(-1, keepdim=True) + 1e-5) * weight)
     torch.testing.assert_close(proj.weight.grad, grad_out.t() @ rebuilt, rtol=1e-5, atol=1e-5)
 
 
