@@ -89,6 +89,13 @@ def with_loud_channels(model: torch.nn.Module, channels: int = 4, gain: float = 
     return model
 
 
+def exact_int_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` of int8 matrices in int32, exactly: an fp64 matmul of their values (exact below 2^53). Stands in for
+    ``torch._int_mm``, whose oneDNN AVX2 path saturates 16-bit pair sums."""
+    product = (a.double() @ b.double()).to(torch.int32)
+    return product if out is None else out.copy_(product)
+
+
 def int8_rows_reference(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(t's symmetric int8 round trip per row, each row's step [..., 1])`` computed here in fp64: step =
     ``max|row| / 127``, codes rounded to nearest. The reference for the library's row quantizers, which compute in fp32

@@ -4,7 +4,7 @@ sum the int8 products exactly in int32 and dequantize them with the same fp32 op
 
 import pytest
 import torch
-from conftest import needs_cpp
+from conftest import exact_int_mm, needs_cpp
 
 import hf_lowprec.modules.packed as packed_module
 from hf_lowprec.modules import Int4Linear
@@ -32,12 +32,6 @@ def tile_kernels(family: str):
     if family == "amx":
         return ext.amx_linear, ext.amx_linear_grad_input
     return ext.avx2_int8_linear, ext.avx2_int8_linear_grad_input
-
-
-def exact_int_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b`` of int8 matrices in int32, exactly: an fp64 matmul of their values (exact below 2^53)."""
-    product = (a.double() @ b.double()).to(torch.int32)
-    return product if out is None else out.copy_(product)
 
 
 def both_paths(layer, x: torch.Tensor, g: torch.Tensor, family: str, monkeypatch) -> list[tuple[torch.Tensor, ...]]:

@@ -114,7 +114,7 @@ def test_input_and_lora_grads_through_int4_base_match_dequantized_reference(back
         loss.backward()
         grads[key] = {"input": x.grad, **{n: p.grad for n, p in lora_params(m).items()}}
     assert set(grads["ours"]) == set(grads["ref"]) and len(grads["ours"]) == 1 + 2 * 14
-    tol = 1e-4 if backend == "dequant" else 0.05  # int8 per-row activations/gradients: a few % at most
+    tol = 0.05 if backend == "int8" else 1e-4  # int8 per-row activations/gradients: a few % at most; tiled is exact
     for name, ref in grads["ref"].items():
         ours = grads["ours"][name]
         assert ours is not None and ref.norm() > 0, name

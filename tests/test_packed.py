@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import needs_cpp
+from conftest import exact_int_mm, needs_cpp
 
 from hf_lowprec.formats import pack_int4, unpack_int4_planes
 from hf_lowprec.modules import Int4Linear, PackedInt4Linear, PackedInt8Linear, PackedLinear
@@ -149,7 +149,9 @@ def test_int8_forward_in_column_tiles_is_the_whole_product(monkeypatch):
     layer = packed("int8", k=128, n=200).to(torch.bfloat16)
     x = torch.randn(66, 128, dtype=torch.bfloat16)
     monkeypatch.setattr(packed_module, "USE_TILE_KERNELS", False)  # the torch._int_mm path, whatever the CPU
+    monkeypatch.setattr(torch, "_int_mm", exact_int_mm)  # exact sums (oneDNN's AVX2 path saturates)
     expected = packed_module._int8_forward(x, layer)
+    assert rel(expected, x.float() @ layer.dequantized_weight(torch.float32).t()) < 0.02  # int8 rows: within 2%
     monkeypatch.setattr(packed_module, "INT32_TILE", 66 * 64)  # 64 columns a tile at 66 rows: 4 tiles, the last short
     torch.testing.assert_close(packed_module._int8_forward(x.clone(), layer), expected, rtol=0, atol=0)
 
@@ -160,7 +162,9 @@ def test_int8_grad_input_in_row_tiles_is_the_whole_product(monkeypatch):
 
     layer = packed("int4-g64-asym", k=192, n=40).to(torch.bfloat16)
     grad_out = torch.randn(67, 40, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch, "_int_mm", exact_int_mm)  # exact sums wherever the torch path runs
     expected = packed_module._int8_grad_input(grad_out, layer)
+    assert rel(expected, reference(layer, torch.zeros(67, 192), grad_out)[1]) < 0.02  # int8 gradients: a few %
     monkeypatch.setattr(packed_module, "INT32_TILE", 192 * 20)  # 20 rows a tile: 4 tiles, the last short
     torch.testing.assert_close(packed_module._int8_grad_input(grad_out, layer), expected, rtol=0, atol=0)
 
@@ -196,7 +200,11 @@ def test_int8_weight_unpacked_in_blocks_gives_the_whole_products(monkeypatch, sp
     layer = packed(spec, k=192, n=200).to(torch.bfloat16)
     x, grad_out = torch.randn(66, 192, dtype=torch.bfloat16), torch.randn(66, 200, dtype=torch.bfloat16)
     monkeypatch.setattr(packed_module, "USE_TILE_KERNELS", False)  # the torch._int_mm path, whatever the CPU
+    monkeypatch.setattr(torch, "_int_mm", exact_int_mm)  # exact sums (oneDNN's AVX2 path saturates)
     expected = packed_module._int8_forward(x.clone(), layer), packed_module._int8_grad_input(grad_out, layer)
+    w = layer.dequantized_weight(torch.float32)
+    for got, ref in zip(expected, (x.float() @ w.t(), grad_out.float() @ w)):  # the products alone, no bias
+        assert rel(got, ref) < 0.02  # int8 activations and gradients: within 2% of fp32 math
     # 64 weight rows a block forward (200 = 3 x 64 + 8); 64 columns (one or two groups, per-row groups: all 192)
     monkeypatch.setattr(packed_module, "WEIGHT_TILE", 64 * 192)
     assert packed_module._weight_block(layer, 192, 64) == 64
