@@ -382,6 +382,7 @@ def test_auto_backend_is_a_measured_runnable_one_and_errors_name_the_choices(cap
     x, g = torch.randn(2, 100), torch.randn(2, 96)
     y, gx = run(odd, "dequant", x, g)
     y_ref, gx_ref = reference(odd, x, g)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-5)
 
 

@@ -374,8 +374,9 @@ def test_merging_batches_does_not_change_weight_only_scores():
     model = tiny_llama()
     merged = scan(model, batches(), formats=(INT4,), method="fisher")
     separate = scan(model, batches(), formats=(INT4,), method="fisher", max_batch_tokens=128)
-    for a, b in zip(merged.layers, separate.layers):
-        assert a.predicted[INT4] == pytest.approx(b.predicted[INT4], rel=1e-4, abs=1e-9)
+    assert len(merged.layers) == len(separate.layers) == 2 * 7 + 2  # every linear of both blocks, embedding, head
+    for a, b in zip(merged.layers, separate.layers, strict=True):
+        assert a.name == b.name and a.predicted[INT4] == pytest.approx(b.predicted[INT4], rel=1e-4, abs=1e-9)
 
 
 
@@ -797,7 +798,8 @@ def test_scan_scores_the_same_with_the_head_in_chunks_as_with_whole_logits(tied)
         chunked, whole = scan(model, data, **options), scan(model, _with_positions(data), **options)
         assert chunked.base_loss == pytest.approx(whole.base_loss, rel=1e-5)
         assert "lm_head" in [n for s in chunked.layers for n in s.names]
-        for a, b in zip(chunked.layers, whole.layers):
+        assert len(chunked.layers) == len(whole.layers) > 2 * 7
+        for a, b in zip(chunked.layers, whole.layers, strict=True):
             for kind in ("measured", "kl") + (("predicted",) if method == "auto" else ()):
                 got, expected = getattr(a, kind), getattr(b, kind)
                 assert got.keys() == expected.keys() and got
