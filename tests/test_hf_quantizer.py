@@ -157,7 +157,11 @@ def test_quantize_on_load_default_plan_and_a_tied_head(tmp_path):
     table = default.get_input_embeddings().weight.detach()
     reference = compact_steps(PackedInt4Linear.from_weight(table, "int4-g32"))
     torch.testing.assert_close(everything.lm_head.dequantized_weight(), reference.dequantized_weight(), rtol=0, atol=0)
-    assert (everything.lm_head.dequantized_weight() - table).abs().max() < table.abs().max() / 7
+    # independently: symmetric int4 in groups of 32, step max|w| / 7 per group, so within half a step of every weight
+    groups = lambda w: w.reshape(w.shape[0], -1, 32)  # noqa: E731
+    half_step = groups(table).abs().amax(-1, keepdim=True) / 14
+    off = (groups(everything.lm_head.dequantized_weight()) - groups(table)).abs() / half_step
+    assert off.max() <= 1.03, off.max()  # its steps stored in bf16 (compact_steps): up to 7 codes x 2^-9 of a step more
     everything.save_pretrained(tmp_path / "packed")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "packed")
     ids = torch.randint(0, 256, (2, 16))
