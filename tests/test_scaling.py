@@ -261,6 +261,16 @@ def test_an_inf_or_nan_gradient_after_warmup_is_a_spike_kept_to_its_own_row(acti
     torch.testing.assert_close(x.grad[rows], (clipped @ w)[rows], rtol=1e-2, atol=1e-6)
 
 
+def _cast_along_both_axes(policy: GradientScaling, grad: torch.Tensor) -> list[torch.Tensor]:
+    """``grad`` cast per token (grad_x), then per column under ``recast`` (grad_W), as a rowwise backward casts it;
+    both dequantized."""
+    outs = []
+    for dim, context in ((-1, contextlib.nullcontext()), (0, policy.recast())):
+        with context:
+            outs.append(dequantize_fp8(*cast_fp8(grad, policy, E5M2, "row", dim=dim)))
+    return outs
+
+
 @pytest.mark.parametrize("action", ["rescale", "clip", "skip"])
 def test_a_gradient_cast_along_two_axes_is_judged_once(action):
     """A rowwise backward casts the output gradient per token (grad_x), then per column (grad_W): the second cast,
@@ -269,18 +279,11 @@ def test_a_gradient_cast_along_two_axes_is_judged_once(action):
     policy = GradientScaling(spike_action=action)
     g = torch.Generator().manual_seed(0)
     for _ in range(10):
-        grad = torch.randn(64, 64, generator=g)
-        cast_fp8(grad, policy, E5M2, "row", dim=-1)
-        with policy.recast():
-            cast_fp8(grad, policy, E5M2, "row", dim=0)
+        _cast_along_both_axes(policy, torch.randn(64, 64, generator=g))
     before = {k: getattr(policy, k).clone() for k in ("recorded", "adjust", "running_amax", "spikes")}
     assert before["recorded"].item() == 10 and before["adjust"].item() == 0
     spike = 10 * torch.randn(64, 64, generator=g)
-    outs = []
-    for dim, context in ((-1, contextlib.nullcontext()), (0, policy.recast())):
-        with context:
-            q, scale = cast_fp8(spike, policy, E5M2, "row", dim=dim)
-        outs.append(dequantize_fp8(q, scale))
+    outs = _cast_along_both_axes(policy, spike)
     assert policy.spikes.item() == 1 and policy.recorded.item() == 11 and policy.adjust.item() == 0
     by_rows, by_columns = (o.abs().amax().item() for o in outs)
     assert by_rows == pytest.approx(by_columns, rel=0.3)  # one treatment: both rescaled, clipped or dropped alike
@@ -296,18 +299,11 @@ def test_a_spike_holding_an_inf_is_clipped_alike_along_both_axes():
     policy = GradientScaling()
     g = torch.Generator().manual_seed(0)
     for _ in range(4):
-        grad = torch.randn(64, 64, generator=g)
-        cast_fp8(grad, policy, E5M2, "row", dim=-1)
-        with policy.recast():
-            cast_fp8(grad, policy, E5M2, "row", dim=0)
+        _cast_along_both_axes(policy, torch.randn(64, 64, generator=g))
     spike = torch.randn(64, 64, generator=g)
     spike[:, 3] *= 20
     spike[0, 0] = float("inf")
-    outs = []
-    for dim, context in ((-1, contextlib.nullcontext()), (0, policy.recast())):
-        with context:
-            q, scale = cast_fp8(spike, policy, E5M2, "row", dim=dim)
-        outs.append(dequantize_fp8(q, scale))
+    outs = _cast_along_both_axes(policy, spike)
     assert policy.spikes.item() == 1
     limit = policy._last_limit.item()
     for out in outs:
