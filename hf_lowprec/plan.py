@@ -22,7 +22,7 @@ import logging
 import os
 import re
 from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -140,6 +140,16 @@ class PrecisionPlan:
     def smooths(self) -> bool:
         """Whether a rule gives a smoothed (``-sq``) format, whose layers calibrate on their first batch."""
         return any(spec.smooth for spec in (self.default, *self.layers.values()))
+
+    def restricted_to(self, names: Iterable[str]) -> "PrecisionPlan":
+        """This plan without the rules that name none of the layers ``names`` (exact names, patterns that match
+        none of them): re-applied to a model whose other layers are no longer eligible (a tied embedding that reads
+        its packed head's codes)."""
+        names = list(names)
+        def names_one(key: str) -> bool:
+            return any(_matches(key, n) for n in names) if _is_pattern(key) else key in names
+
+        return replace(self, layers={k: v for k, v in self.layers.items() if names_one(k)})
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write JSON (``.json``) or YAML (anything else) atomically; returns the path."""

@@ -223,15 +223,21 @@ class DelayedScaling(ScalePolicy):
         )
 
 
+ADDED_BUFFERS = ("level_streak",)
+"""GradientScaling buffers added after states were saved (2026-12-07, ``new_level_after``): a state without them
+loads with their initial zeros (no streak under way)."""
+
+
 class GradientScaling(ScalePolicy):
     """Scale for quantized gradients that follows a robust running statistic instead of the raw max.
 
     Per cast, with ``a`` the tensor's amax and ``r`` the running statistic (``ema``: exponential moving
     average with ``ema_decay``; ``percentile``: that percentile of the last ``history_len``) of past
     amaxes, each winsorized at ``spike_threshold * r`` before it is recorded (so one spike barely moves
-    ``r``); ``new_level_after`` consecutive casts whose amax lies beyond ``spike_threshold`` of ``r``, above or
-    below it, are a lasting change of level (warmup casts far from the later level, a new phase of training): ``r``
-    restarts from the last one's amax, which is not a spike (the casts before it were):
+    ``r``); ``new_level_after`` consecutive casts whose amax lies above ``spike_threshold * r`` are a lasting rise
+    of level (warmup casts far below the later level, a new phase of training): ``r`` restarts from the last one's
+    amax, which is not a spike (the casts before it were). A fall is followed by ``r``'s own decay: restarted after a
+    quiet spell, ``r`` made the return to the usual level a spike:
 
     - the scale maps ``limit = r * 2**-adjust`` onto the format's max (row/block scales: each group's
       amax, capped at ``limit``), so values beyond ``limit`` saturate — FP8 casts clip, they never
@@ -312,6 +318,11 @@ class GradientScaling(ScalePolicy):
         self._last_rescale: torch.Tensor | None = None  # whether the last judged cast was rescaled (a recast's too)
         self._recasting = False
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name in ADDED_BUFFERS:  # a state saved before they existed: their initial zeros
+            state_dict.setdefault(prefix + name, torch.zeros_like(getattr(self, name)))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     @contextlib.contextmanager
     def recast(self) -> Iterator[None]:
         self._recasting = True
@@ -336,7 +347,7 @@ class GradientScaling(ScalePolicy):
         warm = (self.recorded >= self.warmup) & (stat > 0)
         finite = torch.isfinite(a)
         level = (a > 0) & finite  # an amax that carries a level
-        beyond = warm & level & ((a > self.spike_threshold * stat) | (self.spike_threshold * a < stat))
+        beyond = warm & level & (a > self.spike_threshold * stat)
         streak = torch.where(beyond, self.level_streak + 1, torch.where(level, 0, self.level_streak))
         new_level = streak >= self.new_level_after
         self.level_streak.copy_(torch.where(new_level, 0, streak))

@@ -6,10 +6,11 @@ For a positive ``s [K]``, ``y = x W^T = (x / s)(W diag(s))^T``: quantizing ``x /
 is divided down and its weight column multiplied up, moving the quantization difficulty from the activations to the
 weights. ``s_k = max|x_k|^alpha / max|W_:,k|^(1 - alpha)`` with ``alpha = SMOOTHING_ALPHA`` (SmoothQuant's default),
 from the input of the layer's first forward of at least ``MIN_CALIBRATION_TOKENS`` tokens ("calibrated on the first
-batch"), then fixed and saved with the layer. The Trainer callback, the Accelerate plugin and the on-device path run
-that forward before training (:func:`calibrate_smoothing`, the first batches' real tokens), so the learned steps
-re-fitted to ``s`` start training on it and every rank holds rank 0's. ``s`` is rounded to powers of two, so
-dividing by it is exact in every float dtype and the change of basis adds no rounding of its own.
+batch"), then fixed and saved with the layer. The Trainer callback and the Accelerate plugin run that forward
+before training (:func:`calibrate_smoothing`: the first batches' real tokens, every rank taking rank 0's), the
+on-device path on its calibration blocks, so the learned steps re-fitted to ``s`` start training on it. ``s`` is
+rounded to powers of two, so dividing by it is exact in every float dtype and the change of basis adds no rounding of
+its own.
 
 It pays where activations are quantized to integers: on SmolLM2-135M converted without training, W4A8
 (``int4-g64-a8``) 1.590x -> 1.483x the bf16 perplexity (1.307x where the scan chooses per layer), while FP8 (a float
@@ -29,6 +30,7 @@ from itertools import islice
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hf_lowprec.once_flags import OnceFlags
 
@@ -117,30 +119,57 @@ def _uncalibrated(model: nn.Module) -> list[str]:
 
 
 @torch.no_grad()
-def calibrate_smoothing(model: nn.Module, batches: Iterable[Mapping], count: int) -> int:
+def calibrate_smoothing(model: nn.Module, batches: Iterable, count: int) -> int:
     """Calibrate ``model``'s uncalibrated ``-sq`` layers, before training moves them (a layer calibrated by a later
     forward re-fits its learned steps mid-training), on the real tokens of the first ``count`` of ``batches``
     (``input_ids [B, T]``, the ``attention_mask`` zeros left out: padding is no activation range), in rows of ``T``,
     at most :data:`CALIBRATION_TOKENS` of them. Under a process group every rank then takes rank 0's smoothing and
     its layers' states (steps re-fitted to it): DDP broadcasts buffers, not parameters, on each forward.
-    Returns how many layers calibrated; ``ValueError`` if the batches hold fewer than ``MIN_CALIBRATION_TOKENS``."""
-    if not _uncalibrated(model):
+
+    Returns how many layers calibrated: none, with a warning, where the batches cannot calibrate them (not dicts with
+    ``input_ids``; an encoder-decoder, whose decoder needs inputs of its own; fewer than ``MIN_CALIBRATION_TOKENS``
+    real tokens on a rank): they calibrate on their first forward instead. ``ValueError`` for a model FSDP shards:
+    calibrate it before wrapping."""
+    pending = _uncalibrated(model)
+    if not pending:
         return 0
-    real, width = [], 0
-    for batch in islice(iter(batches), count):
-        ids, mask = batch["input_ids"], batch.get("attention_mask")
-        real.append(ids[mask.bool()] if mask is not None else ids.reshape(-1))
-        width = max(width, ids.shape[-1])
-    tokens = torch.cat(real)[:CALIBRATION_TOKENS] if real else torch.zeros(0, dtype=torch.long)
-    if tokens.numel() < MIN_CALIBRATION_TOKENS:
+    ranks = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if ranks and any(isinstance(p, DTensor) or "FlatParameter" in type(p).__name__ for p in model.parameters()):
         raise ValueError(
-            f"'-sq' layers calibrate on at least {MIN_CALIBRATION_TOKENS} tokens; the first {count} calibration "
-            f"batches hold {tokens.numel()} (padding left out): pass more or longer batches"
+            "'-sq' layers of a model FSDP shards calibrate before it is wrapped: give calibration_data= (a few "
+            "training batches) so they calibrate when the model is converted"
         )
+    tokens, width, why = _real_tokens(model, batches, count)
+    enough = torch.tensor(int(tokens.numel() >= MIN_CALIBRATION_TOKENS), device=next(model.parameters()).device)
+    if ranks:  # every rank decides alike, or one would wait in the broadcast below for good
+        torch.distributed.all_reduce(enough, op=torch.distributed.ReduceOp.MIN)
+    if not enough:
+        why = why or f"the first {count} batches hold {tokens.numel()} real tokens (padding left out) on a rank"
+        logger.warning(
+            "'-sq' layers (%s) calibrate on their first forward of %d tokens or more instead, re-fitting their learned "
+            "steps then: %s", ", ".join(n.removesuffix(".smoothing") for n in pending[:3]), MIN_CALIBRATION_TOKENS, why,
+        )  # fmt: skip
+        return 0
     width = min(width, tokens.numel())
     calibrated = calibrate_smoothed_layers(model, tokens[: tokens.numel() // width * width].view(-1, width))
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if ranks:
         for layer in (m for m in model.modules() if isinstance(getattr(m, "smoothing", None), InputSmoothing)):
             for tensor in (*layer.parameters(), *layer.buffers()):
                 torch.distributed.broadcast(tensor.data, src=0)
     return calibrated
+
+
+def _real_tokens(model: nn.Module, batches: Iterable, count: int) -> tuple[torch.Tensor, int, str | None]:
+    """``(the real tokens of the first count batches, at most CALIBRATION_TOKENS, [n]; the batches' width; why there
+    are none, or None)``."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return torch.zeros(0, dtype=torch.long), 0, "an encoder-decoder's decoder needs inputs of its own"
+    real, width = [], 0
+    for batch in islice(iter(batches), count):
+        if not isinstance(batch, Mapping) or "input_ids" not in batch:
+            return torch.zeros(0, dtype=torch.long), 0, "the calibration batches are no dicts with input_ids"
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+        real.append(ids[mask.bool()] if mask is not None else ids.reshape(-1))
+        width = max(width, ids.shape[-1])
+    tokens = torch.cat(real)[:CALIBRATION_TOKENS] if real else torch.zeros(0, dtype=torch.long)
+    return tokens, width, None

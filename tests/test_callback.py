@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 from conftest import autocast_states, cls_batches, lm_batches, tiny_bert, tiny_llama
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_lowprec.convert import revert
@@ -243,6 +243,25 @@ def test_kill_and_resume_continues_the_same_curve(tmp_path):
     assert max(abs(a[s] - b[s]) for s in b) <= 1e-6, [(a[s], b[s]) for s in b]
     restored = next(c for c in resumed.callback_handler.callbacks if isinstance(c, LowPrecisionCallback))
     assert restored.plan == cb.plan and restored.scan_seconds == saved["attributes"]["scan_seconds"] > 0
+
+
+def test_a_checkpoint_saved_before_the_gradient_scalers_level_streaks_resumes(tmp_path):
+    """A gradient-scaler checkpoint written before ``level_streak`` existed (its state file without those keys): the
+    resume was refused ("does not match this model's low-precision layers"); it resumes, with no streak under way."""
+    data = lm_rows(2, batch=4)
+    args = dict(max_steps=2, per_device_train_batch_size=4, save_strategy="steps", save_steps=2)
+    plan = {"default": "fp8", "layers": {"lm_head": "bf16"}}
+    first = Trainer(model=tiny_llama(), args=arguments(tmp_path / "run", **args), train_dataset=data,
+                    callbacks=[LowPrecisionCallback(plan, scaler="gradient")])  # fmt: skip
+    first.train()
+    state = tmp_path / "run" / "checkpoint-2" / STATE_FILE
+    tensors = load_file(state)
+    assert any(k.endswith(".level_streak") for k in tensors)
+    save_file({k: v for k, v in tensors.items() if not k.endswith(".level_streak")}, state)
+    resumed = Trainer(model=tiny_llama(), args=arguments(tmp_path / "run", **{**args, "max_steps": 3}), train_dataset=data,
+                      callbacks=[LowPrecisionCallback(plan, scaler="gradient")])  # fmt: skip
+    resumed.train(resume_from_checkpoint=str(state.parent))
+    assert resumed.state.global_step == 3
 
 
 def test_resuming_with_an_older_checkpoint_as_the_plan_restores_the_resumed_checkpoints_state(tmp_path):

@@ -594,13 +594,15 @@ def test_the_record_and_card_name_the_format_a_layer_runs_not_the_one_it_could_n
 
 
 @pytest.mark.parametrize("apply_plan_numerics", [False, True])
-@pytest.mark.parametrize("embedding", ["bf16", "int4-g64"])
-def test_a_packed_head_tied_to_its_embedding_reloads_computing_as_trained(tmp_path, embedding, apply_plan_numerics):
+@pytest.mark.parametrize("embedding, rule", [("bf16", "model.embed_tokens"), ("int4-g64", "model.embed_tokens"),
+                                             ("int4-g64", "*embed_tokens")])  # fmt: skip
+def test_a_packed_head_tied_to_its_embedding_reloads_computing_as_trained(tmp_path, embedding, rule, apply_plan_numerics):
     """A tied model trained with a fake-quantized INT4 head, its embedding kept dense or INT4 too (one weight, read
     both ways). Kept dense, the int4-packed folder holds the head's codes and the embedding's table: the reload made the
     embedding read the head's INT4 rows (logits 0.09 off); it loads the table, untied. INT4 too, the folder held a dense
-    table no layer reads, and re-applying the plan refused the embedding that reads the head's codes."""
-    plan = PrecisionPlan({"model.embed_tokens": embedding}, default="int4-g64")
+    table no layer reads, and re-applying the plan refused the embedding that reads the head's codes (by its name or
+    a pattern)."""
+    plan = PrecisionPlan({rule: embedding}, default="int4-g64")
     model, tok = _trained(save_tiny_model(tmp_path / "tied", tie_word_embeddings=True), plan)
     assert isinstance(model.lm_head, Int4Linear)
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))

@@ -3,6 +3,7 @@
 
 import copy
 import json
+import logging
 
 import pytest
 import torch
@@ -302,8 +303,21 @@ def test_smoothing_calibrates_on_the_real_tokens_of_the_first_batches_not_their_
     layers = [(m.model.layers[i].mlp.down_proj.smoothing.scale for m in (model, on_real, with_padding)) for i in (0, 1)]
     for ours, reference, padded in layers:
         assert torch.equal(ours, reference) and not torch.equal(ours, padded)
-    with pytest.raises(ValueError, match=r"at least 64 tokens; the first 4 calibration batches hold 8 \(padding left out\)"):
-        calibrate_smoothing(_smoothed_tiny_llama(), [{"input_ids": real[:, :8]}], count=4)
+
+
+
+@pytest.mark.parametrize("batches, why", [
+    ([{"input_ids": torch.arange(10, 18)[None]}], "the first 4 batches hold 8 real tokens"),
+    ([(torch.arange(10, 138)[None],)], "the calibration batches are no dicts with input_ids"),
+])  # fmt: skip
+def test_batches_that_cannot_calibrate_the_smoothing_leave_it_to_the_first_forward_saying_why(batches, why, caplog):
+    """Too few real tokens, batches of tuples: nothing calibrated, one warning naming the layers and why (it raised, or
+    failed on the batch's type, where training without this step ran)."""
+    model = _smoothed_tiny_llama()
+    with caplog.at_level(logging.WARNING, logger="hf_lowprec.smoothing"):
+        assert calibrate_smoothing(model, batches, count=4) == 0
+    assert "'-sq' layers (model.layers.0.mlp.down_proj, model.layers.1.mlp.down_proj) calibrate on their first" in caplog.text
+    assert why in caplog.text and not model.model.layers[0].mlp.down_proj.smoothing.calibrated
 
 
 def _smoothed_tiny_llama():

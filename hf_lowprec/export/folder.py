@@ -32,10 +32,9 @@ from hf_lowprec.export.hf_quantizer import quantization_config_dict, with_load_g
 from hf_lowprec.export.publish import check_repo_id
 from hf_lowprec.export.records import CARD_FILE, RUN_ONLY, plan_record, read_run, relative_file_name, write_record
 from hf_lowprec.folders import TRACES_DIR, atomic_output_dir
-from hf_lowprec.layers import canonical_name
-from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, PackedInt4Linear, PackedInt8Linear
+from hf_lowprec.layers import eligible_layers
+from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, PackedEmbedding, PackedInt4Linear, PackedInt8Linear
 from hf_lowprec.modules.packed import packed_class
-from hf_lowprec.modules.packed_embedding import PackedRows, TiedPackedEmbedding
 from hf_lowprec.ondevice import MERGE_DTYPES, MERGE_FILE, export_int4_lora, load_int4_model
 from hf_lowprec.ondevice.export import (
     ADAPTER_CONFIG,
@@ -190,9 +189,9 @@ def resolved_weights(model: nn.Module, weights: str) -> str:
 
 
 def _packed_counts(model: nn.Module) -> tuple[int, int]:
-    """``(packed INT4 layers, packed int8 layers)`` of ``model``, linears and embeddings (a tied one, which reads its
-    head's codes, counted as the plan lists it)."""
-    tables = [m.table if isinstance(m, PackedRows) else m for m in model.modules()]
+    """``(packed INT4 layers, packed int8 layers)`` of ``model``: linears and the embeddings that own their codes (a
+    tied one reads its head's, counted once, with the head)."""
+    tables = [m.table if isinstance(m, PackedEmbedding) else m for m in model.modules()]
     return sum(isinstance(t, PackedInt4Linear) for t in tables), sum(isinstance(t, PackedInt8Linear) for t in tables)
 
 
@@ -603,16 +602,12 @@ def _apply_plan_numerics(model: nn.Module, folder: Path) -> None:
     (the record's ``conversion_options``: its scaler, learned steps) and what the layers learned
     (:data:`LEARNED_STATE_FILE`)."""
     base = model.get_base_model() if isinstance(model, PeftModel) else model
-    plan = PrecisionPlan.load(folder / PLAN_FILE)
-    # a tied embedding reading its packed head's codes holds nothing to convert (the plan names it with the head)
-    reads_head = {canonical_name(f) for f, m in base.named_modules() if isinstance(m, TiedPackedEmbedding)}
-    layers = {name: spec for name, spec in plan.layers.items() if name not in reads_head}
-    options = read_run(folder, whole=False).get("conversion_options", {})
-    factory = make_policy_factory(options.get("scaler", "dynamic"), **options.get("scaler_options", {}))
-    apply_plan(
-        base, dataclasses.replace(plan, layers=layers, model=None), learn_scales=options.get("learn_scales", True),
-        policy_factory=factory,
-    )  # fmt: skip
+    # a tied embedding reading its packed head's codes is no layer to convert: rules naming it alone are dropped
+    plan = dataclasses.replace(PrecisionPlan.load(folder / PLAN_FILE).restricted_to(eligible_layers(base)), model=None)
+    options = read_run(folder, whole=False).get("conversion_options")
+    factory = None if options is None else make_policy_factory(options["scaler"], **options["scaler_options"])
+    learn = True if options is None else options["learn_scales"]
+    apply_plan(base, plan, learn_scales=learn, policy_factory=factory)
     if (folder / LEARNED_STATE_FILE).is_file():  # the trained layers' INT4 steps, smoothing scales
         learned, own = load_file(folder / LEARNED_STATE_FILE), base.state_dict()
         base.load_state_dict({k: v for k, v in learned.items() if k in own}, strict=False)

@@ -43,7 +43,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from hf_lowprec.convert import eligible_layers
 from hf_lowprec.modules import LOW_PRECISION_TYPES
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan, is_auto, plan_folder
-from hf_lowprec.scaling import TELEMETRY_PREFIX
+from hf_lowprec.scaling import ADDED_BUFFERS, TELEMETRY_PREFIX
 from hf_lowprec.training.compensation import CompensatedOptimizer
 from hf_lowprec.training.new_parameters import (
     insert_new_parameters,
@@ -280,7 +280,8 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
             )
         tensors = load_file(str(folder / STATE_FILE))
         expected = low_precision_state(model)
-        if set(tensors) != set(expected):
+        lacking = {k for k in set(expected) - set(tensors) if k.rsplit(".", 1)[-1] not in ADDED_BUFFERS}
+        if lacking or set(tensors) - set(expected):
             raise ValueError(f"{folder / STATE_FILE} does not match this model's low-precision layers")
         params = dict(model.named_parameters()) | dict(model.named_buffers())
         with torch.no_grad():

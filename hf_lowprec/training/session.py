@@ -293,18 +293,24 @@ class LowPrecisionSession:
 
     def calibrate(self, model: nn.Module, batches: Iterable[Mapping] | None) -> None:
         """Calibrate the converted model on the first ``calibration_batches`` of ``batches`` (their ``input_ids``)
-        before training: its ``-sq`` layers' smoothing (:meth:`calibrate_smoothing`; ``batches=None``: left to the
-        training data), then its FP8 master weights moved to the grid points ``fp8_rounding`` chooses (nothing for
-        ``nearest``)."""
-        if batches is not None:
+        before training: its ``-sq`` layers' smoothing (:meth:`calibrate_smoothing`; ``batches=None``: none given, the
+        callback calibrates them on its training data, else their first forward does), then its FP8 master weights
+        moved to the grid points ``fp8_rounding`` chooses (nothing for ``nearest``)."""
+        rounds = self.fp8_rounding != "nearest" and any(
+            FormatSpec.parse(r.applied).family == "fp8" for r in self.report.swapped
+        )
+        if batches is None or not (rounds or self.smoothed_layers()):
+            batches = []
+        else:
+            with _preserved_rng():  # read once, for both (a generator of batches is read only once)
+                batches = list(islice(iter(batches), self.calibration_batches))
+        if batches:
             self.calibrate_smoothing(model, batches)
-        batches = () if batches is None else batches
-        has_fp8 = any(FormatSpec.parse(r.applied).family == "fp8" for r in self.report.swapped)
-        if self.fp8_rounding == "nearest" or not has_fp8:
+        if not rounds:
             return
         from hf_lowprec.ondevice.calibration.fp8 import round_fp8_weights
 
-        data = [b["input_ids"] for b in islice(iter(batches), self.calibration_batches)]
+        data = [b["input_ids"] for b in batches]
         if not data:
             raise ValueError(f"fp8_rounding={self.fp8_rounding!r} found no calibration batches")
         self.rounding = round_fp8_weights(model, data, self.fp8_rounding)
