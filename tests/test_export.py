@@ -831,7 +831,12 @@ def test_a_bf16_export_of_fp32_master_weights_labels_the_figures_as_the_runs(run
     copied = export_run(out, tmp_path / "copy")
     assert "not this export's" in (copied / CARD_FILE).read_text()
     native = export_run(runs / "full", tmp_path / "native")
-    assert "not this export's" not in (native / CARD_FILE).read_text()
+    native_card = (native / CARD_FILE).read_text()
+    assert "not this export's" not in native_card
+    # the command that computes as the run did reads the run's held-out rows (it read every row, training ones too)
+    assert "hf-lowprec eval path/to/full --data corpus.txt --held-out --plan-numerics\n" in native_card
+    as_run = [r["value"] for r in record["eval"] if r["metric"] == "perplexity" and "plan" in r["computed"]][0]
+    assert round(_measure_as_the_card_says(native_card, native, runs, monkeypatch), 4) == round(as_run, 4)
 
 
 @pytest.mark.parametrize("dataset, listed", [("chat.jsonl", None), ("shakespeare", None), ("someone/chat-data", ["someone/chat-data"])])
