@@ -728,6 +728,7 @@ def eval_cmd(
         split = split or default_eval_split(data)
         with ui.step(f"reading data {data} ({split} split)"):
             records, _ = read_source(data, split=split)
+        _warn_if_trained_on(model, data)
     loading = load_options(revision, trust_remote_code)
     kind = _eval_kind(model, gguf_file, task, plan_numerics, loading)
     tokenizer = checkpoint_tokenizer(model, gguf_file, loading)  # the data's errors before the model loads
@@ -759,6 +760,25 @@ def eval_cmd(
         results = _eval_causal_lm(lm_model, lm, batch_size, autocast)
         shown = f"{data} (the run's held-out rows: {len(lm.eval)} sequences)" if held_out else data
     ui.out.print(ui.key_values("Evaluation", {"model": model, "data": shown, **{k: str(v) for k, v in results}}))
+
+
+def _warn_if_trained_on(model: str, data: str) -> None:
+    """Say so when ``data`` is the data the `finetune` run in folder ``model`` trained on (the same name and, for
+    local data, the same bytes): evaluated whole, its figure includes the rows the model trained on."""
+    from hf_lowprec.data import local_data_digest
+    from hf_lowprec.export.records import RUN_FILE, read_run
+
+    if not (Path(model) / RUN_FILE).is_file():
+        return
+    record = read_run(Path(model), whole=False)
+    digest = record.get("dataset_sha256")
+    same_name = record.get("dataset") in (data, Path(data).name)
+    if "training" in record.get("recipe", {}) and same_name and (digest is None or local_data_digest(data) == digest):
+        ui.err.print(
+            f"note: {data} is the data {model} trained on: all of its rows are evaluated, the trained ones too; "
+            "--held-out evaluates only the rows the run held out (its reported figure)",
+            markup=False,
+        )
 
 
 def _run_data(model: str, data: str | None, clashing: list[str]):

@@ -691,6 +691,19 @@ def test_the_packed_layer_count_includes_packed_embeddings(tmp_path):
     assert _packed_layers(model) == f"{applied.count('int4-g64')} layers as packed INT4 codes (two per byte), 1 as int8 codes"
 
 
+def test_eval_of_the_runs_own_data_without_held_out_says_it_scores_the_trained_rows_too(runs, monkeypatch):
+    """`eval <run> --data <the data it trained on>` scores every row, the trained ones too, without a word (the
+    figure below the run's); it says so and names --held-out. Other data: nothing said."""
+    monkeypatch.chdir(runs)
+    whole = cli("eval", runs / "lora", "--data", "corpus.txt", "--max-sequences", "2")
+    assert whole.exit_code == 0, whole.output
+    said = " ".join(whole.output.split())
+    assert "is the data" in said and "trained on: all of its rows are evaluated, the trained ones too; --held-out" in said
+    (runs / "other.txt").write_text((runs / "corpus.txt").read_text()[:5000])
+    other = cli("eval", runs / "lora", "--data", "other.txt", "--max-sequences", "2")
+    assert other.exit_code == 0 and "trained on: all of its rows" not in " ".join(other.output.split())
+
+
 def _evaluation(card: str) -> str:
     return card.split("## Evaluation")[1].split("## Hardware")[0]
 
