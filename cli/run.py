@@ -39,7 +39,14 @@ from hf_lowprec.checkpoints import (
     source_kwargs,
 )
 from hf_lowprec.convert import revert
-from hf_lowprec.data import HELD_OUT_SPLIT, collated_batches, local_data_digest, prepare_run_data, read_run_source
+from hf_lowprec.data import (
+    HELD_OUT_SPLIT,
+    collated_batches,
+    local_data_digest,
+    prepare_run_data,
+    read_run_source,
+    scored_tokens,
+)
 from hf_lowprec.export.folder import export_model, resolved_weights
 from hf_lowprec.export.records import RUN_FILE, evaluation_numerics, hardware_info, read_run
 from hf_lowprec.folders import TRACES_DIR, atomic_write_text, sweep_leftovers
@@ -768,6 +775,7 @@ def _run_record(run: RunFolder, opts: FinetuneOptions, lm, figures: dict, final:
         for key in ("formats", "budget", "score", "scan_method"):
             del recipe["precision"][key]
     computed = evaluation_numerics({"recipe": recipe, **method_info})[2]
+    scored = scored_tokens(lm.eval)  # the card says over how many (a chat run's assistant turns may be few)
     batch = opts.recipe.training.per_device_train_batch_size
     exported = {m: figures[key] for m in ("perplexity", "loss") if (key := f"{m}_exported_weights") in figures}
     plain = f"the run's master weights in fp32 without the plan (plain transformers), batch {batch}"
@@ -785,10 +793,10 @@ def _run_record(run: RunFolder, opts: FinetuneOptions, lm, figures: dict, final:
         "trained_on": lm.train_on,  # the tokens the loss counted (data.train_on, auto resolved)
         "training": figures,
         "eval": [
-            *({"dataset": dataset, "split": "held-out", "metric": m, "value": round(final[m], 4), "computed": computed}
-              for m in ("perplexity", "loss")),
-            *({"dataset": dataset, "split": "held-out", "metric": m, "value": round(v, 4), "computed": plain}
-              for m, v in exported.items()),
+            *({"dataset": dataset, "split": "held-out", "metric": m, "value": round(final[m], 4), "computed": computed,
+               "tokens_scored": scored} for m in ("perplexity", "loss")),
+            *({"dataset": dataset, "split": "held-out", "metric": m, "value": round(v, 4), "computed": plain,
+               "tokens_scored": scored} for m, v in exported.items()),
         ],
         "hardware": hardware_info(),
         **method_info,

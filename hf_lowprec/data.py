@@ -666,6 +666,13 @@ class LMData:
     train_on: str = "all"
 
 
+def scored_tokens(rows: datasets.Dataset) -> int:
+    """How many tokens a loss over ``rows`` averages: each sequence's ``labels`` but its first (no token predicts it),
+    those other than -100 (``input_ids`` where the rows hold no labels: every token counts)."""
+    column = "labels" if "labels" in rows.column_names else "input_ids"
+    return sum(sum(1 for t in seq[1:] if t != -100) for seq in rows[column])
+
+
 def read_source(source: str | Path | None, split: str = "train") -> tuple[datasets.Dataset, str]:
     """``(rows, name)`` of a data source's ``split``; ``None``, or the name the run records and cards give it
     (``shakespeare``, where no local path has that name), is :func:`default_corpus` (one split, ``train``)."""

@@ -572,7 +572,7 @@ def test_an_fp8_runs_reported_loss_comes_back_from_its_export(ws, tmp_path):
     record = json.loads((out / RUN_FILE).read_text())
     autocast, batch, computed = evaluation_numerics(record)
     card = (out / CARD_FILE).read_text()
-    assert (autocast, batch) == (torch.bfloat16, 2) and f"| {computed} |" in card
+    assert (autocast, batch) == (torch.bfloat16, 2) and f"| {computed}; " in card and " tokens scored |" in card
     assert "| kept (fp32) | 2 |" in card and "plan │ fp8 64.3%, kept (fp32) 35.7%" in " ".join(result.output.split())
     assert json.loads((out / "config.json").read_text())["use_cache"] is True  # training turned it off
     model, tok = load_exported(out, apply_plan_numerics=True)
@@ -716,6 +716,11 @@ def test_chat_data_trains_on_completions_and_counts_the_tokens_it_had(ws, tmp_pa
     t = record["training"]
     assert t["train_tokens"] == 3 * 2 * length  # the rows' tokens, not full blocks of 32
     assert math.isfinite(t["loss_final"])
+    # the held-out figure is over the assistant's tokens of its rows: the record and the card say how many
+    prompt = len(tok.apply_chat_template(turn[:1], tokenize=True, add_generation_prompt=True)["input_ids"])
+    scored = {row["tokens_scored"] for row in record["eval"]}
+    assert len(scored) == 1 and (n := scored.pop()) > 0 and n % (length - prompt) == 0, (n, length, prompt)
+    assert f"{n:,} tokens scored, the assistant's turns only" in (out / CARD_FILE).read_text()
 
 
 def test_a_data_folder_with_a_validation_split_is_held_out_by_finetune_and_eval(ws, tmp_path):

@@ -61,6 +61,16 @@ def _eval_results(run: Mapping, model_name: str) -> list[EvalResult]:
     return out
 
 
+def _computed_cell(row: Mapping, run: Mapping) -> str:
+    """The evaluation table's "computed with" of ``row``: how, and over how many tokens (records before the count:
+    how alone)."""
+    tokens = row.get("tokens_scored")
+    if tokens is None:
+        return row.get("computed", "")
+    which = ", the assistant's turns only" if run.get("trained_on") == "completions" else ""
+    return "; ".join(filter(None, (row.get("computed"), f"{tokens:,} tokens scored{which}")))
+
+
 def render_model_card(run: Mapping, repo_id: str | None = None) -> ModelCard:
     """The model card of an exported run: YAML metadata (``ModelCardData``) + the packaged Jinja template.
 
@@ -69,7 +79,7 @@ def render_model_card(run: Mapping, repo_id: str | None = None) -> ModelCard:
     recipe = run.get("recipe", {})
     model_name = (repo_id or run.get("name") or "hf-lowprec-model").split("/")[-1]
     base_model = run.get("base_model")
-    eval_rows = list(run.get("eval", []))
+    eval_rows = [{**row, "computed": _computed_cell(row, run)} for row in run.get("eval", [])]
     datasets = [run["dataset"]] if _on_hub(run.get("dataset")) else None
     card_data = ModelCardData(
         base_model=base_model,
