@@ -438,7 +438,7 @@ def test_model_without_eligible_layers_fails_at_init(tmp_path):
         (dict(plan="fp8", budget={}, formats=("fp8",)), r"^budget=, formats= apply only to plan='auto' .*drop them or"),
         (dict(scan_method="magic"), r"^unknown scan_method 'magic'; choose one of auto, measured, fisher$"),
         (dict(plan="fp8", keep=["lm_head", 3]), r"^keep= takes a string or a list of strings, got \['lm_head', 3\]$"),
-        (dict(plan="fp8", calibration_data=[{}]), r"^calibration_data= applies only to plan='auto' \(or with fp8_"),
+        (dict(plan="fp8", calibration_data=[{}]), r"^calibration_data= applies only to plan='auto', fp8_rounding='gptq' or a plan with '-sq' formats, not to plan='fp8'$"),
         (dict(plan="int3"), "unknown format"),
         (dict(plan="fp8", scaler="delayed-ish"), "unknown scaler"),
         (dict(plan="fp8", scaler="dynamic", scaler_options={"spike_action": "skip"}), "unknown options"),

@@ -344,6 +344,12 @@ def test_the_callback_calibrates_smoothing_on_the_first_training_batches_before_
                       callbacks=[callback, Probe()])  # fmt: skip
     trainer.train()
     assert calibrated_at_start == [True, True]
+    # given calibration data, a fixed '-sq' plan calibrates when the model is converted (before any wrapping: FSDP)
+    given = LowPrecisionCallback({"default": "bf16", "layers": {"*.mlp.down_proj": "int4-g64-sq"}},
+                                 calibration_data=[{"input_ids": rows[:8]}])  # fmt: skip
+    model = tiny_llama()
+    Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows], callbacks=[given])
+    assert [bool(layer.mlp.down_proj.smoothing.calibrated) for layer in model.model.layers] == [True, True]
 
 
 @pytest.mark.parametrize("spec", ["fp8-sq", "fp8-rowwise-sq", "fp8-mx-sq"])

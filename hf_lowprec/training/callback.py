@@ -98,8 +98,9 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
             the CLI's recipes; ``()`` keeps none.
         budget: ``auto`` only: a ``sensitivity.Budget`` or a dict of its fields.
         formats: ``auto`` only: candidate formats of the scan.
-        calibration_data: ``auto`` or ``fp8_rounding``: model-input batches (a list, or a DataLoader for ``auto`` alone)
-            to scan and to calibrate on; with it the plan is applied at ``on_init_end``, otherwise the first training
+        calibration_data: ``auto``, ``fp8_rounding`` or a plan with ``-sq`` formats: model-input batches (a list, or a
+            DataLoader for ``auto`` alone) to scan and to calibrate on (``-sq`` layers then calibrate before the
+            Trainer wraps the model: what FSDP needs); with it the plan is applied at ``on_init_end``, otherwise the first training
             batches are scanned at ``on_train_begin``. The scan computes as the Trainer's steps will: under bf16
             autocast with ``bf16=True``, as Accelerate runs it.
         calibration_batches: how many batches the scan and the FP8 rounding use.
@@ -122,16 +123,18 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
 
     def __init__(self, plan="auto", *, calibration_data: Iterable[Mapping] | None = None, **options):
         rounds = options.get("fp8_rounding", "nearest") != "nearest"
-        if not is_auto(plan) and not rounds and calibration_data is not None:
-            fixed = f"plan={plan!r}" if isinstance(plan, str) else "a fixed plan"
-            raise ValueError(
-                f"calibration_data= applies only to plan='auto' (or with fp8_rounding='gptq'), not to {fixed}"
-            )
         if rounds and calibration_data is None:
             raise ValueError(
                 f"fp8_rounding={options['fp8_rounding']!r} needs calibration_data= (a list of a few training batches)"
             )
         self.session = owned_session(type(self).__name__, plan, options, also=("calibration_data",))
+        smooths = self.session.plan is not None and self.session.plan.smooths  # '-sq' layers calibrate on it too
+        if not is_auto(plan) and not rounds and not smooths and calibration_data is not None:
+            fixed = f"plan={plan!r}" if isinstance(plan, str) else "a fixed plan"
+            raise ValueError(
+                f"calibration_data= applies only to plan='auto', fp8_rounding='gptq' or a plan with '-sq' formats, "
+                f"not to {fixed}"
+            )
         self.calibration_data = calibration_data
         self._plan_folder = plan_folder(plan)
         self._hook = None
