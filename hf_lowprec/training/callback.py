@@ -100,9 +100,9 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         formats: ``auto`` only: candidate formats of the scan.
         calibration_data: ``auto``, ``fp8_rounding`` or a plan with ``-sq`` formats: model-input batches (a list, or a
             DataLoader for ``auto`` alone) to scan and to calibrate on (``-sq`` layers then calibrate before the
-            Trainer wraps the model: what FSDP needs); with it the plan is applied at ``on_init_end``, otherwise the first training
-            batches are scanned at ``on_train_begin``. The scan computes as the Trainer's steps will: under bf16
-            autocast with ``bf16=True``, as Accelerate runs it.
+            Trainer wraps the model: what FSDP needs); with it the plan is applied at ``on_init_end``, otherwise the
+            first training batches are scanned at ``on_train_begin``. The scan computes as the Trainer's steps will:
+            under bf16 autocast with ``bf16=True``, as Accelerate runs it.
         calibration_batches: how many batches the scan and the FP8 rounding use.
         scan_method: ``auto`` only: the scan's ``method``.
         scaler: FP8 scale policy by name (``dynamic``, ``delayed``, ``gradient``); ``scaler_options`` go
