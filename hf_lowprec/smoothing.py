@@ -113,7 +113,6 @@ def calibrate_smoothed_layers(model: nn.Module, input_ids: torch.Tensor) -> int:
     return len(pending)
 
 
-
 def _uncalibrated(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, InputSmoothing) and not bool(m.calibrated)]
 
@@ -145,10 +144,7 @@ def calibrate_smoothing(model: nn.Module, batches: Iterable, count: int) -> int:
         torch.distributed.all_reduce(enough, op=torch.distributed.ReduceOp.MIN)
     if not enough:
         why = why or f"the first {count} batches hold {tokens.numel()} real tokens (padding left out) on a rank"
-        logger.warning(
-            "'-sq' layers (%s) calibrate on their first forward of %d tokens or more instead, re-fitting their learned "
-            "steps then: %s", ", ".join(n.removesuffix(".smoothing") for n in pending[:3]), MIN_CALIBRATION_TOKENS, why,
-        )  # fmt: skip
+        say_first_forward_calibrates([n.removesuffix(".smoothing") for n in pending], why)
         return 0
     width = min(width, tokens.numel())
     calibrated = calibrate_smoothed_layers(model, tokens[: tokens.numel() // width * width].view(-1, width))
@@ -157,6 +153,14 @@ def calibrate_smoothing(model: nn.Module, batches: Iterable, count: int) -> int:
             for tensor in (*layer.parameters(), *layer.buffers()):
                 torch.distributed.broadcast(tensor.data, src=0)
     return calibrated
+
+
+def say_first_forward_calibrates(layers: list[str], why: str) -> None:
+    """Warn that the ``-sq`` ``layers`` calibrate on their first forward instead of before training, and ``why``."""
+    logger.warning(
+        "'-sq' layers (%s) calibrate on their first forward of %d tokens or more, re-fitting their learned steps then: "
+        "%s", ", ".join(layers[:3]), MIN_CALIBRATION_TOKENS, why,
+    )  # fmt: skip
 
 
 def _real_tokens(model: nn.Module, batches: Iterable, count: int) -> tuple[torch.Tensor, int, str | None]:

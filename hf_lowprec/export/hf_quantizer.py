@@ -45,6 +45,7 @@ from hf_lowprec.modules.packed import KEPT_DENSE, PackedLinear, compact_steps, p
 from hf_lowprec.modules.packed_embedding import (
     PackedEmbedding,
     TiedPackedEmbedding,
+    drop_tie_record,
     embedding_scale,
     share_packed_head,
     tied_head_names,
@@ -146,7 +147,7 @@ class HfLowprecQuantizer(HfQuantizer):
                 )
             if tied is not None and tied[0] in self.to_pack:  # the checkpoint holds the table as the embedding's
                 self.tied, self.to_pack[tied[1]] = tied, self.to_pack[tied[0]]
-                model.all_tied_weights_keys.pop(f"{tied[0]}.weight", None)  # tied through the codes instead
+                drop_tie_record(model, tied[0])  # tied through the codes instead
             self.sources = _safetensors_index(checkpoint_files)
             self._earlier_mappings = set(file_mappings() or [])
             self.compute_dtype = model.dtype  # the dtype asked for: the skeleton is made in it
@@ -372,7 +373,7 @@ def install_packed_shells(
     tied = tied_head_names(model)
     count = swap_layers(model, shell)
     if tied is not None and f"{canonical_name(tied[1])}.weight" in stored and tied[1] not in packed:
-        getattr(model, "all_tied_weights_keys", {}).pop(f"{tied[0]}.weight", None)  # the head holds codes, not weight
+        drop_tie_record(model, tied[0])  # the embedding keeps its own table
     elif tied is not None:
         share_packed_head(model, tied)  # a packed folder holds a tied table once, as the head's codes
     return count

@@ -20,7 +20,7 @@ from hf_lowprec.formats import FormatSpec
 from hf_lowprec.modules.packed import NoDenseWeight, PackedLinear, packed_class
 
 
-class PackedRows(NoDenseWeight, nn.Module):
+class _PackedRows(NoDenseWeight, nn.Module):
     """``input_ids [...] -> embeddings [..., H]``: the rows of the packed ``[V, H]`` layer ``self.table``, times
     ``scale`` when the embedding it replaces scaled them (Gemma's ``embed_scale``, see :func:`embedding_scale`)."""
 
@@ -49,7 +49,7 @@ class PackedRows(NoDenseWeight, nn.Module):
         return self.table.dequantized_weight(dtype)
 
 
-class TiedPackedEmbedding(PackedRows):
+class TiedPackedEmbedding(_PackedRows):
     """The input embedding of a model whose packed output head ``head`` is tied to it: reads the head's rows."""
 
     def extra_repr(self) -> str:
@@ -57,7 +57,7 @@ class TiedPackedEmbedding(PackedRows):
         return f"{self.num_embeddings}, {self.embedding_dim}, rows of the packed output head ({self.spec.name}){scaled}"
 
 
-class PackedEmbedding(PackedRows):
+class PackedEmbedding(_PackedRows):
     """An untied input embedding holding its ``[V, H]`` table as packed codes: ``table``, a packed layer of that shape
     (int4 formats; per-row ``int8``), which it owns.
 
@@ -121,7 +121,7 @@ def embedding_scale(embedding: nn.Module) -> float | None:
     """The factor a scaled word embedding multiplies its rows by (Gemma's ``embed_scale``, ``sqrt(hidden)``; Bart's),
     ``None`` for a plain one. Gemma keeps it as a buffer, which is still on the meta device while transformers loads,
     and as the Python float ``scalar_embed_scale`` read here."""
-    if isinstance(embedding, PackedRows):
+    if isinstance(embedding, _PackedRows):
         return embedding.scale
     scale = getattr(embedding, "scalar_embed_scale", getattr(embedding, "embed_scale", None))
     if torch.is_tensor(scale):
@@ -160,10 +160,14 @@ def share_packed_head(model: nn.Module, names: tuple[str, str]) -> bool:
     if not isinstance(head, PackedLinear):
         return False
     set_module(model, embedding_name, TiedPackedEmbedding(head, embedding_scale(model.get_submodule(embedding_name))))
-    tied = getattr(model, "all_tied_weights_keys", None)
-    if tied is not None:  # transformers would tie lm_head.weight to an embedding weight that no longer exists
-        tied.pop(f"{head_name}.weight", None)
+    drop_tie_record(model, head_name)
     return True
+
+
+def drop_tie_record(model: nn.Module, head_name: str) -> None:
+    """Drop transformers' record that the head ``head_name``'s weight is tied to the embedding's: a packed head holds
+    codes, no ``weight`` (transformers would tie one to the embedding's table, or to one that no longer exists)."""
+    getattr(model, "all_tied_weights_keys", {}).pop(f"{head_name}.weight", None)
 
 
 def with_dense_tables(state: dict, model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -174,7 +178,7 @@ def with_dense_tables(state: dict, model: nn.Module, dtype: torch.dtype) -> dict
 
     out = dict(state)
     for fqn, module in model.named_modules():
-        if isinstance(module, PackedRows):
+        if isinstance(module, _PackedRows):
             name = canonical_name(fqn)
             for buffer in PackedLinear.BUFFERS if isinstance(module, PackedEmbedding) else ():
                 out.pop(f"{name}.{buffer}", None)

@@ -42,7 +42,7 @@ from hf_lowprec.convert import canonical_name, eligible_layers
 from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.layers import wrapper_of
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
-from hf_lowprec.smoothing import MIN_CALIBRATION_TOKENS
+from hf_lowprec.smoothing import say_first_forward_calibrates
 from hf_lowprec.training.compensation import CompensatedOptimizer
 from hf_lowprec.training.new_parameters import insert_new_parameters, orphaned_parameters
 from hf_lowprec.training.session import SessionOwner, owned_session, process_world, scan_progress
@@ -180,11 +180,7 @@ class LowPrecisionPlugin(SessionOwner):
         self._convert(accelerator, model)
         self.session.calibrate(model, calibration_data)
         if calibration_data is None and (smoothed := self.session.smoothed_layers()):
-            logger.warning(
-                "'-sq' layers (%s) calibrate on their first forward of %d tokens or more, re-fitting their learned "
-                "steps then; give calibration_data= to calibrate them before training", ", ".join(smoothed[:3]),
-                MIN_CALIBRATION_TOKENS,
-            )
+            say_first_forward_calibrates(smoothed, "give calibration_data= to calibrate them before training")
         if optimizer is not None:
             self._repoint(optimizer, model, before)
             insert_new_parameters(optimizer, model, self.session.new_params)

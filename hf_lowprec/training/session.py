@@ -304,8 +304,8 @@ class LowPrecisionSession:
         else:
             with _preserved_rng():  # read once, for both (a generator of batches is read only once)
                 batches = list(islice(iter(batches), self.calibration_batches))
-        if batches:
-            self.calibrate_smoothing(model, batches)
+        if batches and self.smoothed_layers():  # a list, read with the random streams kept
+            calibrate_smoothing(model, batches, self.calibration_batches)
         if not rounds:
             return
         from hf_lowprec.ondevice.calibration.fp8 import round_fp8_weights
