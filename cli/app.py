@@ -698,6 +698,14 @@ def eval_cmd(
     ] = False,
     text_column: TextColOpt = None,
     messages_column: MsgColOpt = None,
+    score_on: Annotated[
+        Optional[str],
+        typer.Option(
+            "--score-on",
+            help="Chat data: the tokens scored, all, completions (the assistant's turns) or auto (as finetune's "
+            "--train-on). Default for a `finetune` output: the tokens its run trained on; else auto.",
+        ),
+    ] = None,
     label_column: Annotated[str, typer.Option("--label-column")] = "label",
     revision: RevisionOpt = None,
     trust_remote_code: TrustCodeOpt = False,
@@ -720,7 +728,7 @@ def eval_cmd(
     held_out = held_out or data is None
     if held_out:
         given = {"--split": split, "--block-size": block_size, "--max-sequences": max_sequences,
-                 "--text-column": text_column, "--messages-column": messages_column,
+                 "--text-column": text_column, "--messages-column": messages_column, "--score-on": score_on,
                  "--task classification": task == "classification" or None}
         clashing = [name for name, value in given.items() if value is not None]
         recipe, records, held_records, data = _run_data(model, data, clashing)
@@ -729,6 +737,7 @@ def eval_cmd(
         with ui.step(f"reading data {data} ({split} split)"):
             records, _ = read_source(data, split=split)
         _warn_if_trained_on(model, data)
+        score_on = _tokens_scored(model, score_on, records, data, text_column, messages_column)
     loading = load_options(revision, trust_remote_code)
     kind = _eval_kind(model, gguf_file, task, plan_numerics, loading)
     tokenizer = checkpoint_tokenizer(model, gguf_file, loading)  # the data's errors before the model loads
@@ -748,7 +757,8 @@ def eval_cmd(
                 lm = prepare_run_data(records, data, tokenizer, recipe, held_records)
             else:
                 lm = prepare_lm_data(records, data, tokenizer, block_size or 256, eval_sequences=max_sequences,
-                                     eval_only=True, text_column=text_column, messages_column=messages_column)
+                                     eval_only=True, text_column=text_column, messages_column=messages_column,
+                                     train_on=score_on)
     with ui.step(f"loading {model}"):
         lm_model = _load_for_eval(model, gguf_file, kind, plan_numerics, loading, tokenizer)
     if block_size is not None:
@@ -760,6 +770,27 @@ def eval_cmd(
         results = _eval_causal_lm(lm_model, lm, batch_size, autocast)
         shown = f"{data} (the run's held-out rows: {len(lm.eval)} sequences)" if held_out else data
     ui.out.print(ui.key_values("Evaluation", {"model": model, "data": shown, **{k: str(v) for k, v in results}}))
+
+
+def _tokens_scored(model: str, score_on: str | None, records, data: str, text_column, messages_column) -> str:
+    """The tokens an evaluation of ``records`` scores (``prepare_lm_data``'s ``train_on``): ``score_on`` where given;
+    else, for chat rows and a `finetune` run (folder ``model``) that trained on the completions only, those (said on
+    stderr: the run's held-out figure is theirs); else ``auto``."""
+    from hf_lowprec.data import TRAIN_ON, detect_columns
+    from hf_lowprec.export.records import RUN_FILE, read_run
+
+    if score_on is not None:
+        if score_on not in TRAIN_ON:
+            ui.fail(f"--score-on {score_on!r}: choose one of {', '.join(TRAIN_ON)}")
+        return score_on
+    if not (Path(model) / RUN_FILE).is_file() or not records.column_names:
+        return "auto"
+    trained_on = read_run(Path(model), whole=False).get("trained_on")
+    if trained_on != "completions" or detect_columns(records, data, text_column, messages_column).kind == "text":
+        return "auto"
+    ui.err.print(f"scoring the assistant's turns only, as {model} trained on them; --score-on all scores every token",
+                 markup=False)  # fmt: skip
+    return "completions"
 
 
 def _warn_if_trained_on(model: str, data: str) -> None:

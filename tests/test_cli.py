@@ -723,6 +723,32 @@ def test_chat_data_trains_on_completions_and_counts_the_tokens_it_had(ws, tmp_pa
     assert f"{n:,} tokens scored, the assistant's turns only" in (out / CARD_FILE).read_text()
 
 
+def test_eval_of_new_chat_data_scores_the_tokens_the_run_trained_on(ws, tmp_path):
+    """A run that trained on the completions is evaluated on other chat data over the assistant's turns too (it scored
+    every token: a figure unlike the run's); ``--score-on`` chooses, and is refused with --held-out."""
+    turn = [{"role": "user", "content": "what is it?"}, {"role": "assistant", "content": "it is so."}]
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps({"messages": turn}) for _ in range(40)))
+    other = [{"role": "user", "content": "and now?"}, {"role": "assistant", "content": "now it is not."}]
+    (tmp_path / "new.jsonl").write_text("\n".join(json.dumps({"messages": other}) for _ in range(3)))
+    out = tmp_path / "run"
+    trained = cli("finetune", ws / "tiny", "--data", tmp_path / "chat.jsonl", "--train-on", "completions",
+                  "--max-steps", "1", *FAST, "-o", out)  # fmt: skip
+    assert trained.exit_code == 0, trained.output
+    tok = AutoTokenizer.from_pretrained(ws / "tiny")
+    length = len(tok.apply_chat_template(other, tokenize=True)["input_ids"])
+    prompt = len(tok.apply_chat_template(other[:1], tokenize=True, add_generation_prompt=True)["input_ids"])
+    tokens = lambda r: int(re.search(r"tokens\s*│?\s*([\d,]+)", r.output).group(1).replace(",", ""))  # noqa: E731
+    args = ["eval", out, "--data", tmp_path / "new.jsonl", "--block-size", "32"]
+    default, every = cli(*args), cli(*args, "--score-on", "all")
+    assert default.exit_code == 0 and every.exit_code == 0, default.output + every.output
+    assert "scoring the assistant's turns only, as" in default.output
+    assert tokens(default) == 3 * (length - prompt) and tokens(every) == 3 * (length - 1), (length, prompt)
+    assert tokens(cli(*args, "--score-on", "completions")) == tokens(default)
+    assert "--score-on 'turns': choose one of auto, all, completions" in one_error_line(cli(*args, "--score-on", "turns"))
+    held = cli("eval", out, "--data", tmp_path / "chat.jsonl", "--held-out", "--score-on", "all")
+    assert held.exit_code != 0 and "--score-on: the held-out rows are a causal-LM run's own" in one_error_line(held)
+
+
 def test_a_data_folder_with_a_validation_split_is_held_out_by_finetune_and_eval(ws, tmp_path):
     text = (ws / "corpus.txt").read_text()
     rows = [text[i : i + 400] for i in range(0, 24_000, 400)]
