@@ -103,6 +103,8 @@ class PrecisionPlan:
         layers = data.get("layers") or {}
         if not isinstance(layers, Mapping):
             raise ValueError(f"{where}'layers' must map layer names to formats, got {type(layers).__name__}")
+        if not isinstance(data.get("model", ""), (str, type(None))):
+            raise ValueError(f"{where}'model' must be the model's name or path (a string), got {data['model']!r}")
         try:
             return cls(dict(layers), default=data.get("default", "bf16"), model=data.get("model"))
         except ValueError as e:

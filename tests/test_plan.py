@@ -44,6 +44,7 @@ def test_save_load_round_trip(tmp_path, suffix):
         ("layers: [unclosed", ".yaml", "not valid YAML: line 1, column 18: expected ',' or ']'"),
         ('{"layer": {}}', ".json", "unknown plan key.*'layer'.*allowed keys are default, layers, model"),
         ('{"layers": ["lm_head"]}', ".json", "'layers' must map layer names to formats"),
+        ("model: 2024\ndefault: fp8\n", ".yaml", "'model' must be the model's name or path \\(a string\\), got 2024"),
         ('{"layers": {"lm_head": "int3"}}', ".json", "plan entry 'lm_head': unknown format 'int3'.*choose one of"),
         ("[1, 2]", ".yaml", "a plan must be a mapping"),
         # a key written twice: the parsers keep the last one silently

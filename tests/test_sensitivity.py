@@ -265,6 +265,10 @@ def test_check_budget_raises_before_a_scan_what_allocate_raises_after_it(sensiti
     check_budget(sensitive_model, formats, {"score": "after-training"})  # the default budget, scored after training
     with pytest.raises(ValueError, match="budget score must be one of"):
         check_budget(sensitive_model, formats, {"score": "trained"})
+    # a mistyped keep is refused before the scan whatever the budget (the default's and a loss budget's came after it)
+    for budget in (None, {"max_loss_increase": 1e-3}, {"score": "after-training"}):
+        with pytest.raises(ValueError, match="keep entry 'lm_haed' is not a scanned layer; close matches: lm_head"):
+            check_budget(sensitive_model, formats, budget, keep=["lm_haed"])
     assert all(not isinstance(m, tuple(LOW_PRECISION_TYPES)) for m in sensitive_model.modules())  # left as it was
 
 
@@ -554,6 +558,40 @@ def test_ilp_is_optimal_and_greedy_is_feasible(budget):
     allocate(result, budget, solver="greedy")
     greedy = result.allocation["predicted_delta_loss"] if budget.minimizes_loss else result.allocation["bits_per_param"]
     assert greedy >= best - 1e-12
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_ilp_is_optimal_when_the_scores_span_orders_of_magnitude(kept):
+    """Δloss from 1e-8 to 1e-3 beside one of 5 nats (an output head in INT4, kept or not): HiGHS stops within an
+    absolute gap of its optimum, and the objective divided by its largest entry returned plans up to 100x the
+    optimum's Δloss. Brute force over the 4^5 plans is the reference."""
+    rng = np.random.default_rng(1)
+    formats, suboptimal, solved = ("fp8", INT4, "int8"), [], 0
+    for trial in range(20):
+        layers = []
+        for i in range(5):
+            params = int(rng.choice([64, 128, 256])) * 128
+            layers.append(LayerScore(f"l{i}", params=params, bytes={"bf16": 2.0 * params, "fp8": 1.0 * params,
+                                     INT4: 0.53 * params, "int8": 1.03 * params},
+                                     predicted={f: float(10 ** rng.uniform(-8, -3)) for f in formats}))  # fmt: skip
+        layers[0].predicted[INT4] = 5.0
+        result = ScanResult(layers, formats, "fisher", base_loss=3.0)
+        budget = Budget(target_bits_per_param=float(rng.uniform(7, 12)))
+        total = sum(u.params for u in layers)
+        choices = [["bf16"] if kept and u.name == "l0" else ["bf16", *formats] for u in layers]
+        best = min(
+            (sum(u.score(c) for u, c in zip(layers, combo, strict=True))
+             for combo in itertools.product(*choices)
+             if 8 * sum(u.bytes[c] for u, c in zip(layers, combo, strict=True)) / total <= budget.target_bits_per_param),
+            default=None,
+        )  # fmt: skip
+        if best is None:  # the head kept in bf16 leaves too few bytes
+            continue
+        solved += 1
+        allocate(result, budget, keep=["l0"] if kept else (), solver="ilp")
+        if result.allocation["predicted_delta_loss"] > best * (1 + 1e-6):
+            suboptimal.append((trial, result.allocation["predicted_delta_loss"] / best))
+    assert not suboptimal and solved >= 10, (suboptimal, solved)
 
 
 @pytest.mark.parametrize("solver", ["ilp", "greedy"])

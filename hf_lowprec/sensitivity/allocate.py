@@ -197,7 +197,7 @@ def _solve_ilp(p: _Problem, objective: np.ndarray, limits, tiebreak: np.ndarray 
     An ILP rather than a DP: the budget can constrain loss, memory and two fractions at once, which a
     one-dimensional knapsack DP cannot express.
     """
-    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.optimize import LinearConstraint
 
     n = len(p.unit)
     onehot = np.zeros((p.n_units, n))
@@ -212,28 +212,45 @@ def _solve_ilp(p: _Problem, objective: np.ndarray, limits, tiebreak: np.ndarray 
     for a, _, hi in limits:
         if math.isfinite(hi) and (a >= 0).all():
             upper[a > hi] = 0.0
+    x = _minimize(objective, upper, constraints)
+    if x is None or tiebreak is None:
+        return x
+    # among optimal solutions, the best by the second criterion
+    best = float(objective @ x)
+    if best > 0:  # within 1e-9 of the optimum, relative to it: unscaled, HiGHS's absolute tolerance (~1e-7) let a
+        # higher loss in, which the tiebreak then took for fewer bytes
+        optimal, tied_upper = [LinearConstraint(objective[None, :] / best, -np.inf, 1.0 + 1e-9)], upper
+    else:  # objectives are >= 0: an optimum of 0 takes no row above 0
+        optimal, tied_upper = [], np.where(objective > 0, 0.0, upper)
+    tied = _minimize(tiebreak, tied_upper, [*constraints, *optimal])
+    return x if tied is None else tied
+
+
+def _minimize(objective: np.ndarray, upper: np.ndarray, constraints: list) -> np.ndarray | None:
+    """The 0/1 vector under ``upper`` meeting ``constraints`` of least ``objective`` (>= 0), or None if infeasible.
+
+    HiGHS stops within an absolute gap (1e-6) of the optimum. The objective is divided by its largest entry a plan
+    can take (a row ``upper`` forbids, e.g. a kept head's INT4 Δloss, left out: beside it, the other layers' Δloss
+    fell under the gap and the plan came back up to 100x the optimum), then, where the optimum is far smaller than
+    that entry, solved again divided by the optimum found: the gap is then relative to the optimum."""
+    from scipy.optimize import Bounds, milp
+
+    n = len(objective)
     bounds = Bounds(np.zeros(n), upper)
     options = {"time_limit": 60.0, "mip_rel_gap": 1e-9}
-    scale = max(np.abs(objective).max(), 1e-30)
-    res = milp(objective / scale, integrality=np.ones(n), bounds=bounds, constraints=constraints, options=options)
-    if res.x is None:
-        return None
-    if res.status != 0:
-        logger.warning("allocation ILP stopped before proving optimality (%s); using its best solution", res.message)
-    x = np.round(res.x)
-    if tiebreak is not None:  # among optimal solutions, the best by the second criterion
-        best = float(objective @ x)
-        tol = 1e-9 * max(abs(best), 1e-12) + 1e-15
-        res2 = milp(
-            tiebreak / max(np.abs(tiebreak).max(), 1e-30),
-            integrality=np.ones(n),
-            bounds=bounds,
-            constraints=[*constraints, LinearConstraint(objective[None, :], -np.inf, best + tol)],
-            options=options,
-        )
-        if res2.x is not None:
-            x = np.round(res2.x)
-    return x
+    scale = max(float(np.abs(objective[upper > 0]).max(initial=0.0)), 1e-30)
+    x = None
+    while True:
+        res = milp(objective / scale, integrality=np.ones(n), bounds=bounds, constraints=constraints, options=options)
+        if res.x is None:
+            return x
+        if res.status != 0:
+            logger.warning("allocation ILP stopped before proving optimality (%s); using its best solution", res.message)
+        x = np.round(res.x)
+        value = float(objective @ x)
+        if not 0 < value < 1e-3 * scale:
+            return x
+        scale = value
 
 
 def _row_scale(lo: float, hi: float) -> float:
@@ -420,20 +437,23 @@ def check_budget(
     minutes a scan takes. A loss budget is always met (by keeping every layer); ``None`` is one. ``layers``,
     ``packed``: as the scan will be given them (its ``layers``; ``dense_weights`` given)."""
     check_budget_fields(budget)
-    if budget is None or isinstance(budget, Mapping) and not set(budget) - {"score"}:  # the default budget, a loss one
-        return
-    budget = _budget_of(None, budget, {})
-    if budget.max_loss_increase is not None:  # met by keeping layers; unknown before the scan: the size limits alone
-        if all(getattr(budget, k) is None for k in _CONSTRAINTS if k != "max_loss_increase"):
-            return
-        budget = replace(budget, max_loss_increase=None)
     scores = []
     units = _units(model, [FormatSpec.parse(f) for f in formats], packed=packed)
     for unit in units if layers is None else _select(units, layers):
         scores.append(unscored(unit))
         for terms in ("predicted", "first_order", "second_order"):  # every choice costs nothing: only the limits bind
             setattr(scores[-1], terms, dict.fromkeys(unit.formats, 0.0))
-    allocate(ScanResult(scores, tuple(formats), "none"), budget, keep=keep)
+    result = ScanResult(scores, tuple(formats), "none")
+    if budget is None or isinstance(budget, Mapping) and not set(budget) - {"score"}:  # the default budget, a loss one
+        _problem(result, keep, {}, "predicted")  # keep's names alone (a typo refused after the scan cost its minutes)
+        return
+    budget = _budget_of(None, budget, {})
+    if budget.max_loss_increase is not None:  # met by keeping layers; unknown before the scan: the size limits alone
+        if all(getattr(budget, k) is None for k in _CONSTRAINTS if k != "max_loss_increase"):
+            _problem(result, keep, {}, "predicted")
+            return
+        budget = replace(budget, max_loss_increase=None)
+    allocate(result, budget, keep=keep)
 
 
 def check_budget_fields(budget: Budget | Mapping[str, float] | None) -> None:
