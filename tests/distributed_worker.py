@@ -40,11 +40,12 @@ def world() -> tuple[int, int]:
 
 
 def run_trainer(
-    out: Path, sync: bool | None, fp32: bool, auto: bool = False, smoothed: bool = False
+    out: Path, sync: bool | None, fp32: bool, auto: bool = False, smoothed: bool = False, compensated: bool = False
 ) -> tuple[list[float], torch.nn.Module]:
     """``auto``: plan="auto" scanned on each rank's first batches after DDP wrapped the model (rank 0's plan
     is broadcast); the budget puts every Linear in FP8, so every world size ends with the same plan. ``smoothed``:
-    ``SMOOTHED_PLAN``, whose '-sq' layers calibrate on each rank's own first batches after DDP wrapped the model."""
+    ``SMOOTHED_PLAN``, whose '-sq' layers calibrate on each rank's own first batches after DDP wrapped the model.
+    ``compensated``: bf16 weights, their updates Kahan-compensated (``compensation="kahan"``)."""
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
@@ -58,33 +59,36 @@ def run_trainer(
         learning_rate=3e-3, logging_steps=1, report_to=[], save_strategy="no", train_sampling_strategy="sequential",
         ddp_backend="gloo" if size > 1 else None, disable_tqdm=True, seed=0,
     )  # fmt: skip
-    model = tiny_llama()
+    model = tiny_llama().to(torch.bfloat16 if compensated else torch.float32)
     if auto:
         cb = LowPrecisionCallback(formats=("fp8",), budget={"min_fp8_fraction": 1.0}, calibration_batches=2, sync=sync)
     else:
-        cb = LowPrecisionCallback(SMOOTHED_PLAN if smoothed else PLAN, sync=sync)
+        compensation = "kahan" if compensated else None
+        cb = LowPrecisionCallback(SMOOTHED_PLAN if smoothed else PLAN, sync=sync, compensation=compensation)
     callbacks = [] if fp32 else [cb]
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks)
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], model
 
 
-def run_accelerate(out: Path, sync: bool | None, spike: bool = False) -> tuple[list[float], torch.nn.Module]:
+def run_accelerate(
+    out: Path, sync: bool | None, spike: bool = False, compensated: bool = False
+) -> tuple[list[float], torch.nn.Module]:
     """Accelerate + plugin; then a forward on rank 0 alone. ``spike``: gradient scaling that skips a step on a spike,
     each rank judging its own gradients (``sync=False``), rank 0 alone seeing one (its loss x 1e4 at step 3); writes
-    ``out/skipped<rank>.json``."""
+    ``out/skipped<rank>.json``. ``compensated``: bf16 weights, their updates Kahan-compensated."""
     from accelerate import Accelerator
 
     from hf_lowprec.training.accelerate import LowPrecisionPlugin
 
     rank, size = world()
     accelerator = Accelerator(cpu=True)
-    model = tiny_llama()
+    model = tiny_llama().to(torch.bfloat16 if compensated else torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rows = torch.tensor(dataset_rows())
     loader = torch.utils.data.DataLoader([{"input_ids": r, "labels": r} for r in rows], batch_size=GLOBAL_BATCH // size)
     skipping = {"scaler": "gradient", "scaler_options": {"spike_action": "skip"}, "sync": False}
-    lowprec = LowPrecisionPlugin(PLAN, **(skipping if spike else {"sync": sync}))
+    lowprec = LowPrecisionPlugin(PLAN, **(skipping if spike else {"sync": sync}), compensation="kahan" if compensated else None)
     model, optimizer, loader = lowprec.prepare(accelerator, model, optimizer, loader)
     losses = []
     for step, batch in enumerate(loader):
@@ -143,10 +147,11 @@ def run(mode: str, out: Path, sync: bool | None = None, fp32: bool = False) -> N
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     torch.set_num_threads(1)  # as torch.distributed.run sets for each process: same kernels, same rounding
-    if mode in ("trainer", "trainer-auto", "trainer-smoothed"):
-        losses, model = run_trainer(out, sync, fp32, auto=mode == "trainer-auto", smoothed=mode == "trainer-smoothed")
-    elif mode == "plugin":
-        losses, model = run_accelerate(out, sync)
+    if mode.startswith("trainer"):
+        losses, model = run_trainer(out, sync, fp32, auto=mode == "trainer-auto", smoothed=mode == "trainer-smoothed",
+                                    compensated=mode == "trainer-compensated")  # fmt: skip
+    elif mode in ("plugin", "plugin-compensated"):
+        losses, model = run_accelerate(out, sync, compensated=mode == "plugin-compensated")
     elif mode == "spike-on-one-rank":
         losses, model = run_accelerate(out, sync, spike=True)
     else:

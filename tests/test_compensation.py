@@ -260,9 +260,9 @@ def test_compensated_optimizer_round_trips_through_state_dict(method):
 @pytest.mark.parametrize("method", ["kahan", "stochastic"])
 def test_a_step_a_pre_hook_skips_leaves_every_chunk_unchanged(method):
     """A gradient spike under spike_action="skip" clears every gradient in a step pre-hook of the inner optimizer
-    (LowPrecisionPlugin's), which runs once per chunk of parameters: the later chunks have no gradient to lift (an
-    AttributeError before) and no weight moves: not its stored value either, which lowering a lifted weight with its
-    Kahan buffer again rounded anew (91 bf16 values moved after a skipped step), nor its buffer."""
+    (LowPrecisionPlugin's), which runs once per step, before any chunk of parameters is lifted: no weight moves, not
+    its stored value (lowering a lifted weight with its Kahan buffer again rounded anew: 91 bf16 values moved after a
+    skipped step), nor its buffer, nor the inner optimizer's states."""
     params = [torch.nn.Parameter(torch.randn(4, 8).bfloat16()) for _ in range(3)]
     inner = torch.optim.AdamW(params, lr=0.1)
     opt = CompensatedOptimizer(inner, method, max_chunk_numel=32)  # one parameter a chunk
@@ -270,23 +270,32 @@ def test_a_step_a_pre_hook_skips_leaves_every_chunk_unchanged(method):
         p.grad = torch.full_like(p, 1e-3)
     opt.step()  # buffers of what bf16 could not store
 
-    def skip(*args):
+    calls = []
+
+    def skip(optimizer, args, kwargs):
+        calls.append([type(p) for g in optimizer.param_groups for p in g["params"]])
         for p in params:
             p.grad = None
 
-    inner.register_step_pre_hook(skip)
+    handle = inner.register_step_pre_hook(skip)
     for p in params:
         p.grad = torch.ones_like(p)
     before = [p.detach().clone() for p in params]
     buffers = {k: v.clone() for k, v in opt.buffers.items()}
+    states = copy.deepcopy(inner.state_dict()["state"])
     opt.step()
+    assert calls == [[torch.nn.Parameter] * 3]  # once, seeing the parameters themselves
     assert all(torch.equal(p, b) for p, b in zip(params, before)) and all(p.grad is None for p in params)
     assert opt.buffers.keys() == buffers.keys() and all(torch.equal(opt.buffers[k], v) for k, v in buffers.items())
-    inner._optimizer_step_pre_hooks.clear()
+    after = inner.state_dict()["state"]
+    assert after.keys() == states.keys() and all(
+        torch.equal(after[i][k], v) for i, state in states.items() for k, v in state.items())  # fmt: skip
+    handle.remove()
     for p in params:
         p.grad = torch.ones_like(p)
     opt.step()  # a step nothing skips moves every chunk
     assert not any(torch.equal(p, b) for p, b in zip(params, before))
+    assert all(set(inner.state[p]) == {"step", "exp_avg", "exp_avg_sq"} for p in params)  # keyed by the parameters
 
 
 def test_compensated_optimizer_works_with_schedulers_and_new_parameter_groups():

@@ -254,8 +254,8 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         return self._generators[key]
 
     def _lift(self, p: torch.Tensor, mode: str) -> torch.Tensor:
-        """The fp32 value the wrapped optimizer updates."""
-        hp = p.detach().float()
+        """The fp32 value the wrapped optimizer updates (a copy: an fp32 weight's too)."""
+        hp = p.detach().to(torch.float32, copy=True)
         if mode == "kahan" and id(p) in self.buffers:
             hp.add_(self.buffers[id(p)])
         return hp
@@ -301,36 +301,59 @@ class CompensatedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One step of the wrapped optimizer over fp32 stand-ins of the lifted parameters (its step hooks see them),
+        lowered back into the parameters in place.
+
+        Stand-ins, not ``p.data`` swapped to fp32: a parameter given data of another dtype gets a new gradient
+        accumulator, which drops the hook DDP put on the old one, so the ranks' gradients were never averaged. The
+        wrapped optimizer's step hooks run once per step, here, with the parameters in place (a pre-hook that clears
+        their gradients, as a gradient spike's skip does, skips the step: its states stay as they were)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         groups = self.optimizer.param_groups
         originals = [g["params"] for g in groups]
+        pre_hooks, post_hooks = self._step_hooks()
         try:
+            for hook in list(pre_hooks.values()):
+                hook(self.optimizer, (), {})
             for chunk in self._chunks():
-                lifted = []
+                lifted = {}  # id(param) -> (param, mode, fp32 stand-in)
                 for _, p in chunk:
                     mode = self._mode(p)
-                    # no gradient: frozen, or a step a pre-hook of the inner optimizer skipped in an earlier chunk
-                    # (a gradient spike under spike_action="skip" clears every gradient): nothing to lift
+                    # no gradient: frozen, or a step a pre-hook skipped (a gradient spike under spike_action="skip"
+                    # clears every gradient): nothing to lift
                     if mode and p.grad is not None:
-                        lifted.append((p, mode, p.data, p.grad))
-                        p.data = self._lift(p, mode)
-                        p.grad = p.grad.float()
+                        stand_in = self._lift(p, mode)
+                        stand_in.grad = p.grad.float()
+                        lifted[id(p)] = (p, mode, stand_in)
                 for gi, g in enumerate(groups):
-                    g["params"] = [p for i, p in chunk if i == gi]
-                self.optimizer.step()
-                for p, mode, data, grad in lifted:
-                    if p.grad is None:  # the inner step's pre-hook skipped it: stored value and buffers as they were
-                        p.data = data  # (lowered again, lifted values with a Kahan buffer would round anew)
-                        continue
-                    p.data = self._lower(p, p.data, data.dtype, mode)
-                    p.grad = grad
+                    g["params"] = [lifted[id(p)][2] if id(p) in lifted else p for i, p in chunk if i == gi]
+                _move_states(self.optimizer.state, [(p, stand_in) for p, _, stand_in in lifted.values()])
+                try:
+                    self.optimizer.step()
+                finally:
+                    _move_states(self.optimizer.state, [(stand_in, p) for p, _, stand_in in lifted.values()])
+                for p, mode, stand_in in lifted.values():
+                    # a step-skipping hook of the wrapped optimizer's own (cleared the stand-in's gradient): stored
+                    # value and buffers as they were (lowered again, a lifted value with a Kahan buffer rounds anew)
+                    if stand_in.grad is not None:
+                        p.copy_(self._lower(p, stand_in, p.dtype, mode))
+            for hook in list(post_hooks.values()):
+                hook(self.optimizer, (), {})
         finally:
             for g, params in zip(groups, originals):
                 g["params"] = params
+            self.optimizer._optimizer_step_pre_hooks, self.optimizer._optimizer_step_post_hooks = pre_hooks, post_hooks
         return loss
+
+    def _step_hooks(self) -> tuple[dict, dict]:
+        """The wrapped optimizer's step pre- and post-hooks, taken off it until :meth:`step` puts them back (its own
+        step, once per chunk, then runs none)."""
+        pre, post = self.optimizer._optimizer_step_pre_hooks, self.optimizer._optimizer_step_post_hooks
+        self.optimizer._optimizer_step_pre_hooks, self.optimizer._optimizer_step_post_hooks = type(pre)(), type(post)()
+        return pre, post
 
     # state --------------------------------------------------------------------------------
     def _params(self) -> list[torch.Tensor]:
@@ -352,15 +375,20 @@ class CompensatedOptimizer(torch.optim.Optimizer):
             )
         params = self._params()
         # torch casts floating states to their parameter's dtype on load; the wrapped optimizer's states
-        # belong to the fp32 lifted values, so present fp32 stand-ins (stride-0, no memory) while loading
-        swapped = [(p, p.data) for p in params if self._mode(p)]
+        # belong to the fp32 lifted values, so it loads them for fp32 stand-ins (stride-0, no memory), not for the
+        # parameters (whose data swapped to fp32 would lose DDP's gradient hooks: see step)
+        originals = [g["params"] for g in self.optimizer.param_groups]
+        stand_ins = {
+            id(p): torch.zeros((), dtype=torch.float32, device=p.device).expand(p.shape) for p in params if self._mode(p)
+        }
+        for g in self.optimizer.param_groups:
+            g["params"] = [stand_ins.get(id(p), p) for p in g["params"]]
         try:
-            for p, _ in swapped:
-                p.data = torch.zeros((), dtype=torch.float32, device=p.device).expand(p.shape)
             self.optimizer.load_state_dict(state_dict["optimizer"])
-        finally:
-            for p, data in swapped:
-                p.data = data
+        finally:  # load_state_dict makes new groups, holding the stand-ins
+            for g, group_params in zip(self.optimizer.param_groups, originals):
+                g["params"] = group_params
+            _move_states(self.optimizer.state, [(stand_ins[id(p)], p) for p in params if id(p) in stand_ins])
         self.buffers = {
             id(params[int(i)]): v.to(params[int(i)].device).clone() for i, v in state_dict["buffers"].items()
         }
@@ -371,6 +399,13 @@ class CompensatedOptimizer(torch.optim.Optimizer):
     def compensation_bytes(self) -> int:
         """Bytes held in compensation buffers and residuals."""
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
+def _move_states(state: Mapping, moves: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """An optimizer's per-parameter ``state`` (keyed by tensor) moved from each ``(old, new)`` pair's old key to new."""
+    for old, new in moves:
+        if old in state:
+            state[new] = state.pop(old)
 
 
 # ---------------------------------------------------------------------------- optimizer states
