@@ -88,7 +88,8 @@ def run_accelerate(
     rows = torch.tensor(dataset_rows())
     loader = torch.utils.data.DataLoader([{"input_ids": r, "labels": r} for r in rows], batch_size=GLOBAL_BATCH // size)
     skipping = {"scaler": "gradient", "scaler_options": {"spike_action": "skip"}, "sync": False}
-    lowprec = LowPrecisionPlugin(PLAN, **(skipping if spike else {"sync": sync}), compensation="kahan" if compensated else None)
+    compensation = "kahan" if compensated else None
+    lowprec = LowPrecisionPlugin(PLAN, **(skipping if spike else {"sync": sync}), compensation=compensation)
     model, optimizer, loader = lowprec.prepare(accelerator, model, optimizer, loader)
     losses = []
     for step, batch in enumerate(loader):
