@@ -378,7 +378,8 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         # belong to the fp32 lifted values, so it loads them for fp32 stand-ins (stride-0, no memory), not for the
         # parameters (whose data swapped to fp32 would lose DDP's gradient hooks: see step)
         originals = [g["params"] for g in self.optimizer.param_groups]
-        stand_ins = {id(p): torch.zeros((), device=p.device).expand(p.shape) for p in params if self._mode(p)}
+        fp32 = torch.float32  # not the default dtype, which a user may have set to bf16
+        stand_ins = {id(p): torch.zeros((), dtype=fp32, device=p.device).expand(p.shape) for p in params if self._mode(p)}
         for g in self.optimizer.param_groups:
             g["params"] = [stand_ins.get(id(p), p) for p in g["params"]]
         try:
