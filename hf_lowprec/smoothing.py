@@ -156,10 +156,22 @@ def calibrate_smoothing(model: nn.Module, batches: Iterable, count: int) -> int:
 
 
 def say_first_forward_calibrates(layers: list[str], why: str) -> None:
-    """Warn that the ``-sq`` ``layers`` calibrate on their first forward instead of before training, and ``why``."""
+    """Warn that the ``-sq`` ``layers`` calibrate on their first forward instead of before training (``why``); under
+    more than one process, refuse (``ValueError``): each rank would calibrate on its own batch and re-fit its own
+    learned steps, parameters DDP never makes alike again."""
+    names = ", ".join(layers[:3])
+    remedy = f"give calibration_data= (dicts with input_ids, {MIN_CALIBRATION_TOKENS} real tokens or more on each rank)"
+    ranks = torch.distributed.is_available() and torch.distributed.is_initialized()
+    world = torch.distributed.get_world_size() if ranks else 1
+    if world > 1:
+        raise ValueError(
+            f"'-sq' layers ({names}) cannot calibrate before training ({why}), and on their first forward each of the "
+            f"{world} processes would calibrate on its own batch and re-fit its own learned steps, which train apart "
+            f"for good: {remedy}"
+        )
     logger.warning(
-        "'-sq' layers (%s) calibrate on their first forward of %d tokens or more, re-fitting their learned steps then: "
-        "%s", ", ".join(layers[:3]), MIN_CALIBRATION_TOKENS, why,
+        "'-sq' layers (%s) calibrate on their first forward of %d tokens or more, re-fitting their learned steps then "
+        "(%s); %s to calibrate them before training", names, MIN_CALIBRATION_TOKENS, why, remedy,
     )  # fmt: skip
 
 

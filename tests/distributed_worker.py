@@ -141,11 +141,33 @@ def run_fsdp2(out: Path, sync: bool | None) -> tuple[list[float], torch.nn.Modul
     return losses, model
 
 
+def refuse_smoothing_on_first_forwards(out: Path) -> None:
+    """The plugin prepared with ``SMOOTHED_PLAN`` and a DataLoader of tuples, which cannot calibrate '-sq' layers: each
+    rank would calibrate on its own first forward. Writes the refusal to ``out/refused<rank>.txt``."""
+    from accelerate import Accelerator
+
+    from hf_lowprec.training.accelerate import LowPrecisionPlugin
+
+    rank, size = world()
+    accelerator = Accelerator(cpu=True)
+    model = tiny_llama()
+    rows = torch.tensor(dataset_rows())
+    loader = torch.utils.data.DataLoader([(r, r) for r in rows], batch_size=GLOBAL_BATCH // size)
+    try:
+        LowPrecisionPlugin(SMOOTHED_PLAN).prepare(accelerator, model, torch.optim.AdamW(model.parameters()), loader)
+        refusal = ""
+    except ValueError as e:
+        refusal = str(e)
+    (out / f"refused{rank}.txt").write_text(refusal)
+
+
 def run(mode: str, out: Path, sync: bool | None = None, fp32: bool = False) -> None:
     """Train in ``mode`` and write ``out/losses.json`` (rank 0) and ``out/rank<r>.safetensors``."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
+    if mode == "smoothed-tuples":
+        return refuse_smoothing_on_first_forwards(out)
     torch.manual_seed(0)
     torch.set_num_threads(1)  # as torch.distributed.run sets for each process: same kernels, same rounding
     if mode.startswith("trainer"):

@@ -22,7 +22,7 @@ from hf_lowprec.formats import FormatSpec, int_steps
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 MODES = ("trainer", "trainer-auto", "plugin", "fsdp2")
-LAUNCHED = (*MODES, "spike-on-one-rank", "trainer-smoothed", "plugin-compensated", "trainer-compensated")
+LAUNCHED = (*MODES, "spike-on-one-rank", "trainer-smoothed", "plugin-compensated", "trainer-compensated", "smoothed-tuples")
 
 
 def free_port() -> int:
@@ -129,3 +129,15 @@ def test_compensated_bf16_weights_are_averaged_across_ranks(runs, mode):
     assert sum(not torch.equal(r0[k], init[k].bfloat16().float()) for k in r0) > len(r0) // 2  # trained
     for k in r0:
         assert torch.equal(r0[k], r1[k]), k
+
+
+def test_smoothed_layers_that_cannot_calibrate_before_training_are_refused_under_two_processes(runs):
+    """A DataLoader of tuples cannot calibrate '-sq' layers before training: on their first forward each rank calibrated
+    on its own batch and re-fitted its own learned steps, Parameters DDP never broadcasts (10 of 63 tensors apart after
+    3 steps). Two ranks refuse, in one line naming the remedy; one process calibrates on its first forward, warned."""
+    refusals = [(runs[2] / "smoothed-tuples" / f"refused{r}.txt").read_text() for r in (0, 1)]
+    assert refusals[0] == refusals[1] and "\n" not in refusals[0]
+    assert "the calibration batches are no dicts with input_ids" in refusals[0]
+    assert "each of the 2 processes would calibrate on its own batch" in refusals[0]
+    assert "give calibration_data= (dicts with input_ids, 64 real tokens or more on each rank)" in refusals[0]
+    assert (runs[1] / "smoothed-tuples" / "refused0.txt").read_text() == ""

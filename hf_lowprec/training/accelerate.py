@@ -180,7 +180,7 @@ class LowPrecisionPlugin(SessionOwner):
         self._convert(accelerator, model)
         self.session.calibrate(model, calibration_data)
         if calibration_data is None and (smoothed := self.session.smoothed_layers()):
-            say_first_forward_calibrates(smoothed, "give calibration_data= to calibrate them before training")
+            say_first_forward_calibrates(smoothed, "no calibration_data")
         if optimizer is not None:
             self._repoint(optimizer, model, before)
             insert_new_parameters(optimizer, model, self.session.new_params)
