@@ -36,6 +36,7 @@ from hf_lowprec.formats import (
     expand_scale,
     fp8_scale,
 )
+from hf_lowprec.ranks import distributed
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +51,6 @@ TELEMETRY_BUFFERS = ("tele_elements", "tele_saturated", "tele_underflow", "tele_
 
 _FORWARD = contextvars.ContextVar("hf_lowprec_casts_of", default="training")
 FORWARDS = ("training", "replaying", "evaluating")
-
-
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 @contextlib.contextmanager
@@ -152,7 +149,7 @@ class ScalePolicy(nn.Module):
     def _reduce_amax(self, amax: torch.Tensor) -> torch.Tensor:
         """``amax`` reduced with MAX over ranks when ``sync`` and distributed (tensorwise only; not outside training:
         :func:`casts_of`)."""
-        if self.sync and amax.dim() == 0 and _distributed() and _FORWARD.get() != "evaluating":
+        if self.sync and amax.dim() == 0 and distributed() and _FORWARD.get() != "evaluating":
             amax = amax.clone()
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
         return amax
@@ -391,7 +388,7 @@ class GradientScaling(ScalePolicy):
             if self.spike_action == "skip":
                 q.view(torch.uint8).masked_fill_(spike, 0)
             return
-        if self.sync and _distributed():
+        if self.sync and distributed():
             rates = torch.stack((saturated, underflow))
             torch.distributed.all_reduce(rates, op=torch.distributed.ReduceOp.MAX)
             saturated, underflow = rates[0], rates[1]

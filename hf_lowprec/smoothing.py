@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hf_lowprec.once_flags import OnceFlags
+from hf_lowprec.ranks import distributed, process_world
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ def calibrate_smoothing(model: nn.Module, batches: Iterable, count: int) -> int:
     pending = _uncalibrated(model)
     if not pending:
         return 0
-    ranks = torch.distributed.is_available() and torch.distributed.is_initialized()
+    ranks = distributed()
     if ranks and any(isinstance(p, DTensor) or "FlatParameter" in type(p).__name__ for p in model.parameters()):
         raise ValueError(
             "'-sq' layers of a model FSDP shards calibrate before it is wrapped: give calibration_data= (a few "
@@ -161,8 +162,7 @@ def say_first_forward_calibrates(layers: list[str], why: str) -> None:
     learned steps, parameters DDP never makes alike again."""
     names = ", ".join(layers[:3])
     remedy = f"give calibration_data= (dicts with input_ids, {MIN_CALIBRATION_TOKENS} real tokens or more on each rank)"
-    ranks = torch.distributed.is_available() and torch.distributed.is_initialized()
-    world = torch.distributed.get_world_size() if ranks else 1
+    world = process_world()[1]
     if world > 1:
         raise ValueError(
             f"'-sq' layers ({names}) cannot calibrate before training ({why}), and on their first forward each of the "

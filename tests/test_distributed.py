@@ -7,6 +7,7 @@ The runs live in tests/distributed_worker.py; one launch per world size runs all
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -41,9 +42,10 @@ def runs(tmp_path_factory):
               str(WORKER), ",".join(LAUNCHED), str(root / "2")]  # fmt: skip
     # one after the other: the single process fills torch.compile's on-disk cache first, so the two ranks do not
     # compile the same kernels at the same time into a cold cache (a fresh CI machine; seen failing once)
-    for cmd in (single, double):
+    for cmd, out in ((single, root / "1"), (double, root / "2")):
         p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
         assert p.returncode == 0, p.stdout[-4000:]
+        (out / "output.txt").write_text(p.stdout)
     return {1: root / "1", 2: root / "2"}
 
 
@@ -112,6 +114,9 @@ def test_a_spike_one_rank_alone_sees_skips_the_step_on_every_rank(runs):
     stepped, and the ranks' weights parted for good. Every rank now skips with it, the weights stay identical."""
     two = runs[2] / "spike-on-one-rank"
     assert [json.loads((two / f"skipped{r}.json").read_text()) for r in (0, 1)] == [1, 1]
+    said = (runs[2] / "output.txt").read_text()  # by rank 0 alone (each rank said it: two skips, it read)
+    assert len(re.findall(r"gradient spike in \d+ casts: optimizer step skipped", said)) == 1, said[-3000:]
+    assert "on another rank: optimizer step skipped" not in said
     r0, r1 = load_file(two / "rank0.safetensors"), load_file(two / "rank1.safetensors")
     for k in r0:
         assert torch.equal(r0[k], r1[k]), k

@@ -42,10 +42,11 @@ from hf_lowprec.convert import canonical_name, eligible_layers
 from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.layers import wrapper_of
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
+from hf_lowprec.ranks import process_world
 from hf_lowprec.smoothing import say_first_forward_calibrates
 from hf_lowprec.training.compensation import CompensatedOptimizer
 from hf_lowprec.training.new_parameters import insert_new_parameters, orphaned_parameters
-from hf_lowprec.training.session import SessionOwner, owned_session, process_world, scan_progress
+from hf_lowprec.training.session import SessionOwner, owned_session, scan_progress
 from hf_lowprec.training.telemetry import skip_step_if_requested
 
 logger = logging.getLogger(__name__)

@@ -43,6 +43,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from hf_lowprec.convert import eligible_layers
 from hf_lowprec.modules import LOW_PRECISION_TYPES
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan, is_auto, plan_folder
+from hf_lowprec.ranks import process_world
 from hf_lowprec.scaling import ADDED_BUFFERS, TELEMETRY_PREFIX
 from hf_lowprec.training.compensation import CompensatedOptimizer
 from hf_lowprec.training.new_parameters import (
@@ -53,7 +54,6 @@ from hf_lowprec.training.new_parameters import (
 from hf_lowprec.training.session import (
     SessionOwner,
     owned_session,
-    process_world,
     scan_progress,
     trainer_autocast,
 )

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from hf_lowprec.modules import LOW_PRECISION_TYPES
+from hf_lowprec.ranks import on_main_process
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def insert_new_parameters(optimizer: torch.optim.Optimizer, model: nn.Module, pa
         count += 1
     for group in {id(g): g for g in touched}.values():
         group["params"].sort(key=lambda q: order.get(id(q), len(order)))
-    if decayed:  # once per call, not per learned step
+    if decayed and on_main_process():  # once per call, not per learned step (nor per rank)
         logger.warning(
             "learned steps join their weights' param group, with its weight_decay %s (it shrinks them each step): "
             "give the optimizer a group of the same settings and weight_decay 0 for them, or pass learn_scales=False",

@@ -26,6 +26,7 @@ from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import dense_views, task_head_name
 from hf_lowprec.modules.fp8 import FP8_BACKENDS
 from hf_lowprec.plan import PrecisionPlan, format_shares, is_auto, kept_label, names_a_format, resolve_plan
+from hf_lowprec.ranks import process_world
 from hf_lowprec.scaling import TELEMETRY_PREFIX, make_policy_factory, needs_tensorwise
 from hf_lowprec.smoothing import calibrate_smoothing
 from hf_lowprec.training.compensation import METHODS as COMPENSATIONS
@@ -66,13 +67,6 @@ def _preserved_rng():
     finally:  # a scan that failed (a budget, an interrupt) leaves them as they were too
         random.setstate(py)
         np.random.set_state(npy)
-
-
-def process_world() -> tuple[int, int]:
-    """``(rank, world size)`` of the default process group (``(0, 1)`` when none)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 def _same_on_all_ranks(plan: PrecisionPlan) -> PrecisionPlan:

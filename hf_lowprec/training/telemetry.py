@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from hf_lowprec.convert import canonical_name
+from hf_lowprec.ranks import distributed, on_main_process
 from hf_lowprec.scaling import TELEMETRY_PREFIX, GradientScaling, ScalePolicy
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ def skip_step_if_requested(model: nn.Module) -> bool:
         return False
     spiked = sum(bool(p.skip_pending) for p in skipping)
     skip = spiked > 0
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if distributed():
         # every rank skips when one does: with sync=False a spike is judged per rank, and the ranks that stepped
         # would leave the one that skipped behind (DDP averaged the same gradients into every rank's parameters)
         flag = torch.tensor(float(skip), device=skipping[0].skip_pending.device)
@@ -50,8 +51,9 @@ def skip_step_if_requested(model: nn.Module) -> bool:
         policy.skip_pending.fill_(False)
     for param in model.parameters():
         param.grad = None
-    where = f"in {spiked} casts" if spiked else "on another rank"
-    logger.warning("gradient spike %s: optimizer step skipped", where)
+    if on_main_process():  # every rank skips alike
+        where = f"in {spiked} casts" if spiked else "on another rank"
+        logger.warning("gradient spike %s: optimizer step skipped", where)
     return True
 
 
