@@ -27,6 +27,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    cls=ui.OneLineUsageErrors,
 )
 
 DEFAULT_RECIPE = "int4-ondevice-lora"  # the main job: CPU fine-tuning of the offline default model

@@ -29,6 +29,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+from typer.core import TyperGroup
 
 import hf_lowprec
 
@@ -169,6 +170,27 @@ def _raised_by_hf_lowprec(e: BaseException) -> bool:
     frames = list(traceback.walk_tb(e.__traceback__))
     where = Path(frames[-1][0].f_code.co_filename).resolve() if frames else None
     return where is not None and any(where.is_relative_to(folder) for folder in OWN_FOLDERS)
+
+
+class OneLineUsageErrors(TyperGroup):
+    """typer's command group, its usage errors (an option's value out of range, an unknown option or command) said as
+    the commands' own refusals are: one ``error:`` line naming the problem and the ``--help`` to read, exit status 2
+    (typer boxes them under the usage text)."""
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)  # an Exit's status, or the command's None
+        except typer.TyperException as e:  # typer's click's ClickException
+            if type(e).__name__ != "NoArgsIsHelpError":  # bare `hf-lowprec`: the help is shown already
+                ctx = getattr(e, "ctx", None)
+                _error_line(e.format_message() + (f" (see '{ctx.command_path} --help')" if ctx is not None else ""))
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            _error_line("aborted")
+            sys.exit(EXIT_FAILED)
+        sys.exit(code or 0)
 
 
 def _error_line(message: str) -> None:

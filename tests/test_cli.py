@@ -850,6 +850,18 @@ def test_several_processes_are_refused_before_anything_is_written(ws, tmp_path):
     assert module.returncode == 0 and "finetune" in module.stdout  # `python -m hf_lowprec.cli` had no __main__
 
 
+def test_bad_options_and_commands_fail_with_one_line():
+    """typer's own refusals (a value out of an option's range, an unknown option or command) as the commands' own:
+    one ``error:`` line and the --help to read (typer boxed them under the usage text), exit status 2."""
+    out_of_range = one_error_line(cli("finetune", "--max-steps", "0"))
+    assert out_of_range.endswith("Invalid value for '--max-steps': Input should be greater than or equal to 1 (see "
+                                 "'hf-lowprec finetune --help')") and "Usage:" not in out_of_range  # fmt: skip
+    assert "No such option: --bogus (see 'hf-lowprec eval --help')" in one_error_line(cli("eval", "--bogus", "x"))
+    assert "No such command 'finetun'. Did you mean 'finetune'?" in one_error_line(cli("finetun"))
+    bare = cli()
+    assert bare.exit_code == 2 and "Usage:" in bare.output and "error:" not in bare.output  # the help, as before
+
+
 def test_bad_inputs_fail_with_one_line(ws, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("training: {max_steps: 3\n")
