@@ -714,7 +714,7 @@ def eval_cmd(
     """Perplexity (causal LM) or accuracy (classification) of a model on a dataset."""
     from hf_lowprec.cli.run import check_block_size, checkpoint_tokenizer
 
-    from hf_lowprec.checkpoints import resolve_checkpoint, source_kwargs
+    from hf_lowprec.checkpoints import refuse_a_missing_local_path, resolve_checkpoint, source_kwargs
     from hf_lowprec.data import (
         default_eval_split,
         prepare_classification_data,
@@ -726,6 +726,8 @@ def eval_cmd(
     tasks = ("auto", "causal-lm", "classification")
     if task not in tasks:
         ui.fail(f"--task {task!r}: choose one of {', '.join(tasks)}")
+    if not Path(model).expanduser().exists():  # a mistyped path said before the data is read (its Hub retries)
+        refuse_a_missing_local_path(model, "model")
     held_out = held_out or data is None
     if held_out:
         given = {"--split": split, "--block-size": block_size, "--max-sequences": max_sequences,
@@ -817,14 +819,11 @@ def _run_data(model: str, data: str | None, clashing: list[str]):
     """``(recipe, rows, held-out rows or None, data name)`` of the `finetune` run that wrote folder ``model``: its
     recipe, and the rows of ``data`` (default: the run's, where that is the offline corpus) read as the run read them
     (:func:`~hf_lowprec.data.read_run_source`). ``clashing``: options given that the run's recipe decides instead."""
-    from hf_lowprec.checkpoints import refuse_a_missing_local_path
     from hf_lowprec.data import DEFAULT_CORPUS, local_data_digest, read_run_source
     from hf_lowprec.export.records import read_run
     from hf_lowprec.recipe import Recipe
 
     instead = "pass --data <file, folder or Hub name>" + (" without --held-out" if data else "")
-    if not Path(model).exists():
-        refuse_a_missing_local_path(model, "model")  # a mistyped path: said so, not "no held-out rows"
     try:
         record = read_run(Path(model))
     except ValueError as e:

@@ -888,6 +888,8 @@ def test_bad_inputs_fail_with_one_line(ws, tmp_path):
     nulls.write_text("\n".join(json.dumps({"text": v}) for v in (None, "", None, " ")) + "\n")
     no_text_rows = one_error_line(cli("finetune", ws / "tiny", "--data", nulls, "-o", tmp_path / "o1"))
     assert re.search(r"nulls\.jsonl': column 'text' holds no text in its \d+ training rows \(each null or empty\)$", no_text_rows)
+    typo = cli("eval", tmp_path / "tinyy", "--data", "some-hub-dataset", env={"HF_HUB_OFFLINE": "1"})
+    assert "tinyy' does not exist" in one_error_line(typo) and "reading data" not in typo.output  # not after the data
     eval_short = one_error_line(cli("eval", ws / "tiny", "--data", short))  # eval has no eval_fraction to raise
     assert eval_short.endswith("gives no complete block of 256 tokens to evaluate on; lower --block-size or add data")
     scan_short = cli("scan", ws / "tiny", "--data", short, "--out", tmp_path / "plan.json")
