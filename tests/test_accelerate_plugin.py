@@ -202,6 +202,22 @@ def test_smoothed_layers_calibrate_on_the_prepared_dataloader_before_training(ca
     assert not other.model.layers[0].mlp.down_proj.smoothing.calibrated
 
 
+def test_calibrating_on_a_shuffling_dataloader_leaves_its_order_as_it_was():
+    """Reading a DataLoader's first batches to calibrate '-sq' layers (or to scan) drew from the generator it shuffles
+    with: training then saw another order than a run without calibration (same seed, different data order)."""
+    plan = {"default": "bf16", "layers": {"*.mlp.down_proj": "int4-g64-sq"}}
+    rows = [{k: v[i] for k, v in b.items()} for b in lm_batches(4, batch=4) for i in range(4)]
+
+    def order(calibrated: bool) -> list[torch.Tensor]:
+        loader = torch.utils.data.DataLoader(rows, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
+        model = tiny_llama()
+        LowPrecisionPlugin(plan).convert(model, calibration_data=loader if calibrated else None)
+        assert bool(model.model.layers[0].mlp.down_proj.smoothing.calibrated) == calibrated
+        return [batch["input_ids"] for batch in loader]
+
+    assert all(torch.equal(a, b) for a, b in zip(order(True), order(False), strict=True))
+
+
 def test_gradient_spike_skips_the_step():
     """scaler="gradient", spike_action="skip": a 1000x gradient spike leaves every parameter as it was."""
     accelerator = Accelerator(cpu=True)

@@ -57,16 +57,22 @@ def coverage(model: nn.Module, report: ConversionReport) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def _preserved_rng():
-    """Run a block without moving Python, NumPy or torch random streams (a scan must not change training)."""
+def _preserved_rng(batches=None):
+    """Run a block without moving Python, NumPy or torch random streams (a scan must not change training), nor the
+    generators a DataLoader ``batches`` shuffles with (its own, its sampler's), which reading its first batches moves."""
     py, npy = random.getstate(), np.random.get_state()
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    owners = (batches, getattr(batches, "sampler", None), getattr(getattr(batches, "batch_sampler", None), "sampler", None))
+    generators = {id(g): g for o in owners if isinstance(g := getattr(o, "generator", None), torch.Generator)}
+    states = [(g, g.get_state()) for g in generators.values()]
     try:
         with torch.random.fork_rng(devices=devices):
             yield
     finally:  # a scan that failed (a budget, an interrupt) leaves them as they were too
         random.setstate(py)
         np.random.set_state(npy)
+        for generator, state in states:
+            generator.set_state(state)
 
 
 def _same_on_all_ranks(plan: PrecisionPlan) -> PrecisionPlan:
@@ -126,7 +132,7 @@ def scan_plan(
     start = time.perf_counter()
     was_training = model.training
     try:
-        with _preserved_rng(), computing:
+        with _preserved_rng(batches), computing:
             data = list(islice(iter(batches), options.calibration_batches))
             if not data:
                 raise ValueError("plan='auto' found no calibration batches to scan")
@@ -282,7 +288,7 @@ class LowPrecisionSession:
         """The converted model's uncalibrated ``-sq`` layers calibrated on the first ``calibration_batches`` of
         ``batches`` (:func:`~hf_lowprec.smoothing.calibrate_smoothing`), random streams left as they were."""
         if self.smoothed_layers():
-            with _preserved_rng():
+            with _preserved_rng(batches):
                 calibrate_smoothing(model, batches, self.calibration_batches)
 
     def calibrate(self, model: nn.Module, batches: Iterable[Mapping] | None) -> None:
@@ -296,7 +302,7 @@ class LowPrecisionSession:
         if batches is None or not (rounds or self.smoothed_layers()):
             batches = []
         else:
-            with _preserved_rng():  # read once, for both (a generator of batches is read only once)
+            with _preserved_rng(batches):  # read once, for both (a generator of batches is read only once)
                 batches = list(islice(iter(batches), self.calibration_batches))
         if batches and self.smoothed_layers():  # a list, read with the random streams kept
             calibrate_smoothing(model, batches, self.calibration_batches)
