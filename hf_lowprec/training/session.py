@@ -59,10 +59,11 @@ def coverage(model: nn.Module, report: ConversionReport) -> dict[str, float]:
 @contextlib.contextmanager
 def _preserved_rng(batches=None):
     """Run a block without moving Python, NumPy or torch random streams (a scan must not change training), nor the
-    generators a DataLoader ``batches`` shuffles with (its own, its sampler's), which reading its first batches moves."""
+    generators a DataLoader ``batches`` shuffles with (its own, its sampler's), which reading its batches moves."""
     py, npy = random.getstate(), np.random.get_state()
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    owners = (batches, getattr(batches, "sampler", None), getattr(getattr(batches, "batch_sampler", None), "sampler", None))
+    batch_sampler = getattr(batches, "batch_sampler", None)
+    owners = (batches, getattr(batches, "sampler", None), getattr(batch_sampler, "sampler", None))
     generators = {id(g): g for o in owners if isinstance(g := getattr(o, "generator", None), torch.Generator)}
     states = [(g, g.get_state()) for g in generators.values()]
     try:
