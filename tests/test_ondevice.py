@@ -1012,6 +1012,28 @@ def test_a_packed_tied_head_is_the_embedding_table_too(tmp_path):
         torch.testing.assert_close(dense_logits, model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
 
 
+def test_a_dense_tied_head_stays_tied_through_the_export(tmp_path):
+    """The default plan keeps a small tied head dense (SmolLM2-135M's, the demo's): its export holds the table once,
+    under the embedding's name, and reloaded untied, the head started from random weights (logits 1.3 off; the merged
+    export's too, and the CLI's eval of a run read another loss than the run's)."""
+    path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128, tie_word_embeddings=True)
+    model, _, _ = load_int4_lora(path, LoraConfig(**LORA), dtype="fp32", backend="dequant")
+    randomize_adapters(model, std=0.05)
+    assert type(model.get_base_model().lm_head) is torch.nn.Linear
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    export_int4_lora(model, tmp_path / "run")
+    export_int4_lora(model, tmp_path / "merged", merge=True, merged_dtype=torch.float32)
+    reloaded, _ = load_int4_model(tmp_path / "run")
+    on_dequant_backend(reloaded)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    for m in (reloaded.get_base_model(), merged):
+        assert m.lm_head.weight is m.get_input_embeddings().weight
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, rtol=0, atol=0)
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)  # W + BA summed once
+
+
 def test_default_plan_packs_only_large_output_heads_and_untied_embeddings_in_int8(monkeypatch):
     from hf_lowprec.ondevice import int4_plan
 
