@@ -374,7 +374,8 @@ def install_packed_shells(
     count = swap_layers(model, shell)
     # a packed head beside the dense embedding's own table: the embedding keeps it (a dense head stays tied: the folder
     # holds their one table under the embedding's name, and untied, the head started from random weights)
-    if tied is not None and tied[0] in packed and tied[1] not in packed and f"{canonical_name(tied[1])}.weight" in stored:
+    own_table = tied is not None and f"{canonical_name(tied[1])}.weight" in stored
+    if own_table and tied[0] in packed and tied[1] not in packed:
         drop_tie_record(model, tied[0])
     elif tied is not None:
         share_packed_head(model, tied)  # a packed folder holds a tied table once, as the head's codes
