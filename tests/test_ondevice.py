@@ -1034,6 +1034,26 @@ def test_a_dense_tied_head_stays_tied_through_the_export(tmp_path):
         torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)  # W + BA summed once
 
 
+def test_a_dense_merged_export_is_all_in_its_dtype_with_every_adapter_merged(tmp_path):
+    """``merge=True, merged_dtype=...``: an fp32 run's head, embedding and norms were left fp32 in a "bf16" export (a
+    third larger, its card saying bf16), and the adapter of a layer the plan kept dense was dropped."""
+    path = save_tiny_model(tmp_path / "tiny", hidden_size=64, intermediate_size=128)
+    plan = PrecisionPlan({"lm_head": "bf16", "*.v_proj": "bf16"}, default="int4-g64-asym")
+    model, _, _ = load_int4_lora(path, LoraConfig(**LORA), plan, dtype="fp32", backend="dequant")
+    randomize_adapters(model, std=0.05)
+    assert type(model.get_base_model().model.layers[0].self_attn.v_proj.base_layer) is torch.nn.Linear
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
+        export_int4_lora(model, tmp_path / str(dtype), merge=True, merged_dtype=dtype)
+        state = load_file(tmp_path / str(dtype) / "model.safetensors")
+        assert {t.dtype for t in state.values()} == {dtype}
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / str(dtype), dtype=torch.float32)
+        with torch.no_grad():
+            torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=tolerance, atol=tolerance)
+
+
 def test_default_plan_packs_only_large_output_heads_and_untied_embeddings_in_int8(monkeypatch):
     from hf_lowprec.ondevice import int4_plan
 

@@ -409,14 +409,7 @@ def _export_dense(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id:
     steps applied), the other weights (master weights) cast to bf16; with the record and card."""
     model, tokenizer = load_exported(run_dir)
     dtype = MERGE_DTYPES["bf16"]
-    state, cast, sources = dense_merged_state(model, dtype), {}, set()
-    for key, tensor in state.items():
-        if tensor.is_floating_point() and tensor.dtype != dtype:
-            storage = (tensor.data_ptr(), tensor.shape)  # a tied head and embedding stay one tensor
-            if storage not in cast:
-                cast[storage] = tensor.to(dtype)
-            sources.add(str(tensor.dtype).removeprefix("torch."))
-            state[key] = cast[storage]
+    state, sources = dense_merged_state(model, dtype)
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config

@@ -77,22 +77,32 @@ def _adapter_delta(module: nn.Module) -> torch.Tensor | None:
     return sum(lora_delta(module, n) for n in names) if names else None
 
 
-def dense_merged_state(base: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The base model's state dict as plain ``dtype`` weights: every packed layer dequantized, LoRA deltas added
-    (one rounding, to ``dtype``); packed embeddings written dense; other tensors as they are."""
+def dense_merged_state(base: nn.Module, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """``(the base model's state dict as plain dtype weights, the dtypes other tensors were cast from)``: every packed
+    layer dequantized, LoRA deltas added to packed and dense layers alike (one rounding, to ``dtype``); packed
+    embeddings written dense; every other floating tensor cast (a tied head and embedding stay one tensor)."""
     state = with_dense_tables(adapterless_state(base), base, dtype)
     for fqn, module in base.named_modules():
         layer = module.get_base_layer() if hasattr(module, "get_base_layer") else module
-        if not isinstance(layer, PackedLinear) or fqn.endswith(".base_layer"):
-            continue
-        weight = layer.dequantized_weight(torch.float32)
         delta = _adapter_delta(module)
-        if delta is not None:
-            weight = weight + delta
-        for buf in PackedLinear.BUFFERS:
-            state.pop(f"{fqn}.{buf}", None)
-        state[f"{fqn}.weight"] = weight.to(dtype)
-    return state
+        if fqn.endswith(".base_layer") or not isinstance(layer, PackedLinear) and delta is None:
+            continue
+        if isinstance(layer, PackedLinear):
+            weight = layer.dequantized_weight(torch.float32)
+            for buf in PackedLinear.BUFFERS:
+                state.pop(f"{fqn}.{buf}", None)
+        else:  # a layer the plan kept, with an adapter
+            weight = layer.weight.float()
+        state[f"{fqn}.weight"] = (weight if delta is None else weight + delta).to(dtype)
+    cast, sources = {}, set()
+    for key, tensor in state.items():
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            storage = (tensor.data_ptr(), tensor.shape)
+            if storage not in cast:
+                cast[storage] = tensor.to(dtype)
+            sources.add(str(tensor.dtype).removeprefix("torch."))
+            state[key] = cast[storage]
+    return state, sources
 
 
 def _packed_base_state(base: nn.Module, merge: bool) -> tuple[dict[str, torch.Tensor], list[dict]]:
@@ -160,7 +170,7 @@ def export_int4_lora(
     config.use_cache = True
     with freed_memory_returned() if merge else contextlib.nullcontext():  # each layer's fp32 copies leave no holes
         if dense:
-            state, errors = dense_merged_state(base, merged_dtype), []
+            (state, _), errors = dense_merged_state(base, merged_dtype), []
             if hasattr(config, "quantization_config"):
                 del config.quantization_config
             config.dtype = str(merged_dtype).removeprefix("torch.")
