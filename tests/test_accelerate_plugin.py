@@ -313,6 +313,9 @@ def test_fp8_rounding_calibrates_on_the_prepared_dataloader():
     assert plugin.session.rounding["layers"] == 14
     for (name, a), b in zip(model.named_parameters(), by_hand.parameters()):
         assert torch.equal(a, b), name
+    # a plan without FP8 layers has no FP8 weight to round: refused (it rounded nothing, and said it had)
+    with pytest.raises(ValueError, match=r"FP8 weight rounding 'gptq' .* but the plan .* puts no layer in FP8"):
+        LowPrecisionPlugin("int4-g64", fp8_rounding="gptq", calibration_batches=2).prepare(Accelerator(cpu=True), tiny_llama(), loader)
 
 
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])

@@ -888,6 +888,10 @@ def test_bad_inputs_fail_with_one_line(ws, tmp_path):
     nulls.write_text("\n".join(json.dumps({"text": v}) for v in (None, "", None, " ")) + "\n")
     no_text_rows = one_error_line(cli("finetune", ws / "tiny", "--data", nulls, "-o", tmp_path / "o1"))
     assert re.search(r"nulls\.jsonl': column 'text' holds no text in its \d+ training rows \(each null or empty\)$", no_text_rows)
+    # an FP8 rounding for a plan without FP8 layers: it rounded nothing, said it had, and recorded it
+    no_fp8 = cli("finetune", ws / "tiny", "--data", ws / "corpus.txt", "--recipe", "qat-int4", "--rounding", "gptq",
+                 "--max-steps", "1", *FAST, "-o", tmp_path / "o2")  # fmt: skip
+    assert "FP8 weight rounding 'gptq'" in one_error_line(no_fp8) and not (tmp_path / "o2").exists()
     typo = cli("eval", tmp_path / "tinyy", "--data", "some-hub-dataset", env={"HF_HUB_OFFLINE": "1"})
     assert "tinyy' does not exist" in one_error_line(typo) and "reading data" not in typo.output  # not after the data
     eval_short = one_error_line(cli("eval", ws / "tiny", "--data", short))  # eval has no eval_fraction to raise

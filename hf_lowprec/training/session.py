@@ -297,9 +297,13 @@ class LowPrecisionSession:
         before training: its ``-sq`` layers' smoothing (:meth:`calibrate_smoothing`; ``batches=None``: none given, the
         callback calibrates them on its training data, else their first forward does), then its FP8 master weights
         moved to the grid points ``fp8_rounding`` chooses (nothing for ``nearest``)."""
-        rounds = self.fp8_rounding != "nearest" and any(
-            FormatSpec.parse(r.applied).family == "fp8" for r in self.report.swapped
-        )
+        rounds = self.fp8_rounding != "nearest"
+        if rounds and not any(FormatSpec.parse(r.applied).family == "fp8" for r in self.report.swapped):
+            raise ValueError(
+                f"FP8 weight rounding {self.fp8_rounding!r} (fp8_rounding=, a recipe's precision.rounding) rounds FP8 "
+                f"weights, but the plan {self.plan.brief()} puts no layer in FP8: use 'nearest', or a plan with FP8 "
+                "layers"
+            )
         if batches is None or not (rounds or self.smoothed_layers()):
             batches = []
         else:
