@@ -557,6 +557,7 @@ def finetune_cmd(
     flags = locals()  # this command's options by parameter name
     chosen = load_recipe(recipe).with_overrides({key: flags[name] for name, key in FLAG_KEYS.items()})
     chosen = chosen.with_overrides(key_values, "key=value arguments", set_none=True)
+    _say_unused_scan_settings(chosen, key_values)
     out = output_dir or Path("runs") / chosen.name
     ui.err.print(f"recipe [bold]{chosen.name}[/] ({chosen.method}, plan {chosen.precision.plan}) → {out}")
     if (note := chosen.training.warm_up_note()) is not None:  # the recipe as it runs, overrides applied
@@ -566,6 +567,17 @@ def finetune_cmd(
     )
     record = run_finetune(options)
     _print_summary(record, out)
+
+
+def _say_unused_scan_settings(recipe, key_values: dict) -> None:
+    """Say which ``key_values`` set a scan's settings that ``recipe``'s fixed plan leaves unread (and its record
+    leaves out): they were accepted without a word, and dropped."""
+    from hf_lowprec.recipe import SCAN_SETTINGS
+
+    given = [key for key in key_values if key.split(".")[:2] in [["precision", s] for s in SCAN_SETTINGS]]
+    if given and not recipe.precision.is_auto:
+        ui.err.print(f"note: {', '.join(given)} apply to plan 'auto' (a scan); the plan {recipe.precision.plan!r} is "
+                     "fixed, so they play no part in this run", markup=False)  # fmt: skip
 
 
 def _model_and_key_values(model: str | None, items: list[str]) -> tuple[str | None, dict]:

@@ -62,7 +62,7 @@ from hf_lowprec.ondevice import (
 )
 from hf_lowprec.ondevice.learned_steps import fold_learned_steps, learned_kinds, learned_steps
 from hf_lowprec.plan import PLAN_FILE
-from hf_lowprec.recipe import Recipe
+from hf_lowprec.recipe import SCAN_SETTINGS, Recipe
 from hf_lowprec.training.callback import STATE_FILE, LowPrecisionCallback
 
 SETTINGS_FILE = "run_settings.json"
@@ -772,7 +772,7 @@ def _run_record(run: RunFolder, opts: FinetuneOptions, lm, figures: dict, final:
     if opts.recipe.precision.is_file:  # by its name: its path names this machine's folders (the run holds its plan)
         recipe["precision"]["plan"] = Path(opts.recipe.precision.plan).name
     if not opts.recipe.precision.is_auto:  # what an `auto` plan's scan would have used played no part in this run
-        for key in ("formats", "budget", "score", "scan_method"):
+        for key in SCAN_SETTINGS:
             del recipe["precision"][key]
     computed = evaluation_numerics({"recipe": recipe, **method_info})[2]
     scored = scored_tokens(lm.eval)  # the card says over how many (a chat run's assistant turns may be few)

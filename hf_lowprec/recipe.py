@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 METHODS = ("full", "int4-lora")
 PLAN_SOURCES = ("auto",)  # besides a format name or a plan file path
+SCAN_SETTINGS = ("formats", "budget", "score", "scan_method")  # the precision keys only plan 'auto' (a scan) reads
 DTYPES = ("auto", "fp32", "bf16")  # auto: bf16 where this CPU runs bf16 GEMMs fast (measured), else fp32
 ACTIVATION_STORAGE = ("none", "int8", "fp8", "fp8-e5m2")  # hf_lowprec.training.activations formats
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")

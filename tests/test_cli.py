@@ -1207,6 +1207,11 @@ def test_recipe_keys_as_key_value_arguments(ws, tmp_path):
     unclosed = cli("finetune", ws / "tiny", "lora.target_modules=[q_proj", "-o", tmp_path / "bad")  # exit 1, parser's words
     assert "'lora.target_modules=[q_proj': the value is not valid YAML (while parsing a flow sequence)" in one_error_line(unclosed)
     assert not (tmp_path / "bad").exists()
+    # a scan's settings with a fixed plan were accepted without a word, and left out of the run's record
+    scan_keys = cli("finetune", ws / "tiny", "precision.budget.target_bits_per_param=5", "precision.score=after-training",
+                    "--data", tmp_path / "missing.txt", "-o", tmp_path / "bad")  # fmt: skip
+    assert ("note: precision.budget.target_bits_per_param, precision.score apply to plan 'auto' (a scan); the plan "
+            "'int4-g64-asym' is fixed, so they play no part in this run") in " ".join(scan_keys.output.split())  # fmt: skip
     # checked on the model built on the meta device, before the data is read (each failed after the base model's
     # evaluation, or trained a full-rank adapter of hundreds of MB)
     for item, expected in (("lora.target_modules=[foo]", "target module 'foo' matches no Linear layer of this model"),
