@@ -30,7 +30,15 @@ from hf_lowprec.export.compressed_tensors import rerounded, vllm_serving, write_
 from hf_lowprec.export.gguf import ADAPTER_FILE, export_gguf
 from hf_lowprec.export.hf_quantizer import quantization_config_dict, with_load_guards
 from hf_lowprec.export.publish import check_repo_id
-from hf_lowprec.export.records import CARD_FILE, RUN_ONLY, plan_record, read_run, relative_file_name, write_record
+from hf_lowprec.export.records import (
+    CARD_FILE,
+    RUN_ONLY,
+    kept_layers_stored_in,
+    plan_record,
+    read_run,
+    relative_file_name,
+    write_record,
+)
 from hf_lowprec.folders import TRACES_DIR, atomic_output_dir
 from hf_lowprec.layers import eligible_layers
 from hf_lowprec.modules import FROZEN_TYPES, LOW_PRECISION_TYPES, PackedEmbedding, PackedInt4Linear, PackedInt8Linear
@@ -229,6 +237,7 @@ def _export_lora(
             "deltas, rounded once",
         }
         run.pop("adapter", None)
+        kept_layers_stored_in(run, MERGE_DTYPES[merged_dtype])
         if MERGE_DTYPES[merged_dtype] != torch.float32:
             _weights_changed(
                 run,
@@ -424,6 +433,7 @@ def _export_dense(run_dir: Path, out: Path, run: dict, overwrite: bool, repo_id:
         _weights_changed(run, f"weights cast to bf16 ({n4 + n8} packed layers dequantized{other})")
     elif cast_from:
         _weights_changed(run, f"weights cast{cast_from} to bf16")
+    kept_layers_stored_in(run, dtype)
     run["export"] = {
         "weights": "dense",
         "loader": "transformers",
