@@ -1175,6 +1175,8 @@ def test_export_formats_compressed_tensors_and_bf16(ws, lora_run, tmp_path):
     assert float(re.search(r"loss \(nats/token\) │ ([0-9.]+) │", evaluated)[1]) == pytest.approx(loss, abs=1e-4)
     numerics = one_error_line(cli("eval", ct, "--data", ws / "corpus.txt", "--held-out", "--plan-numerics"))
     assert "a compressed-tensors export computes with its quantized weights" in numerics
+    again = one_error_line(cli("export", ct, "--out", tmp_path / "re", "--merge", "--merge-into", "bf16"))
+    assert "not the packed INT4 base hf-lowprec merges adapters into; merge from the run folder" in again
 
     dense = cli("export", out, "--out", tmp_path / "bf16", "--format", "bf16")
     assert dense.exit_code == 0, dense.output
