@@ -1181,6 +1181,9 @@ def test_export_formats_compressed_tensors_and_bf16(ws, lora_run, tmp_path):
     dense = cli("export", out, "--out", tmp_path / "bf16", "--format", "bf16")
     assert dense.exit_code == 0, dense.output
     assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
+    # the Hub's tags say what the folder stores: INT4 codes in compressed-tensors (untagged before), none in bf16
+    assert "4-bit" in ModelCard.load(ct / CARD_FILE).data.tags
+    assert "4-bit" not in ModelCard.load(tmp_path / "bf16" / CARD_FILE).data.tags
     bad = cli("export", out, "--out", tmp_path / "x", "--format", "gguf")  # AWQ-scaled codes: no GGUF block holds them
     refused = one_error_line(bad)
     assert "int4-g64-asym codes of an activation-scaled (AWQ) weight, which GGUF's blocks cannot hold" in refused

@@ -232,7 +232,7 @@ def test_model_card_metadata_and_body(base_dir, tmp_path):
     assert "load_exported(\"me/tiny-qat\")" in body and "real packed INT4" in body
     assert re.search(r"\| int4-g64 \| 14 \| 73,728 \| 64\.3% \|", body)  # the plan table with fractions
     assert "`model.layers.1.mlp.down_proj` | int4-g64" in body and "`lm_head` | kept (fp32)" in body  # per-layer list
-    assert "name: qat-int4" in body and "peak rss mb | 512" in body and "cpu cores" in body
+    assert "name: qat-int4" in body and "peak rss (MiB) | 512" in body and "cpu cores" in body
     cpu = cpu_info()
     assert f"class: {cpu.cpu_class}, flags: {' '.join(cpu.flags)}" in body and "{'" not in body  # not a Python dict
     assert "| shakespeare | perplexity | 66.7 |" in body

@@ -35,7 +35,7 @@ def _tags(run: Mapping) -> list[str]:
         tags.append("lora")
     if run.get("adapter") and run.get("export", {}).get("weights") != "gguf":  # PEFT's files are in the repo
         tags.append("peft")
-    if run.get("export", {}).get("weights") in ("int4-packed", "gguf"):
+    if run.get("export", {}).get("weights") in ("int4-packed", "gguf", "compressed-tensors"):  # INT4 codes stored
         tags.append("4-bit")
     if run.get("export", {}).get("weights") == "gguf":
         tags.append("gguf")
@@ -186,7 +186,12 @@ def _limitations(run: Mapping) -> str:
 
 
 def _rows(figures: Mapping) -> list[tuple[str, str]]:
-    return [(key.replace("_", " "), _cell(value)) for key, value in figures.items()]
+    """``(label, cell)`` per figure: its key in words, a ``_mb`` key's unit named (MiB, as ``metrics`` measures)."""
+    return [(_label(key), _cell(value)) for key, value in figures.items()]
+
+
+def _label(key: str) -> str:
+    return f"{key.removesuffix('_mb').replace('_', ' ')} (MiB)" if key.endswith("_mb") else key.replace("_", " ")
 
 
 def _cell(value) -> str:
