@@ -92,7 +92,7 @@ def test_library_logs_come_once_and_a_file_datasets_cannot_parse_is_one_error_li
     assert done.returncode == 0 and done.stderr.count("Retrying in 1s [Retry 1/5].") == 1, done.stderr
     (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n{bad\n')
     command = "from hf_lowprec.cli.app import app; app()"
-    done = subprocess.run([sys.executable, "-c", command, "eval", str(tmp_path / "model"), "--data",
+    done = subprocess.run([sys.executable, "-c", command, "eval", str(tmp_path), "--data",  # a folder: read after the data
                            str(tmp_path / "broken.jsonl")], capture_output=True, text=True, timeout=120)  # fmt: skip
     lines = [line for line in done.stderr.splitlines() if not line.startswith(("…", "✓"))]  # progress lines
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: could not read data"), done.stderr
