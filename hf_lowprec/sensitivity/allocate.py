@@ -238,7 +238,9 @@ def _minimize(objective: np.ndarray, upper: np.ndarray, constraints: list) -> np
     n = len(objective)
     bounds = Bounds(np.zeros(n), upper)
     options = {"time_limit": 60.0, "mip_rel_gap": 1e-9}
-    scale = max(float(np.abs(objective[upper > 0]).max(initial=0.0)), 1e-30)
+    # where every entry a plan can take is 0, by the largest entry (not by a tiny number: HiGHS takes costs over 1e20
+    # as infinite)
+    scale = float(np.abs(objective[upper > 0]).max(initial=0.0)) or float(np.abs(objective).max(initial=0.0)) or 1.0
     x = None
     while True:
         res = milp(objective / scale, integrality=np.ones(n), bounds=bounds, constraints=constraints, options=options)
