@@ -298,6 +298,46 @@ def test_a_step_a_pre_hook_skips_leaves_every_chunk_unchanged(method):
     assert all(set(inner.state[p]) == {"step", "exp_avg", "exp_avg_sq"} for p in params)  # keyed by the parameters
 
 
+def test_bitsandbytes_overrides_of_a_parameter_hold_for_its_stand_in():
+    """bitsandbytes finds a parameter's overrides by ``id(param)`` (transformers' Trainer with ``adamw_bnb_8bit`` gives
+    every embedding 32-bit states so): the fp32 stand-in stepped in its place carries them (8-bit states before),
+    and the layer without one keeps 8-bit states."""
+    import bitsandbytes as bnb
+
+    emb = torch.nn.Embedding(256, 64).bfloat16()
+    lin = torch.nn.Linear(64, 64, bias=False).bfloat16()
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    inner = bnb.optim.AdamW([emb.weight, lin.weight], lr=1e-3, optim_bits=8, min_8bit_size=16)
+    manager.register_module_override(emb, "weight", {"optim_bits": 32})
+    try:
+        opt = CompensatedOptimizer(inner, "kahan", max_chunk_numel=64 * 64)  # one parameter a chunk
+        for p in (emb.weight, lin.weight):
+            p.grad = torch.randn_like(p) * 0.1
+        opt.step()
+        assert inner.state[emb.weight]["state1"].dtype == torch.float32
+        assert inner.state[lin.weight]["state1"].dtype == torch.uint8
+        assert set(manager.pid2config) >= {id(emb.weight)} and len(inner.state) == 2  # no stand-in left behind
+    finally:  # the manager is the process's: later tensors may take the id, the module would be kept
+        manager.pid2config.pop(id(emb.weight), None)
+        manager.module_weight_config_triple.remove((emb, "weight", {"optim_bits": 32}))
+
+
+def test_an_optimizer_accelerate_wrapped_steps_and_reloads_compensated():
+    """Accelerate's ``AcceleratedOptimizer`` has no step hooks of its own (its optimizer has): wrapped, it stepped
+    no more (an AttributeError)."""
+    from accelerate import Accelerator
+
+    model = torch.nn.Linear(8, 4).bfloat16()
+    opt = CompensatedOptimizer(Accelerator(cpu=True).prepare(torch.optim.AdamW(model.parameters(), lr=1e-2)), "kahan")
+    before = model.weight.detach().clone()
+    model(torch.randn(2, 8).bfloat16()).sum().backward()
+    opt.step()
+    assert not torch.equal(model.weight, before)
+    again = CompensatedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), "kahan")
+    again.load_state_dict(opt.state_dict())
+    assert torch.equal(again.optimizer.state[model.weight]["exp_avg"], opt.optimizer.state[model.weight]["exp_avg"])
+
+
 def test_compensated_optimizer_works_with_schedulers_and_new_parameter_groups():
     model = tiny_llama(num_hidden_layers=1).to(torch.bfloat16)
     opt = CompensatedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), "kahan")

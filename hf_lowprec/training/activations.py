@@ -323,7 +323,7 @@ class ActivationStorage:
 
     def __enter__(self):
         _HANDED_OUT.clear()  # what earlier backwards handed out (the memory of most of it freed since)
-        # read now, not once: an optimizer replacing .data (CompensatedOptimizer, every step) moves the parameters
+        # read now, not once: an optimizer or a user may have replaced a parameter's .data since
         tensors = () if self.model is None else (*self.model.parameters(), *self.model.buffers())
         self._keep = {t.untyped_storage().data_ptr() for t in tensors}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Mapping
 
@@ -301,59 +302,100 @@ class CompensatedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One step of the wrapped optimizer over fp32 stand-ins of the lifted parameters (its step hooks see them),
-        lowered back into the parameters in place.
+        """One step of the wrapped optimizer over fp32 stand-ins of the lifted parameters, lowered back into the
+        parameters in place.
 
         Stand-ins, not ``p.data`` swapped to fp32: a parameter given data of another dtype gets a new gradient
         accumulator, which drops the hook DDP put on the old one, so the ranks' gradients were never averaged. The
-        wrapped optimizer's step hooks run once per step, here, with the parameters in place (a pre-hook that clears
-        their gradients, as a gradient spike's skip does, skips the step: its states stay as they were)."""
+        wrapped optimizer's own step hooks run once per step, here, with the parameters in place (a pre-hook that
+        clears their gradients, as a gradient spike's skip does, skips the step: its states stay as they were); torch's
+        global optimizer hooks run at each chunk's step, seeing its stand-ins."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         groups = self.optimizer.param_groups
         originals = [g["params"] for g in groups]
-        pre_hooks, post_hooks = self._step_hooks()
-        try:
-            for hook in list(pre_hooks.values()):
-                hook(self.optimizer, (), {})
-            for chunk in self._chunks():
-                lifted = {}  # id(param) -> (param, mode, fp32 stand-in)
-                for _, p in chunk:
-                    mode = self._mode(p)
-                    # no gradient: frozen, or a step a pre-hook skipped (a gradient spike under spike_action="skip"
-                    # clears every gradient): nothing to lift
-                    if mode and p.grad is not None:
-                        stand_in = self._lift(p, mode)
-                        stand_in.grad = p.grad.float()
-                        lifted[id(p)] = (p, mode, stand_in)
-                for gi, g in enumerate(groups):
-                    g["params"] = [lifted[id(p)][2] if id(p) in lifted else p for i, p in chunk if i == gi]
-                _move_states(self.optimizer.state, [(p, stand_in) for p, _, stand_in in lifted.values()])
-                try:
-                    self.optimizer.step()
-                finally:
-                    _move_states(self.optimizer.state, [(stand_in, p) for p, _, stand_in in lifted.values()])
-                for p, mode, stand_in in lifted.values():
-                    # a step-skipping hook of the wrapped optimizer's own (cleared the stand-in's gradient): stored
-                    # value and buffers as they were (lowered again, a lifted value with a Kahan buffer rounds anew)
-                    if stand_in.grad is not None:
-                        p.copy_(self._lower(p, stand_in, p.dtype, mode))
-            for hook in list(post_hooks.values()):
-                hook(self.optimizer, (), {})
-        finally:
-            for g, params in zip(groups, originals):
-                g["params"] = params
-            self.optimizer._optimizer_step_pre_hooks, self.optimizer._optimizer_step_post_hooks = pre_hooks, post_hooks
+        with self._own_step_hooks() as (pre_hooks, post_hooks):
+            try:
+                self._step_chunks(groups, pre_hooks, post_hooks)
+            finally:
+                for g, params in zip(groups, originals):
+                    g["params"] = params
         return loss
 
-    def _step_hooks(self) -> tuple[dict, dict]:
-        """The wrapped optimizer's step pre- and post-hooks, taken off it until :meth:`step` puts them back (its own
-        step, once per chunk, then runs none)."""
-        pre, post = self.optimizer._optimizer_step_pre_hooks, self.optimizer._optimizer_step_post_hooks
-        self.optimizer._optimizer_step_pre_hooks, self.optimizer._optimizer_step_post_hooks = type(pre)(), type(post)()
-        return pre, post
+    def _step_chunks(self, groups: list[dict], pre_hooks: dict, post_hooks: dict) -> None:
+        """:meth:`step`'s work: the pre-hooks, each chunk's lifted parameters stepped as stand-ins and lowered back,
+        the post-hooks (``groups``: the wrapped optimizer's, which each chunk's parameters replace)."""
+        for hook in list(pre_hooks.values()):
+            hook(self.optimizer, (), {})
+        for chunk in self._chunks():
+            lifted = {}  # id(param) -> (param, mode, fp32 stand-in)
+            for _, p in chunk:
+                mode = self._mode(p)
+                # no gradient: frozen, or a step a pre-hook skipped (a gradient spike under spike_action="skip"
+                # clears every gradient): nothing to lift
+                if mode and p.grad is not None:
+                    stand_in = self._lift(p, mode)
+                    stand_in.grad = p.grad.float()
+                    lifted[id(p)] = (p, mode, stand_in)
+            for gi, g in enumerate(groups):
+                g["params"] = [lifted[id(p)][2] if id(p) in lifted else p for i, p in chunk if i == gi]
+            with self._standing_in([(p, stand_in) for p, _, stand_in in lifted.values()]):
+                self.optimizer.step()
+            for p, mode, stand_in in lifted.values():
+                # a global hook skipped the step (cleared the stand-in's gradient): stored value and buffers as they
+                # were (lowered again, a lifted value with a Kahan buffer rounds anew)
+                if stand_in.grad is not None:
+                    p.copy_(self._lower(p, stand_in, p.dtype, mode))
+        for hook in list(post_hooks.values()):
+            hook(self.optimizer, (), {})
+
+    @contextlib.contextmanager
+    def _own_step_hooks(self):
+        """``(pre-hooks, post-hooks)`` of the wrapped optimizer, taken off it within the block (its step, once per
+        chunk, then runs none); none for a wrapper that has no hooks of its own (Accelerate's ``AcceleratedOptimizer``:
+        the optimizer inside it runs its own at each chunk's step)."""
+        inner = self.optimizer
+        if not hasattr(inner, "_optimizer_step_pre_hooks"):
+            yield {}, {}
+            return
+        pre, post = inner._optimizer_step_pre_hooks, inner._optimizer_step_post_hooks
+        inner._optimizer_step_pre_hooks, inner._optimizer_step_post_hooks = type(pre)(), type(post)()
+        try:
+            yield pre, post
+        finally:
+            inner._optimizer_step_pre_hooks, inner._optimizer_step_post_hooks = pre, post
+
+    @contextlib.contextmanager
+    def _standing_in(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+        """Within the block, what the wrapped optimizer keeps per parameter belongs to each ``(parameter, stand-in)``
+        pair's stand-in: its state, and bitsandbytes' overrides (``GlobalOptimManager``: by ``id(param)``, and by
+        module attribute, as the Trainer gives embeddings 32-bit states, which bitsandbytes resolves against its param
+        groups: here against the parameters; its overrides by position in the param groups are set aside, a chunk's
+        groups holding other parameters at those positions)."""
+        manager = getattr(self.optimizer, "mng", None)
+        overrides = getattr(manager, "pid2config", None)
+        if overrides is not None:
+            lifted = {id(p) for p, _ in pairs}
+            for module, name, config in manager.module_weight_config_triple:
+                if id(weight := getattr(module, name, None)) in lifted:
+                    overrides[id(weight)] = config
+        aliased = [] if overrides is None else [(p, s) for p, s in pairs if id(p) in overrides]
+        for p, s in aliased:
+            overrides[id(s)] = overrides[id(p)]
+        positional = None if overrides is None else manager.index2config
+        if overrides is not None:
+            manager.index2config = {}
+        _move_states(self.optimizer.state, pairs)
+        try:
+            yield
+        finally:
+            _move_states(self.optimizer.state, [(s, p) for p, s in pairs])
+            for _, s in aliased:
+                del overrides[id(s)]
+            if overrides is not None:
+                manager.index2config = positional
 
     # state --------------------------------------------------------------------------------
     def _params(self) -> list[torch.Tensor]:
