@@ -397,7 +397,7 @@ def test_export_merge_folds_lora_into_the_int4_base(ws, lora_run, tmp_path):
     dense_loss = causal_lm_loss(plain, held_out(ws, tok).eval, default_data_collator, batch_size=2)["loss"]
     assert dense_loss == pytest.approx(loss, abs=0.02)  # only bf16 rounding of dequantized weight + delta
     kept = [row for row in json.loads((dense / RUN_FILE).read_text())["layers"] if "stored" in row]
-    assert kept and {row["stored"] for row in kept} == {"bf16"} and "kept (fp32)" not in (dense / CARD_FILE).read_text()
+    assert kept and {row["stored"] for row in kept} == {"bf16"} and "`lm_head` | kept (bf16)" in (dense / CARD_FILE).read_text()
     bad = cli("export", out, "--out", tmp_path / "x", "--merge", "--merge-into", "int3")
     assert bad.exit_code != 0 and "choose one of int4, bf16, fp32" in bad.output
 
@@ -860,6 +860,7 @@ def test_bad_options_and_commands_fail_with_one_line():
                                  "'hf-lowprec finetune --help')") and "Usage:" not in out_of_range  # fmt: skip
     assert "No such option: --bogus (see 'hf-lowprec eval --help')" in one_error_line(cli("eval", "--bogus", "x"))
     assert "No such command 'finetun'. Did you mean 'finetune'?" in one_error_line(cli("finetun"))
+    assert "Missing argument 'model' (see 'hf-lowprec eval --help')" in one_error_line(cli("eval"))
     bare = cli()
     assert bare.exit_code == 2 and "Usage:" in bare.output and "error:" not in bare.output  # the help, as before
 
@@ -1016,7 +1017,7 @@ def test_full_runs_export_dense_bf16_and_name_their_formats(ws, full_runs, tmp_p
         assert "apply_plan_numerics" not in card and not (dense / PLAN_FILE).exists()
         # the layers the plan kept are stored in bf16 here too: the card said "kept (fp32)", the trained weights' dtype
         kept = [row for row in json.loads((dense / RUN_FILE).read_text())["layers"] if "stored" in row]
-        assert kept and {row["stored"] for row in kept} == {"bf16"} and "kept (fp32)" not in card
+        assert kept and {row["stored"] for row in kept} == {"bf16"} and "`lm_head` | kept (bf16)" in card
     assert cli("export", qat, "--out", tmp_path / "qat-ct", "--format", "compressed-tensors").exit_code == 0
 
 

@@ -113,7 +113,7 @@ def render_model_card(run: Mapping, repo_id: str | None = None) -> ModelCard:
         adapter=run.get("adapter"),
         plan_file=PLAN_FILE,
         plan_sentence=f"Share of the eligible parameters (Linear/Embedding weights) per training format: {fractions}. "
-        "`kept` marks layers left as they were, with the dtype their trained weights are stored in.",
+        "`kept` marks layers left as they were, in the dtype they trained in.",
         plan_rows=plan_rows,
         fp8_layers=[f"{r['layers']} {r['label']}" for r in plan_rows if r["format"].startswith("fp8")],
         layers=run.get("layers", []),

@@ -15,7 +15,6 @@ from torch import nn
 
 from hf_lowprec.export.card import render_model_card
 from hf_lowprec.folders import RUN_FILE
-from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import canonical_name, dense_views, eligible_layers
 from hf_lowprec.modules import LOW_PRECISION_TYPES, FP8Linear
 from hf_lowprec.modules.kernels.cpu import cpu_info
@@ -98,14 +97,11 @@ def plan_record(model: nn.Module, plan: PrecisionPlan) -> tuple[list[dict], list
 
 
 def kept_layers_stored_in(run: dict, dtype: torch.dtype) -> None:
-    """Make ``run``'s per-layer and plan rows say its kept layers are stored in ``dtype`` (an export cast them: the
-    card's "kept (fp32)" named the trained weights' dtype, not the folder's)."""
+    """Make ``run``'s per-layer rows say its kept layers are stored in ``dtype`` (an export cast them: the card's
+    per-layer "kept (fp32)" named the trained weights' dtype, not the folder's). The plan rows stay the training's."""
     for row in run.get("layers", []):
         if "stored" in row:
             row["stored"] = _short_dtype(dtype)
-    for row in run.get("plan_rows", []):
-        if FormatSpec.parse(row["format"]).is_high_precision:
-            row["bytes"] = row["params"] * dtype.itemsize
 
 
 def _short_dtype(dtype: torch.dtype) -> str:
