@@ -184,8 +184,8 @@ class OneLineUsageErrors(TyperGroup):
             code = super().main(*args, standalone_mode=False, **kwargs)  # an Exit's status, or the command's None
         except typer.TyperException as e:  # typer's click's ClickException
             if type(e).__name__ != "NoArgsIsHelpError":  # bare `hf-lowprec`: the help is shown already
-                ctx = getattr(e, "ctx", None)
-                _error_line(e.format_message() + (f" (see '{ctx.command_path} --help')" if ctx is not None else ""))
+                ctx, said = getattr(e, "ctx", None), e.format_message().removesuffix(".")
+                _error_line(said + (f" (see '{ctx.command_path} --help')" if ctx is not None else ""))
             sys.exit(e.exit_code)
         except typer.Abort:
             _error_line("aborted")

@@ -297,7 +297,7 @@ def test_bad_input(monkeypatch):
         LowPrecisionPlugin("fp8").prepare(accelerator, tiny_llama())
 
 
-def test_fp8_rounding_calibrates_on_the_prepared_dataloader():
+def test_fp8_rounding_calibrates_on_the_prepared_dataloader(caplog):
     """The plugin rounds the FP8 master weights on the first batches of the DataLoader it prepares: the same weights as
     rounding the converted model by hand on those batches."""
     from hf_lowprec import PrecisionPlan, apply_plan
@@ -316,6 +316,12 @@ def test_fp8_rounding_calibrates_on_the_prepared_dataloader():
     # a plan without FP8 layers has no FP8 weight to round: refused (it rounded nothing, and said it had)
     with pytest.raises(ValueError, match=r"FP8 weight rounding 'gptq' .* but the plan .* puts no layer in FP8"):
         LowPrecisionPlugin("int4-g64", fp8_rounding="gptq", calibration_batches=2).prepare(Accelerator(cpu=True), tiny_llama(), loader)
+    # a scanned plan that chose no FP8 layer: said, not refused after the scan's minutes
+    scanned = LowPrecisionPlugin(formats=("int4-g64",), fp8_rounding="gptq", calibration_batches=2)
+    labelled = torch.utils.data.DataLoader([{"input_ids": r, "labels": r} for b in batches for r in b["input_ids"]], batch_size=8)
+    with caplog.at_level(logging.WARNING, logger="hf_lowprec"):
+        scanned.prepare(Accelerator(cpu=True), tiny_llama(), labelled)
+    assert "puts no layer in FP8 (the scan chose none): nothing to round" in caplog.text
 
 
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])

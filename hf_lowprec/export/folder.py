@@ -368,9 +368,10 @@ def export_run(
                 f"--merge: {str(run_dir)!r} has no LoRA adapters to merge (recipe method "
                 f"{run.get('recipe', {}).get('method')!r}); its export formats are {', '.join(formats)}"
             )
-        if run.get("export", {}).get("weights") != "int4-packed":  # its adapters sit on another layout's base
+        held = run.get("export", {})
+        if held.get("weights") != "int4-packed":  # its adapters sit on another layout's base
             raise ValueError(
-                f"--merge: {str(run_dir)!r} holds {run['export'].get('description', 'no packed INT4 base')}, not the "
+                f"--merge: {str(run_dir)!r} holds {held.get('description', 'no packed INT4 base')}, not the "
                 "packed INT4 base hf-lowprec merges adapters into; merge from the run folder or its native export"
             )
         model, tokenizer = load_exported(run_dir)

@@ -227,7 +227,7 @@ def _solve_ilp(p: _Problem, objective: np.ndarray, limits, tiebreak: np.ndarray 
 
 
 def _minimize(objective: np.ndarray, upper: np.ndarray, constraints: list) -> np.ndarray | None:
-    """The 0/1 vector under ``upper`` meeting ``constraints`` of least ``objective`` (>= 0), or None if infeasible.
+    """The 0/1 vector under ``upper`` meeting ``constraints`` of least ``objective``, or None if infeasible.
 
     HiGHS stops within an absolute gap (1e-6) of the optimum. The objective is divided by its largest entry a plan
     can take (a row ``upper`` forbids, e.g. a kept head's INT4 Δloss, left out: beside it, the other layers' Δloss
@@ -447,12 +447,12 @@ def check_budget(
             setattr(scores[-1], terms, dict.fromkeys(unit.formats, 0.0))
     result = ScanResult(scores, tuple(formats), "none")
     if budget is None or isinstance(budget, Mapping) and not set(budget) - {"score"}:  # the default budget, a loss one
-        _problem(result, keep, {}, "predicted")  # keep's names alone (a typo refused after the scan cost its minutes)
+        _problem(result, keep, {}, CONVERSION)  # keep's names alone (a typo refused after the scan cost its minutes)
         return
     budget = _budget_of(None, budget, {})
     if budget.max_loss_increase is not None:  # met by keeping layers; unknown before the scan: the size limits alone
         if all(getattr(budget, k) is None for k in _CONSTRAINTS if k != "max_loss_increase"):
-            _problem(result, keep, {}, "predicted")
+            _problem(result, keep, {}, CONVERSION)
             return
         budget = replace(budget, max_loss_increase=None)
     allocate(result, budget, keep=keep)

@@ -299,11 +299,12 @@ class LowPrecisionSession:
         moved to the grid points ``fp8_rounding`` chooses (nothing for ``nearest``)."""
         rounds = self.fp8_rounding != "nearest"
         if rounds and not any(FormatSpec.parse(r.applied).family == "fp8" for r in self.report.swapped):
-            raise ValueError(
-                f"FP8 weight rounding {self.fp8_rounding!r} (fp8_rounding=, a recipe's precision.rounding) rounds FP8 "
-                f"weights, but the plan {self.plan.brief()} puts no layer in FP8: use 'nearest', or a plan with FP8 "
-                "layers"
-            )
+            said = (f"FP8 weight rounding {self.fp8_rounding!r} (fp8_rounding=, a recipe's precision.rounding) rounds "
+                    f"FP8 weights, but the plan {self.plan.brief()} puts no layer in FP8")  # fmt: skip
+            if not self.auto:
+                raise ValueError(f"{said}: use 'nearest', or a plan with FP8 layers")
+            logger.warning("%s (the scan chose none): nothing to round", said)  # not the scan's minutes thrown away
+            rounds = False
         if batches is None or not (rounds or self.smoothed_layers()):
             batches = []
         else:
