@@ -289,14 +289,14 @@ def key_values(title: str, items: Mapping[str, object]) -> Table:
 
 def plan_rows_table(rows: list[dict], title: str = "Precision plan") -> Table:
     """``PrecisionPlan.summary`` rows as a table. A high-precision row (``bf16``/``fp32``: layers left as they are)
-    reads ``kept (<dtype>)``, the dtype its weights are stored in, which its MB count."""
+    reads ``kept (<dtype>)``, the dtype its weights are stored in, which its MiB count (as the model card's)."""
     from hf_lowprec.plan import row_label  # torch: not at import (--help stays fast)
 
     return table(
         title,
-        ("format", "layers", "parameters", "share", "weight MB"),
+        ("format", "layers", "parameters", "share", "weight MiB"),
         [
-            (row_label(r), r["layers"], f"{r['params']:,}", f"{100 * r['fraction']:.1f}%", f"{r['bytes'] / 1e6:.2f}")
+            (row_label(r), r["layers"], f"{r['params']:,}", f"{100 * r['fraction']:.1f}%", f"{r['bytes'] / 2**20:.2f}")
             for r in rows
         ],
         numeric=(1, 2, 3, 4),

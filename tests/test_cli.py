@@ -464,6 +464,10 @@ def test_scan_writes_a_plan_that_fits_the_model(ws):
     assert len(budget.replace(".", "").lstrip("0")) <= 4, budget
     sensitivity = default.output.split("Precision plan")[0]
     assert "kept " in sensitivity and " bf16 " not in default.output  # the head kept, named as the plan's rows name it
+    plan = json.loads((ws / "scan" / "default.json").read_text())
+    head = sum(row["bytes"] for row in PrecisionPlan.from_dict(plan).summary(
+        AutoModelForCausalLM.from_pretrained(ws / "tiny")) if row["format"] == "bf16")  # fmt: skip
+    assert "weight MiB" in default.output and f"{head / 2**20:.2f}" in default.output  # MiB as the model card's
 
 
 def test_scan_replaces_its_three_files_together_or_not_at_all(ws, tmp_path, monkeypatch):
