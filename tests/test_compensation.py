@@ -324,15 +324,19 @@ def test_bitsandbytes_overrides_of_a_parameter_hold_for_its_stand_in():
 
 def test_an_optimizer_accelerate_wrapped_steps_and_reloads_compensated():
     """Accelerate's ``AcceleratedOptimizer`` has no step hooks of its own (its optimizer has): wrapped, it stepped
-    no more (an AttributeError)."""
+    no more (an AttributeError); the hooks of the optimizer inside it run once per step, seeing the parameters."""
     from accelerate import Accelerator
 
     model = torch.nn.Linear(8, 4).bfloat16()
-    opt = CompensatedOptimizer(Accelerator(cpu=True).prepare(torch.optim.AdamW(model.parameters(), lr=1e-2)), "kahan")
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    seen = []
+    inner.register_step_pre_hook(lambda o, args, kwargs: seen.append([type(p) for g in o.param_groups for p in g["params"]]))
+    opt = CompensatedOptimizer(Accelerator(cpu=True).prepare(inner), "kahan", max_chunk_numel=32)  # one tensor a chunk
     before = model.weight.detach().clone()
     model(torch.randn(2, 8).bfloat16()).sum().backward()
     opt.step()
     assert not torch.equal(model.weight, before)
+    assert seen == [[torch.nn.Parameter] * 2]
     again = CompensatedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), "kahan")
     again.load_state_dict(opt.state_dict())
     assert torch.equal(again.optimizer.state[model.weight]["exp_avg"], opt.optimizer.state[model.weight]["exp_avg"])

@@ -316,19 +316,20 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         groups = self.optimizer.param_groups
         originals = [g["params"] for g in groups]
-        with self._own_step_hooks() as (pre_hooks, post_hooks):
+        with self._own_step_hooks() as (holder, pre_hooks, post_hooks):
             try:
-                self._step_chunks(groups, pre_hooks, post_hooks)
+                self._step_chunks(groups, holder, pre_hooks, post_hooks)
             finally:
                 for g, params in zip(groups, originals):
                     g["params"] = params
         return loss
 
-    def _step_chunks(self, groups: list[dict], pre_hooks: dict, post_hooks: dict) -> None:
+    def _step_chunks(self, groups: list[dict], holder, pre_hooks: dict, post_hooks: dict) -> None:
         """:meth:`step`'s work: the pre-hooks, each chunk's lifted parameters stepped as stand-ins and lowered back,
-        the post-hooks (``groups``: the wrapped optimizer's, which each chunk's parameters replace)."""
+        the post-hooks (``groups``: the wrapped optimizer's, which each chunk's parameters replace; ``holder``: the
+        optimizer the hooks are registered on)."""
         for hook in list(pre_hooks.values()):
-            hook(self.optimizer, (), {})
+            hook(holder, (), {})
         for chunk in self._chunks():
             lifted = {}  # id(param) -> (param, mode, fp32 stand-in)
             for _, p in chunk:
@@ -349,23 +350,25 @@ class CompensatedOptimizer(torch.optim.Optimizer):
                 if stand_in.grad is not None:
                     p.copy_(self._lower(p, stand_in, p.dtype, mode))
         for hook in list(post_hooks.values()):
-            hook(self.optimizer, (), {})
+            hook(holder, (), {})
 
     @contextlib.contextmanager
     def _own_step_hooks(self):
-        """``(pre-hooks, post-hooks)`` of the wrapped optimizer, taken off it within the block (its step, once per
-        chunk, then runs none); none for a wrapper that has no hooks of its own (Accelerate's ``AcceleratedOptimizer``:
-        the optimizer inside it runs its own at each chunk's step)."""
-        inner = self.optimizer
-        if not hasattr(inner, "_optimizer_step_pre_hooks"):
-            yield {}, {}
+        """``(optimizer, its pre-hooks, its post-hooks)``: the wrapped optimizer's step hooks, or, for a wrapper without
+        hooks of its own (Accelerate's ``AcceleratedOptimizer``), those of the optimizer inside it, taken off it within
+        the block (its step, once per chunk, then runs none)."""
+        holder = self.optimizer
+        while not hasattr(holder, "_optimizer_step_pre_hooks") and hasattr(holder, "optimizer"):
+            holder = holder.optimizer
+        if not hasattr(holder, "_optimizer_step_pre_hooks"):
+            yield holder, {}, {}
             return
-        pre, post = inner._optimizer_step_pre_hooks, inner._optimizer_step_post_hooks
-        inner._optimizer_step_pre_hooks, inner._optimizer_step_post_hooks = type(pre)(), type(post)()
+        pre, post = holder._optimizer_step_pre_hooks, holder._optimizer_step_post_hooks
+        holder._optimizer_step_pre_hooks, holder._optimizer_step_post_hooks = type(pre)(), type(post)()
         try:
-            yield pre, post
+            yield holder, pre, post
         finally:
-            inner._optimizer_step_pre_hooks, inner._optimizer_step_post_hooks = pre, post
+            holder._optimizer_step_pre_hooks, holder._optimizer_step_post_hooks = pre, post
 
     @contextlib.contextmanager
     def _standing_in(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
