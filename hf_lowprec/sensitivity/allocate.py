@@ -446,13 +446,12 @@ def check_budget(
         for terms in ("predicted", "first_order", "second_order"):  # every choice costs nothing: only the limits bind
             setattr(scores[-1], terms, dict.fromkeys(unit.formats, 0.0))
     result = ScanResult(scores, tuple(formats), "none")
+    _problem(result, keep, {}, CONVERSION)  # keep's names, whatever the budget (a typo refused after the scan's minutes)
     if budget is None or isinstance(budget, Mapping) and not set(budget) - {"score"}:  # the default budget, a loss one
-        _problem(result, keep, {}, CONVERSION)  # keep's names alone (a typo refused after the scan cost its minutes)
         return
     budget = _budget_of(None, budget, {})
     if budget.max_loss_increase is not None:  # met by keeping layers; unknown before the scan: the size limits alone
         if all(getattr(budget, k) is None for k in _CONSTRAINTS if k != "max_loss_increase"):
-            _problem(result, keep, {}, CONVERSION)
             return
         budget = replace(budget, max_loss_increase=None)
     allocate(result, budget, keep=keep)
