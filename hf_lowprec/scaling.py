@@ -170,7 +170,7 @@ class DelayedScaling(ScalePolicy):
 
     The cast at step ``t`` uses ``reduction`` (``max`` or ``most_recent``) over the amaxes recorded
     at steps ``t-L .. t-1`` — values above that saturate — and then records its own amax. The first
-    cast, with an empty history, uses its own amax. ``margin``: scales are divided by ``2**margin``
+    cast, with an empty history, uses its own amax; all-zero and inf/NaN casts are not recorded. ``margin``: scales are divided by ``2**margin``
     (headroom, as in TransformerEngine). Tensorwise scales only: per-token amaxes have no history.
     """
 
@@ -205,11 +205,12 @@ class DelayedScaling(ScalePolicy):
         if _FORWARD.get() == "evaluating":
             return fp8_scale(reference, dtype, self.power_of_two) / 2.0**self.margin
         # an inf/NaN amax (an overflowed gradient: a step the loss scaler skips) is not recorded: in the history it
-        # made the next history_len scales 0 or NaN
-        finite = torch.isfinite(amax)
+        # made the next history_len scales 0 or NaN; nor is an all-zero cast's 0 (a micro-batch whose labels are all
+        # -100, a zero-initialised weight), which carries no level: the next cast scaled to 0 saturated every value
+        kept = torch.isfinite(amax) & (amax > 0)
         slot = self.recorded % self.history_len
-        self.amax_history[slot] = torch.where(finite, amax, self.amax_history[slot])
-        self.recorded += finite.long()
+        self.amax_history[slot] = torch.where(kept, amax, self.amax_history[slot])
+        self.recorded += kept.long()
         scale = fp8_scale(reference, dtype, self.power_of_two) / 2.0**self.margin
         self.last_scale.copy_(scale)
         return scale

@@ -63,18 +63,46 @@ def test_delayed_scaling_scales_from_previous_amaxes(reduction):
 
 
 @pytest.mark.parametrize("reduction", ["max", "most_recent"])
-def test_delayed_scaling_does_not_record_an_overflowed_amax(reduction):
-    """An inf/NaN amax (an overflowed gradient, a step the loss scaler skips) scales its own cast from the history and
-    is not recorded: the casts after it scale as if it had not come (it made the next history_len scales 0 or NaN)."""
-    amaxes = [1.0, 4.0, math.inf, 2.0, math.nan, 8.0, 0.5]
+def test_delayed_scaling_records_neither_an_overflowed_nor_an_all_zero_amax(reduction):
+    """An inf/NaN amax (an overflowed gradient, a step the loss scaler skips) or a 0 (an all-zero cast: a micro-batch
+    whose labels are all -100) scales its own cast from the history and is not recorded: the casts after it scale as
+    if it had not come (an inf/NaN made the next history_len scales 0 or NaN; a 0 scaled the next cast to saturate
+    every value)."""
+    amaxes = [0.0, 1.0, 4.0, math.inf, 2.0, math.nan, 0.0, 8.0, 0.0, 0.5]
     policy = DelayedScaling(history_len=2, reduction=reduction)
     got = [policy.scale(_amax(a), E4M3).item() for a in amaxes]
-    finite, expected = [], []
+    kept, expected = [], []
     for a in amaxes:
-        past = finite[-2:]
-        expected.append(448.0 / (max(past) if reduction == "max" else past[-1]) if past else 448.0 / a)
-        finite += [a] if math.isfinite(a) else []
+        past = kept[-2:]
+        if past:
+            expected.append(448.0 / (max(past) if reduction == "max" else past[-1]))
+        else:  # an empty history: the cast's own amax (a 0 gives fp8_scale's largest scale)
+            expected.append(fp8_scale(_amax(a), E4M3).item())
+        kept += [a] if math.isfinite(a) and a > 0 else []
     assert got == pytest.approx(expected, rel=1e-6)
+    assert got[1] == pytest.approx(448.0, rel=1e-6)  # the first cast after an all-zero one: its own amax, 1
+
+
+def test_delayed_scaling_after_an_all_zero_gradient_matches_dynamic_scaling():
+    """An FP8 layer whose first backward receives a zero gradient (every label -100) then casts the next gradient
+    with that gradient's own scale: its grad_W and grad_x match dynamic scaling's (they were ~1e-10 of them)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32, 48)
+    layers = {
+        name: FP8Linear.from_linear(copy.deepcopy(linear), "fp8", backend="emulated",
+                                    policies={r: make() for r in ("input", "weight", "grad")})  # fmt: skip
+        for name, make in (("delayed", lambda: DelayedScaling(reduction="max")), ("dynamic", DynamicScaling))
+    }
+    x, grad = torch.randn(8, 32), torch.randn(8, 48)
+    grads = {}
+    for name, layer in layers.items():
+        layer(x.clone().requires_grad_()).backward(torch.zeros(8, 48))
+        layer.zero_grad()
+        xx = x.clone().requires_grad_()
+        layer(xx).backward(grad)
+        grads[name] = (layer.weight.grad, xx.grad)
+    for got, want in zip(grads["delayed"], grads["dynamic"]):
+        torch.testing.assert_close(got, want)
 
 
 def test_delayed_scaling_margin_power_of_two_and_tensorwise_only():
