@@ -255,6 +255,9 @@ class FP8Linear(nn.Linear):
         weight = self.weight.to(x.dtype)
         shape = x.shape
         x2d = x.reshape(-1, shape[-1])
+        if x2d.shape[0] == 0:  # no tokens: nothing to cast, and no amax (a max over no element) to scale from
+            out = (x2d @ weight.t()).reshape(*shape[:-1], weight.shape[0])
+            return out if self.bias is None else out + self.bias.to(out.dtype)
         if self.smoothing is not None:
             self.smoothing.calibrate(x2d, weight)
             x2d, weight = self.smoothing.inputs(x2d), self.smoothing.weights(weight)
