@@ -28,7 +28,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from hf_lowprec.formats import (
     FP8_MAX,
@@ -36,6 +35,7 @@ from hf_lowprec.formats import (
     expand_scale,
     fp8_scale,
 )
+from hf_lowprec.fp32_state import Fp32State
 from hf_lowprec.ranks import distributed
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def casts_of(forward: str) -> Iterator[None]:
         _FORWARD.reset(token)
 
 
-class ScalePolicy(nn.Module):
+class ScalePolicy(Fp32State):
     """Base class: ``scale(amax, dtype) -> fp32 scale`` of ``amax``'s shape.
 
     Args:
@@ -110,14 +110,6 @@ class ScalePolicy(nn.Module):
         backward casts the output gradient per token for grad_x, then per column for grad_W). A policy that decides
         per tensor (:class:`GradientScaling`) takes its first cast's decision again; the others need nothing."""
         yield
-
-    def _apply(self, fn, recurse=True):
-        # statistics stay fp32 when the model is cast (model.to(torch.bfloat16)): only the device follows
-        kept = {k: b for k, b in self._buffers.items() if b is not None and b.dtype == torch.float32}
-        super()._apply(fn, recurse)
-        for k, b in kept.items():
-            self._buffers[k] = b.to(self._buffers[k].device)
-        return self
 
     def observe(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> None:
         """Called after ``x`` was cast to ``q`` with ``scale`` (block scales: ``block`` is their shape).

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hf_lowprec.fp32_state import Fp32State
 from hf_lowprec.once_flags import OnceFlags
 from hf_lowprec.ranks import distributed, process_world
 
@@ -56,7 +57,7 @@ def smoothing_scale(input_amax: torch.Tensor, weight: torch.Tensor, alpha: float
     return torch.where(amax > _EPS, torch.exp2(torch.round(torch.log2(s))), torch.ones_like(s))
 
 
-class InputSmoothing(OnceFlags):
+class InputSmoothing(Fp32State, OnceFlags):
     """The smoothing ``s [K]`` of one linear: :meth:`inputs` gives ``x / s``, :meth:`weights` ``W diag(s)``.
 
     Uncalibrated (``s = 1``) until :meth:`calibrate` sees a forward input of ``>= MIN_CALIBRATION_TOKENS`` tokens;

@@ -17,6 +17,7 @@ from hf_lowprec.formats import (
     quantize_nf4,
     round_ste,
 )
+from hf_lowprec.fp32_state import Fp32State
 from hf_lowprec.once_flags import OnceFlags
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class _ScaledGradient(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-class LearnedStepQuantizer(nn.Module):
+class LearnedStepQuantizer(Fp32State):
     """Fake-quantizes a weight ``[R, C]`` with per-group steps ``[R, G]`` that can be trained (LSQ).
 
     The step is initialised from the weight (``amax / qmax``, or min/max with a zero point when
@@ -102,7 +103,7 @@ class LearnedStepQuantizer(nn.Module):
         return f"{self.spec.name}, learnable={self.learnable}"
 
 
-class LearnedActivationQuantizer(OnceFlags):
+class LearnedActivationQuantizer(Fp32State, OnceFlags):
     """LSQ for activations: fake-quantize ``x`` (any shape) to a signed integer grid with one learned step.
 
     ``spec`` gives the grid (``int8``: codes -128..127, ``int4``: -8..7). The step is initialised on the

@@ -71,6 +71,7 @@ from hf_lowprec.formats import (
     unpack_int4,
     unpack_int4_planes,
 )
+from hf_lowprec.fp32_state import Fp32State
 from hf_lowprec.modules.kernels.autotune import fastest
 from hf_lowprec.modules.kernels.cpp import cpu_kernels
 from hf_lowprec.modules.kernels.cpu import cpu_info
@@ -693,7 +694,7 @@ class NoDenseWeight:
         )
 
 
-class PackedLinear(NoDenseWeight, nn.Module):
+class PackedLinear(NoDenseWeight, Fp32State):
     """Frozen linear stored as integer codes: ``qweight``, ``step`` ``[N, G]``, optional ``zero``, ``input_scale``
     fp32 ``[K]`` (ones unless activation-aware scaling chose others). Subclasses say how codes are stored.
     ``dtype``: the dtype of the dense layer it stands for (its bias; dense twins and dequantized rows are made in it;
@@ -710,6 +711,7 @@ class PackedLinear(NoDenseWeight, nn.Module):
     """
 
     BUFFERS = ("qweight", "step", "zero", "input_scale")  # what a state dict holds for the weight
+    FP32_STATE = ("step_gain",)  # learned: stays fp32 when the model is cast (the steps follow the layer's dtype)
     STORES = ""  # what the subclass stores, for error messages
 
     def __init__(
