@@ -386,6 +386,35 @@ def test_a_skipped_spike_step_is_said_and_leaves_the_lr_schedule_and_the_weights
     assert snapshots.skipped == [False, False, True, False, False] and not trainer.optimizer.step_was_skipped
 
 
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
+def test_a_skipped_spike_step_under_an_fp16_grad_scaler_holds_the_lr_schedule(tmp_path, max_grad_norm):
+    """Under fp16 (Accelerate's optimizer with a GradScaler: the CPU has none in the Trainer, so its step is replayed
+    here in the Trainer's order) a skipped spike step says it was skipped once the optimizer has stepped: the scaler's
+    step had set step_was_skipped from the loss scale (False), and the Trainer advanced the LR schedule over it."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    model = tiny_llama()
+    callback = LowPrecisionCallback("fp8", scaler="gradient", scaler_options={"spike_action": "skip", "warmup": 1})
+    args = arguments(tmp_path, max_steps=4, max_grad_norm=max_grad_norm)
+    Trainer(model=model, args=args, train_dataset=lm_rows(1), callbacks=[callback])  # converts the model, has an Accelerator
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    optimizer = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), device_placement=False, scaler=scaler)
+    skipped, weights = [], []
+    for step, batch in enumerate(lm_batches(n=4, batch=4, seq=32, seed=1)):
+        callback.on_step_begin(args, None, None, optimizer=optimizer)
+        scaler.scale(model(**batch).loss * (1e4 if step == 2 else 1)).backward()
+        scaler.unscale_(optimizer.optimizer)  # the Trainer's accelerator.clip_grad_norm_, to clip or measure
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
+        callback.on_pre_optimizer_step(args, None, None, model=model, optimizer=optimizer)
+        before = model.model.layers[0].mlp.up_proj.weight.detach().clone()
+        optimizer.step()
+        callback.on_optimizer_step(args, None, None, optimizer=optimizer)
+        skipped.append(optimizer.step_was_skipped)  # the Trainer's test before lr_scheduler.step() reads it
+        weights.append(torch.equal(before, model.model.layers[0].mlp.up_proj.weight))
+        optimizer.zero_grad()
+    assert skipped == [False, False, True, False] and weights == skipped and callback.steps_skipped == 1
+
+
 # --------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("first, second", [(dict(scaler="dynamic"), dict(scaler="delayed")),
                                            (dict(plan=MIXED_PLAN), dict(plan=MIXED_PLAN, learn_scales=False))])  # fmt: skip

@@ -139,7 +139,8 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         self._plan_folder = plan_folder(plan)
         self._hook = None
         self._optimizer = None
-        self._flagged_skip = False  # this step's skip set Accelerate's step_was_skipped (on_pre_optimizer_step)
+        self._skipping = False  # this step's optimizer step is skipped (a gradient spike)
+        self._flagged_skip = False  # this step's skip set Accelerate's step_was_skipped (on_optimizer_step)
 
     def _convert(self, model: nn.Module) -> None:
         plan = self.session.bind(model)
@@ -329,15 +330,19 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
                                saved_at, state.global_step)  # fmt: skip
         return None
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        # the Trainer unscaled an fp16 GradScaler's gradients already (clip_grad_norm_, to clip or measure them)
         if model is not None and skip_step_if_requested(model):
             self.steps_skipped += 1  # a gradient spike under scaler="gradient", spike_action="skip"
-            unscaled = optimizer is not None and getattr(optimizer, "scaler", None) is None
-            if unscaled and hasattr(optimizer, "_is_overflow"):
-                # Accelerate's flag of a skipped step (step_was_skipped; under fp16 its GradScaler's own): the
-                # Trainer then leaves the LR schedule where it is, as for an fp16 overflow; other callbacks see it at
-                # the step's end, and the next step clears it
-                optimizer._is_overflow = self._flagged_skip = True
+            self._skipping = True
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if self._skipping and hasattr(optimizer, "_is_overflow"):
+            # Accelerate's flag of a skipped step (step_was_skipped), set after its step (under fp16 its GradScaler's
+            # step set it from the loss scale): the Trainer then leaves the LR schedule where it is, as for an fp16
+            # overflow; other callbacks see it at the step's end, and the next step clears it
+            optimizer._is_overflow = self._flagged_skip = True
+        self._skipping = False
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         if self._flagged_skip:
