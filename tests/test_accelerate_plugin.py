@@ -12,7 +12,7 @@ from torchao.float8.float8_linear import Float8Linear
 
 from hf_lowprec.export.records import plan_record
 from hf_lowprec.layers import unconverted_layers
-from hf_lowprec.modules import FP8Linear, Int4Linear
+from hf_lowprec.modules import LOW_PRECISION_TYPES, FP8Linear, Int4Linear
 from hf_lowprec.plan import PLAN_FILE, PrecisionPlan
 from hf_lowprec.training.accelerate import OPTIONS_FILE, LowPrecisionPlugin
 from hf_lowprec.training.new_parameters import orphaned_parameters
@@ -75,6 +75,24 @@ def test_plugin_with_accelerate_fp8_trains_every_parameter():
     assert orphaned_parameters(model, optimizer) == []
     before = one_step(model, optimizer, accelerator, lm_batches(1, batch=4)[0])
     assert len(before) == 21 + 2 and unchanged(model, before) == []
+
+
+@pytest.mark.parametrize("scaler", ["gradient", "delayed"])
+def test_plugin_with_accelerate_fp8_refuses_a_scaler_torchaos_layers_would_not_run(scaler):
+    """torchao's Float8Linear scales dynamically: the FP8 layers the plugin handed it dropped scaler="gradient" (spike
+    detection and skips) or "delayed" without a word. Refused before anything is converted; with
+    mixed_precision="no" the same plugin runs them in its own FP8 layers with that scaler."""
+    model = tiny_llama()
+    plugin = LowPrecisionPlugin(PLAN, scaler=scaler)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    message = rf"^scaler='{scaler}' does not run in the 12 FP8 layers Accelerate's torchao backend converts"
+    with pytest.raises(ValueError, match=message):
+        plugin.prepare(Accelerator(cpu=True, mixed_precision="fp8"), model, optimizer)
+    assert not any(isinstance(m, LOW_PRECISION_TYPES + (Float8Linear,)) for m in model.modules())
+    AcceleratorState._reset_state(reset_partial_state=True)  # an Accelerator's mixed precision outlives it
+    model, optimizer = plugin.prepare(Accelerator(cpu=True), model, optimizer)
+    policy = type(model.model.layers[0].self_attn.q_proj.scaling["grad"]).__name__
+    assert policy == {"gradient": "GradientScaling", "delayed": "DelayedScaling"}[scaler]
 
 
 def test_plugin_loop_trains_logs_and_checkpoints(tmp_path):

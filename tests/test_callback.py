@@ -396,7 +396,7 @@ def test_a_skipped_spike_step_under_an_fp16_grad_scaler_holds_the_lr_schedule(tm
     model = tiny_llama()
     callback = LowPrecisionCallback("fp8", scaler="gradient", scaler_options={"spike_action": "skip", "warmup": 1})
     args = arguments(tmp_path, max_steps=4, max_grad_norm=max_grad_norm)
-    Trainer(model=model, args=args, train_dataset=lm_rows(1), callbacks=[callback])  # converts the model, has an Accelerator
+    Trainer(model=model, args=args, train_dataset=lm_rows(1), callbacks=[callback])  # converts; an Accelerator
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     optimizer = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), device_placement=False, scaler=scaler)
     skipped, weights = [], []

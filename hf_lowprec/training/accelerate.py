@@ -223,6 +223,12 @@ class LowPrecisionPlugin(SessionOwner):
                 and layers[name].in_features % TORCHAO_MIN_DIM == 0
                 and layers[name].out_features % TORCHAO_MIN_DIM == 0
             ]
+            if self.torchao_layers and self.session.scaler != "dynamic":  # its kernels scale dynamically
+                raise ValueError(
+                    f"scaler={self.session.scaler!r} does not run in the {len(self.torchao_layers)} FP8 layers "
+                    "Accelerate's torchao backend converts (mixed_precision='fp8'): use scaler='dynamic', or "
+                    "mixed_precision='no'/'bf16' to run them in hf_lowprec's FP8 layers with this scaler"
+                )
             ours = PrecisionPlan(
                 {**plan.layers, **{n: "bf16" for n in self.torchao_layers}}, default=plan.default, model=plan.model
             )
