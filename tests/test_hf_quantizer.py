@@ -17,13 +17,18 @@ PLAN = PrecisionPlan({"lm_head": "bf16", "*.v_proj": "int8"}, default="int4-g64-
 
 def test_config_round_trips_the_plan_and_names_a_bad_one():
     model = tiny_llama()
-    apply_plan(model, PLAN)
+    apply_plan(model, PLAN, learn_scales=False)
     freeze(model)
     entry = quantization_config_dict(PLAN, model)
     assert entry == {"quant_method": "hf_lowprec", "plan": PLAN.to_dict(), "exact_kernels": False}
     assert HfLowprecConfig(**{k: v for k, v in entry.items() if k != "quant_method"}).to_dict() == entry
     next(m for m in model.modules() if isinstance(m, PackedInt4Linear)).learn_steps()  # steps fit to exact kernels
     assert quantization_config_dict(PLAN, model)["exact_kernels"] is True
+    qat = tiny_llama()
+    apply_plan(qat, PLAN)  # QAT: LSQ steps learned against the exact fake-quantized forward
+    freeze(qat)
+    assert all(m.exact_kernels for m in qat.modules() if isinstance(m, PackedLinear))
+    assert quantization_config_dict(PLAN, qat)["exact_kernels"] is True
     with pytest.raises(ValueError, match="quantization_config.plan: unknown plan key"):
         HfLowprecConfig({"defaults": "int4"})
     assert HfLowprecConfig.from_dict(entry).to_dict() == entry  # as transformers reads config.json

@@ -153,7 +153,8 @@ class Int4Linear(nn.Linear):
     @torch.no_grad()
     def freeze(self) -> PackedLinear:
         """A frozen packed layer holding this layer's codes (int4 formats and per-channel ``int8``; see
-        ``packed_class``)."""
+        ``packed_class``); its ``exact_kernels`` is set where the steps were learned (QAT): they fit an exact forward,
+        which int8's per-token activation rounding would not compute."""
         cls = packed_class(self.spec)
         if cls is None:
             a8 = ", whose int8 inputs (-a8) no packed kernel computes" if self.spec.act_int8 else ""
@@ -165,7 +166,9 @@ class Int4Linear(nn.Linear):
         step, zero = self.weight_quantizer.steps(weight)
         codes = quantize_int(weight, self.spec, step, zero)
         scale = None if self.smoothing is None else self.smoothing.scale
-        return cls.from_codes(codes, step, zero, self.spec, self.bias, self.weight.dtype, input_scale=scale)
+        packed = cls.from_codes(codes, step, zero, self.spec, self.bias, self.weight.dtype, input_scale=scale)
+        packed.exact_kernels = self.weight_quantizer.learnable
+        return packed
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, format={self.spec.name}"
