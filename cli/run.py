@@ -603,8 +603,7 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
 
         config = AutoConfig.from_pretrained(source, **source_kwargs(opts.load_options))
         check_block_size(config, t.block_size)
-        if recipe.method == "int4-lora":  # the plan and the adapters against the model's layers, now
-            _check_int4_lora_fits(config, recipe, opts.load_options)
+        _check_recipe_fits(config, recipe, opts.load_options)  # the plan (and adapters) against its layers, now
     with ui.step(f"reading data {opts.data or '(default corpus)'}"):
         records, held_out, data_name = read_run_source(opts.data, split=recipe.data.split)
     if held_out is not None:
@@ -631,6 +630,8 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
         else:
             model, _ = load_pretrained(source, gguf_file=gguf, dtype=dtype, tokenizer=tokenizer, **opts.load_options)
     check_block_size(model.config, t.block_size)
+    if gguf is not None:  # before the base model's evaluation
+        _check_recipe_fits(model.config, recipe, opts.load_options)
     if len(lm.eval) < t.eval_blocks:
         asked = t.eval_blocks
         ui.err.print(f"held-out data: {len(lm.eval)} sequences (eval_blocks {asked}: the held-out rows hold no more)")
@@ -640,19 +641,29 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
     return model, tokenizer, lm, base_plan
 
 
-def _check_int4_lora_fits(config, recipe: Recipe, loading: dict) -> None:
-    """Fail before the data and the model load if the recipe's plan file cannot make the INT4 base of a model of
-    ``config`` (an FP8 layer, a group wider than a layer), a ``lora.target_modules`` name matches no layer, or
-    ``lora.r`` exceeds every targeted layer's rank (each failed after the base model's evaluation, or trained a
-    full-rank adapter hundreds of MB large): checked on the model built on the meta device, without memory."""
+def _check_recipe_fits(config, recipe: Recipe, loading: dict) -> None:
+    """Fail before the data and the model load if the recipe's plan file names no layer of a model of ``config`` or,
+    for ``int4-lora``, cannot make its INT4 base (an FP8 layer, a group wider than a layer), a ``lora.target_modules``
+    name matches no layer, or ``lora.r`` exceeds every targeted layer's rank (each failed after the base model's
+    evaluation, or trained a full-rank adapter hundreds of MB large): checked on the model built on the meta device,
+    without memory."""
     from transformers import AutoModelForCausalLM
 
     from hf_lowprec.ondevice.planning import check_quantizable, resolve_target_modules
 
+    int4_lora = recipe.method == "int4-lora"
+    if not int4_lora and not recipe.precision.is_file:
+        return
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=loading.get("trust_remote_code", False))
     if recipe.precision.is_file:
-        check_quantizable(model, recipe.precision.fixed_plan())
+        plan = recipe.precision.fixed_plan()
+        if int4_lora:
+            check_quantizable(model, plan)
+        else:
+            plan.validate(model)
+    if not int4_lora:
+        return
     lora = recipe.lora
     targets = resolve_target_modules(model, _peft_targets(lora))
     layers = dict(model.named_modules())

@@ -350,6 +350,29 @@ def test_finetune_refuses_a_block_longer_than_the_model_before_reading_the_data(
         assert not (tmp_path / recipe).exists()
 
 
+def test_finetune_refuses_a_plan_file_naming_no_layer_before_reading_the_data(ws, tmp_path):
+    """A plan file's unknown layer is checked against the checkpoint's config first, for full training as for
+    int4-lora: here the data does not exist, and the plan entry is what the one line names (full training named it
+    after loading the model and evaluating it)."""
+    plan = PrecisionPlan({"model.layers.99.mlp.up_proj": "int4-g32"}, default="fp8").save(tmp_path / "plan.json")
+    for recipe in ("qat-int4", "fp8-train", "int4-ondevice-lora"):
+        line = one_error_line(cli("finetune", ws / "tiny", "--recipe", recipe, "--plan", plan, "--data",
+                                  tmp_path / "no.txt", "-o", tmp_path / recipe))  # fmt: skip
+        assert "plan entry 'model.layers.99.mlp.up_proj' is not a layer of this model; close matches: " in line, line
+        assert not (tmp_path / recipe).exists()
+
+
+@pytest.mark.slow
+def test_finetune_of_the_gguf_default_refuses_a_plan_file_naming_no_layer_before_evaluating_it(tmp_path):
+    """The default checkpoint is a GGUF file, whose config is known once it loads: the plan file is checked then,
+    before the base model's evaluation (it was checked as the Trainer was built)."""
+    plan = PrecisionPlan({"model.layers.99.mlp.up_proj": "int4-g32"}, default="bf16").save(tmp_path / "plan.json")
+    result = cli("finetune", "--recipe", "qat-int4", "--plan", plan, "--block-size", "32", "-o", tmp_path / "run")
+    line = one_error_line(result)
+    assert "plan entry 'model.layers.99.mlp.up_proj' is not a layer of this model; close matches: " in line, line
+    assert "evaluating the base model" not in result.output and not (tmp_path / "run").exists()
+
+
 def test_a_merge_into_int4_that_rounds_the_fine_tuning_away_warns(ws, tmp_path):
     """Adapters that changed the weights by less than the INT4 rounding (here: two steps at a learning rate of 1e-5
     from PEFT's zero start) do not survive a merge into the INT4 codes: the export says so and names the two ways
