@@ -340,6 +340,29 @@ def test_int8_layer_stores_one_code_per_byte_and_multiplies_them_as_stored():
 
 
 @needs_cpp
+@pytest.mark.parametrize("backend", ["tiled", "int8"])
+def test_the_c_kernels_run_under_inference_mode_on_several_threads(backend):
+    """The C++ kernels' parallel bodies run in the caller's thread-local state: under ``torch.inference_mode()`` on 2
+    threads the tiled forward's tiles (torch ops on OpenMP's other threads, outside inference mode) raised "Inplace
+    update to inference tensor outside InferenceMode"; an autotuned ``auto`` picks tiled for many shapes."""
+    if backend == "int8" and not INT8_OK:
+        pytest.skip("this CPU has no int8 dot-product instructions")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        layer = packed("int4-g32", k=64, n=512)
+        layer.backend = backend
+        x = torch.randn(3, 64)
+        with torch.no_grad():
+            expected = layer(x)
+        with torch.inference_mode():
+            y = layer(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert layer.last_backend == backend and torch.equal(y, expected)
+
+
+@needs_cpp
 @pytest.mark.parametrize("spec", ["int4-g64", "int4-g32-asym", "int4", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tile_elements", [None, 400])
@@ -483,16 +506,20 @@ def test_layers_fed_one_input_share_its_int8_rows_and_see_changes_to_it():
 
 
 @needs_int8
-def test_one_layer_fed_a_refilled_input_buffer_quantizes_it_again():
+@pytest.mark.parametrize("others", [0, 1, 2])
+def test_layers_fed_a_refilled_input_buffer_quantize_it_again(others):
     """Writes through ``.data`` or a numpy array leave the tensor's version as it was: the kept rows serve other
-    layers (q/k/v), never the same layer twice in a row (it returned the previous input's output, 107% off)."""
+    layers (q/k/v), never a layer they served already: one layer twice in a row returned the previous input's output
+    (107% off), and so did A after A, B, refill (139% off)."""
     import numpy as np
 
-    layer = packed("int4-g64-asym")
-    layer.backend = "int8"
+    layer, *rest = [packed("int4-g64-asym", seed=seed) for seed in range(1 + others)]
+    for each in (layer, *rest):
+        each.backend = "int8"
     for x in (torch.randn(4, 128), torch.from_numpy(np.random.default_rng(0).standard_normal((4, 128), np.float32))):
         with torch.no_grad():
-            layer(x)
+            for each in (layer, *rest):
+                each(x)
             x.data.copy_(torch.randn(4, 128) * 3)
             y = layer(x)
         assert rel(y, layer(x.clone())) == 0 and rel(y, reference(layer, x, torch.ones(4, 96))[0]) < 0.02

@@ -146,7 +146,7 @@ void amx_linear(torch::Tensor xq, torch::Tensor x_step, torch::Tensor weight, c1
   const int64_t ld = out.stride(0);
   void* o = out.data_ptr();
   const int8_t* A = xq.data_ptr<int8_t>();
-  at::parallel_for(0, N / 32, 1, [&](int64_t b, int64_t e) {
+  parallel_for(0, N / 32, 1, [&](int64_t b, int64_t e) {
     configure_tiles();
     // this block of 32 weight rows as tiles: [K / 64][2 (16 rows each)][1 KB]
     int8_t* B = static_cast<int8_t*>(std::aligned_alloc(64, 32 * K));
@@ -208,7 +208,7 @@ void amx_linear_grad_input(torch::Tensor gq, torch::Tensor g_step, torch::Tensor
   void* o = out.data_ptr();
   const int8_t* A = gq.data_ptr<int8_t>();
   const int64_t NC = std::min<int64_t>(N, 2048);  // weight rows in tiles at a time (128 KB)
-  at::parallel_for(0, K / 64, 1, [&](int64_t b, int64_t e) {
+  parallel_for(0, K / 64, 1, [&](int64_t b, int64_t e) {
     configure_tiles();
     int8_t* B = static_cast<int8_t*>(std::aligned_alloc(64, NC * 64));  // [NC / 64][4 (16 k each)][1 KB]
     // [M rounded up to 32][64] int32 sums of this block of output columns, carried between blocks of weight rows

@@ -184,7 +184,7 @@ static void madd_product(const int8_t* A, int64_t M, int64_t R, int64_t C, Pack 
   const bool bf16 = check_out(out, M, C);
   const int64_t ld = out.stride(0);
   void* o = out.data_ptr();
-  at::parallel_for(0, (C + PANEL_COLUMNS - 1) / PANEL_COLUMNS, 1, [&](int64_t b, int64_t e) {
+  parallel_for(0, (C + PANEL_COLUMNS - 1) / PANEL_COLUMNS, 1, [&](int64_t b, int64_t e) {
     MaddScratch scratch(M);
     for (int64_t cb = b; cb < e; ++cb) {
       const int64_t c0 = cb * PANEL_COLUMNS, cols = std::min(PANEL_COLUMNS, C - c0);

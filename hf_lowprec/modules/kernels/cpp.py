@@ -46,10 +46,23 @@ logger = logging.getLogger(__name__)
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <immintrin.h>
 #include <cmath>
 #include <limits>
 #include <cstring>
+
+// at::parallel_for whose body runs in the caller's thread-local state (InferenceMode, grad mode) on every thread:
+// OpenMP's threads have their own, so a body's tensor ops (a tile's mm, its copy_ into the caller's output) ran
+// outside the caller's torch.inference_mode() and refused to write the inference tensors made under it
+template <typename F>
+static void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& body) {
+  const at::ThreadLocalState state;
+  at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
+    at::ThreadLocalStateGuard guard(state);
+    body(b, e);
+  });
+}
 
 // ---------------------------------------------------------------------------------------------
 // packed int4 (byte i: element 2i in the low nibble, 2i+1 in the high nibble) -> int8, per row n and
@@ -108,7 +121,7 @@ torch::Tensor unpack_int4_int8(torch::Tensor qweight, torch::Tensor ratio, c10::
   const float* ra = ratio.data_ptr<float>();
   const float* ze = zero.has_value() ? zero->data_ptr<float>() : nullptr;
   int8_t* o = out.data_ptr<int8_t>();
-  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
+  parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
     alignas(16) int8_t table[16];
     const __m256i mask = _mm256_set1_epi8(0x0F);
     for (int64_t n = b; n < e; ++n) {
@@ -215,7 +228,7 @@ static void quantize_rows_impl(const void* xv, const float* cs, int8_t* q, float
   if (in_place)
     rows(0, M);
   else
-    at::parallel_for(0, M, 8, rows);
+    parallel_for(0, M, 8, rows);
 }
 
 // in_place: the codes overwrite x (a view of its first M * C bytes is returned; x's values are gone)
@@ -241,7 +254,7 @@ template <bool BF16>
 static void column_absmax_impl(const void* xv, const float* cs, float* out, int64_t M, int64_t C) {
   const int64_t threads = at::get_num_threads();
   std::vector<float> partial(threads * C, 0.f);
-  at::parallel_for(0, M, 64, [&](int64_t b, int64_t e) {
+  parallel_for(0, M, 64, [&](int64_t b, int64_t e) {
     float* p = partial.data() + at::get_thread_num() * C;
     std::vector<float> buf(C);
     float* f = buf.data();
@@ -279,7 +292,7 @@ torch::Tensor column_absmax(torch::Tensor x, c10::optional<torch::Tensor> col_sc
 template <typename In, bool BF16>
 static void dequant_impl(const In* acc, const float* rs, const float* cs, void* outv, int64_t M, int64_t C,
                          int64_t ld) {
-  at::parallel_for(0, M, 8, [&](int64_t b, int64_t e) {
+  parallel_for(0, M, 8, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) {
       const In* a = acc + m * C;
       const float r = rs[m];
@@ -383,7 +396,7 @@ void gather_columns(torch::Tensor w8, torch::Tensor columns, torch::Tensor row_s
   const float* rs = row_step.data_ptr<float>();
   void* o = out.data_ptr();
   const bool bf16 = out.scalar_type() == torch::kBFloat16;
-  at::parallel_for(0, N, 1024, [&](int64_t b, int64_t e) {
+  parallel_for(0, N, 1024, [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
       const int8_t* row = w + n * K;
       for (int64_t j = 0; j < C; ++j) store_value(o, n * C + j, static_cast<float>(row[col[j]]) * rs[n], bf16);
@@ -406,7 +419,7 @@ void int4_columns(torch::Tensor qweight, torch::Tensor ratio, c10::optional<torc
   const float* rs = row_step.data_ptr<float>();
   void* o = out.data_ptr();
   const bool bf16 = out.scalar_type() == torch::kBFloat16;
-  at::parallel_for(0, N, 1024, [&](int64_t b, int64_t e) {
+  parallel_for(0, N, 1024, [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n)
       for (int64_t j = 0; j < C; ++j) {
         const int64_t k = col[j], g = n * G + k / group;
@@ -422,7 +435,7 @@ void int4_columns(torch::Tensor qweight, torch::Tensor ratio, c10::optional<torc
 // element i is read whole before it is written: dg and du may be g and u themselves
 template <bool BF16>
 static void silu_mul_backward_impl(const void* gr, const void* g, const void* u, void* dg, void* du, int64_t n) {
-  at::parallel_for(0, n, 1 << 14, [&](int64_t b, int64_t e) {
+  parallel_for(0, n, 1 << 14, [&](int64_t b, int64_t e) {
     #pragma omp simd
     for (int64_t i = b; i < e; ++i) {
       const float x = load_value(g, i, BF16), d = load_value(gr, i, BF16), y = load_value(u, i, BF16);
@@ -512,7 +525,7 @@ static void adamw8bit_impl(void* pv, const void* gv, torch::Tensor& m_codes, tor
   const float eps_f = static_cast<float>(eps);
   const bool stochastic = seed >= 0;
   const uint32_t key = mix32(static_cast<uint32_t>(seed) ^ mix32(static_cast<uint32_t>(seed >> 32)));
-  at::parallel_for(0, blocks, 16, [&](int64_t b, int64_t e) {
+  parallel_for(0, blocks, 16, [&](int64_t b, int64_t e) {
     std::vector<float> m(block), v(block), x(block);
     std::vector<int32_t> c(block);
     for (int64_t k = b; k < e; ++k) {
@@ -579,7 +592,7 @@ void adamw8bit_(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes, 
 template <bool BF16>
 static double cross_entropy_impl(void* xv, const int64_t* labels, int64_t C, int64_t V, int64_t ignore) {
   std::vector<double> row_loss(C, 0.0);
-  at::parallel_for(0, C, 1, [&](int64_t b, int64_t e) {
+  parallel_for(0, C, 1, [&](int64_t b, int64_t e) {
     std::vector<float> buf(V);
     float* f = buf.data();
     for (int64_t c = b; c < e; ++c) {
@@ -723,7 +736,7 @@ static PackedWeight packed_weight(const torch::Tensor& qweight, const torch::Ten
 template <typename Body>
 static void for_each_tile(int64_t tiles, int64_t elems, int64_t floats, const torch::TensorOptions& options,
                           Body body) {
-  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+  parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
     auto scratch = torch::empty({elems}, options);
     std::vector<float> f(floats);
     for (int64_t t = b; t < e; ++t) body(t, scratch, f.data());
