@@ -340,7 +340,7 @@ def view_key(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     return base, (id(base), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
-_last_rows: list = [None]  # (key, weakref to the input, its version, result, its inverse, last layer) of _int8_rows
+_last_rows: list = [None]  # (key, weakref to the input, its version, result, its inverse, layers served) of _int8_rows
 
 
 def _int8_rows(x2d: torch.Tensor, inverse: torch.Tensor | None, k: int, layer: nn.Module):
@@ -348,9 +348,9 @@ def _int8_rows(x2d: torch.Tensor, inverse: torch.Tensor | None, k: int, layer: n
 
     The ``k`` channels of largest ``max |x / s|`` are zeroed in the int8 rows and returned apart. Layers fed
     the same unchanged tensor (q/k/v, gate/up) share one result: the last call's is kept, keyed on the
-    input's identity and version (as ``ActivationStorage`` dedups saved views), for another ``layer`` than the last
-    one to use it (one layer called twice in a row is fed a refilled buffer: writes through ``.data`` or numpy
-    leave the version as it was).
+    input's identity and version (as ``ActivationStorage`` dedups saved views), for the layers it has not served yet
+    (a layer fed the same tensor again is fed a refilled buffer: writes through ``.data`` or numpy leave the version
+    as it was; A, B, refill, A read B's rows of the old values).
     """
     base, view = view_key(x2d)
     if base.is_inference():  # no version counter: in-place changes go unseen, so nothing is kept
@@ -363,9 +363,9 @@ def _int8_rows(x2d: torch.Tensor, inverse: torch.Tensor | None, k: int, layer: n
         and hit[1]() is base
         and hit[2] == base._version
         and (inverse is None or hit[4]() is inverse)
-        and hit[5]() is not layer
+        and not any(served() is layer for served in hit[5])
     ):
-        _last_rows[0] = (*hit[:5], weakref.ref(layer))
+        _last_rows[0] = (*hit[:5], (*hit[5], weakref.ref(layer)))
         return hit[3]
     result = _int8_rows_of(x2d, inverse, k)
     _last_rows[0] = (
@@ -374,7 +374,7 @@ def _int8_rows(x2d: torch.Tensor, inverse: torch.Tensor | None, k: int, layer: n
         base._version,
         result,
         None if inverse is None else weakref.ref(inverse),
-        weakref.ref(layer),
+        (weakref.ref(layer),),
     )
     return result
 
