@@ -2,6 +2,9 @@
 re-quantization."""
 
 import logging
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from hf_lowprec.modules.packed_embedding import PackedEmbedding
 
 INT8_OK, _ = int8_backend_available(torch.device("cpu"))
 needs_int8 = pytest.mark.skipif(not INT8_OK, reason="this CPU has no int8 dot-product instructions")
+BACKENDS_HERE = ("tiled", "int8") if INT8_OK else ("tiled",)
 
 
 def packed(spec: str, k: int = 128, n: int = 96, bias: bool = True, seed: int = 0) -> PackedLinear:
@@ -360,6 +364,28 @@ def test_the_c_kernels_run_under_inference_mode_on_several_threads(backend):
     finally:
         torch.set_num_threads(threads)
     assert layer.last_backend == backend and torch.equal(y, expected)
+
+
+@needs_cpp
+def test_the_c_kernels_run_under_saved_tensor_hooks_on_several_threads():
+    """Under Python saved-tensor hooks (``ActivationStorage``'s int8 activations) on 2 threads, every backend's forward
+    and backward finish: copying the caller's whole thread-local state into OpenMP's threads took the GIL the caller
+    held while waiting for them (a deadlock). In a process of its own, so that a deadlock fails instead of hanging."""
+    script = textwrap.dedent(f"""
+        import torch
+        from hf_lowprec.modules import Int4Linear
+        torch.set_num_threads(2)
+        layer = Int4Linear.from_linear(torch.nn.Linear(128, 512), "int4-g32", learn_scales=False).freeze()
+        for backend in {BACKENDS_HERE!r}:
+            layer.backend = backend
+            x = torch.randn(64, 128, requires_grad=True)
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                layer(x).sum().backward()
+            print(backend, layer.last_backend)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [word for b in BACKENDS_HERE for word in (b, b)]
 
 
 @needs_cpp

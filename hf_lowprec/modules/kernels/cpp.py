@@ -46,20 +46,24 @@ logger = logging.getLogger(__name__)
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <ATen/ThreadLocalState.h>
+#include <c10/core/InferenceMode.h>
+#include <optional>
 #include <immintrin.h>
 #include <cmath>
 #include <limits>
 #include <cstring>
 
-// at::parallel_for whose body runs in the caller's thread-local state (InferenceMode, grad mode) on every thread:
-// OpenMP's threads have their own, so a body's tensor ops (a tile's mm, its copy_ into the caller's output) ran
-// outside the caller's torch.inference_mode() and refused to write the inference tensors made under it
+// at::parallel_for whose body runs in the caller's InferenceMode on every thread: OpenMP's threads have their own
+// thread-local state, so a body's tensor ops (a tile's mm, its copy_ into the caller's output) ran outside the
+// caller's torch.inference_mode() and refused to write the inference tensors made under it. InferenceMode alone:
+// at::ThreadLocalStateGuard also copies Python objects (saved-tensor hooks), whose references need the GIL the
+// caller holds while it waits for the threads (a deadlock)
 template <typename F>
 static void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& body) {
-  const at::ThreadLocalState state;
+  const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
-    at::ThreadLocalStateGuard guard(state);
+    std::optional<c10::InferenceMode> guard;
+    if (inference) guard.emplace();
     body(b, e);
   });
 }
