@@ -116,6 +116,35 @@ def test_quantize_on_load_packs_as_apply_plan_does(tmp_path, dtype):
         torch.testing.assert_close(reloaded(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=0)
 
 
+def test_an_opt_model_packs_on_load_and_reloads_with_its_learned_positions_dense(tmp_path):
+    """OPT's positions are an ``nn.Embedding`` subclass computing more than a lookup, which no plan converts: packing
+    on load and reloading a packed OPT folder raised ``KeyError: 'model.decoder.embed_positions'`` (a qat-int4 run's
+    export could not be loaded)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    config = OPTConfig(vocab_size=256, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                       word_embed_proj_dim=64, max_position_embeddings=64)  # fmt: skip
+    OPTForCausalLM(config).save_pretrained(tmp_path / "dense")
+    plan = PrecisionPlan({"lm_head": "bf16"}, default="int4-g32")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "dense")
+    apply_plan(reference, plan, learn_scales=False)
+    freeze(reference)
+    compact_reference_steps(reference)
+    packed = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", quantization_config=HfLowprecConfig(plan))
+    assert type(packed.model.decoder.embed_positions).__name__ == "OPTLearnedPositionalEmbedding"
+    assert isinstance(packed.model.decoder.layers[0].fc1, PackedInt4Linear)
+    packed.save_pretrained(tmp_path / "packed")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "packed")
+    ids = torch.randint(0, 256, (2, 16))
+    for layer in (m for model in (packed, reloaded, reference) for m in model.modules() if isinstance(m, PackedLinear)):
+        layer.backend = "dequant"  # the codes' exact values (int8 rounds the activations)
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+        for model in (packed, reloaded):
+            torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=0)
+
+
 def test_an_fp32_load_packs_a_bf16_checkpoint_as_stored_with_the_same_codes(tmp_path, monkeypatch):
     """Loading in fp32, transformers hands each weight it packs over as the checkpoint stores it (bf16), not cast to
     fp32 whole first (a 128k-vocabulary table: 1 GB); the codes and steps are those of the fp32 dense path (INT4 steps

@@ -341,13 +341,15 @@ def _unpacked_formats(specs) -> list[str]:
 
 
 def _packed_layers(model: nn.Module, plan: PrecisionPlan) -> dict[str, FormatSpec]:
-    """``{full module name: format}`` of the ``nn.Linear`` and ``nn.Embedding`` layers ``plan`` packs."""
+    """``{full module name: format}`` of the eligible ``nn.Linear`` and ``nn.Embedding`` layers ``plan`` packs (not
+    an embedding subclass computing more than a lookup: OPT's learned positions)."""
     assigned = plan.assign(model)
-    return {
-        fqn: assigned[canonical_name(fqn)]
+    formats = {
+        fqn: assigned.get(canonical_name(fqn))
         for fqn, m in model.named_modules()
-        if isinstance(m, (nn.Linear, nn.Embedding)) and packed_class(assigned[canonical_name(fqn)])
+        if isinstance(m, (nn.Linear, nn.Embedding))
     }
+    return {fqn: spec for fqn, spec in formats.items() if spec is not None and packed_class(spec)}
 
 
 def install_packed_shells(
