@@ -272,6 +272,21 @@ def test_check_budget_raises_before_a_scan_what_allocate_raises_after_it(sensiti
     assert all(not isinstance(m, tuple(LOW_PRECISION_TYPES)) for m in sensitive_model.modules())  # left as it was
 
 
+def test_check_budget_names_an_unsupported_architecture_as_the_scan_does():
+    """Falcon multiplies its weights in ``FalconLinear`` (an nn.Linear subclass no plan converts): with the head kept
+    no layer was left to allocate, and check_budget's error said to keep fewer layers; it names the architecture as
+    the scan and apply_plan do."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(0)
+    model = FalconForCausalLM(FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4))
+    message = r"^FalconForCausalLM multiplies \d+% of its matrix weights in 8 FalconLinear layers .* not supported$"
+    with pytest.raises(ValueError, match=message):
+        check_budget(model, ("fp8", "int4-g64"), {"target_bits_per_param": 6.0}, keep=["lm_head"])
+    with pytest.raises(ValueError, match=message):
+        scan(model, batches())
+
+
 def test_bad_inputs_give_clear_errors():
     with pytest.raises(ValueError, match="no eligible layers"):
         scan(nn.Sequential(nn.ReLU(), nn.LayerNorm(4)), batches())

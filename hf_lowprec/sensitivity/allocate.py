@@ -16,7 +16,7 @@ import numpy as np
 from torch import nn
 
 from hf_lowprec.formats import FormatSpec
-from hf_lowprec.plan import PrecisionPlan, resolve_plan
+from hf_lowprec.plan import PrecisionPlan, check_convertible, resolve_plan
 from hf_lowprec.sensitivity.results import CONVERSION, KEEP, SCORES, ScanResult
 from hf_lowprec.sensitivity.units import _select, _units, unscored
 
@@ -437,8 +437,11 @@ def check_budget(
     """Raise the ``ValueError`` :func:`allocate` would raise after a scan of ``model`` over ``formats`` when no choice
     of formats meets the budget's size and share limits (bits per parameter, FP8 and INT4 fractions): before the
     minutes a scan takes. A loss budget is always met (by keeping every layer); ``None`` is one. ``layers``,
-    ``packed``: as the scan will be given them (its ``layers``; ``dense_weights`` given)."""
+    ``packed``: as the scan will be given them (its ``layers``; ``dense_weights`` given). A model whose matrix weights
+    sit mostly in layers no plan converts is refused first, as the scan would refuse it (Falcon's ``FalconLinear``:
+    with the head kept, no layer was left, and the budget's error said to keep fewer)."""
     check_budget_fields(budget)
+    check_convertible(model)
     scores = []
     units = _units(model, [FormatSpec.parse(f) for f in formats], packed=packed)
     for unit in units if layers is None else _select(units, layers):
