@@ -367,25 +367,38 @@ def test_the_c_kernels_run_under_inference_mode_on_several_threads(backend):
 
 
 @needs_cpp
-def test_the_c_kernels_run_under_saved_tensor_hooks_on_several_threads():
-    """Under Python saved-tensor hooks (``ActivationStorage``'s int8 activations) on 2 threads, every backend's forward
-    and backward finish: copying the caller's whole thread-local state into OpenMP's threads took the GIL the caller
-    held while waiting for them (a deadlock). In a process of its own, so that a deadlock fails instead of hanging."""
+def test_the_c_kernels_run_alike_on_every_thread_under_hooks_grad_and_autocast():
+    """The C++ kernels' parallel bodies (torch ops on OpenMP's threads) run in the state they need on every thread:
+    under Python saved-tensor hooks (``ActivationStorage``) on 2 threads every backend finishes (copying the caller's
+    whole thread-local state took the GIL the caller held while waiting: a deadlock); on 8 threads the tiled forward
+    and backward of an input that requires grad finish (grad mode on the other threads recorded graphs into one
+    output, a race); under autocast every thread's tiles compute as on 1 thread (the caller's ran in bf16, the others
+    in fp32). In a process of its own, so that a deadlock fails instead of hanging."""
     script = textwrap.dedent(f"""
         import torch
         from hf_lowprec.modules import Int4Linear
-        torch.set_num_threads(2)
+        torch.manual_seed(0)
         layer = Int4Linear.from_linear(torch.nn.Linear(128, 512), "int4-g32", learn_scales=False).freeze()
+        torch.set_num_threads(2)
         for backend in {BACKENDS_HERE!r}:
             layer.backend = backend
             x = torch.randn(64, 128, requires_grad=True)
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                 layer(x).sum().backward()
             print(backend, layer.last_backend)
+        layer.backend = "tiled"
+        x, out = torch.randn(64, 128), {{}}
+        for threads in (1, 8):
+            torch.set_num_threads(threads)
+            for _ in range(30):
+                layer(x.clone().requires_grad_()).sum().backward()
+            with torch.autocast("cpu", torch.bfloat16):
+                out[threads] = layer(x)
+        print("autocast", torch.equal(out[1], out[8]))
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == [word for b in BACKENDS_HERE for word in (b, b)]
+    assert done.stdout.split() == [*(word for b in BACKENDS_HERE for word in (b, b)), "autocast", "True"]
 
 
 @needs_cpp

@@ -53,17 +53,22 @@ _SOURCE = r"""
 #include <limits>
 #include <cstring>
 
-// at::parallel_for whose body runs in the caller's InferenceMode on every thread: OpenMP's threads have their own
-// thread-local state, so a body's tensor ops (a tile's mm, its copy_ into the caller's output) ran outside the
-// caller's torch.inference_mode() and refused to write the inference tensors made under it. InferenceMode alone:
-// at::ThreadLocalStateGuard also copies Python objects (saved-tensor hooks), whose references need the GIL the
-// caller holds while it waits for the threads (a deadlock)
+// at::parallel_for whose body's tensor ops (a tile's mm, its copy_ into the caller's output) run alike on every
+// thread, the caller's included: OpenMP's threads have their own thread-local state. Without autograd: with grad
+// mode on there (its default), an mm of an input that requires grad recorded a graph, and 8 threads' copy_ into one
+// output raced on its autograd metadata ("a leaf Variable that requires grad is being used in an in-place
+// operation"); without autocast: under the caller's, its own tiles ran in bf16 and the other threads' in fp32; in
+// the caller's InferenceMode: outside it, writing the inference tensors made under it raised. Only these:
+// at::ThreadLocalStateGuard also copies Python objects (saved-tensor hooks), whose references need the GIL the caller
+// holds while it waits for the threads (a deadlock)
 template <typename F>
 static void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& body) {
   const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
-    std::optional<c10::InferenceMode> guard;
-    if (inference) guard.emplace();
+    std::optional<c10::InferenceMode> inference_mode;
+    if (inference) inference_mode.emplace();
+    c10::NoGradGuard no_grad;
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     body(b, e);
   });
 }
