@@ -24,10 +24,12 @@ class Fp32State(nn.Module):
         }
         super()._apply(fn, recurse)
         for name, (value, grad) in kept.items():
+            now = self._parameters[name] if name in self._parameters else self._buffers[name]
+            if now.dtype == torch.float32:
+                continue  # only the device moved (.to(device), .to_empty(): a meta tensor's value cannot be copied)
             if name in self._parameters:
-                param = self._parameters[name]
-                param.data = value.to(param.device)
-                param.grad = None if grad is None else grad.to(param.device)
+                now.data = value.to(now.device)
+                now.grad = None if grad is None else grad.to(now.device)
             else:
-                self._buffers[name] = value.to(self._buffers[name].device)
+                self._buffers[name] = value.to(now.device)
         return self

@@ -54,3 +54,14 @@ def test_a_cast_packed_layer_keeps_its_learned_step_gain_fp32():
     assert layer.step_gain is learned_gain and torch.equal(learned_gain.detach(), gain)
     assert torch.equal(layer.step_gain.grad, grad) and shift.dtype == layer.zero.dtype
     assert layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_layers_built_on_the_meta_device_materialize_with_to_empty():
+    """``to_empty`` (FSDP's ``param_init_fn``, meta-device loading) moves fp32 state to the device without copying it:
+    keeping its value copied a meta tensor and raised."""
+    with torch.device("meta"):
+        layer = Int4Linear.from_linear(torch.nn.Linear(64, 32), "int4-g32-a8-sq", learn_activation_scales=True)
+    layer.to_empty(device="cpu")
+    state = layer.state_dict()
+    assert all(t.device.type == "cpu" for t in state.values())
+    assert state["weight_quantizer.step"].dtype == state["input_quantizer.step"].dtype == torch.float32
