@@ -17,7 +17,7 @@ PLAN = PrecisionPlan({"lm_head": "bf16", "*.v_proj": "int8"}, default="int4-g64-
 
 def test_config_round_trips_the_plan_and_names_a_bad_one():
     model = tiny_llama()
-    apply_plan(model, PLAN, learn_scales=False)
+    apply_plan(model, PLAN)  # learnable steps, untrained (as a post-training quantization): int8's forward allowed
     freeze(model)
     entry = quantization_config_dict(PLAN, model)
     assert entry == {"quant_method": "hf_lowprec", "plan": PLAN.to_dict(), "exact_kernels": False}
@@ -25,7 +25,10 @@ def test_config_round_trips_the_plan_and_names_a_bad_one():
     next(m for m in model.modules() if isinstance(m, PackedInt4Linear)).learn_steps()  # steps fit to exact kernels
     assert quantization_config_dict(PLAN, model)["exact_kernels"] is True
     qat = tiny_llama()
-    apply_plan(qat, PLAN)  # QAT: LSQ steps learned against the exact fake-quantized forward
+    apply_plan(qat, PLAN)  # QAT: LSQ steps trained against the exact fake-quantized forward
+    ids = torch.randint(0, 256, (2, 16))
+    qat(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.SGD(qat.parameters(), lr=1e-3).step()
     freeze(qat)
     assert all(m.exact_kernels for m in qat.modules() if isinstance(m, PackedLinear))
     assert quantization_config_dict(PLAN, qat)["exact_kernels"] is True

@@ -250,18 +250,22 @@ def test_fp8_saturates_activations_instead_of_producing_nan():
     assert xq[0, 0] == 1e30 and (xq[1:] == 0).all()  # the others underflow against a 1e30 amax: zero, not NaN
 
 
-@pytest.mark.parametrize("spec", ["fp8", "fp8-rowwise", "fp8-rowwise-rht", "fp8-block", "fp8-mx", "int4-g32", "int8"])
+@pytest.mark.parametrize("spec", ["fp8", "fp8-rowwise", "fp8-rowwise-rht", "fp8-block", "fp8-mx", "int4-g32", "int8",
+                                  "int4-g32-a8"])
 def test_an_empty_batch_gives_an_empty_output_and_zero_gradients(spec):
     """A batch of no tokens (``[2, 0, K]``) runs as ``nn.Linear`` does: output ``[2, 0, N]``, zero weight gradient and
-    the bias's (the tensorwise and rowwise FP8 casts took an amax over no element and raised)."""
+    the bias's (the tensorwise and rowwise FP8 casts took an amax over no element and raised; a learned activation
+    step started from the mean of no element, NaN, and every later batch came out NaN)."""
     torch.manual_seed(0)
     reference = nn.Linear(64, 32)
-    layer = (FP8Linear if spec.startswith("fp8") else Int4Linear).from_linear(copy.deepcopy(reference), spec)
+    options = {"learn_activation_scales": True} if spec.endswith("-a8") else {}
+    layer = (FP8Linear if spec.startswith("fp8") else Int4Linear).from_linear(copy.deepcopy(reference), spec, **options)
     x = torch.zeros(2, 0, 64)
     for module in (reference, layer):
         module(x).sum().backward()
     assert layer(x).shape == (2, 0, 32)
     assert torch.equal(layer.weight.grad, torch.zeros(32, 64)) and torch.equal(layer.bias.grad, reference.bias.grad)
+    assert torch.isfinite(layer(torch.randn(3, 64))).all()  # the next batch: its scales start from it
 
 
 def test_invalid_layer_options_raise():

@@ -153,7 +153,7 @@ class Int4Linear(nn.Linear):
     @torch.no_grad()
     def freeze(self) -> PackedLinear:
         """A frozen packed layer holding this layer's codes (int4 formats and per-channel ``int8``; see
-        ``packed_class``); its ``exact_kernels`` is set where the steps were learned (QAT): they fit an exact forward,
+        ``packed_class``); its ``exact_kernels`` is set where the steps were trained (QAT): they fit an exact forward,
         which int8's per-token activation rounding would not compute."""
         cls = packed_class(self.spec)
         if cls is None:
@@ -167,7 +167,7 @@ class Int4Linear(nn.Linear):
         codes = quantize_int(weight, self.spec, step, zero)
         scale = None if self.smoothing is None else self.smoothing.scale
         packed = cls.from_codes(codes, step, zero, self.spec, self.bias, self.weight.dtype, input_scale=scale)
-        packed.exact_kernels = self.weight_quantizer.learnable
+        packed.exact_kernels = self.weight_quantizer.learned(weight)
         return packed
 
     def extra_repr(self) -> str:

@@ -99,6 +99,13 @@ class LearnedStepQuantizer(Fp32State):
             return self.step.detach().abs().clamp(min=1e-8).float(), self.zero
         return int_steps(weight, self.spec)
 
+    def learned(self, weight: torch.Tensor) -> bool:
+        """Whether the steps moved from those ``weight [R, C]`` starts them at (trained: QAT), not merely learnable."""
+        if not self.learnable:
+            return False
+        start = int_steps(weight, self.spec)[0].abs().clamp(min=1e-8).float()  # as steps() gives them
+        return not torch.equal(self.steps(weight)[0], start)
+
     def extra_repr(self) -> str:
         return f"{self.spec.name}, learnable={self.learnable}"
 
@@ -122,6 +129,8 @@ class LearnedActivationQuantizer(Fp32State, OnceFlags):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qmin, qmax = self.spec.qrange
+        if x.numel() == 0:  # no elements: nothing to quantize, and no mean to start the step from (it started NaN)
+            return x
         if not self.flag_set("initialized"):
             with torch.no_grad():
                 self.step.copy_((2 * x.detach().abs().float().mean() / math.sqrt(qmax)).clamp(min=1e-8))
