@@ -282,15 +282,7 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
                 f"{self.plan.to_dict()}. To continue with the checkpoint's plan, pass "
                 f"LowPrecisionCallback(plan={str(folder)!r})"
             )
-        tensors = load_file(str(folder / STATE_FILE))
-        expected = low_precision_state(model)
-        lacking = {k for k in set(expected) - set(tensors) if k.rsplit(".", 1)[-1] not in ADDED_BUFFERS}
-        if lacking or set(tensors) - set(expected):
-            raise ValueError(f"{folder / STATE_FILE} does not match this model's low-precision layers")
-        params = dict(model.named_parameters()) | dict(model.named_buffers())
-        with torch.no_grad():
-            for key, value in tensors.items():
-                params[key].copy_(value)
+        _load_low_precision_state(folder / STATE_FILE, model)
         if not (folder / OPTIMIZER_NAME).is_file():  # save_only_model=True: transformers resumes without a word
             logger.warning(
                 "%s holds no %s (saved with save_only_model=True): the optimizer%s, so the run does not continue "
@@ -393,8 +385,13 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
                 torch.save(value, tmp)
                 os.replace(tmp, folder / name)
 
-    def on_train_end(self, args, state, control, optimizer=None, **kwargs):
+    def on_train_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.on_step_begin(args, state, control, optimizer=optimizer)  # a last step's skip flag, cleared
+        best = state.best_model_checkpoint and Path(state.best_model_checkpoint) / STATE_FILE
+        if args.load_best_model_at_end and model is not None and best and best.is_file():
+            # the Trainer reloaded the best checkpoint's weights, a PEFT model's adapters alone: its learned steps and
+            # scale statistics are in our file (a full model's weights hold them too: the same values again)
+            _load_low_precision_state(best, model)
         if args.should_save and self.plan is not None:
             self.plan.save(Path(args.output_dir) / PLAN_FILE)
 
@@ -416,6 +413,19 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
             },
             "attributes": {"scan_seconds": self.scan_seconds, "steps_skipped": self.steps_skipped},
         }
+
+
+def _load_low_precision_state(file: Path, model: nn.Module) -> None:
+    """Copy a checkpoint's :data:`STATE_FILE` (learned steps, scale statistics) into ``model``'s tensors."""
+    tensors = load_file(str(file))
+    expected = low_precision_state(model)
+    lacking = {k for k in set(expected) - set(tensors) if k.rsplit(".", 1)[-1] not in ADDED_BUFFERS}
+    if lacking or set(tensors) - set(expected):
+        raise ValueError(f"{file} does not match this model's low-precision layers")
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    with torch.no_grad():
+        for key, value in tensors.items():
+            params[key].copy_(value)
 
 
 def _run_before_trackers(callback: TrainerCallback) -> None:
