@@ -61,7 +61,7 @@ from hf_lowprec.ondevice import (
     prepare_int4_lora,
 )
 from hf_lowprec.ondevice.learned_steps import fold_learned_steps, learned_kinds, learned_steps
-from hf_lowprec.plan import PLAN_FILE
+from hf_lowprec.plan import PLAN_FILE, check_convertible
 from hf_lowprec.recipe import SCAN_SETTINGS, Recipe
 from hf_lowprec.training.callback import STATE_FILE, LowPrecisionCallback
 
@@ -642,8 +642,8 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
 
 
 def _check_recipe_fits(config, recipe: Recipe, loading: dict) -> None:
-    """Fail before the data and the model load if the recipe's plan file names no layer of a model of ``config`` or,
-    for ``int4-lora``, cannot make its INT4 base (an FP8 layer, a group wider than a layer), a ``lora.target_modules``
+    """Fail before the data and the model load if a model of ``config`` multiplies in layers no plan converts, the
+    recipe's plan file names no layer of it or, for ``int4-lora``, cannot make its INT4 base (an FP8 layer, a group wider than a layer), a ``lora.target_modules``
     name matches no layer, or ``lora.r`` exceeds every targeted layer's rank (each failed after the base model's
     evaluation, or trained a full-rank adapter hundreds of MB large): checked on the model built on the meta device,
     without memory."""
@@ -652,10 +652,9 @@ def _check_recipe_fits(config, recipe: Recipe, loading: dict) -> None:
     from hf_lowprec.ondevice.planning import check_quantizable, resolve_target_modules
 
     int4_lora = recipe.method == "int4-lora"
-    if not int4_lora and not recipe.precision.is_file:
-        return
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=loading.get("trust_remote_code", False))
+    check_convertible(model)  # an architecture multiplying in other layers (GPT-2's Conv1D): every recipe's plan fails
     if recipe.precision.is_file:
         plan = recipe.precision.fixed_plan()
         if int4_lora:

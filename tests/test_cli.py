@@ -19,7 +19,7 @@ from cli_invoke import cli, one_error_line, workspace
 from conftest import on_dequant_backend, with_loud_channels
 from huggingface_hub import ModelCard
 from safetensors import safe_open
-from tiny_assets import HubStandIn, corpus_text, save_tiny_model, tensorboard_scalars, validate_card_metadata
+from tiny_assets import HubStandIn, corpus_text, save_tiny_model, tensorboard_scalars, tiny_tokenizer, validate_card_metadata
 from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_collator
 
 from hf_lowprec.data import prepare_lm_data, read_source
@@ -362,6 +362,21 @@ def test_finetune_refuses_a_plan_file_naming_no_layer_before_reading_the_data(ws
         assert not (tmp_path / recipe).exists()
 
 
+def test_finetune_names_an_unsupported_architecture_before_reading_the_data(tmp_path):
+    """GPT-2 multiplies in ``Conv1D`` layers: int4-lora said "no Linear layer besides its output head ... LoRA and INT4
+    have nothing to work on", not why; it names the architecture as apply_plan does, from the config."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = tiny_tokenizer()
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4)).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    for recipe in ("int4-ondevice-lora", "qat-int4"):
+        line = one_error_line(cli("finetune", tmp_path / "m", "--recipe", recipe, "--data", tmp_path / "no.txt",
+                                  "-o", tmp_path / recipe))  # fmt: skip
+        assert "GPT2LMHeadModel multiplies 53% of its matrix weights in 8 Conv1D layers" in line, line
+        assert line.endswith("so this architecture is not supported") and not (tmp_path / recipe).exists()
+
+
 @pytest.mark.slow
 def test_finetune_of_the_gguf_default_refuses_a_plan_file_naming_no_layer_before_evaluating_it(tmp_path):
     """The default checkpoint is a GGUF file, whose config is known once it loads: the plan file is checked then,
@@ -426,7 +441,6 @@ def test_export_merge_folds_lora_into_the_int4_base(ws, lora_run, tmp_path):
 
 
 def test_eval_accuracy_of_a_classifier(ws, tmp_path):
-    from tiny_assets import tiny_tokenizer
     from transformers import BertConfig, BertForSequenceClassification
 
     tok = tiny_tokenizer()
