@@ -643,10 +643,10 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
 
 def _check_recipe_fits(config, recipe: Recipe, loading: dict) -> None:
     """Fail before the data and the model load if a model of ``config`` multiplies in layers no plan converts, the
-    recipe's plan file names no layer of it or, for ``int4-lora``, cannot make its INT4 base (an FP8 layer, a group wider than a layer), a ``lora.target_modules``
-    name matches no layer, or ``lora.r`` exceeds every targeted layer's rank (each failed after the base model's
-    evaluation, or trained a full-rank adapter hundreds of MB large): checked on the model built on the meta device,
-    without memory."""
+    recipe's plan file names no layer of it or, for ``int4-lora``, cannot make its INT4 base (an FP8 layer, a group
+    wider than a layer), a ``lora.target_modules`` name matches no layer, or ``lora.r`` exceeds every targeted layer's
+    rank (each failed after the base model's evaluation, or trained a full-rank adapter hundreds of MB large): checked
+    on the model built on the meta device, without memory."""
     from transformers import AutoModelForCausalLM
 
     from hf_lowprec.ondevice.planning import check_quantizable, resolve_target_modules

@@ -19,7 +19,14 @@ from cli_invoke import cli, one_error_line, workspace
 from conftest import on_dequant_backend, with_loud_channels
 from huggingface_hub import ModelCard
 from safetensors import safe_open
-from tiny_assets import HubStandIn, corpus_text, save_tiny_model, tensorboard_scalars, tiny_tokenizer, validate_card_metadata
+from tiny_assets import (
+    HubStandIn,
+    corpus_text,
+    save_tiny_model,
+    tensorboard_scalars,
+    tiny_tokenizer,
+    validate_card_metadata,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_collator
 
 from hf_lowprec.data import prepare_lm_data, read_source
