@@ -236,20 +236,31 @@ def test_calibrating_on_a_shuffling_dataloader_leaves_its_order_as_it_was():
     assert all(torch.equal(a, b) for a, b in zip(order(True), order(False), strict=True))
 
 
-def test_gradient_spike_skips_the_step():
-    """scaler="gradient", spike_action="skip": a 1000x gradient spike leaves every parameter as it was."""
+@pytest.mark.parametrize("fp16", [False, True])
+def test_gradient_spike_skips_the_step_and_holds_the_lr_schedule(fp16):
+    """scaler="gradient", spike_action="skip": a 1000x gradient spike leaves every parameter as it was, and
+    Accelerate's optimizer says the step was skipped, so its scheduler leaves the LR where it is (it advanced over
+    the skip). fp16: Accelerate's GradScaler, which it makes on accelerators only, given to the CPU's Accelerator."""
     accelerator = Accelerator(cpu=True)
+    if fp16:
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)  # as on a GPU under mixed_precision="fp16"
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     lowprec = LowPrecisionPlugin(PLAN, scaler="gradient", scaler_options={"spike_action": "skip"})
-    model, optimizer = lowprec.prepare(accelerator, model, optimizer)
+    model, optimizer, schedule = lowprec.prepare(accelerator, model, optimizer, schedule)
+    assert (optimizer.scaler is not None) == fp16
     batch = lm_batches(1, batch=4)[0]
-    for _ in range(3):
-        one_step(model, optimizer, accelerator, batch)
-    assert lowprec.steps_skipped == 0
-    before = one_step(model, optimizer, accelerator, batch, loss_factor=1000.0)
-    assert lowprec.steps_skipped == 1
-    assert sorted(unchanged(model, before)) == sorted(before)
+    skipped, rates = [], []
+    for step in range(5):
+        before = one_step(model, optimizer, accelerator, batch, loss_factor=1000.0 if step == 3 else 1.0)
+        skipped.append(optimizer.step_was_skipped)
+        schedule.step()
+        rates.append(schedule.get_last_lr()[0])
+        if step == 3:
+            assert sorted(unchanged(model, before)) == sorted(before)
+    assert lowprec.steps_skipped == 1 and skipped == [False, False, False, True, False]
+    assert rates == pytest.approx([3e-3 / k for k in (2, 3, 4, 4, 5)])
     assert lowprec.telemetry()["lowprec/spikes"] >= 1
 
 

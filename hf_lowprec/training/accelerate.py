@@ -96,6 +96,8 @@ class LowPrecisionPlugin(SessionOwner):
         self.session = owned_session(type(self).__name__, plan, options)
         self.torchao_layers: list[str] = []
         self._main_process = True  # the process that writes the plan file beside a saved state
+        self._accelerated = None  # Accelerate's optimizer, whose step_was_skipped a skip sets
+        self._flagged_skip = False  # the last step's skip set it (without a loss scaler, nothing else clears it)
 
     # ----------------------------------------------------------------------------------- prepare
     def prepare(self, accelerator, *objects, calibration_data: Iterable[Mapping] | None = None):
@@ -127,6 +129,7 @@ class LowPrecisionPlugin(SessionOwner):
         if optimizer is not None:
             wrapped = next(o for o in prepared if isinstance(o, nn.Module))
             inner = next(o for o in prepared if isinstance(o, torch.optim.Optimizer))
+            self._accelerated = inner if hasattr(inner, "_is_overflow") else None
             orphans = orphaned_parameters(accelerator.unwrap_model(wrapped), inner)
             if orphans:
                 raise ValueError(
@@ -272,9 +275,21 @@ class LowPrecisionPlugin(SessionOwner):
         logger.info("re-pointed %d optimizer parameters replaced by the conversion", len(mapping))
 
     def _before_step(self, optimizer, args, kwargs) -> None:
-        """Optimizer step pre-hook: a gradient policy's spike ``skip`` drops this step on every rank."""
-        if self.session.model is not None and skip_step_if_requested(self.session.model):
-            self.steps_skipped += 1
+        """Optimizer step pre-hook: a gradient policy's spike ``skip`` drops this step on every rank, and Accelerate's
+        optimizer then says so (``step_was_skipped``): its scheduler leaves the LR where it is, as for an fp16
+        overflow (it advanced over the skipped step)."""
+        accelerated = self._accelerated
+        if accelerated is not None and self._flagged_skip:
+            accelerated._is_overflow = self._flagged_skip = False
+        if self.session.model is None or not skip_step_if_requested(self.session.model):
+            return
+        self.steps_skipped += 1
+        if accelerated is None:
+            return
+        if accelerated.scaler is not None:
+            accelerated._accelerate_step_called = False  # its fp16 step sets step_was_skipped from this, after us
+        else:
+            accelerated._is_overflow = self._flagged_skip = True
 
     # --------------------------------------------------------------------------------- telemetry
     def telemetry(self) -> dict[str, float]:
