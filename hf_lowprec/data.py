@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import datasets
 import pyarrow as pa
 import pyarrow.compute as pc
+from huggingface_hub import DatasetCard
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, default_data_collator
 
 from hf_lowprec.checkpoints import offline_hint, shakespeare_files
@@ -146,17 +147,32 @@ EVAL_SPLITS = ("validation", "test")  # the splits evaluation prefers, in order
 
 
 def _split_files(folder: Path) -> dict[str, list[Path]]:
-    """``{split: data files}`` of a data folder, split by file and folder names as ``datasets.load_dataset`` splits it
-    (``train``, ``validation``/``valid``/``val``/``dev``, ``test``/``eval`` as a name or a word of one, e.g.
-    ``my-train.jsonl``; a folder named by no split is all ``train``)."""
+    """``{split: data files}`` of a data folder, split as ``datasets.load_dataset`` splits it: by its README.md's
+    ``configs`` where it declares them (a Hub dataset's card), else by file and folder names (``train``,
+    ``validation``/``valid``/``val``/``dev``, ``test``/``eval`` as a name or a word of one, e.g. ``my-train.jsonl``; a
+    folder named by no split is all ``train``)."""
     from datasets.data_files import DataFilesDict, get_data_patterns
 
-    try:
-        resolved = DataFilesDict.from_patterns(get_data_patterns(str(folder)), base_path=str(folder))
-    except (datasets.exceptions.DataFilesNotFoundError, datasets.data_files.EmptyDatasetError):  # no data file in it
-        return {}
+    if _declares_configs(folder):  # its card names each split's files: read by file names, validation was trained on
+        try:
+            resolved = datasets.load_dataset_builder(str(folder)).config.data_files
+        except Exception as e:  # datasets raises many types (several configs and no default, a missing file)
+            raise ValueError(f"data folder {str(folder)!r}: its README.md configs: {_first_line(e)}") from None
+    else:
+        try:
+            resolved = DataFilesDict.from_patterns(get_data_patterns(str(folder)), base_path=str(folder))
+        except (datasets.exceptions.DataFilesNotFoundError, datasets.data_files.EmptyDatasetError):  # no data file
+            return {}
     out = {str(s): sorted(Path(f) for f in files if Path(f).suffix in FILE_BUILDERS) for s, files in resolved.items()}
     return {s: files for s, files in out.items() if files}
+
+
+def _declares_configs(folder: Path) -> bool:
+    """Whether ``folder`` has a README.md whose YAML header declares ``configs`` (its splits' files)."""
+    readme = folder / "README.md"
+    if not readme.is_file():
+        return False
+    return bool(DatasetCard.load(readme).data.to_dict().get("configs"))
 
 
 _SAID_UNREAD: set[tuple] = set()
@@ -508,8 +524,8 @@ def _text_batches(ds: datasets.Dataset, column: str, first_row: int = 0) -> Iter
     :data:`TOKENIZE_BATCH` characters each (at least one row), so a run that needs a few blocks reads a few rows."""
     batch, size = [], 0
     for index, row in _rows(ds, first_row):
-        if row[column] is None or not _text(row[column], column, index):
-            continue
+        if row[column] is None or not _text(row[column], column, index).strip():
+            continue  # blank: left out, as _rows_without_text counts and the run says
         if len(row[column]) > TOKENIZE_BATCH:  # alone, so that a run may read its start only
             if batch:
                 yield batch

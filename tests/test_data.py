@@ -219,6 +219,30 @@ def test_a_folder_is_split_by_file_names_as_datasets_splits_it(tmp_path, caplog,
         load_records(tmp_path / "train-test-notes", split="validation")
 
 
+def test_a_folder_whose_readme_declares_its_splits_is_read_by_them(tmp_path, caplog):
+    """A Hub dataset's card names each split's files (YAML ``configs``): datasets reads them so; split by file names
+    the folder was one train split, and a run trained on the validation rows."""
+    folder = tmp_path / "hub"
+    (folder / "data").mkdir(parents=True)
+    for part, stem in (("part_a", "TRAIN"), ("part_b", "VALID")):
+        rows = "".join(json.dumps({"text": f"{stem} {i}"}) + "\n" for i in range(4))
+        (folder / "data" / f"{part}.jsonl").write_text(rows)
+    (folder / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+                                      "    path: data/part_a.jsonl\n  - split: validation\n"
+                                      "    path: data/part_b.jsonl\n---\n# my dataset\n")  # fmt: skip
+    expected = datasets.load_dataset(str(folder))
+    assert data._split_names(folder) == list(expected) == ["train", "validation"]
+    assert load_records(folder)["text"] == expected["train"]["text"] == [f"TRAIN {i}" for i in range(4)]
+    assert load_records(folder, split="validation")["text"] == expected["validation"]["text"]
+    assert data.default_eval_split(folder) == "validation"
+    train, held_out, _ = data.read_run_source(folder)
+    assert train["text"] == expected["train"]["text"] and held_out["text"] == expected["validation"]["text"]
+    (folder / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+                                      "    path: data/missing.jsonl\n---\n")  # fmt: skip
+    with pytest.raises(ValueError, match=r"^data folder '.*hub': its README.md configs: "):
+        load_records(folder)
+
+
 def test_a_folder_save_to_disk_wrote_is_read_with_its_splits(tmp_path):
     rows = datasets.Dataset.from_dict({"text": ["a b", "c d", "e f"]})
     rows.save_to_disk(tmp_path / "one")
@@ -254,6 +278,13 @@ def test_rows_without_text_are_counted_in_a_warning_and_a_tokenizer_without_eos_
         lm = prepare_lm_data(mixed, "mixed.jsonl", tok, 16, eval_sequences=100)
     assert "data 'mixed.jsonl': 20 of its 40 rows have no text in column 'text' (null or empty) and are left out (its other columns: content)" in caplog.text
     assert lm.train["input_ids"] == _reference_blocks([r["text"] for r in ROWS[1:38:2]], tok, 16)
+    caplog.clear()
+    blank = datasets.Dataset.from_list([{"text": "\t\t  " if i % 4 == 0 else r["text"]} for i, r in enumerate(ROWS)])
+    with caplog.at_level("WARNING", logger="hf_lowprec.data"):
+        lm = prepare_lm_data(blank, "blank.jsonl", tok, 16, eval_sequences=100)
+    assert "10 of its 40 rows have no text in column 'text' (null or empty) and are left out" in caplog.text
+    blocks = [block for part in (lm.train, lm.eval) for block in part["input_ids"]]
+    assert not any("\t" in tok.decode(block) for block in blocks)  # they were trained on
     caplog.clear()
     with caplog.at_level("WARNING", logger="hf_lowprec.data"):
         prepare_lm_data(mixed.select(range(1, 40, 2)), "odd.jsonl", tok, 16)  # a view: its rows, not the table's
