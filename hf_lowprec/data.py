@@ -503,6 +503,21 @@ def _rows_for_a_block(ds: datasets.Dataset, tokenizer, column: str, rows: int, b
     return max(n, rows) if tokens >= block_size else rows
 
 
+def _check_utf8(ds: datasets.Dataset, column: str) -> None:
+    """Raise the one error line of :func:`_rows` naming the first row of ``column`` whose text is not UTF-8 (pyarrow
+    reads JSON/CSV bytes unchecked; the Arrow functions reading the column raised a bare ``ArrowInvalid``, a row read
+    a bare ``UnicodeDecodeError``)."""
+    values = _column_values(ds, column)
+    if not _holds_strings(values):
+        return
+    try:
+        values.validate(full=True)
+    except pa.ArrowInvalid:
+        for _ in _rows(ds):
+            pass
+        raise ValueError(f"column {column!r} holds text that is not UTF-8: re-encode the file as UTF-8") from None
+
+
 def _rows_without_text(ds: datasets.Dataset, column: str) -> int:
     """How many rows of ``ds`` hold null or blank text in ``column`` (counted by Arrow, not row by row); 0 for a column
     of another type (:func:`_text` names its rows)."""
@@ -789,6 +804,8 @@ def prepare_lm_data(
         )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if cols.kind == "text":
+        _check_utf8(ds, cols.text)
     if cols.kind == "text" and (empty := _rows_without_text(ds, cols.text)):
         others = ", ".join(c for c in ds.column_names if c != cols.text)
         logger.warning("data %r: %d of its %d rows have no text in column %r (null or empty) and are left out%s", name,

@@ -297,11 +297,14 @@ def test_rows_without_text_are_counted_in_a_warning_and_a_tokenizer_without_eos_
         prepare_lm_data(datasets.Dataset.from_list(ROWS), "rows.jsonl", no_eos, 16)
 
 
-def test_text_that_is_not_utf8_is_named_by_its_row(tmp_path, tok):
+@pytest.mark.parametrize("good_rows", [1, 40])
+def test_text_that_is_not_utf8_is_named_by_its_row(tmp_path, tok, good_rows):
+    """Whatever the rows around it (from 20 rows on, the Arrow functions counting blank rows and sizing the held-out
+    rows read the column first, and raised a bare ArrowInvalid or UnicodeDecodeError naming no row)."""
     path = tmp_path / "latin1.jsonl"
-    path.write_bytes(b'{"text": "good row"}\n{"text": "caf\xe9 au lait"}\n')  # pyarrow reads the bytes unchecked
+    path.write_bytes(b'{"text": "good row"}\n' * good_rows + b'{"text": "caf\xe9 au lait"}\n')  # read unchecked
     records, name = read_source(path)
-    with pytest.raises(ValueError, match=r"^row 1 is not UTF-8 text \(invalid continuation byte\): re-encode "):
+    with pytest.raises(ValueError, match=rf"^row {good_rows} is not UTF-8 text \(invalid continuation byte\): re-encode "):
         prepare_lm_data(records, name, tok, 8)
     (tmp_path / "latin1.txt").write_bytes("café au lait\n".encode("latin-1"))  # the text reader decodes it itself
     with pytest.raises(ValueError, match=r"latin1\.txt' as text: not UTF-8 text \(invalid continuation byte\): re-encode"):
