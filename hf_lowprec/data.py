@@ -483,8 +483,9 @@ def _holds_strings(values) -> bool:
 def _rows_for_a_block(ds: datasets.Dataset, tokenizer, column: str, rows: int, block_size: int) -> int:
     """How many last rows of ``ds`` a run holds out: ``rows``, or more where those do not make one block of
     ``block_size`` tokens as :func:`pack_blocks` packs them (BOS and EOS included), at most half the rows. Held-out
-    rows that made a block are the same as before this rule; a row of a block's worth of characters counts as one
-    untokenized, and rows without text are passed over by their Arrow lengths (not read one by one)."""
+    rows that made a block are the same as before this rule; a long row counts the tokens of its first
+    ``CHARS_PER_TOKEN x block_size`` characters (fewer than it holds; counted a block untokenized, 1,100 dashes, 18
+    tokens, made one), and rows without text are passed over by their Arrow lengths (not read one by one)."""
     values = _column_values(ds, column)
     half = len(ds) // 2
     if not _holds_strings(values):
@@ -495,11 +496,8 @@ def _rows_for_a_block(ds: datasets.Dataset, tokenizer, column: str, rows: int, b
         n += 1
         if not chars[n - 1]:
             continue
-        if chars[n - 1] >= CHARS_PER_TOKEN * block_size:
-            tokens = block_size
-        else:
-            ids = tokenizer(values[len(ds) - n].as_py())["input_ids"]
-            tokens += len(ids) + (ids[-1:] != [tokenizer.eos_token_id])
+        ids = tokenizer(values[len(ds) - n].as_py()[: CHARS_PER_TOKEN * block_size])["input_ids"]
+        tokens += len(ids) + (ids[-1:] != [tokenizer.eos_token_id])
     return max(n, rows) if tokens >= block_size else rows
 
 

@@ -297,6 +297,16 @@ def test_rows_without_text_are_counted_in_a_warning_and_a_tokenizer_without_eos_
         prepare_lm_data(datasets.Dataset.from_list(ROWS), "rows.jsonl", no_eos, 16)
 
 
+def test_a_long_row_that_tokenizes_densely_is_counted_by_its_tokens_when_rows_are_held_out(tok, monkeypatch):
+    """The held-out rows must make a block: a row of a block's worth of characters counted as a block untokenized
+    (1,100 dashes are 18 SmolLM2 tokens), and the run stopped saying no complete block could be evaluated on. The
+    tiny tokenizer makes no such tokens: the characters a token is assumed to hold at least are raised instead."""
+    monkeypatch.setattr(data, "CHARS_PER_TOKEN", 1)  # a last row of 150 characters, ~90 tokens: "a block" untokenized
+    rows = [r["text"][:60] for r in ROWS[:39]] + [ROWS[39]["text"][:150]]
+    held = data._rows_for_a_block(datasets.Dataset.from_dict({"text": rows}), tok, "text", 1, 128)
+    assert sum(len(tok(text)["input_ids"]) + 1 for text in rows[-held:]) >= 128  # with their EOS, a block's tokens
+
+
 @pytest.mark.parametrize("good_rows", [1, 40])
 def test_text_that_is_not_utf8_is_named_by_its_row(tmp_path, tok, good_rows):
     """Whatever the rows around it (from 20 rows on, the Arrow functions counting blank rows and sizing the held-out
@@ -478,7 +488,9 @@ def test_text_is_tokenized_in_batch_calls_and_only_as_far_as_needed(tok):
 
     short = datasets.Dataset.from_dict({"text": [corpus_text(400)[i::3] for i in range(3)] * 40})
     prepare_lm_data(short, "short", Counting(tok), 16)
-    assert calls == [114, 6], calls  # one call for the 114 training rows, one for the 6 held out: not one call a row
+    # one call for the last row's start (how many rows make a held-out block), one for the 114 training rows, one for
+    # the 6 held out: not one call a row
+    assert calls == [1, 114, 6], calls
     calls.clear()
     long = datasets.Dataset.from_dict({"text": [corpus_text(80_000)] * 10})
     prepare_lm_data(long, "long", Counting(tok), 16, train_sequences=2, eval_sequences=2)
