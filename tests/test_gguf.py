@@ -8,7 +8,7 @@ import torch
 from cli_invoke import cli, one_error_line
 from peft import LoraConfig
 from tiny_assets import save_tiny_model, validate_card_metadata
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_lowprec import load_int4_lora
 from hf_lowprec.export import RUN_FILE
@@ -210,6 +210,26 @@ def test_adapters_of_per_layer_scales_are_refused_before_anything_is_written(tmp
     (tmp_path / "out").mkdir()
     with pytest.raises(ValueError, match=r"q_proj: its LoRA scale is not alpha / r \(a per-layer rank or alpha"):
         export_gguf(model, tokenizer, tmp_path / "out", "tiny")
+    assert not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("targets, refusal", [
+    (["q_proj", "embed_tokens"], "model.embed_tokens: an embedding's LoRA, which this GGUF export does not write"),
+    (["q_proj", "lm_head"], "lm_head: a LoRA on the output head tied to the token embedding; GGUF holds the two as one"),
+])  # fmt: skip
+def test_adapters_gguf_cannot_hold_are_refused_before_anything_is_written(tmp_path, targets, refusal):
+    """An embedding's LoRA was left out of adapter.gguf without a word; a tied head's was written for an output.weight
+    model.gguf does not hold (GGUF keeps the tied pair as token_embd), which llama.cpp refuses to load."""
+    from peft import get_peft_model
+
+    from hf_lowprec import HfLowprecConfig
+
+    folder = save_tiny_model(tmp_path / "tiny", tie_word_embeddings=True)
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, quantization_config=HfLowprecConfig())
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ValueError, match=rf"^{refusal}"):
+        export_gguf(model, AutoTokenizer.from_pretrained(folder), tmp_path / "out", "tiny")
     assert not any((tmp_path / "out").iterdir())
 
 

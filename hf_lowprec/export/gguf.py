@@ -115,8 +115,9 @@ def _dense_tensors(base: nn.Module, packed: dict, head: str | None):
 
 
 def _check_supported(base: nn.Module, peft_model, layers: dict[str, nn.Module]) -> None:
-    """``ValueError`` naming what this export cannot write: another architecture, rope scaling, LoRA variants, a scaled
-    packed embedding, codes of a rotated or rescaled weight, groups that are not whole blocks."""
+    """``ValueError`` naming what this export cannot write: another architecture, rope scaling, LoRA variants, a LoRA on
+    an embedding or on a tied head, a scaled packed embedding, codes of a rotated or rescaled weight, groups that are
+    not whole blocks."""
     config = base.config
     if config.model_type != "llama":
         raise ValueError(
@@ -135,7 +136,19 @@ def _check_supported(base: nn.Module, peft_model, layers: dict[str, nn.Module]) 
             if getattr(adapter, "use_dora", False) or getattr(adapter, "use_rslora", False):
                 raise ValueError("GGUF adapters hold plain LoRA (scale alpha / r): not DoRA or rsLoRA")
         alpha = next(iter(peft_model.peft_config.values())).lora_alpha
+        tied = tied_head_names(base)
         for fqn, module in peft_model.named_modules():  # checked before model.gguf is written: no half export
+            if isinstance(module, LoraLayer) and module.lora_embedding_A:  # it was left out of the adapter file
+                raise ValueError(
+                    f"{canonical_name(fqn)}: an embedding's LoRA, which this GGUF export does not write; export "
+                    "--format native (or bf16 with the adapters merged), or target Linear layers only"
+                )
+            if isinstance(module, LoraLayer) and tied and canonical_name(fqn) == canonical_name(tied[0]):
+                raise ValueError(
+                    f"{canonical_name(fqn)}: a LoRA on the output head tied to the token embedding; GGUF holds the "
+                    "two as one tensor, token_embd, and llama.cpp finds no output.weight to adapt; export --format "
+                    "native (or bf16 with the adapters merged), or leave the head out of lora.target_modules"
+                )
             rank = module.r.get("default") if isinstance(module, LoraLayer) else None
             if rank and module.scaling["default"] != alpha / rank:
                 raise ValueError(
