@@ -280,6 +280,7 @@ class StopOnInterrupt(TrainerCallback):
         if self.requested:
             control.should_save = True
             control.should_training_stop = True
+            control.should_log = True  # the steps since the last log: the resumed run's first log starts after them
 
 
 class KeepOneCompleteCheckpoint(TrainerCallback):
@@ -748,9 +749,14 @@ def _training_figures(
         for key in ("train_loss", "seconds_per_step", "tokens_per_second"):
             del figures[key]  # its Trainer said 0 for a loss and a speed of no step
         figures.update(resumed_from_step=resumed_at, **_logged_train_loss(trainer.state.log_history))
-    elif resume_from:  # the Trainer's training_loss averages this session's steps only
-        steps = f"{resumed_at + 1}-{trainer.state.global_step}"
-        figures.update(resumed_from_step=resumed_at, train_loss_over_steps=steps)
+    elif resume_from:  # the Trainer's training_loss averages this session's steps only: the logged losses' whole run
+        # where they cover every step once (the checkpoint's step ended a logged window, as an interrupt's does, and
+        # the last step was logged)
+        logged = [h["step"] for h in trainer.state.log_history if "loss" in h and h.get("step", 0) <= resumed_at]
+        whole = _logged_train_loss(trainer.state.log_history) if logged and logged[-1] == resumed_at else {}
+        if whole.get("train_loss_over_steps") != f"1-{trainer.state.global_step}":
+            whole = {"train_loss_over_steps": f"{resumed_at + 1}-{trainer.state.global_step}"}
+        figures.update(resumed_from_step=resumed_at, **whole)
     return figures
 
 

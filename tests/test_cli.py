@@ -1127,8 +1127,14 @@ def test_an_interrupt_leaves_a_resumable_checkpoint(ws, tmp_path, signum, status
     record = json.loads((out / RUN_FILE).read_text())
     assert record["training"]["resumed_from_step"] == stopped_at and record["training"]["steps"] == 40
     assert record["training"]["train_tokens"] == 40 * 2 * 32  # every step's tokens (batch 2 x 32), not this session's
-    steps_logged = [e["step"] for e in json.loads((out / "log_history.json").read_text()) if "loss" in e]
-    assert steps_logged == list(range(5, 41, 5))  # one loss curve across the interruption
+    logged = [(e["step"], e["loss"]) for e in json.loads((out / "log_history.json").read_text()) if "loss" in e]
+    # one loss curve across the interruption, with the loss of the steps before it (their window was lost: the resumed
+    # run's first log averaged the steps after the checkpoint only)
+    assert [step for step, _ in logged] == sorted({*range(5, 41, 5), stopped_at})
+    starts = [0] + [step for step, _ in logged[:-1]]
+    whole = sum(loss * (step - start) for (step, loss), start in zip(logged, starts)) / 40
+    assert record["training"]["train_loss_over_steps"] == "1-40"  # the whole run's, as an uninterrupted run's
+    assert record["training"]["train_loss"] == pytest.approx(whole, rel=1e-12)
     assert (out / "loss_curve.png").read_bytes()[:4] == b"\x89PNG" and "](loss_curve.png)" in (out / CARD_FILE).read_text()
     assert not (tmp_path / "run.incomplete").exists()
 
