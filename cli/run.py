@@ -604,7 +604,7 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
 
         config = AutoConfig.from_pretrained(source, **source_kwargs(opts.load_options))
         check_block_size(config, t.block_size)
-        _check_recipe_fits(config, recipe, opts.load_options)  # the plan (and adapters) against its layers, now
+        _check_recipe_fits(_meta_model(config, opts.load_options), recipe)  # the plan (and adapters), now
     with ui.step(f"reading data {opts.data or '(default corpus)'}"):
         records, held_out, data_name = read_run_source(opts.data, split=recipe.data.split)
     if held_out is not None:
@@ -632,7 +632,7 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
             model, _ = load_pretrained(source, gguf_file=gguf, dtype=dtype, tokenizer=tokenizer, **opts.load_options)
     check_block_size(model.config, t.block_size)
     if gguf is not None:  # before the base model's evaluation
-        _check_recipe_fits(model.config, recipe, opts.load_options)
+        _check_recipe_fits(model, recipe)
     if len(lm.eval) < t.eval_blocks:
         asked = t.eval_blocks
         ui.err.print(f"held-out data: {len(lm.eval)} sequences (eval_blocks {asked}: the held-out rows hold no more)")
@@ -642,19 +642,24 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
     return model, tokenizer, lm, base_plan
 
 
-def _check_recipe_fits(config, recipe: Recipe, loading: dict) -> None:
-    """Fail before the data and the model load if a model of ``config`` multiplies in layers no plan converts, the
-    recipe's plan file names no layer of it or, for ``int4-lora``, cannot make its INT4 base (an FP8 layer, a group
-    wider than a layer), a ``lora.target_modules`` name matches no layer, or ``lora.r`` exceeds every targeted layer's
-    rank (each failed after the base model's evaluation, or trained a full-rank adapter hundreds of MB large): checked
-    on the model built on the meta device, without memory."""
+def _meta_model(config, loading: dict):
+    """The causal LM of ``config`` built on the meta device, without memory: what the recipe is checked against
+    before the data and the model load."""
     from transformers import AutoModelForCausalLM
 
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=loading.get("trust_remote_code", False))
+
+
+def _check_recipe_fits(model, recipe: Recipe) -> None:
+    """Fail before the base model's evaluation (from its config, before the data and the model load: a
+    :func:`_meta_model`) if ``model`` multiplies in layers no plan converts, the recipe's plan file names no layer of
+    it or, for ``int4-lora``, cannot make its INT4 base (an FP8 layer, a group wider than a layer), a
+    ``lora.target_modules`` name matches no layer, or ``lora.r`` exceeds every targeted layer's rank (each failed after
+    the base model's evaluation, or trained a full-rank adapter hundreds of MB large)."""
     from hf_lowprec.ondevice.planning import check_quantizable, resolve_target_modules
 
     int4_lora = recipe.method == "int4-lora"
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=loading.get("trust_remote_code", False))
     check_convertible(model)  # an architecture multiplying in other layers (GPT-2's Conv1D): every recipe's plan fails
     if recipe.precision.is_file:
         plan = recipe.precision.fixed_plan()

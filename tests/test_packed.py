@@ -344,13 +344,11 @@ def test_int8_layer_stores_one_code_per_byte_and_multiplies_them_as_stored():
 
 
 @needs_cpp
-@pytest.mark.parametrize("backend", ["tiled", "int8"])
+@pytest.mark.parametrize("backend", ["tiled", pytest.param("int8", marks=needs_int8)])
 def test_the_c_kernels_run_under_inference_mode_on_several_threads(backend):
-    """The C++ kernels' parallel bodies run in the caller's thread-local state: under ``torch.inference_mode()`` on 2
+    """The C++ kernels' parallel bodies run in the caller's InferenceMode: under ``torch.inference_mode()`` on 2
     threads the tiled forward's tiles (torch ops on OpenMP's other threads, outside inference mode) raised "Inplace
     update to inference tensor outside InferenceMode"; an autotuned ``auto`` picks tiled for many shapes."""
-    if backend == "int8" and not INT8_OK:
-        pytest.skip("this CPU has no int8 dot-product instructions")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
