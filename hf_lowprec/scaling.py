@@ -142,7 +142,8 @@ class ScalePolicy(Fp32State):
         """``amax`` reduced with MAX over ranks when ``sync`` and distributed (tensorwise only; not outside training:
         :func:`casts_of`)."""
         if self.sync and amax.dim() == 0 and distributed() and _FORWARD.get() != "evaluating":
-            amax = amax.clone()
+            # a NaN as inf: gloo's MAX kept a NaN from rank 0 but dropped rank 1's, so no rank saw the NaN gradient
+            amax = torch.nan_to_num(amax, nan=float("inf"))
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
         return amax
 

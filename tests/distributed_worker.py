@@ -6,7 +6,8 @@ Trains a tiny Llama for ``STEPS`` optimizer steps with a global batch of ``GLOBA
 taken in order, so any world size sees the same batches. Modes: ``trainer`` (``transformers.Trainer``
 + ``LowPrecisionCallback``, fixed plan), ``trainer-auto`` (the same with a scan at ``on_train_begin``),
 ``trainer-smoothed`` (a fixed plan with '-sq' layers), ``plugin`` (an Accelerate loop + ``LowPrecisionPlugin``, DDP) and
-``fsdp2`` (a plain loop, ``LowPrecisionPlugin.convert`` then torch's FSDP2 ``fully_shard``). Writes ``OUT/<mode>/losses.json`` (rank 0) and
+``fsdp2`` (a plain loop, ``LowPrecisionPlugin.convert`` then torch's FSDP2 ``fully_shard``); ``spike-on-one-rank`` and
+``nan-on-rank-1`` (the plugin's loop with one rank's gradient abnormal at step 3). Writes ``OUT/<mode>/losses.json`` (rank 0) and
 ``OUT/<mode>/rank<r>.safetensors`` (every rank's parameters after training). ``--fp32`` trains without the
 callback (the reference for what a different world size alone changes); ``--no-sync`` turns off the
 amax reduction over ranks.
@@ -26,6 +27,7 @@ from conftest import lm_batches, tiny_llama  # noqa: E402
 
 STEPS = 5
 GLOBAL_BATCH = 8
+MODE_HEADER = "=== distributed_worker mode: "
 PLAN = {"default": "fp8", "layers": {"*.mlp.down_proj": "int4-g64", "lm_head": "bf16"}}
 SMOOTHED_PLAN = {"default": "fp8", "layers": {"*.mlp.down_proj": "int4-g64-sq", "lm_head": "bf16"}}
 
@@ -72,11 +74,12 @@ def run_trainer(
 
 
 def run_accelerate(
-    out: Path, sync: bool | None, spike: bool = False, compensated: bool = False
+    out: Path, sync: bool | None, spike: str | None = None, compensated: bool = False
 ) -> tuple[list[float], torch.nn.Module]:
     """Accelerate + plugin; then a forward on rank 0 alone. ``spike``: gradient scaling that skips a step on a spike,
-    each rank judging its own gradients (``sync=False``), rank 0 alone seeing one (its loss x 1e4 at step 3); writes
-    ``out/skipped<rank>.json``. ``compensated``: bf16 weights, their updates Kahan-compensated."""
+    one rank alone seeing one at step 3 and writing ``out/skipped<rank>.json``: ``"rank0"`` its loss x 1e4, each rank
+    judging its own gradients (``sync=False``); ``"nan-rank1"`` a NaN loss, the amaxes synced (the default).
+    ``compensated``: bf16 weights, their updates Kahan-compensated."""
     from accelerate import Accelerator
 
     from hf_lowprec.training.accelerate import LowPrecisionPlugin
@@ -87,14 +90,16 @@ def run_accelerate(
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rows = torch.tensor(dataset_rows())
     loader = torch.utils.data.DataLoader([{"input_ids": r, "labels": r} for r in rows], batch_size=GLOBAL_BATCH // size)
-    skipping = {"scaler": "gradient", "scaler_options": {"spike_action": "skip"}, "sync": False}
+    skip_sync = False if spike == "rank0" else sync
+    skipping = {"scaler": "gradient", "scaler_options": {"spike_action": "skip"}, "sync": skip_sync}
+    spiked_rank, factor = (0, 1e4) if spike == "rank0" else (1, float("nan"))
     compensation = "kahan" if compensated else None
     lowprec = LowPrecisionPlugin(PLAN, **(skipping if spike else {"sync": sync}), compensation=compensation)
     model, optimizer, loader = lowprec.prepare(accelerator, model, optimizer, loader)
     losses = []
     for step, batch in enumerate(loader):
         loss = model(**batch).loss
-        accelerator.backward(loss * (1e4 if spike and step == 3 and rank == 0 else 1.0))
+        accelerator.backward(loss * (factor if spike and step == 3 and rank == spiked_rank else 1.0))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(accelerator.gather(loss.detach()[None]).mean().item())
@@ -176,7 +181,9 @@ def run(mode: str, out: Path, sync: bool | None = None, fp32: bool = False) -> N
     elif mode in ("plugin", "plugin-compensated"):
         losses, model = run_accelerate(out, sync, compensated=mode == "plugin-compensated")
     elif mode == "spike-on-one-rank":
-        losses, model = run_accelerate(out, sync, spike=True)
+        losses, model = run_accelerate(out, sync, spike="rank0")
+    elif mode == "nan-on-rank-1":
+        losses, model = run_accelerate(out, sync, spike="nan-rank1")
     else:
         losses, model = run_fsdp2(out, sync)
     rank, size = world()
@@ -194,6 +201,8 @@ def main() -> None:
     modes, out = sys.argv[1].split(","), Path(sys.argv[2])
     sync = False if "--no-sync" in sys.argv else None
     for mode in modes:  # several modes share one launch (process start-up dominates the cost)
+        if os.environ.get("RANK", "0") == "0":  # where its messages start in the launch's output
+            print(f"{MODE_HEADER}{mode}", file=sys.stderr, flush=True)
         run(mode, out / mode, sync, fp32="--fp32" in sys.argv)
     if torch.distributed.is_initialized():  # left to interpreter exit, gloo's threads sometimes abort a rank (SIGABRT)
         torch.distributed.barrier()

@@ -6,6 +6,7 @@ The runs live in tests/distributed_worker.py; one launch per world size runs all
 """
 
 import json
+import math
 import os
 import re
 import socket
@@ -16,14 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_llama
-from distributed_worker import PLAN
+from distributed_worker import MODE_HEADER, PLAN
 from safetensors.torch import load_file
 
 from hf_lowprec.formats import FormatSpec, int_steps
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 MODES = ("trainer", "trainer-auto", "plugin", "fsdp2")
-LAUNCHED = (*MODES, "spike-on-one-rank", "trainer-smoothed", "plugin-compensated", "trainer-compensated", "smoothed-tuples")
+LAUNCHED = (*MODES, "spike-on-one-rank", "nan-on-rank-1", "trainer-smoothed", "plugin-compensated", "trainer-compensated", "smoothed-tuples")
 
 
 def free_port() -> int:
@@ -109,17 +110,36 @@ def test_smoothed_layers_calibrated_on_each_ranks_own_batches_hold_rank_0s_smoot
         assert torch.equal(r0[k], r1[k]), k
 
 
+def said_in(folder: Path, mode: str) -> str:
+    """What a launch's processes said while running ``mode``."""
+    output = (folder / "output.txt").read_text()
+    return output.split(f"{MODE_HEADER}{mode}\n", 1)[1].split(MODE_HEADER, 1)[0]
+
+
 def test_a_spike_one_rank_alone_sees_skips_the_step_on_every_rank(runs):
     """Gradient scaling with sync=False judges each rank's own gradients: rank 0's spike skipped its step while rank 1
     stepped, and the ranks' weights parted for good. Every rank now skips with it, the weights stay identical."""
     two = runs[2] / "spike-on-one-rank"
     assert [json.loads((two / f"skipped{r}.json").read_text()) for r in (0, 1)] == [1, 1]
-    said = (runs[2] / "output.txt").read_text()  # by rank 0 alone (each rank said it: two skips, it read)
+    said = said_in(runs[2], "spike-on-one-rank")  # by rank 0 alone (each rank said it: two skips, it read)
     assert len(re.findall(r"gradient spike in \d+ casts: optimizer step skipped", said)) == 1, said[-3000:]
     assert "on another rank: optimizer step skipped" not in said
     r0, r1 = load_file(two / "rank0.safetensors"), load_file(two / "rank1.safetensors")
     for k in r0:
         assert torch.equal(r0[k], r1[k]), k
+
+
+def test_a_nan_gradient_on_rank_1_alone_skips_the_step_on_every_rank(runs):
+    """With the amaxes synced (the default), gloo's MAX dropped a NaN held by rank 1 (it keeps rank 0's): no rank saw
+    the NaN gradient, the step was taken and every weight turned NaN. Every rank skips it now."""
+    two = runs[2] / "nan-on-rank-1"
+    assert [json.loads((two / f"skipped{r}.json").read_text()) for r in (0, 1)] == [1, 1]
+    said = said_in(runs[2], "nan-on-rank-1")
+    assert len(re.findall(r"gradient spike in \d+ casts: optimizer step skipped", said)) == 1, said[-3000:]
+    assert all(math.isfinite(x) for x in json.loads((two / "losses.json").read_text())["losses"][4:])
+    r0, r1 = load_file(two / "rank0.safetensors"), load_file(two / "rank1.safetensors")
+    for k in r0:
+        assert torch.isfinite(r0[k]).all() and torch.equal(r0[k], r1[k]), k
 
 
 @pytest.mark.parametrize("mode", ["plugin-compensated", "trainer-compensated"])
