@@ -4,6 +4,7 @@ state_dict round trips."""
 
 import copy
 import math
+import pickle
 
 import pytest
 import torch
@@ -357,6 +358,61 @@ def test_compensated_optimizer_works_with_schedulers_and_new_parameter_groups():
     assert id(extra) not in opt.buffers
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stochastic_rounding_with_low_bit_states_keeps_sub_ulp_updates_of_fp16_and_bf16_weights(dtype):
+    """compensation="stochastic" with torchao-style states handed the weights to the optimizer's own
+    bf16_stochastic_round, which rounds bf16 weights alone: fp16 ones took every update of 1/100 ulp to nearest and
+    never moved. fp16 weights get the wrapper now; bf16 ones keep the optimizer's own rounding."""
+    def drift(weight_dtype, compensation):
+        p = torch.nn.Parameter(torch.full((64, 64), 1.125, dtype=weight_dtype))
+        opt = make_optimizer([{"params": iter([p]), "weight_decay": 0.0}], states="8bit", compensation=compensation,
+                             lr=1e-5, weight_decay=0.0)  # fmt: skip
+        for _ in range(300):
+            p.grad = torch.ones_like(p)  # AdamW's update: lr per step, 1e-5 (fp16 ulp at 1.125: 9.8e-4, bf16: 7.8e-3)
+            opt.step()
+        return opt, (p.detach().float() - 1.125).mean().item()
+
+    reference = drift(torch.float32, None)[1]
+    assert reference == pytest.approx(-3e-3, rel=0.01)
+    assert drift(dtype, None)[1] == 0.0  # every update rounded away
+    opt, moved = drift(dtype, "stochastic")
+    assert isinstance(opt, CompensatedOptimizer) == (dtype == torch.float16)
+    assert moved == pytest.approx(reference, rel=0.1)
+
+
+def test_a_compensated_optimizer_copies_pickles_and_takes_step_hooks():
+    """copy.deepcopy (and pickle) of the wrapper failed on torch's Optimizer.__getstate__, which kept only the groups,
+    and its __setstate__ patched ``step`` on the class itself: every wrapper in the process then failed to step. A
+    copy now steps as the original does, its buffers keyed by its own parameters; step hooks registered on the wrapper
+    (Accelerate registers one for FSDP2's float8 all-gather) run once per step."""
+    model = tiny_llama(num_hidden_layers=1).to(torch.bfloat16)
+    opt = CompensatedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), "kahan", max_chunk_numel=20_000)
+    batches = text_batches(3)
+    model(**batches[0]).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    twin, twin_opt = copy.deepcopy((model, opt))
+    clone, clone_opt = pickle.loads(pickle.dumps((model, opt)))
+    steps = []
+    handles = [o.register_step_pre_hook(lambda *a: steps.append("pre")) for o in (opt, twin_opt, clone_opt)]
+    handles += [o.register_step_post_hook(lambda *a: steps.append("post")) for o in (opt, twin_opt, clone_opt)]
+    for m, o in ((model, opt), (twin, twin_opt), (clone, clone_opt)):
+        assert len(o.buffers) == len(opt.buffers) > 0 and o.buffers.keys() <= {id(p) for p in m.parameters()}
+        for batch in batches[1:]:
+            m(**batch).loss.backward()
+            o.step()
+            o.zero_grad()
+    assert steps == ["pre", "post"] * 6  # once per step, not per chunk
+    for (name, a), b, c in zip(model.named_parameters(), twin.parameters(), clone.parameters()):
+        assert torch.equal(a, b) and torch.equal(a, c), name
+    for handle in handles:
+        handle.remove()
+    fresh = CompensatedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))], lr=1.0))
+    fresh.param_groups[0]["params"][0].grad = torch.ones(2, dtype=torch.bfloat16)
+    fresh.step()  # the class's step untouched
+    assert fresh.param_groups[0]["params"][0].tolist() == [0.0, 0.0]
+
+
 def test_make_optimizer_low_bit_states_are_smaller_and_train():
     """bitsandbytes' 8-bit AdamW keeps both moments in 1 byte each (+ block scales) for tensors >= 4096
     elements; torchao's 8-bit/FP8/4-bit variants are measured in benchmarks/memory.py (they compile)."""
@@ -380,6 +436,9 @@ def test_make_optimizer_low_bit_states_are_smaller_and_train():
         make_optimizer(model.parameters(), states="int2")
     with pytest.raises(ValueError, match="unknown compensation method 'magic'"):
         CompensatedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "magic")
+    with pytest.raises(ValueError, match=r"^CompensatedOptimizer wraps optimizers that update each parameter on its "
+                       r"own \(SGD, .*\), not LBFGS$"):  # its step missed the closure LBFGS needs
+        CompensatedOptimizer(torch.optim.LBFGS(model.parameters()))
     # torchao's own stochastic rounding has no error feedback or seed: refused, not dropped
     with pytest.raises(ValueError, match=r"^error_feedback, seed apply to the CompensatedOptimizer wrapper, which"):
         make_optimizer(model.parameters(), states="8bit", compensation="stochastic", seed=3, error_feedback={})

@@ -199,6 +199,11 @@ class CompensatedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"unknown compensation method {method!r}; choose one of {', '.join(METHODS)}")
         if isinstance(optimizer, CompensatedOptimizer):
             raise ValueError("optimizer is already a CompensatedOptimizer")
+        if isinstance(optimizer, torch.optim.LBFGS):  # a step evaluates the closure itself, over all parameters at once
+            raise ValueError(
+                "CompensatedOptimizer wraps optimizers that update each parameter on its own (SGD, Adam(W), "
+                "Adafactor, torchao and bitsandbytes optimizers), not LBFGS"
+            )
         if residual_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"residual_dtype {residual_dtype}: choose torch.float32, torch.bfloat16 or torch.float16")
         self.optimizer = optimizer
@@ -352,14 +357,27 @@ class CompensatedOptimizer(torch.optim.Optimizer):
         for hook in list(post_hooks.values()):
             hook(holder, (), {})
 
-    @contextlib.contextmanager
-    def _own_step_hooks(self):
-        """``(optimizer, its pre-hooks, its post-hooks)``: the wrapped optimizer's step hooks, or, for a wrapper without
-        hooks of its own (Accelerate's ``AcceleratedOptimizer``), those of the optimizer inside it, taken off it within
-        the block (its step, once per chunk, then runs none)."""
+    def register_step_pre_hook(self, hook):
+        """Registered on the wrapped optimizer: it runs once per step, before the chunks (see :meth:`step`)."""
+        return self._hook_holder().register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook):
+        """Registered on the wrapped optimizer: it runs once per step, after the chunks (see :meth:`step`)."""
+        return self._hook_holder().register_step_post_hook(hook)
+
+    def _hook_holder(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer, or, for a wrapper without step hooks of its own (Accelerate's
+        ``AcceleratedOptimizer``), the optimizer inside it."""
         holder = self.optimizer
         while not hasattr(holder, "_optimizer_step_pre_hooks") and hasattr(holder, "optimizer"):
             holder = holder.optimizer
+        return holder
+
+    @contextlib.contextmanager
+    def _own_step_hooks(self):
+        """``(optimizer, its pre-hooks, its post-hooks)``: :meth:`_hook_holder`'s step hooks, taken off it within the
+        block (its step, once per chunk, then runs none)."""
+        holder = self._hook_holder()
         if not hasattr(holder, "_optimizer_step_pre_hooks"):
             yield holder, {}, {}
             return
@@ -412,6 +430,23 @@ class CompensatedOptimizer(torch.optim.Optimizer):
             "buffers": {index[k]: v for k, v in self.buffers.items() if k in index},
             "generators": {dev: g.get_state() for dev, g in self._generators.items()},
         }
+
+    def __getstate__(self) -> dict:
+        """For ``copy.deepcopy`` and pickle: what is keyed by a parameter's identity keyed by its position (a copy's
+        parameters are new objects). torch's ``Optimizer.__getstate__`` kept only the wrapped optimizer's groups."""
+        index = {id(p): i for i, p in enumerate(self._params())}
+        state = dict(self.__dict__)
+        state["buffers"] = {index[k]: v for k, v in self.buffers.items() if k in index}
+        state["error_feedback"] = {index[k]: v for k, v in self.error_feedback.items() if k in index}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """Keyed by the copy's parameters again; torch's ``Optimizer.__setstate__`` patched ``step`` on this class
+        itself, which broke every wrapper in the process."""
+        self.__dict__.update(state)
+        params = self._params()
+        self.buffers = {id(params[i]): v for i, v in state["buffers"].items()}
+        self.error_feedback = {id(params[i]): v for i, v in state["error_feedback"].items()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if state_dict.get("method") != self.method:
@@ -472,7 +507,8 @@ def make_optimizer(
     tensors under 4096 elements keep fp32 states; ``8bit`` steps fp32 weights on CPUs in one C++ pass,
     :class:`~hf_lowprec.training.adamw8bit.AdamW8bit`, the others compile their first step), ``bnb-8bit``
     (bitsandbytes' AdamW8bit). ``compensation``: ``kahan``, ``stochastic`` or ``None``; with torchao
-    states, ``stochastic`` uses torchao's own ``bf16_stochastic_round`` instead of the wrapper.
+    states and no fp16 parameter, ``stochastic`` uses torchao's own ``bf16_stochastic_round`` instead of the wrapper
+    (it rounds bf16 weights alone: fp16 ones took every sub-ulp update to nearest, which lost it).
     """
     if states not in STATES:
         raise ValueError(f"unknown optimizer states {states!r}; choose one of {', '.join(STATES)}")
@@ -491,7 +527,9 @@ def make_optimizer(
         from hf_lowprec.training.adamw8bit import AdamW8bit
 
         cls = {"8bit": AdamW8bit, "4bit": torchao.optim.AdamW4bit, "fp8": torchao.optim.AdamWFp8}[states]
-        if compensation == "stochastic":
+        params = _listed(params)
+        tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+        if compensation == "stochastic" and not any(p.dtype == torch.float16 for p in tensors):
             if wrapper_options:  # the wrapper's, which torchao's rounding does not have
                 raise ValueError(
                     f"{', '.join(sorted(wrapper_options))} apply to the CompensatedOptimizer wrapper, which "
@@ -503,6 +541,16 @@ def make_optimizer(
     if compensation in (None, "none"):
         return inner
     return CompensatedOptimizer(inner, compensation, **wrapper_options)
+
+
+def _listed(params: Iterable) -> list:
+    """An optimizer's ``params`` argument (tensors, or param group dicts) as a list, each group's ``params`` a list of
+    tensors: read once here, as a generator can be."""
+    groups = [dict(g) if isinstance(g, dict) else g for g in params]
+    for g in groups:
+        if isinstance(g, dict):
+            g["params"] = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+    return groups
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
