@@ -654,7 +654,7 @@ def _meta_model(config, loading: dict):
 def _check_recipe_fits(model, recipe: Recipe) -> None:
     """Fail before the base model's evaluation (from its config, before the data and the model load: a
     :func:`_meta_model`) if ``model`` multiplies in layers no plan converts, the recipe's plan file names no layer of
-    it or, for ``int4-lora``, cannot make its INT4 base (an FP8 layer, a group wider than a layer), a
+    it or puts none in low precision or, for ``int4-lora``, cannot make its INT4 base (an FP8 layer, a group wider than a layer), a
     ``lora.target_modules`` name matches no layer, or ``lora.r`` exceeds every targeted layer's rank (each failed after
     the base model's evaluation, or trained a full-rank adapter hundreds of MB large)."""
     from hf_lowprec.ondevice.planning import check_quantizable, resolve_target_modules
@@ -667,6 +667,8 @@ def _check_recipe_fits(model, recipe: Recipe) -> None:
             check_quantizable(model, plan)
         else:
             plan.validate(model)
+            if all(spec.is_high_precision for spec in plan.assign(model).values()):  # the session's own check, now
+                raise ValueError(f"the plan {plan.brief()} puts no layer of {type(model).__name__} in low precision")
     if not int4_lora:
         return
     lora = recipe.lora

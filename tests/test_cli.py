@@ -367,6 +367,11 @@ def test_finetune_refuses_a_plan_file_naming_no_layer_before_reading_the_data(ws
                                   tmp_path / "no.txt", "-o", tmp_path / recipe))  # fmt: skip
         assert "plan entry 'model.layers.99.mlp.up_proj' is not a layer of this model; close matches: " in line, line
         assert not (tmp_path / recipe).exists()
+    (tmp_path / "empty.json").write_text("{}")  # a plan of no rule and a high-precision default
+    for recipe in ("qat-int4", "fp8-train"):  # said after loading the model and evaluating it
+        line = one_error_line(cli("finetune", ws / "tiny", "--recipe", recipe, "--plan", tmp_path / "empty.json",
+                                  "--data", tmp_path / "no.txt", "-o", tmp_path / recipe))  # fmt: skip
+        assert line.endswith("the plan (default bf16; rules none) puts no layer of LlamaForCausalLM in low precision")
 
 
 def test_finetune_names_an_unsupported_architecture_before_reading_the_data(tmp_path):
