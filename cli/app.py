@@ -323,14 +323,16 @@ def scan_cmd(
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace an existing --out plan (and its heat map and scores).")
     ] = False,
-    seed: Annotated[int, typer.Option("--seed", min=0)] = 0,
+    seed: Annotated[
+        int, typer.Option("--seed", min=0, help="Seeds the scan's random numbers (the global RNG is left as it was).")
+    ] = 0,
     text_column: TextColOpt = None,
+    messages_column: MsgColOpt = None,
     revision: RevisionOpt = None,
     trust_remote_code: TrustCodeOpt = False,
 ):
     """Measure each layer's sensitivity to FP8/INT4, allocate a plan under a budget, write it with a heat map."""
     from hf_lowprec import sensitivity
-    from hf_lowprec.sensitivity.allocate import budget_from
 
     if out.suffix not in (".json", ".yaml", ".yml"):
         ui.fail(f"--out {str(out)!r}: a plan file ends in .json, .yaml or .yml")
@@ -348,11 +350,10 @@ def scan_cmd(
     if not format_names:
         ui.fail(f"--formats {formats!r}: name at least one format, e.g. fp8,int4-g64")
     sensitivity.check_formats(format_names)
-    if budget_args:
-        budget_from(budget_args)
+    sensitivity.check_budget_fields(budget_args, method)  # score=... alone: the default budget, scored so
     loading = load_options(revision, trust_remote_code)
     lm_model, calib, held_out = _scan_batches(
-        model, gguf_file, data, (batches, batch_size, block_size), text_column, loading
+        model, gguf_file, data, (batches, batch_size, block_size), (text_column, messages_column), loading
     )
     kept = [k.strip() for k in keep.split(",") if k.strip()]
     sensitivity.check_budget(lm_model, format_names, budget_args or None, keep=kept)  # before minutes of scanning
@@ -386,9 +387,10 @@ def scan_cmd(
     ui.out.print(f"train with it: hf-lowprec finetune {model + ' ' if model else ''}{_recipe_for(plan)}--plan {out}")
 
 
-def _scan_batches(model, gguf_file, data, sizes: tuple[int, int, int], text_column, loading: dict):
+def _scan_batches(model, gguf_file, data, sizes: tuple[int, int, int], columns: tuple, loading: dict):
     """``(model, calibration batches, held-out batches)`` for ``scan``; ``sizes``: ``(batches of each, batch size,
-    block size)``; ``loading``: ``from_pretrained`` keywords."""
+    block size)``; ``columns``: ``(text column, messages column)``, each ``None`` to detect; ``loading``:
+    ``from_pretrained`` keywords."""
     from hf_lowprec.cli.run import checkpoint_tokenizer
 
     from hf_lowprec.checkpoints import default_checkpoint, load_pretrained, refuse_a_quantized_checkpoint
@@ -408,7 +410,8 @@ def _scan_batches(model, gguf_file, data, sizes: tuple[int, int, int], text_colu
             block_size,
             train_sequences=batches * batch_size,
             eval_sequences=batches * batch_size,
-            text_column=text_column,
+            text_column=columns[0],
+            messages_column=columns[1],
         )
     for name, rows in (("calibration", lm.train), ("held-out", lm.eval)):
         if len(rows) < batches * batch_size:  # it scanned on fewer, unsaid

@@ -79,10 +79,17 @@ def is_hub_id(name: str) -> bool:
 
 def public_name(name_or_path: str | None) -> str | None:
     """What a file meant for publishing (a plan, a run record, a model card) says of a checkpoint: a hub id as it is,
-    a local folder by its own name (its full path names this machine's folders, ``/home/<user>/...``)."""
+    a local folder by its own name (its full path names this machine's folders, ``/home/<user>/...``), a GGUF file's
+    dequantized copy in the cache (:func:`cache_gguf`) by the file's name (the folder's own is its dtype,
+    ``float32``)."""
     if not name_or_path:
         return None
-    return Path(name_or_path).name if is_local_checkpoint(name_or_path) else name_or_path
+    if not is_local_checkpoint(name_or_path):
+        return name_or_path
+    path = Path(name_or_path).resolve()
+    if path.parent.parent == (cache_root() / "gguf").resolve():  # gguf/<file stem>-<16 hex digits>/<dtype>
+        return path.parent.name.rsplit("-", 1)[0] + ".gguf"
+    return path.name
 
 
 def is_local_checkpoint(name_or_path: str) -> bool:

@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 from torch import nn
 
+from hf_lowprec.checkpoints import public_name
 from hf_lowprec.folders import atomic_write_text
 from hf_lowprec.formats import HIGH_PRECISION, FormatSpec
 from hf_lowprec.layers import canonical_name, dense_views, matrix_parameters, unconverted_layers
@@ -214,7 +215,7 @@ class PrecisionPlan:
         if isinstance(model, nn.Module) and any(not spec.is_high_precision for spec in specs):
             check_convertible(model)
         applied_to = getattr(getattr(model, "config", None), "name_or_path", None)
-        if self.model and applied_to and Path(self.model).name != Path(applied_to).name:
+        if self.model and applied_to and Path(self.model).name != Path(public_name(applied_to)).name:
             made_for = self.model
             logger.warning("the plan was made for %r and is applied to %r (its layer names fit)", made_for, applied_to)
 

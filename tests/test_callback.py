@@ -521,6 +521,8 @@ def test_model_without_eligible_layers_fails_at_init(tmp_path):
         (dict(budget={"int4_fraction": 1.5}), r"^budget int4_fraction must be a fraction in \[0, 1\], got 1.5$"),
         (dict(budget=0.3), r"^budget= takes a Budget or a dict of its fields \(max_loss_increase, .*\), got 0.3$"),
         (dict(budget={"score": "final"}), r"^budget score must be one of conversion, after-training, got 'final'$"),
+        (dict(budget={"score": "after-training"}, scan_method="measured"),
+         r"^score 'after-training' needs the scan's Taylor terms, which method 'measured' takes none of"),
     ],
 )
 def test_incompatible_options_fail_on_construction(kwargs, message):

@@ -7,7 +7,7 @@ import torch
 from huggingface_hub.errors import LocalEntryNotFoundError
 from tiny_assets import HubStandIn, save_tiny_model
 
-from hf_lowprec.checkpoints import is_hub_id, load_pretrained, offline_hint
+from hf_lowprec.checkpoints import is_hub_id, load_pretrained, offline_hint, public_name
 from hf_lowprec.export import load_exported
 
 
@@ -115,6 +115,30 @@ def test_a_missing_entry_of_an_existing_local_folder_is_a_local_typo_not_a_hub_i
     with pytest.raises(ValueError, match=r"^export folder 'runs/run-fp9' does not exist \(the folder 'runs' does"):
         load_exported("runs/run-fp9")
     assert hub_here.requests == []
+
+
+def test_a_gguf_checkpoint_is_named_by_its_file_not_its_cached_copys_dtype(tmp_path, monkeypatch, caplog):
+    """A GGUF checkpoint loads from its dequantized copy in the cache, ``gguf/<file stem>-<key>/float32``: scanned
+    plans and exported run records named it ``float32``, and a plan made for one GGUF model was applied to another
+    without a word (both ``float32``)."""
+    from conftest import tiny_llama
+    from text_batches import text_batches
+
+    from hf_lowprec.plan import PrecisionPlan
+    from hf_lowprec.sensitivity import scan
+
+    monkeypatch.setenv("HF_LOWPREC_CACHE", str(tmp_path / "cache"))
+    cached = tmp_path / "cache" / "gguf" / "SmolLM2-135M-Instruct.Q4_1-0123456789abcdef" / "float32"
+    cached.mkdir(parents=True)
+    assert public_name(str(cached)) == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert public_name(str(tmp_path / "float32")) == "float32" and public_name("org/model") == "org/model"
+    model = tiny_llama()
+    model.config.name_or_path = str(cached)
+    assert scan(model, text_batches(1), formats=["fp8"], method="fisher").model == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    PrecisionPlan(default="fp8", model="SmolLM2-135M-Instruct.Q4_1.gguf").validate(model)
+    assert caplog.text == ""
+    PrecisionPlan(default="fp8", model="Other.Q8_0.gguf").validate(model)
+    assert "the plan was made for 'Other.Q8_0.gguf' and is applied to" in caplog.text
 
 
 @pytest.mark.slow  # the real default checkpoint (24 s)

@@ -555,14 +555,35 @@ def test_scan_refuses_what_needs_no_model_before_loading_it(ws, tmp_path):
                            (["--formats", "fp8,fp8"], "formats contain duplicates: ['fp8', 'fp8']"),
                            (["--formats", "fp8,bf16"], "format 'bf16' is high precision"),
                            (["--budget", "target_bits_per_param=6,target_bits_per_param=8"],
-                            "'target_bits_per_param' is given twice")):  # fmt: skip
+                            "'target_bits_per_param' is given twice"),
+                           (["--method", "measured", "--budget", "score=after-training,max_loss_increase=0.01"],
+                            "score 'after-training' needs the scan's Taylor terms, which method 'measured' takes")):  # fmt: skip
         refused = cli(*base, *args)
         assert expected in one_error_line(refused) and "reading data" not in refused.output, refused.output
+    # a score alone scores the default budget (1% of the calibration loss), as allocate(score=...) does: it was refused
+    # for naming no limit
+    scored = cli(*base, "--budget", "score=after-training", "--batches", "1", "--block-size", "32", "--method", "fisher")
+    assert scored.exit_code == 0, scored.output
+    assert json.loads((tmp_path / "p.scores.json").read_text())["allocation"]["budget"]["score"] == "after-training"
     # data too short for the batches asked: said (it scanned on fewer, unsaid)
-    short = cli(*base, "--batches", "200", "--batch-size", "4", "--block-size", "64")
+    short = cli(*base, "--batches", "200", "--batch-size", "4", "--block-size", "64", "--overwrite")
     said = " ".join(short.output.split())
     assert short.exit_code == 0 and "warning: --batches 200: data" in said, short.output
     assert "calibration sequences of 64 tokens, not 200 batches of 4: the scan uses those" in said
+
+
+def test_scan_reads_chat_rows_from_the_column_messages_column_names(ws, tmp_path):
+    """A chat column of another name: the error said "name one with --text-column or --messages-column", and scan had
+    no --messages-column."""
+    turn = [{"role": "user", "content": "Speak, what of the king?"}, {"role": "assistant", "content": "He sleeps."}]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"dialogue": turn}) + "\n" for _ in range(40)))
+    base = ["scan", ws / "tiny", "--data", tmp_path / "chat.jsonl", "--block-size", "32", "--batches", "1",
+            "--formats", "fp8", "--method", "fisher", "--budget", "max_loss_increase=10", "--out", tmp_path / "p.json"]  # fmt: skip
+    assert one_error_line(cli(*base)).endswith("name one with --text-column or --messages-column")
+    scanned = cli(*base, "--messages-column", "dialogue")
+    assert scanned.exit_code == 0, scanned.output
+    plan = PrecisionPlan.load(tmp_path / "p.json")
+    assert "fp8" in {spec.name for spec in (plan.default, *plan.layers.values())}
 
 
 def test_a_plan_whose_measured_loss_exceeds_its_budget_gets_a_note():

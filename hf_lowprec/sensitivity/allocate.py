@@ -17,7 +17,7 @@ from torch import nn
 
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.plan import PrecisionPlan, check_convertible, resolve_plan
-from hf_lowprec.sensitivity.results import CONVERSION, KEEP, SCORES, ScanResult
+from hf_lowprec.sensitivity.results import AFTER_TRAINING, CONVERSION, KEEP, SCORES, ScanResult
 from hf_lowprec.sensitivity.units import _select, _units, unscored
 
 logger = logging.getLogger(__name__)
@@ -460,10 +460,11 @@ def check_budget(
     allocate(result, budget, keep=keep)
 
 
-def check_budget_fields(budget: Budget | Mapping[str, float] | None) -> None:
+def check_budget_fields(budget: Budget | Mapping[str, float] | None, method: str | None = None) -> None:
     """Raise the ``ValueError`` of a budget that is not a :class:`Budget`, a dict of its fields or ``None``, or whose
-    keys, values or score are not allowed: without a model, where the budget is given (a callback's constructor), not
-    when training starts."""
+    keys, values or score are not allowed (``score`` alone: the default budget's), or whose score a scan of ``method``
+    cannot give (``after-training`` needs Taylor terms, which ``measured`` takes none of): without a model, where the
+    budget is given (a callback's constructor, the CLI's options), not when training starts or after the scan."""
     if isinstance(budget, Mapping):
         _check_score(budget.get("score", CONVERSION))
         if set(budget) - {"score"}:
@@ -471,6 +472,12 @@ def check_budget_fields(budget: Budget | Mapping[str, float] | None) -> None:
     elif budget is not None and not isinstance(budget, Budget):
         fields = f"{', '.join(_CONSTRAINTS)}, score"
         raise ValueError(f"budget= takes a Budget or a dict of its fields ({fields}), got {budget!r}")
+    score = budget.get("score", CONVERSION) if isinstance(budget, Mapping) else getattr(budget, "score", CONVERSION)
+    if score == AFTER_TRAINING and method == "measured":
+        raise ValueError(
+            f"score {AFTER_TRAINING!r} needs the scan's Taylor terms, which method 'measured' takes none of: scan with "
+            "method 'auto' or 'fisher'"
+        )
 
 
 def budget_from(values: Mapping) -> Budget:

@@ -193,7 +193,7 @@ class LowPrecisionSession:
                 f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to plan='auto' (the sensitivity "
                 f"scan), not to {fixed}: drop {'it' if len(given) == 1 else 'them'} or pass plan='auto'"
             )
-        sensitivity.check_budget_fields(budget)  # now, not when training starts
+        sensitivity.check_budget_fields(budget, scan_method)  # now, not when training starts
         keep = _string_tuple(keep, "keep")
         formats = sensitivity.DEFAULT_FORMATS if formats is None else _string_tuple(formats, "formats")
         scan_method = "auto" if scan_method is None else scan_method
