@@ -698,6 +698,24 @@ def test_the_packed_layer_count_includes_packed_embeddings(tmp_path):
     assert _packed_layers(model) == f"{applied.count('int4-g64')} layers as packed INT4 codes (two per byte), 1 as int8 codes"
 
 
+def test_a_compressed_tensors_export_counts_an_int4_embedding_as_the_dense_table_it_writes(runs, tmp_path):
+    """The layout packs no embedding: an INT4 input embedding goes in as its dense table, while the weights line (the
+    card's, the export table's) counted it among the packed INT4 layers (15 of the 14 the file holds)."""
+    base = save_tiny_model(tmp_path / "untied", tie_word_embeddings=False)
+    plan = PrecisionPlan({"model.embed_tokens": "int4-g64", "lm_head": "bf16"}, default="int4-g64").save(tmp_path / "p.json")
+    run = cli("finetune", base, "--data", runs / "corpus.txt", "--recipe", "qat-int4", "--plan", plan, "--max-steps", "1",
+              *FAST, "-o", tmp_path / "run")  # fmt: skip
+    assert run.exit_code == 0, run.output
+    assert cli("export", tmp_path / "run", "--out", tmp_path / "ct", "--format", "compressed-tensors").exit_code == 0
+    with safe_open(tmp_path / "ct" / "model.safetensors", "pt") as f:
+        packed = sum(k.endswith(".weight_packed") for k in f.keys())
+        assert "model.embed_tokens.weight" in f.keys()
+    weights = json.loads((tmp_path / "ct" / RUN_FILE).read_text())["export"]["description"]
+    assert weights.startswith(f"{packed} layers as packed INT4 codes (two per byte); the INT4 input embedding as a "
+                              "dense table (the layout packs no embedding)"), weights  # fmt: skip
+    assert packed == 14
+
+
 def test_eval_of_the_runs_own_data_without_held_out_says_it_scores_the_trained_rows_too(runs, monkeypatch):
     """`eval <run> --data <the data it trained on>` scores every row, the trained ones too, without a word (the
     figure below the run's); it says so and names --held-out. Other data: nothing said."""

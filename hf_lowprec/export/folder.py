@@ -476,6 +476,9 @@ def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: b
     """The run's packed model (and adapters) in the compressed-tensors layout, with its record and card."""
     model, tokenizer = load_exported(run_dir)
     n4, n8 = _packed_counts(model)
+    # the layout has no packed embedding: an INT4 one is written as its dense dequantized table
+    tables = sum(isinstance(m, PackedEmbedding) and isinstance(m.table, PackedInt4Linear) for m in model.modules())
+    n4 -= tables
     _plan_layers_held_dense(model, run_dir, run, "compressed-tensors")
     with atomic_output_dir(out, overwrite) as tmp:
         done = write_compressed_tensors(model, tmp, tokenizer=tokenizer, base_model_id=repo_id)
@@ -497,6 +500,7 @@ def _export_compressed_tensors(run_dir: Path, out: Path, run: dict, overwrite: b
             "dtype": _dtype_name(model),
             "description": f"{n4} layers as packed INT4 codes (two per byte)"
             + (f"; {n8} int8 layers as dense weights" if n8 else "")
+            + ("; the INT4 input embedding as a dense table (the layout packs no embedding)" if tables else "")
             + adapters,
             "requantized_layers": done.requantized,
         }
