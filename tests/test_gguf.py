@@ -61,16 +61,19 @@ def test_the_q4_1_blocks_decode_to_the_trained_weights(trained):
     assert 0 < written["max_scale_error"] < 0.01
 
 
+@pytest.mark.parametrize("floor", [1e-12, 1e-8])
 @pytest.mark.parametrize("zero_points", [False, True])
-def test_the_reported_scale_error_is_the_decoded_weights_and_an_all_zero_block_decodes_exactly(zero_points):
-    """An all-zero group (transformers' padding row of an embedding) has the floor step 1e-12, which fp16 flushes to 0:
-    its weights still decode to 0 exactly, but the fp16 rounding of ``d`` relative to ``d`` was reported as 8 steps.
-    The error reported is the decoded weights', in units of each block's step, as gguf's own decoder reads them."""
+def test_the_reported_scale_error_is_the_decoded_weights_and_an_all_zero_block_decodes_exactly(zero_points, floor):
+    """An all-zero group (transformers' padding row of an embedding) has a floor step (1e-12; 1e-8 for an INT4 embedding
+    trained with the pad row's zeros), which fp16 flushes to 0: its weights still decode to 0 exactly (at 1e-8, the
+    offset -8 d stayed -6e-8 in fp16, and an export card said "6 of a step off"), but the fp16 rounding of ``d``
+    relative to ``d`` was reported as 8 steps. The error reported is the decoded weights', in units of each block's
+    step, as gguf's own decoder reads them."""
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0 if zero_points else -8, 16 if zero_points else 8, (3, 64), generator=g, dtype=torch.int16)
     step = torch.rand(3, 2, generator=g) * 0.02 + 1e-3
     zero = torch.randint(0, 16, (3, 2), generator=g).float() if zero_points else None
-    codes[0], step[0] = (zero[0, 0].long() if zero_points else 0), 1e-12  # the padding row: every weight 0
+    codes[0], step[0] = (zero[0, 0].long() if zero_points else 0), floor  # the padding row: every weight 0
     if zero_points:
         zero[0] = zero[0, 0]
     blocks, error = _q4_1_blocks(codes, step, zero, group=32)
