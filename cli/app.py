@@ -387,7 +387,9 @@ def scan_cmd(
     ui.out.print(f"train with it: hf-lowprec finetune {model + ' ' if model else ''}{_recipe_for(plan)}--plan {out}")
 
 
-def _scan_batches(model, gguf_file, data, sizes: tuple[int, int, int], columns: tuple, loading: dict):
+def _scan_batches(
+    model, gguf_file, data, sizes: tuple[int, int, int], columns: tuple[str | None, str | None], loading: dict
+):
     """``(model, calibration batches, held-out batches)`` for ``scan``; ``sizes``: ``(batches of each, batch size,
     block size)``; ``columns``: ``(text column, messages column)``, each ``None`` to detect; ``loading``:
     ``from_pretrained`` keywords."""

@@ -61,7 +61,7 @@ from hf_lowprec.ondevice import (
     prepare_int4_lora,
 )
 from hf_lowprec.ondevice.learned_steps import fold_learned_steps, learned_kinds, learned_steps
-from hf_lowprec.plan import PLAN_FILE, check_convertible
+from hf_lowprec.plan import PLAN_FILE, check_convertible, converts_nothing
 from hf_lowprec.recipe import SCAN_SETTINGS, Recipe
 from hf_lowprec.training.callback import STATE_FILE, LowPrecisionCallback
 
@@ -653,10 +653,11 @@ def _meta_model(config, loading: dict):
 
 def _check_recipe_fits(model, recipe: Recipe) -> None:
     """Fail before the base model's evaluation (from its config, before the data and the model load: a
-    :func:`_meta_model`) if ``model`` multiplies in layers no plan converts, the recipe's plan file names no layer of
-    it or puts none in low precision or, for ``int4-lora``, cannot make its INT4 base (an FP8 layer, a group wider than a layer), a
-    ``lora.target_modules`` name matches no layer, or ``lora.r`` exceeds every targeted layer's rank (each failed after
-    the base model's evaluation, or trained a full-rank adapter hundreds of MB large)."""
+    :func:`_meta_model`) if ``model`` multiplies in layers no plan converts, the recipe's plan file names no layer
+    of it or puts none in low precision or, for ``int4-lora``, cannot make its INT4 base (an FP8 layer, a group
+    wider than a layer), a ``lora.target_modules`` name matches no layer, or ``lora.r`` exceeds every targeted
+    layer's rank (each failed after the base model's evaluation, or trained a full-rank adapter hundreds of MB
+    large)."""
     from hf_lowprec.ondevice.planning import check_quantizable, resolve_target_modules
 
     int4_lora = recipe.method == "int4-lora"
@@ -668,7 +669,7 @@ def _check_recipe_fits(model, recipe: Recipe) -> None:
         else:
             plan.validate(model)
             if all(spec.is_high_precision for spec in plan.assign(model).values()):  # the session's own check, now
-                raise ValueError(f"the plan {plan.brief()} puts no layer of {type(model).__name__} in low precision")
+                raise converts_nothing(plan, model)
     if not int4_lora:
         return
     lora = recipe.lora

@@ -86,10 +86,10 @@ def public_name(name_or_path: str | None) -> str | None:
         return None
     if not is_local_checkpoint(name_or_path):
         return name_or_path
-    path = Path(name_or_path).resolve()
-    if path.parent.parent == (cache_root() / "gguf").resolve():  # gguf/<file stem>-<16 hex digits>/<dtype>
-        return path.parent.name.rsplit("-", 1)[0] + ".gguf"
-    return path.name
+    copy = Path(name_or_path).resolve()  # the name a folder was given (a link's) is its own: resolved only here
+    if copy.parent.parent == (cache_root() / "gguf").resolve() and re.fullmatch(r".+-[0-9a-f]{16}", copy.parent.name):
+        return copy.parent.name.rsplit("-", 1)[0] + ".gguf"  # gguf/<file stem>-<16 hex digits>/<dtype>
+    return Path(name_or_path).name
 
 
 def is_local_checkpoint(name_or_path: str) -> bool:

@@ -323,6 +323,11 @@ def check_convertible(model: nn.Module) -> None:
     )
 
 
+def converts_nothing(plan: PrecisionPlan, model: nn.Module) -> ValueError:
+    """The error of a ``plan`` that puts no layer of ``model`` in low precision."""
+    return ValueError(f"the plan {plan.brief()} puts no layer of {type(model).__name__} in low precision")
+
+
 def kept_label(fmt: str) -> str:
     """A format's name for people: ``kept`` for the high-precision ones (layers left as they are, in their own
     dtype, whatever the plan calls them), else the format."""

@@ -140,10 +140,11 @@ class ScalePolicy(Fp32State):
 
     def _reduce_amax(self, amax: torch.Tensor) -> torch.Tensor:
         """``amax`` reduced with MAX over ranks when ``sync`` and distributed (tensorwise only; not outside training:
-        :func:`casts_of`)."""
+        :func:`casts_of`); a NaN on any rank gives inf on every rank."""
         if self.sync and amax.dim() == 0 and distributed() and _FORWARD.get() != "evaluating":
-            # a NaN as inf: gloo's MAX kept a NaN from rank 0 but dropped rank 1's, so no rank saw the NaN gradient
-            amax = torch.nan_to_num(amax, nan=float("inf"))
+            # a NaN as inf, the largest value (gloo's MAX kept a NaN from rank 0 but dropped rank 1's, so no rank saw
+            # the NaN gradient); an inf stays inf (nan_to_num's default made it 3.4e38, a finite level)
+            amax = torch.where(amax.isnan(), float("inf"), amax)
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
         return amax
 

@@ -132,9 +132,13 @@ def test_a_gguf_checkpoint_is_named_by_its_file_not_its_cached_copys_dtype(tmp_p
     cached.mkdir(parents=True)
     assert public_name(str(cached)) == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert public_name(str(tmp_path / "float32")) == "float32" and public_name("org/model") == "org/model"
+    (tmp_path / "snapshot-abc").mkdir()
+    (tmp_path / "my-llama").symlink_to(tmp_path / "snapshot-abc")  # a link is named by its own name
+    assert public_name(str(tmp_path / "my-llama")) == "my-llama"
     model = tiny_llama()
     model.config.name_or_path = str(cached)
     assert scan(model, text_batches(1), formats=["fp8"], method="fisher").model == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    caplog.clear()
     PrecisionPlan(default="fp8", model="SmolLM2-135M-Instruct.Q4_1.gguf").validate(model)
     assert caplog.text == ""
     PrecisionPlan(default="fp8", model="Other.Q8_0.gguf").validate(model)

@@ -365,8 +365,8 @@ def test_stochastic_rounding_with_low_bit_states_keeps_sub_ulp_updates_of_fp16_a
     never moved. fp16 weights get the wrapper now; bf16 ones keep the optimizer's own rounding."""
     def drift(weight_dtype, compensation):
         p = torch.nn.Parameter(torch.full((64, 64), 1.125, dtype=weight_dtype))
-        opt = make_optimizer([{"params": iter([p]), "weight_decay": 0.0}], states="8bit", compensation=compensation,
-                             lr=1e-5, weight_decay=0.0)  # fmt: skip
+        named = [{"params": iter([("weight", p)]), "weight_decay": 0.0}]  # a group of named parameters, read once
+        opt = make_optimizer(named, states="8bit", compensation=compensation, lr=1e-5, weight_decay=0.0)
         for _ in range(300):
             p.grad = torch.ones_like(p)  # AdamW's update: lr per step, 1e-5 (fp16 ulp at 1.125: 9.8e-4, bf16: 7.8e-3)
             opt.step()

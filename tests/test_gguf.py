@@ -61,7 +61,7 @@ def test_the_q4_1_blocks_decode_to_the_trained_weights(trained):
     assert 0 < written["max_scale_error"] < 0.01
 
 
-@pytest.mark.parametrize("floor", [1e-12, 1e-8])
+@pytest.mark.parametrize("floor", [1e-12, 1e-8, 3e-8, 1e-7])
 @pytest.mark.parametrize("zero_points", [False, True])
 def test_the_reported_scale_error_is_the_decoded_weights_and_an_all_zero_block_decodes_exactly(zero_points, floor):
     """An all-zero group (transformers' padding row of an embedding) has a floor step (1e-12; 1e-8 for an INT4 embedding

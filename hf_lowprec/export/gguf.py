@@ -55,8 +55,8 @@ PRE_TOKENIZERS = {
 def export_gguf(model: nn.Module, tokenizer, folder: Path, name: str) -> dict:
     """Write ``model.gguf`` (and ``adapter.gguf`` for a PEFT model) into ``folder``; returns what was written:
     ``{"files", "tensor_types", "max_scale_error"}`` (the largest error of a decoded weight, its block's ``d``/``m``
-    rounded to fp16, in units of the block's trained step: a block whose step underflows fp16 decodes to the middle
-    of its values, an all-zero one exactly)."""
+    rounded to fp16, in units of the block's trained step: ``m`` makes up ``d``'s rounding at the middle of the block's
+    codes, so an all-zero block decodes exactly whatever its step)."""
     peft = getattr(model, "peft_config", None) is not None
     base = model.get_base_model() if peft else model
     config = base.config
@@ -246,9 +246,9 @@ def _q4_1_blocks(codes: torch.Tensor, step: torch.Tensor, zero: torch.Tensor | N
     q = q.to(torch.uint8).reshape(n, n_blocks, 2, BLOCK // 2)
     low, high = q.amin((-2, -1)), q.amax((-2, -1))
     d16 = d.half()
-    # a step that underflows fp16 (an all-zero row's, clamped to 1e-8) decodes every weight to m: the middle of the
-    # block's values (an all-zero block's 0), not m rounded (-8e-8 of -8 d stays in fp16, 6 steps off)
-    m16 = torch.where(d16 == 0, m + d * (low.float() + high.float()) / 2, m).half()
+    # m takes up d's fp16 rounding at the middle of the block's codes: a step that underflows or turns subnormal in
+    # fp16 (an all-zero row's, clamped to 1e-8) left -8 d as -6e-8, 6 steps off for weights that are all 0
+    m16 = (m - (d16.float() - d) * (low.float() + high.float()) / 2).half()
     error = _decoding_error(low, high, d, d16, m, m16)
     nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).numpy()  # byte j: weight j low, weight j + 16 high (block_q4_1)
     head = np.concatenate([d16.numpy()[..., None].view(np.uint8), m16.numpy()[..., None].view(np.uint8)], axis=-1)

@@ -527,30 +527,19 @@ def make_optimizer(
         from hf_lowprec.training.adamw8bit import AdamW8bit
 
         cls = {"8bit": AdamW8bit, "4bit": torchao.optim.AdamW4bit, "fp8": torchao.optim.AdamWFp8}[states]
-        params = _listed(params)
-        tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
-        if compensation == "stochastic" and not any(p.dtype == torch.float16 for p in tensors):
+        inner = cls(params, bf16_stochastic_round=compensation == "stochastic", **common)
+        fp16 = any(p.dtype == torch.float16 for g in inner.param_groups for p in g["params"])
+        if compensation == "stochastic" and not fp16:  # fp16 weights: the wrapper (the inner one sees fp32 stand-ins)
             if wrapper_options:  # the wrapper's, which torchao's rounding does not have
                 raise ValueError(
                     f"{', '.join(sorted(wrapper_options))} apply to the CompensatedOptimizer wrapper, which "
                     f"compensation='stochastic' with states={states!r} does not use (torchao rounds stochastically "
                     "itself); use compensation='kahan' or states='fp32' to have them"
                 )
-            return cls(params, bf16_stochastic_round=True, **common)
-        inner = cls(params, **common)
+            return inner
     if compensation in (None, "none"):
         return inner
     return CompensatedOptimizer(inner, compensation, **wrapper_options)
-
-
-def _listed(params: Iterable) -> list:
-    """An optimizer's ``params`` argument (tensors, or param group dicts) as a list, each group's ``params`` a list of
-    tensors: read once here, as a generator can be."""
-    groups = [dict(g) if isinstance(g, dict) else g for g in params]
-    for g in groups:
-        if isinstance(g, dict):
-            g["params"] = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
-    return groups
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -25,7 +25,15 @@ from hf_lowprec.convert import ConversionReport, apply_plan, eligible_layers
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import dense_views, task_head_name
 from hf_lowprec.modules.fp8 import FP8_BACKENDS
-from hf_lowprec.plan import PrecisionPlan, format_shares, is_auto, kept_label, names_a_format, resolve_plan
+from hf_lowprec.plan import (
+    PrecisionPlan,
+    converts_nothing,
+    format_shares,
+    is_auto,
+    kept_label,
+    names_a_format,
+    resolve_plan,
+)
 from hf_lowprec.ranks import process_world
 from hf_lowprec.scaling import TELEMETRY_PREFIX, make_policy_factory, needs_tensorwise
 from hf_lowprec.smoothing import calibrate_smoothing
@@ -324,7 +332,7 @@ class LowPrecisionSession:
     def record(self, model: nn.Module, plan: PrecisionPlan, report: ConversionReport) -> None:
         """Keep what a conversion of ``model`` to ``plan`` did; ``ValueError`` if no layer went to low precision."""
         if not report.swapped:
-            raise ValueError(f"the plan {plan.brief()} puts no layer of {type(model).__name__} in low precision")
+            raise converts_nothing(plan, model)
         self.plan, self.model, self.report = plan, model, report
         self.new_params = align_new_parameters(model, report.new_parameters.values())
         self.coverage = coverage(model, report)
