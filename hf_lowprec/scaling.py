@@ -152,6 +152,13 @@ class ScalePolicy(Fp32State):
         return f"power_of_two={self.power_of_two}, telemetry={self.telemetry}, sync={self.sync}"
 
 
+def _record_in(history: torch.Tensor, recorded: torch.Tensor, record: torch.Tensor, amax: torch.Tensor) -> None:
+    """Write ``amax`` into the ring buffer ``history [L]`` at slot ``recorded % L`` where ``record`` (0-d tensors): as
+    a mask, not ``history[slot] = ...``, whose tensor index torch.compile turns into a host sync and a graph break."""
+    at = torch.arange(history.numel(), device=history.device) == recorded % history.numel()
+    history.copy_(torch.where(at & record, amax, history))
+
+
 class DynamicScaling(ScalePolicy):
     """Scale from the current tensor's amax (torchao's ``dynamic`` scaling)."""
 
@@ -202,8 +209,7 @@ class DelayedScaling(ScalePolicy):
         # made the next history_len scales 0 or NaN; nor is an all-zero cast's 0 (a micro-batch whose labels are all
         # -100, a zero-initialised weight), which carries no level: the next cast scaled to 0 saturated every value
         kept = torch.isfinite(amax) & (amax > 0)
-        slot = self.recorded % self.history_len
-        self.amax_history[slot] = torch.where(kept, amax, self.amax_history[slot])
+        _record_in(self.amax_history, self.recorded, kept, amax)
         self.recorded += kept.long()
         scale = fp8_scale(reference, dtype, self.power_of_two) / 2.0**self.margin
         self.last_scale.copy_(scale)
@@ -365,8 +371,7 @@ class GradientScaling(ScalePolicy):
             self.running_amax.copy_(torch.where(record, ema, self.running_amax))
         else:
             self.amax_history.masked_fill_(new_level, float("nan"))  # the old level's amaxes
-            slot = self.recorded % self.amax_history.numel()
-            self.amax_history[slot] = torch.where(record, sample, self.amax_history[slot])
+            _record_in(self.amax_history, self.recorded, record, sample)
         self.recorded += record
         self.spikes += spike
         self.last_spike.copy_(spike)

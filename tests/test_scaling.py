@@ -692,6 +692,23 @@ def test_fp16_dynamic_loss_scaler_skips_overflow_halves_and_grows():
     assert other.telemetry() == {"lowprec/loss_scale": 2.0**10, "lowprec/loss_scale_steps_skipped": 1.0}
 
 
+@pytest.mark.parametrize("make", [DelayedScaling, lambda: GradientScaling(statistic="percentile")])
+def test_amax_histories_record_without_a_data_dependent_graph_break_under_torch_compile(make):
+    """``history[slot] = ...`` with a tensor ``slot`` is a host sync torch.compile cannot trace: every delayed or
+    percentile cast broke the graph there, and Inductor logged a "Backend compiler exception" warning for it
+    (``TrainingArguments(torch_compile=True)``). The compiled casts record what the eager ones do."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager, compiled = make(), make()
+    scale = torch.compile(compiled.scale, backend="aot_eager")
+    for v in (1.0, 2.0, 0.0, 3.0):
+        assert scale(_amax(v), E4M3) == eager.scale(_amax(v), E4M3)
+    torch.testing.assert_close(compiled.amax_history, eager.amax_history, equal_nan=True, rtol=0, atol=0)
+    assert not [reason for reason in counters["graph_break"] if "_local_scalar_dense" in reason]
+
+
 # ------------------------------------------------------------------------------- cross-rank sync
 
 
