@@ -283,6 +283,20 @@ def test_plugin_compensation_wraps_the_optimizer():
         LowPrecisionPlugin("fp8", compensation="kahan").prepare(accelerator, m, torch.optim.AdamW(m.parameters()))
 
 
+def test_prepare_takes_the_list_accelerate_returns_under_fsdp2(monkeypatch):
+    """Under FSDP2, ``Accelerator.prepare`` returns a list (``_prepare_fsdp2``), not a tuple: the plugin took the whole
+    list for one object and failed on a bare StopIteration finding no model in it. FSDP needs an accelerator, so the
+    CPU accelerator's result is handed back as that list."""
+    accelerator = Accelerator(cpu=True)
+    prepare = accelerator.prepare
+    monkeypatch.setattr(accelerator, "prepare", lambda *objects: list(prepare(*objects)))
+    model = tiny_llama()
+    prepared = LowPrecisionPlugin(PLAN).prepare(accelerator, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    model, optimizer = prepared
+    assert isinstance(model, torch.nn.Module) and isinstance(optimizer, torch.optim.Optimizer)
+    one_step(model, optimizer, accelerator, lm_batches(1, batch=4)[0])
+
+
 def test_learned_steps_join_a_group_without_weight_decay_or_are_said_to_be_decayed(caplog):
     """The plugin puts learned steps in the no-decay twin of their weight's group (decay pulls them toward 0), or, in
     an optimizer with none, in the weight's group with a warning."""

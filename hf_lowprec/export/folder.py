@@ -96,6 +96,11 @@ def export_model(
     """
     if weights not in EXPORT_WEIGHTS:
         raise ValueError(f"export weights {weights!r}: choose one of {', '.join(EXPORT_WEIGHTS)}")
+    if any(hasattr(p, "full_tensor") for p in model.parameters()):  # FSDP2's DTensor shards (it failed on deepcopy)
+        raise ValueError(
+            "export_model needs whole weights, not FSDP shards: gather them (accelerator.get_state_dict(model)) into a "
+            "fresh model converted with the same plan (LowPrecisionPlugin(plan).convert(fresh)) and export that"
+        )
     peft = getattr(model, "peft_config", None) is not None
     base = model.get_base_model() if peft else model
     if weights == "auto":

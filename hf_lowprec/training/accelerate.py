@@ -125,7 +125,8 @@ class LowPrecisionPlugin(SessionOwner):
             wrapped = CompensatedOptimizer(optimizer, self.compensation, seed=self.session.seed)
             objects = tuple(wrapped if o is optimizer else o for o in objects)
         prepared = accelerator.prepare(*objects)
-        prepared = prepared if isinstance(prepared, tuple) else (prepared,)
+        # a tuple, one object alone, or under FSDP2 a list (Accelerate 1.15's _prepare_fsdp2)
+        prepared = tuple(prepared) if isinstance(prepared, (tuple, list)) else (prepared,)
         if optimizer is not None:
             wrapped = next(o for o in prepared if isinstance(o, nn.Module))
             inner = next(o for o in prepared if isinstance(o, torch.optim.Optimizer))
