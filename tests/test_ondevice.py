@@ -97,6 +97,35 @@ def test_layers_peft_trains_whole_keep_their_dtype_only_the_adapters_take_the_ad
     assert torch.equal(logits[True], logits[False])
 
 
+def test_a_layer_peft_trains_whole_exports_as_the_model_computes_and_a_packed_one_is_refused(tmp_path):
+    """PEFT keeps a modules_to_save layer under ``original_module`` / ``modules_to_save.<adapter>`` keys: every export
+    wrote those and no ``lm_head.weight``, and transformers started the reload from a random head (merged fp32: logits
+    2.05 off, more than their size). A merged export holds the trained copy, an adapter export the original (the
+    adapters carry the copy). A packed layer's copy holds codes, no parameter: it trained nothing, without a word."""
+    ids = markov_batches(n=1, batch=2, seq=16)[0]["input_ids"]
+    model, _ = prepare_int4_lora(tiny_llama(0), LoraConfig(**LORA, modules_to_save=["lm_head"]), backend="dequant")
+    randomize_adapters(model, std=0.02)
+    head = model.base_model.model.lm_head.modules_to_save["default"]
+    with torch.no_grad():
+        head.weight.add_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(0)) * 0.5)  # trained
+        trained = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
+    export_int4_lora(model, tmp_path / "dense", merge=True, merged_dtype=torch.float32)
+    export_int4_lora(model, tmp_path / "adapters")
+    dense = AutoModelForCausalLM.from_pretrained(tmp_path / "dense")
+    reloaded, _ = load_int4_model(tmp_path / "adapters", backend="dequant")
+    with torch.no_grad():
+        assert (dense(input_ids=ids).logits - trained).norm() / trained.norm() < 1e-5
+        assert torch.equal(reloaded(input_ids=ids).logits, trained)
+        with reloaded.disable_adapter():
+            assert torch.equal(reloaded(input_ids=ids).logits, base)
+    plan = PrecisionPlan({"lm_head": "int8"}, default="int4-g64")
+    with pytest.raises(ValueError, match=r"^modules_to_save names packed layers, whose integer codes cannot train: "
+                       r"lm_head \(PackedInt8Linear\); keep them dense in the plan"):  # fmt: skip
+        prepare_int4_lora(tiny_llama(0), LoraConfig(**LORA, modules_to_save=["lm_head"]), plan, backend="dequant")
+
+
 @pytest.mark.parametrize("backend", ["dequant", "tiled", pytest.param("int8", marks=pytest.mark.skipif(not INT8_OK, reason="no int8 dot-product instructions"))])
 def test_input_and_lora_grads_through_int4_base_match_dequantized_reference(backend):
     tiny = tiny_llama(0, hidden_size=128, intermediate_size=256)  # fp32 adapters: gradients against fp32 math

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, PeftModel
 from peft.utils import CONFIG_NAME as ADAPTER_CONFIG
+from peft.utils import ModulesToSaveWrapper
 from torch import nn
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
@@ -62,9 +63,21 @@ def adapter_config_naming(config: Path, base_model_id: str) -> str:
     return json.dumps(named, indent=2, sort_keys=True)
 
 
-def adapterless_state(base: nn.Module) -> dict[str, torch.Tensor]:
-    """``base``'s state dict without the LoRA tensors, keys as in the unwrapped model."""
-    return {k.replace(".base_layer", ""): v for k, v in base.state_dict().items() if ".lora_" not in k}
+def adapterless_state(base: nn.Module, merged: bool = False) -> dict[str, torch.Tensor]:
+    """``base``'s state dict without the LoRA tensors, keys as in the unwrapped model. A layer PEFT trains a copy of
+    (``modules_to_save``) is its original, or with ``merged`` the copy the model computes with, under the layer's own
+    name (its ``original_module``/``modules_to_save`` keys left a merged export's head missing: random on reload)."""
+    state = {k.replace(".base_layer", ""): v for k, v in base.state_dict().items() if ".lora_" not in k}
+    for fqn, wrapper in base.named_modules():
+        if not isinstance(wrapper, ModulesToSaveWrapper):
+            continue
+        for key in [k for k in state if k.startswith((f"{fqn}.original_module.", f"{fqn}.modules_to_save."))]:
+            del state[key]
+        active = [n for n in wrapper.active_adapters if n in wrapper.modules_to_save]
+        computing = merged and not wrapper.disable_adapters and active
+        layer = wrapper.modules_to_save[active[0]] if computing else wrapper.original_module
+        state.update({f"{fqn}.{k}": v for k, v in layer.state_dict().items()})
+    return state
 
 
 def _adapter_delta(module: nn.Module) -> torch.Tensor | None:
@@ -81,7 +94,7 @@ def dense_merged_state(base: nn.Module, dtype: torch.dtype) -> tuple[dict[str, t
     """``(the base model's state dict as plain dtype weights, the dtypes other tensors were cast from)``: every packed
     layer dequantized, LoRA deltas added to packed and dense layers alike (one rounding, to ``dtype``); packed
     embeddings written dense; every other floating tensor cast (a tied head and embedding stay one tensor)."""
-    state = with_dense_tables(adapterless_state(base), base, dtype)
+    state = with_dense_tables(adapterless_state(base, merged=True), base, dtype)
     for fqn, module in base.named_modules():
         layer = module.get_base_layer() if hasattr(module, "get_base_layer") else module
         delta = _adapter_delta(module)
@@ -107,7 +120,7 @@ def dense_merged_state(base: nn.Module, dtype: torch.dtype) -> tuple[dict[str, t
 
 def _packed_base_state(base: nn.Module, merge: bool) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """The base model's state dict without adapters (``merge``: LoRA deltas merged, packed layers re-quantized)."""
-    state = adapterless_state(base)
+    state = adapterless_state(base, merged=merge)
     errors = []
     if not merge:
         return state, errors

@@ -264,6 +264,16 @@ def resolve_adapter_dtype(adapter_dtype: torch.dtype | str | None, model: nn.Mod
 
 def _with_adapters(model: nn.Module, config: LoraConfig, factors: dict, adapter_dtype: torch.dtype) -> PeftModel:
     """``model`` wrapped in LoRA per ``config``; adapters named in ``factors`` start from them (LoftQ)."""
+    saved = tuple(config.modules_to_save or ())
+    if packed := [  # PEFT matches a name or its dotted suffix; a copy of codes has no parameter: it trained nothing
+        f"{canonical_name(n)} ({type(m).__name__})"
+        for n, m in model.named_modules()
+        if isinstance(m, (*FROZEN_TYPES, TiedPackedEmbedding)) and any(n == k or n.endswith(f".{k}") for k in saved)
+    ]:
+        raise ValueError(
+            f"modules_to_save names packed layers, whose integer codes cannot train: {', '.join(packed)}; keep them "
+            "dense in the plan (a rule with format 'bf16') or leave them out of modules_to_save"
+        )
     peft_model = get_peft_model(model, register_int4_lora(config), autocast_adapter_dtype=False)
     for name, module in peft_model.named_modules():
         if hasattr(module, "lora_A") and canonical_name(name) in factors:
