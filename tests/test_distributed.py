@@ -70,7 +70,7 @@ def test_two_processes_follow_the_single_process_curve(runs, mode):
     assert two["sharded"] == (mode == "fsdp2")  # FSDP2 really sharded the parameters
     if mode == "fsdp2":  # export_model refuses the shards, naming the way to whole weights
         refusal = (runs[2] / mode / "export0.txt").read_text()
-        assert refusal.startswith("export_model needs whole weights, not FSDP shards: gather them"), refusal
+        assert refusal.startswith("export_model needs whole weights, not distributed tensors (FSDP2 or"), refusal
     assert one["plan"] == two["plan"] and two["plan"]["layers"]
     if mode == "trainer-auto":
         kept = {n: f for n, f in two["plan"]["layers"].items() if f != "fp8"}

@@ -121,9 +121,23 @@ def test_a_layer_peft_trains_whole_exports_as_the_model_computes_and_a_packed_on
         with reloaded.disable_adapter():
             assert torch.equal(reloaded(input_ids=ids).logits, base)
     plan = PrecisionPlan({"lm_head": "int8"}, default="int4-g64")
-    with pytest.raises(ValueError, match=r"^modules_to_save names packed layers, whose integer codes cannot train: "
-                       r"lm_head \(PackedInt8Linear\); keep them dense in the plan"):  # fmt: skip
-        prepare_int4_lora(tiny_llama(0), LoraConfig(**LORA, modules_to_save=["lm_head"]), plan, backend="dequant")
+    for entry in ("lm_head", "head"):  # PEFT wraps every module whose name ends in an entry
+        with pytest.raises(ValueError, match=r"^modules_to_save names packed layers, whose integer codes cannot "
+                           r"train: lm_head \(PackedInt8Linear\); keep them dense in the plan"):  # fmt: skip
+            prepare_int4_lora(tiny_llama(0), LoraConfig(**LORA, modules_to_save=[entry]), plan, backend="dequant")
+    # tied: the merged export writes the trained head beside the original embedding, untied in its config (a loader
+    # tying them by the config dropped the head)
+    tied, _ = prepare_int4_lora(tiny_llama(0, tie=True), LoraConfig(**LORA, modules_to_save=["lm_head"]),
+                                PrecisionPlan({"lm_head": "bf16"}, default="int4-g64"), backend="dequant")  # fmt: skip
+    head = tied.base_model.model.lm_head.modules_to_save["default"]
+    with torch.no_grad():
+        head.weight.add_(0.5)
+        trained = tied(input_ids=ids).logits
+    export_int4_lora(tied, tmp_path / "tied", merge=True, merged_dtype=torch.float32)
+    assert json.loads((tmp_path / "tied" / "config.json").read_text())["tie_word_embeddings"] is False
+    with torch.no_grad():
+        untied = AutoModelForCausalLM.from_pretrained(tmp_path / "tied")(input_ids=ids).logits
+    assert (untied - trained).norm() / trained.norm() < 1e-5
 
 
 @pytest.mark.parametrize("backend", ["dequant", "tiled", pytest.param("int8", marks=pytest.mark.skipif(not INT8_OK, reason="no int8 dot-product instructions"))])

@@ -16,6 +16,7 @@ from huggingface_hub import snapshot_download
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hf_lowprec.checkpoints import (
     architecture_class,
@@ -96,10 +97,11 @@ def export_model(
     """
     if weights not in EXPORT_WEIGHTS:
         raise ValueError(f"export weights {weights!r}: choose one of {', '.join(EXPORT_WEIGHTS)}")
-    if any(hasattr(p, "full_tensor") for p in model.parameters()):  # FSDP2's DTensor shards (it failed on deepcopy)
+    if any(isinstance(p, DTensor) for p in model.parameters()):  # FSDP2's shards, tensor parallelism (no deepcopy)
         raise ValueError(
-            "export_model needs whole weights, not FSDP shards: gather them (accelerator.get_state_dict(model)) into a "
-            "fresh model converted with the same plan (LowPrecisionPlugin(plan).convert(fresh)) and export that"
+            "export_model needs whole weights, not distributed tensors (FSDP2 or tensor-parallel shards): gather them "
+            "(accelerator.get_state_dict(model)) into a fresh model converted with the same plan "
+            "(LowPrecisionPlugin(plan).convert(fresh)) and export that"
         )
     peft = getattr(model, "peft_config", None) is not None
     base = model.get_base_model() if peft else model

@@ -65,7 +65,8 @@ def adapter_config_naming(config: Path, base_model_id: str) -> str:
 
 def adapterless_state(base: nn.Module, merged: bool = False) -> dict[str, torch.Tensor]:
     """``base``'s state dict without the LoRA tensors, keys as in the unwrapped model. A layer PEFT trains a copy of
-    (``modules_to_save``) is its original, or with ``merged`` the copy the model computes with, under the layer's own
+    (``modules_to_save``) is its original, or with ``merged`` the copy the model computes with (the first active
+    adapter's, as PEFT's forward takes it; none while adapters are disabled), under the layer's own
     name (its ``original_module``/``modules_to_save`` keys left a merged export's head missing: random on reload)."""
     state = {k.replace(".base_layer", ""): v for k, v in base.state_dict().items() if ".lora_" not in k}
     for fqn, wrapper in base.named_modules():
@@ -93,7 +94,8 @@ def _adapter_delta(module: nn.Module) -> torch.Tensor | None:
 def dense_merged_state(base: nn.Module, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], set[str]]:
     """``(the base model's state dict as plain dtype weights, the dtypes other tensors were cast from)``: every packed
     layer dequantized, LoRA deltas added to packed and dense layers alike (one rounding, to ``dtype``); packed
-    embeddings written dense; every other floating tensor cast (a tied head and embedding stay one tensor)."""
+    embeddings written dense; every other floating tensor cast (a tied head and embedding stay one tensor, unless
+    ``modules_to_save`` trained a copy of one)."""
     state = with_dense_tables(adapterless_state(base, merged=True), base, dtype)
     for fqn, module in base.named_modules():
         layer = module.get_base_layer() if hasattr(module, "get_base_layer") else module
@@ -191,6 +193,9 @@ def export_int4_lora(
             state, errors = _packed_base_state(base, merge)
             state = with_load_guards(base, state)
             config.quantization_config = quantization_config_dict(plan, base)
+    tied_ends = (base.get_input_embeddings(), base.get_output_embeddings())
+    if merge and any(isinstance(m, ModulesToSaveWrapper) for m in tied_ends):  # the trained copy beside the original:
+        config.tie_word_embeddings = False  # a loader tying them by the config dropped the copy
     with atomic_output_dir(out_dir, overwrite) as tmp, without_hf_quantizer(base):
         base.save_pretrained(tmp, state_dict=state)
         config.save_pretrained(tmp)  # base.config stays untouched

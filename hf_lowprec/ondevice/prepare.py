@@ -264,11 +264,11 @@ def resolve_adapter_dtype(adapter_dtype: torch.dtype | str | None, model: nn.Mod
 
 def _with_adapters(model: nn.Module, config: LoraConfig, factors: dict, adapter_dtype: torch.dtype) -> PeftModel:
     """``model`` wrapped in LoRA per ``config``; adapters named in ``factors`` start from them (LoftQ)."""
-    saved = tuple(config.modules_to_save or ())
-    if packed := [  # PEFT matches a name or its dotted suffix; a copy of codes has no parameter: it trained nothing
+    saved = [config.modules_to_save] if isinstance(config.modules_to_save, str) else config.modules_to_save or []
+    if packed := [  # a name ending in an entry, as PEFT's _set_trainable matches; a copy of codes trained nothing
         f"{canonical_name(n)} ({type(m).__name__})"
-        for n, m in model.named_modules()
-        if isinstance(m, (*FROZEN_TYPES, TiedPackedEmbedding)) and any(n == k or n.endswith(f".{k}") for k in saved)
+        for n, m in model.named_modules(remove_duplicate=False)
+        if isinstance(m, (*FROZEN_TYPES, TiedPackedEmbedding)) and any(n.endswith(k) for k in saved)
     ]:
         raise ValueError(
             f"modules_to_save names packed layers, whose integer codes cannot train: {', '.join(packed)}; keep them "
