@@ -731,6 +731,19 @@ _SYNC_WORKER = textwrap.dedent(
 )
 
 
+def _two_ranks(worker: str, tmp_path) -> list[str]:
+    """The standard outputs of ``worker`` (a script of two gloo ranks: ``argv[1]`` its rank, ``argv[2]`` the
+    rendezvous file) run as two processes."""
+    script = tmp_path / "worker.py"
+    script.write_text(worker)
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "rendezvous")], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
+    return [out for out, _ in outs]
+
+
 _NON_FINITE_WORKER = textwrap.dedent(
     """
     import sys, torch, torch.distributed as dist
@@ -755,14 +768,8 @@ def test_a_non_finite_amax_on_one_rank_is_inf_on_every_rank(tmp_path):
     """A NaN amax on rank 1 alone: gloo's MAX dropped it (it keeps rank 0's), so no rank saw the NaN gradient; and an
     inf is inf, not the largest finite float (a level 3.4e38 scaled the next casts to 1e-36). With sync=True every rank
     scales, records and judges as one process does an inf amax."""
-    script = tmp_path / "worker.py"
-    script.write_text(_NON_FINITE_WORKER)
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "rendezvous")], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]  # fmt: skip
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
-    assert outs[0][0] == outs[1][0]
+    outs = _two_ranks(_NON_FINITE_WORKER, tmp_path)
+    assert outs[0] == outs[1]
     expected = []
     for bad in ("nan", "inf"):
         for make in (DynamicScaling, DelayedScaling, GradientScaling):
@@ -771,20 +778,13 @@ def test_a_non_finite_amax_on_one_rank_is_inf_on_every_rank(tmp_path):
                 policy.scale(_amax(1.0), E5M2)
             scale, after = policy.scale(_amax(math.inf), E5M2), policy.scale(_amax(1.0), E5M2)
             expected.append(f"{bad} {make.__name__} {scale.item()} {after.item()} {int(getattr(policy, 'spikes', -1))}")
-    assert outs[0][0].splitlines() == expected
+    assert outs[0].splitlines() == expected
     assert expected[2].split()[-1] == "1" and float(expected[2].split()[3]) > 1  # the spike found, the level kept
 
 
 def test_sync_gives_every_rank_the_same_scales(tmp_path):
     """Two gloo ranks see different gradients; with sync=True both use the scale of the global amax."""
-    script = tmp_path / "worker.py"
-    script.write_text(_SYNC_WORKER)
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "rendezvous")], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]  # fmt: skip
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
-    scales = [[float(v) for v in out.split()] for out, _ in outs]
+    scales = [[float(v) for v in out.split()] for out in _two_ranks(_SYNC_WORKER, tmp_path)]
     assert scales[0] == scales[1]
     # the dynamic scales equal the scale of the larger (rank 1) tensor's amax
     for i in range(4):
