@@ -358,6 +358,37 @@ def test_a_second_train_counts_its_own_skipped_steps(tmp_path):
     assert [h["lowprec/steps_skipped"] for h in trainer.state.log_history if "loss" in h] == [0.0, 0.0]
 
 
+class OutOfMemoryOnce(TrainerCallback):
+    """Raises the error Accelerate's find_executable_batch_size retries on, once, after the first backward."""
+
+    def __init__(self):
+        self.raised = False
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if not self.raised:
+            self.raised = True
+            raise RuntimeError("CUDA out of memory. (raised by the test)")
+
+
+@pytest.mark.parametrize("scaler", ["delayed", "gradient"])
+def test_a_batch_size_retry_after_out_of_memory_trains_as_a_run_at_that_size(tmp_path, scaler):
+    """auto_find_batch_size: after an out-of-memory error the Trainer runs its loop again, at a smaller batch, on the
+    same model; the aborted attempt's forward and backward stayed in the scale statistics (an extra amax recorded,
+    losses 1e-3 apart). The retry starts from the statistics the first attempt started from."""
+    runs = {}
+    for retry in (False, True):
+        callbacks = [LowPrecisionCallback(MIXED_PLAN, scaler=scaler)] + ([OutOfMemoryOnce()] if retry else [])
+        args = arguments(tmp_path / str(retry), max_steps=3, auto_find_batch_size=True,
+                         per_device_train_batch_size=8 if retry else 7)  # fmt: skip
+        trainer = Trainer(model=tiny_llama(), args=args, train_dataset=lm_rows(2), callbacks=callbacks)
+        trainer.train()
+        assert trainer._train_batch_size == 7
+        runs[retry] = losses(trainer), low_precision_state(trainer.model)
+    assert runs[True][0] == runs[False][0]
+    for key, value in runs[False][1].items():
+        torch.testing.assert_close(runs[True][1][key], value, rtol=0, atol=0, equal_nan=True, msg=key)
+
+
 def test_a_skipped_spike_step_is_said_and_leaves_the_lr_schedule_and_the_weights_where_they_were(tmp_path, caplog):
     """spike_action="skip" drops a step: a warning says so (it was an info line), and the Trainer's LR schedule does
     not advance over it, as for an fp16 overflow (Accelerate's step_was_skipped); the parameters do not move."""

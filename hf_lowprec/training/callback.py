@@ -139,6 +139,7 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
         self._plan_folder = plan_folder(plan)
         self._hook = None
         self._optimizer = None
+        self._first_attempt: dict[str, torch.Tensor] | None = None  # see on_train_begin (auto_find_batch_size)
         self._skipping = False  # this step's optimizer step is skipped (a gradient spike)
         self._flagged_skip = False  # this step's skip set Accelerate's step_was_skipped (on_optimizer_step)
 
@@ -196,6 +197,13 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
             self._convert(model)
         if state.global_step == 0 and train_dataloader is not None and model is not None:
             self.session.calibrate_smoothing(model, train_dataloader)  # '-sq' layers no calibration_data calibrated
+        if args.auto_find_batch_size and state.global_step == 0 and model is not None and self.plan is not None:
+            # after an out-of-memory error Accelerate's find_executable_batch_size runs the training loop again on
+            # this model (no on_train_end between): the aborted attempt's forward was left in the scale statistics
+            if self._first_attempt is None:
+                self._first_attempt = low_precision_state(model)
+            else:
+                _copy_low_precision_state(self._first_attempt, model)
         if self.compensation and optimizer is not None:
             self._compensate(optimizer)
         if state.global_step > 0:
@@ -387,6 +395,7 @@ class LowPrecisionCallback(SessionOwner, TrainerCallback, ExportableState):
 
     def on_train_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.on_step_begin(args, state, control, optimizer=optimizer)  # a last step's skip flag, cleared
+        self._first_attempt = None
         best = state.best_model_checkpoint and Path(state.best_model_checkpoint) / STATE_FILE
         if args.load_best_model_at_end and model is not None and best and best.is_file():
             # the Trainer reloaded the best checkpoint's weights, a PEFT model's adapters alone: its learned steps and
@@ -422,6 +431,12 @@ def _load_low_precision_state(file: Path, model: nn.Module) -> None:
     lacking = {k for k in set(expected) - set(tensors) if k.rsplit(".", 1)[-1] not in ADDED_BUFFERS}
     if lacking or set(tensors) - set(expected):
         raise ValueError(f"{file} does not match this model's low-precision layers")
+    _copy_low_precision_state(tensors, model)
+
+
+def _copy_low_precision_state(tensors: Mapping[str, torch.Tensor], model: nn.Module) -> None:
+    """Copy :func:`low_precision_state`'s ``tensors`` into ``model``'s own, in place (optimizers keep their
+    parameters)."""
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     with torch.no_grad():
         for key, value in tensors.items():
