@@ -667,8 +667,7 @@ def _check_recipe_fits(model, recipe: Recipe) -> None:
         if int4_lora:
             check_quantizable(model, plan)
         else:
-            plan.validate(model)
-            if all(spec.is_high_precision for spec in plan.assign(model).values()):  # the session's own check, now
+            if all(spec.is_high_precision for spec in plan.validate(model).values()):  # the session's own check, now
                 raise converts_nothing(plan, model)
     if not int4_lora:
         return

@@ -206,8 +206,8 @@ class PrecisionPlan:
                 raise ValueError(f"plan entry {key!r} is not a layer of this model{hint}")
         return {n: self.resolve(n, m) for n, m in layers.items()}
 
-    def validate(self, model: nn.Module) -> None:
-        """Raise ``ValueError`` if the plan does not fit ``model`` (see :meth:`assign`)."""
+    def validate(self, model: nn.Module) -> dict[str, FormatSpec]:
+        """Raise ``ValueError`` if the plan does not fit ``model``, else return :meth:`assign`'s ``{name: format}``."""
         if not _layers_of(model):
             raise ValueError(f"{type(model).__name__} has no eligible layers (nn.Linear / nn.Embedding) to quantize")
         assigned = self.assign(model)
@@ -218,6 +218,7 @@ class PrecisionPlan:
         if self.model and applied_to and Path(self.model).name != Path(public_name(applied_to)).name:
             made_for = self.model
             logger.warning("the plan was made for %r and is applied to %r (its layer names fit)", made_for, applied_to)
+        return assigned
 
     # ---------------------------------------------------------------------------------- reports
     def summary(self, model: "nn.Module | Mapping[str, nn.Module]") -> list[dict]:
