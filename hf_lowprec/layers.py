@@ -232,13 +232,25 @@ HOOK_DICTS = (
 
 
 def carry_module_state(old: nn.Module, new: nn.Module) -> None:
-    """``new`` takes ``old``'s training mode and its hook dictionaries themselves (so that the handles the hooks' owners
-    hold still remove them), where ``new`` has none of its own; a swapped layer lost both (``model.eval()`` undone
-    for it, a forward hook no longer called)."""
+    """``new`` takes ``old``'s training mode, its hook dictionaries themselves (so that the handles the hooks' owners
+    hold still remove them), where ``new`` has none of its own, and the attributes others set on ``old`` that ``new``
+    lacks (what those hooks read: transformers' NEFTune hook reads ``neftune_noise_alpha``); a swapped layer lost them
+    all (``model.eval()`` undone for it, a forward hook no longer called, or failing). Others' attributes: the public
+    ones of a layer not hf-lowprec's, the ones it carried over of one that is (not its own: ``spec`` on a reverted
+    ``nn.Linear``)."""
     new.train(old.training)
     for attr in HOOK_DICTS:
         if getattr(old, attr, None) and not getattr(new, attr, None):
             setattr(new, attr, getattr(old, attr))
+    if isinstance(old, LOW_PRECISION_TYPES):
+        others = getattr(old, "_carried_attributes", ())
+    else:
+        others = [a for a in vars(old) if not a.startswith("_")]
+    carried = tuple(a for a in others if hasattr(old, a) and not hasattr(new, a))
+    for attr in carried:
+        setattr(new, attr, getattr(old, attr))
+    if carried:
+        new._carried_attributes = carried
 
 
 def set_module(model: nn.Module, fqn: str, new: nn.Module) -> None:

@@ -95,6 +95,23 @@ def test_llama_trains_with_default_callback(tmp_path):
     assert cb.plan.to_dict()["layers"]["lm_head"] == "bf16"  # the default keep: the scan's allocation leaves the output head out
 
 
+def test_neftune_noise_reaches_an_embedding_the_auto_plan_converts_after_the_trainer_hooked_it(tmp_path):
+    """``neftune_noise_alpha``: the Trainer sets ``neftune_noise_alpha`` on the input embedding and hooks it before
+    on_train_begin, where an ``auto`` plan converts; the new layer took the hook, not the attribute it reads
+    (AttributeError on the first step). It now trains with the noise, and the Trainer takes both off after."""
+    runs = {}
+    for alpha in (None, 5.0):
+        model = tiny_llama()
+        trainer = Trainer(model=model, args=arguments(tmp_path / str(alpha), max_steps=3, neftune_noise_alpha=alpha),
+                          train_dataset=lm_rows(), callbacks=[LowPrecisionCallback()])  # fmt: skip
+        trainer.train()
+        embedding = model.get_input_embeddings()
+        assert isinstance(embedding, LOW_PRECISION_TYPES)
+        assert not hasattr(embedding, "neftune_noise_alpha") and not embedding._forward_hooks
+        runs[alpha] = losses(trainer)
+    assert runs[None][1] != runs[5.0][1]  # the same model, data and seed: the noise moved the first step's loss
+
+
 def test_resuming_under_another_plan_names_the_checkpoints_plan_to_pass(tmp_path):
     """A checkpoint trained with the head in FP8 (``keep=()``, or the default before it kept the head), resumed with a
     plan that keeps it: one error naming both plans and the argument that continues with the checkpoint's."""

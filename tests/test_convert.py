@@ -56,21 +56,24 @@ def test_apply_plan_is_idempotent_and_revertible(llama):
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4-g32"])
 def test_a_swapped_layer_keeps_its_training_mode_and_hooks_both_ways(llama, fmt):
-    """Conversion and revert carry the layer's training mode and its forward hooks over (a swapped layer came back in
-    training mode after ``model.eval()``, and a hook registered on it was no longer called); the hook's handle still
-    removes it from the layer in its place."""
+    """Conversion and revert carry the layer's training mode, its forward hooks and the attributes they read over (a
+    swapped layer came back in training mode after ``model.eval()``, and a hook registered on it was no longer called,
+    or failed); the hook's handle still removes it from the layer in its place."""
     llama.eval()
     calls = []
-    handle = llama.model.layers[0].mlp.up_proj.register_forward_hook(lambda *_: calls.append(1))
+    handle = llama.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, *_: calls.append(m.noise_alpha))
+    llama.model.layers[0].mlp.up_proj.noise_alpha = 5.0  # what a hook reads (transformers' NEFTune sets one)
     ids = torch.randint(0, 256, (1, 8))
     apply_plan(llama, fmt)
     up = llama.model.layers[0].mlp.up_proj
     assert isinstance(up, LOW_PRECISION_TYPES) and not up.training and not any(m.training for m in llama.modules())
     llama(input_ids=ids)
     revert(llama)
-    assert type(llama.model.layers[0].mlp.up_proj) is torch.nn.Linear and not llama.model.layers[0].mlp.up_proj.training
+    plain = llama.model.layers[0].mlp.up_proj
+    assert type(plain) is torch.nn.Linear and not plain.training
+    assert not hasattr(plain, "spec")  # the attributes others set come back, none of the low-precision layer's own
     llama(input_ids=ids)
-    assert len(calls) == 2
+    assert calls == [5.0, 5.0]
     handle.remove()
     llama(input_ids=ids)
     assert len(calls) == 2
