@@ -19,6 +19,7 @@ its characters instead, cut at a line break.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import json
@@ -47,7 +48,15 @@ TEXT_COLUMNS = ("text", "content", "sentence")
 MESSAGE_COLUMNS = ("messages", "conversations")
 PROMPT_COLUMNS = ("instruction", "prompt", "question")
 RESPONSE_COLUMNS = ("output", "response", "completion", "answer")
+# an instruction pair's own text the prompt carries after the instruction: Alpaca's input, databricks-dolly's context
+INPUT_COLUMNS = ("input", "context")
 DEFAULT_CORPUS = "shakespeare"
+
+
+def file_builder(path: Path) -> str | None:
+    """The ``datasets`` builder reading ``path`` by its extension, upper case too (``datasets`` reads ``DATA.JSONL``;
+    compared case-sensitively, one was refused as no existing file and one in a folder left out without a word)."""
+    return FILE_BUILDERS.get(path.suffix.lower())
 
 
 def default_corpus() -> tuple[datasets.Dataset, str]:
@@ -80,18 +89,18 @@ def load_records(source: str | Path, *, split: str = "train", config: str | None
         if split not in files:
             listing = ", ".join(files) or f"none (no {'/'.join(FILE_BUILDERS)} file)"
             raise ValueError(f"data folder {str(path)!r} has no split {split!r}; its splits are {listing}")
-        builders = {FILE_BUILDERS[p.suffix] for p in files[split]}
+        builders = {file_builder(p) for p in files[split]}
         if len(builders) != 1:
             raise ValueError(
                 f"data folder {str(path)!r}: the files of split {split!r} must be of one kind "
                 f"({', '.join(FILE_BUILDERS)}); found {', '.join(sorted(builders))}"
             )
         return _load_files(builders.pop(), [str(p) for p in files[split]], str(path))
-    if path.suffix in FILE_BUILDERS:
+    if file_builder(path):
         if not path.is_file():
             raise ValueError(f"data file {str(path)!r} does not exist")
         _check_train_split(f"data file {str(path)!r}", split)
-        return _load_files(FILE_BUILDERS[path.suffix], [str(path)], str(path))
+        return _load_files(file_builder(path), [str(path)], str(path))
     if path.exists() or path.suffix or str(source).startswith((".", "/", "~")):
         raise ValueError(
             f"data {str(source)!r}: not an existing {'/'.join(FILE_BUILDERS)} file, folder or Hub dataset name"
@@ -163,7 +172,7 @@ def _split_files(folder: Path) -> dict[str, list[Path]]:
             resolved = DataFilesDict.from_patterns(get_data_patterns(str(folder)), base_path=str(folder))
         except (datasets.exceptions.DataFilesNotFoundError, datasets.data_files.EmptyDatasetError):  # no data file
             return {}
-    out = {str(s): sorted(Path(f) for f in files if Path(f).suffix in FILE_BUILDERS) for s, files in resolved.items()}
+    out = {str(s): sorted(Path(f) for f in files if file_builder(Path(f))) for s, files in resolved.items()}
     return {s: files for s, files in out.items() if files}
 
 
@@ -182,7 +191,7 @@ def _say_unread(folder: Path, splits: dict[str, list[Path]]) -> None:
     """Warn of the data files of ``folder`` that no split takes (``datasets`` leaves them unread, silently)."""
     taken = {f.resolve() for files in splits.values() for f in files}  # datasets gives them absolute
     root = folder.resolve()
-    every = {f for f in root.rglob("*") if f.suffix in FILE_BUILDERS and not _hidden(f.relative_to(root))}
+    every = {f for f in root.rglob("*") if file_builder(f) and not _hidden(f.relative_to(root))}
     left = sorted(str(f.relative_to(root)) for f in every - taken)
     if left and (root, *left) not in _SAID_UNREAD:  # once: a run loads its train and validation splits apart
         _SAID_UNREAD.add((root, *left))
@@ -234,6 +243,8 @@ def _split_names(source: str | Path) -> list[str]:
 def _load_files(builder: str, files: list[str], name: str) -> datasets.Dataset:
     # a .txt file is one document (line by line, each line got an EOS: 11% of Hamlet's tokens); utf-8-sig drops a BOM
     options = {"sample_by": "document", "encoding": "utf-8-sig"} if builder == "text" else {}
+    if builder == "csv":  # a cell is its text: pandas read "NA", "null", "None" as missing (an answer "None" refused)
+        options = {"keep_default_na": False}
     try:
         ds = datasets.load_dataset(builder, data_files=files, split="train", **options)
     except Exception as e:  # empty or malformed json/csv/parquet
@@ -324,7 +335,8 @@ def detect_columns(
     prompt = next((c for c in PROMPT_COLUMNS if c in names), None)
     response = next((c for c in RESPONSE_COLUMNS if c in names), None)
     if prompt and response:
-        return Columns("chat", prompt=prompt, extra_input="input" if "input" in names else None, response=response)
+        extra = next((c for c in INPUT_COLUMNS if c in names), None)
+        return Columns("chat", prompt=prompt, extra_input=extra, response=response)
     if found := next((c for c in TEXT_COLUMNS if c in names), None):
         strings = [c for c, f in ds.features.items() if getattr(f, "dtype", None) in ("string", "large_string")]
         if found not in strings and strings:  # e.g. "text": 5 beside "body": "..."
@@ -485,12 +497,13 @@ def _rows_for_a_block(ds: datasets.Dataset, tokenizer, column: str, rows: int, b
     ``block_size`` tokens as :func:`pack_blocks` packs them (BOS and EOS included), at most half the rows. Held-out
     rows that made a block are the same as before this rule; a long row counts the tokens of its first
     ``CHARS_PER_TOKEN x block_size`` characters (fewer than it holds; counted a block untokenized, 1,100 dashes, 18
-    tokens, made one), and rows without text are passed over by their Arrow lengths (not read one by one)."""
+    tokens, made one), and rows without text (empty or blank) are passed over by their Arrow lengths (not read one by one)."""
     values = _column_values(ds, column)
     half = len(ds) // 2
     if not _holds_strings(values):
         return rows
-    chars = pc.fill_null(pc.utf8_length(values.slice(len(ds) - half)), 0).to_pylist()[::-1]  # last row first
+    # blank rows (whitespace too: pack_blocks leaves them out) count no token; last row first
+    chars = pc.fill_null(pc.utf8_length(pc.utf8_trim_whitespace(values.slice(len(ds) - half))), 0).to_pylist()[::-1]
     tokens, n = 0, 0
     while n < half and tokens < block_size:
         n += 1
@@ -837,7 +850,7 @@ def prepare_lm_data(
         held, held_labels, held_left_out, held_cut = chat_sequences(
             eval_rows, tokenizer, cols, block_size, eval_sequences, train_on, first_row=cut
         )
-        collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, padding=True)
+        collator = DataCollatorForSeq2Seq(right_padding(tokenizer), label_pad_token_id=IGNORE_INDEX, padding=True)
     if not train and not eval_only:
         if cols.kind == "text" and not any(isinstance(v, str) and v.strip() for v in train_rows[cols.text]):
             raise ValueError(  # (rows of null were left out as empty ones are: the block size was blamed)
@@ -935,6 +948,17 @@ def _class_id(value, name: str, column: str, row: int) -> int:
             f"{type(value).__name__} {value!r}"
         )
     return int(value)
+
+
+def right_padding(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """``tokenizer``, or a copy of it that pads on the right where it pads on the left (as TRL's collators pad training
+    rows whatever the tokenizer's ``padding_side``, a setting for generation): a left-padded row scored its first
+    token from a pad's logits and shifted absolute positions (GPT-2's), so losses changed with the batch size."""
+    if tokenizer.padding_side == "right":
+        return tokenizer
+    padding_right = copy.copy(tokenizer)  # shares the vocabulary; the user's tokenizer keeps its side
+    padding_right.padding_side = "right"
+    return padding_right
 
 
 def collated_batches(dataset, collator, batch_size: int) -> Iterator[dict]:

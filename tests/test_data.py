@@ -1,5 +1,6 @@
 """Data: local files of every kind and the default corpus become the token sequences computed by hand."""
 
+import copy
 import json
 from pathlib import Path
 
@@ -424,6 +425,57 @@ def test_sharegpt_rows_and_completion_only_labels(tmp_path, tok):
         prepare_lm_data(text, "plain", tok, 64, train_on="completions")
 
 
+def test_chat_rows_pad_on_the_right_whatever_side_the_tokenizer_pads(tok):
+    """A tokenizer that pads on the left (a generation setting, as some chat checkpoints ship it) padded training rows
+    on the left: each scored its first token from a pad's logits and shifted absolute positions, so losses changed with
+    the batch size. Rows pad on the right, as TRL's collators pad them; the tokenizer keeps its side."""
+    left = copy.copy(tok)
+    left.padding_side = "left"
+    rows = [{"messages": [{"role": "user", "content": "hi " * (1 + 3 * i)}, {"role": "assistant", "content": "ok"}]}
+            for i in range(4)]  # fmt: skip
+    lm = prepare_lm_data(datasets.Dataset.from_list(rows), "chat", left, 64, eval_fraction=0.25)
+    features = [lm.train[i] for i in range(2)]
+    batch = lm.collator(features)
+    short = len(features[0]["input_ids"])
+    assert short < batch["input_ids"].shape[1] and left.padding_side == "left"
+    assert batch["input_ids"][0, :short].tolist() == features[0]["input_ids"]
+    assert batch["labels"][0, :short].tolist() == features[0]["labels"] and (batch["labels"][0, short:] == -100).all()
+    assert batch["attention_mask"][0].tolist() == [1] * short + [0] * (batch["input_ids"].shape[1] - short)
+
+
+def test_an_instruction_pairs_context_follows_its_instruction_as_alpacas_input_does(tok):
+    """databricks-dolly's rows are instruction/context/response: the context the answer rests on was left out."""
+    rows = [{"instruction": f"Who is named? {i}", "context": f"Alice met Bob {i}.", "response": "Alice and Bob.",
+             "category": "closed_qa"} for i in range(4)]  # fmt: skip
+    lm = prepare_lm_data(datasets.Dataset.from_list(rows), "dolly", tok, 128, eval_fraction=0.25)
+    prompt = {"role": "user", "content": "Who is named? 0\n\nAlice met Bob 0."}
+    expected = tok.apply_chat_template([prompt, {"role": "assistant", "content": "Alice and Bob."}], tokenize=False)
+    assert tok.decode(lm.train[0]["input_ids"]) == expected
+
+
+def test_csv_cells_are_their_text_even_where_pandas_reads_a_missing_value(tmp_path, tok):
+    """pandas reads "NA", "null", "None" and an empty cell as missing: a text row "NA" was dropped as empty, and an
+    answer "None" refused as no text."""
+    pd.DataFrame({"question": [f"q{i}" for i in range(4)], "answer": ["None", "NA", "null", "yes"]}).to_csv(
+        tmp_path / "qa.csv", index=False
+    )
+    records, _ = read_source(tmp_path / "qa.csv")
+    assert records["answer"] == ["None", "NA", "null", "yes"]
+    lm = prepare_lm_data(records, "qa", tok, 64, eval_fraction=0.25)
+    assert tok.decode([t for t, label in zip(lm.train[0]["input_ids"], lm.train[0]["labels"]) if label != -100]).startswith("None")
+
+
+def test_upper_case_extensions_are_read_as_datasets_reads_them(tmp_path):
+    """``DATA.JSONL`` was refused as "not an existing file", and in a folder left out without a word."""
+    (tmp_path / "UP.JSONL").write_text("\n".join(json.dumps({"text": f"row {i}"}) for i in range(3)))
+    assert load_records(tmp_path / "UP.JSONL")["text"] == ["row 0", "row 1", "row 2"]
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "A.JSONL").write_text(json.dumps({"text": "a"}) + "\n")
+    (folder / "b.jsonl").write_text(json.dumps({"text": "b"}) + "\n")
+    assert sorted(load_records(folder)["text"]) == ["a", "b"]
+
+
 def test_classification_labels_that_are_no_class_ids_are_named_with_their_row(tok):
     """String or missing labels: one line naming the column, the row and the value (``int()``'s message named none)."""
     for labels, held in ((["pos", "neg"], "str 'pos'"), ([1, None], "NoneType None"), ([0, 1.5], "float 1.5")):
@@ -448,6 +500,10 @@ def test_held_out_rows_grow_to_a_blocks_worth_and_are_never_trained_on(tok):
     texts = [text[i * 400 : (i + 1) * 400] for i in range(30)]
     gaps = texts + [""] * 9 + [None] + ["short."]  # rows without text passed over: the last text rows make one
     lm = prepare_lm_data(datasets.Dataset.from_dict({"text": gaps}), "gaps", tok, 32, eval_fraction=0.05, eval_sequences=100)
+    assert lm.eval["input_ids"] == _reference_blocks([texts[29], "short."], tok, 32)
+    # a blank row of whitespace too (its tokens counted, but packing leaves it out: "no complete block to evaluate on")
+    blank = texts + ["short.", " \n\t " * 300]
+    lm = prepare_lm_data(datasets.Dataset.from_dict({"text": blank}), "blank", tok, 32, eval_fraction=0.05, eval_sequences=100)
     assert lm.eval["input_ids"] == _reference_blocks([texts[29], "short."], tok, 32)
 
 
