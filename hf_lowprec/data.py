@@ -497,7 +497,8 @@ def _rows_for_a_block(ds: datasets.Dataset, tokenizer, column: str, rows: int, b
     ``block_size`` tokens as :func:`pack_blocks` packs them (BOS and EOS included), at most half the rows. Held-out
     rows that made a block are the same as before this rule; a long row counts the tokens of its first
     ``CHARS_PER_TOKEN x block_size`` characters (fewer than it holds; counted a block untokenized, 1,100 dashes, 18
-    tokens, made one), and rows without text (empty or blank) are passed over by their Arrow lengths (not read one by one)."""
+    tokens, made one), and rows without text (empty or blank) are passed over by their Arrow lengths (not read one by
+    one)."""
     values = _column_values(ds, column)
     half = len(ds) // 2
     if not _holds_strings(values):
