@@ -395,13 +395,13 @@ def _scan_batches(
     ``from_pretrained`` keywords."""
     from hf_lowprec.cli.run import checkpoint_tokenizer
 
-    from hf_lowprec.checkpoints import default_checkpoint, load_pretrained, refuse_a_quantized_checkpoint
+    from hf_lowprec.checkpoints import default_checkpoint, load_pretrained, refuse_an_untrainable_checkpoint
     from hf_lowprec.data import collated_batches, prepare_lm_data, read_source
 
     batches, batch_size, block_size = sizes
     source, gguf = (model, gguf_file) if model else default_checkpoint()
     tokenizer = checkpoint_tokenizer(source, gguf, loading)  # a missing checkpoint's clear error first
-    refuse_a_quantized_checkpoint(source, gguf, **loading)  # then one that cannot be scanned, before the data
+    refuse_an_untrainable_checkpoint(source, gguf, **loading)  # then one that cannot be scanned, before the data
     with ui.step(f"reading data {data or '(default corpus)'}"):
         records, data_name = read_source(data)
     with ui.step("tokenizing calibration data"):

@@ -142,8 +142,34 @@ def refuse_a_missing_local_path(name: str, what: str) -> None:
         raise ValueError(f"{what} {name!r} does not exist (the folder {str(path.parent)!r} does{hint})")
 
 
-def refuse_a_quantized_checkpoint(source: str, gguf_file: str | None = None, **from_pretrained_kwargs) -> None:
-    """``ValueError`` when ``source`` is quantized already (its config has a ``quantization_config``: an hf-lowprec
+def check_causal_lm(config, source: str) -> None:
+    """``ValueError`` unless ``config`` is a causal language model's, the class fine-tuning, the scan and the on-device
+    path load (``AutoModelForCausalLM``): its model type has one, and the checkpoint's ``architectures`` names no
+    other head. A sequence classifier loaded as ``BertLMHeadModel`` without a word (its classifier dropped, a new LM
+    head trained from random weights), and an encoder-decoder failed in transformers' "Unrecognized configuration
+    class". Models of remote code pass when their ``auto_map`` has a causal LM, architectures transformers does not
+    define pass as they are."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
+        return
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        if arch is None or arch in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() or not hasattr(transformers, arch):
+            return
+        what = f"a {arch}, whose head a causal LM would drop for a new, randomly initialised one"
+    else:
+        what = f"a {arch or config.model_type} (model type {config.model_type!r}), which has no causal LM class"
+    raise ValueError(
+        f"{source!r} is {what}: hf-lowprec's finetune, scan and on-device fine-tuning train causal language models "
+        "(AutoModelForCausalLM); train this one with transformers' Trainer and LowPrecisionCallback"
+    )
+
+
+def refuse_an_untrainable_checkpoint(source: str, gguf_file: str | None = None, **from_pretrained_kwargs) -> None:
+    """``ValueError`` from ``source``'s config alone, before data or weights load, when it is no causal LM
+    (:func:`check_causal_lm`) or is quantized already (its config has a ``quantization_config``: an hf-lowprec
     packed export, compressed-tensors, bitsandbytes, GPTQ, FP8...). Fine-tuning and the sensitivity scan start from
     dense weights, which such a checkpoint no longer holds: an hf-lowprec export's packed layers read back as their
     one-byte load guards, which failed deep in the first forward. Names the checkpoint an export was made from."""
@@ -155,6 +181,7 @@ def refuse_a_quantized_checkpoint(source: str, gguf_file: str | None = None, **f
         config = AutoConfig.from_pretrained(source, **source_kwargs(from_pretrained_kwargs))
     except (OSError, ValueError):
         return  # the loader reports it
+    check_causal_lm(config, source)
     quantization = getattr(config, "quantization_config", None)
     if quantization is None:
         return
@@ -289,7 +316,8 @@ def load_pretrained(
             ``trust_remote_code`` and ``token`` to the tokenizer's too.
 
     Raises ``ValueError`` for a path that does not exist, a folder that holds no model, an unknown dtype,
-    or a hub id that cannot be fetched.
+    a hub id that cannot be fetched, or (``model_class`` not given) a model that is no causal LM
+    (:func:`check_causal_lm`).
     """
     from transformers import AutoModelForCausalLM
 
@@ -301,6 +329,14 @@ def load_pretrained(
         cached = cache_gguf(source, gguf, dtype)
         source, gguf = str(cached), None
     extra = {"gguf_file": gguf} if gguf else {}
+    if model_class is None and gguf is None:  # a GGUF file holds a causal LM
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(source, **source_kwargs(from_pretrained_kwargs))
+        except OSError as e:  # transformers reports missing files and unreachable hubs as OSError
+            raise cannot_load(os.fspath(model_id_or_path), e) from e
+        check_causal_lm(config, os.fspath(model_id_or_path))
     if tokenizer is None:
         tokenizer = load_tokenizer(source, gguf_file=gguf, **from_pretrained_kwargs)
     try:

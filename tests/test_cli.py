@@ -16,7 +16,7 @@ import datasets
 import pytest
 import torch
 from cli_invoke import cli, one_error_line, workspace
-from conftest import on_dequant_backend, with_loud_channels
+from conftest import on_dequant_backend, tiny_bert, with_loud_channels
 from huggingface_hub import ModelCard
 from safetensors import safe_open
 from tiny_assets import (
@@ -345,6 +345,30 @@ def test_finetune_and_scan_refuse_a_quantized_checkpoint_naming_the_one_it_came_
     assert "is quantized already (quant_method 'bitsandbytes')" in line and "give the unquantized checkpoint" in line
     with pytest.raises(ValueError, match="is an hf-lowprec export with packed INT4 weights"):
         load_int4_lora(out)
+
+
+def test_finetune_scan_and_the_api_refuse_a_checkpoint_that_is_no_causal_lm_before_the_data(ws, tmp_path):
+    """A sequence classifier was loaded as ``BertLMHeadModel`` (its classifier dropped, a random LM head trained, exit
+    0); an encoder-decoder failed in transformers' "Unrecognized configuration class". One line naming the class and
+    what to use instead, before the data (which does not exist here) and nothing written."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    bert = tmp_path / "bert"
+    tiny_bert().save_pretrained(bert)
+    t5 = tmp_path / "t5"
+    T5ForConditionalGeneration(T5Config(vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2)).save_pretrained(t5)
+    for folder in (bert, t5):
+        for f in (ws / "tiny").glob("tokenizer*"):
+            shutil.copy(f, folder / f.name)
+    wanted = "train causal language models (AutoModelForCausalLM); train this one with transformers' Trainer"
+    for folder, what in ((bert, "is a BertForSequenceClassification, whose head a causal LM would drop"),
+                         (t5, "is a T5ForConditionalGeneration (model type 't5'), which has no causal LM class")):  # fmt: skip
+        for args in (["finetune", folder, *FAST, "-o", tmp_path / "out"], ["scan", folder]):
+            line = one_error_line(cli(*args, "--data", tmp_path / "no.txt"))
+            assert what in line and wanted in line, line
+        assert not (tmp_path / "out").exists()
+        with pytest.raises(ValueError, match=re.escape(what)):
+            load_int4_lora(folder)
 
 
 def test_finetune_refuses_a_block_longer_than_the_model_before_reading_the_data(ws, tmp_path):

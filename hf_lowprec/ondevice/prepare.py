@@ -23,7 +23,7 @@ from hf_lowprec.checkpoints import (
     DenseWeights,
     load_pretrained,
     local_checkpoint_folder,
-    refuse_a_quantized_checkpoint,
+    refuse_an_untrainable_checkpoint,
     resolve_checkpoint,
     source_kwargs,
 )
@@ -416,7 +416,7 @@ def load_int4_base(
     reads_dense = auto or check_rounding(rounding) != "nearest" or loftq_init
     on_load = auto or packs_on_load(plan)
     source, gguf = resolve_checkpoint(model_id_or_path, gguf_file)  # one clear error for a path that does not exist
-    refuse_a_quantized_checkpoint(source, gguf, **from_pretrained_kwargs)
+    refuse_an_untrainable_checkpoint(source, gguf, **from_pretrained_kwargs)
     snapshot = None  # the folder of the safetensors to re-read: a local one, or a hub id's in the Hugging Face cache
     if on_load and reads_dense and not (gguf and Path(source).is_dir()):  # a local GGUF file is cached as safetensors
         snapshot = None if gguf else local_checkpoint_folder(source, **source_kwargs(from_pretrained_kwargs))
