@@ -598,7 +598,7 @@ def _load_model_and_data(opts: FinetuneOptions, dtype: torch.dtype):
     recipe, t = opts.recipe, opts.recipe.training
     source, gguf = (opts.model, opts.gguf_file) if opts.model else default_checkpoint()
     tokenizer = checkpoint_tokenizer(source, gguf, opts.load_options)  # a missing checkpoint's clear error first
-    refuse_an_untrainable_checkpoint(source, gguf, **opts.load_options)  # then one that cannot be trained, before the data
+    refuse_an_untrainable_checkpoint(source, gguf, **opts.load_options)  # then one that cannot train, before the data
     if gguf is None:  # a GGUF file's config is known once it loads (checked then)
         from transformers import AutoConfig
 
