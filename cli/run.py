@@ -61,7 +61,7 @@ from hf_lowprec.ondevice import (
     prepare_int4_lora,
 )
 from hf_lowprec.ondevice.learned_steps import fold_learned_steps, learned_kinds, learned_steps
-from hf_lowprec.plan import PLAN_FILE, check_convertible, converts_nothing
+from hf_lowprec.plan import PLAN_FILE, check_convertible, check_kept_names, converts_nothing
 from hf_lowprec.recipe import SCAN_SETTINGS, Recipe
 from hf_lowprec.training.callback import STATE_FILE, LowPrecisionCallback
 
@@ -654,14 +654,16 @@ def _meta_model(config, loading: dict):
 def _check_recipe_fits(model, recipe: Recipe) -> None:
     """Fail before the base model's evaluation (from its config, before the data and the model load: a
     :func:`_meta_model`) if ``model`` multiplies in layers no plan converts, the recipe's plan file names no layer
-    of it or puts none in low precision or, for ``int4-lora``, cannot make its INT4 base (an FP8 layer, a group
-    wider than a layer), a ``lora.target_modules`` name matches no layer, or ``lora.r`` exceeds every targeted
-    layer's rank (each failed after the base model's evaluation, or trained a full-rank adapter hundreds of MB
-    large)."""
+    of it or puts none in low precision, a ``precision.keep`` name is no layer of it, or, for ``int4-lora``, it
+    cannot make its INT4 base (an FP8 layer, a group wider than a layer), a ``lora.target_modules`` name matches no
+    layer, or ``lora.r`` exceeds every targeted layer's rank (each failed after the base model's evaluation, or
+    trained a full-rank adapter hundreds of MB large)."""
     from hf_lowprec.ondevice.planning import check_quantizable, resolve_target_modules
 
     int4_lora = recipe.method == "int4-lora"
     check_convertible(model)  # an architecture multiplying in other layers (GPT-2's Conv1D): every recipe's plan fails
+    if not recipe.precision.is_file:  # a misspelt name failed after the base model's evaluation (and the scan)
+        check_kept_names(model, recipe.precision.keep, "precision.keep entry")
     if recipe.precision.is_file:
         plan = recipe.precision.fixed_plan()
         if int4_lora:

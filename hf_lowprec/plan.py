@@ -182,28 +182,12 @@ class PrecisionPlan:
         """
         source = layers
         layers = _layers_of(layers)
-        names = list(layers)
         for key in self.layers:
             if _is_pattern(key):
-                if not any(_matches(key, n) for n in names):
+                if not any(_matches(key, n) for n in layers):
                     raise ValueError(f"plan entry {key!r} matches no eligible layer (Linear/Embedding) of this model")
-            elif key not in layers:
-                found = _find_module(source, key)
-                if isinstance(found, nn.Embedding):  # a subclass computing more than a lookup (layers._is_eligible)
-                    raise ValueError(
-                        f"plan entry {key!r} is a {type(found).__name__}, an embedding whose forward computes more "
-                        "than a lookup (positions, a norm): hf-lowprec leaves it as it is; only plain nn.Linear and "
-                        "nn.Embedding layers can change format"
-                    )
-                if found is not None:
-                    raise ValueError(
-                        f"plan entry {key!r} is a {type(found).__name__}; only nn.Linear and nn.Embedding layers "
-                        "can change format"
-                    )
-                close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
-                examples = f"; its layers are named like {names[0]!r}, {names[len(names) // 2]!r}" if names else ""
-                hint = f"; close matches: {', '.join(close)}" if close else examples  # a plan made for another model
-                raise ValueError(f"plan entry {key!r} is not a layer of this model{hint}")
+            else:
+                check_layer_name(source, key, "plan entry", layers)
         return {n: self.resolve(n, m) for n, m in layers.items()}
 
     def validate(self, model: nn.Module) -> dict[str, FormatSpec]:
@@ -359,6 +343,41 @@ def _matches(pattern: str, name: str) -> bool:
     if pattern.startswith("re:"):
         return re.fullmatch(pattern[3:], name) is not None
     return fnmatch.fnmatchcase(name, pattern)
+
+
+def check_kept_names(model, keep: Iterable[str], what: str = "keep entry") -> None:
+    """:func:`check_layer_name` for each name in ``keep`` that is no pattern (one matching no layer is only logged, by
+    the allocator: ``*norm*`` keeps norms, which are never quantized anyway)."""
+    layers = _layers_of(model)
+    for key in keep:
+        if not _is_pattern(key):
+            check_layer_name(model, key, what, layers)
+
+
+def check_layer_name(model, key: str, what: str, layers: Mapping[str, nn.Module] | None = None) -> None:
+    """``ValueError`` naming ``what`` (``plan entry``, ``precision.keep entry``) unless ``key`` is an eligible layer of
+    ``model`` (a module or ``{name: layer}``; ``layers``: its eligible layers, found already): what ``key`` names
+    instead (a module of another kind), or the close matches, or how its layers are named (a plan made for another
+    model)."""
+    layers = _layers_of(model) if layers is None else layers
+    if key in layers:
+        return
+    found = _find_module(model, key)
+    if isinstance(found, nn.Embedding):  # a subclass computing more than a lookup (layers._is_eligible)
+        raise ValueError(
+            f"{what} {key!r} is a {type(found).__name__}, an embedding whose forward computes more than a lookup "
+            "(positions, a norm): hf-lowprec leaves it as it is; only plain nn.Linear and nn.Embedding layers can "
+            "change format"
+        )
+    if found is not None:
+        raise ValueError(
+            f"{what} {key!r} is a {type(found).__name__}; only nn.Linear and nn.Embedding layers can change format"
+        )
+    names = list(layers)
+    close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+    examples = f"; its layers are named like {names[0]!r}, {names[len(names) // 2]!r}" if names else ""
+    hint = f"; close matches: {', '.join(close)}" if close else examples
+    raise ValueError(f"{what} {key!r} is not a layer of this model{hint}")
 
 
 def _find_module(model, name: str) -> nn.Module | None:

@@ -398,6 +398,16 @@ def test_finetune_refuses_a_plan_file_naming_no_layer_before_reading_the_data(ws
         assert line.endswith("the plan (default bf16; rules none) puts no layer of LlamaForCausalLM in low precision")
 
 
+def test_finetune_refuses_a_kept_name_that_is_no_layer_before_reading_the_data(ws, tmp_path):
+    """A misspelt ``precision.keep`` name was refused after loading and evaluating the model (and, for a scanned plan,
+    the scan): now from the config, before the data (which does not exist here), with its close matches."""
+    for recipe in ("fp8-train", "qat-int4"):  # (int4-lora takes no keep: it chooses its head's format itself)
+        line = one_error_line(cli("finetune", ws / "tiny", "--recipe", recipe, "precision.keep=[lm_haed]", "--data",
+                                  tmp_path / "no.txt", "-o", tmp_path / recipe))  # fmt: skip
+        assert line.endswith("precision.keep entry 'lm_haed' is not a layer of this model; close matches: lm_head"), line
+        assert not (tmp_path / recipe).exists()
+
+
 def test_finetune_names_an_unsupported_architecture_before_reading_the_data(tmp_path):
     """GPT-2 multiplies in ``Conv1D`` layers: int4-lora said "no Linear layer besides its output head ... LoRA and INT4
     have nothing to work on", not why; it names the architecture as apply_plan does, from the config."""
