@@ -178,12 +178,12 @@ def open_run_folder(out: str | Path, *, overwrite: bool, resume: bool, source: s
                 "which the resumed run's export would replace; move that folder away, then resume"
             )
         return run
+    if run.work.exists() and not overwrite:  # said first: beside a finished run's folder, --overwrite alone was
+        resumable = "pass --resume to continue it or" if run.latest_checkpoint() else "it saved no checkpoint; pass"
+        ui.fail(f"an interrupted run is in {str(run.work)!r}; {resumable} --overwrite to start over")
     when = " (it is replaced only when the new run finishes)"
     check_replaceable(run.out, overwrite, "run or export folder", "--output-dir", when)
     if run.work.exists():
-        if not overwrite:
-            resumable = "pass --resume to continue it or" if run.latest_checkpoint() else "it saved no checkpoint; pass"
-            ui.fail(f"an interrupted run is in {str(run.work)!r}; {resumable} --overwrite to start over")
         if not run.work.is_dir() or not _is_work_folder(run.work):
             ui.fail(
                 f"--overwrite: {str(run.work)!r} is not an interrupted hf-lowprec run (no {SETTINGS_FILE} or "

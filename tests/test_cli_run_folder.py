@@ -151,6 +151,9 @@ def test_sigterm_before_the_first_step_leaves_no_run_folder(ws, tmp_path, monkey
     (tmp_path / "left.incomplete" / run_module.SETTINGS_FILE).write_text("{}")
     text = one_error_line(cli(*finetune_args(ws, tmp_path / "left")))
     assert text.endswith("it saved no checkpoint; pass --overwrite to start over"), text
+    (tmp_path / "left").mkdir()  # beside the finished run it would replace: the interrupted one is still said first
+    (tmp_path / "left" / RUN_FILE).write_text("{}")  # (only --overwrite was suggested, which would discard it)
+    assert one_error_line(cli(*finetune_args(ws, tmp_path / "left"))) == text
 
 
 def test_sigterm_after_training_says_where_resume_continues(ws, tmp_path, monkeypatch):
