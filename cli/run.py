@@ -662,8 +662,8 @@ def _check_recipe_fits(model, recipe: Recipe) -> None:
 
     int4_lora = recipe.method == "int4-lora"
     check_convertible(model)  # an architecture multiplying in other layers (GPT-2's Conv1D): every recipe's plan fails
-    if not recipe.precision.is_file:  # a misspelt name failed after the base model's evaluation (and the scan)
-        check_kept_names(model, recipe.precision.keep, "precision.keep entry")
+    if not recipe.precision.is_file and not int4_lora:  # a misspelt name failed after the base model's evaluation
+        check_kept_names(model, recipe.precision.keep, "precision.keep entry")  # (int4-lora keeps its head by size)
     if recipe.precision.is_file:
         plan = recipe.precision.fixed_plan()
         if int4_lora:

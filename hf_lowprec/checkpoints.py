@@ -143,26 +143,31 @@ def refuse_a_missing_local_path(name: str, what: str) -> None:
 
 
 def check_causal_lm(config, source: str) -> None:
-    """``ValueError`` unless ``config`` is a causal language model's, the class fine-tuning, the scan and the on-device
-    path load (``AutoModelForCausalLM``): its model type has one, and the checkpoint's ``architectures`` names no
-    other head. A sequence classifier loaded as ``BertLMHeadModel`` without a word (its classifier dropped, a new LM
-    head trained from random weights), and an encoder-decoder failed in transformers' "Unrecognized configuration
-    class". Models of remote code pass when their ``auto_map`` has a causal LM, architectures transformers does not
-    define pass as they are."""
+    """``ValueError`` unless ``config`` is a causal language model's, the class fine-tuning, the scan and the
+    evaluation of language models load (``AutoModelForCausalLM``): its model type has one, and the checkpoint's
+    ``architectures`` names no head of another task. A sequence classifier loaded as ``BertLMHeadModel`` without a
+    word (its classifier dropped, a new LM head trained from random weights), and an encoder-decoder failed in
+    transformers' "Unrecognized configuration class". Pass: a ``*ForConditionalGeneration`` whose model type maps to
+    a causal LM (Qwen3.5, Llama 4: the same head), a base model whose head is its tied embedding, architectures
+    transformers does not define, remote code whose ``auto_map`` has a causal LM."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
         return
     arch = (getattr(config, "architectures", None) or [None])[0]
-    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        if arch is None or arch in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() or not hasattr(transformers, arch):
-            return
-        what = f"a {arch}, whose head a causal LM would drop for a new, randomly initialised one"
-    else:
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         what = f"a {arch or config.model_type} (model type {config.model_type!r}), which has no causal LM class"
+    elif arch is None or arch in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() or not hasattr(transformers, arch):
+        return
+    elif (task := re.search(r"For(\w+)$", arch)) and task[1] not in ("CausalLM", "ConditionalGeneration"):
+        what = f"a {arch}, a model for {task[1]}: loaded as a causal LM, its head is lost or trained for another task"
+    elif task or getattr(config, "tie_word_embeddings", False):
+        return
+    else:
+        what = f"a {arch}, a base model without an LM head: a causal LM adds a new, randomly initialised one"
     raise ValueError(
-        f"{source!r} is {what}: hf-lowprec's finetune, scan and on-device fine-tuning train causal language models "
+        f"{source!r} is {what}: hf-lowprec fine-tunes, scans and evaluates it as a causal language model "
         "(AutoModelForCausalLM); train this one with transformers' Trainer and LowPrecisionCallback"
     )
 
@@ -332,11 +337,15 @@ def load_pretrained(
     if model_class is None and gguf is None:  # a GGUF file holds a causal LM
         from transformers import AutoConfig
 
+        reading = ("revision", "trust_remote_code", "token", "subfolder", "cache_dir", "local_files_only")
         try:
-            config = AutoConfig.from_pretrained(source, **source_kwargs(from_pretrained_kwargs))
-        except OSError as e:  # transformers reports missing files and unreachable hubs as OSError
-            raise cannot_load(os.fspath(model_id_or_path), e) from e
-        check_causal_lm(config, os.fspath(model_id_or_path))
+            config = from_pretrained_kwargs.get("config") or AutoConfig.from_pretrained(
+                source, **{k: v for k, v in from_pretrained_kwargs.items() if k in reading}
+            )
+        except (OSError, ValueError):  # no config.json (an adapter repository): from_pretrained knows what to do
+            config = None
+        if config is not None:
+            check_causal_lm(config, os.fspath(model_id_or_path))
     if tokenizer is None:
         tokenizer = load_tokenizer(source, gguf_file=gguf, **from_pretrained_kwargs)
     try:

@@ -243,8 +243,8 @@ def _split_names(source: str | Path) -> list[str]:
 def _load_files(builder: str, files: list[str], name: str) -> datasets.Dataset:
     # a .txt file is one document (line by line, each line got an EOS: 11% of Hamlet's tokens); utf-8-sig drops a BOM
     options = {"sample_by": "document", "encoding": "utf-8-sig"} if builder == "text" else {}
-    if builder == "csv":  # a cell is its text: pandas read "NA", "null", "None" as missing (an answer "None" refused)
-        options = {"keep_default_na": False}
+    if builder == "csv":  # a cell is its text, an empty one missing: pandas read "NA", "null", "None" as missing too
+        options = {"keep_default_na": False, "na_values": [""]}  # (a row "NA" was dropped, an answer "None" refused)
     try:
         ds = datasets.load_dataset(builder, data_files=files, split="train", **options)
     except Exception as e:  # empty or malformed json/csv/parquet

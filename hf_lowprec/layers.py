@@ -235,22 +235,22 @@ def carry_module_state(old: nn.Module, new: nn.Module) -> None:
     """``new`` takes ``old``'s training mode, its hook dictionaries themselves (so that the handles the hooks' owners
     hold still remove them), where ``new`` has none of its own, and the attributes others set on ``old`` that ``new``
     lacks (what those hooks read: transformers' NEFTune hook reads ``neftune_noise_alpha``); a swapped layer lost them
-    all (``model.eval()`` undone for it, a forward hook no longer called, or failing). Others' attributes: the public
-    ones of a layer not hf-lowprec's, the ones it carried over of one that is (not its own: ``spec`` on a reverted
-    ``nn.Linear``)."""
+    all (``model.eval()`` undone for it, a forward hook no longer called, or failing). Others' attributes: public
+    ones holding data (no module, parameter or bound method), not hf-lowprec's markers, and not among the
+    attributes ``old`` had when made (recorded here as ``new``'s: ``spec`` stays off a reverted ``nn.Linear``; an
+    hf-lowprec layer made elsewhere, whose own ones are unknown, carries none)."""
     new.train(old.training)
     for attr in HOOK_DICTS:
         if getattr(old, attr, None) and not getattr(new, attr, None):
             setattr(new, attr, getattr(old, attr))
-    if isinstance(old, LOW_PRECISION_TYPES):
-        others = getattr(old, "_carried_attributes", ())
-    else:
-        others = [a for a in vars(old) if not a.startswith("_")]
-    carried = tuple(a for a in others if hasattr(old, a) and not hasattr(new, a))
-    for attr in carried:
-        setattr(new, attr, getattr(old, attr))
-    if carried:
-        new._carried_attributes = carried
+    own = getattr(old, "_own_attributes", vars(old) if isinstance(old, LOW_PRECISION_TYPES) else ())
+    made_with = frozenset(vars(new))
+    for attr, value in list(vars(old).items()):
+        if attr.startswith(("_", "hf_lowprec")) or attr in own or hasattr(new, attr):
+            continue
+        if not isinstance(value, (nn.Module, nn.Parameter)) and not callable(value):
+            setattr(new, attr, value)
+    new._own_attributes = made_with
 
 
 def set_module(model: nn.Module, fqn: str, new: nn.Module) -> None:

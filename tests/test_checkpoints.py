@@ -1,13 +1,15 @@
 """Checkpoint and export loading: a mistyped local path is named as a missing folder, not as a bad or unreachable
 hub repo id."""
 
+import re
+
 import huggingface_hub
 import pytest
 import torch
 from huggingface_hub.errors import LocalEntryNotFoundError
 from tiny_assets import HubStandIn, save_tiny_model
 
-from hf_lowprec.checkpoints import is_hub_id, load_pretrained, offline_hint, public_name
+from hf_lowprec.checkpoints import check_causal_lm, is_hub_id, load_pretrained, offline_hint, public_name
 from hf_lowprec.export import load_exported
 
 
@@ -160,3 +162,21 @@ def test_load_tokenizer_of_a_gguf_file_reads_its_cached_folder():
     direct = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
     text = "To be, or not to be: that is the question.\nWhether 'tis nobler in the mind to suffer"
     assert tokenizer(text)["input_ids"] == direct(text)["input_ids"] and len(tokenizer) == len(direct)
+
+
+def test_a_checkpoint_is_refused_only_when_it_is_no_causal_lm():
+    """Checked from the config before anything loads: a head of another task, a base model whose LM head would be new
+    and random, a model type without a causal LM class; what AutoModelForCausalLM loads whole passes (a multimodal
+    ``*ForConditionalGeneration`` whose type maps to its causal LM, a base model whose head is its tied embedding)."""
+    from transformers import BertConfig, Llama4Config, Qwen2Config, T5Config
+
+    for config in (Qwen2Config(architectures=["Qwen2ForCausalLM"]), Qwen2Config(architectures=None),
+                   Qwen2Config(architectures=["Qwen2Model"], tie_word_embeddings=True),
+                   Qwen2Config(architectures=["ClassOfRemoteCode"]),
+                   Llama4Config(architectures=["Llama4ForConditionalGeneration"])):  # fmt: skip
+        check_causal_lm(config, "m")
+    for config, said in ((BertConfig(architectures=["BertForSequenceClassification"]), "a model for SequenceClassification"),
+                         (Qwen2Config(architectures=["Qwen2Model"], tie_word_embeddings=False), "a base model without an LM head"),
+                         (T5Config(architectures=["T5ForConditionalGeneration"]), "(model type 't5'), which has no causal LM class")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(said)):
+            check_causal_lm(config, "m")

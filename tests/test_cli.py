@@ -360,8 +360,8 @@ def test_finetune_scan_and_the_api_refuse_a_checkpoint_that_is_no_causal_lm_befo
     for folder in (bert, t5):
         for f in (ws / "tiny").glob("tokenizer*"):
             shutil.copy(f, folder / f.name)
-    wanted = "train causal language models (AutoModelForCausalLM); train this one with transformers' Trainer"
-    for folder, what in ((bert, "is a BertForSequenceClassification, whose head a causal LM would drop"),
+    wanted = "as a causal language model (AutoModelForCausalLM); train this one with transformers' Trainer"
+    for folder, what in ((bert, "is a BertForSequenceClassification, a model for SequenceClassification: loaded as"),
                          (t5, "is a T5ForConditionalGeneration (model type 't5'), which has no causal LM class")):  # fmt: skip
         for args in (["finetune", folder, *FAST, "-o", tmp_path / "out"], ["scan", folder]):
             line = one_error_line(cli(*args, "--data", tmp_path / "no.txt"))

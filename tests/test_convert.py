@@ -63,14 +63,17 @@ def test_a_swapped_layer_keeps_its_training_mode_and_hooks_both_ways(llama, fmt)
     calls = []
     handle = llama.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, *_: calls.append(m.noise_alpha))
     llama.model.layers[0].mlp.up_proj.noise_alpha = 5.0  # what a hook reads (transformers' NEFTune sets one)
+    llama.model.layers[0].mlp.up_proj.hf_lowprec_kept_dense = True  # a marker of hf-lowprec's: not carried
     ids = torch.randint(0, 256, (1, 8))
     apply_plan(llama, fmt)
     up = llama.model.layers[0].mlp.up_proj
     assert isinstance(up, LOW_PRECISION_TYPES) and not up.training and not any(m.training for m in llama.modules())
+    assert not hasattr(up, "hf_lowprec_kept_dense")
+    up.noise_scale = 0.5  # set on the converted layer: carried on too
     llama(input_ids=ids)
     revert(llama)
     plain = llama.model.layers[0].mlp.up_proj
-    assert type(plain) is torch.nn.Linear and not plain.training
+    assert type(plain) is torch.nn.Linear and not plain.training and plain.noise_scale == 0.5
     assert not hasattr(plain, "spec")  # the attributes others set come back, none of the low-precision layer's own
     llama(input_ids=ids)
     assert calls == [5.0, 5.0]

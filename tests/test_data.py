@@ -461,6 +461,8 @@ def test_csv_cells_are_their_text_even_where_pandas_reads_a_missing_value(tmp_pa
     )
     records, _ = read_source(tmp_path / "qa.csv")
     assert records["answer"] == ["None", "NA", "null", "yes"]
+    (tmp_path / "blank.csv").write_text("question,answer,label\nq0,,1\nq1,a,\n")  # an empty cell is still missing
+    assert read_source(tmp_path / "blank.csv")[0].to_dict() == {"question": ["q0", "q1"], "answer": [None, "a"], "label": [1, None]}
     lm = prepare_lm_data(records, "qa", tok, 64, eval_fraction=0.25)
     assert tok.decode([t for t, label in zip(lm.train[0]["input_ids"], lm.train[0]["labels"]) if label != -100]).startswith("None")
 
