@@ -1096,7 +1096,10 @@ def push_cmd(
         bool, typer.Option("--dry-run", help="Print the files and model card it would upload; no token, no request.")
     ] = False,
 ):
-    """Upload an export (or run, or model) folder to the Hugging Face Hub (token from HF_TOKEN or `hf auth login`)."""
+    """Upload an export (or run, or model) folder to the Hugging Face Hub (token from HF_TOKEN or `hf auth login`).
+
+    The repo's model files (weights, adapters, configs, GGUF files) that the folder does not hold are deleted in the
+    same commit; its other files stay."""
     from hf_lowprec.export.publish import PushFailed, edited_card, push, push_preview
     from hf_lowprec.export.records import CARD_FILE
     from hf_lowprec.ondevice.export import ADAPTER_CONFIG

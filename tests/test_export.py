@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -34,6 +35,8 @@ from hf_lowprec.export import (
     push,
     render_model_card,
 )
+from hf_lowprec.export.publish import edited_card, push_preview
+from hf_lowprec.export.records import CARD_SHA256
 from hf_lowprec.folders import atomic_output_dir
 from hf_lowprec.modules.kernels.cpu import cpu_info
 from hf_lowprec.ondevice.export import NO_ADAPTER_LOOKUP
@@ -352,8 +355,10 @@ def test_export_run_copies_publishable_files_only(base_dir, tmp_path):
     model, tok = _trained(base_dir, "fp8", 1)
     run = export_model(model, tok, tmp_path / "run", _run_record(), extra_files={"log_history.json": "[]", "recipe.yaml": "name: x\n"})
     (run / "checkpoints").mkdir()
+    (run / "model.safetensors.incomplete").write_bytes(b"0")  # a stray unfinished write: no file of the model
     out = export_run(run, tmp_path / "pub", repo_id="me/pub")
-    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in run.iterdir() if p.name not in ("checkpoints", "log_history.json"))
+    strays = ("checkpoints", "log_history.json", "model.safetensors.incomplete")
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in run.iterdir() if p.name not in strays)
     assert 'from_pretrained("me/pub")' in (out / CARD_FILE).read_text()
     with pytest.raises(ValueError, match="not an hf-lowprec run or export folder"):
         export_run(base_dir, tmp_path / "x")
@@ -379,8 +384,11 @@ def test_push_uploads_every_file_and_never_leaks_the_token(base_dir, tmp_path, m
     assert hub.validated and hub.validated[-1] == card  # the client sent the card for validation
     local = {p.name: p.read_bytes() for p in out.iterdir()}
     uploaded = hub.files["me/tiny-int4"]
-    assert set(uploaded) == set(local) and all(uploaded[n] == local[n] for n in local if n != CARD_FILE)  # byte for byte
+    assert set(uploaded) == set(local) and all(uploaded[n] == local[n] for n in local if n not in (CARD_FILE, RUN_FILE))
     assert uploaded[CARD_FILE] == card.encode() and b'load_exported("me/tiny-int4")' in uploaded[CARD_FILE]
+    record = json.loads(uploaded[RUN_FILE])  # the record of the card uploaded, else as it is
+    assert record.pop(CARD_SHA256) == hashlib.sha256(card.encode()).hexdigest()
+    assert record == {k: v for k, v in json.loads(local[RUN_FILE]).items() if k != CARD_SHA256}
     assert b"me/tiny-int4" not in local[CARD_FILE]  # the card is rendered for the repo in the upload only
     # every repo request carried the token in its header (huggingface_hub also fetches its public
     # /api/agent-harnesses registry, without credentials)
@@ -483,6 +491,9 @@ def test_push_keeps_an_edited_card_and_leaves_hidden_and_unfinished_files_local(
     (out / ".ipynb_checkpoints").mkdir()
     (out / ".ipynb_checkpoints" / "README-checkpoint.md").write_text("old")
     (out / "model.safetensors.tmp").write_bytes(b"partial")
+    (out / "model.safetensors.incomplete").write_bytes(b"partial")  # huggingface_hub's unfinished download
+    (out / "sub.incomplete").mkdir()  # an interrupted run's folder
+    (out / "sub.incomplete" / "x.bin").write_bytes(b"0")
     with HubStandIn() as hub:
         monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
         push(out, "me/rendered", token=TOKEN)
@@ -490,12 +501,40 @@ def test_push_keeps_an_edited_card_and_leaves_hidden_and_unfinished_files_local(
         (out / CARD_FILE).write_text(edited)
         push(out, "me/edited", token=TOKEN)
         preview = cli("push", out, "me/edited", "--dry-run")
-    local = {p.name for p in out.iterdir() if p.is_file()} - {".DS_Store", "model.safetensors.tmp"}
+    local = {p.name for p in out.iterdir() if p.is_file()} - {".DS_Store", "model.safetensors.tmp", "model.safetensors.incomplete"}
     assert set(hub.files["me/rendered"]) == set(hub.files["me/edited"]) == local
     assert b'load_exported("me/rendered")' in hub.files["me/rendered"][CARD_FILE]
     assert hub.files["me/edited"][CARD_FILE] == edited.encode()
     assert ModelCard(edited).data.license == "apache-2.0"
     assert preview.exit_code == 0 and "README.md was edited since the export: uploaded as it is" in preview.output
+
+
+def test_a_push_replaces_the_repos_model_files_and_a_downloaded_repo_pushes_as_unedited(base_dir, tmp_path, monkeypatch):
+    """An earlier push's model files the folder does not hold are deleted (its adapters stayed and were applied to the
+    next push's merged model); other files of the repo stay. A download of the repo, pushed to another, is rendered
+    for that one (its record named the card of the folder pushed, so the uploaded card counted as edited and went
+    naming the first repo). A folder lacking a tokenizer file its record lists is refused (its card's snippet
+    failed)."""
+    model, tok = _trained(base_dir, "int4-g64", 1)
+    out = export_model(model, tok, tmp_path / "pub", _run_record(), weights="int4-packed")
+    stale = {"adapter_config.json": b"{}", "adapter_model.safetensors": b"0", "model-00001-of-00002.safetensors": b"0"}
+    with HubStandIn() as hub:
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        push(out, "me/m", token=TOKEN)
+        hub.files["me/m"].update({**stale, "LICENSE": b"mine"})
+        push(out, "me/m", token=TOKEN)
+        assert set(hub.files["me/m"]) == {p.name for p in out.iterdir()} | {"LICENSE"}
+        downloaded = tmp_path / "downloaded"
+        downloaded.mkdir()
+        for name, data in hub.files["me/m"].items():
+            (downloaded / name).write_bytes(data)
+        assert not edited_card(downloaded)
+        push(downloaded, "me/fork", token=TOKEN)
+        assert b'load_exported("me/fork")' in hub.files["me/fork"][CARD_FILE] and b"me/m" not in hub.files["me/fork"][CARD_FILE]
+    assert "tokenizer.json" in json.loads((out / RUN_FILE).read_text())["tokenizer_files"]
+    (out / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match=r"lacks tokenizer\.json, which its run record says it holds"):
+        push_preview(out, "me/m")
 
 
 def test_a_card_without_recorded_hardware_claims_no_emulation_and_shows_no_empty_sections(tmp_path):

@@ -83,8 +83,8 @@ class HubStandIn:
     the README's front matter must be a YAML mapping whose ``model-index`` parses with
     huggingface_hub's own parser and whose fields ``ModelCardData`` accepts strictly),
     ``POST /api/{type}s/{repo}/preupload/{rev}`` (every file "regular", so its bytes travel base64
-    inside the commit), ``POST /api/{type}s/{repo}/commit/{rev}`` (NDJSON; a ``refs/pr/N`` revision
-    commits to pull request N) and, for ``create_pr``, ``POST``/``GET /api/{type}s/{repo}/discussions``.
+    inside the commit), ``POST /api/{type}s/{repo}/commit/{rev}`` (NDJSON of added and deleted files; a ``refs/pr/N``
+    revision commits to pull request N), ``GET /api/{type}s/{repo}/tree/{rev}`` (the main branch's files) and, for ``create_pr``, ``POST``/``GET /api/{type}s/{repo}/discussions``.
     A repo created without an organization belongs to :attr:`user`.
     Records every request's headers, the validated cards, the pull requests and the files committed
     to each repo's main branch (``files``) or pull requests (``pr_files``).
@@ -105,7 +105,7 @@ class HubStandIn:
             def log_message(self, *args):
                 pass
 
-            def _reply(self, code: int, payload: dict):
+            def _reply(self, code: int, payload: dict | list):
                 body = json.dumps(payload).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
@@ -152,6 +152,8 @@ class HubStandIn:
                             item = json.loads(line)
                             if item["key"] == "file":
                                 target[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+                            elif item["key"] == "deletedFile":
+                                del target[item["value"]["path"]]
                         return self._reply(200, {"commitUrl": f"{url}/commit/{'1' * 40}", "commitOid": "1" * 40})
                 return self._reply(404, {"error": f"stand-in does not implement POST {path}"})
 
@@ -165,6 +167,10 @@ class HubStandIn:
                     created = standin.repos[repo]
                     private = created.get("visibility") == "private" or created.get("private") is True
                     return self._reply(200, {"id": repo, "private": private, "sha": "1" * 40})
+                if len(parts) >= 7 and parts[5] == "tree":  # list_repo_tree of the main branch, one page
+                    listing = standin.files.get(f"{parts[3]}/{parts[4]}", {})
+                    return self._reply(200, [{"type": "file", "path": name, "size": len(data), "oid": "0" * 40}
+                                             for name, data in sorted(listing.items())])  # fmt: skip
                 if len(parts) == 7 and parts[5] == "discussions":
                     repo, num = f"{parts[3]}/{parts[4]}", int(parts[6])
                     return self._reply(200, {

@@ -33,9 +33,9 @@ from hf_lowprec.export.hf_quantizer import quantization_config_dict, with_load_g
 from hf_lowprec.export.publish import check_repo_id
 from hf_lowprec.export.records import (
     CARD_FILE,
-    RUN_ONLY,
     kept_layers_stored_in,
     plan_record,
+    published,
     read_run,
     relative_file_name,
     write_record,
@@ -395,10 +395,10 @@ def export_run(
             extra_files=_run_files(run_dir, run),
         )
     with atomic_output_dir(out, overwrite) as tmp:
-        for item in run_dir.iterdir():
-            if item.name in RUN_ONLY or item.name == CARD_FILE:
-                continue
-            (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
+        for item in run_dir.rglob("*"):  # the model's files (no stray unfinished write or hidden file), card aside
+            if item.is_file() and item.name != CARD_FILE and published(item, run_dir):
+                (tmp / item.relative_to(run_dir)).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(item, tmp / item.relative_to(run_dir))
         if repo_id is not None and (adapters := adapter_folder(tmp)) is not None:  # their base: this folder's model
             config = adapters / ADAPTER_CONFIG
             config.write_text(adapter_config_naming(config, repo_id))

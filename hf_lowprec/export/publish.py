@@ -13,12 +13,16 @@ from huggingface_hub import HfApi, get_token
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from hf_lowprec.export.card import render_model_card
-from hf_lowprec.export.records import CARD_FILE, RUN_FILE, RUN_ONLY, card_edited, read_run
+from hf_lowprec.export.records import CARD_FILE, RUN_FILE, card_edited, published, read_run, record_text
 from hf_lowprec.ondevice.export import ADAPTER_CONFIG, adapter_config_naming, adapter_folder
 
 MODEL_CONFIG = "config.json"
-# never uploaded: hidden files and folders (.DS_Store, .ipynb_checkpoints, .cache), unfinished writes
-UNPUBLISHED_SUFFIXES = (".tmp", ".partial")
+# a model's own files: those of a repo the pushed folder does not hold are deleted with the push (an earlier push's
+# adapters stayed and were applied to the next push's merged model); a repo's other files (a licence, images) stay
+MODEL_FILES = (
+    "*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.gguf", "*.json", "*.jinja", "*.model",
+    "merges.txt", "recipe.yaml", "loss_curve.png", "runs/*",
+)  # fmt: skip
 
 
 class PushFailed(RuntimeError):
@@ -34,10 +38,11 @@ def push(
     without a namespace is created under the token's user, as ``create_repo`` does, and the card names the full id.
     The token comes from ``token``, else the usual places (``HF_TOKEN``, ``hf auth login``); it is sent only in
     request headers, never logged or written. The card's loading snippets are re-rendered for the repo in the upload
-    only (a card edited since the export goes as it is): ``folder`` itself is never written. Hidden files, unfinished
-    writes and a run folder's checkpoints and log stay local. ``private``: an existing public repo is refused (the
-    Hub keeps an existing repo's visibility). Raises ``ValueError`` for bad input, :class:`PushFailed` when the Hub
-    refuses or cannot be reached.
+    only (a card edited since the export goes as it is), with the run record naming that card: ``folder`` itself is
+    never written. Hidden files, unfinished writes and a run folder's checkpoints and log stay local; the repo's
+    model files (:data:`MODEL_FILES`) the folder does not hold are deleted in the same commit. ``private``: an
+    existing public repo is refused (the Hub keeps an existing repo's visibility). Raises ``ValueError`` for bad
+    input, :class:`PushFailed` when the Hub refuses or cannot be reached.
     """
     folder, run = _checked(folder, repo_id)
     token = token or get_token()
@@ -55,7 +60,8 @@ def push(
     card = _card(folder, run, repo_id)
     with _staged(folder, card, repo_id, run) as upload, _hub_refusals(repo_id, token):
         message = "Upload model trained with hf-lowprec"
-        info = api.upload_folder(folder_path=upload, repo_id=repo_id, create_pr=create_pr, commit_message=message)
+        info = api.upload_folder(folder_path=upload, repo_id=repo_id, create_pr=create_pr,
+                                 commit_message=message, delete_patterns=MODEL_FILES)  # fmt: skip
     return info.pr_url or info.commit_url
 
 
@@ -110,14 +116,6 @@ def edited_card(folder: str | os.PathLike) -> bool:
     return (folder / RUN_FILE).is_file() and card_edited(folder, read_run(folder, whole=False))
 
 
-def published(path: Path, folder: Path) -> bool:
-    """Whether ``path`` (a file in ``folder``) is uploaded: not hidden, not an unfinished write, not run-only."""
-    parts = path.relative_to(folder).parts
-    return not (
-        any(part.startswith(".") for part in parts) or path.name.endswith(UNPUBLISHED_SUFFIXES) or parts[0] in RUN_ONLY
-    )
-
-
 def check_repo_id(repo_id: str) -> None:
     """``ValueError`` (huggingface_hub's reason, one line) for a string the Hub takes as no repo id."""
     try:
@@ -135,7 +133,8 @@ def _staged(folder: Path, card: str | None, repo_id: str, run: dict | None) -> I
     stage = Path(tempfile.mkdtemp(prefix="hf-lowprec-push-"))
     adapters = adapter_folder(folder) if run is not None else None
     adapter_config = adapters / ADAPTER_CONFIG if adapters is not None else None
-    replaced = {adapter_config} | ({folder / CARD_FILE} if card is not None else set())
+    rendered = {folder / CARD_FILE, folder / RUN_FILE} if card is not None else set()  # (a card: a run's, re-rendered)
+    replaced = {adapter_config} | rendered
     try:
         for path in folder.rglob("*"):
             target = stage / path.relative_to(folder)
@@ -144,6 +143,8 @@ def _staged(folder: Path, card: str | None, repo_id: str, run: dict | None) -> I
                 os.symlink(path.resolve(), target)
         if card is not None:
             (stage / CARD_FILE).write_bytes(card.encode())
+        if rendered:  # the record of the card uploaded: a download of the repo pushed elsewhere is no edited card
+            (stage / RUN_FILE).write_text(record_text(run, card.encode()))
         if adapter_config is not None:
             (stage / adapter_config.relative_to(folder)).write_text(adapter_config_naming(adapter_config, repo_id))
         yield stage

@@ -13,6 +13,7 @@ from pathlib import Path, PurePosixPath
 import torch
 from torch import nn
 
+from hf_lowprec.checkpoints import TOKENIZER_FILES
 from hf_lowprec.export.card import render_model_card
 from hf_lowprec.folders import RUN_FILE
 from hf_lowprec.layers import canonical_name, dense_views, eligible_layers
@@ -25,8 +26,13 @@ from hf_lowprec.plan import PLAN_FILE, PrecisionPlan  # noqa: F401  (re-exported
 CARD_FILE = "README.md"
 WEIGHTS_FILE, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
 CARD_SHA256 = "card_sha256"  # the run record's key for the SHA-256 of the card written with it
+TOKENIZER_KEY = "tokenizer_files"  # the run record's list of the tokenizer's files the folder holds
+TOKENIZER_EXTRAS = ("merges.txt", "chat_template.jinja")  # tokenizer files besides TOKENIZER_FILES a load reads
 # files a run folder holds that an export does not publish
 RUN_ONLY = ("checkpoints", "log_history.json")
+# never published (pushed or copied into an export): hidden files and folders (.DS_Store, .ipynb_checkpoints, .cache),
+# unfinished writes (an interrupted run's folder, huggingface_hub's downloads)
+UNPUBLISHED_SUFFIXES = (".tmp", ".partial", ".incomplete")
 
 
 def evaluation_numerics(record: Mapping) -> tuple[torch.dtype | None, int, str]:
@@ -135,7 +141,8 @@ def read_run(folder: str | os.PathLike, whole: bool = True) -> dict:
 
 def missing_files(folder: Path, run: Mapping) -> list[str]:
     """The files the run record ``run`` says ``folder`` holds and it does not: the model's config and weights (every
-    shard an index names), the plan of packed or master weights, the LoRA adapters; a GGUF export's files as listed.
+    shard an index names), the plan of packed or master weights, the LoRA adapters, the tokenizer's files (without
+    them an export pushed and its card's loading snippet failed); a GGUF export's files as listed.
     (An export of a folder without its adapters said it held them, and a push uploaded it.)"""
     export = run.get("export") or {}
     if "files" in export:  # GGUF: what it wrote
@@ -156,6 +163,7 @@ def missing_files(folder: Path, run: Mapping) -> list[str]:
             where = adapter_folder(folder) or folder / (adapter.get("folder") or ".")
             sub = PurePosixPath(os.path.relpath(where, folder))
             wanted += [str(sub / name) for name in (ADAPTER_CONFIG, "adapter_model.safetensors")]
+    wanted += run.get(TOKENIZER_KEY, [])  # (exports made before 2026-12-08 list none)
     return [name for name in wanted if not (folder / name).exists()]
 
 
@@ -166,8 +174,8 @@ def write_record(
 
     An extra file's name may hold sub-folders (``runs/<run>/events.out.tfevents...``)."""
     card = render_model_card(run, repo_id).content.encode()
-    run = {**run, CARD_SHA256: hashlib.sha256(card).hexdigest()}  # the card as written: push keeps it once edited
-    (folder / RUN_FILE).write_text(json.dumps(run, indent=2, default=str) + "\n")
+    run = {**run, TOKENIZER_KEY: sorted(f for f in (*TOKENIZER_FILES, *TOKENIZER_EXTRAS) if (folder / f).is_file())}
+    (folder / RUN_FILE).write_text(record_text(run, card))
     for name, data in (extra_files or {}).items():
         path = folder / relative_file_name(name)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -182,6 +190,19 @@ def relative_file_name(name: str) -> str:
     if path.is_absolute() or not path.parts or ".." in path.parts:
         raise ValueError(f"file name {name!r} of a run record leaves its folder: a relative name inside it expected")
     return str(name)
+
+
+def record_text(run: Mapping, card: bytes) -> str:
+    """The run record ``run`` as written beside ``card``: with the card's SHA-256, by which push tells a card edited
+    by hand (uploaded as it is) from hf-lowprec's (re-rendered for the repo)."""
+    return json.dumps({**run, CARD_SHA256: hashlib.sha256(card).hexdigest()}, indent=2, default=str) + "\n"
+
+
+def published(path: Path, folder: Path) -> bool:
+    """Whether ``path`` (a file in ``folder``) belongs to the published model: not hidden, not an unfinished write,
+    not run-only (:data:`RUN_ONLY`)."""
+    parts = path.relative_to(folder).parts
+    return not any(p.startswith(".") or p.endswith(UNPUBLISHED_SUFFIXES) for p in parts) and parts[0] not in RUN_ONLY
 
 
 def card_edited(folder: Path, run: Mapping) -> bool:
