@@ -537,6 +537,16 @@ def test_a_push_replaces_the_repos_model_files_and_a_downloaded_repo_pushes_as_u
         push_preview(out, "me/m")
 
 
+def test_the_cards_training_losses_show_the_differences_the_evaluation_table_shows():
+    """Losses to 4 decimals: to 4 figures the base, start and final losses 10.7752, 10.7751 and 10.7750 read 10.78,
+    10.78, 10.77; other figures keep 4 figures."""
+    layers = [{"name": "model.layers.0.mlp.up_proj", "format": "fp8", "params": 10}]
+    rows = [{"format": "fp8", "layers": 1, "params": 10, "fraction": 1.0, "bytes": 10}]
+    training = {"loss_base": 10.7752, "loss_start": 10.7751, "loss_final": 10.775, "tokens_per_second": 1234.567}
+    card = render_model_card({"layers": layers, "plan_rows": rows, "name": "run", "training": training}).content
+    assert all(f"| {figure} |" in card for figure in ("10.7752", "10.7751", "10.7750", "1235")), card
+
+
 def test_a_card_without_recorded_hardware_claims_no_emulation_and_shows_no_empty_sections(tmp_path):
     """``export_model(..., run={})`` (the README's Python example) records no hardware: the card says nothing of
     FP8 emulation it does not know, and leaves out the Hardware and Recipe sections instead of empty ones; the eval
