@@ -521,12 +521,17 @@ def test_a_push_replaces_the_repos_model_files_and_a_downloaded_repo_pushes_as_u
     with HubStandIn() as hub:
         monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
         push(out, "me/m", token=TOKEN)
-        hub.files["me/m"].update({**stale, "LICENSE": b"mine"})
+        others = {"LICENSE": b"mine", "eval_results.json": b"{}", "onnx/config.json": b"{}", "extra/model.gguf": b"0"}
+        hub.files["me/m"].update({**stale, "runs/old/events": b"0", **others})
+        push(out, "me/m", token=TOKEN, create_pr=True)  # deleted from the pull request, main as it was
+        assert set(stale) | {"runs/old/events"} <= set(hub.files["me/m"])
+        assert set(hub.pr_files["refs/pr/1"]) == {p.name for p in out.iterdir()} | set(others)
         push(out, "me/m", token=TOKEN)
-        assert set(hub.files["me/m"]) == {p.name for p in out.iterdir()} | {"LICENSE"}
+        assert set(hub.files["me/m"]) == {p.name for p in out.iterdir()} | set(others)
         downloaded = tmp_path / "downloaded"
         downloaded.mkdir()
         for name, data in hub.files["me/m"].items():
+            (downloaded / name).parent.mkdir(parents=True, exist_ok=True)
             (downloaded / name).write_bytes(data)
         assert not edited_card(downloaded)
         push(downloaded, "me/fork", token=TOKEN)

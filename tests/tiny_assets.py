@@ -147,7 +147,8 @@ class HubStandIn:
                         return self._reply(200, {"num": len(standin.pull_requests)})
                     if action == "commit":
                         revision = urllib.parse.unquote("/".join(parts[6:]))
-                        target = standin.pr_files.setdefault(revision, {}) if revision.startswith("refs/pr/") else standin.files[repo]
+                        main = standin.files[repo]  # a pull request starts from the main branch
+                        target = standin.pr_files.setdefault(revision, dict(main)) if revision.startswith("refs/pr/") else main
                         for line in raw.decode().splitlines():
                             item = json.loads(line)
                             if item["key"] == "file":

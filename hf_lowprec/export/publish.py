@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import glob
 import os
 import shutil
 import tempfile
@@ -17,12 +19,16 @@ from hf_lowprec.export.records import CARD_FILE, RUN_FILE, card_edited, publishe
 from hf_lowprec.ondevice.export import ADAPTER_CONFIG, adapter_config_naming, adapter_folder
 
 MODEL_CONFIG = "config.json"
-# a model's own files: those of a repo the pushed folder does not hold are deleted with the push (an earlier push's
-# adapters stayed and were applied to the next push's merged model); a repo's other files (a licence, images) stay
+# a model's own files, at the top of a repo (names as fnmatch patterns), and its folders (an older export's adapters,
+# TensorBoard traces): those of a repo the pushed folder does not hold are deleted with the push (an earlier push's
+# adapters stayed and were applied to the next push's merged model); a repo's other files (a licence, images, an
+# eval_results.json, other formats in folders of their own) stay
 MODEL_FILES = (
-    "*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.gguf", "*.json", "*.jinja", "*.model",
-    "merges.txt", "recipe.yaml", "loss_curve.png", "runs/*",
+    "*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.gguf", "*.model", "*.jinja",
+    "config.json", "generation_config.json", "adapter_config.json", "tokenizer*", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "merges.txt", "hf_lowprec_*", "recipe.yaml", "loss_curve.png",
 )  # fmt: skip
+MODEL_FOLDERS = ("adapter", "runs")
 
 
 class PushFailed(RuntimeError):
@@ -40,7 +46,7 @@ def push(
     request headers, never logged or written. The card's loading snippets are re-rendered for the repo in the upload
     only (a card edited since the export goes as it is), with the run record naming that card: ``folder`` itself is
     never written. Hidden files, unfinished writes and a run folder's checkpoints and log stay local; the repo's
-    model files (:data:`MODEL_FILES`) the folder does not hold are deleted in the same commit. ``private``: an
+    model files (:func:`model_file`) the folder does not hold are deleted in the same commit. ``private``: an
     existing public repo is refused (the Hub keeps an existing repo's visibility). Raises ``ValueError`` for bad
     input, :class:`PushFailed` when the Hub refuses or cannot be reached.
     """
@@ -60,8 +66,9 @@ def push(
     card = _card(folder, run, repo_id)
     with _staged(folder, card, repo_id, run) as upload, _hub_refusals(repo_id, token):
         message = "Upload model trained with hf-lowprec"
-        info = api.upload_folder(folder_path=upload, repo_id=repo_id, create_pr=create_pr,
-                                 commit_message=message, delete_patterns=MODEL_FILES)  # fmt: skip
+        stale = [f for f in api.list_repo_files(repo_id) if model_file(f) and not (upload / f).is_file()]
+        info = api.upload_folder(folder_path=upload, repo_id=repo_id, create_pr=create_pr, commit_message=message,
+                                 delete_patterns=[glob.escape(f) for f in stale] or None)  # fmt: skip
     return info.pr_url or info.commit_url
 
 
@@ -85,6 +92,12 @@ def push_preview(folder: str | os.PathLike, repo_id: str) -> tuple[dict[str, int
     card = _card(folder, run, repo_id)
     with _staged(folder, card, repo_id, run) as stage:  # the files as uploaded: card, adapters' config rewritten
         return {str(p.relative_to(stage)): p.stat().st_size for p in sorted(stage.rglob("*")) if p.is_file()}, card
+
+
+def model_file(path: str) -> bool:
+    """Whether ``path`` (in a repo) is one of a model's own files (:data:`MODEL_FILES`, :data:`MODEL_FOLDERS`)."""
+    top, _, rest = path.partition("/")
+    return top in MODEL_FOLDERS if rest else any(fnmatch.fnmatchcase(top, p) for p in MODEL_FILES)
 
 
 def _checked(folder: str | os.PathLike, repo_id: str) -> tuple[Path, dict | None]:
