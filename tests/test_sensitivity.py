@@ -272,6 +272,14 @@ def test_check_budget_raises_before_a_scan_what_allocate_raises_after_it(sensiti
     assert all(not isinstance(m, tuple(LOW_PRECISION_TYPES)) for m in sensitive_model.modules())  # left as it was
 
 
+def test_a_keep_pattern_matching_no_layer_is_warned_of_once(sensitive_model, measured, caplog):
+    """Before the scan (check_budget allocates too) and after it: the same pattern was warned of two or three times."""
+    with caplog.at_level("WARNING", logger="hf_lowprec.sensitivity.allocate"):
+        check_budget(sensitive_model, list(measured.formats), {"target_bits_per_param": 8.0}, keep=["*norm_nowhere*"])
+        allocate(measured, target_bits_per_param=8.0, keep=["*norm_nowhere*"])
+    assert caplog.text.count("keep pattern '*norm_nowhere*' matches no scanned layer") == 1, caplog.text
+
+
 def test_check_budget_names_an_unsupported_architecture_as_the_scan_does():
     """Falcon multiplies its weights in ``FalconLinear`` (an nn.Linear subclass no plan converts): with the head kept
     no layer was left to allocate, and check_budget's error said to keep fewer layers; it names the architecture as

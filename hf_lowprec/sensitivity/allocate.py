@@ -97,6 +97,9 @@ class _Problem:
     free_params: float  # of the units keep does not hold: the fractions' denominator
 
 
+_SAID_UNMATCHED: set[tuple] = set()  # (what, pattern, the layers' names) of the unmatched patterns warned of
+
+
 def _problem(result: ScanResult, keep: Sequence[str], force: Mapping[str, str], score: str) -> _Problem:
     units = [u for u in result.layers]
     if not units or not any(u.params for u in units):
@@ -110,9 +113,11 @@ def _problem(result: ScanResult, keep: Sequence[str], force: Mapping[str, str], 
     def match(pattern: str, what: str) -> list[int]:
         hits = [i for i, u in enumerate(units) if any(fnmatch.fnmatchcase(n, pattern) for n in u.names)]
         if not hits and any(c in pattern for c in "*?["):  # e.g. "*norm*": norms are never quantized anyway
-            logger.warning(
-                "%s pattern %r matches no scanned layer (only nn.Linear / nn.Embedding are scanned)", what, pattern
-            )
+            if (what, pattern, tuple(all_names)) not in _SAID_UNMATCHED:  # once: the check before the scan said it
+                _SAID_UNMATCHED.add((what, pattern, tuple(all_names)))
+                logger.warning(
+                    "%s pattern %r matches no scanned layer (only nn.Linear / nn.Embedding are scanned)", what, pattern
+                )
         elif not hits:
             close = difflib.get_close_matches(pattern, all_names, n=3, cutoff=0.6)
             hint = f"; close matches: {', '.join(close)}" if close else f" (e.g. {all_names[0]!r})"
