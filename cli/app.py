@@ -67,8 +67,16 @@ TrustCodeOpt = Annotated[
 ]
 
 
-def load_options(revision: str | None, trust_remote_code: bool) -> dict:
-    """``from_pretrained`` keywords of the --revision / --trust-remote-code options."""
+def load_options(model: str | None, revision: str | None, trust_remote_code: bool) -> dict:
+    """``from_pretrained`` keywords of the --revision / --trust-remote-code options; a warning where ``--revision``
+    names a revision of a local ``model`` (``None``: the default checkpoint), which has none and loads as it is."""
+    from hf_lowprec.checkpoints import is_local_checkpoint
+    from hf_lowprec.export.records import RUN_FILE
+
+    run_folder = model is not None and (Path(model) / RUN_FILE).is_file()  # refused with --revision by eval itself
+    if revision and not run_folder and (model is None or is_local_checkpoint(str(model))):
+        where = "the default checkpoint is a local file" if model is None else f"{model!r} is a local folder"
+        ui.err.print(f"warning: --revision {revision!r} applies to Hub ids; {where}, read as it is", soft_wrap=True)
     return {"trust_remote_code": trust_remote_code, **({"revision": revision} if revision else {})}
 
 
@@ -351,7 +359,7 @@ def scan_cmd(
         ui.fail(f"--formats {formats!r}: name at least one format, e.g. fp8,int4-g64")
     sensitivity.check_formats(format_names)
     sensitivity.check_budget_fields(budget_args, method)  # score=... alone: the default budget, scored so
-    loading = load_options(revision, trust_remote_code)
+    loading = load_options(model, revision, trust_remote_code)
     lm_model, calib, held_out = _scan_batches(
         model, gguf_file, data, (batches, batch_size, block_size), (text_column, messages_column), loading
     )
@@ -568,7 +576,7 @@ def finetune_cmd(
     if (note := chosen.training.warm_up_note()) is not None:  # the recipe as it runs, overrides applied
         ui.err.print(f"warning: {note}")
     options = FinetuneOptions(
-        model, gguf_file, data, chosen, out, overwrite, resume, load_options(revision, trust_remote_code)
+        model, gguf_file, data, chosen, out, overwrite, resume, load_options(model, revision, trust_remote_code)
     )
     record = run_finetune(options)
     _print_summary(record, out)
@@ -758,7 +766,7 @@ def eval_cmd(
             records, _ = read_source(data, split=split)
         _warn_if_trained_on(model, data)
         score_on = _tokens_scored(model, score_on, records, data, text_column, messages_column)
-    loading = load_options(revision, trust_remote_code)
+    loading = load_options(model, revision, trust_remote_code)
     kind = _eval_kind(model, gguf_file, task, plan_numerics, loading)
     tokenizer = checkpoint_tokenizer(model, gguf_file, loading)  # the data's errors before the model loads
     source, gguf = resolve_checkpoint(model, gguf_file)

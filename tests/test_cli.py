@@ -1374,7 +1374,8 @@ def test_trust_remote_code_and_revision_reach_from_pretrained(ws, tmp_path):
     assert cli(*args).exit_code == 0 and not marker.exists()  # the repository's code is not run unasked
     trusted = cli(*args, "--trust-remote-code")
     assert trusted.exit_code == 0 and "perplexity" in trusted.output and marker.exists(), trusted.output
-    assert cli(*args, "--trust-remote-code", "--revision", "main").exit_code == 0  # a local folder has no revisions
+    revised = cli(*args, "--trust-remote-code", "--revision", "main")  # a local folder has no revisions: said
+    assert revised.exit_code == 0 and f"--revision 'main' applies to Hub ids; '{custom}' is a local folder" in revised.output
 
 
 def test_eval_defaults_to_the_validation_split(ws, tmp_path):
