@@ -148,6 +148,32 @@ def test_an_opt_model_packs_on_load_and_reloads_with_its_learned_positions_dense
             torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=0)
 
 
+def test_a_t5_model_packs_on_load_whose_attention_initialises_its_children(tmp_path):
+    """T5's ``_init_weights`` initialises ``q``/``k``/``v``/``o`` from the attention module, which transformers visits
+    for the tied keys the checkpoint does not hold: reading a packed child's weight failed the load. It loads with
+    the codes apply_plan + freeze make, and its own initialisation is back afterwards."""
+    from transformers import AutoModelForSeq2SeqLM, T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)
+    T5ForConditionalGeneration(config).save_pretrained(tmp_path / "dense")
+    kept = ("lm_head", "shared", "*embed_tokens", "*.wo")  # (T5's feed-forward reads wo.weight's dtype in its forward)
+    plan = PrecisionPlan(dict.fromkeys(kept, "bf16"), default="int4-g32")
+    reference = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "dense")
+    apply_plan(reference, plan, learn_scales=False)
+    freeze(reference)
+    compact_reference_steps(reference)
+    packed = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "dense", quantization_config=HfLowprecConfig(plan))
+    assert isinstance(packed.encoder.block[0].layer[0].SelfAttention.q, PackedInt4Linear)
+    assert "_init_weights" not in vars(packed)
+    ids = torch.randint(0, 256, (2, 12))
+    for layer in (m for model in (packed, reference) for m in model.modules() if isinstance(m, PackedLinear)):
+        layer.backend = "dequant"
+    with torch.no_grad():
+        expected = reference(input_ids=ids, decoder_input_ids=ids).logits
+        torch.testing.assert_close(packed(input_ids=ids, decoder_input_ids=ids).logits, expected, rtol=0, atol=0)
+
+
 def test_an_fp32_load_packs_a_bf16_checkpoint_as_stored_with_the_same_codes(tmp_path, monkeypatch):
     """Loading in fp32, transformers hands each weight it packs over as the checkpoint stores it (bf16), not cast to
     fp32 whole first (a 128k-vocabulary table: 1 GB); the codes and steps are those of the fp32 dense path (INT4 steps

@@ -25,6 +25,7 @@ never exists whole: peak memory is near the packed model plus one weight.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -32,6 +33,7 @@ from collections.abc import Collection
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
@@ -41,7 +43,7 @@ from hf_lowprec.allocator import freed_memory_returned
 from hf_lowprec.file_pages import file_mappings, release_file_bytes
 from hf_lowprec.formats import FormatSpec
 from hf_lowprec.layers import canonical_name, set_module, swap_layers
-from hf_lowprec.modules.packed import KEPT_DENSE, PackedLinear, compact_steps, packed_class
+from hf_lowprec.modules.packed import KEPT_DENSE, PackedLinear, PackedWeightRead, compact_steps, packed_class
 from hf_lowprec.modules.packed_embedding import (
     PackedEmbedding,
     TiedPackedEmbedding,
@@ -155,6 +157,7 @@ class HfLowprecQuantizer(HfQuantizer):
                 _read_packed_weights_as_stored(model, self.to_pack)
             logger.info("packing %d linears while loading (%s)", len(self.to_pack), plan.format_summary(model))
         model.hf_lowprec_plan = plan
+        _guard_inits(model)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         """Pack the planned linears whose weight the checkpoint does not hold (an output head tied to the embedding);
@@ -167,6 +170,8 @@ class HfLowprecQuantizer(HfQuantizer):
             for module in model.modules():
                 if isinstance(module, PackedLinear):
                     module.exact_kernels = self.quantization_config.exact_kernels
+        for module in model.modules():  # initialised: their own _init_weights again
+            vars(module).pop("_init_weights", None)
         return model
 
     def checkpoint_mappings(self) -> list:
@@ -265,6 +270,24 @@ class PackOnLoad(ConversionOps):
         if missing_keys is not None:
             missing_keys.difference_update({full_layer_name, f"{head}.weight"})
         return {}
+
+
+def _guard_inits(model: nn.Module) -> None:
+    """Have the ``_init_weights`` of ``model`` and its sub-models pass over a module whose initialisation reads a
+    packed child's dense weight (:class:`PackedWeightRead`) while transformers initialises what the checkpoint did
+    not hold: T5's initialises its attention's ``q``/``k``/``v``/``o`` from the attention module, whose tied keys
+    started it, and the packed load failed. Packed layers themselves are initialised (``_is_hf_initialized``);
+    :meth:`HfLowprecQuantizer._process_model_after_weight_loading` takes the guards off."""
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            module._init_weights = functools.partial(_init_unless_packed, module._init_weights)
+
+
+def _init_unless_packed(init_weights, module: nn.Module) -> None:
+    try:
+        init_weights(module)
+    except PackedWeightRead:  # the packed children hold the checkpoint's codes, which no initialisation replaces
+        logger.debug("%s: its initialisation reads a packed layer's weight; passed over", type(module).__name__)
 
 
 def _pack(model: nn.Module, fqn: str, weight, spec: FormatSpec, dtype: torch.dtype | None) -> None:

@@ -678,9 +678,14 @@ class _PackedMatmul(torch.autograd.Function):
 # ------------------------------------------------------------------------------------ module
 
 
+class PackedWeightRead(AttributeError):
+    """A packed layer's dense ``.weight`` was read (:class:`NoDenseWeight`)."""
+
+
 class NoDenseWeight:
     """Mixin of the modules that hold their weight packed: reading ``.weight`` (``resize_token_embeddings``, code
-    written for ``nn.Linear`` / ``nn.Embedding``) fails saying why, not with nn.Module's bare "has no attribute"."""
+    written for ``nn.Linear`` / ``nn.Embedding``) fails saying why (:class:`PackedWeightRead`), not with nn.Module's
+    bare "has no attribute"."""
 
     def __getattr__(self, name: str):
         try:
@@ -688,7 +693,7 @@ class NoDenseWeight:
         except AttributeError:
             if name != "weight":
                 raise
-        raise AttributeError(
+        raise PackedWeightRead(
             f"{type(self).__name__} holds its weight packed, no dense .weight (dequantized_weight() makes one): "
             "resize_token_embeddings and code written for nn.Linear / nn.Embedding need the model before packing"
         )
