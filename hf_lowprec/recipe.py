@@ -446,8 +446,10 @@ class Recipe:
                 node = node[p]
             leaf = _RENAMED.get(".".join(parents), {}).get(leaf, leaf)
             if leaf not in node and ".".join(parents) not in OPEN_MAPPINGS:
-                hint = _close_match(leaf, node)
-                raise ValueError(f"{source}: unknown recipe key {key!r}{hint}; allowed keys are {', '.join(node)}")
+                section = ".".join(parents)
+                hint = _close_match(leaf, node, f"{section}." if parents else "")
+                where = f"allowed keys in {section} are" if parents else "allowed keys are"
+                raise ValueError(f"{source}: unknown recipe key {key!r}{hint}; {where} {', '.join(node)}")
             node[leaf] = list(value) if isinstance(value, tuple) else value
         return dataclasses.replace(
             _build(Recipe, data, "", f"{self.source or self.name} + {source}"), source=self.source
@@ -485,8 +487,8 @@ def _build(cls, data, prefix: str, source: str):
     unknown = [k for k in data if k not in fields]
     if unknown:
         raise ValueError(
-            f"{where}: unknown key {prefix + str(unknown[0])!r}{_close_match(str(unknown[0]), fields)}; allowed keys "
-            f"in {section} are {', '.join(fields)}"
+            f"{where}: unknown key {prefix + str(unknown[0])!r}{_close_match(str(unknown[0]), fields, prefix)}; "
+            f"allowed keys in {section} are {', '.join(fields)}"
         )
     hints = typing.get_type_hints(cls)
     kwargs = {}
@@ -532,10 +534,11 @@ def _changed_fields(section, prefix: str) -> list[str]:
     return [f"{prefix}.{f.name} {getattr(section, f.name)!r}" for f in fields if getattr(section, f.name) != f.default]
 
 
-def _close_match(key: str, allowed) -> str:
-    """`` (did you mean 'x'?)`` for the allowed key closest to ``key``, or nothing."""
+def _close_match(key: str, allowed, prefix: str = "") -> str:
+    """`` (did you mean 'x'?)`` for the allowed key closest to ``key``, named with its section's ``prefix``
+    (``training.``: a bare ``max_steps`` is refused again), or nothing."""
     close = difflib.get_close_matches(key, list(allowed), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return f" (did you mean {prefix + close[0]!r}?)" if close else ""
 
 
 def _renamed_keys(cls, data: Mapping, prefix: str, where: str) -> dict:

@@ -1322,7 +1322,7 @@ def test_recipe_keys_as_key_value_arguments(ws, tmp_path):
     assert record["training"]["steps"] == 2 and record["recipe"]["lora"]["r"] == 4 and record["adapter"]["r"] == 4
     assert record["recipe"]["training"]["return_freed_memory"] is True
     bad = cli("finetune", ws / "tiny", "training.max_step=2", "-o", tmp_path / "bad")
-    assert "unknown recipe key 'training.max_step' (did you mean 'max_steps'?)" in one_error_line(bad)
+    assert "unknown recipe key 'training.max_step' (did you mean 'training.max_steps'?)" in one_error_line(bad)
     assert "key=value with a dotted key" in one_error_line(cli("finetune", ws / "tiny", "oops", "-o", tmp_path / "bad"))
     # an empty value was dropped without a word (the recipe's kept); null is checked as a recipe file's null is
     empty = one_error_line(cli("finetune", ws / "tiny", "training.block_size=", "-o", tmp_path / "bad"))

@@ -43,7 +43,7 @@ def _write(tmp_path, data, name="r.yaml"):
 @pytest.mark.parametrize(
     "data, expected",
     [
-        ({"training": {"max_stepz": 3}}, r"unknown key 'training\.max_stepz' \(did you mean 'max_steps'\?\); allowed keys in training are max_steps, learning_rate"),
+        ({"training": {"max_stepz": 3}}, r"unknown key 'training\.max_stepz' \(did you mean 'training\.max_steps'\?\); allowed keys in training are max_steps, learning_rate"),
         ({"trainig": {}}, r"unknown key 'trainig' \(did you mean 'training'\?\); allowed keys in the recipe are name, description, method"),
         ({"training": {"max_steps": "ten"}}, r"'training\.max_steps' must be an integer, got 'ten'"),
         ({"training": {"gradient_checkpointing": "yes"}}, r"'training\.gradient_checkpointing' must be true/false"),
@@ -177,7 +177,7 @@ def test_overrides_replace_values_and_are_checked_like_files():
     r = base.with_overrides({"training.max_steps": 7, "training.learning_rate": 1e-3, "precision.plan": "int4-g64", "lora.r": None})
     assert (r.training.max_steps, r.training.learning_rate, r.precision.plan, r.lora.r) == (7, 1e-3, "int4-g64", base.lora.r)
     assert base.training.max_steps != 7  # frozen: the original is unchanged
-    with pytest.raises(ValueError, match=r"unknown recipe key 'training\.max_step' \(did you mean 'max_steps'\?\); allowed keys are max_steps"):
+    with pytest.raises(ValueError, match=r"unknown recipe key 'training\.max_step' \(did you mean 'training\.max_steps'\?\); allowed keys in training are max_steps"):
         base.with_overrides({"training.max_step": 3})
     with pytest.raises(ValueError, match=r"unknown recipe key 'trainig\.seed' \(did you mean 'training'\?\); 'trainig' is no section here, the sections are precision, training, lora, data, export$"):
         base.with_overrides({"trainig.seed": 3})  # it named no section
@@ -217,7 +217,7 @@ def test_keys_are_the_libraries_names_and_old_names_still_read(caplog):
     with pytest.raises(ValueError, match="name the same setting"):
         Recipe.from_dict({**new, "training": {"batch_size": 2, "per_device_train_batch_size": 2}})
     assert Recipe.from_dict(new).with_overrides({"training.batch_size": 3}).training.per_device_train_batch_size == 3
-    with pytest.raises(ValueError, match=r"unknown recipe key 'training.max_step' \(did you mean 'max_steps'\?\)"):
+    with pytest.raises(ValueError, match=r"unknown recipe key 'training.max_step' \(did you mean 'training.max_steps'\?\)"):
         Recipe.from_dict(new).with_overrides({"training.max_step": 3})
 
 
