@@ -517,7 +517,8 @@ def test_a_push_replaces_the_repos_model_files_and_a_downloaded_repo_pushes_as_u
     failed)."""
     model, tok = _trained(base_dir, "int4-g64", 1)
     out = export_model(model, tok, tmp_path / "pub", _run_record(), weights="int4-packed")
-    stale = {"adapter_config.json": b"{}", "adapter_model.safetensors": b"0", "model-00001-of-00002.safetensors": b"0"}
+    stale = {"adapter_config.json": b"{}", "adapter_model.safetensors": b"0", "model-00001-of-00002.safetensors": b"0",
+             "finetune_metrics.json": b"{}"}  # fmt: skip
     with HubStandIn() as hub:
         monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
         push(out, "me/m", token=TOKEN)

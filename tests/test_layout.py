@@ -2,8 +2,11 @@
 
 import ast
 import re
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "hf_lowprec"
@@ -103,3 +106,12 @@ def test_dependencies_are_declared_used_and_ranges():
     assert not [d for d in required if "==" in d], "library dependencies take ranges; exact pins go to constraints.txt"
     pins = dict(line.split("==") for line in Path("constraints.txt").read_text().splitlines() if "==" in line)
     assert {name(d) for d in required} <= {k.lower().replace("_", "-") for k in pins}  # the tested set is pinned
+
+
+@pytest.mark.parametrize("first", ["", "import transformers.modeling_utils; "])
+def test_each_entry_point_imports_first_in_a_fresh_interpreter(first):
+    """transformers' modeling_utils import hook registers the quantizer: a module-level ``from transformers import
+    PreTrainedModel`` in it made ``from hf_lowprec import HfLowprecConfig`` fail in a fresh interpreter."""
+    for statement in ("from hf_lowprec import HfLowprecConfig", "import hf_lowprec.export.hf_quantizer"):
+        done = subprocess.run([sys.executable, "-c", first + statement], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]

@@ -33,7 +33,6 @@ from collections.abc import Collection
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
@@ -278,6 +277,8 @@ def _guard_inits(model: nn.Module) -> None:
     not hold: T5's initialises its attention's ``q``/``k``/``v``/``o`` from the attention module, whose tied keys
     started it, and the packed load failed. Packed layers themselves are initialised (``_is_hf_initialized``);
     :meth:`HfLowprecQuantizer._process_model_after_weight_loading` takes the guards off."""
+    from transformers import PreTrainedModel  # here: at import, modeling_utils' import hook registers this module
+
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
             module._init_weights = functools.partial(_init_unless_packed, module._init_weights)

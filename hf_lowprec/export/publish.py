@@ -26,7 +26,8 @@ MODEL_CONFIG = "config.json"
 MODEL_FILES = (
     "*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.gguf", "*.model", "*.jinja",
     "config.json", "generation_config.json", "adapter_config.json", "tokenizer*", "special_tokens_map.json",
-    "added_tokens.json", "vocab.json", "merges.txt", "hf_lowprec_*", "recipe.yaml", "loss_curve.png",
+    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.json", "preprocessor_config.json",
+    "processor_config.json", "hf_lowprec_*", "recipe.yaml", "loss_curve.png", "finetune_metrics.json",
 )  # fmt: skip
 MODEL_FOLDERS = ("adapter", "runs")
 
